@@ -1,0 +1,185 @@
+"""The `gossipd` command: run a daemon, submit tasks, run the demo and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gossipd.config import Config, load_config
+from gossipd.errors import ConfigError
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", type=Path, help="TOML file (default: the embedded default)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting (repeatable); GOSSIPD_SECTION__KEY=VALUE works too",
+    )
+    p.add_argument("--bind", help="shorthand for --set ingress.bind=ENDPOINT")
+    p.add_argument("--metrics", help="shorthand for --set metrics.bind=HOST:PORT")
+
+
+def _config_from(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    if args.bind:
+        overrides.append(f"ingress.bind={args.bind}")
+    if args.metrics:
+        overrides.append(f"metrics.bind={args.metrics}")
+    return load_config(args.config, overrides=overrides)
+
+
+def _run_loop(coro: object) -> int:
+    import uvloop
+
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gossipd.daemon import Daemon
+    from gossipd.logs import setup_logging
+
+    config = _config_from(args)
+    daemon_holder: list[Daemon] = []
+
+    async def main() -> int:
+        daemon = Daemon(config)
+        daemon_holder.append(daemon)
+        setup_logging(level=config.log.level, fmt=config.log.format, node=daemon.node)
+        return await daemon.run()
+
+    return _run_loop(main())
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    import msgspec
+
+    config = _config_from(args)
+    print(msgspec.json.format(msgspec.json.encode(config)).decode())
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from gossipd import submit
+
+    endpoints = args.endpoint or [DEFAULT_ENDPOINT]
+    if args.file:
+        lines = submit.read_task_lines(args.file)
+
+        async def many() -> int:
+            report = await submit.submit_many(
+                endpoints,
+                lines,
+                resubmit_after_s=args.resubmit_after,
+                window=args.window,
+                show_progress=not args.no_progress,
+            )
+            submit.print_report(report, as_json=args.json)
+            return 0 if report.ok == report.total else 1
+
+        return _run_loop(many())
+    if args.prompt is None:
+        print("gossipd submit: give a PROMPT or --file FILE", file=sys.stderr)
+        return 2
+    return _run_loop(
+        submit.submit_one(
+            endpoints,
+            args.prompt,
+            max_tokens=args.max_tokens,
+            timeout_s=args.timeout,
+            stream=args.stream,
+            key=args.key,
+            as_json=args.json,
+        )
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gossipd.demo import run_demo
+
+    return run_demo(tasks=args.tasks)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "ingress":
+        from gossipd.bench.ingress import main as bench_ingress
+
+        return bench_ingress(
+            tasks=args.tasks, window=args.window, repeats=args.repeats, as_json=args.json
+        )
+    raise AssertionError(args.what)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gossipd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run one daemon in the foreground")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check-config", help="validate a configuration and print it resolved")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("submit", help="submit one prompt or a JSONL file of tasks")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument(
+        "--endpoint",
+        "-e",
+        action="append",
+        help=f"daemon ingress (default {DEFAULT_ENDPOINT}); repeatable",
+    )
+    p.add_argument("--file", "-f", type=Path, help="JSONL file, one task per line")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=30.0, help="task deadline in seconds")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--key", default="", help="placement key (sessions keep one key)")
+    p.add_argument("--window", type=int, default=1000, help="tasks outstanding at once (--file)")
+    p.add_argument(
+        "--resubmit-after",
+        type=float,
+        default=5.0,
+        help="resend an unanswered task after S seconds",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser(
+        "demo", help="start a daemon on the embedded default, push tasks through it, stop it"
+    )
+    p.add_argument("--tasks", type=int, default=2000)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "bench", help="benchmarks (figures against a baseline measured in the same run)"
+    )
+    p.add_argument("what", choices=["ingress"])
+    p.add_argument("--tasks", type=int, default=20_000)
+    p.add_argument("--window", type=int, default=500)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"gossipd: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

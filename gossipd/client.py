@@ -1,0 +1,326 @@
+"""The producer client: submit tasks to daemons, await results or iterate streamed chunks.
+
+Delivery is at-least-once: a task with no answer after ``resubmit_after_s`` is sent again with
+the same id (and ``attempt`` + 1); the daemon's de-duplication turns that into an exactly-once
+effect.  ``overloaded`` and ``shutting_down`` answers are retried after their retry-after hint
+while the task's deadline allows (``retry_codes``).  Every task ends with exactly one Result:
+the daemon's, or a local ``deadline_exceeded`` one when the deadline passed with no answer.
+
+Usage::
+
+    async with Client(["tcp://127.0.0.1:5557"]) as client:
+        result = await client.run("hello world", max_tokens=8)
+        handle = await client.submit("stream me", stream=True)
+        async for delta in handle.deltas():
+            print(delta, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    Chunk,
+    ErrorCode,
+    Result,
+    SamplingParams,
+    Task,
+    decode_reply,
+    encode,
+    error_result,
+)
+from gossipd.errors import LocalProtocolError, RemoteProtocolError
+from gossipd.transport import recv_batch, wait_events
+
+log = logging.getLogger("gossipd.client")
+
+RETRYABLE_CODES = frozenset({ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
+
+
+class TaskHandle:
+    """One submitted task.  ``result()`` waits for its final Result; with ``stream=True``,
+    ``deltas()`` yields its text in order, each piece once, even across resubmissions."""
+
+    __slots__ = (
+        "_buffered",
+        "_deltas",
+        "_next_seq",
+        "_result",
+        "_timer",
+        "attempts",
+        "submitted_at",
+        "task",
+    )
+
+    def __init__(self, task: Task, loop: asyncio.AbstractEventLoop) -> None:
+        self.task = task
+        self.attempts = 1
+        self.submitted_at = loop.time()
+        self._result: asyncio.Future[Result] = loop.create_future()
+        self._deltas: asyncio.Queue[str | None] | None = asyncio.Queue() if task.stream else None
+        self._next_seq = 0
+        self._buffered: dict[int, str] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def id(self) -> str:
+        return self.task.id
+
+    def done(self) -> bool:
+        return self._result.done()
+
+    async def result(self) -> Result:
+        return await asyncio.shield(self._result)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        if self._deltas is None:
+            raise LocalProtocolError("deltas() needs a task submitted with stream=True")
+        while True:
+            delta = await self._deltas.get()
+            if delta is None:
+                return
+            yield delta
+
+    def _on_chunk(self, chunk: Chunk) -> bool:
+        """Deliver in order; False for a duplicate chunk."""
+        if self._deltas is None or chunk.seq < self._next_seq or chunk.seq in self._buffered:
+            return False
+        self._buffered[chunk.seq] = chunk.delta
+        while self._next_seq in self._buffered:
+            self._deltas.put_nowait(self._buffered.pop(self._next_seq))
+            self._next_seq += 1
+        return True
+
+    def _resolve(self, result: Result) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._result.done():
+            self._result.set_result(result)
+        if self._deltas is not None:
+            self._deltas.put_nowait(None)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStatistics:
+    submitted: int
+    outstanding: int
+    resubmitted: int
+    retried: int
+    completed: int
+    duplicate_replies: int
+    unknown_replies: int
+    bad_replies: int
+    local_deadline_exceeded: int
+
+
+class Client:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        reply_bind: str = "tcp://127.0.0.1:*",
+        ctx: zmq.Context | None = None,
+        resubmit_after_s: float = 5.0,
+        outstanding_max: int = 10_000,
+        retry_codes: Iterable[str] = RETRYABLE_CODES,
+        id_prefix: str | None = None,
+    ) -> None:
+        if not endpoints:
+            raise LocalProtocolError("a Client needs at least one daemon endpoint")
+        self._endpoints = list(endpoints)
+        self._reply_bind = reply_bind
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        self._resubmit_after_s = resubmit_after_s
+        self._slots = asyncio.Semaphore(outstanding_max)
+        self._retry_codes = frozenset(retry_codes)
+        self._prefix = id_prefix if id_prefix is not None else secrets.token_hex(6)
+        self._counter = 0
+        self._outstanding: dict[str, TaskHandle] = {}
+        self._push: zmq.Socket | None = None
+        self._pull: zmq.Socket | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self.reply_to = ""
+        self._stats = dict.fromkeys(ClientStatistics.__slots__, 0)
+
+    async def __aenter__(self) -> Client:
+        self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def open(self) -> None:
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self._reply_bind)
+        self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        for endpoint in self._endpoints:
+            self._push.connect(endpoint)
+        self._receiver = asyncio.get_running_loop().create_task(self._receive_forever())
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+            self._receiver = None
+        for handle in list(self._outstanding.values()):
+            if handle._timer is not None:
+                handle._timer.cancel()
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._push = self._pull = None
+        if self._own_ctx:
+            self._ctx.term()
+
+    def new_id(self) -> str:
+        self._counter += 1
+        return f"{self._prefix}-{self._counter}"
+
+    async def submit(
+        self,
+        prompt: str,
+        *,
+        task_id: str | None = None,
+        key: str = "",
+        params: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        timeout_s: float = 30.0,
+        stream: bool = False,
+        model: str = "",
+    ) -> TaskHandle:
+        """Send a task; returns at once with its handle (waits only for a free slot)."""
+        if params is None:
+            params = (
+                SamplingParams() if max_tokens is None else SamplingParams(max_tokens=max_tokens)
+            )
+        task = Task(
+            v=PROTOCOL_VERSION,
+            id=task_id or self.new_id(),
+            key=key,
+            prompt=prompt,
+            params=params,
+            reply_to=self.reply_to,
+            timeout_ms=max(1, int(timeout_s * 1000)),
+            stream=stream,
+            model=model,
+        )
+        return await self.submit_task(task)
+
+    async def submit_task(self, task: Task) -> TaskHandle:
+        if self._push is None:
+            raise LocalProtocolError("open the Client (async with) before submitting")
+        if task.id in self._outstanding:
+            raise LocalProtocolError(f"task id {task.id!r} is already outstanding")
+        await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        handle = TaskHandle(task, loop)
+        self._outstanding[task.id] = handle
+        self._stats["submitted"] += 1
+        await self._send(task)
+        self._arm(handle, loop)
+        return handle
+
+    async def run(self, prompt: str, **kwargs: object) -> Result:
+        handle = await self.submit(prompt, **kwargs)  # type: ignore[arg-type]
+        return await handle.result()
+
+    def _arm(
+        self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, delay_s: float | None = None
+    ) -> None:
+        # The local deadline leaves the daemon a second to report deadline_exceeded itself.
+        deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0 + 1.0
+        wake = loop.time() + (self._resubmit_after_s if delay_s is None else delay_s)
+        handle._timer = loop.call_at(min(wake, deadline), self._on_timer, handle, deadline)
+
+    def _on_timer(self, handle: TaskHandle, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        if handle.done():
+            return
+        if loop.time() >= deadline:
+            self._stats["local_deadline_exceeded"] += 1
+            self._complete(
+                handle,
+                error_result(
+                    handle.id,
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"no result within the deadline after {handle.attempts} attempt(s)",
+                    node="client",
+                ),
+            )
+            return
+        self._stats["resubmitted"] += 1
+        self._resend(handle, loop)
+
+    def _resend(
+        self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, delay_s: float | None = None
+    ) -> None:
+        handle.attempts += 1
+        # Tasks are immutable: copy with the new attempt number.
+        handle.task = msgspec.structs.replace(handle.task, attempt=min(handle.attempts - 1, 1000))
+        loop.create_task(self._send(handle.task))
+        self._arm(handle, loop, delay_s)
+
+    async def _send(self, task: Task) -> None:
+        assert self._push is not None
+        frame = encode(task)
+        while True:
+            try:
+                self._push.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await wait_events(self._push, zmq.POLLOUT)
+
+    def _complete(self, handle: TaskHandle, result: Result) -> None:
+        self._outstanding.pop(handle.id, None)
+        self._stats["completed"] += 1
+        self._slots.release()
+        handle._resolve(result)
+
+    async def _receive_forever(self) -> None:
+        assert self._pull is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            for frame in await recv_batch(self._pull, 512):
+                try:
+                    reply = decode_reply(frame)
+                except RemoteProtocolError as exc:
+                    self._stats["bad_replies"] += 1
+                    log.warning("undecodable reply", extra={"hint": exc.hint[:200]})
+                    continue
+                handle = self._outstanding.get(reply.id)
+                if handle is None:
+                    self._stats["unknown_replies"] += 1  # late duplicate of a finished task
+                    continue
+                if isinstance(reply, Chunk):
+                    if not handle._on_chunk(reply):
+                        self._stats["duplicate_replies"] += 1
+                    continue
+                code = reply.error.code if reply.error is not None else ""
+                deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0
+                retry_s = (reply.error.retry_after_ms / 1000.0) if reply.error is not None else 0.0
+                if code in self._retry_codes and loop.time() + retry_s < deadline:
+                    self._stats["retried"] += 1
+                    if handle._timer is not None:
+                        handle._timer.cancel()
+                    handle._timer = loop.call_later(
+                        max(retry_s, 0.001), self._resend, handle, loop, None
+                    )
+                    continue
+                self._complete(handle, reply)
+
+    def statistics(self) -> ClientStatistics:
+        return ClientStatistics(**{**self._stats, "outstanding": len(self._outstanding)})

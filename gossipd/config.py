@@ -1,0 +1,233 @@
+"""Typed configuration: TOML file, then GOSSIPD_* environment variables, then CLI ``--set``.
+
+Every field has a unit in its name and a bound.  A bad configuration stops start-up with one
+line naming the source (file, variable or flag), the key, what was found and what is
+expected (``ConfigError``; the CLI turns it into exit status 2).
+
+The defaults below are the embedded default, the same as ``configs/local.toml``: one node on
+loopback with the echo engine (a test checks that the two agree).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from gossipd.errors import ConfigError
+
+_BIND_RE = re.compile(
+    r"^(?:tcp://(?:\*|[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\]):(?:\*|\d{1,5})|ipc://.+)$"
+)
+_HOSTPORT_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\]):\d{1,5}$")
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+def _check_bind(field: str, value: str) -> None:
+    if not _BIND_RE.match(value):
+        raise ValueError(f"{field}: expected tcp://HOST:PORT or ipc://PATH, found {value!r}")
+
+
+class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class NodeConfig(Section):
+    # This daemon's name in the cluster.  Empty: "<hostname>-gpu<gpu_index>".
+    id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # Which GPU of the host this daemon serves.
+    gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
+    # Messages of another cluster are ignored; keeps two clusters on one network apart.
+    cluster: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "default"
+
+
+class IngressConfig(Section):
+    # PULL socket that upstream producers PUSH tasks to.
+    bind: str = "tcp://127.0.0.1:5557"
+    # Largest task accepted; larger ones are refused with bad_request.  ZeroMQ itself drops
+    # the connection of a peer that sends more than 4x this (ZMQ_MAXMSGSIZE), to bound memory.
+    message_bytes_max: Annotated[int, msgspec.Meta(ge=1024, le=256 * 1024 * 1024)] = 1024 * 1024
+    # Tasks queued or running at once; beyond it new tasks get `overloaded`.  Raising it
+    # trades latency under overload for fewer refusals.
+    pending_max: Positive = 10_000
+    # Tasks given to the engine at once (worker coroutines).
+    concurrency_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256
+    # The retry-after hint sent with `overloaded`.
+    retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 200
+    # Recent results kept to answer duplicate task ids (exactly-once effect).
+    results_cache_max: Annotated[int, msgspec.Meta(ge=0)] = 100_000
+    # Sockets cached to producers' reply addresses; the least recently used is closed first.
+    reply_sockets_max: Positive = 1024
+    # A reply socket unused this long is closed.
+    reply_idle_s: Seconds = 60.0
+    # How long replies wait for a producer's reply address to accept them before they are
+    # dropped and counted (a reply_to that points nowhere).
+    reply_timeout_s: Seconds = 5.0
+    # Replies waiting for one slow reply address; beyond it they are dropped and counted.
+    reply_queue_max: Positive = 100_000
+    # Messages read from the socket per turn of the event loop (fairness vs. throughput).
+    recv_batch_max: Positive = 256
+
+    def __post_init__(self) -> None:
+        _check_bind("bind", self.bind)
+        if self.pending_max < self.concurrency_max:
+            raise ValueError(
+                f"pending_max: must be >= concurrency_max ({self.concurrency_max}), "
+                f"found {self.pending_max}"
+            )
+
+
+class EngineConfig(Section):
+    kind: Literal["echo"] = "echo"
+    # Echo engine: the delay before each output token.
+    token_delay_s: Seconds = 0.0
+
+
+class LifecycleConfig(Section):
+    # On SIGTERM/SIGINT: how long in-flight tasks may run on before they get shutting_down.
+    shutdown_grace_s: Seconds = 10.0
+
+
+class MetricsConfig(Section):
+    # Prometheus HTTP endpoint, "HOST:PORT"; empty disables it.
+    bind: str = ""
+
+    def __post_init__(self) -> None:
+        if self.bind and not _HOSTPORT_RE.match(self.bind):
+            raise ValueError(f"bind: expected HOST:PORT or empty, found {self.bind!r}")
+
+
+class LogConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "text"] = "json"
+    # At most this many log lines per second about refused input (the counters count all).
+    refused_lines_per_s: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
+
+
+class Config(Section):
+    node: NodeConfig = msgspec.field(default_factory=NodeConfig)
+    ingress: IngressConfig = msgspec.field(default_factory=IngressConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+
+ENV_PREFIX = "GOSSIPD_"
+
+
+def _parse_scalar(text: str) -> Any:
+    """A value from the environment or a flag: a TOML literal if it is one, else a string."""
+    try:
+        return tomllib.loads(f"x = {text}")["x"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    for part in path[:-1]:
+        child = tree.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: {part} is not a section")
+        tree = child
+    tree[path[-1]] = value
+
+
+def _lookup(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+_MSGSPEC_ERR_RE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def _explain(
+    exc: msgspec.ValidationError, tree: Mapping[str, Any], origins: Mapping[str, str]
+) -> str:
+    match = _MSGSPEC_ERR_RE.match(str(exc))
+    assert match is not None
+    what, path = match.group("what"), (match.group("path") or "").lstrip(".")
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", what)
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        section = _section_type(path)
+        expected = ", ".join(section.__struct_fields__) if section else "a known key"
+        return f"{origins.get(key, origins[''])}: {key}: unknown key; expected one of: {expected}"
+    found = _lookup(tree, path.split(".")) if path else None
+    field_rule = re.match(r"(\w+): (.*)", what, re.S)
+    if isinstance(found, Mapping) and field_rule:  # a section's __post_init__ names the key
+        path = f"{path}.{field_rule.group(1)}"
+        what, found = field_rule.group(2), None
+    source = origins.get(path, origins[""])
+    what = what[0].lower() + what[1:] if what else what
+    found_text = (
+        f"; found {found!r}"
+        if found is not None and not isinstance(found, Mapping) and repr(found) not in what
+        else ""
+    )
+    return f"{source}: {path or '(top level)'}: {what}{found_text}"
+
+
+def _section_type(path: str) -> type[msgspec.Struct] | None:
+    if not path:
+        return Config
+    field = Config.__struct_fields__
+    if path in field:
+        return type(getattr(Config(), path))
+    return None
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Build the configuration.  ``overrides`` are ``section.key=value`` strings (CLI --set)."""
+    tree: dict[str, Any] = {}
+    origins: dict[str, str] = {"": "embedded default"}
+    if path is not None:
+        origins[""] = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"{path}: cannot read the configuration file: {exc.strerror}"
+            ) from None
+        try:
+            tree = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    env = os.environ if environ is None else environ
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        keys = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        _set_path(tree, keys, _parse_scalar(raw))
+        origins[".".join(keys)] = f"environment variable {name}"
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        _set_path(tree, keys, _parse_scalar(raw))
+        origins[".".join(keys)] = f"flag --set {dotted}"
+    try:
+        return msgspec.convert(tree, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, tree, origins)) from None
+
+
+def node_id(config: Config, hostname: str) -> str:
+    return config.node.id or f"{hostname}-gpu{config.node.gpu_index}"

@@ -1,0 +1,268 @@
+"""Every message that crosses a producer <-> daemon socket, and its codec.
+
+The wire format is plain MessagePack: each message is a map with ``v`` (protocol version) and
+``t`` (message type, a number from ``MsgType``).  ``docs/PROTOCOL.md`` documents the same
+fields for producers written without gossipd's code.
+
+Rules:
+1. Decoding validates everything: types, lengths, ranges and cross-field rules.  A message that
+   passes ``decode_task`` is a well-formed ``Task``; anything else raises ``RemoteProtocolError``
+   with the error code to answer with.  No input makes the decoder raise anything else.
+2. Structs are frozen and keyword-only, and ``__post_init__`` checks what types cannot, so an
+   invalid message can neither be decoded nor built.
+3. A refused message is answered when it is possible: if its ``reply_to`` (and ``id``) can be
+   read from the broken bytes, the caller gets them in the exception.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+from gossipd.errors import RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+
+TASK_ID_CHARS_MAX = 128
+TASK_KEY_CHARS_MAX = 256
+ENDPOINT_CHARS_MAX = 256
+
+
+class MsgType(enum.IntEnum):
+    """Append-only: these numbers are the protocol.  Never renumber or reuse one."""
+
+    TASK = 1
+    CHUNK = 2
+    RESULT = 3
+
+
+class ErrorCode(enum.StrEnum):
+    """Append-only: producers switch on these strings."""
+
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    OVERLOADED = "overloaded"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    ENGINE_ERROR = "engine_error"
+    UNAVAILABLE = "unavailable"
+    SHUTTING_DOWN = "shutting_down"
+
+
+# An endpoint that we may connect a socket to: tcp://host:port (host name, IPv4, or [IPv6])
+# or ipc://path.  Wildcards are for binding, never for a reply address.
+_ENDPOINT_RE = re.compile(
+    r"^(?:tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):(\d{1,5})"
+    r"|ipc://[^\x00*]{1,200})$"
+)
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not a connectable ZeroMQ endpoint, or None when it is."""
+    match = _ENDPOINT_RE.match(endpoint)
+    if match is None:
+        return f"{endpoint[:80]!r} is not tcp://HOST:PORT or ipc://PATH"
+    port = match.group(1)
+    if port is not None and not 1 <= int(port) <= 65535:
+        return f"port {port} is outside 1..65535"
+    return None
+
+
+TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=TASK_ID_CHARS_MAX)]
+Endpoint = Annotated[str, msgspec.Meta(min_length=6, max_length=ENDPOINT_CHARS_MAX)]
+NodeName = Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to sample.  The names and meanings follow vLLM's ``SamplingParams``."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=32768)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=100_000)] = -1
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]],
+        msgspec.Meta(max_length=8),
+    ] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1, not 0")
+
+
+class Task(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    tag_field="t",
+    tag=int(MsgType.TASK),
+):
+    """A unit of work from a producer.  ``id`` is chosen by the producer and makes resubmission
+    safe: the daemon runs a given id once and re-sends its result to duplicates."""
+
+    v: int
+    id: TaskId
+    key: Annotated[str, msgspec.Meta(max_length=TASK_KEY_CHARS_MAX)] = ""
+    prompt: str
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    reply_to: Endpoint
+    # The task's deadline, relative: milliseconds from when a daemon first receives it.
+    # Relative, not absolute, so producers and daemons need no synchronised clocks.
+    timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 30_000
+    stream: bool = False
+    model: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    # W3C trace context, passed through untouched so traces join up across hops.
+    traceparent: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # How many times the producer has sent this id before (0 on the first send).
+    attempt: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+
+    def __post_init__(self) -> None:
+        problem = endpoint_problem(self.reply_to)
+        if problem is not None:
+            raise ValueError(f"reply_to: {problem}")
+
+
+class Chunk(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    tag_field="t",
+    tag=int(MsgType.CHUNK),
+):
+    """A piece of a streamed result.  ``seq`` counts from 0 without gaps, so a producer drops
+    a chunk it already has (after a resubmission or a migration) and notices a gap."""
+
+    v: int = PROTOCOL_VERSION
+    id: TaskId
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    delta: str
+    node: NodeName = ""
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
+    code: str
+    message: Annotated[str, msgspec.Meta(max_length=4096)]
+    # For overloaded / shutting_down: when the producer may try again.
+    retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """Milliseconds spent at the daemon that ran the task."""
+
+    queued_ms: float = 0.0
+    first_token_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+class Result(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    tag_field="t",
+    tag=int(MsgType.RESULT),
+):
+    """The one final answer for a task: ``ok`` with ``text``, or not ok with ``error``."""
+
+    v: int = PROTOCOL_VERSION
+    id: Annotated[str, msgspec.Meta(max_length=TASK_ID_CHARS_MAX)]
+    ok: bool
+    text: str = ""
+    error: ErrorInfo | None = None
+    node: NodeName = ""
+    attempts: int = 1
+    chunks: int = 0
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+    def __post_init__(self) -> None:
+        if self.ok == (self.error is not None):
+            raise ValueError("a Result has an error exactly when ok is false")
+
+
+ReplyMessage = Chunk | Result
+
+_encoder = msgspec.msgpack.Encoder()
+_task_decoder = msgspec.msgpack.Decoder(Task)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)  # type: ignore[arg-type]
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(message: Task | Chunk | Result) -> bytes:
+    return _encoder.encode(message)
+
+
+def error_result(
+    task_id: str, code: ErrorCode, message: str, *, node: str = "", retry_after_ms: int = 0
+) -> Result:
+    return Result(
+        id=task_id[:TASK_ID_CHARS_MAX],
+        ok=False,
+        error=ErrorInfo(code=code.value, message=message[:4096], retry_after_ms=retry_after_ms),
+        node=node,
+    )
+
+
+def _peek(data: bytes) -> tuple[Any, str, str]:
+    """Best effort: the raw object, and its id and reply_to when they are usable."""
+    try:
+        obj = _any_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None, "", ""
+    if not isinstance(obj, dict):
+        return obj, "", ""
+    task_id = obj.get("id")
+    reply_to = obj.get("reply_to")
+    task_id = task_id if isinstance(task_id, str) and 0 < len(task_id) <= TASK_ID_CHARS_MAX else ""
+    if not (
+        isinstance(reply_to, str)
+        and len(reply_to) <= ENDPOINT_CHARS_MAX
+        and endpoint_problem(reply_to) is None
+    ):
+        reply_to = ""
+    return obj, task_id, reply_to
+
+
+def decode_task(data: bytes, *, bytes_max: int, peer: str = "") -> Task:
+    """Decode and validate one task, or raise ``RemoteProtocolError`` saying why not."""
+    if len(data) > bytes_max:
+        _, task_id, reply_to = _peek(data)
+        raise RemoteProtocolError(
+            f"message of {len(data)} bytes exceeds the limit of {bytes_max} bytes",
+            code=ErrorCode.BAD_REQUEST,
+            peer=peer,
+            task_id=task_id,
+            reply_to=reply_to,
+        )
+    try:
+        task = _task_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+        obj, task_id, reply_to = _peek(data)
+        if obj is None:
+            hint, code = "not a MessagePack message", ErrorCode.BAD_REQUEST
+        elif isinstance(obj, dict) and "v" in obj and obj["v"] != PROTOCOL_VERSION:
+            hint = f"protocol version {obj['v']!r} is not supported; this daemon speaks {PROTOCOL_VERSION}"
+            code = ErrorCode.UNSUPPORTED_VERSION
+        else:
+            hint, code = f"invalid task: {exc}", ErrorCode.BAD_REQUEST
+        raise RemoteProtocolError(
+            hint, code=code, peer=peer, task_id=task_id, reply_to=reply_to
+        ) from None
+    if task.v != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"protocol version {task.v} is not supported; this daemon speaks {PROTOCOL_VERSION}",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+            peer=peer,
+            task_id=task.id,
+            reply_to=task.reply_to,
+        )
+    return task
+
+
+def decode_reply(data: bytes) -> Chunk | Result:
+    """Decode a Chunk or Result (the producer's side).  Raises ``RemoteProtocolError``."""
+    try:
+        return _reply_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RemoteProtocolError(f"invalid reply: {exc}", code=ErrorCode.BAD_REQUEST) from None

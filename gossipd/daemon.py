@@ -1,0 +1,149 @@
+"""The composition root: builds the parts of one daemon, wires them, runs them, stops them.
+
+Lifecycle: start the engine, bind the ingress, tell systemd READY=1, serve.  On SIGTERM or
+SIGINT: STOPPING=1, refuse new tasks with shutting_down, let admitted tasks finish within
+``shutdown_grace_s``, answer whatever is left with shutting_down, answer what is still in the
+socket's buffer the same way, flush replies, exit 0.  Every background task lives in one
+TaskGroup and is cancelled on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from gossipd.config import Config, node_id
+from gossipd.engines.base import Engine
+from gossipd.engines.echo import EchoEngine
+from gossipd.ingress import Ingress
+from gossipd.metrics import DaemonCollector, serve_metrics
+from gossipd.notify import Notifier
+from gossipd.transport import ReplySender
+
+log = logging.getLogger("gossipd.daemon")
+
+
+def build_engine(config: Config) -> Engine:
+    if config.engine.kind == "echo":
+        return EchoEngine(token_delay_s=config.engine.token_delay_s)
+    raise AssertionError(f"unknown engine kind {config.engine.kind!r}")  # config validated it
+
+
+class Daemon:
+    def __init__(self, config: Config, *, environ: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.node = node_id(config, socket.gethostname())
+        self._ctx = zmq.Context()
+        self.engine = build_engine(config)
+        ic = config.ingress
+        self.replies = ReplySender(
+            self._ctx,
+            sockets_max=ic.reply_sockets_max,
+            idle_s=ic.reply_idle_s,
+            timeout_s=ic.reply_timeout_s,
+            queue_max=ic.reply_queue_max,
+        )
+        self.ingress = Ingress(
+            ic,
+            ctx=self._ctx,
+            engine=self.engine,
+            replies=self.replies,
+            node=self.node,
+            refused_lines_per_s=config.log.refused_lines_per_s,
+        )
+        self.notifier = Notifier(environ)
+        self._stop = asyncio.Event()
+        self.metrics_port = 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "ingress": self.ingress.statistics(),
+            "admission": self.ingress.admission.statistics(),
+            "replies": self.replies.statistics(),
+            "engine": self.engine.stats(),
+        }
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.engine.start()
+        endpoint = self.ingress.bind()
+        if self.config.metrics.bind:
+            _, self.metrics_port = serve_metrics(
+                self.config.metrics.bind, DaemonCollector(self.node, self.snapshot)
+            )
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self.replies.start(tg)
+                receiver = tg.create_task(self.ingress.receive_forever(), name="ingress-receive")
+                workers = [
+                    tg.create_task(self.ingress.work_forever(), name=f"worker-{i}")
+                    for i in range(self.config.ingress.concurrency_max)
+                ]
+                watchdog = tg.create_task(self.notifier.watchdog_forever(), name="watchdog")
+                self.notifier.ready(f"serving on {endpoint}")
+                log.info(
+                    "serving",
+                    extra={
+                        "endpoint": endpoint,
+                        "engine": self.engine.name,
+                        "metrics_port": self.metrics_port,
+                        "concurrency_max": self.config.ingress.concurrency_max,
+                    },
+                )
+                await self._stop.wait()
+                await self._shut_down(receiver, workers)
+                watchdog.cancel()
+                self.replies.stop()
+        finally:
+            self.ingress.close()
+            self.replies.close(linger_ms=2000)
+            await self.engine.stop()
+            self.notifier.close()
+            self._ctx.term()
+        log.info("stopped", extra={"statistics": _plain(self.snapshot())})
+        return 0
+
+    async def _shut_down(
+        self, receiver: asyncio.Task[None], workers: list[asyncio.Task[None]]
+    ) -> None:
+        grace_s = self.config.lifecycle.shutdown_grace_s
+        self.notifier.stopping()
+        pending = self.ingress.admission.pending
+        log.info("shutting down", extra={"pending": pending, "grace_s": grace_s})
+        self.ingress.begin_shutdown()  # the receive loop now answers shutting_down
+        finished = await self.ingress.wait_idle(grace_s)
+        refused = self.ingress.refuse_queued()
+        for worker in workers:
+            worker.cancel()  # a running task answers shutting_down as it is cancelled
+        await asyncio.gather(*workers, return_exceptions=True)
+        receiver.cancel()
+        await asyncio.gather(receiver, return_exceptions=True)
+        drained = self.ingress.drain_socket(asyncio.get_running_loop().time())
+        await self.replies.flush(timeout_s=2.0)
+        log.info(
+            "drained",
+            extra={
+                "finished_in_grace": finished,
+                "refused_queued": refused,
+                "refused_in_buffer": drained,
+            },
+        )
+
+
+def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, stats in snapshot.items():
+        fields = getattr(stats, "__dataclass_fields__", {})
+        out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}
+    return out

@@ -1,0 +1,1 @@
+"""Inference engines behind one async, streaming interface (``base.Engine``)."""

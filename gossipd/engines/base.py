@@ -1,0 +1,60 @@
+"""The engine interface: what the daemon needs from an inference engine.
+
+An engine streams text deltas for one request, reports its health and load, and is started
+and stopped by the daemon.  Cancelling the task that iterates ``generate`` aborts the request
+inside the engine (an engine must guarantee this; vLLM's AsyncLLM does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from gossipd.core.messages import SamplingParams
+
+
+class EngineError(Exception):
+    """The engine failed while serving a request (answered with engine_error)."""
+
+
+class InvalidRequest(Exception):
+    """The engine refuses the request's parameters (answered with bad_request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt: str
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Load figures that placement and gossip use.  Units are in the names."""
+
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_cache_usage_ratio: float = 0.0
+    generated_tokens_total: int = 0
+
+
+class Engine(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Load the model; return when requests can be served."""
+
+    async def stop(self) -> None:
+        """Release the engine; requests still running are aborted."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
+        """Stream the output text of one request as deltas.  Raises ``InvalidRequest`` or
+        ``EngineError``; cancelling the consuming task aborts the request."""
+        ...
+
+    def healthy(self) -> bool:
+        """False once the engine cannot serve any more (the daemon then stops taking tasks)."""
+        ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,335 @@
+"""Ingress: take tasks from producers, admit them, run them on the engine, answer.
+
+    PULL socket -> decode_task -> Admission.offer -> run queue -> workers -> engine.generate
+                -> Chunk*/Result to reply_to (ReplySender) -> Admission.finish
+
+Bad input never raises out of here: each refusal is counted by reason, logged (rate-limited)
+and, when the message's reply_to can be read, answered with an error Result.
+
+Concurrency: one receive loop and ``concurrency_max`` worker coroutines, all in the daemon's
+TaskGroup.  The run queue is unbounded as a container but bounded by admission (pending_max).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from gossipd.config import IngressConfig
+from gossipd.core.admission import Admission, Verdict
+from gossipd.core.messages import (
+    Chunk,
+    ErrorCode,
+    Result,
+    Task,
+    Timings,
+    decode_task,
+    encode,
+    error_result,
+)
+from gossipd.engines.base import Engine, EngineError, GenerateRequest, InvalidRequest
+from gossipd.errors import RemoteProtocolError
+from gossipd.logs import RateLimiter
+from gossipd.metrics import LatencyHistogram
+from gossipd.transport import ReplySender, recv_batch
+
+log = logging.getLogger("gossipd.ingress")
+
+
+@dataclass(slots=True)
+class _Job:
+    task: Task
+    received_at: float  # loop time
+
+
+@dataclass(frozen=True, slots=True)
+class IngressStatistics:
+    received: int
+    refused: dict[str, int]
+    unanswerable: int
+    results: dict[str, int]
+    queued: int
+    running: int
+    latency: LatencyHistogram = field(repr=False)
+
+
+class Ingress:
+    def __init__(
+        self,
+        config: IngressConfig,
+        *,
+        ctx: zmq.Context,
+        engine: Engine,
+        replies: ReplySender,
+        node: str,
+        refused_lines_per_s: float,
+    ) -> None:
+        self._config = config
+        self._ctx = ctx
+        self._engine = engine
+        self._replies = replies
+        self._node = node
+        self.admission = Admission(
+            pending_max=config.pending_max, results_max=config.results_cache_max
+        )
+        self._queue: deque[_Job] = deque()
+        self._queue_ready = asyncio.Event()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._sock: zmq.Socket | None = None
+        self._refused_log = RateLimiter(refused_lines_per_s)
+        self._received = 0
+        self._refused: Counter[str] = Counter()
+        self._unanswerable = 0
+        self._results: Counter[str] = Counter()
+        self.latency = LatencyHistogram()
+        self.bound_endpoint = ""
+
+    # -- socket side ---------------------------------------------------------------------
+
+    def bind(self) -> str:
+        sock = self._ctx.socket(zmq.PULL)
+        # Hard ceiling against memory exhaustion: ZeroMQ drops a peer that sends more.
+        # Up to it we read the message and refuse it with a clear error (message_bytes_max).
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._config.message_bytes_max)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self._config.bind)
+        self._sock = sock
+        self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.bound_endpoint
+
+    async def receive_forever(self) -> None:
+        assert self._sock is not None, "bind() first"
+        loop = asyncio.get_running_loop()
+        while True:
+            frames = await recv_batch(self._sock, self._config.recv_batch_max)
+            now = loop.time()
+            for frame in frames:
+                self.handle_frame(frame, now)
+            # Let workers run between batches, so results flow while input floods in.
+            await asyncio.sleep(0)
+
+    def drain_socket(self, now: float) -> int:
+        """Read what is already queued on the socket (at shutdown, to answer it)."""
+        if self._sock is None:
+            return 0
+        count = 0
+        try:
+            while True:
+                self.handle_frame(self._sock.recv(zmq.NOBLOCK), now)
+                count += 1
+        except zmq.Again:
+            return count
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # -- decisions -----------------------------------------------------------------------
+
+    def handle_frame(self, frame: bytes, now: float) -> None:
+        self._received += 1
+        try:
+            task = decode_task(frame, bytes_max=self._config.message_bytes_max)
+        except RemoteProtocolError as exc:
+            self._refuse(exc, len(frame))
+            return
+        verdict, cached = self.admission.offer(task.id)
+        if verdict is Verdict.ADMIT:
+            self._queue.append(_Job(task, now))
+            self._queue_ready.set()
+        elif verdict is Verdict.DUPLICATE_DONE:
+            assert cached is not None
+            self._replies.send(task.reply_to, encode(cached))
+        elif verdict is Verdict.OVERLOADED:
+            self._refused[ErrorCode.OVERLOADED.value] += 1
+            self._send_error(
+                task,
+                ErrorCode.OVERLOADED,
+                f"{self.admission.pending} tasks pending, the limit is {self._config.pending_max}",
+                retry_after_ms=self._config.retry_after_ms,
+            )
+        elif verdict is Verdict.SHUTTING_DOWN:
+            self._refused[ErrorCode.SHUTTING_DOWN.value] += 1
+            self._send_error(
+                task,
+                ErrorCode.SHUTTING_DOWN,
+                "this daemon is shutting down",
+                retry_after_ms=self._config.retry_after_ms,
+            )
+        # DUPLICATE_PENDING: its one result goes out when it finishes.
+
+    def _refuse(self, exc: RemoteProtocolError, size: int) -> None:
+        reason = exc.code
+        if "exceeds the limit" in exc.hint:
+            reason = "oversized"
+        self._refused[reason] += 1
+        answered = bool(exc.reply_to)
+        if answered:
+            self._replies.send(
+                exc.reply_to,
+                encode(error_result(exc.task_id, ErrorCode(exc.code), exc.hint, node=self._node)),
+            )
+        else:
+            self._unanswerable += 1
+        if self._refused_log.allow():
+            log.warning(
+                "refused a message",
+                extra={
+                    "reason": reason,
+                    "hint": exc.hint[:300],
+                    "bytes": size,
+                    "answered": answered,
+                    "suppressed_since_last": self._refused_log.suppressed,
+                },
+            )
+            self._refused_log.suppressed = 0
+
+    def _send_error(
+        self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0
+    ) -> None:
+        result = error_result(
+            task.id, code, message, node=self._node, retry_after_ms=retry_after_ms
+        )
+        self._replies.send(task.reply_to, encode(result))
+
+    # -- workers -------------------------------------------------------------------------
+
+    async def work_forever(self) -> None:
+        while True:
+            while not self._queue:
+                self._queue_ready.clear()
+                await self._queue_ready.wait()
+            job = self._queue.popleft()
+            task = asyncio.current_task()
+            assert task is not None
+            self._running[job.task.id] = task
+            try:
+                await self._run_job(job)
+            finally:
+                self._running.pop(job.task.id, None)
+
+    async def _run_job(self, job: _Job) -> None:
+        task = job.task
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = job.received_at + task.timeout_ms / 1000.0
+        parts: list[str] = []
+        first_token_at = 0.0
+        seq = 0
+        try:
+            if started >= deadline:
+                raise TimeoutError
+            async with asyncio.timeout_at(deadline):
+                request = GenerateRequest(
+                    request_id=task.id, prompt=task.prompt, params=task.params
+                )
+                async for delta in self._engine.generate(request):
+                    if not first_token_at:
+                        first_token_at = loop.time()
+                    parts.append(delta)
+                    if task.stream:
+                        chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
+                        self._replies.send(task.reply_to, encode(chunk))
+                        seq += 1
+            end = loop.time()
+            result = Result(
+                id=task.id,
+                ok=True,
+                text="".join(parts),
+                node=self._node,
+                attempts=task.attempt + 1,
+                chunks=seq,
+                timings=Timings(
+                    queued_ms=(started - job.received_at) * 1e3,
+                    first_token_ms=(first_token_at - job.received_at) * 1e3
+                    if first_token_at
+                    else 0.0,
+                    total_ms=(end - job.received_at) * 1e3,
+                ),
+            )
+            self.latency.observe(end - job.received_at)
+        except TimeoutError:
+            result = error_result(
+                task.id,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"deadline of {task.timeout_ms} ms passed ({len(parts)} tokens done)",
+                node=self._node,
+            )
+        except InvalidRequest as exc:
+            result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
+        except EngineError as exc:
+            result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
+        except asyncio.CancelledError:
+            # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
+            self._finish(
+                task,
+                error_result(
+                    task.id,
+                    ErrorCode.SHUTTING_DOWN,
+                    "the daemon shut down before this task finished",
+                    node=self._node,
+                    retry_after_ms=self._config.retry_after_ms,
+                ),
+                remember=False,
+            )
+            raise
+        except Exception as exc:  # an engine bug must not take the daemon down with it
+            log.exception("engine raised an unexpected error", extra={"task_id": task.id})
+            result = error_result(
+                task.id, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}", node=self._node
+            )
+        self._finish(task, result)
+
+    def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
+        self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
+        self.admission.finish(task.id, result, remember=remember)
+        self._replies.send(task.reply_to, encode(result))
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        self.admission.begin_shutdown()
+
+    def refuse_queued(self) -> int:
+        """Answer every admitted-but-unstarted task with shutting_down."""
+        count = 0
+        while self._queue:
+            job = self._queue.popleft()
+            self._finish(
+                job.task,
+                error_result(
+                    job.task.id,
+                    ErrorCode.SHUTTING_DOWN,
+                    "the daemon shut down before this task started",
+                    node=self._node,
+                    retry_after_ms=self._config.retry_after_ms,
+                ),
+                remember=False,
+            )
+            count += 1
+        return count
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or running; False if ``timeout_s`` passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.admission.pending and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return not self.admission.pending
+
+    def statistics(self) -> IngressStatistics:
+        return IngressStatistics(
+            received=self._received,
+            refused=dict(self._refused),
+            unanswerable=self._unanswerable,
+            results=dict(self._results),
+            queued=len(self._queue),
+            running=len(self._running),
+            latency=self.latency,
+        )
