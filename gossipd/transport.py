@@ -12,6 +12,7 @@ call on the same socket consumed the signal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -38,10 +39,8 @@ async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = Non
             if wait_s <= 0:
                 return False
             signalled.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(signalled.wait(), wait_s)
-            except TimeoutError:
-                pass
         return True
     finally:
         loop.remove_reader(fd)
