@@ -90,6 +90,7 @@ class Daemon:
                     tg.create_task(self.ingress.work_forever(), name=f"worker-{i}")
                     for i in range(self.config.ingress.concurrency_max)
                 ]
+                expirer = tg.create_task(self.ingress.expire_forever(), name="deadlines")
                 watchdog = tg.create_task(self.notifier.watchdog_forever(), name="watchdog")
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
@@ -104,6 +105,7 @@ class Daemon:
                 await self._stop.wait()
                 await self._shut_down(receiver, workers)
                 watchdog.cancel()
+                expirer.cancel()
                 self.replies.stop()
         finally:
             self.ingress.close()

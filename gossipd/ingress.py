@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import zmq
 
 from gossipd.config import IngressConfig
 from gossipd.core.admission import Admission, Verdict
+from gossipd.core.deadlines import DeadlineWheel
 from gossipd.core.messages import (
     Chunk,
     ErrorCode,
@@ -35,15 +36,21 @@ from gossipd.engines.base import Engine, EngineError, GenerateRequest, InvalidRe
 from gossipd.errors import RemoteProtocolError
 from gossipd.logs import RateLimiter
 from gossipd.metrics import LatencyHistogram
+from gossipd.runqueue import RunQueue
 from gossipd.transport import ReplySender, recv_batch
 
 log = logging.getLogger("gossipd.ingress")
 
+# How often running tasks are checked against their deadlines (see core/deadlines.py).
+DEADLINE_RESOLUTION_S = 0.01
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)  # hashed by identity: a key in the deadline wheel
 class _Job:
     task: Task
     received_at: float  # loop time
+    worker: asyncio.Task[None] | None = None  # set while a worker runs it
+    expired: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +83,9 @@ class Ingress:
         self.admission = Admission(
             pending_max=config.pending_max, results_max=config.results_cache_max
         )
-        self._queue: deque[_Job] = deque()
-        self._queue_ready = asyncio.Event()
+        # Unbounded as a container; admission bounds it (pending_max).
+        self._queue: RunQueue[_Job] = RunQueue()
+        self._deadlines = DeadlineWheel(DEADLINE_RESOLUTION_S)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._sock: zmq.Socket | None = None
         self._refused_log = RateLimiter(refused_lines_per_s)
@@ -141,8 +149,7 @@ class Ingress:
             return
         verdict, cached = self.admission.offer(task.id)
         if verdict is Verdict.ADMIT:
-            self._queue.append(_Job(task, now))
-            self._queue_ready.set()
+            self._queue.put_nowait(_Job(task, now))
         elif verdict is Verdict.DUPLICATE_DONE:
             assert cached is not None
             self._replies.send(task.reply_to, encode(cached))
@@ -201,18 +208,29 @@ class Ingress:
     # -- workers -------------------------------------------------------------------------
 
     async def work_forever(self) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        running = self._running
         while True:
-            while not self._queue:
-                self._queue_ready.clear()
-                await self._queue_ready.wait()
-            job = self._queue.popleft()
-            task = asyncio.current_task()
-            assert task is not None
-            self._running[job.task.id] = task
+            job = await self._queue.get()
+            running[job.task.id] = me
+            job.worker = me
             try:
                 await self._run_job(job)
             finally:
-                self._running.pop(job.task.id, None)
+                job.worker = None
+                del running[job.task.id]
+
+    async def expire_forever(self) -> None:
+        """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(DEADLINE_RESOLUTION_S)
+            for job in self._deadlines.expire(loop.time()):
+                assert isinstance(job, _Job)
+                if job.worker is not None:
+                    job.expired = True
+                    job.worker.cancel()
 
     async def _run_job(self, job: _Job) -> None:
         task = job.task
@@ -222,21 +240,19 @@ class Ingress:
         parts: list[str] = []
         first_token_at = 0.0
         seq = 0
+        token = self._deadlines.add(job, deadline)
         try:
             if started >= deadline:
                 raise TimeoutError
-            async with asyncio.timeout_at(deadline):
-                request = GenerateRequest(
-                    request_id=task.id, prompt=task.prompt, params=task.params
-                )
-                async for delta in self._engine.generate(request):
-                    if not first_token_at:
-                        first_token_at = loop.time()
-                    parts.append(delta)
-                    if task.stream:
-                        chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
-                        self._replies.send(task.reply_to, encode(chunk))
-                        seq += 1
+            request = GenerateRequest(request_id=task.id, prompt=task.prompt, params=task.params)
+            async for delta in self._engine.generate(request):
+                if not first_token_at:
+                    first_token_at = loop.time()
+                parts.append(delta)
+                if task.stream:
+                    chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
+                    self._replies.send(task.reply_to, encode(chunk))
+                    seq += 1
             end = loop.time()
             result = Result(
                 id=task.id,
@@ -255,17 +271,17 @@ class Ingress:
             )
             self.latency.observe(end - job.received_at)
         except TimeoutError:
-            result = error_result(
-                task.id,
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"deadline of {task.timeout_ms} ms passed ({len(parts)} tokens done)",
-                node=self._node,
-            )
+            result = self._deadline_result(task, len(parts))
         except InvalidRequest as exc:
             result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
         except EngineError as exc:
             result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
         except asyncio.CancelledError:
+            if job.expired:  # our deadline sweeper, not a shutdown
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                result = self._deadline_result(task, len(parts))
+                self._finish(task, result)
+                return
             # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
             self._finish(
                 task,
@@ -284,7 +300,17 @@ class Ingress:
             result = error_result(
                 task.id, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}", node=self._node
             )
+        finally:
+            self._deadlines.remove(job, token)
         self._finish(task, result)
+
+    def _deadline_result(self, task: Task, tokens: int) -> Result:
+        return error_result(
+            task.id,
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"deadline of {task.timeout_ms} ms passed ({tokens} tokens done)",
+            node=self._node,
+        )
 
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
@@ -299,8 +325,8 @@ class Ingress:
     def refuse_queued(self) -> int:
         """Answer every admitted-but-unstarted task with shutting_down."""
         count = 0
-        while self._queue:
-            job = self._queue.popleft()
+        while len(self._queue):
+            job = self._queue.get_nowait()
             self._finish(
                 job.task,
                 error_result(

@@ -1,0 +1,79 @@
+"""`gossipd bench ingress`: one daemon (echo engine, zero delay) against raw pyzmq.
+
+Both servers run as separate processes and get identical task bytes from the same closed-loop
+generator; runs alternate (raw, daemon, raw, daemon, ...) so machine noise hits both, and we
+report medians over ``repeats`` and the ratio of median throughputs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+from gossipd.bench.loadgen import LoadResult, drive
+from gossipd.launcher import DaemonProcess, free_tcp_port
+
+
+def _raw_server() -> tuple[subprocess.Popen[str], str]:
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossipd.bench.raw_echo", endpoint],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("the raw echo server did not start")
+    return proc, endpoint
+
+
+def _median_summary(results: list[LoadResult]) -> dict[str, float]:
+    summaries = [r.summary() for r in results]
+    return {k: round(statistics.median(s[k] for s in summaries), 3) for k in summaries[0]}
+
+
+def main(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
+    raw_proc, raw_endpoint = _raw_server()
+    daemon = DaemonProcess(name="bench").start()
+    raw_runs: list[LoadResult] = []
+    daemon_runs: list[LoadResult] = []
+    try:
+        # Warm-up: connections, caches, first-touch allocations.
+        drive(raw_endpoint, min(2000, tasks), window, run="warm-raw")
+        drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon")
+        for i in range(repeats):
+            raw_runs.append(drive(raw_endpoint, tasks, window, run=f"raw-{i}"))
+            daemon_runs.append(drive(daemon.endpoint, tasks, window, run=f"daemon-{i}"))
+            if not as_json:
+                print(
+                    f"round {i + 1}/{repeats}: raw {raw_runs[-1].tasks_per_s:,.0f} tasks/s, "
+                    f"daemon {daemon_runs[-1].tasks_per_s:,.0f} tasks/s",
+                    file=sys.stderr,
+                )
+    finally:
+        raw_proc.terminate()
+        raw_proc.wait()
+        daemon.stop()
+    raw, dmn = _median_summary(raw_runs), _median_summary(daemon_runs)
+    ratio = round(dmn["tasks_per_s"] / raw["tasks_per_s"], 3)
+    report = {
+        "benchmark": "ingress",
+        "tasks_per_run": tasks,
+        "window": window,
+        "repeats": repeats,
+        "raw_zmq": raw,
+        "daemon": dmn,
+        "ratio_vs_raw_zmq": ratio,
+        "goal_ratio": 0.35,
+    }
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print(f"{'':10}{'tasks/s':>12}{'p50 ms':>10}{'p99 ms':>10}")
+        for name, s in (("raw zmq", raw), ("daemon", dmn)):
+            print(f"{name:10}{s['tasks_per_s']:>12,.0f}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}")
+        print(f"ratio_vs_raw_zmq = {ratio} (goal >= 0.35)")
+    ok = all(r.ok == r.tasks for r in raw_runs + daemon_runs)
+    return 0 if ok else 1

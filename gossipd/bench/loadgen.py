@@ -1,0 +1,94 @@
+"""A closed-loop load generator over raw pyzmq: keep ``window`` tasks outstanding, record the
+latency of each from send to reply.  Used against the daemon and the baseline alike, so the
+generator's own cost is the same on both sides of every ratio."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+
+from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task, encode
+from gossipd.progress import percentile
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    tasks: int
+    ok: int
+    elapsed_s: float
+    latencies_ms: list[float]
+
+    @property
+    def tasks_per_s(self) -> float:
+        return self.tasks / self.elapsed_s
+
+    def summary(self) -> dict[str, float]:
+        lat = sorted(self.latencies_ms)
+        return {
+            "tasks_per_s": round(self.tasks_per_s, 1),
+            "p50_ms": round(percentile(lat, 50), 3),
+            "p99_ms": round(percentile(lat, 99), 3),
+            "ok": self.ok,
+        }
+
+
+def make_frames(n: int, reply_to: str, *, run: str, max_tokens: int = 1) -> list[tuple[str, bytes]]:
+    params = SamplingParams(max_tokens=max_tokens)
+    out = []
+    for i in range(n):
+        task = Task(
+            v=PROTOCOL_VERSION,
+            id=f"{run}-{i}",
+            prompt=f"word{i} and more",
+            params=params,
+            reply_to=reply_to,
+        )
+        out.append((task.id, encode(task)))
+    return out
+
+
+def drive(endpoint: str, n: int, window: int, *, run: str, timeout_s: float = 120.0) -> LoadResult:
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(endpoint)
+    frames = make_frames(n, f"tcp://127.0.0.1:{port}", run=run)
+    sent_at: dict[str, float] = {}
+    latencies: list[float] = []
+    ok = 0
+    next_i = 0
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    clock = time.perf_counter
+    started = clock()
+    try:
+        while len(latencies) < n:
+            while next_i < n and len(sent_at) < window:
+                task_id, frame = frames[next_i]
+                sent_at[task_id] = clock()
+                push.send(frame)
+                next_i += 1
+            if not poller.poll(1000) and clock() - started > timeout_s:
+                raise TimeoutError(f"{len(latencies)}/{n} replies after {timeout_s} s")
+            while True:
+                try:
+                    data = pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                reply = msgpack.unpackb(data)
+                t0 = sent_at.pop(reply["id"], None)
+                if t0 is None or reply.get("t") != 3:
+                    continue
+                latencies.append((clock() - t0) * 1e3)
+                ok += bool(reply["ok"])
+        elapsed = clock() - started
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+    return LoadResult(tasks=n, ok=ok, elapsed_s=elapsed, latencies_ms=latencies)

@@ -1,0 +1,137 @@
+"""Start real daemon processes (for the demo, the benchmarks, tests and fault injection).
+
+Each daemon runs `python -m gossipd run` with its JSON log in a file; ``start`` returns once
+the daemon logged "serving".  Real processes, real signals: ``terminate`` is SIGTERM,
+``kill`` is SIGKILL, ``pause``/``resume`` are SIGSTOP/SIGCONT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class DaemonProcess:
+    def __init__(
+        self,
+        *,
+        overrides: Sequence[str] = (),
+        config: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        log_dir: str | Path | None = None,
+        port: int | None = None,
+        name: str = "gossipd",
+    ) -> None:
+        self.port = port or free_tcp_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.name = name
+        self._overrides = [f"ingress.bind={self.endpoint}", *overrides]
+        self._config = config
+        self._env = {**os.environ, **(env or {})}
+        self.log_path = (
+            Path(log_dir or tempfile.mkdtemp(prefix="gossipd-")) / f"{name}-{self.port}.log"
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "gossipd", "run"]
+        if self._config is not None:
+            cmd += ["--config", str(self._config)]
+        for item in self._overrides:
+            cmd += ["--set", item]
+        return cmd
+
+    def start(self, timeout_s: float = 20.0) -> DaemonProcess:
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=self._log, env=self._env
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}: {self.log_text()[-2000:]}"
+                )
+            if any(e.get("msg") == "serving" for e in self.events()):
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(
+            f"{self.name} did not start within {timeout_s} s: {self.log_text()[-2000:]}"
+        )
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON log lines so far (other lines are skipped)."""
+        out = []
+        for line in self.log_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def terminate(self) -> None:
+        self.signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM and wait; SIGKILL if it does not exit in time.  Safe to call twice."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
