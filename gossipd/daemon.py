@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,7 +132,7 @@ class Daemon:
         await asyncio.gather(*workers, return_exceptions=True)
         receiver.cancel()
         await asyncio.gather(receiver, return_exceptions=True)
-        drained = self.ingress.drain_socket(asyncio.get_running_loop().time())
+        drained = self.ingress.drain_socket(time.monotonic())
         await self.replies.flush(timeout_s=2.0)
         log.info(
             "drained",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -48,7 +49,7 @@ DEADLINE_RESOLUTION_S = 0.01
 @dataclass(slots=True, eq=False)  # hashed by identity: a key in the deadline wheel
 class _Job:
     task: Task
-    received_at: float  # loop time
+    received_at: float  # time.monotonic(): uvloop's loop.time() only has millisecond resolution
     worker: asyncio.Task[None] | None = None  # set while a worker runs it
     expired: bool = False
 
@@ -112,10 +113,10 @@ class Ingress:
 
     async def receive_forever(self) -> None:
         assert self._sock is not None, "bind() first"
-        loop = asyncio.get_running_loop()
+        clock = time.monotonic
         while True:
             frames = await recv_batch(self._sock, self._config.recv_batch_max)
-            now = loop.time()
+            now = clock()
             for frame in frames:
                 self.handle_frame(frame, now)
             # Let workers run between batches, so results flow while input floods in.
@@ -223,10 +224,10 @@ class Ingress:
 
     async def expire_forever(self) -> None:
         """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
-        loop = asyncio.get_running_loop()
+        clock = time.monotonic
         while True:
             await asyncio.sleep(DEADLINE_RESOLUTION_S)
-            for job in self._deadlines.expire(loop.time()):
+            for job in self._deadlines.expire(clock()):
                 assert isinstance(job, _Job)
                 if job.worker is not None:
                     job.expired = True
@@ -234,8 +235,8 @@ class Ingress:
 
     async def _run_job(self, job: _Job) -> None:
         task = job.task
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        clock = time.monotonic
+        started = clock()
         deadline = job.received_at + task.timeout_ms / 1000.0
         parts: list[str] = []
         first_token_at = 0.0
@@ -247,13 +248,13 @@ class Ingress:
             request = GenerateRequest(request_id=task.id, prompt=task.prompt, params=task.params)
             async for delta in self._engine.generate(request):
                 if not first_token_at:
-                    first_token_at = loop.time()
+                    first_token_at = clock()
                 parts.append(delta)
                 if task.stream:
                     chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
                     self._replies.send(task.reply_to, encode(chunk))
                     seq += 1
-            end = loop.time()
+            end = clock()
             result = Result(
                 id=task.id,
                 ok=True,

@@ -116,6 +116,18 @@ class DaemonCollector:
         sent = CounterMetricFamily("gossipd_replies_sent", "Replies handed to ZeroMQ")
         sent.add_metric([], rep.sent)
         yield sent
+        eng = s["engine"]
+        tokens = CounterMetricFamily("gossipd_engine_generated_tokens", "Tokens the engine produced")
+        tokens.add_metric([], eng.generated_tokens_total)
+        yield tokens
+        for name, doc, value in (
+            ("gossipd_engine_running_requests", "Requests running in the engine", eng.running_requests),
+            ("gossipd_engine_waiting_requests", "Requests waiting in the engine", eng.waiting_requests),
+            ("gossipd_engine_kv_cache_usage_ratio", "KV-cache use, 0..1", eng.kv_cache_usage_ratio),
+        ):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], value)
+            yield gauge
         hist = ing.latency
         latency = HistogramMetricFamily("gossipd_task_latency_seconds", "Receipt to final result")
         latency.add_metric([], hist.cumulative(), sum_value=hist.sum_s)

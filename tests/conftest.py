@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from gossipd.launcher import DaemonProcess
+
+settings.register_profile("ci", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture
+def daemon_factory(tmp_path) -> Iterator:  # type: ignore[no-untyped-def]
+    """Start real daemon processes; every one still running is stopped after the test."""
+    started: list[DaemonProcess] = []
+
+    def start(*overrides: str, env: dict[str, str] | None = None, name: str = "d") -> DaemonProcess:
+        daemon = DaemonProcess(overrides=overrides, env=env, log_dir=tmp_path, name=name)
+        started.append(daemon)
+        return daemon.start()
+
+    yield start
+    for daemon in started:
+        daemon.stop(timeout_s=15)

@@ -1,0 +1,72 @@
+"""Helpers shared by the real-process tests: a plain ZeroMQ producer and a metrics scraper."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from typing import Any
+
+import msgpack
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class RawProducer:
+    """A producer with plain pyzmq and msgpack: no gossipd code on the wire path."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.reply_to = f"tcp://127.0.0.1:{port}"
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.connect(endpoint)
+
+    def send_raw(self, frame: bytes) -> None:
+        self.push.send(frame)
+
+    def send_task(self, task_id: str, prompt: str = "hello world", **fields: Any) -> None:
+        task = {"v": 1, "t": 1, "id": task_id, "prompt": prompt, "reply_to": self.reply_to}
+        task.update(fields)
+        self.push.send(msgpack.packb(task))
+
+    def replies(self, *, until: Any = None, timeout_s: float = 10.0, quiet_s: float | None = None) -> list[dict[str, Any]]:
+        """Collect replies until ``until(replies)`` is true, or ``quiet_s`` passes with nothing new,
+        or ``timeout_s`` passes."""
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        last = time.monotonic()
+        while time.monotonic() < deadline:
+            if until is not None and until(out):
+                break
+            if quiet_s is not None and time.monotonic() - last > quiet_s:
+                break
+            if self.pull.poll(50):
+                while True:
+                    try:
+                        out.append(msgpack.unpackb(self.pull.recv(zmq.NOBLOCK)))
+                    except zmq.Again:
+                        break
+                last = time.monotonic()
+        return out
+
+    def results(self, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        got = self.replies(until=lambda r: sum(x["t"] == 3 for x in r) >= n, timeout_s=timeout_s)
+        return [x for x in got if x["t"] == 3]
+
+    def close(self) -> None:
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Prometheus samples as {"name{label=value}": value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

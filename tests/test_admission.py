@@ -1,0 +1,106 @@
+"""Admission rules (see gossipd/core/admission.py), as a hypothesis state machine and a table."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from gossipd.core.admission import Admission, Verdict
+from gossipd.core.messages import ErrorCode, Result, error_result
+from gossipd.errors import LocalProtocolError
+
+IDS = st.sampled_from([f"t{i}" for i in range(12)])
+
+
+def ok(task_id: str) -> Result:
+    return Result(id=task_id, ok=True, text=task_id)
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Model: pending set, LRU of results, run counts per id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending_max, self.results_max = 4, 5
+        self.adm = Admission(pending_max=self.pending_max, results_max=self.results_max)
+        self.pending: set[str] = set()
+        self.done: list[str] = []  # LRU order, oldest first
+        self.runs: dict[str, int] = {}
+        self.shutting_down = False
+
+    @rule(task_id=IDS)
+    def offer(self, task_id: str) -> None:
+        verdict, cached = self.adm.offer(task_id)
+        if task_id in self.pending:
+            assert verdict is Verdict.DUPLICATE_PENDING
+        elif task_id in self.done:
+            assert verdict is Verdict.DUPLICATE_DONE and cached is not None and cached.id == task_id
+            self.done.remove(task_id)
+            self.done.append(task_id)
+        elif self.shutting_down:
+            assert verdict is Verdict.SHUTTING_DOWN
+        elif len(self.pending) >= self.pending_max:
+            assert verdict is Verdict.OVERLOADED
+        else:
+            assert verdict is Verdict.ADMIT
+            self.pending.add(task_id)
+            self.runs[task_id] = self.runs.get(task_id, 0) + 1
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), remember=st.booleans())
+    def finish(self, data: st.DataObject, remember: bool) -> None:
+        task_id = data.draw(st.sampled_from(sorted(self.pending)))
+        result = ok(task_id) if remember else error_result(task_id, ErrorCode.SHUTTING_DOWN, "x")
+        self.adm.finish(task_id, result, remember=remember)
+        self.pending.remove(task_id)
+        if remember:
+            self.done.append(task_id)
+            if len(self.done) > self.results_max:
+                self.done.pop(0)
+
+    @rule()
+    def shut_down(self) -> None:
+        self.adm.begin_shutdown()
+        self.shutting_down = True
+
+    @invariant()
+    def bounded(self) -> None:
+        stats = self.adm.statistics()
+        assert stats.pending == len(self.pending) <= self.pending_max
+        assert stats.cached_results == len(self.done) <= self.results_max
+
+    @invariant()
+    def an_id_runs_again_only_after_it_was_forgotten(self) -> None:
+        for task_id in self.pending:
+            assert task_id not in self.done
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+
+
+def test_Admission_finish_of_unknown_id_is_a_local_error() -> None:
+    adm = Admission(pending_max=1, results_max=1)
+    with pytest.raises(LocalProtocolError):
+        adm.finish("nope", ok("nope"))
+
+
+def test_Admission_refusals_are_not_remembered() -> None:
+    adm = Admission(pending_max=1, results_max=10)
+    assert adm.offer("a")[0] is Verdict.ADMIT
+    assert adm.offer("b")[0] is Verdict.OVERLOADED
+    adm.finish("a", ok("a"))
+    assert adm.offer("b")[0] is Verdict.ADMIT
+    assert adm.statistics().overloaded == 1
+
+
+def test_Admission_zero_cache_forgets_every_result() -> None:
+    adm = Admission(pending_max=2, results_max=0)
+    adm.offer("a")
+    adm.finish("a", ok("a"))
+    assert adm.offer("a")[0] is Verdict.ADMIT
+
+
+def test_Admission_rejects_bad_bounds() -> None:
+    with pytest.raises(LocalProtocolError):
+        Admission(pending_max=0, results_max=1)

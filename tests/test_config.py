@@ -1,0 +1,82 @@
+"""Configuration: the embedded default, overrides, and one clear line for each mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gossipd.config import Config, load_config
+from gossipd.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_configs_local_toml_is_the_embedded_default() -> None:
+    assert load_config(ROOT / "configs" / "local.toml", environ={}) == Config()
+
+
+def test_environment_then_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[ingress]\npending_max = 500\nbind = "tcp://127.0.0.1:7000"\n')
+    config = load_config(
+        path,
+        environ={"GOSSIPD_INGRESS__PENDING_MAX": "600", "GOSSIPD_LOG__LEVEL": "debug"},
+        overrides=["ingress.pending_max=700"],
+    )
+    assert config.ingress.pending_max == 700
+    assert config.ingress.bind == "tcp://127.0.0.1:7000"
+    assert config.log.level == "debug"
+
+
+@pytest.mark.parametrize(
+    ("text", "environ", "overrides", "expected"),
+    [
+        ("[ingress]\nqueue = 5\n", {}, [], "c.toml: ingress.queue: unknown key; expected one of: bind,"),
+        ("[ingress]\npending_max = 'ten'\n", {}, [], "c.toml: ingress.pending_max: expected `int`, got `str`"),
+        ("[ingress]\nbind = 'udp://x'\n", {}, [], "c.toml: ingress.bind: expected tcp://HOST:PORT or ipc://PATH, found 'udp://x'"),
+        ("[nope]\n", {}, [], "c.toml: nope: unknown key"),
+        ("x = [", {}, [], "c.toml: not valid TOML"),
+        ("", {"GOSSIPD_INGRESS__PENDING_MAX": "-3"}, [], "environment variable GOSSIPD_INGRESS__PENDING_MAX: ingress.pending_max: expected `int` >= 1"),
+        ("", {}, ["engine.kind=cuda"], "flag --set engine.kind: engine.kind: invalid enum value 'cuda'"),
+        ("", {}, ["ingress.pending_max=10"], "ingress.pending_max: must be >= concurrency_max (256), found 10"),
+        ("", {}, ["garbage"], "--set 'garbage': expected SECTION.KEY=VALUE"),
+    ],
+)
+def test_bad_configuration_names_source_key_found_and_expected(
+    tmp_path: Path, text: str, environ: dict[str, str], overrides: list[str], expected: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ=environ, overrides=overrides)
+    assert expected in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the configuration file"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_cli_exits_2_with_one_line_on_a_bad_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[ingress]\nconcurrency_max = 'lots'\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipd", "run", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert str(path) in lines[0] and "ingress.concurrency_max" in lines[0] and "expected `int`" in lines[0]
+
+
+def test_check_config_prints_the_resolved_configuration() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipd", "check-config", "--set", "ingress.pending_max=4096"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0
+    assert '"pending_max": 4096' in proc.stdout

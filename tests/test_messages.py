@@ -1,0 +1,182 @@
+"""The wire codec: valid messages round-trip, every bad input is refused with a reason.
+
+Fuzz invariant: any bytes decode to a Task or raise RemoteProtocolError (nothing else)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    Chunk,
+    ErrorCode,
+    ErrorInfo,
+    Result,
+    SamplingParams,
+    Task,
+    decode_reply,
+    decode_task,
+    encode,
+    endpoint_problem,
+    error_result,
+)
+from gossipd.errors import ProtocolError, RemoteProtocolError
+
+LIMIT = 64 * 1024
+
+
+def plain_task(**fields: object) -> dict[str, object]:
+    base: dict[str, object] = {"v": 1, "t": 1, "id": "t-1", "prompt": "hi", "reply_to": "tcp://127.0.0.1:9"}
+    base.update(fields)
+    return base
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "ok"),
+    [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://localhost:1", True),
+        ("tcp://[::1]:65535", True),
+        ("ipc:///tmp/gossipd.sock", True),
+        ("tcp://127.0.0.1:0", False),
+        ("tcp://127.0.0.1:65536", False),
+        ("tcp://*:5557", False),
+        ("tcp://127.0.0.1", False),
+        ("http://127.0.0.1:80", False),
+        ("", False),
+        ("ipc://", False),
+    ],
+)
+def test_endpoint_problem_table(endpoint: str, ok: bool) -> None:
+    assert (endpoint_problem(endpoint) is None) is ok
+
+
+def test_task_round_trips_through_plain_msgpack() -> None:
+    task = Task(v=1, id="a", prompt="p", reply_to="tcp://h:1", params=SamplingParams(max_tokens=3, stop=["x"]))
+    raw = msgpack.unpackb(encode(task))
+    assert raw["t"] == 1 and raw["v"] == PROTOCOL_VERSION and raw["params"]["stop"] == ["x"]
+    assert decode_task(msgpack.packb(raw), bytes_max=LIMIT) == task
+
+
+def test_minimal_plain_map_is_a_task_with_defaults() -> None:
+    task = decode_task(msgpack.packb(plain_task()), bytes_max=LIMIT)
+    assert task.timeout_ms == 30_000 and task.params == SamplingParams() and not task.stream
+
+
+def test_unknown_top_level_keys_are_ignored_for_compatibility() -> None:
+    assert decode_task(msgpack.packb(plain_task(future_field=1)), bytes_max=LIMIT).id == "t-1"
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "hint_part", "answerable"),
+    [
+        (b"\xc1not msgpack", ErrorCode.BAD_REQUEST, "not a MessagePack", False),
+        (msgpack.packb([1, 2, 3]), ErrorCode.BAD_REQUEST, "Expected `object`", False),
+        (msgpack.packb(plain_task(prompt=5)), ErrorCode.BAD_REQUEST, "$.prompt", True),
+        (msgpack.packb({k: v for k, v in plain_task().items() if k != "prompt"}), ErrorCode.BAD_REQUEST, "prompt", True),
+        (msgpack.packb(plain_task(v=2)), ErrorCode.UNSUPPORTED_VERSION, "version 2", True),
+        (msgpack.packb({"v": 9, "id": "x", "reply_to": "tcp://a:1"}), ErrorCode.UNSUPPORTED_VERSION, "version 9", True),
+        (msgpack.packb(plain_task(reply_to="tcp://nowhere")), ErrorCode.BAD_REQUEST, "reply_to", False),
+        (msgpack.packb(plain_task(params={"top_k": 0})), ErrorCode.BAD_REQUEST, "top_k", True),
+        (msgpack.packb(plain_task(params={"max_tokens": 0})), ErrorCode.BAD_REQUEST, "max_tokens", True),
+        (msgpack.packb(plain_task(params={"bogus": 1})), ErrorCode.BAD_REQUEST, "bogus", True),
+        (msgpack.packb(plain_task(id="")), ErrorCode.BAD_REQUEST, "$.id", True),
+        (msgpack.packb(plain_task(id="x" * 129)), ErrorCode.BAD_REQUEST, "$.id", True),
+        (msgpack.packb(plain_task(timeout_ms=0)), ErrorCode.BAD_REQUEST, "timeout_ms", True),
+        (msgpack.packb(plain_task(t=3)), ErrorCode.BAD_REQUEST, "", True),
+        (msgpack.packb(plain_task(prompt="x" * LIMIT)), ErrorCode.BAD_REQUEST, "exceeds the limit", True),
+    ],
+)
+def test_bad_frames_are_refused_with_code_and_reason(
+    frame: bytes, code: ErrorCode, hint_part: str, answerable: bool
+) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_task(frame, bytes_max=LIMIT)
+    assert info.value.code == code
+    assert hint_part in info.value.hint
+    assert bool(info.value.reply_to) is answerable
+
+
+def test_protocol_error_is_abstract() -> None:
+    with pytest.raises(TypeError):
+        ProtocolError("x")
+
+
+def test_result_requires_error_exactly_when_not_ok() -> None:
+    with pytest.raises(ValueError):
+        Result(id="a", ok=False)
+    with pytest.raises(ValueError):
+        Result(id="a", ok=True, error=ErrorInfo(code="x", message="y"))
+
+
+def test_reply_messages_round_trip() -> None:
+    chunk = Chunk(id="a", seq=3, delta=" w", node="n")
+    result = error_result("a", ErrorCode.OVERLOADED, "busy", retry_after_ms=5)
+    assert decode_reply(encode(chunk)) == chunk
+    assert decode_reply(encode(result)) == result
+    with pytest.raises(RemoteProtocolError):
+        decode_reply(b"\x93\x01\x02\x03")
+
+
+ids = st.text(min_size=1, max_size=128)
+params = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(1, 32768),
+    temperature=st.floats(0, 10),
+    top_p=st.floats(0.001, 1),
+    top_k=st.one_of(st.just(-1), st.integers(1, 100_000)),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    stop=st.lists(st.text(min_size=1, max_size=64), max_size=8),
+)
+tasks = st.builds(
+    Task,
+    v=st.just(1),
+    id=ids,
+    key=st.text(max_size=256),
+    prompt=st.text(max_size=2000),
+    params=params,
+    reply_to=st.sampled_from(["tcp://127.0.0.1:5000", "tcp://[::1]:1", "ipc:///tmp/x"]),
+    timeout_ms=st.integers(1, 3_600_000),
+    stream=st.booleans(),
+)
+
+
+@given(tasks)
+def test_any_valid_task_round_trips(task: Task) -> None:
+    assert decode_task(encode(task), bytes_max=1 << 20) == task
+
+
+@given(st.binary(max_size=2048))
+def test_any_bytes_decode_to_a_task_or_raise_remote_protocol_error(data: bytes) -> None:
+    try:
+        task = decode_task(data, bytes_max=1024)
+    except RemoteProtocolError as exc:
+        assert exc.code in {c.value for c in ErrorCode}
+        return
+    assert isinstance(task, Task)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=50) | st.binary(max_size=50),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.sampled_from(list(plain_task()) + ["params", "stream", "x"]), msgpack_values))
+def test_any_map_of_wrong_types_decodes_or_is_refused(fields: dict[str, object]) -> None:
+    frame = msgpack.packb({**plain_task(), **fields})
+    try:
+        decode_task(frame, bytes_max=1 << 16)
+    except RemoteProtocolError:
+        pass
+
+
+def test_deeply_nested_garbage_is_refused_not_crashing() -> None:
+    frame = b"\x91" * 100_000 + b"\x00"
+    with pytest.raises(RemoteProtocolError):
+        decode_task(frame, bytes_max=1 << 20)
