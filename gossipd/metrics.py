@@ -117,12 +117,22 @@ class DaemonCollector:
         sent.add_metric([], rep.sent)
         yield sent
         eng = s["engine"]
-        tokens = CounterMetricFamily("gossipd_engine_generated_tokens", "Tokens the engine produced")
+        tokens = CounterMetricFamily(
+            "gossipd_engine_generated_tokens", "Tokens the engine produced"
+        )
         tokens.add_metric([], eng.generated_tokens_total)
         yield tokens
         for name, doc, value in (
-            ("gossipd_engine_running_requests", "Requests running in the engine", eng.running_requests),
-            ("gossipd_engine_waiting_requests", "Requests waiting in the engine", eng.waiting_requests),
+            (
+                "gossipd_engine_running_requests",
+                "Requests running in the engine",
+                eng.running_requests,
+            ),
+            (
+                "gossipd_engine_waiting_requests",
+                "Requests waiting in the engine",
+                eng.waiting_requests,
+            ),
             ("gossipd_engine_kv_cache_usage_ratio", "KV-cache use, 0..1", eng.kv_cache_usage_ratio),
         ):
             gauge = GaugeMetricFamily(name, doc)

@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, settings
 
 from gossipd.launcher import DaemonProcess
 
-settings.register_profile("ci", max_examples=200, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 

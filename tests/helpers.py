@@ -31,7 +31,9 @@ class RawProducer:
         task.update(fields)
         self.push.send(msgpack.packb(task))
 
-    def replies(self, *, until: Any = None, timeout_s: float = 10.0, quiet_s: float | None = None) -> list[dict[str, Any]]:
+    def replies(
+        self, *, until: Any = None, timeout_s: float = 10.0, quiet_s: float | None = None
+    ) -> list[dict[str, Any]]:
         """Collect replies until ``until(replies)`` is true, or ``quiet_s`` passes with nothing new,
         or ``timeout_s`` passes."""
         out: list[dict[str, Any]] = []

@@ -34,14 +34,44 @@ def test_environment_then_flags_override_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "environ", "overrides", "expected"),
     [
-        ("[ingress]\nqueue = 5\n", {}, [], "c.toml: ingress.queue: unknown key; expected one of: bind,"),
-        ("[ingress]\npending_max = 'ten'\n", {}, [], "c.toml: ingress.pending_max: expected `int`, got `str`"),
-        ("[ingress]\nbind = 'udp://x'\n", {}, [], "c.toml: ingress.bind: expected tcp://HOST:PORT or ipc://PATH, found 'udp://x'"),
+        (
+            "[ingress]\nqueue = 5\n",
+            {},
+            [],
+            "c.toml: ingress.queue: unknown key; expected one of: bind,",
+        ),
+        (
+            "[ingress]\npending_max = 'ten'\n",
+            {},
+            [],
+            "c.toml: ingress.pending_max: expected `int`, got `str`",
+        ),
+        (
+            "[ingress]\nbind = 'udp://x'\n",
+            {},
+            [],
+            "c.toml: ingress.bind: expected tcp://HOST:PORT or ipc://PATH, found 'udp://x'",
+        ),
         ("[nope]\n", {}, [], "c.toml: nope: unknown key"),
         ("x = [", {}, [], "c.toml: not valid TOML"),
-        ("", {"GOSSIPD_INGRESS__PENDING_MAX": "-3"}, [], "environment variable GOSSIPD_INGRESS__PENDING_MAX: ingress.pending_max: expected `int` >= 1"),
-        ("", {}, ["engine.kind=cuda"], "flag --set engine.kind: engine.kind: invalid enum value 'cuda'"),
-        ("", {}, ["ingress.pending_max=10"], "ingress.pending_max: must be >= concurrency_max (256), found 10"),
+        (
+            "",
+            {"GOSSIPD_INGRESS__PENDING_MAX": "-3"},
+            [],
+            "environment variable GOSSIPD_INGRESS__PENDING_MAX: ingress.pending_max: expected `int` >= 1",
+        ),
+        (
+            "",
+            {},
+            ["engine.kind=cuda"],
+            "flag --set engine.kind: engine.kind: invalid enum value 'cuda'",
+        ),
+        (
+            "",
+            {},
+            ["ingress.pending_max=10"],
+            "ingress.pending_max: must be >= concurrency_max (256), found 10",
+        ),
         ("", {}, ["garbage"], "--set 'garbage': expected SECTION.KEY=VALUE"),
     ],
 )
@@ -65,18 +95,26 @@ def test_cli_exits_2_with_one_line_on_a_bad_file(tmp_path: Path) -> None:
     path.write_text("[ingress]\nconcurrency_max = 'lots'\n")
     proc = subprocess.run(
         [sys.executable, "-m", "gossipd", "run", "--config", str(path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert str(path) in lines[0] and "ingress.concurrency_max" in lines[0] and "expected `int`" in lines[0]
+    assert (
+        str(path) in lines[0]
+        and "ingress.concurrency_max" in lines[0]
+        and "expected `int`" in lines[0]
+    )
 
 
 def test_check_config_prints_the_resolved_configuration() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gossipd", "check-config", "--set", "ingress.pending_max=4096"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0
     assert '"pending_max": 4096' in proc.stdout

@@ -57,23 +57,64 @@ def test_stream_sends_ordered_chunks_then_the_result(daemon_factory, producer_fo
     chunks = [x for x in replies if x["t"] == 2]
     result = replies[-1]
     assert [c["seq"] for c in chunks] == list(range(7))
-    assert "".join(c["delta"] for c in chunks) == result["text"] == "alpha beta alpha beta alpha beta alpha"
+    assert (
+        "".join(c["delta"] for c in chunks)
+        == result["text"]
+        == "alpha beta alpha beta alpha beta alpha"
+    )
     assert result["chunks"] == 7
 
 
 BAD_FRAMES = [
     ("not_msgpack", lambda rt: b"\xc1\xc1garbage", None),
-    ("wrong_types", lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "w", "prompt": 7, "reply_to": rt}), "bad_request"),
-    ("missing_field", lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "m", "reply_to": rt}), "bad_request"),
-    ("bad_params", lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "p", "prompt": "x", "reply_to": rt, "params": {"temperature": -1}}), "bad_request"),
-    ("unknown_version", lambda rt: msgpack.packb({"v": 7, "t": 1, "id": "v", "prompt": "x", "reply_to": rt}), "unsupported_version"),
-    ("bad_reply_to", lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "r", "prompt": "x", "reply_to": "smtp://x"}), None),
+    (
+        "wrong_types",
+        lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "w", "prompt": 7, "reply_to": rt}),
+        "bad_request",
+    ),
+    (
+        "missing_field",
+        lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "m", "reply_to": rt}),
+        "bad_request",
+    ),
+    (
+        "bad_params",
+        lambda rt: msgpack.packb(
+            {
+                "v": 1,
+                "t": 1,
+                "id": "p",
+                "prompt": "x",
+                "reply_to": rt,
+                "params": {"temperature": -1},
+            }
+        ),
+        "bad_request",
+    ),
+    (
+        "unknown_version",
+        lambda rt: msgpack.packb({"v": 7, "t": 1, "id": "v", "prompt": "x", "reply_to": rt}),
+        "unsupported_version",
+    ),
+    (
+        "bad_reply_to",
+        lambda rt: msgpack.packb(
+            {"v": 1, "t": 1, "id": "r", "prompt": "x", "reply_to": "smtp://x"}
+        ),
+        None,
+    ),
     ("not_a_map", lambda rt: msgpack.packb(["v", 1]), None),
-    ("oversized", lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "o", "prompt": "x" * 5000, "reply_to": rt}), "bad_request"),
+    (
+        "oversized",
+        lambda rt: msgpack.packb({"v": 1, "t": 1, "id": "o", "prompt": "x" * 5000, "reply_to": rt}),
+        "bad_request",
+    ),
 ]
 
 
-def test_every_bad_input_is_refused_answered_when_possible_and_counted(daemon_factory, producer_for) -> None:
+def test_every_bad_input_is_refused_answered_when_possible_and_counted(
+    daemon_factory, producer_for
+) -> None:
     daemon = start_with_metrics(daemon_factory, "ingress.message_bytes_max=4096")
     producer = producer_for(daemon)
     for _name, make, _code in BAD_FRAMES:
@@ -84,7 +125,13 @@ def test_every_bad_input_is_refused_answered_when_possible_and_counted(daemon_fa
     by_id = {r["id"]: r for r in results}
     assert by_id["good"]["ok"] is True, "the daemon keeps serving after bad input"
     for name, code in answerable:
-        task_id = {"wrong_types": "w", "missing_field": "m", "bad_params": "p", "unknown_version": "v", "oversized": "o"}[name]
+        task_id = {
+            "wrong_types": "w",
+            "missing_field": "m",
+            "bad_params": "p",
+            "unknown_version": "v",
+            "oversized": "o",
+        }[name]
         assert by_id[task_id]["ok"] is False
         assert by_id[task_id]["error"]["code"] == code, name
         assert by_id[task_id]["error"]["message"]
@@ -100,7 +147,9 @@ def test_every_bad_input_is_refused_answered_when_possible_and_counted(daemon_fa
     assert warnings and all("reason" in e and "hint" in e for e in warnings)
 
 
-def test_frame_over_the_hard_ceiling_drops_only_that_connection(daemon_factory, producer_for) -> None:
+def test_frame_over_the_hard_ceiling_drops_only_that_connection(
+    daemon_factory, producer_for
+) -> None:
     daemon = daemon_factory("ingress.message_bytes_max=4096")
     attacker = producer_for(daemon)
     attacker.send_raw(b"\x00" * (4 * 4096 + 1))  # ZMQ_MAXMSGSIZE: zeromq drops this peer
@@ -110,7 +159,9 @@ def test_frame_over_the_hard_ceiling_drops_only_that_connection(daemon_factory, 
     assert result["ok"] is True
 
 
-def test_reply_to_that_points_nowhere_is_dropped_counted_and_harmless(daemon_factory, producer_for) -> None:
+def test_reply_to_that_points_nowhere_is_dropped_counted_and_harmless(
+    daemon_factory, producer_for
+) -> None:
     daemon = start_with_metrics(daemon_factory, "ingress.reply_timeout_s=0.3")
     producer = producer_for(daemon)
     dead = f"tcp://127.0.0.1:{free_tcp_port()}"
@@ -155,7 +206,9 @@ def test_garbage_flood_while_valid_tasks_flow(daemon_factory, producer_for) -> N
     assert daemon.proc.poll() is None
 
 
-def test_duplicate_ids_run_once_and_late_duplicates_get_the_cached_result(daemon_factory, producer_for) -> None:
+def test_duplicate_ids_run_once_and_late_duplicates_get_the_cached_result(
+    daemon_factory, producer_for
+) -> None:
     daemon = start_with_metrics(daemon_factory, "engine.token_delay_s=0.02")
     producer = producer_for(daemon)
     for attempt in range(5):
@@ -173,7 +226,9 @@ def test_duplicate_ids_run_once_and_late_duplicates_get_the_cached_result(daemon
 
 def test_overload_answers_overloaded_with_a_retry_after_hint(daemon_factory, producer_for) -> None:
     daemon = daemon_factory(
-        "ingress.pending_max=4", "ingress.concurrency_max=2", "ingress.retry_after_ms=150",
+        "ingress.pending_max=4",
+        "ingress.concurrency_max=2",
+        "ingress.retry_after_ms=150",
         "engine.token_delay_s=0.05",
     )
     producer = producer_for(daemon)

@@ -24,7 +24,7 @@ def test_DeadlineWheel_fires_each_once_never_early_and_not_removed(
     for i in removed & tokens.keys():
         wheel.remove(i, tokens[i])
     fired: dict[int, float] = {}
-    for now in sorted(sweeps) + [20.0]:
+    for now in [*sorted(sweeps), 20.0]:
         for item in wheel.expire(now):
             assert item not in fired, "fired twice"
             fired[item] = now
@@ -41,7 +41,10 @@ def test_DeadlineWheel_late_add_after_sweep_still_fires() -> None:
     assert wheel.expire(5.0) == ["past"]
 
 
-@pytest.mark.parametrize(("deadline", "now", "fires"), [(1.0, 0.999, False), (1.0, 1.0, True), (1.005, 1.0, False), (1.005, 1.006, True)])
+@pytest.mark.parametrize(
+    ("deadline", "now", "fires"),
+    [(1.0, 0.999, False), (1.0, 1.0, True), (1.005, 1.0, False), (1.005, 1.006, True)],
+)
 def test_DeadlineWheel_table(deadline: float, now: float, fires: bool) -> None:
     wheel = DeadlineWheel(RES)
     wheel.add("x", deadline)

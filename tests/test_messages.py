@@ -29,7 +29,13 @@ LIMIT = 64 * 1024
 
 
 def plain_task(**fields: object) -> dict[str, object]:
-    base: dict[str, object] = {"v": 1, "t": 1, "id": "t-1", "prompt": "hi", "reply_to": "tcp://127.0.0.1:9"}
+    base: dict[str, object] = {
+        "v": 1,
+        "t": 1,
+        "id": "t-1",
+        "prompt": "hi",
+        "reply_to": "tcp://127.0.0.1:9",
+    }
     base.update(fields)
     return base
 
@@ -55,7 +61,13 @@ def test_endpoint_problem_table(endpoint: str, ok: bool) -> None:
 
 
 def test_task_round_trips_through_plain_msgpack() -> None:
-    task = Task(v=1, id="a", prompt="p", reply_to="tcp://h:1", params=SamplingParams(max_tokens=3, stop=["x"]))
+    task = Task(
+        v=1,
+        id="a",
+        prompt="p",
+        reply_to="tcp://h:1",
+        params=SamplingParams(max_tokens=3, stop=["x"]),
+    )
     raw = msgpack.unpackb(encode(task))
     assert raw["t"] == 1 and raw["v"] == PROTOCOL_VERSION and raw["params"]["stop"] == ["x"]
     assert decode_task(msgpack.packb(raw), bytes_max=LIMIT) == task
@@ -76,18 +88,43 @@ def test_unknown_top_level_keys_are_ignored_for_compatibility() -> None:
         (b"\xc1not msgpack", ErrorCode.BAD_REQUEST, "not a MessagePack", False),
         (msgpack.packb([1, 2, 3]), ErrorCode.BAD_REQUEST, "Expected `object`", False),
         (msgpack.packb(plain_task(prompt=5)), ErrorCode.BAD_REQUEST, "$.prompt", True),
-        (msgpack.packb({k: v for k, v in plain_task().items() if k != "prompt"}), ErrorCode.BAD_REQUEST, "prompt", True),
+        (
+            msgpack.packb({k: v for k, v in plain_task().items() if k != "prompt"}),
+            ErrorCode.BAD_REQUEST,
+            "prompt",
+            True,
+        ),
         (msgpack.packb(plain_task(v=2)), ErrorCode.UNSUPPORTED_VERSION, "version 2", True),
-        (msgpack.packb({"v": 9, "id": "x", "reply_to": "tcp://a:1"}), ErrorCode.UNSUPPORTED_VERSION, "version 9", True),
-        (msgpack.packb(plain_task(reply_to="tcp://nowhere")), ErrorCode.BAD_REQUEST, "reply_to", False),
+        (
+            msgpack.packb({"v": 9, "id": "x", "reply_to": "tcp://a:1"}),
+            ErrorCode.UNSUPPORTED_VERSION,
+            "version 9",
+            True,
+        ),
+        (
+            msgpack.packb(plain_task(reply_to="tcp://nowhere")),
+            ErrorCode.BAD_REQUEST,
+            "reply_to",
+            False,
+        ),
         (msgpack.packb(plain_task(params={"top_k": 0})), ErrorCode.BAD_REQUEST, "top_k", True),
-        (msgpack.packb(plain_task(params={"max_tokens": 0})), ErrorCode.BAD_REQUEST, "max_tokens", True),
+        (
+            msgpack.packb(plain_task(params={"max_tokens": 0})),
+            ErrorCode.BAD_REQUEST,
+            "max_tokens",
+            True,
+        ),
         (msgpack.packb(plain_task(params={"bogus": 1})), ErrorCode.BAD_REQUEST, "bogus", True),
         (msgpack.packb(plain_task(id="")), ErrorCode.BAD_REQUEST, "$.id", True),
         (msgpack.packb(plain_task(id="x" * 129)), ErrorCode.BAD_REQUEST, "$.id", True),
         (msgpack.packb(plain_task(timeout_ms=0)), ErrorCode.BAD_REQUEST, "timeout_ms", True),
         (msgpack.packb(plain_task(t=3)), ErrorCode.BAD_REQUEST, "", True),
-        (msgpack.packb(plain_task(prompt="x" * LIMIT)), ErrorCode.BAD_REQUEST, "exceeds the limit", True),
+        (
+            msgpack.packb(plain_task(prompt="x" * LIMIT)),
+            ErrorCode.BAD_REQUEST,
+            "exceeds the limit",
+            True,
+        ),
     ],
 )
 def test_bad_frames_are_refused_with_code_and_reason(
@@ -160,20 +197,32 @@ def test_any_bytes_decode_to_a_task_or_raise_remote_protocol_error(data: bytes) 
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
-    | st.text(max_size=50) | st.binary(max_size=50),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=50)
+    | st.binary(max_size=50),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
     max_leaves=20,
 )
 
 
-@given(st.dictionaries(st.sampled_from(list(plain_task()) + ["params", "stream", "x"]), msgpack_values))
+@given(
+    st.dictionaries(st.sampled_from([*list(plain_task()), "params", "stream", "x"]), msgpack_values)
+)
 def test_any_map_of_wrong_types_decodes_or_is_refused(fields: dict[str, object]) -> None:
     frame = msgpack.packb({**plain_task(), **fields})
     try:
-        decode_task(frame, bytes_max=1 << 16)
-    except RemoteProtocolError:
-        pass
+        task = decode_task(frame, bytes_max=1 << 16)
+    except RemoteProtocolError as exc:
+        assert exc.code in {ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_VERSION}
+        assert exc.hint
+        return
+    # Whatever decoded is a fully valid task.
+    assert isinstance(task.prompt, str) and endpoint_problem(task.reply_to) is None
 
 
 def test_deeply_nested_garbage_is_refused_not_crashing() -> None:

@@ -8,7 +8,9 @@ import asyncio
 from gossipd.runqueue import RunQueue
 
 
-async def _run_workers(q: RunQueue[int], workers: int, work_s: float | None, items: int) -> tuple[list[int], int]:
+async def _run_workers(
+    q: RunQueue[int], workers: int, work_s: float | None, items: int
+) -> tuple[list[int], int]:
     seen: list[int] = []
     concurrent = 0
     peak = 0

@@ -1,0 +1,187 @@
+"""The producer client and `gossipd submit`, against real daemon processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from gossipd.client import Client
+from gossipd.core.messages import SamplingParams, Task
+from gossipd.launcher import DaemonProcess, free_tcp_port
+from tests.helpers import scrape
+
+
+def test_submit_file_of_10000_tasks_all_succeed(daemon_factory, tmp_path: Path) -> None:
+    daemon = daemon_factory()
+    path = tmp_path / "tasks.jsonl"
+    with path.open("w") as fh:
+        for i in range(10_000):
+            fh.write(
+                json.dumps({"id": f"f{i}", "prompt": f"task {i}", "params": {"max_tokens": 4}})
+                + "\n"
+            )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "submit",
+            "-e",
+            daemon.endpoint,
+            "--file",
+            str(path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["total"] == 10_000 and report["ok"] == 10_000 and report["failed"] == {}
+    assert report["latency_ms"]["p99"] >= report["latency_ms"]["p50"] > 0
+    assert "submit [" in proc.stderr, "progress is shown"
+
+
+def test_submit_exit_status_is_1_when_a_task_fails(daemon_factory, tmp_path: Path) -> None:
+    daemon = daemon_factory()
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "fine"})
+        + "\n"
+        + json.dumps({"prompt": "bad", "params": {"top_p": 0}})
+        + "\n"
+        + "this is not json\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "submit",
+            "-e",
+            daemon.endpoint,
+            "--file",
+            str(path),
+            "--json",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert report["ok"] == 1 and report["failed"] == {"bad_request": 2}
+    assert f"{path}:2" in proc.stderr and f"{path}:3" in proc.stderr
+
+
+def test_submit_one_prompt_streams_to_stdout(daemon_factory) -> None:
+    daemon = daemon_factory()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "submit",
+            "-e",
+            daemon.endpoint,
+            "a b c",
+            "--stream",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout == "a b c a\n"
+
+
+def test_client_resubmits_on_timeout_and_the_daemon_runs_the_task_once(daemon_factory) -> None:
+    port = free_tcp_port()
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}", "engine.token_delay_s=0.05")
+
+    async def main() -> tuple:
+        async with Client([daemon.endpoint], resubmit_after_s=0.1) as client:
+            result = await client.run("x", max_tokens=10, timeout_s=10)
+            return result, client.statistics()
+
+    result, stats = asyncio.run(main())
+    assert result.ok and result.text == "x" + " x" * 9
+    assert stats.resubmitted >= 3
+    metrics = scrape(port)
+    assert metrics["gossipd_task_duplicates_total"] >= 3
+    assert metrics["gossipd_engine_generated_tokens_total"] == 10
+
+
+def test_client_delivers_tasks_sent_before_the_daemon_started(tmp_path: Path) -> None:
+    """At-least-once: the producer may start first; tasks wait in ZeroMQ and are resent."""
+    daemon = DaemonProcess(log_dir=tmp_path)
+
+    async def main() -> list:
+        async with Client([daemon.endpoint], resubmit_after_s=0.5) as client:
+            handles = [
+                await client.submit(f"early {i}", max_tokens=2, timeout_s=20) for i in range(20)
+            ]
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(daemon.start)
+            return [await h.result() for h in handles]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        daemon.stop()
+    assert [r.text for r in results] == [f"early {i}" for i in range(20)]
+
+
+def test_client_gives_a_local_deadline_result_when_nobody_answers() -> None:
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([f"tcp://127.0.0.1:{free_tcp_port()}"], resubmit_after_s=0.1) as client:
+            return await client.run("x", timeout_s=0.3)
+
+    result = asyncio.run(main())
+    assert not result.ok and result.error.code == "deadline_exceeded" and result.node == "client"
+
+
+def test_client_retries_overloaded_until_it_runs(daemon_factory) -> None:
+    daemon = daemon_factory(
+        "ingress.pending_max=2",
+        "ingress.concurrency_max=2",
+        "ingress.retry_after_ms=20",
+        "engine.token_delay_s=0.01",
+    )
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([daemon.endpoint]) as client:
+            handles = [await client.submit(f"p{i}", max_tokens=3, timeout_s=20) for i in range(30)]
+            results = [await h.result() for h in handles]
+            return results, client.statistics()
+
+    results, stats = asyncio.run(main())
+    assert all(r.ok for r in results)
+    assert stats.retried > 0
+
+
+def test_stream_deltas_are_in_order_and_once_each(daemon_factory) -> None:
+    daemon = daemon_factory("engine.token_delay_s=0.01")
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([daemon.endpoint], resubmit_after_s=0.03) as client:
+            task = Task(
+                v=1,
+                id="stream-1",
+                prompt="a b c",
+                params=SamplingParams(max_tokens=12),
+                reply_to=client.reply_to,
+                stream=True,
+            )
+            handle = await client.submit_task(task)
+            deltas = [d async for d in handle.deltas()]
+            return deltas, await handle.result()
+
+    deltas, result = asyncio.run(main())
+    assert "".join(deltas) == result.text and len(deltas) == 12
