@@ -42,6 +42,8 @@ from gossipd.transport import recv_batch, wait_events
 
 log = logging.getLogger("gossipd.client")
 
+# A Result carries the whole output text; bound what one reply may make us hold.
+REPLY_BYTES_MAX = 64 * 1024 * 1024
 RETRYABLE_CODES = frozenset({ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
 
 
@@ -161,6 +163,7 @@ class Client:
     def open(self) -> None:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, REPLY_BYTES_MAX)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._reply_bind)
         self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -1,0 +1,119 @@
+"""ReplySender and the readiness helpers, on real ZeroMQ sockets in one process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+
+from gossipd.launcher import free_tcp_port
+from gossipd.logs import RateLimiter
+from gossipd.transport import ReplySender, recv_batch, wait_events
+
+
+def _sender(ctx: zmq.Context, **overrides: float) -> ReplySender:
+    opts = {"sockets_max": 2, "idle_s": 60.0, "timeout_s": 0.3, "queue_max": 100}
+    opts.update(overrides)
+    return ReplySender(ctx, **opts)  # type: ignore[arg-type]
+
+
+def test_ReplySender_delivers_in_order_and_bounds_cached_sockets() -> None:
+    async def main() -> tuple[list[list[bytes]], int]:
+        ctx = zmq.Context()
+        pulls, endpoints = [], []
+        for _ in range(3):
+            pull = ctx.socket(zmq.PULL)
+            port = pull.bind_to_random_port("tcp://127.0.0.1")
+            pulls.append(pull)
+            endpoints.append(f"tcp://127.0.0.1:{port}")
+        sender = _sender(ctx)
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            for i in range(50):
+                for endpoint in endpoints[:2]:
+                    sender.send(endpoint, str(i).encode())
+            got = []
+            for pull in pulls[:2]:
+                frames: list[bytes] = []
+                while len(frames) < 50:
+                    frames += await asyncio.wait_for(recv_batch(pull, 100), 5)
+                got.append(frames)
+            sender.send(endpoints[2], b"third")  # evicts the least recently used socket
+            third = await asyncio.wait_for(recv_batch(pulls[2], 10), 5)
+            got.append(third)
+            sender.stop()
+        evicted = sender.statistics().sockets_evicted
+        sender.close()
+        for pull in pulls:
+            pull.close(linger=0)
+        ctx.term()
+        return got, evicted
+
+    got, evicted = asyncio.run(main())
+    expected = [str(i).encode() for i in range(50)]
+    assert got[0] == expected and got[1] == expected and got[2] == [b"third"]
+    assert evicted == 1
+
+
+def test_ReplySender_drops_and_counts_replies_to_an_address_that_never_answers() -> None:
+    async def main() -> tuple[int, int]:
+        ctx = zmq.Context()
+        sender = _sender(ctx, timeout_s=0.2)
+        dead = f"tcp://127.0.0.1:{free_tcp_port()}"
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            for _ in range(7):
+                sender.send(dead, b"x")
+            await asyncio.sleep(0.6)
+            sender.stop()
+        stats = sender.statistics()
+        sender.close()
+        ctx.term()
+        return stats.dropped_undeliverable, stats.sockets_open
+
+    dropped, open_sockets = asyncio.run(main())
+    assert dropped == 7 and open_sockets == 0
+
+
+def test_ReplySender_closes_idle_sockets() -> None:
+    async def main() -> int:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        sender = _sender(ctx, idle_s=0.2)
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            sender.send(f"tcp://127.0.0.1:{port}", b"hi")
+            await asyncio.wait_for(recv_batch(pull, 1), 5)
+            await asyncio.sleep(1.0)
+            sender.stop()
+        closed = sender.statistics().sockets_closed_idle
+        sender.close()
+        pull.close(linger=0)
+        ctx.term()
+        return closed
+
+    assert asyncio.run(main()) == 1
+
+
+def test_wait_events_times_out_on_a_silent_socket() -> None:
+    async def main() -> bool:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            return await wait_events(pull, zmq.POLLIN, timeout_s=0.1)
+        finally:
+            pull.close(linger=0)
+            ctx.term()
+
+    assert asyncio.run(main()) is False
+
+
+def test_RateLimiter_allows_burst_then_rate() -> None:
+    now = [0.0]
+    limiter = RateLimiter(per_s=2.0, burst=3, clock=lambda: now[0])
+    assert [limiter.allow() for _ in range(5)] == [True, True, True, False, False]
+    assert limiter.suppressed == 2
+    now[0] = 0.5
+    assert limiter.allow() is True and limiter.allow() is False
