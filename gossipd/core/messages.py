@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -37,6 +37,23 @@ class MsgType(enum.IntEnum):
     TASK = 1
     CHUNK = 2
     RESULT = 3
+    # Membership (SWIM), daemon to daemon.
+    PING = 10
+    ACK = 11
+    NACK = 12
+    PING_REQ = 13
+    PUSH_PULL = 14
+    GOSSIP = 15
+
+
+class UpdateKind(enum.IntEnum):
+    """Append-only: kinds of membership updates carried piggyback."""
+
+    ALIVE = 1
+    SUSPECT = 2
+    DEAD = 3
+    LEFT = 4
+    META = 5
 
 
 class ErrorCode(enum.StrEnum):
@@ -266,3 +283,149 @@ def decode_reply(data: bytes) -> Chunk | Result:
         return _reply_decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise RemoteProtocolError(f"invalid reply: {exc}", code=ErrorCode.BAD_REQUEST) from None
+
+
+# --- Membership (SWIM + Lifeguard) -------------------------------------------------------
+# Every gossip message names its cluster, its sender and the sender's gossip endpoint, and may
+# carry piggybacked updates.  A message of another cluster is dropped unread beyond that.
+
+NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Incarnation = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+ClusterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+SmallText = Annotated[str, msgspec.Meta(max_length=128)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class GpuState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a daemon tells the cluster about its GPU and load (bounded, versioned by Meta)."""
+
+    gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
+    ingress: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
+    model: SmallText = ""
+    memory_free_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
+    memory_total_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
+    utilization_pct: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
+    running_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
+    waiting_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
+    kv_cache_usage_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    capacity_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
+    status: Literal["serving", "draining", "unhealthy"] = "serving"
+    software_version: SmallText = ""
+
+
+class Alive(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.ALIVE)):
+    node: NodeId
+    incarnation: Incarnation
+    addr: Endpoint
+
+
+class Suspect(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.SUSPECT)
+):
+    node: NodeId
+    incarnation: Incarnation
+    by: NodeId  # who suspects: counts as an independent confirmation (Lifeguard)
+
+
+class Dead(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.DEAD)):
+    node: NodeId
+    incarnation: Incarnation
+    by: NodeId
+
+
+class Left(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.LEFT)):
+    node: NodeId
+    incarnation: Incarnation
+
+
+class Meta(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.META)):
+    node: NodeId
+    version: Seq  # the node's own counter; a higher one replaces a lower one
+    gpu: GpuState
+
+
+Update = Alive | Suspect | Dead | Left | Meta
+Updates = Annotated[list[Update], msgspec.Meta(max_length=4096)]
+
+
+class _Gossip(msgspec.Struct, frozen=True, kw_only=True):
+    v: int = PROTOCOL_VERSION
+    cluster: ClusterName
+    src: NodeId
+    src_addr: Endpoint
+    updates: Updates = msgspec.field(default_factory=list)
+
+
+class Ping(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PING)):
+    seq: Seq
+    target: NodeId
+
+
+class Ack(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.ACK)):
+    seq: Seq
+    checksum: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+
+
+class Nack(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.NACK)):
+    seq: Seq
+
+
+class PingReq(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PING_REQ)):
+    seq: Seq
+    target: NodeId
+    target_addr: Endpoint
+
+
+class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
+    node: NodeId
+    addr: Endpoint
+    incarnation: Incarnation
+    state: Literal["alive", "suspect", "dead", "left"]
+    meta_version: Seq = 0
+    gpu: GpuState | None = None
+
+
+class PushPull(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)):
+    """Anti-entropy: the whole member table.  ``reply`` asks the receiver to answer with its own."""
+
+    reply: bool
+    join: bool = False
+    members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)]
+
+
+class GossipOnly(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.GOSSIP)):
+    """Updates with nothing else: sent every gossip interval while urgent updates are pending."""
+
+
+GossipMessage = Ping | Ack | Nack | PingReq | PushPull | GossipOnly
+_gossip_decoder = msgspec.msgpack.Decoder(GossipMessage)  # type: ignore[arg-type]
+
+
+def encode_gossip(message: GossipMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def encode_update(update: Update) -> bytes:
+    """One update's bytes (its size counts against a message's byte budget)."""
+    return _encoder.encode(update)
+
+
+def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
+    """Decode and validate one gossip message, or raise ``RemoteProtocolError``."""
+    if len(data) > bytes_max:
+        raise RemoteProtocolError(
+            f"gossip message of {len(data)} bytes exceeds the limit of {bytes_max} bytes",
+            code=ErrorCode.BAD_REQUEST,
+        )
+    try:
+        message = _gossip_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RemoteProtocolError(
+            f"invalid gossip message: {exc}", code=ErrorCode.BAD_REQUEST
+        ) from None
+    if message.v != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"gossip protocol version {message.v} is not supported",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+        )
+    return message

@@ -1,0 +1,113 @@
+"""The transmit-limited broadcast queue (sans-IO).
+
+Each update waiting to be gossiped is sent at most ``retransmit_mult * ceil(log10(N + 1))``
+times, least-sent first (newest first among equals), packed into each outgoing message within
+a byte budget.  A newer update with the same key (node, family) replaces the queued one, so a
+stale update is never sent after a fresh one.  Items marked urgent (membership changes) also
+drive dedicated gossip messages; the rest (GPU metadata) only ride piggyback.
+The queue is bounded: when full, the most-sent item goes first (counted).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+
+def retransmit_limit(mult: int, n: int) -> int:
+    return mult * math.ceil(math.log10(max(n, 1) + 1))
+
+
+class _Item:
+    __slots__ = ("key", "size", "transmits", "update", "urgent")
+
+    def __init__(self, key: Hashable, update: Any, size: int, urgent: bool) -> None:
+        self.key = key
+        self.update = update
+        self.size = size
+        self.urgent = urgent
+        self.transmits = 0
+
+
+class BroadcastQueue:
+    def __init__(self, *, retransmit_mult: int, items_max: int) -> None:
+        self._mult = retransmit_mult
+        self._items_max = items_max
+        self._by_key: dict[Hashable, _Item] = {}
+        self._buckets: dict[int, dict[Hashable, _Item]] = {}
+        self._urgent = 0
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    @property
+    def urgent_pending(self) -> bool:
+        return self._urgent > 0
+
+    def push(self, key: Hashable, update: Any, size: int, *, urgent: bool) -> None:
+        self._remove(key)
+        if len(self._by_key) >= self._items_max:
+            self._drop_most_sent()
+        item = _Item(key, update, size, urgent)
+        self._by_key[key] = item
+        self._buckets.setdefault(0, {})[key] = item
+        self._urgent += urgent
+
+    def get(self, key: Hashable) -> Any | None:
+        item = self._by_key.get(key)
+        return None if item is None else item.update
+
+    def _remove(self, key: Hashable) -> _Item | None:
+        item = self._by_key.pop(key, None)
+        if item is not None:
+            bucket = self._buckets[item.transmits]
+            del bucket[key]
+            if not bucket:
+                del self._buckets[item.transmits]
+            self._urgent -= item.urgent
+        return item
+
+    def _drop_most_sent(self) -> None:
+        top = max(self._buckets)
+        key = next(iter(self._buckets[top]))
+        self._remove(key)
+        self.dropped += 1
+
+    def select(
+        self, budget_bytes: int, n_members: int, first: Iterable[Hashable] = ()
+    ) -> list[Any]:
+        """Updates for one message, within ``budget_bytes``; each counts as one transmission.
+        Keys in ``first`` go before the rest (updates about the recipient, or about us)."""
+        limit = retransmit_limit(self._mult, n_members)
+        chosen: list[_Item] = []
+        used = 0
+        seen: set[Hashable] = set()
+        for key in first:
+            item = self._by_key.get(key)
+            if item is not None and key not in seen and used + item.size <= budget_bytes:
+                chosen.append(item)
+                seen.add(key)
+                used += item.size
+        for transmits in sorted(self._buckets):
+            for item in reversed(self._buckets[transmits].values()):
+                if used + item.size > budget_bytes:
+                    if budget_bytes - used < 64:
+                        break
+                    continue
+                if item.key in seen:
+                    continue
+                chosen.append(item)
+                seen.add(item.key)
+                used += item.size
+            if budget_bytes - used < 64:
+                break
+        for item in chosen:
+            self._remove(item.key)
+            item.transmits += 1
+            if item.transmits < limit:
+                self._by_key[item.key] = item
+                self._buckets.setdefault(item.transmits, {})[item.key] = item
+                self._urgent += item.urgent
+        return [item.update for item in chosen]

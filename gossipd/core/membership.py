@@ -1,0 +1,341 @@
+"""The member table and its state rules: alive / suspect / dead / left (sans-IO).
+
+Rules (an update is about one member and carries that member's incarnation):
+1. A higher incarnation always wins over a lower one, whatever the states.
+2. At an equal incarnation the order is alive < suspect < dead < left: suspect overrides alive,
+   dead overrides alive and suspect, left overrides all.  Nothing overrides left but a higher
+   incarnation (a member that comes back after leaving rejoins with a new incarnation).
+3. Only the subject may refute: a member that hears it is suspect, dead (or left, when it has
+   not left) takes incarnation max(own, heard) + 1 and announces itself alive.  A member never
+   declares itself dead.
+4. A suspicion of the same incarnation by another member is a confirmation (Lifeguard).
+5. Unknown members join only through an alive update; other news about them is ignored.
+6. GPU metadata has its own version counter: a higher version replaces a lower one and never
+   changes membership state.
+7. From a push-pull, a member the sender thinks dead is only suspected here (memberlist's
+   rule): it gets the chance to refute before anyone declares it dead on second-hand news.
+
+Theory of operation: ``apply`` takes one update and returns an ``Outcome`` saying whether to
+pass the update on, whether we must refute (and to whom directly), and the event to report.
+The transitions are the table ``TRANSITIONS`` below; the docs and the tests read the same table.
+Suspicion timers live here (one ``Suspicion`` per suspect); the SWIM node fires them.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gossipd.core.messages import (
+    Alive,
+    Dead,
+    GpuState,
+    Left,
+    MemberRecord,
+    Meta,
+    Suspect,
+    Update,
+    UpdateKind,
+)
+from gossipd.core.suspicion import Suspicion
+
+
+class State(enum.Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    LEFT = "left"
+
+
+LIVE_STATES = frozenset({State.ALIVE, State.SUSPECT})
+
+
+@dataclass(slots=True)
+class Member:
+    node: str
+    addr: str
+    incarnation: int
+    state: State
+    state_since: float
+    meta_version: int = 0
+    gpu: GpuState | None = None
+    suspicion: Suspicion | None = None
+
+    def record(self) -> MemberRecord:
+        return MemberRecord(
+            node=self.node,
+            addr=self.addr,
+            incarnation=self.incarnation,
+            state=self.state.value,
+            meta_version=self.meta_version,
+            gpu=self.gpu,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MemberEvent:
+    """What changed.  kind: joined, suspect, alive (refuted or newer incarnation), dead, left,
+    meta; for ourselves: refuted (we were suspected/declared dead and answered)."""
+
+    kind: str
+    node: str
+    incarnation: int
+    at: float
+    by: str = ""
+
+
+@dataclass(slots=True)
+class Outcome:
+    changed: bool = False
+    rebroadcast: bool = False  # pass the update on
+    urgent: bool = True  # membership news (vs. metadata)
+    refute_to: str | None = None  # we refuted: also tell this member directly
+    refuted: bool = False
+    confirm_probe: str | None = None  # a new suspicion heard from another member
+    event: MemberEvent | None = None
+
+
+class MemberTable:
+    def __init__(self, *, me: str, addr: str, now: float, incarnation: int = 0) -> None:
+        self.me = me
+        self.addr = addr
+        self.incarnation = incarnation
+        self.leaving = False
+        self.members: dict[str, Member] = {}
+        self.live_version = 0  # bumped whenever the live set or an incarnation changes
+        self._checksum: tuple[int, int] | None = None  # (live_version, checksum)
+        self._live_count = (-1, 1)
+        # Suspicion settings, refreshed by the SWIM node as the cluster size changes.
+        self.suspicion_k = 3
+        self.suspicion_min_s = 1.0
+        self.suspicion_max_s = 3.0
+        self.members_max = 10_000
+        self.refused_full = 0
+        self.suspects: set[str] = set()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def live_count(self) -> int:
+        """Live members, ourselves included (cached per live_version)."""
+        if self._live_count[0] != self.live_version:
+            n = 1 + sum(1 for m in self.members.values() if m.state in LIVE_STATES)
+            self._live_count = (self.live_version, n)
+        return self._live_count[1]
+
+    def checksum(self) -> int:
+        """A 63-bit digest of the live set (names and incarnations, ourselves included)."""
+        if self._checksum is not None and self._checksum[0] == self.live_version:
+            return self._checksum[1]
+        parts = [f"{self.me}:{self.incarnation}"]
+        parts += [
+            f"{m.node}:{m.incarnation}" for m in self.members.values() if m.state in LIVE_STATES
+        ]
+        digest = hashlib.blake2b("\n".join(sorted(parts)).encode(), digest_size=8).digest()
+        value = int.from_bytes(digest, "big") >> 1
+        self._checksum = (self.live_version, value)
+        return value
+
+    def records(self) -> list[MemberRecord]:
+        own = MemberRecord(
+            node=self.me, addr=self.addr, incarnation=self.incarnation, state="alive"
+        )
+        return [own, *(m.record() for m in self.members.values())]
+
+    # -- the rules -------------------------------------------------------------------------
+
+    def apply(self, update: Update, now: float) -> Outcome:
+        kind = _KIND[type(update)]
+        if update.node == self.me:
+            return self._about_me(update, now)
+        member = self.members.get(update.node)
+        state = None if member is None else member.state
+        handler = TRANSITIONS.get((state, kind))
+        if handler is None:
+            return Outcome()
+        return handler(self, member, update, now)
+
+    def _about_me(self, update: Update, now: float) -> Outcome:
+        if isinstance(update, Meta):
+            return Outcome()
+        heard = update.incarnation
+        if isinstance(update, Alive):
+            if heard <= self.incarnation:
+                return Outcome()
+        elif self.leaving or (
+            isinstance(update, Left | Dead | Suspect) and heard < self.incarnation
+        ):
+            return Outcome()
+        self.incarnation = max(self.incarnation, heard) + 1
+        self.live_version += 1
+        by = getattr(update, "by", None)
+        return Outcome(
+            changed=True,
+            refuted=True,
+            refute_to=by,
+            event=MemberEvent("refuted", self.me, self.incarnation, now, by or ""),
+        )
+
+    def _join(self, member: Member | None, update: Alive, now: float) -> Outcome:
+        if len(self.members) >= self.members_max:
+            self.refused_full += 1
+            return Outcome()
+        self.members[update.node] = Member(
+            update.node, update.addr, update.incarnation, State.ALIVE, now
+        )
+        self.live_version += 1
+        return Outcome(
+            changed=True,
+            rebroadcast=True,
+            event=MemberEvent("joined", update.node, update.incarnation, now),
+        )
+
+    def _alive(self, member: Member | None, update: Alive, now: float) -> Outcome:
+        assert member is not None
+        if update.incarnation <= member.incarnation:
+            return Outcome()
+        was = member.state
+        member.incarnation = update.incarnation
+        member.addr = update.addr
+        self._set_state(member, State.ALIVE, now)
+        kind = "joined" if was in (State.DEAD, State.LEFT) else "alive"
+        return Outcome(
+            changed=True,
+            rebroadcast=True,
+            event=MemberEvent(kind, member.node, member.incarnation, now),
+        )
+
+    def _suspect(self, member: Member | None, update: Suspect, now: float) -> Outcome:
+        assert member is not None
+        if update.incarnation < member.incarnation:
+            return Outcome()
+        if member.state is State.SUSPECT and update.incarnation == member.incarnation:
+            assert member.suspicion is not None
+            if update.by == self.me:
+                member.suspicion.witness = True
+            new = member.suspicion.confirm(update.by)
+            return Outcome(changed=new, rebroadcast=new)
+        member.incarnation = update.incarnation
+        self._set_state(member, State.SUSPECT, now)
+        member.suspicion = Suspicion(
+            incarnation=update.incarnation,
+            started_at=now,
+            by=update.by,
+            k=self.suspicion_k,
+            min_s=self.suspicion_min_s,
+            max_s=self.suspicion_max_s,
+            witness=update.by == self.me,
+        )
+        return Outcome(
+            changed=True,
+            rebroadcast=True,
+            confirm_probe=None if update.by == self.me else member.node,
+            event=MemberEvent("suspect", member.node, member.incarnation, now, update.by),
+        )
+
+    def _dead(self, member: Member | None, update: Dead, now: float) -> Outcome:
+        assert member is not None
+        if update.incarnation < member.incarnation:
+            return Outcome()
+        member.incarnation = update.incarnation
+        self._set_state(member, State.DEAD, now)
+        return Outcome(
+            changed=True,
+            rebroadcast=True,
+            event=MemberEvent("dead", member.node, member.incarnation, now, update.by),
+        )
+
+    def _left(self, member: Member | None, update: Left, now: float) -> Outcome:
+        assert member is not None
+        if update.incarnation < member.incarnation:
+            return Outcome()
+        member.incarnation = update.incarnation
+        self._set_state(member, State.LEFT, now)
+        return Outcome(
+            changed=True,
+            rebroadcast=True,
+            event=MemberEvent("left", member.node, member.incarnation, now),
+        )
+
+    def _meta(self, member: Member | None, update: Meta, now: float) -> Outcome:
+        assert member is not None
+        if update.version <= member.meta_version:
+            return Outcome()
+        member.meta_version = update.version
+        member.gpu = update.gpu
+        return Outcome(
+            changed=True,
+            rebroadcast=True,
+            urgent=False,
+            event=MemberEvent("meta", member.node, member.incarnation, now),
+        )
+
+    def _set_state(self, member: Member, state: State, now: float) -> None:
+        if state is not State.SUSPECT:
+            member.suspicion = None
+            self.suspects.discard(member.node)
+        else:
+            self.suspects.add(member.node)
+        member.state = state
+        member.state_since = now
+        self.live_version += 1
+
+    def declare_dead(self, node: str, now: float) -> Dead | None:
+        """Our suspicion timer for ``node`` fired: the Dead update to apply and send."""
+        member = self.members.get(node)
+        if member is None or member.state is not State.SUSPECT:
+            return None
+        return Dead(node=node, incarnation=member.incarnation, by=self.me)
+
+    def merge_record(self, record: MemberRecord, sender: str) -> list[Update]:
+        """The updates a push-pull record stands for (rule 7: dead becomes suspect)."""
+        out: list[Update] = []
+        if record.state == "alive":
+            out.append(Alive(node=record.node, incarnation=record.incarnation, addr=record.addr))
+        elif record.state in ("suspect", "dead"):
+            out.append(Alive(node=record.node, incarnation=record.incarnation, addr=record.addr))
+            out.append(Suspect(node=record.node, incarnation=record.incarnation, by=sender))
+        else:
+            out.append(Left(node=record.node, incarnation=record.incarnation))
+        if record.gpu is not None and record.meta_version > 0:
+            out.append(Meta(node=record.node, version=record.meta_version, gpu=record.gpu))
+        return out
+
+    def reap(self, now: float, *, dead_after_s: float, left_after_s: float) -> list[str]:
+        gone = [
+            m.node
+            for m in self.members.values()
+            if (m.state is State.DEAD and now - m.state_since >= dead_after_s)
+            or (m.state is State.LEFT and now - m.state_since >= left_after_s)
+        ]
+        for node in gone:
+            del self.members[node]
+        return gone
+
+
+_KIND: dict[type, UpdateKind] = {
+    Alive: UpdateKind.ALIVE,
+    Suspect: UpdateKind.SUSPECT,
+    Dead: UpdateKind.DEAD,
+    Left: UpdateKind.LEFT,
+    Meta: UpdateKind.META,
+}
+
+
+_Handler = Callable[[MemberTable, Member | None, Update, float], Outcome]
+
+# (current state, or None for an unknown member; update kind) -> handler.  A missing pair means
+# "ignore": e.g. a suspicion of a member we never heard of, or anything but alive after dead.
+TRANSITIONS: dict[tuple[State | None, UpdateKind], _Handler] = {
+    (None, UpdateKind.ALIVE): MemberTable._join,  # type: ignore[dict-item]
+    **{(s, UpdateKind.ALIVE): MemberTable._alive for s in State},  # type: ignore[misc]
+    (State.ALIVE, UpdateKind.SUSPECT): MemberTable._suspect,  # type: ignore[dict-item]
+    (State.SUSPECT, UpdateKind.SUSPECT): MemberTable._suspect,  # type: ignore[dict-item]
+    (State.ALIVE, UpdateKind.DEAD): MemberTable._dead,  # type: ignore[dict-item]
+    (State.SUSPECT, UpdateKind.DEAD): MemberTable._dead,  # type: ignore[dict-item]
+    (State.ALIVE, UpdateKind.LEFT): MemberTable._left,  # type: ignore[dict-item]
+    (State.SUSPECT, UpdateKind.LEFT): MemberTable._left,  # type: ignore[dict-item]
+    (State.DEAD, UpdateKind.LEFT): MemberTable._left,  # type: ignore[dict-item]
+    **{(s, UpdateKind.META): MemberTable._meta for s in State},  # type: ignore[misc]
+}

@@ -1,0 +1,1 @@
+"""Scenarios for the virtual-time simulator; each returns a JSON-able report."""
