@@ -93,6 +93,7 @@ class Outcome:
     urgent: bool = True  # membership news (vs. metadata)
     refute_to: str | None = None  # we refuted: also tell this member directly
     refuted: bool = False
+    stale_about_me: bool = False  # someone still believes an older suspicion/death of ours
     confirm_probe: str | None = None  # a new suspicion heard from another member
     event: MemberEvent | None = None
 
@@ -163,10 +164,11 @@ class MemberTable:
         if isinstance(update, Alive):
             if heard <= self.incarnation:
                 return Outcome()
-        elif self.leaving or (
-            isinstance(update, Left | Dead | Suspect) and heard < self.incarnation
-        ):
+        elif self.leaving:
             return Outcome()
+        elif heard < self.incarnation:
+            # Stale news about us: whoever carries it missed our refutation; tell them again.
+            return Outcome(stale_about_me=True)
         self.incarnation = max(self.incarnation, heard) + 1
         self.live_version += 1
         by = getattr(update, "by", None)

@@ -124,7 +124,6 @@ class SwimNode:
         self._probe: _Probe | None = None
         self._relays: dict[int, _Relay] = {}
         self._confirming: dict[int, tuple[str, float]] = {}
-        self._mismatches: dict[str, int] = {}
         self._last_sync_at = -math.inf
         self._seeds = [s for s in seeds if s != addr]
         self._joined = not self._seeds
@@ -139,6 +138,9 @@ class SwimNode:
         self._rr: list[str] = []
         self._meta_version = 0
         self._gpu: GpuState | None = None
+        self._current_src = ""
+        self._verifying: dict[str, int] = {}  # suspect -> seq of our last-chance ping
+        self._mismatch_run = 0
         self._refresh_suspicion_bounds()
         self._push(Alive(node=node, incarnation=incarnation, addr=addr), urgent=True)
 
@@ -168,8 +170,10 @@ class SwimNode:
         name = type(msg).__name__
         self.stats.received[name] = self.stats.received.get(name, 0) + 1
         self.stats.received_bytes += len(data)
+        self._current_src = msg.src_addr
         for update in msg.updates:
             self._apply(update, now)
+        self._current_src = ""
         handler = _HANDLERS[type(msg)]
         handler(self, msg, now)
 
@@ -247,7 +251,10 @@ class SwimNode:
         for node in sorted(self.table.suspects):
             suspicion = self.table.members[node].suspicion
             if suspicion is not None:
-                deadlines.append(suspicion.deadline())
+                deadline = suspicion.deadline()
+                if self._verifying.get(node) != suspicion.incarnation:
+                    deadline = self._verify_at(deadline)
+                deadlines.append(deadline)
         return min(deadlines)
 
     def leave(self, now: float) -> None:
@@ -294,15 +301,19 @@ class SwimNode:
         outcome = self.table.apply(update, now)
         if outcome.event is not None:
             self._events.append(outcome.event)
-        if outcome.refuted:
-            self.stats.refutations += 1
-            self.awareness.apply(+1)
+        if outcome.refuted or outcome.stale_about_me:
             alive = Alive(node=self.node, incarnation=self.table.incarnation, addr=self.addr)
-            self._push(alive, urgent=True)
-            if outcome.refute_to is not None:
-                accuser = self.table.members.get(outcome.refute_to)
-                if accuser is not None:
-                    self._send(accuser.addr, GossipOnly(**self._hdr([alive])))
+            # Tell the accuser and whoever carried the news directly; gossip does the rest.
+            direct = {self._current_src} - {""}
+            accuser = self.table.members.get(outcome.refute_to or "")
+            if accuser is not None:
+                direct.add(accuser.addr)
+            if outcome.refuted:
+                self.stats.refutations += 1
+                self.awareness.apply(+1)
+                self._push(alive, urgent=True)
+            for addr in sorted(direct):
+                self._send(addr, GossipOnly(**self._hdr([alive])))
             return outcome
         if outcome.rebroadcast:
             self._push(update, urgent=outcome.urgent)
@@ -328,16 +339,31 @@ class SwimNode:
         self.table.suspicion_max_s = lo * cfg.suspicion_max_mult
         self.table.suspicion_k = max(0, min(cfg.suspicion_k, n - 2))
 
+    def _verify_at(self, deadline: float) -> float:
+        return deadline - self.awareness.scale(self.config.probe_deadline_s)
+
     def _fire_suspicions(self, now: float) -> None:
         for node in sorted(self.table.suspects):
             member = self.table.members[node]
             suspicion = member.suspicion
-            if suspicion is None or now < suspicion.deadline():
+            if suspicion is None:
+                continue
+            if (
+                now >= self._verify_at(suspicion.deadline())
+                and self._verifying.get(node) != suspicion.incarnation
+            ):
+                # Last chance: ping it ourselves (carrying the suspicion), so that a member
+                # that refuted while we missed the news answers us before we declare it dead.
+                self._verifying[node] = suspicion.incarnation
+                self._seq += 1
+                self._ping(node, self._seq)
+            if now < suspicion.deadline():
                 continue
             if now - suspicion.deadline() > self.config.lateness_tolerance_s:
                 # We were paused: let queued messages (a refutation?) in before deciding.
                 suspicion.started_at += now - suspicion.deadline()
                 continue
+            self._verifying.pop(node, None)
             dead = self.table.declare_dead(node, now)
             if dead is not None:
                 self.stats.declared_dead += 1
@@ -392,6 +418,9 @@ class SwimNode:
     def _ping(self, target: str, seq: int) -> None:
         member = self.table.members[target]
         updates = self._piggyback(first=[(target, MEMBER), (self.node, MEMBER)])
+        if member.state is State.SUSPECT and not any(u.node == target for u in updates):
+            # Buddy system: a suspect always learns it is suspected when we ping it.
+            updates.insert(0, Suspect(node=target, incarnation=member.incarnation, by=self.node))
         self._send(member.addr, Ping(**self._hdr(updates), seq=seq, target=target))
 
     def _send_ping_reqs(self, probe: _Probe, now: float) -> None:
@@ -407,6 +436,8 @@ class SwimNode:
         ]
         helpers = helpers[: self.config.indirect_probes]
         probe.requested = len(helpers)
+        # Also retry directly: one lost datagram should not cost a suspicion.
+        self._ping(probe.target, probe.seq)
         for helper in helpers:
             req = PingReq(
                 **self._hdr([]), seq=probe.seq, target=probe.target, target_addr=target.addr
@@ -552,17 +583,18 @@ class SwimNode:
             self._push_pull(self.rng.choice(dead).addr, reply=True)
 
     def _compare_checksum(self, peer: str, checksum: int, now: float) -> None:
+        """Consecutive probe acks whose live-set checksum differs from ours (from any peers)
+        mean our view has drifted: reconcile with a push-pull, rate-limited."""
         if checksum == self.table.checksum():
-            self._mismatches.pop(peer, None)
+            self._mismatch_run = 0
             return
-        count = self._mismatches.get(peer, 0) + 1
-        self._mismatches[peer] = count
+        self._mismatch_run += 1
         if (
-            count >= self.config.checksum_mismatches_max
+            self._mismatch_run >= self.config.checksum_mismatches_max
             and now - self._last_sync_at >= self.config.checksum_sync_s
         ):
             self._last_sync_at = now
-            self._mismatches.pop(peer, None)
+            self._mismatch_run = 0
             self.stats.checksum_syncs += 1
             self._push_pull(self.table.members[peer].addr, reply=True)
 

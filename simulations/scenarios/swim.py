@@ -217,7 +217,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
         "suspicions_of_healthy_members": len(suspected),
         "refutations": sum(m.core.stats.refutations for m in sim.members),
     }
-    total_msgs, total_bytes = sim.cost()
+    _total_msgs, _total_bytes = sim.cost()
     report["simulated_s"] = round(sim.now, 1)
     report["wall_s"] = round(time.monotonic() - wall0, 2)
     report["messages_delivered"] = sim.trace.delivered
