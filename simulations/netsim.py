@@ -64,7 +64,10 @@ class Simulation:
         config: SwimConfig | None = None,
         network: NetworkModel | None = None,
         keep_events: Callable[[MemberEvent], bool] | None = None,
+        join: bool = False,
     ) -> None:
+        """``join=False``: members start knowing each other (converged); ``join=True``: each
+        starts alone and joins through member 0 as its seed, as real daemons do."""
         self.seed = seed
         self.rng = random.Random(seed)
         self.config = config or SwimConfig.sim()
@@ -82,8 +85,10 @@ class Simulation:
         self.members: list[SimMember] = []
         pairs = list(zip(names, addrs, strict=True))
         for i in range(n):
-            core = self._new_core(names[i], addrs[i], seeds=())
-            core.bootstrap(0.0, pairs)
+            seeds = (addrs[0],) if join and i else ()
+            core = self._new_core(names[i], addrs[i], seeds=seeds)
+            if not join:
+                core.bootstrap(0.0, pairs)
             member = SimMember(i, names[i], addrs[i], core)
             self.members.append(member)
             self._schedule(member)

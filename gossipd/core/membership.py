@@ -68,7 +68,7 @@ class Member:
             node=self.node,
             addr=self.addr,
             incarnation=self.incarnation,
-            state=self.state.value,
+            state=self.state._value_,
             meta_version=self.meta_version,
             gpu=self.gpu,
         )
@@ -108,13 +108,19 @@ class MemberTable:
         self.live_version = 0  # bumped whenever the live set or an incarnation changes
         self._checksum: tuple[int, int] | None = None  # (live_version, checksum)
         self._live_count = (-1, 1)
+        self._records: tuple[object, list[MemberRecord]] = (None, [])
+        self._meta_changes = 0
         # Suspicion settings, refreshed by the SWIM node as the cluster size changes.
         self.suspicion_k = 3
         self.suspicion_min_s = 1.0
         self.suspicion_max_s = 3.0
         self.members_max = 10_000
         self.refused_full = 0
-        self.suspects: set[str] = set()
+        # Members by state (alive members are not tracked: that set is the big one).
+        self._by_state: dict[State, set[str]] = {st: set() for st in State if st is not State.ALIVE}
+        self.suspects = self._by_state[State.SUSPECT]
+        self.dead = self._by_state[State.DEAD]
+        self.left = self._by_state[State.LEFT]
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -139,10 +145,18 @@ class MemberTable:
         return value
 
     def records(self) -> list[MemberRecord]:
-        own = MemberRecord(
-            node=self.me, addr=self.addr, incarnation=self.incarnation, state="alive"
-        )
-        return [own, *(m.record() for m in self.members.values())]
+        """Our whole table for a push-pull (cached until the next change)."""
+        if self._records[0] != self.version:
+            own = MemberRecord(
+                node=self.me, addr=self.addr, incarnation=self.incarnation, state="alive"
+            )
+            self._records = (self.version, [own, *(m.record() for m in self.members.values())])
+        return list(self._records[1])
+
+    @property
+    def version(self) -> tuple[int, int, int]:
+        """Changes whenever anything a push-pull carries changes."""
+        return (self.live_version, self._meta_changes, len(self.members))
 
     # -- the rules -------------------------------------------------------------------------
 
@@ -266,6 +280,7 @@ class MemberTable:
             return Outcome()
         member.meta_version = update.version
         member.gpu = update.gpu
+        self._meta_changes += 1
         return Outcome(
             changed=True,
             rebroadcast=True,
@@ -276,9 +291,10 @@ class MemberTable:
     def _set_state(self, member: Member, state: State, now: float) -> None:
         if state is not State.SUSPECT:
             member.suspicion = None
-            self.suspects.discard(member.node)
-        else:
-            self.suspects.add(member.node)
+        if member.state is not State.ALIVE:
+            self._by_state[member.state].discard(member.node)
+        if state is not State.ALIVE:
+            self._by_state[state].add(member.node)
         member.state = state
         member.state_since = now
         self.live_version += 1
@@ -305,14 +321,13 @@ class MemberTable:
         return out
 
     def reap(self, now: float, *, dead_after_s: float, left_after_s: float) -> list[str]:
-        gone = [
-            m.node
-            for m in self.members.values()
-            if (m.state is State.DEAD and now - m.state_since >= dead_after_s)
-            or (m.state is State.LEFT and now - m.state_since >= left_after_s)
-        ]
-        for node in gone:
+        gone = [n for n in self.dead if now - self.members[n].state_since >= dead_after_s]
+        gone += [n for n in self.left if now - self.members[n].state_since >= left_after_s]
+        for node in sorted(gone):
+            self._by_state[self.members[node].state].discard(node)
             del self.members[node]
+        if gone:
+            self.live_version += 1
         return gone
 
 

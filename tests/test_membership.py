@@ -1,0 +1,202 @@
+"""The member table's state rules (gossipd/core/membership.py), by table and by state machine."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from gossipd.core.membership import TRANSITIONS, MemberTable, State
+from gossipd.core.messages import (
+    Alive,
+    Dead,
+    GpuState,
+    Left,
+    MemberRecord,
+    Meta,
+    Suspect,
+    UpdateKind,
+)
+
+ADDR = "tcp://10.0.0.1:7946"
+
+
+def table_with(state: State, incarnation: int = 5) -> MemberTable:
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    t.apply(Alive(node="x", incarnation=incarnation, addr=ADDR), 0.0)
+    if state is State.SUSPECT:
+        t.apply(Suspect(node="x", incarnation=incarnation, by="y"), 0.0)
+    elif state is State.DEAD:
+        t.apply(Dead(node="x", incarnation=incarnation, by="y"), 0.0)
+    elif state is State.LEFT:
+        t.apply(Left(node="x", incarnation=incarnation), 0.0)
+    assert t.members["x"].state is state
+    return t
+
+
+def make(kind: str, inc: int):  # type: ignore[no-untyped-def]
+    return {
+        "alive": Alive(node="x", incarnation=inc, addr=ADDR),
+        "suspect": Suspect(node="x", incarnation=inc, by="z"),
+        "dead": Dead(node="x", incarnation=inc, by="z"),
+        "left": Left(node="x", incarnation=inc),
+    }[kind]
+
+
+# (state before, update kind, incarnation delta) -> state after.  Rule 1: higher incarnation
+# wins; rule 2 at equal incarnation: alive < suspect < dead < left.
+ROWS = [
+    (State.ALIVE, "alive", 0, State.ALIVE),
+    (State.ALIVE, "alive", 1, State.ALIVE),
+    (State.ALIVE, "suspect", 0, State.SUSPECT),
+    (State.ALIVE, "suspect", -1, State.ALIVE),
+    (State.ALIVE, "dead", 0, State.DEAD),
+    (State.ALIVE, "left", 0, State.LEFT),
+    (State.SUSPECT, "alive", 0, State.SUSPECT),
+    (State.SUSPECT, "alive", 1, State.ALIVE),
+    (State.SUSPECT, "dead", 0, State.DEAD),
+    (State.SUSPECT, "left", 0, State.LEFT),
+    (State.DEAD, "alive", 0, State.DEAD),
+    (State.DEAD, "alive", 1, State.ALIVE),
+    (State.DEAD, "suspect", 1, State.DEAD),
+    (State.DEAD, "left", 0, State.LEFT),
+    (State.LEFT, "alive", 0, State.LEFT),
+    (State.LEFT, "alive", 1, State.ALIVE),
+    (State.LEFT, "dead", 1, State.LEFT),
+    (State.LEFT, "suspect", 1, State.LEFT),
+]
+
+
+@pytest.mark.parametrize(("before", "kind", "delta", "after"), ROWS)
+def test_transition_table(before: State, kind: str, delta: int, after: State) -> None:
+    t = table_with(before)
+    t.apply(make(kind, 5 + delta), 1.0)
+    assert t.members["x"].state is after
+
+
+def test_transition_table_covers_every_live_pair_it_documents() -> None:
+    assert (None, UpdateKind.ALIVE) in TRANSITIONS
+    assert (None, UpdateKind.SUSPECT) not in TRANSITIONS  # rule 5
+    assert all((s, UpdateKind.META) in TRANSITIONS for s in State)  # rule 6
+
+
+@pytest.mark.parametrize(
+    "news",
+    [
+        Suspect(node="me", incarnation=3, by="y"),
+        Dead(node="me", incarnation=3, by="y"),
+        Left(node="me", incarnation=3),
+    ],
+)
+def test_a_member_never_declares_itself_dead_it_refutes(news) -> None:  # type: ignore[no-untyped-def]
+    t = MemberTable(me="me", addr=ADDR, now=0.0, incarnation=3)
+    outcome = t.apply(news, 1.0)
+    assert outcome.refuted and t.incarnation == 4 and "me" not in t.members
+    assert outcome.refute_to == getattr(news, "by", None)
+
+
+def test_stale_news_about_me_is_answered_not_refuted_again() -> None:
+    t = MemberTable(me="me", addr=ADDR, now=0.0, incarnation=7)
+    outcome = t.apply(Suspect(node="me", incarnation=6, by="y"), 1.0)
+    assert outcome.stale_about_me and not outcome.refuted and t.incarnation == 7
+
+
+def test_a_leaving_member_does_not_refute() -> None:
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    t.leaving = True
+    assert not t.apply(Dead(node="me", incarnation=0, by="y"), 1.0).refuted
+
+
+def test_suspicion_confirmations_count_distinct_members() -> None:
+    t = table_with(State.SUSPECT)
+    assert t.apply(Suspect(node="x", incarnation=5, by="a"), 1.0).rebroadcast
+    assert not t.apply(Suspect(node="x", incarnation=5, by="a"), 1.0).rebroadcast
+    assert t.members["x"].suspicion.confirmers == {"y", "a"}
+
+
+def test_metadata_has_its_own_version_and_never_changes_state() -> None:
+    t = table_with(State.SUSPECT)
+    gpu = GpuState(model="m", running_requests=3)
+    assert t.apply(Meta(node="x", version=2, gpu=gpu), 1.0).changed
+    assert not t.apply(Meta(node="x", version=1, gpu=GpuState()), 1.0).changed
+    assert t.members["x"].gpu == gpu and t.members["x"].state is State.SUSPECT
+
+
+def test_push_pull_dead_record_is_only_suspected_here() -> None:
+    t = table_with(State.ALIVE)
+    record = MemberRecord(node="x", addr=ADDR, incarnation=5, state="dead")
+    for update in t.merge_record(record, sender="s"):
+        t.apply(update, 1.0)
+    assert t.members["x"].state is State.SUSPECT
+
+
+def test_checksum_depends_on_live_set_and_incarnations_only() -> None:
+    a = MemberTable(me="a", addr=ADDR, now=0.0)
+    b = MemberTable(me="b", addr=ADDR, now=0.0)
+    a.apply(Alive(node="b", incarnation=0, addr=ADDR), 0.0)
+    b.apply(Alive(node="a", incarnation=0, addr=ADDR), 0.0)
+    assert a.checksum() == b.checksum()
+    a.apply(Alive(node="b", incarnation=1, addr=ADDR), 0.0)
+    assert a.checksum() != b.checksum()
+
+
+NODES = st.sampled_from(["me", "a", "b", "c"])
+INCS = st.integers(0, 4)
+
+
+class TableMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = MemberTable(me="me", addr=ADDR, now=0.0)
+        self.seen_inc: dict[str, int] = {}
+        self.my_inc = 0
+        self.now = 0.0
+
+    @rule(
+        kind=st.sampled_from(["alive", "suspect", "dead", "left", "meta"]),
+        node=NODES,
+        inc=INCS,
+        by=NODES,
+    )
+    def apply(self, kind: str, node: str, inc: int, by: str) -> None:
+        self.now += 0.1
+        update = {
+            "alive": Alive(node=node, incarnation=inc, addr=ADDR),
+            "suspect": Suspect(node=node, incarnation=inc, by=by),
+            "dead": Dead(node=node, incarnation=inc, by=by),
+            "left": Left(node=node, incarnation=inc),
+            "meta": Meta(node=node, version=inc, gpu=GpuState()),
+        }[kind]
+        before = self.t.members.get(node)
+        before_state = None if before is None else (before.state, before.incarnation)
+        outcome = self.t.apply(update, self.now)
+        if node == "me" and kind in ("suspect", "dead", "left") and inc >= self.my_inc:
+            assert outcome.refuted and self.t.incarnation == inc + 1
+        if before_state is not None and before_state[0] is State.LEFT and kind != "meta":
+            member = self.t.members[node]
+            assert member.state is State.LEFT or member.incarnation > before_state[1]
+        self.my_inc = self.t.incarnation
+
+    @invariant()
+    def never_lists_itself(self) -> None:
+        assert "me" not in self.t.members
+
+    @invariant()
+    def incarnations_never_go_back(self) -> None:
+        for node, m in self.t.members.items():
+            assert m.incarnation >= self.seen_inc.get(node, 0)
+            self.seen_inc[node] = m.incarnation
+
+    @invariant()
+    def state_index_matches_states(self) -> None:
+        for state, names in (
+            (State.SUSPECT, self.t.suspects),
+            (State.DEAD, self.t.dead),
+            (State.LEFT, self.t.left),
+        ):
+            assert names == {n for n, m in self.t.members.items() if m.state is state}
+        for m in self.t.members.values():
+            assert (m.suspicion is not None) == (m.state is State.SUSPECT)
+
+
+TestTableMachine = TableMachine.TestCase
