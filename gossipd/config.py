@@ -84,6 +84,46 @@ class IngressConfig(Section):
             )
 
 
+class GossipConfig(Section):
+    # Membership socket (PULL) that peers send SWIM messages to.  Empty: no membership (a
+    # lone daemon).
+    bind: str = "tcp://127.0.0.1:7946"
+    # The address peers use to reach us; empty: the bind address (then it must not be a
+    # wildcard).
+    advertise: str = ""
+    # Gossip endpoints of some members to join through (any live one will do).
+    seeds: list[str] = msgspec.field(default_factory=list)
+    # SWIM settings: a named preset (see gossipd/core/swim_config.py) ...
+    preset: Literal["lan", "wan", "local"] = "lan"
+    # ... and individual SwimConfig fields over it, e.g. {probe_interval_s = 0.5}.
+    swim: dict[str, float | int | bool] = msgspec.field(default_factory=dict)
+    # How often GPU and engine state is sampled, and the least time between two publications.
+    meta_sample_s: Seconds = 1.0
+    meta_publish_min_s: Seconds = 2.0
+
+    def __post_init__(self) -> None:
+        if self.bind:
+            _check_bind("bind", self.bind)
+        if self.advertise:
+            _check_bind("advertise", self.advertise)
+        elif self.bind and "*" in self.bind:
+            raise ValueError(f"advertise: required when bind is a wildcard ({self.bind!r})")
+        for seed in self.seeds:
+            _check_bind("seeds", seed)
+        from gossipd.core.swim_config import SwimConfig
+
+        unknown = set(self.swim) - set(SwimConfig.field_names())
+        if unknown:
+            raise ValueError(f"swim: unknown key(s) {sorted(unknown)}; expected SwimConfig fields")
+
+
+class GpuConfig(Section):
+    # On a machine without a GPU (or without NVML/torch): the memory to report, in MiB.
+    memory_total_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Relative capacity of this daemon on the ring (a bigger GPU takes more keys).
+    capacity_weight: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
+
+
 class EngineConfig(Section):
     kind: Literal["echo"] = "echo"
     # Echo engine: the delay before each output token.
@@ -115,6 +155,8 @@ class Config(Section):
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     ingress: IngressConfig = msgspec.field(default_factory=IngressConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    gossip: GossipConfig = msgspec.field(default_factory=GossipConfig)
+    gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)

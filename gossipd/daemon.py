@@ -19,9 +19,11 @@ from typing import Any
 
 import zmq
 
+from gossipd import __version__
 from gossipd.config import Config, node_id
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
+from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
 from gossipd.metrics import DaemonCollector, serve_metrics
 from gossipd.notify import Notifier
@@ -61,6 +63,7 @@ class Daemon:
         self.notifier = Notifier(environ)
         self._stop = asyncio.Event()
         self.metrics_port = 0
+        self.gossip: GossipService | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -71,6 +74,7 @@ class Daemon:
             "admission": self.ingress.admission.statistics(),
             "replies": self.replies.statistics(),
             "engine": self.engine.stats(),
+            "gossip": self.gossip,
         }
 
     async def run(self) -> int:
@@ -79,6 +83,17 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         await self.engine.start()
         endpoint = self.ingress.bind()
+        if self.config.gossip.bind:
+            self.gossip = GossipService(
+                self.config,
+                node=self.node,
+                ctx=self._ctx,
+                engine=self.engine,
+                ingress_endpoint=endpoint,
+                version=__version__,
+            )
+            gossip_endpoint = self.gossip.bind()
+            loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:
             _, self.metrics_port = serve_metrics(
                 self.config.metrics.bind, DaemonCollector(self.node, self.snapshot)
@@ -93,11 +108,18 @@ class Daemon:
                 ]
                 expirer = tg.create_task(self.ingress.expire_forever(), name="deadlines")
                 watchdog = tg.create_task(self.notifier.watchdog_forever(), name="watchdog")
+                membership: list[asyncio.Task[None]] = []
+                if self.gossip is not None:
+                    membership = [
+                        tg.create_task(self.gossip.run_forever(), name="gossip"),
+                        tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
+                    ]
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
                     "serving",
                     extra={
                         "endpoint": endpoint,
+                        "gossip": gossip_endpoint if self.gossip is not None else "",
                         "engine": self.engine.name,
                         "metrics_port": self.metrics_port,
                         "concurrency_max": self.config.ingress.concurrency_max,
@@ -105,10 +127,16 @@ class Daemon:
                 )
                 await self._stop.wait()
                 await self._shut_down(receiver, workers)
+                if self.gossip is not None:
+                    await self.gossip.leave()
+                for task in membership:
+                    task.cancel()
                 watchdog.cancel()
                 expirer.cancel()
                 self.replies.stop()
         finally:
+            if self.gossip is not None:
+                self.gossip.close()
             self.ingress.close()
             self.replies.close(linger_ms=2000)
             await self.engine.stop()
@@ -122,6 +150,8 @@ class Daemon:
     ) -> None:
         grace_s = self.config.lifecycle.shutdown_grace_s
         self.notifier.stopping()
+        if self.gossip is not None:
+            self.gossip.set_status("draining")
         pending = self.ingress.admission.pending
         log.info("shutting down", extra={"pending": pending, "grace_s": grace_s})
         self.ingress.begin_shutdown()  # the receive loop now answers shutting_down
@@ -147,6 +177,8 @@ class Daemon:
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stats in snapshot.items():
+        if name == "gossip":
+            continue
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}
     return out

@@ -40,7 +40,12 @@ class DaemonProcess:
         self.port = port or free_tcp_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.name = name
-        self._overrides = [f"ingress.bind={self.endpoint}", *overrides]
+        self.gossip_port = free_tcp_port()
+        self.gossip_endpoint = f"tcp://127.0.0.1:{self.gossip_port}"
+        defaults = [f"ingress.bind={self.endpoint}"]
+        if not any(o.startswith("gossip.bind=") for o in overrides):
+            defaults.append(f"gossip.bind={self.gossip_endpoint}")
+        self._overrides = [*defaults, *overrides]
         self._config = config
         self._env = {**os.environ, **(env or {})}
         self.log_path = (

@@ -138,6 +138,9 @@ class DaemonCollector:
             gauge = GaugeMetricFamily(name, doc)
             gauge.add_metric([], value)
             yield gauge
+        gossip = s.get("gossip")
+        if gossip is not None and gossip.core is not None:
+            yield from _gossip_metrics(gossip)
         hist = ing.latency
         latency = HistogramMetricFamily("gossipd_task_latency_seconds", "Receipt to final result")
         latency.add_metric([], hist.cumulative(), sum_value=hist.sum_s)
@@ -151,3 +154,61 @@ def serve_metrics(bind: str, collector: DaemonCollector) -> tuple[CollectorRegis
     host, _, port = bind.rpartition(":")
     server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
     return registry, server.server_address[1]
+
+
+def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
+    core = gossip.core
+    members = GaugeMetricFamily(
+        "gossipd_members", "Members known, by state (not counting us)", labels=["state"]
+    )
+    counts: dict[str, int] = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
+    for m in core.table.members.values():
+        counts[m.state.value] += 1
+    for state, n in counts.items():
+        members.add_metric([state], n)
+    yield members
+    stats = core.stats
+    sent = CounterMetricFamily(
+        "gossipd_gossip_messages_sent", "Membership messages sent", labels=["type"]
+    )
+    for kind, n in sorted(stats.sent.items()):
+        sent.add_metric([kind], n)
+    yield sent
+    received = CounterMetricFamily(
+        "gossipd_gossip_messages_received", "Membership messages received", labels=["type"]
+    )
+    for kind, n in sorted(stats.received.items()):
+        received.add_metric([kind], n)
+    yield received
+    for name, doc, value in (
+        ("gossipd_gossip_bytes_sent", "Membership bytes sent", stats.sent_bytes),
+        ("gossipd_gossip_bytes_received", "Membership bytes received", stats.received_bytes),
+        ("gossipd_gossip_refused", "Undecodable membership messages", stats.refused),
+        (
+            "gossipd_gossip_foreign_cluster",
+            "Messages of another cluster, ignored",
+            stats.foreign_cluster,
+        ),
+        ("gossipd_gossip_probes", "Probes started", stats.probes),
+        ("gossipd_gossip_probes_failed", "Probes that ended in a suspicion", stats.probes_failed),
+        (
+            "gossipd_gossip_refutations",
+            "Times we refuted a suspicion of ourselves",
+            stats.refutations,
+        ),
+        ("gossipd_gossip_declared_dead", "Members we declared dead", stats.declared_dead),
+        (
+            "gossipd_gossip_sends_dropped",
+            "Sends dropped at a full peer queue",
+            gossip.dropped_sends,
+        ),
+    ):
+        counter = CounterMetricFamily(name, doc)
+        counter.add_metric([], value)
+        yield counter
+    awareness = GaugeMetricFamily("gossipd_gossip_awareness", "Local health score (0 = healthy)")
+    awareness.add_metric([], core.awareness.score)
+    yield awareness
+    checksum = GaugeMetricFamily("gossipd_gossip_checksum", "Checksum of the live member set")
+    checksum.add_metric([], core.table.checksum())
+    yield checksum

@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "cluster":
+        from simulations.cluster import main as cluster_main
+
+        return cluster_main(argv[1:])
+    sub.add_parser("cluster", help="real daemons on loopback with real faults (see --help there)")
     args = parser.parse_args(argv)
     run = SwimRun(
         nodes=args.nodes,

@@ -107,11 +107,14 @@ def test_a_leaving_member_does_not_refute() -> None:
     assert not t.apply(Dead(node="me", incarnation=0, by="y"), 1.0).refuted
 
 
-def test_suspicion_confirmations_count_distinct_members() -> None:
+def test_suspicion_confirmations_count_distinct_members_and_go_to_the_accuser() -> None:
     t = table_with(State.SUSPECT)
-    assert t.apply(Suspect(node="x", incarnation=5, by="a"), 1.0).rebroadcast
-    assert not t.apply(Suspect(node="x", incarnation=5, by="a"), 1.0).rebroadcast
-    assert t.members["x"].suspicion.confirmers == {"y", "a"}
+    first = t.apply(Suspect(node="x", incarnation=5, by="a"), 1.0)
+    assert first.changed and not first.rebroadcast and first.confirm_to is None
+    assert not t.apply(Suspect(node="x", incarnation=5, by="a"), 1.0).changed
+    mine = t.apply(Suspect(node="x", incarnation=5, by="me"), 1.0)
+    assert mine.confirm_to == "y" and t.members["x"].suspicion.witness
+    assert t.members["x"].suspicion.confirmers == {"y", "a", "me"}
 
 
 def test_metadata_has_its_own_version_and_never_changes_state() -> None:

@@ -8,7 +8,8 @@ Rules (an update is about one member and carries that member's incarnation):
 3. Only the subject may refute: a member that hears it is suspect, dead (or left, when it has
    not left) takes incarnation max(own, heard) + 1 and announces itself alive.  A member never
    declares itself dead.
-4. A suspicion of the same incarnation by another member is a confirmation (Lifeguard).
+4. A suspicion of the same incarnation by another member is a confirmation (Lifeguard); it
+   is counted, not flooded: a confirmer tells the accuser directly.
 5. Unknown members join only through an alive update; other news about them is ignored.
 6. GPU metadata has its own version counter: a higher version replaces a lower one and never
    changes membership state.
@@ -95,6 +96,7 @@ class Outcome:
     refuted: bool = False
     stale_about_me: bool = False  # someone still believes an older suspicion/death of ours
     confirm_probe: str | None = None  # a new suspicion heard from another member
+    confirm_to: str | None = None  # we confirmed a suspicion: tell its accuser directly
     event: MemberEvent | None = None
 
 
@@ -231,7 +233,12 @@ class MemberTable:
             if update.by == self.me:
                 member.suspicion.witness = True
             new = member.suspicion.confirm(update.by)
-            return Outcome(changed=new, rebroadcast=new)
+            # Rule 4: a confirmation counts here.  It is not flooded (that would cost a whole
+            # broadcast per confirmer); our own goes straight to the accuser, whose timer it
+            # shortens, and the accuser's Dead, if it comes to that, reaches everyone.
+            accuser = member.suspicion.accuser
+            send_to = accuser if new and update.by == self.me and accuser != self.me else None
+            return Outcome(changed=new, confirm_to=send_to)
         member.incarnation = update.incarnation
         self._set_state(member, State.SUSPECT, now)
         member.suspicion = Suspicion(

@@ -34,7 +34,16 @@ def remaining_timeout_s(confirmations: int, k: int, min_s: float, max_s: float) 
 class Suspicion:
     """One suspicion of one member's incarnation, at one observer."""
 
-    __slots__ = ("confirmers", "incarnation", "k", "max_s", "min_s", "started_at", "witness")
+    __slots__ = (
+        "accuser",
+        "confirmers",
+        "incarnation",
+        "k",
+        "max_s",
+        "min_s",
+        "started_at",
+        "witness",
+    )
 
     def __init__(
         self,
@@ -53,6 +62,7 @@ class Suspicion:
         self.min_s = min_s
         self.max_s = max_s
         self.witness = witness
+        self.accuser = by  # the first suspecter: confirmations are sent to it directly
         self.confirmers: set[str] = {by}
 
     def confirm(self, by: str) -> bool:

@@ -323,6 +323,10 @@ class SwimNode:
             self.stats.suspicions_raised += 1
         if outcome.confirm_probe is not None:
             self._maybe_confirm(outcome.confirm_probe, now)
+        if outcome.confirm_to is not None:
+            accuser = self.table.members.get(outcome.confirm_to)
+            if accuser is not None:
+                self._send(accuser.addr, GossipOnly(**self._hdr([update])))
         return outcome
 
     def _push(self, update: Update, *, urgent: bool) -> None:

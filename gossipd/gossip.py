@@ -1,0 +1,273 @@
+"""The membership shell: runs one SwimNode on the asyncio loop over ZeroMQ.
+
+Datagrams: each daemon binds a PULL socket; it sends to a peer through a cached PUSH socket
+connected to the peer's gossip address.  Sends never block: when a peer's queue (SNDHWM) is
+full the message is dropped and counted, as UDP would drop it; SWIM is built for loss.
+
+Time: the core gets wall-clock seconds (time.time()), because probe targets follow a schedule
+shared by all members (round = floor(now / probe_interval)); the loop's monotonic clock is
+only used for waiting.  Member events are logged as JSON lines ("member" with event, member,
+incarnation, by, at) so that tests and the cluster harness can measure from the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from gossipd.config import Config
+from gossipd.core.membership import LIVE_STATES, MemberEvent
+from gossipd.core.messages import GpuState
+from gossipd.core.swim import SwimNode
+from gossipd.core.swim_config import SwimConfig
+from gossipd.engines.base import Engine
+from gossipd.gpu import GpuProbe
+from gossipd.transport import recv_batch, wait_events
+
+log = logging.getLogger("gossipd.gossip")
+
+PRESETS: dict[str, Callable[..., SwimConfig]] = {
+    "lan": SwimConfig.lan,
+    "wan": SwimConfig.wan,
+    "local": SwimConfig.local,
+}
+PEER_SOCKETS_MAX = 4096
+PEER_IDLE_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberView:
+    node: str
+    state: str
+    incarnation: int
+    addr: str
+    gpu: GpuState | None
+
+
+class GossipService:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        node: str,
+        ctx: zmq.Context,
+        engine: Engine,
+        ingress_endpoint: str,
+        version: str = "",
+    ) -> None:
+        g = config.gossip
+        self.config = config
+        self.node = node
+        self.swim_config = PRESETS[g.preset](cluster=config.node.cluster, **g.swim)
+        self._ctx = ctx
+        self._engine = engine
+        self._ingress = ingress_endpoint
+        self._version = version
+        self._sock: zmq.Socket | None = None
+        self._peers: OrderedDict[str, tuple[zmq.Socket, float]] = OrderedDict()
+        self.core: SwimNode | None = None
+        self.advertise = ""
+        self.status = "serving"
+        self.dropped_sends = 0
+        self._gpu_probe = GpuProbe(
+            config.node.gpu_index, static_memory_total_mb=config.gpu.memory_total_mb
+        )
+        self._last_published: GpuState | None = None
+        self._last_published_at = 0.0
+        self._wake = asyncio.Event()
+        self.listeners: list[Callable[[MemberEvent], None]] = []
+
+    def bind(self) -> str:
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.swim_config.message_bytes_max)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.config.gossip.bind)
+        self._sock = sock
+        self.advertise = self.config.gossip.advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        rng = random.Random(secrets.randbits(64))  # the one place a member's RNG is seeded
+        self.core = SwimNode(
+            self.swim_config,
+            node=self.node,
+            addr=self.advertise,
+            rng=rng,
+            now=time.time(),
+            seeds=list(self.config.gossip.seeds),
+        )
+        return self.advertise
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        assert self._sock is not None and self.core is not None, "bind() first"
+        core, sock = self.core, self._sock
+        self._publish_meta(force=True)
+        self._flush()
+        while True:
+            wait_s = max(0.0, core.next_deadline() - time.time())
+            if await _readable_within(sock, wait_s, self._wake):
+                now = time.time()
+                for frame in await recv_batch(sock, 256):
+                    core.receive(now, frame)
+            now = time.time()
+            if now >= core.next_deadline():
+                core.tick(now)
+            self._flush()
+
+    async def publish_meta_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.gossip.meta_sample_s)
+            self._publish_meta(force=False)
+
+    def _gpu_state(self) -> GpuState:
+        reading = self._gpu_probe.read()
+        stats = self._engine.stats()
+        return GpuState(
+            gpu_index=self.config.node.gpu_index,
+            ingress=self._ingress,
+            model=getattr(self._engine, "model", "") or self._engine.name,
+            memory_free_mb=reading.memory_free_mb,
+            memory_total_mb=reading.memory_total_mb,
+            utilization_pct=reading.utilization_pct,
+            running_requests=stats.running_requests,
+            waiting_requests=stats.waiting_requests,
+            kv_cache_usage_ratio=min(1.0, max(0.0, stats.kv_cache_usage_ratio)),
+            capacity_weight=self.config.gpu.capacity_weight,
+            status=self.status,  # type: ignore[arg-type]
+            software_version=self._version,
+        )
+
+    def _publish_meta(self, *, force: bool) -> None:
+        """Publish GPU state when it changed, at most every meta_publish_min_s (status changes
+        go out at once: draining and unhealthy must not wait)."""
+        assert self.core is not None
+        gpu = self._gpu_state()
+        now = time.time()
+        last = self._last_published
+        if not force and last == gpu:
+            return
+        status_changed = last is None or last.status != gpu.status
+        if (
+            not force
+            and not status_changed
+            and now - self._last_published_at < self.config.gossip.meta_publish_min_s
+        ):
+            return
+        self.core.set_gpu(now, gpu)
+        self._last_published, self._last_published_at = gpu, now
+        self._wake.set()
+
+    def set_status(self, status: str) -> None:
+        self.status = status
+        if self.core is not None:
+            self._publish_meta(force=False)
+
+    def announce(self) -> None:
+        """Re-announce ourselves with a new incarnation (SIGUSR1; used to measure spreading)."""
+        assert self.core is not None
+        self.core.announce(time.time())
+        log.info("announced", extra={"incarnation": self.core.table.incarnation, "at": time.time()})
+        self._wake.set()
+
+    async def leave(self, linger_s: float | None = None) -> None:
+        """Tell the cluster we leave (not a failure), and give it a few gossip rounds."""
+        assert self.core is not None
+        self.core.leave(time.time())
+        self._flush()
+        await asyncio.sleep(
+            linger_s if linger_s is not None else 3 * self.swim_config.gossip_interval_s
+        )
+
+    def _flush(self) -> None:
+        assert self.core is not None
+        for addr, data in self.core.take_outbox():
+            self._send(addr, data)
+        for event in self.core.take_events():
+            log.info(
+                "member",
+                extra={
+                    "event": event.kind,
+                    "member": event.node,
+                    "incarnation": event.incarnation,
+                    "by": event.by,
+                    "at": event.at,
+                },
+            )
+            for listener in self.listeners:
+                listener(event)
+
+    def _send(self, addr: str, data: bytes) -> None:
+        now = time.monotonic()
+        entry = self._peers.get(addr)
+        if entry is None:
+            if len(self._peers) >= PEER_SOCKETS_MAX:
+                _, (old, _) = self._peers.popitem(last=False)
+                old.close(linger=0)
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 64)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.connect(addr)
+        else:
+            sock = entry[0]
+            self._peers.move_to_end(addr)
+        self._peers[addr] = (sock, now)
+        try:
+            sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped_sends += 1
+        for peer, (old, used) in list(self._peers.items())[:4]:  # close idle sockets, a few a time
+            if now - used > PEER_IDLE_S:
+                old.close(linger=0)
+                del self._peers[peer]
+
+    def close(self) -> None:
+        for sock, _ in self._peers.values():
+            sock.close(linger=0)
+        self._peers.clear()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def members(self) -> list[MemberView]:
+        assert self.core is not None
+        return [
+            MemberView(m.node, m.state.value, m.incarnation, m.addr, m.gpu)
+            for m in self.core.table.members.values()
+        ]
+
+    def live_members(self) -> list[MemberView]:
+        assert self.core is not None
+        return [
+            MemberView(m.node, m.state.value, m.incarnation, m.addr, m.gpu)
+            for m in self.core.table.members.values()
+            if m.state in LIVE_STATES
+        ]
+
+
+async def _readable_within(sock: zmq.Socket, timeout_s: float, wake: asyncio.Event) -> bool:
+    """True when ``sock`` has input; False when ``timeout_s`` passed or ``wake`` was set."""
+    if wake.is_set():
+        wake.clear()
+        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    reader = asyncio.ensure_future(wait_events(sock, zmq.POLLIN, timeout_s))
+    waker = asyncio.ensure_future(wake.wait())
+    try:
+        done, _ = await asyncio.wait({reader, waker}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for fut in (reader, waker):
+            fut.cancel()
+        await asyncio.gather(reader, waker, return_exceptions=True)
+    wake.clear()
+    return reader in done and not reader.cancelled() and bool(reader.result())
