@@ -191,6 +191,17 @@ class TableMachine(RuleBasedStateMachine):
             self.seen_inc[node] = m.incarnation
 
     @invariant()
+    def incremental_checksum_and_count_match_a_recount(self) -> None:
+        from gossipd.core.membership import _contribution
+
+        live = [m for m in self.t.members.values() if m.state in (State.ALIVE, State.SUSPECT)]
+        xor = _contribution("me", self.t.incarnation)
+        for m in live:
+            xor ^= _contribution(m.node, m.incarnation)
+        assert self.t.checksum() == xor >> 1
+        assert self.t.live_count() == 1 + len(live)
+
+    @invariant()
     def state_index_matches_states(self) -> None:
         for state, names in (
             (State.SUSPECT, self.t.suspects),

@@ -107,9 +107,10 @@ class MemberTable:
         self.incarnation = incarnation
         self.leaving = False
         self.members: dict[str, Member] = {}
-        self.live_version = 0  # bumped whenever the live set or an incarnation changes
-        self._checksum: tuple[int, int] | None = None  # (live_version, checksum)
-        self._live_count = (-1, 1)
+        self.live_version = 0  # bumped on every change of state or incarnation
+        self.set_version = 0  # bumped only when the live set itself changes
+        self._xor = 0  # XOR of _contribution() over live members other than us
+        self._live_n = 0
         self._records: tuple[object, list[MemberRecord]] = (None, [])
         self._meta_changes = 0
         # Suspicion settings, refreshed by the SWIM node as the cluster size changes.
@@ -127,24 +128,13 @@ class MemberTable:
     # -- queries ---------------------------------------------------------------------------
 
     def live_count(self) -> int:
-        """Live members, ourselves included (cached per live_version)."""
-        if self._live_count[0] != self.live_version:
-            n = 1 + sum(1 for m in self.members.values() if m.state in LIVE_STATES)
-            self._live_count = (self.live_version, n)
-        return self._live_count[1]
+        """Live members, ourselves included."""
+        return 1 + self._live_n
 
     def checksum(self) -> int:
-        """A 63-bit digest of the live set (names and incarnations, ourselves included)."""
-        if self._checksum is not None and self._checksum[0] == self.live_version:
-            return self._checksum[1]
-        parts = [f"{self.me}:{self.incarnation}"]
-        parts += [
-            f"{m.node}:{m.incarnation}" for m in self.members.values() if m.state in LIVE_STATES
-        ]
-        digest = hashlib.blake2b("\n".join(sorted(parts)).encode(), digest_size=8).digest()
-        value = int.from_bytes(digest, "big") >> 1
-        self._checksum = (self.live_version, value)
-        return value
+        """A 63-bit digest of the live set (names and incarnations, ourselves included): the
+        XOR of one hash per live member, kept up to date in O(1) per change."""
+        return (self._xor ^ _contribution(self.me, self.incarnation)) >> 1
 
     def records(self) -> list[MemberRecord]:
         """Our whole table for a push-pull (cached until the next change)."""
@@ -202,6 +192,9 @@ class MemberTable:
         self.members[update.node] = Member(
             update.node, update.addr, update.incarnation, State.ALIVE, now
         )
+        self._xor ^= _contribution(update.node, update.incarnation)
+        self._live_n += 1
+        self.set_version += 1
         self.live_version += 1
         return Outcome(
             changed=True,
@@ -214,9 +207,8 @@ class MemberTable:
         if update.incarnation <= member.incarnation:
             return Outcome()
         was = member.state
-        member.incarnation = update.incarnation
         member.addr = update.addr
-        self._set_state(member, State.ALIVE, now)
+        self._set_state(member, State.ALIVE, now, update.incarnation)
         kind = "joined" if was in (State.DEAD, State.LEFT) else "alive"
         return Outcome(
             changed=True,
@@ -239,8 +231,7 @@ class MemberTable:
             accuser = member.suspicion.accuser
             send_to = accuser if new and update.by == self.me and accuser != self.me else None
             return Outcome(changed=new, confirm_to=send_to)
-        member.incarnation = update.incarnation
-        self._set_state(member, State.SUSPECT, now)
+        self._set_state(member, State.SUSPECT, now, update.incarnation)
         member.suspicion = Suspicion(
             incarnation=update.incarnation,
             started_at=now,
@@ -261,8 +252,7 @@ class MemberTable:
         assert member is not None
         if update.incarnation < member.incarnation:
             return Outcome()
-        member.incarnation = update.incarnation
-        self._set_state(member, State.DEAD, now)
+        self._set_state(member, State.DEAD, now, update.incarnation)
         return Outcome(
             changed=True,
             rebroadcast=True,
@@ -273,8 +263,7 @@ class MemberTable:
         assert member is not None
         if update.incarnation < member.incarnation:
             return Outcome()
-        member.incarnation = update.incarnation
-        self._set_state(member, State.LEFT, now)
+        self._set_state(member, State.LEFT, now, update.incarnation)
         return Outcome(
             changed=True,
             rebroadcast=True,
@@ -295,13 +284,25 @@ class MemberTable:
             event=MemberEvent("meta", member.node, member.incarnation, now),
         )
 
-    def _set_state(self, member: Member, state: State, now: float) -> None:
+    def _set_state(self, member: Member, state: State, now: float, incarnation: int) -> None:
+        """The one place a known member's state or incarnation changes (keeps the live count,
+        the checksum and the per-state indexes in step, in O(1))."""
+        was_live = member.state is State.ALIVE or member.state is State.SUSPECT
+        is_live = state is State.ALIVE or state is State.SUSPECT
+        if was_live:
+            self._xor ^= _contribution(member.node, member.incarnation)
+        if is_live:
+            self._xor ^= _contribution(member.node, incarnation)
+        if was_live != is_live:
+            self._live_n += 1 if is_live else -1
+            self.set_version += 1
         if state is not State.SUSPECT:
             member.suspicion = None
         if member.state is not State.ALIVE:
             self._by_state[member.state].discard(member.node)
         if state is not State.ALIVE:
             self._by_state[state].add(member.node)
+        member.incarnation = incarnation
         member.state = state
         member.state_since = now
         self.live_version += 1
@@ -336,6 +337,11 @@ class MemberTable:
         if gone:
             self.live_version += 1
         return gone
+
+
+def _contribution(node: str, incarnation: int) -> int:
+    digest = hashlib.blake2b(f"{node}:{incarnation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 _KIND: dict[type, UpdateKind] = {

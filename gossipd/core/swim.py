@@ -376,7 +376,7 @@ class SwimNode:
     # -- probing -----------------------------------------------------------------------------
 
     def _live_ring(self) -> list[str]:
-        version = self.table.live_version
+        version = self.table.set_version
         if self._ring[0] != version:
             ring = [n for n, m in self.table.members.items() if m.state in LIVE_STATES]
             ring.append(self.node)
