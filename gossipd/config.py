@@ -117,6 +117,36 @@ class GossipConfig(Section):
             raise ValueError(f"swim: unknown key(s) {sorted(unknown)}; expected SwimConfig fields")
 
 
+class FanoutConfig(Section):
+    # ROUTER socket that peers forward tasks to; advertised to them through gossip.
+    rpc_bind: str = "tcp://127.0.0.1:5558"
+    rpc_advertise: str = ""
+    # Members tried for one task (the owner, then its successors), and the wait for each
+    # one's accept/refuse before moving on.
+    attempts_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    ack_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
+    # Backoff before attempt n+1: min(max, base * 2^(n-1)), jittered by 0.5x..1.5x.
+    backoff_base_s: Seconds = 0.005
+    backoff_max_s: Seconds = 0.2
+    # Bounded loads: a member takes a task only below c x its fair share of in-flight tasks.
+    load_bound_c: Annotated[float, msgspec.Meta(ge=1.0, le=100.0)] = 1.25
+    # Forwarded tasks remembered until their owner reports them done (for migration).
+    forwarded_max: Positive = 200_000
+    # Per-peer circuit breaker: this many failures in a row stop calls for breaker_open_s.
+    breaker_failures: Positive = 3
+    breaker_open_s: Seconds = 2.0
+    message_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _check_bind("rpc_bind", self.rpc_bind)
+        if self.rpc_advertise:
+            _check_bind("rpc_advertise", self.rpc_advertise)
+        elif "*" in self.rpc_bind:
+            raise ValueError(
+                f"rpc_advertise: required when rpc_bind is a wildcard ({self.rpc_bind!r})"
+            )
+
+
 class GpuConfig(Section):
     # On a machine without a GPU (or without NVML/torch): the memory to report, in MiB.
     memory_total_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -156,6 +186,7 @@ class Config(Section):
     ingress: IngressConfig = msgspec.field(default_factory=IngressConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     gossip: GossipConfig = msgspec.field(default_factory=GossipConfig)
+    fanout: FanoutConfig = msgspec.field(default_factory=FanoutConfig)
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import secrets
 import signal
 import socket
 import time
@@ -21,6 +23,8 @@ import zmq
 
 from gossipd import __version__
 from gossipd.config import Config, node_id
+from gossipd.core.messages import ErrorCode, error_result
+from gossipd.dispatch import Dispatcher
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.gossip import GossipService
@@ -64,6 +68,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self.metrics_port = 0
         self.gossip: GossipService | None = None
+        self.dispatcher: Dispatcher | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -92,6 +97,16 @@ class Daemon:
                 ingress_endpoint=endpoint,
                 version=__version__,
             )
+            self.dispatcher = Dispatcher(
+                self.config.fanout,
+                ctx=self._ctx,
+                node=self.node,
+                ingress=self.ingress,
+                gossip=self.gossip,
+                rng=random.Random(secrets.randbits(64)),
+            )
+            self.gossip.rpc_endpoint = self.dispatcher.bind()
+            self.gossip.load = lambda: self.ingress.admission.pending
             gossip_endpoint = self.gossip.bind()
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:
@@ -101,6 +116,8 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tg:
                 self.replies.start(tg)
+                if self.dispatcher is not None:
+                    self.dispatcher.start(tg)
                 receiver = tg.create_task(self.ingress.receive_forever(), name="ingress-receive")
                 workers = [
                     tg.create_task(self.ingress.work_forever(), name=f"worker-{i}")
@@ -135,6 +152,8 @@ class Daemon:
                 expirer.cancel()
                 self.replies.stop()
         finally:
+            if self.dispatcher is not None:
+                self.dispatcher.close()
             if self.gossip is not None:
                 self.gossip.close()
             self.ingress.close()
@@ -154,7 +173,18 @@ class Daemon:
             self.gossip.set_status("draining")
         pending = self.ingress.admission.pending
         log.info("shutting down", extra={"pending": pending, "grace_s": grace_s})
-        self.ingress.begin_shutdown()  # the receive loop now answers shutting_down
+        self.ingress.begin_shutdown()  # tasks for us now go elsewhere or get shutting_down
+        handed_off = 0
+        if self.dispatcher is not None:
+            self.dispatcher.draining = True
+            for task, received_at in self.ingress.take_queued():
+                if await self.dispatcher.hand_off(task, received_at):
+                    handed_off += 1
+                    self.ingress.release(
+                        task, error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off")
+                    )
+                else:
+                    self.ingress.answer_shutting_down(task)
         finished = await self.ingress.wait_idle(grace_s)
         refused = self.ingress.refuse_queued()
         for worker in workers:
@@ -170,6 +200,7 @@ class Daemon:
                 "finished_in_grace": finished,
                 "refused_queued": refused,
                 "refused_in_buffer": drained,
+                "handed_off": handed_off,
             },
         )
 

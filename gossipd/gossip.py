@@ -84,6 +84,9 @@ class GossipService:
         self._last_published_at = 0.0
         self._wake = asyncio.Event()
         self.listeners: list[Callable[[MemberEvent], None]] = []
+        # Set by the daemon: where peers forward tasks, and our in-flight load.
+        self.rpc_endpoint = ""
+        self.load: Callable[[], int] = lambda: 0
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.PULL)
@@ -143,6 +146,8 @@ class GossipService:
             capacity_weight=self.config.gpu.capacity_weight,
             status=self.status,  # type: ignore[arg-type]
             software_version=self._version,
+            rpc=self.rpc_endpoint,
+            inflight=self.load(),
         )
 
     def _publish_meta(self, *, force: bool) -> None:

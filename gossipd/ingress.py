@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -96,6 +97,11 @@ class Ingress:
         self._results: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self.bound_endpoint = ""
+        # Hooks, called synchronously in order: a router that may take a task elsewhere, and
+        # listeners for admitted and finished tasks (journal, fan-out bookkeeping).
+        self.router: Callable[[Task, float], bool] | None = None
+        self.on_admitted: list[Callable[[Task], None]] = []
+        self.on_finished: list[Callable[[Task, Result], None]] = []
 
     # -- socket side ---------------------------------------------------------------------
 
@@ -148,29 +154,64 @@ class Ingress:
         except RemoteProtocolError as exc:
             self._refuse(exc, len(frame))
             return
+        if self.router is not None and self.router(task, now):
+            return  # another member owns it: the dispatcher forwards it
+        self.admit(task, now, answer=True)
+
+    def admit(self, task: Task, received_at: float, *, answer: bool) -> Verdict:
+        """Run ``task`` here if admission allows.  ``answer=False`` (a forwarded task): a
+        refusal is the forwarder's to handle, not sent to the producer."""
         verdict, cached = self.admission.offer(task.id)
         if verdict is Verdict.ADMIT:
-            self._queue.put_nowait(_Job(task, now))
+            for listener in self.on_admitted:
+                listener(task)
+            self._queue.put_nowait(_Job(task, received_at))
         elif verdict is Verdict.DUPLICATE_DONE:
             assert cached is not None
             self._replies.send(task.reply_to, encode(cached))
         elif verdict is Verdict.OVERLOADED:
             self._refused[ErrorCode.OVERLOADED.value] += 1
-            self._send_error(
-                task,
-                ErrorCode.OVERLOADED,
-                f"{self.admission.pending} tasks pending, the limit is {self._config.pending_max}",
-                retry_after_ms=self._config.retry_after_ms,
-            )
+            if answer:
+                self._send_error(
+                    task,
+                    ErrorCode.OVERLOADED,
+                    f"{self.admission.pending} tasks pending, the limit is {self._config.pending_max}",
+                    retry_after_ms=self._config.retry_after_ms,
+                )
         elif verdict is Verdict.SHUTTING_DOWN:
             self._refused[ErrorCode.SHUTTING_DOWN.value] += 1
-            self._send_error(
-                task,
-                ErrorCode.SHUTTING_DOWN,
-                "this daemon is shutting down",
-                retry_after_ms=self._config.retry_after_ms,
-            )
+            if answer:
+                self._send_error(
+                    task,
+                    ErrorCode.SHUTTING_DOWN,
+                    "this daemon is shutting down",
+                    retry_after_ms=self._config.retry_after_ms,
+                )
         # DUPLICATE_PENDING: its one result goes out when it finishes.
+        return verdict
+
+    @property
+    def retry_after_ms(self) -> int:
+        return self._config.retry_after_ms
+
+    def answer_shutting_down(self, task: Task) -> None:
+        """A taken task could not be handed off: answer it and forget it."""
+        self._finish(
+            task,
+            error_result(
+                task.id,
+                ErrorCode.SHUTTING_DOWN,
+                "the daemon shut down before this task started",
+                node=self._node,
+                retry_after_ms=self._config.retry_after_ms,
+            ),
+            remember=False,
+        )
+
+    def send_error(
+        self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0
+    ) -> None:
+        self._send_error(task, code, message, retry_after_ms)
 
     def _refuse(self, exc: RemoteProtocolError, size: int) -> None:
         reason = exc.code
@@ -317,6 +358,21 @@ class Ingress:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         self.admission.finish(task.id, result, remember=remember)
         self._replies.send(task.reply_to, encode(result))
+        for listener in self.on_finished:
+            listener(task, result)
+
+    def take_queued(self) -> list[tuple[Task, float]]:
+        """Remove admitted-but-unstarted tasks (to hand them to other members at drain).
+        They stay pending in admission until ``release`` is called for each."""
+        out = []
+        while len(self._queue):
+            job = self._queue.get_nowait()
+            out.append((job.task, job.received_at))
+        return out
+
+    def release(self, task: Task, result: Result) -> None:
+        """A taken task was handed off (or refused): forget it here without a reply."""
+        self.admission.finish(task.id, result, remember=False)
 
     # -- shutdown ------------------------------------------------------------------------
 

@@ -45,6 +45,9 @@ class DaemonProcess:
         defaults = [f"ingress.bind={self.endpoint}"]
         if not any(o.startswith("gossip.bind=") for o in overrides):
             defaults.append(f"gossip.bind={self.gossip_endpoint}")
+        self.rpc_port = free_tcp_port()
+        if not any(o.startswith("fanout.rpc_bind=") for o in overrides):
+            defaults.append(f"fanout.rpc_bind=tcp://127.0.0.1:{self.rpc_port}")
         self._overrides = [*defaults, *overrides]
         self._config = config
         self._env = {**os.environ, **(env or {})}

@@ -44,6 +44,10 @@ class MsgType(enum.IntEnum):
     PING_REQ = 13
     PUSH_PULL = 14
     GOSSIP = 15
+    # Fan-out between daemons.
+    FORWARD = 20
+    FORWARD_REPLY = 21
+    TASK_DONE = 22
 
 
 class UpdateKind(enum.IntEnum):
@@ -309,6 +313,10 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     waiting_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_cache_usage_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     capacity_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
+    # Where peers forward tasks to this daemon (its ROUTER socket).
+    rpc: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
+    # In-flight tasks (queued + running) here: the load that bounded-load placement uses.
+    inflight: Annotated[int, msgspec.Meta(ge=0)] = 0
     status: Literal["serving", "draining", "unhealthy"] = "serving"
     software_version: SmallText = ""
 
@@ -426,6 +434,70 @@ def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
     if message.v != PROTOCOL_VERSION:
         raise RemoteProtocolError(
             f"gossip protocol version {message.v} is not supported",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+        )
+    return message
+
+
+# --- Fan-out (daemon to daemon, DEALER -> ROUTER) -------------------------------------------
+
+
+class Forward(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.FORWARD)):
+    """A task handed to the member that should run it.  The receiver answers ForwardReply."""
+
+    v: int = PROTOCOL_VERSION
+    req: Seq
+    src: NodeId
+    task: Task
+    # What is left of the task's deadline, so the owner does not restart the clock.
+    remaining_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
+    attempt: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+
+
+class ForwardReply(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.FORWARD_REPLY)
+):
+    v: int = PROTOCOL_VERSION
+    req: Seq
+    node: NodeId
+    accepted: bool
+    code: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class TaskDone(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.TASK_DONE)
+):
+    """The owner sent the task's final Result: the forwarder may forget it."""
+
+    v: int = PROTOCOL_VERSION
+    id: TaskId
+    node: NodeId
+
+
+PeerMessage = Forward | ForwardReply | TaskDone
+_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
+
+
+def encode_peer(message: PeerMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_peer(data: bytes, *, bytes_max: int) -> PeerMessage:
+    if len(data) > bytes_max:
+        raise RemoteProtocolError(
+            f"peer message of {len(data)} bytes exceeds {bytes_max}", code=ErrorCode.BAD_REQUEST
+        )
+    try:
+        message = _peer_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RemoteProtocolError(
+            f"invalid peer message: {exc}", code=ErrorCode.BAD_REQUEST
+        ) from None
+    if message.v != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"peer protocol version {message.v} is not supported",
             code=ErrorCode.UNSUPPORTED_VERSION,
         )
     return message

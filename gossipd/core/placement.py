@@ -1,0 +1,70 @@
+"""Which member runs a task: the ring's preference order, filtered and bounded (sans-IO).
+
+1. Candidates are live members that are serving (not draining, not unhealthy) and that serve
+   the task's model and capabilities.
+2. Bounded loads (Mirrokni et al., as HAProxy and Vimeo use it): with total in-flight load L
+   over the candidates and c >= 1, a member may take the task only while its load is below
+   ceil(c * (L + 1) * w / W) for its weight w of total weight W.  The first candidate in ring
+   order under its bound is chosen; keys move off a hot member only while it is hot, so
+   affinity holds otherwise.
+3. The rest of the ring order follows as fallbacks, so a refusal or a timeout moves on
+   deterministically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gossipd.core.ring import Ring
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    load: int = 0
+    weight: float = 1.0
+    status: str = "serving"
+    models: frozenset[str] = frozenset()  # empty: serves any model
+    capabilities: frozenset[str] = frozenset()
+
+
+def bound(total_load: int, weight: float, total_weight: float, c: float) -> int:
+    """The most in-flight tasks a member may hold, counting the one being placed."""
+    return math.ceil(c * (total_load + 1) * weight / total_weight)
+
+
+def eligible(candidate: Candidate, model: str, capabilities: frozenset[str]) -> bool:
+    if candidate.status != "serving":
+        return False
+    if model and candidate.models and model not in candidate.models:
+        return False
+    return capabilities <= candidate.capabilities
+
+
+def place(
+    key: str,
+    candidates: Mapping[str, Candidate],
+    *,
+    ring: Ring | None = None,
+    c: float = 1.25,
+    model: str = "",
+    capabilities: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Members to try, in order (empty when none is eligible)."""
+    if c < 1:
+        raise ValueError("c must be >= 1")
+    pool = {n: cand for n, cand in candidates.items() if eligible(cand, model, capabilities)}
+    if not pool:
+        return []
+    if ring is None or set(ring.members) != set(pool):
+        ring = Ring({n: cand.weight for n, cand in pool.items()})
+    order = ring.successors(key)
+    total_load = sum(cand.load for cand in pool.values())
+    total_weight = sum(cand.weight for cand in pool.values())
+    for i, name in enumerate(order):
+        cand = pool[name]
+        if cand.load < bound(total_load, cand.weight, total_weight, c):
+            return [name, *order[:i], *order[i + 1 :]]
+    return order

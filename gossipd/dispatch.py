@@ -1,0 +1,440 @@
+"""Fan-out: send each task to the member that should run it, and keep it alive if that
+member dies.
+
+    ingress (any daemon) -> placement (ring + bounded loads over gossiped state)
+      -> self: run here | peer: Forward over DEALER -> peer's ROUTER -> ForwardReply
+      refused or no reply within ack_timeout_s -> next candidate, exponential backoff with
+      jitter, all within the task's deadline and attempts_max -> in the end `unavailable`
+      (or `overloaded` when everyone said so) listing every attempt.
+
+Ownership: once a peer accepts, it runs the task and answers the producer itself; it sends
+us TaskDone when it has.  Until then we remember the task: if membership declares the peer
+dead, we dispatch the task again, same id, to the next member (migration).  The producer drops
+chunks it already has by their sequence numbers, and the client resolves a task id once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import zmq
+
+from gossipd.config import FanoutConfig
+from gossipd.core.admission import Verdict
+from gossipd.core.breaker import Breaker
+from gossipd.core.membership import MemberEvent
+from gossipd.core.messages import (
+    ErrorCode,
+    Forward,
+    ForwardReply,
+    Result,
+    Task,
+    TaskDone,
+    decode_peer,
+    encode_peer,
+)
+from gossipd.core.placement import Candidate, place
+from gossipd.core.ring import Ring
+from gossipd.errors import RemoteProtocolError
+from gossipd.gossip import GossipService
+from gossipd.ingress import Ingress
+from gossipd.transport import wait_events
+
+log = logging.getLogger("gossipd.dispatch")
+
+
+@dataclass(slots=True)
+class _Forwarded:
+    owner: str
+    task: Task
+    received_at: float
+
+
+@dataclass(slots=True)
+class DispatchStatistics:
+    local: int = 0
+    forwarded: int = 0
+    accepted_from_peers: int = 0
+    refused_to_peers: int = 0
+    attempts_failed: int = 0
+    unavailable: int = 0
+    migrated: int = 0
+    handed_off: int = 0
+    bad_peer_messages: int = 0
+    replies_dropped: int = 0
+
+
+class _Peer:
+    __slots__ = ("addr", "reader", "sock")
+
+    def __init__(self, addr: str, sock: zmq.Socket) -> None:
+        self.addr = addr
+        self.sock = sock
+        self.reader: asyncio.Task[None] | None = None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: FanoutConfig,
+        *,
+        ctx: zmq.Context,
+        node: str,
+        ingress: Ingress,
+        gossip: GossipService,
+        rng: random.Random,
+    ) -> None:
+        self.config = config
+        self.node = node
+        self._ctx = ctx
+        self._ingress = ingress
+        self._gossip = gossip
+        self._rng = rng
+        self._router: zmq.Socket | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._pending: dict[int, asyncio.Future[ForwardReply]] = {}
+        self._req = 0
+        self._breakers: dict[str, Breaker] = {}
+        self._forwarded: OrderedDict[str, _Forwarded] = OrderedDict()
+        self._outstanding: dict[str, int] = {}  # owner -> our forwarded tasks not done yet
+        self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
+        self._ring: tuple[tuple[tuple[str, float], ...], Ring] | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self.stats = DispatchStatistics()
+        self.endpoint = ""
+        self.draining = False
+
+    # -- wiring --------------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.message_bytes_max)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(self.config.rpc_bind)
+        self._router = sock
+        self.endpoint = self.config.rpc_advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ingress.router = self.route
+        self._ingress.on_finished.append(self._task_finished)
+        self._gossip.listeners.append(self._member_event)
+        return self.endpoint
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        self._tg = tg
+        tg.create_task(self._serve_forever(), name="rpc-serve")
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            if peer.reader is not None:
+                peer.reader.cancel()
+            peer.sock.close(linger=0)
+        self._peers.clear()
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def candidates(self) -> dict[str, Candidate]:
+        out: dict[str, Candidate] = {}
+        for m in self._gossip.live_members():
+            gpu = m.gpu
+            if gpu is None or not gpu.rpc or m.state != "alive":
+                continue
+            # Gossiped load is up to a publication interval old; what we sent it ourselves and
+            # it has not finished yet is exact.  Take the larger.
+            load = max(gpu.inflight, self._outstanding.get(m.node, 0))
+            out[m.node] = Candidate(
+                m.node, load=load, weight=gpu.capacity_weight or 1.0, status=gpu.status
+            )
+        me_status = (
+            "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
+        )
+        out[self.node] = Candidate(
+            self.node,
+            load=self._ingress.admission.pending,
+            weight=self._gossip.config.gpu.capacity_weight,
+            status=me_status,
+        )
+        return out
+
+    def _order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]:
+        cands = {n: c for n, c in self.candidates().items() if n not in exclude}
+        serving = tuple(sorted((n, c.weight) for n, c in cands.items() if c.status == "serving"))
+        if self._ring is None or self._ring[0] != serving:
+            self._ring = (serving, Ring(dict(serving)))
+        key = task.key or task.id
+        return place(key, cands, ring=self._ring[1], c=self.config.load_bound_c, model=task.model)
+
+    def route(self, task: Task, now: float) -> bool:
+        """Called by the ingress for each new task: False to run it here, True if taken."""
+        order = self._order(task)
+        if not order or order[0] == self.node:
+            self.stats.local += 1
+            return False
+        assert self._tg is not None
+        # Count it against the chosen member at once: the tasks of this same batch must see it.
+        self._outstanding[order[0]] = self._outstanding.get(order[0], 0) + 1
+        self._tg.create_task(self._dispatch(task, now, order, reserved=order[0]))
+        return True
+
+    # -- forwarding ----------------------------------------------------------------------------
+
+    async def _dispatch(
+        self, task: Task, received_at: float, order: list[str], reserved: str | None = None
+    ) -> bool:
+        """Try the members in ``order``; answer the producer with an error if none takes it.
+        Returns True when someone (maybe us) accepted the task."""
+        try:
+            return await self._try_members(task, received_at, order)
+        finally:
+            if reserved is not None:
+                self._outstanding[reserved] -= 1
+
+    async def _try_members(self, task: Task, received_at: float, order: list[str]) -> bool:
+        cfg = self.config
+        deadline = received_at + task.timeout_ms / 1000.0
+        attempts: list[str] = []
+        overloaded_hint = 0
+        for n, member in enumerate(order[: cfg.attempts_max]):
+            now = time.monotonic()
+            if now >= deadline:
+                attempts.append("deadline reached")
+                break
+            if n:
+                backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (n - 1))
+                await asyncio.sleep(
+                    min(backoff * (0.5 + self._rng.random()), max(0.0, deadline - now))
+                )
+            if member == self.node:
+                verdict = self._ingress.admit(task, received_at, answer=False)
+                if verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
+                    self.stats.local += 1
+                    return True
+                attempts.append(f"{member}: {verdict.value}")
+                if verdict is Verdict.OVERLOADED:
+                    overloaded_hint = max(overloaded_hint, self._ingress.retry_after_ms)
+                continue
+            reply = await self._call(member, task, received_at, deadline, n + 1)
+            if reply is None:
+                attempts.append(f"{member}: no reply")
+                continue
+            if reply.accepted:
+                self.stats.forwarded += 1
+                self._remember(task, member, received_at)
+                return True
+            attempts.append(f"{member}: {reply.code}")
+            if reply.code == ErrorCode.OVERLOADED:
+                overloaded_hint = max(overloaded_hint, reply.retry_after_ms)
+        self.stats.unavailable += 1
+        everyone_busy = attempts and all(
+            a.endswith(("overloaded", "shutting_down")) for a in attempts
+        )
+        code = ErrorCode.OVERLOADED if everyone_busy and overloaded_hint else ErrorCode.UNAVAILABLE
+        self._ingress.send_error(
+            task,
+            code,
+            "no member took the task; attempts: " + "; ".join(attempts or ["none"]),
+            retry_after_ms=overloaded_hint or self._ingress.retry_after_ms,
+        )
+        return False
+
+    async def _call(
+        self, member: str, task: Task, received_at: float, deadline: float, attempt: int
+    ) -> ForwardReply | None:
+        breaker = self._breakers.setdefault(
+            member,
+            Breaker(failures_max=self.config.breaker_failures, open_s=self.config.breaker_open_s),
+        )
+        now = time.monotonic()
+        if not breaker.allow(now):
+            return ForwardReply(req=0, node=member, accepted=False, code="circuit_open")
+        addr = self._rpc_addr(member)
+        if addr is None:
+            return ForwardReply(req=0, node=member, accepted=False, code="not_a_member")
+        peer = self._peer(addr)
+        self._req += 1
+        req = self._req
+        remaining_ms = max(1, int((deadline - now) * 1000))
+        frame = encode_peer(
+            Forward(req=req, src=self.node, task=task, remaining_ms=remaining_ms, attempt=attempt)
+        )
+        future: asyncio.Future[ForwardReply] = asyncio.get_running_loop().create_future()
+        self._pending[req] = future
+        try:
+            peer.sock.send(frame, zmq.NOBLOCK)
+            timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
+            reply = await asyncio.wait_for(future, timeout)
+        except (TimeoutError, zmq.Again):
+            breaker.failure(time.monotonic())
+            self.stats.attempts_failed += 1
+            return None
+        finally:
+            self._pending.pop(req, None)
+        if reply.accepted or reply.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN):
+            breaker.success()  # it answered: the peer is healthy, just busy
+        return reply
+
+    def _rpc_addr(self, member: str) -> str | None:
+        for m in self._gossip.live_members():
+            if m.node == member and m.gpu is not None and m.gpu.rpc:
+                return m.gpu.rpc
+        return None
+
+    def _peer(self, addr: str) -> _Peer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.message_bytes_max)
+            sock.connect(addr)
+            peer = _Peer(addr, sock)
+            self._peers[addr] = peer
+            assert self._tg is not None
+            peer.reader = self._tg.create_task(self._read_peer(peer), name="rpc-peer")
+        return peer
+
+    async def _read_peer(self, peer: _Peer) -> None:
+        while True:
+            await wait_events(peer.sock, zmq.POLLIN)
+            while True:
+                try:
+                    frame = peer.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = decode_peer(frame, bytes_max=self.config.message_bytes_max)
+                except RemoteProtocolError:
+                    self.stats.bad_peer_messages += 1
+                    continue
+                if isinstance(msg, ForwardReply):
+                    future = self._pending.get(msg.req)
+                    if future is not None and not future.done():
+                        future.set_result(msg)
+                elif isinstance(msg, TaskDone):
+                    self._forget(msg.id)
+
+    def _remember(self, task: Task, owner: str, received_at: float) -> None:
+        self._forget(task.id)
+        self._forwarded[task.id] = _Forwarded(owner, task, received_at)
+        self._outstanding[owner] = self._outstanding.get(owner, 0) + 1
+        while len(self._forwarded) > self.config.forwarded_max:
+            self._forget(next(iter(self._forwarded)))
+
+    def _forget(self, task_id: str) -> _Forwarded | None:
+        entry = self._forwarded.pop(task_id, None)
+        if entry is not None:
+            self._outstanding[entry.owner] -= 1
+        return entry
+
+    # -- owner side ----------------------------------------------------------------------------
+
+    async def _serve_forever(self) -> None:
+        sock = self._router
+        assert sock is not None
+        while True:
+            await wait_events(sock, zmq.POLLIN)
+            while True:
+                try:
+                    identity, frame = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except ValueError:
+                    self.stats.bad_peer_messages += 1
+                    continue
+                self._on_peer_frame(identity, frame)
+
+    def _on_peer_frame(self, identity: bytes, frame: bytes) -> None:
+        assert self._router is not None
+        try:
+            msg = decode_peer(frame, bytes_max=self.config.message_bytes_max)
+        except RemoteProtocolError as exc:
+            self.stats.bad_peer_messages += 1
+            log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
+            return
+        if not isinstance(msg, Forward):
+            self.stats.bad_peer_messages += 1
+            return
+        now = time.monotonic()
+        received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
+        verdict = self._ingress.admit(msg.task, received_at, answer=False)
+        accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
+        if accepted:
+            self.stats.accepted_from_peers += 1
+            if verdict is not Verdict.DUPLICATE_DONE:
+                self._forwarders.setdefault(msg.task.id, []).append(identity)
+            else:
+                self._send_done(identity, msg.task.id)
+        else:
+            self.stats.refused_to_peers += 1
+        reply = ForwardReply(
+            req=msg.req,
+            node=self.node,
+            accepted=accepted,
+            code="" if accepted else verdict.value,
+            retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
+        )
+        try:
+            self._router.send_multipart([identity, encode_peer(reply)], zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats.replies_dropped += 1  # the forwarder times out and tries the next member
+
+    def _task_finished(self, task: Task, result: Result) -> None:
+        for identity in self._forwarders.pop(task.id, ()):
+            self._send_done(identity, task.id)
+
+    def _send_done(self, identity: bytes, task_id: str) -> None:
+        if self._router is None:
+            return
+        try:
+            self._router.send_multipart(
+                [identity, encode_peer(TaskDone(id=task_id, node=self.node))], zmq.NOBLOCK
+            )
+        except zmq.Again:
+            self.stats.replies_dropped += 1
+
+    # -- membership changes and drain ----------------------------------------------------------
+
+    def _member_event(self, event: MemberEvent) -> None:
+        if event.kind != "dead":
+            return
+        orphans = [f for f in self._forwarded.values() if f.owner == event.node]
+        for f in orphans:
+            self._forget(f.task.id)
+            self.stats.migrated += 1
+            order = self._order(f.task, exclude=frozenset({event.node}))
+            if self._tg is not None:
+                self._tg.create_task(self._dispatch(f.task, f.received_at, order))
+        if orphans:
+            log.info(
+                "migrating tasks off a dead member",
+                extra={"member": event.node, "tasks": len(orphans)},
+            )
+
+    async def hand_off(self, task: Task, received_at: float) -> bool:
+        """At drain: give a queued task to the next member (never to us)."""
+        order = [m for m in self._order(task, exclude=frozenset({self.node}))]
+        if not order:
+            return False
+        ok = await self._dispatch_quiet(task, received_at, order)
+        if ok:
+            self.stats.handed_off += 1
+        return ok
+
+    async def _dispatch_quiet(self, task: Task, received_at: float, order: list[str]) -> bool:
+        deadline = received_at + task.timeout_ms / 1000.0
+        for n, member in enumerate(order[: self.config.attempts_max]):
+            reply = await self._call(member, task, received_at, deadline, n + 1)
+            if reply is not None and reply.accepted:
+                self._remember(task, member, received_at)
+                return True
+        return False
+
+    def forwarded_count(self) -> int:
+        return len(self._forwarded)
