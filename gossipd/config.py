@@ -130,6 +130,9 @@ class FanoutConfig(Section):
     backoff_max_s: Seconds = 0.2
     # Bounded loads: a member takes a task only below c x its fair share of in-flight tasks.
     load_bound_c: Annotated[float, msgspec.Meta(ge=1.0, le=100.0)] = 1.25
+    # ...but a member with fewer in-flight tasks than this is never hot (light load keeps
+    # every key on its owner).
+    load_floor: Annotated[int, msgspec.Meta(ge=0)] = 64
     # Forwarded tasks remembered until their owner reports them done (for migration).
     forwarded_max: Positive = 200_000
     # Per-peer circuit breaker: this many failures in a row stop calls for breaker_open_s.
@@ -145,6 +148,16 @@ class FanoutConfig(Section):
             raise ValueError(
                 f"rpc_advertise: required when rpc_bind is a wildcard ({self.rpc_bind!r})"
             )
+
+
+class JournalConfig(Section):
+    # The journal of accepted tasks (see gossipd/journal.py); empty: no journal, so a task
+    # accepted here is lost with a crash unless its producer resubmits it.
+    path: str = ""
+    # Batched durability: accepted tasks reach the disk within this long.
+    fsync_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.01
+    # Rewrite the file with only unfinished tasks once it grows past this.
+    compact_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 * 1024 * 1024
 
 
 class GpuConfig(Section):
@@ -187,6 +200,7 @@ class Config(Section):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     gossip: GossipConfig = msgspec.field(default_factory=GossipConfig)
     fanout: FanoutConfig = msgspec.field(default_factory=FanoutConfig)
+    journal: JournalConfig = msgspec.field(default_factory=JournalConfig)
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

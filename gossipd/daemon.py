@@ -29,6 +29,7 @@ from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
+from gossipd.journal import Journal
 from gossipd.metrics import DaemonCollector, serve_metrics
 from gossipd.notify import Notifier
 from gossipd.transport import ReplySender
@@ -65,6 +66,15 @@ class Daemon:
             refused_lines_per_s=config.log.refused_lines_per_s,
         )
         self.notifier = Notifier(environ)
+        self.journal: Journal | None = None
+        if config.journal.path:
+            self.journal = Journal(
+                config.journal.path,
+                fsync_interval_s=config.journal.fsync_interval_s,
+                compact_bytes=config.journal.compact_bytes,
+            )
+            self.ingress.on_admitted.append(self.journal.accept)
+            self.ingress.on_finished.append(lambda task, result: self.journal.done(task.id))  # type: ignore[union-attr]
         self._stop = asyncio.Event()
         self.metrics_port = 0
         self.gossip: GossipService | None = None
@@ -125,12 +135,16 @@ class Daemon:
                 ]
                 expirer = tg.create_task(self.ingress.expire_forever(), name="deadlines")
                 watchdog = tg.create_task(self.notifier.watchdog_forever(), name="watchdog")
+                background: list[asyncio.Task[None]] = []
                 membership: list[asyncio.Task[None]] = []
                 if self.gossip is not None:
                     membership = [
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
                     ]
+                if self.journal is not None:
+                    background.append(tg.create_task(self.journal.sync_forever(), name="journal"))
+                    self._replay_journal()
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
                     "serving",
@@ -146,8 +160,10 @@ class Daemon:
                 await self._shut_down(receiver, workers)
                 if self.gossip is not None:
                     await self.gossip.leave()
-                for task in membership:
+                for task in membership + background:
                     task.cancel()
+                if self.dispatcher is not None:
+                    self.dispatcher.stop()
                 watchdog.cancel()
                 expirer.cancel()
                 self.replies.stop()
@@ -158,11 +174,25 @@ class Daemon:
                 self.gossip.close()
             self.ingress.close()
             self.replies.close(linger_ms=2000)
+            if self.journal is not None:
+                self.journal.close()
             await self.engine.stop()
             self.notifier.close()
             self._ctx.term()
         log.info("stopped", extra={"statistics": _plain(self.snapshot())})
         return 0
+
+    def _replay_journal(self) -> None:
+        """Run again what we accepted before a crash and never finished."""
+        assert self.journal is not None
+        unfinished = self.journal.replay()
+        now = time.monotonic()
+        for task in unfinished:
+            self.ingress.admit(task, now, answer=True)
+        if unfinished:
+            log.info(
+                "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}
+            )
 
     async def _shut_down(
         self, receiver: asyncio.Task[None], workers: list[asyncio.Task[None]]

@@ -102,9 +102,12 @@ class Dispatcher:
         self._breakers: dict[str, Breaker] = {}
         self._forwarded: OrderedDict[str, _Forwarded] = OrderedDict()
         self._outstanding: dict[str, int] = {}  # owner -> our forwarded tasks not done yet
+        self._local_ids: set[str] = set()  # tasks from our intake that run here, unfinished
+        self._early_done: OrderedDict[str, None] = OrderedDict()
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._ring: tuple[tuple[tuple[str, float], ...], Ring] | None = None
         self._tg: asyncio.TaskGroup | None = None
+        self._server: asyncio.Task[None] | None = None
         self.stats = DispatchStatistics()
         self.endpoint = ""
         self.draining = False
@@ -126,7 +129,15 @@ class Dispatcher:
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
-        tg.create_task(self._serve_forever(), name="rpc-serve")
+        self._server = tg.create_task(self._serve_forever(), name="rpc-serve")
+
+    def stop(self) -> None:
+        """Cancel the background tasks (call before leaving the TaskGroup)."""
+        if self._server is not None:
+            self._server.cancel()
+        for peer in self._peers.values():
+            if peer.reader is not None:
+                peer.reader.cancel()
 
     def close(self) -> None:
         for peer in self._peers.values():
@@ -146,18 +157,21 @@ class Dispatcher:
             gpu = m.gpu
             if gpu is None or not gpu.rpc or m.state != "alive":
                 continue
-            # Gossiped load is up to a publication interval old; what we sent it ourselves and
-            # it has not finished yet is exact.  Take the larger.
-            load = max(gpu.inflight, self._outstanding.get(m.node, 0))
+            # Bounded loads compare loads measured one way: what this entry point has sent each
+            # member and not yet seen finish (HAProxy's approach).  The gossiped in-flight count
+            # is older and counts other entry points' work; it is exported, not mixed in here.
+            load = self._outstanding.get(m.node, 0)
             out[m.node] = Candidate(
                 m.node, load=load, weight=gpu.capacity_weight or 1.0, status=gpu.status
             )
         me_status = (
             "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
         )
+        # Our own load as this entry point sees it: the tasks we kept from our own intake, so
+        # that every load in the comparison is measured the same way (HAProxy's approach).
         out[self.node] = Candidate(
             self.node,
-            load=self._ingress.admission.pending,
+            load=len(self._local_ids),
             weight=self._gossip.config.gpu.capacity_weight,
             status=me_status,
         )
@@ -169,13 +183,21 @@ class Dispatcher:
         if self._ring is None or self._ring[0] != serving:
             self._ring = (serving, Ring(dict(serving)))
         key = task.key or task.id
-        return place(key, cands, ring=self._ring[1], c=self.config.load_bound_c, model=task.model)
+        return place(
+            key,
+            cands,
+            ring=self._ring[1],
+            c=self.config.load_bound_c,
+            floor=self.config.load_floor,
+            model=task.model,
+        )
 
     def route(self, task: Task, now: float) -> bool:
         """Called by the ingress for each new task: False to run it here, True if taken."""
         order = self._order(task)
         if not order or order[0] == self.node:
             self.stats.local += 1
+            self._local_ids.add(task.id)
             return False
         assert self._tg is not None
         # Count it against the chosen member at once: the tasks of this same batch must see it.
@@ -318,10 +340,16 @@ class Dispatcher:
                     if future is not None and not future.done():
                         future.set_result(msg)
                 elif isinstance(msg, TaskDone):
-                    self._forget(msg.id)
+                    if self._forget(msg.id) is None:
+                        # Done before our dispatch coroutine saw the accept: remember that.
+                        self._early_done[msg.id] = None
+                        if len(self._early_done) > 10_000:
+                            self._early_done.popitem(last=False)
 
     def _remember(self, task: Task, owner: str, received_at: float) -> None:
         self._forget(task.id)
+        if self._early_done.pop(task.id, 0) is None:
+            return  # it already finished
         self._forwarded[task.id] = _Forwarded(owner, task, received_at)
         self._outstanding[owner] = self._outstanding.get(owner, 0) + 1
         while len(self._forwarded) > self.config.forwarded_max:
@@ -386,6 +414,7 @@ class Dispatcher:
             self.stats.replies_dropped += 1  # the forwarder times out and tries the next member
 
     def _task_finished(self, task: Task, result: Result) -> None:
+        self._local_ids.discard(task.id)
         for identity in self._forwarders.pop(task.id, ()):
             self._send_done(identity, task.id)
 

@@ -59,15 +59,18 @@ class Cluster:
         protos = [DaemonProcess(name=f"d{i:02d}", log_dir=self.log_dir) for i in range(n)]
         self.seeds = [d.gossip_endpoint for d in protos[:3]]
         for i, proto in enumerate(protos):
-            self.daemons.append(self._make(i, proto.port, proto.gossip_port))
+            self.daemons.append(self._make(i, proto.port, proto.gossip_port, proto.rpc_port))
 
-    def _make(self, i: int, port: int, gossip_port: int) -> DaemonProcess:
+    def _make(self, i: int, port: int, gossip_port: int, rpc_port: int) -> DaemonProcess:
         seeds = json.dumps(self.seeds)
+        journal = json.dumps(str(self.log_dir / f"d{i:02d}.journal"))
         overrides = [
             f"node.id=d{i:02d}",
             f"gossip.bind=tcp://127.0.0.1:{gossip_port}",
             f"gossip.seeds={seeds}",
             f"gossip.preset={self._preset}",
+            f"journal.path={journal}",
+            f"fanout.rpc_bind=tcp://127.0.0.1:{rpc_port}",
             *self._extra,
         ]
         return DaemonProcess(name=f"d{i:02d}", log_dir=self.log_dir, port=port, overrides=overrides)
@@ -88,10 +91,37 @@ class Cluster:
     def restart(self, i: int) -> DaemonProcess:
         old = self.daemons[i]
         old.stop(timeout_s=5)
-        new = self._make(i, old.port, old.gossip_port)
+        new = self._make(i, old.port, old.gossip_port, self._rpc_port_of(old))
         self.daemons[i] = new
         new.start()
         return new
+
+    @staticmethod
+    def _rpc_port_of(daemon: DaemonProcess) -> int:
+        for item in daemon._overrides:
+            if item.startswith("fanout.rpc_bind="):
+                return int(item.rsplit(":", 1)[1])
+        raise AssertionError("no rpc port")
+
+    def wait_meta(self, timeout_s: float = 20.0) -> None:
+        """Wait until every daemon has every other's GPU state (with its rpc endpoint)."""
+        deadline = time.monotonic() + timeout_s
+        names = {d.name for d in self.daemons}
+        while time.monotonic() < deadline:
+            ok = True
+            for d in self.daemons:
+                seen = {
+                    e["member"]
+                    for e in d.events()
+                    if e.get("msg") == "member" and e["event"] == "meta"
+                }
+                if not (names - {d.name}) <= seen:
+                    ok = False
+                    break
+            if ok:
+                return
+            time.sleep(0.2)
+        raise TimeoutError("GPU state did not spread")
 
     def views(self) -> dict[str, dict[str, str]]:
         """Each live daemon's view {member: state}, rebuilt from its member events."""

@@ -30,9 +30,11 @@ class Candidate:
     capabilities: frozenset[str] = frozenset()
 
 
-def bound(total_load: int, weight: float, total_weight: float, c: float) -> int:
-    """The most in-flight tasks a member may hold, counting the one being placed."""
-    return math.ceil(c * (total_load + 1) * weight / total_weight)
+def bound(total_load: int, weight: float, total_weight: float, c: float, floor: int = 0) -> int:
+    """The most in-flight tasks a member may hold, counting the one being placed.  Below
+    ``floor`` nobody counts as hot: at light load a few tasks more or less on one GPU cost
+    nothing, and moving keys would cost their cache affinity."""
+    return max(floor, math.ceil(c * (total_load + 1) * weight / total_weight))
 
 
 def eligible(candidate: Candidate, model: str, capabilities: frozenset[str]) -> bool:
@@ -49,6 +51,7 @@ def place(
     *,
     ring: Ring | None = None,
     c: float = 1.25,
+    floor: int = 0,
     model: str = "",
     capabilities: frozenset[str] = frozenset(),
 ) -> list[str]:
@@ -65,6 +68,6 @@ def place(
     total_weight = sum(cand.weight for cand in pool.values())
     for i, name in enumerate(order):
         cand = pool[name]
-        if cand.load < bound(total_load, cand.weight, total_weight, c):
+        if cand.load < bound(total_load, cand.weight, total_weight, c, floor):
             return [name, *order[:i], *order[i + 1 :]]
     return order

@@ -1,0 +1,175 @@
+"""The local journal of accepted tasks: the only durable state a daemon keeps.
+
+Append-only records, one MessagePack array each: [1, task bytes] when a task is accepted,
+[2, task id] when its final result was sent.  Writes are buffered and made durable in batches
+(flush + fsync every ``fsync_interval_s``, off the event loop), so a crash loses at most that
+window of acceptances; the producer's resubmission covers that window.  When the file passes
+``compact_bytes`` it is rewritten with only the unfinished tasks (write, fsync, rename).
+On start-up ``replay`` returns the tasks accepted but never finished, to run again.
+A torn last record (crash mid-write) is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import msgspec
+
+from gossipd.core.messages import Task, encode
+
+log = logging.getLogger("gossipd.journal")
+
+ACCEPT, DONE = 1, 2
+_encoder = msgspec.msgpack.Encoder()
+_task_decoder = msgspec.msgpack.Decoder(Task)
+
+
+class Journal:
+    def __init__(
+        self, path: str | Path, *, fsync_interval_s: float = 0.01, compact_bytes: int = 64 * 2**20
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync_interval_s = fsync_interval_s
+        self._compact_bytes = compact_bytes
+        self._open: OrderedDict[str, bytes] = OrderedDict()  # unfinished: id -> task bytes
+        self._file = self.path.open("ab")
+        self._size = self.path.stat().st_size
+        self._dirty = False
+        self.appended = 0
+        self.syncs = 0
+        self.compactions = 0
+
+    def replay(self) -> list[Task]:
+        """Tasks accepted and not finished, oldest first (also kept as open here)."""
+        self._open.clear()
+        data = self.path.read_bytes()
+        decoder = msgspec.msgpack.Decoder()
+        # Records are concatenated MessagePack values; decode them one by one.
+        offset = 0
+        records = 0
+        torn = False
+        while offset < len(data):
+            try:
+                value, offset = _decode_one(decoder, data, offset)
+            except ValueError:
+                torn = True
+                # Cut the torn tail, so that records appended from now on stay readable.
+                self._file.close()
+                with self.path.open("r+b") as fh:
+                    fh.truncate(offset)
+                self._file = self.path.open("ab")
+                self._size = offset
+                break
+            records += 1
+            if isinstance(value, list) and len(value) == 2:
+                kind, body = value
+                if kind == ACCEPT and isinstance(body, bytes):
+                    try:
+                        task = _task_decoder.decode(body)
+                    except msgspec.DecodeError:
+                        continue
+                    self._open[task.id] = body
+                elif kind == DONE and isinstance(body, str):
+                    self._open.pop(body, None)
+        if torn:
+            log.warning(
+                "journal ends in a torn record; ignored",
+                extra={"path": str(self.path), "records": records},
+            )
+        return [_task_decoder.decode(b) for b in self._open.values()]
+
+    def accept(self, task: Task) -> None:
+        body = encode(task)
+        self._open[task.id] = body
+        self._write(_encoder.encode([ACCEPT, body]))
+
+    def done(self, task_id: str) -> None:
+        if self._open.pop(task_id, None) is not None:
+            self._write(_encoder.encode([DONE, task_id]))
+
+    @property
+    def unfinished(self) -> int:
+        return len(self._open)
+
+    def _write(self, record: bytes) -> None:
+        self._file.write(record)
+        self._size += len(record)
+        self._dirty = True
+        self.appended += 1
+
+    async def sync_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._fsync_interval_s)
+            if self._dirty:
+                self._dirty = False
+                self._file.flush()
+                await loop.run_in_executor(None, os.fsync, self._file.fileno())
+                self.syncs += 1
+            if self._size > self._compact_bytes and len(self._open) * 4 < self.appended:
+                self.compact()
+
+    def compact(self) -> None:
+        """Rewrite the file with only the unfinished tasks."""
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        with tmp.open("wb") as out:
+            for body in self._open.values():
+                out.write(_encoder.encode([ACCEPT, body]))
+            out.flush()
+            os.fsync(out.fileno())
+        self._file.close()
+        os.replace(tmp, self.path)
+        self._file = self.path.open("ab")
+        self._size = self.path.stat().st_size
+        self.appended = len(self._open)
+        self.compactions += 1
+
+    def close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+def _decode_one(decoder: msgspec.msgpack.Decoder, data: bytes, offset: int) -> tuple[object, int]:
+    """Decode the MessagePack value starting at ``offset``; ValueError if it is incomplete."""
+    # Our records are 2-element arrays: fixarray header 0x92, a positive fixint, then either
+    # bin (0xc4/0xc5/0xc6) or str (0xa0-0xbf, 0xd9/0xda/0xdb).
+    end = _record_end(data, offset)
+    try:
+        return decoder.decode(data[offset:end]), end
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _record_end(data: bytes, offset: int) -> int:
+    def need(n: int) -> None:
+        if offset + n > len(data):
+            raise ValueError("truncated")
+
+    need(3)
+    if data[offset] != 0x92 or data[offset + 1] not in (ACCEPT, DONE):
+        raise ValueError("not a journal record")
+    pos = offset + 2
+    tag = data[pos]
+    if 0xA0 <= tag <= 0xBF:
+        length, head = tag & 0x1F, 1
+    elif tag in (0xC4, 0xD9):
+        need(4)
+        length, head = data[pos + 1], 2
+    elif tag in (0xC5, 0xDA):
+        need(5)
+        length, head = int.from_bytes(data[pos + 1 : pos + 3], "big"), 3
+    elif tag in (0xC6, 0xDB):
+        need(7)
+        length, head = int.from_bytes(data[pos + 1 : pos + 5], "big"), 5
+    else:
+        raise ValueError("unexpected record body")
+    end = pos + head + length
+    if end > len(data):
+        raise ValueError("truncated")
+    return end

@@ -1,0 +1,142 @@
+"""Fan-out with real daemons: owners, affinity, refusals, migration, drain and the journal."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, defaultdict
+
+import pytest
+
+from gossipd.client import Client
+from gossipd.core.ring import Ring
+from simulations.cluster import Cluster
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def make_cluster(tmp_path):  # type: ignore[no-untyped-def]
+    made: list[Cluster] = []
+
+    def make(n: int, *overrides: str) -> Cluster:
+        c = Cluster(n, log_dir=str(tmp_path / f"c{len(made)}"), extra_overrides=list(overrides))
+        made.append(c)
+        c.start()
+        c.wait_converged(timeout_s=20)
+        c.wait_meta(timeout_s=20)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+async def submit_all(endpoints: list[str], keys: list[str], window: int = 10_000, **kw):  # type: ignore[no-untyped-def]
+    async with Client(
+        endpoints, resubmit_after_s=kw.pop("resubmit_after_s", 5.0), outstanding_max=window
+    ) as client:
+        handles = [await client.submit(f"prompt {i}", key=k, **kw) for i, k in enumerate(keys)]
+        return [await h.result() for h in handles], client.statistics()
+
+
+def test_tasks_run_on_their_keys_owner_with_affinity(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(3)
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    keys = [f"session-{i % 300}" for i in range(3000)]
+    entry = [cluster.daemons[0].endpoint, cluster.daemons[1].endpoint, cluster.daemons[2].endpoint]
+    # A steady producer (100 tasks in flight), not an instant burst: under a burst bounded
+    # loads rightly move keys off members that fall behind.
+    results, _ = run(submit_all(entry, keys, window=100, max_tokens=2))
+    assert all(r.ok for r in results)
+    by_key: dict[str, Counter[str]] = defaultdict(Counter)
+    for key, r in zip(keys, results, strict=True):
+        by_key[key][r.node] += 1
+    on_owner = sum(by_key[k][ring.owner(k)] for k in by_key)
+    assert on_owner / len(keys) >= 0.999, (
+        "a key's tasks run on its owner while membership is stable"
+    )
+
+
+def test_everyone_refusing_gives_a_clear_error_listing_attempts(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(
+        2, "ingress.pending_max=1", "ingress.concurrency_max=1", "engine.token_delay_s=0.2"
+    )
+    keys = [f"k{i}" for i in range(12)]
+    results, _ = run(submit_all([cluster.daemons[0].endpoint], keys, max_tokens=5, timeout_s=3))
+    refused = [r for r in results if not r.ok and r.error.code in ("overloaded", "unavailable")]
+    assert refused
+    message = refused[0].error.message
+    assert "attempts:" in message and "d00" in message and "d01" in message
+
+
+def test_tasks_on_a_killed_owner_migrate_and_every_task_gets_one_result(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(3, "engine.token_delay_s=0.05")
+    victim = cluster.daemons[2]
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([cluster.daemons[0].endpoint], resubmit_after_s=30) as client:
+            handles = [
+                await client.submit(f"p{i}", key=f"key-{i}", max_tokens=40, timeout_s=30)
+                for i in range(60)
+            ]
+            await asyncio.sleep(0.5)
+            victim.kill()
+            results = [await h.result() for h in handles]
+            return results, client.statistics()
+
+    results, stats = run(main())
+    assert len({r.id for r in results}) == 60
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert all(r.node != "d02" for r in results), "what d02 held was re-run elsewhere"
+    assert stats.resubmitted == 0, "migration, not the producer's resubmission, saved them"
+    d0_events = cluster.daemons[0].events()
+    assert any(e.get("msg") == "migrating tasks off a dead member" for e in d0_events)
+
+
+def test_sigterm_hands_queued_tasks_to_other_members(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(
+        2, "engine.token_delay_s=0.02", "ingress.concurrency_max=2", "lifecycle.shutdown_grace_s=5"
+    )
+    leaver = cluster.daemons[1]
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([leaver.endpoint], resubmit_after_s=30) as client:
+            ring = Ring({"d00": 1.0, "d01": 1.0})
+            keys = [k for k in (f"k{i}" for i in range(400)) if ring.owner(k) == "d01"][:40]
+            handles = [await client.submit("x", key=k, max_tokens=10, timeout_s=30) for k in keys]
+            await asyncio.sleep(0.3)
+            leaver.terminate()
+            return [await h.result() for h in handles]
+
+    results = run(main())
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert {r.node for r in results} == {"d00", "d01"}
+    drained = next(e for e in leaver.events() if e.get("msg") == "drained")
+    assert drained["handed_off"] > 0
+    assert leaver.wait(10) == 0
+
+
+def test_journal_reruns_unfinished_tasks_after_a_crash(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(1, "engine.token_delay_s=0.05", "ingress.concurrency_max=4")
+    daemon = cluster.daemons[0]
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([daemon.endpoint], resubmit_after_s=60) as client:
+            handles = [await client.submit(f"j{i}", max_tokens=20, timeout_s=60) for i in range(16)]
+            await asyncio.sleep(0.5)  # accepted, journaled (10 ms fsync batches), some running
+            daemon.kill()
+            daemon.wait(5)
+            restarted = await asyncio.to_thread(cluster.restart, 0)
+            results = [await h.result() for h in handles]
+            return results, client.statistics(), restarted
+
+    results, stats, restarted = run(main())
+    assert all(r.ok for r in results)
+    assert stats.resubmitted == 0, "the journal, not a resubmission, brought them back"
+    assert any(
+        e.get("msg") == "re-running unfinished tasks from the journal" for e in restarted.events()
+    )
+    time.sleep(0.1)
