@@ -339,12 +339,11 @@ class Dispatcher:
                     future = self._pending.get(msg.req)
                     if future is not None and not future.done():
                         future.set_result(msg)
-                elif isinstance(msg, TaskDone):
-                    if self._forget(msg.id) is None:
-                        # Done before our dispatch coroutine saw the accept: remember that.
-                        self._early_done[msg.id] = None
-                        if len(self._early_done) > 10_000:
-                            self._early_done.popitem(last=False)
+                elif isinstance(msg, TaskDone) and self._forget(msg.id) is None:
+                    # Done before our dispatch coroutine saw the accept: remember that.
+                    self._early_done[msg.id] = None
+                    if len(self._early_done) > 10_000:
+                        self._early_done.popitem(last=False)
 
     def _remember(self, task: Task, owner: str, received_at: float) -> None:
         self._forget(task.id)
