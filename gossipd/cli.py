@@ -107,6 +107,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "route":
+        from gossipd.bench.route import main as bench_route
+
+        return bench_route(
+            nodes=args.nodes, tasks=min(args.tasks, 5000), repeats=args.repeats, as_json=args.json
+        )
     if args.what == "ingress":
         from gossipd.bench.ingress import main as bench_ingress
 
@@ -161,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", help="benchmarks (figures against a baseline measured in the same run)"
     )
-    p.add_argument("what", choices=["ingress"])
+    p.add_argument("what", choices=["ingress", "route"])
+    p.add_argument("--nodes", type=int, default=3, help="route: daemons in the cluster")
     p.add_argument("--tasks", type=int, default=20_000)
     p.add_argument("--window", type=int, default=500)
     p.add_argument("--repeats", type=int, default=3)

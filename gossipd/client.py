@@ -169,6 +169,9 @@ class Client:
         self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
+        # Only hand tasks to daemons we are connected to: a dead daemon's pipe would otherwise
+        # swallow its round-robin share until our resubmission timer fired.
+        self._push.setsockopt(zmq.IMMEDIATE, 1)
         self._push.setsockopt(zmq.LINGER, 1000)
         for endpoint in self._endpoints:
             self._push.connect(endpoint)

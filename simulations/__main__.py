@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.cluster import main as cluster_main
 
         return cluster_main(argv[1:])
+    if argv and argv[0] == "chaos":
+        from simulations.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     sub.add_parser("cluster", help="real daemons on loopback with real faults (see --help there)")
+    sub.add_parser("chaos", help="real daemons serving tasks through SIGKILL and SIGTERM")
     args = parser.parse_args(argv)
     run = SwimRun(
         nodes=args.nodes,

@@ -20,6 +20,7 @@ class LoadResult:
     ok: int
     elapsed_s: float
     latencies_ms: list[float]
+    by_task_ms: dict[int, float] | None = None  # task index -> latency (drive_many)
 
     @property
     def tasks_per_s(self) -> float:
@@ -35,7 +36,9 @@ class LoadResult:
         }
 
 
-def make_frames(n: int, reply_to: str, *, run: str, max_tokens: int = 1) -> list[tuple[str, bytes]]:
+def make_frames(
+    n: int, reply_to: str, *, run: str, max_tokens: int = 1, keys: list[str] | None = None
+) -> list[tuple[str, bytes]]:
     params = SamplingParams(max_tokens=max_tokens)
     out = []
     for i in range(n):
@@ -45,20 +48,43 @@ def make_frames(n: int, reply_to: str, *, run: str, max_tokens: int = 1) -> list
             prompt=f"word{i} and more",
             params=params,
             reply_to=reply_to,
+            key=keys[i] if keys else "",
         )
         out.append((task.id, encode(task)))
     return out
 
 
 def drive(endpoint: str, n: int, window: int, *, run: str, timeout_s: float = 120.0) -> LoadResult:
+    return drive_many([endpoint], n, window, run=run, timeout_s=timeout_s)
+
+
+def drive_many(
+    endpoints: list[str],
+    n: int,
+    window: int,
+    *,
+    run: str,
+    timeout_s: float = 120.0,
+    entry_of: list[int] | None = None,
+    keys: list[str] | None = None,
+) -> LoadResult:
+    """Like ``drive``; task i enters at ``endpoints[entry_of[i]]`` with key ``keys[i]``."""
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.connect(endpoint)
-    frames = make_frames(n, f"tcp://127.0.0.1:{port}", run=run)
+    pushes = []
+    for endpoint in endpoints:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(endpoint)
+        pushes.append(sock)
+    entry_of = entry_of or [0] * n
+    by_task: dict[int, float] = {}
+    index = {}
+    frames = make_frames(n, f"tcp://127.0.0.1:{port}", run=run, keys=keys)
+    for i, (task_id, _) in enumerate(frames):
+        index[task_id] = i
     sent_at: dict[str, float] = {}
     latencies: list[float] = []
     ok = 0
@@ -72,7 +98,7 @@ def drive(endpoint: str, n: int, window: int, *, run: str, timeout_s: float = 12
             while next_i < n and len(sent_at) < window:
                 task_id, frame = frames[next_i]
                 sent_at[task_id] = clock()
-                push.send(frame)
+                pushes[entry_of[next_i]].send(frame)
                 next_i += 1
             if not poller.poll(1000) and clock() - started > timeout_s:
                 raise TimeoutError(f"{len(latencies)}/{n} replies after {timeout_s} s")
@@ -86,9 +112,11 @@ def drive(endpoint: str, n: int, window: int, *, run: str, timeout_s: float = 12
                 if t0 is None or reply.get("t") != 3:
                     continue
                 latencies.append((clock() - t0) * 1e3)
+                by_task[index[reply["id"]]] = latencies[-1]
                 ok += bool(reply["ok"])
         elapsed = clock() - started
     finally:
-        push.close(linger=0)
+        for sock in pushes:
+            sock.close(linger=0)
         pull.close(linger=0)
-    return LoadResult(tasks=n, ok=ok, elapsed_s=elapsed, latencies_ms=latencies)
+    return LoadResult(tasks=n, ok=ok, elapsed_s=elapsed, latencies_ms=latencies, by_task_ms=by_task)

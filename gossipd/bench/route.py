@@ -1,0 +1,85 @@
+"""`gossipd bench route --nodes 3`: fan-out cost with real daemons (echo engine, zero delay).
+
+Tasks enter at a random daemon, so about 2/3 enter at a non-owner and take one forward hop.
+Added latency per hop = latency of 1-hop tasks minus latency of 0-hop tasks, both measured in
+the same rounds at window 1 (no queueing), p50 and p99.  Throughput at a window of 300 is
+compared with raw pyzmq PUSH/PULL + MessagePack (one raw echo server) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+
+from gossipd.bench.ingress import _raw_server
+from gossipd.bench.loadgen import drive, drive_many
+from gossipd.core.ring import Ring
+from gossipd.progress import percentile
+from simulations.cluster import Cluster
+
+
+def main(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
+    say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
+    rng = random.Random(7)
+    raw_proc, raw_endpoint = _raw_server()
+    cluster = Cluster(nodes)
+    cluster.start()
+    try:
+        cluster.wait_converged(30)
+        cluster.wait_meta(30)
+        ring = Ring({d.name: 1.0 for d in cluster.daemons})
+        endpoints = [d.endpoint for d in cluster.daemons]
+        names = [d.name for d in cluster.daemons]
+        keys = [f"k{i}" for i in range(tasks)]
+        entry = [rng.randrange(nodes) for _ in range(tasks)]
+        hops = [0 if names[entry[i]] == ring.owner(keys[i]) else 1 for i in range(tasks)]
+        zero, one, tput_raw, tput_cluster = [], [], [], []
+        drive_many(endpoints, 1000, 100, run="warm", entry_of=entry[:1000], keys=keys[:1000])
+        for r in range(repeats):
+            lat = drive_many(endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys)
+            assert lat.by_task_ms is not None
+            zero += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
+            one += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 1]
+            tput_raw.append(drive(raw_endpoint, tasks * 4, 300, run=f"raw{r}").tasks_per_s)
+            tput_cluster.append(
+                drive_many(
+                    endpoints, tasks * 4, 300, run=f"tp{r}", entry_of=entry * 4, keys=keys * 4
+                ).tasks_per_s
+            )
+            say(
+                f"round {r + 1}/{repeats}: raw {tput_raw[-1]:,.0f}/s, cluster {tput_cluster[-1]:,.0f}/s"
+            )
+    finally:
+        cluster.stop()
+        raw_proc.terminate()
+        raw_proc.wait()
+    zero.sort()
+    one.sort()
+    p = {q: round(percentile(one, q) - percentile(zero, q), 3) for q in (50, 99)}
+    raw_tps, cl_tps = statistics.median(tput_raw), statistics.median(tput_cluster)
+    report = {
+        "benchmark": "route",
+        "nodes": nodes,
+        "forwarded_fraction": round(sum(hops) / len(hops), 3),
+        "latency_0_hop_ms": {
+            "p50": round(percentile(zero, 50), 3),
+            "p99": round(percentile(zero, 99), 3),
+        },
+        "latency_1_hop_ms": {
+            "p50": round(percentile(one, 50), 3),
+            "p99": round(percentile(one, 99), 3),
+        },
+        "hop_overhead_ms": {"p50": p[50], "p99": p[99]},
+        "raw_zmq_tasks_per_s": round(raw_tps, 1),
+        "cluster_tasks_per_s": round(cl_tps, 1),
+        "ratio_vs_raw_zmq": round(cl_tps / raw_tps, 3),
+        "goals": {"hop_overhead_p50_ms": 0.3, "hop_overhead_p99_ms": 2.0, "ratio_vs_raw_zmq": 0.25},
+    }
+    if as_json:
+        print(json.dumps(report))
+    else:
+        for k, v in report.items():
+            print(f"{k}: {v}")
+    return 0
