@@ -185,6 +185,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
         rng.shuffle(live_idx)
         half = len(live_idx) // 2
         sim.partition([live_idx[:half], live_idx[half:]])
+        partition_window = (sim.now, sim.now + run.partition_s)
         advance(sim.now + run.partition_s)
         sim.heal()
         healed_at = sim.now
@@ -206,8 +207,13 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
     if run.extra_s:
         advance(sim.now + run.extra_s)
 
-    # False positives: a member declared dead while it was up (crashed ones excluded).
-    false_dead = [(o, e) for o, e in sim.trace.events if e.kind == "dead" and e.node not in crashed]
+    # False positives: a member declared dead while it was up (crashed ones excluded, and
+    # during a partition each side rightly declares the other side dead: counted apart).
+    window = locals().get("partition_window")
+    in_partition = [(o, e) for o, e in sim.trace.events if e.kind == "dead" and window
+                    and window[0] <= e.at <= window[1]]
+    false_dead = [(o, e) for o, e in sim.trace.events if e.kind == "dead" and e.node not in crashed
+                  and not (window and window[0] <= e.at <= window[1])]
     suspected = [
         (o, e) for o, e in sim.trace.events if e.kind == "suspect" and e.node not in crashed
     ]
@@ -216,6 +222,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
         "members_declared_dead": len({e.node for _, e in false_dead}),
         "suspicions_of_healthy_members": len(suspected),
         "refutations": sum(m.core.stats.refutations for m in sim.members),
+        "dead_declarations_across_partition": len(in_partition),
     }
     _total_msgs, _total_bytes = sim.cost()
     report["simulated_s"] = round(sim.now, 1)
