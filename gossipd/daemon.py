@@ -138,6 +138,7 @@ class Daemon:
                 background: list[asyncio.Task[None]] = []
                 membership: list[asyncio.Task[None]] = []
                 if self.gossip is not None:
+                    self.gossip.start(tg)
                     membership = [
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
@@ -160,6 +161,7 @@ class Daemon:
                 await self._shut_down(receiver, workers)
                 if self.gossip is not None:
                     await self.gossip.leave()
+                    self.gossip.stop()
                 for task in membership + background:
                     task.cancel()
                 if self.dispatcher is not None:

@@ -77,6 +77,9 @@ class GossipService:
         self.advertise = ""
         self.status = "serving"
         self.dropped_sends = 0
+        self.disconnect_hints = 0
+        self._tg: asyncio.TaskGroup | None = None
+        self._monitors: dict[str, asyncio.Task[None]] = {}
         self._gpu_probe = GpuProbe(
             config.node.gpu_index, static_memory_total_mb=config.gpu.memory_total_mb
         )
@@ -214,13 +217,17 @@ class GossipService:
         entry = self._peers.get(addr)
         if entry is None:
             if len(self._peers) >= PEER_SOCKETS_MAX:
-                _, (old, _) = self._peers.popitem(last=False)
+                old_addr, (old, _) = self._peers.popitem(last=False)
+                monitor = self._monitors.pop(old_addr, None)
+                if monitor is not None:
+                    monitor.cancel()
                 old.close(linger=0)
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 64)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            self._watch(addr, sock)
             sock.connect(addr)
         else:
             sock = entry[0]
@@ -232,8 +239,54 @@ class GossipService:
             self.dropped_sends += 1
         for peer, (old, used) in list(self._peers.items())[:4]:  # close idle sockets, a few a time
             if now - used > PEER_IDLE_S:
+                monitor = self._monitors.pop(peer, None)
+                if monitor is not None:
+                    monitor.cancel()
+                old.disable_monitor()
                 old.close(linger=0)
                 del self._peers[peer]
+
+    def _watch(self, addr: str, sock: zmq.Socket) -> None:
+        """ZeroMQ's socket monitor: a dropped connection (a killed peer's TCP reset) makes the
+        core probe that member at once.  A hint only: the probe decides."""
+        if self._tg is None:
+            return
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[addr] = self._tg.create_task(
+            self._read_monitor(addr, monitor), name="gossip-monitor"
+        )
+
+    async def _read_monitor(self, addr: str, monitor: zmq.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                await wait_events(monitor, zmq.POLLIN)
+                while True:
+                    try:
+                        event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError:
+                        return
+                    if event["event"] == zmq.EVENT_DISCONNECTED and self.core is not None:
+                        node = next(
+                            (m.node for m in self.core.table.members.values() if m.addr == addr),
+                            None,
+                        )
+                        if node is not None:
+                            self.disconnect_hints += 1
+                            self.core.probe_soon(time.time(), node)
+                            self._wake.set()
+        finally:
+            monitor.close(linger=0)
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        self._tg = tg
+
+    def stop(self) -> None:
+        for task in self._monitors.values():
+            task.cancel()
 
     def close(self) -> None:
         for sock, _ in self._peers.values():

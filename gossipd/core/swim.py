@@ -141,6 +141,8 @@ class SwimNode:
         self._current_src = ""
         self._verifying: dict[str, int] = {}  # suspect -> seq of our last-chance ping
         self._mismatch_run = 0
+        self._early_target: str | None = None
+        self._early_probed: dict[str, float] = {}
         self._refresh_suspicion_bounds()
         self._push(Alive(node=node, incarnation=incarnation, addr=addr), urgent=True)
 
@@ -269,6 +271,19 @@ class SwimNode:
         self._meta_version += 1
         self._gpu = gpu
         self._push(Meta(node=self.node, version=self._meta_version, gpu=gpu), urgent=False)
+
+    def probe_soon(self, now: float, node: str) -> None:
+        """A hint (e.g. its TCP connection dropped): probe ``node`` now, out of schedule.
+        Never a verdict by itself; at most one early probe per member per probe interval."""
+        member = self.table.members.get(node)
+        if member is None or member.state not in LIVE_STATES:
+            return
+        if now - self._early_probed.get(node, -math.inf) < self.config.probe_interval_s:
+            return
+        self._early_probed[node] = now
+        self._early_target = node
+        if self._probe is None:
+            self._next_probe_at = min(self._next_probe_at, now)
 
     def announce(self, now: float) -> None:
         """Re-announce ourselves with a new incarnation (e.g. our address changed)."""
@@ -406,6 +421,13 @@ class SwimNode:
         cfg = self.config
         self._next_probe_at = now + self.awareness.scale(cfg.probe_interval_s)
         target = self._choose_target(now)
+        early, self._early_target = self._early_target, None
+        if (
+            early is not None
+            and early in self.table.members
+            and self.table.members[early].state in LIVE_STATES
+        ):
+            target = early
         if target is None:
             return
         self._seq += 1

@@ -210,10 +210,18 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
     # False positives: a member declared dead while it was up (crashed ones excluded, and
     # during a partition each side rightly declares the other side dead: counted apart).
     window = locals().get("partition_window")
-    in_partition = [(o, e) for o, e in sim.trace.events if e.kind == "dead" and window
-                    and window[0] <= e.at <= window[1]]
-    false_dead = [(o, e) for o, e in sim.trace.events if e.kind == "dead" and e.node not in crashed
-                  and not (window and window[0] <= e.at <= window[1])]
+    in_partition = [
+        (o, e)
+        for o, e in sim.trace.events
+        if e.kind == "dead" and window and window[0] <= e.at <= window[1]
+    ]
+    false_dead = [
+        (o, e)
+        for o, e in sim.trace.events
+        if e.kind == "dead"
+        and e.node not in crashed
+        and not (window and window[0] <= e.at <= window[1])
+    ]
     suspected = [
         (o, e) for o, e in sim.trace.events if e.kind == "suspect" and e.node not in crashed
     ]
