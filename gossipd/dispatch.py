@@ -38,7 +38,7 @@ from gossipd.core.messages import (
     decode_peer,
     encode_peer,
 )
-from gossipd.core.placement import Candidate, place
+from gossipd.core.placement import Candidate, bound, place
 from gossipd.core.ring import Ring
 from gossipd.errors import RemoteProtocolError
 from gossipd.gossip import GossipService
@@ -67,6 +67,31 @@ class DispatchStatistics:
     handed_off: int = 0
     bad_peer_messages: int = 0
     replies_dropped: int = 0
+
+
+@dataclass(slots=True)
+class _View:
+    key: object
+    ring: Ring | None
+    weights: dict[str, float]
+    addrs: dict[str, str]
+
+    @property
+    def total_weight(self) -> float:
+        return sum(self.weights.values())
+
+
+@dataclass(slots=True)
+class _Sent:
+    req: int
+    future: asyncio.Future[ForwardReply]
+    breaker: Breaker
+    timeout_s: float
+
+
+def _expire(future: asyncio.Future[ForwardReply]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 class _Peer:
@@ -106,6 +131,7 @@ class Dispatcher:
         self._early_done: OrderedDict[str, None] = OrderedDict()
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._ring: tuple[tuple[tuple[str, float], ...], Ring] | None = None
+        self._cached_view: _View | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._server: asyncio.Task[None] | None = None
         self.stats = DispatchStatistics()
@@ -192,38 +218,111 @@ class Dispatcher:
             model=task.model,
         )
 
+    def _view(self) -> _View:
+        """Serving members, their ring, weights and rpc addresses; rebuilt only when the
+        member table or our own status changes, not per task."""
+        core = self._gossip.core
+        assert core is not None
+        status = (
+            "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
+        )
+        key = (core.table.version, status)
+        if self._cached_view is None or self._cached_view.key != key:
+            cands = self.candidates()
+            serving = {n: c for n, c in cands.items() if c.status == "serving"}
+            addrs = {
+                m.node: m.gpu.rpc
+                for m in self._gossip.live_members()
+                if m.gpu is not None and m.gpu.rpc
+            }
+            self._cached_view = _View(
+                key,
+                Ring({n: c.weight for n, c in serving.items()}) if serving else None,
+                {n: c.weight for n, c in serving.items()},
+                addrs,
+            )
+        return self._cached_view
+
+    def _load(self, member: str) -> int:
+        return len(self._local_ids) if member == self.node else self._outstanding.get(member, 0)
+
     def route(self, task: Task, now: float) -> bool:
-        """Called by the ingress for each new task: False to run it here, True if taken."""
-        order = self._order(task)
-        if not order or order[0] == self.node:
+        """Called by the ingress for each new task: False to run it here, True if taken.
+        The common case costs one ring lookup (cached for repeated keys) and one bound check;
+        the full preference order is computed only when the owner is over its bound."""
+        view = self._view()
+        ring = view.ring
+        if ring is None or (len(ring) == 1 and ring.members[0] == self.node):
+            owner = self.node
+        else:
+            owner = ring.owner(task.key or task.id)
+            total = sum(self._outstanding.values()) + len(self._local_ids)
+            limit = bound(
+                total,
+                view.weights[owner],
+                view.total_weight,
+                self.config.load_bound_c,
+                self.config.load_floor,
+            )
+            if self._load(owner) >= limit:
+                order = self._order(task)
+                owner = order[0] if order else self.node
+        if owner == self.node:
             self.stats.local += 1
             self._local_ids.add(task.id)
             return False
         assert self._tg is not None
         # Count it against the chosen member at once: the tasks of this same batch must see it.
-        self._outstanding[order[0]] = self._outstanding.get(order[0], 0) + 1
-        self._tg.create_task(self._dispatch(task, now, order, reserved=order[0]))
+        self._outstanding[owner] = self._outstanding.get(owner, 0) + 1
+        first = self._send_forward(owner, task, now + task.timeout_ms / 1000.0, 1)
+        self._tg.create_task(self._dispatch(task, now, None, reserved=owner, first=(owner, first)))
         return True
 
     # -- forwarding ----------------------------------------------------------------------------
 
     async def _dispatch(
-        self, task: Task, received_at: float, order: list[str], reserved: str | None = None
+        self,
+        task: Task,
+        received_at: float,
+        order: list[str] | None,
+        reserved: str | None = None,
+        first: tuple[str, _Sent | ForwardReply] | None = None,
     ) -> bool:
-        """Try the members in ``order``; answer the producer with an error if none takes it.
+        """Try the members in ``order`` (computed here when None); answer the producer with an
+        error if none takes it.  ``first``: an attempt already sent to that member.
         Returns True when someone (maybe us) accepted the task."""
         try:
-            return await self._try_members(task, received_at, order)
+            if first is not None:
+                member, sent = first
+                reply = (
+                    sent
+                    if isinstance(sent, ForwardReply)
+                    else await self._await_reply(member, sent)
+                )
+                if reply is not None and reply.accepted:
+                    self.stats.forwarded += 1
+                    self._remember(task, member, received_at)
+                    return True
+                done = [f"{member}: {'no reply' if reply is None else reply.code}"]
+                order = [m for m in self._order(task) if m != member]
+                return await self._try_members(task, received_at, order, done)
+            return await self._try_members(
+                task, received_at, order if order is not None else self._order(task)
+            )
         finally:
             if reserved is not None:
                 self._outstanding[reserved] -= 1
 
-    async def _try_members(self, task: Task, received_at: float, order: list[str]) -> bool:
+    async def _try_members(
+        self, task: Task, received_at: float, order: list[str], attempts: list[str] | None = None
+    ) -> bool:
         cfg = self.config
         deadline = received_at + task.timeout_ms / 1000.0
-        attempts: list[str] = []
+        attempts = attempts if attempts is not None else []
         overloaded_hint = 0
-        for n, member in enumerate(order[: cfg.attempts_max]):
+        for n, member in enumerate(
+            order[: max(0, cfg.attempts_max - len(attempts))], start=len(attempts)
+        ):
             now = time.monotonic()
             if now >= deadline:
                 attempts.append("deadline reached")
@@ -266,13 +365,15 @@ class Dispatcher:
         )
         return False
 
-    async def _call(
-        self, member: str, task: Task, received_at: float, deadline: float, attempt: int
-    ) -> ForwardReply | None:
-        breaker = self._breakers.setdefault(
-            member,
-            Breaker(failures_max=self.config.breaker_failures, open_s=self.config.breaker_open_s),
-        )
+    def _send_forward(
+        self, member: str, task: Task, deadline: float, attempt: int
+    ) -> _Sent | ForwardReply:
+        """Send one Forward now (no await); a ForwardReply when it could not even be sent."""
+        breaker = self._breakers.get(member)
+        if breaker is None:
+            breaker = self._breakers[member] = Breaker(
+                failures_max=self.config.breaker_failures, open_s=self.config.breaker_open_s
+            )
         now = time.monotonic()
         if not breaker.allow(now):
             return ForwardReply(req=0, node=member, accepted=False, code="circuit_open")
@@ -287,26 +388,42 @@ class Dispatcher:
             Forward(req=req, src=self.node, task=task, remaining_ms=remaining_ms, attempt=attempt)
         )
         future: asyncio.Future[ForwardReply] = asyncio.get_running_loop().create_future()
-        self._pending[req] = future
         try:
             peer.sock.send(frame, zmq.NOBLOCK)
-            timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
-            reply = await asyncio.wait_for(future, timeout)
-        except (TimeoutError, zmq.Again):
-            breaker.failure(time.monotonic())
+        except zmq.Again:
+            breaker.failure(now)
+            self.stats.attempts_failed += 1
+            return ForwardReply(req=req, node=member, accepted=False, code="send_queue_full")
+        self._pending[req] = future
+        timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
+        return _Sent(req, future, breaker, timeout)
+
+    async def _await_reply(self, member: str, sent: _Sent) -> ForwardReply | None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(sent.timeout_s, _expire, sent.future)
+        try:
+            reply = await sent.future
+        except TimeoutError:
+            sent.breaker.failure(time.monotonic())
             self.stats.attempts_failed += 1
             return None
         finally:
-            self._pending.pop(req, None)
+            timer.cancel()
+            self._pending.pop(sent.req, None)
         if reply.accepted or reply.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN):
-            breaker.success()  # it answered: the peer is healthy, just busy
+            sent.breaker.success()  # it answered: the peer is healthy, just busy
         return reply
 
+    async def _call(
+        self, member: str, task: Task, received_at: float, deadline: float, attempt: int
+    ) -> ForwardReply | None:
+        sent = self._send_forward(member, task, deadline, attempt)
+        if isinstance(sent, ForwardReply):
+            return sent
+        return await self._await_reply(member, sent)
+
     def _rpc_addr(self, member: str) -> str | None:
-        for m in self._gossip.live_members():
-            if m.node == member and m.gpu is not None and m.gpu.rpc:
-                return m.gpu.rpc
-        return None
+        return self._view().addrs.get(member)
 
     def _peer(self, addr: str) -> _Peer:
         peer = self._peers.get(addr)

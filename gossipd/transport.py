@@ -12,7 +12,6 @@ call on the same socket consumed the signal.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -31,19 +30,31 @@ async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = Non
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     fd = sock.getsockopt(zmq.FD)
-    signalled = asyncio.Event()
-    loop.add_reader(fd, signalled.set)
-    try:
-        while not (sock.getsockopt(zmq.EVENTS) & mask):
-            wait_s = RECHECK_S if deadline is None else min(RECHECK_S, deadline - loop.time())
-            if wait_s <= 0:
-                return False
-            signalled.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(signalled.wait(), wait_s)
-        return True
-    finally:
-        loop.remove_reader(fd)
+    while True:
+        wait_s = RECHECK_S if deadline is None else min(RECHECK_S, deadline - loop.time())
+        if wait_s <= 0:
+            return False
+        # One future per wait, resolved by the fd or by the recheck timer (no Task, no
+        # asyncio.wait_for: this runs once per idle-to-busy transition of every socket).
+        fut: asyncio.Future[None] = loop.create_future()
+        wake = _resolver(fut)
+        loop.add_reader(fd, wake)
+        timer = loop.call_later(wait_s, wake)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            loop.remove_reader(fd)
+        if sock.getsockopt(zmq.EVENTS) & mask:
+            return True
+
+
+def _resolver(fut: asyncio.Future[None]):  # type: ignore[no-untyped-def]
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    return wake
 
 
 async def recv_batch(sock: zmq.Socket, batch_max: int) -> list[bytes]:

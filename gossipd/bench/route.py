@@ -20,11 +20,14 @@ from gossipd.progress import percentile
 from simulations.cluster import Cluster
 
 
-def main(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
+def main(*, nodes: int, tasks: int, repeats: int, as_json: bool, journal: bool = False) -> int:
     say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
     rng = random.Random(7)
+    # The journal's fsync costs the same with or without a hop; off by default here so that
+    # the figures isolate forwarding (--journal to include it).
+    journal_overrides = [] if journal else ['journal.path=""']
     raw_proc, raw_endpoint = _raw_server()
-    cluster = Cluster(nodes)
+    cluster = Cluster(nodes, extra_overrides=journal_overrides)
     cluster.start()
     try:
         cluster.wait_converged(30)
