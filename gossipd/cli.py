@@ -107,11 +107,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "ring":
+        from gossipd.bench.ring import main as bench_ring
+
+        return bench_ring(keys=args.keys, nodes=args.nodes or 64, as_json=args.json)
     if args.what == "route":
         from gossipd.bench.route import main as bench_route
 
         return bench_route(
-            nodes=args.nodes, tasks=min(args.tasks, 5000), repeats=args.repeats, as_json=args.json
+            nodes=args.nodes or 3,
+            tasks=min(args.tasks, 5000),
+            repeats=args.repeats,
+            as_json=args.json,
         )
     if args.what == "ingress":
         from gossipd.bench.ingress import main as bench_ingress
@@ -167,8 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", help="benchmarks (figures against a baseline measured in the same run)"
     )
-    p.add_argument("what", choices=["ingress", "route"])
-    p.add_argument("--nodes", type=int, default=3, help="route: daemons in the cluster")
+    p.add_argument("what", choices=["ingress", "route", "ring"])
+    p.add_argument("--keys", type=int, default=1_000_000, help="ring: keys to place")
+    p.add_argument("--nodes", type=int, default=None, help="route: daemons (3); ring: members (64)")
     p.add_argument("--tasks", type=int, default=20_000)
     p.add_argument("--window", type=int, default=500)
     p.add_argument("--repeats", type=int, default=3)

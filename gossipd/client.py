@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -150,6 +151,8 @@ class Client:
         self._push: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
         self._receiver: asyncio.Task[None] | None = None
+        self._unsent: deque[bytes] = deque()
+        self._flusher: asyncio.Task[None] | None = None
         self.reply_to = ""
         self._stats = dict.fromkeys(ClientStatistics.__slots__, 0)
 
@@ -178,6 +181,9 @@ class Client:
         self._receiver = asyncio.get_running_loop().create_task(self._receive_forever())
 
     async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
         if self._receiver is not None:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, return_exceptions=True)
@@ -281,12 +287,26 @@ class Client:
         self._arm(handle, loop, delay_s)
 
     async def _send(self, task: Task) -> None:
+        """Hand the task to ZeroMQ, or queue it here while no daemon is connected (the
+        socket only sends to connected daemons); never blocks the caller."""
         assert self._push is not None
         frame = encode(task)
-        while True:
+        if not self._unsent:
             try:
                 self._push.send(frame, zmq.NOBLOCK)
                 return
+            except zmq.Again:
+                pass
+        self._unsent.append(frame)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_unsent())
+
+    async def _flush_unsent(self) -> None:
+        assert self._push is not None
+        while self._unsent:
+            try:
+                self._push.send(self._unsent[0], zmq.NOBLOCK)
+                self._unsent.popleft()
             except zmq.Again:
                 await wait_events(self._push, zmq.POLLOUT)
 

@@ -130,9 +130,10 @@ class FanoutConfig(Section):
     backoff_max_s: Seconds = 0.2
     # Bounded loads: a member takes a task only below c x its fair share of in-flight tasks.
     load_bound_c: Annotated[float, msgspec.Meta(ge=1.0, le=100.0)] = 1.25
-    # ...but a member with fewer in-flight tasks than this is never hot (light load keeps
-    # every key on its owner).
-    load_floor: Annotated[int, msgspec.Meta(ge=0)] = 64
+    # ...but a member with fewer in-flight tasks than this is never hot: below what it runs
+    # at once (ingress.concurrency_max) nothing queues there, so moving keys would only cost
+    # cache affinity.
+    load_floor: Annotated[int, msgspec.Meta(ge=0)] = 256
     # Forwarded tasks remembered until their owner reports them done (for migration).
     forwarded_max: Positive = 200_000
     # Per-peer circuit breaker: this many failures in a row stop calls for breaker_open_s.

@@ -181,7 +181,19 @@ class Daemon:
             await self.engine.stop()
             self.notifier.close()
             self._ctx.term()
-        log.info("stopped", extra={"statistics": _plain(self.snapshot())})
+        stats = _plain(self.snapshot())
+        if self.dispatcher is not None:
+            stats["dispatch"] = (
+                {**self.dispatcher.stats.__dict__}
+                if hasattr(self.dispatcher.stats, "__dict__")
+                else {
+                    k: getattr(self.dispatcher.stats, k)
+                    for k in self.dispatcher.stats.__dataclass_fields__
+                }
+            )
+            stats["dispatch"]["outstanding"] = dict(self.dispatcher._outstanding)
+            stats["dispatch"]["local_unfinished"] = len(self.dispatcher._local_ids)
+        log.info("stopped", extra={"statistics": stats})
         return 0
 
     def _replay_journal(self) -> None:

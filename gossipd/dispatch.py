@@ -181,7 +181,9 @@ class Dispatcher:
         out: dict[str, Candidate] = {}
         for m in self._gossip.live_members():
             gpu = m.gpu
-            if gpu is None or not gpu.rpc or m.state != "alive":
+            # Suspects stay candidates: most are alive and refute; a dead one fails its
+            # forward and the next member takes the task.
+            if gpu is None or not gpu.rpc:
                 continue
             # Bounded loads compare loads measured one way: what this entry point has sent each
             # member and not yet seen finish (HAProxy's approach).  The gossiped in-flight count
