@@ -43,7 +43,7 @@ from gossipd.core.ring import Ring
 from gossipd.errors import RemoteProtocolError
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
-from gossipd.transport import wait_events
+from gossipd.transport import kick, wait_events
 
 log = logging.getLogger("gossipd.dispatch")
 
@@ -89,6 +89,17 @@ class _Sent:
     timeout_s: float
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A first forward awaiting its reply without a coroutine (the common case)."""
+
+    task: Task
+    owner: str
+    received_at: float
+    sent: _Sent
+    timer: asyncio.TimerHandle | None = None
+
+
 def _expire(future: asyncio.Future[ForwardReply]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
@@ -122,7 +133,7 @@ class Dispatcher:
         self._rng = rng
         self._router: zmq.Socket | None = None
         self._peers: dict[str, _Peer] = {}
-        self._pending: dict[int, asyncio.Future[ForwardReply]] = {}
+        self._pending: dict[int, asyncio.Future[ForwardReply] | _InFlight] = {}
         self._req = 0
         self._breakers: dict[str, Breaker] = {}
         self._forwarded: OrderedDict[str, _Forwarded] = OrderedDict()
@@ -276,9 +287,49 @@ class Dispatcher:
         assert self._tg is not None
         # Count it against the chosen member at once: the tasks of this same batch must see it.
         self._outstanding[owner] = self._outstanding.get(owner, 0) + 1
-        first = self._send_forward(owner, task, now + task.timeout_ms / 1000.0, 1)
-        self._tg.create_task(self._dispatch(task, now, None, reserved=owner, first=(owner, first)))
+        sent = self._send_forward(owner, task, now + task.timeout_ms / 1000.0, 1)
+        if isinstance(sent, ForwardReply):
+            self._tg.create_task(
+                self._dispatch(task, now, None, reserved=owner, first=(owner, sent))
+            )
+            return True
+        # The common case needs no coroutine: the reply (or its timeout) is handled by a
+        # callback; only a refusal or a timeout starts the retrying coroutine.
+        flight = _InFlight(task, owner, now, sent)
+        flight.timer = asyncio.get_running_loop().call_later(
+            sent.timeout_s, self._flight_timeout, sent.req
+        )
+        self._pending[sent.req] = flight
         return True
+
+    def _flight_reply(self, flight: _InFlight, reply: ForwardReply) -> None:
+        if flight.timer is not None:
+            flight.timer.cancel()
+        self._outstanding[flight.owner] -= 1
+        if reply.accepted or reply.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN):
+            flight.sent.breaker.success()
+        if reply.accepted:
+            self.stats.forwarded += 1
+            self._remember(flight.task, flight.owner, flight.received_at)
+            return
+        self._retry(flight, reply)
+
+    def _flight_timeout(self, req: int) -> None:
+        flight = self._pending.pop(req, None)
+        if not isinstance(flight, _InFlight):
+            return
+        self._outstanding[flight.owner] -= 1
+        flight.sent.breaker.failure(time.monotonic())
+        self.stats.attempts_failed += 1
+        self._retry(
+            flight, ForwardReply(req=req, node=flight.owner, accepted=False, code="no reply")
+        )
+
+    def _retry(self, flight: _InFlight, reply: ForwardReply) -> None:
+        assert self._tg is not None
+        self._tg.create_task(
+            self._dispatch(flight.task, flight.received_at, None, first=(flight.owner, reply))
+        )
 
     # -- forwarding ----------------------------------------------------------------------------
 
@@ -392,15 +443,16 @@ class Dispatcher:
         future: asyncio.Future[ForwardReply] = asyncio.get_running_loop().create_future()
         try:
             peer.sock.send(frame, zmq.NOBLOCK)
+            kick(peer.sock)
         except zmq.Again:
             breaker.failure(now)
             self.stats.attempts_failed += 1
             return ForwardReply(req=req, node=member, accepted=False, code="send_queue_full")
-        self._pending[req] = future
         timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
         return _Sent(req, future, breaker, timeout)
 
     async def _await_reply(self, member: str, sent: _Sent) -> ForwardReply | None:
+        self._pending[sent.req] = sent.future
         loop = asyncio.get_running_loop()
         timer = loop.call_later(sent.timeout_s, _expire, sent.future)
         try:
@@ -455,9 +507,12 @@ class Dispatcher:
                     self.stats.bad_peer_messages += 1
                     continue
                 if isinstance(msg, ForwardReply):
-                    future = self._pending.get(msg.req)
-                    if future is not None and not future.done():
-                        future.set_result(msg)
+                    waiter = self._pending.get(msg.req)
+                    if isinstance(waiter, _InFlight):
+                        del self._pending[msg.req]
+                        self._flight_reply(waiter, msg)
+                    elif waiter is not None and not waiter.done():
+                        waiter.set_result(msg)
                 elif isinstance(msg, TaskDone) and self._forget(msg.id) is None:
                     # Done before our dispatch coroutine saw the accept: remember that.
                     self._early_done[msg.id] = None
@@ -543,6 +598,7 @@ class Dispatcher:
             self._router.send_multipart(
                 [identity, encode_peer(TaskDone(id=task_id, node=self.node))], zmq.NOBLOCK
             )
+            kick(self._router)
         except zmq.Again:
             self.stats.replies_dropped += 1
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -40,13 +41,28 @@ async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = Non
         wake = _resolver(fut)
         loop.add_reader(fd, wake)
         timer = loop.call_later(wait_s, wake)
+        _waiters[id(sock)] = wake
         try:
             await fut
         finally:
             timer.cancel()
             loop.remove_reader(fd)
+            if _waiters.get(id(sock)) is wake:
+                del _waiters[id(sock)]
         if sock.getsockopt(zmq.EVENTS) & mask:
             return True
+
+
+# The wake-up of whoever waits on a socket, so that a send on that socket from elsewhere can
+# re-check it: a send may consume the edge-triggered ZMQ_FD signal meant for the waiter.
+_waiters: dict[int, Callable[[], None]] = {}
+
+
+def kick(sock: zmq.Socket) -> None:
+    """Call after sending on a socket that another coroutine waits to read."""
+    wake = _waiters.get(id(sock))
+    if wake is not None:
+        wake()
 
 
 def _resolver(fut: asyncio.Future[None]):  # type: ignore[no-untyped-def]
