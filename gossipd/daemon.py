@@ -115,6 +115,7 @@ class Daemon:
                 gossip=self.gossip,
                 rng=random.Random(secrets.randbits(64)),
             )
+            self.ingress.model = getattr(self.engine, "model", "") or self.engine.name
             self.gossip.rpc_endpoint = self.dispatcher.bind()
             self.gossip.load = lambda: self.ingress.admission.pending
             gossip_endpoint = self.gossip.bind()

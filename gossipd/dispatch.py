@@ -201,15 +201,21 @@ class Dispatcher:
             # is older and counts other entry points' work; it is exported, not mixed in here.
             load = self._outstanding.get(m.node, 0)
             out[m.node] = Candidate(
-                m.node, load=load, weight=gpu.capacity_weight or 1.0, status=gpu.status
+                m.node,
+                load=load,
+                weight=gpu.capacity_weight or 1.0,
+                status=gpu.status,
+                models=frozenset({gpu.model}) if gpu.model else frozenset(),
             )
         me_status = (
             "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
         )
         # Our own load as this entry point sees it: the tasks we kept from our own intake, so
         # that every load in the comparison is measured the same way (HAProxy's approach).
+        own_model = getattr(self._ingress, "model", "")
         out[self.node] = Candidate(
             self.node,
+            models=frozenset({own_model}) if own_model else frozenset(),
             load=len(self._local_ids),
             weight=self._gossip.config.gpu.capacity_weight,
             status=me_status,
@@ -265,7 +271,17 @@ class Dispatcher:
         the full preference order is computed only when the owner is over its bound."""
         view = self._view()
         ring = view.ring
-        if ring is None or (len(ring) == 1 and ring.members[0] == self.node):
+        if task.model:
+            # Only members serving the named model qualify: the full placement, not the ring.
+            order = self._order(task)
+            if not order:
+                self.stats.unavailable += 1
+                self._ingress.send_error(
+                    task, ErrorCode.UNAVAILABLE, f"no live member serves model {task.model!r}"
+                )
+                return True
+            owner = order[0]
+        elif ring is None or (len(ring) == 1 and ring.members[0] == self.node):
             owner = self.node
         else:
             owner = ring.owner(task.key or task.id)

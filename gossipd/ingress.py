@@ -97,6 +97,7 @@ class Ingress:
         self._results: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self.bound_endpoint = ""
+        self.model = ""  # the model this daemon's engine serves (set by the daemon)
         # Hooks, called synchronously in order: a router that may take a task elsewhere, and
         # listeners for admitted and finished tasks (journal, fan-out bookkeeping).
         self.router: Callable[[Task, float], bool] | None = None

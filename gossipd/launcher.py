@@ -20,10 +20,19 @@ from pathlib import Path
 from typing import Any
 
 
+_handed_out: set[int] = set()
+
+
 def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nobody listens on, never the same twice in this process (the kernel
+    happily returns a port it just returned, and a daemon needs three distinct ones)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class DaemonProcess:

@@ -140,3 +140,21 @@ def test_journal_reruns_unfinished_tasks_after_a_crash(make_cluster) -> None:  #
         e.get("msg") == "re-running unfinished tasks from the journal" for e in restarted.events()
     )
     time.sleep(0.1)
+
+
+def test_a_task_for_a_model_nobody_serves_is_refused_as_unavailable(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(2)
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([cluster.daemons[0].endpoint]) as client:
+            served = await client.run("x", max_tokens=2, model="echo")
+            missing = await client.run("x", max_tokens=2, model="llama-70b")
+            return served, missing
+
+    served, missing = run(main())
+    assert served.ok
+    assert (
+        not missing.ok
+        and missing.error.code == "unavailable"
+        and "llama-70b" in missing.error.message
+    )
