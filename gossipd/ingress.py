@@ -384,18 +384,7 @@ class Ingress:
         """Answer every admitted-but-unstarted task with shutting_down."""
         count = 0
         while len(self._queue):
-            job = self._queue.get_nowait()
-            self._finish(
-                job.task,
-                error_result(
-                    job.task.id,
-                    ErrorCode.SHUTTING_DOWN,
-                    "the daemon shut down before this task started",
-                    node=self._node,
-                    retry_after_ms=self._config.retry_after_ms,
-                ),
-                remember=False,
-            )
+            self.answer_shutting_down(self._queue.get_nowait().task)
             count += 1
         return count
 
