@@ -90,6 +90,7 @@ class Daemon:
             "replies": self.replies.statistics(),
             "engine": self.engine.stats(),
             "gossip": self.gossip,
+            "dispatcher": self.dispatcher,
         }
 
     async def run(self) -> int:
@@ -184,16 +185,10 @@ class Daemon:
             self._ctx.term()
         stats = _plain(self.snapshot())
         if self.dispatcher is not None:
-            stats["dispatch"] = (
-                {**self.dispatcher.stats.__dict__}
-                if hasattr(self.dispatcher.stats, "__dict__")
-                else {
-                    k: getattr(self.dispatcher.stats, k)
-                    for k in self.dispatcher.stats.__dataclass_fields__
-                }
-            )
-            stats["dispatch"]["outstanding"] = dict(self.dispatcher._outstanding)
-            stats["dispatch"]["local_unfinished"] = len(self.dispatcher._local_ids)
+            d = self.dispatcher
+            stats["dispatch"] = {k: getattr(d.stats, k) for k in d.stats.__dataclass_fields__}
+            stats["dispatch"]["outstanding"] = d.outstanding()
+            stats["dispatch"]["local_unfinished"] = d.local_unfinished()
         log.info("stopped", extra={"statistics": stats})
         return 0
 
@@ -253,7 +248,7 @@ class Daemon:
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stats in snapshot.items():
-        if name == "gossip":
+        if name in ("gossip", "dispatcher"):
             continue
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}

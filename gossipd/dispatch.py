@@ -657,3 +657,10 @@ class Dispatcher:
 
     def forwarded_count(self) -> int:
         return len(self._forwarded)
+
+    def outstanding(self) -> dict[str, int]:
+        """Per member: tasks we sent it (or are sending) that it has not reported done."""
+        return {m: n for m, n in self._outstanding.items() if n}
+
+    def local_unfinished(self) -> int:
+        return len(self._local_ids)

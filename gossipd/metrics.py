@@ -141,6 +141,9 @@ class DaemonCollector:
         gossip = s.get("gossip")
         if gossip is not None and gossip.core is not None:
             yield from _gossip_metrics(gossip)
+        dispatcher = s.get("dispatcher")
+        if dispatcher is not None:
+            yield from _dispatch_metrics(dispatcher)
         hist = ing.latency
         latency = HistogramMetricFamily("gossipd_task_latency_seconds", "Receipt to final result")
         latency.add_metric([], hist.cumulative(), sum_value=hist.sum_s)
@@ -212,3 +215,41 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
     checksum = GaugeMetricFamily("gossipd_gossip_checksum", "Checksum of the live member set")
     checksum.add_metric([], core.table.checksum())
     yield checksum
+
+
+def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
+    stats = dispatcher.stats
+    for name, doc, value in (
+        ("gossipd_fanout_local", "Tasks from our intake run here", stats.local),
+        (
+            "gossipd_fanout_forwarded",
+            "Tasks forwarded and accepted by another member",
+            stats.forwarded,
+        ),
+        (
+            "gossipd_fanout_accepted_from_peers",
+            "Forwarded tasks we accepted",
+            stats.accepted_from_peers,
+        ),
+        ("gossipd_fanout_refused_to_peers", "Forwarded tasks we refused", stats.refused_to_peers),
+        (
+            "gossipd_fanout_attempts_failed",
+            "Forward attempts without a reply in time",
+            stats.attempts_failed,
+        ),
+        ("gossipd_fanout_unavailable", "Tasks no member took", stats.unavailable),
+        ("gossipd_fanout_migrated", "Tasks re-dispatched off a dead member", stats.migrated),
+        ("gossipd_fanout_handed_off", "Queued tasks handed to others at drain", stats.handed_off),
+        ("gossipd_fanout_bad_peer_messages", "Undecodable peer messages", stats.bad_peer_messages),
+    ):
+        counter = CounterMetricFamily(name, doc)
+        counter.add_metric([], value)
+        yield counter
+    outstanding = GaugeMetricFamily(
+        "gossipd_fanout_outstanding",
+        "Forwarded tasks not reported done, by owner",
+        labels=["member"],
+    )
+    for member, n in sorted(dispatcher.outstanding().items()):
+        outstanding.add_metric([member], n)
+    yield outstanding

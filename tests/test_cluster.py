@@ -61,6 +61,7 @@ def test_daemons_join_through_seeds_and_see_each_others_gpu_state(cluster: Clust
         wait_for(lambda: member_events(d0, "d09", "meta"), 10, "d09's GPU state to reach d00")
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "gossipd_gossip_messages_sent_total" in text
+        assert "gossipd_fanout_forwarded_total" in text and "gossipd_members" in text
     finally:
         extra.stop()
     wait_for(lambda: member_events(d0, "d09", "left"), 10, "d09's graceful leave")
