@@ -21,6 +21,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -32,6 +33,7 @@ from gossipd.core.messages import (
     ErrorCode,
     Forward,
     ForwardReply,
+    PeerBatch,
     Result,
     Task,
     TaskDone,
@@ -106,11 +108,12 @@ def _expire(future: asyncio.Future[ForwardReply]) -> None:
 
 
 class _Peer:
-    __slots__ = ("addr", "reader", "sock")
+    __slots__ = ("addr", "outbox", "reader", "sock")
 
     def __init__(self, addr: str, sock: zmq.Socket) -> None:
         self.addr = addr
         self.sock = sock
+        self.outbox: list[Forward] = []
         self.reader: asyncio.Task[None] | None = None
 
 
@@ -143,6 +146,9 @@ class Dispatcher:
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._ring: tuple[tuple[tuple[str, float], ...], Ring] | None = None
         self._cached_view: _View | None = None
+        self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
+        self._router_flush_armed = False
+        self._peers_flush_armed = False
         self._tg: asyncio.TaskGroup | None = None
         self._server: asyncio.Task[None] | None = None
         self.stats = DispatchStatistics()
@@ -453,17 +459,14 @@ class Dispatcher:
         self._req += 1
         req = self._req
         remaining_ms = max(1, int((deadline - now) * 1000))
-        frame = encode_peer(
-            Forward(req=req, src=self.node, task=task, remaining_ms=remaining_ms, attempt=attempt)
+        forward = Forward(
+            req=req, src=self.node, task=task, remaining_ms=remaining_ms, attempt=attempt
         )
         future: asyncio.Future[ForwardReply] = asyncio.get_running_loop().create_future()
-        try:
-            peer.sock.send(frame, zmq.NOBLOCK)
-            kick(peer.sock)
-        except zmq.Again:
-            breaker.failure(now)
-            self.stats.attempts_failed += 1
-            return ForwardReply(req=req, node=member, accepted=False, code="send_queue_full")
+        peer.outbox.append(forward)
+        if not self._peers_flush_armed:
+            self._peers_flush_armed = True
+            asyncio.get_running_loop().call_soon(self._flush_peers)
         timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
         return _Sent(req, future, breaker, timeout)
 
@@ -491,6 +494,30 @@ class Dispatcher:
         if isinstance(sent, ForwardReply):
             return sent
         return await self._await_reply(member, sent)
+
+    def _flush_peers(self) -> None:
+        """Send every Forward queued in this loop turn, one message per peer.  A send that
+        cannot go (peer queue full) is left to the reply timeout, which tries the next member."""
+        self._peers_flush_armed = False
+        for peer in self._peers.values():
+            if not peer.outbox:
+                continue
+            items, peer.outbox = peer.outbox, []
+            for frame, count in self._frames(items):
+                try:
+                    peer.sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    self.stats.attempts_failed += count
+            kick(peer.sock)
+
+    def _frames(self, items: list[Any]) -> list[tuple[bytes, int]]:
+        """Encode ``items`` as one message, or split it so that no message exceeds the
+        receiver's limit (a batch of large prompts)."""
+        frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
+        if len(frame) <= self.config.message_bytes_max or len(items) == 1:
+            return [(frame, len(items))]
+        half = len(items) // 2
+        return self._frames(items[:half]) + self._frames(items[half:])
 
     def _rpc_addr(self, member: str) -> str | None:
         return self._view().addrs.get(member)
@@ -522,18 +549,22 @@ class Dispatcher:
                 except RemoteProtocolError:
                     self.stats.bad_peer_messages += 1
                     continue
-                if isinstance(msg, ForwardReply):
-                    waiter = self._pending.get(msg.req)
-                    if isinstance(waiter, _InFlight):
-                        del self._pending[msg.req]
-                        self._flight_reply(waiter, msg)
-                    elif waiter is not None and not waiter.done():
-                        waiter.set_result(msg)
-                elif isinstance(msg, TaskDone) and self._forget(msg.id) is None:
-                    # Done before our dispatch coroutine saw the accept: remember that.
-                    self._early_done[msg.id] = None
-                    if len(self._early_done) > 10_000:
-                        self._early_done.popitem(last=False)
+                for item in msg.items if isinstance(msg, PeerBatch) else (msg,):
+                    self._on_peer_reply(item)
+
+    def _on_peer_reply(self, msg: object) -> None:
+        if isinstance(msg, ForwardReply):
+            waiter = self._pending.get(msg.req)
+            if isinstance(waiter, _InFlight):
+                del self._pending[msg.req]
+                self._flight_reply(waiter, msg)
+            elif waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+        elif isinstance(msg, TaskDone) and self._forget(msg.id) is None:
+            # Done before our dispatch coroutine saw the accept: remember that.
+            self._early_done[msg.id] = None
+            if len(self._early_done) > 10_000:
+                self._early_done.popitem(last=False)
 
     def _remember(self, task: Task, owner: str, received_at: float) -> None:
         self._forget(task.id)
@@ -575,6 +606,13 @@ class Dispatcher:
             self.stats.bad_peer_messages += 1
             log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
             return
+        if isinstance(msg, PeerBatch):
+            for item in msg.items:
+                self._on_forward(identity, item)
+            return
+        self._on_forward(identity, msg)
+
+    def _on_forward(self, identity: bytes, msg: object) -> None:
         if not isinstance(msg, Forward):
             self.stats.bad_peer_messages += 1
             return
@@ -597,10 +635,30 @@ class Dispatcher:
             code="" if accepted else verdict.value,
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
         )
-        try:
-            self._router.send_multipart([identity, encode_peer(reply)], zmq.NOBLOCK)
-        except zmq.Again:
-            self.stats.replies_dropped += 1  # the forwarder times out and tries the next member
+        self._to_forwarder(identity, reply)
+
+    def _to_forwarder(self, identity: bytes, msg: ForwardReply | TaskDone) -> None:
+        """Queue for one forwarder; everything queued in this loop turn goes as one message."""
+        queue = self._router_out.get(identity)
+        if queue is None:
+            queue = self._router_out[identity] = []
+        queue.append(msg)
+        if not self._router_flush_armed:
+            self._router_flush_armed = True
+            asyncio.get_running_loop().call_soon(self._flush_router)
+
+    def _flush_router(self) -> None:
+        self._router_flush_armed = False
+        out, self._router_out = self._router_out, {}
+        if self._router is None:
+            return
+        for identity, items in out.items():
+            frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
+            try:
+                self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+            except zmq.Again:
+                self.stats.replies_dropped += len(items)  # the forwarder times out, tries the next
+        kick(self._router)
 
     def _task_finished(self, task: Task, result: Result) -> None:
         self._local_ids.discard(task.id)
@@ -608,15 +666,7 @@ class Dispatcher:
             self._send_done(identity, task.id)
 
     def _send_done(self, identity: bytes, task_id: str) -> None:
-        if self._router is None:
-            return
-        try:
-            self._router.send_multipart(
-                [identity, encode_peer(TaskDone(id=task_id, node=self.node))], zmq.NOBLOCK
-            )
-            kick(self._router)
-        except zmq.Again:
-            self.stats.replies_dropped += 1
+        self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))
 
     # -- membership changes and drain ----------------------------------------------------------
 

@@ -158,3 +158,22 @@ def test_a_task_for_a_model_nobody_serves_is_refused_as_unavailable(make_cluster
         and missing.error.code == "unavailable"
         and "llama-70b" in missing.error.message
     )
+
+
+def test_a_burst_of_large_forwarded_tasks_is_split_under_the_message_limit(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(
+        2, "ingress.message_bytes_max=1048576", "fanout.message_bytes_max=1048576"
+    )
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    keys = [k for k in (f"big-{i}" for i in range(200)) if ring.owner(k) == "d01"][:30]
+    prompt = "word " * 40_000  # 200 KB: 30 of them are 6 MB, far over one message's limit
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([cluster.daemons[0].endpoint]) as client:
+            handles = [await client.submit(prompt, key=k, max_tokens=2, timeout_s=30) for k in keys]
+            return [await h.result() for h in handles]
+
+    results = run(main())
+    assert all(r.ok and r.node == "d01" for r in results), [r.error for r in results if not r.ok][
+        :2
+    ]

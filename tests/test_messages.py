@@ -229,3 +229,16 @@ def test_deeply_nested_garbage_is_refused_not_crashing() -> None:
     frame = b"\x91" * 100_000 + b"\x00"
     with pytest.raises(RemoteProtocolError):
         decode_task(frame, bytes_max=1 << 20)
+
+
+@given(st.binary(max_size=2048))
+def test_any_bytes_decode_to_a_peer_or_gossip_message_or_raise_remote_protocol_error(
+    data: bytes,
+) -> None:
+    from gossipd.core.messages import decode_gossip, decode_peer
+
+    for decode in (decode_peer, decode_gossip):
+        try:
+            decode(data, bytes_max=1024)
+        except RemoteProtocolError as exc:
+            assert exc.code in {c.value for c in ErrorCode}
