@@ -28,6 +28,7 @@ import zmq
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import Breaker
+from gossipd.core.deadlines import DeadlineWheel
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import (
     ErrorCode,
@@ -99,7 +100,7 @@ class _InFlight:
     owner: str
     received_at: float
     sent: _Sent
-    timer: asyncio.TimerHandle | None = None
+    token: int = 0  # the ack deadline's slot in the timer wheel
 
 
 def _expire(future: asyncio.Future[ForwardReply]) -> None:
@@ -151,6 +152,8 @@ class Dispatcher:
         self._peers_flush_armed = False
         self._tg: asyncio.TaskGroup | None = None
         self._server: asyncio.Task[None] | None = None
+        self._acks: asyncio.Task[None] | None = None
+        self._ack_wheel = DeadlineWheel(0.01)
         self.stats = DispatchStatistics()
         self.endpoint = ""
         self.draining = False
@@ -173,11 +176,14 @@ class Dispatcher:
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
         self._server = tg.create_task(self._serve_forever(), name="rpc-serve")
+        self._acks = tg.create_task(self.expire_acks_forever(), name="rpc-ack-deadlines")
 
     def stop(self) -> None:
         """Cancel the background tasks (call before leaving the TaskGroup)."""
         if self._server is not None:
             self._server.cancel()
+        if self._acks is not None:
+            self._acks.cancel()
         for peer in self._peers.values():
             if peer.reader is not None:
                 peer.reader.cancel()
@@ -318,15 +324,20 @@ class Dispatcher:
         # The common case needs no coroutine: the reply (or its timeout) is handled by a
         # callback; only a refusal or a timeout starts the retrying coroutine.
         flight = _InFlight(task, owner, now, sent)
-        flight.timer = asyncio.get_running_loop().call_later(
-            sent.timeout_s, self._flight_timeout, sent.req
-        )
+        # Ack deadlines go in a timer wheel (two dict operations) rather than a loop timer
+        # per task; a sweep every 10 ms expires them (see core/deadlines.py).
+        flight.token = self._ack_wheel.add(sent.req, time.monotonic() + sent.timeout_s)
         self._pending[sent.req] = flight
         return True
 
+    async def expire_acks_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            for req in self._ack_wheel.expire(time.monotonic()):
+                self._flight_timeout(req)  # type: ignore[arg-type]
+
     def _flight_reply(self, flight: _InFlight, reply: ForwardReply) -> None:
-        if flight.timer is not None:
-            flight.timer.cancel()
+        self._ack_wheel.remove(flight.sent.req, flight.token)
         self._outstanding[flight.owner] -= 1
         if reply.accepted or reply.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN):
             flight.sent.breaker.success()

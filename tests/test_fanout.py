@@ -177,3 +177,19 @@ def test_a_burst_of_large_forwarded_tasks_is_split_under_the_message_limit(make_
     assert all(r.ok and r.node == "d01" for r in results), [r.error for r in results if not r.ok][
         :2
     ]
+
+
+def test_a_silent_owner_is_passed_over_after_the_ack_timeout(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(2, "fanout.ack_timeout_s=0.3")
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    keys = [k for k in (f"s-{i}" for i in range(100)) if ring.owner(k) == "d01"][:10]
+    stalled = cluster.daemons[1]
+    stalled.pause()
+    try:
+        started = time.monotonic()
+        results, _ = run(submit_all([cluster.daemons[0].endpoint], keys, max_tokens=2, timeout_s=10))
+        elapsed = time.monotonic() - started
+    finally:
+        stalled.resume()
+    assert all(r.ok and r.node == "d00" for r in results), "the next member took them"
+    assert 0.3 <= elapsed < 5.0
