@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from gossipd.config import Config, load_config
-from gossipd.errors import ConfigError
+from gossipd.errors import ConfigError, StartupError
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 
@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"gossipd: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except StartupError as exc:
+        print(f"gossipd: cannot start: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -16,7 +16,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
@@ -27,6 +27,7 @@ from gossipd.core.messages import ErrorCode, error_result
 from gossipd.dispatch import Dispatcher
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
+from gossipd.errors import StartupError
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
 from gossipd.journal import Journal
@@ -68,11 +69,16 @@ class Daemon:
         self.notifier = Notifier(environ)
         self.journal: Journal | None = None
         if config.journal.path:
-            self.journal = Journal(
-                config.journal.path,
-                fsync_interval_s=config.journal.fsync_interval_s,
-                compact_bytes=config.journal.compact_bytes,
-            )
+            try:
+                self.journal = Journal(
+                    config.journal.path,
+                    fsync_interval_s=config.journal.fsync_interval_s,
+                    compact_bytes=config.journal.compact_bytes,
+                )
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"
+                ) from None
             self.ingress.on_admitted.append(self.journal.accept)
             self.ingress.on_finished.append(lambda task, result: self.journal.done(task.id))  # type: ignore[union-attr]
         self._stop = asyncio.Event()
@@ -98,7 +104,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         await self.engine.start()
-        endpoint = self.ingress.bind()
+        endpoint = _bind("ingress.bind", self.config.ingress.bind, self.ingress.bind)
         if self.config.gossip.bind:
             self.gossip = GossipService(
                 self.config,
@@ -117,9 +123,11 @@ class Daemon:
                 rng=random.Random(secrets.randbits(64)),
             )
             self.ingress.model = getattr(self.engine, "model", "") or self.engine.name
-            self.gossip.rpc_endpoint = self.dispatcher.bind()
+            self.gossip.rpc_endpoint = _bind(
+                "fanout.rpc_bind", self.config.fanout.rpc_bind, self.dispatcher.bind
+            )
             self.gossip.load = lambda: self.ingress.admission.pending
-            gossip_endpoint = self.gossip.bind()
+            gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:
             _, self.metrics_port = serve_metrics(
@@ -243,6 +251,13 @@ class Daemon:
                 "handed_off": handed_off,
             },
         )
+
+
+def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:
+    try:
+        return bind()
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot bind {key} = {endpoint!r}: {exc.strerror}") from None
 
 
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:

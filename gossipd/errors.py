@@ -59,3 +59,7 @@ class TransportBroken(Exception):
 
 class ConfigError(Exception):
     """A bad configuration: the message names the source, the key, what was found and expected."""
+
+
+class StartupError(Exception):
+    """The daemon cannot start (an address in use, an unwritable journal); one line says why."""

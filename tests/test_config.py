@@ -118,3 +118,54 @@ def test_check_config_prints_the_resolved_configuration() -> None:
     )
     assert proc.returncode == 0
     assert '"pending_max": 4096' in proc.stdout
+
+
+def test_an_address_in_use_stops_start_up_with_one_line_and_status_2(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    first = daemon_factory()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "run",
+            "--bind",
+            first.endpoint,
+            "--set",
+            "gossip.bind=tcp://127.0.0.1:0",
+            "--set",
+            "fanout.rpc_bind=tcp://127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("gossipd: cannot start: cannot bind ingress.bind")
+    assert "Address already in use" in lines[-1] and "Traceback" not in proc.stderr
+
+
+def test_an_unusable_journal_path_stops_start_up_with_status_2(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "run",
+            "--set",
+            f"journal.path={str(blocker / 'j.log')!r}",
+            "--set",
+            "ingress.bind=tcp://127.0.0.1:0",
+            "--set",
+            "gossip.bind=tcp://127.0.0.1:0",
+            "--set",
+            "fanout.rpc_bind=tcp://127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "cannot open journal.path" in proc.stderr and "Traceback" not in proc.stderr

@@ -187,7 +187,9 @@ def test_a_silent_owner_is_passed_over_after_the_ack_timeout(make_cluster) -> No
     stalled.pause()
     try:
         started = time.monotonic()
-        results, _ = run(submit_all([cluster.daemons[0].endpoint], keys, max_tokens=2, timeout_s=10))
+        results, _ = run(
+            submit_all([cluster.daemons[0].endpoint], keys, max_tokens=2, timeout_s=10)
+        )
         elapsed = time.monotonic() - started
     finally:
         stalled.resume()
