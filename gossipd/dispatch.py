@@ -46,7 +46,7 @@ from gossipd.core.ring import Ring
 from gossipd.errors import RemoteProtocolError
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
-from gossipd.transport import kick, wait_events
+from gossipd.transport import Watcher, kick
 
 log = logging.getLogger("gossipd.dispatch")
 
@@ -548,8 +548,15 @@ class Dispatcher:
         return peer
 
     async def _read_peer(self, peer: _Peer) -> None:
+        watcher = Watcher(peer.sock)
+        try:
+            await self._read_peer_loop(peer, watcher)
+        finally:
+            watcher.close()
+
+    async def _read_peer_loop(self, peer: _Peer, watcher: Watcher) -> None:
         while True:
-            await wait_events(peer.sock, zmq.POLLIN)
+            await watcher.wait_readable()
             while True:
                 try:
                     frame = peer.sock.recv(zmq.NOBLOCK)
@@ -597,8 +604,15 @@ class Dispatcher:
     async def _serve_forever(self) -> None:
         sock = self._router
         assert sock is not None
+        watcher = Watcher(sock)
+        try:
+            await self._serve_loop(sock, watcher)
+        finally:
+            watcher.close()
+
+    async def _serve_loop(self, sock: zmq.Socket, watcher: Watcher) -> None:
         while True:
-            await wait_events(sock, zmq.POLLIN)
+            await watcher.wait_readable()
             while True:
                 try:
                     identity, frame = sock.recv_multipart(zmq.NOBLOCK)

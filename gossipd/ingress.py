@@ -39,7 +39,7 @@ from gossipd.errors import RemoteProtocolError
 from gossipd.logs import RateLimiter
 from gossipd.metrics import LatencyHistogram
 from gossipd.runqueue import RunQueue
-from gossipd.transport import ReplySender, recv_batch
+from gossipd.transport import ReplySender, Watcher, recv_batch
 
 log = logging.getLogger("gossipd.ingress")
 
@@ -121,8 +121,16 @@ class Ingress:
     async def receive_forever(self) -> None:
         assert self._sock is not None, "bind() first"
         clock = time.monotonic
+        watcher = Watcher(self._sock)
+        try:
+            await self._receive(watcher, clock)
+        finally:
+            watcher.close()
+
+    async def _receive(self, watcher: Watcher, clock: Callable[[], float]) -> None:
+        assert self._sock is not None
         while True:
-            frames = await recv_batch(self._sock, self._config.recv_batch_max)
+            frames = await recv_batch(self._sock, self._config.recv_batch_max, watcher)
             now = clock()
             for frame in frames:
                 self.handle_frame(frame, now)
