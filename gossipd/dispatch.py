@@ -1,5 +1,5 @@
-"""Fan-out: send each task to the member that should run it, and keep it alive if that
-member dies.
+"""Fan-out, the forwarder's side: send each task to the member that should run it, and keep it
+alive if that member dies.  (The owner's side, which admits forwarded tasks, is ``rpc.py``.)
 
     ingress (any daemon) -> placement (ring + bounded loads over gossiped state)
       -> self: run here | peer: Forward over DEALER -> peer's ROUTER -> ForwardReply
@@ -21,7 +21,6 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
@@ -39,13 +38,13 @@ from gossipd.core.messages import (
     Task,
     TaskDone,
     decode_peer,
-    encode_peer,
 )
 from gossipd.core.placement import Candidate, bound, place
 from gossipd.core.ring import Ring
 from gossipd.errors import RemoteProtocolError
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
+from gossipd.rpc import OwnerEndpoint, peer_frames
 from gossipd.transport import Watcher, kick
 
 log = logging.getLogger("gossipd.dispatch")
@@ -135,7 +134,7 @@ class Dispatcher:
         self._ingress = ingress
         self._gossip = gossip
         self._rng = rng
-        self._router: zmq.Socket | None = None
+        self.owner: OwnerEndpoint | None = None
         self._peers: dict[str, _Peer] = {}
         self._pending: dict[int, asyncio.Future[ForwardReply] | _InFlight] = {}
         self._req = 0
@@ -144,14 +143,10 @@ class Dispatcher:
         self._outstanding: dict[str, int] = {}  # owner -> our forwarded tasks not done yet
         self._local_ids: set[str] = set()  # tasks from our intake that run here, unfinished
         self._early_done: OrderedDict[str, None] = OrderedDict()
-        self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._ring: tuple[tuple[tuple[str, float], ...], Ring] | None = None
         self._cached_view: _View | None = None
-        self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
-        self._router_flush_armed = False
         self._peers_flush_armed = False
         self._tg: asyncio.TaskGroup | None = None
-        self._server: asyncio.Task[None] | None = None
         self._acks: asyncio.Task[None] | None = None
         self._ack_wheel = DeadlineWheel(0.01)
         self.stats = DispatchStatistics()
@@ -161,27 +156,26 @@ class Dispatcher:
     # -- wiring --------------------------------------------------------------------------------
 
     def bind(self) -> str:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.message_bytes_max)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.bind(self.config.rpc_bind)
-        self._router = sock
-        self.endpoint = self.config.rpc_advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.owner = OwnerEndpoint(
+            self.config, ctx=self._ctx, node=self.node, ingress=self._ingress, stats=self.stats
+        )
+        self.endpoint = self.owner.bind()
         self._ingress.router = self.route
         self._ingress.on_finished.append(self._task_finished)
+        self._ingress.on_finished.append(self.owner.task_finished)
         self._gossip.listeners.append(self._member_event)
         return self.endpoint
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
-        self._server = tg.create_task(self._serve_forever(), name="rpc-serve")
+        assert self.owner is not None
+        self.owner.start(tg)
         self._acks = tg.create_task(self.expire_acks_forever(), name="rpc-ack-deadlines")
 
     def stop(self) -> None:
         """Cancel the background tasks (call before leaving the TaskGroup)."""
-        if self._server is not None:
-            self._server.cancel()
+        if self.owner is not None:
+            self.owner.stop()
         if self._acks is not None:
             self._acks.cancel()
         for peer in self._peers.values():
@@ -194,9 +188,8 @@ class Dispatcher:
                 peer.reader.cancel()
             peer.sock.close(linger=0)
         self._peers.clear()
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
+        if self.owner is not None:
+            self.owner.close()
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -514,21 +507,12 @@ class Dispatcher:
             if not peer.outbox:
                 continue
             items, peer.outbox = peer.outbox, []
-            for frame, count in self._frames(items):
+            for frame, count in peer_frames(items, self.config.message_bytes_max):
                 try:
                     peer.sock.send(frame, zmq.NOBLOCK)
                 except zmq.Again:
                     self.stats.attempts_failed += count
             kick(peer.sock)
-
-    def _frames(self, items: list[Any]) -> list[tuple[bytes, int]]:
-        """Encode ``items`` as one message, or split it so that no message exceeds the
-        receiver's limit (a batch of large prompts)."""
-        frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
-        if len(frame) <= self.config.message_bytes_max or len(items) == 1:
-            return [(frame, len(items))]
-        half = len(items) // 2
-        return self._frames(items[:half]) + self._frames(items[half:])
 
     def _rpc_addr(self, member: str) -> str | None:
         return self._view().addrs.get(member)
@@ -599,99 +583,8 @@ class Dispatcher:
             self._outstanding[entry.owner] -= 1
         return entry
 
-    # -- owner side ----------------------------------------------------------------------------
-
-    async def _serve_forever(self) -> None:
-        sock = self._router
-        assert sock is not None
-        watcher = Watcher(sock)
-        try:
-            await self._serve_loop(sock, watcher)
-        finally:
-            watcher.close()
-
-    async def _serve_loop(self, sock: zmq.Socket, watcher: Watcher) -> None:
-        while True:
-            await watcher.wait_readable()
-            while True:
-                try:
-                    identity, frame = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except ValueError:
-                    self.stats.bad_peer_messages += 1
-                    continue
-                self._on_peer_frame(identity, frame)
-
-    def _on_peer_frame(self, identity: bytes, frame: bytes) -> None:
-        assert self._router is not None
-        try:
-            msg = decode_peer(frame, bytes_max=self.config.message_bytes_max)
-        except RemoteProtocolError as exc:
-            self.stats.bad_peer_messages += 1
-            log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
-            return
-        if isinstance(msg, PeerBatch):
-            for item in msg.items:
-                self._on_forward(identity, item)
-            return
-        self._on_forward(identity, msg)
-
-    def _on_forward(self, identity: bytes, msg: object) -> None:
-        if not isinstance(msg, Forward):
-            self.stats.bad_peer_messages += 1
-            return
-        now = time.monotonic()
-        received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
-        verdict = self._ingress.admit(msg.task, received_at, answer=False)
-        accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
-        if accepted:
-            self.stats.accepted_from_peers += 1
-            if verdict is not Verdict.DUPLICATE_DONE:
-                self._forwarders.setdefault(msg.task.id, []).append(identity)
-            else:
-                self._send_done(identity, msg.task.id)
-        else:
-            self.stats.refused_to_peers += 1
-        reply = ForwardReply(
-            req=msg.req,
-            node=self.node,
-            accepted=accepted,
-            code="" if accepted else verdict.value,
-            retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
-        )
-        self._to_forwarder(identity, reply)
-
-    def _to_forwarder(self, identity: bytes, msg: ForwardReply | TaskDone) -> None:
-        """Queue for one forwarder; everything queued in this loop turn goes as one message."""
-        queue = self._router_out.get(identity)
-        if queue is None:
-            queue = self._router_out[identity] = []
-        queue.append(msg)
-        if not self._router_flush_armed:
-            self._router_flush_armed = True
-            asyncio.get_running_loop().call_soon(self._flush_router)
-
-    def _flush_router(self) -> None:
-        self._router_flush_armed = False
-        out, self._router_out = self._router_out, {}
-        if self._router is None:
-            return
-        for identity, items in out.items():
-            frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
-            try:
-                self._router.send_multipart([identity, frame], zmq.NOBLOCK)
-            except zmq.Again:
-                self.stats.replies_dropped += len(items)  # the forwarder times out, tries the next
-        kick(self._router)
-
     def _task_finished(self, task: Task, result: Result) -> None:
         self._local_ids.discard(task.id)
-        for identity in self._forwarders.pop(task.id, ()):
-            self._send_done(identity, task.id)
-
-    def _send_done(self, identity: bytes, task_id: str) -> None:
-        self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))
 
     # -- membership changes and drain ----------------------------------------------------------
 

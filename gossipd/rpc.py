@@ -1,0 +1,172 @@
+"""The owner's side of fan-out: the ROUTER socket that peers forward tasks to.
+
+A Forward is admitted like a task from a producer (same admission, same dedup); the forwarder
+gets a ForwardReply (accepted, or refused with the reason) and, once the task's final Result
+has gone to the producer, a TaskDone so that it can forget the task.  Replies for one
+forwarder are sent together at the end of an event-loop turn (PeerBatch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from gossipd.config import FanoutConfig
+from gossipd.core.admission import Verdict
+from gossipd.core.messages import (
+    Forward,
+    ForwardReply,
+    PeerBatch,
+    Result,
+    Task,
+    TaskDone,
+    decode_peer,
+    encode_peer,
+)
+from gossipd.errors import RemoteProtocolError
+from gossipd.ingress import Ingress
+from gossipd.transport import Watcher, kick
+
+log = logging.getLogger("gossipd.rpc")
+
+
+def peer_frames(items: list[Any], bytes_max: int) -> list[tuple[bytes, int]]:
+    """Encode ``items`` as one message, or split it so that no message exceeds the receiver's
+    limit (a batch of large prompts).  Returns (frame, number of items in it)."""
+    frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
+    if len(frame) <= bytes_max or len(items) == 1:
+        return [(frame, len(items))]
+    half = len(items) // 2
+    return peer_frames(items[:half], bytes_max) + peer_frames(items[half:], bytes_max)
+
+
+class OwnerEndpoint:
+    def __init__(
+        self, config: FanoutConfig, *, ctx: zmq.Context, node: str, ingress: Ingress, stats: Any
+    ) -> None:
+        self.config = config
+        self.node = node
+        self._ctx = ctx
+        self._ingress = ingress
+        self.stats = stats  # the dispatcher's DispatchStatistics, shared
+        self._router: zmq.Socket | None = None
+        self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
+        self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
+        self._router_flush_armed = False
+        self._server: asyncio.Task[None] | None = None
+
+    def bind(self) -> str:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.message_bytes_max)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(self.config.rpc_bind)
+        self._router = sock
+        return self.config.rpc_advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        self._server = tg.create_task(self._serve_forever(), name="rpc-serve")
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.cancel()
+
+    def close(self) -> None:
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+
+    async def _serve_forever(self) -> None:
+        sock = self._router
+        assert sock is not None
+        watcher = Watcher(sock)
+        try:
+            await self._serve_loop(sock, watcher)
+        finally:
+            watcher.close()
+
+    async def _serve_loop(self, sock: zmq.Socket, watcher: Watcher) -> None:
+        while True:
+            await watcher.wait_readable()
+            while True:
+                try:
+                    identity, frame = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except ValueError:
+                    self.stats.bad_peer_messages += 1
+                    continue
+                self._on_peer_frame(identity, frame)
+
+    def _on_peer_frame(self, identity: bytes, frame: bytes) -> None:
+        assert self._router is not None
+        try:
+            msg = decode_peer(frame, bytes_max=self.config.message_bytes_max)
+        except RemoteProtocolError as exc:
+            self.stats.bad_peer_messages += 1
+            log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
+            return
+        if isinstance(msg, PeerBatch):
+            for item in msg.items:
+                self._on_forward(identity, item)
+            return
+        self._on_forward(identity, msg)
+
+    def _on_forward(self, identity: bytes, msg: object) -> None:
+        if not isinstance(msg, Forward):
+            self.stats.bad_peer_messages += 1
+            return
+        now = time.monotonic()
+        received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
+        verdict = self._ingress.admit(msg.task, received_at, answer=False)
+        accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
+        if accepted:
+            self.stats.accepted_from_peers += 1
+            if verdict is not Verdict.DUPLICATE_DONE:
+                self._forwarders.setdefault(msg.task.id, []).append(identity)
+            else:
+                self._send_done(identity, msg.task.id)
+        else:
+            self.stats.refused_to_peers += 1
+        reply = ForwardReply(
+            req=msg.req,
+            node=self.node,
+            accepted=accepted,
+            code="" if accepted else verdict.value,
+            retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
+        )
+        self._to_forwarder(identity, reply)
+
+    def _to_forwarder(self, identity: bytes, msg: ForwardReply | TaskDone) -> None:
+        """Queue for one forwarder; everything queued in this loop turn goes as one message."""
+        queue = self._router_out.get(identity)
+        if queue is None:
+            queue = self._router_out[identity] = []
+        queue.append(msg)
+        if not self._router_flush_armed:
+            self._router_flush_armed = True
+            asyncio.get_running_loop().call_soon(self._flush_router)
+
+    def _flush_router(self) -> None:
+        self._router_flush_armed = False
+        out, self._router_out = self._router_out, {}
+        if self._router is None:
+            return
+        for identity, items in out.items():
+            frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
+            try:
+                self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+            except zmq.Again:
+                self.stats.replies_dropped += len(items)  # the forwarder times out, tries the next
+        kick(self._router)
+
+    def task_finished(self, task: Task, result: Result) -> None:
+        for identity in self._forwarders.pop(task.id, ()):
+            self._send_done(identity, task.id)
+
+    def _send_done(self, identity: bytes, task_id: str) -> None:
+        self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))
