@@ -62,6 +62,26 @@ class LatencyHistogram:
         return out
 
 
+def _one(family: type[Any], name: str, doc: str, value: float) -> Metric:
+    """A family with one unlabelled sample."""
+    metric = family(name, doc)
+    metric.add_metric([], value)
+    return metric  # type: ignore[no-any-return]
+
+
+def _by(
+    family: type[Any], name: str, doc: str, label: str, values: Iterable[tuple[str, float]]
+) -> Metric:
+    """A family with one sample per value of ``label``."""
+    metric = family(name, doc, labels=[label])
+    for key, value in values:
+        metric.add_metric([key], value)
+    return metric  # type: ignore[no-any-return]
+
+
+C, G = CounterMetricFamily, GaugeMetricFamily
+
+
 class DaemonCollector:
     """Exports the figures of a running daemon.  ``snapshot`` returns a dict of statistics."""
 
@@ -71,73 +91,69 @@ class DaemonCollector:
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
-        ing, adm, rep = s["ingress"], s["admission"], s["replies"]
-        received = CounterMetricFamily(
-            "gossipd_messages_received", "Messages read from the ingress socket"
+        ing, adm, rep, eng = s["ingress"], s["admission"], s["replies"], s["engine"]
+        yield _one(
+            C, "gossipd_messages_received", "Messages read from the ingress socket", ing.received
         )
-        received.add_metric([], ing.received)
-        yield received
-        refused = CounterMetricFamily(
-            "gossipd_messages_refused", "Messages refused, by reason", labels=["reason"]
+        yield _by(
+            C,
+            "gossipd_messages_refused",
+            "Messages refused, by reason",
+            "reason",
+            sorted(ing.refused.items()),
         )
-        for reason, n in sorted(ing.refused.items()):
-            refused.add_metric([reason], n)
-        yield refused
-        unanswerable = CounterMetricFamily(
-            "gossipd_messages_unanswerable", "Refused messages with no readable reply_to"
+        yield _one(
+            C,
+            "gossipd_messages_unanswerable",
+            "Refused messages with no readable reply_to",
+            ing.unanswerable,
         )
-        unanswerable.add_metric([], ing.unanswerable)
-        yield unanswerable
-        results = CounterMetricFamily(
-            "gossipd_task_results", "Final results, by outcome", labels=["outcome"]
+        yield _by(
+            C,
+            "gossipd_task_results",
+            "Final results, by outcome",
+            "outcome",
+            sorted(ing.results.items()),
         )
-        for outcome, n in sorted(ing.results.items()):
-            results.add_metric([outcome], n)
-        yield results
-        dup = CounterMetricFamily("gossipd_task_duplicates", "Task ids seen again (absorbed)")
-        dup.add_metric([], adm.duplicates)
-        yield dup
-        for name, doc, value in (
-            ("gossipd_tasks_pending", "Tasks queued or running", adm.pending),
-            ("gossipd_tasks_running", "Tasks on the engine", ing.running),
-            ("gossipd_results_cached", "Results kept for duplicate ids", adm.cached_results),
-            ("gossipd_reply_sockets_open", "Cached sockets to reply addresses", rep.sockets_open),
-            ("gossipd_replies_queued", "Replies waiting for their address", rep.queued),
-        ):
-            gauge = GaugeMetricFamily(name, doc)
-            gauge.add_metric([], value)
-            yield gauge
-        dropped = CounterMetricFamily(
-            "gossipd_replies_dropped", "Replies not delivered", labels=["reason"]
+        yield _one(C, "gossipd_task_duplicates", "Task ids seen again (absorbed)", adm.duplicates)
+        yield _one(G, "gossipd_tasks_pending", "Tasks queued or running", adm.pending)
+        yield _one(G, "gossipd_tasks_running", "Tasks on the engine", ing.running)
+        yield _one(
+            G, "gossipd_results_cached", "Results kept for duplicate ids", adm.cached_results
         )
-        dropped.add_metric(["undeliverable"], rep.dropped_undeliverable)
-        dropped.add_metric(["queue_full"], rep.dropped_queue_full)
-        yield dropped
-        sent = CounterMetricFamily("gossipd_replies_sent", "Replies handed to ZeroMQ")
-        sent.add_metric([], rep.sent)
-        yield sent
-        eng = s["engine"]
-        tokens = CounterMetricFamily(
-            "gossipd_engine_generated_tokens", "Tokens the engine produced"
+        yield _one(
+            G, "gossipd_reply_sockets_open", "Cached sockets to reply addresses", rep.sockets_open
         )
-        tokens.add_metric([], eng.generated_tokens_total)
-        yield tokens
-        for name, doc, value in (
-            (
-                "gossipd_engine_running_requests",
-                "Requests running in the engine",
-                eng.running_requests,
-            ),
-            (
-                "gossipd_engine_waiting_requests",
-                "Requests waiting in the engine",
-                eng.waiting_requests,
-            ),
-            ("gossipd_engine_kv_cache_usage_ratio", "KV-cache use, 0..1", eng.kv_cache_usage_ratio),
-        ):
-            gauge = GaugeMetricFamily(name, doc)
-            gauge.add_metric([], value)
-            yield gauge
+        yield _one(G, "gossipd_replies_queued", "Replies waiting for their address", rep.queued)
+        yield _by(
+            C,
+            "gossipd_replies_dropped",
+            "Replies not delivered",
+            "reason",
+            [("undeliverable", rep.dropped_undeliverable), ("queue_full", rep.dropped_queue_full)],
+        )
+        yield _one(C, "gossipd_replies_sent", "Replies handed to ZeroMQ", rep.sent)
+        yield _one(
+            C,
+            "gossipd_engine_generated_tokens",
+            "Tokens the engine produced",
+            eng.generated_tokens_total,
+        )
+        yield _one(
+            G,
+            "gossipd_engine_running_requests",
+            "Requests running in the engine",
+            eng.running_requests,
+        )
+        yield _one(
+            G,
+            "gossipd_engine_waiting_requests",
+            "Requests waiting in the engine",
+            eng.waiting_requests,
+        )
+        yield _one(
+            G, "gossipd_engine_kv_cache_usage_ratio", "KV-cache use, 0..1", eng.kv_cache_usage_ratio
+        )
         gossip = s.get("gossip")
         if gossip is not None and gossip.core is not None:
             yield from _gossip_metrics(gossip)
@@ -161,28 +177,27 @@ def serve_metrics(bind: str, collector: DaemonCollector) -> tuple[CollectorRegis
 
 def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
     core = gossip.core
-    members = GaugeMetricFamily(
-        "gossipd_members", "Members known, by state (not counting us)", labels=["state"]
-    )
     counts: dict[str, int] = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
     for m in core.table.members.values():
         counts[m.state.value] += 1
-    for state, n in counts.items():
-        members.add_metric([state], n)
-    yield members
+    yield _by(
+        G, "gossipd_members", "Members known, by state (not counting us)", "state", counts.items()
+    )
     stats = core.stats
-    sent = CounterMetricFamily(
-        "gossipd_gossip_messages_sent", "Membership messages sent", labels=["type"]
+    yield _by(
+        C,
+        "gossipd_gossip_messages_sent",
+        "Membership messages sent",
+        "type",
+        sorted(stats.sent.items()),
     )
-    for kind, n in sorted(stats.sent.items()):
-        sent.add_metric([kind], n)
-    yield sent
-    received = CounterMetricFamily(
-        "gossipd_gossip_messages_received", "Membership messages received", labels=["type"]
+    yield _by(
+        C,
+        "gossipd_gossip_messages_received",
+        "Membership messages received",
+        "type",
+        sorted(stats.received.items()),
     )
-    for kind, n in sorted(stats.received.items()):
-        received.add_metric([kind], n)
-    yield received
     for name, doc, value in (
         ("gossipd_gossip_bytes_sent", "Membership bytes sent", stats.sent_bytes),
         ("gossipd_gossip_bytes_received", "Membership bytes received", stats.received_bytes),
@@ -206,15 +221,13 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
             gossip.dropped_sends,
         ),
     ):
-        counter = CounterMetricFamily(name, doc)
-        counter.add_metric([], value)
-        yield counter
-    awareness = GaugeMetricFamily("gossipd_gossip_awareness", "Local health score (0 = healthy)")
-    awareness.add_metric([], core.awareness.score)
-    yield awareness
-    checksum = GaugeMetricFamily("gossipd_gossip_checksum", "Checksum of the live member set")
-    checksum.add_metric([], core.table.checksum())
-    yield checksum
+        yield _one(C, name, doc, value)
+    yield _one(
+        G, "gossipd_gossip_awareness", "Local health score (0 = healthy)", core.awareness.score
+    )
+    yield _one(
+        G, "gossipd_gossip_checksum", "Checksum of the live member set", core.table.checksum()
+    )
 
 
 def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
@@ -242,14 +255,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         ("gossipd_fanout_handed_off", "Queued tasks handed to others at drain", stats.handed_off),
         ("gossipd_fanout_bad_peer_messages", "Undecodable peer messages", stats.bad_peer_messages),
     ):
-        counter = CounterMetricFamily(name, doc)
-        counter.add_metric([], value)
-        yield counter
-    outstanding = GaugeMetricFamily(
+        yield _one(C, name, doc, value)
+    yield _by(
+        G,
         "gossipd_fanout_outstanding",
         "Forwarded tasks not reported done, by owner",
-        labels=["member"],
+        "member",
+        sorted(dispatcher.outstanding().items()),
     )
-    for member, n in sorted(dispatcher.outstanding().items()):
-        outstanding.add_metric([member], n)
-    yield outstanding
