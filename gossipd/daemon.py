@@ -122,7 +122,8 @@ class Daemon:
                 gossip=self.gossip,
                 rng=random.Random(secrets.randbits(64)),
             )
-            self.ingress.model = getattr(self.engine, "model", "") or self.engine.name
+            model = getattr(self.engine, "model", "") or self.engine.name
+            self.ingress.model = self.gossip.model = model
             self.gossip.rpc_endpoint = _bind(
                 "fanout.rpc_bind", self.config.fanout.rpc_bind, self.dispatcher.bind
             )

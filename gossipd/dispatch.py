@@ -86,7 +86,6 @@ class _View:
 @dataclass(slots=True)
 class _Sent:
     req: int
-    future: asyncio.Future[ForwardReply]
     breaker: Breaker
     timeout_s: float
 
@@ -143,7 +142,6 @@ class Dispatcher:
         self._outstanding: dict[str, int] = {}  # owner -> our forwarded tasks not done yet
         self._local_ids: set[str] = set()  # tasks from our intake that run here, unfinished
         self._early_done: OrderedDict[str, None] = OrderedDict()
-        self._ring: tuple[tuple[tuple[str, float], ...], Ring] | None = None
         self._cached_view: _View | None = None
         self._peers_flush_armed = False
         self._tg: asyncio.TaskGroup | None = None
@@ -217,7 +215,7 @@ class Dispatcher:
         )
         # Our own load as this entry point sees it: the tasks we kept from our own intake, so
         # that every load in the comparison is measured the same way (HAProxy's approach).
-        own_model = getattr(self._ingress, "model", "")
+        own_model = self._ingress.model
         out[self.node] = Candidate(
             self.node,
             models=frozenset({own_model}) if own_model else frozenset(),
@@ -229,14 +227,12 @@ class Dispatcher:
 
     def _order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]:
         cands = {n: c for n, c in self.candidates().items() if n not in exclude}
-        serving = tuple(sorted((n, c.weight) for n, c in cands.items() if c.status == "serving"))
-        if self._ring is None or self._ring[0] != serving:
-            self._ring = (serving, Ring(dict(serving)))
-        key = task.key or task.id
+        # The view's ring is the serving set's; place() builds another only when the candidates
+        # differ (an exclusion, a model filter).
         return place(
-            key,
+            task.key or task.id,
             cands,
-            ring=self._ring[1],
+            ring=self._view().ring,
             c=self.config.load_bound_c,
             floor=self.config.load_floor,
             model=task.model,
@@ -466,20 +462,20 @@ class Dispatcher:
         forward = Forward(
             req=req, src=self.node, task=task, remaining_ms=remaining_ms, attempt=attempt
         )
-        future: asyncio.Future[ForwardReply] = asyncio.get_running_loop().create_future()
         peer.outbox.append(forward)
         if not self._peers_flush_armed:
             self._peers_flush_armed = True
             asyncio.get_running_loop().call_soon(self._flush_peers)
         timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
-        return _Sent(req, future, breaker, timeout)
+        return _Sent(req, breaker, timeout)
 
     async def _await_reply(self, member: str, sent: _Sent) -> ForwardReply | None:
-        self._pending[sent.req] = sent.future
         loop = asyncio.get_running_loop()
-        timer = loop.call_later(sent.timeout_s, _expire, sent.future)
+        future: asyncio.Future[ForwardReply] = loop.create_future()
+        self._pending[sent.req] = future
+        timer = loop.call_later(sent.timeout_s, _expire, future)
         try:
-            reply = await sent.future
+            reply = await future
         except TimeoutError:
             sent.breaker.failure(time.monotonic())
             self.stats.attempts_failed += 1
@@ -622,9 +618,6 @@ class Dispatcher:
                 self._remember(task, member, received_at)
                 return True
         return False
-
-    def forwarded_count(self) -> int:
-        return len(self._forwarded)
 
     def outstanding(self) -> dict[str, int]:
         """Per member: tasks we sent it (or are sending) that it has not reported done."""

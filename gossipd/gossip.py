@@ -13,6 +13,7 @@ incarnation, by, at) so that tests and the cluster harness can measure from the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import secrets
@@ -87,8 +88,9 @@ class GossipService:
         self._last_published_at = 0.0
         self._wake = asyncio.Event()
         self.listeners: list[Callable[[MemberEvent], None]] = []
-        # Set by the daemon: where peers forward tasks, and our in-flight load.
+        # Set by the daemon: where peers forward tasks, the model we serve, our in-flight load.
         self.rpc_endpoint = ""
+        self.model = ""
         self.load: Callable[[], int] = lambda: 0
 
     def bind(self) -> str:
@@ -139,7 +141,7 @@ class GossipService:
         return GpuState(
             gpu_index=self.config.node.gpu_index,
             ingress=self._ingress,
-            model=getattr(self._engine, "model", "") or self._engine.name,
+            model=self.model,
             memory_free_mb=reading.memory_free_mb,
             memory_total_mb=reading.memory_total_mb,
             utilization_pct=reading.utilization_pct,
@@ -237,7 +239,8 @@ class GossipService:
             sock.send(data, zmq.NOBLOCK)
         except zmq.Again:
             self.dropped_sends += 1
-        for peer, (old, used) in list(self._peers.items())[:4]:  # close idle sockets, a few a time
+        # Close idle sockets, looking at the 4 least recently used (no copy of the whole map).
+        for peer, (old, used) in list(itertools.islice(self._peers.items(), 4)):
             if now - used > PEER_IDLE_S:
                 monitor = self._monitors.pop(peer, None)
                 if monitor is not None:
@@ -297,13 +300,6 @@ class GossipService:
             self._sock = None
 
     # -- queries -----------------------------------------------------------------------------
-
-    def members(self) -> list[MemberView]:
-        assert self.core is not None
-        return [
-            MemberView(m.node, m.state.value, m.incarnation, m.addr, m.gpu)
-            for m in self.core.table.members.values()
-        ]
 
     def live_members(self) -> list[MemberView]:
         assert self.core is not None

@@ -88,7 +88,7 @@ class Ingress:
         # Unbounded as a container; admission bounds it (pending_max).
         self._queue: RunQueue[_Job] = RunQueue()
         self._deadlines = DeadlineWheel(DEADLINE_RESOLUTION_S)
-        self._running: dict[str, asyncio.Task[None]] = {}
+        self._running = 0  # jobs a worker holds (the job itself knows its worker)
         self._sock: zmq.Socket | None = None
         self._refused_log = RateLimiter(refused_lines_per_s)
         self._received = 0
@@ -261,16 +261,15 @@ class Ingress:
     async def work_forever(self) -> None:
         me = asyncio.current_task()
         assert me is not None
-        running = self._running
         while True:
             job = await self._queue.get()
-            running[job.task.id] = me
+            self._running += 1
             job.worker = me
             try:
                 await self._run_job(job)
             finally:
                 job.worker = None
-                del running[job.task.id]
+                self._running -= 1
 
     async def expire_forever(self) -> None:
         """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
@@ -411,6 +410,6 @@ class Ingress:
             unanswerable=self._unanswerable,
             results=dict(self._results),
             queued=len(self._queue),
-            running=len(self._running),
+            running=self._running,
             latency=self.latency,
         )

@@ -307,9 +307,6 @@ class SwimNode:
     def joined(self) -> bool:
         return self._joined
 
-    def live_members(self) -> list[str]:
-        return sorted(n for n, m in self.table.members.items() if m.state in LIVE_STATES)
-
     # -- updates -----------------------------------------------------------------------------
 
     def _apply(self, update: Update, now: float) -> Outcome:
