@@ -73,10 +73,19 @@ class DaemonProcess:
         return cmd
 
     def start(self, timeout_s: float = 20.0) -> DaemonProcess:
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process and return at once (several can then start-up side by side)."""
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log, stderr=self._log, env=self._env
         )
+
+    def wait_ready(self, timeout_s: float = 20.0) -> DaemonProcess:
+        """Return once the daemon logged "serving"; raise if it exits or times out first."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

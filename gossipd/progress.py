@@ -52,3 +52,16 @@ def percentile(sorted_values: list[float], q: float) -> float:
         return 0.0
     rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
     return sorted_values[rank - 1]
+
+
+def summarize(values: list[float]) -> dict[str, float | None]:
+    """{"n", "p50", "p99", "max"} of unsorted values (3 decimals); None fields when empty."""
+    s = sorted(values)
+    if not s:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    return {
+        "n": len(s),
+        "p50": round(percentile(s, 50), 3),
+        "p99": round(percentile(s, 99), 3),
+        "max": round(s[-1], 3),
+    }

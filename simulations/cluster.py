@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gossipd.launcher import DaemonProcess
-from gossipd.progress import percentile
+from gossipd.progress import summarize
 
 
 @dataclass
@@ -77,16 +77,10 @@ class Cluster:
 
     def start(self, timeout_s: float = 60.0) -> None:
         for d in self.daemons:  # launch all, then wait: start-up overlaps
-            d._log = d.log_path.open("ab")
-            import subprocess
-
-            d.proc = subprocess.Popen(d.command(), stdout=d._log, stderr=d._log, env=d._env)
+            d.launch()
         deadline = time.monotonic() + timeout_s
         for d in self.daemons:
-            while not any(e.get("msg") == "serving" for e in d.events()):
-                if time.monotonic() > deadline or d.proc.poll() is not None:
-                    raise RuntimeError(f"{d.name} did not start: {d.log_text()[-1500:]}")
-                time.sleep(0.1)
+            d.wait_ready(max(0.1, deadline - time.monotonic()))
 
     def restart(self, i: int) -> DaemonProcess:
         old = self.daemons[i]
@@ -164,18 +158,6 @@ class Cluster:
             d.stop(timeout_s=15)
 
 
-def _pct(values: list[float]) -> dict[str, float | None]:
-    s = sorted(values)
-    if not s:
-        return {"n": 0, "p50": None, "p99": None, "max": None}
-    return {
-        "n": len(s),
-        "p50": round(percentile(s, 50), 3),
-        "p99": round(percentile(s, 99), 3),
-        "max": round(s[-1], 3),
-    }
-
-
 def run_cluster(run: ClusterRun) -> dict[str, Any]:
     rng = random.Random(run.seed)
     say = (
@@ -237,7 +219,10 @@ def run_cluster(run: ClusterRun) -> dict[str, Any]:
             say(
                 f"dissemination {trial + 1}: {len(times)}/{run.nodes - 1} in {max(times) if times else math.nan:.3f} s"
             )
-        report["dissemination"] = {"time_to_100pct_s": _pct(t100), "member_learn_s": _pct(learn)}
+        report["dissemination"] = {
+            "time_to_100pct_s": summarize(t100),
+            "member_learn_s": summarize(learn),
+        }
 
         # Stalls run in the background from here on: SIGSTOP stall_s out of every stall_every_s.
         stalled = rng.sample(range(1, run.nodes), run.stallers) if run.stallers else []
@@ -294,8 +279,8 @@ def run_cluster(run: ClusterRun) -> dict[str, Any]:
             cluster.restart(victim)
             time.sleep(2.0)
         report["detection"] = {
-            "first_declared_s": _pct(first),
-            "all_members_know_s": _pct(everyone),
+            "first_declared_s": summarize(first),
+            "all_members_know_s": summarize(everyone),
         }
 
         remaining = run.stall_period_s - (time.time() - stall_started)

@@ -5,14 +5,13 @@ partition healing.  Every figure comes from member events seen by the simulated 
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gossipd.core.swim_config import SwimConfig
-from gossipd.progress import percentile
+from gossipd.progress import summarize
 from simulations.netsim import NetworkModel, Simulation
 
 
@@ -34,18 +33,6 @@ class SwimRun:
     extra_s: float = 0.0
     config: SwimConfig = field(default_factory=SwimConfig.sim)
     progress: bool = True
-
-
-def _pct(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"n": 0, "p50": None, "p99": None, "max": None}
-    s = sorted(values)
-    return {
-        "n": len(s),
-        "p50": round(percentile(s, 50), 3),
-        "p99": round(percentile(s, 99), 3),
-        "max": round(s[-1], 3),
-    }
 
 
 def _say(run: SwimRun, text: str) -> None:
@@ -131,8 +118,8 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
             f"{len(times)}/{len(receivers)} in {times[-1] if times else float('nan'):.3f} s",
         )
     report["dissemination"] = {
-        "time_to_100pct_s": _pct(t100),
-        "member_learn_s": _pct(learn),
+        "time_to_100pct_s": summarize(t100),
+        "member_learn_s": summarize(learn),
         "trials_incomplete": incomplete,
         "receivers": run.nodes - 1,
     }
@@ -173,9 +160,9 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
             f"{len(dead_at)}/{len(observers)} know",
         )
     report["detection"] = {
-        "first_suspect_s": _pct(first_suspect),
-        "first_declared_s": _pct(first),
-        "all_members_know_s": _pct(everyone),
+        "first_suspect_s": summarize(first_suspect),
+        "first_declared_s": summarize(first),
+        "all_members_know_s": summarize(everyone),
         "trials_not_all_know": missed,
     }
 
@@ -317,7 +304,3 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{report['partition']['agree_after_heal_s']} s after healing"
         )
     return lines
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
