@@ -106,6 +106,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(tasks=args.tasks)
 
 
+def cmd_model(args: argparse.Namespace) -> int:
+    from gossipd.tinymodel import make_tiny
+
+    out = make_tiny(args.directory, seed=args.seed)
+    print(f"wrote a tiny Llama (seed {args.seed}) to {out}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ring":
         from gossipd.bench.ring import main as bench_ring
@@ -170,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tasks", type=int, default=2000)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("model", help="make the small model that tests and benchmarks use")
+    model_sub = p.add_subparsers(dest="model_command", required=True)
+    p = model_sub.add_parser(
+        "make-tiny", help="write a tokenizer and a seeded random 2-layer Llama (HF format)"
+    )
+    p.add_argument("directory", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_model)
 
     p = sub.add_parser(
         "bench", help="benchmarks (figures against a baseline measured in the same run)"

@@ -29,6 +29,7 @@ import zmq
 
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
+    Cancel,
     Chunk,
     ErrorCode,
     Result,
@@ -122,6 +123,7 @@ class ClientStatistics:
     unknown_replies: int
     bad_replies: int
     local_deadline_exceeded: int
+    cancelled: int
 
 
 class Client:
@@ -249,6 +251,30 @@ class Client:
     async def run(self, prompt: str, **kwargs: object) -> Result:
         handle = await self.submit(prompt, **kwargs)  # type: ignore[arg-type]
         return await handle.result()
+
+    async def cancel(self, task_id: str) -> bool:
+        """Ask the daemons to cancel a task: it is aborted in the engine and its result is
+        ``cancelled`` (or whatever it finished with first).  It is no longer resubmitted; the
+        handle resolves when that result arrives, or at the task's deadline.  False: not
+        outstanding here."""
+        handle = self._outstanding.get(task_id)
+        if handle is None or handle.done():
+            return False
+        if handle._timer is not None:
+            handle._timer.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0 + 1.0
+        handle._timer = loop.call_at(deadline, self._on_timer, handle, deadline)
+        # PUSH spreads messages round robin over the connected daemons; one copy per endpoint
+        # reaches the daemon that took the task (the others count it as unknown).
+        cancel = encode(Cancel(v=PROTOCOL_VERSION, id=task_id))
+        assert self._push is not None
+        for _ in self._endpoints:
+            self._unsent.append(cancel)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush_unsent())
+        self._stats["cancelled"] += 1
+        return True
 
     def _arm(
         self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, delay_s: float | None = None

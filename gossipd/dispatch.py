@@ -30,6 +30,8 @@ from gossipd.core.breaker import Breaker
 from gossipd.core.deadlines import DeadlineWheel
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
     ErrorCode,
     Forward,
     ForwardReply,
@@ -159,6 +161,7 @@ class Dispatcher:
         )
         self.endpoint = self.owner.bind()
         self._ingress.router = self.route
+        self._ingress.cancel_elsewhere = self.cancel_forwarded
         self._ingress.on_finished.append(self._task_finished)
         self._ingress.on_finished.append(self.owner.task_finished)
         self._gossip.listeners.append(self._member_event)
@@ -494,6 +497,18 @@ class Dispatcher:
         if isinstance(sent, ForwardReply):
             return sent
         return await self._await_reply(member, sent)
+
+    def cancel_forwarded(self, task_id: str) -> bool:
+        """Pass a producer's Cancel to the member we forwarded the task to (False: none)."""
+        entry = self._forwarded.get(task_id)
+        addr = None if entry is None else self._rpc_addr(entry.owner)
+        if entry is None or addr is None:
+            return False
+        self._peer(addr).outbox.append(Cancel(v=PROTOCOL_VERSION, id=task_id))
+        if not self._peers_flush_armed:
+            self._peers_flush_armed = True
+            asyncio.get_running_loop().call_soon(self._flush_peers)
+        return True
 
     def _flush_peers(self) -> None:
         """Send every Forward queued in this loop turn, one message per peer.  A send that

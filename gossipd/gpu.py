@@ -5,6 +5,7 @@ and on machines without a GPU the static capacity from the configuration (said s
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +39,11 @@ class GpuProbe:
             return "nvml"
         except Exception as exc:  # no library, no driver, no such GPU
             log.debug("NVML unavailable", extra={"error": str(exc)})
+        # torch only when something (the vLLM engine) imported it already: importing it just
+        # to learn there is no GPU costs seconds at every start.
+        torch = sys.modules.get("torch")
         try:
-            import torch
-
-            if torch.cuda.is_available() and self.gpu_index < torch.cuda.device_count():
+            if torch is not None and torch.cuda.is_available() and self.gpu_index < torch.cuda.device_count():
                 self._torch = torch
                 return "torch"
         except Exception as exc:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -25,16 +25,23 @@ from gossipd.config import IngressConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.deadlines import DeadlineWheel
 from gossipd.core.messages import (
+    Cancel,
     Chunk,
     ErrorCode,
     Result,
     Task,
     Timings,
-    decode_task,
+    decode_intake,
     encode,
     error_result,
 )
-from gossipd.engines.base import Engine, EngineError, GenerateRequest, InvalidRequest
+from gossipd.engines.base import (
+    Engine,
+    EngineDead,
+    EngineError,
+    GenerateRequest,
+    InvalidRequest,
+)
 from gossipd.errors import RemoteProtocolError
 from gossipd.logs import RateLimiter
 from gossipd.metrics import LatencyHistogram
@@ -53,6 +60,7 @@ class _Job:
     received_at: float  # time.monotonic(): uvloop's loop.time() only has millisecond resolution
     worker: asyncio.Task[None] | None = None  # set while a worker runs it
     expired: bool = False
+    cancelled: bool = False  # by its producer
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,7 @@ class IngressStatistics:
     results: dict[str, int]
     queued: int
     running: int
+    cancels: dict[str, int]  # by outcome: here, forwarded, unknown
     latency: LatencyHistogram = field(repr=False)
 
 
@@ -89,6 +98,8 @@ class Ingress:
         self._queue: RunQueue[_Job] = RunQueue()
         self._deadlines = DeadlineWheel(DEADLINE_RESOLUTION_S)
         self._running = 0  # jobs a worker holds (the job itself knows its worker)
+        self._jobs: dict[str, _Job] = {}  # admitted and unfinished, by task id (for cancels)
+        self._cancels: Counter[str] = Counter()
         self._sock: zmq.Socket | None = None
         self._refused_log = RateLimiter(refused_lines_per_s)
         self._received = 0
@@ -103,6 +114,10 @@ class Ingress:
         self.router: Callable[[Task, float], bool] | None = None
         self.on_admitted: list[Callable[[Task], None]] = []
         self.on_finished: list[Callable[[Task, Result], None]] = []
+        # Set by the daemon: gives a task whose engine died to another member (True if taken).
+        self.rescue: Callable[[Task, float], Awaitable[bool]] | None = None
+        # Set by the daemon: passes a cancel on to the member running a forwarded task.
+        self.cancel_elsewhere: Callable[[str], bool] | None = None
 
     # -- socket side ---------------------------------------------------------------------
 
@@ -159,10 +174,14 @@ class Ingress:
     def handle_frame(self, frame: bytes, now: float) -> None:
         self._received += 1
         try:
-            task = decode_task(frame, bytes_max=self._config.message_bytes_max)
+            task = decode_intake(frame, bytes_max=self._config.message_bytes_max)
         except RemoteProtocolError as exc:
             self._refuse(exc, len(frame))
             return
+        if type(task) is Cancel:
+            self.handle_cancel(task.id)
+            return
+        assert isinstance(task, Task)
         if self.router is not None and self.router(task, now):
             return  # another member owns it: the dispatcher forwards it
         self.admit(task, now, answer=True)
@@ -174,7 +193,9 @@ class Ingress:
         if verdict is Verdict.ADMIT:
             for listener in self.on_admitted:
                 listener(task)
-            self._queue.put_nowait(_Job(task, received_at))
+            job = _Job(task, received_at)
+            self._jobs[task.id] = job
+            self._queue.put_nowait(job)
         elif verdict is Verdict.DUPLICATE_DONE:
             assert cached is not None
             self._replies.send(task.reply_to, encode(cached))
@@ -216,6 +237,27 @@ class Ingress:
             ),
             remember=False,
         )
+
+    def handle_cancel(self, task_id: str) -> None:
+        """A producer's Cancel: abort the task here, or pass it on to where it runs."""
+        if self.cancel(task_id):
+            self._cancels["here"] += 1
+        elif self.cancel_elsewhere is not None and self.cancel_elsewhere(task_id):
+            self._cancels["forwarded"] += 1
+        else:
+            self._cancels["unknown"] += 1  # finished already, or never seen here
+
+    def cancel(self, task_id: str) -> bool:
+        """Cancel an admitted task that has not finished: a running one is aborted in the
+        engine (its worker is cancelled), a queued one is answered when a worker takes it.
+        Either way its producer gets one Result with ``cancelled``."""
+        job = self._jobs.get(task_id)
+        if job is None or job.cancelled:
+            return job is not None
+        job.cancelled = True
+        if job.worker is not None:
+            job.worker.cancel()
+        return True
 
     def send_error(
         self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0
@@ -262,7 +304,14 @@ class Ingress:
         me = asyncio.current_task()
         assert me is not None
         while True:
-            job = await self._queue.get()
+            try:
+                job = await self._queue.get()
+            except asyncio.CancelledError:
+                # A cancel aimed at a job that finished before the cancel landed arrives here.
+                if self.admission.shutting_down or not me.cancelling():
+                    raise
+                me.uncancel()
+                continue
             self._running += 1
             job.worker = me
             try:
@@ -290,8 +339,11 @@ class Ingress:
         parts: list[str] = []
         first_token_at = 0.0
         seq = 0
+        engine_died = False
         token = self._deadlines.add(job, deadline)
         try:
+            if job.cancelled:
+                raise asyncio.CancelledError
             if started >= deadline:
                 raise TimeoutError
             request = GenerateRequest(request_id=task.id, prompt=task.prompt, params=task.params)
@@ -324,12 +376,25 @@ class Ingress:
             result = self._deadline_result(task, len(parts))
         except InvalidRequest as exc:
             result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
+        except EngineDead as exc:
+            engine_died = True
+            result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
         except EngineError as exc:
             result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
         except asyncio.CancelledError:
-            if job.expired:  # our deadline sweeper, not a shutdown
-                asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                result = self._deadline_result(task, len(parts))
+            if job.expired or job.cancelled:  # our deadline sweeper or a Cancel, not a shutdown
+                if job.worker is not None and job.worker.cancelling():
+                    job.worker.uncancel()
+                result = (
+                    self._deadline_result(task, len(parts))
+                    if job.expired
+                    else error_result(
+                        task.id,
+                        ErrorCode.CANCELLED,
+                        f"cancelled by the producer ({len(parts)} chunks done)",
+                        node=self._node,
+                    )
+                )
                 self._finish(task, result)
                 return
             # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
@@ -352,6 +417,12 @@ class Ingress:
             )
         finally:
             self._deadlines.remove(job, token)
+        # Not the task's fault: another member runs it (its producer sees one result, from
+        # there).  Chunks already streamed from here may be sent again from seq 0.
+        if engine_died and self.rescue is not None and await self.rescue(task, job.received_at):
+            self._results["handed_off_engine_dead"] += 1
+            self.release(task, result)
+            return
         self._finish(task, result)
 
     def _deadline_result(self, task: Task, tokens: int) -> Result:
@@ -363,6 +434,7 @@ class Ingress:
         )
 
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
+        self._jobs.pop(task.id, None)
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         self.admission.finish(task.id, result, remember=remember)
         self._replies.send(task.reply_to, encode(result))
@@ -375,11 +447,13 @@ class Ingress:
         out = []
         while len(self._queue):
             job = self._queue.get_nowait()
+            self._jobs.pop(job.task.id, None)
             out.append((job.task, job.received_at))
         return out
 
     def release(self, task: Task, result: Result) -> None:
         """A taken task was handed off (or refused): forget it here without a reply."""
+        self._jobs.pop(task.id, None)
         self.admission.finish(task.id, result, remember=False)
 
     # -- shutdown ------------------------------------------------------------------------
@@ -411,5 +485,6 @@ class Ingress:
             results=dict(self._results),
             queued=len(self._queue),
             running=self._running,
+            cancels=dict(self._cancels),
             latency=self.latency,
         )

@@ -18,6 +18,7 @@ import zmq
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
 from gossipd.core.messages import (
+    Cancel,
     Forward,
     ForwardReply,
     PeerBatch,
@@ -117,6 +118,9 @@ class OwnerEndpoint:
         self._on_forward(identity, msg)
 
     def _on_forward(self, identity: bytes, msg: object) -> None:
+        if isinstance(msg, Cancel):
+            self._ingress.handle_cancel(msg.id)
+            return
         if not isinstance(msg, Forward):
             self.stats.bad_peer_messages += 1
             return

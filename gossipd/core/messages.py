@@ -37,6 +37,7 @@ class MsgType(enum.IntEnum):
     TASK = 1
     CHUNK = 2
     RESULT = 3
+    CANCEL = 4
     # Membership (SWIM), daemon to daemon.
     PING = 10
     ACK = 11
@@ -71,6 +72,7 @@ class ErrorCode(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     UNAVAILABLE = "unavailable"
     SHUTTING_DOWN = "shutting_down"
+    CANCELLED = "cancelled"
 
 
 # An endpoint that we may connect a socket to: tcp://host:port (host name, IPv4, or [IPv6])
@@ -109,6 +111,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         list[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]],
         msgspec.Meta(max_length=8),
     ] = msgspec.field(default_factory=list)
+    # Generate max_tokens tokens even past the end-of-sequence token (benchmarks).
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
@@ -203,15 +207,31 @@ class Result(
             raise ValueError("a Result has an error exactly when ok is false")
 
 
+class Cancel(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    tag_field="t",
+    tag=int(MsgType.CANCEL),
+):
+    """A producer gives up on a task: wherever it runs, its engine request is aborted and it is
+    answered with ``cancelled``.  Unknown or finished ids are ignored (and counted)."""
+
+    v: int
+    id: TaskId
+
+
 ReplyMessage = Chunk | Result
+IntakeMessage = Task | Cancel
 
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
+_intake_decoder = msgspec.msgpack.Decoder(IntakeMessage)  # type: ignore[arg-type]
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)  # type: ignore[arg-type]
 _any_decoder = msgspec.msgpack.Decoder()
 
 
-def encode(message: Task | Chunk | Result) -> bytes:
+def encode(message: Task | Cancel | Chunk | Result) -> bytes:
     return _encoder.encode(message)
 
 
@@ -248,6 +268,18 @@ def _peek(data: bytes) -> tuple[Any, str, str]:
 
 def decode_task(data: bytes, *, bytes_max: int, peer: str = "") -> Task:
     """Decode and validate one task, or raise ``RemoteProtocolError`` saying why not."""
+    return _decode_from_producer(_task_decoder, data, bytes_max, peer)  # type: ignore[no-any-return]
+
+
+def decode_intake(data: bytes, *, bytes_max: int, peer: str = "") -> Task | Cancel:
+    """What a producer may PUSH to the ingress: a Task or a Cancel.  Raises
+    ``RemoteProtocolError`` saying why not."""
+    return _decode_from_producer(_intake_decoder, data, bytes_max, peer)  # type: ignore[no-any-return]
+
+
+def _decode_from_producer(
+    decoder: msgspec.msgpack.Decoder, data: bytes, bytes_max: int, peer: str
+) -> Any:
     if len(data) > bytes_max:
         _, task_id, reply_to = _peek(data)
         raise RemoteProtocolError(
@@ -258,7 +290,7 @@ def decode_task(data: bytes, *, bytes_max: int, peer: str = "") -> Task:
             reply_to=reply_to,
         )
     try:
-        task = _task_decoder.decode(data)
+        task = decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
         obj, task_id, reply_to = _peek(data)
         if obj is None:
@@ -277,7 +309,7 @@ def decode_task(data: bytes, *, bytes_max: int, peer: str = "") -> Task:
             code=ErrorCode.UNSUPPORTED_VERSION,
             peer=peer,
             task_id=task.id,
-            reply_to=task.reply_to,
+            reply_to=getattr(task, "reply_to", ""),
         )
     return task
 
@@ -492,10 +524,13 @@ class PeerBatch(
     (one ZeroMQ message instead of many under load; no added wait)."""
 
     v: int = PROTOCOL_VERSION
-    items: Annotated[list[Forward | ForwardReply | TaskDone], msgspec.Meta(max_length=100_000)]
+    items: Annotated[
+        list[Forward | ForwardReply | TaskDone | Cancel], msgspec.Meta(max_length=100_000)
+    ]
 
 
-PeerMessage = Forward | ForwardReply | TaskDone | PeerBatch
+# A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner.
+PeerMessage = Forward | ForwardReply | TaskDone | Cancel | PeerBatch
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
 
 

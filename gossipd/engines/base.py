@@ -18,6 +18,11 @@ class EngineError(Exception):
     """The engine failed while serving a request (answered with engine_error)."""
 
 
+class EngineDead(EngineError):
+    """The engine is gone (its process died): nothing more can run here.  A task that fails
+    this way was not the task's fault, so the daemon hands it to another member."""
+
+
 class InvalidRequest(Exception):
     """The engine refuses the request's parameters (answered with bad_request)."""
 
@@ -37,6 +42,10 @@ class EngineStats:
     waiting_requests: int = 0
     kv_cache_usage_ratio: float = 0.0
     generated_tokens_total: int = 0
+    queued_tokens: int = 0  # prompt tokens waiting for their first step
+    unfinished_requests: int = 0  # requests the engine holds (running, waiting, aborting)
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # ...and found there
 
 
 class Engine(Protocol):

@@ -51,5 +51,7 @@ class EchoEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            running_requests=self._running, generated_tokens_total=self._tokens_total
+            running_requests=self._running,
+            generated_tokens_total=self._tokens_total,
+            unfinished_requests=self._running,
         )

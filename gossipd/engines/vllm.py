@@ -1,0 +1,216 @@
+"""The vLLM engine: an ``AsyncLLM`` in this process, its engine core in a child process.
+
+Mapping to the daemon's engine interface:
+- a task's sampling parameters become vLLM ``SamplingParams`` (``output_kind=DELTA``, so each
+  output carries only the new text); values vLLM refuses raise ``InvalidRequest``
+  (``bad_request``), as does a prompt too long for the model;
+- cancelling the consuming task (deadline, producer cancel, shutdown) makes vLLM abort the
+  request in its engine core (``AsyncLLM.generate`` does that on ``CancelledError``);
+- a stat logger that vLLM calls once per engine step keeps the latest scheduler figures
+  (running and waiting requests, KV-cache use, prefix-cache queries and hits) for gossip;
+- engine death (the core process gone) raises ``EngineDead`` from running requests and turns
+  ``healthy()`` False; the daemon then stops taking tasks and exits non-zero.
+
+vLLM is imported only in ``start()``: a daemon with the echo engine never loads it.  vLLM starts
+its engine core with the spawn method, so the program's entry point must be import-safe (the
+``gossipd`` console script is).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gossipd.engines.base import (
+    EngineDead,
+    EngineError,
+    EngineStats,
+    GenerateRequest,
+    InvalidRequest,
+)
+
+if TYPE_CHECKING:
+    from gossipd.config import EngineConfig
+
+log = logging.getLogger("gossipd.engine.vllm")
+
+
+class _SchedulerFigures:
+    """What the stat logger saw last (written from vLLM's output handler, read by gossip)."""
+
+    __slots__ = (
+        "kv_cache_usage",
+        "prefix_hits",
+        "prefix_queries",
+        "running",
+        "updated_at",
+        "waiting",
+    )
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache, in total
+        self.prefix_hits = 0  # ...and found there
+        self.updated_at = 0.0
+
+
+def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class GossipStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self._figures = figures
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            if scheduler_stats is None:
+                return
+            f = self._figures
+            f.running = scheduler_stats.num_running_reqs
+            f.waiting = scheduler_stats.num_waiting_reqs
+            f.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            cache = scheduler_stats.prefix_cache_stats
+            if cache is not None:
+                f.prefix_queries += cache.queries
+                f.prefix_hits += cache.hits
+            f.updated_at = time.monotonic()
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return GossipStatLogger
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.model:
+            raise ValueError("engine.model: required for the vllm engine (a model directory)")
+        self._config = config
+        self.model = config.served_model_name or Path(config.model).name
+        self._llm: Any = None
+        self._figures = _SchedulerFigures()
+        self._tokens_total = 0
+        self._dead = False
+        self.block_size = 0  # tokens per KV-cache block, known after start()
+
+    async def start(self) -> None:
+        c = self._config
+        if c.cpu_kvcache_space_gb:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(c.cpu_kvcache_space_gb)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=c.model,
+            served_model_name=self.model,
+            dtype=c.dtype,
+            max_model_len=c.max_model_len or None,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            tensor_parallel_size=c.tensor_parallel_size,
+            enforce_eager=c.enforce_eager,
+            enable_prefix_caching=c.enable_prefix_caching,
+            num_gpu_blocks_override=c.kv_cache_blocks or None,
+            max_num_seqs=c.max_num_seqs or None,
+            seed=c.seed,
+        )
+        started = time.monotonic()
+        # Blocks the loop while the engine core loads (tens of seconds on CPU); the daemon
+        # starts its engine before it binds or serves anything, so nothing waits on the loop.
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stat_logger_factory(self._figures)]
+        )
+        self.block_size = int(self._llm.vllm_config.cache_config.block_size or 0)
+        log.info(
+            "vLLM engine started",
+            extra={
+                "model": c.model,
+                "served_as": self.model,
+                "seconds": round(time.monotonic() - started, 1),
+                "kv_cache_blocks": self._llm.vllm_config.cache_config.num_gpu_blocks,
+                "block_size": self.block_size,
+            },
+        )
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown(timeout=5.0)
+            self._llm = None
+
+    def sampling_params(self, request: GenerateRequest) -> Any:
+        """vLLM's SamplingParams for a task; raises InvalidRequest for what vLLM refuses."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        p = request.params
+        try:
+            return SamplingParams(
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=p.seed,
+                stop=list(p.stop) or None,
+                ignore_eos=p.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (ValueError, TypeError) as exc:  # VLLMValidationError is a ValueError
+            raise InvalidRequest(f"sampling parameters refused by vLLM: {exc}") from None
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._llm is None or not self.healthy():
+            raise EngineDead("the vLLM engine is not running")
+        params = self.sampling_params(request)
+        try:
+            async for output in self._llm.generate(request.prompt, params, request.request_id):
+                completion = output.outputs[0] if output.outputs else None
+                if completion is None:
+                    continue
+                self._tokens_total += len(completion.token_ids)
+                # Byte-level tokens may end mid-character: vLLM holds those bytes back and
+                # sends an empty delta, which is not worth a chunk.
+                if completion.text:
+                    yield completion.text
+        except EngineDeadError as exc:
+            self._dead = True
+            raise EngineDead(f"the vLLM engine died: {exc}") from None
+        except (VLLMClientError, ValueError) as exc:  # e.g. a prompt longer than the model
+            raise InvalidRequest(str(exc)) from None
+        except Exception as exc:
+            if self._llm is not None and self._llm.errored:
+                self._dead = True
+                raise EngineDead(f"the vLLM engine died: {type(exc).__name__}") from None
+            raise EngineError(f"{type(exc).__name__}: {exc}") from None
+
+    def healthy(self) -> bool:
+        if self._dead:
+            return False
+        if self._llm is not None and self._llm.errored:
+            self._dead = True
+            return False
+        return True
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine still holds (0 after every abort has landed)."""
+        return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
+
+    def stats(self) -> EngineStats:
+        f = self._figures
+        return EngineStats(
+            running_requests=f.running,
+            waiting_requests=f.waiting,
+            kv_cache_usage_ratio=f.kv_cache_usage,
+            generated_tokens_total=self._tokens_total,
+            queued_tokens=0 if self._llm is None else int(self._llm.get_num_queued_tokens()),
+            unfinished_requests=self.unfinished_requests(),
+            prefix_cache_queries_total=f.prefix_queries,
+            prefix_cache_hits_total=f.prefix_hits,
+        )

@@ -1,0 +1,75 @@
+"""``gossipd model make-tiny DIR``: a small Llama with seeded random weights, made here.
+
+Nothing in gossipd downloads a model.  Tests, benchmarks and the demo use this one: a byte-level
+BPE tokenizer trained on a built-in corpus, and a 2-layer Llama (hidden 128, 2 heads of 64 --
+vLLM's CPU attention rejects head_dim 16) saved in Hugging Face format.  Its output is gibberish,
+but every part of the engine path is real, and the same directory loads in vLLM on a GPU.
+
+The result depends only on ``seed``: the same seed writes the same weights and tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# A corpus with the words our tests and benchmarks use, so that prompts tokenize compactly.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A peer-to-peer daemon gossips membership and GPU
+state to its peers, elects a leader, and fans tasks out by consistent hashing with bounded loads.
+You are a helpful assistant. Answer the question below in one short sentence, then stop.
+Summarise the following document for an engineer who has five minutes to read it.
+Translate the sentence into French, German and Spanish. Write a haiku about the sea.
+hello world task prompt model engine cache prefix token stream result error deadline cancel
+zero one two three four five six seven eight nine ten hundred thousand million
+"""
+
+TOKENIZER_VOCAB_SIZE = 512
+
+
+def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:
+    """Write the tokenizer and model into ``directory`` (created if needed); return its path."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(out)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "gossipd-tiny.json").write_text(json.dumps({"seed": seed, "maker": "gossipd"}) + "\n")
+    return out
+
+
+def is_tiny_model(directory: str | Path) -> bool:
+    return (Path(directory) / "gossipd-tiny.json").is_file()
