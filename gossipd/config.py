@@ -140,6 +140,16 @@ class FanoutConfig(Section):
     breaker_failures: Positive = 3
     breaker_open_s: Seconds = 2.0
     message_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
+    # Where a task goes: "prefix" (its key; without one, the member holding the longest known
+    # prefix of its prompt, see gossipd/core/prefix.py), "key" (its key, else its id), or
+    # "round_robin" (the next member in turn; for comparison).  Bounded loads apply to the
+    # first two.
+    policy: Literal["prefix", "key", "round_robin"] = "prefix"
+    # Prefix affinity: block size in characters, blocks hashed per prompt, and hashes each
+    # daemon gossips (4-5 bytes each, inside its GPU state).
+    prefix_block_chars: Annotated[int, msgspec.Meta(ge=8, le=65536)] = 128
+    prefix_blocks_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    prefix_summary_max: Annotated[int, msgspec.Meta(ge=0, le=256)] = 48
 
     def __post_init__(self) -> None:
         _check_bind("rpc_bind", self.rpc_bind)

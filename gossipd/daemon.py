@@ -148,6 +148,7 @@ class Daemon:
             )
             self.gossip.load = lambda: self.ingress.admission.pending
             self.ingress.rescue = self.dispatcher.hand_off
+            self.gossip.prefixes = self.dispatcher.prefix_summary
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:

@@ -42,6 +42,7 @@ from gossipd.core.messages import (
     decode_peer,
 )
 from gossipd.core.placement import Candidate, bound, place
+from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring
 from gossipd.errors import RemoteProtocolError
 from gossipd.gossip import GossipService
@@ -71,6 +72,7 @@ class DispatchStatistics:
     handed_off: int = 0
     bad_peer_messages: int = 0
     replies_dropped: int = 0
+    prefix_hits: int = 0  # keyless tasks placed on a member that holds their prefix
 
 
 @dataclass(slots=True)
@@ -150,6 +152,10 @@ class Dispatcher:
         self._acks: asyncio.Task[None] | None = None
         self._ack_wheel = DeadlineWheel(0.01)
         self.stats = DispatchStatistics()
+        # Prefix affinity (policy "prefix"): what we ran, and who holds which prefix.
+        self.prefix_record = PrefixRecord()
+        self._prefix_index = PrefixIndex()
+        self._round_robin = 0
         self.endpoint = ""
         self.draining = False
 
@@ -162,6 +168,7 @@ class Dispatcher:
         self.endpoint = self.owner.bind()
         self._ingress.router = self.route
         self._ingress.cancel_elsewhere = self.cancel_forwarded
+        self._ingress.on_admitted.append(self._record_prefix)
         self._ingress.on_finished.append(self._task_finished)
         self._ingress.on_finished.append(self.owner.task_finished)
         self._gossip.listeners.append(self._member_event)
@@ -228,12 +235,12 @@ class Dispatcher:
         )
         return out
 
-    def _order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]:
+    def _order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
         cands = {n: c for n, c in self.candidates().items() if n not in exclude}
         # The view's ring is the serving set's; place() builds another only when the candidates
         # differ (an exclusion, a model filter).
         return place(
-            task.key or task.id,
+            key or task.key or task.id,
             cands,
             ring=self._view().ring,
             c=self.config.load_bound_c,
@@ -258,6 +265,13 @@ class Dispatcher:
                 for m in self._gossip.live_members()
                 if m.gpu is not None and m.gpu.rpc
             }
+            self._prefix_index.set_summaries(
+                {
+                    m.node: m.gpu.prefixes
+                    for m in self._gossip.live_members()
+                    if m.gpu is not None and m.gpu.prefixes
+                }
+            )
             self._cached_view = _View(
                 key,
                 Ring({n: c.weight for n, c in serving.items()}) if serving else None,
@@ -287,17 +301,14 @@ class Dispatcher:
             owner = order[0]
         elif ring is None or (len(ring) == 1 and ring.members[0] == self.node):
             owner = self.node
+        elif self.config.policy == "round_robin":
+            self._round_robin = (self._round_robin + 1) % len(ring.members)
+            owner = ring.members[self._round_robin]
+        elif self.config.policy == "prefix" and not task.key:
+            owner = self._place_by_prefix(task, view, ring)
         else:
             owner = ring.owner(task.key or task.id)
-            total = sum(self._outstanding.values()) + len(self._local_ids)
-            limit = bound(
-                total,
-                view.weights[owner],
-                view.total_weight,
-                self.config.load_bound_c,
-                self.config.load_floor,
-            )
-            if self._load(owner) >= limit:
+            if self._load(owner) >= self._limit(owner, view):
                 order = self._order(task)
                 owner = order[0] if order else self.node
         if owner == self.node:
@@ -321,6 +332,52 @@ class Dispatcher:
         flight.token = self._ack_wheel.add(sent.req, time.monotonic() + sent.timeout_s)
         self._pending[sent.req] = flight
         return True
+
+    def _limit(self, member: str, view: _View) -> int:
+        """The bounded-load ceiling for ``member`` now (see core/placement.py)."""
+        total = sum(self._outstanding.values()) + len(self._local_ids)
+        return bound(
+            total,
+            view.weights[member],
+            view.total_weight,
+            self.config.load_bound_c,
+            self.config.load_floor,
+        )
+
+    def _place_by_prefix(self, task: Task, view: _View, ring: Ring) -> str:
+        """A keyless task: the member holding the longest known prefix of its prompt, under
+        its load bound; else the ring owner of its first block (see core/prefix.py)."""
+        cfg = self.config
+        hashes = prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
+        key = prefix_key(hashes) if hashes else task.id  # shorter than a block: by its id
+        owner = ""
+        for _depth, members in self._prefix_index.holders(hashes):
+            held = [m for m in members if m in view.weights]
+            if len(held) > 1:
+                held.sort(key=ring.successors(key).index)
+            owner = next((m for m in held if self._load(m) < self._limit(m, view)), "")
+            if owner:
+                self.stats.prefix_hits += 1
+                break
+        if not owner:
+            owner = ring.owner(key)
+            if self._load(owner) >= self._limit(owner, view):
+                order = self._order(task, key=key)
+                owner = order[0] if order else self.node
+        if hashes:
+            self._prefix_index.placed(hashes, owner)
+        return owner
+
+    def _record_prefix(self, task: Task) -> None:
+        """Admitted here: count its prefix blocks for the summary we gossip."""
+        cfg = self.config
+        if cfg.policy == "prefix" and not task.key:
+            self.prefix_record.add(
+                prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
+            )
+
+    def prefix_summary(self) -> list[int]:
+        return self.prefix_record.summary(self.config.prefix_summary_max)
 
     async def expire_acks_forever(self) -> None:
         while True:
@@ -602,6 +659,7 @@ class Dispatcher:
     def _member_event(self, event: MemberEvent) -> None:
         if event.kind != "dead":
             return
+        self._prefix_index.forget_member(event.node)
         orphans = [f for f in self._forwarded.values() if f.owner == event.node]
         for f in orphans:
             self._forget(f.task.id)

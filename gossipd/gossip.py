@@ -92,6 +92,7 @@ class GossipService:
         self.rpc_endpoint = ""
         self.model = ""
         self.load: Callable[[], int] = lambda: 0
+        self.prefixes: Callable[[], list[int]] = list  # summary of prefixes we hold
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.PULL)
@@ -153,6 +154,8 @@ class GossipService:
             software_version=self._version,
             rpc=self.rpc_endpoint,
             inflight=self.load(),
+            prefixes=self.prefixes(),
+            queued_tokens=stats.queued_tokens,
         )
 
     def _publish_meta(self, *, force: bool) -> None:
@@ -201,16 +204,24 @@ class GossipService:
         for addr, data in self.core.take_outbox():
             self._send(addr, data)
         for event in self.core.take_events():
-            log.info(
-                "member",
-                extra={
-                    "event": event.kind,
-                    "member": event.node,
-                    "incarnation": event.incarnation,
-                    "by": event.by,
-                    "at": event.at,
-                },
-            )
+            extra: dict[str, object] = {
+                "event": event.kind,
+                "member": event.node,
+                "incarnation": event.incarnation,
+                "by": event.by,
+                "at": event.at,
+            }
+            member = self.core.table.members.get(event.node)
+            if event.kind == "meta" and member is not None and member.gpu is not None:
+                gpu = member.gpu
+                extra.update(
+                    model=gpu.model,
+                    status=gpu.status,
+                    running=gpu.running_requests,
+                    waiting=gpu.waiting_requests,
+                    kv_cache=round(gpu.kv_cache_usage_ratio, 3),
+                )
+            log.info("member", extra=extra)
             for listener in self.listeners:
                 listener(event)
 

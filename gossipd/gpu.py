@@ -43,7 +43,11 @@ class GpuProbe:
         # to learn there is no GPU costs seconds at every start.
         torch = sys.modules.get("torch")
         try:
-            if torch is not None and torch.cuda.is_available() and self.gpu_index < torch.cuda.device_count():
+            if (
+                torch is not None
+                and torch.cuda.is_available()
+                and self.gpu_index < torch.cuda.device_count()
+            ):
                 self._torch = torch
                 return "torch"
         except Exception as exc:

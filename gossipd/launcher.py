@@ -117,6 +117,14 @@ class DaemonProcess:
         return out
 
     @property
+    def metrics_port(self) -> int:
+        """The Prometheus port it serves on (metrics.bind, port 0 included), 0 if none."""
+        for event in self.events():
+            if event.get("msg") == "serving":
+                return int(event.get("metrics_port") or 0)
+        return 0
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid

@@ -154,6 +154,34 @@ class DaemonCollector:
         yield _one(
             G, "gossipd_engine_kv_cache_usage_ratio", "KV-cache use, 0..1", eng.kv_cache_usage_ratio
         )
+        yield _one(
+            G,
+            "gossipd_engine_unfinished_requests",
+            "Requests the engine holds (running, waiting or being aborted)",
+            eng.unfinished_requests,
+        )
+        yield _one(
+            G, "gossipd_engine_queued_tokens", "Prompt tokens not yet run", eng.queued_tokens
+        )
+        yield _one(
+            C,
+            "gossipd_engine_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the engine's prefix cache",
+            eng.prefix_cache_queries_total,
+        )
+        yield _one(
+            C,
+            "gossipd_engine_prefix_cache_hits_tokens",
+            "Prompt tokens found in the engine's prefix cache",
+            eng.prefix_cache_hits_total,
+        )
+        yield _by(
+            C,
+            "gossipd_cancels",
+            "Producer cancels by outcome (here, forwarded, unknown)",
+            "outcome",
+            sorted(ing.cancels.items()),
+        )
         gossip = s.get("gossip")
         if gossip is not None and gossip.core is not None:
             yield from _gossip_metrics(gossip)
@@ -263,3 +291,19 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         "member",
         sorted(dispatcher.outstanding().items()),
     )
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """A daemon's Prometheus samples as {"name{label=value,...}": value} (tests, benchmarks)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://{host}:{port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,3 +29,11 @@ def daemon_factory(tmp_path) -> Iterator:  # type: ignore[no-untyped-def]
     yield start
     for daemon in started:
         daemon.stop(timeout_s=15)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama made by `gossipd model make-tiny` (about 10 s), once per session."""
+    from gossipd.tinymodel import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("model") / "tiny", seed=0)

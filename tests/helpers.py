@@ -1,14 +1,15 @@
-"""Helpers shared by the real-process tests: a plain ZeroMQ producer and a metrics scraper."""
+"""Helpers shared by the real-process tests: a plain ZeroMQ producer (and the metrics scraper)."""
 
 from __future__ import annotations
 
 import time
-import urllib.request
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
+
+from gossipd.metrics import scrape  # noqa: F401  (re-exported for the tests)
 
 
 class RawProducer:
@@ -63,12 +64,14 @@ class RawProducer:
         self.ctx.term()
 
 
-def scrape(port: int) -> dict[str, float]:
-    """Prometheus samples as {"name{label=value}": value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
+def engine_overrides(model_dir: Path) -> list[str]:
+    """Settings for a daemon with a real vLLM engine on the tiny model (CPU, small cache)."""
+    return [
+        "engine.kind=vllm",
+        f'engine.model="{model_dir}"',
+        'engine.dtype="float32"',
+        "engine.max_model_len=512",
+        "engine.cpu_kvcache_space_gb=1",
+        "engine.enforce_eager=true",
+        'metrics.bind="127.0.0.1:0"',
+    ]

@@ -195,3 +195,36 @@ def test_a_silent_owner_is_passed_over_after_the_ack_timeout(make_cluster) -> No
         stalled.resume()
     assert all(r.ok and r.node == "d00" for r in results), "the next member took them"
     assert 0.3 <= elapsed < 5.0
+
+
+def _group_spread(cluster: Cluster) -> dict[int, Counter[str]]:
+    """Keyless prompts in 6 groups, each group sharing a 300-character prefix, pushed to all
+    three entry points; which members ran each group."""
+    systems = [f"system prompt {g}: " + ("you are a careful assistant " * 12) for g in range(6)]
+    prompts = [(i % 6, systems[i % 6] + f" question {i}") for i in range(240)]
+    endpoints = [d.endpoint for d in cluster.daemons]
+
+    async def main() -> list[object]:
+        async with Client(endpoints, outstanding_max=30) as client:
+            handles = [await client.submit(p, max_tokens=1) for _, p in prompts]
+            return [await h.result() for h in handles]
+
+    results = run(main())
+    assert all(r.ok for r in results)  # type: ignore[attr-defined]
+    spread: dict[int, Counter[str]] = defaultdict(Counter)
+    for (group, _), r in zip(prompts, results, strict=True):
+        spread[group][r.node] += 1  # type: ignore[attr-defined]
+    return spread
+
+
+def test_keyless_prompts_sharing_a_prefix_meet_on_one_member(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    spread = _group_spread(make_cluster(3))  # fanout.policy = "prefix", the default
+    on_one = sum(c.most_common(1)[0][1] for c in spread.values())
+    assert on_one / 240 >= 0.95, spread
+    assert len({c.most_common(1)[0][0] for c in spread.values()}) >= 2, "groups spread out"
+
+
+def test_key_hashing_and_round_robin_scatter_a_shared_prefix(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    for policy in ("key", "round_robin"):
+        spread = _group_spread(make_cluster(3, f"fanout.policy={policy}"))
+        assert all(len(c) == 3 for c in spread.values()), (policy, spread)

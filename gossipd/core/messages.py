@@ -352,6 +352,11 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     inflight: Annotated[int, msgspec.Meta(ge=0)] = 0
     status: Literal["serving", "draining", "unhealthy"] = "serving"
     software_version: SmallText = ""
+    # Prompt-prefix hashes this daemon's engine has run more than once (core/prefix.py).
+    prefixes: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, lt=2**32)]], msgspec.Meta(max_length=256)
+    ] = msgspec.field(default_factory=list)
+    queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Alive(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.ALIVE)):

@@ -145,6 +145,7 @@ class VllmEngine:
 
     def sampling_params(self, request: GenerateRequest) -> Any:
         """vLLM's SamplingParams for a task; raises InvalidRequest for what vLLM refuses."""
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         p = request.params
@@ -159,7 +160,7 @@ class VllmEngine:
                 ignore_eos=p.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,
             )
-        except (ValueError, TypeError) as exc:  # VLLMValidationError is a ValueError
+        except (VLLMClientError, ValueError, TypeError) as exc:
             raise InvalidRequest(f"sampling parameters refused by vLLM: {exc}") from None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:

