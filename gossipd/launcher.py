@@ -63,6 +63,7 @@ class DaemonProcess:
             Path(log_dir or tempfile.mkdtemp(prefix="gossipd-")) / f"{name}-{self.port}.log"
         )
         self.proc: subprocess.Popen[bytes] | None = None
+        self._metrics_port = 0
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "gossipd", "run"]
@@ -119,10 +120,17 @@ class DaemonProcess:
     @property
     def metrics_port(self) -> int:
         """The Prometheus port it serves on (metrics.bind, port 0 included), 0 if none."""
+        if self._metrics_port:
+            return self._metrics_port
         for event in self.events():
             if event.get("msg") == "serving":
-                return int(event.get("metrics_port") or 0)
+                self._metrics_port = int(event.get("metrics_port") or 0)
+                return self._metrics_port
         return 0
+
+    @metrics_port.setter
+    def metrics_port(self, port: int) -> None:
+        self._metrics_port = port
 
     @property
     def pid(self) -> int:

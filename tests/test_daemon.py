@@ -252,3 +252,30 @@ def test_deadline_exceeded_stops_the_engine_work(daemon_factory, producer_for) -
     metrics = scrape(daemon.metrics_port)
     assert metrics["gossipd_engine_generated_tokens_total"] < 12, "generation was aborted"
     assert metrics["gossipd_engine_running_requests"] == 0
+
+
+def test_cancel_stops_a_running_and_a_queued_task_and_ignores_unknown_ids(
+    daemon_factory, producer_for
+) -> None:  # type: ignore[no-untyped-def]
+    daemon = start_with_metrics(
+        daemon_factory, "engine.token_delay_s=0.05", "ingress.concurrency_max=1"
+    )
+    producer = producer_for(daemon)
+    producer.send_task("running", params={"max_tokens": 200}, stream=True)
+    producer.send_task("queued", params={"max_tokens": 200})  # waits: one worker only
+    producer.replies(until=lambda r: any(x["t"] == 2 for x in r))  # "running" has started
+    for task_id in ("running", "queued", "never-seen"):
+        producer.send_raw(msgpack.packb({"v": 1, "t": 4, "id": task_id}))
+    results = {r["id"]: r for r in producer.results(2)}
+    assert {r["error"]["code"] for r in results.values()} == {"cancelled"}
+    producer.replies(quiet_s=0.3)
+    metrics = scrape(daemon.metrics_port)
+    assert metrics["gossipd_engine_generated_tokens_total"] < 12, "generation was aborted"
+    assert metrics["gossipd_engine_running_requests"] == 0
+    assert metrics["gossipd_cancels_total{outcome=here}"] == 2
+    assert metrics["gossipd_cancels_total{outcome=unknown}"] == 1
+    # The daemon keeps serving, and the cancelled id keeps its one answer.
+    producer.send_task("after", params={"max_tokens": 2})
+    producer.send_task("running", params={"max_tokens": 2})
+    again = {r["id"]: r for r in producer.results(2)}
+    assert again["after"]["ok"] and again["running"]["error"]["code"] == "cancelled"

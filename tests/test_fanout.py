@@ -228,3 +228,30 @@ def test_key_hashing_and_round_robin_scatter_a_shared_prefix(make_cluster) -> No
     for policy in ("key", "round_robin"):
         spread = _group_spread(make_cluster(3, f"fanout.policy={policy}"))
         assert all(len(c) == 3 for c in spread.values()), (policy, spread)
+
+
+def test_a_cancel_reaches_the_owner_of_a_forwarded_task(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    from gossipd.metrics import scrape
+
+    cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
+    entry, owner = cluster.daemons
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    keys = [k for k in (f"c{i}" for i in range(100)) if ring.owner(k) == owner.name][:5]
+
+    async def main() -> list[object]:
+        async with Client([entry.endpoint]) as client:
+            handles = [
+                await client.submit("slow words", key=k, max_tokens=200, stream=True) for k in keys
+            ]
+            for h in handles:  # each is generating on the owner
+                await asyncio.wait_for(h.deltas().__anext__(), 10)
+            for h in handles:
+                assert await client.cancel(h.id)
+            return [await asyncio.wait_for(h.result(), 10) for h in handles]
+
+    results = run(main())
+    assert {r.error.code for r in results} == {"cancelled"}  # type: ignore[attr-defined]
+    assert {r.node for r in results} == {owner.name}  # type: ignore[attr-defined]
+    assert scrape(entry.metrics_port)["gossipd_cancels_total{outcome=forwarded}"] == len(keys)
+    assert scrape(owner.metrics_port)["gossipd_cancels_total{outcome=here}"] == len(keys)
+    assert scrape(owner.metrics_port)["gossipd_engine_running_requests"] == 0
