@@ -150,6 +150,10 @@ class FanoutConfig(Section):
     prefix_block_chars: Annotated[int, msgspec.Meta(ge=8, le=65536)] = 128
     prefix_blocks_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     prefix_summary_max: Annotated[int, msgspec.Meta(ge=0, le=256)] = 48
+    # Engine load from gossip: a member whose engine has this many requests waiting, or this
+    # much of its KV cache in use, is saturated and passed over while another is not.
+    engine_waiting_saturated: Positive = 8
+    engine_kv_cache_saturated_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
 
     def __post_init__(self) -> None:
         _check_bind("rpc_bind", self.rpc_bind)

@@ -81,6 +81,7 @@ class _View:
     ring: Ring | None
     weights: dict[str, float]
     addrs: dict[str, str]
+    saturated: frozenset[str]  # members whose engine is saturated (gossiped engine load)
 
     @property
     def total_weight(self) -> float:
@@ -219,6 +220,7 @@ class Dispatcher:
                 weight=gpu.capacity_weight or 1.0,
                 status=gpu.status,
                 models=frozenset({gpu.model}) if gpu.model else frozenset(),
+                saturated=self._saturated(gpu.waiting_requests, gpu.kv_cache_usage_ratio),
             )
         me_status = (
             "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
@@ -226,14 +228,24 @@ class Dispatcher:
         # Our own load as this entry point sees it: the tasks we kept from our own intake, so
         # that every load in the comparison is measured the same way (HAProxy's approach).
         own_model = self._ingress.model
+        own = self._gossip.last_gpu_state
         out[self.node] = Candidate(
             self.node,
+            saturated=own is not None
+            and self._saturated(own.waiting_requests, own.kv_cache_usage_ratio),
             models=frozenset({own_model}) if own_model else frozenset(),
             load=len(self._local_ids),
             weight=self._gossip.config.gpu.capacity_weight,
             status=me_status,
         )
         return out
+
+    def _saturated(self, waiting: int, kv_cache_usage: float) -> bool:
+        cfg = self.config
+        return (
+            waiting >= cfg.engine_waiting_saturated
+            or kv_cache_usage >= cfg.engine_kv_cache_saturated_ratio
+        )
 
     def _order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
         cands = {n: c for n, c in self.candidates().items() if n not in exclude}
@@ -256,7 +268,11 @@ class Dispatcher:
         status = (
             "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
         )
-        key = (core.table.version, status)
+        own = self._gossip.last_gpu_state
+        own_saturated = own is not None and self._saturated(
+            own.waiting_requests, own.kv_cache_usage_ratio
+        )
+        key = (core.table.version, status, own_saturated)
         if self._cached_view is None or self._cached_view.key != key:
             cands = self.candidates()
             serving = {n: c for n, c in cands.items() if c.status == "serving"}
@@ -277,6 +293,7 @@ class Dispatcher:
                 Ring({n: c.weight for n, c in serving.items()}) if serving else None,
                 {n: c.weight for n, c in serving.items()},
                 addrs,
+                frozenset(n for n, c in serving.items() if c.saturated),
             )
         return self._cached_view
 
@@ -308,7 +325,7 @@ class Dispatcher:
             owner = self._place_by_prefix(task, view, ring)
         else:
             owner = ring.owner(task.key or task.id)
-            if self._load(owner) >= self._limit(owner, view):
+            if owner in view.saturated or self._load(owner) >= self._limit(owner, view):
                 order = self._order(task)
                 owner = order[0] if order else self.node
         if owner == self.node:
@@ -355,13 +372,20 @@ class Dispatcher:
             held = [m for m in members if m in view.weights]
             if len(held) > 1:
                 held.sort(key=ring.successors(key).index)
-            owner = next((m for m in held if self._load(m) < self._limit(m, view)), "")
+            owner = next(
+                (
+                    m
+                    for m in held
+                    if m not in view.saturated and self._load(m) < self._limit(m, view)
+                ),
+                "",
+            )
             if owner:
                 self.stats.prefix_hits += 1
                 break
         if not owner:
             owner = ring.owner(key)
-            if self._load(owner) >= self._limit(owner, view):
+            if owner in view.saturated or self._load(owner) >= self._limit(owner, view):
                 order = self._order(task, key=key)
                 owner = order[0] if order else self.node
         if hashes:

@@ -93,6 +93,7 @@ class GossipService:
         self.model = ""
         self.load: Callable[[], int] = lambda: 0
         self.prefixes: Callable[[], list[int]] = list  # summary of prefixes we hold
+        self.last_gpu_state: GpuState | None = None  # our latest sample (placement reads it)
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.PULL)
@@ -162,7 +163,7 @@ class GossipService:
         """Publish GPU state when it changed, at most every meta_publish_min_s (status changes
         go out at once: draining and unhealthy must not wait)."""
         assert self.core is not None
-        gpu = self._gpu_state()
+        gpu = self.last_gpu_state = self._gpu_state()
         now = time.time()
         last = self._last_published
         if not force and last == gpu:

@@ -126,3 +126,38 @@ def test_placement_filters_by_model_and_capability() -> None:
     }
     assert set(place("k", candidates, model="llama")) == {"a", "c"}
     assert place("k", candidates, model="llama", capabilities=frozenset({"fp8"})) == ["a"]
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from([f"m{i}" for i in range(6)]),
+        st.tuples(st.integers(0, 50), st.booleans()),
+        min_size=1,
+    ),
+    st.text(max_size=8),
+)
+def test_a_saturated_engine_is_passed_over_while_another_member_is_free(raw, key) -> None:  # type: ignore[no-untyped-def]
+    candidates = {n: Candidate(n, load=load, saturated=sat) for n, (load, sat) in raw.items()}
+    order = place(key, candidates, c=1.25)
+    assert set(order) == set(candidates)
+    total = sum(c.load for c in candidates.values())
+
+    def under(n: str) -> bool:
+        return candidates[n].load < bound(total, 1.0, len(candidates), 1.25)
+
+    free = [n for n in candidates if under(n) and not candidates[n].saturated]
+    first = order[0]
+    if free:
+        assert first in free
+    else:
+        assert under(first)  # all saturated (or over): the bound alone decides
+
+
+def test_the_owner_keeps_its_keys_unless_its_engine_is_saturated() -> None:
+    names = [f"m{i}" for i in range(4)]
+    ring = Ring(dict.fromkeys(names, 1.0))
+    owner = ring.owner("session-9")
+    cool = {n: Candidate(n, load=1) for n in names}
+    assert place("session-9", cool, ring=ring)[0] == owner
+    busy = {**cool, owner: Candidate(owner, load=1, saturated=True)}
+    assert place("session-9", busy, ring=ring)[0] == ring.successors("session-9")[1]

@@ -7,6 +7,9 @@
    ceil(c * (L + 1) * w / W) for its weight w of total weight W.  The first candidate in ring
    order under its bound is chosen; keys move off a hot member only while it is hot, so
    affinity holds otherwise.
+   A member whose engine is saturated (its gossiped engine load: requests queueing inside
+   vLLM, or a full KV cache) is passed over the same way while another is not; when every
+   candidate is saturated or over its bound, the bound alone decides.
 3. The rest of the ring order follows as fallbacks, so a refusal or a timeout moves on
    deterministically.
 """
@@ -28,6 +31,7 @@ class Candidate:
     status: str = "serving"
     models: frozenset[str] = frozenset()  # empty: serves any model
     capabilities: frozenset[str] = frozenset()
+    saturated: bool = False  # its engine queues requests or its KV cache is full (gossiped)
 
 
 def bound(total_load: int, weight: float, total_weight: float, c: float, floor: int = 0) -> int:
@@ -66,8 +70,12 @@ def place(
     order = ring.successors(key)
     total_load = sum(cand.load for cand in pool.values())
     total_weight = sum(cand.weight for cand in pool.values())
-    for i, name in enumerate(order):
-        cand = pool[name]
-        if cand.load < bound(total_load, cand.weight, total_weight, c, floor):
-            return [name, *order[:i], *order[i + 1 :]]
+    under = [
+        cand.load < bound(total_load, cand.weight, total_weight, c, floor)
+        for cand in (pool[name] for name in order)
+    ]
+    for prefer_unsaturated in (True, False):
+        for i, name in enumerate(order):
+            if under[i] and not (prefer_unsaturated and pool[name].saturated):
+                return [name, *order[:i], *order[i + 1 :]]
     return order
