@@ -137,7 +137,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "prefix":
         from gossipd.bench.prefix import main as bench_prefix
 
-        return bench_prefix(model=args.model, nodes=args.nodes or 3, as_json=args.json)
+        return bench_prefix(
+            model=args.model, nodes=args.nodes or 3, as_json=args.json, plot=args.plot
+        )
     if args.what == "ingress":
         from gossipd.bench.ingress import main as bench_ingress
 
@@ -204,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["ingress", "route", "ring", "engine", "prefix"])
     p.add_argument("--model", help="engine/prefix: a model directory (default: make the tiny one)")
     p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")
+    p.add_argument("--plot", help="prefix: write a PNG bar chart of the hit rates here")
     p.add_argument("--keys", type=int, default=1_000_000, help="ring: keys to place")
     p.add_argument(
         "--nodes", type=int, default=None, help="route, prefix: daemons (3); ring: members (64)"
