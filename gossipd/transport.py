@@ -144,11 +144,12 @@ class ReplyStatistics:
 
 
 class _Peer:
-    __slots__ = ("endpoint", "flusher", "last_used", "queue", "sock")
+    __slots__ = ("batch", "endpoint", "flusher", "last_used", "queue", "sock")
 
     def __init__(self, endpoint: str, sock: zmq.Socket, now: float) -> None:
         self.endpoint = endpoint
         self.sock = sock
+        self.batch: list[bytes] = []  # sent together at the end of this loop turn
         self.queue: deque[bytes] = deque()
         self.last_used = now
         self.flusher: asyncio.Task[None] | None = None
@@ -161,6 +162,11 @@ class ReplySender:
     first, idle ones closed after ``idle_s``).  A message that cannot go at once waits in that
     address's queue (at most ``queue_max``) for up to ``timeout_s``; then it is dropped and
     counted, and the socket is closed.  Messages to one address keep their order.
+
+    Messages for one address within one turn of the event loop leave as one multipart
+    ZeroMQ message (each part still one Chunk or Result, so a producer reading frame by frame
+    sees no difference): when an engine step yields a token for 32 streamed tasks of one
+    producer, that is one send and one wake-up of the producer instead of 32.
     """
 
     def __init__(
@@ -181,6 +187,7 @@ class ReplySender:
         self._tg: asyncio.TaskGroup | None = None
         self._idle_closer: asyncio.Task[None] | None = None
         self._closed = False
+        self._batched: list[_Peer] = []  # peers with a non-empty batch, in first-use order
         self._sent = 0
         self._dropped_undeliverable = 0
         self._dropped_queue_full = 0
@@ -226,12 +233,35 @@ class ReplySender:
             self._peers.move_to_end(endpoint)
         peer.last_used = now
         if not peer.queue:
-            try:
-                peer.sock.send(frame, zmq.NOBLOCK)
-                self._sent += 1
-                return
-            except zmq.Again:
-                pass
+            if not peer.batch:
+                if not self._batched:
+                    asyncio.get_running_loop().call_soon(self._send_batches)
+                self._batched.append(peer)
+            peer.batch.append(frame)
+            return
+        self._enqueue(peer, frame)
+
+    def _send_batches(self) -> None:
+        """End of the loop turn: each address's frames as one message, or into its queue."""
+        batched, self._batched = self._batched, []
+        for peer in batched:
+            frames, peer.batch = peer.batch, []
+            if peer.sock.closed or not frames:
+                continue
+            if not peer.queue:
+                try:
+                    if len(frames) == 1:
+                        peer.sock.send(frames[0], zmq.NOBLOCK)
+                    else:
+                        peer.sock.send_multipart(frames, zmq.NOBLOCK)
+                    self._sent += len(frames)
+                    continue
+                except zmq.Again:
+                    pass  # nothing of a multipart message goes unless all of it does
+            for frame in frames:
+                self._enqueue(peer, frame)
+
+    def _enqueue(self, peer: _Peer, frame: bytes) -> None:
         if len(peer.queue) >= self._queue_max:
             self._dropped_queue_full += 1
             return
@@ -267,8 +297,9 @@ class ReplySender:
     def _discard(self, peer: _Peer, *, linger_ms: int) -> None:
         if peer.flusher is not None:
             peer.flusher.cancel()
-        self._dropped_undeliverable += len(peer.queue)
+        self._dropped_undeliverable += len(peer.queue) + len(peer.batch)
         peer.queue.clear()
+        peer.batch.clear()
         peer.sock.setsockopt(zmq.LINGER, linger_ms)
         peer.sock.close()
 
@@ -285,6 +316,7 @@ class ReplySender:
 
     async def flush(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) until every queued message has been handed to ZeroMQ."""
+        self._send_batches()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while any(p.queue for p in self._peers.values()) and loop.time() < deadline:
@@ -292,6 +324,8 @@ class ReplySender:
 
     def close(self, linger_ms: int = 2000) -> None:
         """Close every socket; ZeroMQ keeps trying to deliver sent messages for ``linger_ms``."""
+        if not self._closed:
+            self._send_batches()
         self._closed = True
         for peer in self._peers.values():
             self._discard(peer, linger_ms=linger_ms)
@@ -301,7 +335,7 @@ class ReplySender:
         return ReplyStatistics(
             sockets_open=len(self._peers),
             sent=self._sent,
-            queued=sum(len(p.queue) for p in self._peers.values()),
+            queued=sum(len(p.queue) + len(p.batch) for p in self._peers.values()),
             dropped_undeliverable=self._dropped_undeliverable,
             dropped_queue_full=self._dropped_queue_full,
             sockets_closed_idle=self._closed_idle,
