@@ -169,3 +169,32 @@ def test_an_unusable_journal_path_stops_start_up_with_status_2(tmp_path: Path) -
     )
     assert proc.returncode == 2
     assert "cannot open journal.path" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_vllm_engine_without_a_model_directory_stops_start_up_with_status_2(
+    tmp_path: Path,
+) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "run",
+            "--set",
+            "engine.kind=vllm",
+            "--set",
+            f'engine.model="{tmp_path / "missing"}"',
+            "--set",
+            'gossip.bind=""',
+            "--bind",
+            "tcp://127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("gossipd: cannot start: the vllm engine failed to start")
+    assert "not a model directory" in last and "make-tiny" in last
+    assert "Traceback" not in proc.stderr

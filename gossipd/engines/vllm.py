@@ -102,6 +102,12 @@ class VllmEngine:
 
     async def start(self) -> None:
         c = self._config
+        if not (Path(c.model) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"engine.model = {c.model!r} is not a model directory (no config.json); gossipd "
+                "never downloads models: make one with `gossipd model make-tiny DIR`"
+            )
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model directory needs no hub
         if c.cpu_kvcache_space_gb:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(c.cpu_kvcache_space_gb)
         from vllm.engine.arg_utils import AsyncEngineArgs
