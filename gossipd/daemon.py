@@ -89,6 +89,8 @@ class Daemon:
                 ) from None
             self.ingress.on_admitted.append(self.journal.accept)
             self.ingress.on_finished.append(lambda task, result: self.journal.done(task.id))  # type: ignore[union-attr]
+            # Handed to another member: that member answers it, so a restart must not re-run it.
+            self.ingress.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
         self._stop = asyncio.Event()
         self.engine_dead = False
         self.metrics_port = 0

@@ -170,6 +170,7 @@ class Dispatcher:
         self._ingress.router = self.route
         self._ingress.cancel_elsewhere = self.cancel_forwarded
         self._ingress.on_admitted.append(self._record_prefix)
+        self._ingress.on_released.append(lambda task: self._local_ids.discard(task.id))
         self._ingress.on_finished.append(self._task_finished)
         self._ingress.on_finished.append(self.owner.task_finished)
         self._gossip.listeners.append(self._member_event)

@@ -114,6 +114,8 @@ class Ingress:
         self.router: Callable[[Task, float], bool] | None = None
         self.on_admitted: list[Callable[[Task], None]] = []
         self.on_finished: list[Callable[[Task, Result], None]] = []
+        # ...and for admitted tasks that leave without a result from here (handed off).
+        self.on_released: list[Callable[[Task], None]] = []
         # Set by the daemon: gives a task whose engine died to another member (True if taken).
         self.rescue: Callable[[Task, float], Awaitable[bool]] | None = None
         # Set by the daemon: passes a cancel on to the member running a forwarded task.
@@ -455,6 +457,8 @@ class Ingress:
         """A taken task was handed off (or refused): forget it here without a reply."""
         self._jobs.pop(task.id, None)
         self.admission.finish(task.id, result, remember=False)
+        for listener in self.on_released:
+            listener(task)
 
     # -- shutdown ------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ class DaemonProcess:
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self._metrics_port = 0
+        self._log_offset = 0
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "gossipd", "run"]
@@ -79,6 +80,8 @@ class DaemonProcess:
 
     def launch(self) -> None:
         """Start the process and return at once (several can then start-up side by side)."""
+        # A restarted daemon appends to the same file: this object reads only its own lines.
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             self.command(), stdout=self._log, stderr=self._log, env=self._env
@@ -102,7 +105,9 @@ class DaemonProcess:
 
     def log_text(self) -> str:
         try:
-            return self.log_path.read_text(errors="replace")
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
 

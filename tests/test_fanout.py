@@ -117,6 +117,11 @@ def test_sigterm_hands_queued_tasks_to_other_members(make_cluster) -> None:  # t
     drained = next(e for e in leaver.events() if e.get("msg") == "drained")
     assert drained["handed_off"] > 0
     assert leaver.wait(10) == 0
+    # What it handed off is the other member's now: a restart does not run it again.
+    restarted = cluster.restart(1)
+    assert not any(
+        e.get("msg") == "re-running unfinished tasks from the journal" for e in restarted.events()
+    )
 
 
 def test_journal_reruns_unfinished_tasks_after_a_crash(make_cluster) -> None:  # type: ignore[no-untyped-def]
