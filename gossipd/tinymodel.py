@@ -71,5 +71,26 @@ def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:
     return out
 
 
-def is_tiny_model(directory: str | Path) -> bool:
-    return (Path(directory) / "gossipd-tiny.json").is_file()
+# vLLM settings that serve the tiny model on a CPU machine (as configs/vllm-cpu.toml does):
+# float32, a short context, a 1 GiB KV cache, no graph capture.
+CPU_ENGINE_SETTINGS: dict[str, str | int | bool] = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "cpu_kvcache_space_gb": 1,
+    "enforce_eager": True,
+}
+
+
+def engine_overrides(model_dir: str | Path, **extra: str | int | bool) -> list[str]:
+    """``--set`` items for a daemon serving ``model_dir`` with CPU_ENGINE_SETTINGS, plus
+    ``extra`` engine keys (tests and benchmarks)."""
+    settings = {**CPU_ENGINE_SETTINGS, **extra}
+    return [
+        "engine.kind=vllm",
+        f"engine.model={json.dumps(str(model_dir))}",
+        *(f"engine.{key}={_toml(value)}" for key, value in settings.items()),
+    ]
+
+
+def _toml(value: str | int | bool) -> str:
+    return str(value).lower() if isinstance(value, bool) else json.dumps(value)

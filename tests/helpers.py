@@ -10,6 +10,7 @@ import msgpack
 import zmq
 
 from gossipd.metrics import scrape  # noqa: F401  (re-exported for the tests)
+from gossipd.tinymodel import engine_overrides as tiny_engine_overrides
 
 
 class RawProducer:
@@ -65,13 +66,5 @@ class RawProducer:
 
 
 def engine_overrides(model_dir: Path) -> list[str]:
-    """Settings for a daemon with a real vLLM engine on the tiny model (CPU, small cache)."""
-    return [
-        "engine.kind=vllm",
-        f'engine.model="{model_dir}"',
-        'engine.dtype="float32"',
-        "engine.max_model_len=512",
-        "engine.cpu_kvcache_space_gb=1",
-        "engine.enforce_eager=true",
-        'metrics.bind="127.0.0.1:0"',
-    ]
+    """A daemon with a real vLLM engine on the tiny model, metrics on a free port."""
+    return [*tiny_engine_overrides(model_dir), 'metrics.bind="127.0.0.1:0"']

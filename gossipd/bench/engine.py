@@ -25,30 +25,17 @@ from typing import Any
 
 from gossipd.launcher import DaemonProcess
 from gossipd.progress import percentile
+from gossipd.tinymodel import CPU_ENGINE_SETTINGS, engine_overrides
 
 PROMPTS = [
     f"Request {i}: summarise the following document for an engineer who has five minutes."
     for i in range(64)
 ]
-ENGINE_SETTINGS = {
-    "dtype": "float32",
-    "max_model_len": 512,
-    "cpu_kvcache_space_gb": 1,
-    "enforce_eager": True,
-}
 
 
 def _overrides(model: Path) -> list[str]:
-    out = [
-        "engine.kind=vllm",
-        f'engine.model="{model}"',
-        'gossip.bind=""',  # one daemon: no membership, no fan-out
-        'journal.path=""',
-    ]
-    for key, value in ENGINE_SETTINGS.items():
-        text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
-        out.append(f"engine.{key}={text}")
-    return out
+    # One daemon: no membership, no fan-out, no journal.
+    return [*engine_overrides(model), 'gossip.bind=""', 'journal.path=""']
 
 
 async def _direct_round(
@@ -119,7 +106,7 @@ async def _run(model: Path, rounds: int, max_tokens: int, say: Any) -> dict[str,
     daemon = DaemonProcess(overrides=_overrides(model), name="bench-engine")
     daemon.launch()  # its engine loads while ours does
     say("starting two vLLM engines (direct, and inside a daemon): about a minute on 2 cores")
-    direct = VllmEngine(EngineConfig(kind="vllm", model=str(model), **ENGINE_SETTINGS))  # type: ignore[arg-type]
+    direct = VllmEngine(EngineConfig(kind="vllm", model=str(model), **CPU_ENGINE_SETTINGS))  # type: ignore[arg-type]
     await direct.start()
     llm = direct._llm
     # Waves per round at each concurrency: one wave = `concurrency` requests at once on one

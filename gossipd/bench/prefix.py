@@ -29,6 +29,7 @@ from typing import Any
 from gossipd.client import Client
 from gossipd.core.messages import SamplingParams
 from gossipd.metrics import scrape
+from gossipd.tinymodel import engine_overrides
 from simulations.cluster import Cluster
 
 POLICIES = ("round_robin", "key", "prefix")
@@ -88,21 +89,6 @@ def workload(groups: int, per_group: int, seed: int = 1) -> list[str]:
     return prompts
 
 
-def engine_overrides(model: Path, kv_cache_blocks: int) -> list[str]:
-    return [
-        "engine.kind=vllm",
-        f'engine.model="{model}"',
-        'engine.dtype="float32"',
-        "engine.max_model_len=512",
-        "engine.cpu_kvcache_space_gb=1",
-        "engine.enforce_eager=true",
-        f"engine.kv_cache_blocks={kv_cache_blocks}",
-        "engine.max_num_seqs=8",
-        'metrics.bind="127.0.0.1:0"',
-        'journal.path=""',
-    ]
-
-
 async def _push(endpoints: list[str], prompts: list[str], window: int) -> int:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     async with Client(endpoints, outstanding_max=window, resubmit_after_s=120.0) as client:
@@ -114,7 +100,12 @@ async def _push(endpoints: list[str], prompts: list[str], window: int) -> int:
 def run_policy(
     model: Path, policy: str, kv_cache_blocks: int, prompts: list[str], nodes: int, say: Any
 ) -> dict[str, Any]:
-    overrides = [*engine_overrides(model, kv_cache_blocks), f"fanout.policy={policy}"]
+    overrides = [
+        *engine_overrides(model, kv_cache_blocks=kv_cache_blocks, max_num_seqs=8),
+        'metrics.bind="127.0.0.1:0"',
+        'journal.path=""',
+        f"fanout.policy={policy}",
+    ]
     cluster = Cluster(nodes, extra_overrides=overrides)
     t0 = time.monotonic()
     cluster.start(timeout_s=400)
