@@ -262,25 +262,22 @@ class Client:
             return False
         if handle._timer is not None:
             handle._timer.cancel()
-        loop = asyncio.get_running_loop()
-        deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0 + 1.0
-        handle._timer = loop.call_at(deadline, self._on_timer, handle, deadline)
+        deadline = _local_deadline(handle)
+        handle._timer = asyncio.get_running_loop().call_at(
+            deadline, self._on_timer, handle, deadline
+        )
         # PUSH spreads messages round robin over the connected daemons; one copy per endpoint
         # reaches the daemon that took the task (the others count it as unknown).
         cancel = encode(Cancel(v=PROTOCOL_VERSION, id=task_id))
-        assert self._push is not None
         for _ in self._endpoints:
-            self._unsent.append(cancel)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = loop.create_task(self._flush_unsent())
+            self._send_frame(cancel)
         self._stats["cancelled"] += 1
         return True
 
     def _arm(
         self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, delay_s: float | None = None
     ) -> None:
-        # The local deadline leaves the daemon a second to report deadline_exceeded itself.
-        deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0 + 1.0
+        deadline = _local_deadline(handle)
         wake = loop.time() + (self._resubmit_after_s if delay_s is None else delay_s)
         handle._timer = loop.call_at(min(wake, deadline), self._on_timer, handle, deadline)
 
@@ -313,10 +310,12 @@ class Client:
         self._arm(handle, loop, delay_s)
 
     async def _send(self, task: Task) -> None:
-        """Hand the task to ZeroMQ, or queue it here while no daemon is connected (the
+        self._send_frame(encode(task))
+
+    def _send_frame(self, frame: bytes) -> None:
+        """Hand a message to ZeroMQ, or queue it here while no daemon is connected (the
         socket only sends to connected daemons); never blocks the caller."""
         assert self._push is not None
-        frame = encode(task)
         if not self._unsent:
             try:
                 self._push.send(frame, zmq.NOBLOCK)
@@ -376,3 +375,9 @@ class Client:
 
     def statistics(self) -> ClientStatistics:
         return ClientStatistics(**{**self._stats, "outstanding": len(self._outstanding)})
+
+
+def _local_deadline(handle: TaskHandle) -> float:
+    """When the client gives up on a task (loop time): its deadline plus a second, which
+    leaves the daemon time to report deadline_exceeded itself."""
+    return handle.submitted_at + handle.task.timeout_ms / 1000.0 + 1.0

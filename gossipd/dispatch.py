@@ -117,7 +117,7 @@ class _Peer:
     def __init__(self, addr: str, sock: zmq.Socket) -> None:
         self.addr = addr
         self.sock = sock
-        self.outbox: list[Forward] = []
+        self.outbox: list[Forward | Cancel] = []
         self.reader: asyncio.Task[None] | None = None
 
 
@@ -547,10 +547,7 @@ class Dispatcher:
         forward = Forward(
             req=req, src=self.node, task=task, remaining_ms=remaining_ms, attempt=attempt
         )
-        peer.outbox.append(forward)
-        if not self._peers_flush_armed:
-            self._peers_flush_armed = True
-            asyncio.get_running_loop().call_soon(self._flush_peers)
+        self._to_peer(peer, forward)
         timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
         return _Sent(req, breaker, timeout)
 
@@ -586,11 +583,15 @@ class Dispatcher:
         addr = None if entry is None else self._rpc_addr(entry.owner)
         if entry is None or addr is None:
             return False
-        self._peer(addr).outbox.append(Cancel(v=PROTOCOL_VERSION, id=task_id))
+        self._to_peer(self._peer(addr), Cancel(v=PROTOCOL_VERSION, id=task_id))
+        return True
+
+    def _to_peer(self, peer: _Peer, msg: Forward | Cancel) -> None:
+        """Queue for one peer; everything queued in this loop turn goes as one message."""
+        peer.outbox.append(msg)
         if not self._peers_flush_armed:
             self._peers_flush_armed = True
             asyncio.get_running_loop().call_soon(self._flush_peers)
-        return True
 
     def _flush_peers(self) -> None:
         """Send every Forward queued in this loop turn, one message per peer.  A send that

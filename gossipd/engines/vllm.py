@@ -192,8 +192,7 @@ class VllmEngine:
         except (VLLMClientError, ValueError) as exc:  # e.g. a prompt longer than the model
             raise InvalidRequest(str(exc)) from None
         except Exception as exc:
-            if self._llm is not None and self._llm.errored:
-                self._dead = True
+            if not self.healthy():
                 raise EngineDead(f"the vLLM engine died: {type(exc).__name__}") from None
             raise EngineError(f"{type(exc).__name__}: {exc}") from None
 
