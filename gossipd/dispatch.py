@@ -326,7 +326,7 @@ class Dispatcher:
             owner = self._place_by_prefix(task, view, ring)
         else:
             owner = ring.owner(task.key or task.id)
-            if owner in view.saturated or self._load(owner) >= self._limit(owner, view):
+            if not self._free(owner, view, self._total_load()):
                 order = self._order(task)
                 owner = order[0] if order else self.node
         if owner == self.node:
@@ -351,16 +351,20 @@ class Dispatcher:
         self._pending[sent.req] = flight
         return True
 
-    def _limit(self, member: str, view: _View) -> int:
-        """The bounded-load ceiling for ``member`` now (see core/placement.py)."""
-        total = sum(self._outstanding.values()) + len(self._local_ids)
-        return bound(
-            total,
-            view.weights[member],
-            view.total_weight,
-            self.config.load_bound_c,
-            self.config.load_floor,
+    def _total_load(self) -> int:
+        """In-flight tasks this entry point counts against all members (bounded loads)."""
+        return sum(self._outstanding.values()) + len(self._local_ids)
+
+    def _free(self, member: str, view: _View, total: int) -> bool:
+        """May ``member`` take one more task: its engine is not saturated and it is under its
+        bounded-load ceiling for ``total`` (see core/placement.py)."""
+        if member in view.saturated:
+            return False
+        cfg = self.config
+        ceiling = bound(
+            total, view.weights[member], view.total_weight, cfg.load_bound_c, cfg.load_floor
         )
+        return self._load(member) < ceiling
 
     def _place_by_prefix(self, task: Task, view: _View, ring: Ring) -> str:
         """A keyless task: the member holding the longest known prefix of its prompt, under
@@ -368,25 +372,21 @@ class Dispatcher:
         cfg = self.config
         hashes = prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
         key = prefix_key(hashes) if hashes else task.id  # shorter than a block: by its id
+        total = self._total_load()
+        ring_order: list[str] = []  # the key's full ring order, computed only if needed
         owner = ""
         for _depth, members in self._prefix_index.holders(hashes):
             held = [m for m in members if m in view.weights]
             if len(held) > 1:
-                held.sort(key=ring.successors(key).index)
-            owner = next(
-                (
-                    m
-                    for m in held
-                    if m not in view.saturated and self._load(m) < self._limit(m, view)
-                ),
-                "",
-            )
+                ring_order = ring_order or ring.successors(key)
+                held.sort(key=ring_order.index)
+            owner = next((m for m in held if self._free(m, view, total)), "")
             if owner:
                 self.stats.prefix_hits += 1
                 break
         if not owner:
             owner = ring.owner(key)
-            if owner in view.saturated or self._load(owner) >= self._limit(owner, view):
+            if not self._free(owner, view, total):
                 order = self._order(task, key=key)
                 owner = order[0] if order else self.node
         if hashes:
