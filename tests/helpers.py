@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -68,3 +70,13 @@ class RawProducer:
 def engine_overrides(model_dir: Path) -> list[str]:
     """A daemon with a real vLLM engine on the tiny model, metrics on a free port."""
     return [*tiny_engine_overrides(model_dir), 'metrics.bind="127.0.0.1:0"']
+
+
+def gossipd_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run `python -m gossipd ARGS` to completion, output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "gossipd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )

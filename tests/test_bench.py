@@ -4,27 +4,13 @@ performance lives in the benchmarks' output, not in pass/fail)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from tests.helpers import gossipd_cli
 
 
 def test_bench_ingress_json_reports_both_sides_and_their_ratio() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd",
-            "bench",
-            "ingress",
-            "--json",
-            "--tasks",
-            "2000",
-            "--repeats",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+    proc = gossipd_cli(
+        "bench", "ingress", "--json", "--tasks", "2000", "--repeats", "1", timeout_s=180
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)

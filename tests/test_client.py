@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from gossipd.client import Client
 from gossipd.core.messages import SamplingParams, Task
 from gossipd.launcher import DaemonProcess, free_tcp_port
-from tests.helpers import scrape
+from tests.helpers import gossipd_cli, scrape
 
 
 def test_submit_file_of_10000_tasks_all_succeed(daemon_factory, tmp_path: Path) -> None:
@@ -23,21 +21,8 @@ def test_submit_file_of_10000_tasks_all_succeed(daemon_factory, tmp_path: Path) 
                 json.dumps({"id": f"f{i}", "prompt": f"task {i}", "params": {"max_tokens": 4}})
                 + "\n"
             )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd",
-            "submit",
-            "-e",
-            daemon.endpoint,
-            "--file",
-            str(path),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = gossipd_cli(
+        "submit", "-e", daemon.endpoint, "--file", str(path), "--json", timeout_s=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
@@ -56,22 +41,8 @@ def test_submit_exit_status_is_1_when_a_task_fails(daemon_factory, tmp_path: Pat
         + "\n"
         + "this is not json\n"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd",
-            "submit",
-            "-e",
-            daemon.endpoint,
-            "--file",
-            str(path),
-            "--json",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = gossipd_cli(
+        "submit", "-e", daemon.endpoint, "--file", str(path), "--json", "--no-progress"
     )
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
@@ -81,23 +52,7 @@ def test_submit_exit_status_is_1_when_a_task_fails(daemon_factory, tmp_path: Pat
 
 def test_submit_one_prompt_streams_to_stdout(daemon_factory) -> None:
     daemon = daemon_factory()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd",
-            "submit",
-            "-e",
-            daemon.endpoint,
-            "a b c",
-            "--stream",
-            "--max-tokens",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = gossipd_cli("submit", "-e", daemon.endpoint, "a b c", "--stream", "--max-tokens", "4")
     assert proc.returncode == 0 and proc.stdout == "a b c a\n"
 
 

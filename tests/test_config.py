@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gossipd.config import Config, load_config
 from gossipd.errors import ConfigError
+from tests.helpers import gossipd_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,12 +92,7 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 def test_cli_exits_2_with_one_line_on_a_bad_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[ingress]\nconcurrency_max = 'lots'\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "gossipd", "run", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = gossipd_cli("run", "--config", str(path))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -110,34 +104,21 @@ def test_cli_exits_2_with_one_line_on_a_bad_file(tmp_path: Path) -> None:
 
 
 def test_check_config_prints_the_resolved_configuration() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gossipd", "check-config", "--set", "ingress.pending_max=4096"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = gossipd_cli("check-config", "--set", "ingress.pending_max=4096")
     assert proc.returncode == 0
     assert '"pending_max": 4096' in proc.stdout
 
 
 def test_an_address_in_use_stops_start_up_with_one_line_and_status_2(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     first = daemon_factory()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd",
-            "run",
-            "--bind",
-            first.endpoint,
-            "--set",
-            "gossip.bind=tcp://127.0.0.1:0",
-            "--set",
-            "fanout.rpc_bind=tcp://127.0.0.1:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = gossipd_cli(
+        "run",
+        "--bind",
+        first.endpoint,
+        "--set",
+        "gossip.bind=tcp://127.0.0.1:0",
+        "--set",
+        "fanout.rpc_bind=tcp://127.0.0.1:0",
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -148,24 +129,16 @@ def test_an_address_in_use_stops_start_up_with_one_line_and_status_2(daemon_fact
 def test_an_unusable_journal_path_stops_start_up_with_status_2(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd",
-            "run",
-            "--set",
-            f"journal.path={str(blocker / 'j.log')!r}",
-            "--set",
-            "ingress.bind=tcp://127.0.0.1:0",
-            "--set",
-            "gossip.bind=tcp://127.0.0.1:0",
-            "--set",
-            "fanout.rpc_bind=tcp://127.0.0.1:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = gossipd_cli(
+        "run",
+        "--set",
+        f"journal.path={str(blocker / 'j.log')!r}",
+        "--set",
+        "ingress.bind=tcp://127.0.0.1:0",
+        "--set",
+        "gossip.bind=tcp://127.0.0.1:0",
+        "--set",
+        "fanout.rpc_bind=tcp://127.0.0.1:0",
     )
     assert proc.returncode == 2
     assert "cannot open journal.path" in proc.stderr and "Traceback" not in proc.stderr
@@ -174,24 +147,16 @@ def test_an_unusable_journal_path_stops_start_up_with_status_2(tmp_path: Path) -
 def test_a_vllm_engine_without_a_model_directory_stops_start_up_with_status_2(
     tmp_path: Path,
 ) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd",
-            "run",
-            "--set",
-            "engine.kind=vllm",
-            "--set",
-            f'engine.model="{tmp_path / "missing"}"',
-            "--set",
-            'gossip.bind=""',
-            "--bind",
-            "tcp://127.0.0.1:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = gossipd_cli(
+        "run",
+        "--set",
+        "engine.kind=vllm",
+        "--set",
+        f'engine.model="{tmp_path / "missing"}"',
+        "--set",
+        'gossip.bind=""',
+        "--bind",
+        "tcp://127.0.0.1:0",
     )
     assert proc.returncode == 2
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
