@@ -249,25 +249,23 @@ class MemberTable:
         )
 
     def _dead(self, member: Member | None, update: Dead, now: float) -> Outcome:
-        assert member is not None
-        if update.incarnation < member.incarnation:
-            return Outcome()
-        self._set_state(member, State.DEAD, now, update.incarnation)
-        return Outcome(
-            changed=True,
-            rebroadcast=True,
-            event=MemberEvent("dead", member.node, member.incarnation, now, update.by),
-        )
+        return self._down(member, update.incarnation, now, State.DEAD, "dead", update.by)
 
     def _left(self, member: Member | None, update: Left, now: float) -> Outcome:
+        return self._down(member, update.incarnation, now, State.LEFT, "left", "")
+
+    def _down(
+        self, member: Member | None, incarnation: int, now: float, state: State, kind: str, by: str
+    ) -> Outcome:
+        """Dead or left, unless the news is older than what we know."""
         assert member is not None
-        if update.incarnation < member.incarnation:
+        if incarnation < member.incarnation:
             return Outcome()
-        self._set_state(member, State.LEFT, now, update.incarnation)
+        self._set_state(member, state, now, incarnation)
         return Outcome(
             changed=True,
             rebroadcast=True,
-            event=MemberEvent("left", member.node, member.incarnation, now),
+            event=MemberEvent(kind, member.node, member.incarnation, now, by),
         )
 
     def _meta(self, member: Member | None, update: Meta, now: float) -> Outcome:
