@@ -146,14 +146,23 @@ class OwnerEndpoint:
         self._to_forwarder(identity, reply)
 
     def _to_forwarder(self, identity: bytes, msg: ForwardReply | TaskDone) -> None:
-        """Queue for one forwarder; everything queued in this loop turn goes as one message."""
+        """Queue for one forwarder; everything queued until the flush goes as one message.
+
+        The flush waits one more loop turn than the producer's replies do: a task that ends
+        at once has its Result sent to the producer first (the ack is off the producer's
+        critical path: the forwarder waits for it up to ack_timeout_s), and its ack and
+        TaskDone leave together as one message instead of two."""
         queue = self._router_out.get(identity)
         if queue is None:
             queue = self._router_out[identity] = []
         queue.append(msg)
         if not self._router_flush_armed:
             self._router_flush_armed = True
-            asyncio.get_running_loop().call_soon(self._flush_router)
+            asyncio.get_running_loop().call_soon(self._flush_router_next_turn)
+
+    def _flush_router_next_turn(self) -> None:
+        # Replies to producers queued in this turn are flushed by a callback already queued.
+        asyncio.get_running_loop().call_soon(self._flush_router)
 
     def _flush_router(self) -> None:
         self._router_flush_armed = False
