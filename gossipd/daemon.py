@@ -264,7 +264,7 @@ class Daemon:
         self.ingress.begin_shutdown()  # tasks for us now go elsewhere or get shutting_down
         handed_off = 0
         if self.dispatcher is not None:
-            self.dispatcher.draining = True
+            self.dispatcher.placer.draining = True
             for task, received_at in self.ingress.take_queued():
                 if await self.dispatcher.hand_off(task, received_at):
                     handed_off += 1

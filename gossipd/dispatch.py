@@ -1,5 +1,6 @@
 """Fan-out, the forwarder's side: send each task to the member that should run it, and keep it
-alive if that member dies.  (The owner's side, which admits forwarded tasks, is ``rpc.py``.)
+alive if that member dies.  (The owner's side, which admits forwarded tasks, is ``rpc.py``;
+which member should run a task is ``placer.py``.)
 
     ingress (any daemon) -> placement (ring + bounded loads over gossiped state)
       -> self: run here | peer: Forward over DEALER -> peer's ROUTER -> ForwardReply
@@ -41,12 +42,10 @@ from gossipd.core.messages import (
     TaskDone,
     decode_peer,
 )
-from gossipd.core.placement import Candidate, bound, place
-from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
-from gossipd.core.ring import Ring
 from gossipd.errors import RemoteProtocolError
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
+from gossipd.placer import Placer
 from gossipd.rpc import OwnerEndpoint, peer_frames
 from gossipd.transport import Watcher, kick
 
@@ -73,19 +72,6 @@ class DispatchStatistics:
     bad_peer_messages: int = 0
     replies_dropped: int = 0
     prefix_hits: int = 0  # keyless tasks placed on a member that holds their prefix
-
-
-@dataclass(slots=True)
-class _View:
-    key: object
-    ring: Ring | None
-    weights: dict[str, float]
-    addrs: dict[str, str]
-    saturated: frozenset[str]  # members whose engine is saturated (gossiped engine load)
-
-    @property
-    def total_weight(self) -> float:
-        return sum(self.weights.values())
 
 
 @dataclass(slots=True)
@@ -144,21 +130,17 @@ class Dispatcher:
         self._req = 0
         self._breakers: dict[str, Breaker] = {}
         self._forwarded: OrderedDict[str, _Forwarded] = OrderedDict()
-        self._outstanding: dict[str, int] = {}  # owner -> our forwarded tasks not done yet
-        self._local_ids: set[str] = set()  # tasks from our intake that run here, unfinished
         self._early_done: OrderedDict[str, None] = OrderedDict()
-        self._cached_view: _View | None = None
         self._peers_flush_armed = False
         self._tg: asyncio.TaskGroup | None = None
         self._acks: asyncio.Task[None] | None = None
         self._ack_wheel = DeadlineWheel(0.01)
         self.stats = DispatchStatistics()
-        # Prefix affinity (policy "prefix"): what we ran, and who holds which prefix.
-        self.prefix_record = PrefixRecord()
-        self._prefix_index = PrefixIndex()
-        self._round_robin = 0
+        self.placer = Placer(config, node=node, ingress=ingress, gossip=gossip, stats=self.stats)
+        # The placer's load counts, which forwarding keeps up to date.
+        self._outstanding = self.placer.outstanding
+        self._local_ids = self.placer.local_ids
         self.endpoint = ""
-        self.draining = False
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -169,7 +151,7 @@ class Dispatcher:
         self.endpoint = self.owner.bind()
         self._ingress.router = self.route
         self._ingress.cancel_elsewhere = self.cancel_forwarded
-        self._ingress.on_admitted.append(self._record_prefix)
+        self._ingress.on_admitted.append(self.placer.record_prefix)
         self._ingress.on_released.append(lambda task: self._local_ids.discard(task.id))
         self._ingress.on_finished.append(self._task_finished)
         self._ingress.on_finished.append(self.owner.task_finished)
@@ -201,134 +183,15 @@ class Dispatcher:
         if self.owner is not None:
             self.owner.close()
 
-    # -- placement -----------------------------------------------------------------------------
-
-    def candidates(self) -> dict[str, Candidate]:
-        out: dict[str, Candidate] = {}
-        for m in self._gossip.live_members():
-            gpu = m.gpu
-            # Suspects stay candidates: most are alive and refute; a dead one fails its
-            # forward and the next member takes the task.
-            if gpu is None or not gpu.rpc:
-                continue
-            # Bounded loads compare loads measured one way: what this entry point has sent each
-            # member and not yet seen finish (HAProxy's approach).  The gossiped in-flight count
-            # is older and counts other entry points' work; it is exported, not mixed in here.
-            load = self._outstanding.get(m.node, 0)
-            out[m.node] = Candidate(
-                m.node,
-                load=load,
-                weight=gpu.capacity_weight or 1.0,
-                status=gpu.status,
-                models=frozenset({gpu.model}) if gpu.model else frozenset(),
-                saturated=self._saturated(gpu.waiting_requests, gpu.kv_cache_usage_ratio),
-            )
-        me_status = (
-            "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
-        )
-        # Our own load as this entry point sees it: the tasks we kept from our own intake, so
-        # that every load in the comparison is measured the same way (HAProxy's approach).
-        own_model = self._ingress.model
-        own = self._gossip.last_gpu_state
-        out[self.node] = Candidate(
-            self.node,
-            saturated=own is not None
-            and self._saturated(own.waiting_requests, own.kv_cache_usage_ratio),
-            models=frozenset({own_model}) if own_model else frozenset(),
-            load=len(self._local_ids),
-            weight=self._gossip.config.gpu.capacity_weight,
-            status=me_status,
-        )
-        return out
-
-    def _saturated(self, waiting: int, kv_cache_usage: float) -> bool:
-        cfg = self.config
-        return (
-            waiting >= cfg.engine_waiting_saturated
-            or kv_cache_usage >= cfg.engine_kv_cache_saturated_ratio
-        )
-
-    def _order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
-        cands = {n: c for n, c in self.candidates().items() if n not in exclude}
-        # The view's ring is the serving set's; place() builds another only when the candidates
-        # differ (an exclusion, a model filter).
-        return place(
-            key or task.key or task.id,
-            cands,
-            ring=self._view().ring,
-            c=self.config.load_bound_c,
-            floor=self.config.load_floor,
-            model=task.model,
-        )
-
-    def _view(self) -> _View:
-        """Serving members, their ring, weights and rpc addresses; rebuilt only when the
-        member table or our own status changes, not per task."""
-        core = self._gossip.core
-        assert core is not None
-        status = (
-            "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
-        )
-        own = self._gossip.last_gpu_state
-        own_saturated = own is not None and self._saturated(
-            own.waiting_requests, own.kv_cache_usage_ratio
-        )
-        key = (core.table.version, status, own_saturated)
-        if self._cached_view is None or self._cached_view.key != key:
-            cands = self.candidates()
-            serving = {n: c for n, c in cands.items() if c.status == "serving"}
-            addrs = {
-                m.node: m.gpu.rpc
-                for m in self._gossip.live_members()
-                if m.gpu is not None and m.gpu.rpc
-            }
-            self._prefix_index.set_summaries(
-                {
-                    m.node: m.gpu.prefixes
-                    for m in self._gossip.live_members()
-                    if m.gpu is not None and m.gpu.prefixes
-                }
-            )
-            self._cached_view = _View(
-                key,
-                Ring({n: c.weight for n, c in serving.items()}) if serving else None,
-                {n: c.weight for n, c in serving.items()},
-                addrs,
-                frozenset(n for n, c in serving.items() if c.saturated),
-            )
-        return self._cached_view
-
-    def _load(self, member: str) -> int:
-        return len(self._local_ids) if member == self.node else self._outstanding.get(member, 0)
-
     def route(self, task: Task, now: float) -> bool:
-        """Called by the ingress for each new task: False to run it here, True if taken.
-        The common case costs one ring lookup (cached for repeated keys) and one bound check;
-        the full preference order is computed only when the owner is over its bound."""
-        view = self._view()
-        ring = view.ring
-        if task.model:
-            # Only members serving the named model qualify: the full placement, not the ring.
-            order = self._order(task)
-            if not order:
-                self.stats.unavailable += 1
-                self._ingress.send_error(
-                    task, ErrorCode.UNAVAILABLE, f"no live member serves model {task.model!r}"
-                )
-                return True
-            owner = order[0]
-        elif ring is None or (len(ring) == 1 and ring.members[0] == self.node):
-            owner = self.node
-        elif self.config.policy == "round_robin":
-            self._round_robin = (self._round_robin + 1) % len(ring.members)
-            owner = ring.members[self._round_robin]
-        elif self.config.policy == "prefix" and not task.key:
-            owner = self._place_by_prefix(task, view, ring)
-        else:
-            owner = ring.owner(task.key or task.id)
-            if not self._free(owner, view, self._total_load()):
-                order = self._order(task)
-                owner = order[0] if order else self.node
+        """Called by the ingress for each new task: False to run it here, True if taken."""
+        owner = self.placer.owner_for(task)
+        if owner is None:
+            self.stats.unavailable += 1
+            self._ingress.send_error(
+                task, ErrorCode.UNAVAILABLE, f"no live member serves model {task.model!r}"
+            )
+            return True
         if owner == self.node:
             self.stats.local += 1
             self._local_ids.add(task.id)
@@ -351,58 +214,8 @@ class Dispatcher:
         self._pending[sent.req] = flight
         return True
 
-    def _total_load(self) -> int:
-        """In-flight tasks this entry point counts against all members (bounded loads)."""
-        return sum(self._outstanding.values()) + len(self._local_ids)
-
-    def _free(self, member: str, view: _View, total: int) -> bool:
-        """May ``member`` take one more task: its engine is not saturated and it is under its
-        bounded-load ceiling for ``total`` (see core/placement.py)."""
-        if member in view.saturated:
-            return False
-        cfg = self.config
-        ceiling = bound(
-            total, view.weights[member], view.total_weight, cfg.load_bound_c, cfg.load_floor
-        )
-        return self._load(member) < ceiling
-
-    def _place_by_prefix(self, task: Task, view: _View, ring: Ring) -> str:
-        """A keyless task: the member holding the longest known prefix of its prompt, under
-        its load bound; else the ring owner of its first block (see core/prefix.py)."""
-        cfg = self.config
-        hashes = prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
-        key = prefix_key(hashes) if hashes else task.id  # shorter than a block: by its id
-        total = self._total_load()
-        ring_order: list[str] = []  # the key's full ring order, computed only if needed
-        owner = ""
-        for _depth, members in self._prefix_index.holders(hashes):
-            held = [m for m in members if m in view.weights]
-            if len(held) > 1:
-                ring_order = ring_order or ring.successors(key)
-                held.sort(key=ring_order.index)
-            owner = next((m for m in held if self._free(m, view, total)), "")
-            if owner:
-                self.stats.prefix_hits += 1
-                break
-        if not owner:
-            owner = ring.owner(key)
-            if not self._free(owner, view, total):
-                order = self._order(task, key=key)
-                owner = order[0] if order else self.node
-        if hashes:
-            self._prefix_index.placed(hashes, owner)
-        return owner
-
-    def _record_prefix(self, task: Task) -> None:
-        """Admitted here: count its prefix blocks for the summary we gossip."""
-        cfg = self.config
-        if cfg.policy == "prefix" and not task.key:
-            self.prefix_record.add(
-                prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
-            )
-
     def prefix_summary(self) -> list[int]:
-        return self.prefix_record.summary(self.config.prefix_summary_max)
+        return self.placer.prefix_summary()
 
     async def expire_acks_forever(self) -> None:
         while True:
@@ -464,10 +277,10 @@ class Dispatcher:
                     self._remember(task, member, received_at)
                     return True
                 done = [f"{member}: {'no reply' if reply is None else reply.code}"]
-                order = [m for m in self._order(task) if m != member]
+                order = [m for m in self.placer.order(task) if m != member]
                 return await self._try_members(task, received_at, order, done)
             return await self._try_members(
-                task, received_at, order if order is not None else self._order(task)
+                task, received_at, order if order is not None else self.placer.order(task)
             )
         finally:
             if reserved is not None:
@@ -609,7 +422,7 @@ class Dispatcher:
             kick(peer.sock)
 
     def _rpc_addr(self, member: str) -> str | None:
-        return self._view().addrs.get(member)
+        return self.placer.addr(member)
 
     def _peer(self, addr: str) -> _Peer:
         peer = self._peers.get(addr)
@@ -685,12 +498,12 @@ class Dispatcher:
     def _member_event(self, event: MemberEvent) -> None:
         if event.kind != "dead":
             return
-        self._prefix_index.forget_member(event.node)
+        self.placer.prefix_index.forget_member(event.node)
         orphans = [f for f in self._forwarded.values() if f.owner == event.node]
         for f in orphans:
             self._forget(f.task.id)
             self.stats.migrated += 1
-            order = self._order(f.task, exclude=frozenset({event.node}))
+            order = self.placer.order(f.task, exclude=frozenset({event.node}))
             if self._tg is not None:
                 self._tg.create_task(self._dispatch(f.task, f.received_at, order))
         if orphans:
@@ -701,7 +514,7 @@ class Dispatcher:
 
     async def hand_off(self, task: Task, received_at: float) -> bool:
         """At drain: give a queued task to the next member (never to us)."""
-        order = [m for m in self._order(task, exclude=frozenset({self.node}))]
+        order = [m for m in self.placer.order(task, exclude=frozenset({self.node}))]
         if not order:
             return False
         ok = await self._dispatch_quiet(task, received_at, order)
