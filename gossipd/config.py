@@ -125,6 +125,17 @@ class FanoutConfig(Section):
     # one's accept/refuse before moving on.
     attempts_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     ack_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
+    # Hedging (off by default): when a forwarded task's owner has not answered within the
+    # hedge_quantile of recent ack times (at least hedge_min_s), send the task to the next
+    # member as well; the first to accept runs it and the other copy is withdrawn.  Cuts the
+    # wait when a member stalls (a long pause, an overloaded loop) at the price of rare
+    # duplicate work; docs/PROTOCOL.md says what a producer may then see.
+    hedge: bool = False
+    hedge_quantile: Annotated[float, msgspec.Meta(ge=0.5, lt=1.0)] = 0.95
+    hedge_min_s: Seconds = 0.002
+    # ...for at most this fraction of forwards (a burst of 10 beyond it): hedging adds load,
+    # and a loaded cluster is when acks are slow.
+    hedge_budget: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.05
     # Backoff before attempt n+1: min(max, base * 2^(n-1)), jittered by 0.5x..1.5x.
     backoff_base_s: Seconds = 0.005
     backoff_max_s: Seconds = 0.2

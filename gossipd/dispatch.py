@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from gossipd.config import FanoutConfig
+from gossipd.core.acktimes import AckTimes
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import Breaker
 from gossipd.core.deadlines import DeadlineWheel
@@ -40,6 +41,7 @@ from gossipd.core.messages import (
     Result,
     Task,
     TaskDone,
+    Withdraw,
     decode_peer,
 )
 from gossipd.errors import RemoteProtocolError
@@ -50,6 +52,8 @@ from gossipd.rpc import OwnerEndpoint, peer_frames
 from gossipd.transport import Watcher, kick
 
 log = logging.getLogger("gossipd.dispatch")
+
+HEDGE_BURST = 10.0  # hedges allowed back to back before fanout.hedge_budget limits them
 
 
 @dataclass(slots=True)
@@ -72,6 +76,11 @@ class DispatchStatistics:
     bad_peer_messages: int = 0
     replies_dropped: int = 0
     prefix_hits: int = 0  # keyless tasks placed on a member that holds their prefix
+    hedged: int = 0  # forwards also sent to a second member (the owner was slow to ack)
+    hedge_wins: int = 0  # ...where the second member accepted first
+    hedges_over_budget: int = 0  # slow acks not hedged: fanout.hedge_budget was spent
+    withdrawn: int = 0  # hedged copies we withdrew from the member that lost
+    withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
 
 
 @dataclass(slots=True)
@@ -79,6 +88,7 @@ class _Sent:
     req: int
     breaker: Breaker
     timeout_s: float
+    sent_at: float  # time.monotonic()
 
 
 @dataclass(slots=True)
@@ -90,6 +100,16 @@ class _InFlight:
     received_at: float
     sent: _Sent
     token: int = 0  # the ack deadline's slot in the timer wheel
+    hedge_timer: asyncio.TimerHandle | None = None
+    group: _Hedge | None = None  # set once a hedged copy went out
+
+
+@dataclass(slots=True)
+class _Hedge:
+    """The copies of one hedged task: the first to accept wins, the others are withdrawn."""
+
+    flights: list[_InFlight]
+    winner: str = ""
 
 
 def _expire(future: asyncio.Future[ForwardReply]) -> None:
@@ -103,7 +123,7 @@ class _Peer:
     def __init__(self, addr: str, sock: zmq.Socket) -> None:
         self.addr = addr
         self.sock = sock
-        self.outbox: list[Forward | Cancel] = []
+        self.outbox: list[Forward | Cancel | Withdraw] = []
         self.reader: asyncio.Task[None] | None = None
 
 
@@ -135,6 +155,8 @@ class Dispatcher:
         self._tg: asyncio.TaskGroup | None = None
         self._acks: asyncio.Task[None] | None = None
         self._ack_wheel = DeadlineWheel(0.01)
+        self._ack_times = AckTimes(quantile=config.hedge_quantile)
+        self._hedge_credit = HEDGE_BURST  # hedges allowed now; each forward adds hedge_budget
         self.stats = DispatchStatistics()
         self.placer = Placer(config, node=node, ingress=ingress, gossip=gossip, stats=self.stats)
         # The placer's load counts, which forwarding keeps up to date.
@@ -212,6 +234,8 @@ class Dispatcher:
         # per task; a sweep every 10 ms expires them (see core/deadlines.py).
         flight.token = self._ack_wheel.add(sent.req, time.monotonic() + sent.timeout_s)
         self._pending[sent.req] = flight
+        if self.config.hedge:
+            self._arm_hedge(flight)
         return True
 
     def prefix_summary(self) -> list[int]:
@@ -224,26 +248,99 @@ class Dispatcher:
                 self._flight_timeout(req)  # type: ignore[arg-type]
 
     def _flight_reply(self, flight: _InFlight, reply: ForwardReply) -> None:
-        self._ack_wheel.remove(flight.sent.req, flight.token)
-        self._outstanding[flight.owner] -= 1
+        self._land(flight)
+        self._ack_times.observe(time.monotonic() - flight.sent.sent_at)
         if reply.accepted or reply.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN):
             flight.sent.breaker.success()
+        group = flight.group
         if reply.accepted:
+            if group is not None:
+                if group.winner:  # a copy that lost accepted after all: take it back
+                    self._withdraw(flight)
+                    return
+                group.winner = flight.owner
+                self.stats.hedge_wins += flight is not group.flights[0]
+                for other in group.flights:
+                    if other is not flight:
+                        self._withdraw(other)
             self.stats.forwarded += 1
             self._remember(flight.task, flight.owner, flight.received_at)
             return
+        if group is not None and self._still_racing(group):
+            return  # refused, but another copy may yet be accepted
         self._retry(flight, reply)
 
     def _flight_timeout(self, req: int) -> None:
-        flight = self._pending.pop(req, None)
+        flight = self._pending.get(req)
         if not isinstance(flight, _InFlight):
             return
-        self._outstanding[flight.owner] -= 1
+        self._land(flight)
         flight.sent.breaker.failure(time.monotonic())
         self.stats.attempts_failed += 1
+        if flight.group is not None and self._still_racing(flight.group):
+            return
         self._retry(
             flight, ForwardReply(req=req, node=flight.owner, accepted=False, code="no reply")
         )
+
+    def _land(self, flight: _InFlight) -> None:
+        """A flight's wait is over (answered, timed out or withdrawn): stop its timers."""
+        del self._pending[flight.sent.req]
+        self._ack_wheel.remove(flight.sent.req, flight.token)
+        if flight.hedge_timer is not None:
+            flight.hedge_timer.cancel()
+            flight.hedge_timer = None
+        self._outstanding[flight.owner] -= 1
+
+    # -- hedging -------------------------------------------------------------------------------
+
+    def _arm_hedge(self, flight: _InFlight) -> None:
+        self._hedge_credit = min(HEDGE_BURST, self._hedge_credit + self.config.hedge_budget)
+        waited = self._ack_times.quantile()
+        if waited is None:
+            return  # no estimate of a normal ack time yet
+        delay = max(self.config.hedge_min_s, waited)
+        if delay < flight.sent.timeout_s:
+            flight.hedge_timer = asyncio.get_running_loop().call_later(delay, self._hedge, flight)
+
+    def _hedge(self, flight: _InFlight) -> None:
+        """The owner is slower to ack than usual: send the task to the next member too."""
+        flight.hedge_timer = None
+        if self._pending.get(flight.sent.req) is not flight:
+            return
+        if self._hedge_credit < 1.0:
+            self.stats.hedges_over_budget += 1
+            return
+        task = flight.task
+        order = self.placer.order(task, exclude=frozenset({flight.owner, self.node}))
+        if not order:
+            return
+        member = order[0]
+        deadline = flight.received_at + task.timeout_ms / 1000.0
+        sent = self._send_forward(member, task, deadline, task.attempt + 2)
+        if isinstance(sent, ForwardReply):
+            return
+        self._outstanding[member] = self._outstanding.get(member, 0) + 1
+        copy = _InFlight(task, member, flight.received_at, sent)
+        copy.token = self._ack_wheel.add(sent.req, time.monotonic() + sent.timeout_s)
+        self._pending[sent.req] = copy
+        flight.group = copy.group = _Hedge([flight, copy])
+        self._hedge_credit -= 1.0
+        self.stats.hedged += 1
+
+    def _still_racing(self, group: _Hedge) -> bool:
+        """Has the hedged task a winner, or a copy still awaiting its answer?"""
+        return bool(group.winner) or any(self._pending.get(f.sent.req) is f for f in group.flights)
+
+    def _withdraw(self, flight: _InFlight) -> None:
+        """Take back a losing copy: stop waiting for it, and tell its member to drop it
+        (it ignores this if it never accepted the copy)."""
+        if self._pending.get(flight.sent.req) is flight:
+            self._land(flight)
+        addr = self.placer.addr(flight.owner)
+        if addr is not None:
+            self._to_peer(self._peer(addr), Withdraw(id=flight.task.id, node=self.node))
+            self.stats.withdrawn += 1
 
     def _retry(self, flight: _InFlight, reply: ForwardReply) -> None:
         assert self._tg is not None
@@ -362,7 +459,7 @@ class Dispatcher:
         )
         self._to_peer(peer, forward)
         timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
-        return _Sent(req, breaker, timeout)
+        return _Sent(req, breaker, timeout, now)
 
     async def _await_reply(self, member: str, sent: _Sent) -> ForwardReply | None:
         loop = asyncio.get_running_loop()
@@ -378,6 +475,7 @@ class Dispatcher:
         finally:
             timer.cancel()
             self._pending.pop(sent.req, None)
+        self._ack_times.observe(time.monotonic() - sent.sent_at)
         if reply.accepted or reply.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN):
             sent.breaker.success()  # it answered: the peer is healthy, just busy
         return reply
@@ -399,7 +497,7 @@ class Dispatcher:
         self._to_peer(self._peer(addr), Cancel(v=PROTOCOL_VERSION, id=task_id))
         return True
 
-    def _to_peer(self, peer: _Peer, msg: Forward | Cancel) -> None:
+    def _to_peer(self, peer: _Peer, msg: Forward | Cancel | Withdraw) -> None:
         """Queue for one peer; everything queued in this loop turn goes as one message."""
         peer.outbox.append(msg)
         if not self._peers_flush_armed:
@@ -465,11 +563,15 @@ class Dispatcher:
         if isinstance(msg, ForwardReply):
             waiter = self._pending.get(msg.req)
             if isinstance(waiter, _InFlight):
-                del self._pending[msg.req]
                 self._flight_reply(waiter, msg)
             elif waiter is not None and not waiter.done():
                 waiter.set_result(msg)
-        elif isinstance(msg, TaskDone) and self._forget(msg.id) is None:
+        elif isinstance(msg, TaskDone):
+            entry = self._forwarded.get(msg.id)
+            if entry is not None and entry.owner != msg.node:
+                return  # a withdrawn hedged copy finished before the withdrawal landed
+            if self._forget(msg.id) is not None:
+                return
             # Done before our dispatch coroutine saw the accept: remember that.
             self._early_done[msg.id] = None
             if len(self._early_done) > 10_000:

@@ -61,6 +61,7 @@ class _Job:
     worker: asyncio.Task[None] | None = None  # set while a worker runs it
     expired: bool = False
     cancelled: bool = False  # by its producer
+    withdrawn: bool = False  # by its forwarder (a hedged copy that lost): no answer from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +262,18 @@ class Ingress:
             job.worker.cancel()
         return True
 
+    def withdraw(self, task_id: str) -> bool:
+        """Drop an admitted, unfinished task without answering its producer (a hedged copy
+        that another member runs): a running one is aborted in the engine.  Chunks already
+        streamed from here stay sent."""
+        job = self._jobs.get(task_id)
+        if job is None:
+            return False
+        job.withdrawn = job.cancelled = True
+        if job.worker is not None:
+            job.worker.cancel()
+        return True
+
     def send_error(
         self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0
     ) -> None:
@@ -387,6 +400,10 @@ class Ingress:
             if job.expired or job.cancelled:  # our deadline sweeper or a Cancel, not a shutdown
                 if job.worker is not None and job.worker.cancelling():
                     job.worker.uncancel()
+                if job.withdrawn:
+                    self._results["withdrawn"] += 1
+                    self.release(task, error_result(task.id, ErrorCode.CANCELLED, "withdrawn"))
+                    return
                 result = (
                     self._deadline_result(task, len(parts))
                     if job.expired

@@ -282,6 +282,19 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         ("gossipd_fanout_migrated", "Tasks re-dispatched off a dead member", stats.migrated),
         ("gossipd_fanout_handed_off", "Queued tasks handed to others at drain", stats.handed_off),
         ("gossipd_fanout_bad_peer_messages", "Undecodable peer messages", stats.bad_peer_messages),
+        ("gossipd_fanout_hedged", "Forwards also sent to a second member", stats.hedged),
+        ("gossipd_fanout_hedge_wins", "Hedged tasks the second member won", stats.hedge_wins),
+        (
+            "gossipd_fanout_hedges_over_budget",
+            "Slow acks not hedged because fanout.hedge_budget was spent",
+            stats.hedges_over_budget,
+        ),
+        ("gossipd_fanout_withdrawn", "Hedged copies we withdrew", stats.withdrawn),
+        (
+            "gossipd_fanout_withdrawn_by_peers",
+            "Copies a forwarder withdrew from us before they finished",
+            stats.withdrawn_by_peers,
+        ),
     ):
         yield _one(C, name, doc, value)
     yield _by(

@@ -25,6 +25,7 @@ from gossipd.core.messages import (
     Result,
     Task,
     TaskDone,
+    Withdraw,
     decode_peer,
     encode_peer,
 )
@@ -121,6 +122,9 @@ class OwnerEndpoint:
         if isinstance(msg, Cancel):
             self._ingress.handle_cancel(msg.id)
             return
+        if isinstance(msg, Withdraw):
+            self._withdraw(identity, msg.id)
+            return
         if not isinstance(msg, Forward):
             self.stats.bad_peer_messages += 1
             return
@@ -144,6 +148,19 @@ class OwnerEndpoint:
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
         )
         self._to_forwarder(identity, reply)
+
+    def _withdraw(self, identity: bytes, task_id: str) -> None:
+        """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder
+        (or nobody: the task came from a producer directly) still counts on it."""
+        forwarders = self._forwarders.get(task_id)
+        if not forwarders or identity not in forwarders:
+            return
+        forwarders.remove(identity)
+        if forwarders:
+            return
+        del self._forwarders[task_id]
+        if self._ingress.withdraw(task_id):
+            self.stats.withdrawn_by_peers += 1
 
     def _to_forwarder(self, identity: bytes, msg: ForwardReply | TaskDone) -> None:
         """Queue for one forwarder; everything queued until the flush goes as one message.

@@ -11,15 +11,23 @@ from hypothesis import strategies as st
 
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
+    Cancel,
     Chunk,
     ErrorCode,
     ErrorInfo,
+    Forward,
+    ForwardReply,
+    PeerBatch,
     Result,
     SamplingParams,
     Task,
+    TaskDone,
+    Withdraw,
+    decode_peer,
     decode_reply,
     decode_task,
     encode,
+    encode_peer,
     endpoint_problem,
     error_result,
 )
@@ -242,3 +250,32 @@ def test_any_bytes_decode_to_a_peer_or_gossip_message_or_raise_remote_protocol_e
             decode(data, bytes_max=1024)
         except RemoteProtocolError as exc:
             assert exc.code in {c.value for c in ErrorCode}
+
+
+node_ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=32)
+peer_items = st.one_of(
+    st.builds(
+        Forward,
+        req=st.integers(0, 2**63 - 1),
+        src=node_ids,
+        task=tasks,
+        remaining_ms=st.integers(0, 3_600_000),
+        attempt=st.integers(1, 1000),
+    ),
+    st.builds(
+        ForwardReply,
+        req=st.integers(0, 2**63 - 1),
+        node=node_ids,
+        accepted=st.booleans(),
+        code=st.text(max_size=64),
+        retry_after_ms=st.integers(0, 10**6),
+    ),
+    st.builds(TaskDone, id=ids, node=node_ids),
+    st.builds(Cancel, v=st.just(PROTOCOL_VERSION), id=ids),
+    st.builds(Withdraw, id=ids, node=node_ids),
+)
+
+
+@given(st.one_of(peer_items, st.builds(PeerBatch, items=st.lists(peer_items, max_size=8))))
+def test_any_valid_peer_message_round_trips(message: object) -> None:
+    assert decode_peer(encode_peer(message), bytes_max=1 << 22) == message  # type: ignore[arg-type]

@@ -50,6 +50,7 @@ class MsgType(enum.IntEnum):
     FORWARD_REPLY = 21
     TASK_DONE = 22
     PEER_BATCH = 23
+    WITHDRAW = 24
 
 
 class UpdateKind(enum.IntEnum):
@@ -522,6 +523,15 @@ class TaskDone(
     node: NodeId
 
 
+class Withdraw(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.WITHDRAW)):
+    """A hedged copy lost (another member accepted first): drop the task without answering
+    the producer.  Only the copy this forwarder sent is withdrawn."""
+
+    v: int = PROTOCOL_VERSION
+    id: TaskId
+    node: NodeId  # the forwarder
+
+
 class PeerBatch(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PEER_BATCH)
 ):
@@ -530,12 +540,13 @@ class PeerBatch(
 
     v: int = PROTOCOL_VERSION
     items: Annotated[
-        list[Forward | ForwardReply | TaskDone | Cancel], msgspec.Meta(max_length=100_000)
+        list[Forward | ForwardReply | TaskDone | Cancel | Withdraw],
+        msgspec.Meta(max_length=100_000),
     ]
 
 
 # A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner.
-PeerMessage = Forward | ForwardReply | TaskDone | Cancel | PeerBatch
+PeerMessage = Forward | ForwardReply | TaskDone | Cancel | Withdraw | PeerBatch
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
 
 
