@@ -1,6 +1,6 @@
 """Fan-out, the forwarder's side: send each task to the member that should run it, and keep it
 alive if that member dies.  (The owner's side, which admits forwarded tasks, is ``rpc.py``;
-which member should run a task is ``placer.py``.)
+which member should run a task is ``placer.py``; the sockets to peers are ``peerlinks.py``.)
 
     ingress (any daemon) -> placement (ring + bounded loads over gossiped state)
       -> self: run here | peer: Forward over DEALER -> peer's ROUTER -> ForwardReply
@@ -37,19 +37,16 @@ from gossipd.core.messages import (
     ErrorCode,
     Forward,
     ForwardReply,
-    PeerBatch,
     Result,
     Task,
     TaskDone,
     Withdraw,
-    decode_peer,
 )
-from gossipd.errors import RemoteProtocolError
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
+from gossipd.peerlinks import PeerLinks
 from gossipd.placer import Placer
-from gossipd.rpc import OwnerEndpoint, peer_frames
-from gossipd.transport import Watcher, kick
+from gossipd.rpc import OwnerEndpoint
 
 log = logging.getLogger("gossipd.dispatch")
 
@@ -117,16 +114,6 @@ def _expire(future: asyncio.Future[ForwardReply]) -> None:
         future.set_exception(TimeoutError())
 
 
-class _Peer:
-    __slots__ = ("addr", "outbox", "reader", "sock")
-
-    def __init__(self, addr: str, sock: zmq.Socket) -> None:
-        self.addr = addr
-        self.sock = sock
-        self.outbox: list[Forward | Cancel | Withdraw] = []
-        self.reader: asyncio.Task[None] | None = None
-
-
 class Dispatcher:
     def __init__(
         self,
@@ -145,19 +132,18 @@ class Dispatcher:
         self._gossip = gossip
         self._rng = rng
         self.owner: OwnerEndpoint | None = None
-        self._peers: dict[str, _Peer] = {}
+        self.stats = DispatchStatistics()
+        self._links = PeerLinks(config, ctx=ctx, stats=self.stats, on_reply=self._on_peer_reply)
         self._pending: dict[int, asyncio.Future[ForwardReply] | _InFlight] = {}
         self._req = 0
         self._breakers: dict[str, Breaker] = {}
         self._forwarded: OrderedDict[str, _Forwarded] = OrderedDict()
         self._early_done: OrderedDict[str, None] = OrderedDict()
-        self._peers_flush_armed = False
         self._tg: asyncio.TaskGroup | None = None
         self._acks: asyncio.Task[None] | None = None
         self._ack_wheel = DeadlineWheel(0.01)
         self._ack_times = AckTimes(quantile=config.hedge_quantile)
         self._hedge_credit = HEDGE_BURST  # hedges allowed now; each forward adds hedge_budget
-        self.stats = DispatchStatistics()
         self.placer = Placer(config, node=node, ingress=ingress, gossip=gossip, stats=self.stats)
         # The placer's load counts, which forwarding keeps up to date.
         self._outstanding = self.placer.outstanding
@@ -185,6 +171,7 @@ class Dispatcher:
         assert self.owner is not None
         self.owner.start(tg)
         self._acks = tg.create_task(self.expire_acks_forever(), name="rpc-ack-deadlines")
+        self._links.start(tg)
 
     def stop(self) -> None:
         """Cancel the background tasks (call before leaving the TaskGroup)."""
@@ -192,16 +179,10 @@ class Dispatcher:
             self.owner.stop()
         if self._acks is not None:
             self._acks.cancel()
-        for peer in self._peers.values():
-            if peer.reader is not None:
-                peer.reader.cancel()
+        self._links.stop()
 
     def close(self) -> None:
-        for peer in self._peers.values():
-            if peer.reader is not None:
-                peer.reader.cancel()
-            peer.sock.close(linger=0)
-        self._peers.clear()
+        self._links.close()
         if self.owner is not None:
             self.owner.close()
 
@@ -339,7 +320,7 @@ class Dispatcher:
             self._land(flight)
         addr = self.placer.addr(flight.owner)
         if addr is not None:
-            self._to_peer(self._peer(addr), Withdraw(id=flight.task.id, node=self.node))
+            self._links.send(addr, Withdraw(id=flight.task.id, node=self.node))
             self.stats.withdrawn += 1
 
     def _retry(self, flight: _InFlight, reply: ForwardReply) -> None:
@@ -450,14 +431,13 @@ class Dispatcher:
         addr = self._rpc_addr(member)
         if addr is None:
             return ForwardReply(req=0, node=member, accepted=False, code="not_a_member")
-        peer = self._peer(addr)
         self._req += 1
         req = self._req
         remaining_ms = max(1, int((deadline - now) * 1000))
         forward = Forward(
             req=req, src=self.node, task=task, remaining_ms=remaining_ms, attempt=attempt
         )
-        self._to_peer(peer, forward)
+        self._links.send(addr, forward)
         timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
         return _Sent(req, breaker, timeout, now)
 
@@ -494,70 +474,11 @@ class Dispatcher:
         addr = None if entry is None else self._rpc_addr(entry.owner)
         if entry is None or addr is None:
             return False
-        self._to_peer(self._peer(addr), Cancel(v=PROTOCOL_VERSION, id=task_id))
+        self._links.send(addr, Cancel(v=PROTOCOL_VERSION, id=task_id))
         return True
-
-    def _to_peer(self, peer: _Peer, msg: Forward | Cancel | Withdraw) -> None:
-        """Queue for one peer; everything queued in this loop turn goes as one message."""
-        peer.outbox.append(msg)
-        if not self._peers_flush_armed:
-            self._peers_flush_armed = True
-            asyncio.get_running_loop().call_soon(self._flush_peers)
-
-    def _flush_peers(self) -> None:
-        """Send every Forward queued in this loop turn, one message per peer.  A send that
-        cannot go (peer queue full) is left to the reply timeout, which tries the next member."""
-        self._peers_flush_armed = False
-        for peer in self._peers.values():
-            if not peer.outbox:
-                continue
-            items, peer.outbox = peer.outbox, []
-            for frame, count in peer_frames(items, self.config.message_bytes_max):
-                try:
-                    peer.sock.send(frame, zmq.NOBLOCK)
-                except zmq.Again:
-                    self.stats.attempts_failed += count
-            kick(peer.sock)
 
     def _rpc_addr(self, member: str) -> str | None:
         return self.placer.addr(member)
-
-    def _peer(self, addr: str) -> _Peer:
-        peer = self._peers.get(addr)
-        if peer is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.config.message_bytes_max)
-            sock.connect(addr)
-            peer = _Peer(addr, sock)
-            self._peers[addr] = peer
-            assert self._tg is not None
-            peer.reader = self._tg.create_task(self._read_peer(peer), name="rpc-peer")
-        return peer
-
-    async def _read_peer(self, peer: _Peer) -> None:
-        watcher = Watcher(peer.sock)
-        try:
-            await self._read_peer_loop(peer, watcher)
-        finally:
-            watcher.close()
-
-    async def _read_peer_loop(self, peer: _Peer, watcher: Watcher) -> None:
-        while True:
-            await watcher.wait_readable()
-            while True:
-                try:
-                    frame = peer.sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    msg = decode_peer(frame, bytes_max=self.config.message_bytes_max)
-                except RemoteProtocolError:
-                    self.stats.bad_peer_messages += 1
-                    continue
-                for item in msg.items if isinstance(msg, PeerBatch) else (msg,):
-                    self._on_peer_reply(item)
 
     def _on_peer_reply(self, msg: object) -> None:
         if isinstance(msg, ForwardReply):

@@ -1,0 +1,129 @@
+"""The forwarder's connections to its peers: one DEALER socket per peer's ROUTER
+(``fanout.rpc_bind``), with a reader task for what comes back (acks, TaskDone).
+
+What is queued for one peer within one loop turn leaves as one message (a PeerBatch when
+there are several), so a burst of forwards costs one send and one wake-up of the peer.
+Decisions (who gets what, retries, hedging) are the dispatcher's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import zmq
+
+from gossipd.config import FanoutConfig
+from gossipd.core.messages import Cancel, Forward, PeerBatch, Withdraw, decode_peer
+from gossipd.errors import RemoteProtocolError
+from gossipd.rpc import peer_frames
+from gossipd.transport import Watcher, kick
+
+if TYPE_CHECKING:
+    from gossipd.dispatch import DispatchStatistics
+
+Outgoing = Forward | Cancel | Withdraw
+
+
+class _Peer:
+    __slots__ = ("addr", "outbox", "reader", "sock")
+
+    def __init__(self, addr: str, sock: zmq.Socket) -> None:
+        self.addr = addr
+        self.sock = sock
+        self.outbox: list[Outgoing] = []
+        self.reader: asyncio.Task[None] | None = None
+
+
+class PeerLinks:
+    def __init__(
+        self,
+        config: FanoutConfig,
+        *,
+        ctx: zmq.Context,
+        stats: DispatchStatistics,
+        on_reply: Callable[[object], None],
+    ) -> None:
+        self._config = config
+        self._ctx = ctx
+        self._stats = stats
+        self._on_reply = on_reply  # each decoded item a peer sent back, in order
+        self._peers: dict[str, _Peer] = {}
+        self._flush_armed = False
+        self._tg: asyncio.TaskGroup | None = None
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        self._tg = tg
+
+    def stop(self) -> None:
+        """Cancel the reader tasks (call before leaving the TaskGroup)."""
+        for peer in self._peers.values():
+            if peer.reader is not None:
+                peer.reader.cancel()
+
+    def close(self) -> None:
+        self.stop()
+        for peer in self._peers.values():
+            peer.sock.close(linger=0)
+        self._peers.clear()
+
+    def send(self, addr: str, msg: Outgoing) -> None:
+        """Queue for the peer at ``addr``; everything queued in this loop turn goes as one
+        message."""
+        self._peer(addr).outbox.append(msg)
+        if not self._flush_armed:
+            self._flush_armed = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send what each peer has queued, one message per peer.  A send that cannot go (the
+        peer's queue is full) is left to the ack timeout, which tries the next member."""
+        self._flush_armed = False
+        for peer in self._peers.values():
+            if not peer.outbox:
+                continue
+            items, peer.outbox = peer.outbox, []
+            for frame, count in peer_frames(items, self._config.message_bytes_max):
+                try:
+                    peer.sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    self._stats.attempts_failed += count
+            kick(peer.sock)
+
+    def _peer(self, addr: str) -> _Peer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._config.message_bytes_max)
+            sock.connect(addr)
+            peer = _Peer(addr, sock)
+            self._peers[addr] = peer
+            assert self._tg is not None, "start() first"
+            peer.reader = self._tg.create_task(self._read(peer), name="rpc-peer")
+        return peer
+
+    async def _read(self, peer: _Peer) -> None:
+        watcher = Watcher(peer.sock)
+        try:
+            await self._read_loop(peer, watcher)
+        finally:
+            watcher.close()
+
+    async def _read_loop(self, peer: _Peer, watcher: Watcher) -> None:
+        while True:
+            await watcher.wait_readable()
+            while True:
+                try:
+                    frame = peer.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = decode_peer(frame, bytes_max=self._config.message_bytes_max)
+                except RemoteProtocolError:
+                    self._stats.bad_peer_messages += 1
+                    continue
+                for item in msg.items if isinstance(msg, PeerBatch) else (msg,):
+                    self._on_reply(item)
