@@ -140,6 +140,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench_prefix(
             model=args.model, nodes=args.nodes or 3, as_json=args.json, plot=args.plot
         )
+    if args.what == "hedge":
+        from gossipd.bench.hedge import main as bench_hedge
+
+        return bench_hedge(
+            rate=args.rate, seconds=args.seconds, stall_ms=args.stall_ms, as_json=args.json
+        )
     if args.what == "ingress":
         from gossipd.bench.ingress import main as bench_ingress
 
@@ -203,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", help="benchmarks (figures against a baseline measured in the same run)"
     )
-    p.add_argument("what", choices=["ingress", "route", "ring", "engine", "prefix"])
+    p.add_argument("what", choices=["ingress", "route", "ring", "engine", "prefix", "hedge"])
     p.add_argument("--model", help="engine/prefix: a model directory (default: make the tiny one)")
     p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")
     p.add_argument("--plot", help="prefix: write a PNG bar chart of the hit rates here")
@@ -212,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes", type=int, default=None, help="route, prefix: daemons (3); ring: members (64)"
     )
     p.add_argument("--tasks", type=int, default=20_000)
+    p.add_argument("--rate", type=float, default=300.0, help="hedge: tasks per second")
+    p.add_argument("--seconds", type=float, default=4.0, help="hedge: how long to send")
+    p.add_argument("--stall-ms", type=int, default=1000, help="hedge: how long a member stops")
     p.add_argument("--window", type=int, default=500)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")

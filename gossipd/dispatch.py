@@ -240,7 +240,12 @@ class Dispatcher:
                     self._withdraw(flight)
                     return
                 group.winner = flight.owner
-                self.stats.hedge_wins += flight is not group.flights[0]
+                first = group.flights[0]
+                if flight is not first:
+                    # The owner was outrun: a failure for its breaker, so that a member that
+                    # keeps stalling is skipped outright rather than hedged task after task.
+                    first.sent.breaker.failure(time.monotonic())
+                    self.stats.hedge_wins += 1
                 for other in group.flights:
                     if other is not flight:
                         self._withdraw(other)
@@ -258,6 +263,7 @@ class Dispatcher:
         self._land(flight)
         flight.sent.breaker.failure(time.monotonic())
         self.stats.attempts_failed += 1
+        self._send_withdraw(flight.owner, flight.task.id)
         if flight.group is not None and self._still_racing(flight.group):
             return
         self._retry(
@@ -314,13 +320,19 @@ class Dispatcher:
         return bool(group.winner) or any(self._pending.get(f.sent.req) is f for f in group.flights)
 
     def _withdraw(self, flight: _InFlight) -> None:
-        """Take back a losing copy: stop waiting for it, and tell its member to drop it
-        (it ignores this if it never accepted the copy)."""
+        """Take back a losing copy: stop waiting for it, and tell its member to drop it."""
         if self._pending.get(flight.sent.req) is flight:
             self._land(flight)
-        addr = self.placer.addr(flight.owner)
+        self._send_withdraw(flight.owner, flight.task.id)
+
+    def _send_withdraw(self, member: str, task_id: str) -> None:
+        """Tell ``member`` to drop its copy of a task that another member runs: sent after a
+        hedge lost and after a forward went unanswered (a stalled member that resumes reads
+        the Forward and then this, and answers nothing).  A member that never accepted the
+        copy ignores it."""
+        addr = self.placer.addr(member)
         if addr is not None:
-            self._links.send(addr, Withdraw(id=flight.task.id, node=self.node))
+            self._links.send(addr, Withdraw(id=task_id, node=self.node))
             self.stats.withdrawn += 1
 
     def _retry(self, flight: _InFlight, reply: ForwardReply) -> None:
@@ -354,6 +366,8 @@ class Dispatcher:
                     self.stats.forwarded += 1
                     self._remember(task, member, received_at)
                     return True
+                if reply is None:
+                    self._send_withdraw(member, task.id)
                 done = [f"{member}: {'no reply' if reply is None else reply.code}"]
                 order = [m for m in self.placer.order(task) if m != member]
                 return await self._try_members(task, received_at, order, done)
@@ -394,6 +408,7 @@ class Dispatcher:
                 continue
             reply = await self._call(member, task, received_at, deadline, n + 1)
             if reply is None:
+                self._send_withdraw(member, task.id)
                 attempts.append(f"{member}: no reply")
                 continue
             if reply.accepted:
@@ -552,6 +567,8 @@ class Dispatcher:
             if reply is not None and reply.accepted:
                 self._remember(task, member, received_at)
                 return True
+            if reply is None:
+                self._send_withdraw(member, task.id)
         return False
 
     def outstanding(self) -> dict[str, int]:

@@ -20,3 +20,23 @@ def test_bench_ingress_json_reports_both_sides_and_their_ratio() -> None:
         assert report[side]["p99_ms"] >= report[side]["p50_ms"] > 0
     ratio = report["daemon"]["tasks_per_s"] / report["raw_zmq"]["tasks_per_s"]
     assert abs(report["ratio_vs_raw_zmq"] - ratio) < 0.01
+
+
+def test_bench_hedge_json_reports_both_modes_with_nothing_lost() -> None:
+    proc = gossipd_cli(
+        "bench", "hedge", "--json", "--rate", "100", "--seconds", "2.5", "--stall-ms", "800",
+        timeout_s=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    off, on = report["runs"]
+    assert (off["hedge"], on["hedge"]) == (False, True)
+    for run in (off, on):
+        assert run["tasks"] == 250 and run["lost"] == 0 and run["answered"] == 250
+        assert run["sent_to_stalled_owner_during_stall"]["n"] > 0
+    assert off["fanout"]["hedged"] == 0 and on["fanout"]["hedged"] > 0
+    ratio = (
+        on["sent_to_stalled_owner_during_stall"]["p50_ms"]
+        / off["sent_to_stalled_owner_during_stall"]["p50_ms"]
+    )
+    assert abs(report["during_stall_p50_ratio_on_vs_off"] - ratio) < 0.01

@@ -110,3 +110,38 @@ def test_hedges_stay_within_the_budget(cluster: Cluster) -> None:
     # A burst of 10, then 5% of forwards: the rest waited for the ack timeout instead.
     assert 10 <= hedged <= 12, hedged
     assert hedged + over == len(keys)
+
+
+def test_a_forward_that_timed_out_is_withdrawn_so_a_resumed_owner_adds_no_result(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """Without hedging too: the forwarder gives up on a silent owner after the ack timeout
+    and sends the task to the next member; the owner, resumed, must not answer it as well."""
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=["fanout.ack_timeout_s=0.3", 'metrics.bind="127.0.0.1:0"'],
+    )
+    c.start()
+    try:
+        c.wait_converged(timeout_s=20)
+        c.wait_meta(timeout_s=20)
+        entry, stalled = c.daemons
+        producer = RawProducer(entry.endpoint)
+        try:
+            keys = _keys_of(c, stalled.name, 10)
+            stalled.pause()
+            try:
+                for i, key in enumerate(keys):
+                    producer.send_task(f"t{i}", "a b", key=key, params={"max_tokens": 2})
+                got = producer.results(len(keys), timeout_s=20)
+            finally:
+                stalled.resume()
+            late = producer.replies(timeout_s=3.0, quiet_s=1.5)
+        finally:
+            producer.close()
+        assert len(got) == len(keys) and all(r["ok"] and r["node"] == entry.name for r in got)
+        assert not [r for r in late if r["t"] == 3], "the resumed owner answered again"
+        assert _metric(stalled, "gossipd_fanout_withdrawn_by_peers_total") == len(keys)
+    finally:
+        c.stop()
