@@ -51,6 +51,29 @@ def _keys_of(cluster: Cluster, member: str, n: int) -> list[str]:
     return [k for k in (f"h-{i}" for i in range(40 * n)) if ring.owner(k) == member][:n]
 
 
+def _send_while_stopped(
+    producer: RawProducer,
+    stalled,
+    keys: list[str],
+    tokens: int,  # type: ignore[no-untyped-def]
+) -> tuple[list[dict[str, object]], dict[str, float], list[dict[str, object]]]:
+    """Stop ``stalled``, send one task per key, collect a Result for each, resume it; then
+    whatever else arrives in the next seconds.  Returns (results, latency by id, late)."""
+    stalled.pause()
+    try:
+        sent_at = {}
+        for i, key in enumerate(keys):
+            sent_at[f"t{i}"] = time.monotonic()
+            producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": tokens})
+        got = producer.results(len(keys), timeout_s=30)
+        latency = {str(r["id"]): time.monotonic() - sent_at[str(r["id"])] for r in got}
+    finally:
+        stalled.resume()
+    # Resumed, the stalled owner reads each Forward and then its Withdraw: nothing more
+    # reaches the producer.
+    return got, latency, producer.replies(timeout_s=3.0, quiet_s=1.5)
+
+
 def test_a_stalled_owner_is_hedged_and_its_copy_withdrawn(cluster: Cluster) -> None:
     entry, stalled, spare = cluster.daemons
     producer = RawProducer(entry.endpoint)
@@ -59,23 +82,11 @@ def test_a_stalled_owner_is_hedged_and_its_copy_withdrawn(cluster: Cluster) -> N
         assert _metric(entry, "gossipd_fanout_hedged_total") == 0, "no hedge while acks are normal"
 
         keys = _keys_of(cluster, stalled.name, 10)  # the burst the budget allows at once
-        stalled.pause()
-        try:
-            sent_at = {}
-            for i, key in enumerate(keys):
-                sent_at[f"t{i}"] = time.monotonic()
-                producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 4})
-            got = producer.results(len(keys), timeout_s=30)
-            latency = {r["id"]: time.monotonic() - sent_at[r["id"]] for r in got}
-        finally:
-            stalled.resume()
-        # Resumed, the stalled owner reads each Forward and then its Withdraw: nothing more
-        # reaches the producer.
-        late = producer.replies(timeout_s=3.0, quiet_s=1.5)
+        got, latency, late = _send_while_stopped(producer, stalled, keys, tokens=4)
     finally:
         producer.close()
 
-    assert sorted(r["id"] for r in got) == sorted(sent_at)
+    assert len(got) == len(latency) == len(keys)
     assert all(r["ok"] and r["node"] == spare.name for r in got), got[:3]
     # Without hedging each would wait the 2 s ack timeout first.
     assert max(latency.values()) < ACK_TIMEOUT_S / 2, sorted(latency.values())[-3:]
@@ -95,13 +106,7 @@ def test_hedges_stay_within_the_budget(cluster: Cluster) -> None:
     try:
         _warm_up(producer)
         keys = _keys_of(cluster, stalled.name, 30)
-        stalled.pause()
-        try:
-            for i, key in enumerate(keys):
-                producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 4})
-            got = producer.results(len(keys), timeout_s=30)
-        finally:
-            stalled.resume()
+        got, _, _ = _send_while_stopped(producer, stalled, keys, tokens=4)
     finally:
         producer.close()
     assert len(got) == len(keys) and all(r["ok"] for r in got)
@@ -130,14 +135,7 @@ def test_a_forward_that_timed_out_is_withdrawn_so_a_resumed_owner_adds_no_result
         producer = RawProducer(entry.endpoint)
         try:
             keys = _keys_of(c, stalled.name, 10)
-            stalled.pause()
-            try:
-                for i, key in enumerate(keys):
-                    producer.send_task(f"t{i}", "a b", key=key, params={"max_tokens": 2})
-                got = producer.results(len(keys), timeout_s=20)
-            finally:
-                stalled.resume()
-            late = producer.replies(timeout_s=3.0, quiet_s=1.5)
+            got, _, late = _send_while_stopped(producer, stalled, keys, tokens=2)
         finally:
             producer.close()
         assert len(got) == len(keys) and all(r["ok"] and r["node"] == entry.name for r in got)
