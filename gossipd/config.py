@@ -125,6 +125,10 @@ class FanoutConfig(Section):
     # one's accept/refuse before moving on.
     attempts_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     ack_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
+    # The owner holds accepts and TaskDones this long so that several travel in one message
+    # (one wake-up of the forwarder instead of one or two per task); refusals go at once.
+    # 0: at the end of the loop turn.  Must be well under ack_timeout_s.
+    ack_delay_s: Seconds = 0.005
     # Hedging (off by default): when a forwarded task's owner has not answered within the
     # hedge_quantile of recent ack times (at least hedge_min_s), send the task to the next
     # member as well; the first to accept runs it and the other copy is withdrawn.  Cuts the
@@ -135,7 +139,7 @@ class FanoutConfig(Section):
     hedge_min_s: Seconds = 0.002
     # ...for at most this fraction of forwards (a burst of 10 beyond it): hedging adds load,
     # and a loaded cluster is when acks are slow.
-    hedge_budget: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.05
+    hedge_budget: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.1
     # Backoff before attempt n+1: min(max, base * 2^(n-1)), jittered by 0.5x..1.5x.
     backoff_base_s: Seconds = 0.005
     backoff_max_s: Seconds = 0.2
@@ -167,6 +171,11 @@ class FanoutConfig(Section):
     engine_kv_cache_saturated_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
 
     def __post_init__(self) -> None:
+        if self.ack_delay_s * 10 > self.ack_timeout_s:
+            raise ValueError(
+                f"ack_delay_s ({self.ack_delay_s}) must be at most a tenth of ack_timeout_s "
+                f"({self.ack_timeout_s})"
+            )
         _check_bind("rpc_bind", self.rpc_bind)
         if self.rpc_advertise:
             _check_bind("rpc_advertise", self.rpc_advertise)

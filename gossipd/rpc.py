@@ -58,7 +58,8 @@ class OwnerEndpoint:
         self._router: zmq.Socket | None = None
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
-        self._router_flush_armed = False
+        self._router_flush_soon = False  # a flush is queued for the next loop turns
+        self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._server: asyncio.Task[None] | None = None
 
     def bind(self) -> str:
@@ -147,7 +148,7 @@ class OwnerEndpoint:
             code="" if accepted else verdict.value,
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
         )
-        self._to_forwarder(identity, reply)
+        self._to_forwarder(identity, reply, urgent=not accepted)
 
     def _withdraw(self, identity: bytes, task_id: str) -> None:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder
@@ -162,27 +163,38 @@ class OwnerEndpoint:
         if self._ingress.withdraw(task_id):
             self.stats.withdrawn_by_peers += 1
 
-    def _to_forwarder(self, identity: bytes, msg: ForwardReply | TaskDone) -> None:
+    def _to_forwarder(
+        self, identity: bytes, msg: ForwardReply | TaskDone, *, urgent: bool = False
+    ) -> None:
         """Queue for one forwarder; everything queued until the flush goes as one message.
 
-        The flush waits one more loop turn than the producer's replies do: a task that ends
-        at once has its Result sent to the producer first (the ack is off the producer's
-        critical path: the forwarder waits for it up to ack_timeout_s), and its ack and
-        TaskDone leave together as one message instead of two."""
+        Accepts and TaskDones wait up to ``fanout.ack_delay_s`` (like TCP's delayed ACK):
+        the forwarder needs them only for its ack timeout and its bookkeeping, so it is woken
+        once for many instead of once or twice per task, and a task that ends at once has
+        its Result sent to the producer before its ack, and its ack and TaskDone leave
+        together.  A refusal is urgent: the forwarder tries the next member on it."""
         queue = self._router_out.get(identity)
         if queue is None:
             queue = self._router_out[identity] = []
         queue.append(msg)
-        if not self._router_flush_armed:
-            self._router_flush_armed = True
-            asyncio.get_running_loop().call_soon(self._flush_router_next_turn)
+        loop = asyncio.get_running_loop()
+        delay = self.config.ack_delay_s
+        if urgent or delay <= 0:
+            if not self._router_flush_soon:
+                self._router_flush_soon = True
+                # One turn later than the producers' replies, which are queued already.
+                loop.call_soon(self._flush_router_next_turn)
+        elif self._router_flush_timer is None and not self._router_flush_soon:
+            self._router_flush_timer = loop.call_later(delay, self._flush_router)
 
     def _flush_router_next_turn(self) -> None:
-        # Replies to producers queued in this turn are flushed by a callback already queued.
         asyncio.get_running_loop().call_soon(self._flush_router)
 
     def _flush_router(self) -> None:
-        self._router_flush_armed = False
+        self._router_flush_soon = False
+        if self._router_flush_timer is not None:
+            self._router_flush_timer.cancel()
+            self._router_flush_timer = None
         out, self._router_out = self._router_out, {}
         if self._router is None:
             return

@@ -72,6 +72,12 @@ def test_environment_then_flags_override_the_file(tmp_path: Path) -> None:
             "ingress.pending_max: must be >= concurrency_max (256), found 10",
         ),
         ("", {}, ["garbage"], "--set 'garbage': expected SECTION.KEY=VALUE"),
+        (
+            "",
+            {},
+            ["fanout.ack_timeout_s=0.02"],
+            "ack_delay_s (0.005) must be at most a tenth of ack_timeout_s (0.02)",
+        ),
     ],
 )
 def test_bad_configuration_names_source_key_found_and_expected(

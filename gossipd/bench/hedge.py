@@ -172,8 +172,21 @@ def main(*, rate: float, seconds: float, stall_ms: int, as_json: bool) -> int:
         say(f"hedging {'on' if hedge else 'off'}: {int(rate * seconds)} tasks, {stall_ms} ms stall")
         runs.append(_one_mode(hedge, rate=rate, seconds=seconds, stall_ms=stall_ms))
     off, on = runs
+    from gossipd.config import FanoutConfig
+
+    defaults = FanoutConfig()
     report = {
         "benchmark": "hedge",
+        "config": {
+            k: getattr(defaults, k)
+            for k in (
+                "ack_timeout_s",
+                "ack_delay_s",
+                "hedge_quantile",
+                "hedge_min_s",
+                "hedge_budget",
+            )
+        },
         "rate_per_s": rate,
         "stall_ms": stall_ms,
         "runs": runs,
