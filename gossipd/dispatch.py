@@ -76,7 +76,7 @@ class DispatchStatistics:
     hedged: int = 0  # forwards also sent to a second member (the owner was slow to ack)
     hedge_wins: int = 0  # ...where the second member accepted first
     hedges_over_budget: int = 0  # slow acks not hedged: fanout.hedge_budget was spent
-    withdrawn: int = 0  # hedged copies we withdrew from the member that lost
+    withdrawn: int = 0  # copies we withdrew: a hedge lost, or the member did not ack in time
     withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
 
 
@@ -86,6 +86,7 @@ class _Sent:
     breaker: Breaker
     timeout_s: float
     sent_at: float  # time.monotonic()
+    task_id: str
 
 
 @dataclass(slots=True)
@@ -263,7 +264,7 @@ class Dispatcher:
         self._land(flight)
         flight.sent.breaker.failure(time.monotonic())
         self.stats.attempts_failed += 1
-        self._send_withdraw(flight.owner, flight.task.id)
+        self._send_withdraw(flight.owner, flight.sent.task_id)
         if flight.group is not None and self._still_racing(flight.group):
             return
         self._retry(
@@ -366,8 +367,6 @@ class Dispatcher:
                     self.stats.forwarded += 1
                     self._remember(task, member, received_at)
                     return True
-                if reply is None:
-                    self._send_withdraw(member, task.id)
                 done = [f"{member}: {'no reply' if reply is None else reply.code}"]
                 order = [m for m in self.placer.order(task) if m != member]
                 return await self._try_members(task, received_at, order, done)
@@ -408,7 +407,6 @@ class Dispatcher:
                 continue
             reply = await self._call(member, task, received_at, deadline, n + 1)
             if reply is None:
-                self._send_withdraw(member, task.id)
                 attempts.append(f"{member}: no reply")
                 continue
             if reply.accepted:
@@ -443,7 +441,7 @@ class Dispatcher:
         now = time.monotonic()
         if not breaker.allow(now):
             return ForwardReply(req=0, node=member, accepted=False, code="circuit_open")
-        addr = self._rpc_addr(member)
+        addr = self.placer.addr(member)
         if addr is None:
             return ForwardReply(req=0, node=member, accepted=False, code="not_a_member")
         self._req += 1
@@ -454,7 +452,7 @@ class Dispatcher:
         )
         self._links.send(addr, forward)
         timeout = min(self.config.ack_timeout_s, max(0.0, deadline - now))
-        return _Sent(req, breaker, timeout, now)
+        return _Sent(req, breaker, timeout, now, task.id)
 
     async def _await_reply(self, member: str, sent: _Sent) -> ForwardReply | None:
         loop = asyncio.get_running_loop()
@@ -466,6 +464,7 @@ class Dispatcher:
         except TimeoutError:
             sent.breaker.failure(time.monotonic())
             self.stats.attempts_failed += 1
+            self._send_withdraw(member, sent.task_id)
             return None
         finally:
             timer.cancel()
@@ -486,14 +485,11 @@ class Dispatcher:
     def cancel_forwarded(self, task_id: str) -> bool:
         """Pass a producer's Cancel to the member we forwarded the task to (False: none)."""
         entry = self._forwarded.get(task_id)
-        addr = None if entry is None else self._rpc_addr(entry.owner)
+        addr = None if entry is None else self.placer.addr(entry.owner)
         if entry is None or addr is None:
             return False
         self._links.send(addr, Cancel(v=PROTOCOL_VERSION, id=task_id))
         return True
-
-    def _rpc_addr(self, member: str) -> str | None:
-        return self.placer.addr(member)
 
     def _on_peer_reply(self, msg: object) -> None:
         if isinstance(msg, ForwardReply):
@@ -567,8 +563,6 @@ class Dispatcher:
             if reply is not None and reply.accepted:
                 self._remember(task, member, received_at)
                 return True
-            if reply is None:
-                self._send_withdraw(member, task.id)
         return False
 
     def outstanding(self) -> dict[str, int]:

@@ -61,7 +61,7 @@ class _Job:
     worker: asyncio.Task[None] | None = None  # set while a worker runs it
     expired: bool = False
     cancelled: bool = False  # by its producer
-    withdrawn: bool = False  # by its forwarder (a hedged copy that lost): no answer from here
+    withdrawn: bool = False  # by its forwarder, which has it run elsewhere: no answer from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,8 +263,8 @@ class Ingress:
         return True
 
     def withdraw(self, task_id: str) -> bool:
-        """Drop an admitted, unfinished task without answering its producer (a hedged copy
-        that another member runs): a running one is aborted in the engine.  Chunks already
+        """Drop an admitted, unfinished task without answering its producer (its forwarder has
+        another member run it): a running one is aborted in the engine.  Chunks already
         streamed from here stay sent."""
         job = self._jobs.get(task_id)
         if job is None:

@@ -289,7 +289,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             "Slow acks not hedged because fanout.hedge_budget was spent",
             stats.hedges_over_budget,
         ),
-        ("gossipd_fanout_withdrawn", "Hedged copies we withdrew", stats.withdrawn),
+        (
+            "gossipd_fanout_withdrawn",
+            "Copies we withdrew (a hedge lost, or no ack in time)",
+            stats.withdrawn,
+        ),
         (
             "gossipd_fanout_withdrawn_by_peers",
             "Copies a forwarder withdrew from us before they finished",

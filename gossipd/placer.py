@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gossipd.config import FanoutConfig
-from gossipd.core.messages import Task
+from gossipd.core.messages import GpuState, Task
 from gossipd.core.placement import Candidate, bound, place
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring
@@ -85,32 +85,36 @@ class Placer:
                 weight=gpu.capacity_weight or 1.0,
                 status=gpu.status,
                 models=frozenset({gpu.model}) if gpu.model else frozenset(),
-                saturated=self.saturated(gpu.waiting_requests, gpu.kv_cache_usage_ratio),
+                saturated=self._saturated(gpu),
             )
-        me_status = (
-            "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
-        )
         # Our own load as this entry point sees it: the tasks we kept from our own intake, so
         # that every load in the comparison is measured the same way (HAProxy's approach).
         own_model = self._ingress.model
-        own = self._gossip.last_gpu_state
         out[self.node] = Candidate(
             self.node,
-            saturated=own is not None
-            and self.saturated(own.waiting_requests, own.kv_cache_usage_ratio),
+            saturated=self._own_saturated(),
             models=frozenset({own_model}) if own_model else frozenset(),
             load=len(self.local_ids),
             weight=self._gossip.config.gpu.capacity_weight,
-            status=me_status,
+            status=self._own_status(),
         )
         return out
 
-    def saturated(self, waiting: int, kv_cache_usage: float) -> bool:
+    def _saturated(self, gpu: GpuState) -> bool:
+        """Is this engine load (gossiped, or our own latest sample) saturated?"""
         cfg = self.config
         return (
-            waiting >= cfg.engine_waiting_saturated
-            or kv_cache_usage >= cfg.engine_kv_cache_saturated_ratio
+            gpu.waiting_requests >= cfg.engine_waiting_saturated
+            or gpu.kv_cache_usage_ratio >= cfg.engine_kv_cache_saturated_ratio
         )
+
+    def _own_saturated(self) -> bool:
+        own = self._gossip.last_gpu_state
+        return own is not None and self._saturated(own)
+
+    def _own_status(self) -> str:
+        shutting_down = self.draining or self._ingress.admission.shutting_down
+        return "draining" if shutting_down else "serving"
 
     def order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
         cands = {n: c for n, c in self.candidates().items() if n not in exclude}
@@ -130,14 +134,7 @@ class Placer:
         member table or our own status changes, not per task."""
         core = self._gossip.core
         assert core is not None
-        status = (
-            "draining" if (self.draining or self._ingress.admission.shutting_down) else "serving"
-        )
-        own = self._gossip.last_gpu_state
-        own_saturated = own is not None and self.saturated(
-            own.waiting_requests, own.kv_cache_usage_ratio
-        )
-        key = (core.table.version, status, own_saturated)
+        key = (core.table.version, self._own_status(), self._own_saturated())
         if self._cached_view is None or self._cached_view.key != key:
             cands = self.candidates()
             serving = {n: c for n, c in cands.items() if c.status == "serving"}

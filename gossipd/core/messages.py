@@ -524,8 +524,9 @@ class TaskDone(
 
 
 class Withdraw(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.WITHDRAW)):
-    """A hedged copy lost (another member accepted first): drop the task without answering
-    the producer.  Only the copy this forwarder sent is withdrawn."""
+    """The forwarder has the task run elsewhere (a hedged copy lost, or this member did not
+    ack in time): drop it without answering the producer.  Only the copy this forwarder sent
+    is withdrawn."""
 
     v: int = PROTOCOL_VERSION
     id: TaskId
