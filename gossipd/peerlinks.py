@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import zmq
 
 from gossipd.config import FanoutConfig
-from gossipd.core.messages import Cancel, Forward, PeerBatch, Withdraw, decode_peer
+from gossipd.core.messages import Cancel, Forward, Withdraw
 from gossipd.errors import RemoteProtocolError
-from gossipd.rpc import peer_frames
+from gossipd.rpc import peer_frames, peer_items
 from gossipd.transport import Watcher, kick
 
 if TYPE_CHECKING:
@@ -121,9 +121,9 @@ class PeerLinks:
                 except zmq.Again:
                     break
                 try:
-                    msg = decode_peer(frame, bytes_max=self._config.message_bytes_max)
+                    items = peer_items(frame, self._config.message_bytes_max)
                 except RemoteProtocolError:
                     self._stats.bad_peer_messages += 1
                     continue
-                for item in msg.items if isinstance(msg, PeerBatch) else (msg,):
+                for item in items:
                     self._on_reply(item)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -44,6 +45,13 @@ def peer_frames(items: list[Any], bytes_max: int) -> list[tuple[bytes, int]]:
         return [(frame, len(items))]
     half = len(items) // 2
     return peer_frames(items[:half], bytes_max) + peer_frames(items[half:], bytes_max)
+
+
+def peer_items(frame: bytes, bytes_max: int) -> Sequence[object]:
+    """The fan-out messages in one frame (a PeerBatch unpacked), the inverse of
+    ``peer_frames``; raises ``RemoteProtocolError`` for what is not one."""
+    msg = decode_peer(frame, bytes_max=bytes_max)
+    return msg.items if isinstance(msg, PeerBatch) else (msg,)
 
 
 class OwnerEndpoint:
@@ -108,16 +116,13 @@ class OwnerEndpoint:
     def _on_peer_frame(self, identity: bytes, frame: bytes) -> None:
         assert self._router is not None
         try:
-            msg = decode_peer(frame, bytes_max=self.config.message_bytes_max)
+            items = peer_items(frame, self.config.message_bytes_max)
         except RemoteProtocolError as exc:
             self.stats.bad_peer_messages += 1
             log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
             return
-        if isinstance(msg, PeerBatch):
-            for item in msg.items:
-                self._on_forward(identity, item)
-            return
-        self._on_forward(identity, msg)
+        for item in items:
+            self._on_forward(identity, item)
 
     def _on_forward(self, identity: bytes, msg: object) -> None:
         if isinstance(msg, Cancel):
