@@ -40,7 +40,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
-from gossipd.transport import recv_batch, wait_events
+from gossipd.transport import NOBLOCK, POLLOUT, recv_batch, wait_events
 
 log = logging.getLogger("gossipd.client")
 
@@ -318,7 +318,7 @@ class Client:
         assert self._push is not None
         if not self._unsent:
             try:
-                self._push.send(frame, zmq.NOBLOCK)
+                self._push.send(frame, NOBLOCK)
                 return
             except zmq.Again:
                 pass
@@ -330,10 +330,10 @@ class Client:
         assert self._push is not None
         while self._unsent:
             try:
-                self._push.send(self._unsent[0], zmq.NOBLOCK)
+                self._push.send(self._unsent[0], NOBLOCK)
                 self._unsent.popleft()
             except zmq.Again:
-                await wait_events(self._push, zmq.POLLOUT)
+                await wait_events(self._push, POLLOUT)
 
     def _complete(self, handle: TaskHandle, result: Result) -> None:
         self._outstanding.pop(handle.id, None)

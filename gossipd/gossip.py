@@ -31,7 +31,7 @@ from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.engines.base import Engine
 from gossipd.gpu import GpuProbe
-from gossipd.transport import recv_batch, wait_events
+from gossipd.transport import EVENTS, NOBLOCK, POLLIN, recv_batch, wait_events
 
 log = logging.getLogger("gossipd.gossip")
 
@@ -248,7 +248,7 @@ class GossipService:
             self._peers.move_to_end(addr)
         self._peers[addr] = (sock, now)
         try:
-            sock.send(data, zmq.NOBLOCK)
+            sock.send(data, NOBLOCK)
         except zmq.Again:
             self.dropped_sends += 1
         # Close idle sockets, looking at the 4 least recently used (no copy of the whole map).
@@ -276,10 +276,10 @@ class GossipService:
 
         try:
             while True:
-                await wait_events(monitor, zmq.POLLIN)
+                await wait_events(monitor, POLLIN)
                 while True:
                     try:
-                        event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+                        event = parse_monitor_message(monitor.recv_multipart(NOBLOCK))
                     except zmq.Again:
                         break
                     except zmq.ZMQError:
@@ -326,8 +326,8 @@ async def _readable_within(sock: zmq.Socket, timeout_s: float, wake: asyncio.Eve
     """True when ``sock`` has input; False when ``timeout_s`` passed or ``wake`` was set."""
     if wake.is_set():
         wake.clear()
-        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-    reader = asyncio.ensure_future(wait_events(sock, zmq.POLLIN, timeout_s))
+        return bool(sock.getsockopt(EVENTS) & POLLIN)
+    reader = asyncio.ensure_future(wait_events(sock, POLLIN, timeout_s))
     waker = asyncio.ensure_future(wake.wait())
     try:
         done, _ = await asyncio.wait({reader, waker}, return_when=asyncio.FIRST_COMPLETED)

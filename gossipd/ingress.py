@@ -46,7 +46,7 @@ from gossipd.errors import RemoteProtocolError
 from gossipd.logs import RateLimiter
 from gossipd.metrics import LatencyHistogram
 from gossipd.runqueue import RunQueue
-from gossipd.transport import ReplySender, Watcher, recv_batch
+from gossipd.transport import NOBLOCK, ReplySender, Watcher, recv_batch
 
 log = logging.getLogger("gossipd.ingress")
 
@@ -162,7 +162,7 @@ class Ingress:
         count = 0
         try:
             while True:
-                self.handle_frame(self._sock.recv(zmq.NOBLOCK), now)
+                self.handle_frame(self._sock.recv(NOBLOCK), now)
                 count += 1
         except zmq.Again:
             return count

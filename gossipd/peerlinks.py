@@ -17,8 +17,8 @@ import zmq
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Forward, Withdraw
 from gossipd.errors import RemoteProtocolError
-from gossipd.rpc import peer_frames, peer_items
-from gossipd.transport import Watcher, kick
+from gossipd.rpc import PEER_READ_MAX, peer_frames, peer_items
+from gossipd.transport import NOBLOCK, Watcher, kick
 
 if TYPE_CHECKING:
     from gossipd.dispatch import DispatchStatistics
@@ -86,7 +86,7 @@ class PeerLinks:
             items, peer.outbox = peer.outbox, []
             for frame, count in peer_frames(items, self._config.message_bytes_max):
                 try:
-                    peer.sock.send(frame, zmq.NOBLOCK)
+                    peer.sock.send(frame, NOBLOCK)
                 except zmq.Again:
                     self._stats.attempts_failed += count
             kick(peer.sock)
@@ -113,13 +113,9 @@ class PeerLinks:
             watcher.close()
 
     async def _read_loop(self, peer: _Peer, watcher: Watcher) -> None:
+        recv = peer.sock.recv
         while True:
-            await watcher.wait_readable()
-            while True:
-                try:
-                    frame = peer.sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for frame in await watcher.receive(PEER_READ_MAX, recv):
                 try:
                     items = peer_items(frame, self._config.message_bytes_max)
                 except RemoteProtocolError:

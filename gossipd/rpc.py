@@ -32,7 +32,10 @@ from gossipd.core.messages import (
 )
 from gossipd.errors import RemoteProtocolError
 from gossipd.ingress import Ingress
-from gossipd.transport import Watcher, kick
+from gossipd.transport import NOBLOCK, Watcher, kick
+
+# Messages read from a peer socket before the loop runs anything else.
+PEER_READ_MAX = 256
 
 log = logging.getLogger("gossipd.rpc")
 
@@ -101,17 +104,13 @@ class OwnerEndpoint:
             watcher.close()
 
     async def _serve_loop(self, sock: zmq.Socket, watcher: Watcher) -> None:
+        recv = sock.recv_multipart
         while True:
-            await watcher.wait_readable()
-            while True:
-                try:
-                    identity, frame = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except ValueError:
+            for parts in await watcher.receive(PEER_READ_MAX, recv):
+                if len(parts) != 2:  # a ROUTER gives [identity, frame]; a peer sent more
                     self.stats.bad_peer_messages += 1
                     continue
-                self._on_peer_frame(identity, frame)
+                self._on_peer_frame(parts[0], parts[1])
 
     def _on_peer_frame(self, identity: bytes, frame: bytes) -> None:
         assert self._router is not None
@@ -206,7 +205,7 @@ class OwnerEndpoint:
         for identity, items in out.items():
             frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
             try:
-                self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+                self._router.send_multipart([identity, frame], NOBLOCK)
             except zmq.Again:
                 self.stats.replies_dropped += len(items)  # the forwarder times out, tries the next
         kick(self._router)

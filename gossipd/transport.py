@@ -16,17 +16,25 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 log = logging.getLogger("gossipd.transport")
+
+# Plain ints for the per-message paths: pyzmq's enum members make every `&` a Flag operation
+# (an EVENTS check measured 5.6 us with them, 3.5 us with ints).
+EVENTS = int(zmq.EVENTS)
+POLLIN = int(zmq.POLLIN)
+POLLOUT = int(zmq.POLLOUT)
+NOBLOCK = int(zmq.NOBLOCK)
 
 RECHECK_S = 0.05
 
 
 async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = None) -> bool:
     """Wait until ``sock``'s ZMQ_EVENTS has a bit of ``mask``; False on timeout."""
-    if sock.getsockopt(zmq.EVENTS) & mask:
+    if sock.getsockopt(EVENTS) & mask:
         return True
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -49,7 +57,7 @@ async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = Non
             loop.remove_reader(fd)
             if _waiters.get(id(sock)) is wake:
                 del _waiters[id(sock)]
-        if sock.getsockopt(zmq.EVENTS) & mask:
+        if sock.getsockopt(EVENTS) & mask:
             return True
 
 
@@ -84,6 +92,9 @@ class Watcher:
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._fut: asyncio.Future[None] | None = None
+        # True while the last call on the socket was our EVENTS read that found nothing to
+        # read: that read re-armed the fd, so a wait need not read EVENTS again first.
+        self._armed = False
         self._loop.add_reader(self._fd, self._on_fd)
         _waiters[id(sock)] = self._on_fd
 
@@ -95,10 +106,25 @@ class Watcher:
         else:
             # Nobody waits (the reader is busy): reading EVENTS resets the fd, which would
             # otherwise be reported readable on every loop turn; the state stays in ZeroMQ.
-            self._sock.getsockopt(zmq.EVENTS)
+            # Also called by kick() after a send on this socket, which may have used the
+            # fd's signal: the next wait must read EVENTS first.
+            self._armed = False
+            self._sock.getsockopt(EVENTS)
 
-    async def wait_readable(self) -> None:
-        while not (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+    async def receive(self, batch_max: int, recv: Callable[[int], Any]) -> list[Any]:
+        """Wait for at least one message; return up to ``batch_max`` queued ones, read by
+        ``recv`` (the socket's recv or recv_multipart)."""
+        sock = self._sock
+        while True:
+            if not self._armed:
+                messages = self._take(batch_max, recv)
+                if messages:
+                    return messages
+                # Ended on zmq.Again: reading EVENTS re-arms the fd (and may show a message
+                # that came meanwhile).
+                if sock.getsockopt(EVENTS) & POLLIN:
+                    continue
+            self._armed = False
             fut = self._fut = self._loop.create_future()
             timer = self._loop.call_later(RECHECK_S, self._on_fd)
             try:
@@ -106,6 +132,26 @@ class Watcher:
             finally:
                 timer.cancel()
                 self._fut = None
+
+    def _take(self, batch_max: int, recv: Callable[[int], Any]) -> list[Any]:
+        """Up to ``batch_max`` queued messages, never blocking.  A lone message, the common
+        case below saturation, ends with an EVENTS read (3.5 us) that also arms the next
+        wait, instead of a zmq.Again exception (7.9 us) and then that read; a backlog ends
+        with the exception, once."""
+        try:
+            first = recv(NOBLOCK)
+        except zmq.Again:
+            return []
+        if not (self._sock.getsockopt(EVENTS) & POLLIN):
+            self._armed = True
+            return [first]
+        messages = [first]
+        try:
+            while len(messages) < batch_max:
+                messages.append(recv(NOBLOCK))
+        except zmq.Again:
+            pass
+        return messages
 
     def close(self) -> None:
         self._loop.remove_reader(self._fd)
@@ -117,19 +163,18 @@ async def recv_batch(
     sock: zmq.Socket, batch_max: int, watcher: Watcher | None = None
 ) -> list[bytes]:
     """Wait for at least one message, then return up to ``batch_max`` queued ones."""
+    if watcher is not None:
+        return await watcher.receive(batch_max, sock.recv)  # type: ignore[no-any-return]
     while True:
         frames: list[bytes] = []
         try:
             while len(frames) < batch_max:
-                frames.append(sock.recv(zmq.NOBLOCK))
+                frames.append(sock.recv(NOBLOCK))
         except zmq.Again:
             pass
         if frames:
             return frames
-        if watcher is not None:
-            await watcher.wait_readable()
-        else:
-            await wait_events(sock, zmq.POLLIN)
+        await wait_events(sock, POLLIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +296,9 @@ class ReplySender:
             if not peer.queue:
                 try:
                     if len(frames) == 1:
-                        peer.sock.send(frames[0], zmq.NOBLOCK)
+                        peer.sock.send(frames[0], NOBLOCK)
                     else:
-                        peer.sock.send_multipart(frames, zmq.NOBLOCK)
+                        peer.sock.send_multipart(frames, NOBLOCK)
                     self._sent += len(frames)
                     continue
                 except zmq.Again:
@@ -272,7 +317,7 @@ class ReplySender:
     async def _flush(self, peer: _Peer) -> None:
         try:
             while peer.queue:
-                if not await wait_events(peer.sock, zmq.POLLOUT, self._timeout_s):
+                if not await wait_events(peer.sock, POLLOUT, self._timeout_s):
                     dropped = len(peer.queue)
                     self._dropped_undeliverable += dropped
                     log.warning(
@@ -286,7 +331,7 @@ class ReplySender:
                     return
                 try:
                     while peer.queue:
-                        peer.sock.send(peer.queue[0], zmq.NOBLOCK)
+                        peer.sock.send(peer.queue[0], NOBLOCK)
                         peer.queue.popleft()
                         self._sent += 1
                 except zmq.Again:
