@@ -40,7 +40,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
-from gossipd.transport import NOBLOCK, POLLOUT, recv_batch, wait_events
+from gossipd.transport import NOBLOCK, POLLOUT, Watcher, recv_batch, wait_events
 
 log = logging.getLogger("gossipd.client")
 
@@ -343,9 +343,17 @@ class Client:
 
     async def _receive_forever(self) -> None:
         assert self._pull is not None
+        watcher = Watcher(self._pull)  # closed below, before close() closes the socket
+        try:
+            await self._receive_with(watcher)
+        finally:
+            watcher.close()
+
+    async def _receive_with(self, watcher: Watcher) -> None:
+        assert self._pull is not None
         loop = asyncio.get_running_loop()
         while True:
-            for frame in await recv_batch(self._pull, 512):
+            for frame in await recv_batch(self._pull, 512, watcher):
                 try:
                     reply = decode_reply(frame)
                 except RemoteProtocolError as exc:
