@@ -4,9 +4,10 @@ We drive plain (non-asyncio) pyzmq sockets ourselves: the loop watches each sock
 and we drain with NOBLOCK calls.  That costs no Future per message, which matters at tens of
 thousands of messages per second on two cores.
 
-ZMQ_FD is edge-triggered: it signals "look at ZMQ_EVENTS again", not "readable".  So every
-wait re-checks ZMQ_EVENTS after arming the reader, and also every ``recheck_s`` in case another
-call on the same socket consumed the signal.
+ZMQ_FD is edge-triggered: it signals "look at ZMQ_EVENTS again", not "readable".  So a wait
+starts only after a read of ZMQ_EVENTS that found nothing (a reader that just made that read
+waits without repeating it), and also re-checks every ``RECHECK_S`` in case another call on the
+same socket consumed the signal; a send on a socket that a reader waits on calls ``kick``.
 """
 
 from __future__ import annotations

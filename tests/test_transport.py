@@ -6,9 +6,10 @@ import asyncio
 
 import zmq
 
+import gossipd.transport as transport
 from gossipd.launcher import free_tcp_port
 from gossipd.logs import RateLimiter
-from gossipd.transport import ReplySender, recv_batch, wait_events
+from gossipd.transport import ReplySender, Watcher, kick, recv_batch, wait_events
 
 
 def _sender(ctx: zmq.Context, **overrides: float) -> ReplySender:
@@ -108,6 +109,63 @@ def test_wait_events_times_out_on_a_silent_socket() -> None:
             ctx.term()
 
     assert asyncio.run(main()) is False
+
+
+def test_Watcher_receives_lone_messages_and_backlogs_with_no_missed_wake_up(
+    monkeypatch: object,
+) -> None:
+    """A reader that waits without re-reading EVENTS (after the read that ended its last
+    batch) must still see every message: lone ones, a backlog in bounded batches, and one that
+    arrives after a send on the reader's own socket (which may use the fd's signal; kick()
+    re-arms).  The periodic recheck is pushed out to 60 s, so a missed wake-up would time
+    out here instead of being papered over by it."""
+    monkeypatch.setattr(transport, "RECHECK_S", 60.0)  # type: ignore[attr-defined]
+
+    async def main() -> tuple[list[list[list[bytes]]], list[bytes]]:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        watcher = Watcher(router)
+        batches: list[list[list[bytes]]] = []
+        try:
+            for i in range(5):  # lone messages, each sent while the reader waits
+                dealer.send(b"lone-%d" % i)
+                batches.append(await asyncio.wait_for(watcher.receive(4, router.recv_multipart), 5))
+            for i in range(10):  # a backlog: batches of at most 4
+                dealer.send(b"backlog-%d" % i)
+            await asyncio.sleep(0.2)
+            got = 0
+            while got < 10:
+                batch = await asyncio.wait_for(watcher.receive(4, router.recv_multipart), 5)
+                batches.append(batch)
+                got += len(batch)
+            identity = batches[0][0][0]
+            for i in range(5):  # the reader's socket sends, then a message comes in
+                router.send_multipart([identity, b"reply-%d" % i])
+                kick(router)
+                dealer.send(b"after-send-%d" % i)
+                batches.append(await asyncio.wait_for(watcher.receive(4, router.recv_multipart), 5))
+            replies = [dealer.recv() for _ in range(5)]
+        finally:
+            watcher.close()
+            router.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+        return batches, replies
+
+    batches, replies = asyncio.run(main())
+    payloads = [parts[1] for batch in batches for parts in batch]
+    assert payloads == (
+        [b"lone-%d" % i for i in range(5)]
+        + [b"backlog-%d" % i for i in range(10)]
+        + [b"after-send-%d" % i for i in range(5)]
+    )
+    assert all(len(batch) == 1 for batch in batches[:5])
+    assert all(1 <= len(batch) <= 4 for batch in batches)
+    assert max(len(batch) for batch in batches[5:-5]) == 4  # the backlog came in full batches
+    assert replies == [b"reply-%d" % i for i in range(5)]
 
 
 def test_RateLimiter_allows_burst_then_rate() -> None:
