@@ -343,43 +343,37 @@ class Client:
 
     async def _receive_forever(self) -> None:
         assert self._pull is not None
-        watcher = Watcher(self._pull)  # closed below, before close() closes the socket
-        try:
-            await self._receive_with(watcher)
-        finally:
-            watcher.close()
-
-    async def _receive_with(self, watcher: Watcher) -> None:
-        assert self._pull is not None
         loop = asyncio.get_running_loop()
-        while True:
-            for frame in await recv_batch(self._pull, 512, watcher):
-                try:
-                    reply = decode_reply(frame)
-                except RemoteProtocolError as exc:
-                    self._stats["bad_replies"] += 1
-                    log.warning("undecodable reply", extra={"hint": exc.hint[:200]})
-                    continue
-                handle = self._outstanding.get(reply.id)
-                if handle is None:
-                    self._stats["unknown_replies"] += 1  # late duplicate of a finished task
-                    continue
-                if isinstance(reply, Chunk):
-                    if not handle._on_chunk(reply):
-                        self._stats["duplicate_replies"] += 1
-                    continue
-                code = reply.error.code if reply.error is not None else ""
-                deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0
-                retry_s = (reply.error.retry_after_ms / 1000.0) if reply.error is not None else 0.0
-                if code in self._retry_codes and loop.time() + retry_s < deadline:
-                    self._stats["retried"] += 1
-                    if handle._timer is not None:
-                        handle._timer.cancel()
-                    handle._timer = loop.call_later(
-                        max(retry_s, 0.001), self._resend, handle, loop, None
-                    )
-                    continue
-                self._complete(handle, reply)
+        with Watcher(self._pull) as watcher:  # closed before close() closes the socket
+            while True:
+                for frame in await recv_batch(self._pull, 512, watcher):
+                    self._on_reply(frame, loop)
+
+    def _on_reply(self, frame: bytes, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            reply = decode_reply(frame)
+        except RemoteProtocolError as exc:
+            self._stats["bad_replies"] += 1
+            log.warning("undecodable reply", extra={"hint": exc.hint[:200]})
+            return
+        handle = self._outstanding.get(reply.id)
+        if handle is None:
+            self._stats["unknown_replies"] += 1  # late duplicate of a finished task
+            return
+        if isinstance(reply, Chunk):
+            if not handle._on_chunk(reply):
+                self._stats["duplicate_replies"] += 1
+            return
+        code = reply.error.code if reply.error is not None else ""
+        deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0
+        retry_s = (reply.error.retry_after_ms / 1000.0) if reply.error is not None else 0.0
+        if code in self._retry_codes and loop.time() + retry_s < deadline:
+            self._stats["retried"] += 1
+            if handle._timer is not None:
+                handle._timer.cancel()
+            handle._timer = loop.call_later(max(retry_s, 0.001), self._resend, handle, loop, None)
+            return
+        self._complete(handle, reply)
 
     def statistics(self) -> ClientStatistics:
         return ClientStatistics(**{**self._stats, "outstanding": len(self._outstanding)})

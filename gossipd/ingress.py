@@ -139,21 +139,14 @@ class Ingress:
     async def receive_forever(self) -> None:
         assert self._sock is not None, "bind() first"
         clock = time.monotonic
-        watcher = Watcher(self._sock)
-        try:
-            await self._receive(watcher, clock)
-        finally:
-            watcher.close()
-
-    async def _receive(self, watcher: Watcher, clock: Callable[[], float]) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await recv_batch(self._sock, self._config.recv_batch_max, watcher)
-            now = clock()
-            for frame in frames:
-                self.handle_frame(frame, now)
-            # Let workers run between batches, so results flow while input floods in.
-            await asyncio.sleep(0)
+        with Watcher(self._sock) as watcher:
+            while True:
+                frames = await recv_batch(self._sock, self._config.recv_batch_max, watcher)
+                now = clock()
+                for frame in frames:
+                    self.handle_frame(frame, now)
+                # Let workers run between batches, so results flow while input floods in.
+                await asyncio.sleep(0)
 
     def drain_socket(self, now: float) -> int:
         """Read what is already queued on the socket (at shutdown, to answer it)."""

@@ -106,20 +106,14 @@ class PeerLinks:
         return peer
 
     async def _read(self, peer: _Peer) -> None:
-        watcher = Watcher(peer.sock)
-        try:
-            await self._read_loop(peer, watcher)
-        finally:
-            watcher.close()
-
-    async def _read_loop(self, peer: _Peer, watcher: Watcher) -> None:
-        recv = peer.sock.recv
-        while True:
-            for frame in await watcher.receive(PEER_READ_MAX, recv):
-                try:
-                    items = peer_items(frame, self._config.message_bytes_max)
-                except RemoteProtocolError:
-                    self._stats.bad_peer_messages += 1
-                    continue
-                for item in items:
-                    self._on_reply(item)
+        with Watcher(peer.sock) as watcher:
+            recv = peer.sock.recv
+            while True:
+                for frame in await watcher.receive(PEER_READ_MAX, recv):
+                    try:
+                        items = peer_items(frame, self._config.message_bytes_max)
+                    except RemoteProtocolError:
+                        self._stats.bad_peer_messages += 1
+                        continue
+                    for item in items:
+                        self._on_reply(item)

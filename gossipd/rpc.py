@@ -97,20 +97,14 @@ class OwnerEndpoint:
     async def _serve_forever(self) -> None:
         sock = self._router
         assert sock is not None
-        watcher = Watcher(sock)
-        try:
-            await self._serve_loop(sock, watcher)
-        finally:
-            watcher.close()
-
-    async def _serve_loop(self, sock: zmq.Socket, watcher: Watcher) -> None:
-        recv = sock.recv_multipart
-        while True:
-            for parts in await watcher.receive(PEER_READ_MAX, recv):
-                if len(parts) != 2:  # a ROUTER gives [identity, frame]; a peer sent more
-                    self.stats.bad_peer_messages += 1
-                    continue
-                self._on_peer_frame(parts[0], parts[1])
+        with Watcher(sock) as watcher:
+            recv = sock.recv_multipart
+            while True:
+                for parts in await watcher.receive(PEER_READ_MAX, recv):
+                    if len(parts) != 2:  # a ROUTER gives [identity, frame]; a peer sent more
+                        self.stats.bad_peer_messages += 1
+                        continue
+                    self._on_peer_frame(parts[0], parts[1])
 
     def _on_peer_frame(self, identity: bytes, frame: bytes) -> None:
         assert self._router is not None
