@@ -1,8 +1,9 @@
 """The forwarder's connections to its peers: one DEALER socket per peer's ROUTER
 (``fanout.rpc_bind``), with a reader task for what comes back (acks, TaskDone).
 
-What is queued for one peer within one loop turn leaves as one message (a PeerBatch when
-there are several), so a burst of forwards costs one send and one wake-up of the peer.
+The first message of a loop turn leaves at once; what follows for one peer within the same
+turn leaves as one message (a PeerBatch when there are several), so a burst of forwards costs
+two sends and wake-ups of the peer, not one per forward.
 Decisions (who gets what, retries, hedging) are the dispatcher's.
 """
 
@@ -69,27 +70,34 @@ class PeerLinks:
         self._peers.clear()
 
     def send(self, addr: str, msg: Outgoing) -> None:
-        """Queue for the peer at ``addr``; everything queued in this loop turn goes as one
-        message."""
-        self._peer(addr).outbox.append(msg)
-        if not self._flush_armed:
-            self._flush_armed = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        """The first message of a loop turn leaves at once (a lone forward should not wait
+        for the rest of the turn); what follows in the same turn is queued and leaves as
+        one message per peer when the turn ends."""
+        peer = self._peer(addr)
+        if self._flush_armed:
+            peer.outbox.append(msg)
+            return
+        self._flush_armed = True
+        asyncio.get_running_loop().call_soon(self._flush)
+        self._send(peer, [msg])
 
     def _flush(self) -> None:
-        """Send what each peer has queued, one message per peer.  A send that cannot go (the
-        peer's queue is full) is left to the ack timeout, which tries the next member."""
+        """Send what each peer has queued since the turn's first message."""
         self._flush_armed = False
         for peer in self._peers.values():
-            if not peer.outbox:
-                continue
-            items, peer.outbox = peer.outbox, []
-            for frame, count in peer_frames(items, self._config.message_bytes_max):
-                try:
-                    peer.sock.send(frame, NOBLOCK)
-                except zmq.Again:
-                    self._stats.attempts_failed += count
-            kick(peer.sock)
+            if peer.outbox:
+                items, peer.outbox = peer.outbox, []
+                self._send(peer, items)
+
+    def _send(self, peer: _Peer, items: list[Outgoing]) -> None:
+        """A send that cannot go (the peer's queue is full) is left to the ack timeout, which
+        tries the next member."""
+        for frame, count in peer_frames(items, self._config.message_bytes_max):
+            try:
+                peer.sock.send(frame, NOBLOCK)
+            except zmq.Again:
+                self._stats.attempts_failed += count
+        kick(peer.sock)
 
     def _peer(self, addr: str) -> _Peer:
         peer = self._peers.get(addr)
