@@ -214,10 +214,11 @@ class ReplySender:
     address's queue (at most ``queue_max``) for up to ``timeout_s``; then it is dropped and
     counted, and the socket is closed.  Messages to one address keep their order.
 
-    Messages for one address within one turn of the event loop leave as one multipart
-    ZeroMQ message (each part still one Chunk or Result, so a producer reading frame by frame
-    sees no difference): when an engine step yields a token for 32 streamed tasks of one
-    producer, that is one send and one wake-up of the producer instead of 32.
+    The first message of a turn of the event loop leaves at once; those that follow for one
+    address within the same turn leave as one multipart ZeroMQ message at the turn's end (each
+    part still one Chunk or Result, so a producer reading frame by frame sees no difference):
+    when an engine step yields a token for 32 streamed tasks of one producer, that is two
+    sends and wake-ups of the producer instead of 32.
     """
 
     def __init__(
@@ -239,6 +240,7 @@ class ReplySender:
         self._idle_closer: asyncio.Task[None] | None = None
         self._closed = False
         self._batched: list[_Peer] = []  # peers with a non-empty batch, in first-use order
+        self._turn_armed = False  # a reply left this turn; the rest wait for _send_batches
         self._sent = 0
         self._dropped_undeliverable = 0
         self._dropped_queue_full = 0
@@ -283,34 +285,43 @@ class ReplySender:
         else:
             self._peers.move_to_end(endpoint)
         peer.last_used = now
-        if not peer.queue:
-            if not peer.batch:
-                if not self._batched:
-                    asyncio.get_running_loop().call_soon(self._send_batches)
-                self._batched.append(peer)
-            peer.batch.append(frame)
+        if peer.queue:
+            self._enqueue(peer, frame)
             return
-        self._enqueue(peer, frame)
+        if not self._turn_armed:
+            # The turn's first reply leaves at once (a lone reply should not wait for the
+            # rest of the turn); what follows in this turn is batched.
+            self._turn_armed = True
+            asyncio.get_running_loop().call_soon(self._send_batches)
+            self._send_now(peer, [frame])
+            return
+        if not peer.batch:
+            self._batched.append(peer)
+        peer.batch.append(frame)
 
     def _send_batches(self) -> None:
         """End of the loop turn: each address's frames as one message, or into its queue."""
+        self._turn_armed = False
         batched, self._batched = self._batched, []
         for peer in batched:
             frames, peer.batch = peer.batch, []
-            if peer.sock.closed or not frames:
-                continue
-            if not peer.queue:
-                try:
-                    if len(frames) == 1:
-                        peer.sock.send(frames[0], NOBLOCK)
-                    else:
-                        peer.sock.send_multipart(frames, NOBLOCK)
-                    self._sent += len(frames)
-                    continue
-                except zmq.Again:
-                    pass  # nothing of a multipart message goes unless all of it does
-            for frame in frames:
-                self._enqueue(peer, frame)
+            if not peer.sock.closed and frames:
+                self._send_now(peer, frames)
+
+    def _send_now(self, peer: _Peer, frames: list[bytes]) -> None:
+        """``frames`` as one message, or into the address's queue if it cannot go now."""
+        if not peer.queue:
+            try:
+                if len(frames) == 1:
+                    peer.sock.send(frames[0], NOBLOCK)
+                else:
+                    peer.sock.send_multipart(frames, NOBLOCK)
+                self._sent += len(frames)
+                return
+            except zmq.Again:
+                pass  # nothing of a multipart message goes unless all of it does
+        for frame in frames:
+            self._enqueue(peer, frame)
 
     def _enqueue(self, peer: _Peer, frame: bytes) -> None:
         if len(peer.queue) >= self._queue_max:

@@ -175,3 +175,38 @@ def test_RateLimiter_allows_burst_then_rate() -> None:
     assert limiter.suppressed == 2
     now[0] = 0.5
     assert limiter.allow() is True and limiter.allow() is False
+
+
+def test_ReplySender_sends_a_turns_first_reply_at_once_and_batches_the_rest() -> None:
+    """A lone reply must not wait for the end of the loop turn (latency); the replies that
+    follow it in the same turn leave together as one multipart message (one wake-up)."""
+
+    async def main(ctx: zmq.Context) -> tuple[list[bytes], int, list[bytes]]:
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        sender = _sender(ctx)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                sender.start(tg)
+                sender.send(endpoint, b"warm")  # connects (IMMEDIATE: live links only)
+                assert await asyncio.wait_for(recv_batch(pull, 10), 5) == [b"warm"]
+                for i in range(5):  # one turn: no await in between
+                    sender.send(endpoint, str(i).encode())
+                # Still inside the turn (blocking waits; the loop does not run).
+                first = pull.recv_multipart() if pull.poll(2000) else []
+                before_turn_end = pull.poll(100)
+                await asyncio.sleep(0)  # the turn ends: the batch goes
+                rest = pull.recv_multipart() if pull.poll(2000) else []
+                sender.stop()
+        finally:
+            sender.close(linger_ms=0)
+        return first, before_turn_end, rest
+
+    ctx = zmq.Context()
+    try:
+        first, before_turn_end, rest = asyncio.run(main(ctx))
+    finally:
+        ctx.destroy(linger=0)
+    assert first == [b"0"]
+    assert before_turn_end == 0
+    assert rest == [b"1", b"2", b"3", b"4"]
