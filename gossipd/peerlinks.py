@@ -1,9 +1,10 @@
 """The forwarder's connections to its peers: one DEALER socket per peer's ROUTER
 (``fanout.rpc_bind``), with a reader task for what comes back (acks, TaskDone).
 
-The first message of a loop turn leaves at once; what follows for one peer within the same
-turn leaves as one message (a PeerBatch when there are several), so a burst of forwards costs
-two sends and wake-ups of the peer, not one per forward.
+What is queued for one peer within one loop turn leaves as one message (a PeerBatch when
+there are several), so a burst of forwards costs one send and one wake-up of the peer.  When
+the last turn sent one message at most (light load), a turn's first message leaves at once:
+a lone forward does not wait for the rest of the turn.
 Decisions (who gets what, retries, hedging) are the dispatcher's.
 """
 
@@ -51,7 +52,9 @@ class PeerLinks:
         self._stats = stats
         self._on_reply = on_reply  # each decoded item a peer sent back, in order
         self._peers: dict[str, _Peer] = {}
-        self._flush_armed = False
+        self._flush_armed = False  # _flush is due at the end of this turn
+        self._turn_sends = 0  # messages sent or queued in this turn
+        self._quiet = True  # the last turn had one message at most: send the first at once
         self._tg: asyncio.TaskGroup | None = None
 
     def start(self, tg: asyncio.TaskGroup) -> None:
@@ -70,20 +73,26 @@ class PeerLinks:
         self._peers.clear()
 
     def send(self, addr: str, msg: Outgoing) -> None:
-        """The first message of a loop turn leaves at once (a lone forward should not wait
-        for the rest of the turn); what follows in the same turn is queued and leaves as
-        one message per peer when the turn ends."""
+        """Queue for the peer at ``addr``; what is queued in this loop turn leaves as one
+        message per peer when the turn ends (see the module docstring for the exception)."""
         peer = self._peer(addr)
-        if self._flush_armed:
-            peer.outbox.append(msg)
-            return
-        self._flush_armed = True
-        asyncio.get_running_loop().call_soon(self._flush)
-        self._send(peer, [msg])
+        if not self._flush_armed:
+            self._flush_armed = True
+            self._turn_sends = 0
+            asyncio.get_running_loop().call_soon(self._flush)
+            if self._quiet:
+                # The last turn sent one message at most: this one leaves at once rather
+                # than wait for the rest of the turn (latency); under load all are batched.
+                self._turn_sends = 1
+                self._send(peer, [msg])
+                return
+        self._turn_sends += 1
+        peer.outbox.append(msg)
 
     def _flush(self) -> None:
         """Send what each peer has queued since the turn's first message."""
         self._flush_armed = False
+        self._quiet = self._turn_sends <= 1
         for peer in self._peers.values():
             if peer.outbox:
                 items, peer.outbox = peer.outbox, []

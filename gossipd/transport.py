@@ -214,11 +214,12 @@ class ReplySender:
     address's queue (at most ``queue_max``) for up to ``timeout_s``; then it is dropped and
     counted, and the socket is closed.  Messages to one address keep their order.
 
-    The first message of a turn of the event loop leaves at once; those that follow for one
-    address within the same turn leave as one multipart ZeroMQ message at the turn's end (each
-    part still one Chunk or Result, so a producer reading frame by frame sees no difference):
-    when an engine step yields a token for 32 streamed tasks of one producer, that is two
-    sends and wake-ups of the producer instead of 32.
+    Messages for one address within one turn of the event loop leave as one multipart
+    ZeroMQ message at the turn's end (each part still one Chunk or Result, so a producer
+    reading frame by frame sees no difference): when an engine step yields a token for 32
+    streamed tasks of one producer, that is one send and one wake-up of the producer instead
+    of 32.  When the last turn sent one reply at most (light load), a turn's first reply
+    leaves at once instead: a lone reply does not wait for the rest of the turn.
     """
 
     def __init__(
@@ -240,7 +241,9 @@ class ReplySender:
         self._idle_closer: asyncio.Task[None] | None = None
         self._closed = False
         self._batched: list[_Peer] = []  # peers with a non-empty batch, in first-use order
-        self._turn_armed = False  # a reply left this turn; the rest wait for _send_batches
+        self._turn_armed = False  # _send_batches is due at the end of this turn
+        self._turn_frames = 0  # replies sent or batched in this turn
+        self._quiet = True  # the last turn had one reply at most: send the first at once
         self._sent = 0
         self._dropped_undeliverable = 0
         self._dropped_queue_full = 0
@@ -289,12 +292,16 @@ class ReplySender:
             self._enqueue(peer, frame)
             return
         if not self._turn_armed:
-            # The turn's first reply leaves at once (a lone reply should not wait for the
-            # rest of the turn); what follows in this turn is batched.
             self._turn_armed = True
+            self._turn_frames = 0
             asyncio.get_running_loop().call_soon(self._send_batches)
-            self._send_now(peer, [frame])
-            return
+            if self._quiet:
+                # The last turn sent one reply at most: this one leaves at once rather than
+                # wait for the rest of the turn (latency); under load everything is batched.
+                self._turn_frames = 1
+                self._send_now(peer, [frame])
+                return
+        self._turn_frames += 1
         if not peer.batch:
             self._batched.append(peer)
         peer.batch.append(frame)
@@ -302,6 +309,7 @@ class ReplySender:
     def _send_batches(self) -> None:
         """End of the loop turn: each address's frames as one message, or into its queue."""
         self._turn_armed = False
+        self._quiet = self._turn_frames <= 1
         batched, self._batched = self._batched, []
         for peer in batched:
             frames, peer.batch = peer.batch, []

@@ -18,9 +18,10 @@ def _forward(req: int) -> Forward:
     return Forward(req=req, src="a", task=task, remaining_ms=1000)
 
 
-def test_PeerLinks_sends_a_turns_first_forward_at_once_and_batches_the_rest() -> None:
-    """A lone forward leaves without waiting for the end of the loop turn (the hop's
-    latency); the forwards that follow it in the same turn go as one PeerBatch."""
+def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> None:
+    """Under light load a turn's first forward leaves without waiting for the end of the
+    turn (the hop's latency); the forwards that follow it in the same turn go as one
+    PeerBatch, and after a busy turn the whole next turn is batched."""
     config = FanoutConfig()
 
     async def main(ctx: zmq.Context) -> tuple[list[int], int, list[int]]:
@@ -43,10 +44,18 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_and_batches_the_rest() ->
                 before_turn_end = router.poll(100)
                 await asyncio.sleep(0)  # the turn ends: the batch goes
                 rest = reqs()
+                # Under load (the last turn sent several) even a turn's first forward waits.
+                links.send(addr, _forward(5))
+                busy_before_turn_end = router.poll(100)
+                await asyncio.sleep(0)
+                rest += [0, *reqs()]
+                # That turn had one forward: light load again, the next one leaves at once.
+                links.send(addr, _forward(6))
+                rest += [0, *reqs()]
                 links.stop()
         finally:
             links.close()
-        return first, before_turn_end, rest
+        return first, before_turn_end + busy_before_turn_end, rest
 
     ctx = zmq.Context()
     try:
@@ -55,4 +64,4 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_and_batches_the_rest() ->
         ctx.destroy(linger=0)
     assert first == [1]
     assert before_turn_end == 0
-    assert rest == [2, 3, 4]
+    assert rest == [2, 3, 4, 0, 5, 0, 6]

@@ -177,9 +177,10 @@ def test_RateLimiter_allows_burst_then_rate() -> None:
     assert limiter.allow() is True and limiter.allow() is False
 
 
-def test_ReplySender_sends_a_turns_first_reply_at_once_and_batches_the_rest() -> None:
-    """A lone reply must not wait for the end of the loop turn (latency); the replies that
-    follow it in the same turn leave together as one multipart message (one wake-up)."""
+def test_ReplySender_sends_a_turns_first_reply_at_once_under_light_load() -> None:
+    """Under light load a turn's first reply does not wait for the end of the turn (latency);
+    the replies that follow it in the same turn leave together as one multipart message (one
+    wake-up), and after a busy turn the whole next turn is batched."""
 
     async def main(ctx: zmq.Context) -> tuple[list[bytes], int, list[bytes]]:
         pull = ctx.socket(zmq.PULL)
@@ -197,10 +198,20 @@ def test_ReplySender_sends_a_turns_first_reply_at_once_and_batches_the_rest() ->
                 before_turn_end = pull.poll(100)
                 await asyncio.sleep(0)  # the turn ends: the batch goes
                 rest = pull.recv_multipart() if pull.poll(2000) else []
+                # Under load (the last turn sent several) even a turn's first reply waits.
+                sender.send(endpoint, b"5")
+                busy_before_turn_end = pull.poll(100)
+                await asyncio.sleep(0)
+                rest.append(b"|")
+                rest += pull.recv_multipart() if pull.poll(2000) else []
+                # That turn had one reply: light load again, the next one leaves at once.
+                sender.send(endpoint, b"6")
+                rest.append(b"|")
+                rest += pull.recv_multipart() if pull.poll(2000) else []
                 sender.stop()
         finally:
             sender.close(linger_ms=0)
-        return first, before_turn_end, rest
+        return first, before_turn_end + busy_before_turn_end, rest
 
     ctx = zmq.Context()
     try:
@@ -209,4 +220,4 @@ def test_ReplySender_sends_a_turns_first_reply_at_once_and_batches_the_rest() ->
         ctx.destroy(linger=0)
     assert first == [b"0"]
     assert before_turn_end == 0
-    assert rest == [b"1", b"2", b"3", b"4"]
+    assert rest == [b"1", b"2", b"3", b"4", b"|", b"5", b"|", b"6"]
