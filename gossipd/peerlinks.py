@@ -20,7 +20,7 @@ from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Forward, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.rpc import PEER_READ_MAX, peer_frames, peer_items
-from gossipd.transport import NOBLOCK, Watcher, kick
+from gossipd.transport import NOBLOCK, TurnBatching, Watcher, kick
 
 if TYPE_CHECKING:
     from gossipd.dispatch import DispatchStatistics
@@ -52,9 +52,7 @@ class PeerLinks:
         self._stats = stats
         self._on_reply = on_reply  # each decoded item a peer sent back, in order
         self._peers: dict[str, _Peer] = {}
-        self._flush_armed = False  # _flush is due at the end of this turn
-        self._turn_sends = 0  # messages sent or queued in this turn
-        self._quiet = True  # the last turn had one message at most: send the first at once
+        self._turn = TurnBatching(self._flush)
         self._tg: asyncio.TaskGroup | None = None
 
     def start(self, tg: asyncio.TaskGroup) -> None:
@@ -74,25 +72,16 @@ class PeerLinks:
 
     def send(self, addr: str, msg: Outgoing) -> None:
         """Queue for the peer at ``addr``; what is queued in this loop turn leaves as one
-        message per peer when the turn ends (see the module docstring for the exception)."""
+        message per peer when the turn ends, except a lone message under light load
+        (TurnBatching)."""
         peer = self._peer(addr)
-        if not self._flush_armed:
-            self._flush_armed = True
-            self._turn_sends = 0
-            asyncio.get_running_loop().call_soon(self._flush)
-            if self._quiet:
-                # The last turn sent one message at most: this one leaves at once rather
-                # than wait for the rest of the turn (latency); under load all are batched.
-                self._turn_sends = 1
-                self._send(peer, [msg])
-                return
-        self._turn_sends += 1
-        peer.outbox.append(msg)
+        if self._turn.send_now():
+            self._send(peer, [msg])
+        else:
+            peer.outbox.append(msg)
 
     def _flush(self) -> None:
         """Send what each peer has queued since the turn's first message."""
-        self._flush_armed = False
-        self._quiet = self._turn_sends <= 1
         for peer in self._peers.values():
             if peer.outbox:
                 items, peer.outbox = peer.outbox, []

@@ -206,6 +206,38 @@ class _Peer:
         self.flusher: asyncio.Task[None] | None = None
 
 
+class TurnBatching:
+    """Whether a message leaves at once or waits for the end of the loop turn.
+
+    Messages of one turn wait and leave together when it ends (``on_turn_end`` sends them):
+    one wake-up of the receiver for many.  When the previous turn sent one message at most
+    (light load), a turn's first message leaves at once instead, so that a lone message does
+    not wait for the rest of its turn."""
+
+    __slots__ = ("_armed", "_count", "_on_turn_end", "_quiet")
+
+    def __init__(self, on_turn_end: Callable[[], None]) -> None:
+        self._on_turn_end = on_turn_end
+        self._armed = False  # on_turn_end is due at the end of this turn
+        self._count = 0  # messages in this turn
+        self._quiet = True  # the last turn had one message at most
+
+    def send_now(self) -> bool:
+        """Count one message: True to send it now, False to queue it for the turn's end."""
+        if self._armed:
+            self._count += 1
+            return False
+        self._armed = True
+        self._count = 1
+        asyncio.get_running_loop().call_soon(self._end_turn)
+        return self._quiet
+
+    def _end_turn(self) -> None:
+        self._armed = False
+        self._quiet = self._count <= 1
+        self._on_turn_end()
+
+
 class ReplySender:
     """Sends results and chunks to producers' reply addresses by PUSH, never blocking.
 
@@ -241,9 +273,7 @@ class ReplySender:
         self._idle_closer: asyncio.Task[None] | None = None
         self._closed = False
         self._batched: list[_Peer] = []  # peers with a non-empty batch, in first-use order
-        self._turn_armed = False  # _send_batches is due at the end of this turn
-        self._turn_frames = 0  # replies sent or batched in this turn
-        self._quiet = True  # the last turn had one reply at most: send the first at once
+        self._turn = TurnBatching(self._send_batches)
         self._sent = 0
         self._dropped_undeliverable = 0
         self._dropped_queue_full = 0
@@ -291,25 +321,15 @@ class ReplySender:
         if peer.queue:
             self._enqueue(peer, frame)
             return
-        if not self._turn_armed:
-            self._turn_armed = True
-            self._turn_frames = 0
-            asyncio.get_running_loop().call_soon(self._send_batches)
-            if self._quiet:
-                # The last turn sent one reply at most: this one leaves at once rather than
-                # wait for the rest of the turn (latency); under load everything is batched.
-                self._turn_frames = 1
-                self._send_now(peer, [frame])
-                return
-        self._turn_frames += 1
+        if self._turn.send_now():
+            self._send_now(peer, [frame])
+            return
         if not peer.batch:
             self._batched.append(peer)
         peer.batch.append(frame)
 
     def _send_batches(self) -> None:
         """End of the loop turn: each address's frames as one message, or into its queue."""
-        self._turn_armed = False
-        self._quiet = self._turn_frames <= 1
         batched, self._batched = self._batched, []
         for peer in batched:
             frames, peer.batch = peer.batch, []
