@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,12 +21,39 @@ from pathlib import Path
 from typing import Any
 
 _handed_out: set[int] = set()
+_rng = random.Random()  # seeded from os.urandom: processes choosing at once do not agree
+_PORTS_BELOW_EPHEMERAL = 10_000  # how far below the kernel's ephemeral range to choose
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_tcp_port() -> int:
     """A loopback port nobody listens on, never the same twice in this process (the kernel
-    happily returns a port it just returned, and a daemon needs three distinct ones)."""
-    while True:
+    happily returns a port it just returned, and a daemon needs three distinct ones).
+
+    Chosen below the kernel's ephemeral range: a daemon with vLLM binds its ports a minute
+    after they are chosen (the engine starts first), and a port from the ephemeral range can
+    be taken meanwhile as the source port of any outgoing connection on the machine."""
+    low = _ephemeral_low()
+    first = max(1024, low - _PORTS_BELOW_EPHEMERAL)
+    for _ in range(200 if low - first >= 1000 else 0):
+        port = _rng.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    while True:  # no room below the ephemeral range: let the kernel choose
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])

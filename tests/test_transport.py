@@ -221,3 +221,18 @@ def test_ReplySender_sends_a_turns_first_reply_at_once_under_light_load() -> Non
     assert first == [b"0"]
     assert before_turn_end == 0
     assert rest == [b"1", b"2", b"3", b"4", b"|", b"5", b"|", b"6"]
+
+
+def test_free_tcp_port_chooses_distinct_bindable_ports_below_the_ephemeral_range() -> None:
+    """A daemon with vLLM binds its ports a minute after the harness chose them; outgoing
+    connections take their source ports from the ephemeral range, so ports come from below."""
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_tcp_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    assert all(1024 <= port < low for port in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
