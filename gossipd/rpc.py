@@ -197,11 +197,11 @@ class OwnerEndpoint:
         if self._router is None:
             return
         for identity, items in out.items():
-            frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
-            try:
-                self._router.send_multipart([identity, frame], NOBLOCK)
-            except zmq.Again:
-                self.stats.replies_dropped += len(items)  # the forwarder times out, tries the next
+            for frame, count in peer_frames(items, self.config.message_bytes_max):
+                try:
+                    self._router.send_multipart([identity, frame], NOBLOCK)
+                except zmq.Again:
+                    self.stats.replies_dropped += count  # the forwarder times out, tries the next
         kick(self._router)
 
     def task_finished(self, task: Task, result: Result) -> None:
