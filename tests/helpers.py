@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import zmq
 
 from gossipd.metrics import scrape  # noqa: F401  (re-exported for the tests)
 from gossipd.tinymodel import engine_overrides as tiny_engine_overrides
+
+T = TypeVar("T")
+
+
+def run_with_context(main: Callable[[zmq.Context], Coroutine[Any, Any, T]]) -> T:
+    """``asyncio.run(main(ctx))`` with a fresh ZeroMQ context, destroyed (linger 0) even when
+    ``main`` fails, so a failing test fails instead of hanging in ``term()``."""
+    ctx = zmq.Context()
+    try:
+        return asyncio.run(main(ctx))
+    finally:
+        ctx.destroy(linger=0)
 
 
 class RawProducer:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gossipd.config import FanoutConfig
-from gossipd.core.messages import Forward, Task
+from gossipd.core.messages import Forward, Task, TaskDone
 from gossipd.dispatch import DispatchStatistics
 from gossipd.peerlinks import PeerLinks
-from gossipd.rpc import peer_items
+from gossipd.rpc import peer_frames, peer_items
+from tests.helpers import run_with_context
 
 
 def _forward(req: int) -> Forward:
@@ -57,11 +60,24 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> Non
             links.close()
         return first, before_turn_end + busy_before_turn_end, rest
 
-    ctx = zmq.Context()
-    try:
-        first, before_turn_end, rest = asyncio.run(main(ctx))
-    finally:
-        ctx.destroy(linger=0)
+    first, before_turn_end, rest = run_with_context(main)
     assert first == [1]
     assert before_turn_end == 0
     assert rest == [2, 3, 4, 0, 5, 0, 6]
+
+
+@given(
+    ids=st.lists(st.text("abcdefghij0123456789", min_size=1, max_size=60), min_size=1, max_size=80),
+    bytes_max=st.integers(min_value=40, max_value=4000),
+)
+def test_peer_frames_split_under_the_limit_and_peer_items_give_back_every_item(
+    ids: list[str], bytes_max: int
+) -> None:
+    """What the forwarder and the owner send each other: frames within the receiver's limit
+    (unless one item alone is larger), decoding to the same items in the same order."""
+    items = [TaskDone(id=i, node="n") for i in ids]
+    frames = peer_frames(items, bytes_max)
+    assert sum(count for _, count in frames) == len(items)
+    assert all(len(frame) <= bytes_max or count == 1 for frame, count in frames)
+    decoded = [item for frame, _ in frames for item in peer_items(frame, 1 << 20)]
+    assert decoded == items

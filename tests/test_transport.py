@@ -10,6 +10,7 @@ import gossipd.transport as transport
 from gossipd.launcher import free_tcp_port
 from gossipd.logs import RateLimiter
 from gossipd.transport import ReplySender, Watcher, kick, recv_batch, wait_events
+from tests.helpers import run_with_context
 
 
 def _sender(ctx: zmq.Context, **overrides: float) -> ReplySender:
@@ -213,11 +214,7 @@ def test_ReplySender_sends_a_turns_first_reply_at_once_under_light_load() -> Non
             sender.close(linger_ms=0)
         return first, before_turn_end + busy_before_turn_end, rest
 
-    ctx = zmq.Context()
-    try:
-        first, before_turn_end, rest = asyncio.run(main(ctx))
-    finally:
-        ctx.destroy(linger=0)
+    first, before_turn_end, rest = run_with_context(main)
     assert first == [b"0"]
     assert before_turn_end == 0
     assert rest == [b"1", b"2", b"3", b"4", b"|", b"5", b"|", b"6"]
