@@ -40,7 +40,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
-from gossipd.transport import NOBLOCK, POLLOUT, Watcher, recv_batch, wait_events
+from gossipd.transport import NOBLOCK, POLLOUT, SocketReader, wait_events
 
 log = logging.getLogger("gossipd.client")
 
@@ -152,7 +152,7 @@ class Client:
         self._outstanding: dict[str, TaskHandle] = {}
         self._push: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
-        self._receiver: asyncio.Task[None] | None = None
+        self._receiver: SocketReader | None = None
         self._unsent: deque[bytes] = deque()
         self._flusher: asyncio.Task[None] | None = None
         self.reply_to = ""
@@ -180,15 +180,17 @@ class Client:
         self._push.setsockopt(zmq.LINGER, 1000)
         for endpoint in self._endpoints:
             self._push.connect(endpoint)
-        self._receiver = asyncio.get_running_loop().create_task(self._receive_forever())
+        loop = asyncio.get_running_loop()
+        self._receiver = SocketReader(
+            self._pull, self._pull.recv, 512, lambda frames: self._on_replies(frames, loop)
+        )
 
     async def close(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
         if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+            self._receiver.close()  # before the socket closes
             self._receiver = None
         for handle in list(self._outstanding.values()):
             if handle._timer is not None:
@@ -341,13 +343,9 @@ class Client:
         self._slots.release()
         handle._resolve(result)
 
-    async def _receive_forever(self) -> None:
-        assert self._pull is not None
-        loop = asyncio.get_running_loop()
-        with Watcher(self._pull) as watcher:  # closed before close() closes the socket
-            while True:
-                for frame in await recv_batch(self._pull, 512, watcher):
-                    self._on_reply(frame, loop)
+    def _on_replies(self, frames: list[bytes], loop: asyncio.AbstractEventLoop) -> None:
+        for frame in frames:
+            self._on_reply(frame, loop)
 
     def _on_reply(self, frame: bytes, loop: asyncio.AbstractEventLoop) -> None:
         try:

@@ -162,7 +162,7 @@ class Daemon:
                 self.replies.start(tg)
                 if self.dispatcher is not None:
                     self.dispatcher.start(tg)
-                receiver = tg.create_task(self.ingress.receive_forever(), name="ingress-receive")
+                self.ingress.start_receiving()
                 workers = [
                     tg.create_task(self.ingress.work_forever(), name=f"worker-{i}")
                     for i in range(self.config.ingress.concurrency_max)
@@ -193,7 +193,7 @@ class Daemon:
                     },
                 )
                 await self._stop.wait()
-                await self._shut_down(receiver, workers)
+                await self._shut_down(workers)
                 if self.gossip is not None:
                     await self.gossip.leave()
                     self.gossip.stop()
@@ -252,9 +252,7 @@ class Daemon:
                 "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}
             )
 
-    async def _shut_down(
-        self, receiver: asyncio.Task[None], workers: list[asyncio.Task[None]]
-    ) -> None:
+    async def _shut_down(self, workers: list[asyncio.Task[None]]) -> None:
         grace_s = self.config.lifecycle.shutdown_grace_s
         self.notifier.stopping()
         if self.gossip is not None and not self.engine_dead:
@@ -278,8 +276,7 @@ class Daemon:
         for worker in workers:
             worker.cancel()  # a running task answers shutting_down as it is cancelled
         await asyncio.gather(*workers, return_exceptions=True)
-        receiver.cancel()
-        await asyncio.gather(receiver, return_exceptions=True)
+        self.ingress.stop_receiving()
         drained = self.ingress.drain_socket(time.monotonic())
         await self.replies.flush(timeout_s=2.0)
         log.info(

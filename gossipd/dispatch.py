@@ -170,9 +170,8 @@ class Dispatcher:
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
         assert self.owner is not None
-        self.owner.start(tg)
+        self.owner.start()
         self._acks = tg.create_task(self.expire_acks_forever(), name="rpc-ack-deadlines")
-        self._links.start(tg)
 
     def stop(self) -> None:
         """Cancel the background tasks (call before leaving the TaskGroup)."""

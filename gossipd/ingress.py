@@ -46,7 +46,7 @@ from gossipd.errors import RemoteProtocolError
 from gossipd.logs import RateLimiter
 from gossipd.metrics import LatencyHistogram
 from gossipd.runqueue import RunQueue
-from gossipd.transport import NOBLOCK, ReplySender, Watcher, recv_batch
+from gossipd.transport import NOBLOCK, ReplySender, SocketReader
 
 log = logging.getLogger("gossipd.ingress")
 
@@ -102,6 +102,7 @@ class Ingress:
         self._jobs: dict[str, _Job] = {}  # admitted and unfinished, by task id (for cancels)
         self._cancels: Counter[str] = Counter()
         self._sock: zmq.Socket | None = None
+        self._reader: SocketReader | None = None
         self._refused_log = RateLimiter(refused_lines_per_s)
         self._received = 0
         self._refused: Counter[str] = Counter()
@@ -136,17 +137,24 @@ class Ingress:
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.bound_endpoint
 
-    async def receive_forever(self) -> None:
+    def start_receiving(self) -> None:
+        """Read tasks in the socket's fd callback (``SocketReader``), a batch of at most
+        ``recv_batch_max`` at a time, so that results flow while input floods in."""
         assert self._sock is not None, "bind() first"
-        clock = time.monotonic
-        with Watcher(self._sock) as watcher:
-            while True:
-                frames = await recv_batch(self._sock, self._config.recv_batch_max, watcher)
-                now = clock()
-                for frame in frames:
-                    self.handle_frame(frame, now)
-                # Let workers run between batches, so results flow while input floods in.
-                await asyncio.sleep(0)
+        self._reader = SocketReader(
+            self._sock, self._sock.recv, self._config.recv_batch_max, self._on_frames
+        )
+
+    def stop_receiving(self) -> None:
+        """Take no more tasks from the socket (what is queued there stays for drain_socket)."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        now = time.monotonic()
+        for frame in frames:
+            self.handle_frame(frame, now)
 
     def drain_socket(self, now: float) -> int:
         """Read what is already queued on the socket (at shutdown, to answer it)."""
@@ -161,6 +169,7 @@ class Ingress:
             return count
 
     def close(self) -> None:
+        self.stop_receiving()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -1,5 +1,5 @@
 """The forwarder's connections to its peers: one DEALER socket per peer's ROUTER
-(``fanout.rpc_bind``), with a reader task for what comes back (acks, TaskDone).
+(``fanout.rpc_bind``); what comes back (acks, TaskDone) is read in each socket's fd callback.
 
 What is queued for one peer within one loop turn leaves as one message (a PeerBatch when
 there are several), so a burst of forwards costs one send and one wake-up of the peer.  When
@@ -10,7 +10,6 @@ Decisions (who gets what, retries, hedging) are the dispatcher's.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Forward, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.rpc import PEER_READ_MAX, peer_frames, peer_items
-from gossipd.transport import NOBLOCK, TurnBatching, Watcher, kick
+from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
 
 if TYPE_CHECKING:
     from gossipd.dispatch import DispatchStatistics
@@ -35,7 +34,7 @@ class _Peer:
         self.addr = addr
         self.sock = sock
         self.outbox: list[Outgoing] = []
-        self.reader: asyncio.Task[None] | None = None
+        self.reader: SocketReader | None = None
 
 
 class PeerLinks:
@@ -53,16 +52,12 @@ class PeerLinks:
         self._on_reply = on_reply  # each decoded item a peer sent back, in order
         self._peers: dict[str, _Peer] = {}
         self._turn = TurnBatching(self._flush)
-        self._tg: asyncio.TaskGroup | None = None
-
-    def start(self, tg: asyncio.TaskGroup) -> None:
-        self._tg = tg
 
     def stop(self) -> None:
-        """Cancel the reader tasks (call before leaving the TaskGroup)."""
+        """Stop reading what peers send back (before the sockets close)."""
         for peer in self._peers.values():
             if peer.reader is not None:
-                peer.reader.cancel()
+                peer.reader.close()
 
     def close(self) -> None:
         self.stop()
@@ -107,19 +102,15 @@ class PeerLinks:
             sock.connect(addr)
             peer = _Peer(addr, sock)
             self._peers[addr] = peer
-            assert self._tg is not None, "start() first"
-            peer.reader = self._tg.create_task(self._read(peer), name="rpc-peer")
+            peer.reader = SocketReader(sock, sock.recv, PEER_READ_MAX, self._on_frames)
         return peer
 
-    async def _read(self, peer: _Peer) -> None:
-        with Watcher(peer.sock) as watcher:
-            recv = peer.sock.recv
-            while True:
-                for frame in await watcher.receive(PEER_READ_MAX, recv):
-                    try:
-                        items = peer_items(frame, self._config.message_bytes_max)
-                    except RemoteProtocolError:
-                        self._stats.bad_peer_messages += 1
-                        continue
-                    for item in items:
-                        self._on_reply(item)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            try:
+                items = peer_items(frame, self._config.message_bytes_max)
+            except RemoteProtocolError:
+                self._stats.bad_peer_messages += 1
+                continue
+            for item in items:
+                self._on_reply(item)

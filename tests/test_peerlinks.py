@@ -39,23 +39,20 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> Non
             return [item.req for item in items if isinstance(item, Forward)]
 
         try:
-            async with asyncio.TaskGroup() as tg:
-                links.start(tg)
-                for req in range(1, 5):  # one turn: no await in between
-                    links.send(addr, _forward(req))
-                first = reqs()  # still inside the turn: the loop does not run
-                before_turn_end = router.poll(100)
-                await asyncio.sleep(0)  # the turn ends: the batch goes
-                rest = reqs()
-                # Under load (the last turn sent several) even a turn's first forward waits.
-                links.send(addr, _forward(5))
-                busy_before_turn_end = router.poll(100)
-                await asyncio.sleep(0)
-                rest += [0, *reqs()]
-                # That turn had one forward: light load again, the next one leaves at once.
-                links.send(addr, _forward(6))
-                rest += [0, *reqs()]
-                links.stop()
+            for req in range(1, 5):  # one turn: no await in between
+                links.send(addr, _forward(req))
+            first = reqs()  # still inside the turn: the loop does not run
+            before_turn_end = router.poll(100)
+            await asyncio.sleep(0)  # the turn ends: the batch goes
+            rest = reqs()
+            # Under load (the last turn sent several) even a turn's first forward waits.
+            links.send(addr, _forward(5))
+            busy_before_turn_end = router.poll(100)
+            await asyncio.sleep(0)
+            rest += [0, *reqs()]
+            # That turn had one forward: light load again, the next one leaves at once.
+            links.send(addr, _forward(6))
+            rest += [0, *reqs()]
         finally:
             links.close()
         return first, before_turn_end + busy_before_turn_end, rest

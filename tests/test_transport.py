@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import zmq
 
 import gossipd.transport as transport
 from gossipd.launcher import free_tcp_port
 from gossipd.logs import RateLimiter
-from gossipd.transport import ReplySender, Watcher, kick, recv_batch, wait_events
+from gossipd.transport import ReplySender, SocketReader, kick, recv_batch, wait_events
 from tests.helpers import run_with_context
 
 
@@ -112,14 +113,14 @@ def test_wait_events_times_out_on_a_silent_socket() -> None:
     assert asyncio.run(main()) is False
 
 
-def test_Watcher_receives_lone_messages_and_backlogs_with_no_missed_wake_up(
+def test_SocketReader_receives_lone_messages_and_backlogs_with_no_missed_wake_up(
     monkeypatch: object,
 ) -> None:
-    """A reader that waits without re-reading EVENTS (after the read that ended its last
-    batch) must still see every message: lone ones, a backlog in bounded batches, and one that
-    arrives after a send on the reader's own socket (which may use the fd's signal; kick()
-    re-arms).  The periodic recheck is pushed out to 60 s, so a missed wake-up would time
-    out here instead of being papered over by it."""
+    """A reader driven by the fd's edge-triggered signal must see every message: lone ones,
+    a backlog in bounded batches, and one that arrives after a send on the reader's own
+    socket (which may use the fd's signal; kick() looks again).  The periodic recheck is
+    pushed out to 60 s, so a missed wake-up would time out here instead of being papered
+    over by it.  A handler that raises does not stop the reader."""
     monkeypatch.setattr(transport, "RECHECK_S", 60.0)  # type: ignore[attr-defined]
 
     async def main() -> tuple[list[list[list[bytes]]], list[bytes]]:
@@ -128,29 +129,46 @@ def test_Watcher_receives_lone_messages_and_backlogs_with_no_missed_wake_up(
         port = router.bind_to_random_port("tcp://127.0.0.1")
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{port}")
-        watcher = Watcher(router)
         batches: list[list[list[bytes]]] = []
+        arrived = asyncio.Event()
+
+        def on_messages(messages: list[list[bytes]]) -> None:
+            batches.append(messages)
+            arrived.set()
+            if messages[0][1] == b"raise":
+                raise RuntimeError("a handler's bug")
+
+        async def count(n: int) -> None:
+            """Wait until ``n`` messages have come in all."""
+            while sum(len(b) for b in batches) < n:
+                arrived.clear()
+                await asyncio.wait_for(arrived.wait(), 5)
+
+        reader = SocketReader(router, router.recv_multipart, 4, on_messages)
         try:
             for i in range(5):  # lone messages, each sent while the reader waits
                 dealer.send(b"lone-%d" % i)
-                batches.append(await asyncio.wait_for(watcher.receive(4, router.recv_multipart), 5))
+                await count(i + 1)
             for i in range(10):  # a backlog: batches of at most 4
                 dealer.send(b"backlog-%d" % i)
             await asyncio.sleep(0.2)
-            got = 0
-            while got < 10:
-                batch = await asyncio.wait_for(watcher.receive(4, router.recv_multipart), 5)
-                batches.append(batch)
-                got += len(batch)
+            await count(15)
             identity = batches[0][0][0]
-            for i in range(5):  # the reader's socket sends, then a message comes in
+            for i in range(5):
+                # A message comes in while the loop is blocked, then the reader's socket
+                # sends: the send takes the fd's signal, and only kick() makes the reader look.
+                dealer.send(b"after-send-%d" % i)
+                time.sleep(0.05)
                 router.send_multipart([identity, b"reply-%d" % i])
                 kick(router)
-                dealer.send(b"after-send-%d" % i)
-                batches.append(await asyncio.wait_for(watcher.receive(4, router.recv_multipart), 5))
+                await count(16 + i)
+            dealer.send(b"raise")
+            await count(21)
+            dealer.send(b"after-raise")
+            await count(22)
             replies = [dealer.recv() for _ in range(5)]
         finally:
-            watcher.close()
+            reader.close()
             router.close(linger=0)
             dealer.close(linger=0)
             ctx.term()
@@ -162,10 +180,11 @@ def test_Watcher_receives_lone_messages_and_backlogs_with_no_missed_wake_up(
         [b"lone-%d" % i for i in range(5)]
         + [b"backlog-%d" % i for i in range(10)]
         + [b"after-send-%d" % i for i in range(5)]
+        + [b"raise", b"after-raise"]
     )
     assert all(len(batch) == 1 for batch in batches[:5])
     assert all(1 <= len(batch) <= 4 for batch in batches)
-    assert max(len(batch) for batch in batches[5:-5]) == 4  # the backlog came in full batches
+    assert max(len(batch) for batch in batches[5:-7]) == 4  # the backlog came in full batches
     assert replies == [b"reply-%d" % i for i in range(5)]
 
 
