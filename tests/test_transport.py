@@ -123,7 +123,7 @@ def test_SocketReader_receives_lone_messages_and_backlogs_with_no_missed_wake_up
     over by it.  A handler that raises does not stop the reader."""
     monkeypatch.setattr(transport, "RECHECK_S", 60.0)  # type: ignore[attr-defined]
 
-    async def main() -> tuple[list[list[list[bytes]]], list[bytes]]:
+    async def main() -> tuple[list[list[list[bytes]]], list[bytes], int]:
         ctx = zmq.Context()
         router = ctx.socket(zmq.ROUTER)
         port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -167,14 +167,15 @@ def test_SocketReader_receives_lone_messages_and_backlogs_with_no_missed_wake_up
             dealer.send(b"after-raise")
             await count(22)
             replies = [dealer.recv() for _ in range(5)]
+            failures = reader.handler_failures
         finally:
             reader.close()
             router.close(linger=0)
             dealer.close(linger=0)
             ctx.term()
-        return batches, replies
+        return batches, replies, failures
 
-    batches, replies = asyncio.run(main())
+    batches, replies, failures = asyncio.run(main())
     payloads = [parts[1] for batch in batches for parts in batch]
     assert payloads == (
         [b"lone-%d" % i for i in range(5)]
@@ -186,6 +187,7 @@ def test_SocketReader_receives_lone_messages_and_backlogs_with_no_missed_wake_up
     assert all(1 <= len(batch) <= 4 for batch in batches)
     assert max(len(batch) for batch in batches[5:-7]) == 4  # the backlog came in full batches
     assert replies == [b"reply-%d" % i for i in range(5)]
+    assert failures == 1
 
 
 def test_RateLimiter_allows_burst_then_rate() -> None:
