@@ -76,7 +76,7 @@ class DispatchStatistics:
     hedged: int = 0  # forwards also sent to a second member (the owner was slow to ack)
     hedge_wins: int = 0  # ...where the second member accepted first
     hedges_over_budget: int = 0  # slow acks not hedged: fanout.hedge_budget was spent
-    withdrawn: int = 0  # copies we withdrew: a hedge lost, or the member did not ack in time
+    withdrawn: int = 0  # copies we withdrew: a hedge lost, no ack in time, or declared dead
     withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
 
 
@@ -138,6 +138,9 @@ class Dispatcher:
         self._pending: dict[int, asyncio.Future[ForwardReply] | _InFlight] = {}
         self._req = 0
         self._breakers: dict[str, Breaker] = {}
+        # Each member's rpc address when we last forwarded to it: still known once the
+        # member is declared dead and gone from the live view (see _member_event).
+        self._last_addr: dict[str, str] = {}
         self._forwarded: OrderedDict[str, _Forwarded] = OrderedDict()
         self._early_done: OrderedDict[str, None] = OrderedDict()
         self._tg: asyncio.TaskGroup | None = None
@@ -443,6 +446,7 @@ class Dispatcher:
         addr = self.placer.addr(member)
         if addr is None:
             return ForwardReply(req=0, node=member, accepted=False, code="not_a_member")
+        self._last_addr[member] = addr
         self._req += 1
         req = self._req
         remaining_ms = max(1, int((deadline - now) * 1000))
@@ -533,9 +537,16 @@ class Dispatcher:
             return
         self.placer.prefix_index.forget_member(event.node)
         orphans = [f for f in self._forwarded.values() if f.owner == event.node]
+        # A member declared dead may only have stalled: withdraw its copies, so that if it
+        # comes back it drops them instead of running them beside the migrated ones (a dead
+        # one never reads this; one restarted on the address ignores tasks it never took).
+        addr = self._last_addr.get(event.node)
         for f in orphans:
             self._forget(f.task.id)
             self.stats.migrated += 1
+            if addr is not None:
+                self._links.send(addr, Withdraw(id=f.task.id, node=self.node))
+                self.stats.withdrawn += 1
             order = self.placer.order(f.task, exclude=frozenset({event.node}))
             if self._tg is not None:
                 self._tg.create_task(self._dispatch(f.task, f.received_at, order))

@@ -291,7 +291,7 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         ),
         (
             "gossipd_fanout_withdrawn",
-            "Copies we withdrew (a hedge lost, or no ack in time)",
+            "Copies we withdrew (a hedge lost, no ack in time, or the member was declared dead)",
             stats.withdrawn,
         ),
         (

@@ -11,6 +11,7 @@ import pytest
 from gossipd.client import Client
 from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
+from tests.helpers import RawProducer, scrape
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -200,6 +201,54 @@ def test_a_silent_owner_is_passed_over_after_the_ack_timeout(make_cluster) -> No
         stalled.resume()
     assert all(r.ok and r.node == "d00" for r in results), "the next member took them"
     assert 0.3 <= elapsed < 5.0
+
+
+def test_a_falsely_dead_owner_drops_the_tasks_that_migrated_off_it(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """An owner stopped long enough to be declared dead, then resumed (a stall, not a
+    crash): its running tasks migrate, and the forwarder withdraws its copies, so that the
+    owner aborts them instead of running them beside the migrated ones and answering too."""
+    cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
+    entry, stalled = cluster.daemons
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    keys = [k for k in (f"f-{i}" for i in range(100)) if ring.owner(k) == "d01"][:10]
+    producer = RawProducer(entry.endpoint)
+    try:
+        for i, key in enumerate(keys):  # 100 tokens at 50 ms: 5 s each
+            producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 100})
+        wait_for(
+            lambda: scrape(stalled.metrics_port).get("gossipd_tasks_pending") == len(keys),
+            10,
+            "the owner to run them",
+        )
+        stalled.pause()
+        try:
+            wait_for(
+                lambda: any(
+                    e.get("msg") == "migrating tasks off a dead member" for e in entry.events()
+                ),
+                30,
+                "the entry to declare the owner dead and migrate its tasks",
+            )
+        finally:
+            stalled.resume()
+        got = producer.results(len(keys), timeout_s=30)
+        late = producer.replies(timeout_s=3.0, quiet_s=1.5)
+    finally:
+        producer.close()
+    results = [r for r in [*got, *late] if r["t"] == 3]
+    assert sorted(r["id"] for r in results) == sorted(f"t{i}" for i in range(len(keys)))
+    assert all(r["ok"] and r["node"] == entry.name for r in results), results[:3]
+    metrics = scrape(stalled.metrics_port)
+    assert metrics.get("gossipd_fanout_withdrawn_by_peers_total") == len(keys)
+    assert metrics.get("gossipd_task_results_total{outcome=withdrawn}") == len(keys)
+    assert metrics.get("gossipd_tasks_pending") == 0
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 def _group_spread(cluster: Cluster) -> dict[int, Counter[str]]:
