@@ -20,7 +20,6 @@ import asyncio
 import logging
 import random
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import zmq
@@ -30,6 +29,7 @@ from gossipd.core.acktimes import AckTimes
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import Breaker
 from gossipd.core.deadlines import DeadlineWheel
+from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
@@ -51,13 +51,6 @@ from gossipd.rpc import OwnerEndpoint
 log = logging.getLogger("gossipd.dispatch")
 
 HEDGE_BURST = 10.0  # hedges allowed back to back before fanout.hedge_budget limits them
-
-
-@dataclass(slots=True)
-class _Forwarded:
-    owner: str
-    task: Task
-    received_at: float
 
 
 @dataclass(slots=True)
@@ -141,8 +134,6 @@ class Dispatcher:
         # Each member's rpc address when we last forwarded to it: still known once the
         # member is declared dead and gone from the live view (see _member_event).
         self._last_addr: dict[str, str] = {}
-        self._forwarded: OrderedDict[str, _Forwarded] = OrderedDict()
-        self._early_done: OrderedDict[str, None] = OrderedDict()
         self._tg: asyncio.TaskGroup | None = None
         self._acks: asyncio.Task[None] | None = None
         self._ack_wheel = DeadlineWheel(0.01)
@@ -151,6 +142,8 @@ class Dispatcher:
         self.placer = Placer(config, node=node, ingress=ingress, gossip=gossip, stats=self.stats)
         # The placer's load counts, which forwarding keeps up to date.
         self._outstanding = self.placer.outstanding
+        # Accepted forwards we answer for until their TaskDone (migration).
+        self._ledger = ForwardedLedger(self._outstanding, entries_max=config.forwarded_max)
         self._local_ids = self.placer.local_ids
         self.endpoint = ""
 
@@ -253,7 +246,7 @@ class Dispatcher:
                     if other is not flight:
                         self._withdraw(other)
             self.stats.forwarded += 1
-            self._remember(flight.task, flight.owner, flight.received_at)
+            self._ledger.accepted(flight.task, flight.owner, flight.received_at)
             return
         if group is not None and self._still_racing(group):
             return  # refused, but another copy may yet be accepted
@@ -367,7 +360,7 @@ class Dispatcher:
                 )
                 if reply is not None and reply.accepted:
                     self.stats.forwarded += 1
-                    self._remember(task, member, received_at)
+                    self._ledger.accepted(task, member, received_at)
                     return True
                 done = [f"{member}: {'no reply' if reply is None else reply.code}"]
                 order = [m for m in self.placer.order(task) if m != member]
@@ -413,7 +406,7 @@ class Dispatcher:
                 continue
             if reply.accepted:
                 self.stats.forwarded += 1
-                self._remember(task, member, received_at)
+                self._ledger.accepted(task, member, received_at)
                 return True
             attempts.append(f"{member}: {reply.code}")
             if reply.code == ErrorCode.OVERLOADED:
@@ -487,7 +480,7 @@ class Dispatcher:
 
     def cancel_forwarded(self, task_id: str) -> bool:
         """Pass a producer's Cancel to the member we forwarded the task to (False: none)."""
-        entry = self._forwarded.get(task_id)
+        entry = self._ledger.get(task_id)
         addr = None if entry is None else self.placer.addr(entry.owner)
         if entry is None or addr is None:
             return False
@@ -502,30 +495,7 @@ class Dispatcher:
             elif waiter is not None and not waiter.done():
                 waiter.set_result(msg)
         elif isinstance(msg, TaskDone):
-            entry = self._forwarded.get(msg.id)
-            if entry is not None and entry.owner != msg.node:
-                return  # a withdrawn hedged copy finished before the withdrawal landed
-            if self._forget(msg.id) is not None:
-                return
-            # Done before our dispatch coroutine saw the accept: remember that.
-            self._early_done[msg.id] = None
-            if len(self._early_done) > 10_000:
-                self._early_done.popitem(last=False)
-
-    def _remember(self, task: Task, owner: str, received_at: float) -> None:
-        self._forget(task.id)
-        if self._early_done.pop(task.id, 0) is None:
-            return  # it already finished
-        self._forwarded[task.id] = _Forwarded(owner, task, received_at)
-        self._outstanding[owner] = self._outstanding.get(owner, 0) + 1
-        while len(self._forwarded) > self.config.forwarded_max:
-            self._forget(next(iter(self._forwarded)))
-
-    def _forget(self, task_id: str) -> _Forwarded | None:
-        entry = self._forwarded.pop(task_id, None)
-        if entry is not None:
-            self._outstanding[entry.owner] -= 1
-        return entry
+            self._ledger.done(msg.id, msg.node)
 
     def _task_finished(self, task: Task, result: Result) -> None:
         self._local_ids.discard(task.id)
@@ -536,13 +506,13 @@ class Dispatcher:
         if event.kind != "dead":
             return
         self.placer.prefix_index.forget_member(event.node)
-        orphans = [f for f in self._forwarded.values() if f.owner == event.node]
+        orphans = self._ledger.owned_by(event.node)
         # A member declared dead may only have stalled: withdraw its copies, so that if it
         # comes back it drops them instead of running them beside the migrated ones (a dead
         # one never reads this; one restarted on the address ignores tasks it never took).
         addr = self._last_addr.get(event.node)
         for f in orphans:
-            self._forget(f.task.id)
+            self._ledger.forget(f.task.id)
             self.stats.migrated += 1
             if addr is not None:
                 self._links.send(addr, Withdraw(id=f.task.id, node=self.node))
@@ -571,7 +541,7 @@ class Dispatcher:
         for n, member in enumerate(order[: self.config.attempts_max]):
             reply = await self._call(member, task, received_at, deadline, n + 1)
             if reply is not None and reply.accepted:
-                self._remember(task, member, received_at)
+                self._ledger.accepted(task, member, received_at)
                 return True
         return False
 

@@ -1,0 +1,80 @@
+"""The forwarder's ledger: tasks it handed to another member that accepted them, kept until
+that member reports them done (TaskDone), sans-IO.
+
+While a task is in the ledger the forwarder answers for it: if its owner is declared dead,
+the task is dispatched again (migration).  Per member, ``outstanding`` counts the tasks it
+holds for us; the placer reads that dict for bounded loads (the dispatcher also counts the
+forwards still awaiting their ack there).
+
+Rules, whatever order acks and TaskDones arrive in:
+- a task is in the ledger at most once, under the member that last accepted it;
+- ``outstanding[m]`` rises by one for each task ledgered under ``m`` and falls by one when it
+  leaves, so it equals the number of ledger entries under ``m`` plus what the dispatcher adds;
+- a TaskDone that comes before the accept (the owner's ack was delayed, its TaskDone was not)
+  is remembered, and the accept that follows adds nothing;
+- a TaskDone from a member other than the one ledgered (a withdrawn hedged copy finished
+  before the withdrawal landed) leaves the entry alone;
+- at most ``entries_max`` tasks: the oldest goes first (it can no longer migrate).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from gossipd.core.messages import Task
+
+EARLY_DONE_MAX = 10_000  # TaskDones remembered from before their accept
+
+
+@dataclass(slots=True)
+class Forwarded:
+    owner: str
+    task: Task
+    received_at: float  # time.monotonic() at the entry point: the task's deadline counts from it
+
+
+class ForwardedLedger:
+    def __init__(self, outstanding: dict[str, int], *, entries_max: int) -> None:
+        self.outstanding = outstanding
+        self._entries_max = entries_max
+        self._entries: OrderedDict[str, Forwarded] = OrderedDict()
+        self._early_done: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, task_id: str) -> Forwarded | None:
+        return self._entries.get(task_id)
+
+    def owned_by(self, member: str) -> list[Forwarded]:
+        return [f for f in self._entries.values() if f.owner == member]
+
+    def accepted(self, task: Task, owner: str, received_at: float) -> None:
+        """``owner`` accepted ``task``: we answer for it until its TaskDone."""
+        self.forget(task.id)
+        if self._early_done.pop(task.id, 0) is None:
+            return  # its TaskDone came first: it has finished already
+        self._entries[task.id] = Forwarded(owner, task, received_at)
+        self.outstanding[owner] = self.outstanding.get(owner, 0) + 1
+        while len(self._entries) > self._entries_max:
+            self.forget(next(iter(self._entries)))
+
+    def done(self, task_id: str, node: str) -> None:
+        """``node`` reports ``task_id`` finished."""
+        entry = self._entries.get(task_id)
+        if entry is not None:
+            if entry.owner == node:
+                self.forget(task_id)
+            return  # else: a withdrawn copy finished before the withdrawal landed
+        # Done before the accept reached us: remember that for accepted().
+        self._early_done[task_id] = None
+        if len(self._early_done) > EARLY_DONE_MAX:
+            self._early_done.popitem(last=False)
+
+    def forget(self, task_id: str) -> Forwarded | None:
+        """Stop answering for ``task_id``; the entry, if there was one."""
+        entry = self._entries.pop(task_id, None)
+        if entry is not None:
+            self.outstanding[entry.owner] -= 1
+        return entry

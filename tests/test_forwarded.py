@@ -1,0 +1,88 @@
+"""The forwarder's ledger of accepted forwards: acks and TaskDones in any order, duplicates,
+withdrawn copies and the size bound leave it consistent with the load counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gossipd.core.forwarded import ForwardedLedger
+from gossipd.core.messages import PROTOCOL_VERSION, Task
+
+MEMBERS = ["a", "b", "c"]
+
+
+def _task(n: int) -> Task:
+    return Task(v=PROTOCOL_VERSION, id=f"t{n}", prompt="p", reply_to="tcp://127.0.0.1:5555")
+
+
+@given(
+    owners=st.lists(st.sampled_from(MEMBERS), min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_accept_and_TaskDone_in_either_order_leave_nothing_behind(
+    owners: list[str], data: st.DataObject
+) -> None:
+    """Each task's accept and its owner's TaskDone (sometimes delivered twice) arrive in any
+    interleaving: at the end nothing is ledgered and every member's count is back to 0."""
+    events = [("accept", n, m) for n, m in enumerate(owners)]
+    events += [("done", n, m) for n, m in enumerate(owners)]
+    events += data.draw(st.lists(st.sampled_from(events[len(owners) :]), max_size=4))
+    events = data.draw(st.permutations(events))
+    outstanding: dict[str, int] = {}
+    ledger = ForwardedLedger(outstanding, entries_max=100)
+    for kind, n, member in events:
+        if kind == "accept":
+            ledger.accepted(_task(n), member, 0.0)
+        else:
+            ledger.done(f"t{n}", member)
+    assert len(ledger) == 0
+    assert all(count == 0 for count in outstanding.values())
+
+
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["accept", "done", "forget"]),
+            st.integers(0, 5),
+            st.sampled_from(MEMBERS),
+        ),
+        max_size=60,
+    ),
+    entries_max=st.integers(1, 4),
+)
+def test_ledger_keeps_counts_and_rules_under_any_sequence(
+    ops: list[tuple[str, int, str]], entries_max: int
+) -> None:
+    outstanding: dict[str, int] = {}
+    ledger = ForwardedLedger(outstanding, entries_max=entries_max)
+    early: set[str] = set()  # TaskDones seen while the task was not ledgered
+    for kind, n, member in ops:
+        task_id = f"t{n}"
+        before = ledger.get(task_id)
+        if kind == "accept":
+            ledger.accepted(_task(n), member, 0.0)
+            after = ledger.get(task_id)
+            if task_id in early:
+                assert after is None, "finished before its accept: not ledgered"
+                early.discard(task_id)
+            else:
+                assert after is not None and after.owner == member
+        elif kind == "done":
+            ledger.done(task_id, member)
+            after = ledger.get(task_id)
+            if before is None:
+                early.add(task_id)
+            elif before.owner == member:
+                assert after is None
+            else:
+                assert after is before, "a withdrawn copy's TaskDone leaves the entry"
+        else:
+            assert ledger.forget(task_id) is before
+            assert ledger.get(task_id) is None
+        assert len(ledger) <= entries_max
+        held = Counter(f.owner for m in MEMBERS for f in ledger.owned_by(m))
+        assert {m: c for m, c in outstanding.items() if c} == dict(held)
+        assert all(c >= 0 for c in outstanding.values())
