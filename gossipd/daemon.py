@@ -148,6 +148,9 @@ class Daemon:
             self.gossip.rpc_endpoint = _bind(
                 "fanout.rpc_bind", self.config.fanout.rpc_bind, self.dispatcher.bind
             )
+            if self.journal is not None:
+                assert self.dispatcher.owner is not None
+                self.dispatcher.owner.on_accepted.append(self.journal.mark_forwarded_task)
             self.gossip.load = lambda: self.ingress.admission.pending
             self.ingress.rescue = self.dispatcher.hand_off
             self.gossip.prefixes = self.dispatcher.prefix_summary
@@ -247,6 +250,9 @@ class Daemon:
         now = time.monotonic()
         for task in unfinished:
             self.ingress.admit(task, now, answer=True)
+            if task.id in self.journal.forwarded and self.dispatcher is not None:
+                assert self.dispatcher.owner is not None
+                self.dispatcher.owner.expect_withdraw(task.id)
         if unfinished:
             log.info(
                 "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}

@@ -1,7 +1,9 @@
 """The local journal of accepted tasks: the only durable state a daemon keeps.
 
 Append-only records, one MessagePack array each: [1, task bytes] when a task is accepted,
-[2, task id] when its final result was sent.  Writes are buffered and made durable in batches
+[3, task id] after it when a peer forwarded it (that forwarder may have migrated it while we
+were down: after a restart its Withdraw is honoured), [2, task id] when its final result was
+sent.  Writes are buffered and made durable in batches
 (flush + fsync every ``fsync_interval_s``, off the event loop), so a crash loses at most that
 window of acceptances; the producer's resubmission covers that window.  When the file passes
 ``compact_bytes`` it is rewritten with only the unfinished tasks (write, fsync, rename).
@@ -23,7 +25,7 @@ from gossipd.core.messages import Task, encode
 
 log = logging.getLogger("gossipd.journal")
 
-ACCEPT, DONE = 1, 2
+ACCEPT, DONE, FORWARDED = 1, 2, 3
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
 
@@ -37,6 +39,7 @@ class Journal:
         self._fsync_interval_s = fsync_interval_s
         self._compact_bytes = compact_bytes
         self._open: OrderedDict[str, bytes] = OrderedDict()  # unfinished: id -> task bytes
+        self.forwarded: set[str] = set()  # unfinished ids that a peer forwarded to us
         self._file = self.path.open("ab")
         self._size = self.path.stat().st_size
         self._dirty = False
@@ -47,6 +50,7 @@ class Journal:
     def replay(self) -> list[Task]:
         """Tasks accepted and not finished, oldest first (also kept as open here)."""
         self._open.clear()
+        self.forwarded.clear()
         data = self.path.read_bytes()
         decoder = msgspec.msgpack.Decoder()
         # Records are concatenated MessagePack values; decode them one by one.
@@ -76,6 +80,9 @@ class Journal:
                     self._open[task.id] = body
                 elif kind == DONE and isinstance(body, str):
                     self._open.pop(body, None)
+                    self.forwarded.discard(body)
+                elif kind == FORWARDED and isinstance(body, str) and body in self._open:
+                    self.forwarded.add(body)
         if torn:
             log.warning(
                 "journal ends in a torn record; ignored",
@@ -88,8 +95,16 @@ class Journal:
         self._open[task.id] = body
         self._write(_encoder.encode([ACCEPT, body]))
 
+    def mark_forwarded_task(self, task: Task) -> None:
+        """The accepted ``task`` came from a peer's Forward."""
+        task_id = task.id
+        if task_id in self._open and task_id not in self.forwarded:
+            self.forwarded.add(task_id)
+            self._write(_encoder.encode([FORWARDED, task_id]))
+
     def done(self, task_id: str) -> None:
         if self._open.pop(task_id, None) is not None:
+            self.forwarded.discard(task_id)
             self._write(_encoder.encode([DONE, task_id]))
 
     @property
@@ -118,8 +133,10 @@ class Journal:
         """Rewrite the file with only the unfinished tasks."""
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         with tmp.open("wb") as out:
-            for body in self._open.values():
+            for task_id, body in self._open.items():
                 out.write(_encoder.encode([ACCEPT, body]))
+                if task_id in self.forwarded:
+                    out.write(_encoder.encode([FORWARDED, task_id]))
             out.flush()
             os.fsync(out.fileno())
         self._file.close()
@@ -152,7 +169,7 @@ def _record_end(data: bytes, offset: int) -> int:
             raise ValueError("truncated")
 
     need(3)
-    if data[offset] != 0x92 or data[offset + 1] not in (ACCEPT, DONE):
+    if data[offset] != 0x92 or data[offset + 1] not in (ACCEPT, DONE, FORWARDED):
         raise ValueError("not a journal record")
     pos = offset + 2
     tag = data[pos]

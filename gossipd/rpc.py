@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -57,6 +57,11 @@ def peer_items(frame: bytes, bytes_max: int) -> Sequence[object]:
     return msg.items if isinstance(msg, PeerBatch) else (msg,)
 
 
+# In a task's forwarder list: a Withdraw from any forwarder counts (a task re-run from the
+# journal after a restart: its forwarder's connection, and so its identity, is a new one).
+ANY_FORWARDER = b""
+
+
 class OwnerEndpoint:
     def __init__(
         self, config: FanoutConfig, *, ctx: zmq.Context, node: str, ingress: Ingress, stats: Any
@@ -72,6 +77,7 @@ class OwnerEndpoint:
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._reader: SocketReader | None = None
+        self.on_accepted: list[Callable[[Task], None]] = []  # a Forward admitted (journal)
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -133,6 +139,9 @@ class OwnerEndpoint:
         accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
         if accepted:
             self.stats.accepted_from_peers += 1
+            if verdict is Verdict.ADMIT:
+                for listener in self.on_accepted:
+                    listener(msg.task)
             if verdict is not Verdict.DUPLICATE_DONE:
                 self._forwarders.setdefault(msg.task.id, []).append(identity)
             else:
@@ -152,9 +161,14 @@ class OwnerEndpoint:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder
         (or nobody: the task came from a producer directly) still counts on it."""
         forwarders = self._forwarders.get(task_id)
-        if not forwarders or identity not in forwarders:
+        if not forwarders:
             return
-        forwarders.remove(identity)
+        if identity in forwarders:
+            forwarders.remove(identity)
+        elif ANY_FORWARDER in forwarders:
+            forwarders.remove(ANY_FORWARDER)
+        else:
+            return
         if forwarders:
             return
         del self._forwarders[task_id]
@@ -204,9 +218,15 @@ class OwnerEndpoint:
                     self.stats.replies_dropped += count  # the forwarder times out, tries the next
         kick(self._router)
 
+    def expect_withdraw(self, task_id: str) -> None:
+        """``task_id``, re-run from the journal, came from a forwarder that may have migrated
+        it while we were down: a Withdraw for it from any forwarder drops it."""
+        self._forwarders.setdefault(task_id, []).append(ANY_FORWARDER)
+
     def task_finished(self, task: Task, result: Result) -> None:
         for identity in self._forwarders.pop(task.id, ()):
-            self._send_done(identity, task.id)
+            if identity != ANY_FORWARDER:  # its forwarder's new connection is unknown
+                self._send_done(identity, task.id)
 
     def _send_done(self, identity: bytes, task_id: str) -> None:
         self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))

@@ -244,6 +244,53 @@ def test_a_falsely_dead_owner_drops_the_tasks_that_migrated_off_it(make_cluster)
     assert metrics.get("gossipd_tasks_pending") == 0
 
 
+def test_a_restarted_owner_drops_the_journaled_tasks_that_migrated_off_it(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """An owner killed with forwarded tasks running: the forwarder migrates them when it
+    declares the owner dead.  Restarted, the owner finds them unfinished in its journal; the
+    forwarder's Withdraws (queued for the owner's address) make it drop them instead of
+    running them a second time and answering too."""
+    cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
+    entry, owner = cluster.daemons
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    keys = [k for k in (f"r-{i}" for i in range(100)) if ring.owner(k) == "d01"][:10]
+    producer = RawProducer(entry.endpoint)
+    try:
+        for i, key in enumerate(keys):  # 100 tokens at 50 ms: 5 s each
+            producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 100})
+        wait_for(
+            lambda: scrape(owner.metrics_port).get("gossipd_tasks_pending") == len(keys),
+            10,
+            "the owner to run them",
+        )
+        time.sleep(0.1)  # past the journal's 10 ms fsync batch
+        owner.kill()
+        owner.wait(5)
+        wait_for(
+            lambda: any(
+                e.get("msg") == "migrating tasks off a dead member" for e in entry.events()
+            ),
+            30,
+            "the entry to declare the owner dead and migrate its tasks",
+        )
+        restarted = cluster.restart(1)
+        got = producer.results(len(keys), timeout_s=30)
+        late = producer.replies(timeout_s=8.0, quiet_s=6.0)  # past a replayed task's 5 s
+    finally:
+        producer.close()
+    results = [r for r in [*got, *late] if r["t"] == 3]
+    assert sorted(r["id"] for r in results) == sorted(f"t{i}" for i in range(len(keys)))
+    assert all(r["ok"] and r["node"] == entry.name for r in results), results[:3]
+    replayed = [
+        e
+        for e in restarted.events()
+        if e.get("msg") == "re-running unfinished tasks from the journal"
+    ]
+    assert replayed and replayed[0]["tasks"] == len(keys)
+    metrics = scrape(restarted.metrics_port)
+    assert metrics.get("gossipd_fanout_withdrawn_by_peers_total") == len(keys)
+    assert metrics.get("gossipd_tasks_pending") == 0
+
+
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not predicate():

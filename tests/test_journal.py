@@ -71,26 +71,45 @@ def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(0, 20)), max_size=60), st.integers(0, 40))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["accept", "forwarded", "done"]), st.integers(0, 20)),
+        max_size=60,
+    ),
+    st.integers(0, 40),
+    st.booleans(),
+)
 def test_replay_matches_a_model_whatever_the_history_and_cut(
-    ops: list[tuple[bool, int]], cut: int
+    ops: list[tuple[str, int]], cut: int, compact: bool
 ) -> None:
+    """Unfinished tasks in acceptance order, and which of them a peer forwarded, whatever the
+    history, after a compaction too; any cut of the file replays without raising."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "j"
         j = Journal(path)
         model: dict[str, None] = {}
-        for accept, i in ops:
-            if accept:
+        forwarded: set[str] = set()
+        for kind, i in ops:
+            if kind == "accept":
                 j.accept(task(i))
                 model.setdefault(f"t{i}", None)  # a re-accepted pending task keeps its place
+            elif kind == "forwarded":
+                j.mark_forwarded_task(task(i))
+                if f"t{i}" in model:  # only an unfinished task is marked
+                    forwarded.add(f"t{i}")
             else:
                 j.done(f"t{i}")
                 model.pop(f"t{i}", None)
+                forwarded.discard(f"t{i}")
+        if compact:
+            j.compact()
         j.close()
         data = path.read_bytes()
-        assert [t.id for t in Journal(path).replay()] == list(model)
+        again = Journal(path)
+        assert [t.id for t in again.replay()] == list(model)
+        assert again.forwarded == forwarded
         # Any cut of the file replays to a prefix-consistent state without raising.
         path.write_bytes(data[: max(0, len(data) - cut)])
         Journal(path).replay()
