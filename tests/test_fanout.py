@@ -203,45 +203,62 @@ def test_a_silent_owner_is_passed_over_after_the_ack_timeout(make_cluster) -> No
     assert 0.3 <= elapsed < 5.0
 
 
+LONG_TASKS = 10  # each 100 tokens at 50 ms: 5 s
+
+
+def _start_long_tasks_on_d01(cluster: Cluster, producer: RawProducer) -> None:
+    """Send LONG_TASKS tasks keyed to d01 through d00; return once d01 runs them all."""
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    keys = [k for k in (f"l-{i}" for i in range(100)) if ring.owner(k) == "d01"][:LONG_TASKS]
+    for i, key in enumerate(keys):
+        producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 100})
+    owner = cluster.daemons[1]
+    wait_for(
+        lambda: scrape(owner.metrics_port).get("gossipd_tasks_pending") == LONG_TASKS,
+        10,
+        "the owner to run them",
+    )
+
+
+def _wait_for_migration(entry) -> None:  # type: ignore[no-untyped-def]
+    wait_for(
+        lambda: any(e.get("msg") == "migrating tasks off a dead member" for e in entry.events()),
+        30,
+        "the entry to declare the owner dead and migrate its tasks",
+    )
+
+
+def _assert_one_result_each_from(entry, replies: list[dict], owner) -> None:  # type: ignore[no-untyped-def, type-arg]
+    """Every task answered once, by the entry that took the migrated copies; the owner
+    withdrew every copy it held and holds nothing."""
+    results = [r for r in replies if r["t"] == 3]
+    assert sorted(r["id"] for r in results) == sorted(f"t{i}" for i in range(LONG_TASKS))
+    assert all(r["ok"] and r["node"] == entry.name for r in results), results[:3]
+    metrics = scrape(owner.metrics_port)
+    assert metrics.get("gossipd_fanout_withdrawn_by_peers_total") == LONG_TASKS
+    assert metrics.get("gossipd_task_results_total{outcome=withdrawn}") == LONG_TASKS
+    assert metrics.get("gossipd_tasks_pending") == 0
+
+
 def test_a_falsely_dead_owner_drops_the_tasks_that_migrated_off_it(make_cluster) -> None:  # type: ignore[no-untyped-def]
     """An owner stopped long enough to be declared dead, then resumed (a stall, not a
     crash): its running tasks migrate, and the forwarder withdraws its copies, so that the
     owner aborts them instead of running them beside the migrated ones and answering too."""
     cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
     entry, stalled = cluster.daemons
-    ring = Ring({"d00": 1.0, "d01": 1.0})
-    keys = [k for k in (f"f-{i}" for i in range(100)) if ring.owner(k) == "d01"][:10]
     producer = RawProducer(entry.endpoint)
     try:
-        for i, key in enumerate(keys):  # 100 tokens at 50 ms: 5 s each
-            producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 100})
-        wait_for(
-            lambda: scrape(stalled.metrics_port).get("gossipd_tasks_pending") == len(keys),
-            10,
-            "the owner to run them",
-        )
+        _start_long_tasks_on_d01(cluster, producer)
         stalled.pause()
         try:
-            wait_for(
-                lambda: any(
-                    e.get("msg") == "migrating tasks off a dead member" for e in entry.events()
-                ),
-                30,
-                "the entry to declare the owner dead and migrate its tasks",
-            )
+            _wait_for_migration(entry)
         finally:
             stalled.resume()
-        got = producer.results(len(keys), timeout_s=30)
+        got = producer.results(LONG_TASKS, timeout_s=30)
         late = producer.replies(timeout_s=3.0, quiet_s=1.5)
     finally:
         producer.close()
-    results = [r for r in [*got, *late] if r["t"] == 3]
-    assert sorted(r["id"] for r in results) == sorted(f"t{i}" for i in range(len(keys)))
-    assert all(r["ok"] and r["node"] == entry.name for r in results), results[:3]
-    metrics = scrape(stalled.metrics_port)
-    assert metrics.get("gossipd_fanout_withdrawn_by_peers_total") == len(keys)
-    assert metrics.get("gossipd_task_results_total{outcome=withdrawn}") == len(keys)
-    assert metrics.get("gossipd_tasks_pending") == 0
+    _assert_one_result_each_from(entry, [*got, *late], stalled)
 
 
 def test_a_restarted_owner_drops_the_journaled_tasks_that_migrated_off_it(make_cluster) -> None:  # type: ignore[no-untyped-def]
@@ -251,44 +268,25 @@ def test_a_restarted_owner_drops_the_journaled_tasks_that_migrated_off_it(make_c
     running them a second time and answering too."""
     cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
     entry, owner = cluster.daemons
-    ring = Ring({"d00": 1.0, "d01": 1.0})
-    keys = [k for k in (f"r-{i}" for i in range(100)) if ring.owner(k) == "d01"][:10]
     producer = RawProducer(entry.endpoint)
     try:
-        for i, key in enumerate(keys):  # 100 tokens at 50 ms: 5 s each
-            producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 100})
-        wait_for(
-            lambda: scrape(owner.metrics_port).get("gossipd_tasks_pending") == len(keys),
-            10,
-            "the owner to run them",
-        )
+        _start_long_tasks_on_d01(cluster, producer)
         time.sleep(0.1)  # past the journal's 10 ms fsync batch
         owner.kill()
         owner.wait(5)
-        wait_for(
-            lambda: any(
-                e.get("msg") == "migrating tasks off a dead member" for e in entry.events()
-            ),
-            30,
-            "the entry to declare the owner dead and migrate its tasks",
-        )
+        _wait_for_migration(entry)
         restarted = cluster.restart(1)
-        got = producer.results(len(keys), timeout_s=30)
+        got = producer.results(LONG_TASKS, timeout_s=30)
         late = producer.replies(timeout_s=8.0, quiet_s=6.0)  # past a replayed task's 5 s
     finally:
         producer.close()
-    results = [r for r in [*got, *late] if r["t"] == 3]
-    assert sorted(r["id"] for r in results) == sorted(f"t{i}" for i in range(len(keys)))
-    assert all(r["ok"] and r["node"] == entry.name for r in results), results[:3]
     replayed = [
         e
         for e in restarted.events()
         if e.get("msg") == "re-running unfinished tasks from the journal"
     ]
-    assert replayed and replayed[0]["tasks"] == len(keys)
-    metrics = scrape(restarted.metrics_port)
-    assert metrics.get("gossipd_fanout_withdrawn_by_peers_total") == len(keys)
-    assert metrics.get("gossipd_tasks_pending") == 0
+    assert replayed and replayed[0]["tasks"] == LONG_TASKS
+    _assert_one_result_each_from(entry, [*got, *late], restarted)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
