@@ -150,7 +150,10 @@ class Daemon:
             )
             if self.journal is not None:
                 assert self.dispatcher.owner is not None
-                self.dispatcher.owner.on_accepted.append(self.journal.mark_forwarded_task)
+                journal = self.journal
+                self.dispatcher.owner.on_accepted.append(
+                    lambda task, src: journal.mark_forwarded(task.id, src)
+                )
             self.gossip.load = lambda: self.ingress.admission.pending
             self.ingress.rescue = self.dispatcher.hand_off
             self.gossip.prefixes = self.dispatcher.prefix_summary
@@ -250,9 +253,10 @@ class Daemon:
         now = time.monotonic()
         for task in unfinished:
             self.ingress.admit(task, now, answer=True)
-            if task.id in self.journal.forwarded and self.dispatcher is not None:
+            src = self.journal.forwarded.get(task.id)
+            if src is not None and self.dispatcher is not None:
                 assert self.dispatcher.owner is not None
-                self.dispatcher.owner.expect_withdraw(task.id)
+                self.dispatcher.owner.expect_withdraw(task.id, src)
         if unfinished:
             log.info(
                 "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}

@@ -160,6 +160,8 @@ class Dispatcher:
         self._ingress.on_released.append(lambda task: self._local_ids.discard(task.id))
         self._ingress.on_finished.append(self._task_finished)
         self._ingress.on_finished.append(self.owner.task_finished)
+        self.owner.send_to_member = self._send_to_member
+        self.owner.on_peer_done = lambda msg: self._ledger.done(msg.id, msg.node)
         self._gossip.listeners.append(self._member_event)
         return self.endpoint
 
@@ -330,6 +332,11 @@ class Dispatcher:
         if addr is not None:
             self._links.send(addr, Withdraw(id=task_id, node=self.node))
             self.stats.withdrawn += 1
+
+    def _send_to_member(self, member: str, msg: TaskDone) -> None:
+        addr = self.placer.addr(member) or self._last_addr.get(member)
+        if addr is not None:
+            self._links.send(addr, msg)
 
     def _retry(self, flight: _InFlight, reply: ForwardReply) -> None:
         assert self._tg is not None

@@ -1,9 +1,9 @@
 """The local journal of accepted tasks: the only durable state a daemon keeps.
 
 Append-only records, one MessagePack array each: [1, task bytes] when a task is accepted,
-[3, task id] after it when a peer forwarded it (that forwarder may have migrated it while we
-were down: after a restart its Withdraw is honoured), [2, task id] when its final result was
-sent.  Writes are buffered and made durable in batches
+[3, MessagePack [task id, forwarder]] after it when a peer forwarded it (after a restart that
+forwarder's Withdraw is honoured, since it may have migrated the task while we were down, and
+it gets the TaskDone), [2, task id] when its final result was sent.  Writes are buffered and made durable in batches
 (flush + fsync every ``fsync_interval_s``, off the event loop), so a crash loses at most that
 window of acceptances; the producer's resubmission covers that window.  When the file passes
 ``compact_bytes`` it is rewritten with only the unfinished tasks (write, fsync, rename).
@@ -28,6 +28,11 @@ log = logging.getLogger("gossipd.journal")
 ACCEPT, DONE, FORWARDED = 1, 2, 3
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
+_forwarded_decoder = msgspec.msgpack.Decoder(tuple[str, str])
+
+
+def _forwarded_record(task_id: str, src: str) -> bytes:
+    return _encoder.encode([FORWARDED, _encoder.encode([task_id, src])])
 
 
 class Journal:
@@ -39,7 +44,7 @@ class Journal:
         self._fsync_interval_s = fsync_interval_s
         self._compact_bytes = compact_bytes
         self._open: OrderedDict[str, bytes] = OrderedDict()  # unfinished: id -> task bytes
-        self.forwarded: set[str] = set()  # unfinished ids that a peer forwarded to us
+        self.forwarded: dict[str, str] = {}  # unfinished ids a peer forwarded -> that peer
         self._file = self.path.open("ab")
         self._size = self.path.stat().st_size
         self._dirty = False
@@ -80,9 +85,14 @@ class Journal:
                     self._open[task.id] = body
                 elif kind == DONE and isinstance(body, str):
                     self._open.pop(body, None)
-                    self.forwarded.discard(body)
-                elif kind == FORWARDED and isinstance(body, str) and body in self._open:
-                    self.forwarded.add(body)
+                    self.forwarded.pop(body, None)
+                elif kind == FORWARDED and isinstance(body, bytes):
+                    try:
+                        task_id, src = _forwarded_decoder.decode(body)
+                    except msgspec.DecodeError:
+                        continue
+                    if task_id in self._open:
+                        self.forwarded[task_id] = src
         if torn:
             log.warning(
                 "journal ends in a torn record; ignored",
@@ -95,16 +105,15 @@ class Journal:
         self._open[task.id] = body
         self._write(_encoder.encode([ACCEPT, body]))
 
-    def mark_forwarded_task(self, task: Task) -> None:
-        """The accepted ``task`` came from a peer's Forward."""
-        task_id = task.id
+    def mark_forwarded(self, task_id: str, src: str) -> None:
+        """The accepted ``task_id`` came from member ``src``'s Forward."""
         if task_id in self._open and task_id not in self.forwarded:
-            self.forwarded.add(task_id)
-            self._write(_encoder.encode([FORWARDED, task_id]))
+            self.forwarded[task_id] = src
+            self._write(_forwarded_record(task_id, src))
 
     def done(self, task_id: str) -> None:
         if self._open.pop(task_id, None) is not None:
-            self.forwarded.discard(task_id)
+            self.forwarded.pop(task_id, None)
             self._write(_encoder.encode([DONE, task_id]))
 
     @property
@@ -136,7 +145,7 @@ class Journal:
             for task_id, body in self._open.items():
                 out.write(_encoder.encode([ACCEPT, body]))
                 if task_id in self.forwarded:
-                    out.write(_encoder.encode([FORWARDED, task_id]))
+                    out.write(_forwarded_record(task_id, self.forwarded[task_id]))
             out.flush()
             os.fsync(out.fileno())
         self._file.close()

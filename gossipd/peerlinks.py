@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from gossipd.config import FanoutConfig
-from gossipd.core.messages import Cancel, Forward, Withdraw
+from gossipd.core.messages import Cancel, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.rpc import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
@@ -24,7 +24,7 @@ from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
 if TYPE_CHECKING:
     from gossipd.dispatch import DispatchStatistics
 
-Outgoing = Forward | Cancel | Withdraw
+Outgoing = Forward | Cancel | Withdraw | TaskDone
 
 
 class _Peer:

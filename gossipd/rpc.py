@@ -77,7 +77,12 @@ class OwnerEndpoint:
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._reader: SocketReader | None = None
-        self.on_accepted: list[Callable[[Task], None]] = []  # a Forward admitted (journal)
+        self.on_accepted: list[Callable[[Task, str], None]] = []  # (task, forwarder): journal
+        # Set by the dispatcher: send a message to a member's ROUTER; and a TaskDone that a
+        # member sent us as the forwarder (a task it re-ran from its journal).
+        self.send_to_member: Callable[[str, TaskDone], None] | None = None
+        self.on_peer_done: Callable[[TaskDone], None] | None = None
+        self._replayed: dict[str, str] = {}  # task re-run from the journal -> its forwarder
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -130,6 +135,10 @@ class OwnerEndpoint:
         if isinstance(msg, Withdraw):
             self._withdraw(identity, msg.id)
             return
+        if isinstance(msg, TaskDone):
+            if self.on_peer_done is not None:
+                self.on_peer_done(msg)
+            return
         if not isinstance(msg, Forward):
             self.stats.bad_peer_messages += 1
             return
@@ -141,7 +150,7 @@ class OwnerEndpoint:
             self.stats.accepted_from_peers += 1
             if verdict is Verdict.ADMIT:
                 for listener in self.on_accepted:
-                    listener(msg.task)
+                    listener(msg.task, msg.src)
             if verdict is not Verdict.DUPLICATE_DONE:
                 self._forwarders.setdefault(msg.task.id, []).append(identity)
             else:
@@ -167,6 +176,7 @@ class OwnerEndpoint:
             forwarders.remove(identity)
         elif ANY_FORWARDER in forwarders:
             forwarders.remove(ANY_FORWARDER)
+            self._replayed.pop(task_id, None)
         else:
             return
         if forwarders:
@@ -218,15 +228,21 @@ class OwnerEndpoint:
                     self.stats.replies_dropped += count  # the forwarder times out, tries the next
         kick(self._router)
 
-    def expect_withdraw(self, task_id: str) -> None:
-        """``task_id``, re-run from the journal, came from a forwarder that may have migrated
-        it while we were down: a Withdraw for it from any forwarder drops it."""
+    def expect_withdraw(self, task_id: str, src: str) -> None:
+        """``task_id``, re-run from the journal, came from member ``src``, which may have
+        migrated it while we were down: a Withdraw for it from any forwarder (the connection
+        is a new one) drops it.  Finished, its TaskDone goes to ``src`` by name."""
         self._forwarders.setdefault(task_id, []).append(ANY_FORWARDER)
+        self._replayed[task_id] = src
 
     def task_finished(self, task: Task, result: Result) -> None:
         for identity in self._forwarders.pop(task.id, ()):
-            if identity != ANY_FORWARDER:  # its forwarder's new connection is unknown
+            if identity != ANY_FORWARDER:
                 self._send_done(identity, task.id)
+                continue
+            src = self._replayed.pop(task.id, None)
+            if src is not None and self.send_to_member is not None:
+                self.send_to_member(src, TaskDone(id=task.id, node=self.node))
 
     def _send_done(self, identity: bytes, task_id: str) -> None:
         self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))

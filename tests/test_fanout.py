@@ -289,6 +289,44 @@ def test_a_restarted_owner_drops_the_journaled_tasks_that_migrated_off_it(make_c
     _assert_one_result_each_from(entry, [*got, *late], restarted)
 
 
+def test_an_owner_restarted_before_it_is_declared_dead_reports_its_replayed_tasks_done(
+    make_cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    """Killed and restarted faster than failure detection: nobody migrates its tasks, so it
+    re-runs them from its journal and answers them; its forwarder, whose connection to it is
+    a new one, still gets their TaskDones (sent by name) and stops answering for them (else
+    they would count against the owner's load, and migrate again at its next death)."""
+    cluster = make_cluster(
+        2,
+        "engine.token_delay_s=0.05",
+        'metrics.bind="127.0.0.1:0"',
+        "gossip.swim.suspicion_floor_s=120",  # no death declared during the test
+    )
+    entry, owner = cluster.daemons
+    producer = RawProducer(entry.endpoint)
+    outstanding = "gossipd_fanout_outstanding{member=d01}"
+    try:
+        _start_long_tasks_on_d01(cluster, producer)
+        assert scrape(entry.metrics_port).get(outstanding) == LONG_TASKS
+        time.sleep(0.1)  # past the journal's 10 ms fsync batch
+        owner.kill()
+        owner.wait(5)
+        restarted = cluster.restart(1)
+        got = producer.results(LONG_TASKS, timeout_s=30)
+        late = producer.replies(timeout_s=3.0, quiet_s=1.5)
+    finally:
+        producer.close()
+    results = [r for r in [*got, *late] if r["t"] == 3]
+    assert sorted(r["id"] for r in results) == sorted(f"t{i}" for i in range(LONG_TASKS))
+    assert all(r["ok"] and r["node"] == restarted.name for r in results), results[:3]
+    assert not any(e.get("msg") == "migrating tasks off a dead member" for e in entry.events())
+    wait_for(
+        lambda: scrape(entry.metrics_port).get(outstanding, 0.0) == 0.0,
+        5,
+        "the forwarder to stop answering for the tasks the restarted owner finished",
+    )
+
+
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -90,19 +90,19 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
         path = Path(d) / "j"
         j = Journal(path)
         model: dict[str, None] = {}
-        forwarded: set[str] = set()
+        forwarded: dict[str, str] = {}
         for kind, i in ops:
             if kind == "accept":
                 j.accept(task(i))
                 model.setdefault(f"t{i}", None)  # a re-accepted pending task keeps its place
             elif kind == "forwarded":
-                j.mark_forwarded_task(task(i))
-                if f"t{i}" in model:  # only an unfinished task is marked
-                    forwarded.add(f"t{i}")
+                j.mark_forwarded(f"t{i}", f"d{i % 3}")
+                if f"t{i}" in model:  # only an unfinished task is marked, once
+                    forwarded.setdefault(f"t{i}", f"d{i % 3}")
             else:
                 j.done(f"t{i}")
                 model.pop(f"t{i}", None)
-                forwarded.discard(f"t{i}")
+                forwarded.pop(f"t{i}", None)
         if compact:
             j.compact()
         j.close()
