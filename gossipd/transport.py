@@ -118,7 +118,7 @@ class SocketReader:
         self._loop.add_reader(self._fd, self._read)
         # A send on this socket may consume the fd's signal (kick() calls this), and the
         # recheck covers any other call that does.
-        _waiters[id(sock)] = self._read_soon
+        _waiters[id(sock)] = self._look
         self._recheck = self._loop.call_later(RECHECK_S, self._on_recheck)
         self._read_soon()  # what came before the fd was registered
 
@@ -133,10 +133,14 @@ class SocketReader:
 
     def _on_recheck(self) -> None:
         self._recheck = self._loop.call_later(RECHECK_S, self._on_recheck)
-        # An EVENTS read (3.5 us) rather than a recv that would end in zmq.Again (7.9 us):
-        # this runs 20 times a second for every idle socket.
-        if self._sock.getsockopt(EVENTS) & POLLIN:
-            self._read()
+        self._look()
+
+    def _look(self) -> None:
+        """Read soon if a message waits.  An EVENTS read (3.5 us), not a recv that would end
+        in zmq.Again (7.9 us): this runs after every send on the socket (kick) and 20 times a
+        second for an idle one; it also re-arms the fd."""
+        if not self._closed and self._sock.getsockopt(EVENTS) & POLLIN:
+            self._read_soon()
 
     def _read(self) -> None:
         if self._closed:
@@ -181,7 +185,7 @@ class SocketReader:
         self._closed = True
         self._recheck.cancel()
         self._loop.remove_reader(self._fd)
-        if _waiters.get(id(self._sock)) == self._read_soon:
+        if _waiters.get(id(self._sock)) == self._look:
             del _waiters[id(self._sock)]
 
 
