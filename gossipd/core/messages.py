@@ -524,9 +524,10 @@ class TaskDone(
 
 
 class Withdraw(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.WITHDRAW)):
-    """The forwarder has the task run elsewhere (a hedged copy lost, or this member did not
-    ack in time): drop it without answering the producer.  Only the copy this forwarder sent
-    is withdrawn."""
+    """The forwarder has the task run elsewhere (a hedged copy lost, this member did not ack
+    in time, or it was declared dead and the task migrated): drop it without answering the
+    producer.  Only the copy this forwarder sent is withdrawn (after a restart, a task re-run
+    from the journal by any forwarder)."""
 
     v: int = PROTOCOL_VERSION
     id: TaskId
