@@ -151,6 +151,13 @@ class FanoutConfig(Section):
     load_floor: Annotated[int, msgspec.Meta(ge=0)] = 256
     # Forwarded tasks remembered until their owner reports them done (for migration).
     forwarded_max: Positive = 200_000
+    # A connection to a peer that drops is retried after 0.1 s, the wait doubling up to this:
+    # a dead member costs a connect attempt every few seconds, not ten a second.
+    peer_reconnect_max_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600.0)] = 5.0
+    # A connection to an address that is no live member's and has carried nothing for this
+    # long is closed (a member that left, or came back on another address).  Not sooner:
+    # Withdraws queued for a dead member reach it if it restarts on the same address.
+    peer_idle_close_s: Annotated[float, msgspec.Meta(ge=1.0)] = 600.0
     # Per-peer circuit breaker: this many failures in a row stop calls for breaker_open_s.
     breaker_failures: Positive = 3
     breaker_open_s: Seconds = 2.0

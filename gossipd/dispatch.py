@@ -70,6 +70,7 @@ class DispatchStatistics:
     hedge_wins: int = 0  # ...where the second member accepted first
     hedges_over_budget: int = 0  # slow acks not hedged: fanout.hedge_budget was spent
     withdrawn: int = 0  # copies we withdrew: a hedge lost, no ack in time, or declared dead
+    peer_links_closed: int = 0  # connections to non-members closed after peer_idle_close_s
     withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
 
 
@@ -136,6 +137,7 @@ class Dispatcher:
         self._last_addr: dict[str, str] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._acks: asyncio.Task[None] | None = None
+        self._idle_links: asyncio.Task[None] | None = None
         self._ack_wheel = DeadlineWheel(0.01)
         self._ack_times = AckTimes(quantile=config.hedge_quantile)
         self._hedge_credit = HEDGE_BURST  # hedges allowed now; each forward adds hedge_budget
@@ -170,13 +172,15 @@ class Dispatcher:
         assert self.owner is not None
         self.owner.start()
         self._acks = tg.create_task(self.expire_acks_forever(), name="rpc-ack-deadlines")
+        self._idle_links = tg.create_task(self.close_idle_links_forever(), name="rpc-idle-links")
 
     def stop(self) -> None:
         """Cancel the background tasks (call before leaving the TaskGroup)."""
         if self.owner is not None:
             self.owner.stop()
-        if self._acks is not None:
-            self._acks.cancel()
+        for task in (self._acks, self._idle_links):
+            if task is not None:
+                task.cancel()
         self._links.stop()
 
     def close(self) -> None:
@@ -219,6 +223,13 @@ class Dispatcher:
 
     def prefix_summary(self) -> list[int]:
         return self.placer.prefix_summary()
+
+    async def close_idle_links_forever(self) -> None:
+        every_s = min(60.0, self.config.peer_idle_close_s / 4)
+        while True:
+            await asyncio.sleep(every_s)
+            members = set(self.placer.view().addrs.values())
+            self._links.close_idle(members, time.monotonic())
 
     async def expire_acks_forever(self) -> None:
         while True:

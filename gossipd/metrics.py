@@ -299,6 +299,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             "Copies a forwarder withdrew from us before they finished",
             stats.withdrawn_by_peers,
         ),
+        (
+            "gossipd_fanout_peer_links_closed",
+            "Connections to addresses of no live member closed after fanout.peer_idle_close_s",
+            stats.peer_links_closed,
+        ),
     ):
         yield _one(C, name, doc, value)
     yield _by(

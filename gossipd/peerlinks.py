@@ -10,6 +10,7 @@ Decisions (who gets what, retries, hedging) are the dispatcher's.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,11 +29,12 @@ Outgoing = Forward | Cancel | Withdraw | TaskDone
 
 
 class _Peer:
-    __slots__ = ("addr", "outbox", "reader", "sock")
+    __slots__ = ("addr", "last_used", "outbox", "reader", "sock")
 
     def __init__(self, addr: str, sock: zmq.Socket) -> None:
         self.addr = addr
         self.sock = sock
+        self.last_used = time.monotonic()
         self.outbox: list[Outgoing] = []
         self.reader: SocketReader | None = None
 
@@ -91,6 +93,28 @@ class PeerLinks:
             except zmq.Again:
                 self._stats.attempts_failed += count
         kick(peer.sock)
+        peer.last_used = time.monotonic()
+
+    def close_idle(self, members: set[str], now: float) -> int:
+        """Close the connections to addresses outside ``members`` (the live members' rpc
+        addresses) that have sent nothing for ``fanout.peer_idle_close_s``; how many."""
+        idle = [
+            peer
+            for addr, peer in self._peers.items()
+            if addr not in members
+            and not peer.outbox
+            and now - peer.last_used >= self._config.peer_idle_close_s
+        ]
+        for peer in idle:
+            del self._peers[peer.addr]
+            if peer.reader is not None:
+                peer.reader.close()
+            peer.sock.close(linger=0)
+        self._stats.peer_links_closed += len(idle)
+        return len(idle)
+
+    def __len__(self) -> int:
+        return len(self._peers)
 
     def _peer(self, addr: str) -> _Peer:
         peer = self._peers.get(addr)
@@ -99,6 +123,7 @@ class PeerLinks:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 10_000)
             sock.setsockopt(zmq.MAXMSGSIZE, self._config.message_bytes_max)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._config.peer_reconnect_max_s * 1000))
             sock.connect(addr)
             peer = _Peer(addr, sock)
             self._peers[addr] = peer

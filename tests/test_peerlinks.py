@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
+from zmq.utils.monitor import recv_monitor_message
 
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Forward, Task, TaskDone
 from gossipd.dispatch import DispatchStatistics
+from gossipd.launcher import free_tcp_port
 from gossipd.peerlinks import PeerLinks
 from gossipd.rpc import peer_frames, peer_items
 from tests.helpers import run_with_context
@@ -78,3 +81,57 @@ def test_peer_frames_split_under_the_limit_and_peer_items_give_back_every_item(
     assert all(len(frame) <= bytes_max or count == 1 for frame, count in frames)
     decoded = [item for frame, _ in frames for item in peer_items(frame, 1 << 20)]
     assert decoded == items
+
+
+def _retries_in(seconds: float, config: FanoutConfig) -> int:
+    """Connect attempts PeerLinks makes in ``seconds`` to an address nobody listens on."""
+
+    async def main(ctx: zmq.Context) -> int:
+        links = PeerLinks(config, ctx=ctx, stats=DispatchStatistics(), on_reply=lambda m: None)
+        addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+        try:
+            links.send(addr, _forward(1))
+            monitor = links._peers[addr].sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
+            retries = 0
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                if monitor.poll(int(left * 1000)):
+                    recv_monitor_message(monitor)
+                    retries += 1
+            return retries
+        finally:
+            links.close()
+
+    return run_with_context(main)
+
+
+def test_a_dead_peer_is_retried_with_backoff_not_ten_times_a_second() -> None:
+    """ZeroMQ retries a refused connection every 0.1 s forever by default: for a member that
+    died and never comes back.  With the backoff (0.1 s doubling to 0.4 s here) the same two
+    seconds see about a third of the attempts."""
+    fast = _retries_in(2.0, FanoutConfig(peer_reconnect_max_s=0.1))
+    backoff = _retries_in(2.0, FanoutConfig(peer_reconnect_max_s=0.4))
+    assert fast >= 12, fast
+    assert backoff <= 8, backoff
+
+
+def test_idle_connections_to_non_members_are_closed() -> None:
+    config = FanoutConfig(peer_idle_close_s=5.0)
+    stats = DispatchStatistics()
+
+    async def main(ctx: zmq.Context) -> tuple[int, int, int, int]:
+        links = PeerLinks(config, ctx=ctx, stats=stats, on_reply=lambda m: None)
+        member, gone = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2))
+        try:
+            links.send(member, _forward(1))
+            links.send(gone, _forward(2))
+            await asyncio.sleep(0)
+            now = time.monotonic()
+            early = links.close_idle({member}, now + 1.0)  # not idle long enough yet
+            late = links.close_idle({member}, now + 6.0)  # gone: closed; member: kept
+            return early, late, len(links), stats.peer_links_closed
+        finally:
+            links.close()
+
+    early, late, left, closed = run_with_context(main)
+    assert (early, late, left, closed) == (0, 1, 1, 1)
