@@ -152,8 +152,9 @@ class FanoutConfig(Section):
     # Forwarded tasks remembered until their owner reports them done (for migration).
     forwarded_max: Positive = 200_000
     # A connection to a peer that drops is retried after 0.1 s, the wait doubling up to this:
-    # a dead member costs a connect attempt every few seconds, not ten a second.
-    peer_reconnect_max_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600.0)] = 5.0
+    # a dead member costs a connect attempt a second, not ten.  Keep it short: a member that
+    # restarts gets no forwards from us until our next attempt reaches it.
+    peer_reconnect_max_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600.0)] = 1.0
     # A connection to an address that is no live member's and has carried nothing for this
     # long is closed (a member that left, or came back on another address).  Not sooner:
     # Withdraws queued for a dead member reach it if it restarts on the same address.
