@@ -127,6 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             tasks=min(args.tasks, 5000),
             repeats=args.repeats,
             as_json=args.json,
+            plot=args.plot,
         )
     if args.what == "engine":
         from gossipd.bench.engine import main as bench_engine
@@ -212,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["ingress", "route", "ring", "engine", "prefix", "hedge"])
     p.add_argument("--model", help="engine/prefix: a model directory (default: make the tiny one)")
     p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")
-    p.add_argument("--plot", help="prefix: write a PNG bar chart of the hit rates here")
+    p.add_argument(
+        "--plot",
+        help="prefix: a PNG bar chart of the hit rates; route: a PNG of the latency CDFs",
+    )
     p.add_argument("--keys", type=int, default=1_000_000, help="ring: keys to place")
     p.add_argument(
         "--nodes", type=int, default=None, help="route, prefix: daemons (3); ring: members (64)"

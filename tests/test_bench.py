@@ -40,3 +40,21 @@ def test_bench_hedge_json_reports_both_modes_with_nothing_lost() -> None:
         / off["sent_to_stalled_owner_during_stall"]["p50_ms"]
     )
     assert abs(report["during_stall_p50_ratio_on_vs_off"] - ratio) < 0.01
+
+
+def test_bench_route_json_reports_hops_and_throughput_and_plots_the_cdfs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "route.png"
+    proc = gossipd_cli(
+        "bench", "route", "--nodes", "2", "--tasks", "400", "--repeats", "1", "--json",
+        "--plot", str(png), timeout_s=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert 0.3 < report["forwarded_fraction"] < 0.7  # two daemons: about half enter elsewhere
+    for hops in ("latency_0_hop_ms", "latency_1_hop_ms"):
+        assert report[hops]["p99"] >= report[hops]["p50"] > 0
+    p50 = report["latency_1_hop_ms"]["p50"] - report["latency_0_hop_ms"]["p50"]
+    assert abs(report["hop_overhead_ms"]["p50"] - p50) < 0.002
+    assert report["cluster_tasks_per_s"] > 0 and report["raw_zmq_tasks_per_s"] > 0
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
