@@ -8,7 +8,8 @@ it gets the TaskDone), [2, task id] when its final result was sent.  Writes are 
 window of acceptances; the producer's resubmission covers that window.  When the file passes
 ``compact_bytes`` it is rewritten with only the unfinished tasks (write, fsync, rename).
 On start-up ``replay`` returns the tasks accepted but never finished, to run again.
-A torn last record (crash mid-write) is ignored.
+A torn last record (crash mid-write) is ignored; a record of a kind this version does not
+know (written by a later one) is skipped.
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ def _record_end(data: bytes, offset: int) -> int:
             raise ValueError("truncated")
 
     need(3)
-    if data[offset] != 0x92 or data[offset + 1] not in (ACCEPT, DONE, FORWARDED):
+    # Any record kind, known or not (0..127): a kind added by a later version is skipped by
+    # replay, not taken for a torn tail that would cut the file there.
+    if data[offset] != 0x92 or data[offset + 1] > 0x7F:
         raise ValueError("not a journal record")
     pos = offset + 2
     tag = data[pos]

@@ -40,6 +40,29 @@ def test_a_torn_tail_is_cut_and_later_records_stay_readable(tmp_path: Path) -> N
     assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t1", "t2"]
 
 
+def test_a_record_of_an_unknown_kind_is_skipped_not_taken_for_a_torn_tail(
+    tmp_path: Path,
+) -> None:
+    """A later version may add record kinds: this one must read past them, not cut there."""
+    import msgspec
+
+    from gossipd.core.messages import encode
+
+    j = Journal(tmp_path / "j")
+    j.accept(task(1))
+    j.close()
+    with (tmp_path / "j").open("ab") as fh:
+        fh.write(msgspec.msgpack.encode([9, b"from a later version"]))
+        fh.write(msgspec.msgpack.encode([9, "t1"]))
+        fh.write(msgspec.msgpack.encode([1, encode(task(2))]))  # a known record after them
+    j2 = Journal(tmp_path / "j")
+    assert [t.id for t in j2.replay()] == ["t1", "t2"]
+    j2.accept(task(3))
+    j2.done("t1")
+    j2.close()
+    assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t2", "t3"]
+
+
 def test_compaction_keeps_only_unfinished_tasks(tmp_path: Path) -> None:
     j = Journal(tmp_path / "j", compact_bytes=4096)
     for i in range(200):
