@@ -334,12 +334,13 @@ class Dispatcher:
             self._land(flight)
         self._send_withdraw(flight.owner, flight.task.id)
 
-    def _send_withdraw(self, member: str, task_id: str) -> None:
-        """Tell ``member`` to drop its copy of a task that another member runs: sent after a
-        hedge lost and after a forward went unanswered (a stalled member that resumes reads
-        the Forward and then this, and answers nothing).  A member that never accepted the
-        copy ignores it."""
-        addr = self.placer.addr(member)
+    def _send_withdraw(self, member: str, task_id: str, addr: str | None = None) -> None:
+        """Tell ``member`` (at ``addr``, else its live address) to drop its copy of a task
+        that another member runs: sent after a hedge lost, after a forward went unanswered
+        (a stalled member that resumes reads the Forward and then this, and answers nothing)
+        and when the member is declared dead.  A member that never accepted the copy ignores
+        it."""
+        addr = addr or self.placer.addr(member)
         if addr is not None:
             self._links.send(addr, Withdraw(id=task_id, node=self.node))
             self.stats.withdrawn += 1
@@ -527,14 +528,14 @@ class Dispatcher:
         orphans = self._ledger.owned_by(event.node)
         # A member declared dead may only have stalled: withdraw its copies, so that if it
         # comes back it drops them instead of running them beside the migrated ones (a dead
-        # one never reads this; one restarted on the address ignores tasks it never took).
+        # one never reads this; one restarted on the address drops them if it re-runs them
+        # from its journal).  Its last address: it is gone from the live view.
         addr = self._last_addr.get(event.node)
         for f in orphans:
             self._ledger.forget(f.task.id)
             self.stats.migrated += 1
             if addr is not None:
-                self._links.send(addr, Withdraw(id=f.task.id, node=self.node))
-                self.stats.withdrawn += 1
+                self._send_withdraw(event.node, f.task.id, addr)
             order = self.placer.order(f.task, exclude=frozenset({event.node}))
             if self._tg is not None:
                 self._tg.create_task(self._dispatch(f.task, f.received_at, order))

@@ -3,10 +3,11 @@
 Append-only records, one MessagePack array each: [1, task bytes] when a task is accepted,
 [3, MessagePack [task id, forwarder]] after it when a peer forwarded it (after a restart that
 forwarder's Withdraw is honoured, since it may have migrated the task while we were down, and
-it gets the TaskDone), [2, task id] when its final result was sent.  Writes are buffered and made durable in batches
-(flush + fsync every ``fsync_interval_s``, off the event loop), so a crash loses at most that
-window of acceptances; the producer's resubmission covers that window.  When the file passes
-``compact_bytes`` it is rewritten with only the unfinished tasks (write, fsync, rename).
+it gets the TaskDone), [2, task id] when its final result was sent.  Writes are buffered and
+made durable in batches (flush + fsync every ``fsync_interval_s``, off the event loop), so a
+crash loses at most that window of acceptances; the producer's resubmission covers that
+window.  When the file passes ``compact_bytes`` it is rewritten with only the unfinished
+tasks (write, fsync, rename).
 On start-up ``replay`` returns the tasks accepted but never finished, to run again.
 A torn last record (crash mid-write) is ignored; a record of a kind this version does not
 know (written by a later one) is skipped.

@@ -149,9 +149,7 @@ class SocketReader:
         try:
             first = recv(NOBLOCK)
         except zmq.Again:
-            # Nothing to read (the fd fired for another event): reading EVENTS re-arms it.
-            if sock.getsockopt(EVENTS) & POLLIN:
-                self._read_soon()
+            self._look()  # nothing to read (the fd fired for another event): re-arm it
             return
         # A lone message, the common case below saturation, ends with an EVENTS read (3.5 us)
         # that also re-arms the fd, not with a zmq.Again exception (7.9 us) and that read.
