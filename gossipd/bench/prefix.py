@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gossipd.bench.plotting import percent_figure, save_percent_figure
 from gossipd.client import Client
 from gossipd.core.messages import SamplingParams
 from gossipd.metrics import scrape
@@ -140,13 +141,8 @@ def run_policy(
 
 def plot_hit_rates(report: dict[str, Any], path: str) -> None:
     """Bar chart: hit rate per policy, one group of bars per cache size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     caches = sorted({r["cache"] for r in report["runs"]}, reverse=True)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = percent_figure(3.6)
     width = 0.8 / len(POLICIES)
     for i, policy in enumerate(POLICIES):
         rates = [
@@ -158,15 +154,11 @@ def plot_hit_rates(report: dict[str, Any], path: str) -> None:
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.set_xticks([x + width for x in range(len(caches))], [f"{c} KV cache" for c in caches])
     ax.set_ylabel("prefix-cache hits (% of prompt tokens)")
-    ax.set_title(
+    title = (
         f"vLLM, {report['tasks']} keyless tasks, {report['groups']} shared prefixes, "
-        f"{report['nodes']} daemons",
-        fontsize=9,
+        f"{report['nodes']} daemons"
     )
-    ax.set_ylim(0, 100)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_percent_figure(fig, ax, title, path)
 
 
 def main(

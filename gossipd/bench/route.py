@@ -16,6 +16,7 @@ from typing import Any
 
 from gossipd.bench.ingress import _raw_server
 from gossipd.bench.loadgen import drive, drive_many
+from gossipd.bench.plotting import percent_figure, save_percent_figure
 from gossipd.core.ring import Ring
 from gossipd.progress import percentile
 from simulations.cluster import Cluster
@@ -104,13 +105,9 @@ def main(
 def plot_latency(zero: list[float], one: list[float], report: dict[str, Any], path: str) -> None:
     """Latency distribution (CDF) of tasks run where they entered and of forwarded ones; the
     horizontal gap between the curves is the added latency per hop at each percentile."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig, ax = percent_figure(3.8)
     import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for label, values in (("run where it entered (0 hops)", zero), ("forwarded (1 hop)", one)):
         ys = [100 * (i + 1) / len(values) for i in range(len(values))]
         ax.plot(values, ys, label=f"{label}, n={len(values):,}")
@@ -125,13 +122,9 @@ def plot_latency(zero: list[float], one: list[float], report: dict[str, Any], pa
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("latency at the producer, window 1 (ms, log scale)")
     ax.set_ylabel("tasks (%)")
-    ax.set_title(
+    title = (
         f"gossipd bench route: {report['nodes']} daemons, echo engine, zero delay\n"
         f"added per hop p50 {hop['p50']:.3f} ms, p99 {hop['p99']:.3f} ms; "
-        f"throughput {report['ratio_vs_raw_zmq']:.2f}x raw pyzmq",
-        fontsize=9,
+        f"throughput {report['ratio_vs_raw_zmq']:.2f}x raw pyzmq"
     )
-    ax.set_ylim(0, 100)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_percent_figure(fig, ax, title, path)
