@@ -46,6 +46,9 @@ class NodeConfig(Section):
     gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
     # Messages of another cluster are ignored; keeps two clusters on one network apart.
     cluster: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "default"
+    # Every random choice of this daemon (probe order, backoff jitter) derives from it, so a
+    # run can be replayed.  Unset: a random one, printed at start-up.
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
 
 
 class IngressConfig(Section):

@@ -23,7 +23,8 @@ import zmq
 
 from gossipd import __version__
 from gossipd.config import Config, node_id
-from gossipd.core.messages import ErrorCode, error_result
+from gossipd.core.forwarder import Forwarder
+from gossipd.core.messages import ErrorCode, TaskDone, error_result
 from gossipd.dispatch import Dispatcher
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
@@ -33,6 +34,9 @@ from gossipd.ingress import Ingress
 from gossipd.journal import Journal
 from gossipd.metrics import DaemonCollector, serve_metrics
 from gossipd.notify import Notifier
+from gossipd.peerlinks import PeerLinks
+from gossipd.placer import Placer
+from gossipd.rpc import OwnerEndpoint
 from gossipd.transport import ReplySender
 
 log = logging.getLogger("gossipd.daemon")
@@ -91,6 +95,7 @@ class Daemon:
             self.ingress.on_finished.append(lambda task, result: self.journal.done(task.id))  # type: ignore[union-attr]
             # Handed to another member: that member answers it, so a restart must not re-run it.
             self.ingress.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
+        self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
         self._stop = asyncio.Event()
         self.engine_dead = False
         self.metrics_port = 0
@@ -127,36 +132,7 @@ class Daemon:
             ) from None
         endpoint = _bind("ingress.bind", self.config.ingress.bind, self.ingress.bind)
         if self.config.gossip.bind:
-            self.gossip = GossipService(
-                self.config,
-                node=self.node,
-                ctx=self._ctx,
-                engine=self.engine,
-                ingress_endpoint=endpoint,
-                version=__version__,
-            )
-            self.dispatcher = Dispatcher(
-                self.config.fanout,
-                ctx=self._ctx,
-                node=self.node,
-                ingress=self.ingress,
-                gossip=self.gossip,
-                rng=random.Random(secrets.randbits(64)),
-            )
-            model = getattr(self.engine, "model", "") or self.engine.name
-            self.ingress.model = self.gossip.model = model
-            self.gossip.rpc_endpoint = _bind(
-                "fanout.rpc_bind", self.config.fanout.rpc_bind, self.dispatcher.bind
-            )
-            if self.journal is not None:
-                assert self.dispatcher.owner is not None
-                journal = self.journal
-                self.dispatcher.owner.on_accepted.append(
-                    lambda task, src: journal.mark_forwarded(task.id, src)
-                )
-            self.gossip.load = lambda: self.ingress.admission.pending
-            self.ingress.rescue = self.dispatcher.hand_off
-            self.gossip.prefixes = self.dispatcher.prefix_summary
+            self.gossip, self.dispatcher = self._build_membership_and_fanout(endpoint)
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:
@@ -191,6 +167,7 @@ class Daemon:
                 log.info(
                     "serving",
                     extra={
+                        "seed": self.seed,
                         "endpoint": endpoint,
                         "gossip": gossip_endpoint if self.gossip is not None else "",
                         "engine": self.engine.name,
@@ -226,11 +203,95 @@ class Daemon:
         stats = _plain(self.snapshot())
         if self.dispatcher is not None:
             d = self.dispatcher
-            stats["dispatch"] = {k: getattr(d.stats, k) for k in d.stats.__dataclass_fields__}
+            fanout = d.statistics()
+            stats["dispatch"] = {k: getattr(fanout, k) for k in fanout.__dataclass_fields__}
             stats["dispatch"]["outstanding"] = d.outstanding()
             stats["dispatch"]["local_unfinished"] = d.local_unfinished()
         log.info("stopped", extra={"statistics": stats})
         return EXIT_ENGINE_DEAD if self.engine_dead else 0
+
+    def _build_membership_and_fanout(self, endpoint: str) -> tuple[GossipService, Dispatcher]:
+        """Membership and fan-out, built in dependency order and wired here, the one place
+        that knows them all (no part sets another's attributes)."""
+        config, ingress = self.config, self.ingress
+        gossip = GossipService(
+            config,
+            node=self.node,
+            ctx=self._ctx,
+            engine=self.engine,
+            ingress_endpoint=endpoint,
+            rng=self.rng("membership"),
+            version=__version__,
+        )
+        loads: dict[str, int] = {}  # per member: our forwards not yet done (bounded loads)
+        local_ids: set[str] = set()  # our intake's tasks running here
+        placer = Placer(
+            config.fanout,
+            node=self.node,
+            ingress=ingress,
+            gossip=gossip,
+            loads=loads,
+            local_ids=local_ids,
+        )
+        forwarder = Forwarder(
+            Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
+            node=self.node,
+            placement=placer,
+            admit_local=lambda task, at: ingress.admit(task, at, answer=False),
+            rng=self.rng("fanout"),
+            loads=loads,
+            local_ids=local_ids,
+        )
+        # The parts below call the dispatcher back; it exists by the time any message arrives.
+        dispatcher: Dispatcher | None = None
+
+        def peer_reply(msg: object) -> None:
+            assert dispatcher is not None
+            dispatcher.on_peer_reply(msg)
+
+        def send_to_member(member: str, msg: TaskDone) -> None:
+            assert dispatcher is not None
+            dispatcher.send_to_member(member, msg)
+
+        journal = self.journal
+        owner = OwnerEndpoint(
+            config.fanout,
+            ctx=self._ctx,
+            node=self.node,
+            ingress=ingress,
+            send_to_member=send_to_member,
+            on_peer_done=lambda msg: peer_reply(msg),
+            on_accepted=None
+            if journal is None
+            else (lambda task, src: journal.mark_forwarded(task.id, src)),
+        )
+        dispatcher = Dispatcher(
+            config.fanout,
+            node=self.node,
+            forwarder=forwarder,
+            placer=placer,
+            links=PeerLinks(config.fanout, ctx=self._ctx, on_reply=peer_reply),
+            owner=owner,
+            send_error=lambda e: ingress.send_error(e.task, e.code, e.message, e.retry_after_ms),
+        )
+        model = getattr(self.engine, "model", "") or self.engine.name
+        ingress.model = gossip.model = model
+        gossip.rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
+        gossip.load = lambda: ingress.admission.pending
+        gossip.prefixes = dispatcher.prefix_summary
+        gossip.listeners.append(dispatcher.member_event)
+        ingress.router = dispatcher.route
+        ingress.cancel_elsewhere = dispatcher.cancel_forwarded
+        ingress.rescue = dispatcher.hand_off
+        ingress.on_admitted.append(placer.record_prefix)
+        ingress.on_released.append(dispatcher.task_finished)
+        ingress.on_finished.append(dispatcher.task_finished)
+        ingress.on_finished.append(owner.task_finished)
+        return gossip, dispatcher
+
+    def rng(self, purpose: str) -> random.Random:
+        """The RNG of one part, derived from node.seed (so a run can be replayed)."""
+        return random.Random(f"{self.seed}:{self.node}:{purpose}")
 
     async def _watch_engine_forever(self) -> None:
         """Engine death: stop taking tasks, say so in gossip, hand off what we hold, exit
@@ -255,7 +316,6 @@ class Daemon:
             self.ingress.admit(task, now, answer=True)
             src = self.journal.forwarded.get(task.id)
             if src is not None and self.dispatcher is not None:
-                assert self.dispatcher.owner is not None
                 self.dispatcher.owner.expect_withdraw(task.id, src)
         if unfinished:
             log.info(

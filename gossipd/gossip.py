@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import logging
 import random
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -62,6 +61,7 @@ class GossipService:
         ctx: zmq.Context,
         engine: Engine,
         ingress_endpoint: str,
+        rng: random.Random,
         version: str = "",
     ) -> None:
         g = config.gossip
@@ -72,6 +72,7 @@ class GossipService:
         self._engine = engine
         self._ingress = ingress_endpoint
         self._version = version
+        self._rng = rng  # the member's protocol RNG (derived from node.seed)
         self._sock: zmq.Socket | None = None
         self._peers: OrderedDict[str, tuple[zmq.Socket, float]] = OrderedDict()
         self.core: SwimNode | None = None
@@ -103,12 +104,11 @@ class GossipService:
         sock.bind(self.config.gossip.bind)
         self._sock = sock
         self.advertise = self.config.gossip.advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        rng = random.Random(secrets.randbits(64))  # the one place a member's RNG is seeded
         self.core = SwimNode(
             self.swim_config,
             node=self.node,
             addr=self.advertise,
-            rng=rng,
+            rng=self._rng,
             now=time.time(),
             seeds=list(self.config.gossip.seeds),
         )

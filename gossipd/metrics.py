@@ -259,7 +259,7 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
 
 
 def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
-    stats = dispatcher.stats
+    stats = dispatcher.statistics()
     for name, doc, value in (
         ("gossipd_fanout_local", "Tasks from our intake run here", stats.local),
         (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import zmq
 
@@ -21,9 +21,6 @@ from gossipd.core.messages import Cancel, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.rpc import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
-
-if TYPE_CHECKING:
-    from gossipd.dispatch import DispatchStatistics
 
 Outgoing = Forward | Cancel | Withdraw | TaskDone
 
@@ -39,18 +36,24 @@ class _Peer:
         self.reader: SocketReader | None = None
 
 
+@dataclass(slots=True)
+class PeerLinkCounters:
+    sends_dropped: int = 0  # messages a peer's full queue refused (left to the ack timeout)
+    bad_messages: int = 0  # undecodable frames from peers
+    links_closed: int = 0  # connections to non-members closed after peer_idle_close_s
+
+
 class PeerLinks:
     def __init__(
         self,
         config: FanoutConfig,
         *,
         ctx: zmq.Context,
-        stats: DispatchStatistics,
         on_reply: Callable[[object], None],
     ) -> None:
         self._config = config
         self._ctx = ctx
-        self._stats = stats
+        self.counters = PeerLinkCounters()
         self._on_reply = on_reply  # each decoded item a peer sent back, in order
         self._peers: dict[str, _Peer] = {}
         self._turn = TurnBatching(self._flush)
@@ -91,7 +94,7 @@ class PeerLinks:
             try:
                 peer.sock.send(frame, NOBLOCK)
             except zmq.Again:
-                self._stats.attempts_failed += count
+                self.counters.sends_dropped += count
         kick(peer.sock)
         peer.last_used = time.monotonic()
 
@@ -110,7 +113,7 @@ class PeerLinks:
             if peer.reader is not None:
                 peer.reader.close()
             peer.sock.close(linger=0)
-        self._stats.peer_links_closed += len(idle)
+        self.counters.links_closed += len(idle)
         return len(idle)
 
     def __len__(self) -> int:
@@ -135,7 +138,7 @@ class PeerLinks:
             try:
                 items = peer_items(frame, self._config.message_bytes_max)
             except RemoteProtocolError:
-                self._stats.bad_peer_messages += 1
+                self.counters.bad_messages += 1
                 continue
             for item in items:
                 self._on_reply(item)

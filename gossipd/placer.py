@@ -4,13 +4,12 @@ The pure rules live in ``core/`` (the ring, bounded loads, prefix summaries); th
 feeds them this daemon's view: the serving members and their weights from gossip, the loads
 this entry point has put on each (what it forwarded and has not seen finish, and what it kept),
 engine saturation from gossiped engine load, and the prefixes members hold.  The forwarding
-itself (sending, acks, retries, migration) is ``dispatch.py``.
+itself (sending, acks, retries, migration) is ``core/forwarder.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import GpuState, Task
@@ -19,9 +18,6 @@ from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix
 from gossipd.core.ring import Ring
 from gossipd.gossip import GossipService
 from gossipd.ingress import Ingress
-
-if TYPE_CHECKING:
-    from gossipd.dispatch import DispatchStatistics
 
 
 @dataclass(slots=True)
@@ -47,16 +43,19 @@ class Placer:
         node: str,
         ingress: Ingress,
         gossip: GossipService,
-        stats: DispatchStatistics,
+        loads: dict[str, int],
+        local_ids: set[str],
     ) -> None:
         self.config = config
         self.node = node
         self._ingress = ingress
         self._gossip = gossip
-        self.outstanding: dict[str, int] = {}  # owner -> our forwarded tasks not done yet
-        self.local_ids: set[str] = set()  # tasks from our intake that run here, unfinished
+        # Kept up to date by the forwarder (core/forwarder.py): per member, our forwarded
+        # tasks not done yet; and the tasks from our intake that run here, unfinished.
+        self.outstanding = loads
+        self.local_ids = local_ids
         self.draining = False
-        self._stats = stats
+        self.prefix_hits = 0  # keyless tasks placed on a member that holds their prefix
         # Prefix affinity (policy "prefix"): what we ran, and who holds which prefix.
         self.prefix_record = PrefixRecord()
         self.prefix_index = PrefixIndex()
@@ -220,7 +219,7 @@ class Placer:
                 held.sort(key=ring_order.index)
             owner = next((m for m in held if self.free(m, view, total)), "")
             if owner:
-                self._stats.prefix_hits += 1
+                self.prefix_hits += 1
                 break
         if not owner:
             owner = ring.owner(key)

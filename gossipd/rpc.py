@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -62,26 +63,43 @@ def peer_items(frame: bytes, bytes_max: int) -> Sequence[object]:
 ANY_FORWARDER = b""
 
 
+@dataclass(slots=True)
+class OwnerCounters:
+    accepted_from_peers: int = 0
+    refused_to_peers: int = 0
+    bad_peer_messages: int = 0
+    replies_dropped: int = 0  # acks and TaskDones our ROUTER could not queue
+    withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
+
+
 class OwnerEndpoint:
     def __init__(
-        self, config: FanoutConfig, *, ctx: zmq.Context, node: str, ingress: Ingress, stats: Any
+        self,
+        config: FanoutConfig,
+        *,
+        ctx: zmq.Context,
+        node: str,
+        ingress: Ingress,
+        send_to_member: Callable[[str, TaskDone], None],
+        on_peer_done: Callable[[TaskDone], None],
+        on_accepted: Callable[[Task, str], None] | None = None,
     ) -> None:
         self.config = config
         self.node = node
         self._ctx = ctx
         self._ingress = ingress
-        self.stats = stats  # the dispatcher's DispatchStatistics, shared
+        self.counters = OwnerCounters()
         self._router: zmq.Socket | None = None
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._reader: SocketReader | None = None
-        self.on_accepted: list[Callable[[Task, str], None]] = []  # (task, forwarder): journal
-        # Set by the dispatcher: send a message to a member's ROUTER; and a TaskDone that a
-        # member sent us as the forwarder (a task it re-ran from its journal).
-        self.send_to_member: Callable[[str, TaskDone], None] | None = None
-        self.on_peer_done: Callable[[TaskDone], None] | None = None
+        self._on_accepted = on_accepted  # (task, forwarder): the journal marks it
+        # Send a TaskDone to a member's ROUTER by name; and a TaskDone that a member sent us as
+        # its forwarder (a task it re-ran from its journal).
+        self._send_to_member = send_to_member
+        self._on_peer_done = on_peer_done
         self._replayed: dict[str, str] = {}  # task re-run from the journal -> its forwarder
 
     def bind(self) -> str:
@@ -113,7 +131,7 @@ class OwnerEndpoint:
     def _on_messages(self, messages: list[list[bytes]]) -> None:
         for parts in messages:
             if len(parts) != 2:  # a ROUTER gives [identity, frame]; a peer sent more
-                self.stats.bad_peer_messages += 1
+                self.counters.bad_peer_messages += 1
                 continue
             self._on_peer_frame(parts[0], parts[1])
 
@@ -122,7 +140,7 @@ class OwnerEndpoint:
         try:
             items = peer_items(frame, self.config.message_bytes_max)
         except RemoteProtocolError as exc:
-            self.stats.bad_peer_messages += 1
+            self.counters.bad_peer_messages += 1
             log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
             return
         for item in items:
@@ -136,27 +154,25 @@ class OwnerEndpoint:
             self._withdraw(identity, msg.id)
             return
         if isinstance(msg, TaskDone):
-            if self.on_peer_done is not None:
-                self.on_peer_done(msg)
+            self._on_peer_done(msg)
             return
         if not isinstance(msg, Forward):
-            self.stats.bad_peer_messages += 1
+            self.counters.bad_peer_messages += 1
             return
         now = time.monotonic()
         received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
         verdict = self._ingress.admit(msg.task, received_at, answer=False)
         accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
         if accepted:
-            self.stats.accepted_from_peers += 1
-            if verdict is Verdict.ADMIT:
-                for listener in self.on_accepted:
-                    listener(msg.task, msg.src)
+            self.counters.accepted_from_peers += 1
+            if verdict is Verdict.ADMIT and self._on_accepted is not None:
+                self._on_accepted(msg.task, msg.src)
             if verdict is not Verdict.DUPLICATE_DONE:
                 self._forwarders.setdefault(msg.task.id, []).append(identity)
             else:
                 self._send_done(identity, msg.task.id)
         else:
-            self.stats.refused_to_peers += 1
+            self.counters.refused_to_peers += 1
         reply = ForwardReply(
             req=msg.req,
             node=self.node,
@@ -183,7 +199,7 @@ class OwnerEndpoint:
             return
         del self._forwarders[task_id]
         if self._ingress.withdraw(task_id):
-            self.stats.withdrawn_by_peers += 1
+            self.counters.withdrawn_by_peers += 1
 
     def _to_forwarder(
         self, identity: bytes, msg: ForwardReply | TaskDone, *, urgent: bool = False
@@ -225,7 +241,7 @@ class OwnerEndpoint:
                 try:
                     self._router.send_multipart([identity, frame], NOBLOCK)
                 except zmq.Again:
-                    self.stats.replies_dropped += count  # the forwarder times out, tries the next
+                    self.counters.replies_dropped += count  # the forwarder times out, tries the next
         kick(self._router)
 
     def expect_withdraw(self, task_id: str, src: str) -> None:
@@ -241,8 +257,8 @@ class OwnerEndpoint:
                 self._send_done(identity, task.id)
                 continue
             src = self._replayed.pop(task.id, None)
-            if src is not None and self.send_to_member is not None:
-                self.send_to_member(src, TaskDone(id=task.id, node=self.node))
+            if src is not None:
+                self._send_to_member(src, TaskDone(id=task.id, node=self.node))
 
     def _send_done(self, identity: bytes, task_id: str) -> None:
         self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))

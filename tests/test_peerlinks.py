@@ -12,7 +12,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Forward, Task, TaskDone
-from gossipd.dispatch import DispatchStatistics
 from gossipd.launcher import free_tcp_port
 from gossipd.peerlinks import PeerLinks
 from gossipd.rpc import peer_frames, peer_items
@@ -33,7 +32,7 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> Non
     async def main(ctx: zmq.Context) -> tuple[list[int], int, list[int]]:
         router = ctx.socket(zmq.ROUTER)
         addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-        links = PeerLinks(config, ctx=ctx, stats=DispatchStatistics(), on_reply=lambda m: None)
+        links = PeerLinks(config, ctx=ctx, on_reply=lambda m: None)
 
         def reqs() -> list[int]:
             if not router.poll(2000):
@@ -87,7 +86,7 @@ def _retries_in(seconds: float, config: FanoutConfig) -> int:
     """Connect attempts PeerLinks makes in ``seconds`` to an address nobody listens on."""
 
     async def main(ctx: zmq.Context) -> int:
-        links = PeerLinks(config, ctx=ctx, stats=DispatchStatistics(), on_reply=lambda m: None)
+        links = PeerLinks(config, ctx=ctx, on_reply=lambda m: None)
         addr = f"tcp://127.0.0.1:{free_tcp_port()}"
         try:
             links.send(addr, _forward(1))
@@ -117,10 +116,9 @@ def test_a_dead_peer_is_retried_with_backoff_not_ten_times_a_second() -> None:
 
 def test_idle_connections_to_non_members_are_closed() -> None:
     config = FanoutConfig(peer_idle_close_s=5.0)
-    stats = DispatchStatistics()
 
     async def main(ctx: zmq.Context) -> tuple[int, int, int, int]:
-        links = PeerLinks(config, ctx=ctx, stats=stats, on_reply=lambda m: None)
+        links = PeerLinks(config, ctx=ctx, on_reply=lambda m: None)
         member, gone = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2))
         try:
             links.send(member, _forward(1))
@@ -129,7 +127,7 @@ def test_idle_connections_to_non_members_are_closed() -> None:
             now = time.monotonic()
             early = links.close_idle({member}, now + 1.0)  # not idle long enough yet
             late = links.close_idle({member}, now + 6.0)  # gone: closed; member: kept
-            return early, late, len(links), stats.peer_links_closed
+            return early, late, len(links), links.counters.links_closed
         finally:
             links.close()
 

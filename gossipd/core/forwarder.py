@@ -1,0 +1,549 @@
+"""Fan-out, the forwarder's side, sans-IO: get each task to a member that accepts it, and keep
+answering for it until that member reports it done.
+
+Inputs (each with the time ``now``, seconds on one monotonic clock):
+    route(task, now)         a task from our intake: run it here (LOCAL) or forward it (TAKEN)
+    hand_off(task, t0, now)  give an admitted task to another member (drain, dead engine)
+    on_reply(msg, now)       a ForwardReply or TaskDone from a peer
+    member_dead(node, now)   membership declared a member dead: migrate what it held for us
+    cancel(task_id)          a producer's Cancel for a task we forwarded
+    tick(now)                timers: ack timeouts, hedges, backoffs (due at next_deadline())
+Outputs:
+    take_outbox()  [(rpc address, Forward | Withdraw | Cancel)] to send, in order
+    take_events()  [Refuse | HandedOff]: answer a producer with an error; a hand-off's outcome
+
+Rules (one code path for each decision):
+1. A task is a ``Dispatch``: its attempts, in placement order, each a Forward that the member
+   accepts or refuses within ``ack_timeout_s``.  A refusal or silence moves to the next member
+   after a backoff of min(backoff_max_s, backoff_base_s * 2^(n-1)) x U(0.5, 1.5) (no backoff
+   for hand-offs, which race a drain), never past the task's deadline and at most
+   ``attempts_max`` members.  A member that is ourselves is tried through ``admit_local``.
+2. A member that stays silent gets a Withdraw for its copy (a stalled member that resumes
+   reads the Forward, then the Withdraw, and answers nothing), and a failure on its breaker.
+   Accepts and busy refusals (overloaded, shutting_down) count as successes: it answered.
+3. Hedging (``hedge``): when the first attempt's ack takes longer than the ``hedge_quantile``
+   of recent ack times, the task goes to the next member too, within ``hedge_budget``.  The
+   first copy to accept wins; every other copy is withdrawn, also one accepted later.
+4. Accepted tasks sit in the ledger (``ForwardedLedger``) until their TaskDone.  When their
+   member is declared dead each is withdrawn from it and dispatched again, same id, to the
+   others (migration): the producer's deduplication by id makes the re-run safe.
+5. When no member takes a task, the producer gets one error: ``overloaded`` with the largest
+   retry_after_ms heard when every attempt was a busy refusal, else ``unavailable`` listing
+   every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
+   caller.
+
+Loads: ``loads[m]`` counts, per member, the forwards awaiting an answer plus the accepted
+tasks it holds for us; the placement reads the same dict for bounded loads.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gossipd.core.acktimes import AckTimes
+from gossipd.core.admission import Verdict
+from gossipd.core.breaker import Breaker
+from gossipd.core.forwarded import ForwardedLedger
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    ErrorCode,
+    Forward,
+    ForwardReply,
+    Task,
+    TaskDone,
+    Withdraw,
+)
+
+HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits them
+
+# What a local attempt's verdict means for the dispatch.
+_TAKEN_HERE = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
+_BUSY = (ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value)
+
+
+class Route(enum.Enum):
+    LOCAL = "local"  # run it here: the caller admits it
+    TAKEN = "taken"  # forwarded, or answered with an error: nothing more for the caller
+
+
+class AttemptFailure(enum.StrEnum):
+    """Why an attempt failed without a refusal from the member (never sent on the wire: these
+    label attempts in the error message a producer gets)."""
+
+    NO_REPLY = "no reply"
+    CIRCUIT_OPEN = "circuit_open"
+    NOT_A_MEMBER = "not_a_member"
+    DEADLINE = "deadline reached"
+
+
+class Placement(Protocol):
+    """Which member should run a task, as this node sees the cluster."""
+
+    def owner_for(self, task: Task) -> str | None: ...
+
+    def order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]: ...
+
+    def addr(self, member: str) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ForwarderSettings:
+    attempts_max: int = 4
+    ack_timeout_s: float = 0.5
+    backoff_base_s: float = 0.005
+    backoff_max_s: float = 0.2
+    hedge: bool = False
+    hedge_quantile: float = 0.95
+    hedge_min_s: float = 0.002
+    hedge_budget: float = 0.1
+    breaker_failures: int = 3
+    breaker_open_s: float = 2.0
+    forwarded_max: int = 200_000
+    retry_after_ms: int = 1000  # the hint when no member gave one
+
+    @classmethod
+    def of(cls, config: object, retry_after_ms: int) -> ForwarderSettings:
+        """From a FanoutConfig (or anything with these attributes)."""
+        names = [n for n in cls.__dataclass_fields__ if n != "retry_after_ms"]
+        return cls(retry_after_ms=retry_after_ms, **{n: getattr(config, n) for n in names})
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer the task's producer with this error: no member took the task."""
+
+    task: Task
+    code: ErrorCode
+    message: str
+    retry_after_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandedOff:
+    """A hand-off ended: another member took the task (ok) or none did."""
+
+    task: Task
+    ok: bool
+
+
+@dataclass(slots=True)
+class ForwarderCounters:
+    local: int = 0  # tasks from our intake run here
+    forwarded: int = 0  # forwards a member accepted
+    attempts_failed: int = 0  # forwards that got no answer in time
+    unavailable: int = 0  # tasks no member took
+    migrated: int = 0  # accepted tasks dispatched again off a dead member
+    handed_off: int = 0  # hand-offs another member accepted
+    hedged: int = 0  # forwards also sent to a second member
+    hedge_wins: int = 0  # ...where the second member accepted first
+    hedges_over_budget: int = 0  # slow acks not hedged: hedge_budget was spent
+    withdrawn: int = 0  # Withdraws sent
+
+
+@dataclass(slots=True, eq=False)
+class Dispatch:
+    """One task on its way to a member."""
+
+    task: Task
+    received_at: float  # at the entry point: the deadline counts from it
+    deadline: float
+    quiet: bool  # a hand-off: report the outcome as an event, never answer the producer
+    exclude: frozenset[str]  # members never to try (ourselves at drain, a dead member)
+    order: list[str] | None = None  # members left to try, computed when first needed
+    tried: list[str] = field(default_factory=list)  # members tried, in order
+    attempts: list[str] = field(default_factory=list)  # "member: outcome" of failed ones
+    busy_hint_ms: int = 0  # the largest retry_after_ms among busy refusals
+    flights: list[Flight] = field(default_factory=list)  # copies awaiting their answer
+    winner: str = ""  # the member that accepted
+    waiting: bool = False  # a backoff timer is armed for the next attempt
+    ended: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Flight:
+    """One Forward awaiting its ForwardReply."""
+
+    req: int
+    member: str
+    dispatch: Dispatch
+    breaker: Breaker
+    sent_at: float
+    hedge_armed: bool = False
+    live: bool = True
+
+
+# Timer kinds, in the heap as (at, seq, kind, object); stale entries are skipped.
+_ACK, _HEDGE, _RETRY = 0, 1, 2
+
+
+class Forwarder:
+    def __init__(
+        self,
+        settings: ForwarderSettings,
+        *,
+        node: str,
+        placement: Placement,
+        admit_local: Callable[[Task, float], Verdict],
+        rng: random.Random,
+        loads: dict[str, int] | None = None,
+        local_ids: set[str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.node = node
+        self._placement = placement
+        self._admit_local = admit_local
+        self._rng = rng
+        self.loads: dict[str, int] = {} if loads is None else loads
+        self.ledger = ForwardedLedger(self.loads, entries_max=settings.forwarded_max)
+        self.counters = ForwarderCounters()
+        # Tasks from our intake that run here, unfinished: our own load as placement sees it.
+        self.local_ids: set[str] = set() if local_ids is None else local_ids
+        self._flights: dict[int, Flight] = {}
+        self._req = 0
+        self._breakers: dict[str, Breaker] = {}
+        # Each member's rpc address when we last forwarded to it: still known once the member
+        # is declared dead and gone from the live view (its copies are withdrawn there).
+        self._last_addr: dict[str, str] = {}
+        self._timers: list[tuple[float, int, int, Flight | Dispatch]] = []
+        self._seq = 0
+        self._ack_times = AckTimes(quantile=settings.hedge_quantile)
+        self._hedge_credit = HEDGE_BURST
+        self._outbox: list[tuple[str, Forward | Withdraw | Cancel]] = []
+        self._events: list[Refuse | HandedOff] = []
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def route(self, task: Task, now: float) -> Route:
+        """A new task from our intake."""
+        owner = self._placement.owner_for(task)
+        if owner is None:
+            self.counters.unavailable += 1
+            message = f"no live member serves model {task.model!r}"
+            self._events.append(
+                Refuse(task, ErrorCode.UNAVAILABLE, message, self.settings.retry_after_ms)
+            )
+            return Route.TAKEN
+        if owner == self.node:
+            self.counters.local += 1
+            self.local_ids.add(task.id)
+            return Route.LOCAL
+        dispatch = Dispatch(task, now, now + task.timeout_ms / 1000.0, False, frozenset())
+        self._attempt(dispatch, owner, now)
+        return Route.TAKEN
+
+    def hand_off(self, task: Task, received_at: float, now: float) -> None:
+        """Give an admitted task to another member; a HandedOff event tells the outcome."""
+        me = frozenset({self.node})
+        dispatch = Dispatch(task, received_at, received_at + task.timeout_ms / 1000.0, True, me)
+        dispatch.order = self._placement.order(task, exclude=me)
+        self._next(dispatch, now)
+
+    def on_reply(self, msg: object, now: float) -> None:
+        if isinstance(msg, ForwardReply):
+            flight = self._flights.get(msg.req)
+            if flight is not None:
+                self._answered(flight, msg, now)
+        elif isinstance(msg, TaskDone):
+            self.ledger.done(msg.id, msg.node)
+
+    def member_dead(self, node: str, now: float) -> int:
+        """Migrate the tasks ``node`` held for us; how many."""
+        orphans = self.ledger.owned_by(node)
+        addr = self._last_addr.get(node)
+        for entry in orphans:
+            self.ledger.forget(entry.task.id)
+            self.counters.migrated += 1
+            # It may only have stalled: withdraw its copy, so that if it comes back it drops
+            # the task instead of running it beside the migrated one.
+            if addr is not None:
+                self._withdraw(addr, entry.task.id)
+            task = entry.task
+            gone = frozenset({node})
+            dispatch = Dispatch(
+                task, entry.received_at, entry.received_at + task.timeout_ms / 1000.0, False, gone
+            )
+            dispatch.order = self._placement.order(task, exclude=gone)
+            self._next(dispatch, now)
+        return len(orphans)
+
+    def cancel(self, task_id: str) -> bool:
+        """Pass a producer's Cancel to the member running a task we forwarded (False: none)."""
+        entry = self.ledger.get(task_id)
+        addr = None if entry is None else self._placement.addr(entry.owner)
+        if entry is None or addr is None:
+            return False
+        self._outbox.append((addr, Cancel(v=PROTOCOL_VERSION, id=task_id)))
+        return True
+
+    def local_finished(self, task_id: str) -> None:
+        """A task we kept (route() said LOCAL, or a retry admitted it here) has ended."""
+        self.local_ids.discard(task_id)
+
+    def tick(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, kind, obj = heapq.heappop(timers)
+            if kind == _ACK:
+                assert isinstance(obj, Flight)
+                if obj.live:
+                    self._timed_out(obj, now)
+            elif kind == _HEDGE:
+                assert isinstance(obj, Flight)
+                if obj.live and obj.hedge_armed:
+                    self._hedge(obj, now)
+            else:
+                assert isinstance(obj, Dispatch)
+                if obj.waiting:
+                    obj.waiting = False
+                    self._next(obj, now, backed_off=True)
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def take_outbox(self) -> list[tuple[str, Forward | Withdraw | Cancel]]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def take_events(self) -> list[Refuse | HandedOff]:
+        out, self._events = self._events, []
+        return out
+
+    def next_deadline(self) -> float:
+        """When tick() next has work (inf: none).  Skips timers that no longer matter."""
+        timers = self._timers
+        while timers and not _matters(timers[0]):
+            heapq.heappop(timers)
+        return timers[0][0] if timers else float("inf")
+
+    def last_addr(self, member: str) -> str | None:
+        """The member's rpc address when we last forwarded to it (also once it is gone)."""
+        return self._last_addr.get(member)
+
+    def pending(self) -> int:
+        """Forwards awaiting their answer."""
+        return len(self._flights)
+
+    def outstanding(self) -> dict[str, int]:
+        """Per member: tasks we sent it (or are sending) that it has not reported done."""
+        return {m: n for m, n in self.loads.items() if n}
+
+    # -- attempts --------------------------------------------------------------------------
+
+    def _attempt(self, d: Dispatch, member: str, now: float) -> None:
+        """Try ``member`` now; on a failure that needs no answer, go on to the next one."""
+        d.tried.append(member)
+        if member == self.node:
+            verdict = self._admit_local(d.task, d.received_at)
+            if verdict in _TAKEN_HERE:
+                self.counters.local += 1
+                self.local_ids.add(d.task.id)
+                self._end(d, ok=True)
+                return
+            self._failed(d, member, verdict.value, now)
+            return
+        breaker = self._breakers.get(member)
+        if breaker is None:
+            s = self.settings
+            breaker = self._breakers[member] = Breaker(
+                failures_max=s.breaker_failures, open_s=s.breaker_open_s
+            )
+        if not breaker.allow(now):
+            self._failed(d, member, AttemptFailure.CIRCUIT_OPEN, now)
+            return
+        addr = self._placement.addr(member)
+        if addr is None:
+            self._failed(d, member, AttemptFailure.NOT_A_MEMBER, now)
+            return
+        self._send_forward(d, member, addr, breaker, now)
+
+    def _send_forward(
+        self, d: Dispatch, member: str, addr: str, breaker: Breaker, now: float
+    ) -> Flight:
+        self._last_addr[member] = addr
+        self._req += 1
+        req = self._req
+        remaining_s = d.deadline - now
+        forward = Forward(
+            req=req,
+            src=self.node,
+            task=d.task,
+            remaining_ms=max(1, int(remaining_s * 1000)),
+            attempt=len(d.tried),
+        )
+        self._outbox.append((addr, forward))
+        flight = Flight(req, member, d, breaker, now)
+        self._flights[req] = flight
+        d.flights.append(flight)
+        # Counted against the member at once: the tasks routed next must see it.
+        self.loads[member] = self.loads.get(member, 0) + 1
+        timeout_s = min(self.settings.ack_timeout_s, max(0.0, remaining_s))
+        self._timer(now + timeout_s, _ACK, flight)
+        if self.settings.hedge and len(d.tried) == 1 and not d.quiet:
+            self._arm_hedge(flight, timeout_s, now)
+        return flight
+
+    def _answered(self, flight: Flight, reply: ForwardReply, now: float) -> None:
+        self._land(flight)
+        self._ack_times.observe(now - flight.sent_at)
+        d = flight.dispatch
+        if reply.accepted or reply.code in _BUSY:
+            flight.breaker.success()  # it answered: healthy, maybe busy
+        if reply.accepted:
+            self._accepted(flight, now)
+            return
+        if reply.code == ErrorCode.OVERLOADED:
+            d.busy_hint_ms = max(d.busy_hint_ms, reply.retry_after_ms)
+        self._failed(d, flight.member, reply.code, now)
+
+    def _accepted(self, flight: Flight, now: float) -> None:
+        d = flight.dispatch
+        addr = self._last_addr.get(flight.member)
+        if d.winner:  # a copy that lost accepted after all: take it back
+            if addr is not None:
+                self._withdraw(addr, d.task.id)
+            return
+        d.winner = flight.member
+        first = d.flights[0]
+        if flight is not first:
+            # The first member was outrun: a failure for its breaker, so that a member that
+            # keeps stalling is skipped outright rather than hedged task after task.
+            first.breaker.failure(now)
+            self.counters.hedge_wins += 1
+        for other in d.flights:
+            if other.live:
+                self._land(other)
+                other_addr = self._last_addr.get(other.member)
+                if other_addr is not None:
+                    self._withdraw(other_addr, d.task.id)
+        if not d.quiet:
+            self.counters.forwarded += 1
+        self.ledger.accepted(d.task, flight.member, d.received_at)
+        self._end(d, ok=True)
+
+    def _timed_out(self, flight: Flight, now: float) -> None:
+        self._land(flight)
+        flight.breaker.failure(now)
+        self.counters.attempts_failed += 1
+        addr = self._last_addr.get(flight.member)
+        if addr is not None:
+            self._withdraw(addr, flight.dispatch.task.id)
+        self._failed(flight.dispatch, flight.member, AttemptFailure.NO_REPLY, now)
+
+    def _failed(self, d: Dispatch, member: str, outcome: str, now: float) -> None:
+        d.attempts.append(f"{member}: {outcome}")
+        if d.winner or d.ended or any(f.live for f in d.flights):
+            return  # another copy won, or may yet
+        self._next(d, now)
+
+    def _next(self, d: Dispatch, now: float, *, backed_off: bool = False) -> None:
+        """Try the next member (after a backoff), or give up."""
+        if d.ended:
+            return
+        if d.order is None:
+            tried = set(d.tried) | d.exclude
+            d.order = [
+                m for m in self._placement.order(d.task, exclude=d.exclude) if m not in tried
+            ]
+        s = self.settings
+        if not d.order or len(d.tried) >= s.attempts_max:
+            self._give_up(d)
+            return
+        if now >= d.deadline:
+            d.attempts.append(str(AttemptFailure.DEADLINE))
+            self._give_up(d)
+            return
+        n = len(d.tried)
+        if n and not d.quiet and not backed_off:
+            backoff = min(s.backoff_max_s, s.backoff_base_s * 2 ** (n - 1))
+            wait = min(backoff * (0.5 + self._rng.random()), d.deadline - now)
+            d.waiting = True
+            self._timer(now + wait, _RETRY, d)
+            return
+        self._attempt(d, d.order.pop(0), now)
+
+    def _give_up(self, d: Dispatch) -> None:
+        if d.quiet:
+            self._end(d, ok=False)
+            return
+        self.counters.unavailable += 1
+        attempts = d.attempts or ["none"]
+        busy = bool(d.attempts) and all(a.endswith(_BUSY) for a in d.attempts)
+        code = ErrorCode.OVERLOADED if busy and d.busy_hint_ms else ErrorCode.UNAVAILABLE
+        message = "no member took the task; attempts: " + "; ".join(attempts)
+        hint = d.busy_hint_ms or self.settings.retry_after_ms
+        self._events.append(Refuse(d.task, code, message, hint))
+        d.ended = True
+
+    def _end(self, d: Dispatch, *, ok: bool) -> None:
+        d.ended = True
+        if d.quiet:
+            if ok:
+                self.counters.handed_off += 1
+            self._events.append(HandedOff(d.task, ok))
+
+    def _land(self, flight: Flight) -> None:
+        """A flight's wait is over (answered, timed out or withdrawn)."""
+        flight.live = False
+        flight.hedge_armed = False
+        del self._flights[flight.req]
+        self.loads[flight.member] -= 1
+
+    def _withdraw(self, addr: str, task_id: str) -> None:
+        self._outbox.append((addr, Withdraw(id=task_id, node=self.node)))
+        self.counters.withdrawn += 1
+
+    # -- hedging ---------------------------------------------------------------------------
+
+    def _arm_hedge(self, flight: Flight, timeout_s: float, now: float) -> None:
+        s = self.settings
+        self._hedge_credit = min(HEDGE_BURST, self._hedge_credit + s.hedge_budget)
+        usual = self._ack_times.quantile()
+        if usual is None:
+            return  # no estimate of a normal ack time yet
+        delay = max(s.hedge_min_s, usual)
+        if delay < timeout_s:
+            flight.hedge_armed = True
+            self._timer(now + delay, _HEDGE, flight)
+
+    def _hedge(self, flight: Flight, now: float) -> None:
+        """The first member is slower to ack than usual: send the task to the next one too."""
+        flight.hedge_armed = False
+        if self._hedge_credit < 1.0:
+            self.counters.hedges_over_budget += 1
+            return
+        d = flight.dispatch
+        order = self._placement.order(d.task, exclude=frozenset({flight.member, self.node}))
+        if not order:
+            return
+        member = order[0]
+        breaker = self._breakers.get(member)
+        addr = self._placement.addr(member)
+        if addr is None or (breaker is not None and not breaker.allow(now)):
+            return
+        if breaker is None:
+            s = self.settings
+            breaker = self._breakers[member] = Breaker(
+                failures_max=s.breaker_failures, open_s=s.breaker_open_s
+            )
+        d.tried.append(member)
+        self._send_forward(d, member, addr, breaker, now)
+        self._hedge_credit -= 1.0
+        self.counters.hedged += 1
+
+    def _timer(self, at: float, kind: int, obj: Flight | Dispatch) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, (at, self._seq, kind, obj))
+
+
+def _matters(entry: tuple[float, int, int, Flight | Dispatch]) -> bool:
+    _, _, kind, obj = entry
+    if kind == _ACK:
+        return obj.live  # type: ignore[union-attr]
+    if kind == _HEDGE:
+        return obj.hedge_armed  # type: ignore[union-attr]
+    return obj.waiting  # type: ignore[union-attr]

@@ -1,0 +1,356 @@
+"""The forwarder's core (core/forwarder.py) without sockets or an event loop: inputs with the
+time, outputs checked.  Table tests for each rule, and a property test that drives random
+interleavings of replies, silences, deaths and hedges."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossipd.core.admission import Verdict
+from gossipd.core.forwarder import (
+    Forwarder,
+    ForwarderSettings,
+    HandedOff,
+    Refuse,
+    Route,
+)
+from gossipd.core.messages import ErrorCode, Forward, ForwardReply, Task, TaskDone, Withdraw
+
+
+class FixedPlacement:
+    """Members in a fixed preference order (the first live one owns every task)."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.members = list(members)
+
+    def owner_for(self, task: Task) -> str | None:
+        return self.members[0] if self.members else None
+
+    def order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]:
+        return [m for m in self.members if m not in exclude]
+
+    def addr(self, member: str) -> str | None:
+        return f"addr-{member}" if member in self.members else None
+
+
+def _task(i: int = 0, timeout_ms: int = 10_000) -> Task:
+    return Task(v=1, id=f"t{i}", prompt="p", reply_to="tcp://127.0.0.1:9", timeout_ms=timeout_ms)
+
+
+def _forwarder(
+    members: list[str],
+    *,
+    me: str = "me",
+    local: Verdict = Verdict.ADMIT,
+    seed: int = 1,
+    **settings: object,
+) -> tuple[Forwarder, FixedPlacement]:
+    placement = FixedPlacement(members)
+    fw = Forwarder(
+        ForwarderSettings(**settings),  # type: ignore[arg-type]
+        node=me,
+        placement=placement,
+        admit_local=lambda task, at: local,
+        rng=random.Random(seed),
+    )
+    return fw, placement
+
+
+def _forwards(out: list[tuple[str, object]]) -> list[tuple[str, Forward]]:
+    return [(a, m) for a, m in out if isinstance(m, Forward)]
+
+
+def _reply(fwd: Forward, node: str, accepted: bool, code: str = "", hint: int = 0) -> ForwardReply:
+    return ForwardReply(req=fwd.req, node=node, accepted=accepted, code=code, retry_after_ms=hint)
+
+
+def test_Forwarder_route_keeps_a_task_it_owns() -> None:
+    fw, _ = _forwarder(["me", "a"])
+    assert fw.route(_task(), 0.0) is Route.LOCAL
+    assert fw.take_outbox() == [] and fw.local_ids == {"t0"}
+    fw.local_finished("t0")
+    assert fw.local_ids == set()
+
+
+def test_Forwarder_accepted_forward_is_ledgered_until_TaskDone() -> None:
+    fw, _ = _forwarder(["a", "b"])
+    assert fw.route(_task(), 0.0) is Route.TAKEN
+    [(addr, fwd)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a" and fwd.attempt == 1 and fwd.remaining_ms == 10_000
+    assert fw.loads == {"a": 1}
+    fw.on_reply(_reply(fwd, "a", True), 0.001)
+    assert fw.ledger.get("t0") is not None and fw.loads == {"a": 1} and fw.pending() == 0
+    fw.on_reply(TaskDone(id="t0", node="a"), 0.5)
+    assert fw.ledger.get("t0") is None and fw.outstanding() == {}
+    assert fw.next_deadline() == float("inf"), "no timer left behind"
+
+
+def test_Forwarder_refusal_moves_on_after_a_backoff() -> None:
+    fw, _ = _forwarder(["a", "b"], backoff_base_s=0.01)
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", False, "overloaded", 300), 0.001)
+    assert fw.take_outbox() == [], "waits for the backoff"
+    due = fw.next_deadline()
+    assert 0.001 + 0.005 <= due <= 0.001 + 0.015  # base 0.01 jittered by 0.5x..1.5x
+    fw.tick(due)
+    [(addr, second)] = _forwards(fw.take_outbox())
+    assert addr == "addr-b" and second.attempt == 2
+    fw.on_reply(_reply(second, "b", True), due + 0.001)
+    assert fw.ledger.get("t0").owner == "b"  # type: ignore[union-attr]
+    assert fw.take_events() == []
+
+
+def test_Forwarder_silence_withdraws_the_copy_and_opens_the_breaker() -> None:
+    fw, _ = _forwarder(["a", "b"], ack_timeout_s=0.5, breaker_failures=1, breaker_open_s=10.0)
+    fw.route(_task(1), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.tick(0.5)
+    out = fw.take_outbox()
+    assert ("addr-a", Withdraw(id="t1", node="me")) in out
+    assert fw.counters.attempts_failed == 1 and fw.loads["a"] == 0
+    fw.tick(fw.next_deadline())
+    [(addr, to_b)] = _forwards(fw.take_outbox())
+    assert addr == "addr-b"
+    fw.on_reply(_reply(to_b, "b", True), 0.6)
+    # The breaker is open: the next task skips a (circuit_open) and goes to b after a backoff.
+    fw.route(_task(2), 1.0)
+    assert _forwards(fw.take_outbox()) == []
+    fw.tick(fw.next_deadline())
+    [(addr, _)] = _forwards(fw.take_outbox())
+    assert addr == "addr-b"
+    # A late reply from a for the first task changes nothing.
+    fw.on_reply(_reply(fwd, "a", True), 2.0)
+    assert fw.ledger.get("t1").owner == "b" and fw.loads["a"] == 0  # type: ignore[union-attr]
+
+
+def test_Forwarder_every_busy_refusal_answers_overloaded_with_the_largest_hint() -> None:
+    fw, _ = _forwarder(["a", "b"], attempts_max=2)
+    fw.route(_task(), 0.0)
+    [(_, first)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(first, "a", False, "overloaded", 300), 0.001)
+    fw.tick(fw.next_deadline())
+    [(_, second)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(second, "b", False, "shutting_down", 0), 0.1)
+    [event] = fw.take_events()
+    assert isinstance(event, Refuse)
+    assert event.code is ErrorCode.OVERLOADED and event.retry_after_ms == 300
+    assert "a: overloaded" in event.message and "b: shutting_down" in event.message
+
+
+def test_Forwarder_silence_everywhere_answers_unavailable_listing_attempts() -> None:
+    fw, _ = _forwarder(["a", "b"], attempts_max=2, retry_after_ms=77)
+    fw.route(_task(), 0.0)
+    now = 0.0
+    while fw.next_deadline() != float("inf"):
+        now = fw.next_deadline()
+        fw.tick(now)
+    [event] = fw.take_events()
+    assert isinstance(event, Refuse) and event.code is ErrorCode.UNAVAILABLE
+    assert event.retry_after_ms == 77
+    assert event.message.count("no reply") == 2
+
+
+def test_Forwarder_no_member_for_the_model_is_unavailable_at_once() -> None:
+    fw, _ = _forwarder([])
+    assert fw.route(_task(), 0.0) is Route.TAKEN
+    [event] = fw.take_events()
+    assert isinstance(event, Refuse) and event.code is ErrorCode.UNAVAILABLE
+
+
+def test_Forwarder_retry_that_lands_on_us_is_admitted_locally() -> None:
+    fw, _ = _forwarder(["a", "me"])
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", False, "overloaded", 10), 0.001)
+    fw.tick(fw.next_deadline())
+    assert fw.local_ids == {"t0"} and fw.counters.local == 1 and fw.take_events() == []
+
+
+def test_Forwarder_deadline_stops_the_retries() -> None:
+    fw, _ = _forwarder(["a", "b", "c"], backoff_base_s=0.2, backoff_max_s=0.2)
+    fw.route(_task(timeout_ms=100), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    assert fw.next_deadline() == 0.1  # the ack wait is cut to the deadline
+    fw.on_reply(_reply(fwd, "a", False, "overloaded", 5), 0.05)
+    fw.tick(fw.next_deadline())  # the backoff is cut to the deadline too
+    [event] = fw.take_events()
+    assert isinstance(event, Refuse) and "deadline reached" in event.message
+
+
+def test_Forwarder_member_death_migrates_and_withdraws() -> None:
+    fw, placement = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", True), 0.001)
+    placement.members.remove("a")
+    assert fw.member_dead("a", 1.0) == 1
+    out = fw.take_outbox()
+    assert out[0] == ("addr-a", Withdraw(id="t0", node="me")), "to its last address"
+    [(addr, again)] = _forwards(out)
+    assert addr == "addr-b" and again.task.id == "t0"
+    fw.on_reply(_reply(again, "b", True), 1.001)
+    assert fw.ledger.get("t0").owner == "b" and fw.loads == {"a": 0, "b": 1}  # type: ignore[union-attr]
+
+
+def test_Forwarder_hand_off_reports_its_outcome_and_never_picks_us() -> None:
+    fw, _ = _forwarder(["me", "a"], attempts_max=3)
+    fw.hand_off(_task(), 0.0, 0.0)
+    [(addr, fwd)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a"
+    fw.on_reply(_reply(fwd, "a", True), 0.01)
+    assert fw.take_events() == [HandedOff(_task(), True)]
+    alone, _ = _forwarder(["me"])
+    alone.hand_off(_task(), 0.0, 0.0)
+    assert alone.take_events() == [HandedOff(_task(), False)]
+
+
+def _warm_ack_times(fw: Forwarder, member: str, n: int, rtt_s: float) -> float:
+    now = 0.0
+    for i in range(n):
+        fw.route(_task(1000 + i), now)
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        now += rtt_s
+        fw.on_reply(_reply(fwd, member, True), now)
+        fw.on_reply(TaskDone(id=fwd.task.id, node=member), now)
+    return now
+
+
+def test_Forwarder_hedges_a_slow_ack_and_withdraws_the_loser() -> None:
+    fw, _ = _forwarder(["a", "b"], hedge=True, hedge_min_s=0.002, hedge_budget=1.0)
+    now = _warm_ack_times(fw, "a", 64, 0.001)
+    fw.route(_task(), now)
+    [(_, first)] = _forwards(fw.take_outbox())
+    hedge_at = fw.next_deadline()
+    assert abs(hedge_at - now - 0.002) < 1e-9  # max(hedge_min_s, p95 of 1 ms acks)
+    fw.tick(hedge_at)
+    [(addr, copy)] = _forwards(fw.take_outbox())
+    assert addr == "addr-b" and fw.counters.hedged == 1
+    fw.on_reply(_reply(copy, "b", True), hedge_at + 0.001)
+    assert ("addr-a", Withdraw(id="t0", node="me")) in fw.take_outbox()
+    assert fw.counters.hedge_wins == 1 and fw.ledger.get("t0").owner == "b"  # type: ignore[union-attr]
+    # The first copy accepting late changes nothing more (its wait was withdrawn).
+    fw.on_reply(_reply(first, "a", True), hedge_at + 0.002)
+    assert fw.ledger.get("t0").owner == "b" and fw.loads["a"] == 0  # type: ignore[union-attr]
+
+
+def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:
+    fw, _ = _forwarder(["a", "b", "c"], hedge=True, hedge_budget=1.0)
+    now = _warm_ack_times(fw, "a", 64, 0.001)
+    fw.route(_task(), now)
+    [(_, first)] = _forwards(fw.take_outbox())
+    fw.tick(fw.next_deadline())
+    [(_, copy)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(first, "a", False, "overloaded", 5), now + 0.003)
+    while fw.next_deadline() < now + 0.4:  # the copy's ack wait is still running
+        fw.tick(fw.next_deadline())
+    assert _forwards(fw.take_outbox()) == [], "no third member while the copy may win"
+    fw.on_reply(_reply(copy, "b", True), now + 0.4)
+    assert fw.ledger.get("t0").owner == "b" and fw.take_events() == []  # type: ignore[union-attr]
+
+
+def test_Forwarder_same_seed_same_backoffs() -> None:
+    def deadlines(seed: int) -> list[float]:
+        fw, _ = _forwarder(["a", "b"], seed=seed)
+        out = []
+        for i in range(5):
+            fw.route(_task(i), 0.0)
+            [(_, fwd)] = _forwards(fw.take_outbox())
+            fw.on_reply(_reply(fwd, "a", False, "overloaded", 1), 0.0)
+            out.append(fw.next_deadline())
+            fw.tick(fw.next_deadline())
+            fw.take_outbox()
+        return out
+
+    assert deadlines(7) == deadlines(7)
+    assert deadlines(7) != deadlines(8)
+
+
+# -- property: any interleaving ---------------------------------------------------------------
+
+MEMBERS = ["a", "b", "c", "me"]
+action = st.one_of(
+    st.tuples(st.just("route"), st.integers(0, 7)),
+    st.tuples(st.just("accept"), st.integers(0, 50)),
+    st.tuples(st.just("refuse"), st.integers(0, 50)),
+    st.tuples(st.just("done"), st.integers(0, 50)),
+    st.tuples(st.just("dead"), st.sampled_from(["a", "b", "c"])),
+    st.tuples(st.just("time"), st.sampled_from([0.0005, 0.0021, 0.01, 0.1, 0.6])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    actions=st.lists(action, max_size=60),
+    hedge=st.booleans(),
+    local=st.sampled_from([Verdict.ADMIT, Verdict.OVERLOADED]),
+    seed=st.integers(0, 2**32),
+)
+def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
+    actions: list[tuple[str, object]], hedge: bool, local: Verdict, seed: int
+) -> None:
+    """Whatever happens (replies in any order, duplicates, silences, deaths, hedges): loads
+    always equal the forwards awaiting an answer plus the ledger's entries; a task refused to
+    its producer is never ledgered and never refused twice; once the timers run out nothing
+    is pending and every routed task has ended exactly one way: run here, held by a member
+    (ledgered), reported done by its member, or refused."""
+    fw, placement = _forwarder(MEMBERS, hedge=hedge, hedge_budget=1.0, local=local, seed=seed)
+    # Hedging starts once 32 ack times are known: acks of 1 ms make it hedge after 2 ms.
+    now = _warm_ack_times(fw, "a", 40, 0.001) if hedge else 0.0
+    sent: list[tuple[str, Forward]] = []
+    routed: set[str] = set()
+    refused: set[str] = set()
+    completed: set[str] = set()
+
+    def drain() -> None:
+        for addr, msg in fw.take_outbox():
+            if isinstance(msg, Forward):
+                assert addr != "addr-me", "never forwards to itself"
+                sent.append((addr.removeprefix("addr-"), msg))
+        for event in fw.take_events():
+            assert isinstance(event, Refuse)
+            assert event.task.id not in refused, "refused twice"
+            refused.add(event.task.id)
+
+    for kind, arg in actions:
+        if kind == "route":
+            task_id = f"t{arg}"
+            if task_id not in routed:
+                routed.add(task_id)
+                fw.route(_task(int(arg)), now)  # type: ignore[call-overload]
+        elif kind in ("accept", "refuse") and sent:
+            member, fwd = sent[int(arg) % len(sent)]  # type: ignore[call-overload]
+            accepted = kind == "accept"
+            fw.on_reply(_reply(fwd, member, accepted, "" if accepted else "overloaded", 5), now)
+        elif kind == "done" and sent:
+            _, fwd = sent[int(arg) % len(sent)]  # type: ignore[call-overload]
+            entry = fw.ledger.get(fwd.task.id)
+            if entry is not None:
+                fw.on_reply(TaskDone(id=fwd.task.id, node=entry.owner), now)
+                completed.add(fwd.task.id)
+        elif kind == "dead" and arg in placement.members:
+            placement.members.remove(str(arg))
+            fw.member_dead(str(arg), now)
+        elif kind == "time":
+            now += float(arg)  # type: ignore[arg-type]
+            fw.tick(now)
+        drain()
+        ledgered = sum(1 for t in routed if fw.ledger.get(t) is not None)
+        assert sum(fw.loads.values()) == fw.pending() + ledgered
+        assert all(fw.ledger.get(t) is None for t in refused)
+    while fw.next_deadline() != float("inf"):
+        now = fw.next_deadline()
+        fw.tick(now)
+        drain()
+    assert fw.pending() == 0
+    for task_id in routed:
+        ways = [
+            task_id in refused,
+            fw.ledger.get(task_id) is not None,
+            task_id in completed,
+            task_id in fw.local_ids,
+        ]
+        assert sum(ways) == 1, (task_id, ways)
