@@ -354,3 +354,17 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
             task_id in fw.local_ids,
         ]
         assert sum(ways) == 1, (task_id, ways)
+
+
+def test_Forwarder_TaskDone_before_a_lost_accept_counts_as_the_accept() -> None:
+    """Found by the simulator: the member's accept was lost, its TaskDone arrived; the
+    forwarder timed out and ran the task a second time elsewhere."""
+    fw, _ = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(TaskDone(id="t0", node="a"), 0.1)
+    assert fw.pending() == 0 and fw.ledger.get("t0") is None and fw.outstanding() == {}
+    fw.tick(1.0)
+    assert fw.take_outbox() == [] and fw.take_events() == [], "no retry, no withdraw"
+    fw.on_reply(_reply(fwd, "a", True), 1.1)  # the accept, late: nothing changes
+    assert fw.ledger.get("t0") is None and fw.outstanding() == {}

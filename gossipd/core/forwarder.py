@@ -205,6 +205,7 @@ class Forwarder:
         # Tasks from our intake that run here, unfinished: our own load as placement sees it.
         self.local_ids: set[str] = set() if local_ids is None else local_ids
         self._flights: dict[int, Flight] = {}
+        self._flying: dict[str, Dispatch] = {}  # task id -> its dispatch, while forwards fly
         self._req = 0
         self._breakers: dict[str, Breaker] = {}
         # Each member's rpc address when we last forwarded to it: still known once the member
@@ -251,6 +252,17 @@ class Forwarder:
                 self._answered(flight, msg, now)
         elif isinstance(msg, TaskDone):
             self.ledger.done(msg.id, msg.node)
+            # A TaskDone while the forward still awaits its accept: the accept was lost or is
+            # late, but the member ran the task.  Take it as accepted (the ledger remembers
+            # the TaskDone, so nothing stays ledgered), instead of timing out and running the
+            # task a second time elsewhere.
+            d = self._flying.get(msg.id)
+            if d is not None:
+                for flight in d.flights:
+                    if flight.live and flight.member == msg.node:
+                        accept = ForwardReply(req=flight.req, node=msg.node, accepted=True)
+                        self._answered(flight, accept, now)
+                        break
 
     def member_dead(self, node: str, now: float) -> int:
         """Migrate the tasks ``node`` held for us; how many."""
@@ -341,7 +353,8 @@ class Forwarder:
             verdict = self._admit_local(d.task, d.received_at)
             if verdict in _TAKEN_HERE:
                 self.counters.local += 1
-                self.local_ids.add(d.task.id)
+                if verdict is not Verdict.DUPLICATE_DONE:  # done already: nothing will run
+                    self.local_ids.add(d.task.id)
                 self._end(d, ok=True)
                 return
             self._failed(d, member, verdict.value, now)
@@ -379,6 +392,7 @@ class Forwarder:
         flight = Flight(req, member, d, breaker, now)
         self._flights[req] = flight
         d.flights.append(flight)
+        self._flying[d.task.id] = d
         # Counted against the member at once: the tasks routed next must see it.
         self.loads[member] = self.loads.get(member, 0) + 1
         timeout_s = min(self.settings.ack_timeout_s, max(0.0, remaining_s))
@@ -492,6 +506,9 @@ class Forwarder:
         flight.hedge_armed = False
         del self._flights[flight.req]
         self.loads[flight.member] -= 1
+        d = flight.dispatch
+        if self._flying.get(d.task.id) is d and not any(f.live for f in d.flights):
+            del self._flying[d.task.id]
 
     def _withdraw(self, addr: str, task_id: str) -> None:
         self._outbox.append((addr, Withdraw(id=task_id, node=self.node)))
