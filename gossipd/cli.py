@@ -60,8 +60,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     import msgspec
 
+    from gossipd.config import resolved
+
     config = _config_from(args)
-    print(msgspec.json.format(msgspec.json.encode(config)).decode())
+    print(msgspec.json.format(msgspec.json.encode(resolved(config))).decode())
     return 0
 
 

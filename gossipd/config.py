@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gossipd.core.swim_config import PRESETS, SwimConfig, field_types
 from gossipd.errors import ConfigError
 
 _BIND_RE = re.compile(
@@ -87,6 +88,34 @@ class IngressConfig(Section):
             )
 
 
+# gossip.swim: any SwimConfig field (gossipd/core/swim_config.py, whose field types carry the
+# bounds), each optional; a field left out takes the preset's value.  `cluster` is not one of
+# them: it is node.cluster.
+SwimOverrides = msgspec.defstruct(
+    "SwimOverrides",
+    [
+        (name, hint | msgspec.UnsetType, msgspec.UNSET)
+        for name, hint in field_types(SwimConfig).items()
+        if name != "cluster"
+    ],
+    bases=(Section,),
+    module=__name__,
+)
+
+
+def _blame_an_override(swim: msgspec.Struct, message: str, preset: str) -> str:
+    """SwimConfig's rule between fields, as "swim.KEY: ...", KEY being one that was set (the
+    rule may name a field the operator left to the preset, like probe_interval_s when
+    probe_deadline_s was raised past it)."""
+    field, _, rest = message.partition(": ")
+    if getattr(swim, field, msgspec.UNSET) is msgspec.UNSET:
+        named = [f for f in swim.__struct_fields__ if f in rest]
+        blamed = next((f for f in named if getattr(swim, f) is not msgspec.UNSET), None)
+        if blamed is not None:
+            field, rest = blamed, f"{field} {rest}"
+    return f"swim.{field}: {rest} (over gossip.preset {preset!r})"
+
+
 class GossipConfig(Section):
     # Membership socket (PULL) that peers send SWIM messages to.  Empty: no membership (a
     # lone daemon).
@@ -98,8 +127,9 @@ class GossipConfig(Section):
     seeds: list[str] = msgspec.field(default_factory=list)
     # SWIM settings: a named preset (see gossipd/core/swim_config.py) ...
     preset: Literal["lan", "wan", "local"] = "lan"
-    # ... and individual SwimConfig fields over it, e.g. {probe_interval_s = 0.5}.
-    swim: dict[str, float | int | bool] = msgspec.field(default_factory=dict)
+    # ... and individual SwimConfig fields over it, e.g. {suspicion_floor_s = 3.0}; each is
+    # typed and bounded (docs/OPERATIONS.md lists them).
+    swim: SwimOverrides = msgspec.field(default_factory=SwimOverrides)  # type: ignore[valid-type]
     # How often GPU and engine state is sampled, and the least time between two publications.
     meta_sample_s: Seconds = 1.0
     meta_publish_min_s: Seconds = 2.0
@@ -113,11 +143,16 @@ class GossipConfig(Section):
             raise ValueError(f"advertise: required when bind is a wildcard ({self.bind!r})")
         for seed in self.seeds:
             _check_bind("seeds", seed)
-        from gossipd.core.swim_config import SwimConfig
+        try:  # the rules between fields, over the preset's values
+            self.swim_config()
+        except ValueError as exc:
+            raise ValueError(_blame_an_override(self.swim, str(exc), self.preset)) from None
 
-        unknown = set(self.swim) - set(SwimConfig.field_names())
-        if unknown:
-            raise ValueError(f"swim: unknown key(s) {sorted(unknown)}; expected SwimConfig fields")
+    def swim_config(self, cluster: str = "default") -> SwimConfig:
+        """The preset with this section's swim overrides applied."""
+        overrides = msgspec.structs.asdict(self.swim)  # type: ignore[arg-type]
+        set_ = {k: v for k, v in overrides.items() if v is not msgspec.UNSET}
+        return PRESETS[self.preset](cluster=cluster, **set_)
 
 
 class FanoutConfig(Section):
@@ -294,13 +329,31 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _set_path(tree: dict[str, Any], path: Sequence[str], value: Any) -> None:
+def _set_path(
+    tree: dict[str, Any],
+    path: Sequence[str],
+    value: Any,
+    origins: dict[str, str],
+    source: str,
+) -> None:
+    """Set ``path`` to ``value`` and record where it came from.  A table merges key by key into
+    the table already there, so a later source (a variable, a flag) changes the keys it names
+    and leaves the others as the earlier sources set them."""
+    node = tree
     for part in path[:-1]:
-        child = tree.setdefault(part, {})
+        child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"{'.'.join(path)}: {part} is not a section")
-        tree = child
-    tree[path[-1]] = value
+        node = child
+    if not isinstance(value, dict):
+        node[path[-1]] = value
+        origins[".".join(path)] = source
+        return
+    if not isinstance(node.get(path[-1]), dict):
+        node[path[-1]] = {}
+        origins[".".join(path)] = source
+    for key, item in value.items():
+        _set_path(tree, [*path, key], item, origins, source)
 
 
 def _lookup(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
@@ -326,13 +379,13 @@ def _explain(
         key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
         section = _section_type(path)
         expected = ", ".join(section.__struct_fields__) if section else "a known key"
-        return f"{origins.get(key, origins[''])}: {key}: unknown key; expected one of: {expected}"
+        return f"{_origin(origins, key)}: {key}: unknown key; expected one of: {expected}"
     found = _lookup(tree, path.split(".")) if path else None
-    field_rule = re.match(r"(\w+): (.*)", what, re.S)
+    field_rule = re.match(r"([\w.]+): (.*)", what, re.S)
     if isinstance(found, Mapping) and field_rule:  # a section's __post_init__ names the key
         path = f"{path}.{field_rule.group(1)}"
         what, found = field_rule.group(2), None
-    source = origins.get(path, origins[""])
+    source = _origin(origins, path)
     what = what[0].lower() + what[1:] if what else what
     found_text = (
         f"; found {found!r}"
@@ -342,13 +395,28 @@ def _explain(
     return f"{source}: {path or '(top level)'}: {what}{found_text}"
 
 
+def _origin(origins: Mapping[str, str], path: str) -> str:
+    """Where the value at ``path`` came from: its own source, else its table's, else the
+    file's (or the embedded default)."""
+    parts = path.split(".") if path else []
+    while parts:
+        key = ".".join(parts)
+        if key in origins:
+            return origins[key]
+        parts.pop()
+    return origins[""]
+
+
 def _section_type(path: str) -> type[msgspec.Struct] | None:
-    if not path:
-        return Config
-    field = Config.__struct_fields__
-    if path in field:
-        return type(getattr(Config(), path))
-    return None
+    section: type[msgspec.Struct] = Config
+    for part in path.split(".") if path else []:
+        field = next((f for f in msgspec.structs.fields(section) if f.name == part), None)
+        if field is None or not (
+            isinstance(field.type, type) and issubclass(field.type, msgspec.Struct)
+        ):
+            return None
+        section = field.type
+    return section
 
 
 def load_config(
@@ -377,19 +445,26 @@ def load_config(
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         keys = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
-        _set_path(tree, keys, _parse_scalar(raw))
-        origins[".".join(keys)] = f"environment variable {name}"
+        _set_path(tree, keys, _parse_scalar(raw), origins, f"environment variable {name}")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
         dotted, raw = item.split("=", 1)
         keys = dotted.strip().split(".")
-        _set_path(tree, keys, _parse_scalar(raw))
-        origins[".".join(keys)] = f"flag --set {dotted}"
+        _set_path(tree, keys, _parse_scalar(raw), origins, f"flag --set {dotted}")
     try:
         return msgspec.convert(tree, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, tree, origins)) from None
+
+
+def resolved(config: Config) -> dict[str, Any]:
+    """The configuration as plain data, as `gossipd check-config` prints it: every section,
+    with gossip.swim resolved (the preset's values with the overrides applied)."""
+    tree: dict[str, Any] = msgspec.to_builtins(config)
+    swim = msgspec.to_builtins(config.gossip.swim_config(cluster=config.node.cluster))
+    tree["gossip"]["swim"] = {k: v for k, v in swim.items() if k != "cluster"}
+    return tree
 
 
 def node_id(config: Config, hostname: str) -> str:

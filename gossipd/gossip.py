@@ -27,18 +27,12 @@ from gossipd.config import Config
 from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import GpuState
 from gossipd.core.swim import SwimNode
-from gossipd.core.swim_config import SwimConfig
 from gossipd.engines.base import Engine
 from gossipd.gpu import GpuProbe
 from gossipd.transport import EVENTS, NOBLOCK, POLLIN, recv_batch, wait_events
 
 log = logging.getLogger("gossipd.gossip")
 
-PRESETS: dict[str, Callable[..., SwimConfig]] = {
-    "lan": SwimConfig.lan,
-    "wan": SwimConfig.wan,
-    "local": SwimConfig.local,
-}
 PEER_SOCKETS_MAX = 4096
 PEER_IDLE_S = 120.0
 
@@ -67,7 +61,7 @@ class GossipService:
         g = config.gossip
         self.config = config
         self.node = node
-        self.swim_config = PRESETS[g.preset](cluster=config.node.cluster, **g.swim)
+        self.swim_config = g.swim_config(cluster=config.node.cluster)
         self._ctx = ctx
         self._engine = engine
         self._ingress = ingress_endpoint

@@ -1,4 +1,5 @@
-"""Helpers shared by the real-process tests: a plain ZeroMQ producer (and the metrics scraper)."""
+"""Helpers shared by the real-process tests: a plain ZeroMQ producer, the metrics scraper, and
+waiting on a condition (instead of sleeping for a guessed time)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,34 @@ def run_with_context(main: Callable[[zmq.Context], Coroutine[Any, Any, T]]) -> T
         return asyncio.run(main(ctx))
     finally:
         ctx.destroy(linger=0)
+
+
+POLL_S = 0.05  # how often wait_until looks again
+
+
+def wait_until(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Return ``predicate()``'s first truthy value, looking every POLL_S; fail the test naming
+    ``what`` if ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(POLL_S)
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
+    """wait_until inside an event loop: the loop runs on between looks."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(POLL_S)
 
 
 class RawProducer:

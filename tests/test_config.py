@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
+import zmq
 
 from gossipd.config import Config, load_config
+from gossipd.core.swim_config import SwimConfig, field_bounds
+from gossipd.engines.echo import EchoEngine
 from gossipd.errors import ConfigError
+from gossipd.gossip import GossipService
 from tests.helpers import gossipd_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +79,40 @@ def test_environment_then_flags_override_the_file(tmp_path: Path) -> None:
         ),
         ("", {}, ["garbage"], "--set 'garbage': expected SECTION.KEY=VALUE"),
         (
+            "[gossip.swim]\nprobe_intervl_s = 2.0\n",
+            {},
+            [],
+            "c.toml: gossip.swim.probe_intervl_s: unknown key; expected one of: probe_interval_s,",
+        ),
+        (
+            "",
+            {"GOSSIPD_GOSSIP__SWIM__GOSSIP_FANOUT": "'three'"},
+            [],
+            "environment variable GOSSIPD_GOSSIP__SWIM__GOSSIP_FANOUT: gossip.swim.gossip_fanout: "
+            "expected `int`, got `str`",
+        ),
+        (
+            "",
+            {},
+            ["gossip.swim.cluster='other'"],
+            "flag --set gossip.swim.cluster: gossip.swim.cluster: unknown key",  # node.cluster
+        ),
+        (
+            "",
+            {},
+            ["gossip.swim.probe_deadline_s=2.0"],
+            "flag --set gossip.swim.probe_deadline_s: gossip.swim.probe_deadline_s: "
+            "probe_interval_s must be >= probe_deadline_s (2.0), found 1.0 "
+            "(over gossip.preset 'lan')",
+        ),
+        (
+            "[gossip]\npreset = 'wan'\nswim = {piggyback_bytes_max = 9000}\n",
+            {},
+            ["gossip.swim.message_bytes_max=8192"],
+            "c.toml: gossip.swim.piggyback_bytes_max: must be <= message_bytes_max (8192), "
+            "found 9000 (over gossip.preset 'wan')",
+        ),
+        (
             "",
             {},
             ["fanout.ack_timeout_s=0.02"],
@@ -113,6 +153,85 @@ def test_check_config_prints_the_resolved_configuration() -> None:
     proc = gossipd_cli("check-config", "--set", "ingress.pending_max=4096")
     assert proc.returncode == 0
     assert '"pending_max": 4096' in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_an_out_of_range_swim_setting_stops_the_cli_with_one_line_and_status_2(
+    command: str,
+) -> None:
+    proc = gossipd_cli(command, "--set", "gossip.swim={probe_interval_s=-1}")
+    assert proc.returncode == 2
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "gossipd: configuration error: flag --set gossip.swim: gossip.swim.probe_interval_s: "
+        "expected `float` > 0.0; found -1"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "bound", "outside"),
+    [
+        (name, bound, outside)
+        for name, meta in field_bounds().items()
+        for bound, outside in [
+            ("gt", None if meta.gt is None else meta.gt),
+            ("ge", None if meta.ge is None else meta.ge - 1),
+            ("le", None if meta.le is None else meta.le * 2),
+        ]
+        if outside is not None
+    ],
+)
+def test_every_bounded_swim_setting_is_refused_outside_its_bound_by_config_and_core(
+    name: str, bound: str, outside: float
+) -> None:
+    """The bounds live once, in SwimConfig's field types: the configuration refuses a value
+    outside one (naming the key), and so does SwimConfig built in code (the simulator)."""
+    with pytest.raises(
+        ConfigError, match=rf"flag --set gossip\.swim\.{name}: gossip\.swim\.{name}: "
+    ):
+        load_config(environ={}, overrides=[f"gossip.swim.{name}={outside!r}"])
+    with pytest.raises(ValueError, match=rf"^{name}: must be"):
+        SwimConfig.lan(**{name: outside})
+
+
+def test_swim_overrides_over_a_preset_reach_the_gossip_service() -> None:
+    config = load_config(
+        environ={"GOSSIPD_GOSSIP__SWIM__GOSSIP_FANOUT": "5"},
+        overrides=[
+            "gossip.preset=wan",
+            "gossip.swim={suspicion_floor_s=9.5, coordinated_probing=false}",
+            "node.cluster=blue",
+        ],
+    )
+    ctx = zmq.Context()
+    try:
+        service = GossipService(
+            config, node="n", ctx=ctx, engine=EchoEngine(), ingress_endpoint="tcp://x:1"
+        )
+    finally:
+        ctx.term()
+    expected = SwimConfig.wan(
+        cluster="blue", suspicion_floor_s=9.5, coordinated_probing=False, gossip_fanout=5
+    )
+    assert service.swim_config == expected
+    assert service.swim_config.probe_interval_s == 5.0, "the rest is the wan preset's"
+
+
+def test_check_config_prints_the_resolved_swim_settings() -> None:
+    proc = gossipd_cli(
+        "check-config", "--set", "gossip.preset=local", "--set", "gossip.swim.heal_fanout=7"
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)["gossip"]["swim"]
+    expected = dataclasses.asdict(SwimConfig.local(heal_fanout=7))
+    del expected["cluster"]  # node.cluster
+    assert printed == expected
+
+
+def test_every_swim_setting_is_documented_in_operations_md() -> None:
+    text = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    names = [n for n in SwimConfig.field_names() if n != "cluster"]
+    assert [n for n in names if f"| `{n}` |" not in text] == []
 
 
 def test_an_address_in_use_stops_start_up_with_one_line_and_status_2(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -50,7 +50,7 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> Non
             # Under load (the last turn sent several) even a turn's first forward waits.
             links.send(addr, _forward(5))
             busy_before_turn_end = router.poll(100)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the turn ends: the batch goes
             rest += [0, *reqs()]
             # That turn had one forward: light load again, the next one leaves at once.
             links.send(addr, _forward(6))
@@ -123,7 +123,7 @@ def test_idle_connections_to_non_members_are_closed() -> None:
         try:
             links.send(member, _forward(1))
             links.send(gone, _forward(2))
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the turn ends: both forwards go
             now = time.monotonic()
             early = links.close_idle({member}, now + 1.0)  # not idle long enough yet
             late = links.close_idle({member}, now + 6.0)  # gone: closed; member: kept

@@ -12,6 +12,7 @@ async def _run_workers(
     q: RunQueue[int], workers: int, work_s: float | None, items: int
 ) -> tuple[list[int], int]:
     seen: list[int] = []
+    all_seen = asyncio.Event()
     concurrent = 0
     peak = 0
 
@@ -22,16 +23,17 @@ async def _run_workers(
             concurrent += 1
             peak = max(peak, concurrent)
             if work_s is not None:
-                await asyncio.sleep(work_s)
+                await asyncio.sleep(work_s)  # the behaviour under test: work that suspends
             seen.append(item)
             concurrent -= 1
+            if len(seen) == items:
+                all_seen.set()
 
     tasks = [asyncio.create_task(worker()) for _ in range(workers)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn: every worker reaches q.get() and waits there
     for i in range(items):
         q.put_nowait(i)
-    while len(seen) < items:
-        await asyncio.sleep(0.001)
+    await asyncio.wait_for(all_seen.wait(), 10)
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -57,7 +59,7 @@ def test_RunQueue_cancelled_woken_worker_passes_the_wakeup_on() -> None:
         q: RunQueue[int] = RunQueue()
         a = asyncio.create_task(q.get())
         b = asyncio.create_task(q.get())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn: a, then b, wait in q.get()
         q.put_nowait(1)  # wakes a
         a.cancel()  # ...which is cancelled before it runs
         return await asyncio.wait_for(b, 1.0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import zmq
 
@@ -11,7 +10,7 @@ import gossipd.transport as transport
 from gossipd.launcher import free_tcp_port
 from gossipd.logs import RateLimiter
 from gossipd.transport import ReplySender, SocketReader, kick, recv_batch, wait_events
-from tests.helpers import run_with_context
+from tests.helpers import run_with_context, wait_until_async
 
 
 def _sender(ctx: zmq.Context, **overrides: float) -> ReplySender:
@@ -67,7 +66,9 @@ def test_ReplySender_drops_and_counts_replies_to_an_address_that_never_answers()
             sender.start(tg)
             for _ in range(7):
                 sender.send(dead, b"x")
-            await asyncio.sleep(0.6)
+            await wait_until_async(
+                lambda: sender.statistics().dropped_undeliverable == 7, 5, "the 0.2 s timeout"
+            )
             sender.stop()
         stats = sender.statistics()
         sender.close()
@@ -88,7 +89,9 @@ def test_ReplySender_closes_idle_sockets() -> None:
             sender.start(tg)
             sender.send(f"tcp://127.0.0.1:{port}", b"hi")
             await asyncio.wait_for(recv_batch(pull, 1), 5)
-            await asyncio.sleep(1.0)
+            await wait_until_async(
+                lambda: sender.statistics().sockets_closed_idle == 1, 5, "the idle close"
+            )
             sender.stop()
         closed = sender.statistics().sockets_closed_idle
         sender.close()
@@ -151,14 +154,13 @@ def test_SocketReader_receives_lone_messages_and_backlogs_with_no_missed_wake_up
                 await count(i + 1)
             for i in range(10):  # a backlog: batches of at most 4
                 dealer.send(b"backlog-%d" % i)
-            await asyncio.sleep(0.2)
             await count(15)
             identity = batches[0][0][0]
             for i in range(5):
                 # A message comes in while the loop is blocked, then the reader's socket
                 # sends: the send takes the fd's signal, and only kick() makes the reader look.
                 dealer.send(b"after-send-%d" % i)
-                time.sleep(0.05)
+                assert router.poll(5000)  # it is in the router's queue (a blocking wait)
                 router.send_multipart([identity, b"reply-%d" % i])
                 kick(router)
                 await count(16 + i)
@@ -223,7 +225,7 @@ def test_ReplySender_sends_a_turns_first_reply_at_once_under_light_load() -> Non
                 # Under load (the last turn sent several) even a turn's first reply waits.
                 sender.send(endpoint, b"5")
                 busy_before_turn_end = pull.poll(100)
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # the turn ends: the batch goes
                 rest.append(b"|")
                 rest += pull.recv_multipart() if pull.poll(2000) else []
                 # That turn had one reply: light load again, the next one leaves at once.

