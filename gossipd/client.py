@@ -1,8 +1,8 @@
 """The producer client: submit tasks to daemons, await results or iterate streamed chunks.
 
 Delivery is at-least-once: a task with no answer after ``resubmit_after_s`` is sent again with
-the same id (and ``attempt`` + 1); the daemon's de-duplication turns that into an exactly-once
-effect.  ``overloaded`` and ``shutting_down`` answers are retried after their retry-after hint
+the same id (``attempt`` + 1, ``timeout_ms`` what is left of its deadline); the daemon's
+de-duplication turns that into an exactly-once effect.  ``overloaded`` and ``shutting_down`` answers are retried after their retry-after hint
 while the task's deadline allows (``retry_codes``).  Every task ends with exactly one Result:
 the daemon's, or a local ``deadline_exceeded`` one when the deadline passed with no answer.
 
@@ -60,6 +60,7 @@ class TaskHandle:
         "_result",
         "_timer",
         "attempts",
+        "deadline",
         "submitted_at",
         "task",
     )
@@ -68,6 +69,7 @@ class TaskHandle:
         self.task = task
         self.attempts = 1
         self.submitted_at = loop.time()
+        self.deadline = self.submitted_at + task.timeout_ms / 1000.0  # loop time
         self._result: asyncio.Future[Result] = loop.create_future()
         self._deltas: asyncio.Queue[str | None] | None = asyncio.Queue() if task.stream else None
         self._next_seq = 0
@@ -306,8 +308,13 @@ class Client:
         self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, delay_s: float | None = None
     ) -> None:
         handle.attempts += 1
-        # Tasks are immutable: copy with the new attempt number.
-        handle.task = msgspec.structs.replace(handle.task, attempt=min(handle.attempts - 1, 1000))
+        # Tasks are immutable: copy with the new attempt number, and what is left of the
+        # deadline (timeout_ms counts from a daemon's receipt, and the daemon decides by it
+        # whether the task can still wait in its queue).
+        remaining_ms = max(1, int((handle.deadline - loop.time()) * 1000))
+        handle.task = msgspec.structs.replace(
+            handle.task, attempt=min(handle.attempts - 1, 1000), timeout_ms=remaining_ms
+        )
         loop.create_task(self._send(handle.task))
         self._arm(handle, loop, delay_s)
 
@@ -363,7 +370,7 @@ class Client:
                 self._stats["duplicate_replies"] += 1
             return
         code = reply.error.code if reply.error is not None else ""
-        deadline = handle.submitted_at + handle.task.timeout_ms / 1000.0
+        deadline = handle.deadline
         retry_s = (reply.error.retry_after_ms / 1000.0) if reply.error is not None else 0.0
         if code in self._retry_codes and loop.time() + retry_s < deadline:
             self._stats["retried"] += 1
@@ -380,4 +387,4 @@ class Client:
 def _local_deadline(handle: TaskHandle) -> float:
     """When the client gives up on a task (loop time): its deadline plus a second, which
     leaves the daemon time to report deadline_exceeded itself."""
-    return handle.submitted_at + handle.task.timeout_ms / 1000.0 + 1.0
+    return handle.deadline + 1.0

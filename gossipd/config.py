@@ -63,8 +63,27 @@ class IngressConfig(Section):
     pending_max: Positive = 10_000
     # Tasks given to the engine at once (worker coroutines).
     concurrency_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256
-    # The retry-after hint sent with `overloaded`.
+    # The retry-after hint sent with `overloaded` (and `shutting_down`); for a refusal by
+    # expected wait (below), the least hint sent.
     retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 200
+    # Refuse a new task with `overloaded` when its expected queueing wait (the tasks ahead of
+    # it x the smoothed service time / concurrency_max, see gossipd/core/queueing.py) exceeds
+    # queue_wait_deadline_ratio x what is left of its deadline, or queue_wait_target_s when
+    # that is set.  false: only pending_max refuses, so under overload the queue grows and
+    # latency with it until deadlines expire.
+    queue_wait_admission: bool = True
+    # The share of a task's remaining deadline it may spend queued; the rest is for running
+    # it and for the estimate's error.  Lower: shorter queues and more refusals.
+    queue_wait_deadline_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    # The longest expected wait accepted whatever the deadline (a latency target); 0: only
+    # the deadline bounds it.  Lower: lower latency under overload, more refusals.
+    queue_wait_target_s: Seconds = 0.0
+    # The retry-after hint of a refusal by expected wait is the time the queue needs to
+    # drain until it would be admitted, at most this (and at least retry_after_ms).
+    retry_after_max_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 10_000
+    # Weight of each finished task in the service-time average (an EWMA): higher follows a
+    # change of speed faster and is noisier with tasks of mixed lengths.
+    service_time_smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.1
     # Recent results kept to answer duplicate task ids (exactly-once effect).
     results_cache_max: Annotated[int, msgspec.Meta(ge=0)] = 100_000
     # Sockets cached to producers' reply addresses; the least recently used is closed first.
@@ -85,6 +104,11 @@ class IngressConfig(Section):
             raise ValueError(
                 f"pending_max: must be >= concurrency_max ({self.concurrency_max}), "
                 f"found {self.pending_max}"
+            )
+        if self.retry_after_max_ms < self.retry_after_ms:
+            raise ValueError(
+                f"retry_after_max_ms: must be >= retry_after_ms ({self.retry_after_ms}), "
+                f"found {self.retry_after_max_ms}"
             )
 
 

@@ -35,6 +35,7 @@ from gossipd.core.messages import (
     encode,
     error_result,
 )
+from gossipd.core.queueing import QueueWait
 from gossipd.engines.base import (
     Engine,
     EngineDead,
@@ -73,6 +74,8 @@ class IngressStatistics:
     queued: int
     running: int
     cancels: dict[str, int]  # by outcome: here, forwarded, unknown
+    service_s: float  # smoothed service time of finished tasks; 0 before the first
+    expected_wait_s: float  # the expected queueing wait of a task arriving now
     latency: LatencyHistogram = field(repr=False)
 
 
@@ -92,9 +95,22 @@ class Ingress:
         self._engine = engine
         self._replies = replies
         self._node = node
-        self.admission = Admission(
-            pending_max=config.pending_max, results_max=config.results_cache_max
+        # Refusal by expected queueing wait (see core/queueing.py); fed the service time of
+        # every task that runs to its end.
+        self.queue_wait = QueueWait(
+            concurrency=config.concurrency_max,
+            deadline_ratio=config.queue_wait_deadline_ratio,
+            target_s=config.queue_wait_target_s,
+            retry_after_min_ms=config.retry_after_ms,
+            retry_after_max_ms=config.retry_after_max_ms,
+            smoothing=config.service_time_smoothing,
         )
+        self.admission = Admission(
+            pending_max=config.pending_max,
+            results_max=config.results_cache_max,
+            queue=self.queue_wait if config.queue_wait_admission else None,
+        )
+        self._retry_after_ms = config.retry_after_ms  # the hint of the latest refusal
         # Unbounded as a container; admission bounds it (pending_max).
         self._queue: RunQueue[_Job] = RunQueue()
         self._deadlines = DeadlineWheel(DEADLINE_RESOLUTION_S)
@@ -189,12 +205,18 @@ class Ingress:
         assert isinstance(task, Task)
         if self.router is not None and self.router(task, now):
             return  # another member owns it: the dispatcher forwards it
-        self.admit(task, now, answer=True)
+        self.admit(task, now, answer=True, now=now)
 
-    def admit(self, task: Task, received_at: float, *, answer: bool) -> Verdict:
+    def admit(
+        self, task: Task, received_at: float, *, answer: bool, now: float | None = None
+    ) -> Verdict:
         """Run ``task`` here if admission allows.  ``answer=False`` (a forwarded task): a
-        refusal is the forwarder's to handle, not sent to the producer."""
-        verdict, cached = self.admission.offer(task.id)
+        refusal is the forwarder's to handle, not sent to the producer, with the hint
+        ``retry_after_ms`` (read it right after this call).  ``now``: time.monotonic()."""
+        now = time.monotonic() if now is None else now
+        remaining_s = received_at + task.timeout_ms / 1000.0 - now
+        verdict, cached = self.admission.offer(task.id, now, remaining_s)
+        self._retry_after_ms = self._config.retry_after_ms
         if verdict is Verdict.ADMIT:
             for listener in self.on_admitted:
                 listener(task)
@@ -205,13 +227,21 @@ class Ingress:
             assert cached is not None
             self._replies.send(task.reply_to, encode(cached))
         elif verdict is Verdict.OVERLOADED:
-            self._refused[ErrorCode.OVERLOADED.value] += 1
+            refusal = self.admission.refusal
+            if refusal is not None:  # by expected wait
+                self._refused["overloaded_expected_wait"] += 1
+                self._retry_after_ms = refusal.retry_after_ms
+                why = (
+                    f"{self.admission.pending} tasks pending: expected wait "
+                    f"{refusal.expected_wait_s:.3f} s, more than the {refusal.bound_s:.3f} s "
+                    "this task may wait"
+                )
+            else:
+                self._refused[ErrorCode.OVERLOADED.value] += 1
+                why = f"{self.admission.pending} tasks pending, the limit is {self._config.pending_max}"
             if answer:
                 self._send_error(
-                    task,
-                    ErrorCode.OVERLOADED,
-                    f"{self.admission.pending} tasks pending, the limit is {self._config.pending_max}",
-                    retry_after_ms=self._config.retry_after_ms,
+                    task, ErrorCode.OVERLOADED, why, retry_after_ms=self._retry_after_ms
                 )
         elif verdict is Verdict.SHUTTING_DOWN:
             self._refused[ErrorCode.SHUTTING_DOWN.value] += 1
@@ -227,7 +257,9 @@ class Ingress:
 
     @property
     def retry_after_ms(self) -> int:
-        return self._config.retry_after_ms
+        """The retry-after hint for the latest ``admit`` call's refusal: computed for a refusal
+        by expected wait, else ``ingress.retry_after_ms``."""
+        return self._retry_after_ms
 
     def answer_shutting_down(self, task: Task) -> None:
         """A taken task could not be handed off: answer it and forget it."""
@@ -389,6 +421,7 @@ class Ingress:
                 ),
             )
             self.latency.observe(end - job.received_at)
+            self.queue_wait.observe(end - started)
         except TimeoutError:
             result = self._deadline_result(task, len(parts))
         except InvalidRequest as exc:
@@ -509,5 +542,7 @@ class Ingress:
             queued=len(self._queue),
             running=self._running,
             cancels=dict(self._cancels),
+            service_s=self.queue_wait.service_s or 0.0,
+            expected_wait_s=self.queue_wait.expected_wait_s(self.admission.pending),
             latency=self.latency,
         )

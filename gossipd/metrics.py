@@ -119,6 +119,18 @@ class DaemonCollector:
         yield _one(G, "gossipd_tasks_pending", "Tasks queued or running", adm.pending)
         yield _one(G, "gossipd_tasks_running", "Tasks on the engine", ing.running)
         yield _one(
+            G,
+            "gossipd_task_service_seconds",
+            "Smoothed time a worker holds a task that runs to its end (0 before the first)",
+            ing.service_s,
+        )
+        yield _one(
+            G,
+            "gossipd_queue_wait_expected_seconds",
+            "Expected queueing wait of a task arriving now (admission refuses beyond its bound)",
+            ing.expected_wait_s,
+        )
+        yield _one(
             G, "gossipd_results_cached", "Results kept for duplicate ids", adm.cached_results
         )
         yield _one(

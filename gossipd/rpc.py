@@ -161,7 +161,7 @@ class OwnerEndpoint:
             return
         now = time.monotonic()
         received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
-        verdict = self._ingress.admit(msg.task, received_at, answer=False)
+        verdict = self._ingress.admit(msg.task, received_at, answer=False, now=now)
         accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
         if accepted:
             self.counters.accepted_from_peers += 1

@@ -141,3 +141,52 @@ def test_stream_deltas_are_in_order_and_once_each(daemon_factory) -> None:
 
     deltas, result = asyncio.run(main())
     assert "".join(deltas) == result.text and len(deltas) == 12
+
+
+def test_client_retries_overloaded_after_the_hint_with_what_is_left_of_the_deadline() -> None:
+    """A stand-in daemon refuses the first copy with retry_after_ms=300: the second copy comes
+    after the hint, with timeout_ms shortened by the time spent; the third is answered."""
+    import msgpack
+    import zmq
+
+    from gossipd.core.messages import ErrorCode, Result, encode, error_result
+
+    async def main():  # type: ignore[no-untyped-def]
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        seen: list[tuple[float, dict]] = []  # type: ignore[type-arg]
+        loop = asyncio.get_running_loop()
+
+        async def daemon() -> None:
+            while len(seen) < 2:
+                if not pull.poll(0):
+                    await asyncio.sleep(0.005)
+                    continue
+                task = msgpack.unpackb(pull.recv())
+                seen.append((loop.time(), task))
+                if len(seen) == 1:
+                    push.connect(task["reply_to"])
+                    refusal = error_result(
+                        task["id"], ErrorCode.OVERLOADED, "busy", retry_after_ms=300
+                    )
+                    push.send(encode(refusal))
+                else:
+                    push.send(encode(Result(id=task["id"], ok=True, text="done")))
+
+        try:
+            async with Client([f"tcp://127.0.0.1:{port}"], resubmit_after_s=30) as client:
+                served = asyncio.create_task(daemon())
+                result = await client.run("x", timeout_s=5)
+                await served
+                return result, seen, client.statistics()
+        finally:
+            ctx.destroy(linger=0)
+
+    result, seen, stats = asyncio.run(main())
+    assert result.ok and stats.retried == 1
+    (t0, first), (t1, second) = seen
+    assert t1 - t0 >= 0.3, "the retry waited for the hint"
+    assert first["timeout_ms"] == 5000 and second.get("attempt") == 1
+    assert 4000 < second["timeout_ms"] <= 5000 - 300, "the retry carries what is left"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import msgpack
 import pytest
@@ -239,6 +240,47 @@ def test_overload_answers_overloaded_with_a_retry_after_hint(daemon_factory, pro
     assert len([r for r in results if r["ok"]]) >= 4
     assert overloaded and all(r["error"]["code"] == "overloaded" for r in overloaded)
     assert all(r["error"]["retry_after_ms"] == 150 for r in overloaded)
+
+
+def test_overload_by_expected_wait_refuses_early_and_admitted_tasks_meet_their_deadline(
+    daemon_factory, producer_for
+) -> None:
+    """2 workers, 5 tokens x 20 ms: 0.1 s a task, 20 tasks a second.  60 tasks with a 1 s
+    deadline at once: about 12 fit in half their deadline, the rest are refused at once."""
+    daemon = start_with_metrics(
+        daemon_factory, "ingress.concurrency_max=2", "engine.token_delay_s=0.02"
+    )
+    producer = producer_for(daemon)
+    for i in range(4):  # the service-time estimate needs finished tasks
+        producer.send_task(f"warm{i}", params={"max_tokens": 5})
+    assert all(r["ok"] for r in producer.results(4))
+    sent_at = time.monotonic()
+    for i in range(60):
+        producer.send_task(f"b{i}", params={"max_tokens": 5}, timeout_ms=1000)
+    answered_at: dict[str, float] = {}
+    results: dict[str, dict] = {}
+
+    def collect(replies: list) -> bool:  # type: ignore[type-arg]
+        for r in replies[len(answered_at) :]:
+            assert r["id"] not in results, f"a second Result for {r['id']}"
+            answered_at[r["id"]], results[r["id"]] = time.monotonic() - sent_at, r
+        return len(results) == 60
+
+    producer.replies(until=collect, timeout_s=10)
+    assert len(results) == 60, "every task gets a final Result"
+    assert producer.replies(quiet_s=0.5) == [], "and only one"
+    refused = [i for i, r in results.items() if not r["ok"]]
+    admitted = [i for i, r in results.items() if r["ok"]]
+    assert all(results[i]["error"]["code"] == "overloaded" for i in refused)
+    assert 8 <= len(admitted) <= 20, len(admitted)
+    assert all(answered_at[i] < 0.3 for i in refused), "refused well before the deadline"
+    hints = [results[i]["error"]["retry_after_ms"] for i in refused]
+    assert all(200 <= h <= 10_000 for h in hints) and max(hints) > 1000, hints
+    assert all(answered_at[i] < 1.0 for i in admitted), "admitted tasks meet their deadline"
+    metrics = scrape(daemon.metrics_port)
+    key = "gossipd_messages_refused_total{reason=overloaded_expected_wait}"
+    assert metrics[key] == len(refused)
+    assert 0.09 < metrics["gossipd_task_service_seconds"] < 0.2
 
 
 def test_deadline_exceeded_stops_the_engine_work(daemon_factory, producer_for) -> None:

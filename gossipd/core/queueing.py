@@ -1,0 +1,145 @@
+"""Expected queueing wait of a new task, and the overload decision made from it (sans-IO).
+
+Rules:
+1. Service time is the time a worker holds a task that runs to its end (start to final
+   result); its estimate is an exponentially weighted moving average of those observed,
+   ``s <- s + smoothing * (observed - s)``, starting at the first observation.
+2. With ``pending`` tasks already queued or running and ``concurrency`` workers, a new task
+   starts after ``ahead = max(0, pending - concurrency + 1)`` of them finish; workers finish
+   ``concurrency / s`` tasks a second, so its expected wait is ``ahead * s / concurrency``.
+3. A new task may wait at most ``bound = deadline_ratio * remaining_s`` (what is left of its
+   deadline), and at most ``target_s`` when that is set (> 0).
+4. It is refused (``overloaded``) when its expected wait exceeds the bound; until a first
+   service time is observed (cold start) every task is admitted.
+5. The retry-after hint gives each refused task its own slot: the earliest time the queue
+   will have drained enough for it (the wait falls by one second a second when nothing
+   arrives: ``now + expected_wait - bound``), but not before the slot given to the previous
+   refused task plus one service slot (``s / concurrency``, the time the workers take to
+   make room for one more), nor before ``now + retry_after_min_ms``; at most
+   ``now + retry_after_max_ms``.  So refused tasks that all retry come back spread out at the
+   rate the workers free room, instead of together, and a task told to come back past its
+   deadline (its producer gives up at once) tells its producer that the load is being shed.
+
+Theory of operation: the ingress calls ``observe`` with each finished task's service time and
+``decide`` for each new task with the current pending count, its remaining deadline and the
+time (slots are absolute times; nothing here reads a clock).  The
+estimate assumes that the concurrency the engine is given is the concurrency it runs at (true
+of the echo engine; for vLLM a batch's per-task time is measured at the load it runs under).
+The expected wait grows with ``pending``, so refusals are monotone in queue length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gossipd.errors import LocalProtocolError
+
+
+def expected_wait_s(pending: int, concurrency: int, service_s: float) -> float:
+    """Rule 2: the expected wait of a task arriving behind ``pending`` others."""
+    return max(0, pending - concurrency + 1) * service_s / concurrency
+
+
+def wait_bound_s(remaining_s: float, deadline_ratio: float, target_s: float) -> float:
+    """Rule 3: the longest wait a task with ``remaining_s`` left of its deadline may face."""
+    bound = max(0.0, remaining_s) * deadline_ratio
+    return min(bound, target_s) if target_s > 0 else bound
+
+
+def retry_slot(
+    now: float, wait_s: float, bound_s: float, next_slot: float, min_ms: int, max_ms: int
+) -> float:
+    """Rule 5: when (absolute time) a task refused at ``now`` may come back."""
+    slot = max(now + wait_s - bound_s, now + min_ms / 1000.0, next_slot)
+    return min(slot, now + max_ms / 1000.0)
+
+
+def retry_after_ms(now: float, slot: float) -> int:
+    """The hint for a retry at ``slot``, in whole milliseconds (rounded up)."""
+    return max(0, math.ceil(round((slot - now) * 1000.0, 6)))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDecision:
+    admit: bool
+    expected_wait_s: float  # 0 at cold start
+    bound_s: float
+    retry_after_ms: int  # meaningful when not admitted
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatistics:
+    service_s: float | None  # the current estimate; None before the first observation
+    observed: int  # service times observed
+    refused: int  # decisions that refused
+
+
+class QueueWait:
+    def __init__(
+        self,
+        *,
+        concurrency: int,
+        deadline_ratio: float,
+        target_s: float,
+        retry_after_min_ms: int,
+        retry_after_max_ms: int,
+        smoothing: float,
+    ) -> None:
+        if concurrency < 1:
+            raise LocalProtocolError(f"concurrency must be >= 1, found {concurrency}")
+        if not 0.0 < deadline_ratio <= 1.0:
+            raise LocalProtocolError(f"deadline_ratio must be in (0, 1], found {deadline_ratio}")
+        if not 0.0 < smoothing <= 1.0:
+            raise LocalProtocolError(f"smoothing must be in (0, 1], found {smoothing}")
+        if target_s < 0 or not 0 <= retry_after_min_ms <= retry_after_max_ms:
+            raise LocalProtocolError(
+                "target_s must be >= 0 and 0 <= retry_after_min_ms <= retry_after_max_ms"
+            )
+        self._concurrency = concurrency
+        self._deadline_ratio = deadline_ratio
+        self._target_s = target_s
+        self._retry_min_ms = retry_after_min_ms
+        self._retry_max_ms = retry_after_max_ms
+        self._smoothing = smoothing
+        self._service_s: float | None = None
+        self._next_slot = -math.inf  # the earliest retry slot for the next refused task
+        self._observed = 0
+        self._refused = 0
+
+    @property
+    def service_s(self) -> float | None:
+        return self._service_s
+
+    def observe(self, service_s: float) -> None:
+        """Rule 1: a task ran to its end in ``service_s`` seconds."""
+        if service_s < 0 or math.isnan(service_s):
+            raise LocalProtocolError(f"service_s must be >= 0, found {service_s}")
+        self._observed += 1
+        if self._service_s is None:
+            self._service_s = service_s
+        else:
+            self._service_s += self._smoothing * (service_s - self._service_s)
+
+    def expected_wait_s(self, pending: int) -> float:
+        """The expected wait of a task arriving now (0 before the first observation)."""
+        if self._service_s is None:
+            return 0.0
+        return expected_wait_s(pending, self._concurrency, self._service_s)
+
+    def decide(self, now: float, pending: int, remaining_s: float) -> QueueDecision:
+        """Rules 3-5 for a task arriving at ``now`` behind ``pending`` others with
+        ``remaining_s`` left of its deadline."""
+        wait = self.expected_wait_s(pending)
+        bound = wait_bound_s(remaining_s, self._deadline_ratio, self._target_s)
+        if self._service_s is None or wait <= bound:
+            return QueueDecision(True, wait, bound, 0)
+        self._refused += 1
+        slot = retry_slot(now, wait, bound, self._next_slot, self._retry_min_ms, self._retry_max_ms)
+        self._next_slot = slot + self._service_s / self._concurrency
+        return QueueDecision(False, wait, bound, retry_after_ms(now, slot))
+
+    def statistics(self) -> QueueStatistics:
+        return QueueStatistics(
+            service_s=self._service_s, observed=self._observed, refused=self._refused
+        )
