@@ -55,6 +55,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.core.placement import Candidate, bound, place
+from gossipd.core.queueing import QueueWait
 from gossipd.core.ring import Ring
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
@@ -90,6 +91,10 @@ class FanoutRun:
     kill_loss_s: float = 0.001  # what a killed daemon sent this recently never leaves
     taskdone_delay_s: float = 0.0  # the owner's TaskDone leaves this long after its Result
     hedge: bool = False
+    # Admission refuses (overloaded) a task whose expected queueing wait does not fit half its
+    # remaining deadline, or queue_wait_target_s (core/queueing.py).
+    queue_wait_admission: bool = True
+    queue_wait_target_s: float = 0.0
     crash_at_s: float = -1.0  # scenario "degrade": crash crash_share of members at once then
     crash_share: float = 0.2
     check_every: int = 1000  # events between full consistency checks
@@ -105,6 +110,7 @@ class Job:
     forwarders: list[str]  # who to send TaskDone; "*" = any (re-run from the journal)
     replayed_src: str = ""
     started: bool = False
+    started_at: float = 0.0
     dropped: bool = False
 
 
@@ -182,7 +188,17 @@ class SimDaemon:
             admit_local=self.admit_local,
             rng=random.Random(world.rng.getrandbits(64)),
         )
-        self.admission = Admission(pending_max=10_000, results_max=100_000)
+        queue = None
+        if run.queue_wait_admission:
+            queue = QueueWait(
+                concurrency=run.slots,
+                deadline_ratio=0.5,
+                target_s=run.queue_wait_target_s,
+                retry_after_min_ms=200,
+                retry_after_max_ms=10_000,
+                smoothing=0.1,
+            )
+        self.admission = Admission(pending_max=10_000, results_max=100_000, queue=queue)
         self.jobs: dict[str, Job] = {}
         self.queue: deque[str] = deque()
         self.running = 0
@@ -199,14 +215,18 @@ class SimDaemon:
             if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING):
                 self.forwarder.local_finished(task.id)  # nothing of ours runs here
             if verdict in (Verdict.OVERLOADED, Verdict.SHUTTING_DOWN):
-                busy = error_result(task.id, ErrorCode(verdict.value), "busy", retry_after_ms=200)
+                busy = error_result(
+                    task.id, ErrorCode(verdict.value), "busy", retry_after_ms=self.retry_after_ms()
+                )
                 self.world.answer(self, task, busy)
 
     def admit_local(self, task: Task, received_at: float) -> Verdict:
         return self.admit(task, received_at, forwarder="")
 
     def admit(self, task: Task, received_at: float, *, forwarder: str) -> Verdict:
-        verdict, cached = self.admission.offer(task.id)
+        now = self.world.now
+        remaining_s = received_at + task.timeout_ms / 1000.0 - now
+        verdict, cached = self.admission.offer(task.id, now, remaining_s)
         if verdict is Verdict.ADMIT:
             job = Job(task, received_at, [forwarder] if forwarder else [])
             self.jobs[task.id] = job
@@ -239,7 +259,7 @@ class SimDaemon:
                 node=self.name,
                 accepted=accepted,
                 code="" if accepted else verdict.value,
-                retry_after_ms=0 if accepted else 200,
+                retry_after_ms=0 if accepted else self.retry_after_ms(),
             )
             self.world.send_peer(self, src, reply)
         elif isinstance(msg, Withdraw):
@@ -249,6 +269,10 @@ class SimDaemon:
                 self.world.trace(msg.id, self.name, f"gets TaskDone from {src}")
             self.forwarder.on_reply(msg, now)
             self.world.flush_forwarder(self)
+
+    def retry_after_ms(self) -> int:
+        refusal = self.admission.refusal
+        return refusal.retry_after_ms if refusal is not None else 200
 
     def withdraw(self, src: str, task_id: str) -> None:
         job = self.jobs.get(task_id)
@@ -286,6 +310,7 @@ class SimDaemon:
             if job is None or job.dropped or job.started:
                 continue
             job.started = True
+            job.started_at = world.now
             self.running += 1
             world.started_running(self, job.task)
             service = world.rng.expovariate(1.0 / world.run.service_s)
@@ -298,6 +323,8 @@ class SimDaemon:
         world = self.world
         self.running -= 1
         world.stopped_running(self, task_id)
+        if self.admission.queue is not None:
+            self.admission.queue.observe(world.now - job.started_at)
         task = job.task
         chunks = 3 if task.stream else 0
         for seq in range(chunks):
@@ -329,6 +356,7 @@ class TaskState:
     final: Result | None = None
     final_at: float = 0.0
     chunks_next: int = 0
+    last_sent: float = 0.0
     answered: int = 0
 
 
@@ -388,7 +416,8 @@ class World:
         self.faults_log: list[tuple[float, str]] = []
         self.fault_spans: list[tuple[str, tuple[float, float]]] = []
         self.served_at: list[float] = []
-        self.latencies: list[float] = []
+        self.latencies: list[float] = []  # first send to ok (what the producer waits)
+        self.attempt_latencies: list[float] = []  # the send that was served to its ok
         self.errors: dict[str, int] = {}
         self.trace_lines: list[str] = []
 
@@ -583,6 +612,7 @@ class World:
             if self.up[entry]:
                 break
         self.tasks[task.id].entry = entry
+        self.tasks[task.id].last_sent = self.now
         self.trace(task.id, PRODUCER, f"sends attempt {task.attempt} to d{entry:04d}")
         latency = self.run.latency_s * math.exp(0.5 * self.rng.gauss(0.0, 1.0))
         self.push(self.now + latency, PEER_MSG, entry, (-1, 0, self.now, task))
@@ -631,6 +661,7 @@ class World:
         if msg.ok:
             self.served_at.append(self.now)
             self.latencies.append(self.now - state.first_sent)
+            self.attempt_latencies.append(self.now - state.last_sent)
         else:
             code = msg.error.code if msg.error is not None else "?"
             self.errors[code] = self.errors.get(code, 0) + 1
@@ -915,21 +946,29 @@ def swarm(
 
 
 def degradation(world: World, crash_at_s: float) -> dict[str, object]:
-    """Served throughput (ok Results a second) before the mass crash and in each second
-    after it, as a ratio to before, and how long it took to get back to 0.78x."""
-    served = world.served_at
+    """Served throughput (ok Results a second) in the 5 s before the mass crash and in each
+    second after it, as a ratio to before; the time it took to get back to 0.78x; and the
+    latency of the tasks served in each of those seconds (from the send that was admitted to
+    its ok: a refused send is retried by its producer after retry_after_ms)."""
+    served, latency = world.served_at, world.attempt_latencies
     window = 5.0
     before = sum(1 for t in served if crash_at_s - window <= t < crash_at_s) / window
-    after = []
+    before_lat = sorted(
+        x for t, x in zip(served, latency, strict=True) if crash_at_s - window <= t < crash_at_s
+    )
+    ratios, p99s = [], []
     for k in range(10):
         a = crash_at_s + k
-        after.append(
-            round(sum(1 for t in served if a <= t < a + 1.0) / before, 3) if before else 0.0
-        )
-    back = next((k + 1 for k, r in enumerate(after) if r >= 0.78), None)
+        second = sorted(x for t, x in zip(served, latency, strict=True) if a <= t < a + 1.0)
+        ratios.append(round(len(second) / before, 3) if before else 0.0)
+        p99s.append(_pct(second, 0.99))
+    back = next((k + 1 for k, r in enumerate(ratios) if r >= 0.78), None)
     return {
         "crash_at_s": round(crash_at_s, 3),
         "before_per_s": round(before, 1),
-        "after_ratio_per_s": after,
+        "before_latency_p99_s": _pct(before_lat, 0.99),
+        "after_ratio_per_s": ratios,
+        "after_latency_p99_s": p99s,
         "back_to_0_78x_within_s": back,
+        "overloaded_answers": world.errors.get("overloaded", 0),
     }

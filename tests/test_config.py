@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,12 @@ def test_swim_overrides_over_a_preset_reach_the_gossip_service() -> None:
     ctx = zmq.Context()
     try:
         service = GossipService(
-            config, node="n", ctx=ctx, engine=EchoEngine(), ingress_endpoint="tcp://x:1"
+            config,
+            node="n",
+            ctx=ctx,
+            engine=EchoEngine(),
+            ingress_endpoint="tcp://x:1",
+            rng=random.Random(1),
         )
     finally:
         ctx.term()

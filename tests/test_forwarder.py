@@ -368,3 +368,18 @@ def test_Forwarder_TaskDone_before_a_lost_accept_counts_as_the_accept() -> None:
     assert fw.take_outbox() == [] and fw.take_events() == [], "no retry, no withdraw"
     fw.on_reply(_reply(fwd, "a", True), 1.1)  # the accept, late: nothing changes
     assert fw.ledger.get("t0") is None and fw.outstanding() == {}
+
+
+def test_Forwarder_one_overloaded_among_silent_members_answers_overloaded() -> None:
+    """A dead member's silence beside a busy one's refusal: the producer should come back
+    after the hint (overloaded), not give up on the cluster (unavailable)."""
+    fw, _ = _forwarder(["a", "b"], attempts_max=2)
+    fw.route(_task(), 0.0)
+    fw.take_outbox()
+    fw.tick(0.5)  # a is silent
+    fw.tick(fw.next_deadline())
+    [(_, second)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(second, "b", False, "overloaded", 700), 0.6)
+    [event] = fw.take_events()
+    assert isinstance(event, Refuse) and event.code is ErrorCode.OVERLOADED
+    assert event.retry_after_ms == 700 and "a: no reply" in event.message

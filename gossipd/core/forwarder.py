@@ -28,8 +28,8 @@ Rules (one code path for each decision):
    member is declared dead each is withdrawn from it and dispatched again, same id, to the
    others (migration): the producer's deduplication by id makes the re-run safe.
 5. When no member takes a task, the producer gets one error: ``overloaded`` with the largest
-   retry_after_ms heard when every attempt was a busy refusal, else ``unavailable`` listing
-   every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
+   retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
+   the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
    caller.
 
 Loads: ``loads[m]`` counts, per member, the forwards awaiting an answer plus the accepted
@@ -486,8 +486,9 @@ class Forwarder:
             return
         self.counters.unavailable += 1
         attempts = d.attempts or ["none"]
-        busy = bool(d.attempts) and all(a.endswith(_BUSY) for a in d.attempts)
-        code = ErrorCode.OVERLOADED if busy and d.busy_hint_ms else ErrorCode.UNAVAILABLE
+        # Someone said overloaded (with a hint): the producer should come back then, not
+        # treat the cluster as down, even if a dead member was among the attempts.
+        code = ErrorCode.OVERLOADED if d.busy_hint_ms else ErrorCode.UNAVAILABLE
         message = "no member took the task; attempts: " + "; ".join(attempts)
         hint = d.busy_hint_ms or self.settings.retry_after_ms
         self._events.append(Refuse(d.task, code, message, hint))
