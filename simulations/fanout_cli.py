@@ -45,6 +45,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--crash-share", type=float, default=0.2)
     p.add_argument(
+        "--queue-wait-target-s",
+        type=float,
+        default=0.0,
+        help="owners refuse (overloaded) a task expected to queue longer (0: half its deadline)",
+    )
+    p.add_argument(
         "--swarm",
         type=int,
         default=0,
