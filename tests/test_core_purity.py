@@ -46,9 +46,12 @@ def test_core_module_imports_no_io(path: Path) -> None:
     assert not (_imports(tree) & FORBIDDEN), f"{path.name} imports {_imports(tree) & FORBIDDEN}"
     # `random` only as the type of an injected generator: random.Random(...), never random.x().
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if node.value.id == "random":
-                assert node.attr == "Random", f"{path.name} uses random.{node.attr}"
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "random"
+        ):
+            assert node.attr == "Random", f"{path.name} uses random.{node.attr}"
 
 
 def test_the_check_sees_a_forbidden_import() -> None:
