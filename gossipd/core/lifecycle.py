@@ -1,0 +1,205 @@
+"""The owner's side of a task, sans-IO: one state machine from admission to the last TaskDone.
+
+Each task this daemon runs is an ``Owned`` entry, in one phase:
+
+    (offer) --ADMIT--> QUEUED --start--> RUNNING --finish--> ENDED
+                         |                  |
+                         +--cancel/expire---+--> stopping: the worker answers the reason
+                         +--withdraw (last forwarder)--> ENDED without an answer
+
+Rules:
+1. Admission (dedup, bounds, expected wait, shutdown: ``Admission``) decides whether a task
+   is taken; a duplicate of a pending task is absorbed (its forwarder is added to those told
+   when it ends), a duplicate of an ended one gets the cached Result.
+2. Whoever handed us the task is remembered: the producer (no forwarder), or each forwarder
+   that sent it, or ``ANY`` for a task re-run from the journal after a restart (its forwarder's
+   connection is a new one, so a Withdraw from any forwarder counts) with that forwarder's
+   name, so that its TaskDone can go to it by name.
+3. A Withdraw removes its sender from the task's forwarders; when none is left and the task
+   came from no producer directly, it is dropped without an answer (queued: never runs;
+   running: aborted).  A Withdraw from a member that did not send the task is ignored.
+4. A producer's Cancel and the deadline stop a task (queued or running) with an answer:
+   ``cancelled`` or ``deadline_exceeded``; a stop that comes later than another keeps the
+   first reason, and a withdrawal wins over both (nobody waits for that answer).
+5. When a task ends, its Result goes to the producer first, then a TaskDone to each forwarder
+   (``Ended.notify``), so a forwarder never forgets a task whose Result has not left.
+
+Theory of operation: the ingress shell calls ``offer`` for each task (from a producer or a
+peer), ``start`` when a worker takes it, ``stop_reason`` when its worker was cancelled,
+``finish`` with its final Result and ``release`` when it leaves without one (handed off);
+``cancel``, ``withdraw`` and ``expire`` say whether a running task's worker must be aborted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from gossipd.core.admission import Admission, Verdict
+from gossipd.core.messages import Result, Task
+
+# In a task's forwarders: any forwarder may withdraw it (a task re-run from the journal).
+ANY: Hashable = b""
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    ENDED = "ended"
+
+
+class Stop(enum.Enum):
+    """Why a task was stopped before it finished by itself."""
+
+    CANCELLED = "cancelled"  # its producer's Cancel: answered cancelled
+    EXPIRED = "expired"  # its deadline passed: answered deadline_exceeded
+    WITHDRAWN = "withdrawn"  # its forwarders had it run elsewhere: no answer from here
+
+
+class Abort(enum.Enum):
+    """What the shell must do after cancel / withdraw / expire."""
+
+    NOTHING = "nothing"  # unknown, ended, or stopped already
+    MARKED = "marked"  # queued: the worker that takes it answers (or drops) it at once
+    ABORT = "abort"  # running: abort its engine request (cancel its worker)
+
+
+@dataclass(slots=True, eq=False)
+class Owned:
+    task: Task
+    received_at: float  # at the entry point: the deadline counts from it
+    from_producer: bool  # it came from a producer's PUSH to us (not a peer's Forward)
+    forwarders: list[Hashable] = field(default_factory=list)
+    replayed_src: str = ""  # for ANY: the member that forwarded it before our restart
+    phase: Phase = Phase.QUEUED
+    stop: Stop | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A task ended with ``result``: send it to the producer, then a TaskDone to each of
+    ``notify`` (forwarder identities) and, by name, to ``notify_member`` if set."""
+
+    owned: Owned
+    result: Result
+    notify: tuple[Hashable, ...]
+    notify_member: str
+
+
+class TaskBook:
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self._owned: dict[str, Owned] = {}  # admitted and not ended, by task id
+
+    def __len__(self) -> int:
+        return len(self._owned)
+
+    def get(self, task_id: str) -> Owned | None:
+        return self._owned.get(task_id)
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def offer(
+        self,
+        task: Task,
+        received_at: float,
+        now: float,
+        *,
+        forwarder: Hashable | None = None,
+    ) -> tuple[Verdict, Owned | Result | None]:
+        """Rule 1.  ``forwarder``: the peer that forwarded it (None: a producer, or a local
+        retry).  Returns the verdict and the new entry (ADMIT), the pending entry
+        (DUPLICATE_PENDING) or the cached Result (DUPLICATE_DONE)."""
+        remaining_s = received_at + task.timeout_ms / 1000.0 - now
+        verdict, cached = self.admission.offer(task.id, now, remaining_s)
+        if verdict is Verdict.ADMIT:
+            owned = Owned(task, received_at, from_producer=forwarder is None)
+            if forwarder is not None:
+                owned.forwarders.append(forwarder)
+            self._owned[task.id] = owned
+            return verdict, owned
+        if verdict is Verdict.DUPLICATE_PENDING:
+            pending = self._owned.get(task.id)
+            if pending is not None:
+                if forwarder is None:
+                    pending.from_producer = True
+                else:
+                    pending.forwarders.append(forwarder)
+            return verdict, pending
+        return verdict, cached
+
+    def expect_withdraw(self, task_id: str, src: str) -> None:
+        """Rule 2: ``task_id``, re-run from the journal, came from member ``src``."""
+        owned = self._owned.get(task_id)
+        if owned is not None:
+            owned.from_producer = False
+            owned.forwarders.append(ANY)
+            owned.replayed_src = src
+
+    def start(self, task_id: str) -> Owned | None:
+        """A worker takes the task; None when it is no longer ours to run (withdrawn)."""
+        owned = self._owned.get(task_id)
+        if owned is None or owned.phase is not Phase.QUEUED or owned.stop is Stop.WITHDRAWN:
+            return None
+        owned.phase = Phase.RUNNING
+        return owned
+
+    def cancel(self, task_id: str) -> Abort:
+        return self._stop(task_id, Stop.CANCELLED)
+
+    def expire(self, task_id: str) -> Abort:
+        return self._stop(task_id, Stop.EXPIRED)
+
+    def withdraw(self, task_id: str, forwarder: Hashable) -> Abort:
+        """Rule 3."""
+        owned = self._owned.get(task_id)
+        if owned is None or owned.stop is Stop.WITHDRAWN:
+            return Abort.NOTHING
+        if forwarder in owned.forwarders:
+            owned.forwarders.remove(forwarder)
+        elif ANY in owned.forwarders:
+            owned.forwarders.remove(ANY)
+            owned.replayed_src = ""
+        else:
+            return Abort.NOTHING
+        if owned.forwarders or owned.from_producer:
+            return Abort.NOTHING  # someone else still waits for its answer
+        stopping = owned.stop is not None  # cancelled or expired: its worker is aborted already
+        owned.stop = Stop.WITHDRAWN
+        if stopping:
+            return Abort.NOTHING
+        return Abort.ABORT if owned.phase is Phase.RUNNING else Abort.MARKED
+
+    def stop_reason(self, task_id: str) -> Stop | None:
+        """Why the task's worker was stopped (None: not by us; a shutdown)."""
+        owned = self._owned.get(task_id)
+        return None if owned is None else owned.stop
+
+    def finish(self, task_id: str, result: Result, *, remember: bool = True) -> Ended:
+        """Rule 5: the task's final Result.  ``remember=False``: a resubmission may run it
+        again (refused at shutdown)."""
+        owned = self._owned.pop(task_id)
+        owned.phase = Phase.ENDED
+        self.admission.finish(task_id, result, remember=remember)
+        notify = tuple(f for f in owned.forwarders if f != ANY)
+        member = owned.replayed_src if ANY in owned.forwarders else ""
+        return Ended(owned, result, notify, member)
+
+    def release(self, task_id: str, result: Result) -> Owned:
+        """The task leaves without an answer from here (withdrawn, or handed to another
+        member); a resubmission may run it again."""
+        owned = self._owned.pop(task_id)
+        owned.phase = Phase.ENDED
+        self.admission.finish(task_id, result, remember=False)
+        return owned
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _stop(self, task_id: str, why: Stop) -> Abort:
+        """Rule 4."""
+        owned = self._owned.get(task_id)
+        if owned is None or owned.stop is not None:
+            return Abort.NOTHING
+        owned.stop = why
+        return Abort.ABORT if owned.phase is Phase.RUNNING else Abort.MARKED

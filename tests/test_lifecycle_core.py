@@ -1,0 +1,149 @@
+"""The owner's task lifecycle (core/lifecycle.py): table tests per rule and a property over
+any sequence of inputs."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossipd.core.admission import Admission, Verdict
+from gossipd.core.lifecycle import ANY, Abort, Ended, Owned, Phase, Stop, TaskBook
+from gossipd.core.messages import Result, Task
+
+
+def _task(i: int = 0) -> Task:
+    return Task(v=1, id=f"t{i}", prompt="p", reply_to="tcp://127.0.0.1:9", timeout_ms=10_000)
+
+
+def _book(pending_max: int = 100) -> TaskBook:
+    return TaskBook(Admission(pending_max=pending_max, results_max=100))
+
+
+def _ok(i: int = 0) -> Result:
+    return Result(id=f"t{i}", ok=True, text="x", node="me")
+
+
+def test_TaskBook_forwarded_task_ends_with_TaskDone_to_each_forwarder() -> None:
+    book = _book()
+    verdict, owned = book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    assert verdict is Verdict.ADMIT and isinstance(owned, Owned) and not owned.from_producer
+    verdict, same = book.offer(_task(), 0.0, 0.1, forwarder=b"B")  # a migration's copy
+    assert verdict is Verdict.DUPLICATE_PENDING and same is owned
+    assert book.start("t0") is owned and owned.phase is Phase.RUNNING
+    ended = book.finish("t0", _ok())
+    assert ended == Ended(owned, _ok(), (b"A", b"B"), "") and len(book) == 0
+    verdict, cached = book.offer(_task(), 0.0, 1.0, forwarder=b"C")
+    assert verdict is Verdict.DUPLICATE_DONE and cached == _ok()
+
+
+def test_TaskBook_withdraw_by_the_last_forwarder_drops_it_quietly() -> None:
+    book = _book()
+    book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    book.offer(_task(), 0.0, 0.0, forwarder=b"B")
+    assert book.withdraw("t0", b"A") is Abort.NOTHING, "B still counts on it"
+    assert book.withdraw("t0", b"X") is Abort.NOTHING, "X never sent it"
+    assert book.withdraw("t0", b"B") is Abort.MARKED
+    assert book.start("t0") is None, "a withdrawn task never runs"
+    assert book.stop_reason("t0") is Stop.WITHDRAWN
+    book.release("t0", _ok())
+    assert book.admission.pending == 0
+    verdict, _ = book.offer(_task(), 0.0, 1.0, forwarder=b"C")
+    assert verdict is Verdict.ADMIT, "not remembered: it may run again"
+
+
+def test_TaskBook_withdraw_of_a_running_task_aborts_it() -> None:
+    book = _book()
+    book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    book.start("t0")
+    assert book.withdraw("t0", b"A") is Abort.ABORT
+    assert book.withdraw("t0", b"A") is Abort.NOTHING, "once"
+
+
+def test_TaskBook_a_producers_own_copy_is_never_withdrawn() -> None:
+    book = _book()
+    book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    book.offer(_task(), 0.0, 0.0)  # the producer resent it straight to us
+    assert book.withdraw("t0", b"A") is Abort.NOTHING
+    assert book.start("t0") is not None
+
+
+def test_TaskBook_replayed_task_is_withdrawn_by_any_forwarder_and_done_by_name() -> None:
+    book = _book()
+    book.offer(_task(), 0.0, 0.0)
+    book.expect_withdraw("t0", "d07")
+    assert book.finish("t0", _ok()).notify_member == "d07"
+    book2 = _book()
+    book2.offer(_task(), 0.0, 0.0)
+    book2.expect_withdraw("t0", "d07")
+    assert book2.withdraw("t0", b"new-connection") is Abort.MARKED
+    assert book2.get("t0").replayed_src == ""  # type: ignore[union-attr]
+
+
+def test_TaskBook_cancel_and_expiry_keep_the_first_reason_and_withdrawal_wins() -> None:
+    book = _book()
+    book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    assert book.cancel("t0") is Abort.MARKED
+    assert book.expire("t0") is Abort.NOTHING
+    assert book.stop_reason("t0") is Stop.CANCELLED
+    assert book.withdraw("t0", b"A") is Abort.NOTHING, "being stopped already"
+    assert book.stop_reason("t0") is Stop.WITHDRAWN, "nobody waits for its answer now"
+    assert book.cancel("unknown") is Abort.NOTHING
+
+
+def test_TaskBook_refusals_create_nothing() -> None:
+    book = _book(pending_max=1)
+    book.offer(_task(1), 0.0, 0.0)
+    verdict, nothing = book.offer(_task(2), 0.0, 0.0, forwarder=ANY)
+    assert verdict is Verdict.OVERLOADED and nothing is None and book.get("t2") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["offer", "offer_fwd", "start", "cancel", "expire", "withdraw", "end"]),
+            st.integers(0, 3),
+            st.sampled_from([b"A", b"B"]),
+        ),
+        max_size=50,
+    )
+)
+def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) -> None:  # type: ignore[type-arg]
+    """Whatever happens: the book's entries are exactly admission's pending ids; a task
+    withdrawn before it ran never starts; an ended task is never aborted; every entry that
+    ends notifies only forwarders that sent it and did not withdraw it."""
+    book = _book(pending_max=3)
+    sent: dict[str, set[bytes]] = {}
+    for op, i, who in ops:
+        tid = f"t{i}"
+        owned = book.get(tid)
+        if op == "offer":
+            book.offer(_task(i), 0.0, 0.0)
+        elif op == "offer_fwd":
+            verdict, _ = book.offer(_task(i), 0.0, 0.0, forwarder=who)
+            if verdict is Verdict.ADMIT:
+                sent[tid] = {who}
+            elif verdict is Verdict.DUPLICATE_PENDING:
+                sent.setdefault(tid, set()).add(who)
+        elif op == "start":
+            started = book.start(tid)
+            if started is not None:
+                assert started.stop is not Stop.WITHDRAWN
+        elif op == "cancel":
+            book.cancel(tid)
+        elif op == "expire":
+            book.expire(tid)
+        elif op == "withdraw":
+            before = owned.phase if owned else None
+            if book.withdraw(tid, who) is Abort.ABORT:
+                assert before is Phase.RUNNING
+            if owned is not None and who not in owned.forwarders:
+                sent.get(tid, set()).discard(who)
+        elif op == "end" and owned is not None:
+            if owned.stop is Stop.WITHDRAWN:
+                book.release(tid, _ok(i))
+            else:
+                ended = book.finish(tid, _ok(i))
+                assert set(ended.notify) <= sent.get(tid, set())
+            sent.pop(tid, None)
+        assert book.admission.pending == len(book)
