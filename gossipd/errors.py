@@ -27,9 +27,10 @@ class LocalProtocolError(ProtocolError):
 class RemoteProtocolError(ProtocolError):
     """A remote party sent something we refuse.
 
-    ``code`` is the wire error code (see ``gossipd.core.messages.ErrorCode``); ``reply_to`` and
-    ``task_id`` are filled when they could be recovered from the refused message, so the
-    producer can be told why.
+    ``code`` is the wire error code (see ``gossipd.core.messages.ErrorCode``); ``reason`` the
+    label it is counted under (the code unless a finer one applies, e.g. ``oversized``);
+    ``reply_to`` and ``task_id`` are filled when they could be recovered from the refused
+    message, so the producer can be told why.
     """
 
     def __init__(
@@ -40,10 +41,12 @@ class RemoteProtocolError(ProtocolError):
         peer: str = "",
         reply_to: str = "",
         task_id: str = "",
+        reason: str = "",
     ) -> None:
         super().__init__(hint)
         self.hint = hint
         self.code = code
+        self.reason = reason or code
         self.peer = peer
         self.reply_to = reply_to
         self.task_id = task_id

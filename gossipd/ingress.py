@@ -314,9 +314,7 @@ class Ingress:
         self._send_error(task, code, message, retry_after_ms)
 
     def _refuse(self, exc: RemoteProtocolError, size: int) -> None:
-        reason = exc.code
-        if "exceeds the limit" in exc.hint:
-            reason = "oversized"
+        reason = exc.reason  # the code, or a finer label (oversized)
         self._refused[reason] += 1
         answered = bool(exc.reply_to)
         if answered:

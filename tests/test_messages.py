@@ -279,3 +279,19 @@ peer_items = st.one_of(
 @given(st.one_of(peer_items, st.builds(PeerBatch, items=st.lists(peer_items, max_size=8))))
 def test_any_valid_peer_message_round_trips(message: object) -> None:
     assert decode_peer(encode_peer(message), bytes_max=1 << 22) == message  # type: ignore[arg-type]
+
+
+def test_an_oversized_message_is_refused_with_the_oversized_reason() -> None:
+    """Counted under its own label because the error says so, not because the ingress reads
+    the hint's text."""
+    import pytest
+
+    from gossipd.core.messages import decode_intake
+    from gossipd.errors import RemoteProtocolError
+
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_intake(b"\x80" * 2000, bytes_max=1024)
+    assert info.value.reason == "oversized" and info.value.code == "bad_request"
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_intake(b"\xc1", bytes_max=1024)
+    assert info.value.reason == info.value.code == "bad_request"

@@ -286,6 +286,7 @@ def _decode_from_producer(
         raise RemoteProtocolError(
             f"message of {len(data)} bytes exceeds the limit of {bytes_max} bytes",
             code=ErrorCode.BAD_REQUEST,
+            reason="oversized",
             peer=peer,
             task_id=task_id,
             reply_to=reply_to,
@@ -466,6 +467,7 @@ def _decode_between_daemons(
         raise RemoteProtocolError(
             f"{what} message of {len(data)} bytes exceeds the limit of {bytes_max} bytes",
             code=ErrorCode.BAD_REQUEST,
+            reason="oversized",
         )
     try:
         message = decoder.decode(data)
