@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, Refuse, Route
+from gossipd.core.lifecycle import Abort, TaskBook
 from gossipd.core.membership import LIVE_STATES
 from gossipd.core.messages import (
     Chunk,
@@ -101,17 +102,6 @@ class FanoutRun:
     trace_task: str = ""  # record this task's events (replay of a violation)
     progress: Callable[[str], None] | None = None
     forwarder_class: type[Forwarder] = Forwarder
-
-
-@dataclass
-class Job:
-    task: Task
-    received_at: float
-    forwarders: list[str]  # who to send TaskDone; "*" = any (re-run from the journal)
-    replayed_src: str = ""
-    started: bool = False
-    started_at: float = 0.0
-    dropped: bool = False
 
 
 class SimPlacement:
@@ -199,7 +189,9 @@ class SimDaemon:
                 smoothing=0.1,
             )
         self.admission = Admission(pending_max=10_000, results_max=100_000, queue=queue)
-        self.jobs: dict[str, Job] = {}
+        # The owner's tasks, admission to TaskDone (core/lifecycle.py, as the ingress uses it).
+        self.book = TaskBook(self.admission)
+        self.started_at: dict[str, float] = {}
         self.queue: deque[str] = deque()
         self.running = 0
         self.withdrawn_before_run: set[str] = set()
@@ -224,24 +216,18 @@ class SimDaemon:
         return self.admit(task, received_at, forwarder="")
 
     def admit(self, task: Task, received_at: float, *, forwarder: str) -> Verdict:
-        now = self.world.now
-        remaining_s = received_at + task.timeout_ms / 1000.0 - now
-        verdict, cached = self.admission.offer(task.id, now, remaining_s)
+        verdict, entry = self.book.offer(
+            task, received_at, self.world.now, forwarder=forwarder or None
+        )
         if verdict is Verdict.ADMIT:
-            job = Job(task, received_at, [forwarder] if forwarder else [])
-            self.jobs[task.id] = job
             self.withdrawn_before_run.discard(task.id)
             self.world.journal_accept(self, task, forwarder)
             self.queue.append(task.id)
             self.world.trace(task.id, self.name, f"admitted (from {forwarder or 'intake'})")
             self.start_jobs()
-        elif verdict is Verdict.DUPLICATE_PENDING and forwarder:
-            job = self.jobs.get(task.id)
-            if job is not None:
-                job.forwarders.append(forwarder)
         elif verdict is Verdict.DUPLICATE_DONE:
-            assert cached is not None
-            self.world.answer(self, task, cached)
+            assert isinstance(entry, Result)
+            self.world.answer(self, task, entry)
         return verdict
 
     # -- the owner's side (rpc.py) ----------------------------------------------------------
@@ -275,27 +261,16 @@ class SimDaemon:
         return refusal.retry_after_ms if refusal is not None else 200
 
     def withdraw(self, src: str, task_id: str) -> None:
-        job = self.jobs.get(task_id)
-        if job is None or job.dropped:
+        abort = self.book.withdraw(task_id, src)
+        if abort is Abort.NOTHING:
             return
-        if src in job.forwarders:
-            job.forwarders.remove(src)
-        elif "*" in job.forwarders:
-            job.forwarders.remove("*")
-        else:
-            return
-        if job.forwarders:
-            return
-        job.dropped = True
-        del self.jobs[task_id]
-        if not job.started:
+        if abort is Abort.MARKED:  # queued: it never runs
             self.withdrawn_before_run.add(task_id)
-        else:
+        else:  # running: the engine request is aborted
+            self.started_at.pop(task_id, None)
             self.running -= 1
             self.world.stopped_running(self, task_id)
-        self.admission.finish(
-            task_id, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"), remember=False
-        )
+        self.book.release(task_id, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
         self.world.journal_done(self, task_id)
         self.world.trace(task_id, self.name, f"withdrawn by {src}")
         self.start_jobs()
@@ -306,44 +281,39 @@ class SimDaemon:
         world = self.world
         while self.running < world.run.slots and self.queue:
             task_id = self.queue.popleft()
-            job = self.jobs.get(task_id)
-            if job is None or job.dropped or job.started:
+            owned = self.book.start(task_id)
+            if owned is None:
                 continue
-            job.started = True
-            job.started_at = world.now
+            self.started_at[task_id] = world.now
             self.running += 1
-            world.started_running(self, job.task)
+            world.started_running(self, owned.task)
             service = world.rng.expovariate(1.0 / world.run.service_s)
             world.push(world.now + service, FINISH, self.index, (self.epoch, task_id))
 
     def finish(self, task_id: str) -> None:
-        job = self.jobs.pop(task_id, None)
-        if job is None or job.dropped:
-            return
+        owned = self.book.get(task_id)
+        if owned is None:
+            return  # withdrawn while it ran
         world = self.world
         self.running -= 1
         world.stopped_running(self, task_id)
         if self.admission.queue is not None:
-            self.admission.queue.observe(world.now - job.started_at)
-        task = job.task
+            self.admission.queue.observe(world.now - self.started_at.pop(task_id))
+        task = owned.task
         chunks = 3 if task.stream else 0
         for seq in range(chunks):
             world.to_producer(self, Chunk(id=task.id, seq=seq, delta=f"{seq},", node=self.name))
         result = Result(
             id=task.id, ok=True, text="0,1,2," if chunks else "ok", node=self.name, chunks=chunks
         )
-        self.admission.finish(task_id, result)
+        ended = self.book.finish(task_id, result)
         world.answer(self, task, result)
         world.journal_done(self, task_id)
-        for forwarder in job.forwarders:
-            dst = job.replayed_src if forwarder == "*" else forwarder
+        # TaskDone after the Result (rule 5 of core/lifecycle.py).
+        for dst in (*ended.notify, ended.notify_member):
             if dst:
-                world.send_peer(
-                    self,
-                    dst,
-                    TaskDone(id=task_id, node=self.name),
-                    delay=world.run.taskdone_delay_s,
-                )
+                done = TaskDone(id=task_id, node=self.name)
+                world.send_peer(self, str(dst), done, delay=world.run.taskdone_delay_s)
         self.forwarder.local_finished(task_id)
         self.start_jobs()
 
@@ -768,7 +738,7 @@ class World:
         self.up[index] = False
         self.crashed_at[(index, d.epoch)] = self.now
         self.active_faults["crash"] += 1
-        for task_id in list(d.jobs):
+        for task_id in list(d.started_at):
             self.stopped_running(d, task_id)
 
     def restart(self, index: int) -> None:
@@ -796,10 +766,7 @@ class World:
         for task, src, _ in list(journal.values()):
             if d.admit(task, self.now, forwarder="") is Verdict.ADMIT and src:
                 journal[task.id] = (task, src, self.now)  # still marked as forwarded by src
-                job = d.jobs.get(task.id)
-                if job is not None:
-                    job.forwarders.append("*")
-                    job.replayed_src = src
+                d.book.expect_withdraw(task.id, src)
         self.schedule(d)
 
     # -- checks --------------------------------------------------------------------------------
