@@ -4,6 +4,11 @@ A Forward is admitted like a task from a producer (same admission, same dedup); 
 gets a ForwardReply (accepted, or refused with the reason) and, once the task's final Result
 has gone to the producer, a TaskDone so that it can forget the task.  Replies for one
 forwarder are sent together at the end of an event-loop turn (PeerBatch).
+
+Rule: a TaskDone leaves right after its Result, in the loop turn the Result leaves in, never
+before it and never held back (an owner killed between the two leaves a forwarder that
+migrates the task and has it answered twice; one that sent the TaskDone first, a task whose
+Result may never have left).  Accepts may wait up to ``fanout.ack_delay_s`` to share a message.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import zmq
@@ -75,6 +81,7 @@ class OwnerEndpoint:
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
+        self._router_flush_now = False  # ...or for this turn's end (a TaskDone is queued)
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._reader: SocketReader | None = None
         self.on_accepted: list[Callable[[Task, str], None]] = []  # (task, forwarder): journal
@@ -153,8 +160,8 @@ class OwnerEndpoint:
                     listener(msg.task, msg.src)
             if verdict is not Verdict.DUPLICATE_DONE:
                 self._forwarders.setdefault(msg.task.id, []).append(identity)
-            else:
-                self._send_done(identity, msg.task.id)
+            else:  # admit() has just sent the cached Result again
+                self._done_after_result(msg.task, [identity])
         else:
             self.stats.refused_to_peers += 1
         reply = ForwardReply(
@@ -190,18 +197,23 @@ class OwnerEndpoint:
     ) -> None:
         """Queue for one forwarder; everything queued until the flush goes as one message.
 
-        Accepts and TaskDones wait up to ``fanout.ack_delay_s`` (like TCP's delayed ACK):
-        the forwarder needs them only for its ack timeout and its bookkeeping, so it is woken
-        once for many instead of once or twice per task, and a task that ends at once has
-        its Result sent to the producer before its ack, and its ack and TaskDone leave
-        together.  A refusal is urgent: the forwarder tries the next member on it."""
+        Accepts wait up to ``fanout.ack_delay_s`` (like TCP's delayed ACK): the forwarder
+        needs them only for its ack timeout, so it is woken once for many instead of once per
+        task, and a task that ends at once has its Result sent to the producer before its
+        ack, and its ack and TaskDone leave together.  A refusal is urgent: the forwarder
+        tries the next member on it.  A TaskDone (queued once its Result has left, see
+        ``task_finished``) leaves at the end of this loop turn, with whatever is queued."""
         queue = self._router_out.get(identity)
         if queue is None:
             queue = self._router_out[identity] = []
         queue.append(msg)
         loop = asyncio.get_running_loop()
         delay = self.config.ack_delay_s
-        if urgent or delay <= 0:
+        if type(msg) is TaskDone:
+            if not self._router_flush_now:
+                self._router_flush_now = True
+                loop.call_soon(self._flush_router)
+        elif urgent or delay <= 0:
             if not self._router_flush_soon:
                 self._router_flush_soon = True
                 # One turn later than the producers' replies, which are queued already.
@@ -213,12 +225,12 @@ class OwnerEndpoint:
         asyncio.get_running_loop().call_soon(self._flush_router)
 
     def _flush_router(self) -> None:
-        self._router_flush_soon = False
+        self._router_flush_soon = self._router_flush_now = False
         if self._router_flush_timer is not None:
             self._router_flush_timer.cancel()
             self._router_flush_timer = None
         out, self._router_out = self._router_out, {}
-        if self._router is None:
+        if self._router is None or not out:
             return
         for identity, items in out.items():
             for frame, count in peer_frames(items, self.config.message_bytes_max):
@@ -236,13 +248,26 @@ class OwnerEndpoint:
         self._replayed[task_id] = src
 
     def task_finished(self, task: Task, result: Result) -> None:
-        for identity in self._forwarders.pop(task.id, ()):
-            if identity != ANY_FORWARDER:
-                self._send_done(identity, task.id)
-                continue
-            src = self._replayed.pop(task.id, None)
-            if src is not None and self.send_to_member is not None:
-                self.send_to_member(src, TaskDone(id=task.id, node=self.node))
+        """``task``'s final Result has just been handed to the reply sender (an ingress
+        on_finished listener): tell its forwarders, right after that Result leaves."""
+        identities = self._forwarders.pop(task.id, None)
+        if identities:
+            self._done_after_result(task, identities)
 
-    def _send_done(self, identity: bytes, task_id: str) -> None:
-        self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))
+    def _done_after_result(self, task: Task, identities: list[bytes]) -> None:
+        """Queue ``task``'s TaskDone for ``identities`` as soon as every reply to its
+        ``reply_to`` so far (its Result among them) has left: at once when the Result went
+        out at once, else when the reply sender's end of turn (or its queue) sends it."""
+        self._ingress.when_replies_sent(
+            task.reply_to, partial(self._send_done, task.id, identities)
+        )
+
+    def _send_done(self, task_id: str, identities: list[bytes]) -> None:
+        done = TaskDone(id=task_id, node=self.node)
+        for identity in identities:
+            if identity != ANY_FORWARDER:
+                self._to_forwarder(identity, done)
+                continue
+            src = self._replayed.pop(task_id, None)
+            if src is not None and self.send_to_member is not None:
+                self.send_to_member(src, done)
