@@ -5,10 +5,11 @@ gets a ForwardReply (accepted, or refused with the reason) and, once the task's 
 has gone to the producer, a TaskDone so that it can forget the task.  Replies for one
 forwarder are sent together at the end of an event-loop turn (PeerBatch).
 
-Rule: a TaskDone leaves right after its Result, in the loop turn the Result leaves in, never
-before it and never held back (an owner killed between the two leaves a forwarder that
-migrates the task and has it answered twice; one that sent the TaskDone first, a task whose
-Result may never have left).  Accepts may wait up to ``fanout.ack_delay_s`` to share a message.
+Rule: a TaskDone leaves right after its Result, in the same callback that hands the Result to
+ZeroMQ, never before it and never held back (an owner killed between the two leaves a
+forwarder that migrates the task and has it answered twice; one that sent the TaskDone first,
+a task whose Result may never have left).  Accepts may wait up to ``fanout.ack_delay_s`` to
+share a message.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class OwnerEndpoint:
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
-        self._router_flush_now = False  # ...or for this turn's end (a TaskDone is queued)
+        # TaskDones waiting for their Results to leave, by the Results' reply_to
+        # (ReplySender.when_sent tells when): (task id, forwarder identities).
+        self._done_waiting: dict[str, list[tuple[str, list[bytes]]]] = {}
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._reader: SocketReader | None = None
         self.on_accepted: list[Callable[[Task, str], None]] = []  # (task, forwarder): journal
@@ -201,19 +204,17 @@ class OwnerEndpoint:
         needs them only for its ack timeout, so it is woken once for many instead of once per
         task, and a task that ends at once has its Result sent to the producer before its
         ack, and its ack and TaskDone leave together.  A refusal is urgent: the forwarder
-        tries the next member on it.  A TaskDone (queued once its Result has left, see
-        ``task_finished``) leaves at the end of this loop turn, with whatever is queued."""
+        tries the next member on it.  A TaskDone is queued by ``_results_left``, which
+        flushes at once."""
         queue = self._router_out.get(identity)
         if queue is None:
             queue = self._router_out[identity] = []
         queue.append(msg)
+        if type(msg) is TaskDone:
+            return
         loop = asyncio.get_running_loop()
         delay = self.config.ack_delay_s
-        if type(msg) is TaskDone:
-            if not self._router_flush_now:
-                self._router_flush_now = True
-                loop.call_soon(self._flush_router)
-        elif urgent or delay <= 0:
+        if urgent or delay <= 0:
             if not self._router_flush_soon:
                 self._router_flush_soon = True
                 # One turn later than the producers' replies, which are queued already.
@@ -225,7 +226,7 @@ class OwnerEndpoint:
         asyncio.get_running_loop().call_soon(self._flush_router)
 
     def _flush_router(self) -> None:
-        self._router_flush_soon = self._router_flush_now = False
+        self._router_flush_soon = False
         if self._router_flush_timer is not None:
             self._router_flush_timer.cancel()
             self._router_flush_timer = None
@@ -255,19 +256,27 @@ class OwnerEndpoint:
             self._done_after_result(task, identities)
 
     def _done_after_result(self, task: Task, identities: list[bytes]) -> None:
-        """Queue ``task``'s TaskDone for ``identities`` as soon as every reply to its
+        """Send ``task``'s TaskDone to ``identities`` right after every reply to its
         ``reply_to`` so far (its Result among them) has left: at once when the Result went
-        out at once, else when the reply sender's end of turn (or its queue) sends it."""
-        self._ingress.when_replies_sent(
-            task.reply_to, partial(self._send_done, task.id, identities)
-        )
+        out at once, else in the callback that sends the reply sender's batch for that
+        address at the end of the turn (or drains its queue).  One wait per address: the
+        TaskDones of the Results that leave together leave together."""
+        waiting = self._done_waiting.get(task.reply_to)
+        if waiting is not None:
+            waiting.append((task.id, identities))
+            return
+        self._done_waiting[task.reply_to] = [(task.id, identities)]
+        self._ingress.when_replies_sent(task.reply_to, partial(self._results_left, task.reply_to))
 
-    def _send_done(self, task_id: str, identities: list[bytes]) -> None:
-        done = TaskDone(id=task_id, node=self.node)
-        for identity in identities:
-            if identity != ANY_FORWARDER:
-                self._to_forwarder(identity, done)
-                continue
-            src = self._replayed.pop(task_id, None)
-            if src is not None and self.send_to_member is not None:
-                self.send_to_member(src, done)
+    def _results_left(self, reply_to: str) -> None:
+        """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
+        for task_id, identities in self._done_waiting.pop(reply_to, ()):
+            done = TaskDone(id=task_id, node=self.node)
+            for identity in identities:
+                if identity != ANY_FORWARDER:
+                    self._to_forwarder(identity, done)
+                    continue
+                src = self._replayed.pop(task_id, None)
+                if src is not None and self.send_to_member is not None:
+                    self.send_to_member(src, done)
+        self._flush_router()
