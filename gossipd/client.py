@@ -5,6 +5,10 @@ the same id (``attempt`` + 1, ``timeout_ms`` what is left of its deadline); the 
 de-duplication turns that into an exactly-once effect.  ``overloaded`` and ``shutting_down`` answers are retried after their retry-after hint
 while the task's deadline allows (``retry_codes``).  Every task ends with exactly one Result:
 the daemon's, or a local ``deadline_exceeded`` one when the deadline passed with no answer.
+A second final Result for an id can still arrive (a resubmitted task's cached Result, an owner
+killed between its Result and its TaskDone, a hedged copy: docs/PROTOCOL.md, "Duplicate final
+Results"); the first one resolves the task, later ones are dropped and counted
+(``duplicate_results``).
 
 Usage::
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +51,9 @@ log = logging.getLogger("gossipd.client")
 # A Result carries the whole output text; bound what one reply may make us hold.
 REPLY_BYTES_MAX = 64 * 1024 * 1024
 RETRYABLE_CODES = frozenset({ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value})
+# Ids of resolved tasks remembered to tell a duplicate Result from one for an id never sent
+# here (statistics only: a reply for an id not outstanding is dropped either way).
+FINISHED_IDS_MAX = 65_536
 
 
 class TaskHandle:
@@ -121,8 +128,9 @@ class ClientStatistics:
     resubmitted: int
     retried: int
     completed: int
-    duplicate_replies: int
-    unknown_replies: int
+    duplicate_replies: int  # Chunks already delivered (a resubmission or a migration)
+    duplicate_results: int  # Results for a task already resolved: the first one was kept
+    unknown_replies: int  # for an id not outstanding and not resolved lately
     bad_replies: int
     local_deadline_exceeded: int
     cancelled: int
@@ -152,6 +160,7 @@ class Client:
         self._prefix = id_prefix if id_prefix is not None else secrets.token_hex(6)
         self._counter = 0
         self._outstanding: dict[str, TaskHandle] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()  # at most FINISHED_IDS_MAX
         self._push: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
         self._receiver: SocketReader | None = None
@@ -346,6 +355,9 @@ class Client:
 
     def _complete(self, handle: TaskHandle, result: Result) -> None:
         self._outstanding.pop(handle.id, None)
+        self._finished[handle.id] = None
+        if len(self._finished) > FINISHED_IDS_MAX:
+            self._finished.popitem(last=False)
         self._stats["completed"] += 1
         self._slots.release()
         handle._resolve(result)
@@ -363,7 +375,10 @@ class Client:
             return
         handle = self._outstanding.get(reply.id)
         if handle is None:
-            self._stats["unknown_replies"] += 1  # late duplicate of a finished task
+            if type(reply) is Result and reply.id in self._finished:
+                self._stats["duplicate_results"] += 1  # the first one resolved the task
+            else:
+                self._stats["unknown_replies"] += 1  # a late chunk, or an id never sent here
             return
         if isinstance(reply, Chunk):
             if not handle._on_chunk(reply):

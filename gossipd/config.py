@@ -187,9 +187,11 @@ class FanoutConfig(Section):
     # one's accept/refuse before moving on.
     attempts_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     ack_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
-    # The owner holds accepts and TaskDones this long so that several travel in one message
-    # (one wake-up of the forwarder instead of one or two per task); refusals go at once.
-    # 0: at the end of the loop turn.  Must be well under ack_timeout_s.
+    # The owner holds accepts this long so that several travel in one message (one wake-up
+    # of the forwarder instead of one per task); refusals go at once, and so do TaskDones,
+    # right after their Results (a TaskDone held back widens the window in which a killed
+    # owner's task migrates and is answered twice).  0: at the end of the loop turn.  Must
+    # be well under ack_timeout_s.
     ack_delay_s: Seconds = 0.005
     # Hedging (off by default): when a forwarded task's owner has not answered within the
     # hedge_quantile of recent ack times (at least hedge_min_s), send the task to the next

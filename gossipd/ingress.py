@@ -255,6 +255,12 @@ class Ingress:
         # DUPLICATE_PENDING: its one result goes out when it finishes.
         return verdict
 
+    def when_replies_sent(self, reply_to: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every reply sent to ``reply_to`` so far has left this
+        daemon's reply queues (``ReplySender.when_sent``): a task's TaskDone follows its
+        Result, never precedes it."""
+        self._replies.when_sent(reply_to, callback)
+
     @property
     def retry_after_ms(self) -> int:
         """The retry-after hint for the latest ``admit`` call's refusal: computed for a refusal

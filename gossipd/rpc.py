@@ -4,6 +4,12 @@ A Forward is admitted like a task from a producer (same admission, same dedup); 
 gets a ForwardReply (accepted, or refused with the reason) and, once the task's final Result
 has gone to the producer, a TaskDone so that it can forget the task.  Replies for one
 forwarder are sent together at the end of an event-loop turn (PeerBatch).
+
+Rule: a TaskDone leaves right after its Result, in the same callback that hands the Result to
+ZeroMQ, never before it and never held back (an owner killed between the two leaves a
+forwarder that migrates the task and has it answered twice; one that sent the TaskDone first,
+a task whose Result may never have left).  Accepts may wait up to ``fanout.ack_delay_s`` to
+share a message.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
@@ -93,6 +100,9 @@ class OwnerEndpoint:
         self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
+        # TaskDones waiting for their Results to leave, by the Results' reply_to
+        # (ReplySender.when_sent tells when): (task id, forwarder identities).
+        self._done_waiting: dict[str, list[tuple[str, list[bytes]]]] = {}
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._reader: SocketReader | None = None
         self._on_accepted = on_accepted  # (task, forwarder): the journal marks it
@@ -169,8 +179,8 @@ class OwnerEndpoint:
                 self._on_accepted(msg.task, msg.src)
             if verdict is not Verdict.DUPLICATE_DONE:
                 self._forwarders.setdefault(msg.task.id, []).append(identity)
-            else:
-                self._send_done(identity, msg.task.id)
+            else:  # admit() has just sent the cached Result again
+                self._done_after_result(msg.task, [identity])
         else:
             self.counters.refused_to_peers += 1
         reply = ForwardReply(
@@ -206,15 +216,18 @@ class OwnerEndpoint:
     ) -> None:
         """Queue for one forwarder; everything queued until the flush goes as one message.
 
-        Accepts and TaskDones wait up to ``fanout.ack_delay_s`` (like TCP's delayed ACK):
-        the forwarder needs them only for its ack timeout and its bookkeeping, so it is woken
-        once for many instead of once or twice per task, and a task that ends at once has
-        its Result sent to the producer before its ack, and its ack and TaskDone leave
-        together.  A refusal is urgent: the forwarder tries the next member on it."""
+        Accepts wait up to ``fanout.ack_delay_s`` (like TCP's delayed ACK): the forwarder
+        needs them only for its ack timeout, so it is woken once for many instead of once per
+        task, and a task that ends at once has its Result sent to the producer before its
+        ack, and its ack and TaskDone leave together.  A refusal is urgent: the forwarder
+        tries the next member on it.  A TaskDone is queued by ``_results_left``, which
+        flushes at once."""
         queue = self._router_out.get(identity)
         if queue is None:
             queue = self._router_out[identity] = []
         queue.append(msg)
+        if type(msg) is TaskDone:
+            return
         loop = asyncio.get_running_loop()
         delay = self.config.ack_delay_s
         if urgent or delay <= 0:
@@ -234,14 +247,14 @@ class OwnerEndpoint:
             self._router_flush_timer.cancel()
             self._router_flush_timer = None
         out, self._router_out = self._router_out, {}
-        if self._router is None:
+        if self._router is None or not out:
             return
         for identity, items in out.items():
             for frame, count in peer_frames(items, self.config.message_bytes_max):
                 try:
                     self._router.send_multipart([identity, frame], NOBLOCK)
                 except zmq.Again:
-                    self.counters.replies_dropped += count  # the forwarder times out, tries the next
+                    self.counters.replies_dropped += count  # the forwarder times out: next
         kick(self._router)
 
     def expect_withdraw(self, task_id: str, src: str) -> None:
@@ -252,13 +265,34 @@ class OwnerEndpoint:
         self._replayed[task_id] = src
 
     def task_finished(self, task: Task, result: Result) -> None:
-        for identity in self._forwarders.pop(task.id, ()):
-            if identity != ANY_FORWARDER:
-                self._send_done(identity, task.id)
-                continue
-            src = self._replayed.pop(task.id, None)
-            if src is not None:
-                self._send_to_member(src, TaskDone(id=task.id, node=self.node))
+        """``task``'s final Result has just been handed to the reply sender (an ingress
+        on_finished listener): tell its forwarders, right after that Result leaves."""
+        identities = self._forwarders.pop(task.id, None)
+        if identities:
+            self._done_after_result(task, identities)
 
-    def _send_done(self, identity: bytes, task_id: str) -> None:
-        self._to_forwarder(identity, TaskDone(id=task_id, node=self.node))
+    def _done_after_result(self, task: Task, identities: list[bytes]) -> None:
+        """Send ``task``'s TaskDone to ``identities`` right after every reply to its
+        ``reply_to`` so far (its Result among them) has left: at once when the Result went
+        out at once, else in the callback that sends the reply sender's batch for that
+        address at the end of the turn (or drains its queue).  One wait per address: the
+        TaskDones of the Results that leave together leave together."""
+        waiting = self._done_waiting.get(task.reply_to)
+        if waiting is not None:
+            waiting.append((task.id, identities))
+            return
+        self._done_waiting[task.reply_to] = [(task.id, identities)]
+        self._ingress.when_replies_sent(task.reply_to, partial(self._results_left, task.reply_to))
+
+    def _results_left(self, reply_to: str) -> None:
+        """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
+        for task_id, identities in self._done_waiting.pop(reply_to, ()):
+            done = TaskDone(id=task_id, node=self.node)
+            for identity in identities:
+                if identity != ANY_FORWARDER:
+                    self._to_forwarder(identity, done)
+                    continue
+                src = self._replayed.pop(task_id, None)
+                if src is not None:
+                    self._send_to_member(src, done)
+        self._flush_router()

@@ -218,7 +218,7 @@ class ReplyStatistics:
 
 
 class _Peer:
-    __slots__ = ("batch", "endpoint", "flusher", "last_used", "queue", "sock")
+    __slots__ = ("batch", "endpoint", "flusher", "last_used", "queue", "sock", "waiters")
 
     def __init__(self, endpoint: str, sock: zmq.Socket, now: float) -> None:
         self.endpoint = endpoint
@@ -227,6 +227,14 @@ class _Peer:
         self.queue: deque[bytes] = deque()
         self.last_used = now
         self.flusher: asyncio.Task[None] | None = None
+        # when_sent callbacks: called once batch and queue are empty (handed to ZeroMQ, or
+        # dropped).
+        self.waiters: list[Callable[[], None]] = []
+
+    def release_waiters(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for callback in waiters:
+            callback()
 
 
 class TurnBatching:
@@ -351,6 +359,19 @@ class ReplySender:
             self._batched.append(peer)
         peer.batch.append(frame)
 
+    def when_sent(self, endpoint: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once nothing sent to ``endpoint`` so far is held here any more:
+        at once if nothing is, else right after the end of the turn sends the address's batch,
+        or when its queue (a producer slow to read, or not connected) drains or is dropped.
+        For a message that must not leave before a reply (the owner's TaskDone after the
+        task's Result: a forwarder that forgot a task whose Result never left could not
+        migrate it)."""
+        peer = self._peers.get(endpoint)
+        if peer is None or not (peer.batch or peer.queue):
+            callback()
+        else:
+            peer.waiters.append(callback)
+
     def _send_batches(self) -> None:
         """End of the loop turn: each address's frames as one message, or into its queue."""
         batched, self._batched = self._batched, []
@@ -358,6 +379,8 @@ class ReplySender:
             frames, peer.batch = peer.batch, []
             if not peer.sock.closed and frames:
                 self._send_now(peer, frames)
+            if peer.waiters and not peer.queue:
+                peer.release_waiters()
 
     def _send_now(self, peer: _Peer, frames: list[bytes]) -> None:
         """``frames`` as one message, or into the address's queue if it cannot go now."""
@@ -406,6 +429,8 @@ class ReplySender:
                     continue
         finally:
             peer.flusher = None
+        if peer.waiters and not peer.batch:
+            peer.release_waiters()
 
     def _discard(self, peer: _Peer, *, linger_ms: int) -> None:
         if peer.flusher is not None:
@@ -415,6 +440,7 @@ class ReplySender:
         peer.batch.clear()
         peer.sock.setsockopt(zmq.LINGER, linger_ms)
         peer.sock.close()
+        peer.release_waiters()  # nothing is held for the address any more
 
     async def _close_idle_forever(self) -> None:
         loop = asyncio.get_running_loop()

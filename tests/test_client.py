@@ -6,10 +6,13 @@ import asyncio
 import json
 from pathlib import Path
 
-from gossipd.client import Client
-from gossipd.core.messages import SamplingParams, Task
+import msgpack
+import zmq
+
+from gossipd.client import Client, ClientStatistics
+from gossipd.core.messages import Result, SamplingParams, Task, encode
 from gossipd.launcher import DaemonProcess, free_tcp_port
-from tests.helpers import gossipd_cli, scrape
+from tests.helpers import gossipd_cli, run_with_context, scrape
 
 
 def test_submit_file_of_10000_tasks_all_succeed(daemon_factory, tmp_path: Path) -> None:
@@ -190,3 +193,40 @@ def test_client_retries_overloaded_after_the_hint_with_what_is_left_of_the_deadl
     assert t1 - t0 >= 0.3, "the retry waited for the hint"
     assert first["timeout_ms"] == 5000 and second.get("attempt") == 1
     assert 4000 < second["timeout_ms"] <= 5000 - 300, "the retry carries what is left"
+
+
+def test_client_keeps_the_first_final_result_and_counts_later_ones() -> None:
+    """A second final Result for one id (an owner killed between its Result and its
+    TaskDone, a resubmission answered from the cache, a hedged copy) is dropped and counted;
+    the task resolves with the first.  A stand-in daemon answers one task twice."""
+
+    async def main(ctx: zmq.Context) -> tuple[Result, ClientStatistics]:
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        push = ctx.socket(zmq.PUSH)
+        try:
+            async with Client([endpoint], ctx=ctx, resubmit_after_s=30) as client:
+                handle = await client.submit("x", timeout_s=10)
+                task = msgpack.unpackb(await asyncio.to_thread(pull.recv))
+                push.connect(task["reply_to"])
+                for text, node in (("first", "d01"), ("second", "d02")):
+                    push.send(encode(Result(id=task["id"], ok=True, text=text, node=node)))
+                result = await asyncio.wait_for(handle.result(), 5)
+                for _ in range(200):  # the second one lands after the first
+                    if client.statistics().duplicate_results:
+                        break
+                    await asyncio.sleep(0.01)
+                push.send(encode(Result(id="never-sent", ok=True, text="?", node="d03")))
+                for _ in range(200):
+                    if client.statistics().unknown_replies:
+                        break
+                    await asyncio.sleep(0.01)
+                return result, client.statistics()
+        finally:
+            push.close(linger=0)
+            pull.close(linger=0)
+
+    result, stats = run_with_context(main)
+    assert result.text == "first" and result.node == "d01"
+    assert stats.duplicate_results == 1 and stats.unknown_replies == 1
+    assert stats.completed == 1 and stats.outstanding == 0

@@ -207,16 +207,24 @@ LONG_TASKS = 10  # each 100 tokens at 50 ms: 5 s
 
 
 def _start_long_tasks_on_d01(cluster: Cluster, producer: RawProducer) -> None:
-    """Send LONG_TASKS tasks keyed to d01 through d00; return once d01 runs them all."""
+    """Send LONG_TASKS tasks keyed to d01 through d00; return once d01 runs them all and d00
+    has their accepts."""
     ring = Ring({"d00": 1.0, "d01": 1.0})
     keys = [k for k in (f"l-{i}" for i in range(100)) if ring.owner(k) == "d01"][:LONG_TASKS]
     for i, key in enumerate(keys):
         producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 100})
-    owner = cluster.daemons[1]
+    entry, owner = cluster.daemons
     wait_for(
         lambda: scrape(owner.metrics_port).get("gossipd_tasks_pending") == LONG_TASKS,
         10,
         "the owner to run them",
+    )
+    # ...and its accepts (held up to fanout.ack_delay_s) to reach the entry: a fault before
+    # that is a silent owner (ack timeout, next member), not an owner holding accepted tasks.
+    wait_for(
+        lambda: scrape(entry.metrics_port).get("gossipd_fanout_forwarded_total") == LONG_TASKS,
+        10,
+        "the entry to get the owner's accepts",
     )
 
 
@@ -325,6 +333,40 @@ def test_an_owner_restarted_before_it_is_declared_dead_reports_its_replayed_task
         5,
         "the forwarder to stop answering for the tasks the restarted owner finished",
     )
+
+
+def test_the_owner_reports_a_task_done_right_after_its_result(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """The owner's TaskDone follows the task's Result at once, instead of waiting like an
+    accept (``fanout.ack_delay_s``, 0.5 s here to make any hold-back plain) to share a
+    message: the forwarder forgets the task within milliseconds of the producer getting the
+    Result.  In between, an owner killed at the wrong moment has its task migrated and
+    answered a second time (found at 5 ms with 20-30 ms of loop lag under load)."""
+    cluster = make_cluster(
+        2,
+        "engine.token_delay_s=0.05",
+        "fanout.ack_timeout_s=5",
+        "fanout.ack_delay_s=0.5",
+        'metrics.bind="127.0.0.1:0"',
+    )
+    entry = cluster.daemons[0]
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    keys = [k for k in (f"done-{i}" for i in range(100)) if ring.owner(k) == "d01"][:3]
+    outstanding = "gossipd_fanout_outstanding{member=d01}"
+    producer = RawProducer(entry.endpoint)
+    gaps_s = []
+    try:
+        for i, key in enumerate(keys):  # 20 tokens at 50 ms: 1 s, past the accept's 0.5 s
+            producer.send_task(f"t{i}", "a b c d", key=key, params={"max_tokens": 20})
+            [result] = producer.results(1, timeout_s=10)
+            got_at = time.monotonic()
+            assert result["ok"] and result["node"] == "d01", result
+            while scrape(entry.metrics_port).get(outstanding, 0.0) != 0.0:
+                assert time.monotonic() - got_at < 5, "the forwarder never got the TaskDone"
+            gaps_s.append(time.monotonic() - got_at)
+    finally:
+        producer.close()
+    print("Result to TaskDone at the forwarder (s):", gaps_s)
+    assert max(gaps_s) < 0.2, f"Result to TaskDone at the forwarder: {gaps_s} s"
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import zmq
 
@@ -256,3 +257,60 @@ def test_free_tcp_port_chooses_distinct_bindable_ports_below_the_ephemeral_range
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_ReplySender_when_sent_calls_back_only_once_the_address_holds_nothing() -> None:
+    """``when_sent`` (the owner's TaskDone waits on it for the task's Result): at once when the
+    reply went out at once; after the turn's end sent the batch; after a queue held for an
+    address nobody listened on yet drained; and after replies were dropped."""
+
+    async def main(ctx: zmq.Context) -> dict[str, object]:
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        late_port = free_tcp_port()
+        late = f"tcp://127.0.0.1:{late_port}"
+        dead = f"tcp://127.0.0.1:{free_tcp_port()}"
+        sender = _sender(ctx, timeout_s=1.0)
+        seen: dict[str, object] = {}
+
+        def note(name: str) -> Callable[[], None]:
+            # What had been handed to ZeroMQ when the callback ran.
+            return lambda: seen.setdefault(name, sender.statistics().sent)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                sender.start(tg)
+                sender.send(endpoint, b"warm")
+                assert await asyncio.wait_for(recv_batch(pull, 10), 5) == [b"warm"]
+                sender.send(endpoint, b"a")  # light load: leaves at once
+                sender.when_sent(endpoint, note("at_once"))
+                sender.send(endpoint, b"b")  # batched for the turn's end
+                sender.when_sent(endpoint, note("batch"))
+                seen["batch_before_turn_end"] = "batch" in seen
+                await asyncio.sleep(0)
+                assert await asyncio.wait_for(recv_batch(pull, 10), 5) == [b"a", b"b"]
+                sender.send(late, b"held")  # nobody listens yet: queued
+                sender.when_sent(late, note("late"))
+                sender.send(dead, b"lost")  # nobody ever listens: dropped after 1 s
+                sender.when_sent(dead, note("dead"))
+                await asyncio.sleep(0.2)
+                seen["late_before_bind"] = "late" in seen
+                late_pull = ctx.socket(zmq.PULL)
+                late_pull.bind(late)
+                got = await asyncio.wait_for(recv_batch(late_pull, 10), 5)
+                while "dead" not in seen:
+                    await asyncio.sleep(0.05)
+                seen["late_got"] = got
+                late_pull.close(linger=0)
+                sender.stop()
+        finally:
+            sender.close(linger_ms=0)
+        seen["dropped"] = sender.statistics().dropped_undeliverable
+        return seen
+
+    seen = run_with_context(main)
+    assert seen["at_once"] == 2  # warm, a
+    assert seen["batch_before_turn_end"] is False and seen["batch"] == 3
+    assert seen["late_before_bind"] is False and seen["late"] == 4
+    assert seen["late_got"] == [b"held"]
+    assert seen["dead"] == 4 and seen["dropped"] == 1
