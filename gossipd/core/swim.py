@@ -139,7 +139,12 @@ class SwimNode:
         self._meta_version = 0
         self._gpu: GpuState | None = None
         self._current_src = ""
-        self._verifying: dict[str, int] = {}  # suspect -> seq of our last-chance ping
+        # suspect -> the incarnation of the suspicion we have sent our last-chance ping for
+        # (one such ping per suspicion).  Not a seq: that ping's ack matches nothing here and
+        # counts only for the updates it carries (the suspect's refutation).  While a
+        # suspect is absent or holds another incarnation, its deadline is the earlier
+        # last-chance time (``_verify_at``), not its suspicion deadline.
+        self._verifying: dict[str, int] = {}
         self._mismatch_run = 0
         self._early_target: str | None = None
         self._early_probed: dict[str, float] = {}
