@@ -214,3 +214,82 @@ class TableMachine(RuleBasedStateMachine):
 
 
 TestTableMachine = TableMachine.TestCase
+
+
+def test_a_full_table_refuses_new_members_and_still_updates_known_ones() -> None:
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    t.members_max = 2
+    for node in ("a", "b", "c"):
+        t.apply(Alive(node=node, incarnation=0, addr=ADDR), 0.0)
+    assert set(t.members) == {"a", "b"} and t.refused_full == 1 and t.live_count() == 3
+    assert t.apply(Suspect(node="a", incarnation=0, by="b"), 1.0).changed
+    assert t.members["a"].state is State.SUSPECT
+
+
+@pytest.mark.parametrize(
+    ("state", "declared"),
+    [(State.ALIVE, False), (State.SUSPECT, True), (State.DEAD, False), (State.LEFT, False)],
+)
+def test_only_a_suspect_is_declared_dead_by_its_timer(state: State, declared: bool) -> None:
+    t = table_with(state)
+    expected = Dead(node="x", incarnation=5, by="me") if declared else None
+    assert t.declare_dead("x", 9.0) == expected
+    assert t.declare_dead("nobody", 9.0) is None
+
+
+GPU = GpuState(model="m", running_requests=1)
+
+
+# A push-pull record -> the updates it stands for (rule 7: suspect and dead are only suspected,
+# by the sender; metadata only with a version).
+MERGE_ROWS = [
+    ("alive", 0, None, [Alive(node="x", incarnation=4, addr=ADDR)]),
+    ("suspect", 0, None, [Alive(node="x", incarnation=4, addr=ADDR),
+                          Suspect(node="x", incarnation=4, by="s")]),
+    ("dead", 0, None, [Alive(node="x", incarnation=4, addr=ADDR),
+                       Suspect(node="x", incarnation=4, by="s")]),
+    ("left", 0, None, [Left(node="x", incarnation=4)]),
+    ("alive", 3, GPU, [Alive(node="x", incarnation=4, addr=ADDR),
+                       Meta(node="x", version=3, gpu=GPU)]),
+    ("left", 3, GPU, [Left(node="x", incarnation=4), Meta(node="x", version=3, gpu=GPU)]),
+    ("alive", 0, GPU, [Alive(node="x", incarnation=4, addr=ADDR)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("state", "meta_version", "gpu", "updates"), MERGE_ROWS)
+def test_merge_record_table(
+    state: str, meta_version: int, gpu: GpuState | None, updates: list[object]
+) -> None:
+    record = MemberRecord(
+        node="x",
+        addr=ADDR,
+        incarnation=4,
+        state=state,  # type: ignore[arg-type]
+        meta_version=meta_version,
+        gpu=gpu,
+    )
+    assert MemberTable(me="me", addr=ADDR, now=0.0).merge_record(record, sender="s") == updates
+
+
+def test_reap_forgets_dead_and_left_members_after_their_ages_and_never_live_ones() -> None:
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    for node in ("a", "b", "c", "d"):
+        t.apply(Alive(node=node, incarnation=0, addr=ADDR), 0.0)
+    t.apply(Suspect(node="b", incarnation=0, by="a"), 0.0)
+    t.apply(Dead(node="c", incarnation=0, by="a"), 10.0)
+    t.apply(Left(node="d", incarnation=0), 20.0)
+    version = t.live_version
+
+    def reap(now: float) -> list[str]:
+        return t.reap(now, dead_after_s=100.0, left_after_s=10.0)
+
+    assert reap(29.9) == [] and t.live_version == version
+    assert reap(30.0) == ["d"] and t.live_version == version + 1
+    assert reap(109.9) == []
+    assert reap(110.0) == ["c"] and t.live_version == version + 2
+    assert reap(1e9) == []
+    assert set(t.members) == {"a", "b"} and not t.dead and not t.left
+    assert t.members["b"].state is State.SUSPECT
+    # Forgotten, a member that comes back joins afresh, even at its old incarnation.
+    assert t.apply(Alive(node="c", incarnation=0, addr=ADDR), 200.0).changed
+    assert t.members["c"].state is State.ALIVE

@@ -1,0 +1,72 @@
+"""SWIM dissemination at one member: what we gossip, piggybacked and in gossip rounds (sans-IO).
+
+Owns: the transmit-limited broadcast queue (broadcast.py) of updates waiting to be told and
+the gossip round schedule.  It sends through its SwimNode.
+
+Rules:
+1. One queued item per (node, family): a member's membership update (MEMBER) and its GPU
+   metadata (META) queue apart, and a newer update replaces the queued one of its key.
+2. Updates ride piggyback on every message we send, within piggyback_bytes_max; those about
+   the recipient and about us go first.
+3. Membership changes are urgent: while one is queued, every gossip interval we push what is
+   queued to gossip_fanout random live members (a gossip round).  Metadata only rides along.
+4. A gossip message with nothing to carry is not sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from gossipd.core.broadcast import BroadcastQueue
+from gossipd.core.messages import GossipOnly, Meta, Update, encode_update
+
+if TYPE_CHECKING:
+    from gossipd.core.swim import SwimNode
+
+MEMBER, META = 0, 1  # broadcast-queue families: one membership and one metadata item per node
+
+
+class Dissemination:
+    def __init__(self, swim: SwimNode, now: float) -> None:
+        self._swim = swim
+        self.broadcasts = self._new_queue()
+        self.next_gossip_at = now
+
+    def _new_queue(self) -> BroadcastQueue:
+        cfg = self._swim.config
+        return BroadcastQueue(
+            retransmit_mult=cfg.retransmit_mult, items_max=cfg.broadcast_queue_max
+        )
+
+    def forget(self) -> None:
+        """Drop everything queued (a member bootstrapped as converged has nothing to tell)."""
+        self.broadcasts = self._new_queue()
+
+    def push(self, update: Update, *, urgent: bool) -> None:
+        family = META if isinstance(update, Meta) else MEMBER
+        self.broadcasts.push(
+            (update.node, family), update, len(encode_update(update)), urgent=urgent
+        )
+
+    def piggyback(self, first: Iterable[tuple[str, int]] | None = None) -> list[Update]:
+        """The updates to carry on one message, those keyed in ``first`` first."""
+        swim = self._swim
+        return self.broadcasts.select(
+            swim.config.piggyback_bytes_max, swim.table.live_count(), first or ()
+        )
+
+    def send_gossip_to(self, target: str) -> None:
+        swim = self._swim
+        updates = self.piggyback(first=[(target, MEMBER), (swim.node, MEMBER)])
+        if updates:
+            swim.send(swim.table.members[target].addr, GossipOnly(**swim.header(updates)))
+
+    def tick(self, now: float) -> None:
+        if self.broadcasts.urgent_pending and now >= self.next_gossip_at:
+            self.next_gossip_at = now + self._swim.config.gossip_interval_s
+            for target in self._swim.random_live_sample(self._swim.config.gossip_fanout):
+                self.send_gossip_to(target)
+
+    def deadlines(self) -> list[float]:
+        return [self.next_gossip_at] if self.broadcasts.urgent_pending else []

@@ -1,0 +1,329 @@
+"""SWIM failure detection at one member: the probe schedule, ping / ping-req / ack / nack,
+confirmation probes and the last-chance ping before a suspect is declared dead (sans-IO).
+
+Owns: the probe sequence counter (one counter for every ping we originate or relay), the probe
+in flight, the ping-reqs we relay for others, our confirmation probes, our last-chance pings,
+the early-probe hints, and the next scheduled probe time.  It sends through its SwimNode and
+changes membership only through ``SwimNode.apply`` (a Suspect, a Dead).
+
+Rules:
+1. At most one probe in flight.  Every probe interval (scaled by awareness) we ping one member;
+   no ack within probe_timeout -> a second direct ping plus ping-req through
+   ``indirect_probes`` peers (they relay, and nack when the target is silent to them too);
+   no ack by probe_deadline -> we suspect it (and are a witness, see suspicion.py).
+2. Targets follow a shared schedule: in round r = floor(now / probe_interval) the member at
+   ring position p probes position p + 1 + (r mod (n - 1)).  With agreeing views every member
+   is probed exactly once per round.  Without coordinated probing: a shuffled round robin.
+3. An early-probe hint (``probe_soon``) replaces the next scheduled target, at most once per
+   member per probe interval; it is never a verdict by itself.
+4. Buddy system: every ping to a suspect carries the suspicion, so the suspect learns it and
+   refutes.
+5. A member hearing a new suspicion probes the suspect with probability
+   confirm_probes / (n - 2): no ack by probe_deadline -> it confirms the suspicion.
+6. Before declaring a suspect dead we ping it once ourselves (one last-chance ping per
+   suspicion, probe_deadline before its timer fires), so a refutation we missed reaches us.
+7. A timer that fires later than lateness_tolerance (we were paused) does not act: the probe
+   is abandoned (awareness +1), the confirmation dropped, the suspicion timer pushed back, so
+   that queued messages (a refutation?) get in first.
+8. Awareness: +1 when we miss our own schedule, when a probe fails and the helpers did not
+   even nack, when a timer fires late; -1 for each probe acked.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gossipd.core.dissemination import MEMBER
+from gossipd.core.membership import LIVE_STATES, State
+from gossipd.core.messages import Ack, Nack, Ping, PingReq, Suspect
+
+if TYPE_CHECKING:
+    from gossipd.core.swim import SwimNode
+
+
+@dataclass(slots=True)
+class Probe:
+    target: str
+    seq: int
+    started: float
+    ack_deadline: float
+    final_deadline: float
+    indirect_sent: bool = False
+    nacks: int = 0
+    requested: int = 0
+
+
+@dataclass(slots=True)
+class Relay:
+    origin_addr: str
+    origin_seq: int
+    nack_at: float
+
+
+class Prober:
+    def __init__(self, swim: SwimNode, now: float) -> None:
+        self._swim = swim
+        self.seq = 0
+        self.probe: Probe | None = None
+        self.relays: dict[int, Relay] = {}  # our seq -> the ping-req we relay
+        self.confirming: dict[int, tuple[str, float]] = {}  # seq -> (suspect, deadline)
+        # suspect -> the incarnation of the suspicion we have sent our last-chance ping for
+        # (rule 6: one per suspicion).  Not a seq: that ping's ack matches nothing here and
+        # counts only for the updates it carries (the suspect's refutation).  While a
+        # suspect is absent or holds another incarnation, its deadline is the earlier
+        # last-chance time (``verify_at``), not its suspicion deadline.
+        self.verifying: dict[str, int] = {}
+        self.next_probe_at = now + swim.rng.random() * swim.config.probe_interval_s
+        self._rr: list[str] = []
+        self._early_target: str | None = None
+        self._early_probed: dict[str, float] = {}
+
+    # -- timers --------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        swim, cfg = self._swim, self._swim.config
+        late = cfg.lateness_tolerance_s
+        probe = self.probe
+        if probe is not None:
+            if not probe.indirect_sent and now >= probe.ack_deadline:
+                if now - probe.ack_deadline > late:
+                    self._abandon_probe_late()
+                else:
+                    self._send_ping_reqs(probe, now)
+            probe = self.probe
+            if probe is not None and now >= probe.final_deadline:
+                if now - probe.final_deadline > late:
+                    self._abandon_probe_late()
+                else:
+                    self._probe_failed(probe, now)
+        for seq, relay in list(self.relays.items()):
+            if now >= relay.nack_at:
+                del self.relays[seq]
+                swim.send(relay.origin_addr, Nack(**swim.header([]), seq=relay.origin_seq))
+        for seq, (target, deadline) in list(self.confirming.items()):
+            if now >= deadline:
+                del self.confirming[seq]
+                member = swim.table.members.get(target)
+                if member is not None and member.state is State.SUSPECT and now - deadline <= late:
+                    swim.apply(
+                        Suspect(node=target, incarnation=member.incarnation, by=swim.node), now
+                    )
+        self._fire_suspicions(now)
+        if now >= self.next_probe_at:
+            if now - self.next_probe_at > late + cfg.probe_interval_s:
+                swim.awareness.apply(+1)  # we missed our own schedule: we are the slow one
+            self._start_probe(now)
+
+    def deadlines(self) -> list[float]:
+        swim = self._swim
+        deadlines = [self.next_probe_at]
+        if self.probe is not None:
+            deadlines.append(
+                self.probe.final_deadline if self.probe.indirect_sent else self.probe.ack_deadline
+            )
+        deadlines.extend(r.nack_at for r in self.relays.values())
+        deadlines.extend(d for _, d in self.confirming.values())
+        for node in sorted(swim.table.suspects):
+            suspicion = swim.table.members[node].suspicion
+            if suspicion is not None:
+                deadline = suspicion.deadline()
+                if self.verifying.get(node) != suspicion.incarnation:
+                    deadline = self.verify_at(deadline)
+                deadlines.append(deadline)
+        return deadlines
+
+    def verify_at(self, deadline: float) -> float:
+        """When to send the last-chance ping to a suspect whose timer fires at ``deadline``."""
+        return deadline - self._swim.awareness.scale(self._swim.config.probe_deadline_s)
+
+    def _fire_suspicions(self, now: float) -> None:
+        swim = self._swim
+        for node in sorted(swim.table.suspects):
+            member = swim.table.members[node]
+            suspicion = member.suspicion
+            if suspicion is None:
+                continue
+            if (
+                now >= self.verify_at(suspicion.deadline())
+                and self.verifying.get(node) != suspicion.incarnation
+            ):
+                # Last chance: ping it ourselves (carrying the suspicion), so that a member
+                # that refuted while we missed the news answers us before we declare it dead.
+                self.verifying[node] = suspicion.incarnation
+                self.seq += 1
+                self.ping(node, self.seq)
+            if now < suspicion.deadline():
+                continue
+            if now - suspicion.deadline() > swim.config.lateness_tolerance_s:
+                # We were paused: let queued messages (a refutation?) in before deciding.
+                suspicion.started_at += now - suspicion.deadline()
+                continue
+            self.verifying.pop(node, None)
+            dead = swim.table.declare_dead(node, now)
+            if dead is not None:
+                swim.stats.declared_dead += 1
+                swim.apply(dead, now)
+
+    # -- probing -------------------------------------------------------------------------------
+
+    def probe_soon(self, now: float, node: str) -> None:
+        member = self._swim.table.members.get(node)
+        if member is None or member.state not in LIVE_STATES:
+            return
+        if now - self._early_probed.get(node, -math.inf) < self._swim.config.probe_interval_s:
+            return
+        self._early_probed[node] = now
+        self._early_target = node
+        if self.probe is None:
+            self.next_probe_at = min(self.next_probe_at, now)
+
+    def _choose_target(self, now: float) -> str | None:
+        swim = self._swim
+        ring = swim.live_ring()
+        n = len(ring)
+        if n < 2:
+            return None
+        if swim.config.coordinated_probing:
+            rnd = int(now // swim.config.probe_interval_s)
+            pos = bisect.bisect_left(ring, swim.node)
+            return ring[(pos + 1 + rnd % (n - 1)) % n]
+        while self._rr:
+            candidate = self._rr.pop()
+            member = swim.table.members.get(candidate)
+            if member is not None and member.state in LIVE_STATES:
+                return candidate
+        self._rr = [m for m in ring if m != swim.node]
+        swim.rng.shuffle(self._rr)
+        return self._rr.pop()
+
+    def _start_probe(self, now: float) -> None:
+        swim, cfg = self._swim, self._swim.config
+        self.next_probe_at = now + swim.awareness.scale(cfg.probe_interval_s)
+        target = self._choose_target(now)
+        early, self._early_target = self._early_target, None
+        members = swim.table.members
+        if early is not None and early in members and members[early].state in LIVE_STATES:
+            target = early
+        if target is None:
+            return
+        self.seq += 1
+        swim.stats.probes += 1
+        self.probe = Probe(
+            target=target,
+            seq=self.seq,
+            started=now,
+            ack_deadline=now + swim.awareness.scale(cfg.probe_timeout_s),
+            final_deadline=now + swim.awareness.scale(cfg.probe_deadline_s),
+        )
+        self.ping(target, self.seq)
+
+    def ping(self, target: str, seq: int) -> None:
+        swim = self._swim
+        member = swim.table.members[target]
+        updates = swim.dissemination.piggyback(first=[(target, MEMBER), (swim.node, MEMBER)])
+        if member.state is State.SUSPECT and not any(u.node == target for u in updates):
+            # Buddy system: a suspect always learns it is suspected when we ping it.
+            updates.insert(0, Suspect(node=target, incarnation=member.incarnation, by=swim.node))
+        swim.send(member.addr, Ping(**swim.header(updates), seq=seq, target=target))
+
+    def _send_ping_reqs(self, probe: Probe, now: float) -> None:
+        swim = self._swim
+        probe.indirect_sent = True
+        target = swim.table.members.get(probe.target)
+        if target is None:
+            self.probe = None
+            return
+        helpers = [
+            n for n in swim.random_live_sample(swim.config.indirect_probes + 1) if n != probe.target
+        ]
+        helpers = helpers[: swim.config.indirect_probes]
+        probe.requested = len(helpers)
+        # Also retry directly: one lost datagram should not cost a suspicion.
+        self.ping(probe.target, probe.seq)
+        for helper in helpers:
+            req = PingReq(
+                **swim.header([]), seq=probe.seq, target=probe.target, target_addr=target.addr
+            )
+            swim.send(swim.table.members[helper].addr, req)
+
+    def _probe_failed(self, probe: Probe, now: float) -> None:
+        swim = self._swim
+        self.probe = None
+        swim.stats.probes_failed += 1
+        if probe.nacks < probe.requested:
+            swim.awareness.apply(+1)  # helpers did not answer either: suspect ourselves first
+        member = swim.table.members.get(probe.target)
+        if member is not None and member.state in LIVE_STATES:
+            swim.apply(
+                Suspect(node=probe.target, incarnation=member.incarnation, by=swim.node), now
+            )
+
+    def _abandon_probe_late(self) -> None:
+        self.probe = None
+        self._swim.stats.probes_abandoned_late += 1
+        self._swim.awareness.apply(+1)
+
+    def maybe_confirm(self, suspect: str, now: float) -> None:
+        """We just heard a new suspicion of ``suspect``: probe it ourselves, with probability
+        confirm_probes / (n - 2) (rule 5)."""
+        swim = self._swim
+        n = swim.table.live_count()
+        if swim.rng.random() >= min(1.0, swim.config.confirm_probes / max(1, n - 2)):
+            return
+        self.seq += 1
+        swim.stats.confirm_probes += 1
+        self.confirming[self.seq] = (
+            suspect,
+            now + swim.awareness.scale(swim.config.probe_deadline_s),
+        )
+        self.ping(suspect, self.seq)
+
+    # -- message handlers ----------------------------------------------------------------------
+
+    def on_ping(self, msg: Ping, now: float) -> None:
+        swim = self._swim
+        if msg.target != swim.node:
+            return  # meant for whoever had this address before us
+        updates = swim.dissemination.piggyback(first=[(msg.src, MEMBER), (swim.node, MEMBER)])
+        swim.send(
+            msg.src_addr, Ack(**swim.header(updates), seq=msg.seq, checksum=swim.table.checksum())
+        )
+
+    def on_ack(self, msg: Ack, now: float) -> None:
+        swim = self._swim
+        relay = self.relays.pop(msg.seq, None)
+        if relay is not None:
+            swim.send(
+                relay.origin_addr,
+                Ack(**swim.header([]), seq=relay.origin_seq, checksum=msg.checksum),
+            )
+            return
+        if self.confirming.pop(msg.seq, None) is not None:
+            return
+        probe = self.probe
+        if probe is None or msg.seq != probe.seq:
+            return
+        self.probe = None
+        swim.awareness.apply(-1)
+        if msg.checksum and msg.src == probe.target:
+            swim.antientropy.compare_checksum(msg.src, msg.checksum, now)
+
+    def on_nack(self, msg: Nack, now: float) -> None:
+        if self.probe is not None and msg.seq == self.probe.seq:
+            self.probe.nacks += 1
+
+    def on_ping_req(self, msg: PingReq, now: float) -> None:
+        swim = self._swim
+        if len(self.relays) >= swim.config.relays_max:
+            return
+        self.seq += 1
+        self.relays[self.seq] = Relay(
+            msg.src_addr, msg.seq, now + swim.awareness.scale(swim.config.probe_timeout_s)
+        )
+        swim.send(
+            msg.target_addr,
+            Ping(**swim.header(swim.dissemination.piggyback()), seq=self.seq, target=msg.target),
+        )

@@ -1,0 +1,288 @@
+"""The SWIM mechanisms one at a time (probing.py, dissemination.py, antientropy.py), on a few
+SwimNodes joined by a lossless 1 ms wire that records every datagram: early probes, round-robin
+probing, confirmation probes, relay bounds, metadata and re-announcements, joining, a member
+alone.  Each test names the rule of the module's head comment it checks."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable
+
+from gossipd.core.membership import State
+from gossipd.core.messages import (
+    GossipMessage,
+    GossipOnly,
+    GpuState,
+    Nack,
+    Ping,
+    PingReq,
+    PushPull,
+    Suspect,
+    decode_gossip,
+    encode_gossip,
+)
+from gossipd.core.swim import SwimNode
+from gossipd.core.swim_config import SwimConfig
+
+LATENCY_S = 0.001
+
+
+def addr_of(name: str) -> str:
+    return f"tcp://{name}:7946"
+
+
+class Wire:
+    """SwimNodes on a lossless wire with fixed latency.  A member in ``down`` neither runs
+    nor sends nor receives (crashed).  ``sent`` records (time, sender, destination, message)."""
+
+    def __init__(
+        self, names: list[str], *, config: SwimConfig | None = None, seed: int = 0
+    ) -> None:
+        self.config = config or SwimConfig.sim()
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.nodes: dict[str, SwimNode] = {}
+        self.down: set[str] = set()
+        self.sent: list[tuple[float, str, str, GossipMessage]] = []
+        self._queue: list[tuple[float, int, str, bytes]] = []
+        self._n = 0
+        for name in names:
+            self.add(name)
+        pairs = [(n, addr_of(n)) for n in names]
+        for node in self.nodes.values():
+            node.bootstrap(0.0, pairs)
+
+    def add(self, name: str, seeds: tuple[str, ...] = ()) -> SwimNode:
+        node = SwimNode(
+            self.config,
+            node=name,
+            addr=addr_of(name),
+            rng=random.Random(self.rng.getrandbits(64)),
+            now=self.now,
+            seeds=seeds,
+        )
+        self.nodes[name] = node
+        return node
+
+    def _flush(self, node: SwimNode) -> None:
+        for addr, data in node.take_outbox():
+            msg = decode_gossip(data, bytes_max=self.config.message_bytes_max)
+            self.sent.append((self.now, node.node, addr, msg))
+            dst = addr.removeprefix("tcp://").removesuffix(":7946")
+            if node.node not in self.down and dst not in self.down:
+                self._n += 1
+                heapq.heappush(self._queue, (self.now + LATENCY_S, self._n, dst, data))
+
+    def inject(self, dst: str, msg: GossipMessage) -> None:
+        """Deliver a hand-made message to ``dst`` now."""
+        self.nodes[dst].receive(self.now, encode_gossip(msg))
+        self._flush(self.nodes[dst])
+
+    def flush_all(self) -> None:
+        for node in self.nodes.values():
+            self._flush(node)
+
+    def run_until(self, t_end: float, stop: Callable[[], bool] = lambda: False) -> None:
+        while not stop():
+            up = [n for name, n in sorted(self.nodes.items()) if name not in self.down]
+            tick_at = min((n.next_deadline() for n in up), default=float("inf"))
+            deliver_at = self._queue[0][0] if self._queue else float("inf")
+            at = max(min(tick_at, deliver_at), self.now)
+            if at > t_end:
+                break
+            self.now = at
+            if deliver_at <= tick_at:
+                _, _, dst, data = heapq.heappop(self._queue)
+                if dst in self.nodes and dst not in self.down:
+                    self.nodes[dst].receive(at, data)
+                    self._flush(self.nodes[dst])
+                continue
+            for node in up:
+                if node.next_deadline() <= at:
+                    node.tick(at)
+                    self._flush(node)
+        if not stop():
+            self.now = t_end
+
+    def probes_by(self, src: str, since: float = 0.0) -> list[tuple[float, str]]:
+        """(time, target) of each probe ``src`` started (its first ping of each seq)."""
+        seen: set[int] = set()
+        out = []
+        for at, who, _, msg in self.sent:
+            if who == src and at >= since and isinstance(msg, Ping) and msg.seq not in seen:
+                seen.add(msg.seq)
+                out.append((at, msg.target))
+        return out
+
+
+def hdr(src: str) -> dict[str, object]:
+    return {"cluster": "default", "src": src, "src_addr": addr_of(src)}
+
+
+# -- probing.py ----------------------------------------------------------------------------
+
+
+def test_probe_soon_probes_that_member_at_once_but_once_per_interval_at_most() -> None:
+    """probing rule 3: a hint replaces the next target, at most once per member per interval."""
+    wire = Wire(["a", "b", "c", "d", "e"], seed=1)
+    wire.run_until(3.05)
+    a = wire.nodes["a"]
+    assert a.next_deadline() > 3.05 + 2 * LATENCY_S, "no probe of a's in flight here"
+    a.probe_soon(3.05, "d")
+    wire.run_until(3.06)
+    assert wire.probes_by("a", since=3.05) == [(3.05, "d")]
+    # Again within the interval: ignored, a probes on its own schedule (one per interval).
+    wire.run_until(3.5)
+    a.probe_soon(3.5, "d")
+    wire.run_until(4.06)
+    assert [at for at, _ in wire.probes_by("a", since=3.06)] == [4.05]
+    # Unknown or departed members are never probed on a hint.
+    wire.run_until(4.5)
+    a.probe_soon(4.5, "nobody")
+    wire.run_until(5.0)
+    assert wire.probes_by("a", since=4.06) == []
+    # After a whole interval, a new hint is taken.
+    wire.run_until(5.06)
+    a.probe_soon(5.06, "d")
+    wire.run_until(5.07)
+    assert wire.probes_by("a", since=5.06) == [(5.06, "d")]
+
+
+def test_round_robin_probing_probes_each_member_once_per_round_and_skips_the_departed() -> None:
+    """probing rule 2 without coordinated probing: a shuffled round robin over live members."""
+    wire = Wire(["a", "b", "c", "d", "e"], config=SwimConfig.sim(coordinated_probing=False))
+    wire.run_until(8.0)
+    targets = [t for _, t in wire.probes_by("a")]
+    assert len(targets) >= 8
+    for r in range(2):
+        assert sorted(targets[4 * r : 4 * r + 4]) == ["b", "c", "d", "e"], targets
+    wire.run_until(8.0 + 1.5)  # mid-round: e is still on a's list of this round
+    wire.nodes["e"].leave(wire.now)
+    wire.flush_all()
+    left_at = wire.now
+    wire.run_until(16.0)
+    assert wire.nodes["a"].table.members["e"].state is State.LEFT
+    after = [t for _, t in wire.probes_by("a", since=left_at + 0.1)]
+    assert len(after) >= 6 and set(after) == {"b", "c", "d"}
+
+
+def _suspect_x_at_b(wire: Wire, accuser: str) -> None:
+    """b hears from a that ``accuser`` suspects x (a new suspicion to b)."""
+    news = Suspect(node="x", incarnation=0, by=accuser)
+    wire.inject("b", GossipOnly(**hdr("a"), updates=[news]))  # type: ignore[arg-type]
+
+
+def _suspects_sent_by_b(wire: Wire, since: float) -> list[tuple[str, Suspect]]:
+    return [
+        (dst, u)
+        for at, who, dst, msg in wire.sent
+        if who == "b" and at >= since
+        for u in msg.updates
+        if isinstance(u, Suspect) and u.node == "x" and u.by == "b"
+    ]
+
+
+def test_a_confirmation_probe_that_fails_confirms_to_the_accuser_directly() -> None:
+    """probing rule 5 (with 4 members the probability is 1) and membership rule 4."""
+    wire = Wire(["a", "b", "c", "x"], seed=2)
+    wire.run_until(1.0)
+    wire.down.add("x")
+    t0 = wire.now
+    _suspect_x_at_b(wire, accuser="a")
+    pings = [m for _, who, dst, m in wire.sent[-3:] if who == "b" and isinstance(m, Ping)]
+    assert [p.target for p in pings] == ["x"]
+    assert any(isinstance(u, Suspect) and u.node == "x" for u in pings[0].updates), "buddy"
+    deadline = t0 + wire.config.probe_deadline_s
+    wire.run_until(deadline + 0.01)
+    confirmations = _suspects_sent_by_b(wire, since=t0)
+    assert confirmations and confirmations[0][0] == addr_of("a")
+    assert wire.nodes["b"].stats.confirm_probes == 1
+
+
+def test_a_confirmation_probe_that_is_acked_confirms_nothing_and_the_suspect_refutes() -> None:
+    wire = Wire(["a", "b", "c", "x"], seed=2)
+    wire.run_until(1.0)
+    t0 = wire.now
+    _suspect_x_at_b(wire, accuser="a")
+    wire.run_until(t0 + 2 * wire.config.probe_deadline_s)
+    assert _suspects_sent_by_b(wire, since=t0) == []
+    x_at_b = wire.nodes["b"].table.members["x"]
+    assert (x_at_b.state, x_at_b.incarnation) == (State.ALIVE, 1)
+    assert wire.nodes["x"].stats.refutations == 1
+
+
+def test_a_confirmation_for_an_accuser_we_do_not_know_goes_nowhere() -> None:
+    wire = Wire(["a", "b", "c", "x"], seed=2)
+    wire.run_until(1.0)
+    wire.down.add("x")
+    t0 = wire.now
+    _suspect_x_at_b(wire, accuser="ghost")
+    wire.run_until(t0 + wire.config.probe_deadline_s + 0.01)
+    assert wire.nodes["b"].stats.confirm_probes == 1
+    assert _suspects_sent_by_b(wire, since=t0) == []
+
+
+def test_a_member_relays_at_most_relays_max_ping_reqs_and_nacks_each_it_relayed() -> None:
+    wire = Wire(["a", "b", "x"], config=SwimConfig.sim(relays_max=2))
+    wire.run_until(1.0)
+    wire.down.add("x")
+    t0 = wire.now
+    for seq in (101, 102, 103):
+        wire.inject("b", PingReq(**hdr("a"), seq=seq, target="x", target_addr=addr_of("x")))  # type: ignore[arg-type]
+    relayed = [m for at, who, dst, m in wire.sent if at >= t0 and who == "b"]
+    assert [(type(m), m.target) for m in relayed] == [(Ping, "x"), (Ping, "x")]  # type: ignore[union-attr]
+    wire.run_until(t0 + wire.config.probe_timeout_s + 0.01)
+    nacks = [(dst, m.seq) for at, who, dst, m in wire.sent if who == "b" and isinstance(m, Nack)]
+    assert nacks == [(addr_of("a"), 101), (addr_of("a"), 102)]
+
+
+# -- dissemination.py and antientropy.py ---------------------------------------------------
+
+GPU = GpuState(model="tiny", memory_total_mb=80_000, running_requests=2)
+
+
+def test_gpu_state_rides_piggyback_to_every_member() -> None:
+    """dissemination rule 1 and 3: metadata is not urgent, it rides on probes and acks."""
+    wire = Wire(["a", "b", "c"], seed=3)
+    wire.run_until(1.0)
+    wire.nodes["a"].set_gpu(1.0, GPU)
+    assert not any(isinstance(m, GossipOnly) for _, who, _, m in wire.sent if who == "a")
+    wire.run_until(4.0)
+    for name in ("b", "c"):
+        member = wire.nodes[name].table.members["a"]
+        assert (member.gpu, member.meta_version) == (GPU, 1)
+
+
+def test_a_joining_member_learns_gpu_state_from_the_seeds_push_pull_reply() -> None:
+    """antientropy rules 2 and 5: the reply's record of its sender carries its GPU state."""
+    wire = Wire(["a", "b"], seed=4)
+    wire.nodes["a"].set_gpu(0.0, GPU)
+    wire.run_until(2.0)
+    n = wire.add("n", seeds=(addr_of("a"),))
+    assert not n.joined
+    wire.run_until(3.0, stop=lambda: n.joined)
+    assert n.stats.received == {"PushPull": 1}, "joined on the seed's reply alone"
+    replies = [m for _, _, dst, m in wire.sent if dst == addr_of("n") and isinstance(m, PushPull)]
+    assert len(replies) == 1 and not replies[0].reply and replies[0].updates == []
+    member = n.table.members["a"]
+    assert (member.gpu, member.meta_version) == (GPU, 1)
+    assert set(n.table.members) == {"a", "b"}
+
+
+def test_announce_spreads_a_new_incarnation_to_every_member() -> None:
+    wire = Wire(["a", "b", "c", "d"], seed=5)
+    wire.run_until(1.0)
+    wire.nodes["a"].announce(1.0)
+    wire.flush_all()
+    wire.run_until(2.0)
+    for name in ("b", "c", "d"):
+        member = wire.nodes[name].table.members["a"]
+        assert (member.state, member.incarnation) == (State.ALIVE, 1)
+
+
+def test_a_member_alone_sends_nothing_and_counts_as_joined() -> None:
+    """With no other member and no seed, no timer finds anyone to talk to."""
+    wire = Wire(["a"])
+    wire.run_until(120.0)
+    assert wire.sent == [] and wire.nodes["a"].joined
