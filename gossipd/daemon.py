@@ -92,7 +92,7 @@ class Daemon:
                     f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"
                 ) from None
             self.ingress.on_admitted.append(self.journal.accept)
-            self.ingress.on_finished.append(lambda task, result: self.journal.done(task.id))  # type: ignore[union-attr]
+            self.ingress.on_finished.append(lambda ended: self.journal.done(ended.owned.task.id))  # type: ignore[union-attr]
             # Handed to another member: that member answers it, so a restart must not re-run it.
             self.ingress.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
         self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
@@ -285,7 +285,8 @@ class Daemon:
         ingress.rescue = dispatcher.hand_off
         ingress.on_admitted.append(placer.record_prefix)
         ingress.on_released.append(dispatcher.task_finished)
-        ingress.on_finished.append(dispatcher.task_finished)
+        ingress.on_refused.append(dispatcher.task_finished)
+        ingress.on_finished.append(lambda ended: dispatcher.task_finished(ended.owned.task))
         ingress.on_finished.append(owner.task_finished)
         return gossip, dispatcher
 
@@ -316,7 +317,7 @@ class Daemon:
             self.ingress.admit(task, now, answer=True)
             src = self.journal.forwarded.get(task.id)
             if src is not None and self.dispatcher is not None:
-                self.dispatcher.owner.expect_withdraw(task.id, src)
+                self.ingress.book.expect_withdraw(task.id, src)
         if unfinished:
             log.info(
                 "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}

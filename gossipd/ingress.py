@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 
 import zmq
@@ -24,6 +24,7 @@ import zmq
 from gossipd.config import IngressConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.deadlines import DeadlineWheel
+from gossipd.core.lifecycle import Abort, Ended, Owned, Phase, Stop, TaskBook
 from gossipd.core.messages import (
     Cancel,
     Chunk,
@@ -53,16 +54,6 @@ log = logging.getLogger("gossipd.ingress")
 
 # How often running tasks are checked against their deadlines (see core/deadlines.py).
 DEADLINE_RESOLUTION_S = 0.01
-
-
-@dataclass(slots=True, eq=False)  # hashed by identity: a key in the deadline wheel
-class _Job:
-    task: Task
-    received_at: float  # time.monotonic(): uvloop's loop.time() only has millisecond resolution
-    worker: asyncio.Task[None] | None = None  # set while a worker runs it
-    expired: bool = False
-    cancelled: bool = False  # by its producer
-    withdrawn: bool = False  # by its forwarder, which has it run elsewhere: no answer from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +101,13 @@ class Ingress:
             results_max=config.results_cache_max,
             queue=self.queue_wait if config.queue_wait_admission else None,
         )
+        # Every admitted task from admission to its answer and TaskDones: core/lifecycle.py.
+        self.book = TaskBook(self.admission)
         self._retry_after_ms = config.retry_after_ms  # the hint of the latest refusal
         # Unbounded as a container; admission bounds it (pending_max).
-        self._queue: RunQueue[_Job] = RunQueue()
+        self._queue: RunQueue[Owned] = RunQueue()
         self._deadlines = DeadlineWheel(DEADLINE_RESOLUTION_S)
-        self._running = 0  # jobs a worker holds (the job itself knows its worker)
-        self._jobs: dict[str, _Job] = {}  # admitted and unfinished, by task id (for cancels)
+        self._workers: dict[str, asyncio.Task[None]] = {}  # running task id -> its worker
         self._cancels: Counter[str] = Counter()
         self._sock: zmq.Socket | None = None
         self._reader: SocketReader | None = None
@@ -131,9 +123,14 @@ class Ingress:
         # listeners for admitted and finished tasks (journal, fan-out bookkeeping).
         self.router: Callable[[Task, float], bool] | None = None
         self.on_admitted: list[Callable[[Task], None]] = []
-        self.on_finished: list[Callable[[Task, Result], None]] = []
-        # ...and for admitted tasks that leave without a result from here (handed off).
+        # ...answered from here: the Result has just been handed to the reply sender; Ended
+        # says who else to tell (the forwarders' TaskDones).
+        self.on_finished: list[Callable[[Ended], None]] = []
+        # ...and for admitted tasks that leave without a result from here (handed off,
+        # withdrawn); and for tasks routed here that admission refused (or answered from the
+        # results cache).
         self.on_released: list[Callable[[Task], None]] = []
+        self.on_refused: list[Callable[[Task], None]] = []
         # Set by the daemon: gives a task whose engine died to another member (True if taken).
         self.rescue: Callable[[Task, float], Awaitable[bool]] | None = None
         # Set by the daemon: passes a cancel on to the member running a forwarded task.
@@ -205,27 +202,35 @@ class Ingress:
         assert isinstance(task, Task)
         if self.router is not None and self.router(task, now):
             return  # another member owns it: the dispatcher forwards it
-        self.admit(task, now, answer=True, now=now)
+        verdict = self.admit(task, now, answer=True, now=now)
+        if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING):
+            for listener in self.on_refused:  # routed here, but nothing of it runs here
+                listener(task)
 
     def admit(
-        self, task: Task, received_at: float, *, answer: bool, now: float | None = None
+        self,
+        task: Task,
+        received_at: float,
+        *,
+        answer: bool,
+        now: float | None = None,
+        forwarder: Hashable | None = None,
     ) -> Verdict:
         """Run ``task`` here if admission allows.  ``answer=False`` (a forwarded task): a
         refusal is the forwarder's to handle, not sent to the producer, with the hint
-        ``retry_after_ms`` (read it right after this call).  ``now``: time.monotonic()."""
+        ``retry_after_ms`` (read it right after this call).  ``forwarder``: the peer that
+        forwarded it (told TaskDone when it ends).  ``now``: time.monotonic()."""
         now = time.monotonic() if now is None else now
-        remaining_s = received_at + task.timeout_ms / 1000.0 - now
-        verdict, cached = self.admission.offer(task.id, now, remaining_s)
+        verdict, entry = self.book.offer(task, received_at, now, forwarder=forwarder)
         self._retry_after_ms = self._config.retry_after_ms
         if verdict is Verdict.ADMIT:
             for listener in self.on_admitted:
                 listener(task)
-            job = _Job(task, received_at)
-            self._jobs[task.id] = job
-            self._queue.put_nowait(job)
+            assert isinstance(entry, Owned)
+            self._queue.put_nowait(entry)
         elif verdict is Verdict.DUPLICATE_DONE:
-            assert cached is not None
-            self._replies.send(task.reply_to, encode(cached))
+            assert isinstance(entry, Result)
+            self._replies.send(task.reply_to, encode(entry))
         elif verdict is Verdict.OVERLOADED:
             refusal = self.admission.refusal
             if refusal is not None:  # by expected wait
@@ -269,6 +274,9 @@ class Ingress:
 
     def answer_shutting_down(self, task: Task) -> None:
         """A taken task could not be handed off: answer it and forget it."""
+        if self.book.stop_reason(task.id) is Stop.WITHDRAWN:
+            self._withdrawn(task.id)  # nobody waits for an answer from here
+            return
         self._finish(
             task,
             error_result(
@@ -294,25 +302,34 @@ class Ingress:
         """Cancel an admitted task that has not finished: a running one is aborted in the
         engine (its worker is cancelled), a queued one is answered when a worker takes it.
         Either way its producer gets one Result with ``cancelled``."""
-        job = self._jobs.get(task_id)
-        if job is None or job.cancelled:
-            return job is not None
-        job.cancelled = True
-        if job.worker is not None:
-            job.worker.cancel()
-        return True
+        known = self.book.get(task_id) is not None
+        if self.book.cancel(task_id) is Abort.ABORT:
+            self._abort(task_id)
+        return known
 
-    def withdraw(self, task_id: str) -> bool:
-        """Drop an admitted, unfinished task without answering its producer (its forwarder has
-        another member run it): a running one is aborted in the engine.  Chunks already
-        streamed from here stay sent."""
-        job = self._jobs.get(task_id)
-        if job is None:
-            return False
-        job.withdrawn = job.cancelled = True
-        if job.worker is not None:
-            job.worker.cancel()
-        return True
+    def withdraw(self, task_id: str, forwarder: Hashable) -> bool:
+        """``forwarder`` has the task run elsewhere: when no one else waits for its answer
+        from here, drop it without answering (a running one is aborted in the engine; chunks
+        already streamed stay sent).  True when it was dropped."""
+        abort = self.book.withdraw(task_id, forwarder)
+        if abort is Abort.ABORT:
+            self._abort(task_id)  # its worker releases it
+        elif abort is Abort.MARKED:
+            self._withdrawn(task_id)
+        return abort is not Abort.NOTHING
+
+    def _abort(self, task_id: str) -> None:
+        """Cancel the worker running ``task_id`` (none: it is being handed off, and the
+        hand-off's end looks at its stop reason)."""
+        worker = self._workers.get(task_id)
+        if worker is not None:
+            worker.cancel()
+
+    def _withdrawn(self, task_id: str) -> None:
+        owned = self.book.get(task_id)
+        assert owned is not None
+        self._results["withdrawn"] += 1
+        self.release(owned.task, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
 
     def send_error(
         self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0
@@ -358,33 +375,33 @@ class Ingress:
         assert me is not None
         while True:
             try:
-                job = await self._queue.get()
+                owned = await self._queue.get()
             except asyncio.CancelledError:
-                # A cancel aimed at a job that finished before the cancel landed arrives here.
+                # A cancel aimed at a task that finished before the cancel landed arrives here.
                 if self.admission.shutting_down or not me.cancelling():
                     raise
                 me.uncancel()
                 continue
-            self._running += 1
-            job.worker = me
+            if not self.book.start(owned):
+                continue  # withdrawn while it was queued
+            task_id = owned.task.id
+            self._workers[task_id] = me
             try:
-                await self._run_job(job)
+                await self._run_job(owned)
             finally:
-                job.worker = None
-                self._running -= 1
+                del self._workers[task_id]
 
     async def expire_forever(self) -> None:
         """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
         clock = time.monotonic
         while True:
             await asyncio.sleep(DEADLINE_RESOLUTION_S)
-            for job in self._deadlines.expire(clock()):
-                assert isinstance(job, _Job)
-                if job.worker is not None:
-                    job.expired = True
-                    job.worker.cancel()
+            for owned in self._deadlines.expire(clock()):
+                assert isinstance(owned, Owned)
+                if self.book.expire(owned.task.id) is Abort.ABORT:
+                    self._abort(owned.task.id)
 
-    async def _run_job(self, job: _Job) -> None:
+    async def _run_job(self, job: Owned) -> None:
         task = job.task
         clock = time.monotonic
         started = clock()
@@ -394,8 +411,9 @@ class Ingress:
         seq = 0
         engine_died = False
         token = self._deadlines.add(job, deadline)
+        worker = self._workers[task.id]
         try:
-            if job.cancelled:
+            if job.stop is not None:  # cancelled or expired while it was queued
                 raise asyncio.CancelledError
             if started >= deadline:
                 raise TimeoutError
@@ -436,16 +454,16 @@ class Ingress:
         except EngineError as exc:
             result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
         except asyncio.CancelledError:
-            if job.expired or job.cancelled:  # our deadline sweeper or a Cancel, not a shutdown
-                if job.worker is not None and job.worker.cancelling():
-                    job.worker.uncancel()
-                if job.withdrawn:
-                    self._results["withdrawn"] += 1
-                    self.release(task, error_result(task.id, ErrorCode.CANCELLED, "withdrawn"))
+            why = job.stop  # our deadline sweeper, a Cancel or a Withdraw; None: a shutdown
+            if why is not None:
+                if worker.cancelling():
+                    worker.uncancel()
+                if why is Stop.WITHDRAWN:
+                    self._withdrawn(task.id)
                     return
                 result = (
                     self._deadline_result(task, len(parts))
-                    if job.expired
+                    if why is Stop.EXPIRED
                     else error_result(
                         task.id,
                         ErrorCode.CANCELLED,
@@ -481,6 +499,9 @@ class Ingress:
             self._results["handed_off_engine_dead"] += 1
             self.release(task, result)
             return
+        if job.stop is Stop.WITHDRAWN:  # withdrawn as it finished: the copy elsewhere answers
+            self._withdrawn(task.id)
+            return
         self._finish(task, result)
 
     def _deadline_result(self, task: Task, tokens: int) -> Result:
@@ -492,27 +513,26 @@ class Ingress:
         )
 
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
-        self._jobs.pop(task.id, None)
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
-        self.admission.finish(task.id, result, remember=remember)
+        ended = self.book.finish(task.id, result, remember=remember)
         self._replies.send(task.reply_to, encode(result))
         for listener in self.on_finished:
-            listener(task, result)
+            listener(ended)
 
     def take_queued(self) -> list[tuple[Task, float]]:
         """Remove admitted-but-unstarted tasks (to hand them to other members at drain).
         They stay pending in admission until ``release`` is called for each."""
         out = []
         while len(self._queue):
-            job = self._queue.get_nowait()
-            self._jobs.pop(job.task.id, None)
-            out.append((job.task, job.received_at))
+            owned = self._queue.get_nowait()
+            if self.book.get(owned.task.id) is owned and owned.phase is Phase.QUEUED:
+                owned.phase = Phase.RUNNING  # taken: no worker starts it now
+                out.append((owned.task, owned.received_at))
         return out
 
     def release(self, task: Task, result: Result) -> None:
-        """A taken task was handed off (or refused): forget it here without a reply."""
-        self._jobs.pop(task.id, None)
-        self.admission.finish(task.id, result, remember=False)
+        """A taken task leaves without a reply from here (withdrawn, handed off)."""
+        self.book.release(task.id, result)
         for listener in self.on_released:
             listener(task)
 
@@ -525,8 +545,10 @@ class Ingress:
         """Answer every admitted-but-unstarted task with shutting_down."""
         count = 0
         while len(self._queue):
-            self.answer_shutting_down(self._queue.get_nowait().task)
-            count += 1
+            owned = self._queue.get_nowait()
+            if self.book.get(owned.task.id) is owned:  # not withdrawn meanwhile
+                self.answer_shutting_down(owned.task)
+                count += 1
         return count
 
     async def wait_idle(self, timeout_s: float) -> bool:
@@ -544,7 +566,7 @@ class Ingress:
             unanswerable=self._unanswerable,
             results=dict(self._results),
             queued=len(self._queue),
-            running=self._running,
+            running=len(self._workers),
             cancels=dict(self._cancels),
             service_s=self.queue_wait.service_s or 0.0,
             expected_wait_s=self.queue_wait.expected_wait_s(self.admission.pending),

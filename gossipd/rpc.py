@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -26,12 +26,12 @@ import zmq
 
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
+from gossipd.core.lifecycle import Ended
 from gossipd.core.messages import (
     Cancel,
     Forward,
     ForwardReply,
     PeerBatch,
-    Result,
     Task,
     TaskDone,
     Withdraw,
@@ -65,11 +65,6 @@ def peer_items(frame: bytes, bytes_max: int) -> Sequence[object]:
     return msg.items if isinstance(msg, PeerBatch) else (msg,)
 
 
-# In a task's forwarder list: a Withdraw from any forwarder counts (a task re-run from the
-# journal after a restart: its forwarder's connection, and so its identity, is a new one).
-ANY_FORWARDER = b""
-
-
 @dataclass(slots=True)
 class OwnerCounters:
     accepted_from_peers: int = 0
@@ -97,12 +92,11 @@ class OwnerEndpoint:
         self._ingress = ingress
         self.counters = OwnerCounters()
         self._router: zmq.Socket | None = None
-        self._forwarders: dict[str, list[bytes]] = {}  # task id -> ROUTER identities to notify
         self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         # TaskDones waiting for their Results to leave, by the Results' reply_to
-        # (ReplySender.when_sent tells when): (task id, forwarder identities).
-        self._done_waiting: dict[str, list[tuple[str, list[bytes]]]] = {}
+        # (ReplySender.when_sent tells when): (task id, forwarder identities, member by name).
+        self._done_waiting: dict[str, list[tuple[str, Sequence[Hashable], str]]] = {}
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._reader: SocketReader | None = None
         self._on_accepted = on_accepted  # (task, forwarder): the journal marks it
@@ -110,7 +104,6 @@ class OwnerEndpoint:
         # its forwarder (a task it re-ran from its journal).
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
-        self._replayed: dict[str, str] = {}  # task re-run from the journal -> its forwarder
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -171,16 +164,16 @@ class OwnerEndpoint:
             return
         now = time.monotonic()
         received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
-        verdict = self._ingress.admit(msg.task, received_at, answer=False, now=now)
+        verdict = self._ingress.admit(
+            msg.task, received_at, answer=False, now=now, forwarder=identity
+        )
         accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
         if accepted:
             self.counters.accepted_from_peers += 1
             if verdict is Verdict.ADMIT and self._on_accepted is not None:
                 self._on_accepted(msg.task, msg.src)
-            if verdict is not Verdict.DUPLICATE_DONE:
-                self._forwarders.setdefault(msg.task.id, []).append(identity)
-            else:  # admit() has just sent the cached Result again
-                self._done_after_result(msg.task, [identity])
+            if verdict is Verdict.DUPLICATE_DONE:  # admit() has just sent the cached Result
+                self._done_after_result(msg.task, (identity,), "")
         else:
             self.counters.refused_to_peers += 1
         reply = ForwardReply(
@@ -194,21 +187,8 @@ class OwnerEndpoint:
 
     def _withdraw(self, identity: bytes, task_id: str) -> None:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder
-        (or nobody: the task came from a producer directly) still counts on it."""
-        forwarders = self._forwarders.get(task_id)
-        if not forwarders:
-            return
-        if identity in forwarders:
-            forwarders.remove(identity)
-        elif ANY_FORWARDER in forwarders:
-            forwarders.remove(ANY_FORWARDER)
-            self._replayed.pop(task_id, None)
-        else:
-            return
-        if forwarders:
-            return
-        del self._forwarders[task_id]
-        if self._ingress.withdraw(task_id):
+        (or its producer directly) still counts on it (core/lifecycle.py, rule 3)."""
+        if self._ingress.withdraw(task_id, identity):
             self.counters.withdrawn_by_peers += 1
 
     def _to_forwarder(
@@ -257,21 +237,13 @@ class OwnerEndpoint:
                     self.counters.replies_dropped += count  # the forwarder times out: next
         kick(self._router)
 
-    def expect_withdraw(self, task_id: str, src: str) -> None:
-        """``task_id``, re-run from the journal, came from member ``src``, which may have
-        migrated it while we were down: a Withdraw for it from any forwarder (the connection
-        is a new one) drops it.  Finished, its TaskDone goes to ``src`` by name."""
-        self._forwarders.setdefault(task_id, []).append(ANY_FORWARDER)
-        self._replayed[task_id] = src
-
-    def task_finished(self, task: Task, result: Result) -> None:
-        """``task``'s final Result has just been handed to the reply sender (an ingress
+    def task_finished(self, ended: Ended) -> None:
+        """A task's final Result has just been handed to the reply sender (an ingress
         on_finished listener): tell its forwarders, right after that Result leaves."""
-        identities = self._forwarders.pop(task.id, None)
-        if identities:
-            self._done_after_result(task, identities)
+        if ended.notify or ended.notify_member:
+            self._done_after_result(ended.owned.task, ended.notify, ended.notify_member)
 
-    def _done_after_result(self, task: Task, identities: list[bytes]) -> None:
+    def _done_after_result(self, task: Task, identities: Sequence[Hashable], member: str) -> None:
         """Send ``task``'s TaskDone to ``identities`` right after every reply to its
         ``reply_to`` so far (its Result among them) has left: at once when the Result went
         out at once, else in the callback that sends the reply sender's batch for that
@@ -279,20 +251,18 @@ class OwnerEndpoint:
         TaskDones of the Results that leave together leave together."""
         waiting = self._done_waiting.get(task.reply_to)
         if waiting is not None:
-            waiting.append((task.id, identities))
+            waiting.append((task.id, identities, member))
             return
-        self._done_waiting[task.reply_to] = [(task.id, identities)]
+        self._done_waiting[task.reply_to] = [(task.id, identities, member)]
         self._ingress.when_replies_sent(task.reply_to, partial(self._results_left, task.reply_to))
 
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
-        for task_id, identities in self._done_waiting.pop(reply_to, ()):
+        for task_id, identities, member in self._done_waiting.pop(reply_to, ()):
             done = TaskDone(id=task_id, node=self.node)
             for identity in identities:
-                if identity != ANY_FORWARDER:
-                    self._to_forwarder(identity, done)
-                    continue
-                src = self._replayed.pop(task_id, None)
-                if src is not None:
-                    self._send_to_member(src, done)
+                assert isinstance(identity, bytes)
+                self._to_forwarder(identity, done)
+            if member:  # a task re-run from the journal: its forwarder, by name
+                self._send_to_member(member, done)
         self._flush_router()

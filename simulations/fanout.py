@@ -281,8 +281,8 @@ class SimDaemon:
         world = self.world
         while self.running < world.run.slots and self.queue:
             task_id = self.queue.popleft()
-            owned = self.book.start(task_id)
-            if owned is None:
+            owned = self.book.get(task_id)
+            if owned is None or not self.book.start(owned):
                 continue
             self.started_at[task_id] = world.now
             self.running += 1

@@ -29,7 +29,7 @@ def test_TaskBook_forwarded_task_ends_with_TaskDone_to_each_forwarder() -> None:
     assert verdict is Verdict.ADMIT and isinstance(owned, Owned) and not owned.from_producer
     verdict, same = book.offer(_task(), 0.0, 0.1, forwarder=b"B")  # a migration's copy
     assert verdict is Verdict.DUPLICATE_PENDING and same is owned
-    assert book.start("t0") is owned and owned.phase is Phase.RUNNING
+    assert book.start(owned) and owned.phase is Phase.RUNNING
     ended = book.finish("t0", _ok())
     assert ended == Ended(owned, _ok(), (b"A", b"B"), "") and len(book) == 0
     verdict, cached = book.offer(_task(), 0.0, 1.0, forwarder=b"C")
@@ -38,12 +38,12 @@ def test_TaskBook_forwarded_task_ends_with_TaskDone_to_each_forwarder() -> None:
 
 def test_TaskBook_withdraw_by_the_last_forwarder_drops_it_quietly() -> None:
     book = _book()
-    book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    _, owned = book.offer(_task(), 0.0, 0.0, forwarder=b"A")
     book.offer(_task(), 0.0, 0.0, forwarder=b"B")
     assert book.withdraw("t0", b"A") is Abort.NOTHING, "B still counts on it"
     assert book.withdraw("t0", b"X") is Abort.NOTHING, "X never sent it"
     assert book.withdraw("t0", b"B") is Abort.MARKED
-    assert book.start("t0") is None, "a withdrawn task never runs"
+    assert not book.start(owned), "a withdrawn task never runs"
     assert book.stop_reason("t0") is Stop.WITHDRAWN
     book.release("t0", _ok())
     assert book.admission.pending == 0
@@ -53,18 +53,18 @@ def test_TaskBook_withdraw_by_the_last_forwarder_drops_it_quietly() -> None:
 
 def test_TaskBook_withdraw_of_a_running_task_aborts_it() -> None:
     book = _book()
-    book.offer(_task(), 0.0, 0.0, forwarder=b"A")
-    book.start("t0")
+    _, owned = book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    book.start(owned)  # type: ignore[arg-type]
     assert book.withdraw("t0", b"A") is Abort.ABORT
     assert book.withdraw("t0", b"A") is Abort.NOTHING, "once"
 
 
 def test_TaskBook_a_producers_own_copy_is_never_withdrawn() -> None:
     book = _book()
-    book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    _, owned = book.offer(_task(), 0.0, 0.0, forwarder=b"A")
     book.offer(_task(), 0.0, 0.0)  # the producer resent it straight to us
     assert book.withdraw("t0", b"A") is Abort.NOTHING
-    assert book.start("t0") is not None
+    assert book.start(owned)  # type: ignore[arg-type]
 
 
 def test_TaskBook_replayed_task_is_withdrawn_by_any_forwarder_and_done_by_name() -> None:
@@ -125,10 +125,9 @@ def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) ->
                 sent[tid] = {who}
             elif verdict is Verdict.DUPLICATE_PENDING:
                 sent.setdefault(tid, set()).add(who)
-        elif op == "start":
-            started = book.start(tid)
-            if started is not None:
-                assert started.stop is not Stop.WITHDRAWN
+        elif op == "start" and owned is not None:
+            if book.start(owned):
+                assert owned.stop is not Stop.WITHDRAWN
         elif op == "cancel":
             book.cancel(tid)
         elif op == "expire":

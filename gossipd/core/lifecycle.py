@@ -26,7 +26,8 @@ Rules:
 
 Theory of operation: the ingress shell calls ``offer`` for each task (from a producer or a
 peer), ``start`` when a worker takes it, ``stop_reason`` when its worker was cancelled,
-``finish`` with its final Result and ``release`` when it leaves without one (handed off);
+``finish`` with its final Result and ``release`` when it leaves without one (withdrawn,
+handed off);
 ``cancel``, ``withdraw`` and ``expire`` say whether a running task's worker must be aborted.
 """
 
@@ -137,13 +138,15 @@ class TaskBook:
             owned.forwarders.append(ANY)
             owned.replayed_src = src
 
-    def start(self, task_id: str) -> Owned | None:
-        """A worker takes the task; None when it is no longer ours to run (withdrawn)."""
-        owned = self._owned.get(task_id)
-        if owned is None or owned.phase is not Phase.QUEUED or owned.stop is Stop.WITHDRAWN:
-            return None
+    def start(self, owned: Owned) -> bool:
+        """A worker takes the queued entry; False when it is no longer ours to run (withdrawn
+        and released, or a stale entry of an id admitted again since)."""
+        if self._owned.get(owned.task.id) is not owned or owned.phase is not Phase.QUEUED:
+            return False
+        if owned.stop is Stop.WITHDRAWN:
+            return False
         owned.phase = Phase.RUNNING
-        return owned
+        return True
 
     def cancel(self, task_id: str) -> Abort:
         return self._stop(task_id, Stop.CANCELLED)
