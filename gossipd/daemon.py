@@ -62,7 +62,7 @@ class Daemon:
         self.config = config
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
-        self.sockets = SocketPool(self._ctx)  # outgoing sockets: replies, peers
+        self.sockets = SocketPool(self._ctx)  # every outgoing socket: gossip, replies, peers
         self.engine = build_engine(config)
         ic = config.ingress
         self.replies = ReplySender(
@@ -158,7 +158,6 @@ class Daemon:
                 background: list[asyncio.Task[None]] = []
                 membership: list[asyncio.Task[None]] = []
                 if self.gossip is not None:
-                    self.gossip.start(tg)
                     membership = [
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
@@ -182,7 +181,6 @@ class Daemon:
                 await self._shut_down(workers)
                 if self.gossip is not None:
                     await self.gossip.leave()
-                    self.gossip.stop()
                 for task in membership + background:
                     task.cancel()
                 if self.dispatcher is not None:
@@ -222,7 +220,7 @@ class Daemon:
         gossip = GossipService(
             config,
             node=self.node,
-            ctx=self._ctx,
+            sockets=self.sockets,
             engine=self.engine,
             ingress_endpoint=endpoint,
             rng=self.rng("membership"),
