@@ -37,6 +37,7 @@ from gossipd.notify import Notifier
 from gossipd.peerlinks import PeerLinks
 from gossipd.placer import Placer
 from gossipd.rpc import OwnerEndpoint
+from gossipd.sockets import SocketPool
 from gossipd.transport import ReplySender
 
 log = logging.getLogger("gossipd.daemon")
@@ -61,10 +62,11 @@ class Daemon:
         self.config = config
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
+        self.sockets = SocketPool(self._ctx)  # every outgoing socket: gossip, replies, peers
         self.engine = build_engine(config)
         ic = config.ingress
         self.replies = ReplySender(
-            self._ctx,
+            self.sockets,
             sockets_max=ic.reply_sockets_max,
             idle_s=ic.reply_idle_s,
             timeout_s=ic.reply_timeout_s,
@@ -141,6 +143,7 @@ class Daemon:
             )
         try:
             async with asyncio.TaskGroup() as tg:
+                self.sockets.start()
                 self.replies.start(tg)
                 if self.dispatcher is not None:
                     self.dispatcher.start(tg)
@@ -155,7 +158,6 @@ class Daemon:
                 background: list[asyncio.Task[None]] = []
                 membership: list[asyncio.Task[None]] = []
                 if self.gossip is not None:
-                    self.gossip.start(tg)
                     membership = [
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
@@ -179,7 +181,6 @@ class Daemon:
                 await self._shut_down(workers)
                 if self.gossip is not None:
                     await self.gossip.leave()
-                    self.gossip.stop()
                 for task in membership + background:
                     task.cancel()
                 if self.dispatcher is not None:
@@ -188,6 +189,7 @@ class Daemon:
                 expirer.cancel()
                 health.cancel()
                 self.replies.stop()
+                self.sockets.stop()
         finally:
             if self.dispatcher is not None:
                 self.dispatcher.close()
@@ -195,6 +197,7 @@ class Daemon:
                 self.gossip.close()
             self.ingress.close()
             self.replies.close(linger_ms=2000)
+            self.sockets.close_all()
             if self.journal is not None:
                 self.journal.close()
             await self.engine.stop()
@@ -217,7 +220,7 @@ class Daemon:
         gossip = GossipService(
             config,
             node=self.node,
-            ctx=self._ctx,
+            sockets=self.sockets,
             engine=self.engine,
             ingress_endpoint=endpoint,
             rng=self.rng("membership"),
@@ -270,7 +273,7 @@ class Daemon:
             node=self.node,
             forwarder=forwarder,
             placer=placer,
-            links=PeerLinks(config.fanout, ctx=self._ctx, on_reply=peer_reply),
+            links=PeerLinks(config.fanout, sockets=self.sockets, on_reply=peer_reply),
             owner=owner,
             send_error=lambda e: ingress.send_error(e.task, e.code, e.message, e.retry_after_ms),
         )

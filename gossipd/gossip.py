@@ -1,8 +1,10 @@
 """The membership shell: runs one SwimNode on the asyncio loop over ZeroMQ.
 
-Datagrams: each daemon binds a PULL socket; it sends to a peer through a cached PUSH socket
-connected to the peer's gossip address.  Sends never block: when a peer's queue (SNDHWM) is
-full the message is dropped and counted, as UDP would drop it; SWIM is built for loss.
+Datagrams go through a ``Transport`` (datagrams.py): a ZmqTransport, which binds a PULL
+socket and sends to each peer through a PUSH socket from the daemon's socket pool, connected
+to the peer's gossip address.  Sends never block: when a peer's queue is full the message is
+dropped and counted, as UDP would drop it; SWIM is built for loss.  A dropped connection to a
+peer (its socket monitor) makes the core probe that member at once.
 
 Time: the core gets wall-clock seconds (time.time()), because probe targets follow a schedule
 shared by all members (round = floor(now / probe_interval)); the loop's monotonic clock is
@@ -13,23 +15,20 @@ incarnation, by, at) so that tests and the cluster harness can measure from the 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import zmq
 
 from gossipd.config import Config
 from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import GpuState
 from gossipd.core.swim import SwimNode
+from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
 from gossipd.gpu import GpuProbe
-from gossipd.transport import EVENTS, NOBLOCK, POLLIN, recv_batch, wait_events
+from gossipd.sockets import SocketPool
 
 log = logging.getLogger("gossipd.gossip")
 
@@ -52,7 +51,7 @@ class GossipService:
         config: Config,
         *,
         node: str,
-        ctx: zmq.Context,
+        sockets: SocketPool,
         engine: Engine,
         ingress_endpoint: str,
         rng: random.Random,
@@ -62,20 +61,22 @@ class GossipService:
         self.config = config
         self.node = node
         self.swim_config = g.swim_config(cluster=config.node.cluster)
-        self._ctx = ctx
         self._engine = engine
         self._ingress = ingress_endpoint
         self._version = version
         self._rng = rng  # the member's protocol RNG (derived from node.seed)
-        self._sock: zmq.Socket | None = None
-        self._peers: OrderedDict[str, tuple[zmq.Socket, float]] = OrderedDict()
+        self.transport = ZmqTransport(
+            sockets,
+            sockets_max=PEER_SOCKETS_MAX,
+            idle_s=PEER_IDLE_S,
+            message_bytes_max=self.swim_config.message_bytes_max,
+            on_disconnect=self._on_disconnect,
+        )
         self.core: SwimNode | None = None
         self.advertise = ""
         self.status = "serving"
         self.dropped_sends = 0
         self.disconnect_hints = 0
-        self._tg: asyncio.TaskGroup | None = None
-        self._monitors: dict[str, asyncio.Task[None]] = {}
         self._gpu_probe = GpuProbe(
             config.node.gpu_index, static_memory_total_mb=config.gpu.memory_total_mb
         )
@@ -91,13 +92,8 @@ class GossipService:
         self.last_gpu_state: GpuState | None = None  # our latest sample (placement reads it)
 
     def bind(self) -> str:
-        sock = self._ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.swim_config.message_bytes_max)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.config.gossip.bind)
-        self._sock = sock
-        self.advertise = self.config.gossip.advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = self.transport.bind(self.config.gossip.bind, self._on_frame)
+        self.advertise = self.config.gossip.advertise or bound
         self.core = SwimNode(
             self.swim_config,
             node=self.node,
@@ -110,17 +106,21 @@ class GossipService:
 
     # -- the loop ----------------------------------------------------------------------------
 
+    def _on_frame(self, frame: bytes) -> None:
+        """A datagram (in the transport's fd callback): into the core now; what it answers
+        leaves when run_forever wakes (once for a burst of datagrams)."""
+        if self.core is not None:
+            self.core.receive(time.time(), frame)
+            self._wake.set()
+
     async def run_forever(self) -> None:
-        assert self._sock is not None and self.core is not None, "bind() first"
-        core, sock = self.core, self._sock
+        assert self.core is not None, "bind() first"
+        core = self.core
         self._publish_meta(force=True)
         self._flush()
         while True:
             wait_s = max(0.0, core.next_deadline() - time.time())
-            if await _readable_within(sock, wait_s, self._wake):
-                now = time.time()
-                for frame in await recv_batch(sock, 256):
-                    core.receive(now, frame)
+            await _woken_within(wait_s, self._wake)
             now = time.time()
             if now >= core.next_deadline():
                 core.tick(now)
@@ -221,89 +221,22 @@ class GossipService:
                 listener(event)
 
     def _send(self, addr: str, data: bytes) -> None:
-        now = time.monotonic()
-        entry = self._peers.get(addr)
-        if entry is None:
-            if len(self._peers) >= PEER_SOCKETS_MAX:
-                old_addr, (old, _) = self._peers.popitem(last=False)
-                monitor = self._monitors.pop(old_addr, None)
-                if monitor is not None:
-                    monitor.cancel()
-                old.close(linger=0)
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 64)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            self._watch(addr, sock)
-            sock.connect(addr)
-        else:
-            sock = entry[0]
-            self._peers.move_to_end(addr)
-        self._peers[addr] = (sock, now)
-        try:
-            sock.send(data, NOBLOCK)
-        except zmq.Again:
+        if not self.transport.send(addr, data):
             self.dropped_sends += 1
-        # Close idle sockets, looking at the 4 least recently used (no copy of the whole map).
-        for peer, (old, used) in list(itertools.islice(self._peers.items(), 4)):
-            if now - used > PEER_IDLE_S:
-                monitor = self._monitors.pop(peer, None)
-                if monitor is not None:
-                    monitor.cancel()
-                old.disable_monitor()
-                old.close(linger=0)
-                del self._peers[peer]
 
-    def _watch(self, addr: str, sock: zmq.Socket) -> None:
-        """ZeroMQ's socket monitor: a dropped connection (a killed peer's TCP reset) makes the
-        core probe that member at once.  A hint only: the probe decides."""
-        if self._tg is None:
+    def _on_disconnect(self, addr: str) -> None:
+        """The connection to ``addr`` dropped (a killed peer's TCP reset): the core probes
+        that member at once.  A hint only: the probe decides."""
+        if self.core is None:
             return
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._monitors[addr] = self._tg.create_task(
-            self._read_monitor(addr, monitor), name="gossip-monitor"
-        )
-
-    async def _read_monitor(self, addr: str, monitor: zmq.Socket) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
-        try:
-            while True:
-                await wait_events(monitor, POLLIN)
-                while True:
-                    try:
-                        event = parse_monitor_message(monitor.recv_multipart(NOBLOCK))
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError:
-                        return
-                    if event["event"] == zmq.EVENT_DISCONNECTED and self.core is not None:
-                        node = next(
-                            (m.node for m in self.core.table.members.values() if m.addr == addr),
-                            None,
-                        )
-                        if node is not None:
-                            self.disconnect_hints += 1
-                            self.core.probe_soon(time.time(), node)
-                            self._wake.set()
-        finally:
-            monitor.close(linger=0)
-
-    def start(self, tg: asyncio.TaskGroup) -> None:
-        self._tg = tg
-
-    def stop(self) -> None:
-        for task in self._monitors.values():
-            task.cancel()
+        node = next((m.node for m in self.core.table.members.values() if m.addr == addr), None)
+        if node is not None:
+            self.disconnect_hints += 1
+            self.core.probe_soon(time.time(), node)
+            self._wake.set()
 
     def close(self) -> None:
-        for sock, _ in self._peers.values():
-            sock.close(linger=0)
-        self._peers.clear()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self.transport.close()
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -316,18 +249,12 @@ class GossipService:
         ]
 
 
-async def _readable_within(sock: zmq.Socket, timeout_s: float, wake: asyncio.Event) -> bool:
-    """True when ``sock`` has input; False when ``timeout_s`` passed or ``wake`` was set."""
-    if wake.is_set():
-        wake.clear()
-        return bool(sock.getsockopt(EVENTS) & POLLIN)
-    reader = asyncio.ensure_future(wait_events(sock, POLLIN, timeout_s))
-    waker = asyncio.ensure_future(wake.wait())
-    try:
-        done, _ = await asyncio.wait({reader, waker}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for fut in (reader, waker):
-            fut.cancel()
-        await asyncio.gather(reader, waker, return_exceptions=True)
+async def _woken_within(timeout_s: float, wake: asyncio.Event) -> None:
+    """Return when ``wake`` is set (clearing it) or ``timeout_s`` has passed."""
+    if not wake.is_set():
+        try:
+            async with asyncio.timeout(timeout_s):
+                await wake.wait()
+        except TimeoutError:
+            pass
     wake.clear()
-    return reader in done and not reader.cancelled() and bool(reader.result())

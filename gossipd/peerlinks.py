@@ -10,7 +10,6 @@ Decisions (who gets what, retries, hedging) are the dispatcher's.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,18 +19,18 @@ from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.rpc import PEER_READ_MAX, peer_frames, peer_items
+from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
 
 Outgoing = Forward | Cancel | Withdraw | TaskDone
 
 
 class _Peer:
-    __slots__ = ("addr", "last_used", "outbox", "reader", "sock")
+    __slots__ = ("addr", "outbox", "reader", "sock")
 
     def __init__(self, addr: str, sock: zmq.Socket) -> None:
         self.addr = addr
         self.sock = sock
-        self.last_used = time.monotonic()
         self.outbox: list[Outgoing] = []
         self.reader: SocketReader | None = None
 
@@ -48,11 +47,19 @@ class PeerLinks:
         self,
         config: FanoutConfig,
         *,
-        ctx: zmq.Context,
+        sockets: SocketPool,
         on_reply: Callable[[object], None],
     ) -> None:
         self._config = config
-        self._ctx = ctx
+        self._pool = sockets
+        sockets.register(
+            SocketKind.PEER,
+            on_close=self._on_socket_closed,
+            options={
+                zmq.MAXMSGSIZE: config.message_bytes_max,
+                zmq.RECONNECT_IVL_MAX: int(config.peer_reconnect_max_s * 1000),
+            },
+        )
         self.counters = PeerLinkCounters()
         self._on_reply = on_reply  # each decoded item a peer sent back, in order
         self._peers: dict[str, _Peer] = {}
@@ -66,9 +73,7 @@ class PeerLinks:
 
     def close(self) -> None:
         self.stop()
-        for peer in self._peers.values():
-            peer.sock.close(linger=0)
-        self._peers.clear()
+        self._pool.close_kind(SocketKind.PEER)
 
     def send(self, addr: str, msg: Outgoing) -> None:
         """Queue for the peer at ``addr``; what is queued in this loop turn leaves as one
@@ -96,25 +101,25 @@ class PeerLinks:
             except zmq.Again:
                 self.counters.sends_dropped += count
         kick(peer.sock)
-        peer.last_used = time.monotonic()
+        self._pool.touch(SocketKind.PEER, peer.addr)
 
     def close_idle(self, members: set[str], now: float) -> int:
         """Close the connections to addresses outside ``members`` (the live members' rpc
         addresses) that have sent nothing for ``fanout.peer_idle_close_s``; how many."""
-        idle = [
-            peer
-            for addr, peer in self._peers.items()
-            if addr not in members
-            and not peer.outbox
-            and now - peer.last_used >= self._config.peer_idle_close_s
-        ]
-        for peer in idle:
-            del self._peers[peer.addr]
-            if peer.reader is not None:
-                peer.reader.close()
-            peer.sock.close(linger=0)
-        self.counters.links_closed += len(idle)
-        return len(idle)
+        closed = self._pool.close_idle(
+            now,
+            SocketKind.PEER,
+            idle_s=self._config.peer_idle_close_s,
+            keep=lambda addr: addr in members or bool(self._peers[addr].outbox),
+        )
+        self.counters.links_closed += closed
+        return closed
+
+    def _on_socket_closed(self, addr: str, reason: CloseReason) -> None:
+        """The pool closes ``addr``'s socket: stop reading it first."""
+        peer = self._peers.pop(addr)
+        if peer.reader is not None:
+            peer.reader.close()
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -122,12 +127,7 @@ class PeerLinks:
     def _peer(self, addr: str) -> _Peer:
         peer = self._peers.get(addr)
         if peer is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._config.message_bytes_max)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._config.peer_reconnect_max_s * 1000))
-            sock.connect(addr)
+            sock = self._pool.open(SocketKind.PEER, addr)
             peer = _Peer(addr, sock)
             self._peers[addr] = peer
             peer.reader = SocketReader(sock, sock.recv, PEER_READ_MAX, self._on_frames)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from gossipd.logs import RateLimiter
+from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
 log = logging.getLogger("gossipd.transport")
 
@@ -218,14 +219,13 @@ class ReplyStatistics:
 
 
 class _Peer:
-    __slots__ = ("batch", "endpoint", "flusher", "last_used", "queue", "sock", "waiters")
+    __slots__ = ("batch", "endpoint", "flusher", "queue", "sock", "waiters")
 
-    def __init__(self, endpoint: str, sock: zmq.Socket, now: float) -> None:
+    def __init__(self, endpoint: str, sock: zmq.Socket) -> None:
         self.endpoint = endpoint
         self.sock = sock
         self.batch: list[bytes] = []  # sent together at the end of this loop turn
         self.queue: deque[bytes] = deque()
-        self.last_used = now
         self.flusher: asyncio.Task[None] | None = None
         # when_sent callbacks: called once batch and queue are empty (handed to ZeroMQ, or
         # dropped).
@@ -272,7 +272,7 @@ class TurnBatching:
 class ReplySender:
     """Sends results and chunks to producers' reply addresses by PUSH, never blocking.
 
-    One cached socket per reply address (at most ``sockets_max``, least recently used closed
+    One pooled socket per reply address (at most ``sockets_max``, least recently used closed
     first, idle ones closed after ``idle_s``).  A message that cannot go at once waits in that
     address's queue (at most ``queue_max``) for up to ``timeout_s``; then it is dropped and
     counted, and the socket is closed.  Messages to one address keep their order.
@@ -287,21 +287,26 @@ class ReplySender:
 
     def __init__(
         self,
-        ctx: zmq.Context,
+        pool: SocketPool,
         *,
         sockets_max: int,
         idle_s: float,
         timeout_s: float,
         queue_max: int,
     ) -> None:
-        self._ctx = ctx
-        self._sockets_max = sockets_max
-        self._idle_s = idle_s
+        self._pool = pool
+        pool.register(
+            SocketKind.REPLY,
+            on_close=self._on_socket_closed,
+            sockets_max=sockets_max,
+            idle_s=idle_s,
+            linger_ms=1000,
+            keep=lambda endpoint: bool(self._peers[endpoint].queue),  # still flushing
+        )
         self._timeout_s = timeout_s
         self._queue_max = queue_max
-        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+        self._peers: dict[str, _Peer] = {}
         self._tg: asyncio.TaskGroup | None = None
-        self._idle_closer: asyncio.Task[None] | None = None
         self._closed = False
         self._batched: list[_Peer] = []  # peers with a non-empty batch, in first-use order
         self._turn = TurnBatching(self._send_batches)
@@ -313,28 +318,15 @@ class ReplySender:
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
-        self._idle_closer = tg.create_task(self._close_idle_forever(), name="reply-idle-closer")
 
     def stop(self) -> None:
         """Cancel the background tasks (queued replies stay until ``close``)."""
-        if self._idle_closer is not None:
-            self._idle_closer.cancel()
         for peer in self._peers.values():
             if peer.flusher is not None:
                 peer.flusher.cancel()
 
-    def _open(self, endpoint: str, now: float) -> _Peer:
-        while len(self._peers) >= self._sockets_max:
-            _, old = self._peers.popitem(last=False)
-            self._evicted += 1
-            self._discard(old, linger_ms=1000)
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        peer = _Peer(endpoint, sock, now)
+    def _open(self, endpoint: str) -> _Peer:
+        peer = _Peer(endpoint, self._pool.open(SocketKind.REPLY, endpoint))
         self._peers[endpoint] = peer
         return peer
 
@@ -342,13 +334,11 @@ class ReplySender:
         """Queue ``frame`` for ``endpoint`` (already validated as connectable)."""
         if self._closed:
             return
-        now = asyncio.get_running_loop().time()
         peer = self._peers.get(endpoint)
         if peer is None:
-            peer = self._open(endpoint, now)
+            peer = self._open(endpoint)
         else:
-            self._peers.move_to_end(endpoint)
-        peer.last_used = now
+            self._pool.touch(SocketKind.REPLY, endpoint)
         if peer.queue:
             self._enqueue(peer, frame)
             return
@@ -417,8 +407,7 @@ class ReplySender:
                     )
                     peer.queue.clear()
                     if self._peers.get(peer.endpoint) is peer:
-                        del self._peers[peer.endpoint]
-                    self._discard(peer, linger_ms=0)
+                        self._pool.close(SocketKind.REPLY, peer.endpoint, linger_ms=0)
                     return
                 try:
                     while peer.queue:
@@ -432,26 +421,20 @@ class ReplySender:
         if peer.waiters and not peer.batch:
             peer.release_waiters()
 
-    def _discard(self, peer: _Peer, *, linger_ms: int) -> None:
+    def _on_socket_closed(self, endpoint: str, reason: CloseReason) -> None:
+        """The pool closes ``endpoint``'s socket (evicted, idle, timed out or ours closing):
+        what is still queued for it is dropped and counted."""
+        peer = self._peers.pop(endpoint)
+        if reason is CloseReason.EVICTED:
+            self._evicted += 1
+        elif reason is CloseReason.IDLE:
+            self._closed_idle += 1
         if peer.flusher is not None:
             peer.flusher.cancel()
         self._dropped_undeliverable += len(peer.queue) + len(peer.batch)
         peer.queue.clear()
         peer.batch.clear()
-        peer.sock.setsockopt(zmq.LINGER, linger_ms)
-        peer.sock.close()
         peer.release_waiters()  # nothing is held for the address any more
-
-    async def _close_idle_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(max(0.5, min(self._idle_s / 4, 10.0)))
-            cutoff = loop.time() - self._idle_s
-            for endpoint, peer in list(self._peers.items()):
-                if peer.last_used < cutoff and not peer.queue:
-                    del self._peers[endpoint]
-                    self._closed_idle += 1
-                    self._discard(peer, linger_ms=1000)
 
     async def flush(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) until every queued message has been handed to ZeroMQ."""
@@ -466,9 +449,7 @@ class ReplySender:
         if not self._closed:
             self._send_batches()
         self._closed = True
-        for peer in self._peers.values():
-            self._discard(peer, linger_ms=linger_ms)
-        self._peers.clear()
+        self._pool.close_kind(SocketKind.REPLY, linger_ms=linger_ms)
 
     def statistics(self) -> ReplyStatistics:
         return ReplyStatistics(

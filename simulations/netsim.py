@@ -1,4 +1,6 @@
-"""A deterministic virtual-time network for running many SWIM cores in one process.
+"""A deterministic virtual-time network for running many SWIM cores in one process, and
+``SimNetwork``: the same network model behind ``SimTransport``s (``gossipd.datagrams.Transport``
+in virtual time, for anything written against that protocol).
 
 Events (message deliveries and timer ticks) sit in one heap ordered by (time, random
 tie-break, sequence): events due at the same instant run in an order drawn from the seeded
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from gossipd.core.membership import MemberEvent
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
+from gossipd.datagrams import OnFrame
+from gossipd.errors import LocalProtocolError, TransportClosed
 
 TICK, DELIVER = 0, 1
 
@@ -31,6 +35,16 @@ class NetworkModel:
     latency_s: float = 0.0005
     latency_sigma: float = 0.5
     loss: float = 0.0
+
+    def delay_s(self, rng: random.Random, starve_s: float = 0.0) -> float | None:
+        """One message's fate: None when it is lost, else its delay.  Draws from ``rng`` in a
+        fixed order (loss, latency, the receiver's starvation), so a seed gives one trace."""
+        if self.loss and rng.random() < self.loss:
+            return None
+        delay = self.latency_s * math.exp(self.latency_sigma * rng.gauss(0.0, 1.0))
+        if starve_s:
+            delay += rng.expovariate(1.0 / starve_s)
+        return delay
 
 
 @dataclass
@@ -157,12 +171,10 @@ class Simulation:
             if self.partitioned and target.group != member.group:
                 self.trace.lost += 1
                 continue
-            if self.net.loss and self.rng.random() < self.net.loss:
+            delay = self.net.delay_s(self.rng, target.starve_s)
+            if delay is None:
                 self.trace.lost += 1
                 continue
-            delay = self.net.latency_s * math.exp(self.net.latency_sigma * self.rng.gauss(0.0, 1.0))
-            if target.starve_s:
-                delay += self.rng.expovariate(1.0 / target.starve_s)
             self.trace.delivered += 1
             self._push(self.now + delay, DELIVER, dst, data)
         for event in core.take_events():
@@ -216,3 +228,135 @@ class Simulation:
         """(messages, bytes) sent so far by all live members."""
         msgs = sum(sum(m.core.stats.sent.values()) for m in self.members if m.up)
         return msgs, sum(m.core.stats.sent_bytes for m in self.members if m.up)
+
+
+# -- Transports in virtual time ---------------------------------------------------------------
+
+
+class SimNetwork:
+    """Connected ``SimTransport``s over the network model, in virtual time.
+
+    A send draws the frame's fate from the network's seeded RNG (loss, then a lognormal delay)
+    and queues its delivery; ``run_until`` / ``run_until_idle`` deliver due frames in time
+    order (ties in an order drawn from the RNG) to the receiving transport's ``on_frame``.
+    Frames from one transport to one address never overtake each other: a frame is delivered
+    no earlier than the one sent before it on that path.  ``partition`` makes groups of
+    transports unable to reach each other (frames between them are lost) until ``heal``.
+    At most ``inflight_max`` frames per path are in flight; a send beyond that returns False,
+    as a full ZeroMQ queue does."""
+
+    def __init__(
+        self, *, seed: int, model: NetworkModel | None = None, inflight_max: int = 10_000
+    ) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.model = model or NetworkModel()
+        self.inflight_max = inflight_max
+        self.now = 0.0
+        self._heap: list[tuple[float, float, int, str, str, bytes]] = []
+        self._seq = 0
+        self._bound: dict[str, SimTransport] = {}
+        self._last_at: dict[tuple[str, str], float] = {}  # per path: the latest delivery time
+        self._inflight: dict[tuple[str, str], int] = {}
+        self._group: dict[str, int] = {}  # transport name -> partition group
+        self.sent = 0
+        self.delivered = 0
+        self.lost = 0  # by the model or a partition
+        self.undeliverable = 0  # nobody bound at the address when the frame arrived
+        self.dropped_full = 0  # refused at send: inflight_max on that path
+
+    def new_transport(self, name: str) -> SimTransport:
+        """A transport named ``name``; bound, it receives at ``sim://NAME``."""
+        return SimTransport(self, name)
+
+    def partition(self, groups: list[list[str]]) -> None:
+        """Transports (by name) in different groups cannot reach each other; one in no group
+        is in group 0."""
+        self._group = {name: g for g, names in enumerate(groups) for name in names}
+
+    def heal(self) -> None:
+        self._group = {}
+
+    def _send(self, src: str, addr: str, frame: bytes) -> bool:
+        path = (src, addr)
+        inflight = self._inflight.get(path, 0)
+        if inflight >= self.inflight_max:
+            self.dropped_full += 1
+            return False
+        self.sent += 1
+        dst = addr.removeprefix("sim://")
+        if self._group and self._group.get(src, 0) != self._group.get(dst, 0):
+            self.lost += 1
+            return True
+        delay = self.model.delay_s(self.rng)
+        if delay is None:
+            self.lost += 1
+            return True
+        at = max(self.now + delay, math.nextafter(self._last_at.get(path, -math.inf), math.inf))
+        self._last_at[path] = at
+        self._inflight[path] = inflight + 1
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self.rng.random(), self._seq, src, addr, frame))
+        return True
+
+    def run_until(self, t_end: float) -> None:
+        """Deliver every frame due by ``t_end`` (and those their handlers send that are due by
+        then); the clock ends at ``t_end``."""
+        heap = self._heap
+        while heap and heap[0][0] <= t_end:
+            at, _, _, src, addr, frame = heapq.heappop(heap)
+            self.now = at
+            path = (src, addr)
+            self._inflight[path] -= 1
+            target = self._bound.get(addr)
+            if target is None:
+                self.undeliverable += 1
+                continue
+            self.delivered += 1
+            target._deliver(frame)
+        self.now = max(self.now, t_end)
+
+    def run_until_idle(self, limit_s: float = 3600.0) -> None:
+        """Deliver until nothing is in flight (or ``limit_s`` of virtual time has passed)."""
+        end = self.now + limit_s
+        while self._heap and self._heap[0][0] <= end:
+            self.run_until(self._heap[0][0])
+
+
+class SimTransport:
+    """``gossipd.datagrams.Transport`` on a ``SimNetwork``: frames are delivered when the
+    simulation runs, to the handler of whichever transport is bound at the address then."""
+
+    def __init__(self, network: SimNetwork, name: str) -> None:
+        self.network = network
+        self.name = name
+        self.addr = f"sim://{name}"
+        self._on_frame: OnFrame | None = None
+        self._closed = False
+
+    def bind(self, addr: str, on_frame: OnFrame) -> str:
+        """Receive at ``sim://NAME`` (``addr`` is ignored: a simulated node has one address)."""
+        if self._closed:
+            raise TransportClosed("bind on a closed transport")
+        if self._on_frame is not None or self.addr in self.network._bound:
+            raise LocalProtocolError(f"{self.addr} is already bound")
+        self._on_frame = on_frame
+        self.network._bound[self.addr] = self
+        return self.addr
+
+    def send(self, addr: str, frame: bytes) -> bool:
+        if self._closed:
+            raise TransportClosed("send on a closed transport")
+        return self.network._send(self.name, addr, frame)
+
+    def _deliver(self, frame: bytes) -> None:
+        assert self._on_frame is not None
+        self._on_frame(frame)
+
+    def close(self) -> None:
+        """Stop receiving; frames already sent by this transport still travel."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.network._bound.get(self.addr) is self:
+            del self.network._bound[self.addr]

@@ -15,6 +15,7 @@ from gossipd.core.swim_config import SwimConfig, field_bounds
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import ConfigError
 from gossipd.gossip import GossipService
+from gossipd.sockets import SocketPool
 from tests.helpers import gossipd_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +210,7 @@ def test_swim_overrides_over_a_preset_reach_the_gossip_service() -> None:
         service = GossipService(
             config,
             node="n",
-            ctx=ctx,
+            sockets=SocketPool(ctx),
             engine=EchoEngine(),
             ingress_endpoint="tcp://x:1",
             rng=random.Random(1),

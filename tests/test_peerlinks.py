@@ -15,6 +15,7 @@ from gossipd.core.messages import Forward, Task, TaskDone
 from gossipd.launcher import free_tcp_port
 from gossipd.peerlinks import PeerLinks
 from gossipd.rpc import peer_frames, peer_items
+from gossipd.sockets import SocketPool
 from tests.helpers import run_with_context
 
 
@@ -32,7 +33,7 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> Non
     async def main(ctx: zmq.Context) -> tuple[list[int], int, list[int]]:
         router = ctx.socket(zmq.ROUTER)
         addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-        links = PeerLinks(config, ctx=ctx, on_reply=lambda m: None)
+        links = PeerLinks(config, sockets=SocketPool(ctx), on_reply=lambda m: None)
 
         def reqs() -> list[int]:
             if not router.poll(2000):
@@ -86,7 +87,7 @@ def _retries_in(seconds: float, config: FanoutConfig) -> int:
     """Connect attempts PeerLinks makes in ``seconds`` to an address nobody listens on."""
 
     async def main(ctx: zmq.Context) -> int:
-        links = PeerLinks(config, ctx=ctx, on_reply=lambda m: None)
+        links = PeerLinks(config, sockets=SocketPool(ctx), on_reply=lambda m: None)
         addr = f"tcp://127.0.0.1:{free_tcp_port()}"
         try:
             links.send(addr, _forward(1))
@@ -118,7 +119,7 @@ def test_idle_connections_to_non_members_are_closed() -> None:
     config = FanoutConfig(peer_idle_close_s=5.0)
 
     async def main(ctx: zmq.Context) -> tuple[int, int, int, int]:
-        links = PeerLinks(config, ctx=ctx, on_reply=lambda m: None)
+        links = PeerLinks(config, sockets=SocketPool(ctx), on_reply=lambda m: None)
         member, gone = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2))
         try:
             links.send(member, _forward(1))

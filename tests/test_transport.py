@@ -10,6 +10,7 @@ import zmq
 import gossipd.transport as transport
 from gossipd.launcher import free_tcp_port
 from gossipd.logs import RateLimiter
+from gossipd.sockets import SocketPool
 from gossipd.transport import ReplySender, SocketReader, kick, recv_batch, wait_events
 from tests.helpers import run_with_context, wait_until_async
 
@@ -17,7 +18,7 @@ from tests.helpers import run_with_context, wait_until_async
 def _sender(ctx: zmq.Context, **overrides: float) -> ReplySender:
     opts = {"sockets_max": 2, "idle_s": 60.0, "timeout_s": 0.3, "queue_max": 100}
     opts.update(overrides)
-    return ReplySender(ctx, **opts)  # type: ignore[arg-type]
+    return ReplySender(SocketPool(ctx), **opts)  # type: ignore[arg-type]
 
 
 def test_ReplySender_delivers_in_order_and_bounds_cached_sockets() -> None:
@@ -85,15 +86,18 @@ def test_ReplySender_closes_idle_sockets() -> None:
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         port = pull.bind_to_random_port("tcp://127.0.0.1")
-        sender = _sender(ctx, idle_s=0.2)
+        pool = SocketPool(ctx)
+        sender = ReplySender(pool, sockets_max=2, idle_s=0.2, timeout_s=0.3, queue_max=100)
         async with asyncio.TaskGroup() as tg:
             sender.start(tg)
+            pool.start()  # the sweep that closes idle sockets
             sender.send(f"tcp://127.0.0.1:{port}", b"hi")
             await asyncio.wait_for(recv_batch(pull, 1), 5)
             await wait_until_async(
                 lambda: sender.statistics().sockets_closed_idle == 1, 5, "the idle close"
             )
             sender.stop()
+            pool.stop()
         closed = sender.statistics().sockets_closed_idle
         sender.close()
         pull.close(linger=0)

@@ -1,0 +1,302 @@
+"""The daemon's outgoing ZeroMQ sockets, in one pool keyed by (kind, address).
+
+Three parts send to many addresses: gossip (PUSH to each member's gossip PULL), the reply
+sender (PUSH to each producer's reply address) and the forwarder's peer links (DEALER to each
+member's ROUTER).  Each kind has one user, which registers it with its bounds and a close
+callback; the pool creates sockets with the kind's options (``KIND_OPTIONS``, plus the user's
+config-derived ones), keeps them in least-recently-used order, evicts the least recently used
+when a kind is at its bound, closes sockets unused for the kind's ``idle_s`` (a timer sweeps
+every ``sweep_interval_s``), and calls the user's ``on_close(addr, reason)`` before it closes
+any socket, so that readers and monitors on it go first.  Every close goes through that
+callback, whoever asked for it.
+
+Users keep their own per-address state (queues, readers) beside the socket: ``open`` on the
+first use, ``touch`` on each later one (that is what keeps a socket recent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import zmq
+
+from gossipd.errors import LocalProtocolError, TransportClosed
+
+
+class SocketKind(enum.Enum):
+    GOSSIP = "gossip"  # PUSH to a member's gossip PULL (SWIM datagrams)
+    REPLY = "reply"  # PUSH to a producer's reply_to PULL (Chunk, Result)
+    PEER = "peer"  # DEALER to a member's fan-out ROUTER (Forward, Cancel, Withdraw, TaskDone)
+
+
+# Socket type and options per kind; a user adds the ones that come from its configuration.
+KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
+    # Sends never block: a full queue (64) drops the datagram, as UDP would; SWIM is built for
+    # loss.  Reconnect soon after a peer restarts, backing off to 2 s for one that is gone.
+    SocketKind.GOSSIP: (
+        zmq.PUSH,
+        (
+            (zmq.SNDHWM, 64),
+            (zmq.LINGER, 0),
+            (zmq.RECONNECT_IVL, 100),
+            (zmq.RECONNECT_IVL_MAX, 2000),
+        ),
+    ),
+    # IMMEDIATE: queue only on a live connection, so that replies to an address that never
+    # answers wait in the reply sender's bounded queue (and time out) instead of in ZeroMQ.
+    SocketKind.REPLY: (
+        zmq.PUSH,
+        ((zmq.IMMEDIATE, 1), (zmq.SNDHWM, 10_000), (zmq.RECONNECT_IVL, 100), (zmq.LINGER, 0)),
+    ),
+    # + MAXMSGSIZE and RECONNECT_IVL_MAX from FanoutConfig (peerlinks.py).
+    SocketKind.PEER: (zmq.DEALER, ((zmq.LINGER, 0), (zmq.SNDHWM, 10_000))),
+}
+
+
+class CloseReason(enum.Enum):
+    EVICTED = "evicted"  # the kind was at its sockets_max; this one was the least recently used
+    IDLE = "idle"  # unused for idle_s
+    REQUESTED = "requested"  # the user (or the pool's own close) asked
+
+
+OnClose = Callable[[str, CloseReason], None]
+
+
+@dataclass(frozen=True, slots=True)
+class KindStatistics:
+    sockets_open: int
+    opened: int
+    evicted: int
+    closed_idle: int
+
+
+class _Entry:
+    __slots__ = ("sock", "used_at")
+
+    def __init__(self, sock: zmq.Socket, used_at: float) -> None:
+        self.sock = sock
+        self.used_at = used_at  # time.monotonic() of the last open or touch
+
+
+class _Kind:
+    __slots__ = (
+        "closed_idle",
+        "evicted",
+        "idle_s",
+        "keep",
+        "linger_ms",
+        "on_close",
+        "opened",
+        "options",
+        "socket_type",
+        "sockets",
+        "sockets_max",
+    )
+
+    def __init__(
+        self,
+        kind: SocketKind,
+        on_close: OnClose,
+        sockets_max: int | None,
+        idle_s: float | None,
+        linger_ms: int,
+        options: Mapping[int, int],
+        keep: Callable[[str], bool] | None,
+    ) -> None:
+        socket_type, fixed = KIND_OPTIONS[kind]
+        self.socket_type = socket_type
+        self.options = dict(fixed) | dict(options)
+        self.on_close = on_close
+        self.sockets_max = sockets_max
+        self.idle_s = idle_s
+        self.linger_ms = linger_ms
+        self.keep = keep
+        self.sockets: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self.opened = 0
+        self.evicted = 0
+        self.closed_idle = 0
+
+
+class SocketPool:
+    """Outgoing sockets by (kind, address): bounded per kind (least recently used evicted),
+    idle ones closed, the kind's user told before any of its sockets closes.
+
+    Not thread-safe; every call on the event loop's thread (``start`` needs a running loop)."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx = ctx
+        self._kinds: dict[SocketKind, _Kind] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    def register(
+        self,
+        kind: SocketKind,
+        *,
+        on_close: OnClose,
+        sockets_max: int | None = None,
+        idle_s: float | None = None,
+        linger_ms: int = 0,
+        options: Mapping[int, int] | None = None,
+        keep: Callable[[str], bool] | None = None,
+    ) -> None:
+        """Become ``kind``'s one user.  ``sockets_max``: at most this many open (None: no
+        bound); ``idle_s``: the sweep closes sockets unused this long (None: only on request,
+        ``close_idle`` with an ``idle_s``); ``linger_ms``: how long ZeroMQ keeps trying to
+        deliver what an evicted or idle-closed socket still holds; ``options``: socket options
+        added to (or replacing) the kind's ``KIND_OPTIONS``; ``keep(addr)``: True vetoes an
+        idle close (the user still has something queued for that address)."""
+        if kind in self._kinds:
+            raise LocalProtocolError(f"socket kind {kind.value} already has a user")
+        self._kinds[kind] = _Kind(
+            kind, on_close, sockets_max, idle_s, linger_ms, options or {}, keep
+        )
+
+    # -- per socket ------------------------------------------------------------------------
+
+    def open(self, kind: SocketKind, addr: str) -> zmq.Socket:
+        """A new socket of ``kind`` connected to ``addr`` (which has none open), evicting the
+        kind's least recently used one first when the kind is at its ``sockets_max``."""
+        if self._closed:
+            raise TransportClosed("the socket pool is closed")
+        k = self._kinds[kind]
+        if addr in k.sockets:
+            raise LocalProtocolError(f"a {kind.value} socket to {addr} is already open")
+        while k.sockets_max is not None and len(k.sockets) >= k.sockets_max:
+            oldest = next(iter(k.sockets))
+            k.evicted += 1
+            self._close(k, oldest, CloseReason.EVICTED, k.linger_ms)
+        sock = self.ctx.socket(k.socket_type)
+        for option, value in k.options.items():
+            sock.setsockopt(option, value)
+        sock.connect(addr)
+        k.sockets[addr] = _Entry(sock, time.monotonic())
+        k.opened += 1
+        return sock
+
+    def touch(self, kind: SocketKind, addr: str) -> zmq.Socket | None:
+        """A use of ``addr``'s socket: it becomes the most recently used.  The socket; None
+        when none is open."""
+        sockets = self._kinds[kind].sockets
+        entry = sockets.get(addr)
+        if entry is None:
+            return None
+        entry.used_at = time.monotonic()
+        sockets.move_to_end(addr)
+        return entry.sock
+
+    def get(self, kind: SocketKind, addr: str) -> zmq.Socket | None:
+        """The open socket of ``kind`` to ``addr``, if any (not a use: nothing is touched)."""
+        entry = self._kinds[kind].sockets.get(addr)
+        return None if entry is None else entry.sock
+
+    def close(self, kind: SocketKind, addr: str, *, linger_ms: int | None = None) -> bool:
+        """Close ``addr``'s socket (the user's ``on_close`` first); False if none was open.
+        ``linger_ms``: default the kind's."""
+        k = self._kinds[kind]
+        if addr not in k.sockets:
+            return False
+        self._close(k, addr, CloseReason.REQUESTED, k.linger_ms if linger_ms is None else linger_ms)
+        return True
+
+    def close_kind(self, kind: SocketKind, *, linger_ms: int | None = None) -> None:
+        """Close every socket of ``kind``."""
+        k = self._kinds.get(kind)
+        if k is None:
+            return
+        for addr in list(k.sockets):
+            if addr in k.sockets:  # an on_close may have closed another
+                self._close(
+                    k, addr, CloseReason.REQUESTED, k.linger_ms if linger_ms is None else linger_ms
+                )
+
+    def close_idle(
+        self,
+        now: float,
+        kind: SocketKind | None = None,
+        *,
+        idle_s: float | None = None,
+        keep: Callable[[str], bool] | None = None,
+    ) -> int:
+        """Close the sockets unused since ``now - idle_s`` (``now`` on time.monotonic()'s
+        clock) unless ``keep(addr)``; how many.  ``kind`` None: every kind with an ``idle_s``.
+        ``idle_s`` / ``keep`` default to the kind's registered ones."""
+        kinds = [self._kinds[kind]] if kind is not None else list(self._kinds.values())
+        closed = 0
+        for k in kinds:
+            limit_s = idle_s if idle_s is not None else k.idle_s
+            if limit_s is None:
+                continue
+            veto = keep if keep is not None else k.keep
+            cutoff = now - limit_s
+            idle = []
+            # Least recently used first, so the scan ends at the first recent socket.
+            for addr, entry in k.sockets.items():
+                if entry.used_at > cutoff:
+                    break
+                if veto is None or not veto(addr):
+                    idle.append(addr)
+            for addr in idle:
+                if addr in k.sockets:
+                    k.closed_idle += 1
+                    closed += 1
+                    self._close(k, addr, CloseReason.IDLE, k.linger_ms)
+        return closed
+
+    def _close(self, k: _Kind, addr: str, reason: CloseReason, linger_ms: int) -> None:
+        sock = k.sockets.pop(addr).sock
+        try:
+            k.on_close(addr, reason)
+        finally:
+            sock.close(linger=linger_ms)
+
+    # -- the pool --------------------------------------------------------------------------
+
+    def sweep_interval_s(self) -> float:
+        """How often the sweep runs: a quarter of the shortest ``idle_s``, within 0.5..10 s."""
+        idle = [k.idle_s for k in self._kinds.values() if k.idle_s is not None]
+        return max(0.5, min(min(idle, default=40.0) / 4, 10.0))
+
+    def start(self) -> None:
+        """Sweep idle sockets on a loop timer (call inside the running loop)."""
+        if self._sweeper is None and not self._closed:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(self.sweep_interval_s(), self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self.close_idle(time.monotonic())
+        self.start()
+
+    def stop(self) -> None:
+        """Stop sweeping (sockets stay open until ``close``)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    def close_all(self, *, linger_ms: int = 0) -> None:
+        """Close every socket still open (each user's ``on_close`` first); later opens raise
+        TransportClosed.  Call before terminating the context."""
+        self.stop()
+        self._closed = True
+        for kind in list(self._kinds):
+            self.close_kind(kind, linger_ms=linger_ms)
+
+    def __len__(self) -> int:
+        return sum(len(k.sockets) for k in self._kinds.values())
+
+    def statistics(self, kind: SocketKind) -> KindStatistics:
+        k = self._kinds.get(kind)
+        if k is None:
+            return KindStatistics(0, 0, 0, 0)
+        return KindStatistics(
+            sockets_open=len(k.sockets),
+            opened=k.opened,
+            evicted=k.evicted,
+            closed_idle=k.closed_idle,
+        )
