@@ -1,6 +1,6 @@
 import sys
 
-from gossipd.cli import main
+from gossipd.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -258,7 +258,7 @@ class FanoutConfig(Section):
 
 
 class JournalConfig(Section):
-    # The journal of accepted tasks (see gossipd/journal.py); empty: no journal, so a task
+    # The journal of accepted tasks (see gossipd/ingress/journal.py); empty: no journal, so a task
     # accepted here is lost with a crash unless its producer resubmits it.
     path: str = ""
     # Batched durability: accepted tasks reach the disk within this long.

@@ -25,18 +25,18 @@ from gossipd import __version__
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder
 from gossipd.core.messages import ErrorCode, TaskDone, error_result
-from gossipd.dispatch import Dispatcher
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
-from gossipd.gossip import GossipService
-from gossipd.ingress import Ingress
-from gossipd.journal import Journal
-from gossipd.metrics import DaemonCollector, serve_metrics
-from gossipd.notify import Notifier
-from gossipd.peerlinks import PeerLinks
-from gossipd.placer import Placer
-from gossipd.rpc import OwnerEndpoint
+from gossipd.fanout.forwarding import Dispatcher
+from gossipd.fanout.owner import OwnerEndpoint
+from gossipd.fanout.peerlinks import PeerLinks
+from gossipd.fanout.placer import Placer
+from gossipd.ingress.journal import Journal
+from gossipd.ingress.service import Ingress
+from gossipd.membership.gossip import GossipService
+from gossipd.ops.metrics import DaemonCollector, serve_metrics
+from gossipd.ops.notify import Notifier
 from gossipd.sockets import SocketPool
 from gossipd.transport import ReplySender
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from gossipd.logs import RateLimiter
+from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
 log = logging.getLogger("gossipd.transport")

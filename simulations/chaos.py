@@ -15,8 +15,8 @@ import sys
 from collections import Counter
 from typing import Any
 
-from gossipd.client import Client
-from gossipd.progress import Progress, percentile
+from gossipd.tools.client import Client
+from gossipd.tools.progress import Progress, percentile
 from simulations.cluster import Cluster
 
 

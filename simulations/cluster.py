@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gossipd.launcher import DaemonProcess
-from gossipd.progress import summarize
+from gossipd.tools.launcher import DaemonProcess
+from gossipd.tools.progress import summarize
 
 
 @dataclass

@@ -4,7 +4,7 @@ producers, all in one process and deterministic for a seed.
 Each simulated daemon runs the real protocol cores: ``SwimNode`` (membership), ``Forwarder``
 (fan-out, the forwarder's side) and ``Admission`` (dedup and bounds).  Around them this module
 plays what the asyncio shell and the world do: the owner's handling of Forward / Withdraw /
-TaskDone (as ``rpc.py`` does), an engine with a few slots and random service times, a journal
+TaskDone (as ``gossipd/fanout/owner.py`` does), an engine with a few slots and random service times, a journal
 whose records survive a crash once fsynced, a network (latency, per-link FIFO order, loss,
 partitions), and producers that resubmit as docs/PROTOCOL.md says (same id after a silence,
 after ``retry_after_ms`` for a busy refusal) and deduplicate final Results by id.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from gossipd.launcher import DaemonProcess
+from gossipd.tools.launcher import DaemonProcess
 
 settings.register_profile(
     "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -34,6 +34,6 @@ def daemon_factory(tmp_path) -> Iterator:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama made by `gossipd model make-tiny` (about 10 s), once per session."""
-    from gossipd.tinymodel import make_tiny
+    from gossipd.tools.tinymodel import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("model") / "tiny", seed=0)

@@ -9,9 +9,9 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from gossipd.client import Client, ClientStatistics
 from gossipd.core.messages import Result, SamplingParams, Task, encode
-from gossipd.launcher import DaemonProcess, free_tcp_port
+from gossipd.tools.client import Client, ClientStatistics
+from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from tests.helpers import gossipd_cli, run_with_context, scrape
 
 

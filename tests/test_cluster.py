@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from gossipd.core.swim_config import SwimConfig
-from gossipd.launcher import DaemonProcess, free_tcp_port
+from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from simulations.cluster import Cluster
 from tests.helpers import scrape, wait_until
 

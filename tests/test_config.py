@@ -14,7 +14,7 @@ from gossipd.config import Config, load_config
 from gossipd.core.swim_config import SwimConfig, field_bounds
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import ConfigError
-from gossipd.gossip import GossipService
+from gossipd.membership.gossip import GossipService
 from gossipd.sockets import SocketPool
 from tests.helpers import gossipd_cli
 

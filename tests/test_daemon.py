@@ -14,7 +14,7 @@ import time
 import msgpack
 import pytest
 
-from gossipd.launcher import free_tcp_port
+from gossipd.tools.launcher import free_tcp_port
 from tests.helpers import RawProducer, scrape
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.core.messages import Task
-from gossipd.journal import Journal
+from gossipd.ingress.journal import Journal
 from tests.helpers import wait_until_async
 
 

@@ -80,7 +80,7 @@ def test_sd_notify_ready_watchdog_stopping_over_a_real_socket(
 
 @pytest.mark.parametrize("value", ["", "abc"])
 def test_notifier_without_systemd_does_nothing(value: str) -> None:
-    from gossipd.notify import Notifier
+    from gossipd.ops.notify import Notifier
 
     n = Notifier({"NOTIFY_SOCKET": value} if value == "" else {"WATCHDOG_USEC": value})
     n.ready()

@@ -12,10 +12,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Forward, Task, TaskDone
-from gossipd.launcher import free_tcp_port
-from gossipd.peerlinks import PeerLinks
-from gossipd.rpc import peer_frames, peer_items
+from gossipd.fanout.owner import peer_frames, peer_items
+from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.sockets import SocketPool
+from gossipd.tools.launcher import free_tcp_port
 from tests.helpers import run_with_context
 
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import zmq
 
 import gossipd.transport as transport
-from gossipd.launcher import free_tcp_port
-from gossipd.logs import RateLimiter
+from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import SocketPool
+from gossipd.tools.launcher import free_tcp_port
 from gossipd.transport import ReplySender, SocketReader, kick, recv_batch, wait_events
 from tests.helpers import run_with_context, wait_until_async
 

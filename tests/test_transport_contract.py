@@ -21,8 +21,8 @@ import zmq
 
 from gossipd.datagrams import Transport, ZmqTransport
 from gossipd.errors import TransportClosed
-from gossipd.launcher import free_tcp_port
 from gossipd.sockets import SocketPool
+from gossipd.tools.launcher import free_tcp_port
 from simulations.netsim import NetworkModel, SimNetwork
 from tests.helpers import run_with_context, wait_until_async
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.client import Client
 from gossipd.core.messages import SamplingParams
+from gossipd.tools.client import Client
 from simulations.cluster import Cluster
 from tests.helpers import RawProducer, engine_overrides, scrape
 

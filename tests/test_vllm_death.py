@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.client import Client
 from gossipd.core.messages import SamplingParams
 from gossipd.core.ring import Ring
+from gossipd.tools.client import Client
 from simulations.cluster import Cluster
 from tests.helpers import engine_overrides, scrape, wait_until
 

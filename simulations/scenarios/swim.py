@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossipd.core.swim_config import SwimConfig
-from gossipd.progress import summarize
+from gossipd.tools.progress import summarize
 from simulations.netsim import NetworkModel, Simulation
 
 

@@ -27,10 +27,10 @@ from gossipd.core.messages import GpuState
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
-from gossipd.gpu import GpuProbe
+from gossipd.membership.gpu import GpuProbe
 from gossipd.sockets import SocketPool
 
-log = logging.getLogger("gossipd.gossip")
+log = logging.getLogger("gossipd.membership.gossip")
 
 PEER_SOCKETS_MAX = 4096
 PEER_IDLE_S = 120.0

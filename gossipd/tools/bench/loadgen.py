@@ -11,7 +11,7 @@ import msgpack
 import zmq
 
 from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task, encode
-from gossipd.progress import percentile
+from gossipd.tools.progress import percentile
 
 
 @dataclass(frozen=True)

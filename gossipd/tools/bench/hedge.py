@@ -23,8 +23,8 @@ import msgpack
 import zmq
 
 from gossipd.core.ring import Ring
-from gossipd.metrics import scrape
-from gossipd.progress import percentile
+from gossipd.ops.metrics import scrape
+from gossipd.tools.progress import percentile
 from simulations.cluster import Cluster
 
 

@@ -14,11 +14,11 @@ import statistics
 import sys
 from typing import Any
 
-from gossipd.bench.ingress import _raw_server
-from gossipd.bench.loadgen import drive, drive_many
-from gossipd.bench.plotting import percent_figure, save_percent_figure
 from gossipd.core.ring import Ring
-from gossipd.progress import percentile
+from gossipd.tools.bench.ingress import _raw_server
+from gossipd.tools.bench.loadgen import drive, drive_many
+from gossipd.tools.bench.plotting import percent_figure, save_percent_figure
+from gossipd.tools.progress import percentile
 from simulations.cluster import Cluster
 
 

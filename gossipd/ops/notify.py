@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-log = logging.getLogger("gossipd.notify")
+log = logging.getLogger("gossipd.ops.notify")
 
 
 class Notifier:

@@ -43,7 +43,7 @@ def _run_loop(coro: object) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gossipd.daemon import Daemon
-    from gossipd.logs import setup_logging
+    from gossipd.ops.logs import setup_logging
 
     config = _config_from(args)
     daemon_holder: list[Daemon] = []
@@ -68,7 +68,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from gossipd import submit
+    from gossipd.tools import submit
 
     endpoints = args.endpoint or [DEFAULT_ENDPOINT]
     if args.file:
@@ -103,13 +103,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gossipd.demo import run_demo
+    from gossipd.tools.demo import run_demo
 
     return run_demo(tasks=args.tasks)
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from gossipd.tinymodel import make_tiny
+    from gossipd.tools.tinymodel import make_tiny
 
     out = make_tiny(args.directory, seed=args.seed)
     print(f"wrote a tiny Llama (seed {args.seed}) to {out}")
@@ -118,11 +118,11 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "ring":
-        from gossipd.bench.ring import main as bench_ring
+        from gossipd.tools.bench.ring import main as bench_ring
 
         return bench_ring(keys=args.keys, nodes=args.nodes or 64, as_json=args.json)
     if args.what == "route":
-        from gossipd.bench.route import main as bench_route
+        from gossipd.tools.bench.route import main as bench_route
 
         return bench_route(
             nodes=args.nodes or 3,
@@ -132,25 +132,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
             plot=args.plot,
         )
     if args.what == "engine":
-        from gossipd.bench.engine import main as bench_engine
+        from gossipd.tools.bench.engine import main as bench_engine
 
         return bench_engine(
             model=args.model, rounds=args.repeats, max_tokens=args.max_tokens, as_json=args.json
         )
     if args.what == "prefix":
-        from gossipd.bench.prefix import main as bench_prefix
+        from gossipd.tools.bench.prefix import main as bench_prefix
 
         return bench_prefix(
             model=args.model, nodes=args.nodes or 3, as_json=args.json, plot=args.plot
         )
     if args.what == "hedge":
-        from gossipd.bench.hedge import main as bench_hedge
+        from gossipd.tools.bench.hedge import main as bench_hedge
 
         return bench_hedge(
             rate=args.rate, seconds=args.seconds, stall_ms=args.stall_ms, as_json=args.json
         )
     if args.what == "ingress":
-        from gossipd.bench.ingress import main as bench_ingress
+        from gossipd.tools.bench.ingress import main as bench_ingress
 
         return bench_ingress(
             tasks=args.tasks, window=args.window, repeats=args.repeats, as_json=args.json

@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from gossipd.client import Client, TaskHandle
 from gossipd.core.messages import Result, SamplingParams
-from gossipd.progress import Progress, percentile
+from gossipd.tools.client import Client, TaskHandle
+from gossipd.tools.progress import Progress, percentile
 
 
 @dataclass

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("gossipd.gpu")
+log = logging.getLogger("gossipd.membership.gpu")
 
 
 @dataclass(frozen=True, slots=True)

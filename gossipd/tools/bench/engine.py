@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossipd.launcher import DaemonProcess
-from gossipd.progress import percentile
-from gossipd.tinymodel import CPU_ENGINE_SETTINGS, engine_overrides
+from gossipd.tools.launcher import DaemonProcess
+from gossipd.tools.progress import percentile
+from gossipd.tools.tinymodel import CPU_ENGINE_SETTINGS, engine_overrides
 
 PROMPTS = [
     f"Request {i}: summarise the following document for an engineer who has five minutes."
@@ -102,9 +102,9 @@ def _figures(samples: list[tuple[float, ...]]) -> dict[str, float]:
 
 
 async def _run(model: Path, rounds: int, max_tokens: int, say: Any) -> dict[str, Any]:
-    from gossipd.client import Client
     from gossipd.config import EngineConfig
     from gossipd.engines.vllm import VllmEngine
+    from gossipd.tools.client import Client
 
     daemon = DaemonProcess(overrides=_overrides(model), name="bench-engine")
     daemon.launch()  # its engine loads while ours does
@@ -198,7 +198,7 @@ def main(*, model: str | None, rounds: int, max_tokens: int, as_json: bool) -> i
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report
     with tempfile.TemporaryDirectory(prefix="gossipd-bench-model-") as tmp:
         if model is None:
-            from gossipd.tinymodel import make_tiny
+            from gossipd.tools.tinymodel import make_tiny
 
             say("making the tiny model")
             model_dir = make_tiny(Path(tmp) / "tiny")

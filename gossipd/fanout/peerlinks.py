@@ -18,7 +18,7 @@ import zmq
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
-from gossipd.rpc import PEER_READ_MAX, peer_frames, peer_items
+from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
 

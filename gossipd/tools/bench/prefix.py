@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossipd.bench.plotting import percent_figure, save_percent_figure
-from gossipd.client import Client
 from gossipd.core.messages import SamplingParams
-from gossipd.metrics import scrape
-from gossipd.tinymodel import engine_overrides
+from gossipd.ops.metrics import scrape
+from gossipd.tools.bench.plotting import percent_figure, save_percent_figure
+from gossipd.tools.client import Client
+from gossipd.tools.tinymodel import engine_overrides
 from simulations.cluster import Cluster
 
 POLICIES = ("round_robin", "key", "prefix")
@@ -179,7 +179,7 @@ def main(
     report: dict[str, Any] = {"nodes": nodes, "groups": groups, "tasks": len(prompts), "runs": []}
     with tempfile.TemporaryDirectory(prefix="gossipd-bench-model-") as tmp:
         if model is None:
-            from gossipd.tinymodel import make_tiny
+            from gossipd.tools.tinymodel import make_tiny
 
             model_dir = make_tiny(Path(tmp) / "tiny")
         else:

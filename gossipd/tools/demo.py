@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from gossipd.client import Client
-from gossipd.launcher import DaemonProcess
-from gossipd.submit import _Line, print_report, submit_many
+from gossipd.tools.client import Client
+from gossipd.tools.launcher import DaemonProcess
+from gossipd.tools.submit import _Line, print_report, submit_many
 
 
 def run_demo(*, tasks: int) -> int:

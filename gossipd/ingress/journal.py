@@ -25,7 +25,7 @@ import msgspec
 
 from gossipd.core.messages import Task, encode
 
-log = logging.getLogger("gossipd.journal")
+log = logging.getLogger("gossipd.ingress.journal")
 
 ACCEPT, DONE, FORWARDED = 1, 2, 3
 _encoder = msgspec.msgpack.Encoder()

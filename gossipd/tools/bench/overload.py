@@ -6,7 +6,7 @@ tasks at ``load`` x the cluster's capacity to the daemons that stay up, and hono
 time): tasks, ok, p50/p99 latency of ok tasks (submit to result, retries included), final
 errors by code, and the daemons' refusals by reason.
 
-    python -m gossipd.bench.overload [--nodes 3] [--load 0.9] [--timeout-s 3] [--set KEY=VALUE]
+    python -m gossipd.tools.bench.overload [--nodes 3] [--load 0.9] [--timeout-s 3] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from gossipd.client import Client
-from gossipd.metrics import scrape
-from gossipd.progress import percentile
+from gossipd.ops.metrics import scrape
+from gossipd.tools.client import Client
+from gossipd.tools.progress import percentile
 from simulations.cluster import Cluster
 
 

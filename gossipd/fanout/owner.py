@@ -39,13 +39,13 @@ from gossipd.core.messages import (
     encode_peer,
 )
 from gossipd.errors import RemoteProtocolError
-from gossipd.ingress import Ingress
+from gossipd.ingress.service import Ingress
 from gossipd.transport import NOBLOCK, SocketReader, kick
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
 
-log = logging.getLogger("gossipd.rpc")
+log = logging.getLogger("gossipd.fanout.owner")
 
 
 def peer_frames(items: list[Any], bytes_max: int) -> list[tuple[bytes, int]]:

@@ -46,7 +46,7 @@ from gossipd.core.messages import (
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
 from gossipd.transport import NOBLOCK, POLLOUT, SocketReader, wait_events
 
-log = logging.getLogger("gossipd.client")
+log = logging.getLogger("gossipd.tools.client")
 
 # A Result carries the whole output text; bound what one reply may make us hold.
 REPLY_BYTES_MAX = 64 * 1024 * 1024

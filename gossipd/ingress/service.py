@@ -45,12 +45,12 @@ from gossipd.engines.base import (
     InvalidRequest,
 )
 from gossipd.errors import RemoteProtocolError
-from gossipd.logs import RateLimiter
-from gossipd.metrics import LatencyHistogram
-from gossipd.runqueue import RunQueue
+from gossipd.ingress.runqueue import RunQueue
+from gossipd.ops.logs import RateLimiter
+from gossipd.ops.metrics import LatencyHistogram
 from gossipd.transport import NOBLOCK, ReplySender, SocketReader
 
-log = logging.getLogger("gossipd.ingress")
+log = logging.getLogger("gossipd.ingress.service")
 
 # How often running tasks are checked against their deadlines (see core/deadlines.py).
 DEADLINE_RESOLUTION_S = 0.01

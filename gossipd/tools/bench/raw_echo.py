@@ -1,7 +1,7 @@
 """The baseline server: raw pyzmq PULL -> MessagePack decode -> reply -> PUSH to reply_to.
 
 No validation, no admission, no engine: the least a Python server can do per message.
-Run as ``python -m gossipd.bench.raw_echo ENDPOINT``; prints "ready" when bound.
+Run as ``python -m gossipd.tools.bench.raw_echo ENDPOINT``; prints "ready" when bound.
 """
 
 from __future__ import annotations

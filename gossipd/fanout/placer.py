@@ -16,8 +16,8 @@ from gossipd.core.messages import GpuState, Task
 from gossipd.core.placement import Candidate, bound, place
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring
-from gossipd.gossip import GossipService
-from gossipd.ingress import Ingress
+from gossipd.ingress.service import Ingress
+from gossipd.membership.gossip import GossipService
 
 
 @dataclass(slots=True)

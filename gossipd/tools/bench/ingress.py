@@ -12,14 +12,14 @@ import statistics
 import subprocess
 import sys
 
-from gossipd.bench.loadgen import LoadResult, drive
-from gossipd.launcher import DaemonProcess, free_tcp_port
+from gossipd.tools.bench.loadgen import LoadResult, drive
+from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 
 
 def _raw_server() -> tuple[subprocess.Popen[str], str]:
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gossipd.bench.raw_echo", endpoint],
+        [sys.executable, "-m", "gossipd.tools.bench.raw_echo", endpoint],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -8,8 +8,8 @@ returns:
     membership "dead" -> Forwarder.member_dead                (gossip listener)
     one loop timer at Forwarder.next_deadline() -> Forwarder.tick
     events: Refuse -> the producer gets the error; HandedOff -> the awaiting hand_off()
-The owner's side (admitting forwarded tasks) is ``rpc.py``; which member should run a task
-is ``placer.py``; the sockets to peers are ``peerlinks.py``.
+The owner's side (admitting forwarded tasks) is ``fanout/owner.py``; which member should run
+a task is ``fanout/placer.py``; the sockets to peers are ``fanout/peerlinks.py``.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refuse, Route
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Task, TaskDone
-from gossipd.peerlinks import PeerLinks
-from gossipd.placer import Placer
-from gossipd.rpc import OwnerEndpoint
+from gossipd.fanout.owner import OwnerEndpoint
+from gossipd.fanout.peerlinks import PeerLinks
+from gossipd.fanout.placer import Placer
 
-log = logging.getLogger("gossipd.dispatch")
+log = logging.getLogger("gossipd.fanout.forwarding")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""Ingress: producers' tasks in, admission, workers on the engine, answers out."""

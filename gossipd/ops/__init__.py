@@ -1,0 +1,1 @@
+"""Operations: Prometheus metrics, structured logs, systemd notification."""
