@@ -94,7 +94,7 @@ class Daemon:
                     f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"
                 ) from None
             self.ingress.on_admitted.append(self.journal.accept)
-            self.ingress.on_finished.append(lambda ended: self.journal.done(ended.owned.task.id))  # type: ignore[union-attr]
+            self.ingress.on_finished.append(lambda owned: self.journal.done(owned.task.id))  # type: ignore[union-attr]
             # Handed to another member: that member answers it, so a restart must not re-run it.
             self.ingress.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
         self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
@@ -248,9 +248,9 @@ class Daemon:
         # The parts below call the dispatcher back; it exists by the time any message arrives.
         dispatcher: Dispatcher | None = None
 
-        def peer_reply(msg: object) -> None:
+        def peer_replies(msgs: list[object]) -> None:
             assert dispatcher is not None
-            dispatcher.on_peer_reply(msg)
+            dispatcher.on_peer_replies(msgs)
 
         def send_to_member(member: str, msg: TaskDone) -> None:
             assert dispatcher is not None
@@ -263,7 +263,7 @@ class Daemon:
             node=self.node,
             ingress=ingress,
             send_to_member=send_to_member,
-            on_peer_done=lambda msg: peer_reply(msg),
+            on_peer_done=lambda msg: peer_replies([msg]),
             on_accepted=None
             if journal is None
             else (lambda task, src: journal.mark_forwarded(task.id, src)),
@@ -273,7 +273,7 @@ class Daemon:
             node=self.node,
             forwarder=forwarder,
             placer=placer,
-            links=PeerLinks(config.fanout, sockets=self.sockets, on_reply=peer_reply),
+            links=PeerLinks(config.fanout, sockets=self.sockets, on_reply=peer_replies),
             owner=owner,
             send_error=lambda e: ingress.send_error(e.task, e.code, e.message, e.retry_after_ms),
         )
@@ -289,7 +289,7 @@ class Daemon:
         ingress.on_admitted.append(placer.record_prefix)
         ingress.on_released.append(dispatcher.task_finished)
         ingress.on_refused.append(dispatcher.task_finished)
-        ingress.on_finished.append(lambda ended: dispatcher.task_finished(ended.owned.task))
+        ingress.on_finished.append(lambda owned: dispatcher.task_finished(owned.task))
         ingress.on_finished.append(owner.task_finished)
         return gossip, dispatcher
 

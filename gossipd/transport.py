@@ -337,15 +337,16 @@ class ReplySender:
         peer = self._peers.get(endpoint)
         if peer is None:
             peer = self._open(endpoint)
-        else:
-            self._pool.touch(SocketKind.REPLY, endpoint)
         if peer.queue:
             self._enqueue(peer, frame)
             return
         if self._turn.send_now():
+            self._pool.touch(SocketKind.REPLY, endpoint)
             self._send_now(peer, [frame])
             return
         if not peer.batch:
+            # A use of the socket (LRU, idle close): once per turn, not per reply.
+            self._pool.touch(SocketKind.REPLY, endpoint)
             self._batched.append(peer)
         peer.batch.append(frame)
 

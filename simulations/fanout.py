@@ -307,10 +307,11 @@ class SimDaemon:
             id=task.id, ok=True, text="0,1,2," if chunks else "ok", node=self.name, chunks=chunks
         )
         ended = self.book.finish(task_id, result)
+        notify = (*ended.notify(), ended.notify_member())
         world.answer(self, task, result)
         world.journal_done(self, task_id)
         # TaskDone after the Result (rule 5 of core/lifecycle.py).
-        for dst in (*ended.notify, ended.notify_member):
+        for dst in notify:
             if dst:
                 done = TaskDone(id=task_id, node=self.name)
                 world.send_peer(self, str(dst), done, delay=world.run.taskdone_delay_s)

@@ -92,8 +92,10 @@ class Admission:
         if self._shutting_down:
             self._refused_shutting_down += 1
             return Verdict.SHUTTING_DOWN, None
-        if self.queue is not None:
-            decision = self.queue.decide(now, len(self._pending), remaining_s)
+        queue = self.queue
+        # A free worker means no wait: skip the queue's decision (the common case).
+        if queue is not None and len(self._pending) >= queue.concurrency:
+            decision = queue.decide(now, len(self._pending), remaining_s)
             if not decision.admit:
                 self.refusal = decision
                 self._overloaded += 1

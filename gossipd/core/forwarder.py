@@ -41,8 +41,9 @@ from __future__ import annotations
 import enum
 import heapq
 import random
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from gossipd.core.acktimes import AckTimes
@@ -60,6 +61,7 @@ from gossipd.core.messages import (
     Withdraw,
 )
 
+_INF = float("inf")
 HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits them
 
 # What a local attempt's verdict means for the dispatch.
@@ -146,23 +148,44 @@ class ForwarderCounters:
     withdrawn: int = 0  # Withdraws sent
 
 
-@dataclass(slots=True, eq=False)
 class Dispatch:
-    """One task on its way to a member."""
+    """One task on its way to a member.  A plain slots class: one is made per forwarded
+    task, on the hot path."""
 
-    task: Task
-    received_at: float  # at the entry point: the deadline counts from it
-    deadline: float
-    quiet: bool  # a hand-off: report the outcome as an event, never answer the producer
-    exclude: frozenset[str]  # members never to try (ourselves at drain, a dead member)
-    order: list[str] | None = None  # members left to try, computed when first needed
-    tried: list[str] = field(default_factory=list)  # members tried, in order
-    attempts: list[str] = field(default_factory=list)  # "member: outcome" of failed ones
-    busy_hint_ms: int = 0  # the largest retry_after_ms among busy refusals
-    flights: list[Flight] = field(default_factory=list)  # copies awaiting their answer
-    winner: str = ""  # the member that accepted
-    waiting: bool = False  # a backoff timer is armed for the next attempt
-    ended: bool = False
+    __slots__ = (
+        "attempts",
+        "busy_hint_ms",
+        "deadline",
+        "ended",
+        "exclude",
+        "flights",
+        "live",
+        "order",
+        "quiet",
+        "received_at",
+        "task",
+        "tried",
+        "waiting",
+        "winner",
+    )
+
+    def __init__(
+        self, task: Task, received_at: float, deadline: float, quiet: bool, exclude: frozenset[str]
+    ) -> None:
+        self.task = task
+        self.received_at = received_at  # at the entry point: the deadline counts from it
+        self.deadline = deadline
+        self.quiet = quiet  # a hand-off: report the outcome as an event, never answer
+        self.exclude = exclude  # members never to try (ourselves at drain, a dead member)
+        self.order: list[str] | None = None  # members left to try, computed when needed
+        self.tried: list[str] = []  # members tried, in order
+        self.attempts: list[str] = []  # "member: outcome" of the failed ones
+        self.busy_hint_ms = 0  # the largest retry_after_ms among busy refusals
+        self.flights: list[Flight] = []  # every copy sent (live or landed)
+        self.live = 0  # copies still awaiting their answer
+        self.winner = ""  # the member that accepted
+        self.waiting = False  # a backoff timer is armed for the next attempt
+        self.ended = False
 
 
 @dataclass(slots=True, eq=False)
@@ -212,6 +235,9 @@ class Forwarder:
         # is declared dead and gone from the live view (its copies are withdrawn there).
         self._last_addr: dict[str, str] = {}
         self._timers: list[tuple[float, int, int, Flight | Dispatch]] = []
+        # Ack timeouts of full length (the common case) are due in the order they were set:
+        # a FIFO instead of the heap (append and popleft instead of heap operations).
+        self._acks: deque[tuple[float, Flight]] = deque()
         self._seq = 0
         self._ack_times = AckTimes(quantile=settings.hedge_quantile)
         self._hedge_credit = HEDGE_BURST
@@ -298,6 +324,11 @@ class Forwarder:
         self.local_ids.discard(task_id)
 
     def tick(self, now: float) -> None:
+        acks = self._acks
+        while acks and acks[0][0] <= now:
+            flight = acks.popleft()[1]
+            if flight.live:
+                self._timed_out(flight, now)
         timers = self._timers
         while timers and timers[0][0] <= now:
             _, _, kind, obj = heapq.heappop(timers)
@@ -330,7 +361,11 @@ class Forwarder:
         timers = self._timers
         while timers and not _matters(timers[0]):
             heapq.heappop(timers)
-        return timers[0][0] if timers else float("inf")
+        acks = self._acks
+        while acks and not acks[0][1].live:
+            acks.popleft()
+        at = timers[0][0] if timers else _INF
+        return min(at, acks[0][0]) if acks else at
 
     def last_addr(self, member: str) -> str | None:
         """The member's rpc address when we last forwarded to it (also once it is gone)."""
@@ -392,11 +427,17 @@ class Forwarder:
         flight = Flight(req, member, d, breaker, now)
         self._flights[req] = flight
         d.flights.append(flight)
+        d.live += 1
         self._flying[d.task.id] = d
         # Counted against the member at once: the tasks routed next must see it.
         self.loads[member] = self.loads.get(member, 0) + 1
-        timeout_s = min(self.settings.ack_timeout_s, max(0.0, remaining_s))
-        self._timer(now + timeout_s, _ACK, flight)
+        ack_timeout_s = self.settings.ack_timeout_s
+        if remaining_s >= ack_timeout_s:
+            timeout_s = ack_timeout_s
+            self._acks.append((now + timeout_s, flight))  # due after every ack set before it
+        else:  # cut to the task's deadline: out of order, so in the heap
+            timeout_s = max(0.0, remaining_s)
+            self._timer(now + timeout_s, _ACK, flight)
         if self.settings.hedge and len(d.tried) == 1 and not d.quiet:
             self._arm_hedge(flight, timeout_s, now)
         return flight
@@ -450,7 +491,7 @@ class Forwarder:
 
     def _failed(self, d: Dispatch, member: str, outcome: str, now: float) -> None:
         d.attempts.append(f"{member}: {outcome}")
-        if d.winner or d.ended or any(f.live for f in d.flights):
+        if d.winner or d.ended or d.live:
             return  # another copy won, or may yet
         self._next(d, now)
 
@@ -493,9 +534,13 @@ class Forwarder:
         hint = d.busy_hint_ms or self.settings.retry_after_ms
         self._events.append(Refuse(d.task, code, message, hint))
         d.ended = True
+        d.flights = []  # see _end
 
     def _end(self, d: Dispatch, *, ok: bool) -> None:
         d.ended = True
+        # Break the Dispatch <-> Flight cycle: freed by reference counting at once instead of
+        # piling up for the cyclic garbage collector (whose passes cost p99 latency).
+        d.flights = []
         if d.quiet:
             if ok:
                 self.counters.handed_off += 1
@@ -508,7 +553,8 @@ class Forwarder:
         del self._flights[flight.req]
         self.loads[flight.member] -= 1
         d = flight.dispatch
-        if self._flying.get(d.task.id) is d and not any(f.live for f in d.flights):
+        d.live -= 1
+        if not d.live and self._flying.get(d.task.id) is d:
             del self._flying[d.task.id]
 
     def _withdraw(self, addr: str, task_id: str) -> None:

@@ -22,7 +22,7 @@ Rules:
    ``cancelled`` or ``deadline_exceeded``; a stop that comes later than another keeps the
    first reason, and a withdrawal wins over both (nobody waits for that answer).
 5. When a task ends, its Result goes to the producer first, then a TaskDone to each forwarder
-   (``Ended.notify``), so a forwarder never forgets a task whose Result has not left.
+   (``Owned.notify``), so a forwarder never forgets a task whose Result has not left.
 
 Theory of operation: the ingress shell calls ``offer`` for each task (from a producer or a
 peer), ``start`` when a worker takes it, ``stop_reason`` when its worker was cancelled,
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.messages import Result, Task
@@ -66,26 +65,41 @@ class Abort(enum.Enum):
     ABORT = "abort"  # running: abort its engine request (cancel its worker)
 
 
-@dataclass(slots=True, eq=False)
 class Owned:
-    task: Task
-    received_at: float  # at the entry point: the deadline counts from it
-    from_producer: bool  # it came from a producer's PUSH to us (not a peer's Forward)
-    forwarders: list[Hashable] = field(default_factory=list)
-    replayed_src: str = ""  # for ANY: the member that forwarded it before our restart
-    phase: Phase = Phase.QUEUED
-    stop: Stop | None = None
+    """One task this daemon holds.  Hashed by identity (a key in the deadline wheel).  A
+    plain slots class, not a dataclass: one is made per task on the hot path."""
+
+    __slots__ = ("forwarders", "from_producer", "phase", "received_at", "replayed_src", "stop", "task")
+
+    def __init__(self, task: Task, received_at: float, from_producer: bool) -> None:
+        self.task = task
+        self.received_at = received_at  # at the entry point: the deadline counts from it
+        self.from_producer = from_producer  # a producer sent it to us (not a peer's Forward)
+        self.forwarders: list[Hashable] = _NONE  # who sent it (shared empty list until one)
+        self.replayed_src = ""  # for ANY: the member that forwarded it before our restart
+        self.phase = Phase.QUEUED
+        self.stop: Stop | None = None
+
+    def add_forwarder(self, forwarder: Hashable) -> None:
+        if self.forwarders is _NONE:
+            self.forwarders = [forwarder]
+        else:
+            self.forwarders.append(forwarder)
+
+    def notify(self) -> list[Hashable]:
+        """Rule 5: the forwarders (connection identities) to send a TaskDone when it ends."""
+        return [f for f in self.forwarders if f != ANY]
+
+    def notify_member(self) -> str:
+        """...and the member to send one by name (a task re-run from the journal)."""
+        return self.replayed_src if ANY in self.forwarders else ""
+
+    def __repr__(self) -> str:
+        return f"Owned({self.task.id!r}, {self.phase.value}, stop={self.stop}, from={self.forwarders})"
 
 
-@dataclass(frozen=True, slots=True)
-class Ended:
-    """A task ended with ``result``: send it to the producer, then a TaskDone to each of
-    ``notify`` (forwarder identities) and, by name, to ``notify_member`` if set."""
-
-    owned: Owned
-    result: Result
-    notify: tuple[Hashable, ...]
-    notify_member: str
+_NONE: list[Hashable] = []  # never appended to: add_forwarder replaces it
+_ADMIT = Verdict.ADMIT
 
 
 class TaskBook:
@@ -112,13 +126,16 @@ class TaskBook:
         """Rule 1.  ``forwarder``: the peer that forwarded it (None: a producer, or a local
         retry).  Returns the verdict and the new entry (ADMIT), the pending entry
         (DUPLICATE_PENDING) or the cached Result (DUPLICATE_DONE)."""
-        remaining_s = received_at + task.timeout_ms / 1000.0 - now
-        verdict, cached = self.admission.offer(task.id, now, remaining_s)
-        if verdict is Verdict.ADMIT:
-            owned = Owned(task, received_at, from_producer=forwarder is None)
-            if forwarder is not None:
-                owned.forwarders.append(forwarder)
-            self._owned[task.id] = owned
+        task_id = task.id
+        verdict, cached = self.admission.offer(
+            task_id, now, received_at + task.timeout_ms / 1000.0 - now
+        )
+        if verdict is _ADMIT:
+            if forwarder is None:
+                owned = self._owned[task_id] = Owned(task, received_at, True)
+            else:
+                owned = self._owned[task_id] = Owned(task, received_at, False)
+                owned.forwarders = [forwarder]
             return verdict, owned
         if verdict is Verdict.DUPLICATE_PENDING:
             pending = self._owned.get(task.id)
@@ -126,7 +143,7 @@ class TaskBook:
                 if forwarder is None:
                     pending.from_producer = True
                 else:
-                    pending.forwarders.append(forwarder)
+                    pending.add_forwarder(forwarder)
             return verdict, pending
         return verdict, cached
 
@@ -135,7 +152,7 @@ class TaskBook:
         owned = self._owned.get(task_id)
         if owned is not None:
             owned.from_producer = False
-            owned.forwarders.append(ANY)
+            owned.add_forwarder(ANY)
             owned.replayed_src = src
 
     def start(self, owned: Owned) -> bool:
@@ -179,15 +196,14 @@ class TaskBook:
         owned = self._owned.get(task_id)
         return None if owned is None else owned.stop
 
-    def finish(self, task_id: str, result: Result, *, remember: bool = True) -> Ended:
-        """Rule 5: the task's final Result.  ``remember=False``: a resubmission may run it
-        again (refused at shutdown)."""
+    def finish(self, task_id: str, result: Result, *, remember: bool = True) -> Owned:
+        """Rule 5: the task's final Result; the entry (its ``notify()`` and
+        ``notify_member()`` say who gets a TaskDone after the Result).  ``remember=False``: a
+        resubmission may run it again (refused at shutdown)."""
         owned = self._owned.pop(task_id)
         owned.phase = Phase.ENDED
         self.admission.finish(task_id, result, remember=remember)
-        notify = tuple(f for f in owned.forwarders if f != ANY)
-        member = owned.replayed_src if ANY in owned.forwarders else ""
-        return Ended(owned, result, notify, member)
+        return owned
 
     def release(self, task_id: str, result: Result) -> Owned:
         """The task leaves without an answer from here (withdrawn, or handed to another

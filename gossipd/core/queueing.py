@@ -68,6 +68,10 @@ class QueueDecision:
     retry_after_ms: int  # meaningful when not admitted
 
 
+# Admitted without a wait to compute (shared: decide() allocates nothing on its fast path).
+_ADMITTED = QueueDecision(True, 0.0, 0.0, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class QueueStatistics:
     service_s: float | None  # the current estimate; None before the first observation
@@ -108,12 +112,16 @@ class QueueWait:
         self._refused = 0
 
     @property
+    def concurrency(self) -> int:
+        return self._concurrency
+
+    @property
     def service_s(self) -> float | None:
         return self._service_s
 
     def observe(self, service_s: float) -> None:
         """Rule 1: a task ran to its end in ``service_s`` seconds."""
-        if service_s < 0 or math.isnan(service_s):
+        if not service_s >= 0:  # also NaN
             raise LocalProtocolError(f"service_s must be >= 0, found {service_s}")
         self._observed += 1
         if self._service_s is None:
@@ -130,9 +138,12 @@ class QueueWait:
     def decide(self, now: float, pending: int, remaining_s: float) -> QueueDecision:
         """Rules 3-5 for a task arriving at ``now`` behind ``pending`` others with
         ``remaining_s`` left of its deadline."""
-        wait = self.expected_wait_s(pending)
+        service_s = self._service_s
+        if service_s is None or pending < self._concurrency:
+            return _ADMITTED  # cold start, or a worker is free: no wait (the common case)
+        wait = expected_wait_s(pending, self._concurrency, service_s)
         bound = wait_bound_s(remaining_s, self._deadline_ratio, self._target_s)
-        if self._service_s is None or wait <= bound:
+        if wait <= bound:
             return QueueDecision(True, wait, bound, 0)
         self._refused += 1
         slot = retry_slot(now, wait, bound, self._next_slot, self._retry_min_ms, self._retry_max_ms)

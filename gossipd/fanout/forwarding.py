@@ -106,17 +106,22 @@ class Dispatcher:
 
     def route(self, task: Task, now: float) -> bool:
         """Called by the ingress for each new task: False to run it here, True if taken."""
-        taken = self.forwarder.route(task, now) is Route.TAKEN
+        if self.forwarder.route(task, now) is Route.LOCAL:
+            return False  # nothing to send: the ingress admits it (the common case, no flush)
         self._flush()
-        return taken
+        return True
 
-    def on_peer_reply(self, msg: object) -> None:
-        self.forwarder.on_reply(msg, time.monotonic())
+    def on_peer_replies(self, msgs: list[object]) -> None:
+        """ForwardReplies and TaskDones read from the peer links (one read's worth)."""
+        now = time.monotonic()
+        on_reply = self.forwarder.on_reply
+        for msg in msgs:
+            on_reply(msg, now)
         self._flush()
 
     def on_peer_done(self, msg: TaskDone) -> None:
         """A TaskDone a member sent to our ROUTER (a task it re-ran from its journal)."""
-        self.on_peer_reply(msg)
+        self.on_peer_replies([msg])
 
     def member_event(self, event: MemberEvent) -> None:
         if event.kind != "dead":

@@ -26,7 +26,7 @@ import zmq
 
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
-from gossipd.core.lifecycle import Ended
+from gossipd.core.lifecycle import Owned
 from gossipd.core.messages import (
     Cancel,
     Forward,
@@ -237,11 +237,16 @@ class OwnerEndpoint:
                     self.counters.replies_dropped += count  # the forwarder times out: next
         kick(self._router)
 
-    def task_finished(self, ended: Ended) -> None:
+    def task_finished(self, owned: Owned) -> None:
         """A task's final Result has just been handed to the reply sender (an ingress
         on_finished listener): tell its forwarders, right after that Result leaves."""
-        if ended.notify or ended.notify_member:
-            self._done_after_result(ended.owned.task, ended.notify, ended.notify_member)
+        forwarders = owned.forwarders
+        if not forwarders:
+            return  # a producer's task: nobody else to tell
+        if owned.replayed_src:  # re-run from the journal: one forwarder is told by name
+            self._done_after_result(owned.task, owned.notify(), owned.notify_member())
+        else:
+            self._done_after_result(owned.task, forwarders, "")
 
     def _done_after_result(self, task: Task, identities: Sequence[Hashable], member: str) -> None:
         """Send ``task``'s TaskDone to ``identities`` right after every reply to its
@@ -265,4 +270,9 @@ class OwnerEndpoint:
                 self._to_forwarder(identity, done)
             if member:  # a task re-run from the journal: its forwarder, by name
                 self._send_to_member(member, done)
-        self._flush_router()
+        # Their Results are with ZeroMQ: the TaskDones leave at the start of the next loop
+        # turn, together with those of the other producers' Results of this turn and any
+        # accepts waiting for the forwarder (one message per forwarder, not one per producer).
+        if not self._router_flush_soon:
+            self._router_flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush_router)

@@ -48,7 +48,7 @@ class PeerLinks:
         config: FanoutConfig,
         *,
         sockets: SocketPool,
-        on_reply: Callable[[object], None],
+        on_reply: Callable[[list[object]], None],
     ) -> None:
         self._config = config
         self._pool = sockets
@@ -61,7 +61,7 @@ class PeerLinks:
             },
         )
         self.counters = PeerLinkCounters()
-        self._on_reply = on_reply  # each decoded item a peer sent back, in order
+        self._on_reply = on_reply  # the decoded items a peer sent back, in order, per read
         self._peers: dict[str, _Peer] = {}
         self._turn = TurnBatching(self._flush)
 
@@ -134,11 +134,13 @@ class PeerLinks:
         return peer
 
     def _on_frames(self, frames: list[bytes]) -> None:
+        """One read's frames: their items go to the handler together (one flush of the
+        forwarder's outputs for the batch, not one per ack)."""
+        replies: list[object] = []
         for frame in frames:
             try:
-                items = peer_items(frame, self._config.message_bytes_max)
+                replies.extend(peer_items(frame, self._config.message_bytes_max))
             except RemoteProtocolError:
                 self.counters.bad_messages += 1
-                continue
-            for item in items:
-                self._on_reply(item)
+        if replies:
+            self._on_reply(replies)

@@ -24,7 +24,7 @@ import zmq
 from gossipd.config import IngressConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.deadlines import DeadlineWheel
-from gossipd.core.lifecycle import Abort, Ended, Owned, Phase, Stop, TaskBook
+from gossipd.core.lifecycle import Abort, Owned, Phase, Stop, TaskBook
 from gossipd.core.messages import (
     Cancel,
     Chunk,
@@ -123,9 +123,9 @@ class Ingress:
         # listeners for admitted and finished tasks (journal, fan-out bookkeeping).
         self.router: Callable[[Task, float], bool] | None = None
         self.on_admitted: list[Callable[[Task], None]] = []
-        # ...answered from here: the Result has just been handed to the reply sender; Ended
-        # says who else to tell (the forwarders' TaskDones).
-        self.on_finished: list[Callable[[Ended], None]] = []
+        # ...answered from here: the Result has just been handed to the reply sender; the
+        # entry says who else to tell (Owned.notify: the forwarders' TaskDones).
+        self.on_finished: list[Callable[[Owned], None]] = []
         # ...and for admitted tasks that leave without a result from here (handed off,
         # withdrawn); and for tasks routed here that admission refused (or answered from the
         # results cache).
@@ -514,10 +514,10 @@ class Ingress:
 
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
-        ended = self.book.finish(task.id, result, remember=remember)
+        owned = self.book.finish(task.id, result, remember=remember)
         self._replies.send(task.reply_to, encode(result))
         for listener in self.on_finished:
-            listener(ended)
+            listener(owned)
 
     def take_queued(self) -> list[tuple[Task, float]]:
         """Remove admitted-but-unstarted tasks (to hand them to other members at drain).
