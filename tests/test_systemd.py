@@ -115,6 +115,47 @@ def test_read_gpus_from_sysfs_in_bus_order(tmp_path: Path) -> None:
     assert all(g.cpulist == (NODE0_CPUS if g.numa_node == 0 else NODE1_CPUS) for g in gpus)
 
 
+class FakeNvml:
+    """pynvml with the GPUs at these bus ids (NVML's spelling), or failing to enumerate."""
+
+    def __init__(self, bus_ids: list[str], *, broken: bool = False) -> None:
+        self.bus_ids, self.broken, self.shut = bus_ids, broken, False
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.bus_ids)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if self.broken:
+            raise RuntimeError("GPU is lost")
+        return index
+
+    def nvmlDeviceGetPciInfo(self, handle: int) -> object:
+        return type("PciInfo", (), {"busId": self.bus_ids[handle].encode()})()
+
+
+def test_read_gpus_takes_nvml_order_and_sysfs_placement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sysfs = make_fake_sysfs(tmp_path)
+    nvml = FakeNvml(["00000000:5D:00.0", "00000000:DB:00.0"])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    gpus = read_gpus(sysfs, use_nvml=True)
+    assert [(g.index, g.pci_bus_id, g.numa_node) for g in gpus] == [
+        (0, "0000:5d:00.0", 0),
+        (1, "0000:db:00.0", 1),
+    ]
+    assert nvml.shut
+    # NVML that cannot list its GPUs: sysfs does
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(["00000000:5D:00.0"], broken=True))
+    assert len(read_gpus(sysfs, use_nvml=True)) == 8
+
+
 def test_read_gpus_without_numa(tmp_path: Path) -> None:
     root = make_fake_sysfs(tmp_path, [("0000:01:00.0", -1)])
     (root / "bus/pci/devices/0000:01:00.0/local_cpulist").write_text("\n")
@@ -215,6 +256,12 @@ def test_render_names_the_gpus_a_node_lacks(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "GPU 2, 3, 4, 5, 6, 7 not found" in done.stderr and "GPUs 0-1" in done.stderr
+    done = gossipd_cli(
+        "systemd", "render", "--out", str(tmp_path / "out"), "--sysfs", str(sysfs),
+        "--config", str(tmp_path / "missing.toml"),
+    )  # fmt: skip
+    assert done.returncode == 2 and "missing.toml: no such file" in done.stderr
+    assert "give --config FILE" in done.stderr
 
 
 def test_node_ids_and_quoted_values_survive_the_env_file() -> None:

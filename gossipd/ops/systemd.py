@@ -443,6 +443,11 @@ def render_node(
     from gossipd.ops.topology import TopologyError, parse_index_list, read_gpus, select
 
     config_path = config_path.absolute()
+    if not config_path.exists():
+        raise RenderError(
+            f"{config_path}: no such file; write the node's configuration there first (start "
+            "from configs/local.toml, docs/OPERATIONS.md) or give --config FILE"
+        )
     # The file alone: this shell's GOSSIPD_* variables are not the instances'.
     config = load_config(config_path, environ={})
     try:
@@ -453,7 +458,8 @@ def render_node(
     except (TopologyError, ValueError) as exc:
         raise RenderError(str(exc)) from None
     if not gpus:
-        raise RenderError(f"no NVIDIA GPU found under {sysfs_root}/bus/pci/devices")
+        nvml = "NVML is not installed or finds none, and " if sysfs_root == Path("/sys") else ""
+        raise RenderError(f"no NVIDIA GPU found: {nvml}{sysfs_root}/bus/pci/devices lists none")
     files, instances = render_files(
         config,
         gpus,

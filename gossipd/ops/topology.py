@@ -140,6 +140,9 @@ def nvml_bus_ids() -> list[str] | None:
             bus_id = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).busId
             ids.append(normalize_bus_id(bus_id.decode() if isinstance(bus_id, bytes) else bus_id))
         return ids
+    except Exception as exc:  # a GPU NVML cannot query (fallen off the bus): sysfs lists it
+        log.warning("NVML cannot list the GPUs; reading sysfs", extra={"error": str(exc)})
+        return None
     finally:
         pynvml.nvmlShutdown()
 
