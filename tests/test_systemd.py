@@ -5,6 +5,7 @@ hand from the rendered files, both serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -408,6 +409,19 @@ def test_two_instances_started_from_rendered_files_both_serve(tmp_path: Path) ->
                 return '"msg": "serving"' in log_path.read_text()
 
             wait_until(serving, 30, f"gossipd@{i} serving")
+        # one cluster: each joined the other through the seeds render gave it
+        host = socket.gethostname()
+        for i, (_, log_path) in enumerate(procs):
+            other = f"{host}-gpu{1 - i}"
+
+            def joined(log_path: Path = log_path, other: str = other) -> bool:
+                lines = re.findall(r"^\{.*\}$", log_path.read_text(), re.M)
+                return any(
+                    (e.get("msg"), e.get("event"), e.get("member")) == ("member", "joined", other)
+                    for e in map(json.loads, lines)
+                )
+
+            wait_until(joined, 15, f"gossipd@{i} to see {other} join")
         for i in (0, 1):
             producer = RawProducer(f"tcp://127.0.0.1:{ingress + 10 * i}")
             try:
