@@ -308,9 +308,9 @@ def plan(
             here = f"{base} of gossipd@{gpu.index}"
             if port in owner and owner[port] != here:
                 raise RenderError(
-                    f"port {port} would be both {owner[port]} and {here}: with "
-                    f"--port-stride {port_stride} the ports in gossipd.toml must be at least "
-                    f"{port_stride * len(gpus)} apart, or choose another --port-stride"
+                    f"port {port} would be both {owner[port]} and {here}: two ports of "
+                    f"gossipd.toml that differ by a multiple of --port-stride ({port_stride}) "
+                    f"below {port_stride * len(gpus)} collide; change one of them or the stride"
                 )
             owner[port] = here
     instances = []
