@@ -158,6 +158,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.what)
 
 
+def cmd_systemd_render(args: argparse.Namespace) -> int:
+    from gossipd.ops.systemd import RenderError, render_node
+
+    try:
+        summary = render_node(
+            out_dir=args.out,
+            gpus_spec=args.gpus,
+            sysfs_root=args.sysfs,
+            config_path=args.config,
+            bin_path=args.bin,
+            port_stride=args.port_stride,
+            state_root=args.state_root,
+        )
+    except RenderError as exc:
+        print(f"gossipd systemd render: {exc}", file=sys.stderr)
+        return 2
+    print(summary)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gossipd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +228,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_model)
+
+    p = sub.add_parser("systemd", help="systemd units for this node (one daemon per GPU)")
+    systemd_sub = p.add_subparsers(dest="systemd_command", required=True)
+    p = systemd_sub.add_parser(
+        "render",
+        help="write the units, each instance's settings and NUMA binding for this node's GPUs",
+        description="Write gossipd@.service, gossipd.target, and for each GPU N its settings "
+        "(etc/gossipd/N.env: ports = gossipd.toml's + N x --port-stride) and its CPU/NUMA "
+        "binding (gossipd@N.service.d/numa.conf), laid out under OUT as under / "
+        "(docs/OPERATIONS.md).",
+    )
+    p.add_argument("--gpus", help="GPU indices, e.g. 0-7 or 0,2,4 (default: every GPU found)")
+    p.add_argument("--out", type=Path, required=True, help="directory to write into")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=Path("/etc/gossipd/gossipd.toml"),
+        help="the node's configuration, read now and by every instance (default %(default)s)",
+    )
+    p.add_argument(
+        "--sysfs",
+        type=Path,
+        default=Path("/sys"),
+        help="sysfs root to read the GPUs from (default /sys, and NVML first; another root, "
+        "e.g. a fake tree for tests, skips NVML)",
+    )
+    p.add_argument(
+        "--bin",
+        default="/opt/gossipd/bin/gossipd",
+        help="the gossipd executable the units run (default %(default)s)",
+    )
+    p.add_argument(
+        "--port-stride",
+        type=int,
+        default=10,
+        help="instance N listens on each port of the config + N x this (default %(default)s)",
+    )
+    p.add_argument(
+        "--state-root",
+        default="/var/lib/gossipd",
+        help="where each instance's journal goes, STATE_ROOT/N/journal (default %(default)s, "
+        "the units' StateDirectory; change it only to run instances by hand)",
+    )
+    p.set_defaults(func=cmd_systemd_render)
 
     p = sub.add_parser(
         "bench", help="benchmarks (figures against a baseline measured in the same run)"
