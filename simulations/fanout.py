@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, Refuse, Route
-from gossipd.core.lifecycle import Abort, TaskBook
+from gossipd.core.lifecycle import Abort, Owned, TaskBook
 from gossipd.core.membership import LIVE_STATES
 from gossipd.core.messages import (
     Chunk,
@@ -288,12 +288,12 @@ class SimDaemon:
             self.running += 1
             world.started_running(self, owned.task)
             service = world.rng.expovariate(1.0 / world.run.service_s)
-            world.push(world.now + service, FINISH, self.index, (self.epoch, task_id))
+            world.push(world.now + service, FINISH, self.index, (self.epoch, owned))
 
-    def finish(self, task_id: str) -> None:
-        owned = self.book.get(task_id)
-        if owned is None:
-            return  # withdrawn while it ran
+    def finish(self, owned: Owned) -> None:
+        task_id = owned.task.id
+        if self.book.get(task_id) is not owned:
+            return  # withdrawn while it ran (and maybe admitted again since: another run)
         world = self.world
         self.running -= 1
         world.stopped_running(self, task_id)
@@ -538,9 +538,9 @@ class World:
             self.flush_forwarder(d)
         elif kind == FINISH:
             assert d is not None
-            epoch, task_id = payload  # type: ignore[misc]
+            epoch, owned = payload  # type: ignore[misc]
             if epoch == d.epoch:
-                d.finish(task_id)
+                d.finish(owned)
         elif kind == TO_PRODUCER:
             self.producer_receives(payload[3])  # type: ignore[index]
         elif kind == ARRIVAL:
