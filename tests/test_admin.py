@@ -114,6 +114,48 @@ def test_status_lists_every_member_and_a_drained_one_gets_no_new_tasks(cluster: 
     assert bad.returncode == 1 and "no live member named 'nobody'" in bad.stderr
 
 
+def test_drain_hands_the_queued_tasks_to_another_member(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One task at a time, 0.2 s each: tasks queue; a drain hands the queued ones to d00."""
+    from gossipd.tools.admin import drain
+
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=["ingress.concurrency_max=1", "engine.token_delay_s=0.05"],
+    )
+    try:
+        c.start()
+        c.wait_converged(timeout_s=20)
+        c.wait_meta(timeout_s=20)
+        d01 = c.daemons[1].endpoint
+
+        async def main() -> tuple[list[Any], str]:
+            async with Client([d01], resubmit_after_s=30.0) as client:
+                handles = [
+                    await client.submit(f"q {i}", key=f"k{i}", params=SamplingParams(max_tokens=4))
+                    for i in range(30)
+                ]
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: rows(status_json(d01))["d01"]["load"]["queued"] >= 5,
+                    10,
+                    "tasks queued at d01",
+                )
+                reply = await asyncio.to_thread(drain, d01, "d01")
+                return [await h.result() for h in handles], reply.message
+
+        results, message = asyncio.run(main())
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+        handed = int(message.split(";")[1].split()[0])  # "...; N queued handed off"
+        assert handed >= 5, message
+        by_node = Counter(r.node for r in results)
+        assert by_node["d00"] >= handed, by_node
+        logged = [e for e in c.daemons[1].events() if e.get("msg") == "drained by request"]
+        assert logged and logged[0]["queued"] == handed
+    finally:
+        c.stop()
+
+
 def test_malformed_and_unknown_admin_messages_are_refused_and_counted(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     daemon = daemon_factory(f"metrics.bind=127.0.0.1:{free_tcp_port()}")
     producer = RawProducer(daemon.endpoint)

@@ -238,7 +238,8 @@ def _row(
 def format_status(status: dict[str, Any]) -> str:
     header = (
         f"{'NODE':<12} {'STATE':<8} {'STATUS':<13} {'ENGINE':<6} {'MODEL':<14} "
-        f"{'PEND':>5} {'RUN':>4} {'WAIT':>4} {'KV%':>4} {'SERVED':>7}  SEEN AS BY PEERS"
+        f"{'GPU':>3} {'UTIL%':>5} {'MEM FREE':>9} {'PEND':>5} {'RUN':>4} {'WAIT':>4} {'KV%':>4} "
+        f"{'SERVED':>7}  SEEN AS BY PEERS"
     )
     lines = [header]
     for row in status["members"]:
@@ -247,9 +248,16 @@ def format_status(status: dict[str, Any]) -> str:
         views = sorted(set(row["seen_as"].values()))
         seen = ",".join(views) if views else "-"
         model = os.path.basename(row["model"].rstrip("/")) or "-"
+        gpu = row.get("gpu", {})
+        mem = (
+            f"{gpu['memory_free_mb'] / 1024:.1f}/{gpu['memory_total_mb'] / 1024:.0f}G"
+            if gpu.get("memory_total_mb")
+            else "-"
+        )
         lines.append(
             f"{row['node']:<12} {row['state']:<8} {row['status']:<13} {row['engine'] or '-':<6} "
-            f"{model[:14]:<14} {load.get('pending', '-'):>5} {eng.get('running_requests', '-'):>4} "
+            f"{model[:14]:<14} {row['gpu_index'] if row['gpu_index'] is not None else '-':>3} "
+            f"{gpu.get('utilization_pct', '-'):>5} {mem:>9} {load.get('pending', '-'):>5} {eng.get('running_requests', '-'):>4} "
             f"{eng.get('waiting_requests', '-'):>4} "
             f"{round(100 * eng['kv_cache_usage_ratio']) if eng else '-':>4} "
             f"{load.get('served', '-'):>7}  {seen}"
