@@ -77,7 +77,9 @@ class Say:
 class LocalCluster:
     """N daemons on loopback ports, each in its own process group."""
 
-    def __init__(self, n: int, *, engine_overrides: list[str], log_dir: Path) -> None:
+    def __init__(
+        self, n: int, *, engine_overrides: list[str], log_dir: Path, gpus: int = 0
+    ) -> None:
         self.log_dir = log_dir
         cluster = f"up-{secrets.token_hex(4)}"  # two `up`s on one machine stay apart
         ports = [(free_tcp_port(), free_tcp_port(), free_tcp_port()) for _ in range(n)]
@@ -97,9 +99,16 @@ class LocalCluster:
                 f"journal.path={json.dumps(str(log_dir / f'{name}.journal'))}",
                 *engine_overrides,
             ]
+            # On a GPU host each daemon sees one GPU (round robin when there are fewer).
+            env = {"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else None
             self.daemons.append(
                 DaemonProcess(
-                    name=name, port=port, overrides=overrides, log_dir=log_dir, new_session=True
+                    name=name,
+                    port=port,
+                    overrides=overrides,
+                    log_dir=log_dir,
+                    env=env,
+                    new_session=True,
                 )
             )
 
@@ -195,8 +204,29 @@ def _converged(status: dict[str, Any], want: int) -> bool:
     )
 
 
-def choose_engine(requested: str, model: Path, say: Say) -> tuple[str, list[str]]:
-    """The engine kind and the daemons' engine settings; makes the tiny model if missing."""
+def gpu_count() -> int:
+    """GPUs that nvidia-smi lists (0 without one)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return (
+        sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+        if out.returncode == 0
+        else 0
+    )
+
+
+def choose_engine(
+    requested: str, model: Path, say: Say, *, nodes: int = 1, gpus: int = 0
+) -> tuple[str, list[str]]:
+    """The engine kind and the daemons' engine settings; makes the tiny model if missing.
+    On a GPU host, daemons sharing a GPU split its memory (gpu_memory_utilization)."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if requested == "vllm" and not has_vllm:
         raise RuntimeError("--engine vllm: vLLM is not installed (./setup.sh installs it)")
@@ -209,6 +239,14 @@ def choose_engine(requested: str, model: Path, say: Say) -> tuple[str, list[str]
     if not (model / "config.json").exists():
         say(f"making the tiny model in {model} (seeded random weights: its output is gibberish)")
         make_tiny(model)
+    if gpus:
+        sharing = -(-nodes // gpus)  # daemons per GPU, rounded up
+        return "vllm", [
+            "engine.kind=vllm",
+            f"engine.model={json.dumps(str(model.resolve()))}",
+            "engine.max_model_len=512",
+            f"engine.gpu_memory_utilization={round(0.8 / sharing, 3)}",
+        ]
     return "vllm", engine_overrides(model.resolve())
 
 
@@ -220,15 +258,22 @@ def run_up(opts: UpOptions) -> int:
     if opts.demo and opts.nodes < 2:
         say("gossipd up --demo: needs --nodes 2 or more (one is killed)")
         return 2
-    kind, engine_overrides = choose_engine(opts.engine, opts.model, say)
+    gpus = gpu_count() if opts.engine != "echo" else 0
+    kind, engine_overrides = choose_engine(
+        opts.engine, opts.model, say, nodes=opts.nodes, gpus=gpus
+    )
+    gpus = gpus if kind == "vllm" else 0
     say("election off: no etcd (leader election is not built yet)")
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="gossipd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(opts.nodes, engine_overrides=engine_overrides, log_dir=log_dir)
+    cluster = LocalCluster(
+        opts.nodes, engine_overrides=engine_overrides, log_dir=log_dir, gpus=gpus
+    )
     start_timeout_s = 120.0 + 60.0 * opts.nodes if kind == "vllm" else 30.0
     say(
         f"starting {opts.nodes} daemons ({kind} engine"
-        + (", about a minute to load on 2 cores" if kind == "vllm" else "")
+        + (f", {gpus} GPUs" if gpus else "")
+        + (", about a minute to load on 2 cores" if kind == "vllm" and not gpus else "")
         + f"); logs in {log_dir}"
     )
 
