@@ -177,6 +177,15 @@ def test_malformed_and_unknown_admin_messages_are_refused_and_counted(daemon_fac
     assert metrics["gossipd_admin_requests_total{kind=status,outcome=ok}"] == 1
 
 
+def test_a_lone_daemon_reports_itself_and_refuses_a_drain(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory('gossip.bind=""', 'node.id="solo"')
+    status = status_json(daemon.endpoint)
+    assert [r["node"] for r in status["members"]] == ["solo"]
+    assert status["gossip"] is False and status["checksums_agree"] is True
+    done = gossipd_cli("drain", "solo", "-e", daemon.endpoint)
+    assert done.returncode == 1 and "draining needs membership (gossip.bind)" in done.stderr
+
+
 def test_status_fails_fast_naming_the_endpoint_when_nothing_listens() -> None:
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     started = time.monotonic()
