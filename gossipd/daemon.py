@@ -35,6 +35,7 @@ from gossipd.fanout.placer import Placer
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.service import Ingress
 from gossipd.membership.gossip import GossipService
+from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
 from gossipd.ops.notify import Notifier
 from gossipd.sockets import SocketPool
@@ -81,6 +82,16 @@ class Daemon:
             refused_lines_per_s=config.log.refused_lines_per_s,
         )
         self.notifier = Notifier(environ)
+        # StatusQuery and Drain, taken on the ingress (gossipd status, gossipd drain).
+        self.admin = Admin(
+            node=self.node,
+            ingress=self.ingress,
+            replies=self.replies,
+            engine=self.engine,
+            version=__version__,
+            engine_dead=lambda: self.engine_dead,
+        )
+        self.ingress.admin = self.admin.handle
         self.journal: Journal | None = None
         if config.journal.path:
             try:
@@ -115,6 +126,7 @@ class Daemon:
             "engine": self.engine.stats(),
             "gossip": self.gossip,
             "dispatcher": self.dispatcher,
+            "admin": self.admin.statistics(),
         }
 
     async def run(self) -> int:
@@ -135,6 +147,7 @@ class Daemon:
         endpoint = _bind("ingress.bind", self.config.ingress.bind, self.ingress.bind)
         if self.config.gossip.bind:
             self.gossip, self.dispatcher = self._build_membership_and_fanout(endpoint)
+            self.admin.gossip, self.admin.dispatcher = self.gossip, self.dispatcher
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:
@@ -145,6 +158,7 @@ class Daemon:
             async with asyncio.TaskGroup() as tg:
                 self.sockets.start()
                 self.replies.start(tg)
+                self.admin.start(tg)
                 if self.dispatcher is not None:
                     self.dispatcher.start(tg)
                 self.ingress.start_receiving()
@@ -374,7 +388,7 @@ def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stats in snapshot.items():
-        if name in ("gossip", "dispatcher"):
+        if name in ("gossip", "dispatcher", "admin"):
             continue
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}

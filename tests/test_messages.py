@@ -295,3 +295,73 @@ def test_an_oversized_message_is_refused_with_the_oversized_reason() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_intake(b"\xc1", bytes_max=1024)
     assert info.value.reason == info.value.code == "bad_request"
+
+
+# --- Admin messages (docs/PROTOCOL.md, "Admin") ----------------------------------------------
+
+
+def test_admin_requests_decode_on_the_ingress_and_answers_round_trip() -> None:
+    from gossipd.core.messages import (
+        AdminReply,
+        Drain,
+        LoadReport,
+        MemberRecord,
+        StatusQuery,
+        StatusReport,
+        decode_admin_answer,
+        decode_intake,
+        encode_admin,
+    )
+
+    rt = "tcp://127.0.0.1:9999"
+    query = StatusQuery(v=PROTOCOL_VERSION, id="q1", reply_to=rt)
+    drain = Drain(v=PROTOCOL_VERSION, id="d1", reply_to=rt, node="gpu1", drain=False)
+    assert decode_intake(encode_admin(query), bytes_max=LIMIT) == query
+    assert decode_intake(encode_admin(drain), bytes_max=LIMIT) == drain
+    # A third-party tool writes them with plain msgpack.
+    plain = {"v": 1, "t": 32, "id": "d2", "reply_to": rt, "node": "gpu0"}
+    got = decode_intake(msgpack.packb(plain), bytes_max=LIMIT)
+    assert got == Drain(v=1, id="d2", reply_to=rt, node="gpu0", drain=True, relayed=False)
+    report = StatusReport(
+        id="q1",
+        node="gpu0",
+        status="draining",
+        drained=True,
+        load=LoadReport(pending=2, served=7),
+        members=[MemberRecord(node="gpu1", addr="tcp://127.0.0.1:1", incarnation=3, state="alive")],
+    )
+    reply = AdminReply(id="d1", node="gpu1", ok=True, status="serving", message="serving again")
+    assert decode_admin_answer(encode_admin(report)) == report
+    assert decode_admin_answer(encode_admin(reply)) == reply
+    assert report.leader is None and report.term is None  # no election yet
+    refusal = error_result("d1", ErrorCode.BAD_REQUEST, "no")
+    assert decode_admin_answer(encode(refusal)) == refusal
+    with pytest.raises(RemoteProtocolError):
+        decode_admin_answer(b"\xc1")
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason", "words"),
+    [
+        ({"t": 99, "id": "x"}, "unknown_type", "unknown message type t=99"),
+        ({"t": 31, "id": "x"}, "unknown_type", "30 (StatusQuery)"),  # an answer is not a request
+        ({"t": 32, "id": "x"}, "bad_admin", "invalid Drain"),  # no node
+        ({"t": 32, "id": "x", "node": ""}, "bad_admin", "name the member"),
+        ({"t": 30, "id": "x", "reply_to": 5}, "bad_admin", "invalid StatusQuery"),
+        ({"t": 30, "id": "x", "reply_to": "smtp://host"}, "bad_admin", "reply_to"),
+        ({"t": 32, "id": "x", "node": "n", "reply_to": "smtp://host"}, "bad_admin", "reply_to"),
+        ({"t": "30", "id": "x"}, "bad_request", "invalid task"),
+    ],
+)
+def test_unknown_and_malformed_admin_messages_are_refused_by_reason(
+    fields: dict[str, object], reason: str, words: str
+) -> None:
+    from gossipd.core.messages import decode_intake
+
+    message = {"v": 1, "reply_to": "tcp://127.0.0.1:9", **fields}
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_intake(msgpack.packb(message), bytes_max=LIMIT)
+    assert info.value.reason == reason and info.value.code == "bad_request"
+    assert words in info.value.hint
+    if "reply_to" not in fields:
+        assert info.value.reply_to == "tcp://127.0.0.1:9"  # so it can be answered

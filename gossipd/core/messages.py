@@ -51,6 +51,11 @@ class MsgType(enum.IntEnum):
     TASK_DONE = 22
     PEER_BATCH = 23
     WITHDRAW = 24
+    # Admin: an operator's tool to any daemon's ingress; the answer goes to reply_to.
+    STATUS_QUERY = 30
+    STATUS_REPORT = 31
+    DRAIN = 32
+    ADMIN_REPLY = 33
 
 
 class UpdateKind(enum.IntEnum):
@@ -222,8 +227,69 @@ class Cancel(
     id: TaskId
 
 
+# --- Admin (docs/PROTOCOL.md, "Admin"): operator tools to any daemon's ingress PULL, answered
+# at reply_to like tasks.  `gossipd status` and `gossipd drain` speak these.
+
+
+class StatusQuery(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.STATUS_QUERY)
+):
+    """What does this daemon see?  Answered with one StatusReport."""
+
+    v: int
+    id: TaskId
+    reply_to: Endpoint
+
+    def __post_init__(self) -> None:
+        problem = endpoint_problem(self.reply_to)
+        if problem is not None:
+            raise ValueError(f"reply_to: {problem}")
+
+
+class Drain(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.DRAIN)):
+    """Drain ``node`` (``drain`` true: new tasks go to other members, its queued ones are
+    handed off, it keeps running) or put it back to serving (``drain`` false).  A daemon that
+    is not ``node`` relays it once to ``node``'s ingress (``relayed`` true), and ``node``
+    answers ``reply_to`` with one AdminReply."""
+
+    v: int
+    id: TaskId
+    reply_to: Endpoint
+    node: NodeName
+    drain: bool = True
+    relayed: bool = False
+
+    def __post_init__(self) -> None:
+        problem = endpoint_problem(self.reply_to)
+        if problem is not None:
+            raise ValueError(f"reply_to: {problem}")
+        if not self.node:
+            raise ValueError("node: name the member to drain")
+
+
+class AdminReply(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.ADMIN_REPLY)
+):
+    """The answer to a Drain: ``ok`` and the member's status now, or why not."""
+
+    v: int = PROTOCOL_VERSION
+    id: Annotated[str, msgspec.Meta(max_length=TASK_ID_CHARS_MAX)]
+    node: NodeName
+    ok: bool
+    status: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    message: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+
+
 ReplyMessage = Chunk | Result
-IntakeMessage = Task | Cancel
+IntakeMessage = Task | Cancel | StatusQuery | Drain
+# The numbers the ingress takes, and their names (for the refusal of any other type).
+INTAKE_TYPES = {
+    int(MsgType.TASK): "Task",
+    int(MsgType.CANCEL): "Cancel",
+    int(MsgType.STATUS_QUERY): "StatusQuery",
+    int(MsgType.DRAIN): "Drain",
+}
+ADMIN_TYPES = frozenset({int(MsgType.STATUS_QUERY), int(MsgType.DRAIN)})
 
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
@@ -272,9 +338,12 @@ def decode_task(data: bytes, *, bytes_max: int, peer: str = "") -> Task:
     return _decode_from_producer(_task_decoder, data, bytes_max, peer)  # type: ignore[no-any-return]
 
 
-def decode_intake(data: bytes, *, bytes_max: int, peer: str = "") -> Task | Cancel:
-    """What a producer may PUSH to the ingress: a Task or a Cancel.  Raises
-    ``RemoteProtocolError`` saying why not."""
+def decode_intake(
+    data: bytes, *, bytes_max: int, peer: str = ""
+) -> Task | Cancel | StatusQuery | Drain:
+    """What a producer (or an operator's tool) may PUSH to the ingress: a Task, a Cancel, a
+    StatusQuery or a Drain.  Raises ``RemoteProtocolError`` saying why not: an unknown ``t``
+    is counted as ``unknown_type``, a malformed admin message as ``bad_admin``."""
     return _decode_from_producer(_intake_decoder, data, bytes_max, peer)  # type: ignore[no-any-return]
 
 
@@ -295,15 +364,24 @@ def _decode_from_producer(
         task = decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
         obj, task_id, reply_to = _peek(data)
+        reason = ""
+        kind = obj.get("t") if isinstance(obj, dict) else None
         if obj is None:
             hint, code = "not a MessagePack message", ErrorCode.BAD_REQUEST
         elif isinstance(obj, dict) and "v" in obj and obj["v"] != PROTOCOL_VERSION:
             hint = f"protocol version {obj['v']!r} is not supported; this daemon speaks {PROTOCOL_VERSION}"
             code = ErrorCode.UNSUPPORTED_VERSION
+        elif decoder is _intake_decoder and type(kind) is int and kind not in INTAKE_TYPES:
+            known = ", ".join(f"{n} ({name})" for n, name in INTAKE_TYPES.items())
+            hint = f"unknown message type t={kind}: the ingress takes {known}"
+            code, reason = ErrorCode.BAD_REQUEST, "unknown_type"
+        elif type(kind) is int and kind in ADMIN_TYPES:
+            hint = f"invalid {INTAKE_TYPES[kind]}: {exc}"
+            code, reason = ErrorCode.BAD_REQUEST, "bad_admin"
         else:
             hint, code = f"invalid task: {exc}", ErrorCode.BAD_REQUEST
         raise RemoteProtocolError(
-            hint, code=code, peer=peer, task_id=task_id, reply_to=reply_to
+            hint, code=code, peer=peer, task_id=task_id, reply_to=reply_to, reason=reason
         ) from None
     if task.v != PROTOCOL_VERSION:
         raise RemoteProtocolError(
@@ -561,3 +639,63 @@ def encode_peer(message: PeerMessage) -> bytes:
 def decode_peer(data: bytes, *, bytes_max: int) -> PeerMessage:
     """Decode and validate one fan-out message, or raise ``RemoteProtocolError``."""
     return _decode_between_daemons(_peer_decoder, data, bytes_max, "peer")  # type: ignore[no-any-return]
+
+
+# --- Admin answers (docs/PROTOCOL.md, "Admin") ----------------------------------------------
+
+
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A daemon's own counts, read as it answers."""
+
+    pending: Annotated[int, msgspec.Meta(ge=0)] = 0  # admitted and not finished (queued + running)
+    queued: Annotated[int, msgspec.Meta(ge=0)] = 0
+    running: Annotated[int, msgspec.Meta(ge=0)] = 0
+    received: Annotated[int, msgspec.Meta(ge=0)] = 0  # messages read from its ingress
+    served: Annotated[int, msgspec.Meta(ge=0)] = 0  # tasks it ran to an ok Result
+    failed: Annotated[int, msgspec.Meta(ge=0)] = 0  # tasks it answered with an error
+
+
+class StatusReport(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.STATUS_REPORT)
+):
+    """One daemon's answer to a StatusQuery: itself, and every member as it sees them."""
+
+    v: int = PROTOCOL_VERSION
+    id: Annotated[str, msgspec.Meta(max_length=TASK_ID_CHARS_MAX)]
+    node: NodeId
+    software_version: SmallText = ""
+    engine: SmallText = ""
+    model: SmallText = ""
+    # serving | draining (drained, or stopping) | unhealthy (its engine died) | shutting_down
+    status: Literal["serving", "draining", "unhealthy", "shutting_down"] = "serving"
+    drained: bool = False  # by a Drain (not by a stop)
+    gossip: bool = False  # membership is on (gossip.bind set)
+    incarnation: Incarnation = 0
+    checksum: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0  # of its live set
+    gpu: GpuState | None = None  # its own latest sample
+    load: LoadReport = msgspec.field(default_factory=LoadReport)
+    # The other members as this daemon sees them (every state, dead and left included).
+    members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)] = msgspec.field(
+        default_factory=list
+    )
+    # Leader election is not built yet: always nil for now.
+    leader: NodeName | None = None
+    term: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+_admin_answer_decoder = msgspec.msgpack.Decoder(
+    Result | AdminReply | StatusReport  # type: ignore[arg-type]
+)
+
+
+def encode_admin(message: StatusQuery | Drain | AdminReply | StatusReport) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_admin_answer(data: bytes) -> Result | AdminReply | StatusReport:
+    """An answer to a StatusQuery or Drain (a Result when the daemon refused the request).
+    Raises ``RemoteProtocolError``."""
+    try:
+        return _admin_answer_decoder.decode(data)  # type: ignore[no-any-return]
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RemoteProtocolError(f"invalid answer: {exc}", code=ErrorCode.BAD_REQUEST) from None

@@ -28,8 +28,10 @@ from gossipd.core.lifecycle import Abort, Owned, Phase, Stop, TaskBook
 from gossipd.core.messages import (
     Cancel,
     Chunk,
+    Drain,
     ErrorCode,
     Result,
+    StatusQuery,
     Task,
     Timings,
     decode_intake,
@@ -135,6 +137,8 @@ class Ingress:
         self.rescue: Callable[[Task, float], Awaitable[bool]] | None = None
         # Set by the daemon: passes a cancel on to the member running a forwarded task.
         self.cancel_elsewhere: Callable[[str], bool] | None = None
+        # Set by the daemon: answers an operator's StatusQuery or Drain (ops/admin.py).
+        self.admin: Callable[[StatusQuery | Drain, float], None] | None = None
 
     # -- socket side ---------------------------------------------------------------------
 
@@ -196,10 +200,14 @@ class Ingress:
         except RemoteProtocolError as exc:
             self._refuse(exc, len(frame))
             return
-        if type(task) is Cancel:
-            self.handle_cancel(task.id)
+        if type(task) is not Task:
+            if type(task) is Cancel:
+                self.handle_cancel(task.id)
+            elif self.admin is not None:
+                self.admin(task, now)  # type: ignore[arg-type]
+            else:
+                self._refuse_admin(task)  # type: ignore[arg-type]
             return
-        assert isinstance(task, Task)
         if self.router is not None and self.router(task, now):
             return  # another member owns it: the dispatcher forwards it
         verdict = self.admit(task, now, answer=True, now=now)
@@ -330,6 +338,20 @@ class Ingress:
         assert owned is not None
         self._results["withdrawn"] += 1
         self.release(owned.task, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
+
+    def _refuse_admin(self, msg: StatusQuery | Drain) -> None:
+        self._refused["bad_admin"] += 1
+        self._replies.send(
+            msg.reply_to,
+            encode(
+                error_result(
+                    msg.id,
+                    ErrorCode.BAD_REQUEST,
+                    "this daemon serves no admin requests",
+                    node=self._node,
+                )
+            ),
+        )
 
     def send_error(
         self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0
@@ -530,6 +552,15 @@ class Ingress:
                 out.append((owned.task, owned.received_at))
         return out
 
+    def requeue(self, task: Task) -> bool:
+        """Put back a task ``take_queued`` took (no member would take it): it runs here."""
+        owned = self.book.get(task.id)
+        if owned is None or owned.phase is not Phase.RUNNING or task.id in self._workers:
+            return False
+        owned.phase = Phase.QUEUED
+        self._queue.put_nowait(owned)
+        return True
+
     def release(self, task: Task, result: Result) -> None:
         """A taken task leaves without a reply from here (withdrawn, handed off)."""
         self.book.release(task.id, result)
@@ -558,6 +589,14 @@ class Ingress:
         while self.admission.pending and loop.time() < deadline:
             await asyncio.sleep(0.01)
         return not self.admission.pending
+
+    def served(self) -> tuple[int, int]:
+        """Tasks answered from here: (ok, with an error)."""
+        ok = self._results.get("ok", 0)
+        not_answered = self._results.get("withdrawn", 0) + self._results.get(
+            "handed_off_engine_dead", 0
+        )
+        return ok, sum(self._results.values()) - ok - not_answered
 
     def statistics(self) -> IngressStatistics:
         return IngressStatistics(

@@ -194,6 +194,17 @@ class DaemonCollector:
             "outcome",
             sorted(ing.cancels.items()),
         )
+        admin = s.get("admin")
+        if admin is not None:
+            admin_family = CounterMetricFamily(
+                "gossipd_admin_requests",
+                "Admin requests (StatusQuery, Drain) by kind and outcome (ok, refused, relayed)",
+                labels=["kind", "outcome"],
+            )
+            for label, count in sorted(admin.items()):
+                kind, _, outcome = label.partition(":")
+                admin_family.add_metric([kind, outcome], count)
+            yield admin_family
         gossip = s.get("gossip")
         if gossip is not None and gossip.core is not None:
             yield from _gossip_metrics(gossip)

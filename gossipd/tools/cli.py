@@ -1,4 +1,5 @@
-"""The `gossipd` command: run a daemon, submit tasks, run the demo and the benchmarks."""
+"""The `gossipd` command: run a daemon or a local cluster, see and steer a cluster, submit
+tasks, run the demo and the benchmarks."""
 
 from __future__ import annotations
 
@@ -108,6 +109,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(tasks=args.tasks)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from gossipd.tools.admin import status_main
+
+    return status_main(
+        args.endpoint,
+        watch=args.watch,
+        as_json=args.json,
+        interval_s=args.interval,
+        timeout_s=args.timeout,
+    )
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from gossipd.tools.admin import drain_main
+
+    return drain_main(
+        args.endpoint, args.node, drain_it=args.command == "drain", timeout_s=args.timeout
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from gossipd.tools.up import UpOptions, run_up
+
+    return run_up(
+        UpOptions(
+            nodes=args.nodes,
+            demo=args.demo,
+            as_json=args.json,
+            engine=args.engine,
+            model=args.model,
+            tasks=args.tasks,
+            log_dir=args.log_dir,
+        )
+    )
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     from gossipd.tools.tinymodel import make_tiny
 
@@ -179,8 +216,83 @@ def cmd_systemd_render(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gossipd import __version__
+
     parser = argparse.ArgumentParser(prog="gossipd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gossipd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from gossipd.tools.up import DEFAULT_NODES, DEFAULT_TASKS
+
+    p = sub.add_parser(
+        "up",
+        help="a local cluster: N daemons on loopback (one per GPU), a live status view; "
+        "--demo drives it end to end",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=DEFAULT_NODES,
+        help=f"daemons to start (default {DEFAULT_NODES})",
+    )
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="stream prompts, send keyed tasks, SIGKILL one daemon halfway and restart it, "
+        "print a summary, stop everything",
+    )
+    p.add_argument("--json", action="store_true", help="--demo: print the summary as JSON")
+    p.add_argument(
+        "--engine",
+        choices=["auto", "vllm", "echo"],
+        default="auto",
+        help="auto (default): vLLM when installed, else the echo engine",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=Path("models/tiny"),
+        help="vLLM model directory (default models/tiny, made if missing)",
+    )
+    p.add_argument(
+        "--tasks",
+        type=int,
+        default=DEFAULT_TASKS,
+        help=f"--demo: keyed tasks (default {DEFAULT_TASKS})",
+    )
+    p.add_argument("--log-dir", type=Path, help="daemon logs and journals (default: a temp dir)")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser(
+        "status",
+        help="members, state, load, model, draining, checksum agreement, as any daemon sees them",
+    )
+    p.add_argument(
+        "--endpoint",
+        "-e",
+        default=DEFAULT_ENDPOINT,
+        help=f"any daemon's ingress (default {DEFAULT_ENDPOINT})",
+    )
+    p.add_argument("--watch", "-w", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--interval", type=float, default=2.0, help="--watch: seconds between looks")
+    p.add_argument("--json", action="store_true", help="print JSON (one object per look)")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for answers")
+    p.set_defaults(func=cmd_status)
+
+    for verb, what in (
+        ("drain", "new tasks go to other members, queued ones are handed off; it keeps running"),
+        ("undrain", "back to serving after a drain"),
+    ):
+        p = sub.add_parser(verb, help=f"{verb} a member: {what}")
+        p.add_argument("node", help="the member's node id (as gossipd status shows it)")
+        p.add_argument(
+            "--endpoint",
+            "-e",
+            default=DEFAULT_ENDPOINT,
+            help=f"any daemon's ingress; it relays to NODE (default {DEFAULT_ENDPOINT})",
+        )
+        p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+        p.set_defaults(func=cmd_drain)
 
     p = sub.add_parser("run", help="run one daemon in the foreground")
     _add_config_args(p)

@@ -7,6 +7,7 @@ the daemon logged "serving".  Real processes, real signals: ``terminate`` is SIG
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -72,6 +73,7 @@ class DaemonProcess:
         log_dir: str | Path | None = None,
         port: int | None = None,
         name: str = "gossipd",
+        new_session: bool = False,
     ) -> None:
         self.port = port or free_tcp_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
@@ -91,6 +93,9 @@ class DaemonProcess:
             Path(log_dir or tempfile.mkdtemp(prefix="gossipd-")) / f"{name}-{self.port}.log"
         )
         self.proc: subprocess.Popen[bytes] | None = None
+        # Its own session and process group: a terminal's Ctrl-C does not reach it, and
+        # ``kill_group`` reaches its children too (vLLM's engine core process).
+        self._new_session = new_session
         self._metrics_port = 0
         self._log_offset = 0
 
@@ -112,7 +117,11 @@ class DaemonProcess:
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=self._log, env=self._env
+            self.command(),
+            stdout=self._log,
+            stderr=self._log,
+            env=self._env,
+            start_new_session=self._new_session,
         )
 
     def wait_ready(self, timeout_s: float = 20.0) -> DaemonProcess:
@@ -204,8 +213,39 @@ class DaemonProcess:
         self._log.close()
         return self.proc.returncode
 
+    def group_left(self) -> list[int]:
+        """Processes of its group still running (zombies not counted): only with
+        ``new_session``, whose group id is the daemon's pid.  Linux (/proc)."""
+        if self.proc is None or not self._new_session:
+            return []
+        return processes_in_group(self.proc.pid)
+
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left of its process group (``new_session`` only)."""
+        if self.proc is not None and self._new_session:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
     def __enter__(self) -> DaemonProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def processes_in_group(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes in process group ``pgid`` (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out

@@ -1,0 +1,194 @@
+"""Admin requests: an operator's StatusQuery and Drain, taken on the ingress PULL like tasks and
+answered at their ``reply_to`` (docs/PROTOCOL.md, "Admin").
+
+    StatusQuery -> StatusReport: this daemon (status, engine, model, load, checksum of its
+                   live set) and every member as it sees them (state, gossiped GPU state)
+    Drain       -> AdminReply:   for this node, drain (new tasks go to other members, queued
+                   ones are handed off, running ones finish; the process keeps running) or
+                   undrain (back to serving); for another member, relayed once to that
+                   member's ingress, which answers reply_to itself
+
+Handlers run in the ingress socket's fd callback and never wait; the hand-off of queued tasks
+runs as a task in the daemon's TaskGroup.  Counted by kind and outcome
+(``gossipd_admin_requests_total``); malformed admin messages are refused by the decoder and
+counted as ``gossipd_messages_refused_total{reason="bad_admin"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from gossipd.core.messages import (
+    AdminReply,
+    Drain,
+    ErrorCode,
+    LoadReport,
+    StatusQuery,
+    StatusReport,
+    encode_admin,
+    error_result,
+)
+from gossipd.engines.base import Engine
+from gossipd.ingress.service import Ingress
+from gossipd.transport import ReplySender
+
+if TYPE_CHECKING:
+    from gossipd.fanout.forwarding import Dispatcher
+    from gossipd.membership.gossip import GossipService
+
+log = logging.getLogger("gossipd.ops.admin")
+
+
+class Admin:
+    def __init__(
+        self,
+        *,
+        node: str,
+        ingress: Ingress,
+        replies: ReplySender,
+        engine: Engine,
+        version: str,
+        engine_dead: Callable[[], bool],
+    ) -> None:
+        self.node = node
+        self._ingress = ingress
+        self._replies = replies
+        self._engine = engine
+        self._version = version
+        self._engine_dead = engine_dead
+        self.gossip: GossipService | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.drained = False
+        self.requests: Counter[str] = Counter()  # "kind:outcome"
+        self._tg: asyncio.TaskGroup | None = None
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        self._tg = tg
+
+    # -- the handler the ingress calls ------------------------------------------------------
+
+    def handle(self, msg: StatusQuery | Drain, now: float) -> None:
+        if type(msg) is StatusQuery:
+            self.requests["status:ok"] += 1
+            self._replies.send(msg.reply_to, encode_admin(self.report(msg.id)))
+            return
+        assert isinstance(msg, Drain)
+        kind = "drain" if msg.drain else "undrain"
+        if msg.node != self.node:
+            self._relay(msg, kind)
+            return
+        ok, text = self.set_drained(msg.drain)
+        self.requests[f"{kind}:{'ok' if ok else 'refused'}"] += 1
+        self._answer(msg, ok, text)
+
+    def _relay(self, msg: Drain, kind: str) -> None:
+        """Pass a Drain for another member on to that member's ingress, once."""
+        target = None
+        if self.gossip is not None and not msg.relayed:
+            target = next((m for m in self.gossip.live_members() if m.node == msg.node), None)
+        if target is None or target.gpu is None or not target.gpu.ingress:
+            self.requests[f"{kind}:refused"] += 1
+            if msg.relayed:
+                why = f"a relayed {kind} for {msg.node!r} reached {self.node!r}; not relayed again"
+            else:
+                live = sorted(m.node for m in self.gossip.live_members()) if self.gossip else []
+                why = (
+                    f"no live member named {msg.node!r} known here; members: "
+                    f"{', '.join([self.node, *live])}"
+                )
+            self._answer(msg, False, why)
+            return
+        self.requests[f"{kind}:relayed"] += 1
+        relayed = msgspec.structs.replace(msg, relayed=True)
+        self._replies.send(target.gpu.ingress, encode_admin(relayed))
+
+    def _answer(self, msg: Drain, ok: bool, text: str) -> None:
+        reply = AdminReply(id=msg.id, node=self.node, ok=ok, status=self.status(), message=text)
+        self._replies.send(msg.reply_to, encode_admin(reply))
+
+    # -- drain --------------------------------------------------------------------------------
+
+    def set_drained(self, drain: bool) -> tuple[bool, str]:
+        """Drain (``True``) or undrain this daemon; returns (done, what happened)."""
+        if self.gossip is None or self.dispatcher is None:
+            return (
+                False,
+                "draining needs membership (gossip.bind): a lone daemon has no member to send tasks to",
+            )
+        if self._ingress.admission.shutting_down:
+            return False, "this daemon is shutting down"
+        if drain == self.drained:
+            return True, f"already {'draining' if drain else 'serving'}"
+        self.drained = drain
+        self.dispatcher.placer.draining = drain
+        if drain:
+            self.gossip.set_status("draining")
+            queued = self._ingress.take_queued()
+            if queued:
+                assert self._tg is not None, "start() first"
+                self._tg.create_task(self._hand_off(queued), name="drain-hand-off")
+            log.info("drained by request", extra={"queued": len(queued)})
+            return True, f"draining: new tasks go to other members; {len(queued)} queued handed off"
+        if not self._engine_dead():
+            self.gossip.set_status("serving")
+        log.info("undrained by request")
+        return True, "serving again"
+
+    async def _hand_off(self, queued: list[tuple[object, float]]) -> None:
+        assert self.dispatcher is not None
+        for task, received_at in queued:
+            if await self.dispatcher.hand_off(task, received_at):  # type: ignore[arg-type]
+                self._ingress.release(
+                    task,  # type: ignore[arg-type]
+                    error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off"),  # type: ignore[attr-defined]
+                )
+            else:  # no member took it: it runs here after all
+                self._ingress.requeue(task)  # type: ignore[arg-type]
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self) -> str:
+        if self._ingress.admission.shutting_down:
+            return "shutting_down"
+        if self._engine_dead():
+            return "unhealthy"
+        return "draining" if self.drained else "serving"
+
+    def report(self, query_id: str) -> StatusReport:
+        ing = self._ingress
+        served, failed = ing.served()
+        stats = ing.statistics()
+        load = LoadReport(
+            pending=ing.admission.pending,
+            queued=stats.queued,
+            running=stats.running,
+            received=stats.received,
+            served=served,
+            failed=failed,
+        )
+        gossip = self.gossip
+        core = gossip.core if gossip is not None else None
+        return StatusReport(
+            id=query_id,
+            node=self.node,
+            software_version=self._version,
+            engine=self._engine.name,
+            model=(ing.model or getattr(self._engine, "model", "") or "")[:128],
+            status=self.status(),  # type: ignore[arg-type]
+            drained=self.drained,
+            gossip=core is not None,
+            incarnation=core.table.incarnation if core is not None else 0,
+            checksum=core.table.checksum() if core is not None else 0,
+            gpu=gossip.last_gpu_state if gossip is not None else None,
+            load=load,
+            members=[m.record() for m in core.table.members.values()] if core is not None else [],
+        )
+
+    def statistics(self) -> dict[str, int]:
+        return dict(self.requests)

@@ -1,0 +1,336 @@
+"""`gossipd status` and `gossipd drain`: the operator's side of the admin messages.
+
+Status of a cluster, from any daemon: ask that daemon (a StatusQuery to its ingress), then ask
+every live member it knows at the member's gossiped ingress address, all at once, and put the
+answers together: each member's own status and load, how every other member sees it, and
+whether all members agree on the member-set checksum.  Drain: one Drain to the daemon asked,
+which relays it to the member named (docs/PROTOCOL.md, "Admin").
+
+Plain blocking pyzmq with deadlines: these are one-shot commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    AdminReply,
+    Drain,
+    MemberRecord,
+    Result,
+    StatusQuery,
+    StatusReport,
+    decode_admin_answer,
+    encode_admin,
+    endpoint_problem,
+)
+from gossipd.errors import RemoteProtocolError
+
+DEFAULT_TIMEOUT_S = 2.0
+
+
+class AdminError(Exception):
+    """The request could not be made or was refused; the message says what to do."""
+
+
+class _Asker:
+    """One PULL for answers, one PUSH per endpoint (so each gets its own request)."""
+
+    def __init__(self, ctx: zmq.Context | None = None) -> None:
+        self._own = ctx is None
+        self._ctx = ctx or zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind("tcp://127.0.0.1:*")
+        self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pushes: list[zmq.Socket] = []
+
+    def send(self, endpoint: str, frame: bytes, timeout_s: float) -> bool:
+        """False when no connection to ``endpoint`` came up within ``timeout_s``."""
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.IMMEDIATE, 1)  # send only once connected: fail fast otherwise
+        push.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        push.connect(endpoint)
+        self._pushes.append(push)
+        try:
+            push.send(frame)
+        except zmq.Again:
+            return False
+        return True
+
+    def collect(
+        self, ids: set[str], timeout_s: float
+    ) -> dict[str, StatusReport | AdminReply | Result]:
+        out: dict[str, StatusReport | AdminReply | Result] = {}
+        deadline = time.monotonic() + timeout_s
+        while ids - out.keys():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._pull.poll(left_ms):
+                break
+            try:
+                answer = decode_admin_answer(self._pull.recv())
+            except RemoteProtocolError:
+                continue  # not an answer of ours
+            if answer.id in ids:
+                out[answer.id] = answer
+        return out
+
+    def close(self) -> None:
+        for sock in [*self._pushes, self._pull]:
+            sock.close(linger=0)
+        if self._own:
+            self._ctx.term()
+
+
+def _check(endpoint: str) -> None:
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise AdminError(f"endpoint {problem}")
+
+
+def ask_status(
+    endpoints: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> dict[str, StatusReport | str]:
+    """Each endpoint's StatusReport, or a string saying why there is none."""
+    for e in endpoints:
+        _check(e)
+    asker = _Asker()
+    try:
+        ids: dict[str, str] = {}
+        out: dict[str, StatusReport | str] = {}
+        started = time.monotonic()
+        for endpoint in endpoints:
+            query_id = f"status-{secrets.token_hex(6)}"
+            query = StatusQuery(v=PROTOCOL_VERSION, id=query_id, reply_to=asker.reply_to)
+            left_s = max(0.05, timeout_s - (time.monotonic() - started))
+            if asker.send(endpoint, encode_admin(query), left_s):
+                ids[query_id] = endpoint
+            else:
+                out[endpoint] = (
+                    f"nothing listens at {endpoint} (no connection within {timeout_s} s)"
+                )
+        left_s = max(0.05, timeout_s - (time.monotonic() - started))
+        answers = asker.collect(set(ids), left_s)
+        for query_id, endpoint in ids.items():
+            answer = answers.get(query_id)
+            if isinstance(answer, StatusReport):
+                out[endpoint] = answer
+            elif isinstance(answer, Result) and answer.error is not None:
+                out[endpoint] = f"{endpoint} refused: {answer.error.code}: {answer.error.message}"
+            else:
+                out[endpoint] = f"no answer from {endpoint} within {timeout_s} s"
+        return out
+    finally:
+        asker.close()
+
+
+def cluster_status(endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """The cluster as seen from ``endpoint``'s daemon and from each member it knows."""
+    first = ask_status([endpoint], timeout_s)[endpoint]
+    if isinstance(first, str):
+        raise AdminError(first)
+    live = [m for m in first.members if m.state in ("alive", "suspect")]
+    ingresses = {m.node: m.gpu.ingress for m in live if m.gpu is not None and m.gpu.ingress}
+    answers = ask_status(list(ingresses.values()), timeout_s) if ingresses else {}
+    reports: dict[str, StatusReport | str] = {first.node: first}
+    for node, ingress in ingresses.items():
+        reports[node] = answers[ingress]
+    for m in live:
+        reports.setdefault(m.node, "its ingress address is not known yet (no GPU state gossiped)")
+    return assemble(first, reports, asked=endpoint)
+
+
+def assemble(
+    first: StatusReport, reports: dict[str, StatusReport | str], *, asked: str
+) -> dict[str, Any]:
+    """One row per member (the asked daemon's view, with each member's own answer)."""
+    seen: dict[str, dict[str, str]] = {}  # member -> {peer: status as that peer sees it}
+    for peer, report in reports.items():
+        if isinstance(report, StatusReport):
+            for rec in report.members:
+                if rec.state in ("alive", "suspect"):
+                    status = rec.gpu.status if rec.gpu is not None else "unknown"
+                    seen.setdefault(rec.node, {})[peer] = status
+    rows = [_row(first.node, "alive", reports[first.node], None, seen)]
+    for rec in sorted(first.members, key=lambda r: r.node):
+        rows.append(_row(rec.node, rec.state, reports.get(rec.node), rec, seen))
+    live_reports = [
+        r for n, r in reports.items() if any(row["node"] == n and row["live"] for row in rows)
+    ]
+    checksums = {r.checksum for r in live_reports if isinstance(r, StatusReport)}
+    answered = all(isinstance(r, StatusReport) for r in live_reports)
+    return {
+        "asked": asked,
+        "node": first.node,
+        "software_version": first.software_version,
+        "gossip": first.gossip,
+        "members_live": sum(row["live"] for row in rows),
+        "checksums_agree": answered and len(checksums) == 1,
+        "checksums": sorted(f"{c:016x}" for c in checksums),
+        "leader": first.leader,  # no election yet: null
+        "term": first.term,
+        "election": "not built yet (leader and term stay null)",
+        "members": rows,
+    }
+
+
+def _row(
+    node: str,
+    state: str,
+    report: StatusReport | str | None,
+    rec: MemberRecord | None,
+    seen: dict[str, dict[str, str]],
+) -> dict[str, Any]:
+    own = report if isinstance(report, StatusReport) else None
+    gpu = own.gpu if own is not None and own.gpu is not None else (rec.gpu if rec else None)
+    row: dict[str, Any] = {
+        "node": node,
+        "state": state,
+        "live": state in ("alive", "suspect"),
+        "reachable": own is not None,
+        "status": own.status if own is not None else (gpu.status if gpu else "unknown"),
+        "seen_as": seen.get(node, {}),
+        "engine": own.engine if own is not None else "",
+        "model": own.model if own is not None else (gpu.model if gpu else ""),
+        "ingress": gpu.ingress if gpu else "",
+        "gpu_index": gpu.gpu_index if gpu else None,
+    }
+    if own is not None:
+        row["drained"] = own.drained
+        row["incarnation"] = own.incarnation
+        row["checksum"] = f"{own.checksum:016x}"
+        row["load"] = {
+            "pending": own.load.pending,
+            "queued": own.load.queued,
+            "running": own.load.running,
+            "served": own.load.served,
+            "failed": own.load.failed,
+            "received": own.load.received,
+        }
+    elif isinstance(report, str):
+        row["error"] = report
+    if gpu is not None:
+        row["gpu"] = {
+            "memory_free_mb": gpu.memory_free_mb,
+            "memory_total_mb": gpu.memory_total_mb,
+            "utilization_pct": gpu.utilization_pct,
+        }
+        row["engine_load"] = {
+            "inflight": gpu.inflight,
+            "running_requests": gpu.running_requests,
+            "waiting_requests": gpu.waiting_requests,
+            "kv_cache_usage_ratio": round(gpu.kv_cache_usage_ratio, 3),
+            "queued_tokens": gpu.queued_tokens,
+        }
+    return row
+
+
+def format_status(status: dict[str, Any]) -> str:
+    header = (
+        f"{'NODE':<12} {'STATE':<8} {'STATUS':<13} {'ENGINE':<6} {'MODEL':<14} "
+        f"{'GPU':>3} {'UTIL%':>5} {'MEM FREE':>9} {'PEND':>5} {'RUN':>4} {'WAIT':>4} {'KV%':>4} "
+        f"{'SERVED':>7}  SEEN AS BY PEERS"
+    )
+    lines = [header]
+    for row in status["members"]:
+        load = row.get("load", {})
+        eng = row.get("engine_load", {})
+        views = sorted(set(row["seen_as"].values()))
+        seen = ",".join(views) if views else "-"
+        model = os.path.basename(row["model"].rstrip("/")) or "-"
+        gpu = row.get("gpu", {})
+        mem = (
+            f"{gpu['memory_free_mb'] / 1024:.1f}/{gpu['memory_total_mb'] / 1024:.0f}G"
+            if gpu.get("memory_total_mb")
+            else "-"
+        )
+        lines.append(
+            f"{row['node']:<12} {row['state']:<8} {row['status']:<13} {row['engine'] or '-':<6} "
+            f"{model[:14]:<14} {row['gpu_index'] if row['gpu_index'] is not None else '-':>3} "
+            f"{gpu.get('utilization_pct', '-'):>5} {mem:>9} {load.get('pending', '-'):>5} {eng.get('running_requests', '-'):>4} "
+            f"{eng.get('waiting_requests', '-'):>4} "
+            f"{round(100 * eng['kv_cache_usage_ratio']) if eng else '-':>4} "
+            f"{load.get('served', '-'):>7}  {seen}"
+            + (f"  ({row['error']})" if "error" in row else "")
+        )
+    agree = (
+        f"all {status['members_live']} agree ({status['checksums'][0]})"
+        if status["checksums_agree"]
+        else f"DISAGREE or incomplete: {', '.join(status['checksums']) or 'none'}"
+    )
+    lines.append(f"member-set checksum: {agree}; leader: none (no election yet)")
+    return "\n".join(lines)
+
+
+def status_main(
+    endpoint: str, *, watch: bool, as_json: bool, interval_s: float, timeout_s: float
+) -> int:
+    while True:
+        try:
+            status = cluster_status(endpoint, timeout_s)
+        except AdminError as exc:
+            print(f"gossipd status: {exc}", file=sys.stderr)
+            if not watch:
+                return 1
+            time.sleep(interval_s)
+            continue
+        if as_json:
+            print(json.dumps(status), flush=True)
+        else:
+            if watch and sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")
+            print(f"{time.strftime('%H:%M:%S')} asked {endpoint} ({status['node']})")
+            print(format_status(status), flush=True)
+        if not watch:
+            return 0
+        time.sleep(interval_s)
+
+
+def drain(
+    endpoint: str, node: str, *, drain: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> AdminReply:
+    """Ask ``endpoint``'s daemon to drain (or undrain) ``node``; raise AdminError if refused."""
+    _check(endpoint)
+    asker = _Asker()
+    try:
+        request = Drain(
+            v=PROTOCOL_VERSION,
+            id=f"drain-{secrets.token_hex(6)}",
+            reply_to=asker.reply_to,
+            node=node,
+            drain=drain,
+        )
+        if not asker.send(endpoint, encode_admin(request), timeout_s):
+            raise AdminError(f"nothing listens at {endpoint} (no connection within {timeout_s} s)")
+        answer = asker.collect({request.id}, timeout_s).get(request.id)
+    finally:
+        asker.close()
+    if answer is None:
+        raise AdminError(f"no answer from {node!r} (asked through {endpoint}) within {timeout_s} s")
+    if isinstance(answer, Result):
+        assert answer.error is not None
+        raise AdminError(f"{endpoint} refused: {answer.error.code}: {answer.error.message}")
+    if not isinstance(answer, AdminReply) or not answer.ok:
+        raise AdminError(getattr(answer, "message", "unexpected answer"))
+    return answer
+
+
+def drain_main(endpoint: str, node: str, *, drain_it: bool, timeout_s: float) -> int:
+    verb = "drain" if drain_it else "undrain"
+    try:
+        reply = drain(endpoint, node, drain=drain_it, timeout_s=timeout_s)
+    except AdminError as exc:
+        print(f"gossipd {verb}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{reply.node}: {reply.status} ({reply.message})")
+    return 0

@@ -1,0 +1,200 @@
+"""`gossipd status`, `drain`, `undrain`, `--version` against real daemons (StatusQuery and Drain
+on the ingress, docs/PROTOCOL.md "Admin")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import msgpack
+import pytest
+
+from gossipd import __version__
+from gossipd.core.messages import SamplingParams
+from gossipd.tools.client import Client
+from gossipd.tools.launcher import free_tcp_port
+from simulations.cluster import Cluster
+from tests.helpers import RawProducer, gossipd_cli, scrape, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def status_json(endpoint: str) -> dict[str, Any]:
+    done = gossipd_cli("status", "--json", "-e", endpoint)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def rows(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["node"]: r for r in status["members"]}
+
+
+def send_keyed(endpoints: list[str], n: int, tag: str) -> Counter[str]:
+    """n keyed tasks pushed to every endpoint; which member served each (all must be ok)."""
+
+    async def main() -> Counter[str]:
+        async with Client(endpoints, resubmit_after_s=5.0) as client:
+            handles = [
+                await client.submit(
+                    f"{tag} {i}", key=f"{tag}-{i % 20}", params=SamplingParams(max_tokens=2)
+                )
+                for i in range(n)
+            ]
+            results = [await h.result() for h in handles]
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+        return Counter(r.node for r in results)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def cluster(tmp_path):  # type: ignore[no-untyped-def]
+    c = Cluster(3, log_dir=str(tmp_path))
+    c.start()
+    c.wait_converged(timeout_s=20)
+    c.wait_meta(timeout_s=20)
+    yield c
+    c.stop()
+
+
+def test_status_lists_every_member_and_a_drained_one_gets_no_new_tasks(cluster: Cluster) -> None:
+    endpoints = [d.endpoint for d in cluster.daemons]
+    d0, d1 = cluster.daemons[0].endpoint, "d01"
+    status = wait_until(
+        lambda: (s := status_json(d0))["checksums_agree"] and s, 10, "checksum agreement"
+    )
+    by_node = rows(status)
+    assert set(by_node) == {"d00", "d01", "d02"}
+    for row in by_node.values():
+        assert row["state"] == "alive" and row["status"] == "serving" and row["reachable"]
+        assert row["engine"] == "echo" and set(row["load"]) >= {"pending", "running", "served"}
+        assert "running_requests" in row["engine_load"]
+        assert len(row["seen_as"]) == 2 and set(row["seen_as"].values()) == {"serving"}
+    assert status["leader"] is None and status["term"] is None
+    assert send_keyed(endpoints, 60, "before")["d01"] > 0, "d01 serves its keys before"
+
+    # Drain d01 through d00 (relayed), see it draining in everyone's status.
+    done = gossipd_cli("drain", "d01", "-e", d0)
+    assert done.returncode == 0, done.stderr
+    assert "d01: draining" in done.stdout
+
+    def drained_everywhere() -> dict[str, Any] | None:
+        s = status_json(d0)
+        row = rows(s)[d1]
+        seen = row["seen_as"]
+        ok = row["status"] == "draining" and len(seen) == 2 and set(seen.values()) == {"draining"}
+        return s if ok else None
+
+    served_before = rows(wait_until(drained_everywhere, 10, "d01 draining in every view"))[d1][
+        "load"
+    ]["served"]
+    served_by = send_keyed(endpoints, 90, "drained")
+    assert served_by["d01"] == 0 and sum(served_by.values()) == 90
+    after = rows(status_json(cluster.daemons[1].endpoint))[d1]
+    assert after["load"]["served"] == served_before, "a drained member runs no new task"
+    assert after["status"] == "draining" and after["drained"] is True
+
+    # Back to serving: it takes its keys again.
+    done = gossipd_cli("undrain", "d01", "-e", cluster.daemons[2].endpoint)
+    assert done.returncode == 0 and "d01: serving" in done.stdout, done.stderr
+    wait_until(
+        lambda: set(rows(status_json(d0))[d1]["seen_as"].values()) == {"serving"},
+        10,
+        "d01 serving in every view",
+    )
+    assert send_keyed(endpoints, 60, "after")["d01"] > 0
+
+    # Human-readable form; an unknown member is refused clearly.
+    text = gossipd_cli("status", "-e", d0)
+    assert text.returncode == 0 and "d01" in text.stdout and "checksum" in text.stdout
+    bad = gossipd_cli("drain", "nobody", "-e", d0)
+    assert bad.returncode == 1 and "no live member named 'nobody'" in bad.stderr
+
+
+def test_drain_hands_the_queued_tasks_to_another_member(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One task at a time, 0.2 s each: tasks queue; a drain hands the queued ones to d00."""
+    from gossipd.tools.admin import drain
+
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=["ingress.concurrency_max=1", "engine.token_delay_s=0.05"],
+    )
+    try:
+        c.start()
+        c.wait_converged(timeout_s=20)
+        c.wait_meta(timeout_s=20)
+        d01 = c.daemons[1].endpoint
+
+        async def main() -> tuple[list[Any], str]:
+            async with Client([d01], resubmit_after_s=30.0) as client:
+                handles = [
+                    await client.submit(f"q {i}", key=f"k{i}", params=SamplingParams(max_tokens=4))
+                    for i in range(30)
+                ]
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: rows(status_json(d01))["d01"]["load"]["queued"] >= 5,
+                    10,
+                    "tasks queued at d01",
+                )
+                reply = await asyncio.to_thread(drain, d01, "d01")
+                return [await h.result() for h in handles], reply.message
+
+        results, message = asyncio.run(main())
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+        handed = int(message.split(";")[1].split()[0])  # "...; N queued handed off"
+        assert handed >= 5, message
+        by_node = Counter(r.node for r in results)
+        assert by_node["d00"] >= handed, by_node
+        logged = [e for e in c.daemons[1].events() if e.get("msg") == "drained by request"]
+        assert logged and logged[0]["queued"] == handed
+    finally:
+        c.stop()
+
+
+def test_malformed_and_unknown_admin_messages_are_refused_and_counted(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{free_tcp_port()}")
+    producer = RawProducer(daemon.endpoint)
+    try:
+        rt = producer.reply_to
+        producer.send_raw(msgpack.packb({"v": 1, "t": 32, "id": "nonode", "reply_to": rt}))
+        producer.send_raw(msgpack.packb({"v": 1, "t": 77, "id": "unknown", "reply_to": rt}))
+        producer.send_raw(msgpack.packb({"v": 1, "t": 30, "id": "ok", "reply_to": rt}))
+        got = {r["id"]: r for r in producer.replies(until=lambda r: len(r) >= 3)}
+    finally:
+        producer.close()
+    assert got["nonode"]["t"] == 3 and got["nonode"]["error"]["code"] == "bad_request"
+    assert "invalid Drain" in got["nonode"]["error"]["message"]
+    assert "unknown message type t=77" in got["unknown"]["error"]["message"]
+    assert got["ok"]["t"] == 31 and got["ok"]["status"] == "serving"  # a StatusReport
+    metrics = scrape(daemon.metrics_port)
+    assert metrics["gossipd_messages_refused_total{reason=bad_admin}"] == 1
+    assert metrics["gossipd_messages_refused_total{reason=unknown_type}"] == 1
+    assert metrics["gossipd_admin_requests_total{kind=status,outcome=ok}"] == 1
+
+
+def test_a_lone_daemon_reports_itself_and_refuses_a_drain(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory('gossip.bind=""', 'node.id="solo"')
+    status = status_json(daemon.endpoint)
+    assert [r["node"] for r in status["members"]] == ["solo"]
+    assert status["gossip"] is False and status["checksums_agree"] is True
+    done = gossipd_cli("drain", "solo", "-e", daemon.endpoint)
+    assert done.returncode == 1 and "draining needs membership (gossip.bind)" in done.stderr
+
+
+def test_status_fails_fast_naming_the_endpoint_when_nothing_listens() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    started = time.monotonic()
+    done = gossipd_cli("status", "-e", endpoint, "--timeout", "1")
+    assert done.returncode == 1
+    assert f"nothing listens at {endpoint}" in done.stderr
+    assert time.monotonic() - started < 10  # 1 s of waiting plus the interpreter's start
+
+
+def test_version() -> None:
+    done = gossipd_cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"gossipd {__version__}"

@@ -1,0 +1,91 @@
+"""`gossipd up --demo --json`: a local cluster driven end to end, with the echo engine (fast).
+The same run with vLLM is the README's first command (run by hand: about 3 minutes here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gossipd.tools.launcher import processes_in_group
+from tests.helpers import gossipd_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    done = gossipd_cli(
+        "up",
+        "--demo",
+        "--json",
+        "--engine",
+        "echo",
+        "--nodes",
+        "3",
+        "--tasks",
+        "200",
+        "--log-dir",
+        str(tmp_path),
+        timeout_s=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["nodes"] == 3 and summary["engine"] == "echo"
+    assert summary["tasks"] == summary["ok"] == 200
+    assert summary["lost"] == 0 and summary["killed"] == 1 and summary["restarted"] == 1
+    assert summary["answered_twice"] >= 0 and summary["stopped_clean"] is True
+    assert sum(summary["served_by"].values()) == 200
+    # The restarted daemon serves again after its restart (its keys come back to it).
+    assert summary["served_by_phase"]["after the restart"].get(summary["victim"], 0) > 0
+    assert "election off: no etcd" in done.stderr
+    # No process is left of any daemon started (first starts and the restart).
+    assert len(summary["pids"]) == 4
+    for pid in summary["pids"]:
+        assert not processes_in_group(pid), f"processes left in group {pid}"
+
+
+def test_up_stops_every_daemon_on_sigterm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gossipd",
+            "up",
+            "--engine",
+            "echo",
+            "--nodes",
+            "2",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        for line in proc.stdout:  # the live view starts once every daemon serves
+            lines.append(line)
+            if line.startswith("live status") or time.monotonic() > deadline:
+                break
+        assert any(line.startswith("live status") for line in lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text
+    assert "stopped: 2 daemons, no process left" in text
+    pids = [int(p) for p in re.findall(r"serving on \S+ \(\d+ s, pid (\d+)\)", text)]
+    assert len(pids) == 2
+    for pid in pids:
+        assert not processes_in_group(pid)
