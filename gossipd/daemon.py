@@ -37,6 +37,7 @@ from gossipd.ingress.service import Ingress
 from gossipd.membership.gossip import GossipService
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
 from gossipd.ops.notify import Notifier
+from gossipd.ops.tracing import build_tracer
 from gossipd.sockets import SocketPool
 from gossipd.transport import ReplySender
 
@@ -103,6 +104,8 @@ class Daemon:
         self.metrics_port = 0
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
+        # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
+        self.tracer = build_tracer(config.tracing, self.node)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -137,6 +140,8 @@ class Daemon:
             self.gossip, self.dispatcher = self._build_membership_and_fanout(endpoint)
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
+        if self.tracer is not None:
+            self.tracer.attach(self.ingress, self.dispatcher)
         if self.config.metrics.bind:
             _, self.metrics_port = serve_metrics(
                 self.config.metrics.bind, DaemonCollector(self.node, self.snapshot)
@@ -201,6 +206,8 @@ class Daemon:
             if self.journal is not None:
                 self.journal.close()
             await self.engine.stop()
+            if self.tracer is not None:
+                self.tracer.close()
             self.notifier.close()
             self._ctx.term()
         stats = _plain(self.snapshot())
