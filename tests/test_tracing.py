@@ -45,7 +45,9 @@ def _config(name: str, ports: dict[str, dict[str, int]], peer: str) -> Any:
     )
 
 
-async def _two_daemons_one_forwarded_task(traceparent: str) -> tuple[Any, list[Any]]:
+async def _two_daemons_one_forwarded_task(
+    traceparent: str, *, sampled: bool = True
+) -> tuple[Any, list[Any]]:
     from gossipd.ops.tracing import memory_exporter
 
     exporter = memory_exporter()
@@ -80,6 +82,14 @@ async def _two_daemons_one_forwarded_task(traceparent: str) -> tuple[Any, list[A
             )
             result = await (await client.submit_task(task)).result()
         assert result.ok and result.node == "b", result
+
+        if not sampled:  # nothing to wait for but both daemons being done with the task
+            await wait_until_async(
+                lambda: not a.tracer._open and not b.tracer._open,
+                10,
+                "the task done",  # type: ignore[union-attr]
+            )
+            return result, [s for s in exporter.get_finished_spans() if _task(s) == result.id]
 
         def spans() -> list[Any]:
             mine = [s for s in exporter.get_finished_spans() if _task(s) == result.id]
@@ -130,6 +140,14 @@ def test_a_producers_traceparent_is_the_parent_of_the_entry_daemons_spans() -> N
     _, spans = asyncio.run(_two_daemons_one_forwarded_task(traceparent=traceparent))
     assert {f"{s.context.trace_id:032x}" for s in spans} == {PRODUCER_TRACE_ID}
     assert f"{_by(spans, 'a', 'receive').parent.span_id:016x}" == PRODUCER_SPAN_ID
+
+
+def test_a_producers_unsampled_trace_is_recorded_nowhere() -> None:
+    """Sampling is parent-based (the SDK's default): flags 00 from the producer means no span
+    on the entry daemon, and the decision travels on in the Forward to the owner."""
+    traceparent = f"00-{PRODUCER_TRACE_ID}-{PRODUCER_SPAN_ID}-00"
+    result, spans = asyncio.run(_two_daemons_one_forwarded_task(traceparent, sampled=False))
+    assert result.ok and spans == []
 
 
 def test_tracing_off_imports_nothing_of_opentelemetry() -> None:

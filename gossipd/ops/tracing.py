@@ -104,10 +104,12 @@ def _span_exporter(kind: str) -> Any:
 class _Open:
     """One task's spans on this daemon while it is here."""
 
-    __slots__ = ("context", "forward", "receive", "received_s")
+    __slots__ = ("context", "forward", "receive", "received_s", "recording")
 
     def __init__(self, receive: Any, context: Any, received_s: float) -> None:
         self.receive = receive
+        # False: not sampled (OTEL_TRACES_SAMPLER); no child spans, the context still travels.
+        self.recording = bool(receive.is_recording())
         self.context = context  # receive's context: the parent of the other spans
         self.forward: Any = None
         self.received_s = received_s  # time.monotonic() at arrival
@@ -223,20 +225,24 @@ class TaskTracer:
         if record is None:
             self.received(task, now)
             record = self._open[task.id]
-        if record.forward is None:
-            record.forward = self._tracer.start_span(
-                "forward",
-                context=record.context,
-                kind=self._kind.CLIENT,
-                start_time=self._ns(now),
-                attributes={"gossipd.node": self._node, "gossipd.task.id": task.id},
+        if record.recording:
+            if record.forward is None:
+                record.forward = self._tracer.start_span(
+                    "forward",
+                    context=record.context,
+                    kind=self._kind.CLIENT,
+                    start_time=self._ns(now),
+                    attributes={"gossipd.node": self._node, "gossipd.task.id": task.id},
+                )
+            record.forward.add_event(
+                "attempt",
+                {"gossipd.peer": addr, "gossipd.attempt": msg.attempt},
+                timestamp=self._ns(now),
             )
-        record.forward.add_event(
-            "attempt",
-            {"gossipd.peer": addr, "gossipd.attempt": msg.attempt},
-            timestamp=self._ns(now),
-        )
-        ctx = record.forward.get_span_context()
+            carrier = record.forward
+        else:  # not sampled: no span, but the decision travels on (flags 00)
+            carrier = record.receive
+        ctx = carrier.get_span_context()
         traceparent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
         if task.traceparent == traceparent:
             return msg
@@ -274,6 +280,9 @@ class TaskTracer:
         if record is None:
             self.received(owned.task, owned.received_at)
             record = self._open[owned.task.id]
+        if not record.recording:
+            del self._open[owned.task.id]
+            return
         ctx, ns = record.context, self._ns
         attrs = {"gossipd.node": self._node, "gossipd.task.id": owned.task.id}
         t = result.timings
