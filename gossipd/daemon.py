@@ -38,6 +38,7 @@ from gossipd.membership.gossip import GossipService
 from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
 from gossipd.ops.notify import Notifier
+from gossipd.ops.tracing import build_tracer
 from gossipd.sockets import SocketPool
 from gossipd.transport import ReplySender
 
@@ -105,7 +106,7 @@ class Daemon:
                     f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"
                 ) from None
             self.ingress.on_admitted.append(self.journal.accept)
-            self.ingress.on_finished.append(lambda owned: self.journal.done(owned.task.id))  # type: ignore[union-attr]
+            self.ingress.on_finished.append(lambda owned, result: self.journal.done(owned.task.id))  # type: ignore[union-attr]
             # Handed to another member: that member answers it, so a restart must not re-run it.
             self.ingress.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
         self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
@@ -114,6 +115,8 @@ class Daemon:
         self.metrics_port = 0
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
+        # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
+        self.tracer = build_tracer(config.tracing, self.node)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -150,6 +153,8 @@ class Daemon:
             self.admin.gossip, self.admin.dispatcher = self.gossip, self.dispatcher
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
+        if self.tracer is not None:
+            self.tracer.attach(self.ingress, self.dispatcher)
         if self.config.metrics.bind:
             _, self.metrics_port = serve_metrics(
                 self.config.metrics.bind, DaemonCollector(self.node, self.snapshot)
@@ -215,6 +220,8 @@ class Daemon:
             if self.journal is not None:
                 self.journal.close()
             await self.engine.stop()
+            if self.tracer is not None:
+                self.tracer.close()
             self.notifier.close()
             self._ctx.term()
         stats = _plain(self.snapshot())
@@ -303,7 +310,7 @@ class Daemon:
         ingress.on_admitted.append(placer.record_prefix)
         ingress.on_released.append(dispatcher.task_finished)
         ingress.on_refused.append(dispatcher.task_finished)
-        ingress.on_finished.append(lambda owned: dispatcher.task_finished(owned.task))
+        ingress.on_finished.append(lambda owned, result: dispatcher.task_finished(owned.task))
         ingress.on_finished.append(owner.task_finished)
         return gossip, dispatcher
 

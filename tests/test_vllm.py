@@ -160,3 +160,15 @@ def test_engine_load_reaches_gossip_and_metrics(cluster: Cluster) -> None:
         if e.get("msg") == "member" and e.get("event") == "meta" and e.get("member") == "d01"
     ]
     assert seen and seen[-1].get("model") == "tiny"
+
+
+def test_vllm_log_records_are_json_lines_like_the_daemons(cluster: Cluster) -> None:
+    """vLLM's records, from the daemon's process and from its engine-core process, go through
+    gossipd's JSON formatter (gossipd/ops/logs.py, route_vllm_logs)."""
+    from tests.test_vllm_logs import VLLM_TEXT_LINE
+
+    for daemon in cluster.daemons:
+        lines = daemon.log_text().splitlines()
+        assert not [line for line in lines if VLLM_TEXT_LINE.match(line)], daemon.name
+        loggers = {e.get("logger", "") for e in daemon.events()}
+        assert any(name.startswith("vllm") for name in loggers), sorted(loggers)

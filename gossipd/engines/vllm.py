@@ -32,6 +32,7 @@ from gossipd.engines.base import (
     GenerateRequest,
     InvalidRequest,
 )
+from gossipd.ops.logs import log_format, route_vllm_logs
 
 if TYPE_CHECKING:
     from gossipd.config import EngineConfig
@@ -110,6 +111,8 @@ class VllmEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model directory needs no hub
         if c.cpu_kvcache_space_gb:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(c.cpu_kvcache_space_gb)
+        # vLLM's own log records through our formatter, here and in its engine process.
+        route_vllm_logs()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -125,6 +128,7 @@ class VllmEngine:
             num_gpu_blocks_override=c.kv_cache_blocks or None,
             max_num_seqs=c.max_num_seqs or None,
             seed=c.seed,
+            use_tqdm_on_load=log_format() != "json",  # a progress bar is no JSON line
         )
         started = time.monotonic()
         # Blocks the loop while the engine core loads (tens of seconds on CPU); the daemon

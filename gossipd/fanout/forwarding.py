@@ -19,11 +19,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refuse, Route
 from gossipd.core.membership import MemberEvent
-from gossipd.core.messages import Task, TaskDone
+from gossipd.core.messages import Forward, Task, TaskDone
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer
@@ -77,6 +78,8 @@ class Dispatcher:
         self._timer_at = float("inf")
         self._hand_offs: dict[str, list[asyncio.Future[bool]]] = {}
         self._idle_links: asyncio.Task[None] | None = None
+        # Set by the daemon when tracing is on (gossipd/ops/tracing.py); None costs nothing.
+        self.tracer: Any = None
 
     @staticmethod
     def settings(config: FanoutConfig, retry_after_ms: int) -> ForwarderSettings:
@@ -115,7 +118,10 @@ class Dispatcher:
         """ForwardReplies and TaskDones read from the peer links (one read's worth)."""
         now = time.monotonic()
         on_reply = self.forwarder.on_reply
+        tracer = self.tracer
         for msg in msgs:
+            if tracer is not None and type(msg) is TaskDone:
+                tracer.forward_done(msg.id)
             on_reply(msg, now)
         self._flush()
 
@@ -163,10 +169,15 @@ class Dispatcher:
 
     def _flush(self) -> None:
         fw = self.forwarder
+        tracer = self.tracer
         for addr, msg in fw.take_outbox():
+            if tracer is not None and type(msg) is Forward:
+                msg = tracer.forwarding(msg, addr)
             self._links.send(addr, msg)
         for event in fw.take_events():
             if isinstance(event, Refuse):
+                if tracer is not None:
+                    tracer.refused(event.task.id, event.code)
                 self._send_error(event)
             else:
                 self._handed_off(event)

@@ -32,6 +32,7 @@ from gossipd.core.messages import (
     Forward,
     ForwardReply,
     PeerBatch,
+    Result,
     Task,
     TaskDone,
     Withdraw,
@@ -237,7 +238,7 @@ class OwnerEndpoint:
                     self.counters.replies_dropped += count  # the forwarder times out: next
         kick(self._router)
 
-    def task_finished(self, owned: Owned) -> None:
+    def task_finished(self, owned: Owned, result: Result) -> None:
         """A task's final Result has just been handed to the reply sender (an ingress
         on_finished listener): tell its forwarders, right after that Result leaves."""
         forwarders = owned.forwarders

@@ -127,7 +127,7 @@ class Ingress:
         self.on_admitted: list[Callable[[Task], None]] = []
         # ...answered from here: the Result has just been handed to the reply sender; the
         # entry says who else to tell (Owned.notify: the forwarders' TaskDones).
-        self.on_finished: list[Callable[[Owned], None]] = []
+        self.on_finished: list[Callable[[Owned, Result], None]] = []
         # ...and for admitted tasks that leave without a result from here (handed off,
         # withdrawn); and for tasks routed here that admission refused (or answered from the
         # results cache).
@@ -539,7 +539,7 @@ class Ingress:
         owned = self.book.finish(task.id, result, remember=remember)
         self._replies.send(task.reply_to, encode(result))
         for listener in self.on_finished:
-            listener(owned)
+            listener(owned, result)
 
     def take_queued(self) -> list[tuple[Task, float]]:
         """Remove admitted-but-unstarted tasks (to hand them to other members at drain).

@@ -1,11 +1,21 @@
 """Structured logs: one JSON object per line (or plain text), and a rate limiter for the
-lines about refused input, so a flood of garbage cannot flood the log (counters count all)."""
+lines about refused input, so a flood of garbage cannot flood the log (counters count all).
+
+vLLM's own records go through the same formatter (``route_vllm_logs``): vLLM applies the
+logging dictConfig file named by VLLM_LOGGING_CONFIG_PATH in each of its processes (this one
+and its engine-core children), so the file we write there hands its "vllm" logger to our
+handler everywhere; plain text from vLLM would otherwise be most of a daemon's log.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
@@ -32,15 +42,101 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# What setup_logging was last called with (level, format, node): route_vllm_logs uses it.
+_settings: tuple[str, str, str] | None = None
+
+
 def setup_logging(*, level: str, fmt: str, node: str) -> None:
+    global _settings
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter(node))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # Python warnings (torch's, vLLM's) as records too
+    _settings = (level, fmt, node)
+
+
+def log_format() -> str | None:
+    """The format setup_logging set ("json" or "text"), None before it was called."""
+    return None if _settings is None else _settings[1]
+
+
+# Set by route_vllm_logs for vLLM's engine processes (children started with spawn): they
+# import gossipd (their parent's main module) before vLLM, and gossipd/__init__.py then calls
+# follow_parent_logging, so what vLLM logs while it is imported there is formatted too.
+CHILD_LOGGING_ENV = "GOSSIPD_CHILD_LOGGING"
+
+
+def follow_parent_logging(environ: dict[str, str] | None = None) -> bool:
+    """In a child process of a daemon: set up logging as the daemon did (CHILD_LOGGING_ENV,
+    which only a daemon's descendants inherit).  True when it did."""
+    env = os.environ if environ is None else environ
+    raw = env.get(CHILD_LOGGING_ENV, "")
+    if not raw:
+        return False
+    try:
+        level, fmt, node = json.loads(raw)
+    except (ValueError, TypeError):
+        return False
+    setup_logging(level=str(level), fmt=str(fmt), node=str(node))
+    return True
+
+
+def vllm_logging_config(*, level: str, fmt: str, node: str) -> dict[str, object]:
+    """A logging dictConfig that sends the "vllm" logger's records to stderr through our
+    formatter (JSON lines, or our text format)."""
+    formatter: dict[str, object] = (
+        {"()": "gossipd.ops.logs.JsonFormatter", "node": node}
+        if fmt == "json"
+        else {"format": TEXT_FORMAT}
+    )
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"gossipd": formatter},
+        "handlers": {
+            "gossipd": {
+                "class": "logging.StreamHandler",
+                "formatter": "gossipd",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "loggers": {"vllm": {"handlers": ["gossipd"], "level": level.upper(), "propagate": False}},
+    }
+
+
+def route_vllm_logs(environ: dict[str, str] | None = None) -> str | None:
+    """Before vLLM is imported: write ``vllm_logging_config`` (with setup_logging's settings)
+    to a file and point VLLM_LOGGING_CONFIG_PATH at it, for this process and the engine
+    processes it starts.  Nothing when setup_logging was not called (a library user's logging
+    is theirs), or when the operator set VLLM_LOGGING_CONFIG_PATH or VLLM_CONFIGURE_LOGGING=0
+    (their choice wins).  With JSON logs, tqdm's progress bars (vLLM loading a model) are off
+    too (TQDM_DISABLE=1, unless set).  Returns the file's path, or None."""
+    env = os.environ if environ is None else environ
+    if _settings is None or env.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return None
+    if env.get("VLLM_LOGGING_CONFIG_PATH"):
+        return None
+    level, fmt, node = _settings
+    if fmt == "json":
+        env.setdefault("TQDM_DISABLE", "1")
+    env[CHILD_LOGGING_ENV] = json.dumps([level, fmt, node])
+    fd, path = tempfile.mkstemp(prefix="gossipd-vllm-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(vllm_logging_config(level=level, fmt=fmt, node=node), fh)
+    atexit.register(_remove, path)
+    env["VLLM_LOGGING_CONFIG_PATH"] = path
+    return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class RateLimiter:

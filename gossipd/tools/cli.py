@@ -70,37 +70,60 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from gossipd.tools import submit
+    from gossipd.tools.client import NotConnected
 
     endpoints = args.endpoint or [DEFAULT_ENDPOINT]
-    if args.file:
-        lines = submit.read_task_lines(args.file)
-
-        async def many() -> int:
-            report = await submit.submit_many(
+    connect_timeout_s = args.connect_timeout or None
+    try:
+        if args.file:
+            return _submit_file(args, endpoints, connect_timeout_s)
+        if args.prompt is None:
+            print("gossipd submit: give a PROMPT or --file FILE", file=sys.stderr)
+            return 2
+        return _run_loop(
+            submit.submit_one(
                 endpoints,
-                lines,
-                resubmit_after_s=args.resubmit_after,
-                window=args.window,
-                show_progress=not args.no_progress,
+                args.prompt,
+                max_tokens=args.max_tokens,
+                timeout_s=args.timeout,
+                stream=args.stream,
+                key=args.key,
+                as_json=args.json,
+                connect_timeout_s=connect_timeout_s,
             )
-            submit.print_report(report, as_json=args.json)
-            return 0 if report.ok == report.total else 1
-
-        return _run_loop(many())
-    if args.prompt is None:
-        print("gossipd submit: give a PROMPT or --file FILE", file=sys.stderr)
-        return 2
-    return _run_loop(
-        submit.submit_one(
-            endpoints,
-            args.prompt,
-            max_tokens=args.max_tokens,
-            timeout_s=args.timeout,
-            stream=args.stream,
-            key=args.key,
-            as_json=args.json,
         )
-    )
+    except NotConnected as exc:
+        print(f"gossipd submit: {exc}", file=sys.stderr)
+        return 1
+
+
+def _submit_file(
+    args: argparse.Namespace, endpoints: list[str], connect_timeout_s: float | None
+) -> int:
+    from gossipd.tools import submit
+
+    numbered = submit.read_numbered_task_lines(args.file)
+    out = submit.ResultWriter(args.out) if args.out else None
+
+    async def many() -> int:
+        report = await submit.submit_many(
+            endpoints,
+            [line for _, line in numbered],
+            numbers=[n for n, _ in numbered],
+            resubmit_after_s=args.resubmit_after,
+            window=args.window,
+            show_progress=not args.no_progress,
+            connect_timeout_s=connect_timeout_s,
+            out=out,
+        )
+        submit.print_report(report, as_json=args.json)
+        return 0 if report.ok == report.total else 1
+
+    try:
+        return _run_loop(many())
+    finally:
+        if out is not None:
+            out.close()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -215,6 +238,18 @@ def cmd_systemd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reference(args: argparse.Namespace) -> int:
+    from gossipd.tools.reference import render
+
+    text = render(args.what)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gossipd import __version__
 
@@ -302,8 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_check_config)
 
-    p = sub.add_parser("submit", help="submit one prompt or a JSONL file of tasks")
-    p.add_argument("prompt", nargs="?")
+    p = sub.add_parser(
+        "submit",
+        help="submit one prompt or a JSONL file of tasks",
+        description="Submit one prompt, or a JSONL file of tasks (one JSON object a line: "
+        '{"prompt": ..., "id"?, "key"?, "params"?, "stream"?, "timeout_ms"?, "model"?}; '
+        "README.md, 'Submitting a file of tasks').",
+    )
+    p.add_argument("prompt", nargs="?", help="the prompt (or give --file)")
     p.add_argument(
         "--endpoint",
         "-e",
@@ -311,7 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"daemon ingress (default {DEFAULT_ENDPOINT}); repeatable",
     )
     p.add_argument("--file", "-f", type=Path, help="JSONL file, one task per line")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--out",
+        "-o",
+        type=Path,
+        help="--file: write every Result to this file, one JSON object per line (with "
+        "'line', its task's line number)",
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--timeout", type=float, default=30.0, help="task deadline in seconds")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--key", default="", help="placement key (sessions keep one key)")
@@ -322,14 +370,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="resend an unanswered task after S seconds",
     )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=1.5,
+        metavar="S",
+        help="fail when no daemon accepts a connection within S seconds (default 1.5; "
+        "0: wait for one as long as the tasks' deadlines allow)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="--file: no progress lines")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser(
         "demo", help="start a daemon on the embedded default, push tasks through it, stop it"
     )
-    p.add_argument("--tasks", type=int, default=2000)
+    p.add_argument("--tasks", type=int, default=2000, help="tasks to push (default 2000)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("model", help="make the small model that tests and benchmarks use")
@@ -337,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = model_sub.add_parser(
         "make-tiny", help="write a tokenizer and a seeded random 2-layer Llama (HF format)"
     )
-    p.add_argument("directory", type=Path)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("directory", type=Path, help="where to write the model (made if missing)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=cmd_model)
 
     p = sub.add_parser("systemd", help="systemd units for this node (one daemon per GPU)")
@@ -388,7 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", help="benchmarks (figures against a baseline measured in the same run)"
     )
-    p.add_argument("what", choices=["ingress", "route", "ring", "engine", "prefix", "hedge"])
+    p.add_argument(
+        "what",
+        choices=["ingress", "route", "ring", "engine", "prefix", "hedge"],
+        help="ingress: one daemon vs raw pyzmq; route: the cost of a forward hop; ring: "
+        "placement balance and churn; engine: the daemon's overhead on vLLM; prefix: "
+        "prefix-cache hit rate by placement policy (six fresh 3-daemon vLLM clusters: many "
+        "minutes on 2 cores); hedge: a stalled member, hedging off/on",
+    )
     p.add_argument("--model", help="engine/prefix: a model directory (default: make the tiny one)")
     p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")
     p.add_argument(
@@ -399,14 +462,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nodes", type=int, default=None, help="route, prefix: daemons (3); ring: members (64)"
     )
-    p.add_argument("--tasks", type=int, default=20_000)
+    p.add_argument(
+        "--tasks", type=int, default=20_000, help="ingress, route: tasks per run (default 20000)"
+    )
     p.add_argument("--rate", type=float, default=300.0, help="hedge: tasks per second")
     p.add_argument("--seconds", type=float, default=4.0, help="hedge: how long to send")
     p.add_argument("--stall-ms", type=int, default=1000, help="hedge: how long a member stops")
-    p.add_argument("--window", type=int, default=500)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--window", type=int, default=500, help="ingress: tasks outstanding at once (default 500)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="ingress, route: runs of each side; engine: rounds (default 3)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the report as JSON (progress goes to stderr)"
+    )
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "reference",
+        help="print a reference document generated from the code (docs/CONFIG.md, METRICS.md)",
+    )
+    p.add_argument(
+        "what",
+        choices=["config", "metrics"],
+        help="config: every key with its type, default and bound; metrics: every metric",
+    )
+    p.add_argument("--out", "-o", type=Path, help="write it to this file instead of stdout")
+    p.set_defaults(func=cmd_reference)
     return parser
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
@@ -44,7 +45,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
-from gossipd.transport import NOBLOCK, POLLOUT, SocketReader, wait_events
+from gossipd.transport import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
 
 log = logging.getLogger("gossipd.tools.client")
 
@@ -54,6 +55,21 @@ RETRYABLE_CODES = frozenset({ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN
 # Ids of resolved tasks remembered to tell a duplicate Result from one for an id never sent
 # here (statistics only: a reply for an id not outstanding is dropped either way).
 FINISHED_IDS_MAX = 65_536
+
+
+class NotConnected(ConnectionError):
+    """No daemon accepted a connection at any of the endpoints within the wait: nothing
+    listens there (or it is unreachable)."""
+
+    def __init__(self, endpoints: Sequence[str], timeout_s: float) -> None:
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        where = ", ".join(endpoints)
+        super().__init__(
+            f"no daemon at {where}: no connection within {timeout_s:g} s (nothing listens "
+            "there, or it is unreachable); start one with `gossipd run` or give the right "
+            "--endpoint"
+        )
 
 
 class TaskHandle:
@@ -147,7 +163,11 @@ class Client:
         outstanding_max: int = 10_000,
         retry_codes: Iterable[str] = RETRYABLE_CODES,
         id_prefix: str | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
+        """``connect_timeout_s``: entering ``async with`` waits until a connection to at
+        least one endpoint is made, and raises ``NotConnected`` if none is within that long
+        (None: do not wait; tasks wait, queued here, for a daemon to appear)."""
         if not endpoints:
             raise LocalProtocolError("a Client needs at least one daemon endpoint")
         self._endpoints = list(endpoints)
@@ -168,9 +188,17 @@ class Client:
         self._flusher: asyncio.Task[None] | None = None
         self.reply_to = ""
         self._stats = dict.fromkeys(ClientStatistics.__slots__, 0)
+        self._connect_timeout_s = connect_timeout_s
+        self._monitor: zmq.Socket | None = None  # the PUSH's connection events, until connected
 
     async def __aenter__(self) -> Client:
         self.open()
+        if self._connect_timeout_s is not None:
+            try:
+                await self.wait_connected(self._connect_timeout_s)
+            except BaseException:
+                await self.close()
+                raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -189,6 +217,8 @@ class Client:
         # swallow its round-robin share until our resubmission timer fired.
         self._push.setsockopt(zmq.IMMEDIATE, 1)
         self._push.setsockopt(zmq.LINGER, 1000)
+        if self._connect_timeout_s is not None:  # before connect(): see every connection
+            self._monitor = self._push.get_monitor_socket(zmq.EVENT_CONNECTED)
         for endpoint in self._endpoints:
             self._push.connect(endpoint)
         loop = asyncio.get_running_loop()
@@ -196,7 +226,38 @@ class Client:
             self._pull, self._pull.recv, 512, lambda frames: self._on_replies(frames, loop)
         )
 
+    async def wait_connected(self, timeout_s: float) -> None:
+        """Return once a connection to some endpoint is made (a ZeroMQ socket monitor's
+        CONNECTED event on our PUSH); raise ``NotConnected`` if none is made within
+        ``timeout_s``.  Needs ``connect_timeout_s`` set (the monitor starts before connect)."""
+        monitor = self._monitor
+        if monitor is None:
+            raise LocalProtocolError("wait_connected() needs a Client made with connect_timeout_s")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while True:
+                try:
+                    event = parse_monitor_message(monitor.recv_multipart(NOBLOCK))
+                except zmq.Again:
+                    left_s = deadline - loop.time()
+                    if left_s <= 0 or not await wait_events(monitor, POLLIN, left_s):
+                        raise NotConnected(self._endpoints, timeout_s) from None
+                    continue
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    return
+        finally:
+            self._stop_monitor()
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            if self._push is not None:
+                self._push.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
     async def close(self) -> None:
+        self._stop_monitor()
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)

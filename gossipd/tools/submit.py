@@ -1,9 +1,11 @@
 """`gossipd submit`: send one prompt or a JSONL file of tasks and report how they went.
 
 A task line is a JSON object: {"prompt": str, "id"?: str, "key"?: str, "params"?: {...},
-"stream"?: bool, "timeout_ms"?: int, "model"?: str}.  A line that is not a valid task counts
-as a failed task (bad_request, with its line number) and is not sent.  The exit status is 1
-when any task failed.
+"stream"?: bool, "timeout_ms"?: int, "model"?: str} (README.md, "Submitting a file of
+tasks").  A line that is not a valid task counts as a failed task (bad_request, with its
+line number) and is not sent.  ``--out FILE`` writes every Result as one JSON object per line,
+with ``line``, the task's line number.  The exit status is 1 when any task failed, and when no
+daemon accepts a connection within ``--connect-timeout`` (the message names the endpoints).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import Result, SamplingParams
+from gossipd.core.messages import ErrorCode, Result, SamplingParams, error_result
 from gossipd.tools.client import Client, TaskHandle
 from gossipd.tools.progress import Progress, percentile
 
@@ -34,6 +36,7 @@ class SubmitReport:
     retried: int = 0
 
     def as_dict(self) -> dict[str, Any]:
+        """Latencies are of the tasks that succeeded: null when none did."""
         lat = sorted(self.latencies_ms)
         return {
             "total": self.total,
@@ -41,8 +44,8 @@ class SubmitReport:
             "failed": dict(self.failed),
             "tasks_per_s": round(self.total / self.elapsed_s, 1) if self.elapsed_s else 0.0,
             "latency_ms": {
-                "p50": round(percentile(lat, 50), 3),
-                "p99": round(percentile(lat, 99), 3),
+                "p50": round(percentile(lat, 50), 3) if lat else None,
+                "p99": round(percentile(lat, 99), 3) if lat else None,
             },
             "resubmitted": self.resubmitted,
             "retried": self.retried,
@@ -60,17 +63,42 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def read_task_lines(path: Path) -> list[_Line | str]:
-    """Each line parsed, or an error string naming the line."""
-    out: list[_Line | str] = []
+    """Each line parsed, or an error string naming the line ("FILE:N: why")."""
+    return [line for _, line in read_numbered_task_lines(path)]
+
+
+def read_numbered_task_lines(path: Path) -> list[tuple[int, _Line | str]]:
+    """(line number, the task or an error string) for each non-blank line."""
+    out: list[tuple[int, _Line | str]] = []
     with path.open() as fh:
         for number, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue
             try:
-                out.append(msgspec.json.decode(raw, type=_Line))
+                out.append((number, msgspec.json.decode(raw, type=_Line)))
             except msgspec.DecodeError as exc:
-                out.append(f"{path}:{number}: {exc}")
+                out.append((number, f"{path}:{number}: {exc}"))
     return out
+
+
+class ResultWriter:
+    """``--out FILE``: each Result as one JSON object per line, in the order they end, with
+    ``line`` (the task's line number in the input) added; a line that was no valid task gets
+    a ``bad_request`` Result with the id "FILE:N"."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = path.open("w")
+        self.written = 0
+
+    def write(self, result: Result, line: int) -> None:
+        record = msgspec.to_builtins(result)
+        record["line"] = line
+        self._fh.write(json.dumps(record) + "\n")
+        self.written += 1
+
+    def close(self) -> None:
+        self._fh.close()
 
 
 async def submit_many(
@@ -81,7 +109,14 @@ async def submit_many(
     window: int,
     show_progress: bool,
     on_result: Any = None,
+    connect_timeout_s: float | None = None,
+    numbers: list[int] | None = None,
+    out: ResultWriter | None = None,
 ) -> SubmitReport:
+    """Send every task line, wait for every Result.  ``numbers``: each line's number in the
+    input (for ``out``; default 1, 2, ...).  ``connect_timeout_s``: fail with
+    ``NotConnected`` when no daemon accepts a connection within that long."""
+    numbers = numbers if numbers is not None else list(range(1, len(lines) + 1))
     report = SubmitReport(total=len(lines))
     progress = Progress(len(lines), "submit", enabled=show_progress)
     loop = asyncio.get_running_loop()
@@ -102,19 +137,30 @@ async def submit_many(
         progress.update(done, f"ok={report.ok} failed={sum(report.failed.values())}")
 
     async with Client(
-        endpoints, resubmit_after_s=resubmit_after_s, outstanding_max=window
+        endpoints,
+        resubmit_after_s=resubmit_after_s,
+        outstanding_max=window,
+        connect_timeout_s=connect_timeout_s,
     ) as client:
         waiters: list[asyncio.Task[None]] = []
 
-        async def wait(handle: TaskHandle) -> None:
+        async def wait(handle: TaskHandle, number: int) -> None:
             result = await handle.result()
             record(result, loop.time() - handle.submitted_at)
+            if out is not None:
+                out.write(result, number)
 
-        for line in lines:
+        for number, line in zip(numbers, lines, strict=True):
             if isinstance(line, str):
                 report.failed["bad_request"] += 1
                 done += 1
                 print(f"refused: {line}", file=sys.stderr)
+                if out is not None:
+                    where, _, why = line.partition(": ")
+                    out.write(
+                        error_result(where[-128:], ErrorCode.BAD_REQUEST, why, node="client"),
+                        number,
+                    )
                 continue
             handle = await client.submit(
                 line.prompt,
@@ -125,7 +171,7 @@ async def submit_many(
                 stream=line.stream,
                 model=line.model,
             )
-            waiters.append(loop.create_task(wait(handle)))
+            waiters.append(loop.create_task(wait(handle, number)))
         await asyncio.gather(*waiters)
         stats = client.statistics()
         report.resubmitted, report.retried = stats.resubmitted, stats.retried
@@ -140,10 +186,16 @@ def print_report(report: SubmitReport, *, as_json: bool) -> None:
         print(json.dumps(d))
         return
     failed = ", ".join(f"{code}={n}" for code, n in sorted(d["failed"].items())) or "none"
+    lat = d["latency_ms"]
+    latency = (
+        f"latency p50 {lat['p50']} ms, p99 {lat['p99']} ms"
+        if lat["p50"] is not None
+        else "latency n/a (no task succeeded)"
+    )
     print(
         f"{d['total']} tasks: {d['ok']} ok, failed: {failed}; "
-        f"{d['tasks_per_s']} tasks/s; latency p50 {d['latency_ms']['p50']} ms, "
-        f"p99 {d['latency_ms']['p99']} ms; resubmitted {d['resubmitted']}, retried {d['retried']}"
+        f"{d['tasks_per_s']} tasks/s; {latency}; "
+        f"resubmitted {d['resubmitted']}, retried {d['retried']}"
     )
 
 
@@ -156,8 +208,9 @@ async def submit_one(
     stream: bool,
     key: str,
     as_json: bool,
+    connect_timeout_s: float | None = None,
 ) -> int:
-    async with Client(endpoints) as client:
+    async with Client(endpoints, connect_timeout_s=connect_timeout_s) as client:
         handle = await client.submit(
             prompt, max_tokens=max_tokens, timeout_s=timeout_s, stream=stream, key=key
         )
@@ -167,6 +220,9 @@ async def submit_one(
                 sys.stdout.flush()
             sys.stdout.write("\n")
         result = await handle.result()
+    if stream and not as_json:
+        print(status_line(result), file=sys.stderr)
+        return 0 if result.ok else 1
     if as_json:
         print(msgspec.json.encode(result).decode())
     elif not result.ok:
@@ -175,3 +231,16 @@ async def submit_one(
     elif not stream:
         print(result.text)
     return 0 if result.ok else 1
+
+
+def status_line(result: Result) -> str:
+    """The line ``submit --stream`` ends with (on stderr): how the task ended, where, and how
+    long it took."""
+    t = result.timings
+    if result.ok:
+        return (
+            f"[ok: {result.chunks} chunks from {result.node or '?'}, first token "
+            f"{t.first_token_ms:.1f} ms, total {t.total_ms:.1f} ms, attempts {result.attempts}]"
+        )
+    assert result.error is not None
+    return f"[error {result.error.code} from {result.node or '?'}: {result.error.message}]"

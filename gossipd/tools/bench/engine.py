@@ -17,14 +17,13 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from gossipd.tools.launcher import DaemonProcess
-from gossipd.tools.progress import percentile
+from gossipd.tools.progress import Steps, percentile
 from gossipd.tools.tinymodel import CPU_ENGINE_SETTINGS, engine_overrides
 
 PROMPTS = [
@@ -101,14 +100,14 @@ def _figures(samples: list[tuple[float, ...]]) -> dict[str, float]:
     }
 
 
-async def _run(model: Path, rounds: int, max_tokens: int, say: Any) -> dict[str, Any]:
+async def _run(model: Path, rounds: int, max_tokens: int, steps: Steps) -> dict[str, Any]:
     from gossipd.config import EngineConfig
     from gossipd.engines.vllm import VllmEngine
     from gossipd.tools.client import Client
 
     daemon = DaemonProcess(overrides=_overrides(model), name="bench-engine")
     daemon.launch()  # its engine loads while ours does
-    say("starting two vLLM engines (direct, and inside a daemon): about a minute on 2 cores")
+    steps.start("starting two vLLM engines (direct, and in a daemon): a minute or so on 2 cores")
     direct = VllmEngine(EngineConfig(kind="vllm", model=str(model), **CPU_ENGINE_SETTINGS))  # type: ignore[arg-type]
     await direct.start()
     llm = direct._llm
@@ -129,6 +128,7 @@ async def _run(model: Path, rounds: int, max_tokens: int, say: Any) -> dict[str,
             await _daemon_round(client, 8, 16, max_tokens)
             wave = 0
             for r in range(rounds):
+                steps.start(f"round {r + 1}/{rounds}: {sum(plan.values())} waves on each path")
                 for concurrency, waves in plan.items():
                     for _ in range(waves):
                         wave += 1
@@ -146,7 +146,6 @@ async def _run(model: Path, rounds: int, max_tokens: int, say: Any) -> dict[str,
                                 statistics.median(x[i] for x in g)
                                 / statistics.median(x[i] for x in d)
                             )
-                say(f"round {r + 1}/{rounds} done")
         out: dict[str, Any] = {"max_tokens": max_tokens, "rounds": rounds, "by_concurrency": {}}
         worst = 0.0
         for concurrency in plan:
@@ -193,18 +192,18 @@ async def _run(model: Path, rounds: int, max_tokens: int, say: Any) -> dict[str,
 
 
 def main(*, model: str | None, rounds: int, max_tokens: int, as_json: bool) -> int:
-    say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report
-    with tempfile.TemporaryDirectory(prefix="gossipd-bench-model-") as tmp:
+    steps = Steps(rounds + 1, "bench engine")  # on stderr: stdout is the report
+    with steps, tempfile.TemporaryDirectory(prefix="gossipd-bench-model-") as tmp:
         if model is None:
             from gossipd.tools.tinymodel import make_tiny
 
-            say("making the tiny model")
+            steps.note("making the tiny model")
             model_dir = make_tiny(Path(tmp) / "tiny")
         else:
             model_dir = Path(model)
-        report = asyncio.run(_run(model_dir, rounds, max_tokens, say))
+        report = asyncio.run(_run(model_dir, rounds, max_tokens, steps))
     if as_json:
         print(json.dumps(report, indent=2))
         return 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from collections import Counter
 from typing import Any
@@ -24,7 +23,7 @@ import zmq
 
 from gossipd.core.ring import Ring
 from gossipd.ops.metrics import scrape
-from gossipd.tools.progress import percentile
+from gossipd.tools.progress import Steps, percentile
 from simulations.cluster import Cluster
 
 
@@ -166,11 +165,14 @@ def _one_mode(hedge: bool, *, rate: float, seconds: float, stall_ms: int) -> dic
 
 
 def main(*, rate: float, seconds: float, stall_ms: int, as_json: bool) -> int:
-    say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
     runs = []
-    for hedge in (False, True):
-        say(f"hedging {'on' if hedge else 'off'}: {int(rate * seconds)} tasks, {stall_ms} ms stall")
-        runs.append(_one_mode(hedge, rate=rate, seconds=seconds, stall_ms=stall_ms))
+    with Steps(2, "bench hedge") as steps:  # on stderr: stdout is the report
+        for hedge in (False, True):
+            steps.start(
+                f"hedging {'on' if hedge else 'off'}: 3 daemons, {int(rate * seconds)} tasks, "
+                f"{stall_ms} ms stall"
+            )
+            runs.append(_one_mode(hedge, rate=rate, seconds=seconds, stall_ms=stall_ms))
     off, on = runs
     from gossipd.config import FanoutConfig
 

@@ -14,6 +14,7 @@ import sys
 
 from gossipd.tools.bench.loadgen import LoadResult, drive
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
+from gossipd.tools.progress import Steps
 
 
 def _raw_server() -> tuple[subprocess.Popen[str], str]:
@@ -35,6 +36,8 @@ def _median_summary(results: list[LoadResult]) -> dict[str, float]:
 
 
 def main(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
+    steps = Steps(repeats + 1, "bench ingress")  # on stderr: stdout is the report
+    steps.start("starting a daemon and a raw pyzmq echo server; warming both")
     raw_proc, raw_endpoint = _raw_server()
     daemon = DaemonProcess(name="bench").start()
     raw_runs: list[LoadResult] = []
@@ -44,18 +47,18 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
         drive(raw_endpoint, min(2000, tasks), window, run="warm-raw")
         drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon")
         for i in range(repeats):
+            steps.start(f"round {i + 1}/{repeats}: {tasks} tasks to each side")
             raw_runs.append(drive(raw_endpoint, tasks, window, run=f"raw-{i}"))
             daemon_runs.append(drive(daemon.endpoint, tasks, window, run=f"daemon-{i}"))
-            if not as_json:
-                print(
-                    f"round {i + 1}/{repeats}: raw {raw_runs[-1].tasks_per_s:,.0f} tasks/s, "
-                    f"daemon {daemon_runs[-1].tasks_per_s:,.0f} tasks/s",
-                    file=sys.stderr,
-                )
+            steps.note(
+                f"raw {raw_runs[-1].tasks_per_s:,.0f} tasks/s, "
+                f"daemon {daemon_runs[-1].tasks_per_s:,.0f} tasks/s"
+            )
     finally:
         raw_proc.terminate()
         raw_proc.wait()
         daemon.stop()
+        steps.close()
     raw, dmn = _median_summary(raw_runs), _median_summary(daemon_runs)
     ratio = round(dmn["tasks_per_s"] / raw["tasks_per_s"], 3)
     report = {

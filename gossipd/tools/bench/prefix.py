@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from gossipd.core.messages import SamplingParams
 from gossipd.ops.metrics import scrape
 from gossipd.tools.bench.plotting import percent_figure, save_percent_figure
 from gossipd.tools.client import Client
+from gossipd.tools.progress import Progress, Steps
 from gossipd.tools.tinymodel import engine_overrides
 from simulations.cluster import Cluster
 
@@ -92,10 +92,24 @@ def workload(groups: int, per_group: int, seed: int = 1) -> list[str]:
 
 async def _push(endpoints: list[str], prompts: list[str], window: int) -> int:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    progress = Progress(len(prompts), "  tasks")
+    done = 0
+
+    async def wait(handle: Any) -> bool:
+        nonlocal done
+        result = await handle.result()
+        done += 1
+        progress.update(done)
+        return bool(result.ok)
+
     async with Client(endpoints, outstanding_max=window, resubmit_after_s=120.0) as client:
-        handles = [await client.submit(p, params=params, timeout_s=300.0) for p in prompts]
-        results = [await h.result() for h in handles]
-    return sum(r.ok for r in results)
+        waiters = [
+            asyncio.ensure_future(wait(await client.submit(p, params=params, timeout_s=300.0)))
+            for p in prompts
+        ]
+        oks = await asyncio.gather(*waiters)
+    progress.close(done)
+    return sum(oks)
 
 
 def run_policy(
@@ -170,27 +184,35 @@ def main(
     groups: int = 12,
     per_group: int = 30,
 ) -> int:
-    say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
     prompts = workload(groups, per_group)
     # Tight: per engine, 16 blocks of 128 tokens: the running requests' own blocks (8 x 1)
     # plus the shared prefixes (2 blocks each) of about a third of the groups, so what a
     # placement sends to an engine decides what stays cached; roomy: sized by memory.
     caches = {"tight": 16, "roomy": 0}
     report: dict[str, Any] = {"nodes": nodes, "groups": groups, "tasks": len(prompts), "runs": []}
-    with tempfile.TemporaryDirectory(prefix="gossipd-bench-model-") as tmp:
+    # Progress on stderr (stdout is the report): a line per run with an ETA, a heartbeat
+    # while engines load (each run starts a fresh cluster: a minute or two on 2 cores).
+    steps = Steps(len(caches) * len(POLICIES), "bench prefix")
+    with steps, tempfile.TemporaryDirectory(prefix="gossipd-bench-model-") as tmp:
         if model is None:
             from gossipd.tools.tinymodel import make_tiny
 
+            steps.note("making the tiny model")
             model_dir = make_tiny(Path(tmp) / "tiny")
         else:
             model_dir = Path(model)
         for cache, blocks in caches.items():
-            say(f"cache {cache} (kv_cache_blocks={blocks or 'by memory'})")
             for policy in POLICIES:
-                run = run_policy(model_dir, policy, blocks, prompts, nodes, say)
+                steps.start(
+                    f"{cache} KV cache (kv_cache_blocks={blocks or 'by memory'}), {policy}: "
+                    f"starting {nodes} vLLM daemons"
+                )
+                run = run_policy(model_dir, policy, blocks, prompts, nodes, steps.note)
                 run["cache"] = cache
                 report["runs"].append(run)
-                say(f"  {policy}: hit rate {run['hit_rate']:.1%} ({run['ok']}/{run['tasks']} ok)")
+                steps.note(
+                    f"{policy}: hit rate {run['hit_rate']:.1%} ({run['ok']}/{run['tasks']} ok)"
+                )
     if plot:
         plot_hit_rates(report, plot)
     if as_json:

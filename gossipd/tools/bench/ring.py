@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from gossipd.core.ring import Ring
+from gossipd.tools.progress import Steps
 
 C1, C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -74,6 +75,8 @@ def evaluate(scheme: str, owners_of, members: list[str], keys: np.ndarray) -> di
 
 
 def main(*, keys: int = 1_000_000, nodes: int = 64, as_json: bool = False) -> int:
+    steps = Steps(4, "bench ring")  # on stderr: stdout is the report
+    steps.start(f"hashing {keys:,} keys")
     rng = random.Random(3)
     members = [f"gpu-{i:03d}" for i in range(nodes)]
     names = [f"key-{rng.getrandbits(48):x}-{i}" for i in range(keys)]
@@ -82,11 +85,16 @@ def main(*, keys: int = 1_000_000, nodes: int = 64, as_json: bool = False) -> in
     owners = rendezvous_owners(hashes, members)
     sample = rng.sample(range(keys), 2000)
     assert all(ring.owner(names[i]) == owners[i] for i in sample), "vectorised != scalar"
-    rows = [
-        evaluate("rendezvous (gossipd)", rendezvous_owners, members, hashes),
-        evaluate("ring, 100 vnodes", lambda k, m: vnode_owners(k, m, 100), members, hashes),
-        evaluate("ring, 1000 vnodes", lambda k, m: vnode_owners(k, m, 1000), members, hashes),
+    schemes = [
+        ("rendezvous (gossipd)", rendezvous_owners),
+        ("ring, 100 vnodes", lambda k, m: vnode_owners(k, m, 100)),
+        ("ring, 1000 vnodes", lambda k, m: vnode_owners(k, m, 1000)),
     ]
+    rows = []
+    with steps:
+        for scheme, owners_of in schemes:
+            steps.start(f"{scheme}: balance, one leave, one join")
+            rows.append(evaluate(scheme, owners_of, members, hashes))
     report = {
         "benchmark": "ring",
         "nodes": nodes,

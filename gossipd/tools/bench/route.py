@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
 from typing import Any
 
 from gossipd.core.ring import Ring
 from gossipd.tools.bench.ingress import _raw_server
 from gossipd.tools.bench.loadgen import drive, drive_many
 from gossipd.tools.bench.plotting import percent_figure, save_percent_figure
-from gossipd.tools.progress import percentile
+from gossipd.tools.progress import Steps, percentile
 from simulations.cluster import Cluster
 
 
@@ -31,11 +30,13 @@ def main(
     journal: bool = False,
     plot: str | None = None,
 ) -> int:
-    say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
+    steps = Steps(repeats + 1, "bench route")  # on stderr: stdout is the report
+    say = steps.note
     rng = random.Random(7)
     # The journal's fsync costs the same with or without a hop; off by default here so that
     # the figures isolate forwarding (--journal to include it).
     journal_overrides = [] if journal else ['journal.path=""']
+    steps.start(f"starting {nodes} daemons and a raw pyzmq echo server")
     raw_proc, raw_endpoint = _raw_server()
     cluster = Cluster(nodes, extra_overrides=journal_overrides)
     cluster.start()
@@ -52,6 +53,7 @@ def main(
         warm = min(1000, tasks)  # (--tasks below 1,000 used to index past the keys)
         drive_many(endpoints, warm, 100, run="warm", entry_of=entry[:warm], keys=keys[:warm])
         for r in range(repeats):
+            steps.start(f"round {r + 1}/{repeats}: latency at window 1, then throughput")
             lat = drive_many(endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys)
             assert lat.by_task_ms is not None
             zero += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
@@ -69,6 +71,7 @@ def main(
         cluster.stop()
         raw_proc.terminate()
         raw_proc.wait()
+        steps.close()
     zero.sort()
     one.sort()
     p = {q: round(percentile(one, q) - percentile(zero, q), 3) for q in (50, 99)}

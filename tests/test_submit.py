@@ -1,0 +1,107 @@
+"""`gossipd submit`'s rough edges: no daemon at the endpoint, --out, the summary of a run
+where every task failed, and --stream's final status line (real daemon processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gossipd.tools.client import Client, NotConnected
+from gossipd.tools.launcher import free_tcp_port
+from tests.helpers import gossipd_cli
+
+
+def test_a_client_fails_fast_naming_the_endpoint_when_nothing_listens() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+
+    async def main() -> None:
+        async with Client([endpoint], connect_timeout_s=1.5):
+            raise AssertionError("connected to nothing")
+
+    started = time.monotonic()
+    with pytest.raises(NotConnected) as info:
+        asyncio.run(main())
+    assert time.monotonic() - started < 2.0
+    assert endpoint in str(info.value) and "gossipd run" in str(info.value)
+
+
+def test_a_client_with_a_connect_timeout_connects_at_once_to_a_daemon(daemon_factory) -> None:
+    daemon = daemon_factory()
+
+    async def main() -> float:
+        started = time.monotonic()
+        async with Client([daemon.endpoint], connect_timeout_s=1.5) as client:
+            waited = time.monotonic() - started
+            assert (await client.run("a b", max_tokens=2)).ok
+        return waited
+
+    assert asyncio.run(main()) < 1.0
+
+
+@pytest.mark.parametrize("how", ["prompt", "file"])
+def test_submit_with_no_daemon_fails_within_2_s_naming_the_endpoint(
+    tmp_path: Path, how: str
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"prompt": "x"}) + "\n")
+    args = ["hello"] if how == "prompt" else ["--file", str(path), "--no-progress"]
+    started = time.monotonic()
+    proc = gossipd_cli("submit", "-e", endpoint, *args, timeout_s=30)
+    elapsed_s = time.monotonic() - started
+    assert proc.returncode == 1
+    assert f"no daemon at {endpoint}" in proc.stderr, proc.stderr
+    assert "deadline_exceeded" not in proc.stderr
+    # 1.5 s of waiting plus the interpreter's start (imports): far from the 32 s it was.
+    assert elapsed_s < 10, elapsed_s
+
+
+def test_submit_file_out_writes_every_result_with_its_line(daemon_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory("engine.token_delay_s=0.01")  # 50 tokens: 0.5 s, over 0.1 s
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "results.jsonl"
+    tasks.write_text(
+        json.dumps({"id": "one", "prompt": "a b c", "params": {"max_tokens": 3}})
+        + "\n\n"  # a blank line: skipped, but it counts in the numbering
+        + json.dumps(
+            {"id": "two", "prompt": "slow", "params": {"max_tokens": 50}, "timeout_ms": 100}
+        )
+        + "\n"
+        + "this is not json\n"
+        + json.dumps({"prompt": "no id"})
+        + "\n"
+    )
+    proc = gossipd_cli(
+        "submit", "-e", daemon.endpoint, "--file", str(tasks), "--out", str(out), "--no-progress"
+    )
+    assert proc.returncode == 1, proc.stderr
+    rows = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == [1, 3, 4, 5]
+    assert rows[1]["id"] == "one" and rows[1]["ok"] and rows[1]["text"] == "a b c"
+    assert rows[3]["id"] == "two" and rows[3]["error"]["code"] == "deadline_exceeded"
+    assert rows[4]["error"]["code"] == "bad_request" and rows[4]["id"].endswith(":4")
+    assert rows[5]["ok"] and rows[5]["id"]
+
+
+def test_submit_file_where_every_task_fails_reports_no_latency(daemon_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory()
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "bad", "params": {"top_p": 0}}) + "\n")  # refused
+    text = gossipd_cli("submit", "-e", daemon.endpoint, "--file", str(tasks), "--no-progress")
+    assert text.returncode == 1
+    assert "latency n/a (no task succeeded)" in text.stdout and "0.0 ms" not in text.stdout
+    as_json = gossipd_cli(
+        "submit", "-e", daemon.endpoint, "--file", str(tasks), "--no-progress", "--json"
+    )
+    assert json.loads(as_json.stdout)["latency_ms"] == {"p50": None, "p99": None}
+
+
+def test_submit_stream_ends_with_a_status_line(daemon_factory) -> None:
+    daemon = daemon_factory()
+    proc = gossipd_cli("submit", "-e", daemon.endpoint, "a b c", "--stream", "--max-tokens", "4")
+    assert proc.returncode == 0 and proc.stdout == "a b c a\n"
+    status = proc.stderr.strip().splitlines()[-1]
+    assert status.startswith("[ok: 4 chunks from ") and "total" in status, proc.stderr
