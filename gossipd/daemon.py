@@ -1,10 +1,12 @@
 """The composition root: builds the parts of one daemon, wires them, runs them, stops them.
 
 Lifecycle: start the engine, bind the ingress, tell systemd READY=1, serve.  On SIGTERM or
-SIGINT: STOPPING=1, refuse new tasks with shutting_down, let admitted tasks finish within
-``shutdown_grace_s``, answer whatever is left with shutting_down, answer what is still in the
-socket's buffer the same way, flush replies, exit 0.  Every background task lives in one
-TaskGroup and is cancelled on the way out.
+SIGINT: STOPPING=1, status draining, hand queued tasks to peers, let admitted tasks finish
+within ``shutdown_grace_s``, answer whatever is left with shutting_down, leave the member set;
+all along the ingress is read and every new task is forwarded to a peer or answered
+shutting_down.  Then unbind the ingress, read what is still in its buffer, wait for forwards'
+answers, flush replies, exit 0.  Every background task lives in one TaskGroup and is
+cancelled on the way out.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import zmq
 
 from gossipd import __version__
 from gossipd.config import Config, node_id
-from gossipd.core.forwarder import Forwarder
+from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.messages import ErrorCode, TaskDone, error_result
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
@@ -47,6 +49,10 @@ log = logging.getLogger("gossipd.daemon")
 
 # Exit status when the engine died: non-zero, so systemd (Restart=on-failure) restarts us.
 EXIT_ENGINE_DEAD = 3
+# At shutdown, after the ingress endpoint is unbound: how long the reader goes on taking what
+# ZeroMQ's I/O thread had already read, and the longest wait for forwards' answers.
+INTAKE_SETTLE_S = 0.02
+FORWARDS_SETTLE_S = 2.0
 
 
 def build_engine(config: Config) -> Engine:
@@ -112,6 +118,7 @@ class Daemon:
         self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
         self._stop = asyncio.Event()
         self.engine_dead = False
+        self._received_at_stop = 0
         self.metrics_port = 0
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
@@ -197,9 +204,10 @@ class Daemon:
                     },
                 )
                 await self._stop.wait()
-                await self._shut_down(workers)
+                drain = await self._shut_down(workers)
                 if self.gossip is not None:
-                    await self.gossip.leave()
+                    await self.gossip.leave()  # still reading: see _close_intake
+                await self._close_intake(drain)
                 for task in membership + background:
                     task.cancel()
                 if self.dispatcher is not None:
@@ -296,7 +304,7 @@ class Daemon:
             placer=placer,
             links=PeerLinks(config.fanout, sockets=self.sockets, on_reply=peer_replies),
             owner=owner,
-            send_error=lambda e: ingress.send_error(e.task, e.code, e.message, e.retry_after_ms),
+            send_error=lambda e: self._refuse_forward(e),
         )
         model = getattr(self.engine, "model", "") or self.engine.name
         ingress.model = gossip.model = model
@@ -313,6 +321,18 @@ class Daemon:
         ingress.on_finished.append(lambda owned, result: dispatcher.task_finished(owned.task))
         ingress.on_finished.append(owner.task_finished)
         return gossip, dispatcher
+
+    def _refuse_forward(self, refusal: Refuse) -> None:
+        """No member took a task from our intake.  While we shut down, the producer hears
+        shutting_down (retry elsewhere), not unavailable: we served it until now."""
+        code, message = refusal.code, refusal.message
+        if code is ErrorCode.UNAVAILABLE and self.ingress.admission.shutting_down:
+            code = ErrorCode.SHUTTING_DOWN
+            message = f"this daemon is shutting down and no other member took the task ({message})"
+            retry_after_ms = self.config.ingress.retry_after_ms
+        else:
+            retry_after_ms = refusal.retry_after_ms
+        self.ingress.send_error(refusal.task, code, message, retry_after_ms)
 
     def rng(self, purpose: str) -> random.Random:
         """The RNG of one part, derived from node.seed (so a run can be replayed)."""
@@ -347,8 +367,12 @@ class Daemon:
                 "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}
             )
 
-    async def _shut_down(self, workers: list[asyncio.Task[None]]) -> None:
+    async def _shut_down(self, workers: list[asyncio.Task[None]]) -> dict[str, int]:
+        """Drain: status draining, hand queued tasks to peers, let running ones finish within
+        the grace.  The ingress is read all along: a new task goes to another member (our
+        status excludes us from placement) or is answered shutting_down."""
         grace_s = self.config.lifecycle.shutdown_grace_s
+        self._received_at_stop = self.ingress.statistics().received
         self.notifier.stopping()
         if self.gossip is not None and not self.engine_dead:
             self.gossip.set_status("draining")
@@ -371,16 +395,30 @@ class Daemon:
         for worker in workers:
             worker.cancel()  # a running task answers shutting_down as it is cancelled
         await asyncio.gather(*workers, return_exceptions=True)
+        return {"finished_in_grace": finished, "refused_queued": refused, "handed_off": handed_off}
+
+    async def _close_intake(self, drain: dict[str, int]) -> None:
+        """Close the ingress as late as possible, after the leave: producers stay connected
+        and answered (forwarded or shutting_down) until then.  Unbinding drops their
+        connections; what had arrived is read once more; forwards get their answers (or
+        FORWARDS_SETTLE_S passes); replies are flushed.  Only a task on the wire as the
+        connection drops can go unanswered (the producer's resubmission covers it)."""
+        self.ingress.close_intake()
+        await asyncio.sleep(INTAKE_SETTLE_S)  # the reader takes what ZeroMQ had read
         self.ingress.stop_receiving()
-        drained = self.ingress.drain_socket(time.monotonic())
+        in_buffer = self.ingress.drain_socket(time.monotonic())
+        settled = True
+        if self.dispatcher is not None:
+            settled = await self.dispatcher.wait_settled(FORWARDS_SETTLE_S)
         await self.replies.flush(timeout_s=2.0)
         log.info(
             "drained",
             extra={
-                "finished_in_grace": finished,
-                "refused_queued": refused,
-                "refused_in_buffer": drained,
-                "handed_off": handed_off,
+                **drain,
+                "received_while_stopping": self.ingress.statistics().received
+                - self._received_at_stop,
+                "read_after_close": in_buffer,
+                "forwards_settled": settled,
             },
         )
 

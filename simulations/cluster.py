@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gossipd.tools.launcher import DaemonProcess
+from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import summarize
 
 
@@ -82,20 +82,33 @@ class Cluster:
         for d in self.daemons:
             d.wait_ready(max(0.1, deadline - time.monotonic()))
 
-    def restart(self, i: int) -> DaemonProcess:
+    def restart(self, i: int, *, kill: bool = False, new_ports: bool = False) -> DaemonProcess:
+        """Stop daemon ``i`` (SIGTERM and wait; SIGKILL with ``kill``) and start it again under
+        its name: on its ports (ingress, gossip, rpc), or on new ones with ``new_ports``."""
         old = self.daemons[i]
+        if kill:
+            old.kill()
+            old.wait(10)
         old.stop(timeout_s=5)
-        new = self._make(i, old.port, old.gossip_port, self._rpc_port_of(old))
+        if new_ports:
+            ports = (free_tcp_port(), free_tcp_port(), free_tcp_port())
+        else:
+            ports = (
+                old.port,
+                self._port_of(old, "gossip.bind"),
+                self._port_of(old, "fanout.rpc_bind"),
+            )
+        new = self._make(i, *ports)
         self.daemons[i] = new
         new.start()
         return new
 
     @staticmethod
-    def _rpc_port_of(daemon: DaemonProcess) -> int:
+    def _port_of(daemon: DaemonProcess, key: str) -> int:
         for item in daemon._overrides:
-            if item.startswith("fanout.rpc_bind="):
+            if item.startswith(f"{key}="):
                 return int(item.rsplit(":", 1)[1])
-        raise AssertionError("no rpc port")
+        raise AssertionError(f"no {key}")
 
     def wait_meta(self, timeout_s: float = 20.0) -> None:
         """Wait until every daemon has every other's GPU state (with its rpc endpoint)."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -15,6 +18,7 @@ from gossipd.core.messages import (
     MemberRecord,
     Meta,
     Suspect,
+    Update,
     UpdateKind,
 )
 
@@ -125,6 +129,131 @@ def test_metadata_has_its_own_version_and_never_changes_state() -> None:
     assert t.members["x"].gpu == gpu and t.members["x"].state is State.SUSPECT
 
 
+SERVING = GpuState(model="m", rpc="tcp://x:1", status="serving")
+DRAINING = GpuState(model="m", rpc="tcp://x:1", status="draining")
+MOVED = "tcp://10.0.0.2:7946"
+
+
+def test_metadata_is_ordered_by_incarnation_then_version() -> None:
+    """Rule 6: a restarted process counts versions from 0 again; its incarnation outranks."""
+    t = table_with(State.ALIVE, incarnation=0)
+    assert t.apply(Meta(node="x", version=200, gpu=DRAINING, incarnation=0), 1.0).changed
+    assert t.apply(Meta(node="x", version=2, gpu=SERVING, incarnation=1), 1.0).changed
+    assert not t.apply(Meta(node="x", version=201, gpu=DRAINING, incarnation=0), 1.0).changed
+    assert not t.apply(Meta(node="x", version=2, gpu=DRAINING, incarnation=1), 1.0).changed
+    m = t.members["x"]
+    assert (m.gpu, m.meta_incarnation, m.meta_version) == (SERVING, 1, 2)
+
+
+# (state before, Alive's incarnation delta, at another address?, the stored metadata's
+# incarnation delta) -> is the stored metadata kept?  Rule 8a: a rejoin after dead or left, or
+# a move, starts without the previous life's GPU state; a refutation in place keeps it.
+REJOIN_ROWS = [
+    (State.ALIVE, 1, False, 0, True),  # a refutation: same process, same endpoints
+    (State.SUSPECT, 1, False, 0, True),
+    (State.ALIVE, 1, True, 0, False),  # back at another address: a new process
+    (State.SUSPECT, 1, True, 0, False),
+    (State.DEAD, 1, False, 0, False),
+    (State.LEFT, 1, False, 0, False),
+    (State.LEFT, 3, True, 0, False),
+    (State.LEFT, 1, False, 1, True),  # its new life's metadata came before its Alive
+    (State.DEAD, 1, True, 1, True),
+    (State.LEFT, 0, False, 0, True),  # not a rejoin: the Alive is stale
+    (State.ALIVE, 0, True, 0, True),
+]
+
+
+@pytest.mark.parametrize(("before", "delta", "moved", "meta_delta", "kept"), REJOIN_ROWS)
+def test_rejoin_table(before: State, delta: int, moved: bool, meta_delta: int, kept: bool) -> None:
+    t = table_with(before)
+    t.apply(Meta(node="x", version=90, gpu=DRAINING, incarnation=5 + meta_delta), 1.0)
+    t.apply(Alive(node="x", incarnation=5 + delta, addr=MOVED if moved else ADDR), 2.0)
+    m = t.members["x"]
+    assert (m.gpu == DRAINING) is kept and (m.gpu is None) is (not kept)
+    if not kept:
+        assert (m.meta_incarnation, m.meta_version) == (5 + delta, 0)
+        # The previous life's metadata stays out, wherever it was delayed; the new life's wins.
+        assert not t.apply(Meta(node="x", version=91, gpu=DRAINING, incarnation=5), 3.0).changed
+        assert t.apply(Meta(node="x", version=1, gpu=SERVING, incarnation=5 + delta), 3.0).changed
+        assert m.gpu == SERVING
+
+
+def test_metadata_of_a_previous_life_makes_the_member_refute_and_publish_again() -> None:
+    """Rule 8b: a restarted process hears its old metadata (a higher pair, or the same pair
+    with other content) and outranks it."""
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    mine = t.publish_meta(SERVING)
+    assert (mine.incarnation, mine.version) == (0, 1)
+    assert not t.apply(mine, 1.0).changed, "our own metadata coming back is not news"
+    outcome = t.apply(Meta(node="me", version=200, gpu=DRAINING, incarnation=0), 1.0)
+    assert outcome.refuted and t.incarnation == 1
+    assert t.publish_meta(SERVING).incarnation == 1
+    assert not t.apply(Meta(node="me", version=201, gpu=DRAINING, incarnation=0), 2.0).changed
+    same_pair = Meta(node="me", version=2, gpu=DRAINING, incarnation=1)
+    assert t.apply(same_pair, 2.0).refuted and t.incarnation == 2
+    t.leaving = True
+    assert not t.apply(Meta(node="me", version=999, gpu=DRAINING, incarnation=9), 3.0).changed
+
+
+@settings(max_examples=300)
+@given(
+    old_inc=st.integers(0, 3),
+    old_versions=st.integers(1, 6),
+    new_versions=st.integers(2, 5),
+    how=st.sampled_from(["left", "dead", "alive"]),
+    moved=st.booleans(),
+    order=st.randoms(use_true_random=False),
+    repeats=st.lists(st.integers(0, 20), max_size=6),
+)
+def test_a_restarted_member_ends_with_its_new_life_whatever_the_delivery_order(
+    old_inc: int,
+    old_versions: int,
+    new_versions: int,
+    how: str,
+    moved: bool,
+    order: random.Random,
+    repeats: list[int],
+) -> None:
+    """The previous life published versions 1..n at old_inc and stopped (left, was declared
+    dead, or is still thought alive); the new life published version 1 at old_inc (before it
+    learnt better) and then, refuting, from version 2 at old_inc + 1 (rule 6).  Delivered in any order, with repeats, every
+    member ends with the new life alive and its latest GPU state."""
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    t.apply(Alive(node="x", incarnation=old_inc, addr=ADDR), 0.0)
+    old = [
+        Meta(node="x", version=v, gpu=DRAINING, incarnation=old_inc)
+        for v in range(1, old_versions + 1)
+    ]
+    down = {
+        "left": [Left(node="x", incarnation=old_inc)],
+        "dead": [Dead(node="x", incarnation=old_inc, by="y")],
+        "alive": [],
+    }[how]
+    addr = MOVED if moved else ADDR
+    new_gpu = [GpuState(model="m", rpc=addr, running_requests=v) for v in range(new_versions)]
+    new = [
+        Meta(node="x", version=1, gpu=new_gpu[0], incarnation=old_inc),
+        Alive(node="x", incarnation=old_inc, addr=addr),
+        Alive(node="x", incarnation=old_inc + 1, addr=addr),
+        *(
+            Meta(node="x", version=v + 1, gpu=new_gpu[v], incarnation=old_inc + 1)
+            for v in range(1, new_versions)
+        ),
+    ]
+    updates: list[Update] = [*old, *down, *new]
+    updates += [updates[i % len(updates)] for i in repeats]
+    order.shuffle(updates)
+    keys = []
+    for now, update in enumerate(updates, start=1):
+        t.apply(update, float(now))
+        m = t.members["x"]
+        keys.append((m.meta_incarnation, m.meta_version))
+    assert keys == sorted(keys), "a member's metadata key never goes back"
+    m = t.members["x"]
+    assert (m.state, m.incarnation, m.addr) == (State.ALIVE, old_inc + 1, addr)
+    assert m.gpu == new_gpu[-1]
+
+
 def test_push_pull_dead_record_is_only_suspected_here() -> None:
     t = table_with(State.ALIVE)
     record = MemberRecord(node="x", addr=ADDR, incarnation=5, state="dead")
@@ -152,6 +281,7 @@ class TableMachine(RuleBasedStateMachine):
         super().__init__()
         self.t = MemberTable(me="me", addr=ADDR, now=0.0)
         self.seen_inc: dict[str, int] = {}
+        self.seen_meta: dict[str, tuple[int, int]] = {}
         self.my_inc = 0
         self.now = 0.0
 
@@ -168,7 +298,9 @@ class TableMachine(RuleBasedStateMachine):
             "suspect": Suspect(node=node, incarnation=inc, by=by),
             "dead": Dead(node=node, incarnation=inc, by=by),
             "left": Left(node=node, incarnation=inc),
-            "meta": Meta(node=node, version=inc, gpu=GpuState()),
+            "meta": Meta(
+                node=node, version=inc, gpu=GpuState(running_requests=inc), incarnation=inc % 3
+            ),
         }[kind]
         before = self.t.members.get(node)
         before_state = None if before is None else (before.state, before.incarnation)
@@ -189,6 +321,13 @@ class TableMachine(RuleBasedStateMachine):
         for node, m in self.t.members.items():
             assert m.incarnation >= self.seen_inc.get(node, 0)
             self.seen_inc[node] = m.incarnation
+
+    @invariant()
+    def metadata_keys_never_go_back(self) -> None:
+        for node, m in self.t.members.items():
+            key = (m.meta_incarnation, m.meta_version)
+            assert key >= self.seen_meta.get(node, (0, 0))
+            self.seen_meta[node] = key
 
     @invariant()
     def incremental_checksum_and_count_match_a_recount(self) -> None:

@@ -9,6 +9,8 @@ import heapq
 import random
 from collections.abc import Callable
 
+import pytest
+
 from gossipd.core.membership import State
 from gossipd.core.messages import (
     GossipMessage,
@@ -286,3 +288,55 @@ def test_a_member_alone_sends_nothing_and_counts_as_joined() -> None:
     wire = Wire(["a"])
     wire.run_until(120.0)
     assert wire.sent == [] and wire.nodes["a"].joined
+
+
+# -- a restart is a fresh start (membership rules 6 and 8) ---------------------------------
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill-undetected", "sigkill-declared-dead"])
+def test_a_restarted_member_is_serving_again_in_every_view(stop: str) -> None:
+    """A member that published many versions of its GPU state, ended draining and stopped,
+    restarts with its counters at 0: within a few gossip rounds every peer holds its new
+    life's state (serving), not the previous life's (draining), however it stopped."""
+    wire = Wire(["a", "b", "c"], seed=7)
+    a = wire.nodes["a"]
+    for i in range(50):
+        a.set_gpu(0.02 * i, GpuState(model="tiny", rpc="tcp://a:1", running_requests=i))
+    wire.run_until(3.0)
+    a.set_gpu(3.0, GpuState(model="tiny", rpc="tcp://a:1", status="draining"))
+    wire.run_until(4.0)
+    assert all(wire.nodes[n].table.members["a"].gpu.status == "draining" for n in ("b", "c"))
+    if stop == "sigterm":
+        a.leave(4.0)
+        wire.flush_all()
+        wire.run_until(5.0)
+    wire.down.add("a")
+    if stop == "sigkill-declared-dead":
+        wire.run_until(
+            60.0,
+            stop=lambda: all(
+                wire.nodes[n].table.members["a"].state is State.DEAD for n in ("b", "c")
+            ),
+        )
+    else:
+        wire.run_until(wire.now + 0.5)
+    wire.down.discard("a")
+    restarted_at = wire.now
+    new = wire.add("a", seeds=(addr_of("b"),))
+    serving = GpuState(model="tiny", rpc="tcp://a:1", status="serving")
+    new.set_gpu(restarted_at, serving)
+    wire.flush_all()
+
+    def everyone_sees_it_serving() -> bool:
+        return all(
+            (m := wire.nodes[n].table.members["a"]).state is State.ALIVE and m.gpu == serving
+            for n in ("b", "c")
+        )
+
+    wire.run_until(restarted_at + 30.0, stop=everyone_sees_it_serving)
+    assert everyone_sees_it_serving(), {
+        n: (wire.nodes[n].table.members["a"].state, wire.nodes[n].table.members["a"].gpu)
+        for n in ("b", "c")
+    }
+    assert wire.now - restarted_at < 2.0, "within a few gossip rounds"
+    assert new.table.incarnation >= 1 and new.table.meta_incarnation == new.table.incarnation

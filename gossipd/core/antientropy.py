@@ -87,15 +87,17 @@ class AntiEntropy:
 
     def push_pull(self, addr: str, *, reply: bool, join: bool = False) -> None:
         swim = self._swim
-        records = swim.table.records()
+        table = swim.table
+        records = table.records()
         if swim.gpu is not None:
             records[0] = MemberRecord(
                 node=swim.node,
                 addr=swim.addr,
-                incarnation=swim.table.incarnation,
+                incarnation=table.incarnation,
                 state="alive",
                 meta_version=swim.meta_version,
                 gpu=swim.gpu,
+                meta_incarnation=table.meta_incarnation,
             )
         swim.send(addr, PushPull(**swim.header([]), reply=reply, join=join, members=records))
 
@@ -112,11 +114,15 @@ class AntiEntropy:
                 known is not None
                 and known.incarnation == record.incarnation
                 and known.state._value_ == record.state
-                and known.meta_version >= record.meta_version
+                and (known.meta_incarnation, known.meta_version)
+                >= (record.meta_incarnation, record.meta_version)
             ) or (
                 record.node == swim.node
                 and record.incarnation <= table.incarnation
                 and record.state == "alive"
+                and not table.is_previous_life(
+                    record.meta_incarnation, record.meta_version, record.gpu
+                )
             ):
                 continue
             for update in table.merge_record(record, msg.src):

@@ -11,10 +11,23 @@ Rules (an update is about one member and carries that member's incarnation):
 4. A suspicion of the same incarnation by another member is a confirmation (Lifeguard); it
    is counted, not flooded: a confirmer tells the accuser directly.
 5. Unknown members join only through an alive update; other news about them is ignored.
-6. GPU metadata has its own version counter: a higher version replaces a lower one and never
-   changes membership state.
+6. GPU metadata (Meta) is ordered by (incarnation, version): the incarnation its member had
+   when it published it, then the member's own counter.  A higher pair replaces a lower one;
+   metadata never changes membership state.  A member publishes its metadata again each time
+   its incarnation rises, so its newest metadata always carries its newest incarnation.
 7. From a push-pull, a member the sender thinks dead is only suspected here (memberlist's
    rule): it gets the chance to refute before anyone declares it dead on second-hand news.
+8. A restart is a fresh start.  A restarted process counts its metadata versions from 0 and
+   starts at incarnation 0; its previous life's state (status draining, old endpoints, a
+   high version) must not outlive it:
+   a. A member that rejoins after dead or left, or comes back alive at another address, with
+      an incarnation above that of its stored metadata, loses that metadata: it has no GPU
+      state here (placement passes it over) until it publishes at its new incarnation, and
+      metadata of older incarnations stays ignored.
+   b. A member that hears metadata about itself that it did not publish (a higher pair than
+      its own latest, or the same pair with other content: its previous life's) takes
+      incarnation max(own, heard) + 1, announces itself alive and publishes again, as for a
+      refutation.  (News that it left or died, rule 3, does the same.)
 
 Theory of operation: ``apply`` takes one update and returns an ``Outcome`` saying whether to
 pass the update on, whether we must refute (and to whom directly), and the event to report.
@@ -63,6 +76,7 @@ class Member:
     meta_version: int = 0
     gpu: GpuState | None = None
     suspicion: Suspicion | None = None
+    meta_incarnation: int = 0  # the incarnation ``gpu`` was published at (rule 6)
 
     def record(self) -> MemberRecord:
         return MemberRecord(
@@ -72,6 +86,7 @@ class Member:
             state=self.state._value_,
             meta_version=self.meta_version,
             gpu=self.gpu,
+            meta_incarnation=self.meta_incarnation,
         )
 
 
@@ -106,6 +121,10 @@ class MemberTable:
         self.addr = addr
         self.incarnation = incarnation
         self.leaving = False
+        # Our own metadata: the latest we published, and its (incarnation, version) (rule 6).
+        self.gpu: GpuState | None = None
+        self.meta_incarnation = 0
+        self.meta_version = 0
         self.members: dict[str, Member] = {}
         self.live_version = 0  # bumped on every change of state or incarnation
         self.set_version = 0  # bumped only when the live set itself changes
@@ -136,6 +155,21 @@ class MemberTable:
         XOR of one hash per live member, kept up to date in O(1) per change."""
         return (self._xor ^ _contribution(self.me, self.incarnation)) >> 1
 
+    def publish_meta(self, gpu: GpuState) -> Meta:
+        """Our new GPU state as the Meta update to gossip: the next version, at our current
+        incarnation (rule 6)."""
+        self.meta_version += 1
+        self.meta_incarnation = self.incarnation
+        self.gpu = gpu
+        return Meta(node=self.me, version=self.meta_version, gpu=gpu, incarnation=self.incarnation)
+
+    def is_previous_life(self, incarnation: int, version: int, gpu: GpuState | None) -> bool:
+        """Is this metadata about us one we did not publish (rule 8b)?"""
+        if gpu is None or version <= 0:
+            return False
+        heard, own = (incarnation, version), (self.meta_incarnation, self.meta_version)
+        return heard > own or (heard == own and gpu != self.gpu)
+
     def records(self) -> list[MemberRecord]:
         """Our whole table for a push-pull (cached until the next change)."""
         if self._records[0] != self.version:
@@ -164,10 +198,12 @@ class MemberTable:
         return handler(self, member, update, now)
 
     def _about_me(self, update: Update, now: float) -> Outcome:
-        if isinstance(update, Meta):
-            return Outcome()
         heard = update.incarnation
-        if isinstance(update, Alive):
+        if isinstance(update, Meta):
+            # Rule 8b: metadata of ours we never published is our previous life's.
+            if self.leaving or not self.is_previous_life(heard, update.version, update.gpu):
+                return Outcome()
+        elif isinstance(update, Alive):
             if heard <= self.incarnation:
                 return Outcome()
         elif self.leaving:
@@ -207,7 +243,15 @@ class MemberTable:
         if update.incarnation <= member.incarnation:
             return Outcome()
         was = member.state
+        moved = member.addr != update.addr
         member.addr = update.addr
+        if (was in (State.DEAD, State.LEFT) or moved) and (
+            member.meta_incarnation < update.incarnation
+        ):
+            # Rule 8a: a new life; its metadata comes again at this incarnation.
+            member.gpu = None
+            member.meta_incarnation, member.meta_version = update.incarnation, 0
+            self._meta_changes += 1
         self._set_state(member, State.ALIVE, now, update.incarnation)
         kind = "joined" if was in (State.DEAD, State.LEFT) else "alive"
         return Outcome(
@@ -270,9 +314,9 @@ class MemberTable:
 
     def _meta(self, member: Member | None, update: Meta, now: float) -> Outcome:
         assert member is not None
-        if update.version <= member.meta_version:
+        if (update.incarnation, update.version) <= (member.meta_incarnation, member.meta_version):
             return Outcome()
-        member.meta_version = update.version
+        member.meta_incarnation, member.meta_version = update.incarnation, update.version
         member.gpu = update.gpu
         self._meta_changes += 1
         return Outcome(
@@ -323,7 +367,14 @@ class MemberTable:
         else:
             out.append(Left(node=record.node, incarnation=record.incarnation))
         if record.gpu is not None and record.meta_version > 0:
-            out.append(Meta(node=record.node, version=record.meta_version, gpu=record.gpu))
+            out.append(
+                Meta(
+                    node=record.node,
+                    version=record.meta_version,
+                    gpu=record.gpu,
+                    incarnation=record.meta_incarnation,
+                )
+            )
         return out
 
     def reap(self, now: float, *, dead_after_s: float, left_after_s: float) -> list[str]:

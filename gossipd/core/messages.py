@@ -465,9 +465,13 @@ class Left(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(Upd
 
 
 class Meta(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.META)):
+    """A member's GPU state, ordered by (incarnation, version): the incarnation the member had
+    when it published it, then its own counter (which a restarted process starts again)."""
+
     node: NodeId
-    version: Seq  # the node's own counter; a higher one replaces a lower one
+    version: Seq  # the node's own counter
     gpu: GpuState
+    incarnation: Incarnation = 0  # the publisher's incarnation (absent from older peers: 0)
 
 
 Update = Alive | Suspect | Dead | Left | Meta
@@ -509,6 +513,7 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     state: Literal["alive", "suspect", "dead", "left"]
     meta_version: Seq = 0
     gpu: GpuState | None = None
+    meta_incarnation: Incarnation = 0  # the incarnation its gpu was published at (see Meta)
 
 
 class PushPull(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)):

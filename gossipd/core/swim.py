@@ -47,7 +47,6 @@ from gossipd.core.messages import (
     GossipOnly,
     GpuState,
     Left,
-    Meta,
     Nack,
     Ping,
     PingReq,
@@ -103,8 +102,6 @@ class SwimNode:
         self.table.members_max = config.members_max
         self.awareness = Awareness(config.awareness_max)
         self.stats = SwimStatistics()
-        self.meta_version = 0  # of our own GPU metadata
-        self.gpu: GpuState | None = None
         self._outbox: list[tuple[str, bytes]] = []
         self._events: list[MemberEvent] = []
         self._current_src = ""  # while applying a message's updates: who carried them
@@ -181,13 +178,25 @@ class SwimNode:
         for target in self.random_live_sample(2 * self.config.gossip_fanout):
             self.dissemination.send_gossip_to(target)
 
+    @property
+    def gpu(self) -> GpuState | None:
+        """Our latest published GPU state."""
+        return self.table.gpu
+
+    @property
+    def meta_version(self) -> int:
+        """The version of our latest published GPU state (its incarnation: table.meta_incarnation)."""
+        return self.table.meta_version
+
     def set_gpu(self, now: float, gpu: GpuState) -> None:
-        """Publish new GPU state (its own version counter; rides piggyback)."""
-        self.meta_version += 1
-        self.gpu = gpu
-        self.dissemination.push(
-            Meta(node=self.node, version=self.meta_version, gpu=gpu), urgent=False
-        )
+        """Publish new GPU state (its own version counter, at our incarnation; rides piggyback)."""
+        self.dissemination.push(self.table.publish_meta(gpu), urgent=False)
+
+    def _republish_gpu(self) -> None:
+        """Our incarnation rose: publish our GPU state again at the new one (membership rule 6),
+        so that it outranks whatever a previous life of ours published."""
+        if self.table.gpu is not None:
+            self.dissemination.push(self.table.publish_meta(self.table.gpu), urgent=False)
 
     def probe_soon(self, now: float, node: str) -> None:
         """A hint (e.g. its TCP connection dropped): probe ``node`` now, out of schedule.
@@ -201,6 +210,7 @@ class SwimNode:
         self.dissemination.push(
             Alive(node=self.node, incarnation=self.table.incarnation, addr=self.addr), urgent=True
         )
+        self._republish_gpu()
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -236,6 +246,7 @@ class SwimNode:
                 self.stats.refutations += 1
                 self.awareness.apply(+1)
                 self.dissemination.push(alive, urgent=True)
+                self._republish_gpu()
             for addr in sorted(direct):
                 self.send(addr, GossipOnly(**self.header([alive])))
             return outcome

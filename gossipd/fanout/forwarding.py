@@ -217,6 +217,18 @@ class Dispatcher:
     def prefix_summary(self) -> list[int]:
         return self.placer.prefix_summary()
 
+    async def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until every forward has its answer and no retry is pending (at shutdown, so
+        that no task is left unsent in a peer socket's queue).  False if ``timeout_s``
+        passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.forwarder.next_deadline() != float("inf"):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
     def outstanding(self) -> dict[str, int]:
         """Per member: tasks we sent it (or are sending) that it has not reported done."""
         return self.forwarder.outstanding()

@@ -168,6 +168,21 @@ class Ingress:
             self._reader.close()
             self._reader = None
 
+    def close_intake(self) -> None:
+        """Stop being offered tasks: unbind the ingress endpoint, which drops the producers'
+        connections (a producer that sends only on completed connections, ZMQ_IMMEDIATE like
+        the Client, then sends us nothing more).  What had arrived stays readable: the reader
+        goes on with it, and ``drain_socket`` reads the rest."""
+        if self._sock is None or not self.bound_endpoint:
+            return
+        try:
+            self._sock.unbind(self.bound_endpoint)
+        except zmq.ZMQError as exc:  # closing anyway: say so, nothing to undo
+            log.warning(
+                "could not unbind the ingress endpoint",
+                extra={"endpoint": self.bound_endpoint, "error": exc.strerror},
+            )
+
     def _on_frames(self, frames: list[bytes]) -> None:
         now = time.monotonic()
         for frame in frames:

@@ -1,0 +1,81 @@
+"""Stopping a daemon costs its producers nothing: from SIGTERM until the producer's connection
+is gone, every task that arrives is handed to a peer or answered shutting_down (measured the
+way the third-party soak did: simulations/stopping.py)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import zmq
+
+from simulations.stopping import StopRun, run_stop
+
+
+def test_sigterm_of_one_of_three_daemons_under_load_leaves_no_task_to_the_resubmission_timer(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    report = run_stop(
+        StopRun(nodes=3, rate_per_s=300.0, before_s=2.0, after_s=3.0, log_dir=str(tmp_path))
+    )
+    assert report["victim_exit"] == 0
+    assert report["lost"] == 0, report
+    assert report["tasks_resubmitted_by_timer"] == 0, report
+    drained = report["victim_drained"]
+    assert drained is not None and drained["received_while_stopping"] > 0, (
+        "the daemon read tasks after the signal"
+    )
+    assert drained["forwards_settled"]
+
+
+def test_a_lone_daemon_answers_shutting_down_until_its_ingress_closes(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Gossip on, no peer: from SIGTERM through the leave's gossip rounds the ingress is read
+    and every task answered shutting_down; before, the ~0.6 s of the leave read nothing, and
+    what arrived then was dropped with the socket."""
+    daemon = daemon_factory("gossip.bind=tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    reply_to = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.IMMEDIATE, 1)  # hand tasks only to a completed connection
+    push.connect(daemon.endpoint)
+    sent: dict[str, float] = {}  # task id -> wall time handed to ZeroMQ
+    answers: dict[str, str] = {}
+    try:
+        time.sleep(0.2)
+        signalled = 0.0
+        i = 0
+        while daemon.proc is not None and daemon.proc.poll() is None:
+            if not signalled and len(sent) >= 100:
+                daemon.terminate()
+                signalled = time.time()
+            i += 1
+            frame = msgpack.packb(
+                {"v": 1, "t": 1, "id": f"t{i}", "prompt": "x", "reply_to": reply_to}
+            )
+            try:
+                push.send(frame, zmq.NOBLOCK)
+                sent[f"t{i}"] = time.time()
+            except zmq.Again:
+                pass  # the daemon has unbound: nothing is handed over any more
+            while pull.poll(2):
+                reply = msgpack.unpackb(pull.recv())
+                if reply["t"] == 3:
+                    answers[reply["id"]] = "ok" if reply["ok"] else reply["error"]["code"]
+        while pull.poll(500):
+            reply = msgpack.unpackb(pull.recv())
+            if reply["t"] == 3:
+                answers[reply["id"]] = "ok" if reply["ok"] else reply["error"]["code"]
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+    assert daemon.wait(10) == 0
+    drained = next(e for e in daemon.events() if e.get("msg") == "drained")
+    after = [t for t, at in sent.items() if at > signalled]
+    refused = [t for t in after if answers.get(t) == "shutting_down"]
+    assert len(refused) >= 50, "the daemon answered tasks sent during its leave"
+    unanswered = [t for t, at in sent.items() if t not in answers]
+    # Only a task on the wire as the connection dropped may go unanswered.
+    assert all(sent[t] > drained["ts"] - 0.1 for t in unanswered), unanswered
+    assert set(answers.values()) <= {"ok", "shutting_down"}
