@@ -71,6 +71,7 @@ class Daemon:
             idle_s=ic.reply_idle_s,
             timeout_s=ic.reply_timeout_s,
             queue_max=ic.reply_queue_max,
+            queue_bytes_max=ic.reply_queue_bytes_max,
         )
         self.ingress = Ingress(
             ic,
@@ -101,6 +102,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self.engine_dead = False
         self.metrics_port = 0
+        self._metrics_token = _read_token(config.metrics.bearer_token_file)
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
 
@@ -139,7 +141,9 @@ class Daemon:
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         if self.config.metrics.bind:
             _, self.metrics_port = serve_metrics(
-                self.config.metrics.bind, DaemonCollector(self.node, self.snapshot)
+                self.config.metrics.bind,
+                DaemonCollector(self.node, self.snapshot),
+                token=self._metrics_token,
             )
         try:
             async with asyncio.TaskGroup() as tg:
@@ -268,6 +272,7 @@ class Daemon:
             if journal is None
             else (lambda task, src: journal.mark_forwarded(task.id, src)),
         )
+        owner.task_bytes_max = config.ingress.message_bytes_max  # as the ingress validates
         dispatcher = Dispatcher(
             config.fanout,
             node=self.node,
@@ -379,3 +384,21 @@ def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}
     return out
+
+
+def _read_token(path: str) -> str:
+    """metrics.bearer_token_file's token (its first line), or "" when no file is set."""
+    if not path:
+        return ""
+    try:
+        with open(path) as file:
+            token = file.readline().strip()
+    except OSError as exc:
+        raise StartupError(
+            f"cannot read metrics.bearer_token_file = {path!r}: {exc.strerror}"
+        ) from None
+    if not token:
+        raise StartupError(
+            f"metrics.bearer_token_file = {path!r} is empty: write a token on its first line"
+        )
+    return token

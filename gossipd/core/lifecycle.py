@@ -38,6 +38,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from gossipd.core.admission import Admission, Verdict
+from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import Result, Task
 
 # In a task's forwarders: any forwarder may withdraw it (a task re-run from the journal).
@@ -113,7 +114,7 @@ class TaskBook:
         retry).  Returns the verdict and the new entry (ADMIT), the pending entry
         (DUPLICATE_PENDING) or the cached Result (DUPLICATE_DONE)."""
         remaining_s = received_at + task.timeout_ms / 1000.0 - now
-        verdict, cached = self.admission.offer(task.id, now, remaining_s)
+        verdict, cached = self.admission.offer(task.id, now, remaining_s, task_bytes(task))
         if verdict is Verdict.ADMIT:
             owned = Owned(task, received_at, from_producer=forwarder is None)
             if forwarder is not None:
