@@ -108,6 +108,9 @@ class IngressConfig(Section):
     reply_queue_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 256 * 1024 * 1024
     # Messages read from the socket per turn of the event loop (fairness vs. throughput).
     recv_batch_max: Positive = 256
+    # ...and at most this many bytes of them: a burst of large tasks is read a few MiB at a
+    # time (the rest waits in ZeroMQ's buffer) instead of all held at once while handled.
+    recv_batch_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _check_bind("bind", self.bind)

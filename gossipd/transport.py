@@ -106,10 +106,14 @@ class SocketReader:
         recv: Callable[[int], Any],
         batch_max: int,
         on_messages: Callable[[list[Any]], None],
+        batch_bytes_max: int = 0,
     ) -> None:
         self._sock = sock
         self._recv = recv
         self._batch_max = batch_max
+        # With single-frame recv: also stop a batch once it holds this many bytes (0: no
+        # limit), so that a burst of large messages is not all held at once while handled.
+        self._batch_bytes_max = batch_bytes_max
         self._on_messages = on_messages
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
@@ -156,7 +160,10 @@ class SocketReader:
         # that also re-arms the fd, not with a zmq.Again exception (7.9 us) and that read.
         more = False
         if sock.getsockopt(EVENTS) & POLLIN:
-            messages = _drain(recv, [first], self._batch_max)
+            if self._batch_bytes_max:
+                messages = _drain_bytes(recv, [first], self._batch_max, self._batch_bytes_max)
+            else:
+                messages = _drain(recv, [first], self._batch_max)
             # A full batch may leave more behind; one that ended on zmq.Again needs the
             # EVENTS read to re-arm the fd (and it may show a message that came meanwhile).
             more = len(messages) >= self._batch_max or bool(sock.getsockopt(EVENTS) & POLLIN)
@@ -195,6 +202,21 @@ async def recv_batch(sock: zmq.Socket, batch_max: int) -> list[bytes]:
         if frames:
             return frames
         await wait_events(sock, POLLIN)
+
+
+def _drain_bytes(
+    recv: Callable[[int], bytes], into: list[bytes], batch_max: int, bytes_max: int
+) -> list[bytes]:
+    """``_drain`` that also stops once ``into`` holds ``bytes_max`` bytes."""
+    size = sum(map(len, into))
+    try:
+        while len(into) < batch_max and size < bytes_max:
+            frame = recv(NOBLOCK)
+            into.append(frame)
+            size += len(frame)
+    except zmq.Again:
+        pass
+    return into
 
 
 def _drain(recv: Callable[[int], Any], into: list[Any], batch_max: int) -> list[Any]:

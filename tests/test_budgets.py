@@ -26,8 +26,8 @@ from gossipd.core.lifecycle import TaskBook
 from gossipd.core.messages import Result, Task, decode_task
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
-from gossipd.transport import ReplySender
-from tests.helpers import RawProducer, scrape, wait_until_async
+from gossipd.transport import ReplySender, SocketReader
+from tests.helpers import RawProducer, run_with_context, scrape, wait_until_async
 
 IDS = st.sampled_from([f"t{i}" for i in range(10)])
 SIZES = st.integers(0, 400)
@@ -229,6 +229,28 @@ def test_ReplySender_drops_and_counts_replies_beyond_the_queue_byte_budget() -> 
     assert queued_bytes == 9000 and dropped == 2 and after == 0
 
 
+def test_SocketReader_stops_a_batch_at_its_byte_limit() -> None:
+    async def main(ctx: zmq.Context) -> list[int]:
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        for _ in range(10):
+            push.send(b"x" * 100_000)
+        await wait_until_async(lambda: pull.poll(0), 5, "the first frame")
+        await asyncio.sleep(0.2)  # all ten queued at the PULL
+        batches: list[int] = []
+        reader = SocketReader(pull, pull.recv, 256, lambda m: batches.append(len(m)), 250_000)
+        await wait_until_async(lambda: sum(batches) == 10, 5, "ten frames")
+        reader.close()
+        push.close(linger=0)
+        pull.close(linger=0)
+        return batches
+
+    batches = run_with_context(main)
+    assert max(batches) == 3 and sum(batches) == 10  # 3 x 100 KB reach the 250 KB limit
+
+
 # -- a real daemon ------------------------------------------------------------------------
 
 TASKS = 150
@@ -257,6 +279,8 @@ def test_a_daemon_fed_large_prompts_and_results_stays_within_its_byte_budgets(
         f"ingress.results_cache_bytes_max={budget}",
         f"ingress.reply_queue_bytes_max={budget}",
         "ingress.queue_wait_admission=false",
+        # The burst read at once (not 8 MiB a turn), so that the pending budget refuses.
+        f"ingress.recv_batch_bytes_max={256 * 1024 * 1024}",
     )
     producer = RawProducer(daemon.endpoint)
     try:
@@ -276,7 +300,7 @@ def test_a_daemon_fed_large_prompts_and_results_stays_within_its_byte_budgets(
         producer.close()
     ok = [r for r in results if r["ok"]]
     refused = [r for r in results if not r["ok"]]
-    assert ok, "some tasks must run"
+    assert ok and refused, "some tasks run, the pending budget refuses others"
     assert all(r["error"]["code"] == "overloaded" for r in refused)
     assert all("ingress.pending_bytes_max" in r["error"]["message"] for r in refused)
     assert metrics.get("gossipd_messages_refused_total{reason=overloaded_pending_bytes}", 0) == len(

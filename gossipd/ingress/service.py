@@ -157,7 +157,11 @@ class Ingress:
         ``recv_batch_max`` at a time, so that results flow while input floods in."""
         assert self._sock is not None, "bind() first"
         self._reader = SocketReader(
-            self._sock, self._sock.recv, self._config.recv_batch_max, self._on_frames
+            self._sock,
+            self._sock.recv,
+            self._config.recv_batch_max,
+            self._on_frames,
+            batch_bytes_max=self._config.recv_batch_bytes_max,
         )
 
     def stop_receiving(self) -> None:
