@@ -168,9 +168,8 @@ class Admission:
         if size > self.results_bytes_max:
             self._evicted_bytes += 1  # it would push out everything else and still not fit
             return
-        old = self._done.pop(task_id, None)
-        if old is not None:
-            self._done_bytes -= result_bytes(old)
+        if task_id in self._done:  # never, while offer() answers DUPLICATE_DONE first
+            self._done_bytes -= result_bytes(self._done.pop(task_id))
         self._done[task_id] = result
         self._done_bytes += size
         while len(self._done) > self._results_max:

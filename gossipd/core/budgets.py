@@ -22,15 +22,17 @@ TASK_OVERHEAD_BYTES = 700
 # with an ErrorInfo).
 RESULT_OVERHEAD_BYTES = 350
 
+_sizeof = sys.getsizeof
+
 
 def task_bytes(task: Task) -> int:
     """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character) and the rest."""
-    return TASK_OVERHEAD_BYTES + sys.getsizeof(task.prompt)
+    return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
 
 
 def result_bytes(result: Result) -> int:
     """Memory a final Result holds: its text (or error message) and the rest."""
-    size = RESULT_OVERHEAD_BYTES + sys.getsizeof(result.text)
-    if result.error is not None:
-        size += sys.getsizeof(result.error.message)
-    return size
+    error = result.error
+    if error is None:
+        return RESULT_OVERHEAD_BYTES + _sizeof(result.text)
+    return RESULT_OVERHEAD_BYTES + _sizeof(result.text) + _sizeof(error.message)
