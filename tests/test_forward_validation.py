@@ -9,7 +9,7 @@ import msgpack
 import zmq
 
 from gossipd.tools.launcher import free_tcp_port
-from tests.helpers import RawProducer, scrape
+from tests.helpers import RawProducer, scrape, wait_until
 
 
 def _replies(dealer: zmq.Socket, n: int) -> list[dict[str, Any]]:
@@ -51,7 +51,14 @@ def test_a_forward_the_ingress_would_refuse_is_refused_with_its_code_and_counted
         # Only the valid one ran: the producer gets exactly its Result.
         results = producer.replies(quiet_s=1.0, timeout_s=5)
         assert [r["id"] for r in results if r["t"] == 3] == ["fine"]
-        metrics = scrape(port)
+        # A Cancel of another version inside a batch is refused and counted, as ingress does.
+        cancel = {"v": 2, "t": 4, "id": "fine"}
+        dealer.send(msgpack.packb({"v": 1, "t": 23, "items": [cancel]}))
+        metrics = wait_until(
+            lambda: (m := scrape(port))["gossipd_fanout_bad_peer_messages_total"] == 1 and m,
+            5,
+            "the Cancel v=2 counted",
+        )
         assert metrics["gossipd_fanout_invalid_from_peers_total"] == 2
         assert metrics["gossipd_fanout_refused_to_peers_total"] == 2
     finally:

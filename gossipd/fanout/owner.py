@@ -159,6 +159,9 @@ class OwnerEndpoint:
             self._on_forward(identity, item)
 
     def _on_forward(self, identity: bytes, msg: object) -> None:
+        if type(msg) is not Forward and getattr(msg, "v", 0) != PROTOCOL_VERSION:
+            self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
+            return
         if isinstance(msg, Cancel):
             self._ingress.handle_cancel(msg.id)
             return
