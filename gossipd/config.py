@@ -61,6 +61,11 @@ class IngressConfig(Section):
     # Tasks queued or running at once; beyond it new tasks get `overloaded`.  Raising it
     # trades latency under overload for fewer refusals.
     pending_max: Positive = 10_000
+    # Memory of the tasks queued or running here, in bytes (each task: its prompt in memory
+    # plus about 700 bytes, see gossipd/core/budgets.py); a new task that does not fit gets
+    # `overloaded` (a lone task always fits).  With pending_max it bounds the run queue by
+    # bytes: 10,000 tasks of 1 MiB prompts would otherwise hold 10 GiB.
+    pending_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 1024 * 1024 * 1024
     # Tasks given to the engine at once (worker coroutines).
     concurrency_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256
     # The retry-after hint sent with `overloaded` (and `shutting_down`); for a refusal by
@@ -86,6 +91,9 @@ class IngressConfig(Section):
     service_time_smoothing: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.1
     # Recent results kept to answer duplicate task ids (exactly-once effect).
     results_cache_max: Annotated[int, msgspec.Meta(ge=0)] = 100_000
+    # ...and at most this many bytes of them (each: its text plus about 350 bytes); the
+    # oldest are forgotten first, counted.  A duplicate of a forgotten task runs again.
+    results_cache_bytes_max: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024
     # Sockets cached to producers' reply addresses; the least recently used is closed first.
     reply_sockets_max: Positive = 1024
     # A reply socket unused this long is closed.
@@ -95,8 +103,14 @@ class IngressConfig(Section):
     reply_timeout_s: Seconds = 5.0
     # Replies waiting for one slow reply address; beyond it they are dropped and counted.
     reply_queue_max: Positive = 100_000
+    # Bytes of replies waiting in those queues, all reply addresses together; beyond it new
+    # ones are dropped and counted (the producer's retry gets the cached Result).
+    reply_queue_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 256 * 1024 * 1024
     # Messages read from the socket per turn of the event loop (fairness vs. throughput).
     recv_batch_max: Positive = 256
+    # ...and at most this many bytes of them: a burst of large tasks is read a few MiB at a
+    # time (the rest waits in ZeroMQ's buffer) instead of all held at once while handled.
+    recv_batch_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _check_bind("bind", self.bind)
@@ -215,6 +229,9 @@ class FanoutConfig(Section):
     load_floor: Annotated[int, msgspec.Meta(ge=0)] = 256
     # Forwarded tasks remembered until their owner reports them done (for migration).
     forwarded_max: Positive = 200_000
+    # ...and at most this many bytes of them (each: its prompt plus about 700 bytes); beyond
+    # either bound the oldest is forgotten first (counted: it can no longer migrate).
+    forwarded_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 1024 * 1024 * 1024
     # A connection to a peer that drops is retried after 0.1 s, the wait doubling up to this:
     # a dead member costs a connect attempt a second, not ten.  Keep it short: a member that
     # restarts gets no forwards from us until our next attempt reaches it.
@@ -321,8 +338,13 @@ class LifecycleConfig(Section):
 
 
 class MetricsConfig(Section):
-    # Prometheus HTTP endpoint, "HOST:PORT"; empty disables it.
+    # Prometheus HTTP endpoint, "HOST:PORT"; empty disables it.  Keep it on loopback
+    # ("127.0.0.1:9557") unless a token guards it: any other address without one is served
+    # with a warning at start-up.
     bind: str = ""
+    # A file holding a bearer token (one line): requests without the header
+    # "Authorization: Bearer <token>" get 401, counted.  Empty: no token asked.
+    bearer_token_file: str = ""
 
     def __post_init__(self) -> None:
         if self.bind and not _HOSTPORT_RE.match(self.bind):

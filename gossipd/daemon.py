@@ -79,6 +79,7 @@ class Daemon:
             idle_s=ic.reply_idle_s,
             timeout_s=ic.reply_timeout_s,
             queue_max=ic.reply_queue_max,
+            queue_bytes_max=ic.reply_queue_bytes_max,
         )
         self.ingress = Ingress(
             ic,
@@ -120,6 +121,7 @@ class Daemon:
         self.engine_dead = False
         self._received_at_stop = 0
         self.metrics_port = 0
+        self._metrics_token = _read_token(config.metrics.bearer_token_file)
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
         # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
@@ -164,7 +166,9 @@ class Daemon:
             self.tracer.attach(self.ingress, self.dispatcher)
         if self.config.metrics.bind:
             _, self.metrics_port = serve_metrics(
-                self.config.metrics.bind, DaemonCollector(self.node, self.snapshot)
+                self.config.metrics.bind,
+                DaemonCollector(self.node, self.snapshot),
+                token=self._metrics_token,
             )
         try:
             async with asyncio.TaskGroup() as tg:
@@ -297,6 +301,7 @@ class Daemon:
             if journal is None
             else (lambda task, src: journal.mark_forwarded(task.id, src)),
         )
+        owner.task_bytes_max = config.ingress.message_bytes_max  # as the ingress validates
         dispatcher = Dispatcher(
             config.fanout,
             node=self.node,
@@ -438,3 +443,21 @@ def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}
     return out
+
+
+def _read_token(path: str) -> str:
+    """metrics.bearer_token_file's token (its first line), or "" when no file is set."""
+    if not path:
+        return ""
+    try:
+        with open(path) as file:
+            token = file.readline().strip()
+    except OSError as exc:
+        raise StartupError(
+            f"cannot read metrics.bearer_token_file = {path!r}: {exc.strerror}"
+        ) from None
+    if not token:
+        raise StartupError(
+            f"metrics.bearer_token_file = {path!r} is empty: write a token on its first line"
+        )
+    return token

@@ -106,10 +106,14 @@ class SocketReader:
         recv: Callable[[int], Any],
         batch_max: int,
         on_messages: Callable[[list[Any]], None],
+        batch_bytes_max: int = 0,
     ) -> None:
         self._sock = sock
         self._recv = recv
         self._batch_max = batch_max
+        # With single-frame recv: also stop a batch once it holds this many bytes (0: no
+        # limit), so that a burst of large messages is not all held at once while handled.
+        self._batch_bytes_max = batch_bytes_max
         self._on_messages = on_messages
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
@@ -156,7 +160,10 @@ class SocketReader:
         # that also re-arms the fd, not with a zmq.Again exception (7.9 us) and that read.
         more = False
         if sock.getsockopt(EVENTS) & POLLIN:
-            messages = _drain(recv, [first], self._batch_max)
+            if self._batch_bytes_max:
+                messages = _drain_bytes(recv, [first], self._batch_max, self._batch_bytes_max)
+            else:
+                messages = _drain(recv, [first], self._batch_max)
             # A full batch may leave more behind; one that ended on zmq.Again needs the
             # EVENTS read to re-arm the fd (and it may show a message that came meanwhile).
             more = len(messages) >= self._batch_max or bool(sock.getsockopt(EVENTS) & POLLIN)
@@ -197,6 +204,21 @@ async def recv_batch(sock: zmq.Socket, batch_max: int) -> list[bytes]:
         await wait_events(sock, POLLIN)
 
 
+def _drain_bytes(
+    recv: Callable[[int], bytes], into: list[bytes], batch_max: int, bytes_max: int
+) -> list[bytes]:
+    """``_drain`` that also stops once ``into`` holds ``bytes_max`` bytes."""
+    size = sum(map(len, into))
+    try:
+        while len(into) < batch_max and size < bytes_max:
+            frame = recv(NOBLOCK)
+            into.append(frame)
+            size += len(frame)
+    except zmq.Again:
+        pass
+    return into
+
+
 def _drain(recv: Callable[[int], Any], into: list[Any], batch_max: int) -> list[Any]:
     """Append queued messages to ``into`` until it holds ``batch_max`` or none is left."""
     try:
@@ -216,6 +238,8 @@ class ReplyStatistics:
     dropped_queue_full: int
     sockets_closed_idle: int
     sockets_evicted: int
+    queued_bytes: int = 0  # bytes waiting in the queues (reply_queue_bytes_max)
+    dropped_queue_bytes: int = 0  # replies dropped: the queues held reply_queue_bytes_max
 
 
 class _Peer:
@@ -274,8 +298,10 @@ class ReplySender:
 
     One pooled socket per reply address (at most ``sockets_max``, least recently used closed
     first, idle ones closed after ``idle_s``).  A message that cannot go at once waits in that
-    address's queue (at most ``queue_max``) for up to ``timeout_s``; then it is dropped and
-    counted, and the socket is closed.  Messages to one address keep their order.
+    address's queue (at most ``queue_max`` messages, and at most ``queue_bytes_max`` bytes in
+    the queues of all addresses together) for up to ``timeout_s``; then it is dropped and
+    counted, and the socket is closed.  A message that finds no room is dropped and counted
+    at once.  Messages to one address keep their order.
 
     Messages for one address within one turn of the event loop leave as one multipart
     ZeroMQ message at the turn's end (each part still one Chunk or Result, so a producer
@@ -293,6 +319,7 @@ class ReplySender:
         idle_s: float,
         timeout_s: float,
         queue_max: int,
+        queue_bytes_max: int = 1 << 62,
     ) -> None:
         self._pool = pool
         pool.register(
@@ -305,6 +332,9 @@ class ReplySender:
         )
         self._timeout_s = timeout_s
         self._queue_max = queue_max
+        self._queue_bytes_max = queue_bytes_max
+        self._queued_bytes = 0  # in every peer's queue (not the turn's batches)
+        self._dropped_queue_bytes = 0
         self._peers: dict[str, _Peer] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._closed = False
@@ -392,6 +422,10 @@ class ReplySender:
         if len(peer.queue) >= self._queue_max:
             self._dropped_queue_full += 1
             return
+        if self._queued_bytes + len(frame) > self._queue_bytes_max:
+            self._dropped_queue_bytes += 1
+            return
+        self._queued_bytes += len(frame)
         peer.queue.append(frame)
         if peer.flusher is None and self._tg is not None:
             peer.flusher = self._tg.create_task(self._flush(peer), name="reply-flush")
@@ -402,6 +436,7 @@ class ReplySender:
                 if not await wait_events(peer.sock, POLLOUT, self._timeout_s):
                     dropped = len(peer.queue)
                     self._dropped_undeliverable += dropped
+                    self._queued_bytes -= sum(map(len, peer.queue))
                     log.warning(
                         "reply address does not accept messages; dropped them",
                         extra={"endpoint": peer.endpoint, "dropped": dropped},
@@ -413,7 +448,7 @@ class ReplySender:
                 try:
                     while peer.queue:
                         peer.sock.send(peer.queue[0], NOBLOCK)
-                        peer.queue.popleft()
+                        self._queued_bytes -= len(peer.queue.popleft())
                         self._sent += 1
                 except zmq.Again:
                     continue
@@ -433,6 +468,7 @@ class ReplySender:
         if peer.flusher is not None:
             peer.flusher.cancel()
         self._dropped_undeliverable += len(peer.queue) + len(peer.batch)
+        self._queued_bytes -= sum(map(len, peer.queue))
         peer.queue.clear()
         peer.batch.clear()
         peer.release_waiters()  # nothing is held for the address any more
@@ -461,4 +497,6 @@ class ReplySender:
             dropped_queue_full=self._dropped_queue_full,
             sockets_closed_idle=self._closed_idle,
             sockets_evicted=self._evicted,
+            queued_bytes=self._queued_bytes,
+            dropped_queue_bytes=self._dropped_queue_bytes,
         )

@@ -14,6 +14,14 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+# The fuzz tests (tests/test_fuzz.py): GOSSIPD_FUZZ_EXAMPLES examples each, 300 by default; the
+# nightly run sets 100,000 (docs/OPERATIONS.md).
+settings.register_profile(
+    "fuzz",
+    max_examples=int(os.environ.get("GOSSIPD_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture

@@ -9,8 +9,15 @@ Rules:
 2a. With a ``QueueWait`` (core/queueing.py), a new task whose expected queueing wait exceeds
    what its remaining deadline (or the queueing target) allows is refused as overloaded too,
    before the pending_max check; ``refusal`` then holds the decision (wait, bound, hint).
+2b. At most ``pending_bytes_max`` bytes of pending tasks (``budgets.task_bytes``: the prompt
+   and a fixed part).  Beyond that a new task is refused as overloaded (``refused_bytes`` is
+   set), unless nothing is pending: a lone task always fits, so the bound is the budget plus
+   one task.
 3. After ``begin_shutdown`` every new task is refused with shutting_down; pending ones finish.
-4. The results cache holds at most ``results_max`` entries and forgets the oldest first.
+4. The results cache holds at most ``results_max`` entries and ``results_bytes_max`` bytes
+   (``budgets.result_bytes``) and forgets the oldest first; a result larger than the whole
+   budget is not kept.  Every result forgotten for room is counted, by the bound that forced
+   it (``evicted_count`` / ``evicted_bytes``).
 
 Theory of operation: the asyncio shell calls ``offer`` for each decoded task, and ``finish``
 once with the task's final result.  Everything here is O(1) per call.
@@ -23,6 +30,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from gossipd.core.budgets import result_bytes
 from gossipd.core.messages import Result
 from gossipd.core.queueing import QueueDecision, QueueWait
 from gossipd.errors import LocalProtocolError
@@ -39,27 +47,50 @@ class Verdict(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class AdmissionStatistics:
     pending: int
+    pending_bytes: int
     cached_results: int
+    cached_results_bytes: int
+    results_evicted_count: int  # forgotten for room: results_max
+    results_evicted_bytes: int  # ...results_bytes_max (or larger than all of it)
     admitted: int
     duplicates: int
     overloaded: int  # all refusals as overloaded: pending_max and expected wait
     overloaded_expected_wait: int  # ...of which by expected wait (rule 2a)
+    overloaded_pending_bytes: int  # ...of which by pending_bytes_max (rule 2b)
     refused_shutting_down: int
 
 
 class Admission:
     def __init__(
-        self, *, pending_max: int, results_max: int, queue: QueueWait | None = None
+        self,
+        *,
+        pending_max: int,
+        results_max: int,
+        queue: QueueWait | None = None,
+        pending_bytes_max: int = 1 << 62,
+        results_bytes_max: int = 1 << 62,
     ) -> None:
-        if pending_max < 1 or results_max < 0:
-            raise LocalProtocolError("pending_max must be >= 1 and results_max >= 0")
+        if pending_max < 1 or results_max < 0 or pending_bytes_max < 1 or results_bytes_max < 0:
+            raise LocalProtocolError(
+                "pending_max and pending_bytes_max must be >= 1, results_max and "
+                "results_bytes_max >= 0"
+            )
         self._pending_max = pending_max
+        self.pending_bytes_max = pending_bytes_max
+        self.results_bytes_max = results_bytes_max
+        # The latest offer was refused by pending_bytes_max (rule 2b).
+        self.refused_bytes = False
         self.queue = queue
         # The expected-wait decision of the latest offer when it refused by it, else None.
         self.refusal: QueueDecision | None = None
         self._results_max = results_max
-        self._pending: set[str] = set()
+        self._pending: dict[str, int] = {}  # task id -> its bytes (budgets.task_bytes)
+        self._pending_bytes = 0
         self._done: OrderedDict[str, Result] = OrderedDict()
+        self._done_bytes = 0
+        self._evicted_count = 0
+        self._evicted_bytes = 0
+        self._overloaded_pending_bytes = 0
         self._shutting_down = False
         self._admitted = 0
         self._duplicates = 0
@@ -72,15 +103,25 @@ class Admission:
         return len(self._pending)
 
     @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    @property
     def shutting_down(self) -> bool:
         return self._shutting_down
 
     def offer(
-        self, task_id: str, now: float = 0.0, remaining_s: float = math.inf
+        self,
+        task_id: str,
+        now: float = 0.0,
+        remaining_s: float = math.inf,
+        size_bytes: int = 0,
     ) -> tuple[Verdict, Result | None]:
         """Decide what to do with a task id offered at ``now`` with ``remaining_s`` left of its
-        deadline; the Result is set for DUPLICATE_DONE only."""
+        deadline and ``size_bytes`` of memory (``budgets.task_bytes``); the Result is set for
+        DUPLICATE_DONE only."""
         self.refusal = None
+        self.refused_bytes = False
         if task_id in self._pending:
             self._duplicates += 1
             return Verdict.DUPLICATE_PENDING, None
@@ -104,7 +145,13 @@ class Admission:
         if len(self._pending) >= self._pending_max:
             self._overloaded += 1
             return Verdict.OVERLOADED, None
-        self._pending.add(task_id)
+        if self._pending_bytes and self._pending_bytes + size_bytes > self.pending_bytes_max:
+            self.refused_bytes = True
+            self._overloaded += 1
+            self._overloaded_pending_bytes += 1
+            return Verdict.OVERLOADED, None
+        self._pending[task_id] = size_bytes
+        self._pending_bytes += size_bytes
         self._admitted += 1
         return Verdict.ADMIT, None
 
@@ -112,15 +159,31 @@ class Admission:
         """Record the final result of an admitted task.  ``remember=False`` (for a task
         refused at shutdown) lets a resubmission run it again elsewhere or later."""
         try:
-            self._pending.remove(task_id)
+            self._pending_bytes -= self._pending.pop(task_id)
         except KeyError:
             raise LocalProtocolError(
                 f"finish({task_id!r}) for a task that is not pending"
             ) from None
-        if remember and self._results_max > 0:
-            self._done[task_id] = result
-            if len(self._done) > self._results_max:
-                self._done.popitem(last=False)
+        if not remember or self._results_max == 0:
+            return
+        size = result_bytes(result)
+        if size > self.results_bytes_max:
+            self._evicted_bytes += 1  # it would push out everything else and still not fit
+            return
+        if task_id in self._done:  # never, while offer() answers DUPLICATE_DONE first
+            self._done_bytes -= result_bytes(self._done.pop(task_id))
+        self._done[task_id] = result
+        self._done_bytes += size
+        while len(self._done) > self._results_max:
+            self._evict_oldest()
+            self._evicted_count += 1
+        while self._done_bytes > self.results_bytes_max:
+            self._evict_oldest()
+            self._evicted_bytes += 1
+
+    def _evict_oldest(self) -> None:
+        _, oldest = self._done.popitem(last=False)
+        self._done_bytes -= result_bytes(oldest)
 
     def begin_shutdown(self) -> None:
         self._shutting_down = True
@@ -128,10 +191,15 @@ class Admission:
     def statistics(self) -> AdmissionStatistics:
         return AdmissionStatistics(
             pending=len(self._pending),
+            pending_bytes=self._pending_bytes,
             cached_results=len(self._done),
+            cached_results_bytes=self._done_bytes,
+            results_evicted_count=self._evicted_count,
+            results_evicted_bytes=self._evicted_bytes,
             admitted=self._admitted,
             duplicates=self._duplicates,
             overloaded=self._overloaded,
             overloaded_expected_wait=self._overloaded_expected_wait,
+            overloaded_pending_bytes=self._overloaded_pending_bytes,
             refused_shutting_down=self._refused_shutting_down,
         )

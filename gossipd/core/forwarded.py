@@ -14,7 +14,9 @@ Rules, whatever order acks and TaskDones arrive in:
   is remembered, and the accept that follows adds nothing;
 - a TaskDone from a member other than the one ledgered (a withdrawn hedged copy finished
   before the withdrawal landed) leaves the entry alone;
-- at most ``entries_max`` tasks: the oldest goes first (it can no longer migrate).
+- at most ``entries_max`` tasks and ``bytes_max`` bytes of them (``budgets.task_bytes``: the
+  prompt and a fixed part): the oldest goes first (it can no longer migrate), counted by the
+  bound that forced it (``evicted_count`` / ``evicted_bytes``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import Task
 
 EARLY_DONE_MAX = 10_000  # TaskDones remembered from before their accept
@@ -35,9 +38,15 @@ class Forwarded:
 
 
 class ForwardedLedger:
-    def __init__(self, outstanding: dict[str, int], *, entries_max: int) -> None:
+    def __init__(
+        self, outstanding: dict[str, int], *, entries_max: int, bytes_max: int = 1 << 62
+    ) -> None:
         self.outstanding = outstanding
         self._entries_max = entries_max
+        self._bytes_max = bytes_max
+        self.bytes = 0  # budgets.task_bytes of the entries
+        self.evicted_count = 0  # forgotten for room: entries_max
+        self.evicted_bytes = 0  # ...bytes_max
         self._entries: OrderedDict[str, Forwarded] = OrderedDict()
         self._early_done: OrderedDict[str, None] = OrderedDict()
 
@@ -56,9 +65,14 @@ class ForwardedLedger:
         if self._early_done.pop(task.id, 0) is None:
             return  # its TaskDone came first: it has finished already
         self._entries[task.id] = Forwarded(owner, task, received_at)
+        self.bytes += task_bytes(task)
         self.outstanding[owner] = self.outstanding.get(owner, 0) + 1
         while len(self._entries) > self._entries_max:
             self.forget(next(iter(self._entries)))
+            self.evicted_count += 1
+        while self.bytes > self._bytes_max and len(self._entries) > 1:
+            self.forget(next(iter(self._entries)))
+            self.evicted_bytes += 1
 
     def done(self, task_id: str, node: str) -> None:
         """``node`` reports ``task_id`` finished."""
@@ -77,4 +91,5 @@ class ForwardedLedger:
         entry = self._entries.pop(task_id, None)
         if entry is not None:
             self.outstanding[entry.owner] -= 1
+            self.bytes -= task_bytes(entry.task)
         return entry

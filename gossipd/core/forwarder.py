@@ -107,6 +107,7 @@ class ForwarderSettings:
     breaker_failures: int = 3
     breaker_open_s: float = 2.0
     forwarded_max: int = 200_000
+    forwarded_bytes_max: int = 1 << 30
     retry_after_ms: int = 1000  # the hint when no member gave one
 
     @classmethod
@@ -223,7 +224,11 @@ class Forwarder:
         self._admit_local = admit_local
         self._rng = rng
         self.loads: dict[str, int] = {} if loads is None else loads
-        self.ledger = ForwardedLedger(self.loads, entries_max=settings.forwarded_max)
+        self.ledger = ForwardedLedger(
+            self.loads,
+            entries_max=settings.forwarded_max,
+            bytes_max=settings.forwarded_bytes_max,
+        )
         self.counters = ForwarderCounters()
         # Tasks from our intake that run here, unfinished: our own load as placement sees it.
         self.local_ids: set[str] = set() if local_ids is None else local_ids

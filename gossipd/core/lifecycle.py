@@ -37,6 +37,7 @@ import enum
 from collections.abc import Hashable
 
 from gossipd.core.admission import Admission, Verdict
+from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import Result, Task
 
 # In a task's forwarders: any forwarder may withdraw it (a task re-run from the journal).
@@ -128,7 +129,7 @@ class TaskBook:
         (DUPLICATE_PENDING) or the cached Result (DUPLICATE_DONE)."""
         task_id = task.id
         verdict, cached = self.admission.offer(
-            task_id, now, received_at + task.timeout_ms / 1000.0 - now
+            task_id, now, received_at + task.timeout_ms / 1000.0 - now, task_bytes(task)
         )
         if verdict is _ADMIT:
             if forwarder is None:

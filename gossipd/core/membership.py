@@ -6,8 +6,8 @@ Rules (an update is about one member and carries that member's incarnation):
    dead overrides alive and suspect, left overrides all.  Nothing overrides left but a higher
    incarnation (a member that comes back after leaving rejoins with a new incarnation).
 3. Only the subject may refute: a member that hears it is suspect, dead (or left, when it has
-   not left) takes incarnation max(own, heard) + 1 and announces itself alive.  A member never
-   declares itself dead.
+   not left) takes incarnation max(own, heard) + 1 (at most ``INCARNATION_MAX``, the bound
+   peers decode) and announces itself alive.  A member never declares itself dead.
 4. A suspicion of the same incarnation by another member is a confirmation (Lifeguard); it
    is counted, not flooded: a confirmer tells the accuser directly.
 5. Unknown members join only through an alive update; other news about them is ignored.
@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gossipd.core.messages import (
+    INCARNATION_MAX,
     Alive,
     Dead,
     GpuState,
@@ -211,7 +212,9 @@ class MemberTable:
         elif heard < self.incarnation:
             # Stale news about us: whoever carries it missed our refutation; tell them again.
             return Outcome(stale_about_me=True)
-        self.incarnation = max(self.incarnation, heard) + 1
+        # Never past the bound peers decode (a forged incarnation at it would otherwise make
+        # every message of ours undecodable): news at the bound cannot be refuted.
+        self.incarnation = min(max(self.incarnation, heard) + 1, INCARNATION_MAX)
         self.live_version += 1
         by = getattr(update, "by", None)
         return Outcome(

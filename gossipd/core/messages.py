@@ -394,6 +394,40 @@ def _decode_from_producer(
     return task
 
 
+# A forwarder writes out every field of a task, also those its producer left to their
+# defaults (about 200 bytes of them), so a forwarded task may encode that much larger than
+# the frame the ingress accepted.
+FORWARD_REENCODE_SLACK_BYTES = 1024
+# Every field of a Task but its prompt encodes in less than this (bounded strings and lists).
+_TASK_FIXED_BYTES_MAX = 8192
+
+
+def check_forwarded_task(task: Task, *, bytes_max: int) -> None:
+    """Validate a task that arrived inside a peer's Forward (already decoded, so its types,
+    bounds and reply_to are checked) as the ingress validates a producer's: its protocol
+    version, and its size against the ingress's ``bytes_max`` (with
+    ``FORWARD_REENCODE_SLACK_BYTES``).  Raises ``RemoteProtocolError`` with the code to refuse
+    it with.  O(1) unless the prompt is large enough to matter, then one encode."""
+    if task.v != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"protocol version {task.v} is not supported; this daemon speaks {PROTOCOL_VERSION}",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+            task_id=task.id,
+            reply_to=task.reply_to,
+        )
+    limit = bytes_max + FORWARD_REENCODE_SLACK_BYTES
+    if 4 * len(task.prompt) + _TASK_FIXED_BYTES_MAX > limit:  # UTF-8: at most 4 bytes a char
+        size = len(_encoder.encode(task))
+        if size > limit:
+            raise RemoteProtocolError(
+                f"task of {size} bytes exceeds the limit of {bytes_max} bytes",
+                code=ErrorCode.BAD_REQUEST,
+                reason="oversized",
+                task_id=task.id,
+                reply_to=task.reply_to,
+            )
+
+
 def decode_reply(data: bytes) -> Chunk | Result:
     """Decode a Chunk or Result (the producer's side).  Raises ``RemoteProtocolError``."""
     try:
@@ -407,7 +441,9 @@ def decode_reply(data: bytes) -> Chunk | Result:
 # carry piggybacked updates.  A message of another cluster is dropped unread beyond that.
 
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-Incarnation = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+# A member's incarnation never goes past this (a refutation of news at the bound stays at it).
+INCARNATION_MAX = 2**53
+Incarnation = Annotated[int, msgspec.Meta(ge=0, le=INCARNATION_MAX)]
 ClusterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 SmallText = Annotated[str, msgspec.Meta(max_length=128)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

@@ -40,6 +40,7 @@ from gossipd.core.awareness import Awareness
 from gossipd.core.dissemination import Dissemination
 from gossipd.core.membership import LIVE_STATES, MemberEvent, MemberTable, Outcome
 from gossipd.core.messages import (
+    INCARNATION_MAX,
     Ack,
     Alive,
     Dead,
@@ -205,7 +206,7 @@ class SwimNode:
 
     def announce(self, now: float) -> None:
         """Re-announce ourselves with a new incarnation (e.g. our address changed)."""
-        self.table.incarnation += 1
+        self.table.incarnation = min(self.table.incarnation + 1, INCARNATION_MAX)
         self.table.live_version += 1
         self.dissemination.push(
             Alive(node=self.node, incarnation=self.table.incarnation, addr=self.addr), urgent=True

@@ -53,6 +53,10 @@ class FanoutStatistics:
     withdrawn: int
     peer_links_closed: int
     withdrawn_by_peers: int
+    forwarded_bytes: int = 0  # tasks remembered for migration (budgets.task_bytes)
+    forwarded_evicted_count: int = 0  # ...forgotten for room: fanout.forwarded_max
+    forwarded_evicted_bytes: int = 0  # ...fanout.forwarded_bytes_max
+    invalid_from_peers: int = 0  # Forwards refused as ingress would refuse their task
 
 
 class Dispatcher:
@@ -258,4 +262,8 @@ class Dispatcher:
             withdrawn=fw.withdrawn,
             peer_links_closed=links.links_closed,
             withdrawn_by_peers=owner.withdrawn_by_peers,
+            forwarded_bytes=self.forwarder.ledger.bytes,
+            forwarded_evicted_count=self.forwarder.ledger.evicted_count,
+            forwarded_evicted_bytes=self.forwarder.ledger.evicted_bytes,
+            invalid_from_peers=owner.invalid_from_peers,
         )

@@ -28,7 +28,9 @@ from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
 from gossipd.core.lifecycle import Owned
 from gossipd.core.messages import (
+    PROTOCOL_VERSION,
     Cancel,
+    ErrorCode,
     Forward,
     ForwardReply,
     PeerBatch,
@@ -36,11 +38,13 @@ from gossipd.core.messages import (
     Task,
     TaskDone,
     Withdraw,
+    check_forwarded_task,
     decode_peer,
     encode_peer,
 )
 from gossipd.errors import RemoteProtocolError
 from gossipd.ingress.service import Ingress
+from gossipd.ops.logs import RateLimiter
 from gossipd.transport import NOBLOCK, SocketReader, kick
 
 # Messages read from a peer socket before the loop runs anything else.
@@ -73,6 +77,7 @@ class OwnerCounters:
     bad_peer_messages: int = 0
     replies_dropped: int = 0  # acks and TaskDones our ROUTER could not queue
     withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
+    invalid_from_peers: int = 0  # Forwards whose task the ingress would refuse (version, size)
 
 
 class OwnerEndpoint:
@@ -105,6 +110,10 @@ class OwnerEndpoint:
         # its forwarder (a task it re-ran from its journal).
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
+        # A forwarded task is validated as the ingress validates a producer's (its size
+        # against ingress.message_bytes_max); set by the daemon.
+        self.task_bytes_max = 1 << 62
+        self._invalid_log = RateLimiter(per_s=1.0, burst=5)
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -151,6 +160,9 @@ class OwnerEndpoint:
             self._on_forward(identity, item)
 
     def _on_forward(self, identity: bytes, msg: object) -> None:
+        if type(msg) is not Forward and getattr(msg, "v", 0) != PROTOCOL_VERSION:
+            self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
+            return
         if isinstance(msg, Cancel):
             self._ingress.handle_cancel(msg.id)
             return
@@ -162,6 +174,8 @@ class OwnerEndpoint:
             return
         if not isinstance(msg, Forward):
             self.counters.bad_peer_messages += 1
+            return
+        if self._refuse_invalid(identity, msg):
             return
         now = time.monotonic()
         received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
@@ -185,6 +199,41 @@ class OwnerEndpoint:
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
+
+    def _refuse_invalid(self, identity: bytes, msg: Forward) -> bool:
+        """Refuse a Forward whose task the ingress would refuse from a producer (protocol
+        version, size): ForwardReply with the code, counted, logged (rate-limited)."""
+        try:
+            if msg.v != PROTOCOL_VERSION:
+                raise RemoteProtocolError(
+                    f"Forward of protocol version {msg.v} is not supported",
+                    code=ErrorCode.UNSUPPORTED_VERSION,
+                )
+            check_forwarded_task(msg.task, bytes_max=self.task_bytes_max)
+        except RemoteProtocolError as exc:
+            self.counters.invalid_from_peers += 1
+            self.counters.refused_to_peers += 1
+            if self._invalid_log.allow():
+                log.warning(
+                    "refused a forwarded task",
+                    extra={
+                        "code": exc.code,
+                        "hint": exc.hint[:200],
+                        "src": msg.src,
+                        "suppressed_since_last": self._invalid_log.suppressed,
+                    },
+                )
+                self._invalid_log.suppressed = 0
+            reply = ForwardReply(
+                req=msg.req,
+                node=self.node,
+                accepted=False,
+                code=exc.code,
+                message=exc.hint[:1024],
+            )
+            self._to_forwarder(identity, reply, urgent=True)
+            return True
+        return False
 
     def _withdraw(self, identity: bytes, task_id: str) -> None:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder

@@ -102,6 +102,8 @@ class Ingress:
             pending_max=config.pending_max,
             results_max=config.results_cache_max,
             queue=self.queue_wait if config.queue_wait_admission else None,
+            pending_bytes_max=config.pending_bytes_max,
+            results_bytes_max=config.results_cache_bytes_max,
         )
         # Every admitted task from admission to its answer and TaskDones: core/lifecycle.py.
         self.book = TaskBook(self.admission)
@@ -159,7 +161,11 @@ class Ingress:
         ``recv_batch_max`` at a time, so that results flow while input floods in."""
         assert self._sock is not None, "bind() first"
         self._reader = SocketReader(
-            self._sock, self._sock.recv, self._config.recv_batch_max, self._on_frames
+            self._sock,
+            self._sock.recv,
+            self._config.recv_batch_max,
+            self._on_frames,
+            batch_bytes_max=self._config.recv_batch_bytes_max,
         )
 
     def stop_receiving(self) -> None:
@@ -263,6 +269,13 @@ class Ingress:
                     f"{self.admission.pending} tasks pending: expected wait "
                     f"{refusal.expected_wait_s:.3f} s, more than the {refusal.bound_s:.3f} s "
                     "this task may wait"
+                )
+            elif self.admission.refused_bytes:
+                self._refused["overloaded_pending_bytes"] += 1
+                why = (
+                    f"{self.admission.pending_bytes} bytes of tasks pending here: this task "
+                    f"does not fit the byte budget (ingress.pending_bytes_max = "
+                    f"{self._config.pending_bytes_max})"
                 )
             else:
                 self._refused[ErrorCode.OVERLOADED.value] += 1

@@ -7,16 +7,27 @@ Prometheus scrapes, so counting costs nothing measurable per task.
 from __future__ import annotations
 
 import bisect
+import hmac
+import ipaddress
+import logging
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from gossipd.ops.logs import RateLimiter
+
+log = logging.getLogger("gossipd.ops.metrics")
 
 LATENCY_BUCKETS_S = (
     0.0005,
@@ -134,6 +145,25 @@ class DaemonCollector:
             G, "gossipd_results_cached", "Results kept for duplicate ids", adm.cached_results
         )
         yield _one(
+            G,
+            "gossipd_results_cached_bytes",
+            "Bytes of the results kept (ingress.results_cache_bytes_max)",
+            adm.cached_results_bytes,
+        )
+        yield _by(
+            C,
+            "gossipd_results_evicted",
+            "Results forgotten for room, by the bound that forced it",
+            "reason",
+            [("count", adm.results_evicted_count), ("bytes", adm.results_evicted_bytes)],
+        )
+        yield _one(
+            G,
+            "gossipd_tasks_pending_bytes",
+            "Bytes of the tasks queued or running (ingress.pending_bytes_max)",
+            adm.pending_bytes,
+        )
+        yield _one(
             G, "gossipd_reply_sockets_open", "Cached sockets to reply addresses", rep.sockets_open
         )
         yield _one(G, "gossipd_replies_queued", "Replies waiting for their address", rep.queued)
@@ -142,7 +172,17 @@ class DaemonCollector:
             "gossipd_replies_dropped",
             "Replies not delivered",
             "reason",
-            [("undeliverable", rep.dropped_undeliverable), ("queue_full", rep.dropped_queue_full)],
+            [
+                ("undeliverable", rep.dropped_undeliverable),
+                ("queue_full", rep.dropped_queue_full),
+                ("queue_bytes", rep.dropped_queue_bytes),
+            ],
+        )
+        yield _one(
+            G,
+            "gossipd_replies_queued_bytes",
+            "Bytes of replies waiting for their address (ingress.reply_queue_bytes_max)",
+            rep.queued_bytes,
         )
         yield _one(C, "gossipd_replies_sent", "Replies handed to ZeroMQ", rep.sent)
         yield _one(
@@ -217,12 +257,94 @@ class DaemonCollector:
         yield latency
 
 
-def serve_metrics(bind: str, collector: DaemonCollector) -> tuple[CollectorRegistry, int]:
-    """Start the HTTP endpoint (a daemon thread); returns the registry and the bound port."""
+class MetricsGuard:
+    """The bearer-token check in front of /metrics (empty token: none asked).  Runs in the
+    HTTP server's threads; ``unauthorized`` is a plain int (one writer at a time under the
+    GIL is enough for a counter read at scrape time)."""
+
+    def __init__(self, token: str = "") -> None:
+        self._expected = f"Bearer {token}".encode() if token else b""
+        self.unauthorized = 0
+        self._log = RateLimiter(per_s=1.0, burst=5)
+
+    def allows(self, authorization: str) -> bool:
+        if not self._expected:
+            return True
+        if hmac.compare_digest(authorization.encode("latin-1", "replace"), self._expected):
+            return True
+        self.unauthorized += 1
+        if self._log.allow():
+            log.warning(
+                "refused a metrics request without the bearer token",
+                extra={"suppressed_since_last": self._log.suppressed},
+            )
+            self._log.suppressed = 0
+        return False
+
+    def collect(self) -> Iterator[Metric]:
+        yield _one(
+            C,
+            "gossipd_metrics_unauthorized_requests",
+            "Metrics requests refused with 401 (no or wrong bearer token)",
+            self.unauthorized,
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address or "localhost"; a wildcard or another name is not."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+def serve_metrics(
+    bind: str, collector: DaemonCollector, *, token: str = ""
+) -> tuple[CollectorRegistry, int]:
+    """Start the HTTP endpoint (a daemon thread); returns the registry and the bound port.
+    With ``token``, a request without "Authorization: Bearer <token>" gets 401 (counted in
+    ``gossipd_metrics_unauthorized_requests_total``).  A non-loopback address without a token
+    is served, with a warning."""
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if not token and not is_loopback(host):
+        log.warning(
+            "metrics are served on a non-loopback address without a bearer token: anyone who "
+            "can reach it reads them; bind metrics.bind to 127.0.0.1 or set "
+            "metrics.bearer_token_file",
+            extra={"bind": bind},
+        )
     registry = CollectorRegistry()
     registry.register(collector)  # type: ignore[arg-type]
-    host, _, port = bind.rpartition(":")
-    server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+    guard = MetricsGuard(token)
+    registry.register(guard)  # type: ignore[arg-type]
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if guard.allows(environ.get("HTTP_AUTHORIZATION", "")):
+            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="gossipd"')],
+        )
+        return [b"401: send the header Authorization: Bearer <metrics.bearer_token_file>\n"]
+
+    family = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(host, int(port), app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return registry, server.server_address[1]
 
 
@@ -323,12 +445,30 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             stats.withdrawn_by_peers,
         ),
         (
+            "gossipd_fanout_invalid_from_peers",
+            "Forwards refused because the ingress would refuse their task (version, size)",
+            stats.invalid_from_peers,
+        ),
+        (
             "gossipd_fanout_peer_links_closed",
             "Connections to addresses of no live member closed after fanout.peer_idle_close_s",
             stats.peer_links_closed,
         ),
     ):
         yield _one(C, name, doc, value)
+    yield _by(
+        C,
+        "gossipd_fanout_forgotten",
+        "Forwarded tasks forgotten for room before their TaskDone, by the bound that forced it",
+        "reason",
+        [("count", stats.forwarded_evicted_count), ("bytes", stats.forwarded_evicted_bytes)],
+    )
+    yield _one(
+        G,
+        "gossipd_fanout_forwarded_bytes",
+        "Bytes of forwarded tasks remembered for migration (fanout.forwarded_bytes_max)",
+        stats.forwarded_bytes,
+    )
     yield _by(
         G,
         "gossipd_fanout_outstanding",
@@ -338,14 +478,16 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
     )
 
 
-def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+def scrape(port: int, host: str = "127.0.0.1", token: str = "") -> dict[str, float]:
     """A daemon's Prometheus samples as {"name{label=value,...}": value} (tests, benchmarks)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    url = f"http://{host}:{port}/metrics"
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    request = urllib.request.Request(f"http://{host}:{port}/metrics")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    text = urllib.request.urlopen(request, timeout=5).read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

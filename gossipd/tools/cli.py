@@ -45,8 +45,10 @@ def _run_loop(coro: object) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from gossipd.daemon import Daemon
     from gossipd.ops.logs import setup_logging
+    from gossipd.ops.memory import return_large_buffers
 
     config = _config_from(args)
+    return_large_buffers()  # freed prompts and frames go back to the OS (ops/memory.py)
     daemon_holder: list[Daemon] = []
 
     async def main() -> int:

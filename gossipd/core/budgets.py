@@ -1,0 +1,38 @@
+"""What a task or a result costs in memory, for the byte budgets (sans-IO).
+
+The budgets (``ingress.pending_bytes_max``, ``ingress.results_cache_bytes_max``,
+``ingress.reply_queue_bytes_max``, ``fanout.forwarded_bytes_max``) bound memory by what the
+big fields hold, not by message counts: a task is its prompt, a result its text.  Each figure
+is O(1) to compute (``sys.getsizeof`` of a str reads its length and width; nothing is walked
+or encoded), so the accounting costs a few hundred nanoseconds per task.  The fixed part of
+each figure is what the rest of the object and its bookkeeping take (measured with
+tracemalloc, see ``tests/test_budgets.py``), so that a flood of tiny tasks also counts.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from gossipd.core.messages import Result, Task
+
+# The Task struct, its params, id, reply_to and the entries that point at it (admission, the
+# task book, the run queue): tracemalloc measured 610 bytes for a small task in a TaskBook.
+TASK_OVERHEAD_BYTES = 700
+# The Result struct, its Timings, id and the results cache's entry: measured 296 bytes (352
+# with an ErrorInfo).
+RESULT_OVERHEAD_BYTES = 350
+
+_sizeof = sys.getsizeof
+
+
+def task_bytes(task: Task) -> int:
+    """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character) and the rest."""
+    return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
+
+
+def result_bytes(result: Result) -> int:
+    """Memory a final Result holds: its text (or error message) and the rest."""
+    error = result.error
+    if error is None:
+        return RESULT_OVERHEAD_BYTES + _sizeof(result.text)
+    return RESULT_OVERHEAD_BYTES + _sizeof(result.text) + _sizeof(error.message)

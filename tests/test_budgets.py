@@ -1,0 +1,317 @@
+"""Memory bounded by bytes (gossipd/core/budgets.py): the pending tasks, the results cache,
+the forwarder's ledger and the reply queues, in the cores and in a real daemon's RSS."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import tracemalloc
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from gossipd.core.admission import Admission, Verdict
+from gossipd.core.budgets import (
+    RESULT_OVERHEAD_BYTES,
+    TASK_OVERHEAD_BYTES,
+    result_bytes,
+    task_bytes,
+)
+from gossipd.core.forwarded import ForwardedLedger
+from gossipd.core.lifecycle import TaskBook
+from gossipd.core.messages import Result, Task, decode_task
+from gossipd.sockets import SocketPool
+from gossipd.tools.launcher import free_tcp_port
+from gossipd.transport import ReplySender, SocketReader
+from tests.helpers import RawProducer, run_with_context, scrape, wait_until_async
+
+IDS = st.sampled_from([f"t{i}" for i in range(10)])
+SIZES = st.integers(0, 400)
+
+
+def ok(task_id: str, chars: int = 0) -> Result:
+    return Result(id=task_id, ok=True, text="r" * chars)
+
+
+def task(task_id: str, prompt: str = "p") -> Task:
+    return Task(v=1, id=task_id, prompt=prompt, reply_to="tcp://127.0.0.1:9")
+
+
+class ByteBudgetMachine(RuleBasedStateMachine):
+    """Model: pending ids with their sizes, an LRU of (id, result bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending_bytes_max = 1000
+        self.results_bytes_max = 3 * RESULT_OVERHEAD_BYTES + 600
+        self.adm = Admission(
+            pending_max=100,
+            results_max=100,
+            pending_bytes_max=self.pending_bytes_max,
+            results_bytes_max=self.results_bytes_max,
+        )
+        self.pending: dict[str, int] = {}
+        self.done: list[tuple[str, int]] = []  # oldest first
+        self.evicted_bytes = 0
+
+    @rule(task_id=IDS, size=SIZES)
+    def offer(self, task_id: str, size: int) -> None:
+        verdict, _ = self.adm.offer(task_id, size_bytes=size)
+        used = sum(self.pending.values())
+        if task_id in self.pending:
+            assert verdict is Verdict.DUPLICATE_PENDING
+        elif any(i == task_id for i, _ in self.done):
+            assert verdict is Verdict.DUPLICATE_DONE
+            entry = next(e for e in self.done if e[0] == task_id)
+            self.done.remove(entry)
+            self.done.append(entry)
+        elif used and used + size > self.pending_bytes_max:
+            assert verdict is Verdict.OVERLOADED and self.adm.refused_bytes
+        else:
+            assert verdict is Verdict.ADMIT and not self.adm.refused_bytes
+            self.pending[task_id] = size
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), chars=st.integers(0, 2000))
+    def finish(self, data: st.DataObject, chars: int) -> None:
+        task_id = data.draw(st.sampled_from(sorted(self.pending)))
+        result = ok(task_id, chars)
+        self.adm.finish(task_id, result)
+        del self.pending[task_id]
+        size = result_bytes(result)
+        if size > self.results_bytes_max:
+            self.evicted_bytes += 1
+            return
+        self.done.append((task_id, size))
+        while sum(s for _, s in self.done) > self.results_bytes_max:
+            self.done.pop(0)
+            self.evicted_bytes += 1
+
+    @invariant()
+    def accounted_and_bounded(self) -> None:
+        stats = self.adm.statistics()
+        assert stats.pending_bytes == sum(self.pending.values())
+        # The budget, or one lone task over it.
+        assert stats.pending_bytes <= self.pending_bytes_max or len(self.pending) == 1
+        assert stats.cached_results_bytes == sum(s for _, s in self.done)
+        assert stats.cached_results_bytes <= self.results_bytes_max
+        assert stats.cached_results == len(self.done)
+        assert stats.results_evicted_bytes == self.evicted_bytes
+        assert stats.results_evicted_count == 0
+
+
+TestByteBudgetMachine = ByteBudgetMachine.TestCase
+
+
+def test_Admission_refuses_by_pending_bytes_and_says_so_then_admits_when_room_frees() -> None:
+    adm = Admission(pending_max=10, results_max=10, pending_bytes_max=100)
+    assert adm.offer("a", size_bytes=60)[0] is Verdict.ADMIT
+    assert adm.offer("b", size_bytes=60)[0] is Verdict.OVERLOADED and adm.refused_bytes
+    assert adm.offer("c", size_bytes=40)[0] is Verdict.ADMIT and not adm.refused_bytes
+    adm.finish("a", ok("a"))
+    assert adm.offer("b", size_bytes=60)[0] is Verdict.ADMIT
+    stats = adm.statistics()
+    assert stats.pending_bytes == 100 and stats.overloaded_pending_bytes == 1
+
+
+def test_Admission_a_lone_task_larger_than_the_budget_still_runs() -> None:
+    adm = Admission(pending_max=10, results_max=10, pending_bytes_max=100)
+    assert adm.offer("big", size_bytes=500)[0] is Verdict.ADMIT
+    assert adm.offer("small", size_bytes=1)[0] is Verdict.OVERLOADED
+
+
+def test_Admission_results_cache_forgets_oldest_by_bytes_and_counts_by_reason() -> None:
+    budget = 2 * result_bytes(ok("x", 1000))
+    adm = Admission(pending_max=10, results_max=3, results_bytes_max=budget)
+    for i in range(4):
+        adm.offer(f"s{i}")
+        adm.finish(f"s{i}", ok(f"s{i}"))  # small: the count bound evicts s0
+    stats = adm.statistics()
+    assert stats.results_evicted_count == 1 and stats.results_evicted_bytes == 0
+    adm.offer("big")
+    adm.finish("big", ok("big", 10 * budget))  # larger than the whole budget: not kept
+    assert adm.statistics().results_evicted_bytes == 1
+    assert adm.offer("big")[0] is Verdict.ADMIT  # forgotten: it runs again
+    adm.finish("big", ok("big", 1000))
+    adm.offer("big2")
+    adm.finish("big2", ok("big2", 1000))  # two big ones fill the budget: the small ones go
+    stats = adm.statistics()
+    assert stats.cached_results == 2 and stats.cached_results_bytes == budget
+    assert stats.results_evicted_bytes >= 2
+    assert stats.results_evicted_count + stats.results_evicted_bytes == 5
+    assert adm.offer("s3")[0] is Verdict.ADMIT and adm.offer("big")[0] is Verdict.DUPLICATE_DONE
+
+
+def test_TaskBook_counts_each_task_by_its_prompt() -> None:
+    book = TaskBook(Admission(pending_max=10, results_max=10, pending_bytes_max=1 << 20))
+    book.offer(task("a", "x" * 1000), 0.0, 0.0)
+    book.offer(task("b", "\N{SNOWMAN}" * 1000), 0.0, 0.0)  # 2 bytes a character in memory
+    pending = book.admission.pending_bytes
+    assert pending == 2 * TASK_OVERHEAD_BYTES + sys.getsizeof("x" * 1000) + sys.getsizeof(
+        "\N{SNOWMAN}" * 1000
+    )
+    assert 2 * TASK_OVERHEAD_BYTES + 3000 <= pending < 2 * TASK_OVERHEAD_BYTES + 3200
+
+
+def test_budgets_fixed_parts_are_close_to_what_tracemalloc_measures() -> None:
+    """The fixed part of task_bytes / result_bytes is within 2x of the memory a small task
+    decoded from the wire and admitted (a TaskBook) or a small Result really takes."""
+    frames = [
+        msgpack.packb(
+            {"v": 1, "t": 1, "id": f"task-{i:08d}", "prompt": "", "reply_to": "tcp://h:1"}
+        )
+        for i in range(2000)
+    ]
+    book = TaskBook(Admission(pending_max=10**6, results_max=10**6))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for frame in frames:
+        book.offer(decode_task(frame, bytes_max=1 << 20), 0.0, 0.0)
+    task_each = (tracemalloc.get_traced_memory()[0] - before) / len(frames)
+    before = tracemalloc.get_traced_memory()[0]
+    results = {f"r{i:08d}": Result(id=f"r{i:08d}", ok=True, text="") for i in range(2000)}
+    result_each = (tracemalloc.get_traced_memory()[0] - before) / len(results)
+    tracemalloc.stop()
+    assert task_each / 2 <= TASK_OVERHEAD_BYTES <= task_each * 2, task_each
+    assert result_each / 2 <= RESULT_OVERHEAD_BYTES <= result_each * 2, result_each
+
+
+def test_ForwardedLedger_forgets_oldest_by_bytes_and_keeps_outstanding_right() -> None:
+    outstanding: dict[str, int] = {}
+    size = task_bytes(task("a", "x" * 5000))
+    ledger = ForwardedLedger(outstanding, entries_max=100, bytes_max=3 * size)
+    for i in range(5):
+        ledger.accepted(task(f"t{i}", "x" * 5000), "m1" if i % 2 else "m2", 0.0)
+    assert len(ledger) == 3 and ledger.bytes == 3 * size and ledger.evicted_bytes == 2
+    assert ledger.get("t0") is None and ledger.get("t1") is None and ledger.get("t4") is not None
+    assert outstanding == {"m1": 1, "m2": 2}
+    ledger.done("t4", "m2")
+    assert ledger.bytes == 2 * size and outstanding == {"m1": 1, "m2": 1}
+    small = ForwardedLedger({}, entries_max=2)
+    for i in range(3):
+        small.accepted(task(f"t{i}"), "m", 0.0)
+    assert small.evicted_count == 1 and small.evicted_bytes == 0
+
+
+def test_ReplySender_drops_and_counts_replies_beyond_the_queue_byte_budget() -> None:
+    async def main() -> tuple[int, int, int]:
+        ctx = zmq.Context()
+        sender = ReplySender(
+            SocketPool(ctx),
+            sockets_max=4,
+            idle_s=60.0,
+            timeout_s=0.3,
+            queue_max=1000,
+            queue_bytes_max=10_000,
+        )
+        dead = f"tcp://127.0.0.1:{free_tcp_port()}"  # nobody reads: replies wait in the queue
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            for _ in range(5):
+                sender.send(dead, b"x" * 3000)
+            await asyncio.sleep(0)  # the turn's batch goes into the queue
+            stats = sender.statistics()
+            queued_bytes, dropped = stats.queued_bytes, stats.dropped_queue_bytes
+            await wait_until_async(
+                lambda: sender.statistics().dropped_undeliverable == 3, 5, "the 0.3 s timeout"
+            )
+            sender.stop()
+        after = sender.statistics().queued_bytes
+        sender.close()
+        ctx.term()
+        return queued_bytes, dropped, after
+
+    queued_bytes, dropped, after = asyncio.run(main())
+    assert queued_bytes == 9000 and dropped == 2 and after == 0
+
+
+def test_SocketReader_stops_a_batch_at_its_byte_limit() -> None:
+    async def main(ctx: zmq.Context) -> list[int]:
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        for _ in range(10):
+            push.send(b"x" * 100_000)
+        await wait_until_async(lambda: pull.poll(0), 5, "the first frame")
+        await asyncio.sleep(0.2)  # all ten queued at the PULL
+        batches: list[int] = []
+        reader = SocketReader(pull, pull.recv, 256, lambda m: batches.append(len(m)), 250_000)
+        await wait_until_async(lambda: sum(batches) == 10, 5, "ten frames")
+        reader.close()
+        push.close(linger=0)
+        pull.close(linger=0)
+        return batches
+
+    batches = run_with_context(main)
+    assert max(batches) == 3 and sum(batches) == 10  # 3 x 100 KB reach the 250 KB limit
+
+
+# -- a real daemon ------------------------------------------------------------------------
+
+TASKS = 150
+WORD = "x" * 10_000
+PROMPT = " ".join([WORD] * 90)  # 900 KB; the echo engine answers its words: 900 KB results
+BUDGET_MIB = 24  # each of pending_bytes_max, results_cache_bytes_max, reply_queue_bytes_max
+
+
+def _rss_mib(pid: int, key: str = "VmRSS") -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {key} in /proc/{pid}/status")
+
+
+@pytest.mark.timeout(180)
+def test_a_daemon_fed_large_prompts_and_results_stays_within_its_byte_budgets(
+    daemon_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    budget = BUDGET_MIB * 1024 * 1024
+    port = free_tcp_port()
+    daemon = daemon_factory(
+        f"metrics.bind=127.0.0.1:{port}",
+        f"ingress.pending_bytes_max={budget}",
+        f"ingress.results_cache_bytes_max={budget}",
+        f"ingress.reply_queue_bytes_max={budget}",
+        "ingress.queue_wait_admission=false",
+        # The burst read at once (not 8 MiB a turn), so that the pending budget refuses.
+        f"ingress.recv_batch_bytes_max={256 * 1024 * 1024}",
+    )
+    producer = RawProducer(daemon.endpoint)
+    try:
+        producer.send_task("warm", prompt="a b", params={"max_tokens": 2})
+        producer.results(1)
+        baseline = _rss_mib(daemon.pid)
+        started = time.monotonic()
+        for i in range(TASKS):
+            producer.send_task(f"t{i}", prompt=PROMPT, params={"max_tokens": 90})
+        results = producer.results(TASKS, timeout_s=120)
+        elapsed_s = time.monotonic() - started
+        assert len(results) == TASKS
+        settled = _rss_mib(daemon.pid)
+        peak = _rss_mib(daemon.pid, "VmHWM")
+        metrics = scrape(port)
+    finally:
+        producer.close()
+    ok = [r for r in results if r["ok"]]
+    refused = [r for r in results if not r["ok"]]
+    assert ok and refused, "some tasks run, the pending budget refuses others"
+    assert all(r["error"]["code"] == "overloaded" for r in refused)
+    assert all("ingress.pending_bytes_max" in r["error"]["message"] for r in refused)
+    assert metrics.get("gossipd_messages_refused_total{reason=overloaded_pending_bytes}", 0) == len(
+        refused
+    )
+    assert metrics["gossipd_results_cached_bytes"] <= budget
+    assert metrics["gossipd_results_evicted_total{reason=bytes}"] >= len(ok) - budget // len(PROMPT)
+    print(
+        f"RSS baseline {baseline:.0f} MiB, settled {settled:.0f} MiB, peak {peak:.0f} MiB; "
+        f"{len(ok)} ok, {len(refused)} overloaded in {elapsed_s:.1f} s"
+    )
+    # What stays: the results cache (one budget) over the baseline, and some slack (the
+    # allocator, ZeroMQ). Before the budgets and ops/memory.py: 289 MiB from 36.
+    assert settled < baseline + BUDGET_MIB + 20, (baseline, settled, peak)
