@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from gossipd.core.messages import Result, SamplingParams
-from gossipd.tools.client import Client, TaskHandle
+from gossipd.tools.client import Client, ProducerKeys, TaskHandle
 from gossipd.tools.progress import Progress, percentile
 
 
@@ -81,6 +81,7 @@ async def submit_many(
     window: int,
     show_progress: bool,
     on_result: Any = None,
+    curve: ProducerKeys | None = None,
 ) -> SubmitReport:
     report = SubmitReport(total=len(lines))
     progress = Progress(len(lines), "submit", enabled=show_progress)
@@ -102,7 +103,7 @@ async def submit_many(
         progress.update(done, f"ok={report.ok} failed={sum(report.failed.values())}")
 
     async with Client(
-        endpoints, resubmit_after_s=resubmit_after_s, outstanding_max=window
+        endpoints, resubmit_after_s=resubmit_after_s, outstanding_max=window, curve=curve
     ) as client:
         waiters: list[asyncio.Task[None]] = []
 
@@ -156,8 +157,9 @@ async def submit_one(
     stream: bool,
     key: str,
     as_json: bool,
+    curve: ProducerKeys | None = None,
 ) -> int:
-    async with Client(endpoints) as client:
+    async with Client(endpoints, curve=curve) as client:
         handle = await client.submit(
             prompt, max_tokens=max_tokens, timeout_s=timeout_s, stream=stream, key=key
         )
