@@ -37,6 +37,7 @@ from gossipd.core.messages import (
 )
 from gossipd.ops.metrics import scrape
 from gossipd.security import KeyDir, is_loopback, write_key_pair
+from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from tests.helpers import gossipd_cli, wait_until
 
@@ -587,3 +588,30 @@ def test_every_shipped_config_that_binds_beyond_loopback_has_curve_on() -> None:
         binds = [config.ingress.bind, config.gossip.bind, config.fanout.rpc_bind]
         if path.name == "cluster.toml" or not all(is_loopback(b) for b in binds if b):
             assert config.security.curve and not config.security.insecure, path.name
+
+
+def test_the_pool_reconnects_sockets_whose_member_key_changed_or_was_unknown() -> None:
+    ctx = zmq.Context()
+    pool = SocketPool(ctx)
+    closed: list[str] = []
+    pool.register(SocketKind.GOSSIP, on_close=lambda addr, why: closed.append(addr))
+    public, secret = zmq.curve_keypair()
+    keys: dict[str, bytes] = {"tcp://127.0.0.1:1": zmq.curve_keypair()[0]}
+    curve = pool.set_curve(
+        SocketKind.GOSSIP, public=public, secret=secret, route=lambda a: (a, keys.get(a))
+    )
+    try:
+        pool.open(SocketKind.GOSSIP, "tcp://127.0.0.1:1")
+        pool.open(SocketKind.GOSSIP, "tcp://127.0.0.1:2")  # no key known yet
+        assert curve.unknown_keys == [1]
+        assert pool.close_rekeyed(SocketKind.GOSSIP, unknown_only=True) == 0
+        keys["tcp://127.0.0.1:2"] = zmq.curve_keypair()[0]
+        keys["tcp://127.0.0.1:1"] = zmq.curve_keypair()[0]  # a member's key replaced
+        assert pool.close_rekeyed(SocketKind.GOSSIP, unknown_only=True) == 1
+        assert closed == ["tcp://127.0.0.1:2"]
+        assert pool.close_rekeyed(SocketKind.GOSSIP) == 1
+        assert closed == ["tcp://127.0.0.1:2", "tcp://127.0.0.1:1"]
+        assert len(pool) == 0
+    finally:
+        pool.close_all()
+        ctx.term()
