@@ -615,3 +615,47 @@ def test_the_pool_reconnects_sockets_whose_member_key_changed_or_was_unknown() -
     finally:
         pool.close_all()
         ctx.term()
+
+
+def test_a_daemon_key_rotates_by_rolling_restart_and_gossip_reconnects_with_the_new_key(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """docs/OPERATIONS.md: stop s1, give it a new key pair and replace s1.key on the members,
+    start it again on the same addresses: s0's gossip socket to s1, opened with the old key,
+    is closed when s0 reloads its keys (the pool's close_rekeyed), and the two gossip both
+    ways again; producers are answered throughout."""
+    keys = Keys(tmp_path, peers=["s0", "s1"], producers=["p1"])
+    s0, s1 = curve_pair(daemon_factory, keys)
+    p1 = CurveProducer(s0.endpoint, keys.pair("p1"), keys.public("s0"))
+    try:
+        for i in range(20):
+            p1.send_task(f"before-{i}", key=f"k{i}")
+        assert len(p1.results(20, timeout_s=10)) == 20
+        s1.stop(timeout_s=15)
+        public_file, secret_file = write_key_pair("s1", tmp_path / "rotated")
+        (keys.peers / "s1.key").write_bytes(public_file.read_bytes())
+        wait_until(
+            lambda: any(e.get("msg") == "authorised keys loaded" for e in s0.events()[-20:]),
+            5,
+            "s0 reloads its peer keys",
+        )
+        overrides = [o for o in keys.overrides("s1") if "secret_key_file" not in o]
+        s1_new = daemon_factory(
+            *overrides,
+            f"security.secret_key_file={secret_file}",
+            f"gossip.bind={s1.gossip_endpoint}",
+            f"fanout.rpc_bind=tcp://127.0.0.1:{s1.rpc_port}",
+            f'gossip.seeds=["s0@{s0.gossip_endpoint}"]',
+            name="s1-rotated",
+        )
+        # s1 hears s0 only through s0's socket to s1's address: reopened with the new key.
+        wait_until(lambda: "joined" in member_events(s1_new, "s0"), 15, "the rotated s1 hears s0")
+        wait_until(
+            lambda: member_events(s0, "s1").count("joined") >= 2, 15, "s0 hears the rotated s1"
+        )
+        for i in range(20):
+            p1.send_task(f"after-{i}", key=f"k{i}")
+        assert len(p1.results(20, timeout_s=10)) == 20
+        assert metric(s0, "gossipd_peer_src_mismatch_total{channel=gossip}") == 0
+    finally:
+        p1.close()
