@@ -659,3 +659,22 @@ def test_a_daemon_key_rotates_by_rolling_restart_and_gossip_reconnects_with_the_
         assert metric(s0, "gossipd_peer_src_mismatch_total{channel=gossip}") == 0
     finally:
         p1.close()
+
+
+def test_gossipd_submit_with_a_producer_key(daemon_factory: Any, tmp_path: Path) -> None:
+    keys = Keys(tmp_path, peers=["s0"], producers=["p1"])
+    daemon = curve_daemon(daemon_factory, keys, "s0")
+    base = ["submit", "red green", "--endpoint", daemon.endpoint, "--max-tokens", "3"]
+    ok = gossipd_cli(
+        *base,
+        "--secret-key",
+        str(keys.secrets / "p1.key_secret"),
+        "--server-key",
+        str(keys.peers / "s0.key"),
+        "--timeout",
+        "5",
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.strip() == "red green red"
+    half = gossipd_cli(*base, "--secret-key", str(keys.secrets / "p1.key_secret"))
+    assert half.returncode == 2 and "--server-key" in half.stderr
