@@ -36,6 +36,14 @@ def _check_bind(field: str, value: str) -> None:
         raise ValueError(f"{field}: expected tcp://HOST:PORT or ipc://PATH, found {value!r}")
 
 
+def split_seed(seed: str) -> tuple[str, str]:
+    """A gossip seed "NODE@ADDR" or "ADDR": (node or "", address)."""
+    node, at, addr = seed.partition("@")
+    if at and "://" not in node:
+        return node, addr
+    return "", seed
+
+
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     pass
 
@@ -161,7 +169,8 @@ class GossipConfig(Section):
     # The address peers use to reach us; empty: the bind address (then it must not be a
     # wildcard).
     advertise: str = ""
-    # Gossip endpoints of some members to join through (any live one will do).
+    # Gossip endpoints of some members to join through (any live one will do).  With
+    # security.curve, name each seed's node: "NODE@tcp://HOST:PORT" (its key is NODE.key).
     seeds: list[str] = msgspec.field(default_factory=list)
     # SWIM settings: a named preset (see gossipd/core/swim_config.py) ...
     preset: Literal["lan", "wan", "local"] = "lan"
@@ -180,7 +189,7 @@ class GossipConfig(Section):
         elif self.bind and "*" in self.bind:
             raise ValueError(f"advertise: required when bind is a wildcard ({self.bind!r})")
         for seed in self.seeds:
-            _check_bind("seeds", seed)
+            _check_bind("seeds", split_seed(seed)[1])
         try:  # the rules between fields, over the preset's values
             self.swim_config()
         except ValueError as exc:
@@ -374,6 +383,34 @@ class TracingConfig(Section):
     open_tasks_max: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
 
 
+class SecurityConfig(Section):
+    # CurveZMQ (encryption + authentication) on every socket: ingress, replies, gossip, rpc.
+    # Off is for the local default on loopback only (one warning line at start-up); binding a
+    # non-loopback address without it is refused unless `insecure = true`.
+    curve: bool = False
+    # This daemon's key pair: the `NAME.key_secret` file `gossipd keygen NAME` writes (it
+    # holds both keys).  The daemon serves its sockets with it and connects with it.
+    secret_key_file: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    # Authorised daemons: one `NODE.key` public key file per member, named after its
+    # node.id (a member's messages must carry that id as their source).
+    peer_keys_dir: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    # Authorised producers: one `NAME.key` public key file each (any name).
+    producer_keys_dir: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    # How often the key directories are looked at for added, removed or changed files
+    # (SIGHUP reloads at once).  A removed key is refused within this plus a loop turn.
+    reload_interval_s: Annotated[float, msgspec.Meta(ge=0.1, le=60.0)] = 1.0
+    # true: allow binding non-loopback addresses without CURVE (a trusted private network).
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.curve:
+            for name in ("secret_key_file", "peer_keys_dir", "producer_keys_dir"):
+                if not getattr(self, name):
+                    raise ValueError(
+                        f"{name}: required with curve = true (make keys with `gossipd keygen`)"
+                    )
+
+
 class Config(Section):
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     ingress: IngressConfig = msgspec.field(default_factory=IngressConfig)
@@ -386,6 +423,7 @@ class Config(Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
 
 ENV_PREFIX = "GOSSIPD_"

@@ -41,7 +41,14 @@ from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
 from gossipd.ops.notify import Notifier
 from gossipd.ops.tracing import build_tracer
-from gossipd.sockets import SocketPool
+from gossipd.security import (
+    DOMAIN_PEERS,
+    DOMAIN_PRODUCERS,
+    Security,
+    is_loopback,
+    load_key_pair,
+)
+from gossipd.sockets import SocketKind, SocketPool, split_reply_route
 from gossipd.transport import ReplySender
 
 log = logging.getLogger("gossipd.daemon")
@@ -70,6 +77,7 @@ class Daemon:
         self.config = config
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
+        self.security = _build_security(config, self._ctx)
         self.sockets = SocketPool(self._ctx)  # every outgoing socket: gossip, replies, peers
         self.engine = build_engine(config)
         ic = config.ingress
@@ -89,6 +97,22 @@ class Daemon:
             node=self.node,
             refused_lines_per_s=config.log.refused_lines_per_s,
         )
+        security = self.security
+        if security.curve:
+            assert security.key_pair is not None
+            pair = security.key_pair
+            self.ingress.serve_curve = lambda sock: security.serve(sock, DOMAIN_PRODUCERS)
+            self.ingress.producer_allowed = security.producer_allowed
+            self.sockets.set_curve(
+                SocketKind.REPLY, public=pair.public, secret=pair.secret, route=split_reply_route
+            )
+            for kind in (SocketKind.GOSSIP, SocketKind.PEER):
+                self.sockets.set_curve(
+                    kind,
+                    public=pair.public,
+                    secret=pair.secret,
+                    route=lambda addr: (addr, security.peer_server_key(addr)),
+                )
         self.notifier = Notifier(environ)
         # StatusQuery and Drain, taken on the ingress (gossipd status, gossipd drain).
         self.admin = Admin(
@@ -139,12 +163,24 @@ class Daemon:
             "gossip": self.gossip,
             "dispatcher": self.dispatcher,
             "admin": self.admin.statistics(),
+            "security": self.security,
         }
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        if self.security.curve:
+            self.security.start()  # the ZAP handler answers before any CURVE socket binds
+            loop.add_signal_handler(
+                signal.SIGHUP,
+                lambda: self.security.reload_and_tell(self._keys_looked_at, force=True),
+            )
+        else:
+            log.warning(
+                "CURVE is off: sockets are neither authenticated nor encrypted"
+                + (" (security.insecure = true)" if self.config.security.insecure else "")
+            )
         try:
             await self.engine.start()
         except ImportError as exc:
@@ -195,6 +231,15 @@ class Daemon:
                 if self.journal is not None:
                     background.append(tg.create_task(self.journal.sync_forever(), name="journal"))
                     self._replay_journal()
+                if self.security.curve:
+                    background.append(
+                        tg.create_task(
+                            self.security.watch_forever(
+                                self.config.security.reload_interval_s, self._keys_looked_at
+                            ),
+                            name="keys",
+                        )
+                    )
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
                     "serving",
@@ -235,6 +280,7 @@ class Daemon:
             if self.tracer is not None:
                 self.tracer.close()
             self.notifier.close()
+            self.security.close()
             self._ctx.term()
         stats = _plain(self.snapshot())
         if self.dispatcher is not None:
@@ -258,7 +304,9 @@ class Daemon:
             ingress_endpoint=endpoint,
             rng=self.rng("membership"),
             version=__version__,
+            security=self.security,
         )
+        self.security.node_at = gossip.node_at
         loads: dict[str, int] = {}  # per member: our forwards not yet done (bounded loads)
         local_ids: set[str] = set()  # our intake's tasks running here
         placer = Placer(
@@ -302,6 +350,10 @@ class Daemon:
             else (lambda task, src: journal.mark_forwarded(task.id, src)),
         )
         owner.task_bytes_max = config.ingress.message_bytes_max  # as the ingress validates
+        if self.security.curve:
+            security = self.security
+            owner.serve_curve = lambda sock: security.serve(sock, DOMAIN_PEERS)
+            owner.peer_allowed = security.peer_allowed
         dispatcher = Dispatcher(
             config.fanout,
             node=self.node,
@@ -338,6 +390,12 @@ class Daemon:
         else:
             retry_after_ms = refusal.retry_after_ms
         self.ingress.send_error(refusal.task, code, message, retry_after_ms)
+
+    def _keys_looked_at(self, peers_changed: bool) -> None:
+        """Outgoing gossip and rpc sockets whose member's key changed (or was unknown when
+        they opened) reconnect with the right server key."""
+        for kind in (SocketKind.GOSSIP, SocketKind.PEER):
+            self.sockets.close_rekeyed(kind, unknown_only=not peers_changed)
 
     def rng(self, purpose: str) -> random.Random:
         """The RNG of one part, derived from node.seed (so a run can be replayed)."""
@@ -426,6 +484,33 @@ class Daemon:
                 "forwards_settled": settled,
             },
         )
+
+
+def _build_security(config: Config, ctx: zmq.Context) -> Security:
+    """CURVE on (keys loaded, the ZAP handler bound), or off: then only on loopback (one
+    warning line) unless security.insecure; a non-loopback bind without CURVE stops start-up."""
+    sc = config.security
+    if sc.curve:
+        return Security(
+            curve=True,
+            ctx=ctx,
+            key_pair=load_key_pair(sc.secret_key_file),
+            peer_keys_dir=sc.peer_keys_dir,
+            producer_keys_dir=sc.producer_keys_dir,
+            refused_lines_per_s=config.log.refused_lines_per_s,
+        )
+    binds = [("ingress.bind", config.ingress.bind)]
+    if config.gossip.bind:
+        binds += [("gossip.bind", config.gossip.bind), ("fanout.rpc_bind", config.fanout.rpc_bind)]
+    exposed = [f"{key} = {value!r}" for key, value in binds if not is_loopback(value)]
+    if exposed and not sc.insecure:
+        raise StartupError(
+            f"refusing to bind {', '.join(exposed)} without CURVE: anyone who can reach it "
+            "could submit, read results or join the cluster.  Set security.curve = true with "
+            "keys (`gossipd keygen`, docs/OPERATIONS.md), or security.insecure = true on a "
+            "network you trust"
+        )
+    return Security(curve=False, ctx=ctx)
 
 
 def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:

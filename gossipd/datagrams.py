@@ -9,6 +9,7 @@ to the same contract.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Protocol
 
 import zmq
@@ -73,15 +74,22 @@ class ZmqTransport:
         recv_batch_max: int = 256,
         on_disconnect: Callable[[str], None] | None = None,
         options: Mapping[int, int] | None = None,
+        serve_curve: Callable[[zmq.Socket], None] | None = None,
+        accept: Callable[[str, bytes], bool] | None = None,
     ) -> None:
         """``sockets_max`` / ``idle_s``: the pool's bounds for ``kind``; ``options``: socket
         options over the kind's; ``message_bytes_max``: larger frames are refused on receipt
-        (ZeroMQ drops the connection that sent one)."""
+        (ZeroMQ drops the connection that sent one).  CURVE (gossipd/security.py):
+        ``serve_curve(sock)`` makes the bound PULL a CURVE server before it binds, and then
+        a frame reaches ``on_frame`` only if ``accept(sender, frame)``, ``sender`` being the
+        frame's User-Id (the node its sender's key belongs to)."""
         self._pool = pool
         self._kind = kind
         self._message_bytes_max = message_bytes_max
         self._recv_batch_max = recv_batch_max
         self._on_disconnect = on_disconnect
+        self._serve_curve = serve_curve
+        self._accept = accept
         self._on_frame: OnFrame | None = None
         self._sock: zmq.Socket | None = None
         self._reader: SocketReader | None = None
@@ -108,13 +116,20 @@ class ZmqTransport:
             sock.setsockopt(zmq.MAXMSGSIZE, self._message_bytes_max)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._serve_curve is not None:
+            self._serve_curve(sock)
         try:
             sock.bind(addr)
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
         self._sock, self._on_frame = sock, on_frame
-        self._reader = SocketReader(sock, sock.recv, self._recv_batch_max, self._on_frames)
+        if self._serve_curve is not None:
+            self._reader = SocketReader(
+                sock, partial(sock.recv, copy=False), self._recv_batch_max, self._on_curve_frames
+            )
+        else:
+            self._reader = SocketReader(sock, sock.recv, self._recv_batch_max, self._on_frames)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _on_frames(self, frames: list[bytes]) -> None:
@@ -122,6 +137,14 @@ class ZmqTransport:
         assert on_frame is not None
         for frame in frames:
             on_frame(frame)
+
+    def _on_curve_frames(self, frames: list[zmq.Frame]) -> None:
+        on_frame, accept = self._on_frame, self._accept
+        assert on_frame is not None
+        for frame in frames:
+            data = frame.bytes
+            if accept is None or accept(frame.get("User-Id"), data):
+                on_frame(data)
 
     def send(self, addr: str, frame: bytes) -> bool:
         if self._closed:

@@ -10,6 +10,13 @@ every ``sweep_interval_s``), and calls the user's ``on_close(addr, reason)`` bef
 any socket, so that readers and monitors on it go first.  Every close goes through that
 callback, whoever asked for it.
 
+CurveZMQ (``set_curve``, per kind, by the daemon when ``security.curve`` is on): each socket
+of the kind connects as a CURVE client with the daemon's key pair and checks that the server
+holds the key ``route(addr)`` names; an address with no known key gets a throwaway server
+key, so its handshake fails and nothing is sent in clear (the kind's queue bound and the
+user's timeouts apply as to a peer that does not answer).  For the reply kind, ``addr`` is a
+route, "ENDPOINT PRODUCER_KEY" (``Task.route``): one socket per producer key and endpoint.
+
 Users keep their own per-address state (queues, readers) beside the socket: ``open`` on the
 first use, ``touch`` on each later one (that is what keeps a socket recent).
 """
@@ -58,6 +65,24 @@ KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
 }
 
 
+# For a CURVE kind: the endpoint to connect to for ``addr`` and the server's public key
+# (z85; None: no known key).
+Route = Callable[[str], tuple[str, bytes | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class CurveClient:
+    public: bytes  # this daemon's key pair, z85
+    secret: bytes
+    route: Route
+    unknown_keys: list[int]  # [count]: connections opened to an address with no known key
+
+
+def split_reply_route(route: str) -> tuple[str, bytes | None]:
+    endpoint, _, key = route.partition(" ")
+    return endpoint, key.encode() if key else None
+
+
 class CloseReason(enum.Enum):
     EVICTED = "evicted"  # the kind was at its sockets_max; this one was the least recently used
     IDLE = "idle"  # unused for idle_s
@@ -76,11 +101,12 @@ class KindStatistics:
 
 
 class _Entry:
-    __slots__ = ("sock", "used_at")
+    __slots__ = ("server_key", "sock", "used_at")
 
-    def __init__(self, sock: zmq.Socket, used_at: float) -> None:
+    def __init__(self, sock: zmq.Socket, used_at: float, server_key: bytes | None = None) -> None:
         self.sock = sock
         self.used_at = used_at  # time.monotonic() of the last open or touch
+        self.server_key = server_key  # CURVE: the key it checks (None: none was known)
 
 
 class _Kind:
@@ -131,6 +157,7 @@ class SocketPool:
     def __init__(self, ctx: zmq.Context) -> None:
         self.ctx = ctx
         self._kinds: dict[SocketKind, _Kind] = {}
+        self._curve: dict[SocketKind, CurveClient] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -157,6 +184,13 @@ class SocketPool:
             kind, on_close, sockets_max, idle_s, linger_ms, options or {}, keep
         )
 
+    def set_curve(
+        self, kind: SocketKind, *, public: bytes, secret: bytes, route: Route
+    ) -> CurveClient:
+        """Open ``kind``'s sockets from now on as CURVE clients (see the module's head)."""
+        curve = self._curve[kind] = CurveClient(public, secret, route, [0])
+        return curve
+
     # -- per socket ------------------------------------------------------------------------
 
     def open(self, kind: SocketKind, addr: str) -> zmq.Socket:
@@ -174,8 +208,19 @@ class SocketPool:
         sock = self.ctx.socket(k.socket_type)
         for option, value in k.options.items():
             sock.setsockopt(option, value)
-        sock.connect(addr)
-        k.sockets[addr] = _Entry(sock, time.monotonic())
+        endpoint = addr.partition(" ")[0]  # a reply route names a key only under CURVE
+        curve = self._curve.get(kind)
+        server_key: bytes | None = None
+        if curve is not None:
+            endpoint, server_key = curve.route(addr)
+            if server_key is None:
+                curve.unknown_keys[0] += 1
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+            # No known key: a throwaway one, whose secret nobody holds (never connects).
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or zmq.curve_keypair()[0])
+        sock.connect(endpoint)
+        k.sockets[addr] = _Entry(sock, time.monotonic(), server_key)
         k.opened += 1
         return sock
 
@@ -203,6 +248,26 @@ class SocketPool:
             return False
         self._close(k, addr, CloseReason.REQUESTED, k.linger_ms if linger_ms is None else linger_ms)
         return True
+
+    def close_rekeyed(self, kind: SocketKind, *, unknown_only: bool = False) -> int:
+        """CURVE: close ``kind``'s sockets whose server key is no longer the one ``route``
+        gives (a member's key replaced, or found for an address that had none), so that the
+        next use reconnects with the right one; ``unknown_only``: look only at the sockets
+        opened with no known key (cheap enough to run every second).  How many closed."""
+        curve = self._curve.get(kind)
+        k = self._kinds.get(kind)
+        if curve is None or k is None:
+            return 0
+        stale = [
+            addr
+            for addr, entry in k.sockets.items()
+            if (entry.server_key is None or not unknown_only)
+            and curve.route(addr)[1] != entry.server_key
+        ]
+        for addr in stale:
+            if addr in k.sockets:
+                self._close(k, addr, CloseReason.REQUESTED, k.linger_ms)
+        return len(stale)
 
     def close_kind(self, kind: SocketKind, *, linger_ms: int | None = None) -> None:
         """Close every socket of ``kind``."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossipd.tools.curvekeys import CurveLayout
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import summarize
 
@@ -50,14 +51,27 @@ class Cluster:
         preset: str = "local",
         log_dir: str | None = None,
         extra_overrides: list[str] | None = None,
+        curve: bool = False,
     ) -> None:
+        """``curve``: CURVE on every socket, keys made under log_dir/keys (a producer key
+        "producer" among them: ``self.keys.pair("producer")``)."""
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="gossipd-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.keys: CurveLayout | None = None
+        if curve:
+            self.keys = CurveLayout(
+                self.log_dir / "keys",
+                nodes=[f"d{i:02d}" for i in range(n)],
+                producers=["producer"],
+            )
         self.daemons: list[DaemonProcess] = []
         self._extra = extra_overrides or []
         self._preset = preset
         protos = [DaemonProcess(name=f"d{i:02d}", log_dir=self.log_dir) for i in range(n)]
-        self.seeds = [d.gossip_endpoint for d in protos[:3]]
+        self.seeds = [
+            f"d{i:02d}@{d.gossip_endpoint}" if curve else d.gossip_endpoint
+            for i, d in enumerate(protos[:3])
+        ]
         for i, proto in enumerate(protos):
             self.daemons.append(self._make(i, proto.port, proto.gossip_port, proto.rpc_port))
 
@@ -71,6 +85,7 @@ class Cluster:
             f"gossip.preset={self._preset}",
             f"journal.path={journal}",
             f"fanout.rpc_bind=tcp://127.0.0.1:{rpc_port}",
+            *(self.keys.overrides(f"d{i:02d}") if self.keys is not None else []),
             *self._extra,
         ]
         return DaemonProcess(name=f"d{i:02d}", log_dir=self.log_dir, port=port, overrides=overrides)

@@ -58,3 +58,23 @@ def test_bench_route_json_reports_hops_and_throughput_and_plots_the_cdfs(tmp_pat
     assert report["cluster_tasks_per_s"] > 0 and report["raw_zmq_tasks_per_s"] > 0
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_bench_ingress_and_route_with_curve_report_the_ratio_to_plain() -> None:
+    proc = gossipd_cli(
+        "bench", "ingress", "--curve", "--json", "--tasks", "1000", "--repeats", "1", timeout_s=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["plain"]["ok"] == report["curve_on"]["ok"] == 1000
+    ratio = report["curve_on"]["tasks_per_s"] / report["plain"]["tasks_per_s"]
+    assert abs(report["ratio_curve_vs_plain"] - ratio) < 0.01
+    proc = gossipd_cli(
+        "bench", "route", "--curve", "--json", "--tasks", "300", "--repeats", "1", timeout_s=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    for side in ("plain", "curve_on"):
+        assert report[side]["cluster_tasks_per_s"] > 0
+        assert report[side]["latency_1_hop_ms"]["p50"] > 0
+    assert report["ratio_curve_vs_plain"] > 0

@@ -3,6 +3,8 @@ alone: no gossipd code touches these bytes (the daemon is started as a separate 
 
 from __future__ import annotations
 
+import shutil
+
 import msgpack
 import zmq
 
@@ -74,3 +76,58 @@ def test_plain_msgpack_producer_submits_streams_and_reads_results(daemon_factory
         and error["code"] == "bad_request"
         and "max_tokens" in error["message"]
     )
+
+
+def test_plain_msgpack_producer_with_curve(daemon_factory, tmp_path) -> None:
+    """docs/PROTOCOL.md, "Security": keys made by zmq.auth, the producer's reply PULL served
+    with its own key pair, its PUSH checking the daemon's key; nothing else from gossipd."""
+    import zmq.auth
+
+    for folder in ("secrets", "peers", "producers"):
+        (tmp_path / folder).mkdir()
+    daemon_public_file, daemon_secret_file = zmq.auth.create_certificates(
+        str(tmp_path / "secrets"), "s0"
+    )
+    producer_public_file, producer_secret_file = zmq.auth.create_certificates(
+        str(tmp_path / "secrets"), "producer"
+    )
+    shutil.copy(producer_public_file, tmp_path / "producers" / "producer.key")
+    shutil.copy(daemon_public_file, tmp_path / "peers" / "s0.key")
+    daemon = daemon_factory(
+        "security.curve=true",
+        f"security.secret_key_file={daemon_secret_file}",
+        f"security.peer_keys_dir={tmp_path / 'peers'}",
+        f"security.producer_keys_dir={tmp_path / 'producers'}",
+        'node.id="s0"',
+    )
+    server_key, _ = zmq.auth.load_certificate(daemon_public_file)
+    public, secret = zmq.auth.load_certificate(producer_secret_file)
+    ctx = zmq.Context()
+    replies = ctx.socket(zmq.PULL)
+    replies.curve_server = True  # the daemon checks that we hold the submitting key
+    replies.curve_publickey, replies.curve_secretkey = public, secret
+    port = replies.bind_to_random_port("tcp://127.0.0.1")
+    tasks = ctx.socket(zmq.PUSH)
+    tasks.curve_publickey, tasks.curve_secretkey = public, secret
+    tasks.curve_serverkey = server_key
+    tasks.connect(daemon.endpoint)
+    try:
+        tasks.send(
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "t": 1,
+                    "id": "c-1",
+                    "prompt": "red green",
+                    "reply_to": f"tcp://127.0.0.1:{port}",
+                    "params": {"max_tokens": 3},
+                }
+            )
+        )
+        assert replies.poll(10_000)
+        result = msgpack.unpackb(replies.recv())
+    finally:
+        tasks.close(linger=0)
+        replies.close(linger=0)
+        ctx.term()
+    assert result["t"] == 3 and result["id"] == "c-1" and result["text"] == "red green red"

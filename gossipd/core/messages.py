@@ -105,6 +105,10 @@ Endpoint = Annotated[str, msgspec.Meta(min_length=6, max_length=ENDPOINT_CHARS_M
 NodeName = Annotated[str, msgspec.Meta(max_length=128)]
 
 
+# A CURVE public key in z85 (40 characters of the Z85 alphabet), or empty.
+PRODUCER_KEY_PATTERN = r"^(?:[0-9a-zA-Z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?$"
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample.  The names and meanings follow vLLM's ``SamplingParams``."""
 
@@ -150,11 +154,21 @@ class Task(
     traceparent: Annotated[str, msgspec.Meta(max_length=128)] = ""
     # How many times the producer has sent this id before (0 on the first send).
     attempt: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    # Set by the daemon, never by the producer (whatever a producer sends is replaced): with
+    # CURVE, the public key (z85) the producer authenticated with; replies go only to a
+    # reply_to whose server proves it holds that key.  Forwards carry it to the owner.
+    producer_key: Annotated[str, msgspec.Meta(pattern=PRODUCER_KEY_PATTERN)] = ""
 
     def __post_init__(self) -> None:
         problem = endpoint_problem(self.reply_to)
         if problem is not None:
             raise ValueError(f"reply_to: {problem}")
+
+    @property
+    def route(self) -> str:
+        """Where its replies go: reply_to, with the producer's key when it has one
+        ("ENDPOINT KEY"; the reply sender connects to ENDPOINT and checks KEY)."""
+        return f"{self.reply_to} {self.producer_key}" if self.producer_key else self.reply_to
 
 
 class Chunk(

@@ -70,6 +70,15 @@ def peer_items(frame: bytes, bytes_max: int) -> Sequence[object]:
     return msg.items if isinstance(msg, PeerBatch) else (msg,)
 
 
+def _source(item: object, sender: str) -> str:
+    """The node a fan-out message says it comes from (a Cancel names none: its sender)."""
+    if type(item) is Forward:
+        return item.src
+    if type(item) in (Withdraw, TaskDone):
+        return item.node  # type: ignore[attr-defined, no-any-return]
+    return sender
+
+
 @dataclass(slots=True)
 class OwnerCounters:
     accepted_from_peers: int = 0
@@ -78,6 +87,7 @@ class OwnerCounters:
     replies_dropped: int = 0  # acks and TaskDones our ROUTER could not queue
     withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
     invalid_from_peers: int = 0  # Forwards whose task the ingress would refuse (version, size)
+    refused_unauthorised: int = 0  # CURVE: a revoked key, or a source not the key's node
 
 
 class OwnerEndpoint:
@@ -114,12 +124,19 @@ class OwnerEndpoint:
         # against ingress.message_bytes_max); set by the daemon.
         self.task_bytes_max = 1 << 62
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
+        # Set by the daemon under CURVE (gossipd/security.py): makes the ROUTER a CURVE
+        # server before it binds; peer_allowed(key's node, claimed source, "rpc") says
+        # whether a message may be taken (its key still authorised, speaking for itself).
+        self.serve_curve: Callable[[zmq.Socket], None] | None = None
+        self.peer_allowed: Callable[[str, str, str], bool] | None = None
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.message_bytes_max)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.serve_curve is not None:
+            self.serve_curve(sock)
         sock.bind(self.config.rpc_bind)
         self._router = sock
         return self.config.rpc_advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -129,6 +146,14 @@ class OwnerEndpoint:
         admitted in the callback that sees it arrive, which takes about 20 us off a hop."""
         assert self._router is not None, "bind() first"
         router = self._router
+        if self.peer_allowed is not None:
+            self._reader = SocketReader(
+                router,
+                partial(router.recv_multipart, copy=False),
+                PEER_READ_MAX,
+                self._on_curve_messages,
+            )
+            return
         self._reader = SocketReader(router, router.recv_multipart, PEER_READ_MAX, self._on_messages)
 
     def stop(self) -> None:
@@ -148,7 +173,26 @@ class OwnerEndpoint:
                 continue
             self._on_peer_frame(parts[0], parts[1])
 
-    def _on_peer_frame(self, identity: bytes, frame: bytes) -> None:
+    def _on_curve_messages(self, messages: list[list[zmq.Frame]]) -> None:
+        """With CURVE: the User-Id of each message is the node its sender's key belongs to
+        (ZAP); every item must name that node as its source (Forward.src, Withdraw.node,
+        TaskDone.node), and a Cancel must come from a member whose key is still authorised."""
+        allowed = self.peer_allowed
+        assert allowed is not None
+        for parts in messages:
+            if len(parts) != 2:
+                self.counters.bad_peer_messages += 1
+                continue
+            sender = parts[1].get("User-Id")
+            self._on_peer_frame(parts[0].bytes, parts[1].bytes, sender, allowed)
+
+    def _on_peer_frame(
+        self,
+        identity: bytes,
+        frame: bytes,
+        sender: str = "",
+        allowed: Callable[[str, str, str], bool] | None = None,
+    ) -> None:
         assert self._router is not None
         try:
             items = peer_items(frame, self.config.message_bytes_max)
@@ -157,6 +201,9 @@ class OwnerEndpoint:
             log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
             return
         for item in items:
+            if allowed is not None and not allowed(sender, _source(item, sender), "rpc"):
+                self.counters.refused_unauthorised += 1
+                continue
             self._on_forward(identity, item)
 
     def _on_forward(self, identity: bytes, msg: object) -> None:
@@ -304,12 +351,13 @@ class OwnerEndpoint:
         out at once, else in the callback that sends the reply sender's batch for that
         address at the end of the turn (or drains its queue).  One wait per address: the
         TaskDones of the Results that leave together leave together."""
-        waiting = self._done_waiting.get(task.reply_to)
+        route = task.route
+        waiting = self._done_waiting.get(route)
         if waiting is not None:
             waiting.append((task.id, identities, member))
             return
-        self._done_waiting[task.reply_to] = [(task.id, identities, member)]
-        self._ingress.when_replies_sent(task.reply_to, partial(self._results_left, task.reply_to))
+        self._done_waiting[route] = [(task.id, identities, member)]
+        self._ingress.when_replies_sent(route, partial(self._results_left, route))
 
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""

@@ -18,7 +18,9 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 
+import msgspec
 import zmq
 
 from gossipd.config import IngressConfig
@@ -141,6 +143,10 @@ class Ingress:
         self.cancel_elsewhere: Callable[[str], bool] | None = None
         # Set by the daemon: answers an operator's StatusQuery or Drain (ops/admin.py).
         self.admin: Callable[[StatusQuery | Drain, float], None] | None = None
+        # Set by the daemon under CURVE (gossipd/security.py): makes the socket a CURVE
+        # server before it binds, and says whether a producer key is still authorised.
+        self.serve_curve: Callable[[zmq.Socket], None] | None = None
+        self.producer_allowed: Callable[[str], bool] | None = None
 
     # -- socket side ---------------------------------------------------------------------
 
@@ -151,6 +157,8 @@ class Ingress:
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._config.message_bytes_max)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.serve_curve is not None:
+            self.serve_curve(sock)
         sock.bind(self._config.bind)
         self._sock = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -160,12 +168,23 @@ class Ingress:
         """Read tasks in the socket's fd callback (``SocketReader``), a batch of at most
         ``recv_batch_max`` at a time, so that results flow while input floods in."""
         assert self._sock is not None, "bind() first"
+        sock = self._sock
+        batch_bytes_max = self._config.recv_batch_bytes_max
+        if self.serve_curve is not None:
+            self._reader = SocketReader(
+                sock,
+                partial(sock.recv, copy=False),
+                self._config.recv_batch_max,
+                self._on_curve_frames,
+                batch_bytes_max=batch_bytes_max,
+            )
+            return
         self._reader = SocketReader(
-            self._sock,
-            self._sock.recv,
+            sock,
+            sock.recv,
             self._config.recv_batch_max,
             self._on_frames,
-            batch_bytes_max=self._config.recv_batch_bytes_max,
+            batch_bytes_max=batch_bytes_max,
         )
 
     def stop_receiving(self) -> None:
@@ -194,6 +213,19 @@ class Ingress:
         for frame in frames:
             self.handle_frame(frame, now)
 
+    def _on_curve_frames(self, frames: list[zmq.Frame]) -> None:
+        """With CURVE: each frame's User-Id is its producer's key (the ZAP handler set it); a
+        key revoked since its connection opened is refused here."""
+        now = time.monotonic()
+        allowed = self.producer_allowed
+        for frame in frames:
+            producer_key = frame.get("User-Id")
+            if allowed is not None and not allowed(producer_key):
+                self._refused["unauthorised"] += 1
+                continue
+            # The frame's buffer, not a copy: msgspec decodes from it.
+            self.handle_frame(frame.buffer, now, producer_key)
+
     def drain_socket(self, now: float) -> int:
         """Read what is already queued on the socket (at shutdown, to answer it)."""
         if self._sock is None:
@@ -201,7 +233,10 @@ class Ingress:
         count = 0
         try:
             while True:
-                self.handle_frame(self._sock.recv(NOBLOCK), now)
+                if self.serve_curve is None:
+                    self.handle_frame(self._sock.recv(NOBLOCK), now)
+                else:
+                    self._on_curve_frames([self._sock.recv(NOBLOCK, copy=False)])
                 count += 1
         except zmq.Again:
             return count
@@ -214,12 +249,13 @@ class Ingress:
 
     # -- decisions -----------------------------------------------------------------------
 
-    def handle_frame(self, frame: bytes, now: float) -> None:
+    def handle_frame(self, frame: bytes | memoryview, now: float, producer_key: str = "") -> None:
+        """One producer message; ``producer_key``: the key it came with under CURVE."""
         self._received += 1
         try:
             task = decode_intake(frame, bytes_max=self._config.message_bytes_max)
         except RemoteProtocolError as exc:
-            self._refuse(exc, len(frame))
+            self._refuse(exc, len(frame), producer_key)
             return
         if type(task) is not Task:
             if type(task) is Cancel:
@@ -229,6 +265,9 @@ class Ingress:
             else:
                 self._refuse_admin(task)  # type: ignore[arg-type]
             return
+        assert isinstance(task, Task)
+        if task.producer_key != producer_key:  # the daemon's field: ours, never the producer's
+            task = msgspec.structs.replace(task, producer_key=producer_key)
         if self.router is not None and self.router(task, now):
             return  # another member owns it: the dispatcher forwards it
         verdict = self.admit(task, now, answer=True, now=now)
@@ -259,7 +298,7 @@ class Ingress:
             self._queue.put_nowait(entry)
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
-            self._replies.send(task.reply_to, encode(entry))
+            self._replies.send(task.route, encode(entry))
         elif verdict is Verdict.OVERLOADED:
             refusal = self.admission.refusal
             if refusal is not None:  # by expected wait
@@ -386,13 +425,13 @@ class Ingress:
     ) -> None:
         self._send_error(task, code, message, retry_after_ms)
 
-    def _refuse(self, exc: RemoteProtocolError, size: int) -> None:
+    def _refuse(self, exc: RemoteProtocolError, size: int, producer_key: str = "") -> None:
         reason = exc.reason  # the code, or a finer label (oversized)
         self._refused[reason] += 1
         answered = bool(exc.reply_to)
         if answered:
             self._replies.send(
-                exc.reply_to,
+                f"{exc.reply_to} {producer_key}" if producer_key else exc.reply_to,
                 encode(error_result(exc.task_id, ErrorCode(exc.code), exc.hint, node=self._node)),
             )
         else:
@@ -416,7 +455,7 @@ class Ingress:
         result = error_result(
             task.id, code, message, node=self._node, retry_after_ms=retry_after_ms
         )
-        self._replies.send(task.reply_to, encode(result))
+        self._replies.send(task.route, encode(result))
 
     # -- workers -------------------------------------------------------------------------
 
@@ -474,7 +513,7 @@ class Ingress:
                 parts.append(delta)
                 if task.stream:
                     chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
-                    self._replies.send(task.reply_to, encode(chunk))
+                    self._replies.send(task.route, encode(chunk))
                     seq += 1
             end = clock()
             result = Result(
@@ -565,7 +604,7 @@ class Ingress:
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         owned = self.book.finish(task.id, result, remember=remember)
-        self._replies.send(task.reply_to, encode(result))
+        self._replies.send(task.route, encode(result))
         for listener in self.on_finished:
             listener(owned, result)
 

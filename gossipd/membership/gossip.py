@@ -21,13 +21,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gossipd.config import Config
+import msgspec
+
+from gossipd.config import Config, split_seed
 from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import GpuState
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
 from gossipd.membership.gpu import GpuProbe
+from gossipd.security import DOMAIN_PEERS, Security
 from gossipd.sockets import SocketPool
 
 log = logging.getLogger("gossipd.membership.gossip")
@@ -56,6 +59,7 @@ class GossipService:
         ingress_endpoint: str,
         rng: random.Random,
         version: str = "",
+        security: Security | None = None,
     ) -> None:
         g = config.gossip
         self.config = config
@@ -65,12 +69,19 @@ class GossipService:
         self._ingress = ingress_endpoint
         self._version = version
         self._rng = rng  # the member's protocol RNG (derived from node.seed)
+        # Seeds may name their node ("NODE@ADDR"): the key to expect at that address.
+        self._seeds = [split_seed(seed) for seed in config.gossip.seeds]
+        self._security = security if security is not None and security.curve else None
         self.transport = ZmqTransport(
             sockets,
             sockets_max=PEER_SOCKETS_MAX,
             idle_s=PEER_IDLE_S,
             message_bytes_max=self.swim_config.message_bytes_max,
             on_disconnect=self._on_disconnect,
+            serve_curve=None
+            if self._security is None
+            else (lambda sock: security.serve(sock, DOMAIN_PEERS)),  # type: ignore[union-attr]
+            accept=None if self._security is None else self._accept,
         )
         self.core: SwimNode | None = None
         self.advertise = ""
@@ -100,9 +111,27 @@ class GossipService:
             addr=self.advertise,
             rng=self._rng,
             now=time.time(),
-            seeds=list(self.config.gossip.seeds),
+            seeds=[addr for _, addr in self._seeds],
         )
         return self.advertise
+
+    def _accept(self, sender: str, frame: bytes) -> bool:
+        """CURVE: a datagram from the member whose key is ``sender``'s must say it is from
+        ``sender`` (its ``src``); undecodable ones go on to the core, which counts them."""
+        assert self._security is not None
+        try:
+            src = _src_decoder.decode(frame).src
+        except (msgspec.DecodeError, RecursionError):
+            src = sender
+        return self._security.peer_allowed(sender, src, "gossip")
+
+    def node_at(self, addr: str) -> str | None:
+        """The member serving ``addr`` (its gossip or rpc address), or the seed named there."""
+        if self.core is not None:
+            for m in self.core.table.members.values():
+                if m.addr == addr or (m.gpu is not None and m.gpu.rpc == addr):
+                    return m.node
+        return next((node for node, seed in self._seeds if seed == addr and node), None)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -247,6 +276,13 @@ class GossipService:
             for m in self.core.table.members.values()
             if m.state in LIVE_STATES
         ]
+
+
+class _Src(msgspec.Struct):
+    src: str = ""
+
+
+_src_decoder = msgspec.msgpack.Decoder(_Src)
 
 
 async def _woken_within(timeout_s: float, wake: asyncio.Event) -> None:

@@ -251,10 +251,53 @@ class DaemonCollector:
         dispatcher = s.get("dispatcher")
         if dispatcher is not None:
             yield from _dispatch_metrics(dispatcher)
+        security = s.get("security")
+        if security is not None and security.curve:
+            yield from _security_metrics(security)
         hist = ing.latency
         latency = HistogramMetricFamily("gossipd_task_latency_seconds", "Receipt to final result")
         latency.add_metric([], hist.cumulative(), sum_value=hist.sum_s)
         yield latency
+
+
+def _security_metrics(security: Any) -> Iterator[Metric]:
+    zap = security.zap
+    refused = CounterMetricFamily(
+        "gossipd_auth_refused",
+        "CURVE connections refused by the ZAP handler, by domain and reason",
+        labels=["domain", "reason"],
+    )
+    for (domain, reason), count in sorted(zap.refused.items()):
+        refused.add_metric([domain, reason], count)
+    yield refused
+    yield _by(
+        C,
+        "gossipd_auth_admitted",
+        "CURVE connections admitted by the ZAP handler, by domain",
+        "domain",
+        sorted(zap.admitted.items()),
+    )
+    yield _by(
+        C,
+        "gossipd_auth_revoked_messages",
+        "Messages refused on a connection whose key was revoked since it opened",
+        "domain",
+        sorted(security.counters.revoked_messages.items()),
+    )
+    yield _by(
+        C,
+        "gossipd_peer_src_mismatch",
+        "Peer messages refused: their source is not the node their key belongs to",
+        "channel",
+        sorted(security.counters.src_mismatch.items()),
+    )
+    yield _by(
+        G,
+        "gossipd_auth_keys",
+        "Authorised public keys loaded, by directory",
+        "domain",
+        [("peers", len(security.peers.by_key)), ("producers", len(security.producers.by_key))],
+    )
 
 
 class MetricsGuard:

@@ -70,15 +70,52 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _producer_keys(args: argparse.Namespace, endpoints: list[str]) -> object:
+    """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE."""
+    import os
+
+    from gossipd.tools.client import ProducerKeys
+
+    secret = args.secret_key or os.environ.get("GOSSIPD_SECRET_KEY", "")
+    servers = args.server_key or [
+        p for p in os.environ.get("GOSSIPD_SERVER_KEY", "").split(",") if p
+    ]
+    if not secret and not servers:
+        return None
+    if not secret or not servers:
+        raise StartupError("CURVE needs both --secret-key FILE and --server-key FILE")
+    if len(servers) not in (1, len(endpoints)):
+        raise StartupError(
+            f"give --server-key once (all daemons) or once per --endpoint ({len(endpoints)})"
+        )
+    try:
+        return ProducerKeys.from_files(secret, servers)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"cannot read a key file: {exc}") from None
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from gossipd.security import write_key_pair
+
+    try:
+        public, secret = write_key_pair(args.name, args.out)
+    except FileExistsError as exc:
+        print(f"gossipd keygen: {exc}", file=sys.stderr)
+        return 2
+    print(f"public key (distribute): {public}\nsecret key (keep, mode 0600): {secret}")
+    return 0
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from gossipd.tools import submit
     from gossipd.tools.client import NotConnected
 
     endpoints = args.endpoint or [DEFAULT_ENDPOINT]
     connect_timeout_s = args.connect_timeout or None
+    curve = _producer_keys(args, endpoints)
     try:
         if args.file:
-            return _submit_file(args, endpoints, connect_timeout_s)
+            return _submit_file(args, endpoints, connect_timeout_s, curve)
         if args.prompt is None:
             print("gossipd submit: give a PROMPT or --file FILE", file=sys.stderr)
             return 2
@@ -92,6 +129,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 key=args.key,
                 as_json=args.json,
                 connect_timeout_s=connect_timeout_s,
+                curve=curve,  # type: ignore[arg-type]
             )
         )
     except NotConnected as exc:
@@ -100,7 +138,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _submit_file(
-    args: argparse.Namespace, endpoints: list[str], connect_timeout_s: float | None
+    args: argparse.Namespace,
+    endpoints: list[str],
+    connect_timeout_s: float | None,
+    curve: object = None,
 ) -> int:
     from gossipd.tools import submit
 
@@ -117,6 +158,7 @@ def _submit_file(
             show_progress=not args.no_progress,
             connect_timeout_s=connect_timeout_s,
             out=out,
+            curve=curve,  # type: ignore[arg-type]
         )
         submit.print_report(report, as_json=args.json)
         return 0 if report.ok == report.total else 1
@@ -192,6 +234,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             as_json=args.json,
             plot=args.plot,
+            curve=args.curve,
         )
     if args.what == "engine":
         from gossipd.tools.bench.engine import main as bench_engine
@@ -215,7 +258,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from gossipd.tools.bench.ingress import main as bench_ingress
 
         return bench_ingress(
-            tasks=args.tasks, window=args.window, repeats=args.repeats, as_json=args.json
+            tasks=args.tasks,
+            window=args.window,
+            repeats=args.repeats,
+            as_json=args.json,
+            curve=args.curve,
         )
     raise AssertionError(args.what)
 
@@ -382,6 +429,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-progress", action="store_true", help="--file: no progress lines")
+    p.add_argument(
+        "--secret-key",
+        default="",
+        help="CURVE: this producer's NAME.key_secret (gossipd keygen); env GOSSIPD_SECRET_KEY",
+    )
+    p.add_argument(
+        "--server-key",
+        action="append",
+        default=[],
+        help="CURVE: a daemon's NODE.key, once for all or once per --endpoint in order; "
+        "env GOSSIPD_SERVER_KEY (comma-separated)",
+    )
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser(
@@ -389,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tasks", type=int, default=2000, help="tasks to push (default 2000)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("keygen", help="write a CURVE key pair: NAME.key and NAME.key_secret")
+    p.add_argument("name", help="a node id (peers) or any name (producers)")
+    p.add_argument("--out", type=Path, default=Path("."), help="directory (default: here)")
+    p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("model", help="make the small model that tests and benchmarks use")
     model_sub = p.add_subparsers(dest="model_command", required=True)
@@ -481,6 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--json", action="store_true", help="print the report as JSON (progress goes to stderr)"
+    )
+    p.add_argument(
+        "--curve",
+        action="store_true",
+        help="ingress/route: the same with and without CurveZMQ (ratio_curve_vs_plain)",
     )
     p.set_defaults(func=cmd_bench)
 

@@ -152,6 +152,35 @@ class ClientStatistics:
     cancelled: int
 
 
+@dataclass(frozen=True, slots=True)
+class ProducerKeys:
+    """CurveZMQ for a producer: its key pair (z85), which the daemons must have authorised,
+    and each daemon's public key.  The reply socket is served with the same key pair: the
+    daemons deliver results only to the holder of the key that submitted the task."""
+
+    public: bytes
+    secret: bytes
+    server_keys: Sequence[bytes]  # one per endpoint, in order; or one for all
+
+    @classmethod
+    def from_files(cls, secret_key_file: str, server_key_files: Sequence[str]) -> ProducerKeys:
+        """From ``NAME.key_secret`` (``gossipd keygen``) and the daemons' ``NODE.key`` files."""
+        import zmq.auth
+
+        public, secret = zmq.auth.load_certificate(secret_key_file)
+        if not secret:
+            raise LocalProtocolError(
+                f"{secret_key_file!r} holds no secret key: give the NAME.key_secret file"
+            )
+        servers = [zmq.auth.load_certificate(path)[0] for path in server_key_files]
+        return cls(public=public, secret=secret, server_keys=servers)
+
+    def server_key(self, index: int) -> bytes:
+        if len(self.server_keys) == 1:
+            return self.server_keys[0]
+        return self.server_keys[index]
+
+
 class Client:
     def __init__(
         self,
@@ -164,12 +193,20 @@ class Client:
         retry_codes: Iterable[str] = RETRYABLE_CODES,
         id_prefix: str | None = None,
         connect_timeout_s: float | None = None,
+        curve: ProducerKeys | None = None,
     ) -> None:
         """``connect_timeout_s``: entering ``async with`` waits until a connection to at
         least one endpoint is made, and raises ``NotConnected`` if none is within that long
-        (None: do not wait; tasks wait, queued here, for a daemon to appear)."""
+        (None: do not wait; tasks wait, queued here, for a daemon to appear).  ``curve``:
+        connect with CurveZMQ (the daemons run with ``security.curve``)."""
         if not endpoints:
             raise LocalProtocolError("a Client needs at least one daemon endpoint")
+        if curve is not None and len(curve.server_keys) not in (1, len(endpoints)):
+            raise LocalProtocolError(
+                f"give one server key for all daemons or one per endpoint ({len(endpoints)}), "
+                f"not {len(curve.server_keys)}"
+            )
+        self._curve = curve
         self._endpoints = list(endpoints)
         self._reply_bind = reply_bind
         self._own_ctx = ctx is None
@@ -209,6 +246,11 @@ class Client:
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, REPLY_BYTES_MAX)
         self._pull.setsockopt(zmq.LINGER, 0)
+        curve = self._curve
+        if curve is not None:
+            self._pull.setsockopt(zmq.CURVE_SERVER, 1)
+            self._pull.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+            self._pull.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
         self._pull.bind(self._reply_bind)
         self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._push = self._ctx.socket(zmq.PUSH)
@@ -219,7 +261,12 @@ class Client:
         self._push.setsockopt(zmq.LINGER, 1000)
         if self._connect_timeout_s is not None:  # before connect(): see every connection
             self._monitor = self._push.get_monitor_socket(zmq.EVENT_CONNECTED)
-        for endpoint in self._endpoints:
+        if curve is not None:
+            self._push.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+            self._push.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+        for i, endpoint in enumerate(self._endpoints):
+            if curve is not None:  # taken per connection, at connect
+                self._push.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key(i))
             self._push.connect(endpoint)
         loop = asyncio.get_running_loop()
         self._receiver = SocketReader(

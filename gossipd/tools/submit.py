@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from gossipd.core.messages import ErrorCode, Result, SamplingParams, error_result
-from gossipd.tools.client import Client, TaskHandle
+from gossipd.tools.client import Client, ProducerKeys, TaskHandle
 from gossipd.tools.progress import Progress, percentile
 
 
@@ -112,6 +112,7 @@ async def submit_many(
     connect_timeout_s: float | None = None,
     numbers: list[int] | None = None,
     out: ResultWriter | None = None,
+    curve: ProducerKeys | None = None,
 ) -> SubmitReport:
     """Send every task line, wait for every Result.  ``numbers``: each line's number in the
     input (for ``out``; default 1, 2, ...).  ``connect_timeout_s``: fail with
@@ -141,6 +142,7 @@ async def submit_many(
         resubmit_after_s=resubmit_after_s,
         outstanding_max=window,
         connect_timeout_s=connect_timeout_s,
+        curve=curve,
     ) as client:
         waiters: list[asyncio.Task[None]] = []
 
@@ -209,8 +211,9 @@ async def submit_one(
     key: str,
     as_json: bool,
     connect_timeout_s: float | None = None,
+    curve: ProducerKeys | None = None,
 ) -> int:
-    async with Client(endpoints, connect_timeout_s=connect_timeout_s) as client:
+    async with Client(endpoints, connect_timeout_s=connect_timeout_s, curve=curve) as client:
         handle = await client.submit(
             prompt, max_tokens=max_tokens, timeout_s=timeout_s, stream=stream, key=key
         )

@@ -12,7 +12,7 @@ import statistics
 import subprocess
 import sys
 
-from gossipd.tools.bench.loadgen import LoadResult, drive
+from gossipd.tools.bench.loadgen import LoadResult, ProducerCurve, drive
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import Steps
 
@@ -35,7 +35,9 @@ def _median_summary(results: list[LoadResult]) -> dict[str, float]:
     return {k: round(statistics.median(s[k] for s in summaries), 3) for k in summaries[0]}
 
 
-def main(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
+def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = False) -> int:
+    if curve:
+        return main_curve(tasks=tasks, window=window, repeats=repeats, as_json=as_json)
     steps = Steps(repeats + 1, "bench ingress")  # on stderr: stdout is the report
     steps.start("starting a daemon and a raw pyzmq echo server; warming both")
     raw_proc, raw_endpoint = _raw_server()
@@ -79,4 +81,62 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
             print(f"{name:10}{s['tasks_per_s']:>12,.0f}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}")
         print(f"ratio_vs_raw_zmq = {ratio} (goal >= 0.35)")
     ok = all(r.ok == r.tasks for r in raw_runs + daemon_runs)
+    return 0 if ok else 1
+
+
+def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
+    """`--curve`: the same daemon with and without CURVE, alternating runs in one process
+    pair; ``ratio_curve_vs_plain`` is the ratio of median throughputs."""
+    import tempfile
+
+    from gossipd.tools.curvekeys import CurveLayout
+
+    keys = CurveLayout(
+        tempfile.mkdtemp(prefix="gossipd-bench-keys-"), nodes=["bench"], producers=["producer"]
+    )
+    public, secret = keys.pair("producer")
+    producer = ProducerCurve(public, secret, [keys.public("bench")])
+    plain = DaemonProcess(name="plain", overrides=['gossip.bind=""']).start()
+    secure = DaemonProcess(
+        name="curve", overrides=['gossip.bind=""', *keys.overrides("bench")]
+    ).start()
+    runs: dict[str, list[LoadResult]] = {"plain": [], "curve": []}
+    try:
+        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain")
+        drive(secure.endpoint, min(2000, tasks), window, run="warm-curve", curve=producer)
+        for i in range(repeats):
+            runs["plain"].append(drive(plain.endpoint, tasks, window, run=f"plain-{i}"))
+            runs["curve"].append(
+                drive(secure.endpoint, tasks, window, run=f"curve-{i}", curve=producer)
+            )
+            if not as_json:
+                print(
+                    f"round {i + 1}/{repeats}: plain {runs['plain'][-1].tasks_per_s:,.0f} "
+                    f"tasks/s, curve {runs['curve'][-1].tasks_per_s:,.0f} tasks/s",
+                    file=sys.stderr,
+                )
+    finally:
+        plain.stop()
+        secure.stop()
+    p, c = _median_summary(runs["plain"]), _median_summary(runs["curve"])
+    ratio = round(c["tasks_per_s"] / p["tasks_per_s"], 3)
+    report = {
+        "benchmark": "ingress",
+        "curve": True,
+        "tasks_per_run": tasks,
+        "window": window,
+        "repeats": repeats,
+        "plain": p,
+        "curve_on": c,
+        "ratio_curve_vs_plain": ratio,
+        "goal_ratio": 0.9,
+    }
+    if as_json:
+        print(json.dumps(report))
+    else:
+        print(f"{'':10}{'tasks/s':>12}{'p50 ms':>10}{'p99 ms':>10}")
+        for name, s in (("plain", p), ("curve", c)):
+            print(f"{name:10}{s['tasks_per_s']:>12,.0f}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}")
+        print(f"ratio_curve_vs_plain = {ratio} (goal >= 0.9)")
+    ok = all(r.ok == r.tasks for r in runs["plain"] + runs["curve"])
     return 0 if ok else 1

@@ -54,8 +54,25 @@ def make_frames(
     return out
 
 
-def drive(endpoint: str, n: int, window: int, *, run: str, timeout_s: float = 120.0) -> LoadResult:
-    return drive_many([endpoint], n, window, run=run, timeout_s=timeout_s)
+@dataclass(frozen=True)
+class ProducerCurve:
+    """CURVE for the generator: its key pair and each endpoint's server key (z85)."""
+
+    public: bytes
+    secret: bytes
+    server_keys: list[bytes]
+
+
+def drive(
+    endpoint: str,
+    n: int,
+    window: int,
+    *,
+    run: str,
+    timeout_s: float = 120.0,
+    curve: ProducerCurve | None = None,
+) -> LoadResult:
+    return drive_many([endpoint], n, window, run=run, timeout_s=timeout_s, curve=curve)
 
 
 def drive_many(
@@ -67,16 +84,24 @@ def drive_many(
     timeout_s: float = 120.0,
     entry_of: list[int] | None = None,
     keys: list[str] | None = None,
+    curve: ProducerCurve | None = None,
 ) -> LoadResult:
-    """Like ``drive``; task i enters at ``endpoints[entry_of[i]]`` with key ``keys[i]``."""
+    """Like ``drive``; task i enters at ``endpoints[entry_of[i]]`` with key ``keys[i]``;
+    ``curve``: over CurveZMQ (the reply PULL served with the generator's key pair)."""
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        pull.curve_server = True
+        pull.curve_publickey, pull.curve_secretkey = curve.public, curve.secret
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     pushes = []
-    for endpoint in endpoints:
+    for i, endpoint in enumerate(endpoints):
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
+        if curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = curve.public, curve.secret
+            sock.curve_serverkey = curve.server_keys[i]
         sock.connect(endpoint)
         pushes.append(sock)
     entry_of = entry_of or [0] * n

@@ -1,0 +1,370 @@
+"""CurveZMQ on every socket: this daemon's key pair, the authorised keys, the ZAP handler.
+
+Who is who (docs/PROTOCOL.md, "Security"):
+- Every daemon and every producer has its own CURVE key pair (``gossipd keygen``).
+- A daemon serves its ingress PULL, gossip PULL and rpc ROUTER as a CURVE server with its own
+  key pair.  The ZAP handler here admits a client only if its public key is in the directory
+  for the socket's ZAP domain: ``security.peer_keys_dir`` for gossip and rpc
+  (``DOMAIN_PEERS``), ``security.producer_keys_dir`` for ingress (``DOMAIN_PRODUCERS``).
+- The ZAP handler names the client in each of its messages' ``User-Id`` property: for a peer,
+  the node id its key file is named after (``NODE.key``), which the message's ``src`` must
+  equal; for a producer, its public key in z85 (40 characters).
+- Replies go to a producer only over a connection whose server proves it holds the key the
+  task came with: the daemon's reply PUSH is a CURVE client whose server key is the
+  submitting producer's public key (the Task's ``producer_key``, set from ``User-Id``).
+- Outgoing gossip and rpc connections check the server's key too: the key of the member that
+  owns the address (learnt from the membership table, or a seed's ``NODE@`` name).
+
+Keys are re-read when a key directory changes (polled every ``reload_interval_s``) and on
+SIGHUP.  A removed key cannot start a connection (ZAP), and messages on connections it had
+opened are refused from then on (the readers check ``User-Id`` against the current keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+from gossipd.errors import StartupError
+from gossipd.ops.logs import RateLimiter
+from gossipd.transport import NOBLOCK, SocketReader, kick
+
+log = logging.getLogger("gossipd.security")
+
+DOMAIN_PEERS = "gossipd-peers"
+DOMAIN_PRODUCERS = "gossipd-producers"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+Z85_KEY_CHARS = 40
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPair:
+    public: bytes  # z85, 40 bytes
+    secret: bytes  # z85, 40 bytes
+
+
+def load_key_pair(path: str | Path) -> KeyPair:
+    """A ``NAME.key_secret`` file (``gossipd keygen``, zmq.auth's format); StartupError
+    saying what to do when it cannot be read."""
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise StartupError(
+            f"cannot read the key pair {str(path)!r}: {exc} "
+            "(make one with `gossipd keygen NAME --out DIR`)"
+        ) from None
+    if not secret:
+        raise StartupError(
+            f"{str(path)!r} holds no secret key: give the NAME.key_secret file, not NAME.key"
+        )
+    return KeyPair(public, secret)
+
+
+def write_key_pair(name: str, out_dir: str | Path) -> tuple[Path, Path]:
+    """``NAME.key`` (public, to distribute) and ``NAME.key_secret`` (mode 0600) in
+    ``out_dir``; refuses to overwrite."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    public, secret = out / f"{name}{PUBLIC_SUFFIX}", out / f"{name}{SECRET_SUFFIX}"
+    for path in (public, secret):
+        if path.exists():
+            raise FileExistsError(f"{path} exists; remove it first to replace the key")
+    made_public, made_secret = zmq.auth.create_certificates(str(out), name)
+    os.chmod(made_secret, 0o600)
+    return Path(made_public), Path(made_secret)
+
+
+class KeyDir:
+    """Authorised public keys: the ``*.key`` files of one directory, each named after whom
+    it admits.  ``user_id(key)``: the name to give a client with this key (None: refused)."""
+
+    def __init__(self, path: str | Path, *, user_is_key: bool) -> None:
+        self.path = Path(path)
+        self._user_is_key = user_is_key  # producers: User-Id is the z85 key itself
+        self._signature: tuple[tuple[str, int, int], ...] | None = None
+        self.by_key: dict[bytes, str] = {}  # z85 public key -> user id
+        self.users: frozenset[str] = frozenset()
+        self.by_name: dict[str, bytes] = {}  # file stem -> z85 public key
+        self.reloads = 0
+        self.bad_files = 0
+        self.reload()
+
+    def _scan(self) -> tuple[tuple[str, int, int], ...]:
+        try:
+            entries = sorted(os.scandir(self.path), key=lambda e: e.name)
+        except OSError:
+            return ()
+        out = []
+        for entry in entries:
+            if entry.name.endswith(PUBLIC_SUFFIX) and not entry.name.startswith("."):
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue
+                out.append((entry.name, st.st_mtime_ns, st.st_size))
+        return tuple(out)
+
+    def reload(self, *, force: bool = False) -> bool:
+        """Re-read the directory if its files changed (or ``force``); True if it did."""
+        signature = self._scan()
+        if signature == self._signature and not force:
+            return False
+        self._signature = signature
+        by_key: dict[bytes, str] = {}
+        by_name: dict[str, bytes] = {}
+        for name, _, _ in signature:
+            try:
+                public, _ = zmq.auth.load_certificate(str(self.path / name))
+            except (OSError, ValueError) as exc:
+                self.bad_files += 1
+                log.warning("cannot read a key file", extra={"file": name, "error": str(exc)})
+                continue
+            if len(public) != Z85_KEY_CHARS:
+                self.bad_files += 1
+                continue
+            stem = name[: -len(PUBLIC_SUFFIX)]
+            by_name[stem] = public
+            by_key[public] = public.decode() if self._user_is_key else stem
+        self.by_key, self.by_name = by_key, by_name
+        self.users = frozenset(by_key.values())
+        self.reloads += 1
+        return True
+
+    def user_id(self, public_z85: bytes) -> str | None:
+        return self.by_key.get(public_z85)
+
+
+class ZapHandler:
+    """The ZAP endpoint of one ZeroMQ context, read in its fd callback on the event loop:
+    admits a CURVE client whose key is in its ZAP domain's directory, refuses anyone else
+    (counted by domain and reason, logged at most ``refused_lines_per_s``)."""
+
+    def __init__(
+        self, ctx: zmq.Context, domains: dict[str, KeyDir], refused_lines_per_s: float
+    ) -> None:
+        self._domains = domains
+        self.refused: Counter[tuple[str, str]] = Counter()  # (domain, reason)
+        self.admitted: Counter[str] = Counter()
+        self._log = RateLimiter(refused_lines_per_s)
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(ZAP_ENDPOINT)  # before any CURVE server binds
+        self._reader: SocketReader | None = None
+
+    def start(self) -> None:
+        """Answer requests from now on (in the running loop)."""
+        sock = self._sock
+        self._reader = SocketReader(sock, sock.recv_multipart, 64, self._on_requests)
+
+    def _on_requests(self, requests: list[list[bytes]]) -> None:
+        for parts in requests:
+            # [routing id, b"", version, request id, domain, address, identity, mechanism,
+            #  credentials...] (ZMTP RFC 27)
+            if len(parts) < 8:
+                continue
+            self._sock.send_multipart(self._answer(parts), NOBLOCK)
+        kick(self._sock)
+
+    def _answer(self, parts: list[bytes]) -> list[bytes]:
+        domain = parts[4].decode("utf-8", "replace")
+        address = parts[5].decode("utf-8", "replace")
+        keys = self._domains.get(domain)
+        user: str | None = None
+        if parts[7] != b"CURVE" or len(parts) < 9:
+            reason = "mechanism"
+        elif keys is None:
+            reason = "domain"
+        else:
+            user = keys.user_id(z85.encode(parts[8]))
+            reason = "unknown_key"
+        head = [parts[0], b"", b"1.0", parts[3]]
+        if user is not None:
+            self.admitted[domain] += 1
+            return [*head, b"200", b"OK", user.encode(), b""]
+        self.refused[(domain, reason)] += 1
+        if self._log.allow():
+            log.warning(
+                "refused a connection",
+                extra={
+                    "domain": domain,
+                    "reason": reason,
+                    "address": address,
+                    "key": z85.encode(parts[8]).decode() if len(parts) > 8 else "",
+                    "suppressed_since_last": self._log.suppressed,
+                },
+            )
+            self._log.suppressed = 0
+        return [*head, b"400", b"unknown key", b"", b""]
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._sock.close(linger=0)
+
+
+@dataclass(slots=True)
+class SecurityCounters:
+    # Messages on an open connection whose key was revoked since (refused by readers).
+    revoked_messages: dict[str, int]
+    # Peer messages whose source is not the node their key belongs to, by channel.
+    src_mismatch: dict[str, int]
+
+
+class Security:
+    """One daemon's CURVE state: its key pair, the authorised keys, the ZAP handler, and how
+    to set up server and client sockets.  ``curve`` False: every method is a no-op."""
+
+    def __init__(
+        self,
+        *,
+        curve: bool,
+        ctx: zmq.Context,
+        key_pair: KeyPair | None = None,
+        peer_keys_dir: str = "",
+        producer_keys_dir: str = "",
+        refused_lines_per_s: float = 5.0,
+    ) -> None:
+        self.curve = curve
+        self.key_pair = key_pair
+        self.peers = KeyDir(peer_keys_dir, user_is_key=False) if curve else None
+        self.producers = KeyDir(producer_keys_dir, user_is_key=True) if curve else None
+        self.counters = SecurityCounters(revoked_messages=Counter(), src_mismatch=Counter())
+        self.zap: ZapHandler | None = None
+        self._src_log = RateLimiter(refused_lines_per_s)
+        # Address -> node, for the server key of an outgoing gossip or rpc connection (the
+        # daemon sets it: the membership table and named seeds).
+        self.node_at: Callable[[str], str | None] = lambda addr: None
+        if curve:
+            assert self.peers is not None and self.producers is not None
+            for what, keys in (
+                ("peer_keys_dir", self.peers),
+                ("producer_keys_dir", self.producers),
+            ):
+                if not keys.path.is_dir():
+                    raise StartupError(
+                        f"security.{what} = {str(keys.path)!r} is not a directory "
+                        "(put the authorised NAME.key files there)"
+                    )
+            self.zap = ZapHandler(
+                ctx,
+                {DOMAIN_PEERS: self.peers, DOMAIN_PRODUCERS: self.producers},
+                refused_lines_per_s,
+            )
+
+    def start(self) -> None:
+        if self.zap is not None:
+            self.zap.start()
+
+    def close(self) -> None:
+        if self.zap is not None:
+            self.zap.close()
+
+    # -- sockets -------------------------------------------------------------------------
+
+    def serve(self, sock: zmq.Socket, domain: str) -> None:
+        """Make ``sock`` (before it binds) a CURVE server whose clients ZAP checks in
+        ``domain``."""
+        if not self.curve:
+            return
+        assert self.key_pair is not None
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.key_pair.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.key_pair.secret)
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+    def peer_server_key(self, addr: str) -> bytes | None:
+        """The key the member serving ``addr`` must prove it holds (None: no member we know
+        of, or no key for it)."""
+        assert self.peers is not None
+        node = self.node_at(addr)
+        return None if node is None else self.peers.by_name.get(node)
+
+    # -- per message ---------------------------------------------------------------------
+
+    def producer_allowed(self, user_id: str) -> bool:
+        """A message from producer ``user_id`` (its z85 key) on an open connection: is its
+        key still authorised?"""
+        assert self.producers is not None
+        if user_id in self.producers.users:
+            return True
+        self.counters.revoked_messages["producers"] += 1
+        return False
+
+    def peer_allowed(self, user_id: str, src: str, channel: str) -> bool:
+        """A message claiming to come from ``src``, on a connection authenticated as
+        ``user_id``: still authorised, and speaking for itself?"""
+        assert self.peers is not None
+        if user_id not in self.peers.users:
+            self.counters.revoked_messages["peers"] += 1
+            return False
+        if src == user_id:
+            return True
+        self.counters.src_mismatch[channel] += 1
+        if self._src_log.allow():
+            log.warning(
+                "refused a peer message whose source is not its key's node",
+                extra={
+                    "channel": channel,
+                    "src": src[:128],
+                    "key_node": user_id,
+                    "suppressed_since_last": self._src_log.suppressed,
+                },
+            )
+            self._src_log.suppressed = 0
+        return False
+
+    # -- reloading -----------------------------------------------------------------------
+
+    def reload(self, *, force: bool = False) -> bool:
+        changed = False
+        for keys in (self.peers, self.producers):
+            if keys is not None and keys.reload(force=force):
+                changed = True
+                log.info(
+                    "authorised keys loaded",
+                    extra={"directory": str(keys.path), "keys": len(keys.by_key)},
+                )
+        return changed
+
+    async def watch_forever(
+        self, interval_s: float, on_tick: Callable[[bool], None] | None = None
+    ) -> None:
+        """Reload every ``interval_s``; ``on_tick(peers_changed)`` after each look."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.reload_and_tell(on_tick)
+
+    def reload_and_tell(
+        self, on_tick: Callable[[bool], None] | None = None, *, force: bool = False
+    ) -> None:
+        assert self.peers is not None
+        before = self.peers.reloads
+        self.reload(force=force)
+        if on_tick is not None:
+            on_tick(self.peers.reloads != before)
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ipc:// and inproc:// endpoints and tcp:// on a loopback address or
+    "localhost"; False for wildcards and every other host."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
