@@ -452,7 +452,7 @@ class World:
             return
         if lossy and self.loss and self.rng.random() < self.loss:
             return
-        latency = self.run.latency_s * math.exp(0.5 * self.rng.gauss(0.0, 1.0))
+        latency = self.latency()
         at = self.now + delay + latency
         link = (src, dst)
         last = self.link_last.get(link, 0.0)
@@ -461,13 +461,17 @@ class World:
         self.link_last[link] = at
         self.push(at, kind, dst, (src, self.daemons[src].epoch, self.now + delay, payload))
 
+    def latency(self) -> float:
+        """One message's one-way latency: lognormal around run.latency_s."""
+        return self.run.latency_s * math.exp(0.5 * self.rng.gauss(0.0, 1.0))
+
     def send_peer(self, d: SimDaemon, member: str, msg: object, delay: float = 0.0) -> None:
         dst = self.by_name.get(member)
         if dst is not None:
             self.deliver(d.index, dst, PEER_MSG, msg, lossy=True, delay=delay)
 
     def to_producer(self, d: SimDaemon, msg: Chunk | Result) -> None:
-        latency = self.run.latency_s * math.exp(0.5 * self.rng.gauss(0.0, 1.0))
+        latency = self.latency()
         link = (d.index, -1)
         at = max(self.now + latency, self.link_last.get(link, 0.0) + 1e-7)
         self.link_last[link] = at
@@ -585,7 +589,7 @@ class World:
         self.tasks[task.id].entry = entry
         self.tasks[task.id].last_sent = self.now
         self.trace(task.id, PRODUCER, f"sends attempt {task.attempt} to d{entry:04d}")
-        latency = self.run.latency_s * math.exp(0.5 * self.rng.gauss(0.0, 1.0))
+        latency = self.latency()
         self.push(self.now + latency, PEER_MSG, entry, (-1, 0, self.now, task))
         self.push(self.now + self.run.resubmit_s, RESUBMIT, -1, (task.id, task.attempt))
 

@@ -399,12 +399,7 @@ class Forwarder:
                 return
             self._failed(d, member, verdict.value, now)
             return
-        breaker = self._breakers.get(member)
-        if breaker is None:
-            s = self.settings
-            breaker = self._breakers[member] = Breaker(
-                failures_max=s.breaker_failures, open_s=s.breaker_open_s
-            )
+        breaker = self._breaker(member)
         if not breaker.allow(now):
             self._failed(d, member, AttemptFailure.CIRCUIT_OPEN, now)
             return
@@ -590,19 +585,26 @@ class Forwarder:
         if not order:
             return
         member = order[0]
-        breaker = self._breakers.get(member)
         addr = self._placement.addr(member)
-        if addr is None or (breaker is not None and not breaker.allow(now)):
+        if addr is None:
             return
+        breaker = self._breaker(member)
+        if not breaker.allow(now):
+            return
+        d.tried.append(member)
+        self._send_forward(d, member, addr, breaker, now)
+        self._hedge_credit -= 1.0
+        self.counters.hedged += 1
+
+    def _breaker(self, member: str) -> Breaker:
+        """The member's circuit breaker (closed when first asked for)."""
+        breaker = self._breakers.get(member)
         if breaker is None:
             s = self.settings
             breaker = self._breakers[member] = Breaker(
                 failures_max=s.breaker_failures, open_s=s.breaker_open_s
             )
-        d.tried.append(member)
-        self._send_forward(d, member, addr, breaker, now)
-        self._hedge_credit -= 1.0
-        self.counters.hedged += 1
+        return breaker
 
     def _timer(self, at: float, kind: int, obj: Flight | Dispatch) -> None:
         self._seq += 1

@@ -129,10 +129,6 @@ class Dispatcher:
             on_reply(msg, now)
         self._flush()
 
-    def on_peer_done(self, msg: TaskDone) -> None:
-        """A TaskDone a member sent to our ROUTER (a task it re-ran from its journal)."""
-        self.on_peer_replies([msg])
-
     def member_event(self, event: MemberEvent) -> None:
         if event.kind != "dead":
             return

@@ -352,12 +352,16 @@ class Ingress:
         if self.book.stop_reason(task.id) is Stop.WITHDRAWN:
             self._withdrawn(task.id)  # nobody waits for an answer from here
             return
+        self._finish_shutting_down(task, "started")
+
+    def _finish_shutting_down(self, task: Task, what: str) -> None:
+        """Answer shutting_down and forget the task (a resubmission runs it elsewhere)."""
         self._finish(
             task,
             error_result(
                 task.id,
                 ErrorCode.SHUTTING_DOWN,
-                "the daemon shut down before this task started",
+                f"the daemon shut down before this task {what}",
                 node=self._node,
                 retry_after_ms=self._config.retry_after_ms,
             ),
@@ -563,17 +567,7 @@ class Ingress:
                 self._finish(task, result)
                 return
             # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
-            self._finish(
-                task,
-                error_result(
-                    task.id,
-                    ErrorCode.SHUTTING_DOWN,
-                    "the daemon shut down before this task finished",
-                    node=self._node,
-                    retry_after_ms=self._config.retry_after_ms,
-                ),
-                remember=False,
-            )
+            self._finish_shutting_down(task, "finished")
             raise
         except Exception as exc:  # an engine bug must not take the daemon down with it
             log.exception("engine raised an unexpected error", extra={"task_id": task.id})
