@@ -442,3 +442,34 @@ def test_two_instances_started_from_rendered_files_both_serve(tmp_path: Path) ->
                 proc.kill()
                 proc.wait()
     assert [proc.returncode for proc, _ in procs] == [0, 0]
+
+
+# /proc/devices' character devices as an H200 with driver 580.159 lists them (read on a GPU
+# machine by scripts/device_check_gpu.py, 2026-11-30); older drivers name major 195
+# "nvidia-frontend" instead.
+PROC_DEVICES_DRIVER_580 = {
+    "nvidia": 195, "nvidiactl": 195, "nvidia-uvm": 238, "nvidia-nvswitch": 239,
+    "nvidia-nvlink": 240, "nvidia-caps": 241, "nvidia-caps-imex-channels": 242,
+}
+
+
+@pytest.mark.parametrize("frontend_name", ["nvidia", "nvidia-frontend"])
+def test_the_unit_allows_the_gpu_and_uvm_majors_whatever_the_driver_names_them(
+    frontend_name: str,
+) -> None:
+    """systemd resolves ``DeviceAllow=char-NAME`` by matching NAME (a glob) against
+    /proc/devices: a name the driver does not register allows nothing, and the GPU is gone."""
+    import fnmatch
+
+    devices = dict(PROC_DEVICES_DRIVER_580)
+    if frontend_name != "nvidia":
+        devices.pop("nvidia")
+        devices[frontend_name] = 195
+    patterns = [
+        line.split("=", 1)[1].split()[0].removeprefix("char-")
+        for line in systemd.render_service().splitlines()
+        if line.startswith("DeviceAllow=char-")
+    ]
+    allowed = {major for name, major in devices.items()
+               if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+    assert {195, 238} <= allowed

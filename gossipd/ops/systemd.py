@@ -96,11 +96,14 @@ LimitNOFILE=65536
 # and IPAddressDeny= (it serves the network), and a deny-list of @resources (CPU and NUMA
 # placement calls that torch and vLLM make).
 DevicePolicy=closed
-# char-nvidia-frontend: major 195, /dev/nvidia[0-9]* and /dev/nvidiactl; nvidia-uvm: CUDA's
-# memory manager; nvidia-caps: MIG.  The paths name the same nodes for drivers that register
-# them under other names.  Every GPU of the node, not only GPU %i: NVML numbers the GPUs it
+# Major 195 (/dev/nvidia[0-9]* and /dev/nvidiactl) is named "nvidia-frontend" in
+# /proc/devices by older drivers and "nvidia" (and "nvidiactl") by recent ones (seen: driver
+# 580 on an H200, scripts/device_check_gpu.py), so both names; nvidia-uvm: CUDA's memory
+# manager; nvidia-caps: MIG.  The paths name the same nodes for drivers that register them
+# under other names.  Every GPU of the node, not only GPU %i: NVML numbers the GPUs it
 # can open, and CUDA_VISIBLE_DEVICES (in N.env) is what gives the daemon its one GPU.
 DeviceAllow=char-nvidia-frontend rw
+DeviceAllow=char-nvidia rw
 DeviceAllow=char-nvidia-uvm rw
 DeviceAllow=char-nvidia-caps r
 DeviceAllow=/dev/nvidiactl rw
