@@ -17,13 +17,13 @@ import random
 import secrets
 import signal
 import socket
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
 
 from gossipd import __version__
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.messages import ErrorCode, TaskDone, error_result
@@ -73,12 +73,19 @@ def build_engine(config: Config) -> Engine:
 
 
 class Daemon:
-    def __init__(self, config: Config, *, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        environ: Mapping[str, str] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self.config = config
+        self.clock = clock  # every part reads the time from it (gossipd/clock.py)
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
         self.security = _build_security(config, self._ctx)
-        self.sockets = SocketPool(self._ctx)  # every outgoing socket: gossip, replies, peers
+        self.sockets = SocketPool(self._ctx, clock=clock)  # every outgoing socket: gossip, replies, peers
         self.engine = build_engine(config)
         ic = config.ingress
         self.replies = ReplySender(
@@ -96,6 +103,7 @@ class Daemon:
             replies=self.replies,
             node=self.node,
             refused_lines_per_s=config.log.refused_lines_per_s,
+            clock=clock,
         )
         security = self.security
         if security.curve:
@@ -149,7 +157,7 @@ class Daemon:
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
         # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
-        self.tracer = build_tracer(config.tracing, self.node)
+        self.tracer = build_tracer(config.tracing, self.node, clock=clock)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -305,6 +313,7 @@ class Daemon:
             rng=self.rng("membership"),
             version=__version__,
             security=self.security,
+            clock=self.clock,
         )
         self.security.node_at = gossip.node_at
         loads: dict[str, int] = {}  # per member: our forwards not yet done (bounded loads)
@@ -348,6 +357,7 @@ class Daemon:
             on_accepted=None
             if journal is None
             else (lambda task, src: journal.mark_forwarded(task.id, src)),
+            clock=self.clock,
         )
         owner.task_bytes_max = config.ingress.message_bytes_max  # as the ingress validates
         if self.security.curve:
@@ -362,6 +372,7 @@ class Daemon:
             links=PeerLinks(config.fanout, sockets=self.sockets, on_reply=peer_replies),
             owner=owner,
             send_error=lambda e: self._refuse_forward(e),
+            clock=self.clock,
         )
         model = getattr(self.engine, "model", "") or self.engine.name
         ingress.model = gossip.model = model
@@ -419,7 +430,7 @@ class Daemon:
         """Run again what we accepted before a crash and never finished."""
         assert self.journal is not None
         unfinished = self.journal.replay()
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for task in unfinished:
             self.ingress.admit(task, now, answer=True)
             src = self.journal.forwarded.get(task.id)
@@ -469,7 +480,7 @@ class Daemon:
         self.ingress.close_intake()
         await asyncio.sleep(INTAKE_SETTLE_S)  # the reader takes what ZeroMQ had read
         self.ingress.stop_receiving()
-        in_buffer = self.ingress.drain_socket(time.monotonic())
+        in_buffer = self.ingress.drain_socket(self.clock.monotonic())
         settled = True
         if self.dispatcher is not None:
             settled = await self.dispatcher.wait_settled(FORWARDS_SETTLE_S)

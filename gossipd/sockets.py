@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import zmq
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.errors import LocalProtocolError, TransportClosed
 
 
@@ -105,7 +105,7 @@ class _Entry:
 
     def __init__(self, sock: zmq.Socket, used_at: float, server_key: bytes | None = None) -> None:
         self.sock = sock
-        self.used_at = used_at  # time.monotonic() of the last open or touch
+        self.used_at = used_at  # the clock's monotonic() at the last open or touch
         self.server_key = server_key  # CURVE: the key it checks (None: none was known)
 
 
@@ -154,8 +154,9 @@ class SocketPool:
 
     Not thread-safe; every call on the event loop's thread (``start`` needs a running loop)."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.ctx = ctx
+        self._clock = clock
         self._kinds: dict[SocketKind, _Kind] = {}
         self._curve: dict[SocketKind, CurveClient] = {}
         self._sweeper: asyncio.TimerHandle | None = None
@@ -220,7 +221,7 @@ class SocketPool:
             # No known key: a throwaway one, whose secret nobody holds (never connects).
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or zmq.curve_keypair()[0])
         sock.connect(endpoint)
-        k.sockets[addr] = _Entry(sock, time.monotonic(), server_key)
+        k.sockets[addr] = _Entry(sock, self._clock.monotonic(), server_key)
         k.opened += 1
         return sock
 
@@ -231,7 +232,7 @@ class SocketPool:
         entry = sockets.get(addr)
         if entry is None:
             return None
-        entry.used_at = time.monotonic()
+        entry.used_at = self._clock.monotonic()
         sockets.move_to_end(addr)
         return entry.sock
 
@@ -288,7 +289,7 @@ class SocketPool:
         idle_s: float | None = None,
         keep: Callable[[str], bool] | None = None,
     ) -> int:
-        """Close the sockets unused since ``now - idle_s`` (``now`` on time.monotonic()'s
+        """Close the sockets unused since ``now - idle_s`` (``now`` on the clock's
         clock) unless ``keep(addr)``; how many.  ``kind`` None: every kind with an ``idle_s``.
         ``idle_s`` / ``keep`` default to the kind's registered ones."""
         kinds = [self._kinds[kind]] if kind is not None else list(self._kinds.values())
@@ -335,7 +336,7 @@ class SocketPool:
 
     def _sweep(self) -> None:
         self._sweeper = None
-        self.close_idle(time.monotonic())
+        self.close_idle(self._clock.monotonic())
         self.start()
 
     def stop(self) -> None:

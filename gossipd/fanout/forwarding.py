@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refuse, Route
 from gossipd.core.membership import MemberEvent
@@ -70,8 +70,10 @@ class Dispatcher:
         links: PeerLinks,
         owner: OwnerEndpoint,
         send_error: Callable[[Refuse], None],
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
+        self._clock = clock
         self.node = node
         self.forwarder = forwarder
         self.placer = placer
@@ -120,7 +122,7 @@ class Dispatcher:
 
     def on_peer_replies(self, msgs: list[object]) -> None:
         """ForwardReplies and TaskDones read from the peer links (one read's worth)."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         on_reply = self.forwarder.on_reply
         tracer = self.tracer
         for msg in msgs:
@@ -133,7 +135,7 @@ class Dispatcher:
         if event.kind != "dead":
             return
         self.placer.prefix_index.forget_member(event.node)
-        moved = self.forwarder.member_dead(event.node, time.monotonic())
+        moved = self.forwarder.member_dead(event.node, self._clock.monotonic())
         self._flush()
         if moved:
             log.info(
@@ -155,7 +157,7 @@ class Dispatcher:
         died.  True when one accepted it."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._hand_offs.setdefault(task.id, []).append(future)
-        self.forwarder.hand_off(task, received_at, time.monotonic())
+        self.forwarder.hand_off(task, received_at, self._clock.monotonic())
         self._flush()
         return await future
 
@@ -186,13 +188,13 @@ class Dispatcher:
             if self._timer is not None:
                 self._timer.cancel()
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(max(0.0, at - time.monotonic()), self._on_timer)
+            self._timer = loop.call_later(max(0.0, at - self._clock.monotonic()), self._on_timer)
             self._timer_at = at
 
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = float("inf")
-        self.forwarder.tick(time.monotonic())
+        self.forwarder.tick(self._clock.monotonic())
         self._flush()
 
     def _handed_off(self, event: HandedOff) -> None:
@@ -212,7 +214,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(every_s)
             members = set(self.placer.view().addrs.values())
-            self._links.close_idle(members, time.monotonic())
+            self._links.close_idle(members, self._clock.monotonic())
 
     def prefix_summary(self) -> list[int]:
         return self.placer.prefix_summary()

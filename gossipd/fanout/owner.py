@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
 from gossipd.core.lifecycle import Owned
@@ -101,8 +101,10 @@ class OwnerEndpoint:
         send_to_member: Callable[[str, TaskDone], None],
         on_peer_done: Callable[[TaskDone], None],
         on_accepted: Callable[[Task, str], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
+        self._clock = clock
         self.node = node
         self._ctx = ctx
         self._ingress = ingress
@@ -224,7 +226,7 @@ class OwnerEndpoint:
             return
         if self._refuse_invalid(identity, msg):
             return
-        now = time.monotonic()
+        now = self._clock.monotonic()
         received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
         verdict = self._ingress.admit(
             msg.task, received_at, answer=False, now=now, forwarder=identity

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from functools import partial
 import msgspec
 import zmq
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import IngressConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.deadlines import DeadlineWheel
@@ -84,8 +84,10 @@ class Ingress:
         replies: ReplySender,
         node: str,
         refused_lines_per_s: float,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._config = config
+        self._clock = clock
         self._ctx = ctx
         self._engine = engine
         self._replies = replies
@@ -209,14 +211,14 @@ class Ingress:
             )
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         for frame in frames:
             self.handle_frame(frame, now)
 
     def _on_curve_frames(self, frames: list[zmq.Frame]) -> None:
         """With CURVE: each frame's User-Id is its producer's key (the ZAP handler set it); a
         key revoked since its connection opened is refused here."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         allowed = self.producer_allowed
         for frame in frames:
             producer_key = frame.get("User-Id")
@@ -287,8 +289,8 @@ class Ingress:
         """Run ``task`` here if admission allows.  ``answer=False`` (a forwarded task): a
         refusal is the forwarder's to handle, not sent to the producer, with the hint
         ``retry_after_ms`` (read it right after this call).  ``forwarder``: the peer that
-        forwarded it (told TaskDone when it ends).  ``now``: time.monotonic()."""
-        now = time.monotonic() if now is None else now
+        forwarded it (told TaskDone when it ends).  ``now``: the clock's monotonic()."""
+        now = self._clock.monotonic() if now is None else now
         verdict, entry = self.book.offer(task, received_at, now, forwarder=forwarder)
         self._retry_after_ms = self._config.retry_after_ms
         if verdict is Verdict.ADMIT:
@@ -486,7 +488,7 @@ class Ingress:
 
     async def expire_forever(self) -> None:
         """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
-        clock = time.monotonic
+        clock = self._clock.monotonic
         while True:
             await asyncio.sleep(DEADLINE_RESOLUTION_S)
             for owned in self._deadlines.expire(clock()):
@@ -496,7 +498,7 @@ class Ingress:
 
     async def _run_job(self, job: Owned) -> None:
         task = job.task
-        clock = time.monotonic
+        clock = self._clock.monotonic
         started = clock()
         deadline = job.received_at + task.timeout_ms / 1000.0
         parts: list[str] = []

@@ -6,7 +6,7 @@ to the peer's gossip address.  Sends never block: when a peer's queue is full th
 dropped and counted, as UDP would drop it; SWIM is built for loss.  A dropped connection to a
 peer (its socket monitor) makes the core probe that member at once.
 
-Time: the core gets wall-clock seconds (time.time()), because probe targets follow a schedule
+Time: the core gets wall-clock seconds (self._clock.wall()), because probe targets follow a schedule
 shared by all members (round = floor(now / probe_interval)); the loop's monotonic clock is
 only used for waiting.  Member events are logged as JSON lines ("member" with event, member,
 incarnation, by, at) so that tests and the cluster harness can measure from the logs.
@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
 from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import GpuState
@@ -60,8 +60,10 @@ class GossipService:
         rng: random.Random,
         version: str = "",
         security: Security | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         g = config.gossip
+        self._clock = clock
         self.config = config
         self.node = node
         self.swim_config = g.swim_config(cluster=config.node.cluster)
@@ -110,7 +112,7 @@ class GossipService:
             node=self.node,
             addr=self.advertise,
             rng=self._rng,
-            now=time.time(),
+            now=self._clock.wall(),
             seeds=[addr for _, addr in self._seeds],
         )
         return self.advertise
@@ -139,7 +141,7 @@ class GossipService:
         """A datagram (in the transport's fd callback): into the core now; what it answers
         leaves when run_forever wakes (once for a burst of datagrams)."""
         if self.core is not None:
-            self.core.receive(time.time(), frame)
+            self.core.receive(self._clock.wall(), frame)
             self._wake.set()
 
     async def run_forever(self) -> None:
@@ -148,9 +150,9 @@ class GossipService:
         self._publish_meta(force=True)
         self._flush()
         while True:
-            wait_s = max(0.0, core.next_deadline() - time.time())
+            wait_s = max(0.0, core.next_deadline() - self._clock.wall())
             await _woken_within(wait_s, self._wake)
-            now = time.time()
+            now = self._clock.wall()
             if now >= core.next_deadline():
                 core.tick(now)
             self._flush()
@@ -187,7 +189,7 @@ class GossipService:
         go out at once: draining and unhealthy must not wait)."""
         assert self.core is not None
         gpu = self.last_gpu_state = self._gpu_state()
-        now = time.time()
+        now = self._clock.wall()
         last = self._last_published
         if not force and last == gpu:
             return
@@ -210,14 +212,14 @@ class GossipService:
     def announce(self) -> None:
         """Re-announce ourselves with a new incarnation (SIGUSR1; used to measure spreading)."""
         assert self.core is not None
-        self.core.announce(time.time())
-        log.info("announced", extra={"incarnation": self.core.table.incarnation, "at": time.time()})
+        self.core.announce(self._clock.wall())
+        log.info("announced", extra={"incarnation": self.core.table.incarnation, "at": self._clock.wall()})
         self._wake.set()
 
     async def leave(self, linger_s: float | None = None) -> None:
         """Tell the cluster we leave (not a failure), and give it a few gossip rounds."""
         assert self.core is not None
-        self.core.leave(time.time())
+        self.core.leave(self._clock.wall())
         self._flush()
         await asyncio.sleep(
             linger_s if linger_s is not None else 3 * self.swim_config.gossip_interval_s
@@ -261,7 +263,7 @@ class GossipService:
         node = next((m.node for m in self.core.table.members.values() if m.addr == addr), None)
         if node is not None:
             self.disconnect_hints += 1
-            self.core.probe_soon(time.time(), node)
+            self.core.probe_soon(self._clock.wall(), node)
             self._wake.set()
 
     def close(self) -> None:

@@ -28,12 +28,12 @@ with ``gossipd.evicted`` set.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.errors import StartupError
 
 if TYPE_CHECKING:
@@ -57,12 +57,14 @@ def memory_exporter() -> Any:
     return _MEMORY_EXPORTER
 
 
-def build_tracer(config: TracingConfig, node: str) -> TaskTracer | None:
+def build_tracer(
+    config: TracingConfig, node: str, *, clock: Clock = SYSTEM_CLOCK
+) -> TaskTracer | None:
     """The daemon's tracer, or None when tracing is off."""
     if not config.enabled:
         return None
     try:
-        return TaskTracer(config, node)
+        return TaskTracer(config, node, clock=clock)
     except ImportError as exc:
         raise StartupError(
             f"tracing.enabled = true needs the OpenTelemetry SDK ({exc.name} is missing): "
@@ -112,15 +114,18 @@ class _Open:
         self.recording = bool(receive.is_recording())
         self.context = context  # receive's context: the parent of the other spans
         self.forward: Any = None
-        self.received_s = received_s  # time.monotonic() at arrival
+        self.received_s = received_s  # the clock's monotonic() at arrival
 
 
 class TaskTracer:
     """What the shells call (each call is made only when tracing is on).  Inputs are
-    ``time.monotonic()`` readings, as everywhere in the daemon; spans get wall-clock
+    the clock's ``monotonic()`` readings (gossipd/clock.py), as everywhere in the daemon; spans get wall-clock
     nanoseconds from one offset taken at start."""
 
-    def __init__(self, config: TracingConfig, node: str) -> None:
+    def __init__(
+        self, config: TracingConfig, node: str, *, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self._clock = clock
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -148,7 +153,7 @@ class TaskTracer:
         self._node = node
         self._open: dict[str, _Open] = {}  # by task id, oldest first
         self._open_max = config.open_tasks_max
-        self._epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+        self._epoch_offset_ns = round((clock.wall() - clock.monotonic()) * 1e9)
         self.evicted = 0
 
     # -- wiring ----------------------------------------------------------------------------
@@ -177,7 +182,7 @@ class TaskTracer:
     def close(self) -> None:
         """End what is still open, flush the exporter, stop its thread."""
         for task_id in list(self._open):
-            self._end(task_id, time.monotonic(), outcome="daemon_stopped")
+            self._end(task_id, self._clock.monotonic(), outcome="daemon_stopped")
         if self._memory:  # shared by the process's daemons: shutting it down would stop it
             self._provider.force_flush()
         else:
@@ -214,12 +219,12 @@ class TaskTracer:
         """Ingress on_admitted: a task that did not pass the router (a peer's, or no
         fan-out) starts its spans here."""
         if task.id not in self._open:
-            self.received(task, time.monotonic())
+            self.received(task, self._clock.monotonic())
 
     def forwarding(self, msg: Forward, addr: str) -> Forward:
         """A Forward is about to leave: open ``forward`` (at the first attempt) and carry its
         context in the task's traceparent."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         task = msg.task
         record = self._open.get(task.id)
         if record is None:
@@ -253,28 +258,28 @@ class TaskTracer:
     def forward_done(self, task_id: str) -> None:
         """The owner's TaskDone: its Result went to the producer."""
         if task_id in self._open:
-            self._end(task_id, time.monotonic(), outcome="forwarded")
+            self._end(task_id, self._clock.monotonic(), outcome="forwarded")
 
     def refused(self, task_id: str, code: str) -> None:
         """No member took the task: the producer is answered ``code`` from here."""
         if task_id in self._open:
-            self._end(task_id, time.monotonic(), outcome=str(code), error=str(code))
+            self._end(task_id, self._clock.monotonic(), outcome=str(code), error=str(code))
 
     def refused_here(self, task: Task) -> None:
         """Ingress on_refused: routed here, refused by admission (or a cached Result)."""
         if task.id in self._open:
-            self._end(task.id, time.monotonic(), outcome="refused_or_cached")
+            self._end(task.id, self._clock.monotonic(), outcome="refused_or_cached")
 
     def released(self, task: Task) -> None:
         """Ingress on_released: withdrawn by its forwarder, or handed off (then its
         ``forward`` stays open until that member's TaskDone)."""
         record = self._open.get(task.id)
         if record is not None and record.forward is None:
-            self._end(task.id, time.monotonic(), outcome="withdrawn")
+            self._end(task.id, self._clock.monotonic(), outcome="withdrawn")
 
     def finished(self, owned: Owned, result: Result) -> None:
         """Ingress on_finished: the Result was handed to the reply sender just now."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         record = self._open.get(owned.task.id)
         if record is None:
             self.received(owned.task, owned.received_at)

@@ -1,0 +1,62 @@
+"""The shell's one source of time.
+
+Every reading of "now" that the shell hands to a core, stamps on a record or compares with a
+deadline comes from the ``Clock`` that daemon.py builds and passes to each part, never from
+``time`` directly (tests/test_clock.py checks), so a run can be driven by another clock and
+the two kinds of time stay apart:
+
+- ``monotonic()``: intervals and deadlines (ack timeouts, queueing, idle sockets).  Never
+  jumps.
+- ``wall()``: the SWIM core's time, because probe targets follow a schedule shared by all
+  members (round = floor(now / probe_interval)), and timestamps other processes compare.
+
+Waiting itself is the event loop's business (``loop.call_later``, ``asyncio.sleep``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+
+class SystemClock:
+    """The process's clocks (time.monotonic, time.time)."""
+
+    __slots__ = ()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+class ManualClock:
+    """A clock that moves only when told to (tests): both readings advance together."""
+
+    __slots__ = ("_monotonic", "_wall")
+
+    def __init__(self, *, monotonic: float = 1_000.0, wall: float = 1_700_000_000.0) -> None:
+        self._monotonic = monotonic
+        self._wall = wall
+
+    def monotonic(self) -> float:
+        return self._monotonic
+
+    def wall(self) -> float:
+        return self._wall
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("a clock does not go back")
+        self._monotonic += seconds
+        self._wall += seconds
+
+
+SYSTEM_CLOCK = SystemClock()
