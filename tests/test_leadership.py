@@ -16,7 +16,7 @@ import pytest
 from gossipd.tools.launcher import DaemonProcess
 from simulations.cluster import Cluster
 from tests.etcd_cluster import EtcdCluster
-from tests.helpers import RawProducer, scrape, wait_until
+from tests.helpers import RawProducer, gossipd_cli, scrape, wait_until
 
 TTL_S = 2.0
 
@@ -159,3 +159,30 @@ def test_no_etcd_configured_is_said_once_and_nothing_leads(daemon_factory) -> No
     lines = [e for e in daemon.events() if "no etcd configured" in str(e.get("msg", ""))]
     assert len(lines) == 1
     assert "gossipd_is_leader" not in scrape(daemon.metrics_port)
+
+
+def test_drain_resigns_and_undrain_campaigns_again(etcd: EtcdCluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cluster = _cluster(2, etcd, tmp_path)
+    cluster.start()
+    try:
+        daemons = cluster.daemons
+        ((leader, token),) = wait_until(lambda: _leaders(daemons), 15, "a leader").items()
+        by_name = {d.name: d for d in daemons}
+        other = next(d for d in daemons if d.name != leader)
+        done = gossipd_cli("drain", leader, "-e", by_name[leader].endpoint)
+        assert done.returncode == 0, done.stderr
+        ((leader2, token2),) = wait_until(lambda: _leaders([other]), 5, "the other to lead").items()
+        resigned = _events(by_name[leader], "leader_stepped_down")[-1]
+        assert resigned["reason"] == "resigned" and token2 > token
+        print(
+            "failover after a drain: "
+            f"{(_events(other, 'leader_elected')[-1]['t_wall'] - resigned['t_wall']) * 1000:.1f} ms"
+        )
+        assert gossipd_cli("undrain", leader, "-e", by_name[leader].endpoint).returncode == 0
+        # Campaigning again: when the current leader drains, the undrained one takes over.
+        time.sleep(0.5)
+        assert gossipd_cli("drain", leader2, "-e", other.endpoint).returncode == 0
+        back = wait_until(lambda: _leaders([by_name[leader]]), 5, "the undrained one to lead")
+        assert back[leader] > token2
+    finally:
+        cluster.stop()
