@@ -151,3 +151,50 @@ def test_several_endpoints_survive_the_loss_of_the_etcd_member_in_use(tmp_path) 
         asyncio.run(main())
     finally:
         cluster.close()
+
+
+def test_tls_with_a_client_certificate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cluster = EtcdCluster(1, tmp_path, tls=True).start_all()
+
+    async def main() -> None:
+        tls = cluster.client_tls
+        overrides = [f"etcd.{k}={json.dumps(v)}" for k, v in tls.items()]
+        config = load_config(
+            None,
+            environ={},
+            overrides=[f"etcd.endpoints={json.dumps(cluster.endpoints)}", *overrides],
+        )
+        a = build_leadership(config, node="a", gossip=_Gossip("a"))
+        assert a is not None
+        plain = build_leadership(_config(cluster.endpoints), node="p", gossip=_Gossip("p"))
+        assert plain is not None
+        tasks = await _run([a, plain])
+        try:
+            await wait_until_async(lambda: a.is_leader, 10, "the TLS client to lead")
+            await asyncio.sleep(0.5)
+            assert not plain.is_leader and plain.election.errors > 0, "no TLS: refused"
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await a.close()
+            await plain.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.close()
+
+
+def test_etcd_config_is_checked_with_clear_errors() -> None:
+    from gossipd.errors import ConfigError
+
+    for overrides, expected in (
+        (['etcd.endpoints=["http://127.0.0.1:2379"]'], "expected HOST:PORT"),
+        (['etcd.cert_file="c.crt"', 'etcd.ca_file="ca.crt"'], "set both"),
+        (['etcd.cert_file="c.crt"', 'etcd.key_file="c.key"'], "ca_file: required"),
+        (["etcd.ttl_s=0.5"], "ttl_s"),
+    ):
+        with pytest.raises(ConfigError, match=expected):
+            load_config(None, environ={}, overrides=overrides)
+    assert build_leadership(Config(), node="n", gossip=None) is None, "no etcd: no leadership"
