@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -117,7 +118,7 @@ class EtcdElection:
 
     async def _grant(self) -> None:
         sent_at = self._clock()
-        ttl = max(1, round(self.config.ttl_s))
+        ttl = max(1, math.ceil(self.config.ttl_s))  # etcd's leases are whole seconds
         lease = await self.client.lease(ttl)
         self.core.granted(sent_at, lease.id, float(lease.ttl))
 
