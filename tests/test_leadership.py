@@ -206,3 +206,40 @@ def test_drain_resigns_and_undrain_campaigns_again(etcd: EtcdCluster, tmp_path) 
         assert back[leader] > token2
     finally:
         cluster.stop()
+
+
+def test_a_leader_paused_past_its_lease_is_replaced_without_overlap(
+    etcd: EtcdCluster, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP the leader until the other daemon leads (about a TTL), with a higher token; the
+    paused one, resumed, steps down, and its lease had ended (lease_until_wall) before the
+    new leader was elected; it then knows the new term."""
+    cluster = _cluster(2, etcd, tmp_path)
+    cluster.start()
+    try:
+        daemons = cluster.daemons
+        ((leader, token),) = wait_until(lambda: _leaders(daemons), 15, "a leader").items()
+        old = next(d for d in daemons if d.name == leader)
+        other = next(d for d in daemons if d.name != leader)
+        old.pause()
+        try:
+            ((leader2, token2),) = wait_until(
+                lambda: _leaders([other]), TTL_S + 5, "the other to lead"
+            ).items()
+        finally:
+            old.resume()
+        assert token2 > token
+        down = wait_until(
+            lambda: [e for e in _events(old, "leader_stepped_down") if e["token"] == token],
+            5,
+            "the resumed leader to step down",
+        )[-1]
+        elected = _events(other, "leader_elected")[-1]["t_wall"]
+        print(
+            f"paused leader: lease ended {elected - down['lease_until_wall']:.3f} s before the "
+            f"new leader was elected; it logged its step-down {down['t_wall'] - elected:.3f} s after"
+        )
+        assert down["lease_until_wall"] <= elected, "no overlap"
+        wait_until(lambda: _knows(old, leader2, token2), 5, "the new term at the old leader")
+    finally:
+        cluster.stop()

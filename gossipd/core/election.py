@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Phase(enum.Enum):
@@ -48,6 +48,9 @@ class Elected:
 class SteppedDown:
     token: int
     reason: str  # lease_expired, lease_lost, key_gone, not_lowest, resigned, stopped
+    # Until when the lease was believed valid: after a pause of the process the step-down
+    # comes late, but the leadership ended here.
+    lease_until: float = field(default=math.inf, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,4 +168,4 @@ class ElectionCore:
     def _step_down(self, reason: str) -> SteppedDown:
         token, self.leader_token = self.leader_token, 0
         self.step_downs[reason] = self.step_downs.get(reason, 0) + 1
-        return SteppedDown(token, reason)
+        return SteppedDown(token, reason, self.valid_until)
