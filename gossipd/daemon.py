@@ -209,7 +209,9 @@ class Daemon:
             self.admin.gossip, self.admin.dispatcher = self.gossip, self.dispatcher
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
-        self.leadership = build_leadership(self.config, node=self.node, gossip=self.gossip)
+        self.leadership = build_leadership(
+            self.config, node=self.node, gossip=self.gossip, clock=self.clock
+        )
         if self.leadership is not None:
             self.admin.on_drain.append(self.leadership.on_drain)
         if self.tracer is not None:

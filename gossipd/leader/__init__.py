@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.errors import StartupError
 
 if TYPE_CHECKING:
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gossipd.leader")
 
 
-def build_leadership(config: Config, *, node: str, gossip: Any) -> Leadership | None:
+def build_leadership(
+    config: Config, *, node: str, gossip: Any, clock: Clock = SYSTEM_CLOCK
+) -> Leadership | None:
     """The daemon's leadership, or None when no etcd is configured (said once, here)."""
     if not config.etcd.endpoints:
         log.info(
@@ -32,7 +35,7 @@ def build_leadership(config: Config, *, node: str, gossip: Any) -> Leadership | 
             f"etcd.endpoints is set but its client package is missing ({exc.name}): "
             "pip install -e '.[etcd]'"
         ) from None
-    leadership = Leadership(config, node=node, gossip=gossip)
+    leadership = Leadership(config, node=node, gossip=gossip, clock=clock)
     log.info(
         "leader election through etcd",
         extra={

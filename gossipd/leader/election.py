@@ -19,13 +19,13 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Callable
 
 import grpc
 from aetcd import rpc
 from aetcd.exceptions import ClientError
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import EtcdConfig
 from gossipd.core.election import (
     Decision,
@@ -58,7 +58,7 @@ class EtcdElection:
         cluster: str,
         on_elected: Callable[[int], None],
         on_deposed: Callable[[str], None],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
         self.node = node
@@ -83,7 +83,7 @@ class EtcdElection:
     def leading(self) -> bool:
         """We lead, and our lease is still believed valid now (after a pause of the process,
         before the step-down timer has run, this is already False)."""
-        return self.core.leading and self.core.lease_valid(self._clock())
+        return self.core.leading and self.core.lease_valid(self._clock.monotonic())
 
     @property
     def token(self) -> int:
@@ -119,7 +119,7 @@ class EtcdElection:
                 await asyncio.sleep(RETRY_S)
 
     async def _grant(self) -> None:
-        sent_at = self._clock()
+        sent_at = self._clock.monotonic()
         ttl = max(1, math.ceil(self.config.ttl_s))  # etcd's leases are whole seconds
         lease = await self.client.lease(ttl)
         self.core.granted(sent_at, lease.id, float(lease.ttl))
@@ -168,7 +168,7 @@ class EtcdElection:
         """Read the candidates and act: lead, or wait on our predecessor; a leader looks
         again every TTL (its key must still be there) or when the session changes."""
         candidates, revision = await self._candidates()
-        decision = self.core.candidates(self._clock(), [r for r, _ in candidates])
+        decision = self.core.candidates(self._clock.monotonic(), [r for r, _ in candidates])
         self._apply(decision)
         if isinstance(decision, Watch):
             key = next(k for r, k in candidates if r == decision.revision)
@@ -207,7 +207,7 @@ class EtcdElection:
         core = self.core
         while True:
             if core.phase in (Phase.NO_KEY, Phase.CANDIDATE):
-                lease_id, sent_at = core.lease_id, self._clock()
+                lease_id, sent_at = core.lease_id, self._clock.monotonic()
                 try:
                     reply = await asyncio.wait_for(
                         self.client.refresh_lease(lease_id), self.config.request_timeout_s
@@ -216,13 +216,13 @@ class EtcdElection:
                     self._error(exc)
                 else:
                     if reply is not None and lease_id == core.lease_id:
-                        was_valid = core.lease_valid(self._clock())
-                        self._apply(core.keepalive_answered(self._clock(), sent_at, reply.TTL))
+                        was_valid = core.lease_valid(self._clock.monotonic())
+                        self._apply(core.keepalive_answered(self._clock.monotonic(), sent_at, reply.TTL))
                         if not was_valid or core.phase is Phase.NO_SESSION:
                             self._changed.set()
             # Every TTL/3; while the lease is unconfirmed, sooner (to lead again quickly).
             interval = core.keepalive_interval_s()
-            if not core.lease_valid(self._clock()):
+            if not core.lease_valid(self._clock.monotonic()):
                 interval = min(interval, RETRY_S)
             await asyncio.sleep(interval)
 
@@ -230,9 +230,9 @@ class EtcdElection:
         core = self.core
         while True:
             deadline = core.next_deadline()
-            now = self._clock()
+            now = self._clock.monotonic()
             await asyncio.sleep(min(max(0.0, deadline - now), core.keepalive_interval_s()))
-            decision = core.tick(self._clock())
+            decision = core.tick(self._clock.monotonic())
             if decision is not None:
                 self._apply(decision)
                 self._changed.set()
@@ -279,14 +279,14 @@ class EtcdElection:
         if isinstance(decision, Elected):
             log.info(
                 "leader_elected",
-                extra={"token": decision.token, "node": self.node, "t_wall": time.time()},
+                extra={"token": decision.token, "node": self.node, "t_wall": self._clock.wall()},
             )
             self._on_elected(decision.token)
         elif isinstance(decision, SteppedDown):
-            t_wall = time.time()
+            t_wall = self._clock.wall()
             # lease_until_wall: when the leadership really ended (earlier than t_wall only
             # when the process was paused past its lease: it could not act meanwhile).
-            late_s = max(0.0, self._clock() - decision.lease_until)
+            late_s = max(0.0, self._clock.monotonic() - decision.lease_until)
             log.info(
                 "leader_stepped_down",
                 extra={

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import msgspec
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config
 from gossipd.core.fencing import Fence
 from gossipd.core.messages import Directive, Term
@@ -33,7 +33,10 @@ RESTART_S = 1.0
 
 
 class Leadership:
-    def __init__(self, config: Config, *, node: str, gossip: Any) -> None:
+    def __init__(
+        self, config: Config, *, node: str, gossip: Any, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self._clock = clock
         if gossip is None or gossip.core is None:
             raise StartupError(
                 "etcd.endpoints needs membership (gossip.bind): the leader's term and "
@@ -51,6 +54,7 @@ class Leadership:
             cluster=config.node.cluster,
             on_elected=self._elected,
             on_deposed=self._deposed,
+            clock=clock,
         )
         self.prefix = self.election.prefix
         self._seq = 0  # our directives' seq: only ever grows in this process
@@ -145,7 +149,7 @@ class Leadership:
                     "token": item.token,
                     "leader": item.leader,
                     "node": self.node,
-                    "t_wall": time.time(),
+                    "t_wall": self._clock.wall(),
                 },
             )
         else:

@@ -230,14 +230,14 @@ class GossipService:
     def publish_term(self, term: Term) -> None:
         """We lead: gossip our term (urgent), news or not."""
         assert self.core is not None
-        self.core.publish_term(time.time(), term)
+        self.core.publish_term(self._clock.wall(), term)
         self._flush()
         self._wake.set()  # the gossip round it starts is due now
 
     def publish_directive(self, directive: Directive) -> bool:
         """We lead: apply and gossip a directive (False: our own fence refused it)."""
         assert self.core is not None
-        admitted = self.core.publish_directive(time.time(), directive)
+        admitted = self.core.publish_directive(self._clock.wall(), directive)
         self._flush()
         self._wake.set()
         return admitted
