@@ -26,7 +26,7 @@ import zmq
 from gossipd import __version__
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
-from gossipd.core.messages import ErrorCode, TaskDone, error_result
+from gossipd.core.messages import ErrorCode, GpuState, TaskDone, error_result
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
@@ -34,6 +34,7 @@ from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer
+from gossipd.ingress.budgets import BudgetGate, recompute_forever
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.service import Ingress
 from gossipd.membership.gossip import GossipService
@@ -124,6 +125,14 @@ class Daemon:
             engine_dead=lambda: self.engine_dead,
         )
         self.ingress.admin = self.admin.handle
+        self.budget_gate: BudgetGate | None = None
+        if config.budgets.enabled:
+            self.budget_gate = BudgetGate(
+                config.budgets,
+                capacity_weight=config.gpu.capacity_weight,
+                retry_after_max_ms=ic.retry_after_max_ms,
+            )
+            self.ingress.budget_gate = self.budget_gate
         self.journal: Journal | None = None
         if config.journal.path:
             try:
@@ -164,6 +173,7 @@ class Daemon:
             "dispatcher": self.dispatcher,
             "admin": self.admin.statistics(),
             "security": self.security,
+            "budgets": self.budget_gate.statistics() if self.budget_gate else None,
         }
 
     async def run(self) -> int:
@@ -240,6 +250,7 @@ class Daemon:
                             name="keys",
                         )
                     )
+                background += self._start_budgets(tg)
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
                     "serving",
@@ -291,6 +302,36 @@ class Daemon:
             stats["dispatch"]["local_unfinished"] = d.local_unfinished()
         log.info("stopped", extra={"statistics": stats})
         return EXIT_ENGINE_DEAD if self.engine_dead else 0
+
+    def _start_budgets(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
+        """Say once how token budgets are set, and start what keeps them current."""
+        gate, bc = self.budget_gate, self.config.budgets
+        if gate is None:
+            log.info("token budgets: off (budgets.enabled = false)")
+            return []
+        log.info(
+            "token budgets: computed here from the configuration and the gossiped capacity "
+            "every budgets.interval_s (no leader)",
+            extra={"interval_s": bc.interval_s},
+        )
+        gossip = self.gossip
+        if gossip is None:
+            return []  # alone: the budgets of our own capacity, set at construction
+        me, weight = self.node, self.config.gpu.capacity_weight
+
+        def members() -> list[GpuState | None]:
+            # Ourselves always (our own Meta may not be back from gossip yet), then the others.
+            return [
+                GpuState(capacity_weight=weight),
+                *(m.gpu for m in gossip.live_members() if m.node != me),
+            ]
+
+        return [
+            tg.create_task(
+                recompute_forever(gate, members, bc.interval_s, local=lambda: True),
+                name="budgets",
+            )
+        ]
 
     def _build_membership_and_fanout(self, endpoint: str) -> tuple[GossipService, Dispatcher]:
         """Membership and fan-out, built in dependency order and wired here, the one place
