@@ -34,9 +34,15 @@ from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer
-from gossipd.ingress.budgets import BudgetGate, recompute_forever
+from gossipd.ingress.budgets import (
+    DIRECTIVE_KIND,
+    BudgetGate,
+    publish_budgets,
+    recompute_forever,
+)
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.service import Ingress
+from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
 from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
@@ -157,6 +163,7 @@ class Daemon:
         self._metrics_token = _read_token(config.metrics.bearer_token_file)
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
+        self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
         self.tracer = build_tracer(config.tracing, self.node)
 
@@ -174,6 +181,7 @@ class Daemon:
             "admin": self.admin.statistics(),
             "security": self.security,
             "budgets": self.budget_gate.statistics() if self.budget_gate else None,
+            "leadership": self.leadership,
         }
 
     async def run(self) -> int:
@@ -208,6 +216,9 @@ class Daemon:
             self.admin.gossip, self.admin.dispatcher = self.gossip, self.dispatcher
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
+        self.leadership = build_leadership(self.config, node=self.node, gossip=self.gossip)
+        if self.leadership is not None:
+            self.admin.on_drain.append(self.leadership.on_drain)
         if self.tracer is not None:
             self.tracer.attach(self.ingress, self.dispatcher)
         if self.config.metrics.bind:
@@ -238,6 +249,10 @@ class Daemon:
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
                     ]
+                if self.leadership is not None:
+                    background.append(
+                        tg.create_task(self.leadership.run_forever(), name="leadership")
+                    )
                 if self.journal is not None:
                     background.append(tg.create_task(self.journal.sync_forever(), name="journal"))
                     self._replay_journal()
@@ -264,6 +279,8 @@ class Daemon:
                     },
                 )
                 await self._stop.wait()
+                if self.leadership is not None:
+                    await self.leadership.resign()  # the next leader takes over at once
                 drain = await self._shut_down(workers)
                 if self.gossip is not None:
                     await self.gossip.leave()  # still reading: see _close_intake
@@ -280,6 +297,8 @@ class Daemon:
         finally:
             if self.dispatcher is not None:
                 self.dispatcher.close()
+            if self.leadership is not None:
+                await self.leadership.close()
             if self.gossip is not None:
                 self.gossip.close()
             self.ingress.close()
@@ -304,16 +323,26 @@ class Daemon:
         return EXIT_ENGINE_DEAD if self.engine_dead else 0
 
     def _start_budgets(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
-        """Say once how token budgets are set, and start what keeps them current."""
+        """Say once how token budgets are set, and start what keeps them current: the
+        leader's duty and subscription with etcd, a local recomputation until the leader's
+        first budgets arrive (or always, without etcd)."""
         gate, bc = self.budget_gate, self.config.budgets
         if gate is None:
             log.info("token budgets: off (budgets.enabled = false)")
             return []
-        log.info(
-            "token budgets: computed here from the configuration and the gossiped capacity "
-            "every budgets.interval_s (no leader)",
-            extra={"interval_s": bc.interval_s},
-        )
+        leadership = self.leadership
+        if leadership is None:
+            log.info(
+                "token budgets: computed here from the configuration and the gossiped "
+                "capacity every budgets.interval_s (no etcd: no leader)",
+                extra={"interval_s": bc.interval_s},
+            )
+        else:
+            log.info(
+                "token budgets: set by the leader (etcd) and gossiped; until its first "
+                "budgets arrive, computed here; while etcd is away, the last ones stay",
+                extra={"interval_s": bc.interval_s},
+            )
         gossip = self.gossip
         if gossip is None:
             return []  # alone: the budgets of our own capacity, set at construction
@@ -326,9 +355,16 @@ class Daemon:
                 *(m.gpu for m in gossip.live_members() if m.node != me),
             ]
 
+        if leadership is not None:
+            leadership.directives.subscribe(DIRECTIVE_KIND, gate.on_directive)
+            leadership.duties.register(
+                DIRECTIVE_KIND, lambda ctx: publish_budgets(ctx, gate, members, bc.interval_s)
+            )
         return [
             tg.create_task(
-                recompute_forever(gate, members, bc.interval_s, local=lambda: True),
+                recompute_forever(
+                    gate, members, bc.interval_s, local=lambda: gate.source == "local"
+                ),
                 name="budgets",
             )
         ]

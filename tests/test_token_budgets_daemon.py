@@ -3,7 +3,13 @@ hint) while a producer within its budget is served; the refusals are counted."""
 
 from __future__ import annotations
 
+import json
+import time
+
+import pytest
+
 from gossipd.tools.launcher import free_tcp_port
+from simulations.cluster import Cluster
 from tests.helpers import RawProducer, scrape, wait_until
 
 BUDGETS = [
@@ -63,3 +69,71 @@ def test_budgets_off_by_default_and_said_at_start_up(daemon_factory) -> None:
         10,
         "the start-up line about budgets",
     )
+
+
+def _budget_source(daemon) -> str:  # type: ignore[no-untyped-def]
+    metrics = scrape(daemon.metrics_port)
+    return next((k for k in metrics if k.startswith("gossipd_budget_source{")), "")
+
+
+@pytest.mark.slow
+def test_leader_sets_the_budgets_and_they_stay_while_etcd_is_down(etcd, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With etcd the leader's budgets directive reaches every daemon (the same cluster rate
+    on all, each enforcing half); etcd stopped: the leader steps down, the budgets stay and
+    the runaway is still refused."""
+    cluster = Cluster(
+        2,
+        log_dir=str(tmp_path / "daemons"),
+        extra_overrides=[
+            f"etcd.endpoints={json.dumps(etcd.endpoints)}",
+            "etcd.ttl_s=1.0",
+            'metrics.bind="127.0.0.1:0"',
+            "budgets.interval_s=0.5",
+            *BUDGETS,
+        ],
+    )
+    cluster.start()
+    try:
+        cluster.wait_meta(20)
+        daemons = cluster.daemons
+        for d in daemons:
+            # The leader's first budgets may predate the other's GPU state: 1 x 1000.
+            wait_until(
+                lambda d=d: (
+                    _budget_source(d) == "gossipd_budget_source{source=leader}"
+                    and scrape(d.metrics_port)["gossipd_budget_cluster_tokens_per_s"] == 2000.0
+                ),
+                20,
+                f"{d.name} to apply the leader's budgets of 2 x 1 x 1000 tokens/s",
+            )
+            metrics = scrape(d.metrics_port)
+            assert metrics["gossipd_budget_share"] == 0.5
+            assert metrics["gossipd_budget_directives_total{outcome=applied}"] >= 1
+        assert any("token budgets: set by the leader" in e.get("msg", "") for e in d.events())
+
+        def runaway_refused(name: str) -> int:
+            bad = RawProducer(daemons[1].endpoint)
+            try:
+                for i in range(30):  # 12 tokens each against 25 tokens/s here (burst 25)
+                    bad.send_task(f"{name}{i}", prompt="x y z", key=f"bad:{i}",
+                                  params={"max_tokens": 10})  # fmt: skip
+                results = bad.results(30)
+            finally:
+                bad.close()
+            assert len(results) == 30
+            return sum(not r["ok"] and r["error"]["code"] == "over_budget" for r in results)
+
+        assert runaway_refused("before") >= 25
+        etcd.stop(0)
+        wait_until(
+            lambda: all(scrape(d.metrics_port).get("gossipd_is_leader") == 0 for d in daemons),
+            10,
+            "the leader to step down without etcd",
+        )
+        time.sleep(1.0)  # a few budgets.interval_s: nothing may recompute them locally now
+        for d in daemons:
+            assert _budget_source(d) == "gossipd_budget_source{source=leader}"
+            assert scrape(d.metrics_port)["gossipd_budget_cluster_tokens_per_s"] == 2000.0
+        assert runaway_refused("during") >= 25
+    finally:
+        cluster.stop()

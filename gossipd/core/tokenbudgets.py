@@ -54,6 +54,9 @@ DEFAULT_IDENTITY = "default"
 OVERFLOW_IDENTITY = "overflow"
 IDENTITY_CHARS_MAX = 300
 BUDGETS_PRODUCERS_MAX = 1000  # named producers in one Budgets table (fits a 64 KiB directive)
+# A level this close below zero counts as zero: the float error of refilling exactly the
+# retry-after hint's worth must not refuse the retry.
+LEVEL_EPSILON_TOKENS = 1e-6
 
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 
@@ -185,7 +188,7 @@ class TokenBuckets:
         in ms (>= 1)."""
         bucket, rate = self._bucket(identity, now)
         level = self._refill(bucket, rate, now)
-        if level >= 0.0 and rate > 0.0:
+        if level >= -LEVEL_EPSILON_TOKENS and rate > 0.0:
             bucket[0] = level - cost
             self._admitted += 1
             self._admitted_tokens += cost

@@ -4,33 +4,46 @@ budget before the task is routed (gossipd/core/tokenbudgets.py holds the rules).
 Where the budgets come from (``source``):
 - ``leader``: the leader's ``budgets`` directive (with etcd); applied as it arrives, and kept
   while no newer one comes (etcd down: the last known budgets stay in force);
-- ``local``: computed here from this section of the configuration and this daemon's own
-  view of the members' capacity, every ``budgets.interval_s`` (no etcd, or with etcd until
-  the first directive arrives);
+- ``local``: computed here from the ``budgets`` section of the configuration and this
+  daemon's own view of the members' capacity, every ``budgets.interval_s`` (no etcd, or with
+  etcd until the first directive arrives);
 - the gate is not built at all when ``budgets.enabled`` is false.
+
+The leader's duty (``publish_budgets``) computes the same table from its view and publishes
+it as a ``budgets`` directive when it changes, and every ``REPUBLISH_INTERVALS`` intervals
+anyway (a member that joined since learns it).
 
 Not thread-safe; called from the loop only (the ingress's fd callback and the timers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from gossipd.config import BudgetsConfig
-from gossipd.core.messages import GpuState, Task
+from gossipd.core.messages import DIRECTIVE_BODY_BYTES_MAX, GpuState, Task
 from gossipd.core.tokenbudgets import (
     Budgets,
     TokenBuckets,
     TokenBucketStatistics,
     compute_budgets,
+    decode_budgets,
     local_share,
     producer_identity,
     task_cost_tokens,
 )
 
 log = logging.getLogger("gossipd.ingress.budgets")
+
+DIRECTIVE_KIND = "budgets"
+# The leader publishes unchanged budgets again after this many budgets.interval_s.
+REPUBLISH_INTERVALS = 10
 
 
 def serving_capacity(gpus: Iterable[GpuState | None]) -> list[float]:
@@ -44,6 +57,8 @@ class BudgetStatistics:
     share: float  # the part of every budget this entry point enforces
     cluster_tokens_per_s: float
     buckets: TokenBucketStatistics
+    directives_applied: int  # budgets directives from the leader applied here
+    directives_invalid: int  # ... whose body was not a budgets table (ignored)
 
 
 class BudgetGate:
@@ -58,6 +73,8 @@ class BudgetGate:
         self.source = "local"
         self.budgets: Budgets | None = None
         self.share = 1.0
+        self.directives_applied = 0
+        self.directives_invalid = 0
         # Until the first budgets are applied, this daemon alone: its own capacity.
         self.apply(self.compute([capacity_weight]), source="local")
 
@@ -121,7 +138,22 @@ class BudgetGate:
             share=self.share,
             cluster_tokens_per_s=self.budgets.cluster_tokens_per_s if self.budgets else 0.0,
             buckets=self.buckets.statistics(),
+            directives_applied=self.directives_applied,
+            directives_invalid=self.directives_invalid,
         )
+
+    def on_directive(self, directive: Any, body: object) -> None:
+        """A ``budgets`` directive the fence admitted (the newest of the highest term)."""
+        try:
+            budgets = decode_budgets(body)
+        except ValueError as exc:
+            self.directives_invalid += 1
+            log.warning(
+                "ignored a budgets directive", extra={"leader": directive.leader, "error": str(exc)}
+            )
+            return
+        self.directives_applied += 1
+        self.apply(budgets, source="leader")
 
 
 async def recompute_forever(
@@ -133,9 +165,39 @@ async def recompute_forever(
 ) -> None:
     """Without a leader's budgets (``local()`` true): recompute them here from this daemon's
     view of the members every ``interval_s``."""
-    import asyncio
-
     while True:
         if local():
             gate.apply(gate.compute(serving_capacity(members())), source="local")
+        await asyncio.sleep(interval_s)
+
+
+async def publish_budgets(
+    ctx: Any,
+    gate: BudgetGate,
+    members: Callable[[], Iterable[GpuState | None]],
+    interval_s: float,
+) -> None:
+    """The leader's duty (``LeaderDuties``): the budgets of the members' capacity, published
+    as a ``budgets`` directive when they change and every REPUBLISH_INTERVALS intervals."""
+    last: Budgets | None = None
+    quiet = 0
+    while True:
+        budgets = gate.compute(serving_capacity(members()))
+        if budgets != last or quiet >= REPUBLISH_INTERVALS:
+            body = msgspec.to_builtins(budgets)
+            size = len(msgspec.msgpack.encode(body))
+            if size > DIRECTIVE_BODY_BYTES_MAX:  # config validation should make this impossible
+                log.error("budgets table too large for a directive", extra={"bytes": size})
+            elif ctx.publish(DIRECTIVE_KIND, body):
+                log.info(
+                    "published token budgets",
+                    extra={
+                        "token": ctx.token,
+                        "capacity_total": budgets.capacity_total,
+                        "cluster_tokens_per_s": budgets.cluster_tokens_per_s,
+                    },
+                )
+                last, quiet = budgets, 0
+        else:
+            quiet += 1
         await asyncio.sleep(interval_s)
