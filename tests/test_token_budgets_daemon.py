@@ -137,3 +137,36 @@ def test_leader_sets_the_budgets_and_they_stay_while_etcd_is_down(etcd, tmp_path
         assert runaway_refused("during") >= 25
     finally:
         cluster.stop()
+
+
+def test_a_curve_producer_is_charged_by_its_key_whatever_its_task_keys(
+    daemon_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Under CURVE the identity is the authenticated key: a producer blocked by key (budget 0)
+    is refused even with a key prefix that has a budget; another key is served."""
+    from tests.test_curve import CurveProducer, Keys, curve_daemon
+
+    keys = Keys(tmp_path, peers=["s0"], producers=["blocked", "fine"])
+    blocked_key = keys.public("blocked").decode()
+    daemon = curve_daemon(
+        daemon_factory,
+        keys,
+        "s0",
+        "budgets.enabled=true",
+        f'budgets.tokens_per_s={{"curve:{blocked_key}" = 0.0}}',
+        'budgets.shares={"prefix:good" = 0.5}',
+    )
+    blocked = CurveProducer(daemon.endpoint, keys.pair("blocked"), keys.public("s0"))
+    fine = CurveProducer(daemon.endpoint, keys.pair("fine"), keys.public("s0"))
+    try:
+        blocked.send_task("b-1", key="good:1", params={"max_tokens": 2})
+        fine.send_task("f-1", key="good:1", params={"max_tokens": 2})
+        (refused,) = blocked.results(1, timeout_s=10)
+        (served,) = fine.results(1, timeout_s=10)
+    finally:
+        blocked.close()
+        fine.close()
+    assert served["ok"]
+    assert refused["error"]["code"] == "over_budget"
+    assert f"curve:{blocked_key}" in refused["error"]["message"]
+    assert refused["error"]["retry_after_ms"] == 10_000  # a budget of 0: the longest hint
