@@ -47,7 +47,7 @@ class Elected:
 @dataclass(frozen=True, slots=True)
 class SteppedDown:
     token: int
-    reason: str  # lease_expired, lease_lost, key_gone, resigned
+    reason: str  # lease_expired, lease_lost, key_gone, not_lowest, resigned, stopped
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +139,10 @@ class ElectionCore:
     def next_deadline(self) -> float:
         return self.valid_until if self.leading else math.inf
 
-    def resign(self) -> Decision:
-        """Rule 6: step down now; the shell revokes ``lease_id`` afterwards."""
-        decision = self._step_down("resigned") if self.leading else None
+    def resign(self, reason: str = "resigned") -> Decision:
+        """Rule 6: step down now; the shell revokes ``lease_id`` afterwards (``reason``:
+        "stopped" when the election itself stops)."""
+        decision = self._step_down(reason) if self.leading else None
         self.phase = Phase.RESIGNED
         return decision
 

@@ -95,8 +95,7 @@ class EtcdElection:
                 tg.create_task(self._keepalive_forever(), name="election-keepalive")
                 tg.create_task(self._timer_forever(), name="election-timer")
         finally:
-            if self.core.leading:
-                self._apply(self.core.resign())
+            self._apply(self.core.resign("stopped"))
 
     async def _campaign_forever(self) -> None:
         core = self.core
