@@ -411,6 +411,58 @@ class SecurityConfig(Section):
                     )
 
 
+class BudgetsConfig(Section):
+    """Token budgets per producer (docs/OPERATIONS.md, "Token budgets";
+    gossipd/core/tokenbudgets.py for the rules)."""
+
+    # Enforce token budgets at this entry point: a producer past its share is answered
+    # `over_budget` with `retry_after_ms`.  With etcd the leader computes the budgets and
+    # gossips them (the last ones stay in force while etcd is away); without etcd every
+    # daemon computes them itself from this section and its own view of the members.
+    enabled: bool = False
+    # The cluster's token rate: this x the sum of the live serving members' gpu.capacity_weight
+    # (tokens/s).  Set it to what one unit of capacity generates; higher lets producers queue
+    # more work than the GPUs can run (then `overloaded`, not `over_budget`, refuses it).
+    tokens_per_s_per_capacity: Annotated[float, msgspec.Meta(gt=0.0, le=1e9)] = 1000.0
+    # A producer's budget when it is not named below: this share of the cluster's rate.
+    # Lower: a runaway producer takes less from the others; a lone producer gets less too.
+    default_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    # Named producers' shares of the cluster's rate (they need not add up to 1: a budget is
+    # a ceiling, not a reservation).  Names: "curve:<z85 public key>" (CURVE producers),
+    # "prefix:<P>" (tasks whose key starts with P and the separator), "default".
+    shares: dict[
+        Annotated[str, msgspec.Meta(min_length=1, max_length=300)],
+        Annotated[float, msgspec.Meta(ge=0.0, le=1.0)],
+    ] = msgspec.field(default_factory=dict)
+    # Named producers' absolute budgets in tokens/s (cluster-wide), overriding shares.
+    tokens_per_s: dict[
+        Annotated[str, msgspec.Meta(min_length=1, max_length=300)],
+        Annotated[float, msgspec.Meta(ge=0.0, le=1e12)],
+    ] = msgspec.field(default_factory=dict)
+    # Tokens a producer may spend at once: its rate x this.  Higher absorbs bursts and lets a
+    # runaway take more for a moment.
+    burst_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 1.0
+    # What precedes the first occurrence of this in a task's key names its producer when the
+    # task came without CURVE ("" : every such task is "default").
+    key_separator: Annotated[str, msgspec.Meta(max_length=8)] = ":"
+    # A task costs ceil(prompt characters / this) + max_tokens, charged at admission.
+    chars_per_token: Annotated[float, msgspec.Meta(gt=0.0, le=1000.0)] = 4.0
+    # Producers tracked per daemon; past it, new ones share one bucket at the default rate.
+    producers_max: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
+    # How often the budgets are recomputed from the gossiped capacity (by the leader, or by
+    # each daemon without etcd).
+    interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 2.0
+
+    def __post_init__(self) -> None:
+        # The leader gossips the table in one directive (at most 64 KiB).
+        names = {*self.shares, *self.tokens_per_s}
+        if len(names) > 1000 or sum(len(n.encode()) + 12 for n in names) > 60_000:
+            raise ValueError(
+                "shares, tokens_per_s: at most 1,000 named producers, whose names take at "
+                "most 60,000 bytes (the budgets directive is at most 64 KiB)"
+            )
+
+
 class EtcdConfig(Section):
     # etcd client endpoints (HOST:PORT) for leader election (issue 15); several for an etcd
     # cluster.  Empty: no etcd, no leader: election and leader duties are off and the data
@@ -452,6 +504,7 @@ class Config(Section):
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    budgets: BudgetsConfig = msgspec.field(default_factory=BudgetsConfig)
     etcd: EtcdConfig = msgspec.field(default_factory=EtcdConfig)
 
 

@@ -26,7 +26,7 @@ from gossipd import __version__
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
-from gossipd.core.messages import ErrorCode, TaskDone, error_result
+from gossipd.core.messages import ErrorCode, GpuState, TaskDone, error_result
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
@@ -34,6 +34,12 @@ from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer
+from gossipd.ingress.budgets import (
+    DIRECTIVE_KIND,
+    BudgetGate,
+    publish_budgets,
+    recompute_forever,
+)
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.service import Ingress
 from gossipd.leader import build_leadership
@@ -133,6 +139,14 @@ class Daemon:
             engine_dead=lambda: self.engine_dead,
         )
         self.ingress.admin = self.admin.handle
+        self.budget_gate: BudgetGate | None = None
+        if config.budgets.enabled:
+            self.budget_gate = BudgetGate(
+                config.budgets,
+                capacity_weight=config.gpu.capacity_weight,
+                retry_after_max_ms=ic.retry_after_max_ms,
+            )
+            self.ingress.budget_gate = self.budget_gate
         self.journal: Journal | None = None
         if config.journal.path:
             try:
@@ -174,6 +188,7 @@ class Daemon:
             "dispatcher": self.dispatcher,
             "admin": self.admin.statistics(),
             "security": self.security,
+            "budgets": self.budget_gate.statistics() if self.budget_gate else None,
             "leadership": self.leadership,
         }
 
@@ -260,6 +275,7 @@ class Daemon:
                             name="keys",
                         )
                     )
+                background += self._start_budgets(tg)
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
                     "serving",
@@ -315,6 +331,53 @@ class Daemon:
             stats["dispatch"]["local_unfinished"] = d.local_unfinished()
         log.info("stopped", extra={"statistics": stats})
         return EXIT_ENGINE_DEAD if self.engine_dead else 0
+
+    def _start_budgets(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
+        """Say once how token budgets are set, and start what keeps them current: the
+        leader's duty and subscription with etcd, a local recomputation until the leader's
+        first budgets arrive (or always, without etcd)."""
+        gate, bc = self.budget_gate, self.config.budgets
+        if gate is None:
+            log.info("token budgets: off (budgets.enabled = false)")
+            return []
+        leadership = self.leadership
+        if leadership is None:
+            log.info(
+                "token budgets: computed here from the configuration and the gossiped "
+                "capacity every budgets.interval_s (no etcd: no leader)",
+                extra={"interval_s": bc.interval_s},
+            )
+        else:
+            log.info(
+                "token budgets: set by the leader (etcd) and gossiped; until its first "
+                "budgets arrive, computed here; while etcd is away, the last ones stay",
+                extra={"interval_s": bc.interval_s},
+            )
+        gossip = self.gossip
+        if gossip is None:
+            return []  # alone: the budgets of our own capacity, set at construction
+        me, weight = self.node, self.config.gpu.capacity_weight
+
+        def members() -> list[GpuState | None]:
+            # Ourselves always (our own Meta may not be back from gossip yet), then the others.
+            return [
+                GpuState(capacity_weight=weight),
+                *(m.gpu for m in gossip.live_members() if m.node != me),
+            ]
+
+        if leadership is not None:
+            leadership.directives.subscribe(DIRECTIVE_KIND, gate.on_directive)
+            leadership.duties.register(
+                DIRECTIVE_KIND, lambda ctx: publish_budgets(ctx, gate, members, bc.interval_s)
+            )
+        return [
+            tg.create_task(
+                recompute_forever(
+                    gate, members, bc.interval_s, local=lambda: gate.source == "local"
+                ),
+                name="budgets",
+            )
+        ]
 
     def _build_membership_and_fanout(self, endpoint: str) -> tuple[GossipService, Dispatcher]:
         """Membership and fan-out, built in dependency order and wired here, the one place

@@ -78,3 +78,20 @@ def test_bench_ingress_and_route_with_curve_report_the_ratio_to_plain() -> None:
         assert report[side]["cluster_tasks_per_s"] > 0
         assert report[side]["latency_1_hop_ms"]["p50"] > 0
     assert report["ratio_curve_vs_plain"] > 0
+
+
+def test_bench_budgets_json_reports_the_runaway_refused_and_the_other_served() -> None:
+    proc = gossipd_cli(
+        "bench", "budgets", "--json", "--repeats", "1", "--seconds", "1.5", timeout_s=180
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    on = report["budgets_on"]
+    for phase in on["good_alone"] + on["good_with_runaway"]:
+        assert phase["codes"] == {"ok": phase["sent"]}  # the well-behaved one: all served
+    (runaway,) = on["runaway"]
+    assert runaway["unanswered"] == []
+    assert runaway["codes"]["over_budget"] > runaway["codes"]["ok"] > 0
+    assert report["runaway_over_budget"] == on["daemon_refusals"]["over_budget"]
+    ratio = on["good_p99_ms_with_runaway_median"] / on["good_p99_ms_alone_median"]
+    assert abs(report["p99_ratio_with_vs_alone"] - ratio) < 0.01

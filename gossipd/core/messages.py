@@ -81,6 +81,7 @@ class ErrorCode(enum.StrEnum):
     UNAVAILABLE = "unavailable"
     SHUTTING_DOWN = "shutting_down"
     CANCELLED = "cancelled"
+    OVER_BUDGET = "over_budget"
 
 
 # An endpoint that we may connect a socket to: tcp://host:port (host name, IPv4, or [IPv6])

@@ -49,6 +49,7 @@ from gossipd.engines.base import (
     InvalidRequest,
 )
 from gossipd.errors import RemoteProtocolError
+from gossipd.ingress.budgets import BudgetGate
 from gossipd.ingress.runqueue import RunQueue
 from gossipd.ops.logs import RateLimiter
 from gossipd.ops.metrics import LatencyHistogram
@@ -149,6 +150,9 @@ class Ingress:
         # server before it binds, and says whether a producer key is still authorised.
         self.serve_curve: Callable[[zmq.Socket], None] | None = None
         self.producer_allowed: Callable[[str], bool] | None = None
+        # Set by the daemon when budgets.enabled: each producer's task is charged against its
+        # token budget before it is routed (ingress/budgets.py); past it: over_budget.
+        self.budget_gate: BudgetGate | None = None
 
     # -- socket side ---------------------------------------------------------------------
 
@@ -270,6 +274,11 @@ class Ingress:
         assert isinstance(task, Task)
         if task.producer_key != producer_key:  # the daemon's field: ours, never the producer's
             task = msgspec.structs.replace(task, producer_key=producer_key)
+        gate = self.budget_gate
+        if gate is not None and (retry_after_ms := gate.check(task, now)):
+            self._refused[ErrorCode.OVER_BUDGET.value] += 1
+            self._send_error(task, ErrorCode.OVER_BUDGET, gate.refusal(task), retry_after_ms)
+            return
         if self.router is not None and self.router(task, now):
             return  # another member owns it: the dispatcher forwards it
         verdict = self.admit(task, now, answer=True, now=now)

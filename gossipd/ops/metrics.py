@@ -251,6 +251,9 @@ class DaemonCollector:
         dispatcher = s.get("dispatcher")
         if dispatcher is not None:
             yield from _dispatch_metrics(dispatcher)
+        budgets = s.get("budgets")
+        if budgets is not None:
+            yield from _budget_metrics(budgets)
         leadership = s.get("leadership")
         if leadership is not None:
             yield from _leadership_metrics(leadership.statistics())
@@ -434,6 +437,47 @@ def serve_metrics(
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
     thread.start()
     return registry, server.server_address[1]
+
+
+def _budget_metrics(b: Any) -> Iterator[Metric]:
+    """Token budgets (ingress/budgets.py); refusals are gossipd_messages_refused_total
+    {reason="over_budget"}."""
+    yield _one(G, "gossipd_budget_share", "The part of every token budget enforced here", b.share)
+    yield _one(
+        G,
+        "gossipd_budget_cluster_tokens_per_s",
+        "The cluster's token rate the budgets were computed from",
+        b.cluster_tokens_per_s,
+    )
+    yield _by(
+        G,
+        "gossipd_budget_source",
+        "Where the budgets come from (1 = this one)",
+        "source",
+        [(b.source, 1)],
+    )
+    yield _one(
+        G, "gossipd_budget_producers", "Producers with a token bucket here", b.buckets.producers
+    )
+    yield _one(
+        C,
+        "gossipd_budget_tokens_admitted",
+        "Tokens charged to admitted tasks",
+        b.buckets.admitted_tokens,
+    )
+    yield _by(
+        C,
+        "gossipd_budget_directives",
+        "Budgets directives from the leader, by outcome (applied, invalid: ignored)",
+        "outcome",
+        [("applied", b.directives_applied), ("invalid", b.directives_invalid)],
+    )
+    yield _one(
+        C,
+        "gossipd_budget_overflowed",
+        "Tasks charged to the shared overflow bucket (budgets.producers_max reached)",
+        b.buckets.overflowed,
+    )
 
 
 def _gossip_metrics(gossip: Any) -> Iterator[Metric]:

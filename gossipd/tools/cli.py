@@ -264,6 +264,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             as_json=args.json,
             curve=args.curve,
         )
+    if args.what == "budgets":
+        from gossipd.tools.bench.budgets import main as bench_budgets
+
+        return bench_budgets(
+            nodes=args.nodes or 2,
+            rounds=args.repeats,
+            seconds=args.seconds,
+            compare_off=args.compare_off,
+            as_json=args.json,
+        )
     raise AssertionError(args.what)
 
 
@@ -512,11 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "what",
-        choices=["ingress", "route", "ring", "engine", "prefix", "hedge"],
+        choices=["ingress", "route", "ring", "engine", "prefix", "hedge", "budgets"],
         help="ingress: one daemon vs raw pyzmq; route: the cost of a forward hop; ring: "
         "placement balance and churn; engine: the daemon's overhead on vLLM; prefix: "
         "prefix-cache hit rate by placement policy (six fresh 3-daemon vLLM clusters: many "
-        "minutes on 2 cores); hedge: a stalled member, hedging off/on",
+        "minutes on 2 cores); hedge: a stalled member, hedging off/on; budgets: a well-behaved "
+        "producer's latency alone and beside a runaway at 10x its token budget",
     )
     p.add_argument("--model", help="engine/prefix: a model directory (default: make the tiny one)")
     p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")
@@ -532,7 +543,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tasks", type=int, default=20_000, help="ingress, route: tasks per run (default 20000)"
     )
     p.add_argument("--rate", type=float, default=300.0, help="hedge: tasks per second")
-    p.add_argument("--seconds", type=float, default=4.0, help="hedge: how long to send")
+    p.add_argument(
+        "--seconds", type=float, default=4.0, help="hedge: how long to send; budgets: per phase"
+    )
+    p.add_argument(
+        "--compare-off",
+        action="store_true",
+        help="budgets: one more round on a cluster with budgets off (what they prevent)",
+    )
     p.add_argument("--stall-ms", type=int, default=1000, help="hedge: how long a member stops")
     p.add_argument(
         "--window", type=int, default=500, help="ingress: tasks outstanding at once (default 500)"
@@ -541,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=3,
-        help="ingress, route: runs of each side; engine: rounds (default 3)",
+        help="ingress, route: runs of each side; engine, budgets: rounds (default 3)",
     )
     p.add_argument(
         "--json", action="store_true", help="print the report as JSON (progress goes to stderr)"

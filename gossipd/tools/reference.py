@@ -261,10 +261,11 @@ class _Zero:
 
 
 class _Snapshot(dict[str, Any]):
-    def __init__(self, *, with_membership: bool, with_etcd: bool) -> None:
+    def __init__(self, *, with_membership: bool, with_etcd: bool, with_budgets: bool) -> None:
         super().__init__()
         self._with = with_membership
         self._with_etcd = with_etcd
+        self._with_budgets = with_budgets
 
     def __missing__(self, key: str) -> Any:
         return _Zero()
@@ -274,19 +275,26 @@ class _Snapshot(dict[str, Any]):
             return None
         if key == "leadership" and not self._with_etcd:
             return None
+        if key == "budgets" and not self._with_budgets:
+            return None
         return _Zero()
 
 
-def _families(with_membership: bool, with_etcd: bool = True) -> list[Any]:
+def _families(
+    with_membership: bool, with_etcd: bool = True, with_budgets: bool = True
+) -> list[Any]:
     from gossipd.ops.metrics import DaemonCollector
 
-    snap = _Snapshot(with_membership=with_membership, with_etcd=with_etcd)
+    snap = _Snapshot(
+        with_membership=with_membership, with_etcd=with_etcd, with_budgets=with_budgets
+    )
     return list(DaemonCollector("reference", lambda: snap).collect())
 
 
 def metrics_reference() -> str:
-    lone = {m.name for m in _families(False, False)}
-    membership = {m.name for m in _families(True, False)}
+    lone = {m.name for m in _families(False, False, False)}
+    membership = {m.name for m in _families(True, False, False)}
+    etcd = {m.name for m in _families(True, True, False)}
     lines = [
         "# Metrics reference",
         "",
@@ -310,6 +318,8 @@ def metrics_reference() -> str:
             else "with membership (`gossip.bind` set)"
             if m.name in membership
             else "with etcd (`etcd.endpoints` set)"
+            if m.name in etcd
+            else "with token budgets (`budgets.enabled = true`)"
         )
         lines.append(_row(f"`{exposed}`", m.type, labels, when, m.documentation))
     return "\n".join(lines) + "\n"

@@ -1,0 +1,203 @@
+"""The token-budget gate at the ingress: charge each producer's task against its share of its
+budget before the task is routed (gossipd/core/tokenbudgets.py holds the rules).
+
+Where the budgets come from (``source``):
+- ``leader``: the leader's ``budgets`` directive (with etcd); applied as it arrives, and kept
+  while no newer one comes (etcd down: the last known budgets stay in force);
+- ``local``: computed here from the ``budgets`` section of the configuration and this
+  daemon's own view of the members' capacity, every ``budgets.interval_s`` (no etcd, or with
+  etcd until the first directive arrives);
+- the gate is not built at all when ``budgets.enabled`` is false.
+
+The leader's duty (``publish_budgets``) computes the same table from its view and publishes
+it as a ``budgets`` directive when it changes, and every ``REPUBLISH_INTERVALS`` intervals
+anyway (a member that joined since learns it).
+
+Not thread-safe; called from the loop only (the ingress's fd callback and the timers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from gossipd.config import BudgetsConfig
+from gossipd.core.messages import DIRECTIVE_BODY_BYTES_MAX, GpuState, Task
+from gossipd.core.tokenbudgets import (
+    Budgets,
+    TokenBuckets,
+    TokenBucketStatistics,
+    compute_budgets,
+    decode_budgets,
+    local_share,
+    producer_identity,
+    task_cost_tokens,
+)
+
+log = logging.getLogger("gossipd.ingress.budgets")
+
+DIRECTIVE_KIND = "budgets"
+# The leader publishes unchanged budgets again after this many budgets.interval_s.
+REPUBLISH_INTERVALS = 10
+
+
+def serving_capacity(gpus: Iterable[GpuState | None]) -> list[float]:
+    """The capacity weights that budgets are computed from: live members' that serve."""
+    return [gpu.capacity_weight for gpu in gpus if gpu is not None and gpu.status == "serving"]
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetStatistics:
+    source: str  # "local" or "leader"
+    share: float  # the part of every budget this entry point enforces
+    cluster_tokens_per_s: float
+    buckets: TokenBucketStatistics
+    directives_applied: int  # budgets directives from the leader applied here
+    directives_invalid: int  # ... whose body was not a budgets table (ignored)
+
+
+class BudgetGate:
+    def __init__(
+        self, config: BudgetsConfig, *, capacity_weight: float, retry_after_max_ms: int
+    ) -> None:
+        self._config = config
+        self._capacity_weight = capacity_weight
+        self.buckets = TokenBuckets(
+            producers_max=config.producers_max, retry_after_max_ms=retry_after_max_ms
+        )
+        self.source = "local"
+        self.budgets: Budgets | None = None
+        self.share = 1.0
+        self.directives_applied = 0
+        self.directives_invalid = 0
+        # Until the first budgets are applied, this daemon alone: its own capacity.
+        self.apply(self.compute([capacity_weight]), source="local")
+
+    def compute(self, capacity_weights: Iterable[float]) -> Budgets:
+        """The budgets this configuration gives for these members' capacity (the leader's
+        duty, and each daemon's own without a leader)."""
+        c = self._config
+        return compute_budgets(
+            capacity_weights,
+            tokens_per_s_per_capacity=c.tokens_per_s_per_capacity,
+            default_share=c.default_share,
+            shares=c.shares,
+            tokens_per_s=c.tokens_per_s,
+            burst_s=c.burst_s,
+        )
+
+    def apply(self, budgets: Budgets, *, source: str) -> None:
+        """Enforce ``budgets`` from now on, scaled to this entry point's share."""
+        share = local_share(budgets, self._capacity_weight)
+        changed = budgets != self.budgets or source != self.source
+        self.budgets, self.source, self.share = budgets, source, share
+        self.buckets.set_rates(
+            {identity: rate * share for identity, rate in budgets.producers.items()},
+            budgets.default_tokens_per_s * share,
+            budgets.burst_s,
+        )
+        if changed:
+            log.info(
+                "token budgets applied",
+                extra={
+                    "source": source,
+                    "share": round(share, 4),
+                    "cluster_tokens_per_s": budgets.cluster_tokens_per_s,
+                    "default_tokens_per_s": budgets.default_tokens_per_s,
+                    "producers": len(budgets.producers),
+                },
+            )
+
+    def check(self, task: Task, now: float) -> int:
+        """Charge ``task``: 0 when admitted, else its retry-after hint in ms."""
+        c = self._config
+        identity = producer_identity(task.producer_key, task.key, c.key_separator)
+        cost = task_cost_tokens(len(task.prompt), task.params.max_tokens, c.chars_per_token)
+        return self.buckets.charge(identity, cost, now)
+
+    def refusal(self, task: Task) -> str:
+        """What an over_budget answer says."""
+        c = self._config
+        identity = producer_identity(task.producer_key, task.key, c.key_separator)
+        rate = self.buckets.rate(identity)
+        return (
+            f"producer {identity!r} is over its token budget here ({rate:.1f} tokens/s at this "
+            f"daemon, {self.share:.3f} of its cluster budget, burst {c.burst_s:g} s); this task "
+            f"costs {task_cost_tokens(len(task.prompt), task.params.max_tokens, c.chars_per_token)}"
+            " tokens: resend it after retry_after_ms"
+        )
+
+    def statistics(self) -> BudgetStatistics:
+        return BudgetStatistics(
+            source=self.source,
+            share=self.share,
+            cluster_tokens_per_s=self.budgets.cluster_tokens_per_s if self.budgets else 0.0,
+            buckets=self.buckets.statistics(),
+            directives_applied=self.directives_applied,
+            directives_invalid=self.directives_invalid,
+        )
+
+    def on_directive(self, directive: Any, body: object) -> None:
+        """A ``budgets`` directive the fence admitted (the newest of the highest term)."""
+        try:
+            budgets = decode_budgets(body)
+        except ValueError as exc:
+            self.directives_invalid += 1
+            log.warning(
+                "ignored a budgets directive", extra={"leader": directive.leader, "error": str(exc)}
+            )
+            return
+        self.directives_applied += 1
+        self.apply(budgets, source="leader")
+
+
+async def recompute_forever(
+    gate: BudgetGate,
+    members: Callable[[], Iterable[GpuState | None]],
+    interval_s: float,
+    *,
+    local: Callable[[], bool],
+) -> None:
+    """Without a leader's budgets (``local()`` true): recompute them here from this daemon's
+    view of the members every ``interval_s``."""
+    while True:
+        if local():
+            gate.apply(gate.compute(serving_capacity(members())), source="local")
+        await asyncio.sleep(interval_s)
+
+
+async def publish_budgets(
+    ctx: Any,
+    gate: BudgetGate,
+    members: Callable[[], Iterable[GpuState | None]],
+    interval_s: float,
+) -> None:
+    """The leader's duty (``LeaderDuties``): the budgets of the members' capacity, published
+    as a ``budgets`` directive when they change and every REPUBLISH_INTERVALS intervals."""
+    last: Budgets | None = None
+    quiet = 0
+    while True:
+        budgets = gate.compute(serving_capacity(members()))
+        if budgets != last or quiet >= REPUBLISH_INTERVALS:
+            body = msgspec.to_builtins(budgets)
+            size = len(msgspec.msgpack.encode(body))
+            if size > DIRECTIVE_BODY_BYTES_MAX:  # config validation should make this impossible
+                log.error("budgets table too large for a directive", extra={"bytes": size})
+            elif ctx.publish(DIRECTIVE_KIND, body):
+                log.info(
+                    "published token budgets",
+                    extra={
+                        "token": ctx.token,
+                        "capacity_total": budgets.capacity_total,
+                        "cluster_tokens_per_s": budgets.cluster_tokens_per_s,
+                    },
+                )
+                last, quiet = budgets, 0
+        else:
+            quiet += 1
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,172 @@
+"""Token budgets on a real daemon: a runaway producer is answered over_budget (with a retry-after
+hint) while a producer within its budget is served; the refusals are counted."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from gossipd.tools.launcher import free_tcp_port
+from simulations.cluster import Cluster
+from tests.helpers import RawProducer, scrape, wait_until
+
+BUDGETS = [
+    "budgets.enabled=true",
+    "budgets.tokens_per_s_per_capacity=1000",
+    'budgets.shares={"prefix:good" = 0.5, "prefix:bad" = 0.05}',  # 500 and 50 tokens/s
+    "budgets.burst_s=1.0",
+]
+
+
+def test_runaway_producer_gets_over_budget_while_the_other_is_served(daemon_factory) -> None:
+    port = free_tcp_port()
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}", *BUDGETS)
+    daemon.metrics_port = port
+    good, bad = RawProducer(daemon.endpoint), RawProducer(daemon.endpoint)
+    try:
+        # Each task costs ceil(5 / 4) + 10 = 12 tokens: the runaway's burst (50) admits 5 at
+        # once; the well-behaved one sends 20 (240 tokens, within its 500).
+        for i in range(40):
+            bad.send_task(f"bad{i}", prompt="x y z", key=f"bad:{i}", params={"max_tokens": 10})
+            if i % 2 == 0:
+                good.send_task(
+                    f"good{i}", prompt="x y z", key=f"good:{i}", params={"max_tokens": 10}
+                )
+        good_results = good.results(20)
+        bad_results = bad.results(40)
+    finally:
+        good.close()
+        bad.close()
+    assert len(good_results) == 20 and all(r["ok"] for r in good_results)
+    refused = [r for r in bad_results if not r["ok"]]
+    assert 4 <= sum(r["ok"] for r in bad_results) <= 8  # its burst, and what refilled meanwhile
+    assert len(refused) >= 30
+    for r in refused:
+        assert r["error"]["code"] == "over_budget"
+        assert 1 <= r["error"]["retry_after_ms"] <= 10_000
+        assert "prefix:bad" in r["error"]["message"]
+    metrics = wait_until(
+        lambda: (
+            (m := scrape(daemon.metrics_port)).get(
+                "gossipd_messages_refused_total{reason=over_budget}"
+            )
+            and m
+        ),
+        10,
+        "the over_budget counter",
+    )
+    assert metrics["gossipd_messages_refused_total{reason=over_budget}"] == len(refused)
+    assert metrics["gossipd_budget_share"] == 1.0
+    assert any("token budgets: computed here" in e.get("msg", "") for e in daemon.events())
+
+
+def test_budgets_off_by_default_and_said_at_start_up(daemon_factory) -> None:
+    daemon = daemon_factory()
+    wait_until(
+        lambda: any("token budgets: off" in e.get("msg", "") for e in daemon.events()),
+        10,
+        "the start-up line about budgets",
+    )
+
+
+def _budget_source(daemon) -> str:  # type: ignore[no-untyped-def]
+    metrics = scrape(daemon.metrics_port)
+    return next((k for k in metrics if k.startswith("gossipd_budget_source{")), "")
+
+
+@pytest.mark.slow
+def test_leader_sets_the_budgets_and_they_stay_while_etcd_is_down(etcd, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With etcd the leader's budgets directive reaches every daemon (the same cluster rate
+    on all, each enforcing half); etcd stopped: the leader steps down, the budgets stay and
+    the runaway is still refused."""
+    cluster = Cluster(
+        2,
+        log_dir=str(tmp_path / "daemons"),
+        extra_overrides=[
+            f"etcd.endpoints={json.dumps(etcd.endpoints)}",
+            "etcd.ttl_s=1.0",
+            'metrics.bind="127.0.0.1:0"',
+            "budgets.interval_s=0.5",
+            *BUDGETS,
+        ],
+    )
+    cluster.start()
+    try:
+        cluster.wait_meta(20)
+        daemons = cluster.daemons
+        for d in daemons:
+            # The leader's first budgets may predate the other's GPU state: 1 x 1000.
+            wait_until(
+                lambda d=d: (
+                    _budget_source(d) == "gossipd_budget_source{source=leader}"
+                    and scrape(d.metrics_port)["gossipd_budget_cluster_tokens_per_s"] == 2000.0
+                ),
+                20,
+                f"{d.name} to apply the leader's budgets of 2 x 1 x 1000 tokens/s",
+            )
+            metrics = scrape(d.metrics_port)
+            assert metrics["gossipd_budget_share"] == 0.5
+            assert metrics["gossipd_budget_directives_total{outcome=applied}"] >= 1
+        assert any("token budgets: set by the leader" in e.get("msg", "") for e in d.events())
+
+        def runaway_refused(name: str) -> int:
+            bad = RawProducer(daemons[1].endpoint)
+            try:
+                for i in range(30):  # 12 tokens each against 25 tokens/s here (burst 25)
+                    bad.send_task(f"{name}{i}", prompt="x y z", key=f"bad:{i}",
+                                  params={"max_tokens": 10})  # fmt: skip
+                results = bad.results(30)
+            finally:
+                bad.close()
+            assert len(results) == 30
+            return sum(not r["ok"] and r["error"]["code"] == "over_budget" for r in results)
+
+        assert runaway_refused("before") >= 25
+        etcd.stop(0)
+        wait_until(
+            lambda: all(scrape(d.metrics_port).get("gossipd_is_leader") == 0 for d in daemons),
+            10,
+            "the leader to step down without etcd",
+        )
+        time.sleep(1.0)  # a few budgets.interval_s: nothing may recompute them locally now
+        for d in daemons:
+            assert _budget_source(d) == "gossipd_budget_source{source=leader}"
+            assert scrape(d.metrics_port)["gossipd_budget_cluster_tokens_per_s"] == 2000.0
+        assert runaway_refused("during") >= 25
+    finally:
+        cluster.stop()
+
+
+def test_a_curve_producer_is_charged_by_its_key_whatever_its_task_keys(
+    daemon_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Under CURVE the identity is the authenticated key: a producer blocked by key (budget 0)
+    is refused even with a key prefix that has a budget; another key is served."""
+    from tests.test_curve import CurveProducer, Keys, curve_daemon
+
+    keys = Keys(tmp_path, peers=["s0"], producers=["blocked", "fine"])
+    blocked_key = keys.public("blocked").decode()
+    daemon = curve_daemon(
+        daemon_factory,
+        keys,
+        "s0",
+        "budgets.enabled=true",
+        f'budgets.tokens_per_s={{"curve:{blocked_key}" = 0.0}}',
+        'budgets.shares={"prefix:good" = 0.5}',
+    )
+    blocked = CurveProducer(daemon.endpoint, keys.pair("blocked"), keys.public("s0"))
+    fine = CurveProducer(daemon.endpoint, keys.pair("fine"), keys.public("s0"))
+    try:
+        blocked.send_task("b-1", key="good:1", params={"max_tokens": 2})
+        fine.send_task("f-1", key="good:1", params={"max_tokens": 2})
+        (refused,) = blocked.results(1, timeout_s=10)
+        (served,) = fine.results(1, timeout_s=10)
+    finally:
+        blocked.close()
+        fine.close()
+    assert served["ok"]
+    assert refused["error"]["code"] == "over_budget"
+    assert f"curve:{blocked_key}" in refused["error"]["message"]
+    assert refused["error"]["retry_after_ms"] == 10_000  # a budget of 0: the longest hint
