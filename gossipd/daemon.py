@@ -173,6 +173,7 @@ class Daemon:
             "admin": self.admin.statistics(),
             "security": self.security,
             "leadership": self.leadership,
+            "leader_duties": self.leader_duties,
         }
 
     async def run(self) -> int:

@@ -57,8 +57,18 @@ class BuiltinDuties:
         await join_through_etcd(client.get, self._leadership.prefix, self._gossip)
 
     def statistics(self) -> dict[str, Any]:
+        orders = self.rollout.orders
+        refused = {"bad_body": self.reaping.refused + orders.get("bad:refused", 0)}
+        done: dict[str, int] = {}
+        for key, count in orders.items():
+            action, _, outcome = key.partition(":")
+            if outcome == "ok":
+                done[action] = count
+            elif action != "bad":
+                refused[outcome] = refused.get(outcome, 0) + count
         return {
             "seed_writes": self.seeds.writes,
-            "reaping": self.reaping.statistics(),
-            "drain_orders": dict(self.rollout.orders),
+            "forgotten": self.reaping.forgotten_here,
+            "refused": refused,
+            "drain_orders": done,
         }
