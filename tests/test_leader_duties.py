@@ -275,3 +275,43 @@ def test_rolling_drain_of_3_daemons_under_load_loses_nothing_and_survives_a_lead
         if producer is not None:
             producer.close()
         cluster.stop()
+
+
+def test_cluster_drain_hands_one_plan_at_a_time_and_cancel_drops_it(etcd: EtcdCluster) -> None:
+    """No daemon: nobody takes the plan; the command says so and gives up after --timeout;
+    a second plan is refused while the first runs; --cancel drops it."""
+    cli = run_cli(etcd, "d07", "--timeout", "0.5")
+    out = cli.communicate(timeout=20)[0]
+    assert cli.returncode == 1 and "handed to the leader" in out and "gave up following" in out
+    plan = rollout.plan_decoder.decode(etcd_get(etcd, "/gossipd/default/drain/plan") or b"")
+    assert (plan.mode, plan.nodes) == ("drain", ["d07"])
+    cli = run_cli(etcd, "--rolling")
+    out = cli.communicate(timeout=20)[0]
+    assert cli.returncode == 1 and f"drain plan {plan.id} (drain) is still running" in out
+    cli = run_cli(etcd, "--cancel")
+    out = cli.communicate(timeout=20)[0]
+    assert cli.returncode == 0 and f"drain plan {plan.id} dropped" in out
+    assert etcd_get(etcd, "/gossipd/default/drain/plan") is None
+    cli = run_cli(etcd, "--rolling", "d01")
+    assert cli.communicate(timeout=20)[0] and cli.returncode == 2
+
+
+def test_cluster_drain_of_a_named_member_drains_it_and_it_leaves(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    cluster = Cluster(3, log_dir=str(tmp_path), extra_overrides=etcd_overrides(etcd))
+    cluster.start()
+    try:
+        cluster.wait_converged(timeout_s=20)
+        wait_until(lambda: leader_of(cluster.daemons), 15, "a leader")
+        cli = run_cli(etcd, "d01", "--step-timeout", "20")
+        out = cli.communicate(timeout=45)[0]
+        assert cli.returncode == 0, out
+        assert "d01: drained and left" in out and "done: 1 members done" in out
+        d01 = cluster.daemons[1]
+        assert d01.wait(10) == 0, "it left: exit 0, nothing restarts it"
+        assert any(e.get("msg") == "leave ordered by the leader" for e in d01.events())
+        for d in (cluster.daemons[0], cluster.daemons[2]):
+            wait_until(lambda d=d: "d01" not in live_in(d), 10, f"{d.name} to see d01 gone")
+    finally:
+        cluster.stop()
