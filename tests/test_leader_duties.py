@@ -68,6 +68,11 @@ def table(daemon: DaemonProcess) -> set[str] | None:
     return None if isinstance(report, str) else {m.node for m in report.members}
 
 
+def states(daemon: DaemonProcess) -> dict[str, str]:
+    report = ask_status([daemon.endpoint], 2.0)[daemon.endpoint]
+    return {} if isinstance(report, str) else {m.node: m.state for m in report.members}
+
+
 def live_in(daemon: DaemonProcess) -> set[str]:
     report = ask_status([daemon.endpoint], 2.0)[daemon.endpoint]
     if isinstance(report, str):
@@ -132,11 +137,18 @@ def test_reaping_makes_every_member_forget_a_dead_one(etcd: EtcdCluster, tmp_pat
         victim.wait(10)
         # Each table first holds it dead, then no more: 3 members -> 2 everywhere.
         for d in rest:
-            wait_until(
-                lambda d=d: table(d) == {x.name for x in rest} - {d.name},
-                20,
-                f"{d.name} to forget {victim.name}",
-            )
+            try:
+                wait_until(
+                    lambda d=d: table(d) == {x.name for x in rest} - {d.name},
+                    20,
+                    f"{d.name} to forget {victim.name}",
+                )
+            except AssertionError as exc:
+                lines = [
+                    f"{x.name}: {states(x)} {[e for e in x.events() if e.get('msg') == 'forget']}"
+                    for x in rest
+                ]
+                raise AssertionError(f"{exc}; tables: {lines}") from None
         for d in rest:  # by the leader's forget directive (local reaping: after 24 h)
             assert any(
                 e.get("msg") == "forgotten" and victim.name in e["members"] for e in d.events()

@@ -34,14 +34,17 @@ class BuiltinDuties:
         gossip: GossipService,
         admin: Admin,
         stop: Callable[[int], None],
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        """``wall``: the clock (wall time, the SWIM core's) every duty reads."""
         self._config = config
+        self._wall = wall
         self._leadership = leadership
         self._gossip = gossip
-        self.seeds = SeedRegistry(gossip, node=node, status=admin.status)
-        self.reaping = Reaping(gossip, dead_after_s=config.membership.dead_reap_after_s)
+        self.seeds = SeedRegistry(gossip, node=node, status=admin.status, wall=wall)
+        self.reaping = Reaping(gossip, dead_after_s=config.membership.dead_reap_after_s, wall=wall)
         self.rollout = Rollout(
-            node=node, gossip=gossip, admin=admin, stop=stop, started_wall_s=time.time()
+            node=node, gossip=gossip, admin=admin, stop=stop, started_wall_s=wall(), wall=wall
         )
         leadership.duties.register("seeds", self.seeds.duty)
         leadership.duties.register("reaping", self.reaping.duty)
@@ -54,7 +57,7 @@ class BuiltinDuties:
         if self._config.gossip.seeds:
             return
         client = self._leadership.election.client
-        await join_through_etcd(client.get, self._leadership.prefix, self._gossip)
+        await join_through_etcd(client.get, self._leadership.prefix, self._gossip, self._wall)
 
     def statistics(self) -> dict[str, Any]:
         orders = self.rollout.orders

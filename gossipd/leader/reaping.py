@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,8 +30,11 @@ REPEAT_EVERY_S = 2.0
 
 
 class Reaping:
-    def __init__(self, gossip: GossipService, *, dead_after_s: float) -> None:
+    def __init__(
+        self, gossip: GossipService, *, dead_after_s: float, wall: Callable[[], float]
+    ) -> None:
         self._gossip = gossip
+        self._wall = wall  # the SWIM core's time (wall clock), as member.state_since
         self.dead_after_s = dead_after_s
         self.forgotten_here = 0  # members dropped from our table by forget directives
         self.refused = 0  # forget directives whose body did not decode
@@ -50,7 +53,7 @@ class Reaping:
         while True:
             core = self._gossip.core
             if core is not None:
-                names = reaper.tick(list(core.table.members.values()), time.time())
+                names = reaper.tick(list(core.table.members.values()), self._wall())
                 if names:
                     named = [n for n, _ in names]
                     log.info("forget", extra={"members": named, "token": ctx.token})
@@ -68,7 +71,7 @@ class Reaping:
         core = self._gossip.core
         if core is None:
             return
-        now = time.time()
+        now = self._wall()
         gone = [node for node, inc in forget.members if core.table.forget(node, inc, now)]
         if gone:
             self.forgotten_here += len(gone)

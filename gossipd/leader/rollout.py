@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -58,12 +57,14 @@ class Rollout:
         admin: Admin,
         stop: Callable[[int], None],
         started_wall_s: float,
+        wall: Callable[[], float],
     ) -> None:
         self.node = node
         self._gossip = gossip
         self._admin = admin
         self._stop = stop  # graceful shutdown with this exit status
         self._started_wall_s = started_wall_s
+        self._wall = wall
         self.orders: dict[str, int] = {}  # "action:outcome" on this member
         self._leaving = False
 
@@ -98,7 +99,7 @@ class Rollout:
             if plan is not None and not (
                 progress is not None and progress.plan == plan.id and progress.status != "running"
             ):
-                now_s = time.time()
+                now_s = self._wall()
                 new, order = rollout.advance(plan, progress, self.live(), self.node, now_s)
                 if new != progress:
                     if not await ctx.fenced_put(progress_key(ctx.prefix), msgspec.json.encode(new)):
@@ -114,9 +115,9 @@ class Rollout:
                         )
                 if order is not None:
                     key = (order.plan, order.node, order.action)
-                    if key != last or time.monotonic() - published_at >= REPUBLISH_S:
+                    if key != last or now_s - published_at >= REPUBLISH_S:
                         ctx.publish(DRAIN, msgspec.to_builtins(order))
-                        last, published_at = key, time.monotonic()
+                        last, published_at = key, now_s
             await asyncio.sleep(ROLLOUT_TICK_S)
 
     # -- every member ---------------------------------------------------------------------------

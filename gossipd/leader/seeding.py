@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +44,16 @@ def seeds_key(prefix: str) -> bytes:
 
 
 class SeedRegistry:
-    def __init__(self, gossip: GossipService, *, node: str, status: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        gossip: GossipService,
+        *,
+        node: str,
+        status: Callable[[], str],
+        wall: Callable[[], float],
+    ) -> None:
         self._gossip = gossip
+        self._wall = wall
         self._node = node
         self._status = status
         self.writes = 0
@@ -72,7 +79,10 @@ class SeedRegistry:
                 chosen = choose_seeds(current, self.candidates())
                 if chosen != written:
                     value = SeedsValue(
-                        seeds=chosen, leader=self._node, token=ctx.token, updated_wall_s=time.time()
+                        seeds=chosen,
+                        leader=self._node,
+                        token=ctx.token,
+                        updated_wall_s=self._wall(),
                     )
                     if not await ctx.fenced_put(seeds_key(ctx.prefix), msgspec.json.encode(value)):
                         log.warning("seeds not stored: no longer the leader")
@@ -96,7 +106,10 @@ async def read_seeds(get: Callable[[bytes], Awaitable[Any]], prefix: str) -> lis
 
 
 async def join_through_etcd(
-    get: Callable[[bytes], Awaitable[Any]], prefix: str, gossip: GossipService
+    get: Callable[[bytes], Awaitable[Any]],
+    prefix: str,
+    gossip: GossipService,
+    wall: Callable[[], float],
 ) -> None:
     """While we know no live member, take the seeds from etcd (runs for the daemon's life:
     a daemon cut off from every member later finds its way back the same way)."""
@@ -117,5 +130,5 @@ async def join_through_etcd(
                 if seeds != last:
                     log.info("joining through seeds from etcd", extra={"seeds": seeds})
                     last = seeds
-                gossip.set_seeds(seeds)  # a push-pull with each, now
+                gossip.set_seeds(seeds, wall())  # a push-pull with each, now
         await asyncio.sleep(JOIN_RETRY_S)
