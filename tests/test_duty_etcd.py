@@ -234,7 +234,7 @@ def test_rolling_drain_of_3_daemons_under_load_loses_nothing_and_survives_a_lead
             cli = run_cli(etcd, "--rolling", "--step-timeout", "30")
             t0 = time.monotonic()
             n = 0
-            killed = ""
+            killed, killed_at = "", 0.0
             rate_per_s = 150.0
             while cli.poll() is None and time.monotonic() - t0 < 75:
                 now = time.monotonic()
@@ -250,7 +250,7 @@ def test_rolling_drain_of_3_daemons_under_load_loses_nothing_and_survives_a_lead
                         assert leader is not None and first_leader == p.order[-1], (leader, p)
                         victim = next(d for d in cluster.daemons if d.name == leader)
                         victim.kill()
-                        killed = leader
+                        killed, killed_at = leader, time.monotonic()
             output = cli.communicate(timeout=5)[0] if cli.poll() is not None else ""
             assert cli.returncode == 0, output
             deadline = time.monotonic() + 8
@@ -280,6 +280,10 @@ def test_rolling_drain_of_3_daemons_under_load_loses_nothing_and_survives_a_lead
             f"restarts {supervisor.restarts}"
         )
         assert len(ok) == len(tasks), f"lost {len(tasks) - len(ok)} of {len(tasks)}"
+        # The drains cost nothing: only tasks on their way to the SIGKILLed leader as it died
+        # waited for the producer's resubmission timer (the restarts by order needed none).
+        timer = sorted(round(t.first_sent - killed_at, 3) for t in tasks if t.timer_resends)
+        assert all(-1.0 <= dt <= 1.0 for dt in timer), f"timer resends, s from the kill: {timer}"
         assert "[1/3]" in output and "done: 3 members done" in output
     finally:
         if cli is not None and cli.poll() is None:
