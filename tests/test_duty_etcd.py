@@ -132,7 +132,8 @@ def test_reaping_makes_every_member_forget_a_dead_one(etcd: EtcdCluster, tmp_pat
         victim = next(d for d in cluster.daemons if d.name != leader_of(cluster.daemons))
         rest = [d for d in cluster.daemons if d is not victim]
         for d in rest:
-            assert table(d) == {x.name for x in cluster.daemons} - {d.name}
+            everyone = {x.name for x in cluster.daemons} - {d.name}
+            wait_until(lambda d=d, e=everyone: table(d) == e, 10, f"{d.name}'s full table")
         victim.kill()
         victim.wait(10)
         # Each table first holds it dead, then no more: 3 members -> 2 everywhere.
