@@ -53,7 +53,9 @@ class Reaping:
         while True:
             core = self._gossip.core
             if core is not None:
-                names = reaper.tick(list(core.table.members.values()), self._wall())
+                table = core.table
+                down = [table.members[n] for n in (*table.dead, *table.left)]
+                names = reaper.tick(down, self._wall())
                 if names:
                     named = [n for n, _ in names]
                     log.info("forget", extra={"members": named, "token": ctx.token})

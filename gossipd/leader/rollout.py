@@ -33,7 +33,8 @@ log = logging.getLogger("gossipd.leader.rollout")
 DRAIN = "drain"  # the directive's kind
 PLAN_KEY = "drain/plan"
 PROGRESS_KEY = "drain/progress"
-ROLLOUT_TICK_S = 0.25
+ROLLOUT_TICK_S = 0.25  # while a plan is in etcd
+IDLE_TICK_S = 1.0  # while none runs: a new plan starts within this
 REPUBLISH_S = 2.0
 # A daemon told to restart exits with this status (non-zero: systemd's Restart=on-failure
 # starts it again; EX_TEMPFAIL).
@@ -96,9 +97,11 @@ class Rollout:
         published_at = 0.0
         while True:
             plan, progress = await read_plan(ctx.client, ctx.prefix)
-            if plan is not None and not (
+            active = plan is not None and not (
                 progress is not None and progress.plan == plan.id and progress.status != "running"
-            ):
+            )
+            if active:
+                assert plan is not None
                 now_s = self._wall()
                 new, order = rollout.advance(plan, progress, self.live(), self.node, now_s)
                 if new != progress:
@@ -118,7 +121,7 @@ class Rollout:
                     if key != last or now_s - published_at >= REPUBLISH_S:
                         ctx.publish(DRAIN, msgspec.to_builtins(order))
                         last, published_at = key, now_s
-            await asyncio.sleep(ROLLOUT_TICK_S)
+            await asyncio.sleep(ROLLOUT_TICK_S if active else IDLE_TICK_S)
 
     # -- every member ---------------------------------------------------------------------------
 
