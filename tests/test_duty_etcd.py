@@ -332,3 +332,23 @@ def test_cluster_drain_of_a_named_member_drains_it_and_it_leaves(
             wait_until(lambda d=d: "d01" not in live_in(d), 10, f"{d.name} to see d01 gone")
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "no etcd endpoints: pass --etcd"),
+        (["--etcd", "127.0.0.1:1"], "etcd at 127.0.0.1:1 did not answer"),
+        (["--etcd", "no port"], "expected HOST:PORT"),
+    ],
+)
+def test_cluster_drain_without_a_usable_etcd_says_what_to_do(args: list[str], says: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gossipd", "cluster", "drain", "d01", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert done.returncode == 1 and says in done.stderr, done.stderr

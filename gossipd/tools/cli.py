@@ -200,10 +200,8 @@ def cmd_cluster_drain(args: argparse.Namespace) -> int:
     from gossipd.tools.cluster import drain_main
 
     config = _config_from(args)
-    endpoints = [e for e in (args.etcd or "").split(",") if e] or list(
-        getattr(getattr(config, "etcd", None), "endpoints", [])
-    )
-    return drain_main(args, endpoints, args.cluster or config.node.cluster)
+    endpoints = [e for e in (args.etcd or "").split(",") if e]
+    return drain_main(args, config.etcd, endpoints, args.cluster or config.node.cluster)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -23,13 +23,14 @@ from typing import Any
 
 import msgspec
 
+from gossipd.config import EtcdConfig
 from gossipd.core import rollout
 from gossipd.core.rollout import Plan
+from gossipd.errors import StartupError
 from gossipd.leader.rollout import plan_key, progress_key, read_plan
 
 POLL_S = 0.5
 NO_LEADER_HINT_S = 10.0  # no progress after this long: say what may be wrong
-CONNECT_TIMEOUT_S = 3
 
 
 class ClusterError(Exception):
@@ -40,39 +41,46 @@ def cluster_prefix(cluster: str) -> str:
     return f"/gossipd/{cluster}"
 
 
-def host_port(endpoint: str) -> tuple[str, int]:
-    """ "http://HOST:PORT", "HOST:PORT" -> (HOST, PORT)."""
-    rest = endpoint.split("://", 1)[-1].rstrip("/")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ClusterError(f"etcd endpoint {endpoint!r}: expected HOST:PORT or http://HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-async def connect(endpoints: Sequence[str]) -> Any:
-    """An aetcd client on the first endpoint that answers."""
-    import aetcd
-
+def etcd_settings(base: EtcdConfig, endpoints: Sequence[str]) -> EtcdConfig:
+    """The configuration's etcd section (TLS files, timeouts) with ``endpoints`` ("HOST:PORT"
+    or "http://HOST:PORT") instead of its own, when given."""
+    if not endpoints:
+        endpoints = base.endpoints
     if not endpoints:
         raise ClusterError(
             "no etcd endpoints: pass --etcd HOST:PORT[,HOST:PORT...] or set etcd.endpoints"
         )
-    errors = []
-    for endpoint in endpoints:
-        host, port = host_port(endpoint)
-        client = aetcd.Client(host=host, port=port, timeout=CONNECT_TIMEOUT_S)
-        try:
-            await client.connect()
-            await client.get(b"/gossipd/")  # any request: is it there?
-            return client
-        except Exception as exc:  # any failure: try the next one
-            errors.append(f"{endpoint}: {type(exc).__name__}")
-            await client.close()
-    raise ClusterError(f"no etcd endpoint answered ({'; '.join(errors)})")
+    plain = [e.split("://", 1)[-1].rstrip("/") for e in endpoints]
+    try:
+        return msgspec.convert(
+            {**msgspec.to_builtins(base), "endpoints": plain}, EtcdConfig, strict=False
+        )
+    except msgspec.ValidationError as exc:
+        raise ClusterError(f"etcd endpoints {list(endpoints)}: {exc}") from None
+
+
+async def connect(settings: EtcdConfig) -> Any:
+    """The daemons' etcd client (several endpoints, TLS) on these settings, checked with one
+    request."""
+    from gossipd.leader.client import EtcdClient
+
+    try:
+        client = EtcdClient(settings)
+    except StartupError as exc:
+        raise ClusterError(str(exc)) from None
+    try:
+        await client.connect()
+        await client.get(b"/gossipd/")  # any request: is etcd there?
+    except Exception as exc:  # unreachable, refused, TLS: say which, and stop
+        await client.close()
+        raise ClusterError(
+            f"etcd at {', '.join(settings.endpoints)} did not answer ({type(exc).__name__})"
+        ) from None
+    return client
 
 
 async def run_drain(
-    endpoints: Sequence[str],
+    settings: EtcdConfig,
     cluster: str,
     *,
     nodes: Sequence[str],
@@ -84,7 +92,7 @@ async def run_drain(
     say: Callable[[str], None],
 ) -> int:
     prefix = cluster_prefix(cluster)
-    client = await connect(endpoints)
+    client = await connect(settings)
     try:
         plan, progress = await read_plan(client, prefix)
         running = plan is not None and (
@@ -158,7 +166,7 @@ async def _follow(
         await asyncio.sleep(POLL_S)
 
 
-def drain_main(args: Any, endpoints: Sequence[str], cluster: str) -> int:
+def drain_main(args: Any, base: EtcdConfig, endpoints: Sequence[str], cluster: str) -> int:
     if args.rolling and args.nodes:
         print("gossipd cluster drain: give NODE... or --rolling, not both", file=sys.stderr)
         return 2
@@ -172,7 +180,7 @@ def drain_main(args: Any, endpoints: Sequence[str], cluster: str) -> int:
     try:
         return asyncio.run(
             run_drain(
-                endpoints,
+                etcd_settings(base, endpoints),
                 cluster,
                 nodes=args.nodes,
                 rolling=args.rolling,
