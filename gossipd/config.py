@@ -346,6 +346,15 @@ class LifecycleConfig(Section):
     shutdown_grace_s: Seconds = 10.0
 
 
+class MembershipConfig(Section):
+    # With a leader (etcd.endpoints set): a member dead, or left, this long is forgotten by
+    # every member at once, on the leader's `forget` directive (docs/OPERATIONS.md,
+    # "Reaping"); without etcd each member forgets it on its own after gossip.swim.dead_reap_s.
+    # Lower: smaller member tables in a cluster with churn; a forgotten member that comes back
+    # joins as a new one.  Higher: `gossipd status` shows the dead for longer.
+    dead_reap_after_s: Annotated[float, msgspec.Meta(ge=0.5, le=3e7)] = 3600.0
+
+
 class MetricsConfig(Section):
     # Prometheus HTTP endpoint, "HOST:PORT"; empty disables it.  Keep it on loopback
     # ("127.0.0.1:9557") unless a token guards it: any other address without one is served
@@ -500,6 +509,7 @@ class Config(Section):
     journal: JournalConfig = msgspec.field(default_factory=JournalConfig)
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
+    membership: MembershipConfig = msgspec.field(default_factory=MembershipConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)

@@ -172,10 +172,16 @@ class Daemon:
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
+        self.leader_duties: Any = None  # gossipd.leader.builtin.BuiltinDuties; idem
+        self.exit_status = 0  # what run() returns after a clean stop (see request_stop)
         # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
         self.tracer = build_tracer(config.tracing, self.node, clock=clock)
 
-    def request_stop(self) -> None:
+    def request_stop(self, exit_status: int | None = None) -> None:
+        """Stop as on SIGTERM; ``exit_status``: what run() returns then (the leader's restart
+        order asks for one that systemd's Restart=on-failure restarts)."""
+        if exit_status is not None:
+            self.exit_status = exit_status
         self._stop.set()
 
     def snapshot(self) -> dict[str, Any]:
@@ -190,6 +196,7 @@ class Daemon:
             "security": self.security,
             "budgets": self.budget_gate.statistics() if self.budget_gate else None,
             "leadership": self.leadership,
+            "leader_duties": self.leader_duties,
         }
 
     async def run(self) -> int:
@@ -229,6 +236,17 @@ class Daemon:
         )
         if self.leadership is not None:
             self.admin.on_drain.append(self.leadership.on_drain)
+            from gossipd.leader.builtin import BuiltinDuties
+
+            self.leader_duties = BuiltinDuties(
+                self.config,
+                node=self.node,
+                leadership=self.leadership,
+                gossip=self.gossip,
+                admin=self.admin,
+                stop=self.request_stop,
+                wall=self.clock.wall,
+            )
         if self.tracer is not None:
             self.tracer.attach(self.ingress, self.dispatcher)
         if self.config.metrics.bind:
@@ -262,6 +280,9 @@ class Daemon:
                 if self.leadership is not None:
                     background.append(
                         tg.create_task(self.leadership.run_forever(), name="leadership")
+                    )
+                    background.append(
+                        tg.create_task(self.leader_duties.run_forever(), name="seeds-from-etcd")
                     )
                 if self.journal is not None:
                     background.append(tg.create_task(self.journal.sync_forever(), name="journal"))
@@ -330,7 +351,7 @@ class Daemon:
             stats["dispatch"]["outstanding"] = d.outstanding()
             stats["dispatch"]["local_unfinished"] = d.local_unfinished()
         log.info("stopped", extra={"statistics": stats})
-        return EXIT_ENGINE_DEAD if self.engine_dead else 0
+        return EXIT_ENGINE_DEAD if self.engine_dead else self.exit_status
 
     def _start_budgets(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
         """Say once how token budgets are set, and start what keeps them current: the

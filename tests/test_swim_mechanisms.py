@@ -272,6 +272,24 @@ def test_a_joining_member_learns_gpu_state_from_the_seeds_push_pull_reply() -> N
     assert set(n.table.members) == {"a", "b"}
 
 
+def test_seeds_set_after_start_make_a_lone_member_join_and_are_ignored_once_joined() -> None:
+    """antientropy.set_seeds (seeds read from etcd): a member started with none joins."""
+    wire = Wire(["a", "b"], seed=4)
+    wire.run_until(1.0)
+    n = wire.add("n")
+    wire.run_until(2.0)
+    assert n.joined and set(n.table.members) == set()  # alone: nothing to join
+    n.antientropy.set_seeds([addr_of("n"), addr_of("a")], wire.now)  # our own is dropped
+    assert n.antientropy.seeds == [addr_of("a")] and not n.joined
+    wire.flush_all()
+    wire.run_until(3.0, stop=lambda: n.joined)
+    wire.run_until(4.0)
+    assert set(n.table.members) == {"a", "b"}
+    # Joined: new seeds are kept for later, but we stay joined.
+    n.antientropy.set_seeds([addr_of("b")], wire.now)
+    assert n.joined
+
+
 def test_announce_spreads_a_new_incarnation_to_every_member() -> None:
     wire = Wire(["a", "b", "c", "d"], seed=5)
     wire.run_until(1.0)

@@ -49,6 +49,14 @@ class AntiEntropy:
         self.joined = True
         self.next_push_pull_at = now + self._swim.rng.random() * self.push_pull_period()
 
+    def set_seeds(self, seeds: list[str], now: float) -> None:
+        """Seeds learnt after start-up (from etcd): while we know no live member, we are not
+        joined and push-pull with them at once, then every join_retry (rule 2)."""
+        self.seeds = [s for s in seeds if s != self._swim.table.addr]
+        if self.seeds and self._swim.table.live_count() <= 1:
+            self.joined = False
+            self.next_join_at = now
+
     # -- timers --------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:

@@ -28,6 +28,12 @@ Rules (an update is about one member and carries that member's incarnation):
       its own latest, or the same pair with other content: its previous life's) takes
       incarnation max(own, heard) + 1, announces itself alive and publishes again, as for a
       refutation.  (News that it left or died, rule 3, does the same.)
+9. Forgetting (the leader's ``forget`` directive, core/reaping.py): a member held suspect,
+   dead or left at the named incarnation or below is removed from the table.  An alive
+   member, or one at a higher incarnation, is kept.  A forgotten member is unknown again:
+   it comes back through an alive update like any new member (rule 5), so one that returns
+   (at any incarnation) is re-admitted normally.  A stale push-pull that brings a forgotten
+   member back as suspect (rule 7) is undone by the leader's repeated forget.
 
 Theory of operation: ``apply`` takes one update and returns an ``Outcome`` saying whether to
 pass the update on, whether we must refute (and to whom directly), and the event to report.
@@ -389,6 +395,19 @@ class MemberTable:
         if gone:
             self.live_version += 1
         return gone
+
+    def forget(self, node: str, incarnation: int, now: float) -> bool:
+        """The leader's ``forget`` directive (rule 9): drop ``node`` if we hold it suspect,
+        dead or left at ``incarnation`` or below.  True if it was dropped."""
+        member = self.members.get(node)
+        if member is None or member.state is State.ALIVE or member.incarnation > incarnation:
+            return False
+        if member.state is State.SUSPECT:  # a stale push-pull brought it back: dead first
+            self._set_state(member, State.DEAD, now, member.incarnation)
+        self._by_state[member.state].discard(node)
+        del self.members[node]
+        self.live_version += 1
+        return True
 
 
 def _contribution(node: str, incarnation: int) -> int:

@@ -289,6 +289,14 @@ class GossipService:
     def close(self) -> None:
         self.transport.close()
 
+    def set_seeds(self, seeds: list[str], now: float) -> None:
+        """Seeds learnt after start-up ("NODE@ADDR" or "ADDR", from etcd): while we know no
+        live member, we push-pull with them at once (core/antientropy.py)."""
+        assert self.core is not None
+        self._seeds = [split_seed(seed) for seed in seeds]
+        self.core.antientropy.set_seeds([addr for _, addr in self._seeds], now)
+        self._wake.set()
+
     # -- queries -----------------------------------------------------------------------------
 
     def live_members(self) -> list[MemberView]:

@@ -257,6 +257,9 @@ class DaemonCollector:
         leadership = s.get("leadership")
         if leadership is not None:
             yield from _leadership_metrics(leadership.statistics())
+        duties = s.get("leader_duties")
+        if duties is not None:
+            yield from _duty_metrics(duties.statistics())
         security = s.get("security")
         if security is not None and security.curve:
             yield from _security_metrics(security)
@@ -305,6 +308,39 @@ def _leadership_metrics(st: Any) -> Iterator[Metric]:
         "gossipd_etcd_errors",
         "etcd calls of the election that failed (etcd down, slow or refusing)",
         st["etcd_errors"],
+    )
+
+
+def _duty_metrics(st: Any) -> Iterator[Metric]:
+    """The leader's duties and their directives on this member (gossipd/leader/builtin.py)."""
+    yield _one(
+        C,
+        "gossipd_seed_registry_writes",
+        "Writes of the seeds in etcd by this daemon while it led (one per change of seeds)",
+        st["seed_writes"],
+    )
+    yield _one(
+        C,
+        "gossipd_members_forgotten",
+        "Members dropped from this daemon's table by the leader's forget directives",
+        st["forgotten"],
+    )
+    yield _by(
+        C,
+        "gossipd_duty_directives_refused",
+        "forget and drain directives not acted on (bad_body; before_start: a drain order older "
+        "than this process; not_drained: leave or restart for a member not drained; refused: "
+        "the drain itself was refused, e.g. while shutting down)",
+        "reason",
+        sorted(st["refused"].items()),
+    )
+    yield _by(
+        C,
+        "gossipd_drain_orders",
+        "Rolling-drain orders addressed to this member and obeyed, by action (drain, leave, "
+        "restart; the leader repeats an order until it is done, and each repeat counts)",
+        "action",
+        sorted(st["drain_orders"].items()),
     )
 
 

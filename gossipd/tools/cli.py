@@ -196,6 +196,14 @@ def cmd_drain(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_cluster_drain(args: argparse.Namespace) -> int:
+    from gossipd.tools.cluster import drain_main
+
+    config = _config_from(args)
+    endpoints = [e for e in (args.etcd or "").split(",") if e]
+    return drain_main(args, config.etcd, endpoints, args.cluster or config.node.cluster)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from gossipd.tools.up import UpOptions, run_up
 
@@ -387,6 +395,45 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
         p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("cluster", help="cluster-wide operations carried out by the leader (etcd)")
+    cluster_sub = p.add_subparsers(dest="cluster_command", required=True)
+    p = cluster_sub.add_parser(
+        "drain",
+        help="drain members one at a time (NODE...: each then leaves; --rolling: every member "
+        "is drained, restarted and back serving before the next: the upgrade path)",
+    )
+    p.add_argument("nodes", nargs="*", metavar="NODE", help="members to drain, in this order")
+    p.add_argument(
+        "--rolling", action="store_true", help="every live member in turn, the leader last"
+    )
+    p.add_argument(
+        "--follow", action="store_true", help="write nothing: show the plan in hand until it ends"
+    )
+    p.add_argument(
+        "--cancel", action="store_true", help="drop the plan in hand (nothing is undone)"
+    )
+    p.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,...]",
+        help="etcd endpoints (default: etcd.endpoints of the configuration)",
+    )
+    p.add_argument("--cluster", help="cluster name (default: node.cluster of the configuration)")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a member may take to leave, or to come back serving, before the plan "
+        "fails (default 300)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0.0,
+        help="stop following after this many seconds (the plan goes on; default 0: until it ends)",
+    )
+    _add_config_args(p)
+    p.set_defaults(func=cmd_cluster_drain)
 
     p = sub.add_parser("run", help="run one daemon in the foreground")
     _add_config_args(p)

@@ -273,7 +273,7 @@ class _Snapshot(dict[str, Any]):
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         if key in ("gossip", "dispatcher") and not self._with:
             return None
-        if key == "leadership" and not self._with_etcd:
+        if key in ("leadership", "leader_duties") and not self._with_etcd:
             return None
         if key == "budgets" and not self._with_budgets:
             return None

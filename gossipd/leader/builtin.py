@@ -1,0 +1,77 @@
+"""The leader duties every daemon with etcd runs (issue 15), wired to the daemon's parts:
+
+    seeds     gossipd/leader/seeding.py   keep <prefix>/seeds pointing at live members
+    reaping   gossipd/leader/reaping.py   have everyone forget members dead that long
+    rollout   gossipd/leader/rollout.py   carry out `gossipd cluster drain` plans
+
+and their member sides: the ``forget`` and ``drain`` directive handlers, and, for a daemon
+without gossip.seeds, joining through the seeds in etcd.  (Token budgets are wired apart.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gossipd.leader.reaping import FORGET, Reaping
+from gossipd.leader.rollout import DRAIN, Rollout
+from gossipd.leader.seeding import SeedRegistry, join_through_etcd
+
+if TYPE_CHECKING:
+    from gossipd.config import Config
+    from gossipd.membership.gossip import GossipService
+    from gossipd.ops.admin import Admin
+
+
+class BuiltinDuties:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        node: str,
+        leadership: Any,
+        gossip: GossipService,
+        admin: Admin,
+        stop: Callable[[int], None],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        """``wall``: the clock (wall time, the SWIM core's) every duty reads."""
+        self._config = config
+        self._wall = wall
+        self._leadership = leadership
+        self._gossip = gossip
+        self.seeds = SeedRegistry(gossip, node=node, status=admin.status, wall=wall)
+        self.reaping = Reaping(gossip, dead_after_s=config.membership.dead_reap_after_s, wall=wall)
+        self.rollout = Rollout(
+            node=node, gossip=gossip, admin=admin, stop=stop, started_wall_s=wall(), wall=wall
+        )
+        leadership.duties.register("seeds", self.seeds.duty)
+        leadership.duties.register("reaping", self.reaping.duty)
+        leadership.duties.register("rollout", self.rollout.duty)
+        leadership.directives.subscribe(FORGET, self.reaping.on_forget)
+        leadership.directives.subscribe(DRAIN, self.rollout.on_order)
+
+    async def run_forever(self) -> None:
+        """Join through the seeds in etcd when no gossip.seeds are configured."""
+        if self._config.gossip.seeds:
+            return
+        client = self._leadership.election.client
+        await join_through_etcd(client.get, self._leadership.prefix, self._gossip, self._wall)
+
+    def statistics(self) -> dict[str, Any]:
+        orders = self.rollout.orders
+        refused = {"bad_body": self.reaping.refused + orders.get("bad:refused", 0)}
+        done: dict[str, int] = {}
+        for key, count in orders.items():
+            action, _, outcome = key.partition(":")
+            if outcome == "ok":
+                done[action] = count
+            elif action != "bad":
+                refused[outcome] = refused.get(outcome, 0) + count
+        return {
+            "seed_writes": self.seeds.writes,
+            "forgotten": self.reaping.forgotten_here,
+            "refused": refused,
+            "drain_orders": done,
+        }
