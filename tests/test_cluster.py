@@ -186,3 +186,27 @@ def test_the_cluster_harness_measures_crashes_and_stalls(tmp_path) -> None:  # t
     assert detection["rounds_declared_by_refusal"] == 2, detection
     assert stalls["stalls"] >= 2 and stalls["declared_dead"] == 0, stalls
     assert stalls["port_refusals"] == 0, stalls
+
+
+def test_a_killed_daemon_is_known_dead_at_once_under_curve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With CURVE on every socket the evidence is the same (the check is plain TCP, below the
+    handshake): a kill is known dead by both others within a second, by refusal."""
+    c = Cluster(3, log_dir=str(tmp_path), curve=True)
+    c.start()
+    try:
+        c.wait_converged(timeout_s=20)
+        victim = c.daemons[1]
+        killed_at = time.time()
+        victim.kill()
+        others = [d for d in c.daemons if d is not victim]
+        wait_until(
+            lambda: all(member_events(d, "d01", "dead") for d in others),
+            20,
+            "both others to declare d01 dead",
+        )
+        known_s = max(member_events(d, "d01", "dead")[0]["at"] for d in others) - killed_at
+        assert known_s <= 1.0, f"both knew after {known_s:.3f} s"
+        refused = [e for d in others for e in d.events() if e.get("msg") == "member port refused"]
+        assert any(e["verdict"] == "dead" for e in refused), refused
+    finally:
+        c.stop()
