@@ -11,6 +11,7 @@ One mechanism per file, as in memberlist:
   confirmation probes, the last-chance ping, suspicion timers firing.
 - dissemination.py: gossip: piggyback on every message, gossip rounds (broadcast.py queue).
 - antientropy.py: push-pull, join through seeds, healing partitions, checksum sync.
+- refusal.py: a refused connection to a member's port as evidence of its crash.
 - suspicion.py and awareness.py: Lifeguard's timeout math and local health score.
 
 This file owns what they share: the outbox and the events, the member table, awareness and
