@@ -331,6 +331,7 @@ def test_an_owner_restarted_before_it_is_declared_dead_reports_its_replayed_task
         "engine.token_delay_s=0.05",
         'metrics.bind="127.0.0.1:0"',
         "gossip.swim.suspicion_floor_s=120",  # no death declared during the test
+        "gossip.swim.crash_by_refusal=false",  # (a refused port would declare it at once)
     )
     entry, owner = cluster.daemons
     producer = RawProducer(entry.endpoint)

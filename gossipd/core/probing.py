@@ -25,7 +25,9 @@ Rules:
 7. A timer that fires later than lateness_tolerance (we were paused) does not act: the probe
    is abandoned (awareness +1), the confirmation dropped, the suspicion timer pushed back, so
    that queued messages (a refutation?) get in first.
-8. Awareness: +1 when we miss our own schedule, when a probe fails and the helpers did not
+8. An ack that is late (the probe goes indirect) also asks for a check of the target's port
+   (core/refusal.py): a refusal there means its process is gone.
+9. Awareness: +1 when we miss our own schedule, when a probe fails and the helpers did not
    even nack, when a timer fires late; -1 for each probe acked.
 """
 
@@ -234,6 +236,7 @@ class Prober:
     def _send_ping_reqs(self, probe: Probe, now: float) -> None:
         swim = self._swim
         probe.indirect_sent = True
+        swim.refusals.want(now, probe.target)  # is it gone, or only slow? (core/refusal.py)
         target = swim.table.members.get(probe.target)
         if target is None:
             self.probe = None

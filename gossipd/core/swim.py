@@ -11,6 +11,7 @@ One mechanism per file, as in memberlist:
   confirmation probes, the last-chance ping, suspicion timers firing.
 - dissemination.py: gossip: piggyback on every message, gossip rounds (broadcast.py queue).
 - antientropy.py: push-pull, join through seeds, healing partitions, checksum sync.
+- refusal.py: a refused connection to a member's port as evidence of its crash.
 - suspicion.py and awareness.py: Lifeguard's timeout math and local health score.
 
 This file owns what they share: the outbox and the events, the member table, awareness and
@@ -61,6 +62,7 @@ from gossipd.core.messages import (
     encode_gossip,
 )
 from gossipd.core.probing import Prober
+from gossipd.core.refusal import PortCheck, RefusalDetector
 from gossipd.core.suspicion import suspicion_min_s
 from gossipd.core.swim_config import SwimConfig
 from gossipd.errors import RemoteProtocolError
@@ -118,6 +120,7 @@ class SwimNode:
         self.dissemination = Dissemination(self, now)
         self.prober = Prober(self, now)
         self.antientropy = AntiEntropy(self, now, [s for s in seeds if s != addr])
+        self.refusals = RefusalDetector(self, now)
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             Ping: self.prober.on_ping,
             Ack: self.prober.on_ack,
@@ -211,6 +214,23 @@ class SwimNode:
         """A hint (e.g. its TCP connection dropped): probe ``node`` now, out of schedule.
         Never a verdict by itself; at most one early probe per member per probe interval."""
         self.prober.probe_soon(now, node)
+
+    def connection_lost(self, now: float, node: str) -> None:
+        """Our connection to ``node`` dropped (its socket monitor): probe it now and check
+        whether its port refuses connections (``take_port_checks``).  A hint, not a verdict."""
+        self.prober.probe_soon(now, node)
+        self.refusals.want(now, node)
+
+    def take_port_checks(self) -> list[PortCheck]:
+        """The members whose gossip port the driver should try to connect to, then report
+        with ``port_checked`` (core/refusal.py)."""
+        return self.refusals.take()
+
+    def port_checked(self, now: float, check: PortCheck, *, refused: bool) -> str:
+        """What a connect to ``check.addr`` found: ``refused`` only for a refusal (nothing
+        listening); returns the verdict (refusal.VERDICTS).  A refusal of the life that was
+        checked declares it dead at once, within the refusal budget."""
+        return self.refusals.checked(now, check, refused=refused)
 
     def announce(self, now: float) -> None:
         """Re-announce ourselves with a new incarnation (e.g. our address changed)."""

@@ -79,6 +79,14 @@ class SwimConfig:
     awareness_max: Fanout = 8
     # Lateness that counts as having missed our own deadline (we were paused or starved).
     lateness_tolerance_s: Delay = 0.25
+    # Crash detection by refused connections (core/refusal.py, docs/MEMBERSHIP.md): when our
+    # connection to a member drops or its ack is late, the daemon connects to its gossip port;
+    # a refusal (nothing listens there: the process is gone) declares it dead at once.  At most
+    # refusal_burst such declarations, refilled at one per refusal_refill_s; beyond that
+    # (our own network is more likely wrong) SWIM's suspicion judges as usual.
+    crash_by_refusal: bool = True
+    refusal_burst: Fanout = 3
+    refusal_refill_s: Period = 5.0
     # Seeds are retried this often until a push-pull answer arrives.
     join_retry_s: Period = 1.0
     # Bounds.

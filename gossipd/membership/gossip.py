@@ -4,7 +4,9 @@ Datagrams go through a ``Transport`` (datagrams.py): a ZmqTransport, which binds
 socket and sends to each peer through a PUSH socket from the daemon's socket pool, connected
 to the peer's gossip address.  Sends never block: when a peer's queue is full the message is
 dropped and counted, as UDP would drop it; SWIM is built for loss.  A dropped connection to a
-peer (its socket monitor) makes the core probe that member at once.
+peer (its socket monitor) makes the core probe that member at once; the core also asks for
+port checks (a dropped connection, a late ack), which run here as one TCP connect each
+(portcheck.py): a refused connect is evidence of a crash (core/refusal.py).
 
 Time: the core gets wall-clock seconds (self._clock.wall()), because probe targets follow a schedule
 shared by all members (round = floor(now / probe_interval)); the loop's monotonic clock is
@@ -26,10 +28,12 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
 from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import Directive, GpuState, Term
+from gossipd.core.refusal import PortCheck
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
 from gossipd.membership.gpu import GpuProbe
+from gossipd.membership.portcheck import connection_refused
 from gossipd.security import DOMAIN_PEERS, Security
 from gossipd.sockets import SocketPool
 
@@ -37,6 +41,7 @@ log = logging.getLogger("gossipd.membership.gossip")
 
 PEER_SOCKETS_MAX = 4096
 PEER_IDLE_S = 120.0
+PORT_CHECK_TIMEOUT_S = 1.0  # a connect that takes longer decides nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,8 @@ class GossipService:
         self.status = "serving"
         self.dropped_sends = 0
         self.disconnect_hints = 0
+        self.port_checks = 0
+        self._checks: set[asyncio.Task[None]] = set()
         self._gpu_probe = GpuProbe(
             config.node.gpu_index, static_memory_total_mb=config.gpu.memory_total_mb
         )
@@ -244,6 +251,10 @@ class GossipService:
 
     def _flush(self) -> None:
         assert self.core is not None
+        for check in self.core.take_port_checks():
+            task = asyncio.get_running_loop().create_task(self._check_port(check))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
         for addr, data in self.core.take_outbox():
             self._send(addr, data)
         for item in self.core.take_leadership():
@@ -277,16 +288,39 @@ class GossipService:
 
     def _on_disconnect(self, addr: str) -> None:
         """The connection to ``addr`` dropped (a killed peer's TCP reset): the core probes
-        that member at once.  A hint only: the probe decides."""
+        that member at once and asks for a check of its port.  A hint only: the probe or a
+        refused connect decides."""
         if self.core is None:
             return
         node = next((m.node for m in self.core.table.members.values() if m.addr == addr), None)
         if node is not None:
             self.disconnect_hints += 1
-            self.core.probe_soon(self._clock.wall(), node)
+            self.core.connection_lost(self._clock.wall(), node)
             self._wake.set()
 
+    async def _check_port(self, check: PortCheck) -> None:
+        """Connect to the member's gossip port; tell the core whether it was refused."""
+        self.port_checks += 1
+        refused = await connection_refused(check.addr, PORT_CHECK_TIMEOUT_S)
+        if self.core is None:
+            return
+        verdict = self.core.port_checked(self._clock.wall(), check, refused=refused)
+        if refused:
+            log.info(
+                "member port refused",
+                extra={
+                    "member": check.node,
+                    "addr": check.addr,
+                    "incarnation": check.incarnation,
+                    "verdict": verdict,
+                    "at": self._clock.wall(),
+                },
+            )
+        self._wake.set()
+
     def close(self) -> None:
+        for task in list(self._checks):
+            task.cancel()
         self.transport.close()
 
     def set_seeds(self, seeds: list[str], now: float) -> None:

@@ -563,6 +563,14 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         ),
     ):
         yield _one(C, name, doc, value)
+    yield _by(
+        C,
+        "gossipd_gossip_port_checks",
+        "Connects to a member's gossip port, by verdict: accepted (no evidence), dead (refused:"
+        " declared dead), stale (refused, but it changed life), over_budget (refused, ignored)",
+        "verdict",
+        sorted(core.refusals.verdicts.items()),
+    )
     yield _one(
         G, "gossipd_gossip_awareness", "Local health score (0 = healthy)", core.awareness.score
     )
