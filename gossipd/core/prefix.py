@@ -26,6 +26,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 HASH_MAX = 2**32
 
 
@@ -78,19 +80,121 @@ class PrefixRecord:
 
 class PrefixIndex:
     """hash -> members that hold it: gossiped summaries plus this entry point's own recent
-    placements (known at once, where a summary takes a gossip round or two)."""
+    placements (known at once, where a summary takes a gossip round or two).
 
-    def __init__(self, recent_max: int = 4096) -> None:
-        self._gossiped: dict[int, set[str]] = {}
+    Compact, for 10,000 members with 256 hashes each: members are interned as small ids, each
+    member's hashes are one sorted ``uint32`` array, and the index is one sorted ``uint64``
+    array of (hash << 32 | id) pairs (8 bytes a pair, where a dict of sets costs ~250), found
+    by binary search.  A member's new summary costs O(its own size): its added and removed
+    pairs wait in small side tables, merged into the sorted array once ``merge_pairs`` of them
+    have gathered (one O(pairs) pass, amortised over them)."""
+
+    def __init__(self, recent_max: int = 4096, *, merge_pairs: int = 65_536) -> None:
         self._recent: OrderedDict[int, str] = OrderedDict()
         self._recent_max = recent_max
+        self._merge_pairs = merge_pairs
+        self._names: list[str] = []  # id -> member name ("" when free)
+        self._ids: dict[str, int] = {}
+        self._free_ids: list[int] = []
+        self._held: dict[int, np.ndarray] = {}  # id -> its sorted hashes
+        self._pairs = np.empty(0, dtype=np.uint64)  # sorted (hash << 32 | id)
+        self._added: dict[int, set[int]] = {}  # hash -> ids, not merged yet
+        self._removed: set[int] = set()  # pairs in ``_pairs`` no longer held
+        self._pending = 0
+        self._retired: list[int] = []
+
+    def __len__(self) -> int:
+        """Member summaries held."""
+        return len(self._held)
 
     def set_summaries(self, summaries: Mapping[str, Iterable[int]]) -> None:
-        index: dict[int, set[str]] = {}
+        """Replace every summary (members not named lose theirs)."""
+        for member in [n for n in self._ids if n not in summaries]:
+            self.set_member(member, ())
         for member, hashes in summaries.items():
-            for h in hashes:
-                index.setdefault(h, set()).add(member)
-        self._gossiped = index
+            self.set_member(member, hashes)
+
+    def set_member(self, member: str, hashes: Iterable[int]) -> None:
+        """``member``'s summary is now ``hashes``: O(its size), whatever the cluster's."""
+        new = np.unique(np.fromiter(hashes, dtype=np.uint32))
+        mid = self._ids.get(member)
+        if mid is None:
+            if not len(new):
+                return
+            mid = self._free_ids.pop() if self._free_ids else len(self._names)
+            if mid == len(self._names):
+                self._names.append(member)
+            else:
+                self._names[mid] = member
+            self._ids[member] = mid
+        old = self._held.get(mid, _EMPTY)
+        if len(old) == len(new) and bool((old == new).all()):
+            return
+        for h in np.setdiff1d(old, new, assume_unique=True).tolist():
+            ids = self._added.get(h)
+            if ids is not None and mid in ids:
+                ids.discard(mid)
+                if not ids:
+                    del self._added[h]
+            else:
+                self._removed.add(h << 32 | mid)
+            self._pending += 1
+        for h in np.setdiff1d(new, old, assume_unique=True).tolist():
+            pair = h << 32 | mid
+            if pair in self._removed:
+                self._removed.discard(pair)
+            else:
+                self._added.setdefault(h, set()).add(mid)
+            self._pending += 1
+        if len(new):
+            self._held[mid] = new
+        else:
+            del self._held[mid]
+            del self._ids[member]
+            self._names[mid] = ""
+            self._retired.append(mid)  # free again once its pairs are merged away
+        if self._pending >= self._merge_pairs:
+            self._merge()
+
+    def _merge(self) -> None:
+        """Fold the side tables into the sorted pairs (one O(pairs) pass)."""
+        pairs = self._pairs
+        if self._removed:
+            gone = np.fromiter(self._removed, dtype=np.uint64, count=len(self._removed))
+            pairs = pairs[~np.isin(pairs, gone, assume_unique=True)]
+        if self._added:
+            new = np.fromiter(
+                (h << 32 | mid for h, ids in self._added.items() for mid in ids), dtype=np.uint64
+            )
+            new.sort()
+            pairs = np.insert(pairs, np.searchsorted(pairs, new), new)
+        self._pairs = pairs
+        self._added, self._removed, self._pending = {}, set(), 0
+        self._free_ids += self._retired
+        self._retired = []
+
+    def _gossiped(self, hashes: Sequence[int]) -> list[set[int]]:
+        """For each hash, the ids holding it (one vectorised search for them all)."""
+        pairs = self._pairs
+        out: list[set[int]] = []
+        if len(pairs):
+            keys = np.array(hashes, dtype=np.uint64) << np.uint64(32)
+            # Ids stay below _ID_MASK, so [h << 32, h << 32 | _ID_MASK) holds all of h's pairs.
+            bounds = np.searchsorted(pairs, np.concatenate((keys, keys | np.uint64(_ID_MASK))))
+            lo, hi = bounds[: len(hashes)].tolist(), bounds[len(hashes) :].tolist()
+        else:
+            lo = hi = [0] * len(hashes)
+        removed = self._removed
+        for i, h in enumerate(hashes):
+            ids: set[int] = set()
+            if hi[i] > lo[i]:
+                found = pairs[lo[i] : hi[i]].tolist()
+                ids = {p & _ID_MASK for p in found if not removed or p not in removed}
+            extra = self._added.get(h)
+            if extra:
+                ids |= extra
+            out.append(ids)
+        return out
 
     def placed(self, hashes: Sequence[int], member: str) -> None:
         for h in hashes:
@@ -102,9 +206,11 @@ class PrefixIndex:
     def holders(self, hashes: Sequence[int]) -> list[tuple[int, frozenset[str]]]:
         """For each known depth, deepest first: (depth, members holding that prefix)."""
         out = []
+        gossiped = self._gossiped(hashes) if hashes else []
+        names = self._names
         for depth in range(len(hashes), 0, -1):
             h = hashes[depth - 1]
-            members = set(self._gossiped.get(h, ()))
+            members = {names[i] for i in gossiped[depth - 1]}
             recent = self._recent.get(h)
             if recent is not None:
                 members.add(recent)
@@ -115,3 +221,11 @@ class PrefixIndex:
     def forget_member(self, member: str) -> None:
         for h in [h for h, m in self._recent.items() if m == member]:
             del self._recent[h]
+
+    def nbytes(self) -> int:
+        """The arrays' bytes (the side tables and Python objects not counted)."""
+        return int(self._pairs.nbytes + sum(a.nbytes for a in self._held.values()))
+
+
+_ID_MASK = (1 << 32) - 1
+_EMPTY = np.empty(0, dtype=np.uint32)
