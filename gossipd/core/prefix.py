@@ -89,7 +89,7 @@ class PrefixIndex:
     pairs wait in small side tables, merged into the sorted array once ``merge_pairs`` of them
     have gathered (one O(pairs) pass, amortised over them)."""
 
-    def __init__(self, recent_max: int = 4096, *, merge_pairs: int = 65_536) -> None:
+    def __init__(self, recent_max: int = 4096, *, merge_pairs: int = 32_768) -> None:
         self._recent: OrderedDict[int, str] = OrderedDict()
         self._recent_max = recent_max
         self._merge_pairs = merge_pairs
@@ -98,7 +98,9 @@ class PrefixIndex:
         self._free_ids: list[int] = []
         self._held: dict[int, np.ndarray] = {}  # id -> its sorted hashes
         self._pairs = np.empty(0, dtype=np.uint64)  # sorted (hash << 32 | id)
-        self._added: dict[int, set[int]] = {}  # hash -> ids, not merged yet
+        # hash -> the id (or ids) holding it, not merged yet: one holder is the common case
+        # and a bare int costs a third of a one-element set.
+        self._added: dict[int, int | set[int]] = {}
         self._removed: set[int] = set()  # pairs in ``_pairs`` no longer held
         self._pending = 0
         self._retired: list[int] = []
@@ -131,12 +133,7 @@ class PrefixIndex:
         if len(old) == len(new) and bool((old == new).all()):
             return
         for h in np.setdiff1d(old, new, assume_unique=True).tolist():
-            ids = self._added.get(h)
-            if ids is not None and mid in ids:
-                ids.discard(mid)
-                if not ids:
-                    del self._added[h]
-            else:
+            if not self._unadd(h, mid):
                 self._removed.add(h << 32 | mid)
             self._pending += 1
         for h in np.setdiff1d(new, old, assume_unique=True).tolist():
@@ -144,7 +141,7 @@ class PrefixIndex:
             if pair in self._removed:
                 self._removed.discard(pair)
             else:
-                self._added.setdefault(h, set()).add(mid)
+                self._add(h, mid)
             self._pending += 1
         if len(new):
             self._held[mid] = new
@@ -156,6 +153,29 @@ class PrefixIndex:
         if self._pending >= self._merge_pairs:
             self._merge()
 
+    def _add(self, h: int, mid: int) -> None:
+        held = self._added.get(h)
+        if held is None:
+            self._added[h] = mid
+        elif isinstance(held, int):
+            self._added[h] = {held, mid}
+        else:
+            held.add(mid)
+
+    def _unadd(self, h: int, mid: int) -> bool:
+        """Take back a pending addition; False if there was none."""
+        held = self._added.get(h)
+        if held is None or held == mid:
+            if held is not None:
+                del self._added[h]
+            return held is not None
+        if isinstance(held, int) or mid not in held:
+            return False
+        held.discard(mid)
+        if len(held) == 1:
+            self._added[h] = held.pop()
+        return True
+
     def _merge(self) -> None:
         """Fold the side tables into the sorted pairs (one O(pairs) pass)."""
         pairs = self._pairs
@@ -164,7 +184,8 @@ class PrefixIndex:
             pairs = pairs[~np.isin(pairs, gone, assume_unique=True)]
         if self._added:
             new = np.fromiter(
-                (h << 32 | mid for h, ids in self._added.items() for mid in ids), dtype=np.uint64
+                (h << 32 | mid for h, ids in self._added.items() for mid in _ids(ids)),
+                dtype=np.uint64,
             )
             new.sort()
             pairs = np.insert(pairs, np.searchsorted(pairs, new), new)
@@ -191,8 +212,8 @@ class PrefixIndex:
                 found = pairs[lo[i] : hi[i]].tolist()
                 ids = {p & _ID_MASK for p in found if not removed or p not in removed}
             extra = self._added.get(h)
-            if extra:
-                ids |= extra
+            if extra is not None:
+                ids.update(_ids(extra))
             out.append(ids)
         return out
 
@@ -225,6 +246,10 @@ class PrefixIndex:
     def nbytes(self) -> int:
         """The arrays' bytes (the side tables and Python objects not counted)."""
         return int(self._pairs.nbytes + sum(a.nbytes for a in self._held.values()))
+
+
+def _ids(held: int | set[int]) -> Iterable[int]:
+    return (held,) if isinstance(held, int) else held
 
 
 _ID_MASK = (1 << 32) - 1

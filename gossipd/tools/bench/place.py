@@ -64,7 +64,9 @@ class _Cluster:
         self.popular = prefix_hashes(POPULAR, config.prefix_block_chars, config.prefix_blocks_max)
         self.names = [f"gpu-{i:05d}" for i in range(1, n)]
         for i, name in enumerate(self.names):
-            self._apply(Alive(node=name, incarnation=0, addr=f"tcp://10.0.{i // 250}.{i % 250}:7946"))
+            self._apply(
+                Alive(node=name, incarnation=0, addr=f"tcp://10.0.{i // 250}.{i % 250}:7946")
+            )
         for i, name in enumerate(self.names):
             own = [self.rng.getrandbits(32) for _ in range(prefixes)]
             if i < holders:
@@ -140,14 +142,34 @@ def _time_per_task(run: Any, tasks: list[Task], repeats: int, budget_s: float) -
     return min(samples)
 
 
-def measure(n: int, *, prefixes: int, holders: int, tasks: int, repeats: int, budget_s: float) -> dict[str, Any]:
+def measure(
+    n: int, *, prefixes: int, holders: int, tasks: int, repeats: int, budget_s: float
+) -> dict[str, Any]:
     cluster = _Cluster(n, prefixes=prefixes, holders=min(holders, n - 1))
     placer = cluster.placer
     rng = random.Random(n)
-    new_keys = [Task(v=1, reply_to="tcp://127.0.0.1:9", id=f"t{i}", prompt="x", key=f"session-{rng.getrandbits(64):x}") for i in range(tasks)]
-    same_key = [Task(v=1, reply_to="tcp://127.0.0.1:9", id=f"r{i}", prompt="x", key="session-7") for i in range(tasks)]
+    new_keys = [
+        Task(
+            v=1,
+            reply_to="tcp://127.0.0.1:9",
+            id=f"t{i}",
+            prompt="x",
+            key=f"session-{rng.getrandbits(64):x}",
+        )
+        for i in range(tasks)
+    ]
+    same_key = [
+        Task(v=1, reply_to="tcp://127.0.0.1:9", id=f"r{i}", prompt="x", key="session-7")
+        for i in range(tasks)
+    ]
     keyless = [
-        Task(v=1, reply_to="tcp://127.0.0.1:9", id=f"p{i}", prompt=POPULAR + f"question {rng.getrandbits(32)}", key="")
+        Task(
+            v=1,
+            reply_to="tcp://127.0.0.1:9",
+            id=f"p{i}",
+            prompt=POPULAR + f"question {rng.getrandbits(32)}",
+            key="",
+        )
         for i in range(tasks)
     ]
     owner = placer.owner_for(same_key[0])
@@ -219,7 +241,9 @@ def main(
     for n in nodes:
         print(f"bench place: N={n}", file=sys.stderr)
         rows.append(
-            measure(n, prefixes=prefixes, holders=holders, tasks=tasks, repeats=repeats, budget_s=0.5)
+            measure(
+                n, prefixes=prefixes, holders=holders, tasks=tasks, repeats=repeats, budget_s=0.5
+            )
         )
     largest, smallest = rows[-1], rows[0]
     worst = max(PATHS, key=lambda p: largest[p])
@@ -246,7 +270,8 @@ def main(
         print(f"  {'N':>6} " + " ".join(f"{p:>22}" for p in PATHS) + "  meta(load) meta(prefix)")
         for r in rows:
             print(
-                f"  {r['nodes']:>6} " + " ".join(f"{r[p]:>22.2f}" for p in PATHS)
+                f"  {r['nodes']:>6} "
+                + " ".join(f"{r[p]:>22.2f}" for p in PATHS)
                 + f"  {r['meta_load_change_us']:>9.1f} {r['meta_prefix_change_us']:>11.1f}"
             )
         for k, v in report.items():
