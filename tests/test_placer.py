@@ -13,11 +13,14 @@ from gossipd.config import FanoutConfig
 from gossipd.core.membership import MemberTable
 from gossipd.core.messages import Alive, Dead, GpuState, Left, Meta, Suspect, Task
 from gossipd.core.placement import Candidate, LoadCounts, place
+from gossipd.core.prefix import prefix_hashes
 from gossipd.fanout.placer import Placer
 from gossipd.tools.bench.place import memory_mb
 
 NAMES = [f"m{i}" for i in range(8)]
 ME = "me"
+PROMPT = "You are a careful assistant. " * 20  # four whole blocks of 128 characters
+PROMPT_HASHES = prefix_hashes(PROMPT, 128, 8)
 
 
 class Harness:
@@ -74,14 +77,15 @@ gpu_states = st.builds(
     st.sampled_from([0.0, 1.0, 2.0]),
     st.sampled_from(["", "", "llama", "qwen"]),
     st.sampled_from([0, 0, 1_000_000]),
-    st.lists(st.integers(0, 12), max_size=6),
+    st.lists(st.integers(0, 12) | st.sampled_from(PROMPT_HASHES), max_size=6),
 )
 operations = st.lists(
     st.tuples(
         st.sampled_from(["alive", "meta", "meta", "meta", "suspect", "dead", "left", "new_life"]),
-        st.sampled_from(NAMES),
+        st.sampled_from(NAMES[:4]),  # few members: each sees several changes
         gpu_states,
     ),
+    min_size=4,
     max_size=40,
 )
 
@@ -89,13 +93,13 @@ operations = st.lists(
 def snapshot(placer: Placer) -> dict[str, Any]:
     view = placer.view()
     return {
-        "ring": None if view.ring is None else view.ring.members,
+        "ring": None if view.ring is None else (view.ring.members, view.ring._weights),
         "weights": dict(view.weights),
         "total_weight": round(view.total_weight, 9),
         "addrs": dict(view.addrs),
         "saturated": set(view.saturated),
         "models": {k: v for k, v in placer._by_model.items() if v},
-        "holders": {h: placer.prefix_index.holders([h]) for h in range(13)},
+        "holders": {h: placer.prefix_index.holders([h]) for h in [*range(13), *PROMPT_HASHES]},
     }
 
 
@@ -106,6 +110,8 @@ def test_the_view_kept_member_by_member_equals_the_view_built_from_scratch(
 ) -> None:
     h = Harness()
     incremental = h.placer()
+    for name in NAMES[:4]:
+        h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
     for i, (kind, name, gpu) in enumerate(ops):
         inc = h.incarnation(name)
         if kind == "alive":
@@ -121,8 +127,8 @@ def test_the_view_kept_member_by_member_equals_the_view_built_from_scratch(
             h.apply(Dead(node=name, incarnation=inc, by=ME))
         else:
             h.apply(Left(node=name, incarnation=inc))
-        if i % 3 == 0:
-            incremental.view()  # read between changes too, not only at the end
+        if i % 4 != 3:
+            incremental.view()  # read between changes (mostly), not only at the end
     for name, load in zip(NAMES, loads, strict=False):
         h.loads[name] = load
     rebuilt = h.placer(listen=False)
@@ -134,6 +140,10 @@ def test_the_view_kept_member_by_member_equals_the_view_built_from_scratch(
             )
             assert incremental.order(task) == rebuilt.order(task)
             assert incremental.owner_for(task) == rebuilt.owner_for(task)
+    keyless = Task(v=1, id="q", prompt=PROMPT + "?", reply_to="tcp://1.2.3.4:5")
+    for _ in range(2):  # the second time from the remembered holder ranking
+        assert incremental.owner_for(keyless) == rebuilt.owner_for(keyless)
+    assert incremental.prefix_hits == rebuilt.prefix_hits
 
 
 @settings(max_examples=150, deadline=None)

@@ -18,7 +18,7 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,8 @@ from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix
 from gossipd.core.ring import Ring, key_hash
 from gossipd.ingress.service import Ingress
 from gossipd.membership.gossip import GossipService
+
+HOLDER_RANKS_MAX = 4096  # prefix holder rankings remembered (then forgotten all at once)
 
 
 @dataclass(slots=True)
@@ -92,6 +94,8 @@ class Placer:
         self._own: tuple[object, ...] = ()
         self._table_version: object = None
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
+        # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
+        self._holder_rank: dict[tuple[str, frozenset[str]], list[str]] = {}
         listeners = getattr(gossip, "listeners", None)
         self._evented = listeners is not None
         if listeners is not None:
@@ -176,6 +180,7 @@ class Placer:
         if self._ring_stale:
             self._ring_stale = False
             view.ring = Ring(view.weights) if view.weights else None
+            self._holder_rank.clear()
             view.key = (table.version, own)
         return view
 
@@ -353,16 +358,11 @@ class Placer:
         key = prefix_key(hashes) if hashes else task.id  # shorter than a block: by its id
         total = self.total_load()
         owner = ""
-        kh = -1
         for _depth, members in self.prefix_index.holders(hashes):
-            held = [ring.index[m] for m in members if m in view.weights]
-            if not held:
-                continue
-            if len(held) > 1:
-                kh = key_hash(key) if kh < 0 else kh
-                owner = self._first_free(ring, kh, held, view, total)
-            elif self.free(ring.members[held[0]], view, total):
-                owner = ring.members[held[0]]
+            ranked = self._holder_rank.get((key, members))
+            if ranked is None:
+                ranked = self._rank(ring, key, members, view)
+            owner = next((m for m in ranked if self.free(m, view, total)), "")
             if owner:
                 self.prefix_hits += 1
                 break
@@ -375,17 +375,20 @@ class Placer:
             self.prefix_index.placed(hashes, owner)
         return owner
 
-    def _first_free(self, ring: Ring, kh: int, held: Iterable[int], view: View, total: int) -> str:
-        """The first of ``held`` (ring indices) in their ring order that is free, or ""."""
-        among = np.array(sorted(held), dtype=np.int64)
-        n = 4
-        while True:
-            for i in ring.top(kh, min(n, len(among)), among):
-                if self.free(ring.members[i], view, total):
-                    return ring.members[i]
-            if n >= len(among):
-                return ""
-            n *= 4
+    def _rank(self, ring: Ring, key: str, members: frozenset[str], view: View) -> list[str]:
+        """The serving ones of ``members`` in their order for ``key`` (their rendezvous
+        scores among themselves), remembered: a popular prefix's holders rank the same way
+        for each of its tasks, until the ring changes (which forgets them all)."""
+        held = [ring.index[m] for m in members if m in view.weights]
+        if len(held) <= 1:
+            ranked = [ring.members[i] for i in held]
+        else:
+            among = np.array(sorted(held), dtype=np.int64)
+            ranked = [ring.members[i] for i in ring.top(key_hash(key), len(among), among)]
+        if len(self._holder_rank) >= HOLDER_RANKS_MAX:
+            self._holder_rank.clear()
+        self._holder_rank[(key, members)] = ranked
+        return ranked
 
     def record_prefix(self, task: Task) -> None:
         """Admitted here: count its prefix blocks for the summary we gossip."""

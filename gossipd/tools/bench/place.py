@@ -125,90 +125,95 @@ def _full_gpu(member: Any) -> Any:
     return gpu
 
 
-def _time_per_task(run: Any, tasks: list[Task], repeats: int, budget_s: float) -> float:
-    """The least over ``repeats`` runs of the mean time per task in us (fewer tasks if
-    slow): the least is the code's cost, the rest is other processes on a shared machine
-    (timeit's advice)."""
-    samples = []
-    for r in range(repeats):
-        start = time.perf_counter()
-        done = 0
-        for task in tasks[r::repeats] if len(tasks) >= repeats * 10 else tasks:
-            run(task)
-            done += 1
-            if time.perf_counter() - start > budget_s:
-                break
-        samples.append((time.perf_counter() - start) / done * 1e6)
-    return min(samples)
+def _slice_us(run: Any, tasks: list[Task], budget_s: float) -> float:
+    """The mean time per task in us over ``tasks`` (fewer if slow)."""
+    start = time.perf_counter()
+    done = 0
+    for task in tasks:
+        run(task)
+        done += 1
+        if time.perf_counter() - start > budget_s:
+            break
+    return (time.perf_counter() - start) / done * 1e6
+
+
+def _tasks(rng: random.Random, tasks: int) -> dict[str, list[Task]]:
+    def task(i: int, key: str, prompt: str = "x") -> Task:
+        return Task(v=1, reply_to="tcp://127.0.0.1:9", id=f"t{i}", prompt=prompt, key=key)
+
+    return {
+        "new": [task(i, f"session-{rng.getrandbits(64):x}") for i in range(tasks)],
+        "same": [task(i, "session-7") for i in range(tasks)],
+        "keyless": [task(i, "", POPULAR + f"question {rng.getrandbits(32)}") for i in range(tasks)],
+    }
 
 
 def measure(
-    n: int, *, prefixes: int, holders: int, tasks: int, repeats: int, budget_s: float
-) -> dict[str, Any]:
-    cluster = _Cluster(n, prefixes=prefixes, holders=min(holders, n - 1))
-    placer = cluster.placer
-    rng = random.Random(n)
-    new_keys = [
-        Task(
-            v=1,
-            reply_to="tcp://127.0.0.1:9",
-            id=f"t{i}",
-            prompt="x",
-            key=f"session-{rng.getrandbits(64):x}",
+    nodes: list[int], *, prefixes: int, holders: int, tasks: int, repeats: int, budget_s: float
+) -> list[dict[str, Any]]:
+    """Every path at every size, the sizes and paths interleaved run by run (a burst of
+    other processes' work then spoils one run of each, not all runs of one size); the
+    least of ``repeats`` runs is reported."""
+    clusters, work, paths = [], [], []
+    for n in nodes:
+        print(f"bench place: building N={n}", file=sys.stderr)
+        cluster = _Cluster(n, prefixes=prefixes, holders=min(holders, n - 1))
+        placer = cluster.placer
+        w = _tasks(random.Random(n), tasks)
+        retry = frozenset({placer.owner_for(w["same"][0]) or "", cluster.me})
+        clusters.append(cluster)
+        work.append(w)
+        paths.append(
+            {
+                "keyed_new_key": (placer.owner_for, w["new"]),
+                "keyed_repeated_key": (placer.owner_for, w["same"]),
+                "keyless_popular_prefix": (placer.owner_for, w["keyless"]),
+                "order_retry": (lambda t, p=placer, x=retry: p.order(t, exclude=x), w["new"]),
+            }
         )
-        for i in range(tasks)
-    ]
-    same_key = [
-        Task(v=1, reply_to="tcp://127.0.0.1:9", id=f"r{i}", prompt="x", key="session-7")
-        for i in range(tasks)
-    ]
-    keyless = [
-        Task(
-            v=1,
-            reply_to="tcp://127.0.0.1:9",
-            id=f"p{i}",
-            prompt=POPULAR + f"question {rng.getrandbits(32)}",
-            key="",
-        )
-        for i in range(tasks)
-    ]
-    owner = placer.owner_for(same_key[0])
-    retry = frozenset({owner or "", cluster.me})
+    samples: dict[tuple[int, str], list[float]] = {}
+    hits = [c.placer.prefix_hits for c in clusters]
     gc.collect()
-    placer.config = placer.config  # the default policy ("prefix") serves all four paths
-    out: dict[str, Any] = {"nodes": n}
-    out["keyed_new_key"] = _time_per_task(placer.owner_for, new_keys, repeats, budget_s)
-    out["keyed_repeated_key"] = _time_per_task(placer.owner_for, same_key, repeats, budget_s)
-    hits = placer.prefix_hits
-    out["keyless_popular_prefix"] = _time_per_task(placer.owner_for, keyless, repeats, budget_s)
-    out["prefix_hit_share"] = round((placer.prefix_hits - hits) / max(1, len(keyless)), 3)
-    out["order_retry"] = _time_per_task(
-        lambda t: placer.order(t, exclude=retry), new_keys, repeats, budget_s
-    )
-    # A Meta that changes a load only, then the next placement (the view catches up).
+    for r in range(repeats):
+        print(f"bench place: run {r + 1} of {repeats}", file=sys.stderr)
+        for n, by_path in zip(nodes, paths, strict=True):
+            for path, (run, items) in by_path.items():
+                us = _slice_us(run, items[r::repeats], budget_s)
+                samples.setdefault((n, path), []).append(us)
+    rows = []
+    for i, (n, cluster) in enumerate(zip(nodes, clusters, strict=True)):
+        row: dict[str, Any] = {"nodes": n}
+        for path in PATHS:
+            row[path] = round(min(samples[(n, path)]), 2)
+        placed = cluster.placer.prefix_hits - hits[i]
+        row["prefix_hit_share"] = round(placed / max(1, len(work[i]["keyless"])), 3)
+        row.update(_meta_costs(cluster, work[i]["same"][0], repeats))
+        rows.append(row)
+    return rows
+
+
+def _meta_costs(cluster: _Cluster, task: Task, repeats: int) -> dict[str, float]:
+    """One Meta that changes a load only, and one that changes one prefix hash, each with
+    the next placement (the view catches up): medians in us."""
+    placer, rng = cluster.placer, random.Random(2)
     name = cluster.names[len(cluster.names) // 2]
     member = cluster.table.members[name]
     kept = list(getattr(member, "prefixes", ()) or member.gpu.prefixes)
-    samples = []
+    load, prefix = [], []
     for i in range(max(3, repeats)):
         start = time.perf_counter()
         cluster.meta(name, prefixes=kept, running=i + 1)
-        placer.owner_for(same_key[0])
-        samples.append((time.perf_counter() - start) * 1e6)
-    out["meta_load_change_us"] = statistics.median(samples)
-    samples = []
-    for _ in range(max(3, repeats)):
+        placer.owner_for(task)
+        load.append((time.perf_counter() - start) * 1e6)
         kept = [*kept[1:], rng.getrandbits(32)]
         start = time.perf_counter()
-        cluster.meta(name, prefixes=kept, running=0)
-        placer.owner_for(same_key[0])
-        samples.append((time.perf_counter() - start) * 1e6)
-    out["meta_prefix_change_us"] = statistics.median(samples)
-    for path in PATHS:
-        out[path] = round(out[path], 2)
-    out["meta_load_change_us"] = round(out["meta_load_change_us"], 1)
-    out["meta_prefix_change_us"] = round(out["meta_prefix_change_us"], 1)
-    return out
+        cluster.meta(name, prefixes=kept, running=i + 1)
+        placer.owner_for(task)
+        prefix.append((time.perf_counter() - start) * 1e6)
+    return {
+        "meta_load_change_us": round(statistics.median(load), 1),
+        "meta_prefix_change_us": round(statistics.median(prefix), 1),
+    }
 
 
 def memory_mb(n: int, *, prefixes: int) -> float:
@@ -237,14 +242,9 @@ def main(
     as_json: bool = False,
 ) -> int:
     nodes = nodes or [64, 1000, 10_000]
-    rows = []
-    for n in nodes:
-        print(f"bench place: N={n}", file=sys.stderr)
-        rows.append(
-            measure(
-                n, prefixes=prefixes, holders=holders, tasks=tasks, repeats=repeats, budget_s=0.5
-            )
-        )
+    rows = measure(
+        nodes, prefixes=prefixes, holders=holders, tasks=tasks, repeats=repeats, budget_s=0.5
+    )
     largest, smallest = rows[-1], rows[0]
     worst = max(PATHS, key=lambda p: largest[p])
     report: dict[str, Any] = {
