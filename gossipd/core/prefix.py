@@ -199,10 +199,11 @@ class PrefixIndex:
         pairs = self._pairs
         out: list[set[int]] = []
         if len(pairs):
-            keys = np.array(hashes, dtype=np.uint64) << np.uint64(32)
             # Ids stay below _ID_MASK, so [h << 32, h << 32 | _ID_MASK) holds all of h's pairs.
-            bounds = np.searchsorted(pairs, np.concatenate((keys, keys | np.uint64(_ID_MASK))))
-            lo, hi = bounds[: len(hashes)].tolist(), bounds[len(hashes) :].tolist()
+            low = [h << 32 for h in hashes]
+            needles = np.array([*low, *(k | _ID_MASK for k in low)], dtype=np.uint64)
+            bounds = np.searchsorted(pairs, needles).tolist()
+            lo, hi = bounds[: len(hashes)], bounds[len(hashes) :]
         else:
             lo = hi = [0] * len(hashes)
         removed = self._removed

@@ -125,8 +125,8 @@ def _full_gpu(member: Any) -> Any:
     return gpu
 
 
-def _slice_us(run: Any, tasks: list[Task], budget_s: float) -> float:
-    """The mean time per task in us over ``tasks`` (fewer if slow)."""
+def _slice_us(run: Any, tasks: list[Task], budget_s: float) -> tuple[float, int]:
+    """The mean time per task in us over ``tasks`` (fewer if slow), and how many ran."""
     start = time.perf_counter()
     done = 0
     for task in tasks:
@@ -134,7 +134,7 @@ def _slice_us(run: Any, tasks: list[Task], budget_s: float) -> float:
         done += 1
         if time.perf_counter() - start > budget_s:
             break
-    return (time.perf_counter() - start) / done * 1e6
+    return (time.perf_counter() - start) / done * 1e6, done
 
 
 def _tasks(rng: random.Random, tasks: int) -> dict[str, list[Task]]:
@@ -172,21 +172,24 @@ def measure(
             }
         )
     samples: dict[tuple[int, str], list[float]] = {}
+    ran: dict[tuple[int, str], int] = {}
     hits = [c.placer.prefix_hits for c in clusters]
     gc.collect()
     for r in range(repeats):
         print(f"bench place: run {r + 1} of {repeats}", file=sys.stderr)
         for n, by_path in zip(nodes, paths, strict=True):
             for path, (run, items) in by_path.items():
-                us = _slice_us(run, items[r::repeats], budget_s)
+                us, done = _slice_us(run, items[r::repeats], budget_s)
                 samples.setdefault((n, path), []).append(us)
+                ran[(n, path)] = ran.get((n, path), 0) + done
     rows = []
     for i, (n, cluster) in enumerate(zip(nodes, clusters, strict=True)):
         row: dict[str, Any] = {"nodes": n}
         for path in PATHS:
             row[path] = round(min(samples[(n, path)]), 2)
         placed = cluster.placer.prefix_hits - hits[i]
-        row["prefix_hit_share"] = round(placed / max(1, len(work[i]["keyless"])), 3)
+        keyless_ran = ran[(n, "keyless_popular_prefix")]
+        row["prefix_hit_share"] = round(placed / max(1, keyless_ran), 3)
         row.update(_meta_costs(cluster, work[i]["same"][0], repeats))
         rows.append(row)
     return rows
