@@ -181,7 +181,9 @@ class PrefixIndex:
         pairs = self._pairs
         if self._removed:
             gone = np.fromiter(self._removed, dtype=np.uint64, count=len(self._removed))
-            pairs = pairs[~np.isin(pairs, gone, assume_unique=True)]
+            gone.sort()
+            # Every removed pair is in ``pairs`` (only merged pairs are marked removed).
+            pairs = np.delete(pairs, np.searchsorted(pairs, gone))
         if self._added:
             new = np.fromiter(
                 (h << 32 | mid for h, ids in self._added.items() for mid in _ids(ids)),

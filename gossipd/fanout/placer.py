@@ -267,8 +267,12 @@ class Placer:
     def order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
         """The members to try, best first: the first in ring order under its load bound (an
         unsaturated one first), then the others in ring order; at most ``attempts_max`` of
-        them (the forwarder never tries more), found by partial selection.  The same members
-        as ``core/placement.place`` over every serving, eligible, not excluded candidate."""
+        them (the forwarder never tries more: the forwarder's ``tried`` filter leaves at
+        least as many as it has attempts left), found by partial selection.  The same
+        members as ``core/placement.place`` over every serving, eligible, not excluded
+        candidate, with one difference: the total load the bounds scale with counts every
+        task in flight from here, also on members that stopped serving (as ``owner_for``'s
+        first check always did), where place() sums the pool's alone (a pass over N)."""
         view = self.view()
         ring = view.ring
         if ring is None:
