@@ -313,17 +313,16 @@ class Placer:
     def _first_under(
         self, pool: Sequence[str], view: View, total: int, weight: float, complete: bool
     ) -> str | None:
-        cfg = self.config
-        under = [
-            self.load(m) < bound(total, view.weights[m], weight, cfg.load_bound_c, cfg.load_floor)
-            for m in pool
-        ]
-        for i, m in enumerate(pool):
-            if under[i] and m not in view.saturated:
-                return m
+        c, floor = self.config.load_bound_c, self.config.load_floor
+        weights, saturated, first_under = view.weights, view.saturated, None
+        for m in pool:  # in order, the bound worked out only as far as needed
+            if self.load(m) < bound(total, weights[m], weight, c, floor):
+                if m not in saturated:
+                    return m
+                first_under = first_under or m
         if not complete:
             return None  # an unsaturated one may come further on: look there first
-        return next((m for i, m in enumerate(pool) if under[i]), None)
+        return first_under
 
     def owner_for(self, task: Task) -> str | None:
         """The member that should run ``task`` (maybe this node); None when no live member
