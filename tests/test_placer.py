@@ -212,3 +212,29 @@ def test_membership_and_placement_state_of_10000_members_fits_100_mb() -> None:
     about 54 MB)."""
     per_member_mb = memory_mb(1000, prefixes=256) / 1000
     assert per_member_mb * 10_000 <= 100.0, f"{per_member_mb * 1e3:.1f} KB a member"
+
+
+def test_a_load_only_meta_refreshes_its_member_alone_and_keeps_the_ring() -> None:
+    h = Harness()
+    for i, name in enumerate(NAMES):
+        h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
+        gpu = GpuState(rpc=f"tcp://{name}:5558", prefixes=[i])
+        h.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0))
+    placer = h.placer()
+    ring = placer.view().ring
+    refreshed: list[str] = []
+    original = placer._refresh
+
+    def counting(name: str) -> None:
+        refreshed.append(name)
+        original(name)
+
+    placer._refresh = counting  # type: ignore[method-assign]
+    busy = GpuState(rpc="tcp://m3:5558", prefixes=[3], running_requests=7, waiting_requests=9)
+    h.apply(Meta(node="m3", version=2, gpu=busy, incarnation=0))
+    view = placer.view()
+    assert refreshed == ["m3"] and view.ring is ring  # no rebuild for a load
+    assert "m3" in view.saturated  # ...yet the new load is seen
+    heavier = GpuState(rpc="tcp://m3:5558", prefixes=[3], capacity_weight=2.0)
+    h.apply(Meta(node="m3", version=3, gpu=heavier, incarnation=0))
+    assert placer.view().ring is not ring and placer.view().weights["m3"] == 2.0
