@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -108,3 +110,15 @@ def test_a_member_that_leaves_frees_its_id_for_the_next() -> None:
     index.set_member("b", [2, 3])
     assert index.holders([1, 2, 3]) == [(3, frozenset({"b"})), (2, frozenset({"b"}))]
     assert index.nbytes() > 0
+
+
+def test_the_index_takes_the_member_tables_compact_arrays_as_they_are() -> None:
+    import numpy as np
+
+    index = PrefixIndex(merge_pairs=2)
+    table_array = array("I", [9, 4, 9])  # duplicates are one hash
+    index.set_member("a", table_array)
+    index.set_member("b", np.array([4], dtype=np.uint32))
+    assert index.holders([4]) == [(1, frozenset({"a", "b"}))]
+    index.set_member("a", array("I", [5]))
+    assert index.holders([9]) == [] and index.holders([5]) == [(1, frozenset({"a"}))]

@@ -23,6 +23,7 @@ prefix; here each daemon knows only what it ran, and gossips a small summary of 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -96,7 +97,7 @@ class PrefixIndex:
         self._names: list[str] = []  # id -> member name ("" when free)
         self._ids: dict[str, int] = {}
         self._free_ids: list[int] = []
-        self._held: dict[int, np.ndarray] = {}  # id -> its sorted hashes
+        self._held: dict[int, np.ndarray | array[int]] = {}  # id -> its hashes
         self._pairs = np.empty(0, dtype=np.uint64)  # sorted (hash << 32 | id)
         # hash -> the id (or ids) holding it, not merged yet: one holder is the common case
         # and a bare int costs a third of a one-element set.
@@ -117,8 +118,10 @@ class PrefixIndex:
             self.set_member(member, hashes)
 
     def set_member(self, member: str, hashes: Iterable[int]) -> None:
-        """``member``'s summary is now ``hashes``: O(its size), whatever the cluster's."""
-        new = np.unique(np.fromiter(hashes, dtype=np.uint32))
+        """``member``'s summary is now ``hashes``: O(its size), whatever the cluster's.  An
+        ``array('I')`` (the member table's) is kept as it is, shared, not copied: the table
+        replaces a member's array on each Meta, it never changes one."""
+        new = _unique(hashes)
         mid = self._ids.get(member)
         if mid is None:
             if not len(new):
@@ -129,7 +132,7 @@ class PrefixIndex:
             else:
                 self._names[mid] = member
             self._ids[member] = mid
-        old = self._held.get(mid, _EMPTY)
+        old = _unique(self._held.get(mid, _EMPTY))
         if len(old) == len(new) and bool((old == new).all()):
             return
         for h in np.setdiff1d(old, new, assume_unique=True).tolist():
@@ -144,7 +147,8 @@ class PrefixIndex:
                 self._add(h, mid)
             self._pending += 1
         if len(new):
-            self._held[mid] = new
+            shared = isinstance(hashes, array) and hashes.typecode == "I"
+            self._held[mid] = hashes if shared else new  # type: ignore[assignment]
         else:
             del self._held[mid]
             del self._ids[member]
@@ -247,8 +251,17 @@ class PrefixIndex:
             del self._recent[h]
 
     def nbytes(self) -> int:
-        """The arrays' bytes (the side tables and Python objects not counted)."""
-        return int(self._pairs.nbytes + sum(a.nbytes for a in self._held.values()))
+        """The sorted pairs' bytes (the side tables and summaries not counted)."""
+        return int(self._pairs.nbytes)
+
+
+def _unique(hashes: Iterable[int]) -> np.ndarray:
+    """Sorted distinct ``uint32`` hashes (no copy of an ``array('I')`` before sorting)."""
+    if isinstance(hashes, np.ndarray):
+        return np.unique(hashes)
+    if isinstance(hashes, array) and hashes.typecode == "I":
+        return np.unique(np.frombuffer(hashes, dtype=np.uint32))
+    return np.unique(np.fromiter(hashes, dtype=np.uint32))
 
 
 def _ids(held: int | set[int]) -> Iterable[int]:
