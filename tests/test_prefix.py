@@ -121,4 +121,5 @@ def test_the_index_takes_the_member_tables_compact_arrays_as_they_are() -> None:
     index.set_member("b", np.array([4], dtype=np.uint32))
     assert index.holders([4]) == [(1, frozenset({"a", "b"}))]
     index.set_member("a", array("I", [5]))
+    index.set_member("a", array("I", [5]))  # the same again: nothing to do
     assert index.holders([9]) == [] and index.holders([5]) == [(1, frozenset({"a"}))]

@@ -121,8 +121,11 @@ class PrefixIndex:
         """``member``'s summary is now ``hashes``: O(its size), whatever the cluster's.  An
         ``array('I')`` (the member table's) is kept as it is, shared, not copied: the table
         replaces a member's array on each Meta, it never changes one."""
-        new = _unique(hashes)
         mid = self._ids.get(member)
+        kept = None if mid is None else self._held.get(mid)
+        if isinstance(kept, array) and isinstance(hashes, array) and kept == hashes:
+            return  # the same summary again (a Meta that changed a load): one comparison
+        new = _unique(hashes)
         if mid is None:
             if not len(new):
                 return
