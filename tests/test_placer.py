@@ -209,7 +209,7 @@ def test_order_chooses_as_core_placement_does(
 def test_membership_and_placement_state_of_10000_members_fits_100_mb() -> None:
     """256 prefix hashes a member, all distinct (the worst case for the index): measured at
     1,000 members and scaled, the state being per member (bench place measures 10,000:
-    about 54 MB)."""
+    about 42 MB)."""
     per_member_mb = memory_mb(1000, prefixes=256) / 1000
     assert per_member_mb * 10_000 <= 100.0, f"{per_member_mb * 1e3:.1f} KB a member"
 
