@@ -27,6 +27,7 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.messages import ErrorCode, GpuState, TaskDone, error_result
+from gossipd.core.placement import LoadCounts
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
@@ -416,7 +417,7 @@ class Daemon:
             clock=self.clock,
         )
         self.security.node_at = gossip.node_at
-        loads: dict[str, int] = {}  # per member: our forwards not yet done (bounded loads)
+        loads = LoadCounts()  # per member: our forwards not yet done (bounded loads), summed
         local_ids: set[str] = set()  # our intake's tasks running here
         placer = Placer(
             config.fanout,

@@ -95,3 +95,18 @@ def test_bench_budgets_json_reports_the_runaway_refused_and_the_other_served() -
     assert report["runaway_over_budget"] == on["daemon_refusals"]["over_budget"]
     ratio = on["good_p99_ms_with_runaway_median"] / on["good_p99_ms_alone_median"]
     assert abs(report["p99_ratio_with_vs_alone"] - ratio) < 0.01
+
+
+def test_bench_place_json_reports_every_path_the_worst_and_its_ratio(capsys) -> None:  # type: ignore[no-untyped-def]
+    from gossipd.tools.bench.place import PATHS, main
+
+    assert main(nodes=[20, 80], tasks=70, repeats=2, memory_nodes=100, as_json=True) == 0
+    report = json.loads(capsys.readouterr().out)
+    small, large = report["results"]
+    for path in PATHS:
+        assert small[path] > 0 and large[path] > 0
+    assert report["us_per_task_max_n80"] == max(large[p] for p in PATHS)
+    worst = report["worst_path"]
+    assert abs(report["ratio_n80_vs_n20"] - large[worst] / small[worst]) < 0.01
+    assert large["prefix_hit_share"] == 1.0  # the popular prefix's holders take its tasks
+    assert large["meta_load_change_us"] > 0 and report["memory_mb_n100"] > 0

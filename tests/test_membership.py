@@ -432,3 +432,18 @@ def test_reap_forgets_dead_and_left_members_after_their_ages_and_never_live_ones
     # Forgotten, a member that comes back joins afresh, even at its old incarnation.
     assert t.apply(Alive(node="c", incarnation=0, addr=ADDR), 200.0).changed
     assert t.members["c"].state is State.ALIVE
+
+
+def test_prefix_hashes_are_stored_compact_and_given_back_whole_in_records() -> None:
+    """A member's prefix hashes live apart from its GPU state (4 bytes each, issue 17); a
+    push-pull record carries them as they came."""
+    table = MemberTable(me="a", addr="tcp://a:1", now=0.0)
+    table.apply(Alive(node="b", incarnation=0, addr="tcp://b:1"), 0.0)
+    gpu = GpuState(rpc="tcp://b:2", prefixes=[7, 2**32 - 1, 3])
+    table.apply(Meta(node="b", version=1, gpu=gpu, incarnation=0), 0.0)
+    member = table.members["b"]
+    assert list(member.prefixes) == [7, 2**32 - 1, 3] and member.prefixes.itemsize == 4
+    assert member.gpu is not None and member.gpu.prefixes == []
+    assert member.record().gpu == gpu
+    table.apply(Meta(node="b", version=2, gpu=GpuState(rpc="tcp://b:2"), incarnation=0), 0.0)
+    assert member.prefixes == () and member.record().gpu == GpuState(rpc="tcp://b:2")

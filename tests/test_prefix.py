@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -70,3 +72,54 @@ def test_the_index_answers_deepest_prefix_first_from_gossip_and_own_placements()
     assert index.holders([1, 2, 3])[0] == (2, frozenset({"a"}))
     index.set_summaries({})
     assert index.holders([1, 2, 3]) == []
+
+
+# -- the compact index (issue 17): incremental == rebuilt from scratch ----------------------
+
+summaries = st.dictionaries(
+    st.sampled_from([f"m{i}" for i in range(6)]),
+    st.lists(st.integers(0, 40) | st.integers(2**32 - 3, 2**32 - 1), max_size=12),
+)
+
+
+@given(st.lists(summaries, min_size=1, max_size=12), st.integers(1, 50))
+def test_the_index_updated_member_by_member_equals_one_built_from_scratch(
+    rounds: list[dict[str, list[int]]], merge_pairs: int
+) -> None:
+    index = PrefixIndex(merge_pairs=merge_pairs)
+    held: dict[str, list[int]] = {}
+    for changes in rounds:
+        for member, hashes in changes.items():
+            index.set_member(member, hashes)
+            held[member] = hashes
+        fresh = PrefixIndex()
+        fresh.set_summaries(held)
+        probe = [*range(41), 2**32 - 3, 2**32 - 2, 2**32 - 1]
+        expected = {h: frozenset(m for m, hs in held.items() if h in hs) for h in probe}
+        for h in probe:
+            got = index.holders([h])
+            assert (got[0][1] if got else frozenset()) == expected[h]
+            assert fresh.holders([h]) == got
+        assert len(index) == sum(1 for hs in held.values() if hs)
+
+
+def test_a_member_that_leaves_frees_its_id_for_the_next() -> None:
+    index = PrefixIndex(merge_pairs=1)
+    index.set_member("a", [1, 2])
+    index.set_member("a", [])
+    index.set_member("b", [2, 3])
+    assert index.holders([1, 2, 3]) == [(3, frozenset({"b"})), (2, frozenset({"b"}))]
+    assert index.nbytes() > 0
+
+
+def test_the_index_takes_the_member_tables_compact_arrays_as_they_are() -> None:
+    import numpy as np
+
+    index = PrefixIndex(merge_pairs=2)
+    table_array = array("I", [9, 4, 9])  # duplicates are one hash
+    index.set_member("a", table_array)
+    index.set_member("b", np.array([4], dtype=np.uint32))
+    assert index.holders([4]) == [(1, frozenset({"a", "b"}))]
+    index.set_member("a", array("I", [5]))
+    index.set_member("a", array("I", [5]))  # the same again: nothing to do
+    assert index.holders([9]) == [] and index.holders([5]) == [(1, frozenset({"a"}))]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossipd.core.placement import Candidate, bound, place
+from gossipd.core.placement import Candidate, LoadCounts, bound, place
 from gossipd.core.ring import Ring, key_hash, mix64
 
 KEYS = [f"key-{i}" for i in range(20_000)]
@@ -161,3 +163,88 @@ def test_the_owner_keeps_its_keys_unless_its_engine_is_saturated() -> None:
     assert place("session-9", cool, ring=ring)[0] == owner
     busy = {**cool, owner: Candidate(owner, load=1, saturated=True)}
     assert place("session-9", busy, ring=ring)[0] == ring.successors("session-9")[1]
+
+
+# -- vectorised scoring (issue 17): the same owners and order as the scalar definition ------
+
+weight_sets = st.lists(st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0]), min_size=1, max_size=120)
+
+
+@given(weight_sets, st.lists(st.text(max_size=12), min_size=1, max_size=20), st.integers(0, 99))
+def test_vectorised_scoring_gives_the_scalar_owner_and_order(
+    weights: list[float], keys: list[str], salt: int
+) -> None:
+    ring = Ring({f"m{salt}-{i}": w for i, w in enumerate(weights)}, cache_max=1)
+    for k in keys:
+        kh = key_hash(k)
+        assert ring.members[ring._best_vector(kh)] == ring._best(k) == ring.owner(k)
+        full = ring.successors(k)
+        assert full[0] == ring.owner(k)
+        for n in (1, 3, 6, 40):
+            assert [ring.members[i] for i in ring.top(kh, n)] == full[:n]
+            assert ring.successors(k, n) == full[:n]
+
+
+@given(
+    weight_sets,
+    st.text(max_size=12),
+    st.lists(st.integers(0, 119), min_size=1, max_size=60, unique=True),
+    st.integers(1, 70),
+)
+def test_ranking_among_some_members_is_their_order_in_the_whole_ring(
+    weights: list[float], key: str, among: list[int], n: int
+) -> None:
+    import numpy as np
+
+    ring = Ring({f"m{i:03d}": w for i, w in enumerate(weights)})
+    among = sorted(i for i in among if i < len(weights))
+    if not among:
+        return
+    chosen = {ring.members[i] for i in among}
+    expected = [m for m in ring.successors(key) if m in chosen][:n]
+    got = ring.top(key_hash(key), n, np.array(among, dtype=np.int64))
+    assert [ring.members[i] for i in got] == expected
+
+
+def test_many_members_score_the_same_with_numpy_and_one_at_a_time() -> None:
+    import numpy as np
+
+    rng = random.Random(5)
+    for weights in (
+        {f"g{i}": 1.0 for i in range(300)},
+        {f"g{i}": 1.0 + i % 3 for i in range(300)},
+    ):
+        ring = Ring(weights, cache_max=1)
+        for k in KEYS[:200]:
+            assert ring.owner(k) == ring._best(k)
+        for k in KEYS[:20]:
+            full = ring.successors(k)
+            for n in (1, 5, 20, 100):
+                assert ring.successors(k, n) == full[:n]
+            among = sorted(rng.sample(range(300), 50))
+            chosen = {ring.members[i] for i in among}
+            for n in (1, 4, 50):
+                got = ring.top(key_hash(k), n, np.array(among, dtype=np.int64))
+                assert [ring.members[i] for i in got] == [m for m in full if m in chosen][:n]
+        assert ring.top(1, 0) == [] and Ring({}).top(1, 3) == []
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(-3, 5), st.integers(0, 5))))
+def test_load_counts_keep_their_sum(ops: list[tuple[str, int, int]]) -> None:
+    counts = LoadCounts()
+    for member, delta, op in ops:
+        if op == 0:
+            counts[member] = counts.get(member, 0) + delta
+        elif op == 1 and member in counts:
+            del counts[member]
+        elif op == 2:
+            counts.pop(member, None)
+        elif op == 3:
+            counts.setdefault(member, delta)
+        elif op == 4:
+            counts.update({member: delta})
+        elif counts:
+            counts.popitem()
+        assert counts.total == sum(counts.values())
+    counts.clear()
+    assert counts.total == 0

@@ -45,8 +45,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 from gossipd.core.messages import (
     INCARNATION_MAX,
@@ -84,17 +87,32 @@ class Member:
     gpu: GpuState | None = None
     suspicion: Suspicion | None = None
     meta_incarnation: int = 0  # the incarnation ``gpu`` was published at (rule 6)
+    # ``gpu.prefixes``, compact (4 bytes a hash where a list of ints costs 40): ``gpu`` is
+    # kept without them.  10,000 members with 256 each: 10 MB instead of 100.
+    prefixes: array[int] | tuple[()] = ()
 
     def record(self) -> MemberRecord:
+        gpu = self.gpu
+        if gpu is not None and self.prefixes:
+            gpu = msgspec.structs.replace(gpu, prefixes=self.prefixes.tolist())
         return MemberRecord(
             node=self.node,
             addr=self.addr,
             incarnation=self.incarnation,
             state=self.state._value_,
             meta_version=self.meta_version,
-            gpu=self.gpu,
+            gpu=gpu,
             meta_incarnation=self.meta_incarnation,
         )
+
+    def set_gpu(self, gpu: GpuState | None) -> None:
+        """Store GPU state, its prefix hashes apart and compact."""
+        if gpu is not None and gpu.prefixes:
+            self.prefixes = array("I", gpu.prefixes)
+            gpu = msgspec.structs.replace(gpu, prefixes=[])
+        else:
+            self.prefixes = ()
+        self.gpu = gpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +276,7 @@ class MemberTable:
             member.meta_incarnation < update.incarnation
         ):
             # Rule 8a: a new life; its metadata comes again at this incarnation.
-            member.gpu = None
+            member.set_gpu(None)
             member.meta_incarnation, member.meta_version = update.incarnation, 0
             self._meta_changes += 1
         self._set_state(member, State.ALIVE, now, update.incarnation)
@@ -326,7 +344,7 @@ class MemberTable:
         if (update.incarnation, update.version) <= (member.meta_incarnation, member.meta_version):
             return Outcome()
         member.meta_incarnation, member.meta_version = update.incarnation, update.version
-        member.gpu = update.gpu
+        member.set_gpu(update.gpu)
         self._meta_changes += 1
         return Outcome(
             changed=True,

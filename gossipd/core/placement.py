@@ -79,3 +79,43 @@ def place(
             if under[i] and not (prefer_unsaturated and pool[name].saturated):
                 return [name, *order[:i], *order[i + 1 :]]
     return order
+
+
+class LoadCounts(dict[str, int]):
+    """Per member in-flight counts with their sum kept as they change (``total``): bounded
+    loads read the sum on every task, which must not cost a pass over every member."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __setitem__(self, member: str, count: int) -> None:
+        self.total += count - self.get(member, 0)
+        super().__setitem__(member, count)
+
+    def __delitem__(self, member: str) -> None:
+        self.total -= self[member]
+        super().__delitem__(member)
+
+    def pop(self, member: str, *default: int) -> int:  # type: ignore[override]
+        if member in self:
+            self.total -= self[member]
+        return super().pop(member, *default)
+
+    def popitem(self) -> tuple[str, int]:
+        member, count = super().popitem()
+        self.total -= count
+        return member, count
+
+    def clear(self) -> None:
+        super().clear()
+        self.total = 0
+
+    def setdefault(self, member: str, count: int = 0) -> int:  # type: ignore[override]
+        if member not in self:
+            self[member] = count
+        return self[member]
+
+    def update(self, *args: object, **kwargs: int) -> None:  # type: ignore[override]
+        for member, count in dict(*args, **kwargs).items():  # type: ignore[call-overload]
+            self[member] = count

@@ -4,8 +4,13 @@ Why rendezvous and not a ring of virtual nodes: measured at N=64 over 1M keys (s
 ``gossipd bench ring``), rendezvous puts at most ~1.01x the mean number of keys on one member
 where a 100-point ring puts 1.22x (ringpop) and even 1,000 points put ~1.08x; and when a member
 joins or leaves exactly the keys it gains or loses move, no others, which is the minimum.
-The price is O(N) hashing per lookup (about 20 us at N=64 here), paid once per task; a small
-cache makes repeated keys (sessions) O(1).
+The price is O(N) hashing per new key, paid once per task: done in one NumPy pass over every
+member (``gossipd bench place``: ~6 us at N=64, ~15 us at N=10,000 on this 2-core machine,
+where one member at a time cost 3 ms), with the same owners as the scalar loop; a small
+cache makes repeated keys (sessions) O(1).  No exact rendezvous can avoid touching every
+member for a new key; a hierarchical one (groups, then members) moves ~1.8x the
+minimum when a member leaves (N=64 in 8 groups, simulated: its group's weight falls, so it loses
+keys its other members held), which is why this stays flat.
 
 Scores: for key k and member m with weight w, u = H(k, m) mapped to (0, 1) and
 score = w / -ln(u); the member with the highest score owns k, and the others in falling score
@@ -20,9 +25,19 @@ import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
+from functools import lru_cache
+
+import numpy as np
 
 MASK64 = (1 << 64) - 1
 _TWO64 = float(1 << 64)
+_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+# From this many members on, scores are computed with NumPy in one pass (measured here: the
+# scalar loop is faster below, the vector one above; see ``gossipd bench place``).
+VECTOR_MIN = 16
+# Up to this many of the best, ``top`` selects them one pass each; more: one sort.
+TOP_SELECT_MAX = 32
 
 
 def key_hash(key: str) -> int:
@@ -36,22 +51,62 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@lru_cache(maxsize=65_536)
+def _seed(member: str) -> int:
+    """A member's hash, cached: rings are rebuilt on every membership change."""
+    return key_hash(member)
+
+
 class Ring:
-    """Immutable: build a new Ring when the member set or a weight changes."""
+    """Immutable: build a new Ring when the member set or a weight changes (not when a load
+    does: loads are placement's, see core/placement.py)."""
 
     def __init__(self, weights: Mapping[str, float], *, cache_max: int = 4096) -> None:
         for name, w in weights.items():
             if not w > 0:
                 raise ValueError(f"member {name!r} has weight {w}; weights must be > 0")
         self.members = tuple(sorted(weights))
+        self.index = {m: i for i, m in enumerate(self.members)}
         self._weights = tuple(float(weights[m]) for m in self.members)
-        self._seeds = tuple(key_hash(m) for m in self.members)
+        self._seeds = tuple(_seed(m) for m in self.members)
         self._uniform = len(set(self._weights)) <= 1
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._cache_max = cache_max
+        self._vector = len(self.members) >= VECTOR_MIN
+        self._seed_arr = np.array(self._seeds, dtype=np.uint64)
+        self._weight_arr = np.array(self._weights, dtype=np.float64)
+        # Members grouped by weight (few distinct weights in practice: GPU kinds), each group
+        # a contiguous slice of ``_perm`` in name order: the best of a group is its highest
+        # raw hash, so only one score per group needs a logarithm.
+        by_weight: dict[float, list[int]] = {}
+        for i, w in enumerate(self._weights):
+            by_weight.setdefault(w, []).append(i)
+        groups = sorted(by_weight.items())
+        self._perm = np.array([i for _, idx in groups for i in idx], dtype=np.int64)
+        self._group_weights = [w for w, _ in groups]
+        starts, at = [], 0
+        for _, idx in groups:
+            starts.append(at)
+            at += len(idx)
+        self._group_starts = np.array(starts, dtype=np.int64)
+        self._group_bounds = [*starts, at]
+        self._seed_a = self._seed_arr ^ (self._seed_arr >> _S30)
+        self._seed_perm_a = self._seed_a[self._perm]
+        self._group_of = np.empty(len(self.members), dtype=np.int64)
+        for g in range(len(groups)):
+            self._group_of[self._perm[starts[g] : starts[g] + len(groups[g][1])]] = g
+        self._buf = np.empty(len(self.members), dtype=np.uint64)
+        self._tmp = np.empty(len(self.members), dtype=np.uint64)
 
     def __len__(self) -> int:
         return len(self.members)
+
+    def score(self, key_h: int, i: int) -> float:
+        """Member ``i``'s score for a key hash: the scalar definition (module docstring)."""
+        x = mix64(key_h ^ self._seeds[i])
+        if self._uniform:
+            return float(x)
+        return self._weights[i] / -math.log((x + 0.5) / _TWO64)
 
     def _scores(self, key: str) -> list[tuple[float, str]]:
         kh = key_hash(key)
@@ -74,13 +129,14 @@ class Ring:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
-        best = self._best(key)
+        best = self.members[self._best_vector(key_hash(key))] if self._vector else self._best(key)
         self._cache[key] = best
         if len(self._cache) > self._cache_max:
             self._cache.popitem(last=False)
         return best
 
     def _best(self, key: str) -> str:
+        """The owner by the scalar definition (one member at a time)."""
         kh = key_hash(key)
         best_score = -1.0
         best = self.members[0]
@@ -100,8 +156,91 @@ class Ring:
                 best_score, best = score, m
         return best
 
+    def _mixed(self, kh: int, seeds_a: np.ndarray) -> np.ndarray:
+        """mix64(kh ^ seed) for every seed, in the ring's scratch buffer (vectorised).
+        ``seeds_a`` holds a(seed) = seed ^ (seed >> 30): mix64's first step is linear over
+        XOR, a(kh ^ seed) = a(kh) ^ a(seed), so it is done once per member, not per key."""
+        n = len(seeds_a)
+        x, t = self._buf[:n], self._tmp[:n]
+        np.bitwise_xor(seeds_a, np.uint64(kh ^ (kh >> 30)), out=x)
+        np.multiply(x, _C1, out=x)
+        np.right_shift(x, _S27, out=t)
+        np.bitwise_xor(x, t, out=x)
+        np.multiply(x, _C2, out=x)
+        np.right_shift(x, _S31, out=t)
+        np.bitwise_xor(x, t, out=x)
+        return x
+
+    def _best_vector(self, kh: int) -> int:
+        """The owner's index, the same member as ``_best`` (one pass over arrays)."""
+        if self._uniform:
+            return int(self._mixed(kh, self._seed_a).argmax())
+        x = self._mixed(kh, self._seed_perm_a)
+        bounds = self._group_bounds
+        best_i, best_score = -1, -1.0
+        for g, w in enumerate(self._group_weights):
+            j = bounds[g] + int(x[bounds[g] : bounds[g + 1]].argmax())
+            score = w / -math.log((int(x[j]) + 0.5) / _TWO64)
+            i = int(self._perm[j])
+            # Equal scores: the first member in name order, as the scalar loop keeps it.
+            if score > best_score or (score == best_score and i < best_i):
+                best_i, best_score = i, score
+        return best_i
+
     def successors(self, key: str, n: int | None = None) -> list[str]:
         """Distinct members in preference order: the owner first."""
+        if n is not None and self._vector and n < len(self.members):
+            return [self.members[i] for i in self.top(key_hash(key), n)]
         ranked = sorted(self._scores(key), reverse=True)
         names = [m for _, m in ranked]
         return names if n is None else names[:n]
+
+    def top(self, kh: int, n: int, among: np.ndarray | None = None) -> list[int]:
+        """The indices of the ``n`` best members for key hash ``kh`` (of ``among``, an array
+        of member indices, when given), best first, in ``successors``' order: a partial
+        selection (the best ``n`` of each weight group by raw hash), not a sort of all."""
+        size = len(self.members) if among is None else len(among)
+        if size == 0 or n <= 0:
+            return []
+        if size < VECTOR_MIN:
+            idx = range(size) if among is None else (int(i) for i in among)
+            ranked = sorted(((self.score(kh, i), self.members[i]), i) for i in idx)
+            return [i for _, i in reversed(ranked[-n:])]
+        if n > TOP_SELECT_MAX:
+            return self._sorted(kh, n, among)
+        if among is None:
+            x = self._mixed(kh, self._seed_perm_a)
+            perm, bounds = self._perm, self._group_bounds
+        else:
+            groups = self._group_of[among]
+            order = np.argsort(groups, kind="stable")
+            perm = among[order]
+            x = self._mixed(kh, self._seed_a[perm])
+            counts = np.bincount(groups, minlength=len(self._group_weights))
+            bounds = [0, *np.cumsum(counts).tolist()]
+        ranked = []
+        members, uniform = self.members, self._uniform
+        for g in range(len(bounds) - 1):
+            lo, hi = bounds[g], bounds[g + 1]
+            part = x[lo:hi]
+            w = self._group_weights[g]
+            for _ in range(min(n, hi - lo)):
+                j = int(part.argmax())
+                v = int(part[j])
+                part[j] = 0  # the scratch buffer: taken, out of the next pass
+                i = int(perm[lo + j])
+                score = float(v) if uniform else w / -math.log((v + 0.5) / _TWO64)
+                ranked.append(((score, members[i]), i))
+        ranked.sort()
+        return [i for _, i in reversed(ranked[-n:])]
+
+    def _sorted(self, kh: int, n: int, among: np.ndarray | None) -> list[int]:
+        """``top`` for many: one vectorised sort of the scores."""
+        idx = np.arange(len(self.members)) if among is None else among
+        x = self._mixed(kh, self._seed_a[idx])
+        if self._uniform:
+            ranked = np.argsort(x, kind="stable")[::-1][:n]
+        else:
+            u = (x.astype(np.float64) + 0.5) / _TWO64
+            ranked = np.argsort(self._weight_arr[idx] / -np.log(u), kind="stable")[::-1][:n]
+        return idx[ranked].tolist()

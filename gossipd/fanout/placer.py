@@ -5,32 +5,55 @@ feeds them this daemon's view: the serving members and their weights from gossip
 this entry point has put on each (what it forwarded and has not seen finish, and what it kept),
 engine saturation from gossiped engine load, and the prefixes members hold.  The forwarding
 itself (sending, acks, retries, migration) is ``core/forwarder.py``.
+
+Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
+- the view is kept up to date member by member from membership events: a member's new GPU
+  state (Meta) costs O(its own size); the ring is rebuilt only when the serving set or a
+  weight changes, never for a load;
+- the sums bounded loads need (in-flight tasks, serving weight) are running totals;
+- a new key is scored against every member in one NumPy pass (``Ring``), a repeated key is a
+  cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
+  ``attempts_max`` members, not a sort of all; prefix holders are ranked among themselves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from gossipd.config import FanoutConfig
+from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import GpuState, Task
-from gossipd.core.placement import Candidate, bound, place
+from gossipd.core.placement import Candidate, LoadCounts, bound
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
-from gossipd.core.ring import Ring
+from gossipd.core.ring import Ring, key_hash
 from gossipd.ingress.service import Ingress
 from gossipd.membership.gossip import GossipService
+
+HOLDER_RANKS_MAX = 4096  # prefix holder rankings remembered (then forgotten all at once)
 
 
 @dataclass(slots=True)
 class View:
     key: object
     ring: Ring | None
-    weights: dict[str, float]
-    addrs: dict[str, str]
-    saturated: frozenset[str]  # members whose engine is saturated (gossiped engine load)
+    weights: dict[str, float]  # serving members (us included while we serve)
+    addrs: dict[str, str]  # live members with an rpc address
+    saturated: set[str]  # members whose engine is saturated (gossiped engine load)
+    total_weight: float = 0.0
 
-    @property
-    def total_weight(self) -> float:
-        return sum(self.weights.values())
+
+@dataclass(slots=True)
+class _Info:
+    """What placement needs of one live member's GPU state."""
+
+    weight: float
+    serving: bool
+    model: str
+    saturated: bool
+    rpc: str
 
 
 class Placer:
@@ -51,7 +74,8 @@ class Placer:
         self._ingress = ingress
         self._gossip = gossip
         # Kept up to date by the forwarder (core/forwarder.py): per member, our forwarded
-        # tasks not done yet; and the tasks from our intake that run here, unfinished.
+        # tasks not done yet; and the tasks from our intake that run here, unfinished.  A
+        # LoadCounts keeps their sum; a plain dict is summed per task.
         self.outstanding = loads
         self.local_ids = local_ids
         self.draining = False
@@ -60,43 +84,44 @@ class Placer:
         self.prefix_record = PrefixRecord()
         self.prefix_index = PrefixIndex()
         self._round_robin = 0
-        self._cached_view: View | None = None
+        # The view, kept member by member: members whose state changed since it was read
+        # (membership events), or everything (at first, or without events).
+        self._info: dict[str, _Info] = {}
+        self._view = View(None, None, {}, {}, set())
+        self._dirty: set[str] = set()
+        self._rebuild = True
+        self._ring_stale = True
+        self._own: tuple[object, ...] = ()
+        self._table_version: object = None
+        self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
+        # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
+        self._holder_rank: dict[tuple[str, frozenset[str]], list[str]] = {}
+        listeners = getattr(gossip, "listeners", None)
+        self._evented = listeners is not None
+        if listeners is not None:
+            listeners.append(self.member_event)
+
+    def member_event(self, event: MemberEvent) -> None:
+        """A membership event: that member's entry is read again at the next placement."""
+        self._dirty.add(event.node)
 
     def addr(self, member: str) -> str | None:
         """The member's rpc address, if it is a live member."""
         return self.view().addrs.get(member)
 
     def candidates(self) -> dict[str, Candidate]:
+        """Every live member as a Candidate (O(N): for inspection and tests, not per task)."""
+        view = self.view()
         out: dict[str, Candidate] = {}
-        for m in self._gossip.live_members():
-            gpu = m.gpu
-            # Suspects stay candidates: most are alive and refute; a dead one fails its
-            # forward and the next member takes the task.
-            if gpu is None or not gpu.rpc:
-                continue
-            # Bounded loads compare loads measured one way: what this entry point has sent each
-            # member and not yet seen finish (HAProxy's approach).  The gossiped in-flight count
-            # is older and counts other entry points' work; it is exported, not mixed in here.
-            load = self.outstanding.get(m.node, 0)
-            out[m.node] = Candidate(
-                m.node,
-                load=load,
-                weight=gpu.capacity_weight or 1.0,
-                status=gpu.status,
-                models=frozenset({gpu.model}) if gpu.model else frozenset(),
-                saturated=self._saturated(gpu),
+        for name, info in self._info.items():
+            out[name] = Candidate(
+                name,
+                load=self.load(name),
+                weight=info.weight,
+                status="serving" if info.serving else "draining",
+                models=frozenset({info.model}) if info.model else frozenset(),
+                saturated=name in view.saturated,
             )
-        # Our own load as this entry point sees it: the tasks we kept from our own intake, so
-        # that every load in the comparison is measured the same way (HAProxy's approach).
-        own_model = self._ingress.model
-        out[self.node] = Candidate(
-            self.node,
-            saturated=self._own_saturated(),
-            models=frozenset({own_model}) if own_model else frozenset(),
-            load=len(self.local_ids),
-            weight=self._gossip.config.gpu.capacity_weight,
-            status=self._own_status(),
-        )
         return out
 
     def _saturated(self, gpu: GpuState) -> bool:
@@ -115,56 +140,194 @@ class Placer:
         shutting_down = self.draining or self._ingress.admission.shutting_down
         return "draining" if shutting_down else "serving"
 
-    def order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
-        cands = {n: c for n, c in self.candidates().items() if n not in exclude}
-        # The view's ring is the serving set's; place() builds another only when the candidates
-        # differ (an exclusion, a model filter).
-        return place(
-            key or task.key or task.id,
-            cands,
-            ring=self.view().ring,
-            c=self.config.load_bound_c,
-            floor=self.config.load_floor,
-            model=task.model,
-        )
+    # -- the view, member by member --------------------------------------------------------
 
     def view(self) -> View:
-        """Serving members, their ring, weights and rpc addresses; rebuilt only when the
-        member table or our own status changes, not per task."""
+        """Serving members, their ring, weights and rpc addresses: each member's entry is
+        refreshed when an event names it, the ring when the serving set or a weight changes;
+        nothing is rebuilt per task or for a load."""
         core = self._gossip.core
         assert core is not None
-        key = (core.table.version, self._own_status(), self._own_saturated())
-        if self._cached_view is None or self._cached_view.key != key:
-            cands = self.candidates()
-            serving = {n: c for n, c in cands.items() if c.status == "serving"}
-            addrs = {
-                m.node: m.gpu.rpc
-                for m in self._gossip.live_members()
-                if m.gpu is not None and m.gpu.rpc
-            }
-            self.prefix_index.set_summaries(
-                {
-                    m.node: m.gpu.prefixes
-                    for m in self._gossip.live_members()
-                    if m.gpu is not None and m.gpu.prefixes
-                }
-            )
-            self._cached_view = View(
-                key,
-                Ring({n: c.weight for n, c in serving.items()}) if serving else None,
-                {n: c.weight for n, c in serving.items()},
-                addrs,
-                frozenset(n for n, c in serving.items() if c.saturated),
-            )
-        return self._cached_view
+        table = core.table
+        if not self._evented and table.version != self._table_version:
+            self._rebuild = True  # no events to say which member changed: read them all
+        self._table_version = table.version
+        if self._rebuild:
+            self._rebuild = False
+            self._dirty.clear()
+            for name in list(self._info):
+                if name != self.node:
+                    self._drop(name)
+            for name in list(table.members):
+                self._refresh(name)
+        elif self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            for name in dirty:
+                if name != self.node:
+                    self._refresh(name)
+        own_model = self._ingress.model
+        own = (
+            self._own_status() == "serving",
+            self._own_saturated(),
+            float(self._gossip.config.gpu.capacity_weight),
+            own_model,
+        )
+        if own != self._own:
+            self._own = own
+            serving, saturated, weight, model = own
+            self._set(self.node, _Info(weight, serving, model, saturated, ""))
+        view = self._view
+        if self._ring_stale:
+            self._ring_stale = False
+            view.ring = Ring(view.weights) if view.weights else None
+            self._holder_rank.clear()
+            view.key = (table.version, own)
+        return view
+
+    def _refresh(self, name: str) -> None:
+        core = self._gossip.core
+        assert core is not None
+        m = core.table.members.get(name)
+        gpu = None if m is None or m.state not in LIVE_STATES else m.gpu
+        # Suspects stay candidates: most are alive and refute; a dead one fails its forward
+        # and the next member takes the task.
+        if gpu is None or not gpu.rpc:
+            self._drop(name)
+            return
+        info = _Info(
+            gpu.capacity_weight or 1.0,
+            gpu.status == "serving",
+            gpu.model,
+            self._saturated(gpu),
+            gpu.rpc,
+        )
+        self._set(name, info)
+        prefixes = getattr(m, "prefixes", None)
+        self.prefix_index.set_member(name, gpu.prefixes if prefixes is None else prefixes)
+
+    def _set(self, name: str, info: _Info) -> None:
+        view = self._view
+        old = self._info.get(name)
+        self._info[name] = info
+        if info.rpc:
+            view.addrs[name] = info.rpc
+        if info.saturated:
+            view.saturated.add(name)
+        else:
+            view.saturated.discard(name)
+        was = view.weights.get(name) if old is not None and old.serving else None
+        now = info.weight if info.serving else None
+        if was != now:
+            self._ring_stale = True
+            if was is not None:
+                del view.weights[name]
+                view.total_weight -= was
+            if now is not None:
+                view.weights[name] = now
+                view.total_weight += now
+        if old is not None:
+            self._by_model.get(old.model, set()).discard(name)
+        if info.serving:
+            self._by_model.setdefault(info.model, set()).add(name)
+
+    def _drop(self, name: str) -> None:
+        view = self._view
+        old = self._info.pop(name, None)
+        view.addrs.pop(name, None)
+        view.saturated.discard(name)
+        if name in view.weights:
+            view.total_weight -= view.weights.pop(name)
+            self._ring_stale = True
+        if old is not None:
+            self._by_model.get(old.model, set()).discard(name)
+        self.prefix_index.set_member(name, ())
+
+    # -- decisions -------------------------------------------------------------------------
 
     def load(self, member: str) -> int:
         return len(self.local_ids) if member == self.node else self.outstanding.get(member, 0)
 
+    def total_load(self) -> int:
+        """In-flight tasks this entry point counts against all members (bounded loads)."""
+        loads = self.outstanding
+        total = loads.total if isinstance(loads, LoadCounts) else sum(loads.values())
+        return total + len(self.local_ids)
+
+    def free(self, member: str, view: View, total: int) -> bool:
+        """May ``member`` take one more task: its engine is not saturated and it is under its
+        bounded-load ceiling for ``total`` (see core/placement.py)."""
+        if member in view.saturated:
+            return False
+        cfg = self.config
+        ceiling = bound(
+            total, view.weights[member], view.total_weight, cfg.load_bound_c, cfg.load_floor
+        )
+        return self.load(member) < ceiling
+
+    def order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
+        """The members to try, best first: the first in ring order under its load bound (an
+        unsaturated one first), then the others in ring order; at most ``attempts_max`` of
+        them (the forwarder never tries more: the forwarder's ``tried`` filter leaves at
+        least as many as it has attempts left), found by partial selection.  The same
+        members as ``core/placement.place`` over every serving, eligible, not excluded
+        candidate, with one difference: the total load the bounds scale with counts every
+        task in flight from here, also on members that stopped serving (as ``owner_for``'s
+        first check always did), where place() sums the pool's alone (a pass over N)."""
+        view = self.view()
+        ring = view.ring
+        if ring is None:
+            return []
+        model = task.model
+        ineligible: set[str] = set()
+        if model:
+            # Members naming no model serve any; the others only theirs.  Only a mixed
+            # cluster pays for the set of the others (O(members), not per task otherwise).
+            named = self._by_model.get(model, set())
+            unnamed = self._by_model.get("", set())
+            if len(named) + len(unnamed) < len(view.weights):
+                ineligible = set(view.weights).difference(named, unnamed)
+        skip = ineligible.union(exclude)
+        pool_n = len(view.weights) - len(skip & view.weights.keys())
+        if pool_n <= 0:
+            return []
+        # The pool's totals: everyone's, less the members left out (few, or the model case).
+        total_load = self.total_load() - sum(self.load(n) for n in skip if n in view.weights)
+        total_weight = view.total_weight - sum(view.weights[n] for n in skip if n in view.weights)
+        cfg = self.config
+        limit = max(1, cfg.attempts_max)
+        kh = key_hash(key or task.key or task.id)
+        n = limit + len(skip)
+        while True:
+            ranked = [ring.members[i] for i in ring.top(kh, min(n, len(ring)))]
+            pool = [m for m in ranked if m not in skip]
+            complete = n >= len(ring)
+            chosen = self._first_under(pool, view, total_load, total_weight, complete)
+            if chosen is not None or complete:
+                break
+            n *= 4  # the first ``n`` are all over their bound: look further
+        if chosen is None:
+            return pool[:limit]
+        i = pool.index(chosen)
+        return [chosen, *pool[:i], *pool[i + 1 :]][:limit]
+
+    def _first_under(
+        self, pool: Sequence[str], view: View, total: int, weight: float, complete: bool
+    ) -> str | None:
+        c, floor = self.config.load_bound_c, self.config.load_floor
+        weights, saturated, first_under = view.weights, view.saturated, None
+        for m in pool:  # in order, the bound worked out only as far as needed
+            if self.load(m) < bound(total, weights[m], weight, c, floor):
+                if m not in saturated:
+                    return m
+                first_under = first_under or m
+        if not complete:
+            return None  # an unsaturated one may come further on: look there first
+        return first_under
+
     def owner_for(self, task: Task) -> str | None:
         """The member that should run ``task`` (maybe this node); None when no live member
         serves the model it names.  The common case costs one ring lookup (cached for
-        repeated keys) and one bound check; the full preference order is computed only when
+        repeated keys) and one bound check; the preference order is computed only when
         the owner is over its bound."""
         view = self.view()
         ring = view.ring
@@ -188,36 +351,21 @@ class Placer:
                 owner = order[0] if order else self.node
         return owner
 
-    def total_load(self) -> int:
-        """In-flight tasks this entry point counts against all members (bounded loads)."""
-        return sum(self.outstanding.values()) + len(self.local_ids)
-
-    def free(self, member: str, view: View, total: int) -> bool:
-        """May ``member`` take one more task: its engine is not saturated and it is under its
-        bounded-load ceiling for ``total`` (see core/placement.py)."""
-        if member in view.saturated:
-            return False
-        cfg = self.config
-        ceiling = bound(
-            total, view.weights[member], view.total_weight, cfg.load_bound_c, cfg.load_floor
-        )
-        return self.load(member) < ceiling
-
     def place_by_prefix(self, task: Task, view: View, ring: Ring) -> str:
         """A keyless task: the member holding the longest known prefix of its prompt, under
-        its load bound; else the ring owner of its first block (see core/prefix.py)."""
+        its load bound; else the ring owner of its first block (see core/prefix.py).  Holders
+        are ranked among themselves (their rendezvous scores for the key), not in the order
+        of the whole ring."""
         cfg = self.config
         hashes = prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
         key = prefix_key(hashes) if hashes else task.id  # shorter than a block: by its id
         total = self.total_load()
-        ring_order: list[str] = []  # the key's full ring order, computed only if needed
         owner = ""
         for _depth, members in self.prefix_index.holders(hashes):
-            held = [m for m in members if m in view.weights]
-            if len(held) > 1:
-                ring_order = ring_order or ring.successors(key)
-                held.sort(key=ring_order.index)
-            owner = next((m for m in held if self.free(m, view, total)), "")
+            ranked = self._holder_rank.get((key, members))
+            if ranked is None:
+                ranked = self._rank(ring, key, members, view)
+            owner = next((m for m in ranked if self.free(m, view, total)), "")
             if owner:
                 self.prefix_hits += 1
                 break
@@ -229,6 +377,21 @@ class Placer:
         if hashes:
             self.prefix_index.placed(hashes, owner)
         return owner
+
+    def _rank(self, ring: Ring, key: str, members: frozenset[str], view: View) -> list[str]:
+        """The serving ones of ``members`` in their order for ``key`` (their rendezvous
+        scores among themselves), remembered: a popular prefix's holders rank the same way
+        for each of its tasks, until the ring changes (which forgets them all)."""
+        held = [ring.index[m] for m in members if m in view.weights]
+        if len(held) <= 1:
+            ranked = [ring.members[i] for i in held]
+        else:
+            among = np.array(sorted(held), dtype=np.int64)
+            ranked = [ring.members[i] for i in ring.top(key_hash(key), len(among), among)]
+        if len(self._holder_rank) >= HOLDER_RANKS_MAX:
+            self._holder_rank.clear()
+        self._holder_rank[(key, members)] = ranked
+        return ranked
 
     def record_prefix(self, task: Task) -> None:
         """Admitted here: count its prefix blocks for the summary we gossip."""

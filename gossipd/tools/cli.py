@@ -228,7 +228,18 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nodes(text: str) -> int | list[int]:
+    """--nodes: one count, or several comma-separated (bench place)."""
+    counts = [int(part) for part in text.split(",")]
+    return counts[0] if len(counts) == 1 else counts
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "place":
+        from gossipd.tools.bench.place import main as bench_place
+
+        nodes = args.nodes if isinstance(args.nodes, list) or args.nodes is None else [args.nodes]
+        return bench_place(nodes=nodes, as_json=args.json)
     if args.what == "ring":
         from gossipd.tools.bench.ring import main as bench_ring
 
@@ -569,9 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "what",
-        choices=["ingress", "route", "ring", "engine", "prefix", "hedge", "budgets"],
+        choices=["ingress", "route", "ring", "engine", "prefix", "hedge", "budgets", "place"],
         help="ingress: one daemon vs raw pyzmq; route: the cost of a forward hop; ring: "
-        "placement balance and churn; engine: the daemon's overhead on vLLM; prefix: "
+        "placement balance and churn; place: placement's cost per task as N grows; engine: the daemon's overhead on vLLM; prefix: "
         "prefix-cache hit rate by placement policy (six fresh 3-daemon vLLM clusters: many "
         "minutes on 2 cores); hedge: a stalled member, hedging off/on; budgets: a well-behaved "
         "producer's latency alone and beside a runaway at 10x its token budget",
@@ -584,7 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keys", type=int, default=1_000_000, help="ring: keys to place")
     p.add_argument(
-        "--nodes", type=int, default=None, help="route, prefix: daemons (3); ring: members (64)"
+        "--nodes",
+        type=_nodes,
+        default=None,
+        help="route, prefix: daemons (3); ring: members (64); place: member counts, "
+        "comma-separated (64,1000,10000)",
     )
     p.add_argument(
         "--tasks", type=int, default=20_000, help="ingress, route: tasks per run (default 20000)"
