@@ -104,3 +104,30 @@ def test_Admission_zero_cache_forgets_every_result() -> None:
 def test_Admission_rejects_bad_bounds() -> None:
     with pytest.raises(LocalProtocolError):
         Admission(pending_max=0, results_max=1)
+
+
+def test_Admission_an_id_belongs_to_its_producer_key_while_pending_or_cached() -> None:
+    """Rule 1a: another key's offer of the id is refused, never absorbed nor answered from
+    the cache; the id is free again once its result is forgotten."""
+    adm = Admission(pending_max=10, results_max=1)
+    assert adm.offer("a", producer="A" * 40)[0] is Verdict.ADMIT
+    assert adm.offer("a", producer="B" * 40) == (Verdict.CONFLICT, None)
+    assert adm.offer("a")[0] is Verdict.CONFLICT  # no key is another producer too
+    assert adm.offer("a", producer="A" * 40)[0] is Verdict.DUPLICATE_PENDING
+    adm.finish("a", ok("a"))
+    assert adm.offer("a", producer="B" * 40) == (Verdict.CONFLICT, None)
+    assert adm.offer("a", producer="A" * 40)[0] is Verdict.DUPLICATE_DONE
+    adm.offer("b", producer="A" * 40)
+    adm.finish("b", ok("b"))  # evicts a (results_max 1)
+    assert adm.offer("a", producer="B" * 40)[0] is Verdict.ADMIT
+    adm.finish("a", ok("a"), remember=False)
+    assert adm.offer("a")[0] is Verdict.ADMIT  # forgotten: anyone's again
+    stats = adm.statistics()
+    assert stats.refused_id_in_use == 3 and stats.duplicates == 2
+
+
+def test_Admission_a_result_too_large_to_cache_frees_its_id() -> None:
+    adm = Admission(pending_max=10, results_max=10, results_bytes_max=1)
+    adm.offer("a", producer="A" * 40)
+    adm.finish("a", ok("a"))
+    assert adm.offer("a", producer="B" * 40)[0] is Verdict.ADMIT

@@ -211,7 +211,8 @@ class OwnerEndpoint:
             self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
             return
         if isinstance(msg, Cancel):
-            self._ingress.handle_cancel(msg.id)
+            # The producer key the entry daemon read: only the task's own key cancels it.
+            self._ingress.handle_cancel(msg.id, msg.producer_key)
             return
         if isinstance(msg, Withdraw):
             self._withdraw(identity, msg.id)
