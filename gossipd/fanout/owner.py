@@ -183,7 +183,7 @@ class OwnerEndpoint:
             if len(parts) != 2:
                 self.counters.bad_peer_messages += 1
                 continue
-            sender = parts[1].get("User-Id")
+            sender = parts[1].get(b"User-Id")
             self._on_peer_frame(parts[0].bytes, parts[1].bytes, sender, allowed)
 
     def _on_peer_frame(

