@@ -554,9 +554,8 @@ class Forwarder:
         d.flights = []  # see _end
 
     def _refuse_final(self, d: Dispatch, code: ErrorCode) -> None:
-        """A refusal that another member would not change (rule 6): answer it now."""
-        if d.winner or d.ended:
-            return
+        """A refusal that another member would not change (rule 6): answer it now.  (The
+        dispatch is live: a winner's or an ended dispatch's other flights have landed.)"""
         for other in d.flights:
             if other.live:
                 self._land(other)
