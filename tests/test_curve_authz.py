@@ -49,8 +49,9 @@ def cancel(producer: CurveProducer, task_id: str, **fields: Any) -> None:
     producer.push.send(msgpack.packb({"v": 1, "t": 4, "id": task_id, **fields}))
 
 
-# Echo tasks that run for about 4 s unless cancelled.
+# Echo tasks that run for about 4 s, or 20 s, unless cancelled.
 SLOW = {"params": {"max_tokens": 200}, "stream": False}
+SLOWER = {"params": {"max_tokens": 1000}, "stream": False}
 SLOW_DAEMONS = ("engine.token_delay_s=0.02",)
 
 
@@ -64,8 +65,8 @@ def test_only_the_submitting_key_cancels_a_task_here_and_at_its_owner(
     b_at_s1 = CurveProducer(s1.endpoint, keys.pair("pb"), keys.public("s1"))
     ctx = zmq.Context()
     try:
-        a.send_task("here", key=key_owned_by("s0"), **SLOW)
-        a.send_task("there", key=key_owned_by("s1"), **SLOW)
+        a.send_task("here", key=key_owned_by("s0"), **SLOWER)
+        a.send_task("there", key=key_owned_by("s1"), **SLOWER)
         wait_until(lambda: metric(s1, "gossipd_tasks_pending") == 1, 10, "s1 runs 'there'")
         wait_until(lambda: metric(s0, "gossipd_tasks_pending") == 1, 10, "s0 runs 'here'")
         # B at the entry daemon (s0 runs one, forwarded the other), B at the owner directly,
@@ -85,10 +86,10 @@ def test_only_the_submitting_key_cancels_a_task_here_and_at_its_owner(
         wait_until(lambda: metric(s1, REFUSED_CANCELS) == 2, 5, "s1 refuses B's cancels")
         assert a.drain() == [] and b.drain() == [] and b_at_s1.drain() == []
         assert metric(s0, "gossipd_tasks_pending") == 1 == metric(s1, "gossipd_tasks_pending")
-        # A's own Cancels, both at the entry daemon: answered long before the 4 s run ends.
+        # A's own Cancels, both at the entry daemon: answered long before the 20 s run ends.
         cancel(a, "here")
         cancel(a, "there")
-        results = {r["id"]: r for r in a.results(2, timeout_s=2.0)}
+        results = {r["id"]: r for r in a.results(2, timeout_s=5.0)}
         assert sorted(results) == ["here", "there"]
         for task_id, node in (("here", "s0"), ("there", "s1")):
             assert results[task_id]["error"]["code"] == "cancelled"
