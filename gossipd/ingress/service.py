@@ -235,7 +235,7 @@ class Ingress:
                 admitted.add(producer_key)
             # A small frame is copied out (``Frame.bytes``) and decoded from bytes: making
             # its ``buffer`` (a memoryview) and decoding from it cost more than the copy
-            # saves (0.4 us more per 200-byte task, measured here).  A large one is decoded
+            # saves (0.5 us more per 200-byte task, measured here).  A large one is decoded
             # from its buffer, without a copy.
             handle(frame.bytes if len(frame) <= COPY_BYTES_MAX else frame.buffer, now, producer_key)
 
