@@ -143,7 +143,7 @@ class ZmqTransport:
         assert on_frame is not None
         for frame in frames:
             data = frame.bytes
-            if accept is None or accept(frame.get("User-Id"), data):
+            if accept is None or accept(frame.get(b"User-Id"), data):
                 on_frame(data)
 
     def send(self, addr: str, frame: bytes) -> bool:

@@ -11,6 +11,7 @@ from gossipd.core.messages import ErrorCode, Result, error_result
 from gossipd.errors import LocalProtocolError
 
 IDS = st.sampled_from([f"t{i}" for i in range(12)])
+PRODUCERS = st.sampled_from(["", "A" * 40, "B" * 40])  # "" : no CURVE key
 
 
 def ok(task_id: str) -> Result:
@@ -18,7 +19,7 @@ def ok(task_id: str) -> Result:
 
 
 class AdmissionMachine(RuleBasedStateMachine):
-    """Model: pending set, LRU of results, run counts per id."""
+    """Model: pending set, LRU of results, run counts per id, the producer of each id held."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -27,12 +28,16 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.pending: set[str] = set()
         self.done: list[str] = []  # LRU order, oldest first
         self.runs: dict[str, int] = {}
+        self.producer: dict[str, str] = {}  # of each pending or cached id (rule 1a)
         self.shutting_down = False
 
-    @rule(task_id=IDS)
-    def offer(self, task_id: str) -> None:
-        verdict, cached = self.adm.offer(task_id)
-        if task_id in self.pending:
+    @rule(task_id=IDS, producer=PRODUCERS)
+    def offer(self, task_id: str, producer: str) -> None:
+        verdict, cached = self.adm.offer(task_id, producer=producer)
+        held = task_id in self.pending or task_id in self.done
+        if held and self.producer[task_id] != producer:
+            assert verdict is Verdict.CONFLICT and cached is None
+        elif task_id in self.pending:
             assert verdict is Verdict.DUPLICATE_PENDING
         elif task_id in self.done:
             assert verdict is Verdict.DUPLICATE_DONE and cached is not None and cached.id == task_id
@@ -45,6 +50,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         else:
             assert verdict is Verdict.ADMIT
             self.pending.add(task_id)
+            self.producer[task_id] = producer
             self.runs[task_id] = self.runs.get(task_id, 0) + 1
 
     @precondition(lambda self: self.pending)
@@ -57,7 +63,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         if remember:
             self.done.append(task_id)
             if len(self.done) > self.results_max:
-                self.done.pop(0)
+                self.producer.pop(self.done.pop(0))
+        else:
+            self.producer.pop(task_id)
 
     @rule()
     def shut_down(self) -> None:
@@ -69,6 +77,11 @@ class AdmissionMachine(RuleBasedStateMachine):
         stats = self.adm.statistics()
         assert stats.pending == len(self.pending) <= self.pending_max
         assert stats.cached_results == len(self.done) <= self.results_max
+
+    @invariant()
+    def producers_are_remembered_only_for_held_ids(self) -> None:
+        assert set(self.producer) == self.pending | set(self.done)
+        assert set(self.adm._producer_of) == {t for t, p in self.producer.items() if p}
 
     @invariant()
     def an_id_runs_again_only_after_it_was_forgotten(self) -> None:
@@ -104,3 +117,30 @@ def test_Admission_zero_cache_forgets_every_result() -> None:
 def test_Admission_rejects_bad_bounds() -> None:
     with pytest.raises(LocalProtocolError):
         Admission(pending_max=0, results_max=1)
+
+
+def test_Admission_an_id_belongs_to_its_producer_key_while_pending_or_cached() -> None:
+    """Rule 1a: another key's offer of the id is refused, never absorbed nor answered from
+    the cache; the id is free again once its result is forgotten."""
+    adm = Admission(pending_max=10, results_max=1)
+    assert adm.offer("a", producer="A" * 40)[0] is Verdict.ADMIT
+    assert adm.offer("a", producer="B" * 40) == (Verdict.CONFLICT, None)
+    assert adm.offer("a")[0] is Verdict.CONFLICT  # no key is another producer too
+    assert adm.offer("a", producer="A" * 40)[0] is Verdict.DUPLICATE_PENDING
+    adm.finish("a", ok("a"))
+    assert adm.offer("a", producer="B" * 40) == (Verdict.CONFLICT, None)
+    assert adm.offer("a", producer="A" * 40)[0] is Verdict.DUPLICATE_DONE
+    adm.offer("b", producer="A" * 40)
+    adm.finish("b", ok("b"))  # evicts a (results_max 1)
+    assert adm.offer("a", producer="B" * 40)[0] is Verdict.ADMIT
+    adm.finish("a", ok("a"), remember=False)
+    assert adm.offer("a")[0] is Verdict.ADMIT  # forgotten: anyone's again
+    stats = adm.statistics()
+    assert stats.refused_id_in_use == 3 and stats.duplicates == 2
+
+
+def test_Admission_a_result_too_large_to_cache_frees_its_id() -> None:
+    adm = Admission(pending_max=10, results_max=10, results_bytes_max=1)
+    adm.offer("a", producer="A" * 40)
+    adm.finish("a", ok("a"))
+    assert adm.offer("a", producer="B" * 40)[0] is Verdict.ADMIT

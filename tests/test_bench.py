@@ -69,6 +69,7 @@ def test_bench_ingress_and_route_with_curve_report_the_ratio_to_plain() -> None:
     assert report["plain"]["ok"] == report["curve_on"]["ok"] == 1000
     ratio = report["curve_on"]["tasks_per_s"] / report["plain"]["tasks_per_s"]
     assert abs(report["ratio_curve_vs_plain"] - ratio) < 0.01
+    assert report["ratio_paired_median"] > 0
     proc = gossipd_cli(
         "bench", "route", "--curve", "--json", "--tasks", "300", "--repeats", "1", timeout_s=180
     )
@@ -77,7 +78,7 @@ def test_bench_ingress_and_route_with_curve_report_the_ratio_to_plain() -> None:
     for side in ("plain", "curve_on"):
         assert report[side]["cluster_tasks_per_s"] > 0
         assert report[side]["latency_1_hop_ms"]["p50"] > 0
-    assert report["ratio_curve_vs_plain"] > 0
+    assert report["ratio_curve_vs_plain"] > 0 and report["ratio_paired_median"] > 0
 
 
 def test_bench_budgets_json_reports_the_runaway_refused_and_the_other_served() -> None:

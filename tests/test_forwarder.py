@@ -17,7 +17,7 @@ from gossipd.core.forwarder import (
     Refuse,
     Route,
 )
-from gossipd.core.messages import ErrorCode, Forward, ForwardReply, Task, TaskDone, Withdraw
+from gossipd.core.messages import Cancel, ErrorCode, Forward, ForwardReply, Task, TaskDone, Withdraw
 
 
 class FixedPlacement:
@@ -383,3 +383,58 @@ def test_Forwarder_one_overloaded_among_silent_members_answers_overloaded() -> N
     [event] = fw.take_events()
     assert isinstance(event, Refuse) and event.code is ErrorCode.OVERLOADED
     assert event.retry_after_ms == 700 and "a: no reply" in event.message
+
+
+def _keyed(producer_key: str) -> Task:
+    return Task(
+        v=1, id="t0", prompt="p", reply_to="tcp://127.0.0.1:9", producer_key=producer_key
+    )
+
+
+def test_Forwarder_passes_a_Cancel_on_only_from_the_tasks_key_with_that_key() -> None:
+    fw, _ = _forwarder(["a"])
+    fw.route(_keyed("A" * 40), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", True), 0.001)
+    assert fw.cancel("t0", "B" * 40) == "refused" and fw.take_outbox() == []
+    assert fw.cancel("nope", "A" * 40) is None
+    assert fw.cancel("t0", "A" * 40) == "forwarded"
+    [(addr, msg)] = fw.take_outbox()
+    assert addr == "addr-a" and isinstance(msg, Cancel) and msg.producer_key == "A" * 40
+
+
+def test_Forwarder_id_in_use_is_final_and_withdraws_a_racing_hedge() -> None:
+    fw, _ = _forwarder(["a", "b"])
+    fw.route(_keyed("B" * 40), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", False, ErrorCode.ID_IN_USE), 0.001)
+    [event] = fw.take_events()
+    assert isinstance(event, Refuse) and event.code is ErrorCode.ID_IN_USE
+    assert "a: id_in_use" in event.message and fw.take_outbox() == []
+    assert fw.pending() == 0 and fw.ledger.get("t0") is None
+    # A retry that lands on us and conflicts here answers at once too.
+    local, _ = _forwarder(["a", "me", "b"], local=Verdict.CONFLICT)
+    local.route(_keyed("B" * 40), 0.0)
+    [(_, fwd)] = _forwards(local.take_outbox())
+    local.on_reply(_reply(fwd, "a", False, "overloaded", 10), 0.001)
+    local.tick(local.next_deadline())
+    [event] = local.take_events()
+    assert isinstance(event, Refuse) and event.code is ErrorCode.ID_IN_USE
+    assert _forwards(local.take_outbox()) == [], "b is not tried"
+    # A hedged copy still flying is withdrawn.
+    hedged, _ = _forwarder(["a", "b"], hedge=True, hedge_min_s=0.002, hedge_budget=1.0)
+    now = _warm_ack_times(hedged, "a", 64, 0.001)
+    hedged.route(_keyed("B" * 40), now)
+    _forwards(hedged.take_outbox())
+    hedged.tick(hedged.next_deadline())
+    [(_, second)] = _forwards(hedged.take_outbox())
+    hedged.on_reply(_reply(second, "b", False, ErrorCode.ID_IN_USE), now + 0.01)
+    assert ("addr-a", Withdraw(id="t0", node="me")) in hedged.take_outbox()
+    assert [type(e) for e in hedged.take_events()] == [Refuse]
+    assert hedged.pending() == 0
+    # A hand-off that meets id_in_use reports failure (quiet: never answers).
+    quiet, _ = _forwarder(["me", "a"])
+    quiet.hand_off(_keyed("B" * 40), 0.0, 0.0)
+    [(_, fwd)] = _forwards(quiet.take_outbox())
+    quiet.on_reply(_reply(fwd, "a", False, ErrorCode.ID_IN_USE), 0.001)
+    assert quiet.take_events() == [HandedOff(_keyed("B" * 40), False)]

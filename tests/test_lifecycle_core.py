@@ -147,3 +147,15 @@ def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) ->
                 assert set(ended.notify()) <= sent.get(tid, set())
             sent.pop(tid, None)
         assert book.admission.pending == len(book)
+
+
+def test_TaskBook_cancel_only_from_the_key_that_submitted_the_task() -> None:
+    """Rule 4: another key's Cancel is refused and stops nothing."""
+    book = _book()
+    task = Task(v=1, id="t0", prompt="p", reply_to="tcp://127.0.0.1:9", producer_key="A" * 40)
+    book.offer(task, 0.0, 0.0)
+    assert book.cancel("t0", "B" * 40) is Abort.REFUSED
+    assert book.cancel("t0") is Abort.REFUSED
+    assert book.stop_reason("t0") is None
+    assert book.cancel("t0", "A" * 40) is Abort.MARKED
+    assert book.stop_reason("t0") is Stop.CANCELLED

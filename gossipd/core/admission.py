@@ -14,6 +14,10 @@ Rules:
    set), unless nothing is pending: a lone task always fits, so the bound is the budget plus
    one task.
 3. After ``begin_shutdown`` every new task is refused with shutting_down; pending ones finish.
+1a. A task id belongs to the producer key that submitted it (``producer``: its CURVE key,
+   "" without CURVE) while it is pending or cached.  The same id offered with another key is
+   refused as ``CONFLICT`` (``id_in_use``): never absorbed into the other producer's task and
+   never answered with its cached Result.  Without keys every producer is "" (as before).
 4. The results cache holds at most ``results_max`` entries and ``results_bytes_max`` bytes
    (``budgets.result_bytes``) and forgets the oldest first; a result larger than the whole
    budget is not kept.  Every result forgotten for room is counted, by the bound that forced
@@ -42,6 +46,7 @@ class Verdict(enum.Enum):
     DUPLICATE_DONE = "duplicate_done"
     OVERLOADED = "overloaded"
     SHUTTING_DOWN = "shutting_down"
+    CONFLICT = "id_in_use"  # rule 1a: the id is another producer's
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +63,7 @@ class AdmissionStatistics:
     overloaded_expected_wait: int  # ...of which by expected wait (rule 2a)
     overloaded_pending_bytes: int  # ...of which by pending_bytes_max (rule 2b)
     refused_shutting_down: int
+    refused_id_in_use: int  # rule 1a
 
 
 class Admission:
@@ -87,6 +93,9 @@ class Admission:
         self._pending: dict[str, int] = {}  # task id -> its bytes (budgets.task_bytes)
         self._pending_bytes = 0
         self._done: OrderedDict[str, Result] = OrderedDict()
+        # Rule 1a: the producer key of each pending or cached id that has one.
+        self._producer_of: dict[str, str] = {}
+        self._refused_id_in_use = 0
         self._done_bytes = 0
         self._evicted_count = 0
         self._evicted_bytes = 0
@@ -116,17 +125,24 @@ class Admission:
         now: float = 0.0,
         remaining_s: float = math.inf,
         size_bytes: int = 0,
+        producer: str = "",
     ) -> tuple[Verdict, Result | None]:
         """Decide what to do with a task id offered at ``now`` with ``remaining_s`` left of its
-        deadline and ``size_bytes`` of memory (``budgets.task_bytes``); the Result is set for
-        DUPLICATE_DONE only."""
+        deadline and ``size_bytes`` of memory (``budgets.task_bytes``), from ``producer`` (its
+        key, rule 1a); the Result is set for DUPLICATE_DONE only."""
         self.refusal = None
         self.refused_bytes = False
         if task_id in self._pending:
+            if self._producer_of.get(task_id, "") != producer:
+                self._refused_id_in_use += 1
+                return Verdict.CONFLICT, None
             self._duplicates += 1
             return Verdict.DUPLICATE_PENDING, None
         cached = self._done.get(task_id)
         if cached is not None:
+            if self._producer_of.get(task_id, "") != producer:
+                self._refused_id_in_use += 1
+                return Verdict.CONFLICT, None
             self._duplicates += 1
             self._done.move_to_end(task_id)
             return Verdict.DUPLICATE_DONE, cached
@@ -152,6 +168,8 @@ class Admission:
             return Verdict.OVERLOADED, None
         self._pending[task_id] = size_bytes
         self._pending_bytes += size_bytes
+        if producer:
+            self._producer_of[task_id] = producer
         self._admitted += 1
         return Verdict.ADMIT, None
 
@@ -165,10 +183,12 @@ class Admission:
                 f"finish({task_id!r}) for a task that is not pending"
             ) from None
         if not remember or self._results_max == 0:
+            self._producer_of.pop(task_id, None)
             return
         size = result_bytes(result)
         if size > self.results_bytes_max:
             self._evicted_bytes += 1  # it would push out everything else and still not fit
+            self._producer_of.pop(task_id, None)
             return
         if task_id in self._done:  # never, while offer() answers DUPLICATE_DONE first
             self._done_bytes -= result_bytes(self._done.pop(task_id))
@@ -182,8 +202,9 @@ class Admission:
             self._evicted_bytes += 1
 
     def _evict_oldest(self) -> None:
-        _, oldest = self._done.popitem(last=False)
+        task_id, oldest = self._done.popitem(last=False)
         self._done_bytes -= result_bytes(oldest)
+        self._producer_of.pop(task_id, None)
 
     def begin_shutdown(self) -> None:
         self._shutting_down = True
@@ -202,4 +223,5 @@ class Admission:
             overloaded_expected_wait=self._overloaded_expected_wait,
             overloaded_pending_bytes=self._overloaded_pending_bytes,
             refused_shutting_down=self._refused_shutting_down,
+            refused_id_in_use=self._refused_id_in_use,
         )

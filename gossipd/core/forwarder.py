@@ -31,6 +31,9 @@ Rules (one code path for each decision):
    retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
    caller.
+6. A Cancel is passed on only from the key that submitted the task (``Task.producer_key``),
+   with that key, so that the owner checks it too; an ``id_in_use`` refusal (the id is
+   another producer's task there, core/admission.py rule 1a) is final: the producer gets it.
 
 Loads: ``loads[m]`` counts, per member, the forwards awaiting an answer plus the accepted
 tasks it holds for us; the placement reads the same dict for bounded loads.
@@ -315,14 +318,20 @@ class Forwarder:
             self._next(dispatch, now)
         return len(orphans)
 
-    def cancel(self, task_id: str) -> bool:
-        """Pass a producer's Cancel to the member running a task we forwarded (False: none)."""
+    def cancel(self, task_id: str, producer_key: str = "") -> str | None:
+        """Pass a producer's Cancel, from ``producer_key``, to the member running a task we
+        forwarded: "forwarded"; "refused" when the task is another key's (rule 6); None when
+        we hold no such task."""
         entry = self.ledger.get(task_id)
         addr = None if entry is None else self._placement.addr(entry.owner)
         if entry is None or addr is None:
-            return False
-        self._outbox.append((addr, Cancel(v=PROTOCOL_VERSION, id=task_id)))
-        return True
+            return None
+        if entry.task.producer_key != producer_key:
+            return "refused"
+        self._outbox.append(
+            (addr, Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key))
+        )
+        return "forwarded"
 
     def local_finished(self, task_id: str) -> None:
         """A task we kept (route() said LOCAL, or a retry admitted it here) has ended."""
@@ -397,6 +406,10 @@ class Forwarder:
                     self.local_ids.add(d.task.id)
                 self._end(d, ok=True)
                 return
+            if verdict is Verdict.CONFLICT:
+                d.attempts.append(f"{member}: {verdict.value}")
+                self._refuse_final(d, ErrorCode.ID_IN_USE)
+                return
             self._failed(d, member, verdict.value, now)
             return
         breaker = self._breaker(member)
@@ -453,6 +466,10 @@ class Forwarder:
             return
         if reply.code == ErrorCode.OVERLOADED:
             d.busy_hint_ms = max(d.busy_hint_ms, reply.retry_after_ms)
+        elif reply.code == ErrorCode.ID_IN_USE:
+            d.attempts.append(f"{flight.member}: {reply.code}")
+            self._refuse_final(d, ErrorCode.ID_IN_USE)
+            return
         self._failed(d, flight.member, reply.code, now)
 
     def _accepted(self, flight: Flight, now: float) -> None:
@@ -535,6 +552,22 @@ class Forwarder:
         self._events.append(Refuse(d.task, code, message, hint))
         d.ended = True
         d.flights = []  # see _end
+
+    def _refuse_final(self, d: Dispatch, code: ErrorCode) -> None:
+        """A refusal that another member would not change (rule 6): answer it now.  (The
+        dispatch is live: a winner's or an ended dispatch's other flights have landed.)"""
+        for other in d.flights:
+            if other.live:
+                self._land(other)
+                addr = self._last_addr.get(other.member)
+                if addr is not None:
+                    self._withdraw(addr, d.task.id)
+        if d.quiet:
+            self._end(d, ok=False)
+            return
+        message = "the task was refused; attempts: " + "; ".join(d.attempts)
+        self._events.append(Refuse(d.task, code, message, 0))
+        self._end(d, ok=False)
 
     def _end(self, d: Dispatch, *, ok: bool) -> None:
         d.ended = True

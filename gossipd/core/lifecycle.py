@@ -18,7 +18,9 @@ Rules:
 3. A Withdraw removes its sender from the task's forwarders; when none is left and the task
    came from no producer directly, it is dropped without an answer (queued: never runs;
    running: aborted).  A Withdraw from a member that did not send the task is ignored.
-4. A producer's Cancel and the deadline stop a task (queued or running) with an answer:
+4. A producer's Cancel (only from the key that submitted the task: ``Task.producer_key``,
+   "" for all without CURVE; from another key it is ``REFUSED`` and changes nothing) and the
+   deadline stop a task (queued or running) with an answer:
    ``cancelled`` or ``deadline_exceeded``; a stop that comes later than another keeps the
    first reason, and a withdrawal wins over both (nobody waits for that answer).
 5. When a task ends, its Result goes to the producer first, then a TaskDone to each forwarder
@@ -64,6 +66,7 @@ class Abort(enum.Enum):
     NOTHING = "nothing"  # unknown, ended, or stopped already
     MARKED = "marked"  # queued: the worker that takes it answers (or drops) it at once
     ABORT = "abort"  # running: abort its engine request (cancel its worker)
+    REFUSED = "refused"  # a Cancel from a key other than the task's producer's (rule 4)
 
 
 class Owned:
@@ -129,7 +132,11 @@ class TaskBook:
         (DUPLICATE_PENDING) or the cached Result (DUPLICATE_DONE)."""
         task_id = task.id
         verdict, cached = self.admission.offer(
-            task_id, now, received_at + task.timeout_ms / 1000.0 - now, task_bytes(task)
+            task_id,
+            now,
+            received_at + task.timeout_ms / 1000.0 - now,
+            task_bytes(task),
+            task.producer_key,
         )
         if verdict is _ADMIT:
             if forwarder is None:
@@ -166,7 +173,11 @@ class TaskBook:
         owned.phase = Phase.RUNNING
         return True
 
-    def cancel(self, task_id: str) -> Abort:
+    def cancel(self, task_id: str, producer_key: str = "") -> Abort:
+        """Rule 4: a Cancel from ``producer_key`` (the key it came with; "" without CURVE)."""
+        owned = self._owned.get(task_id)
+        if owned is not None and owned.task.producer_key != producer_key:
+            return Abort.REFUSED
         return self._stop(task_id, Stop.CANCELLED)
 
     def expire(self, task_id: str) -> Abort:

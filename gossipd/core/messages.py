@@ -82,6 +82,7 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"
     CANCELLED = "cancelled"
     OVER_BUDGET = "over_budget"
+    ID_IN_USE = "id_in_use"  # the id is another producer's pending or cached task: use another
 
 
 # An endpoint that we may connect a socket to: tcp://host:port (host name, IPv4, or [IPv6])
@@ -242,6 +243,9 @@ class Cancel(
 
     v: int
     id: TaskId
+    # Set by the daemon, never by the producer, as Task's: the key the Cancel came with.  A
+    # Cancel passed on to the owner carries it, and only the task's own key cancels it.
+    producer_key: Annotated[str, msgspec.Meta(pattern=PRODUCER_KEY_PATTERN)] = ""
 
 
 # --- Admin (docs/PROTOCOL.md, "Admin"): operator tools to any daemon's ingress PULL, answered

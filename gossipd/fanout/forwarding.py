@@ -142,11 +142,12 @@ class Dispatcher:
                 "migrating tasks off a dead member", extra={"member": event.node, "tasks": moved}
             )
 
-    def cancel_forwarded(self, task_id: str) -> bool:
-        """Pass a producer's Cancel to the member we forwarded the task to (False: none)."""
-        sent = self.forwarder.cancel(task_id)
+    def cancel_forwarded(self, task_id: str, producer_key: str = "") -> str | None:
+        """Pass a producer's Cancel to the member we forwarded the task to: "forwarded",
+        "refused" (another key's task) or None (none)."""
+        outcome = self.forwarder.cancel(task_id, producer_key)
         self._flush()
-        return sent
+        return outcome
 
     def task_finished(self, task: Task, *_: object) -> None:
         """A task admitted here ended (finished, or released without a result)."""

@@ -185,7 +185,7 @@ class OwnerEndpoint:
             if len(parts) != 2:
                 self.counters.bad_peer_messages += 1
                 continue
-            sender = parts[1].get("User-Id")
+            sender = parts[1].get(b"User-Id")
             self._on_peer_frame(parts[0].bytes, parts[1].bytes, sender, allowed)
 
     def _on_peer_frame(
@@ -213,7 +213,8 @@ class OwnerEndpoint:
             self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
             return
         if isinstance(msg, Cancel):
-            self._ingress.handle_cancel(msg.id)
+            # The producer key the entry daemon read: only the task's own key cancels it.
+            self._ingress.handle_cancel(msg.id, msg.producer_key)
             return
         if isinstance(msg, Withdraw):
             self._withdraw(identity, msg.id)

@@ -230,7 +230,7 @@ class DaemonCollector:
         yield _by(
             C,
             "gossipd_cancels",
-            "Producer cancels by outcome (here, forwarded, unknown)",
+            "Producer cancels by outcome (here, forwarded, unknown, refused: not from the task's producer key)",
             "outcome",
             sorted(ing.cancels.items()),
         )
