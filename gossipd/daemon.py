@@ -36,6 +36,7 @@ from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.service import Ingress
+from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
 from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
@@ -148,6 +149,7 @@ class Daemon:
         self._metrics_token = _read_token(config.metrics.bearer_token_file)
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
+        self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
         self.tracer = build_tracer(config.tracing, self.node)
 
@@ -164,6 +166,7 @@ class Daemon:
             "dispatcher": self.dispatcher,
             "admin": self.admin.statistics(),
             "security": self.security,
+            "leadership": self.leadership,
         }
 
     async def run(self) -> int:
@@ -198,6 +201,9 @@ class Daemon:
             self.admin.gossip, self.admin.dispatcher = self.gossip, self.dispatcher
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
+        self.leadership = build_leadership(self.config, node=self.node, gossip=self.gossip)
+        if self.leadership is not None:
+            self.admin.on_drain.append(self.leadership.on_drain)
         if self.tracer is not None:
             self.tracer.attach(self.ingress, self.dispatcher)
         if self.config.metrics.bind:
@@ -228,6 +234,10 @@ class Daemon:
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
                     ]
+                if self.leadership is not None:
+                    background.append(
+                        tg.create_task(self.leadership.run_forever(), name="leadership")
+                    )
                 if self.journal is not None:
                     background.append(tg.create_task(self.journal.sync_forever(), name="journal"))
                     self._replay_journal()
@@ -253,6 +263,8 @@ class Daemon:
                     },
                 )
                 await self._stop.wait()
+                if self.leadership is not None:
+                    await self.leadership.resign()  # the next leader takes over at once
                 drain = await self._shut_down(workers)
                 if self.gossip is not None:
                     await self.gossip.leave()  # still reading: see _close_intake
@@ -269,6 +281,8 @@ class Daemon:
         finally:
             if self.dispatcher is not None:
                 self.dispatcher.close()
+            if self.leadership is not None:
+                await self.leadership.close()
             if self.gossip is not None:
                 self.gossip.close()
             self.ingress.close()

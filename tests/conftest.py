@@ -45,3 +45,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gossipd.tools.tinymodel import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    """One real etcd member on free loopback ports (tests/etcd_cluster.py), killed afterwards."""
+    from tests.etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(1, tmp_path)
+    try:
+        yield cluster.start_all()
+    finally:
+        cluster.close()

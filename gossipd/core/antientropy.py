@@ -17,6 +17,8 @@ Rules:
    checksum_mismatches_max mismatches in a row (from any peers) mean our view has drifted:
    we push-pull with the last one, at most once per checksum_sync; a match resets the run.
 5. Our own record in a push-pull carries our current GPU metadata.
+6. A push-pull, like every message, carries our highest leader term (core/fencing.py): a
+   joiner learns the leader with its first push-pull.
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ class UpdateKind(enum.IntEnum):
     DEAD = 3
     LEFT = 4
     META = 5
+    TERM = 6
+    DIRECTIVE = 7
 
 
 class ErrorCode(enum.StrEnum):
@@ -524,7 +526,33 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(Upd
     incarnation: Incarnation = 0  # the publisher's incarnation (absent from older peers: 0)
 
 
-Update = Alive | Suspect | Dead | Left | Meta
+# Leadership (issue 15): the fencing token is the leader's etcd campaign key's create_revision.
+Token = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+DIRECTIVE_KIND_CHARS_MAX = 32
+DIRECTIVE_BODY_BYTES_MAX = 64 * 1024
+
+
+class Term(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.TERM)):
+    """Who leads, with its fencing token.  Members keep the highest token they have seen."""
+
+    leader: NodeId
+    token: Token
+
+
+class Directive(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.DIRECTIVE)
+):
+    """A fenced leader order: applied only at a token >= the highest seen (core/fencing.py).
+    ``body`` is msgpack; for one ``kind`` only the newest (token, seq) applies."""
+
+    leader: NodeId
+    token: Token
+    seq: Seq
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=DIRECTIVE_KIND_CHARS_MAX)]
+    body: Annotated[bytes, msgspec.Meta(max_length=DIRECTIVE_BODY_BYTES_MAX)] = b""
+
+
+Update = Alive | Suspect | Dead | Left | Meta | Term | Directive
 Updates = Annotated[list[Update], msgspec.Meta(max_length=4096)]
 
 
@@ -534,6 +562,9 @@ class _Gossip(msgspec.Struct, frozen=True, kw_only=True):
     src: NodeId
     src_addr: Endpoint
     updates: Updates = msgspec.field(default_factory=list)
+    # The sender's highest leader term (core/fencing.py): every message carries it, so a
+    # member (a joiner through its first push-pull) learns the leader from any traffic.
+    term: Term | None = None
 
 
 class Ping(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PING)):

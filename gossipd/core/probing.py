@@ -224,7 +224,9 @@ class Prober:
         swim = self._swim
         member = swim.table.members[target]
         updates = swim.dissemination.piggyback(first=[(target, MEMBER), (swim.node, MEMBER)])
-        if member.state is State.SUSPECT and not any(u.node == target for u in updates):
+        if member.state is State.SUSPECT and not any(
+            getattr(u, "node", None) == target for u in updates
+        ):
             # Buddy system: a suspect always learns it is suspected when we ping it.
             updates.insert(0, Suspect(node=target, incarnation=member.incarnation, by=swim.node))
         swim.send(member.addr, Ping(**swim.header(updates), seq=seq, target=target))

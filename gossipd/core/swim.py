@@ -38,12 +38,14 @@ from typing import Any
 from gossipd.core.antientropy import AntiEntropy
 from gossipd.core.awareness import Awareness
 from gossipd.core.dissemination import Dissemination
+from gossipd.core.fencing import Fence
 from gossipd.core.membership import LIVE_STATES, MemberEvent, MemberTable, Outcome
 from gossipd.core.messages import (
     INCARNATION_MAX,
     Ack,
     Alive,
     Dead,
+    Directive,
     GossipMessage,
     GossipOnly,
     GpuState,
@@ -53,6 +55,7 @@ from gossipd.core.messages import (
     PingReq,
     PushPull,
     Suspect,
+    Term,
     Update,
     decode_gossip,
     encode_gossip,
@@ -105,6 +108,9 @@ class SwimNode:
         self.stats = SwimStatistics()
         self._outbox: list[tuple[str, bytes]] = []
         self._events: list[MemberEvent] = []
+        # Leadership (issue 15): the highest term seen and the directives it admits.
+        self.fence = Fence()
+        self._leadership: list[Term | Directive] = []
         self._current_src = ""  # while applying a message's updates: who carried them
         self._ring: tuple[int, list[str]] = (-1, [])  # (table.set_version, sorted live names)
         self._next_reap_at = now + REAP_INTERVAL_S
@@ -150,6 +156,8 @@ class SwimNode:
         self._current_src = msg.src_addr
         for update in msg.updates:
             self.apply(update, now)
+        if msg.term is not None:
+            self.apply(msg.term, now)
         self._current_src = ""
         self._handlers[type(msg)](msg, now)
 
@@ -223,6 +231,39 @@ class SwimNode:
         out, self._events = self._events, []
         return out
 
+    def take_leadership(self) -> list[Term | Directive]:
+        """Terms that raised our highest term and directives admitted, in order."""
+        out, self._leadership = self._leadership, []
+        return out
+
+    # -- leadership ----------------------------------------------------------------------------
+
+    def publish_term(self, now: float, term: Term) -> None:
+        """We lead: announce (again) our term, urgent, whether or not it is news here."""
+        self.apply(term, now)
+        self.dissemination.push(term, urgent=True)
+
+    def publish_directive(self, now: float, directive: Directive) -> bool:
+        """We lead: apply ``directive`` here and gossip it (False: our fence refused it)."""
+        return self.apply(directive, now).changed
+
+    def _apply_leadership(self, update: Term | Directive, now: float) -> Outcome:
+        """A term is passed on only when it raised ours; a directive only when admitted."""
+        fence = self.fence
+        if isinstance(update, Term):
+            if not fence.observe(update):
+                return Outcome()
+            self._leadership.append(update)
+        else:
+            before = fence.term
+            if not fence.admit(update):
+                return Outcome()
+            if fence.term is not before and fence.term is not None:
+                self._leadership.append(fence.term)
+            self._leadership.append(update)
+        self.dissemination.push(update, urgent=True)
+        return Outcome(changed=True, rebroadcast=True)
+
     @property
     def joined(self) -> bool:
         return self.antientropy.joined
@@ -233,6 +274,8 @@ class SwimNode:
         """Apply one update to the table and act on its outcome: report the event, refute
         news about us (directly to the accuser and the carrier too), re-gossip what changed,
         start a confirmation probe, tell the accuser we confirm."""
+        if isinstance(update, Term | Directive):
+            return self._apply_leadership(update, now)
         outcome = self.table.apply(update, now)
         if outcome.event is not None:
             self._events.append(outcome.event)
@@ -272,6 +315,7 @@ class SwimNode:
             "src": self.node,
             "src_addr": self.addr,
             "updates": updates,
+            "term": self.fence.term,
         }
 
     def send(self, addr: str, msg: GossipMessage) -> None:

@@ -25,7 +25,7 @@ import msgspec
 
 from gossipd.config import Config, split_seed
 from gossipd.core.membership import LIVE_STATES, MemberEvent
-from gossipd.core.messages import GpuState
+from gossipd.core.messages import Directive, GpuState, Term
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
@@ -95,6 +95,8 @@ class GossipService:
         self._last_published_at = 0.0
         self._wake = asyncio.Event()
         self.listeners: list[Callable[[MemberEvent], None]] = []
+        # Terms that raised ours and directives our fence admitted (gossipd/leader/).
+        self.leadership_listeners: list[Callable[[Term | Directive], None]] = []
         # Set by the daemon: where peers forward tasks, the model we serve, our in-flight load.
         self.rpc_endpoint = ""
         self.model = ""
@@ -223,10 +225,26 @@ class GossipService:
             linger_s if linger_s is not None else 3 * self.swim_config.gossip_interval_s
         )
 
+    def publish_term(self, term: Term) -> None:
+        """We lead: gossip our term (urgent), news or not."""
+        assert self.core is not None
+        self.core.publish_term(time.time(), term)
+        self._flush()
+
+    def publish_directive(self, directive: Directive) -> bool:
+        """We lead: apply and gossip a directive (False: our own fence refused it)."""
+        assert self.core is not None
+        admitted = self.core.publish_directive(time.time(), directive)
+        self._flush()
+        return admitted
+
     def _flush(self) -> None:
         assert self.core is not None
         for addr, data in self.core.take_outbox():
             self._send(addr, data)
+        for item in self.core.take_leadership():
+            for on_leadership in self.leadership_listeners:
+                on_leadership(item)
         for event in self.core.take_events():
             extra: dict[str, object] = {
                 "event": event.kind,

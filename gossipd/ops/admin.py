@@ -65,6 +65,7 @@ class Admin:
         self.gossip: GossipService | None = None
         self.dispatcher: Dispatcher | None = None
         self.drained = False
+        self.on_drain: list[Callable[[bool], None]] = []  # the leader resigns when drained
         self.requests: Counter[str] = Counter()  # "kind:outcome"
         self._tg: asyncio.TaskGroup | None = None
 
@@ -127,6 +128,8 @@ class Admin:
             return True, f"already {'draining' if drain else 'serving'}"
         self.drained = drain
         self.dispatcher.placer.draining = drain
+        for on_drain in self.on_drain:
+            on_drain(drain)
         if drain:
             self.gossip.set_status("draining")
             queued = self._ingress.take_queued()

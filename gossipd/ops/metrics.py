@@ -251,6 +251,9 @@ class DaemonCollector:
         dispatcher = s.get("dispatcher")
         if dispatcher is not None:
             yield from _dispatch_metrics(dispatcher)
+        leadership = s.get("leadership")
+        if leadership is not None:
+            yield from _leadership_metrics(leadership.statistics())
         security = s.get("security")
         if security is not None and security.curve:
             yield from _security_metrics(security)
@@ -258,6 +261,48 @@ class DaemonCollector:
         latency = HistogramMetricFamily("gossipd_task_latency_seconds", "Receipt to final result")
         latency.add_metric([], hist.cumulative(), sum_value=hist.sum_s)
         yield latency
+
+
+def _leadership_metrics(st: Any) -> Iterator[Metric]:
+    """Leader election through etcd (gossipd/leader/), when etcd.endpoints is set."""
+    yield _one(
+        G,
+        "gossipd_leader_term",
+        "The highest leader token (term) this daemon has seen",
+        st["term_token"],
+    )
+    yield _one(
+        G, "gossipd_is_leader", "1 while this daemon is the leader, else 0", int(st["is_leader"])
+    )
+    yield _one(
+        C, "gossipd_leader_elections", "Times this daemon was elected leader", st["elections"]
+    )
+    yield _by(
+        C,
+        "gossipd_leader_step_downs",
+        "Times this daemon stopped leading, by reason (lease_expired, lease_lost, key_gone, resigned)",
+        "reason",
+        sorted(st["step_downs"].items()),
+    )
+    yield _by(
+        C,
+        "gossipd_directives_refused",
+        "Leader directives refused (stale_token: below the highest token seen; superseded; conflict; kinds_full)",
+        "reason",
+        sorted(st["directives_refused"].items()),
+    )
+    yield _one(
+        C,
+        "gossipd_directives_admitted",
+        "Leader directives applied here",
+        st["directives_admitted"],
+    )
+    yield _one(
+        C,
+        "gossipd_etcd_errors",
+        "etcd calls of the election that failed (etcd down, slow or refusing)",
+        st["etcd_errors"],
+    )
 
 
 def _security_metrics(security: Any) -> Iterator[Metric]:

@@ -261,9 +261,10 @@ class _Zero:
 
 
 class _Snapshot(dict[str, Any]):
-    def __init__(self, *, with_membership: bool) -> None:
+    def __init__(self, *, with_membership: bool, with_etcd: bool) -> None:
         super().__init__()
         self._with = with_membership
+        self._with_etcd = with_etcd
 
     def __missing__(self, key: str) -> Any:
         return _Zero()
@@ -271,18 +272,21 @@ class _Snapshot(dict[str, Any]):
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         if key in ("gossip", "dispatcher") and not self._with:
             return None
+        if key == "leadership" and not self._with_etcd:
+            return None
         return _Zero()
 
 
-def _families(with_membership: bool) -> list[Any]:
+def _families(with_membership: bool, with_etcd: bool = True) -> list[Any]:
     from gossipd.ops.metrics import DaemonCollector
 
-    snap = _Snapshot(with_membership=with_membership)
+    snap = _Snapshot(with_membership=with_membership, with_etcd=with_etcd)
     return list(DaemonCollector("reference", lambda: snap).collect())
 
 
 def metrics_reference() -> str:
-    lone = {m.name for m in _families(False)}
+    lone = {m.name for m in _families(False, False)}
+    membership = {m.name for m in _families(True, False)}
     lines = [
         "# Metrics reference",
         "",
@@ -300,7 +304,13 @@ def metrics_reference() -> str:
     for m in _families(True):
         exposed = f"{m.name}_total" if m.type == "counter" else m.name
         labels = ", ".join(f"`{label}`" for label in getattr(m, "_labelnames", ()))
-        when = "always" if m.name in lone else "with membership (`gossip.bind` set)"
+        when = (
+            "always"
+            if m.name in lone
+            else "with membership (`gossip.bind` set)"
+            if m.name in membership
+            else "with etcd (`etcd.endpoints` set)"
+        )
         lines.append(_row(f"`{exposed}`", m.type, labels, when, m.documentation))
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,305 @@
+"""The etcd leader election's shell: runs one ElectionCore (gossipd/core/election.py) against
+etcd with aetcd.
+
+Three loops share the core: the campaign (grant a lease, put our key under
+``/gossipd/<cluster>/election/``, read the candidates, lead or watch our predecessor), the
+keepalive (every TTL/3; faster while the lease is not confirmed, so leadership comes back
+within a fraction of a second after etcd does) and the step-down timer (the core's deadline:
+a leader whose lease was not confirmed for a TTL steps down, etcd reachable or not).
+
+aetcd does not re-create a watch after its connection breaks: a follower waits on its
+predecessor's deletion for at most a TTL, then reads the candidates again and watches anew.
+Every etcd error is logged (at most once per state change), and the loops go on: etcd
+coming back needs no operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from aetcd import rpc
+from aetcd.exceptions import ClientError
+
+from gossipd.config import EtcdConfig
+from gossipd.core.election import (
+    Decision,
+    Elected,
+    ElectionCore,
+    Phase,
+    SteppedDown,
+    Watch,
+)
+from gossipd.leader.client import EtcdClient
+
+log = logging.getLogger("gossipd.leader.election")
+
+# What an etcd call raises when etcd is down, slow or refuses: retried, never fatal.
+ETCD_ERRORS = (ClientError, grpc.aio.AioRpcError, TimeoutError, OSError, ValueError)
+RETRY_S = 0.1  # the campaign's pause after an etcd error
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range of every key starting with ``prefix``."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class EtcdElection:
+    def __init__(
+        self,
+        config: EtcdConfig,
+        *,
+        node: str,
+        cluster: str,
+        on_elected: Callable[[int], None],
+        on_deposed: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.node = node
+        self.prefix = f"/gossipd/{cluster}"
+        self.election_prefix = f"{self.prefix}/election/".encode()
+        self.core = ElectionCore(ttl_s=config.ttl_s)
+        self.client = EtcdClient(config)
+        self._on_elected = on_elected
+        self._on_deposed = on_deposed
+        self._clock = clock
+        self._changed = asyncio.Event()  # wakes the campaign: the session or leadership changed
+        self._last_error = ""
+        self.errors = 0
+        self.resigned = False
+
+    @property
+    def key(self) -> bytes:
+        """Our campaign key (one per lease)."""
+        return self.election_prefix + f"{self.core.lease_id:016x}".encode()
+
+    @property
+    def leading(self) -> bool:
+        return self.core.leading
+
+    @property
+    def token(self) -> int:
+        return self.core.leader_token
+
+    # -- the loops ---------------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._campaign_forever(), name="election-campaign")
+                tg.create_task(self._keepalive_forever(), name="election-keepalive")
+                tg.create_task(self._timer_forever(), name="election-timer")
+        finally:
+            if self.core.leading:
+                self._apply(self.core.resign())
+
+    async def _campaign_forever(self) -> None:
+        core = self.core
+        while True:
+            self._changed.clear()
+            try:
+                if core.phase is Phase.RESIGNED:
+                    await self._changed.wait()
+                elif core.phase is Phase.NO_SESSION:
+                    await self._grant()
+                elif core.phase is Phase.NO_KEY:
+                    await self._put_key()
+                else:
+                    await self._look()
+                self._error_cleared()
+            except ETCD_ERRORS as exc:
+                self._error(exc)
+                await asyncio.sleep(RETRY_S)
+
+    async def _grant(self) -> None:
+        sent_at = self._clock()
+        ttl = max(1, round(self.config.ttl_s))
+        lease = await self.client.lease(ttl)
+        self.core.granted(sent_at, lease.id, float(lease.ttl))
+
+    async def _put_key(self) -> None:
+        """Create our key (only if absent: a retry after a lost answer finds it there)."""
+        await self.client.connect()
+        key = self.key
+        compare = rpc.Compare(
+            result=rpc.Compare.CompareResult.EQUAL,
+            target=rpc.Compare.CompareTarget.CREATE,
+            key=key,
+            create_revision=0,
+        )
+        put = rpc.RequestOp(
+            request_put=rpc.PutRequest(key=key, value=self.node.encode(), lease=self.core.lease_id)
+        )
+        get = rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+        reply = await self.client.kvstub.Txn(
+            rpc.TxnRequest(compare=[compare], success=[put], failure=[get]),
+            timeout=self.config.request_timeout_s,
+        )
+        if reply.succeeded:
+            self.core.key_created(reply.header.revision)
+            return
+        kvs = reply.responses[0].response_range.kvs
+        if kvs:
+            self.core.key_created(kvs[0].create_revision)
+
+    async def _candidates(self) -> tuple[list[tuple[int, bytes]], int]:
+        """(create_revision, key) of every candidate, lowest first; the read's revision."""
+        await self.client.connect()
+        reply = await self.client.kvstub.Range(
+            rpc.RangeRequest(
+                key=self.election_prefix,
+                range_end=prefix_end(self.election_prefix),
+                keys_only=True,
+                sort_order=rpc.RangeRequest.SortOrder.ASCEND,
+                sort_target=rpc.RangeRequest.SortTarget.CREATE,
+            ),
+            timeout=self.config.request_timeout_s,
+        )
+        return [(kv.create_revision, kv.key) for kv in reply.kvs], reply.header.revision
+
+    async def _look(self) -> None:
+        """Read the candidates and act: lead, or wait on our predecessor; a leader looks
+        again every TTL (its key must still be there) or when the session changes."""
+        candidates, revision = await self._candidates()
+        decision = self.core.candidates(self._clock(), [r for r, _ in candidates])
+        self._apply(decision)
+        if isinstance(decision, Watch):
+            key = next(k for r, k in candidates if r == decision.revision)
+            await self._wait_gone(key, revision + 1)
+        elif self.core.phase is Phase.CANDIDATE:
+            wait_s = self.config.ttl_s if self.core.leading else self.core.keepalive_interval_s()
+            await self._woken_within(wait_s)
+
+    async def _wait_gone(self, key: bytes, start_revision: int) -> None:
+        """Until ``key`` is deleted, the session changes, or a TTL passes (then we look again:
+        a watch does not survive a lost connection)."""
+        watch = await self.client.watch(key, start_revision=start_revision)
+
+        async def deleted() -> None:
+            async for event in watch:
+                if event.kind == "DELETE":
+                    return
+
+        waiter = asyncio.ensure_future(deleted())
+        woken = asyncio.ensure_future(self._changed.wait())
+        try:
+            await asyncio.wait(
+                {waiter, woken}, timeout=self.config.ttl_s, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            woken.cancel()
+            waiter.cancel()
+            try:
+                await asyncio.wait_for(watch.cancel(), self.config.request_timeout_s)
+            except (*ETCD_ERRORS, asyncio.CancelledError):
+                pass
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+            raise waiter.exception()  # type: ignore[misc]
+
+    async def _keepalive_forever(self) -> None:
+        core = self.core
+        while True:
+            if core.phase in (Phase.NO_KEY, Phase.CANDIDATE):
+                lease_id, sent_at = core.lease_id, self._clock()
+                try:
+                    reply = await asyncio.wait_for(
+                        self.client.refresh_lease(lease_id), self.config.request_timeout_s
+                    )
+                except ETCD_ERRORS as exc:
+                    self._error(exc)
+                else:
+                    if reply is not None and lease_id == core.lease_id:
+                        was_valid = core.lease_valid(self._clock())
+                        self._apply(core.keepalive_answered(self._clock(), sent_at, reply.TTL))
+                        if not was_valid or core.phase is Phase.NO_SESSION:
+                            self._changed.set()
+            # Every TTL/3; while the lease is unconfirmed, sooner (to lead again quickly).
+            interval = core.keepalive_interval_s()
+            if not core.lease_valid(self._clock()):
+                interval = min(interval, RETRY_S)
+            await asyncio.sleep(interval)
+
+    async def _timer_forever(self) -> None:
+        core = self.core
+        while True:
+            deadline = core.next_deadline()
+            now = self._clock()
+            await asyncio.sleep(min(max(0.0, deadline - now), core.keepalive_interval_s()))
+            decision = core.tick(self._clock())
+            if decision is not None:
+                self._apply(decision)
+                self._changed.set()
+
+    async def _woken_within(self, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait()
+        except TimeoutError:
+            pass
+
+    # -- resign ------------------------------------------------------------------------------
+
+    async def resign(self) -> None:
+        """Step down now and revoke the lease: our key goes at once, and the next candidate
+        takes over without waiting for the TTL.  No more campaigning until ``rejoin()``."""
+        lease_id = self.core.lease_id
+        self._apply(self.core.resign())
+        self.resigned = True
+        self._changed.set()
+        if lease_id:
+            try:
+                await asyncio.wait_for(
+                    self.client.revoke_lease(lease_id), self.config.request_timeout_s
+                )
+            except ETCD_ERRORS as exc:
+                log.warning(
+                    "could not revoke the election lease (it expires within the TTL): %s", exc
+                )
+
+    def rejoin(self) -> None:
+        """Campaign again after a resign (e.g. a drain was undone)."""
+        self.resigned = False
+        self.core.restart()
+        self._changed.set()
+
+    async def close(self) -> None:
+        with contextlib.suppress(ETCD_ERRORS):
+            await self.client.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _apply(self, decision: Decision) -> None:
+        if isinstance(decision, Elected):
+            log.info(
+                "leader_elected",
+                extra={"token": decision.token, "node": self.node, "t_wall": time.time()},
+            )
+            self._on_elected(decision.token)
+        elif isinstance(decision, SteppedDown):
+            log.info(
+                "leader_stepped_down",
+                extra={
+                    "token": decision.token,
+                    "node": self.node,
+                    "reason": decision.reason,
+                    "t_wall": time.time(),
+                },
+            )
+            self._on_deposed(decision.reason)
+
+    def _error(self, exc: BaseException) -> None:
+        self.errors += 1
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if text != self._last_error:
+            self._last_error = text
+            log.warning("etcd unreachable or refusing (retrying): %s", text)
+
+    def _error_cleared(self) -> None:
+        if self._last_error:
+            self._last_error = ""
+            log.info("etcd reachable again")

@@ -1,0 +1,171 @@
+"""Leadership in one daemon: the etcd election, the term in gossip, leader duties and the
+member side of directives, composed (``build_leadership``; the daemon calls it once).
+
+- Elected: publish our Term (leader, token) by gossip at once, and again every TTL; start the
+  duties with a LeaderContext of the token.
+- Stepped down (lease expired, lost, resigned): cancel the duties.
+- A Term that raised ours (from gossip): logged as ``term_observed``; admitted directives go
+  to their subscribers (``Directives``).
+- Drained (gossipd drain) or shutting down: resign (revoke the lease: the next candidate
+  leads within milliseconds); undrained: campaign again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from gossipd.config import Config
+from gossipd.core.fencing import Fence
+from gossipd.core.messages import Directive, Term
+from gossipd.errors import StartupError
+from gossipd.leader.directives import Directives
+from gossipd.leader.duties import LeaderContext, LeaderDuties
+from gossipd.leader.election import EtcdElection
+
+log = logging.getLogger("gossipd.leader")
+
+
+class Leadership:
+    def __init__(self, config: Config, *, node: str, gossip: Any) -> None:
+        if gossip is None or gossip.core is None:
+            raise StartupError(
+                "etcd.endpoints needs membership (gossip.bind): the leader's term and "
+                "directives travel by gossip"
+            )
+        self.config = config
+        self.node = node
+        self._gossip = gossip
+        self.fence: Fence = gossip.core.fence
+        self.duties = LeaderDuties()
+        self.directives = Directives()
+        self.election = EtcdElection(
+            config.etcd,
+            node=node,
+            cluster=config.node.cluster,
+            on_elected=self._elected,
+            on_deposed=self._deposed,
+        )
+        self.prefix = self.election.prefix
+        self._seq = 0  # our directives' seq: only ever grows in this process
+        self._tasks: list[asyncio.Task[None]] = []
+        self.publish_refused = 0
+        gossip.leadership_listeners.append(self._on_gossip)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election.leading
+
+    @property
+    def term(self) -> Term | None:
+        """The highest term this daemon has seen (ours while we lead)."""
+        return self.fence.term
+
+    @property
+    def token(self) -> int:
+        """Our token while we lead, else 0."""
+        return self.election.token
+
+    async def run_forever(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.election.run_forever(), name="election")
+            tg.create_task(self._announce_forever(), name="term-announce")
+
+    async def _announce_forever(self) -> None:
+        """The leader re-announces its term every TTL (joiners, members that missed it)."""
+        while True:
+            await asyncio.sleep(self.config.etcd.ttl_s)
+            if self.is_leader:
+                self._gossip.publish_term(Term(leader=self.node, token=self.token))
+
+    def _elected(self, token: int) -> None:
+        if token < self.fence.token:
+            log.warning(
+                "elected with token %d below the highest seen (%d): our directives will be "
+                "refused; was etcd's data reset?",
+                token,
+                self.fence.token,
+            )
+        self._gossip.publish_term(Term(leader=self.node, token=token))
+        self.duties.start(
+            LeaderContext(
+                token=token,
+                node=self.node,
+                client=self.election.client,
+                prefix=self.prefix,
+                leader_key=self.election.key,
+                request_timeout_s=self.config.etcd.request_timeout_s,
+                _publish=self._publish,
+                _members=self._gossip.live_members,
+            )
+        )
+
+    def _deposed(self, reason: str) -> None:
+        self.duties.stop()
+
+    def _publish(self, kind: str, body_obj: object) -> bool:
+        if not self.is_leader:
+            self.publish_refused += 1
+            return False
+        self._seq += 1
+        directive = Directive(
+            leader=self.node,
+            token=self.token,
+            seq=self._seq,
+            kind=kind,
+            body=msgspec.msgpack.encode(body_obj),
+        )
+        if not self._gossip.publish_directive(directive):
+            self.publish_refused += 1
+            return False
+        return True
+
+    def _on_gossip(self, item: Term | Directive) -> None:
+        if isinstance(item, Term):
+            log.info(
+                "term_observed",
+                extra={
+                    "token": item.token,
+                    "leader": item.leader,
+                    "node": self.node,
+                    "t_wall": time.time(),
+                },
+            )
+        else:
+            self.directives.deliver(item)
+
+    # -- drain, shutdown --------------------------------------------------------------------
+
+    def on_drain(self, drained: bool) -> None:
+        """gossipd drain: resign (a drained daemon does not lead); undrain: campaign again."""
+        if drained:
+            task = asyncio.get_running_loop().create_task(self.resign(), name="resign")
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+        else:
+            self.election.rejoin()
+
+    async def resign(self) -> None:
+        self.duties.stop()
+        await self.election.resign()
+
+    async def close(self) -> None:
+        self.duties.stop()
+        await self.election.close()
+
+    def statistics(self) -> dict[str, Any]:
+        fence = self.fence.statistics()
+        return {
+            "is_leader": self.is_leader,
+            "term_token": self.fence.token,
+            "elections": self.election.core.elections,
+            "step_downs": dict(self.election.core.step_downs),
+            "etcd_errors": self.election.errors,
+            "directives_refused": dict(fence.refused),
+            "directives_admitted": fence.directives_admitted,
+            "publish_refused": self.publish_refused,
+        }
