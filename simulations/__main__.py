@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return chaos_main(argv[1:])
     if argv and argv[0] == "election":
-        from simulations.election import main as election_main
+        from simulations.election_cli import main as election_main
 
         return election_main(argv[1:])
     sub.add_parser("cluster", help="real daemons on loopback with real faults (see --help there)")

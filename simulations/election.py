@@ -3,6 +3,7 @@
 fault schedule.  Figures come from the daemons' JSON logs (simulations/election_metrics.py).
 
     python -m simulations election --daemons 5 --ttl 2 --rounds 5 [--etcd 3] [--json]
+    (the command line: simulations/election_cli.py)
 
 Each round: SIGKILL the leader (restart it), SIGTERM the leader (a clean resign: it drains and
 exits; restart it), cut the leader off from etcd (every daemon reaches etcd through its own TCP
@@ -16,7 +17,6 @@ Result of an id; tasks_lost counts tasks sent with no ok Result at the end.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import subprocess
@@ -58,10 +58,14 @@ class ElectionRun:
     etcd_down_s: float = 30.0
     quiet_s: float = 5.0  # left alone after each fault has settled
     rate_per_s: float = 20.0  # producer load, tasks per second
-    etcd_heartbeat_ms: int = 0  # 0: etcd's default (100)
-    etcd_election_ms: int = 0  # 0: etcd's default (1000)
+    etcd_heartbeat_ms: int = 100  # etcd --heartbeat-interval (its default)
+    etcd_election_ms: int = 1000  # etcd --election-timeout (its default)
     log_dir: str | None = None
     progress: bool = True
+
+
+# --quick: short periods for tests (one round with 3 daemons fits in a minute).
+QUICK = {"etcd_down_s": 4.0, "quiet_s": 0.5}
 
 
 class _Tail:
@@ -73,8 +77,11 @@ class _Tail:
         self.inc = Incarnation(node=daemon.name)
         self._offset = offset
         self._rest = b""
+        self.finished = False  # read to its process's end: the file now holds its successor's
 
     def poll(self) -> None:
+        if self.finished:
+            return
         try:
             with self.daemon.log_path.open("rb") as f:
                 f.seek(self._offset)
@@ -137,15 +144,14 @@ class ElectionHarness:
 
     # -- processes ----------------------------------------------------------------------------
     def _start_etcd(self) -> None:
-        from tests.etcd_cluster import EtcdCluster  # the fixture of the election tests
+        from tests.etcd_cluster import EtcdCluster  # the etcd fixture of the election tests
 
-        extra: list[str] = []
-        if self.run.etcd_heartbeat_ms:
-            extra += ["--heartbeat-interval", str(self.run.etcd_heartbeat_ms)]
-        if self.run.etcd_election_ms:
-            extra += ["--election-timeout", str(self.run.etcd_election_ms)]
-        self.etcd = EtcdCluster(self.run.etcd_members, self.log_dir / "etcd", extra_args=extra)
-        self.etcd.wait_healthy()
+        self.etcd = EtcdCluster(
+            self.run.etcd_members,
+            self.log_dir,
+            heartbeat_ms=self.run.etcd_heartbeat_ms,
+            election_ms=self.run.etcd_election_ms,
+        ).start_all()
 
     def _overrides(self, i: int) -> list[str]:
         endpoints = json.dumps([p.endpoint for p in self.proxies[i]])
@@ -209,6 +215,7 @@ class ElectionHarness:
         old = self.current[i]
         await asyncio.to_thread(old.daemon.wait, 30)
         old.poll()
+        old.finished = True
         if old.inc.died_at is None:
             old.inc.died_at = time.time()
         new = await asyncio.to_thread(self.cluster.restart, i)
@@ -451,8 +458,8 @@ class ElectionHarness:
             "ttl_s": self.run.ttl_s,
             "rounds": self.run.rounds,
             "etcd_members": self.run.etcd_members,
-            "etcd_heartbeat_ms": self.run.etcd_heartbeat_ms or 100,
-            "etcd_election_ms": self.run.etcd_election_ms or 1000,
+            "etcd_heartbeat_ms": self.run.etcd_heartbeat_ms,
+            "etcd_election_ms": self.run.etcd_election_ms,
         }
         for kind, values in self.failovers.items():
             s = sorted(values)
@@ -494,59 +501,3 @@ def _fmt(value: float | None) -> str:
 
 def run_election(run: ElectionRun) -> dict[str, Any]:
     return asyncio.run(ElectionHarness(run).main())
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m simulations election", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--daemons", type=int, default=5, help="gossipd daemons (echo engine)")
-    p.add_argument("--ttl", type=float, default=2.0, help="leader lease TTL, seconds (etcd.ttl_s)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of the fault schedule")
-    p.add_argument("--etcd", type=int, default=1, choices=(1, 3), help="etcd members")
-    p.add_argument(
-        "--etcd-down-s",
-        type=float,
-        default=None,
-        help="etcd stopped this long at the end (30; --quick: 5)",
-    )
-    p.add_argument(
-        "--quiet-s", type=float, default=None, help="left alone after each fault (5; --quick: 1)"
-    )
-    p.add_argument("--rate", type=float, default=20.0, help="producer tasks per second")
-    p.add_argument(
-        "--etcd-heartbeat-ms", type=int, default=0, help="etcd --heartbeat-interval (default 100)"
-    )
-    p.add_argument(
-        "--etcd-election-ms", type=int, default=0, help="etcd --election-timeout (default 1000)"
-    )
-    p.add_argument("--quick", action="store_true", help="short periods, for tests")
-    p.add_argument("--log-dir", help="keep the daemons' and etcd's logs here (default: a temp dir)")
-    p.add_argument("--json", action="store_true", help="one JSON line (progress still on stderr)")
-    args = p.parse_args(argv)
-    run = ElectionRun(
-        daemons=args.daemons,
-        ttl_s=args.ttl,
-        rounds=args.rounds,
-        etcd_members=args.etcd,
-        etcd_down_s=args.etcd_down_s
-        if args.etcd_down_s is not None
-        else (5.0 if args.quick else 30.0),
-        quiet_s=args.quiet_s if args.quiet_s is not None else (1.0 if args.quick else 5.0),
-        rate_per_s=args.rate,
-        etcd_heartbeat_ms=args.etcd_heartbeat_ms,
-        etcd_election_ms=args.etcd_election_ms,
-        log_dir=args.log_dir,
-    )
-    report = run_election(run)
-    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
-    ok = (
-        report["overlapping_terms"] == 0
-        and report["token_regressions"] == 0
-        and report["tasks_lost"] == 0
-    )
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

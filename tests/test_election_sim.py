@@ -195,3 +195,22 @@ def test_a_cut_proxy_carries_nothing_until_healed() -> None:
             server.close()
 
     asyncio.run(main())
+
+
+def test_quick_election_run_keeps_one_leader_and_loses_no_task(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Real etcd, 3 real daemons, TTL 2 s, one round of the fault schedule (leader SIGKILL,
+    SIGTERM resign, leader cut off from etcd, etcd restart, etcd stopped) under load."""
+    from simulations.election import QUICK, ElectionRun, run_election
+    from tests.etcd_cluster import etcd_binary
+
+    etcd_binary()  # skip (or fail under GOSSIPD_REQUIRE_ETCD=1) without etcd
+    report = run_election(
+        ElectionRun(daemons=3, ttl_s=2.0, rounds=1, log_dir=str(tmp_path), progress=False, **QUICK)
+    )
+    print(json.dumps(report))
+    assert report["overlapping_terms"] == 0, report["problems"]
+    assert report["token_regressions"] == 0, report["problems"]
+    assert report["tasks_sent"] > 0 and report["tasks_lost"] == 0, report["task_errors"]
+    assert report["failover_kill_n"] == 1, "the leader's SIGKILL was followed by an election"
+    assert report["failover_kill_p50_s"] < 2.0 + 2.0
+    assert report["failover_resign_p50_s"] < 0.5
