@@ -64,6 +64,9 @@ class ElectionRun:
     progress: bool = True
 
 
+TASK_TOKENS = 4
+TASK_S = 0.2  # the echo engine's time for one task
+
 # --quick: short periods for tests (one round with 3 daemons fits in a minute).
 QUICK = {"etcd_down_s": 4.0, "quiet_s": 0.5}
 
@@ -166,7 +169,11 @@ class ElectionHarness:
         self.cluster = Cluster(
             self.run.daemons,
             log_dir=str(self.log_dir),
-            extra_overrides=["engine.token_delay_s=0.001", "lifecycle.shutdown_grace_s=3"],
+            extra_overrides=[
+                # A task takes about TASK_S: a killed daemon takes some tasks with it.
+                f"engine.token_delay_s={TASK_S / TASK_TOKENS}",
+                "lifecycle.shutdown_grace_s=3",
+            ],
             overrides_for=self._overrides,
         )
         for d in self.cluster.daemons:
@@ -280,6 +287,8 @@ class ElectionHarness:
         got = await self._failover("cut", at)
         down = await self._wait_stepped_down(i, at)
         self.extra.setdefault("cut_stepdown_s", []).append(None if down is None else round(down, 3))
+        if down is not None and got is not None:  # how long nobody led: the safety margin
+            self.extra.setdefault("cut_margin_s", []).append(round(got - down, 3))
         self.say(
             f"cut {name} off etcd: stepped down after {_fmt(down)}, next leader after {_fmt(got)}"
         )
@@ -303,23 +312,33 @@ class ElectionHarness:
                 return event_time(e) - at
         return None
 
-    def _etcd_leader_member(self) -> int:
-        """Index of etcd's own raft leader among the members (etcdctl endpoint status)."""
+    def _etcdctl(self, *args: str) -> Any:
+        """etcdctl's JSON answer (-w json) on every member, None if it failed."""
         out = subprocess.run(
-            [
-                "etcdctl",
-                f"--endpoints={','.join(self.etcd.endpoints)}",
-                "endpoint",
-                "status",
-                "-w",
-                "json",
-            ],
+            ["etcdctl", f"--endpoints={','.join(self.etcd.endpoints)}", *args, "-w", "json"],
             capture_output=True,
             text=True,
             env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"},
             timeout=10,
         )
-        statuses = json.loads(out.stdout or "[]")
+        try:
+            return json.loads(out.stdout)
+        except json.JSONDecodeError:
+            return None
+
+    def _granted_ttls(self) -> list[int]:
+        """The TTLs etcd granted the daemons' leases (it raises a TTL below its minimum)."""
+        leases = (self._etcdctl("lease", "list") or {}).get("leases") or []
+        out = []
+        for lease in leases:
+            answer = self._etcdctl("lease", "timetolive", format(int(lease["id"]), "x"))
+            if answer is not None:
+                out.append(int(answer["granted-ttl"]))
+        return sorted(out)
+
+    def _etcd_leader_member(self) -> int:
+        """Index of etcd's own raft leader among the members (etcdctl endpoint status)."""
+        statuses = self._etcdctl("endpoint", "status") or []
         for k, s in enumerate(statuses):
             header = s["Status"]["header"]
             if header["member_id"] == s["Status"]["leader"]:
@@ -385,7 +404,7 @@ class ElectionHarness:
             n = 0
             while not stop.is_set():
                 handle = await client.submit(
-                    f"task {n}", key=f"key-{n % 97}", max_tokens=4, timeout_s=120
+                    f"task {n}", key=f"key-{n % 97}", max_tokens=TASK_TOKENS, timeout_s=120
                 )
                 self.sent.add(handle.id)
                 task = asyncio.ensure_future(wait(handle))
@@ -405,6 +424,9 @@ class ElectionHarness:
         try:
             await self._start()
             await self.wait_leader(max(30.0, 10 * self.run.ttl_s))
+            granted = await asyncio.to_thread(self._granted_ttls)
+            self.extra["etcd_granted_ttl_s"] = sorted(set(granted))
+            self.say(f"leader elected; etcd granted lease TTLs {sorted(set(granted))} s")
             stop = asyncio.Event()
             load = asyncio.ensure_future(self._load(stop))
             await self._settle()
