@@ -7,8 +7,9 @@ fault schedule.  Figures come from the daemons' JSON logs (simulations/election_
 
 Each round: SIGKILL the leader (restart it), SIGTERM the leader (a clean resign: it drains and
 exits; restart it), cut the leader off from etcd (every daemon reaches etcd through its own TCP
-proxy in this process, simulations/etcd_proxy.py; the cut holds 2 TTLs, then heals), restart one
-etcd member, and with --etcd 3 SIGKILL etcd's own leader member (restart it).  Between faults the
+proxy in this process, simulations/etcd_proxy.py; the cut holds until a TTL after the next
+election, then heals), cut a follower off etcd for 2 TTLs (not with --quick), restart one etcd
+member, and with --etcd 3 SIGKILL etcd's own leader member (restart it).  Between faults the
 cluster is left alone for a quiet period: an election then is a needless failover.  After the
 rounds: every etcd member stopped for --etcd-down-s (the data path must keep serving).
 Producers resubmit a task with no answer (the client, docs/PROTOCOL.md) and keep the first
@@ -57,6 +58,7 @@ class ElectionRun:
     etcd_members: int = 1
     etcd_down_s: float = 30.0
     quiet_s: float = 5.0  # left alone after each fault has settled
+    cut_follower: bool = True  # also cut a follower off etcd each round (no election expected)
     rate_per_s: float = 20.0  # producer load, tasks per second
     etcd_heartbeat_ms: int = 100  # etcd --heartbeat-interval (its default)
     etcd_election_ms: int = 1000  # etcd --election-timeout (its default)
@@ -68,7 +70,7 @@ TASK_TOKENS = 4
 TASK_S = 0.2  # the echo engine's time for one task
 
 # --quick: short periods for tests (one round with 3 daemons fits in a minute).
-QUICK = {"etcd_down_s": 4.0, "quiet_s": 0.5}
+QUICK: dict[str, Any] = {"etcd_down_s": 4.0, "quiet_s": 0.5, "cut_follower": False}
 
 
 class _Tail:
@@ -296,6 +298,24 @@ class ElectionHarness:
         for p in self.proxies[i]:
             p.heal()
 
+    async def cut_follower(self) -> None:
+        """Cut a follower off etcd for 2 TTLs: its candidate key expires, nobody's term should
+        change (elections after it are counted under its fault kind)."""
+        leader = await self.wait_leader(30)
+        i = (leader + 1) % len(self.current)
+        name = self.current[i].daemon.name
+        at = self._fault("follower cut off from etcd", name)
+        for p in self.proxies[i]:
+            p.cut()
+        await asyncio.sleep(2 * self.run.ttl_s)
+        for p in self.proxies[i]:
+            p.heal()
+        self._poll()
+        changed = [e for e in elections(t.inc for t in self.tails) if e[0] >= at]
+        self.say(
+            f"cut follower {name} off etcd for {2 * self.run.ttl_s} s: {len(changed)} elections"
+        )
+
     async def _wait_stepped_down(self, i: int, at: float) -> float | None:
         deadline = time.monotonic() + 3 * self.run.ttl_s + 2.0
         while time.monotonic() < deadline:
@@ -438,6 +458,9 @@ class ElectionHarness:
                 await self._settle()
                 await self.cut_leader()
                 await self._settle()
+                if self.run.cut_follower:
+                    await self.cut_follower()
+                    await self._settle()
                 await self.restart_etcd_member(r % self.run.etcd_members)
                 await self._settle()
                 if self.run.etcd_members >= 3:
@@ -466,6 +489,8 @@ class ElectionHarness:
         incs = [t.inc for t in self.tails]
         intervals = leadership_intervals(incs, end)
         overlaps = overlapping_terms(intervals)
+        # The same, ending each term at its step-down's log line alone (stricter).
+        logged = overlapping_terms(leadership_intervals(incs, end, lease_until=False))
         regressions = token_regressions(incs)
         elected = elections(incs)
         unprovoked = unprovoked_elections(elected, self.quiet)
@@ -492,6 +517,7 @@ class ElectionHarness:
         out.update(
             {
                 "overlapping_terms": len(overlaps),
+                "overlapping_terms_by_log_time": len(logged),
                 "token_regressions": len(regressions),
                 "tasks_sent": len(self.sent),
                 "tasks_ok": len(self.ok & self.sent),

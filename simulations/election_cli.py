@@ -47,17 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         ttl_s=args.ttl,
         rounds=args.rounds,
         etcd_members=args.etcd,
-        etcd_down_s=args.etcd_down_s
-        if args.etcd_down_s is not None
-        else (QUICK["etcd_down_s"] if args.quick else 30.0),
-        quiet_s=args.quiet_s
-        if args.quiet_s is not None
-        else (QUICK["quiet_s"] if args.quick else 5.0),
         rate_per_s=args.rate,
         etcd_heartbeat_ms=args.etcd_heartbeat_ms,
         etcd_election_ms=args.etcd_election_ms,
         log_dir=args.log_dir,
+        **(QUICK if args.quick else {}),
     )
+    if args.etcd_down_s is not None:
+        run.etcd_down_s = args.etcd_down_s
+    if args.quiet_s is not None:
+        run.quiet_s = args.quiet_s
     report = run_election(run)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     ok = (

@@ -13,7 +13,11 @@ so their wall clocks compare.
 
 Rules:
 - A leadership interval opens at ``leader_elected`` and closes at the same process's next
-  ``leader_stepped_down``, or at its death, or at the end of the run.  A second
+  ``leader_stepped_down``, or at its death, or at the end of the run.  A step-down closes it at
+  its ``lease_until_wall`` when that is earlier than its ``t_wall`` (a daemon paused past its
+  lease logs the step-down late; it no longer acts as leader from that moment:
+  ``is_leader`` is false once its lease is not believed valid); ``lease_until=False`` reads
+  ``t_wall`` alone.  A second
   ``leader_elected`` with the same token while open continues the interval (etcd keeps leases
   across its own restart: the same leader may re-confirm its term); with another token it
   closes the open interval and opens a new one.
@@ -80,7 +84,9 @@ def parse_log(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def leadership_intervals(incarnations: Iterable[Incarnation], end_wall: float) -> list[Interval]:
+def leadership_intervals(
+    incarnations: Iterable[Incarnation], end_wall: float, *, lease_until: bool = True
+) -> list[Interval]:
     out: list[Interval] = []
     for inc in incarnations:
         stop = end_wall if inc.died_at is None else inc.died_at
@@ -97,6 +103,8 @@ def leadership_intervals(incarnations: Iterable[Incarnation], end_wall: float) -
                     out.append(Interval(inc.node, open_token, open_start, t))
                 open_token, open_start = token, t
             elif name == STEPPED_DOWN and open_token is not None:
+                if lease_until and "lease_until_wall" in entry:
+                    t = max(open_start, min(t, float(entry["lease_until_wall"])))
                 out.append(Interval(inc.node, open_token, open_start, t))
                 open_token = None
         if open_token is not None:

@@ -97,6 +97,18 @@ def test_the_same_leader_reconfirming_its_token_is_one_term() -> None:
     assert overlapping_terms(leadership_intervals([again], 10.0)) == []
 
 
+def test_a_step_down_logged_late_ends_the_term_when_the_lease_did() -> None:
+    late = stepped_down("a", 5, 6.0) | {"lease_until_wall": 3.0}
+    incs = [
+        Incarnation("a", [elected("a", 5, 1.0), late]),
+        Incarnation("b", [elected("b", 7, 4.0)]),
+    ]
+    assert leadership_intervals(incs, 10.0)[0] == Interval("a", 5, 1.0, 3.0)
+    assert overlapping_terms(leadership_intervals(incs, 10.0)) == []
+    # Read by the step-down's log time alone, the terms overlap.
+    assert len(overlapping_terms(leadership_intervals(incs, 10.0, lease_until=False))) == 1
+
+
 def test_a_lower_token_after_a_higher_one_is_a_regression() -> None:
     inc = Incarnation("c", [observed("c", 7, "b", 1.0), observed("c", 5, "a", 2.0)])
     problems = token_regressions([inc])
