@@ -418,7 +418,8 @@ class EtcdConfig(Section):
     endpoints: list[str] = msgspec.field(default_factory=list)
     # The leader's lease: a leader that could not renew it for this long steps down by itself
     # (even while etcd is unreachable); a killed leader is replaced after about this long.
-    # etcd's smallest lease is 2 s with its default settings (it rounds 1 s up to 2 s).
+    # Rounded up to whole seconds (etcd's leases are); etcd's smallest lease is 2 s with its
+    # default settings (it makes 1 s into 2 s).
     ttl_s: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)] = 2.0
     # Each etcd request (grant, put, range, keepalive) gives up after this long.
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 1.0

@@ -2,7 +2,9 @@
 
 ``EtcdCluster(size, tmp_path)``: ``.start_all()``, ``.endpoints`` ("127.0.0.1:PORT" each),
 ``.stop(i)`` (SIGTERM, waited), ``.kill(i)`` (SIGKILL), ``.start(i)`` (the same member again,
-same data directory and ports), ``.wait_healthy()``, ``.close()``.  etcd 3.4 from Debian's
+same data directory and ports), ``.wait_healthy()``, ``.close()``.  ``tls=True``: clients must
+speak TLS with a client certificate (etcd --client-cert-auth); ``.client_tls`` holds the
+files a client needs (ca_file, cert_file, key_file), made with openssl under the data root.  etcd 3.4 from Debian's
 etcd-server (/usr/bin/etcd; ``ETCD_BIN`` overrides).  A test that needs etcd is skipped when it
 is not installed, unless GOSSIPD_REQUIRE_ETCD=1 (CI), where that fails instead.
 """
@@ -55,6 +57,7 @@ class EtcdCluster:
         *,
         heartbeat_ms: int = 100,
         election_ms: int = 1000,
+        tls: bool = False,
     ) -> None:
         if size not in (1, 3):
             raise ValueError(f"size: 1 or 3, found {size}")
@@ -68,6 +71,8 @@ class EtcdCluster:
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        self.client_tls: dict[str, str] = _make_certificates(self.root / "tls") if tls else {}
+        self._scheme = "https" if tls else "http"
         self._started_once = [False] * size
 
     @property
@@ -78,10 +83,20 @@ class EtcdCluster:
         cluster = ",".join(
             f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True)
         )
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
+        client = f"{self._scheme}://127.0.0.1:{self.client_ports[i]}"
         peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+        tls = []
+        if self.client_tls:
+            d = self.root / "tls"
+            tls = [
+                f"--cert-file={d / 'server.crt'}",
+                f"--key-file={d / 'server.key'}",
+                f"--trusted-ca-file={d / 'ca.crt'}",
+                "--client-cert-auth",
+            ]
         return [
             self.binary,
+            *tls,
             "--name",
             self.names[i],
             "--data-dir",
@@ -153,11 +168,18 @@ class EtcdCluster:
         """Member ``i`` answers a linearizable read (it has a leader and a quorum)."""
         if not self.running(i):
             return False
+        import ssl
         import urllib.request
 
+        context = None
+        if self.client_tls:
+            context = ssl.create_default_context(cafile=self.client_tls["ca_file"])
+            context.load_cert_chain(self.client_tls["cert_file"], self.client_tls["key_file"])
         try:
             with urllib.request.urlopen(
-                f"http://127.0.0.1:{self.client_ports[i]}/health", timeout=1.0
+                f"{self._scheme}://127.0.0.1:{self.client_ports[i]}/health",
+                timeout=1.0,
+                context=context,
             ) as answer:
                 return b'"health":"true"' in answer.read()
         except OSError:
@@ -182,3 +204,31 @@ class EtcdCluster:
     def close(self) -> None:
         for i in range(self.size):
             self.kill(i)
+
+
+def _make_certificates(directory: Path) -> dict[str, str]:
+    """A CA, etcd's server certificate (for 127.0.0.1) and a client certificate, with openssl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=ca")
+    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+        (directory / f"{name}.ext").write_text(
+            f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n"
+        )
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext",
+        )  # fmt: skip
+    return {
+        "ca_file": str(directory / "ca.crt"),
+        "cert_file": str(directory / "client.crt"),
+        "key_file": str(directory / "client.key"),
+    }

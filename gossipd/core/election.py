@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Phase(enum.Enum):
@@ -47,7 +47,10 @@ class Elected:
 @dataclass(frozen=True, slots=True)
 class SteppedDown:
     token: int
-    reason: str  # lease_expired, lease_lost, key_gone, resigned
+    reason: str  # lease_expired, lease_lost, key_gone, not_lowest, resigned, stopped
+    # Until when the lease was believed valid: after a pause of the process the step-down
+    # comes late, but the leadership ended here.
+    lease_until: float = field(default=math.inf, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +142,10 @@ class ElectionCore:
     def next_deadline(self) -> float:
         return self.valid_until if self.leading else math.inf
 
-    def resign(self) -> Decision:
-        """Rule 6: step down now; the shell revokes ``lease_id`` afterwards."""
-        decision = self._step_down("resigned") if self.leading else None
+    def resign(self, reason: str = "resigned") -> Decision:
+        """Rule 6: step down now; the shell revokes ``lease_id`` afterwards (``reason``:
+        "stopped" when the election itself stops)."""
+        decision = self._step_down(reason) if self.leading else None
         self.phase = Phase.RESIGNED
         return decision
 
@@ -164,4 +168,4 @@ class ElectionCore:
     def _step_down(self, reason: str) -> SteppedDown:
         token, self.leader_token = self.leader_token, 0
         self.step_downs[reason] = self.step_downs.get(reason, 0) + 1
-        return SteppedDown(token, reason)
+        return SteppedDown(token, reason, self.valid_until)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -80,7 +81,9 @@ class EtcdElection:
 
     @property
     def leading(self) -> bool:
-        return self.core.leading
+        """We lead, and our lease is still believed valid now (after a pause of the process,
+        before the step-down timer has run, this is already False)."""
+        return self.core.leading and self.core.lease_valid(self._clock())
 
     @property
     def token(self) -> int:
@@ -95,8 +98,7 @@ class EtcdElection:
                 tg.create_task(self._keepalive_forever(), name="election-keepalive")
                 tg.create_task(self._timer_forever(), name="election-timer")
         finally:
-            if self.core.leading:
-                self._apply(self.core.resign())
+            self._apply(self.core.resign("stopped"))
 
     async def _campaign_forever(self) -> None:
         core = self.core
@@ -118,7 +120,7 @@ class EtcdElection:
 
     async def _grant(self) -> None:
         sent_at = self._clock()
-        ttl = max(1, round(self.config.ttl_s))
+        ttl = max(1, math.ceil(self.config.ttl_s))  # etcd's leases are whole seconds
         lease = await self.client.lease(ttl)
         self.core.granted(sent_at, lease.id, float(lease.ttl))
 
@@ -281,13 +283,18 @@ class EtcdElection:
             )
             self._on_elected(decision.token)
         elif isinstance(decision, SteppedDown):
+            t_wall = time.time()
+            # lease_until_wall: when the leadership really ended (earlier than t_wall only
+            # when the process was paused past its lease: it could not act meanwhile).
+            late_s = max(0.0, self._clock() - decision.lease_until)
             log.info(
                 "leader_stepped_down",
                 extra={
                     "token": decision.token,
                     "node": self.node,
                     "reason": decision.reason,
-                    "t_wall": time.time(),
+                    "t_wall": t_wall,
+                    "lease_until_wall": t_wall - late_s,
                 },
             )
             self._on_deposed(decision.reason)

@@ -29,6 +29,8 @@ from gossipd.leader.election import EtcdElection
 
 log = logging.getLogger("gossipd.leader")
 
+RESTART_S = 1.0
+
 
 class Leadership:
     def __init__(self, config: Config, *, node: str, gossip: Any) -> None:
@@ -71,9 +73,20 @@ class Leadership:
         return self.election.token
 
     async def run_forever(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.election.run_forever(), name="election")
-            tg.create_task(self._announce_forever(), name="term-announce")
+        """The election and the term's announcements; a failure of ours (a bug, not etcd's:
+        those are retried inside) is logged and the election starts again: the data path
+        never depends on it."""
+        while True:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self.election.run_forever(), name="election")
+                    tg.create_task(self._announce_forever(), name="term-announce")
+            except Exception:
+                log.exception("leader election failed; starting it again in %s s", RESTART_S)
+            self.duties.stop()
+            await asyncio.sleep(RESTART_S)
+            if not self.election.resigned:
+                self.election.core.restart()
 
     async def _announce_forever(self) -> None:
         """The leader re-announces its term every TTL (joiners, members that missed it)."""

@@ -230,12 +230,14 @@ class GossipService:
         assert self.core is not None
         self.core.publish_term(time.time(), term)
         self._flush()
+        self._wake.set()  # the gossip round it starts is due now
 
     def publish_directive(self, directive: Directive) -> bool:
         """We lead: apply and gossip a directive (False: our own fence refused it)."""
         assert self.core is not None
         admitted = self.core.publish_directive(time.time(), directive)
         self._flush()
+        self._wake.set()
         return admitted
 
     def _flush(self) -> None:

@@ -1,0 +1,200 @@
+"""Leader duties and fenced writes with a real etcd: two Leadership instances in one process
+(each over its own SWIM core, the membership shell stood in for by a few lines): a duty runs
+only on the leader and is cancelled when it resigns; the deposed leader's fenced writes and
+directives fail; directives reach subscribers on the leader itself.  Also a 3-member etcd with
+the election's several endpoints: killing the etcd member it talks to does not stop the
+election."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import pytest
+
+from gossipd.config import Config, load_config
+from gossipd.core.messages import Directive, Term
+from gossipd.core.swim import SwimNode
+from gossipd.core.swim_config import SwimConfig
+from gossipd.leader import build_leadership
+from gossipd.leader.duties import LeaderContext
+from gossipd.leader.leadership import Leadership
+from tests.etcd_cluster import EtcdCluster
+from tests.helpers import wait_until_async
+
+
+class _Gossip:
+    """The parts of GossipService that Leadership uses, over a real SWIM core (no sockets)."""
+
+    def __init__(self, node: str) -> None:
+        self.core = SwimNode(
+            SwimConfig.sim(), node=node, addr=f"tcp://{node}:1", rng=random.Random(1), now=0.0
+        )
+        self.leadership_listeners: list[Any] = []
+
+    def _flush(self) -> None:
+        for item in self.core.take_leadership():
+            for listener in self.leadership_listeners:
+                listener(item)
+
+    def publish_term(self, term: Term) -> None:
+        self.core.publish_term(time.time(), term)
+        self._flush()
+
+    def publish_directive(self, directive: Directive) -> bool:
+        admitted = self.core.publish_directive(time.time(), directive)
+        self._flush()
+        return admitted
+
+    def live_members(self) -> list[Any]:
+        return []
+
+
+def _config(endpoints: list[str], ttl_s: float = 2.0) -> Config:
+    return load_config(
+        None,
+        environ={},
+        overrides=[f"etcd.endpoints={json.dumps(endpoints)}", f"etcd.ttl_s={ttl_s}"],
+    )
+
+
+async def _run(leaderships: list[Leadership]) -> list[asyncio.Task[None]]:
+    return [asyncio.create_task(x.run_forever()) for x in leaderships]
+
+
+def test_duties_run_on_the_leader_only_and_fenced_writes_fail_after_it_resigns(etcd) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        config = _config(etcd.endpoints)
+        a = build_leadership(config, node="a", gossip=_Gossip("a"))
+        b = build_leadership(config, node="b", gossip=_Gossip("b"))
+        assert a is not None and b is not None
+        contexts: dict[str, LeaderContext] = {}
+        writes: list[tuple[str, int]] = []
+        got: list[tuple[str, object]] = []
+
+        async def duty(ctx: LeaderContext) -> None:
+            contexts[ctx.node] = ctx
+            assert await ctx.fenced_put(f"{ctx.prefix}/owner", ctx.node)
+            assert ctx.publish("hello", {"from": ctx.node, "token": ctx.token})
+            while True:
+                writes.append((ctx.node, ctx.token))
+                await asyncio.sleep(0.05)
+
+        for x in (a, b):
+            x.duties.register("writer", duty)
+            x.directives.subscribe("hello", lambda d, body, x=x: got.append((x.node, body)))
+        tasks = await _run([a, b])
+        try:
+            first = await wait_until_async(
+                lambda: next((x for x in (a, b) if x.is_leader), None), 10, "a leader"
+            )
+            second = b if first is a else a
+            await wait_until_async(lambda: first.node in contexts, 5, "the duty to start")
+            assert first.duties.running == ["writer"] and second.duties.running == []
+            assert got == [(first.node, {"from": first.node, "token": first.token})]
+            old = contexts[first.node]
+            await first.resign()
+            assert first.duties.running == [] and not first.is_leader
+            await wait_until_async(lambda: second.is_leader, 1.0, "the other to lead")
+            await wait_until_async(lambda: second.node in contexts, 5, "its duty to start")
+            assert second.token > old.token
+            # The deposed leader's context: its etcd writes are refused, its directives too.
+            assert not await old.fenced_put(f"{old.prefix}/owner", "stale")
+            assert not await old.fenced_delete(f"{old.prefix}/owner")
+            assert not old.publish("hello", {"stale": True})
+            value = await second.election.client.get(f"{old.prefix}/owner".encode())
+            assert value is not None and value.value == second.node.encode()
+            n = len([w for w in writes if w[0] == first.node])
+            await asyncio.sleep(0.2)
+            assert len([w for w in writes if w[0] == first.node]) == n, "cancelled"
+            # The stale leader's directive, if it reached the new leader, is refused there.
+            stale = Directive(leader=first.node, token=old.token, seq=99, kind="hello")
+            assert not second._gossip.publish_directive(stale)
+            assert second.fence.statistics().refused["stale_token"] == 1
+            assert second.statistics()["directives_refused"]["stale_token"] == 1
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for x in (a, b):
+                await x.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_several_endpoints_survive_the_loss_of_the_etcd_member_in_use(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cluster = EtcdCluster(3, tmp_path).start_all()
+
+    async def main() -> None:
+        config = _config(cluster.endpoints, ttl_s=5.0)  # a 3-member etcd: TTL 2 s is too short
+        a = build_leadership(config, node="a", gossip=_Gossip("a"))
+        assert a is not None
+        tasks = await _run([a])
+        try:
+            await wait_until_async(lambda: a.is_leader, 10, "a leader")
+            token = a.token
+            cluster.kill(0)  # pick_first: the channel uses the first endpoint
+            steps = a.election.core.step_downs
+            await asyncio.sleep(7.0)  # past a TTL: keepalives went through another member
+            assert a.is_leader and a.token == token, steps
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await a.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.close()
+
+
+def test_tls_with_a_client_certificate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cluster = EtcdCluster(1, tmp_path, tls=True).start_all()
+
+    async def main() -> None:
+        tls = cluster.client_tls
+        overrides = [f"etcd.{k}={json.dumps(v)}" for k, v in tls.items()]
+        config = load_config(
+            None,
+            environ={},
+            overrides=[f"etcd.endpoints={json.dumps(cluster.endpoints)}", *overrides],
+        )
+        a = build_leadership(config, node="a", gossip=_Gossip("a"))
+        assert a is not None
+        plain = build_leadership(_config(cluster.endpoints), node="p", gossip=_Gossip("p"))
+        assert plain is not None
+        tasks = await _run([a, plain])
+        try:
+            await wait_until_async(lambda: a.is_leader, 10, "the TLS client to lead")
+            await asyncio.sleep(0.5)
+            assert not plain.is_leader and plain.election.errors > 0, "no TLS: refused"
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await a.close()
+            await plain.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.close()
+
+
+def test_etcd_config_is_checked_with_clear_errors() -> None:
+    from gossipd.errors import ConfigError
+
+    for overrides, expected in (
+        (['etcd.endpoints=["http://127.0.0.1:2379"]'], "expected HOST:PORT"),
+        (['etcd.cert_file="c.crt"', 'etcd.ca_file="ca.crt"'], "set both"),
+        (['etcd.cert_file="c.crt"', 'etcd.key_file="c.key"'], "ca_file: required"),
+        (["etcd.ttl_s=0.5"], "ttl_s"),
+    ):
+        with pytest.raises(ConfigError, match=expected):
+            load_config(None, environ={}, overrides=overrides)
+    assert build_leadership(Config(), node="n", gossip=None) is None, "no etcd: no leadership"
