@@ -42,6 +42,7 @@ from simulations.election_metrics import (
     event_time,
     failover_s,
     leadership_intervals,
+    new_terms,
     overlapping_terms,
     parse_log,
     token_regressions,
@@ -497,9 +498,12 @@ class ElectionHarness:
         # Elections each kind of fault was followed by, until the quiet period after it.
         quiet_starts = sorted(a for a, _ in self.quiet)
         caused: Counter[str] = Counter()
+        changed: Counter[str] = Counter()
+        fresh = new_terms(elected)
         for f in self.faults:
             until = next((a for a in quiet_starts if a > f["t_wall"]), end)
             caused[f["kind"]] += sum(1 for e in elected if f["t_wall"] <= e[0] < until)
+            changed[f["kind"]] += sum(1 for e in fresh if f["t_wall"] <= e[0] < until)
         out: dict[str, Any] = {
             "daemons": self.run.daemons,
             "ttl_s": self.run.ttl_s,
@@ -527,6 +531,7 @@ class ElectionHarness:
                 "terms": len(intervals),
                 "unprovoked_elections": len(unprovoked),
                 "elections_after_fault": dict(caused),
+                "new_terms_after_fault": dict(changed),
                 "quiet_s": round(sum(b - a for a, b in self.quiet), 1),
                 **self.extra,
                 "problems": [

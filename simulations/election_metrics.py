@@ -25,6 +25,7 @@ Rules:
 - ``token_regressions``: a process observing (term_observed or leader_elected) a token lower
   than one it observed before; and a token claimed for two different leaders anywhere.
 - failover: from a fault's wall time to the first ``leader_elected`` anywhere after it.
+- new terms: elections with a token not elected before (the others resume a term).
 - unprovoked elections: ``leader_elected`` events inside quiet windows (no fault in progress):
   needless failovers, what too short a TTL costs.
 """
@@ -172,6 +173,19 @@ def failover_s(fault_wall: float, elected: Sequence[tuple[float, str, int]]) -> 
         if t >= fault_wall:
             return t - fault_wall
     return None
+
+
+def new_terms(elected: Sequence[tuple[float, str, int]]) -> list[tuple[float, str, int]]:
+    """Elections with a token never elected before: a leader change.  The others are a leader
+    resuming its own term (etcd kept its lease: it had stepped down only because it could not
+    renew it in time)."""
+    seen: set[int] = set()
+    out = []
+    for e in sorted(elected):
+        if e[2] not in seen:
+            out.append(e)
+        seen.add(e[2])
+    return out
 
 
 def unprovoked_elections(

@@ -17,6 +17,7 @@ from simulations.election_metrics import (
     elections,
     failover_s,
     leadership_intervals,
+    new_terms,
     overlapping_terms,
     overlaps,
     parse_log,
@@ -145,6 +146,11 @@ def test_failover_and_unprovoked_elections() -> None:
     assert failover_s(10.0, got) == pytest.approx(2.5)
     assert failover_s(31.0, got) is None
     assert unprovoked_elections(got, [(20.0, 35.0), (0.0, 0.5)]) == [(30.0, "b", 9)]
+
+
+def test_a_leader_resuming_its_own_term_is_no_new_term() -> None:
+    got = [(1.0, "a", 5), (4.0, "a", 5), (6.0, "b", 7), (9.0, "b", 7)]
+    assert new_terms(got) == [(1.0, "a", 5), (6.0, "b", 7)]
 
 
 def test_parse_log_reads_json_lines_and_skips_the_rest() -> None:
