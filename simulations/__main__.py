@@ -1,4 +1,4 @@
-"""`python -m simulations swim|fanout|cluster|chaos|stopping ...` (each with --help)."""
+"""`python -m simulations swim|fanout|cluster|chaos|stopping|election ...` (each with --help)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.chaos import main as chaos_main
 
         return chaos_main(argv[1:])
+    if argv and argv[0] == "election":
+        from simulations.election_cli import main as election_main
+
+        return election_main(argv[1:])
     sub.add_parser("cluster", help="real daemons on loopback with real faults (see --help there)")
     sub.add_parser("chaos", help="real daemons serving tasks through SIGKILL and SIGTERM")
+    sub.add_parser("election", help="real etcd and daemons electing a leader through faults")
     sub.add_parser("stopping", help="what stopping one daemon under load costs its producers")
     sub.add_parser("fanout", help="whole daemons (membership, fan-out, owners) in virtual time")
     args = parser.parse_args(argv)

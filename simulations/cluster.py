@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,9 +56,12 @@ class Cluster:
         log_dir: str | None = None,
         extra_overrides: list[str] | None = None,
         curve: bool = False,
+        overrides_for: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         """``curve``: CURVE on every socket, keys made under log_dir/keys (a producer key
-        "producer" among them: ``self.keys.pair("producer")``)."""
+        "producer" among them: ``self.keys.pair("producer")``).  ``overrides_for(i)``: more
+        overrides for daemon ``i`` only (after the shared ones)."""
+        self._overrides_for = overrides_for
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="gossipd-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.keys: CurveLayout | None = None
@@ -91,6 +94,7 @@ class Cluster:
             f"fanout.rpc_bind=tcp://127.0.0.1:{rpc_port}",
             *(self.keys.overrides(f"d{i:02d}") if self.keys is not None else []),
             *self._extra,
+            *(self._overrides_for(i) if self._overrides_for is not None else []),
         ]
         return DaemonProcess(name=f"d{i:02d}", log_dir=self.log_dir, port=port, overrides=overrides)
 
