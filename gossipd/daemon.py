@@ -26,7 +26,8 @@ from gossipd import __version__
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
-from gossipd.core.messages import ErrorCode, GpuState, TaskDone, error_result
+from gossipd.core.loadstate import LoadSampler
+from gossipd.core.messages import ErrorCode, GpuState, LoadRecord, TaskDone, error_result
 from gossipd.core.placement import LoadCounts
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
@@ -426,6 +427,7 @@ class Daemon:
             gossip=gossip,
             loads=loads,
             local_ids=local_ids,
+            clock=self.clock,
         )
         forwarder = Forwarder(
             Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
@@ -461,6 +463,21 @@ class Daemon:
             clock=self.clock,
         )
         owner.task_bytes_max = config.ingress.message_bytes_max  # as the ingress validates
+        # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the
+        # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
+        own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
+
+        def load_record() -> LoadRecord:
+            gpu = gossip.last_gpu_state
+            return own_load.current(
+                self.clock.monotonic(),
+                inflight=ingress.admission.pending,
+                waiting=gpu.waiting_requests if gpu else 0,
+                queued_tokens=gpu.queued_tokens if gpu else 0,
+                kv_ratio=gpu.kv_cache_usage_ratio if gpu else 0.0,
+            )
+
+        owner.load_record = load_record
         if self.security.curve:
             security = self.security
             owner.serve_curve = lambda sock: security.serve(sock, DOMAIN_PEERS)

@@ -33,6 +33,7 @@ from gossipd.core.messages import (
     ErrorCode,
     Forward,
     ForwardReply,
+    LoadRecord,
     PeerBatch,
     Result,
     Task,
@@ -131,6 +132,9 @@ class OwnerEndpoint:
         # whether a message may be taken (its key still authorised, speaking for itself).
         self.serve_curve: Callable[[zmq.Socket], None] | None = None
         self.peer_allowed: Callable[[str, str, str], bool] | None = None
+        # Our load as we answer, carried by every ForwardReply and TaskDone (issue 17): set
+        # by the daemon; None carries none.
+        self.load_record: Callable[[], LoadRecord | None] = lambda: None
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -247,6 +251,7 @@ class OwnerEndpoint:
             accepted=accepted,
             code="" if accepted else verdict.value,
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
+            load=self.load_record(),
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
 
@@ -365,7 +370,7 @@ class OwnerEndpoint:
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
         for task_id, identities, member in self._done_waiting.pop(reply_to, ()):
-            done = TaskDone(id=task_id, node=self.node)
+            done = TaskDone(id=task_id, node=self.node, load=self.load_record())
             for identity in identities:
                 assert isinstance(identity, bytes)
                 self._to_forwarder(identity, done)

@@ -645,6 +645,25 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         "Bytes of forwarded tasks remembered for migration (fanout.forwarded_bytes_max)",
         stats.forwarded_bytes,
     )
+    ages = dispatcher.placer.state_ages
+    age = HistogramMetricFamily(
+        "gossipd_placement_state_age_seconds",
+        "Age of the owner's load state each placement decision used (0: this daemon)",
+    )
+    age.add_metric([], ages.cumulative(), sum_value=ages.sum_s)
+    yield age
+    yield _one(
+        C,
+        "gossipd_placement_state_unknown",
+        "Placement decisions on a member of which no load record was known (its Meta only)",
+        ages.unknown,
+    )
+    yield _one(
+        C,
+        "gossipd_fanout_loads_refused",
+        "Load records on a peer reply that named another member than the replying owner",
+        dispatcher.loads_refused,
+    )
     yield _by(
         G,
         "gossipd_fanout_outstanding",
