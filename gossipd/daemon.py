@@ -46,6 +46,7 @@ from gossipd.ingress.journal import Journal
 from gossipd.ingress.service import Ingress
 from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
+from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
 from gossipd.ops.notify import Notifier
@@ -172,6 +173,7 @@ class Daemon:
         self.metrics_port = 0
         self._metrics_token = _read_token(config.metrics.bearer_token_file)
         self.gossip: GossipService | None = None
+        self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         self.leader_duties: Any = None  # gossipd.leader.builtin.BuiltinDuties; idem
@@ -194,6 +196,7 @@ class Daemon:
             "engine": self.engine.stats(),
             "gossip": self.gossip,
             "dispatcher": self.dispatcher,
+            "load_gossip": self.load_gossip,
             "admin": self.admin.statistics(),
             "security": self.security,
             "budgets": self.budget_gate.statistics() if self.budget_gate else None,
@@ -279,6 +282,10 @@ class Daemon:
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
                     ]
+                    if self.load_gossip is not None:
+                        membership.append(
+                            tg.create_task(self.load_gossip.run_forever(), name="gossip-load")
+                        )
                 if self.leadership is not None:
                     background.append(
                         tg.create_task(self.leadership.run_forever(), name="leadership")
@@ -478,6 +485,15 @@ class Daemon:
             )
 
         owner.load_record = load_record
+        self.load_gossip = LoadGossip(
+            gossip,
+            view=placer.load_view,
+            on_load=placer.on_load,
+            own=load_record,
+            rng=self.rng("load-gossip"),
+            clock=self.clock,
+        )
+        gossip.on_loads = self.load_gossip.on_loads
         if self.security.curve:
             security = self.security
             owner.serve_curve = lambda sock: security.serve(sock, DOMAIN_PEERS)

@@ -13,7 +13,9 @@ from tests.helpers import RawProducer, scrape, wait_until
 
 @pytest.fixture
 def cluster(tmp_path):  # type: ignore[no-untyped-def]
-    c = Cluster(2, log_dir=str(tmp_path / "c"), extra_overrides=['metrics.bind="127.0.0.1:0"'])
+    # Load gossip off: what the entry point knows of the owner's load came on its replies.
+    overrides = ['metrics.bind="127.0.0.1:0"', "gossip.load_interval_s=0"]
+    c = Cluster(2, log_dir=str(tmp_path / "c"), extra_overrides=overrides)
     c.start()
     try:
         c.wait_converged(timeout_s=20)
@@ -48,3 +50,22 @@ def test_an_owners_replies_carry_its_load_and_the_entry_points_placer_uses_it(cl
     assert metrics["gossipd_placement_state_age_seconds_count"] == len(keys) - 1
     assert metrics["gossipd_placement_state_age_seconds_bucket{le=1.0}"] == len(keys) - 1
     assert metrics["gossipd_fanout_loads_refused_total"] == 0.0
+
+
+def test_load_gossip_tells_every_member_the_others_load_without_any_task(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    c = Cluster(3, log_dir=str(tmp_path / "g"), extra_overrides=['metrics.bind="127.0.0.1:0"'])
+    c.start()
+    try:
+        c.wait_converged(timeout_s=20)
+
+        def all_known() -> bool:
+            return all(
+                scrape(d.metrics_port).get("gossipd_load_members_known") == 2.0 for d in c.daemons
+            )
+
+        wait_until(all_known, timeout_s=5, what="every member holding the 2 others' load")
+        m = scrape(c.daemons[0].metrics_port)
+        assert m["gossipd_load_gossip_sent_messages_total"] > 0
+        assert m["gossipd_load_gossip_received_records_total"] > 0
+    finally:
+        c.stop()

@@ -251,6 +251,9 @@ class DaemonCollector:
         dispatcher = s.get("dispatcher")
         if dispatcher is not None:
             yield from _dispatch_metrics(dispatcher)
+        load_gossip = s.get("load_gossip")
+        if load_gossip is not None:
+            yield from _load_gossip_metrics(load_gossip, dispatcher)
         budgets = s.get("budgets")
         if budgets is not None:
             yield from _budget_metrics(budgets)
@@ -577,6 +580,35 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
     yield _one(
         G, "gossipd_gossip_checksum", "Checksum of the live member set", core.table.checksum()
     )
+
+
+def _load_gossip_metrics(load_gossip: Any, dispatcher: Any) -> Iterator[Metric]:
+    """Load records (issue 17): what load gossip costs, and how many members we know."""
+    yield _one(
+        C,
+        "gossipd_load_gossip_sent_bytes",
+        "Bytes of load-gossip messages sent (gossip.load_*)",
+        load_gossip.sent_bytes,
+    )
+    yield _one(
+        C,
+        "gossipd_load_gossip_sent_messages",
+        "Load-gossip messages sent",
+        load_gossip.sent_messages,
+    )
+    yield _one(
+        C,
+        "gossipd_load_gossip_received_records",
+        "Load records received on gossip messages",
+        load_gossip.received_records,
+    )
+    if dispatcher is not None:
+        yield _one(
+            G,
+            "gossipd_load_members_known",
+            "Members whose load record this daemon holds",
+            len(dispatcher.placer.load_view),
+        )
 
 
 def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
