@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from gossipd.core.messages import LOAD_RECORDS_MAX, LoadRecord, encode_update
 
 AGE_MS_MAX = 3_600_000  # the wire's bound on age_ms
+# The same seq again counts as news (a confirmation that the figures still hold) only this
+# much later than the copy held: relayed copies differ by rounding of age_ms, and must not.
+CONFIRM_MIN_S = 0.1
 
 
 @dataclass(slots=True)
@@ -69,14 +72,14 @@ class LoadView:
 
     def offer(self, record: LoadRecord, now: float) -> Known | None:
         """A record received at ``now``: the new Known if it is newer than what we hold (a
-        higher seq, or the same seq confirmed current at a later time)."""
+        higher seq, or the same seq confirmed current at least ``CONFIRM_MIN_S`` later)."""
         held = self._known.get(record.node)
         sampled_at = now - record.age_ms / 1000.0
         if held is not None and (
             held.record.seq > record.seq
-            or (held.record.seq == record.seq and held.sampled_at >= sampled_at)
+            or (held.record.seq == record.seq and sampled_at < held.sampled_at + CONFIRM_MIN_S)
         ):
-            return None  # older, or the same sample confirmed no later
+            return None  # older, or the same sample confirmed no later (or a relayed copy)
         if held is None and len(self._known) >= self.members_max:
             self.refused_full += 1
             return None
