@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from gossipd.core.loadstate import LoadRumors, LoadSampler, LoadView, with_age
 from gossipd.core.messages import GossipOnly, LoadRecord, encode_gossip, encode_update
 
-CHANGE, GOSSIP, RECEIVE, TASK, REPLY = range(5)
+CHANGE, GOSSIP, RECEIVE, TASK, REPLY, CONFIRM, ANSWER = range(7)
 
 
 @dataclass
@@ -47,10 +47,12 @@ class FreshRun:
     warm_s: float = 5.0
     seed: int = 1
     change_s: float = 1.0  # every member's load changes this often
-    gossip_interval_s: float = 0.1
+    confirm_s: float = 0.0  # a member re-sends its unchanged record this long after (0: never)
+    # The daemon's defaults (gossip.load_*): at most (500 + ~90) B x 20 = 94 kbit/s a member.
+    gossip_interval_s: float = 0.05
     fanout: int = 1
-    bytes_max: int = 1100  # load records per message
-    transmits: int = 3  # times a member passes on one record
+    bytes_max: int = 500  # load records per message
+    transmits: int = 5  # times a member passes on one record
     age_max_s: float = 3.0  # records older than this are not passed on
     tasks_per_member_s: float = 20.0
     service_s: float = 0.5
@@ -141,6 +143,15 @@ def run_freshness(run: FreshRun) -> dict[str, object]:
             m.view.offer(rec, at)
             m.rumors.add(rec, at)
             push(at + run.change_s, CHANGE, i)
+            if 0 < run.confirm_s < run.change_s:
+                push(at + run.confirm_s, CONFIRM, i, rec.seq)
+        elif kind == CONFIRM:
+            rec = current[i]
+            if rec is not None and rec.seq == payload:  # unchanged: confirmed as of now
+                m.view.offer(rec, at)
+                m.rumors.add(rec, at)
+                if at + run.confirm_s < sampled[i][-1] + run.change_s:
+                    push(at + run.confirm_s, CONFIRM, i, rec.seq)
         elif kind == GOSSIP:
             push(at + run.gossip_interval_s, GOSSIP, i)
             for _ in range(run.fanout):
@@ -171,7 +182,7 @@ def run_freshness(run: FreshRun) -> dict[str, object]:
                 if decisions % record_every == 0:
                     if owner == i:
                         by_source["self"] += 1
-                        ages.append(at - sampled[i][-1] if sampled[i] else 0.0)
+                        ages.append(0.0)  # its own load, read as it decides
                         stales.append(0.0)
                     else:
                         known = m.view.get(members[owner].name)
@@ -181,18 +192,18 @@ def run_freshness(run: FreshRun) -> dict[str, object]:
                             by_source["known"] += 1
                             ages.append(known.age_s(at))
                             stales.append(staleness(owner, known.record.seq, at))
-            if owner != i and run.replies:
-                for delay in (2 * run.latency_s, run.service_s + run.latency_s):
-                    rec = current[owner]
-                    if rec is None:
-                        continue
-                    sent_at = at + delay - run.latency_s
-                    # The owner's latest sample as it answers (its age carried on the wire).
-                    if sent_at >= sampled[owner][-1]:
-                        out = with_age(rec, sampled[owner][-1], sent_at)
-                        if measuring:
-                            reply_load_bytes += len(encode_update(out))  # type: ignore[arg-type]
-                        push(at + delay, REPLY, i, out)
+            if owner != i and run.replies:  # its ForwardReply, then its TaskDone
+                push(at + run.latency_s, ANSWER, owner, i)
+                push(at + run.latency_s + run.service_s, ANSWER, owner, i)
+        elif kind == ANSWER:
+            # The owner answers entry point ``payload`` with its load as of now (age 0).
+            rec = current[i]
+            if rec is not None:
+                out = with_age(rec, 0.0, 0.0)
+                if measuring:
+                    reply_load_bytes += len(encode_update(out))  # type: ignore[arg-type]
+                assert isinstance(payload, int)
+                push(at + run.latency_s, REPLY, payload, out)
     wall_s = time.perf_counter() - started
     ages.sort()
     stales.sort()
@@ -234,6 +245,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--transmits", type=int, default=FreshRun.transmits)
     p.add_argument("--tasks-per-member-s", type=float, default=FreshRun.tasks_per_member_s)
     p.add_argument("--service-s", type=float, default=FreshRun.service_s)
+    p.add_argument("--confirm-s", type=float, default=FreshRun.confirm_s)
     p.add_argument("--loss", type=float, default=0.0)
     p.add_argument("--no-replies", action="store_true", help="no load on owners' replies")
     p.add_argument("--no-gossip", action="store_true", help="no load gossip")
@@ -252,6 +264,7 @@ def main(argv: list[str]) -> int:
             transmits=args.transmits,
             tasks_per_member_s=args.tasks_per_member_s,
             service_s=args.service_s,
+            confirm_s=args.confirm_s,
             loss=args.loss,
             replies=not args.no_replies,
             gossip=not args.no_gossip,
