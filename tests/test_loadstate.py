@@ -196,3 +196,22 @@ def test_the_placer_uses_an_owners_load_from_its_reply_and_records_its_age() -> 
     assert placer.on_load(LoadRecord(owner, 8, 0, 0, 0, 0, 0), placer._clock.monotonic())
     assert placer.owner_for(task) == owner
     assert placer.state_ages.count == 1 and placer.state_ages.counts[0] == 1  # ~0 s old
+
+
+def test_a_swim_node_hands_the_load_records_a_gossip_message_carries_to_its_shell() -> None:
+    import random
+
+    from gossipd.core.swim import SwimNode
+    from gossipd.core.swim_config import SwimConfig
+
+    node = SwimNode(SwimConfig(), node="a", addr="tcp://10.0.0.1:1", rng=random.Random(1), now=0.0)
+    record = LoadRecord("b", 3, 40, 1, 0, 0, 5)
+    message = GossipOnly(cluster="default", src="b", src_addr="tcp://10.0.0.2:1", loads=[record])
+    node.receive(1.0, encode_gossip(message))  # no listener yet: nothing to hand over
+    got: list[list[LoadRecord]] = []
+    node.on_loads = got.append
+    node.receive(1.0, encode_gossip(message))
+    node.receive(
+        1.0, encode_gossip(GossipOnly(cluster="default", src="b", src_addr="tcp://10.0.0.2:1"))
+    )
+    assert got == [[record]]  # a message without loads hands nothing
