@@ -29,12 +29,20 @@ def test_an_owners_replies_carry_its_load_and_the_entry_points_placer_uses_it(cl
     entry = cluster.daemons[0]
     ring = Ring({"d00": 1.0, "d01": 1.0})
     keys = [k for k in (f"load-{i}" for i in range(200)) if ring.owner(k) == "d01"][:5]
+    outstanding = "gossipd_fanout_outstanding{member=d01}"
     producer = RawProducer(entry.endpoint)
     try:
         for i, key in enumerate(keys):  # one at a time: each decision after the last reply
             producer.send_task(f"t{i}", "a b c", key=key, params={"max_tokens": 2})
             [result] = producer.results(1, timeout_s=10)
             assert result["ok"] and result["node"] == "d01", result
+            # The Result reaches the producer before the owner's TaskDone reaches us: the next
+            # decision is made once the TaskDone (and the load it carries) is in.
+            wait_until(
+                lambda: scrape(entry.metrics_port).get(outstanding, 0.0) == 0.0,
+                timeout_s=5,
+                what="d01's TaskDone at the entry point",
+            )
     finally:
         producer.close()
     metrics: dict[str, float] = {}
