@@ -180,6 +180,16 @@ class GossipConfig(Section):
     # How often GPU and engine state is sampled, and the least time between two publications.
     meta_sample_s: Seconds = 1.0
     meta_publish_min_s: Seconds = 2.0
+    # Load gossip (issue 17; docs/PROTOCOL.md, "Load records"): every load_interval_s (0: off)
+    # a message of load records only to load_fanout random members, at most load_bytes_max
+    # of records, each record passed on at most load_transmits times and not once older
+    # than load_age_max_s.
+    # The defaults cost at most (500 + ~90 bytes of header) x 20 a second = 94 kbit/s.
+    load_interval_s: Seconds = 0.05
+    load_fanout: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    load_bytes_max: Annotated[int, msgspec.Meta(ge=64, le=60_000)] = 500
+    load_transmits: Annotated[int, msgspec.Meta(ge=1, le=16)] = 5
+    load_age_max_s: Seconds = 3.0
 
     def __post_init__(self) -> None:
         if self.bind:

@@ -26,7 +26,8 @@ from gossipd import __version__
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
-from gossipd.core.messages import ErrorCode, GpuState, TaskDone, error_result
+from gossipd.core.loadstate import LoadSampler
+from gossipd.core.messages import ErrorCode, GpuState, LoadRecord, TaskDone, error_result
 from gossipd.core.placement import LoadCounts
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
@@ -45,6 +46,7 @@ from gossipd.ingress.journal import Journal
 from gossipd.ingress.service import Ingress
 from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
+from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector, serve_metrics
 from gossipd.ops.notify import Notifier
@@ -171,6 +173,7 @@ class Daemon:
         self.metrics_port = 0
         self._metrics_token = _read_token(config.metrics.bearer_token_file)
         self.gossip: GossipService | None = None
+        self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         self.leader_duties: Any = None  # gossipd.leader.builtin.BuiltinDuties; idem
@@ -193,6 +196,7 @@ class Daemon:
             "engine": self.engine.stats(),
             "gossip": self.gossip,
             "dispatcher": self.dispatcher,
+            "load_gossip": self.load_gossip,
             "admin": self.admin.statistics(),
             "security": self.security,
             "budgets": self.budget_gate.statistics() if self.budget_gate else None,
@@ -278,6 +282,10 @@ class Daemon:
                         tg.create_task(self.gossip.run_forever(), name="gossip"),
                         tg.create_task(self.gossip.publish_meta_forever(), name="gossip-meta"),
                     ]
+                    if self.load_gossip is not None:
+                        membership.append(
+                            tg.create_task(self.load_gossip.run_forever(), name="gossip-load")
+                        )
                 if self.leadership is not None:
                     background.append(
                         tg.create_task(self.leadership.run_forever(), name="leadership")
@@ -426,6 +434,7 @@ class Daemon:
             gossip=gossip,
             loads=loads,
             local_ids=local_ids,
+            clock=self.clock,
         )
         forwarder = Forwarder(
             Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
@@ -461,6 +470,30 @@ class Daemon:
             clock=self.clock,
         )
         owner.task_bytes_max = config.ingress.message_bytes_max  # as the ingress validates
+        # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the
+        # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
+        own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
+
+        def load_record() -> LoadRecord:
+            gpu = gossip.last_gpu_state
+            return own_load.current(
+                self.clock.monotonic(),
+                inflight=ingress.admission.pending,
+                waiting=gpu.waiting_requests if gpu else 0,
+                queued_tokens=gpu.queued_tokens if gpu else 0,
+                kv_ratio=gpu.kv_cache_usage_ratio if gpu else 0.0,
+            )
+
+        owner.load_record = load_record
+        self.load_gossip = LoadGossip(
+            gossip,
+            view=placer.load_view,
+            on_load=placer.on_load,
+            own=load_record,
+            rng=self.rng("load-gossip"),
+            clock=self.clock,
+        )
+        gossip.on_loads = self.load_gossip.on_loads
         if self.security.curve:
             security = self.security
             owner.serve_curve = lambda sock: security.serve(sock, DOMAIN_PEERS)

@@ -1,4 +1,5 @@
-"""`python -m simulations swim|fanout|cluster|chaos|stopping|election ...` (each with --help)."""
+"""`python -m simulations swim|fanout|cluster|chaos|stopping|election|freshness ...` (each
+with --help)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.stopping import main as stopping_main
 
         return stopping_main(argv[1:])
+    if argv and argv[0] == "freshness":
+        from simulations.freshness import main as freshness_main
+
+        return freshness_main(argv[1:])
     if argv and argv[0] == "chaos":
         from simulations.chaos import main as chaos_main
 
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return election_main(argv[1:])
     sub.add_parser("cluster", help="real daemons on loopback with real faults (see --help there)")
+    sub.add_parser("freshness", help="how old the load state placement decisions use is")
     sub.add_parser("chaos", help="real daemons serving tasks through SIGKILL and SIGTERM")
     sub.add_parser("election", help="real etcd and daemons electing a leader through faults")
     sub.add_parser("stopping", help="what stopping one daemon under load costs its producers")

@@ -496,6 +496,26 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class LoadRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A member's engine load, small and frequent, apart from its Meta (issue 17): a
+    MessagePack array [node, seq, age_ms, inflight, waiting, queued_tokens, kv_pct] of about
+    20 bytes.  ``seq`` grows with every sample the member takes (across restarts too: it
+    starts from the wall clock in milliseconds); ``age_ms`` is how old the sample was when
+    the message left (each relay adds the time it held it), so a receiver knows the sample's
+    age without synchronised clocks (core/loadstate.py)."""
+
+    node: NodeId
+    seq: Seq
+    age_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
+    inflight: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    waiting: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    queued_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    kv_pct: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
+
+
+LOAD_RECORDS_MAX = 1024  # load records in one gossip message
+
+
 class Alive(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.ALIVE)):
     node: NodeId
     incarnation: Incarnation
@@ -570,6 +590,8 @@ class _Gossip(msgspec.Struct, frozen=True, kw_only=True):
     # The sender's highest leader term (core/fencing.py): every message carries it, so a
     # member (a joiner through its first push-pull) learns the leader from any traffic.
     term: Term | None = None
+    # Load records (issue 17), newest first; absent from older peers, ignored by them.
+    loads: Annotated[list[LoadRecord], msgspec.Meta(max_length=LOAD_RECORDS_MAX)] | None = None
 
 
 class Ping(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PING)):
@@ -682,6 +704,7 @@ class ForwardReply(
     code: Annotated[str, msgspec.Meta(max_length=64)] = ""
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
 
 
 class TaskDone(
@@ -692,6 +715,7 @@ class TaskDone(
     v: int = PROTOCOL_VERSION
     id: TaskId
     node: NodeId
+    load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
 
 
 class Withdraw(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.WITHDRAW)):

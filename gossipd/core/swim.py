@@ -51,6 +51,7 @@ from gossipd.core.messages import (
     GossipOnly,
     GpuState,
     Left,
+    LoadRecord,
     Nack,
     Ping,
     PingReq,
@@ -121,6 +122,8 @@ class SwimNode:
         self.prober = Prober(self, now)
         self.antientropy = AntiEntropy(self, now, [s for s in seeds if s != addr])
         self.refusals = RefusalDetector(self, now)
+        # Set by the shell: load records a message carried (membership/loadgossip.py).
+        self.on_loads: Callable[[list[LoadRecord]], None] | None = None
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             Ping: self.prober.on_ping,
             Ack: self.prober.on_ack,
@@ -159,6 +162,8 @@ class SwimNode:
         self._current_src = msg.src_addr
         for update in msg.updates:
             self.apply(update, now)
+        if msg.loads and self.on_loads is not None:  # load records (core/loadstate.py)
+            self.on_loads(msg.loads)
         if msg.term is not None:
             self.apply(msg.term, now)
         self._current_src = ""

@@ -86,6 +86,7 @@ class Dispatcher:
         self._idle_links: asyncio.Task[None] | None = None
         # Set by the daemon when tracing is on (gossipd/ops/tracing.py); None costs nothing.
         self.tracer: Any = None
+        self.loads_refused = 0  # load records on a reply that named another member
 
     @staticmethod
     def settings(config: FanoutConfig, retry_after_ms: int) -> ForwarderSettings:
@@ -125,9 +126,17 @@ class Dispatcher:
         now = self._clock.monotonic()
         on_reply = self.forwarder.on_reply
         tracer = self.tracer
+        on_load = self.placer.on_load
         for msg in msgs:
             if tracer is not None and type(msg) is TaskDone:
                 tracer.forward_done(msg.id)
+            load = getattr(msg, "load", None)
+            if load is not None:
+                # An owner speaks for its own load only (docs/PROTOCOL.md, "Load").
+                if load.node == getattr(msg, "node", None):
+                    on_load(load, now)
+                else:
+                    self.loads_refused += 1
             on_reply(msg, now)
         self._flush()
 

@@ -33,6 +33,7 @@ from gossipd.core.messages import (
     ErrorCode,
     Forward,
     ForwardReply,
+    LoadRecord,
     PeerBatch,
     Result,
     Task,
@@ -131,6 +132,9 @@ class OwnerEndpoint:
         # whether a message may be taken (its key still authorised, speaking for itself).
         self.serve_curve: Callable[[zmq.Socket], None] | None = None
         self.peer_allowed: Callable[[str, str, str], bool] | None = None
+        # Our load as we answer, carried by every ForwardReply and TaskDone (issue 17): set
+        # by the daemon; None carries none.
+        self.load_record: Callable[[], LoadRecord | None] = lambda: None
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -247,6 +251,7 @@ class OwnerEndpoint:
             accepted=accepted,
             code="" if accepted else verdict.value,
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
+            load=self._load_for(identity),
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
 
@@ -290,6 +295,11 @@ class OwnerEndpoint:
         (or its producer directly) still counts on it (core/lifecycle.py, rule 3)."""
         if self._ingress.withdraw(task_id, identity):
             self.counters.withdrawn_by_peers += 1
+
+    def _load_for(self, identity: bytes) -> LoadRecord | None:
+        """Our load for the next reply to this forwarder: only the first of the replies that
+        leave together carries it (one record a message, not one per task in a batch)."""
+        return None if self._router_out.get(identity) else self.load_record()
 
     def _to_forwarder(
         self, identity: bytes, msg: ForwardReply | TaskDone, *, urgent: bool = False
@@ -365,12 +375,14 @@ class OwnerEndpoint:
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
         for task_id, identities, member in self._done_waiting.pop(reply_to, ()):
-            done = TaskDone(id=task_id, node=self.node)
             for identity in identities:
                 assert isinstance(identity, bytes)
-                self._to_forwarder(identity, done)
+                load = self._load_for(identity)
+                self._to_forwarder(identity, TaskDone(id=task_id, node=self.node, load=load))
             if member:  # a task re-run from the journal: its forwarder, by name
-                self._send_to_member(member, done)
+                self._send_to_member(
+                    member, TaskDone(id=task_id, node=self.node, load=self.load_record())
+                )
         # Their Results are with ZeroMQ: the TaskDones leave at the start of the next loop
         # turn, together with those of the other producers' Results of this turn and any
         # accepts waiting for the forwarder (one message per forwarder, not one per producer).

@@ -18,14 +18,17 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
+from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, MemberEvent
-from gossipd.core.messages import GpuState, Task
+from gossipd.core.messages import GpuState, LoadRecord, Task
 from gossipd.core.placement import Candidate, LoadCounts, bound
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring, key_hash
@@ -56,6 +59,33 @@ class _Info:
     rpc: str
 
 
+STATE_AGE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class StateAges:
+    """How old the owner's load state was at each placement decision (fixed buckets)."""
+
+    __slots__ = ("count", "counts", "sum_s", "unknown")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(STATE_AGE_BUCKETS_S) + 1)
+        self.count = 0
+        self.sum_s = 0.0
+        self.unknown = 0  # decisions on a member of which we had no load record (Meta only)
+
+    def observe(self, age_s: float) -> None:
+        self.counts[bisect.bisect_left(STATE_AGE_BUCKETS_S, age_s)] += 1
+        self.count += 1
+        self.sum_s += age_s
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for le, n in zip((*map(str, STATE_AGE_BUCKETS_S), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((le, running))
+        return out
+
+
 class Placer:
     """Chooses the member for each task; keeps the loads this entry point counts."""
 
@@ -68,8 +98,15 @@ class Placer:
         gossip: GossipService,
         loads: dict[str, int],
         local_ids: set[str],
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
+        self._clock = clock
+        # Members' load records (owners' replies, load gossip; core/loadstate.py): once a
+        # member has one, its engine saturation is read from its newest record, not from
+        # its Meta; and the age of the owner's state each decision used is recorded.
+        self.load_view = LoadView()
+        self.state_ages = StateAges()
         self.node = node
         self._ingress = ingress
         self._gossip = gossip
@@ -104,6 +141,28 @@ class Placer:
     def member_event(self, event: MemberEvent) -> None:
         """A membership event: that member's entry is read again at the next placement."""
         self._dirty.add(event.node)
+        if event.kind in ("dead", "left"):
+            self.load_view.forget(event.node)
+
+    def on_load(self, record: LoadRecord, now: float) -> bool:
+        """A member's load record (an owner's reply, load gossip): kept if newer than what
+        we hold; the member's saturation follows it at once.  True if it was newer."""
+        if record.node == self.node or self.load_view.offer(record, now) is None:
+            return False
+        saturated = self._view.saturated
+        if record.node in self._info:
+            if self._record_saturated(record):
+                saturated.add(record.node)
+            else:
+                saturated.discard(record.node)
+        return True
+
+    def _record_saturated(self, record: LoadRecord) -> bool:
+        cfg = self.config
+        return (
+            record.waiting >= cfg.engine_waiting_saturated
+            or record.kv_pct / 100.0 >= cfg.engine_kv_cache_saturated_ratio
+        )
 
     def addr(self, member: str) -> str | None:
         """The member's rpc address, if it is a live member."""
@@ -194,11 +253,12 @@ class Placer:
         if gpu is None or not gpu.rpc:
             self._drop(name)
             return
+        known = self.load_view.get(name)
         info = _Info(
             gpu.capacity_weight or 1.0,
             gpu.status == "serving",
             gpu.model,
-            self._saturated(gpu),
+            self._saturated(gpu) if known is None else self._record_saturated(known.record),
             gpu.rpc,
         )
         self._set(name, info)
@@ -326,9 +386,24 @@ class Placer:
 
     def owner_for(self, task: Task) -> str | None:
         """The member that should run ``task`` (maybe this node); None when no live member
-        serves the model it names.  The common case costs one ring lookup (cached for
-        repeated keys) and one bound check; the preference order is computed only when
-        the owner is over its bound."""
+        serves the model it names; the age of the owner's load state it used is recorded
+        (``state_ages``: our own is 0, a member's its newest record's, or unknown: Meta
+        only)."""
+        owner = self._owner_for(task)
+        if owner is not None:
+            if owner == self.node:
+                self.state_ages.observe(0.0)
+            else:
+                known = self.load_view.get(owner)
+                if known is None:
+                    self.state_ages.unknown += 1
+                else:
+                    self.state_ages.observe(known.age_s(self._clock.monotonic()))
+        return owner
+
+    def _owner_for(self, task: Task) -> str | None:
+        """The common case costs one ring lookup (cached for repeated keys) and one bound
+        check; the preference order is computed only when the owner is over its bound."""
         view = self.view()
         ring = view.ring
         if task.model:

@@ -27,7 +27,7 @@ import msgspec
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
 from gossipd.core.membership import LIVE_STATES, MemberEvent
-from gossipd.core.messages import Directive, GpuState, Term
+from gossipd.core.messages import Directive, GpuState, LoadRecord, Term
 from gossipd.core.refusal import PortCheck
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
@@ -112,6 +112,8 @@ class GossipService:
         self.load: Callable[[], int] = lambda: 0
         self.prefixes: Callable[[], list[int]] = list  # summary of prefixes we hold
         self.last_gpu_state: GpuState | None = None  # our latest sample (placement reads it)
+        # Load records a gossip message carried (membership/loadgossip.py), set before bind.
+        self.on_loads: Callable[[list[LoadRecord]], None] | None = None
 
     def bind(self) -> str:
         bound = self.transport.bind(self.config.gossip.bind, self._on_frame)
@@ -124,6 +126,7 @@ class GossipService:
             now=self._clock.wall(),
             seeds=[addr for _, addr in self._seeds],
         )
+        self.core.on_loads = self.on_loads
         return self.advertise
 
     def _accept(self, sender: str, frame: bytes) -> bool:
@@ -285,6 +288,8 @@ class GossipService:
     def _send(self, addr: str, data: bytes) -> None:
         if not self.transport.send(addr, data):
             self.dropped_sends += 1
+
+    send = _send  # load gossip (membership/loadgossip.py) sends on the same transport
 
     def _on_disconnect(self, addr: str) -> None:
         """The connection to ``addr`` dropped (a killed peer's TCP reset): the core probes

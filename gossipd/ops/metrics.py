@@ -251,6 +251,9 @@ class DaemonCollector:
         dispatcher = s.get("dispatcher")
         if dispatcher is not None:
             yield from _dispatch_metrics(dispatcher)
+        load_gossip = s.get("load_gossip")
+        if load_gossip is not None:
+            yield from _load_gossip_metrics(load_gossip, dispatcher)
         budgets = s.get("budgets")
         if budgets is not None:
             yield from _budget_metrics(budgets)
@@ -579,6 +582,35 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
     )
 
 
+def _load_gossip_metrics(load_gossip: Any, dispatcher: Any) -> Iterator[Metric]:
+    """Load records (issue 17): what load gossip costs, and how many members we know."""
+    yield _one(
+        C,
+        "gossipd_load_gossip_sent_bytes",
+        "Bytes of load-gossip messages sent (gossip.load_*)",
+        load_gossip.sent_bytes,
+    )
+    yield _one(
+        C,
+        "gossipd_load_gossip_sent_messages",
+        "Load-gossip messages sent",
+        load_gossip.sent_messages,
+    )
+    yield _one(
+        C,
+        "gossipd_load_gossip_received_records",
+        "Load records received on gossip messages",
+        load_gossip.received_records,
+    )
+    if dispatcher is not None:
+        yield _one(
+            G,
+            "gossipd_load_members_known",
+            "Members whose load record this daemon holds",
+            len(dispatcher.placer.load_view),
+        )
+
+
 def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
     stats = dispatcher.statistics()
     for name, doc, value in (
@@ -644,6 +676,25 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         "gossipd_fanout_forwarded_bytes",
         "Bytes of forwarded tasks remembered for migration (fanout.forwarded_bytes_max)",
         stats.forwarded_bytes,
+    )
+    ages = dispatcher.placer.state_ages
+    age = HistogramMetricFamily(
+        "gossipd_placement_state_age_seconds",
+        "Age of the owner's load state each placement decision used (0: this daemon)",
+    )
+    age.add_metric([], ages.cumulative(), sum_value=ages.sum_s)
+    yield age
+    yield _one(
+        C,
+        "gossipd_placement_state_unknown",
+        "Placement decisions on a member of which no load record was known (its Meta only)",
+        ages.unknown,
+    )
+    yield _one(
+        C,
+        "gossipd_fanout_loads_refused",
+        "Load records on a peer reply that named another member than the replying owner",
+        dispatcher.loads_refused,
     )
     yield _by(
         G,
