@@ -12,6 +12,7 @@ cancelled on the way out.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import secrets
@@ -298,6 +299,11 @@ class Daemon:
                         )
                     )
                 background += self._start_budgets(tg)
+                # Start-up's objects (modules, classes, the config: most of the heap) never
+                # die: out of the collector's generations, a full collection no longer walks
+                # them on the task path (as Instagram does).
+                gc.collect()
+                gc.freeze()
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
                     "serving",
