@@ -87,6 +87,9 @@ class Admission:
         # The latest offer was refused by pending_bytes_max (rule 2b).
         self.refused_bytes = False
         self.queue = queue
+        # Below this many pending tasks a worker is free, so there is no wait to decide on
+        # (the queue's concurrency is fixed once built): read once here, not per offer.
+        self._wait_from = math.inf if queue is None else queue.concurrency
         # The expected-wait decision of the latest offer when it refused by it, else None.
         self.refusal: QueueDecision | None = None
         self._results_max = results_max
@@ -149,10 +152,10 @@ class Admission:
         if self._shutting_down:
             self._refused_shutting_down += 1
             return Verdict.SHUTTING_DOWN, None
-        queue = self.queue
         # A free worker means no wait: skip the queue's decision (the common case).
-        if queue is not None and len(self._pending) >= queue.concurrency:
-            decision = queue.decide(now, len(self._pending), remaining_s)
+        if len(self._pending) >= self._wait_from:
+            assert self.queue is not None
+            decision = self.queue.decide(now, len(self._pending), remaining_s)
             if not decision.admit:
                 self.refusal = decision
                 self._overloaded += 1

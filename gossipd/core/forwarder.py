@@ -45,7 +45,7 @@ import enum
 import heapq
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -362,11 +362,16 @@ class Forwarder:
 
     # -- outputs ---------------------------------------------------------------------------
 
-    def take_outbox(self) -> list[tuple[str, Forward | Withdraw | Cancel]]:
+    # Taken after every input (once per forwarded task): nothing to take costs no new list.
+    def take_outbox(self) -> Sequence[tuple[str, Forward | Withdraw | Cancel]]:
+        if not self._outbox:
+            return ()
         out, self._outbox = self._outbox, []
         return out
 
-    def take_events(self) -> list[Refuse | HandedOff]:
+    def take_events(self) -> Sequence[Refuse | HandedOff]:
+        if not self._events:
+            return ()
         out, self._events = self._events, []
         return out
 

@@ -209,22 +209,10 @@ class OwnerEndpoint:
             self._on_forward(identity, item)
 
     def _on_forward(self, identity: bytes, msg: object) -> None:
-        if type(msg) is not Forward and getattr(msg, "v", 0) != PROTOCOL_VERSION:
-            self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
+        if type(msg) is not Forward:  # the rarer kinds first tested here, not per Forward
+            self._on_other(identity, msg)
             return
-        if isinstance(msg, Cancel):
-            # The producer key the entry daemon read: only the task's own key cancels it.
-            self._ingress.handle_cancel(msg.id, msg.producer_key)
-            return
-        if isinstance(msg, Withdraw):
-            self._withdraw(identity, msg.id)
-            return
-        if isinstance(msg, TaskDone):
-            self._on_peer_done(msg)
-            return
-        if not isinstance(msg, Forward):
-            self.counters.bad_peer_messages += 1
-            return
+        assert isinstance(msg, Forward)
         if self._refuse_invalid(identity, msg):
             return
         now = self._clock.monotonic()
@@ -249,6 +237,21 @@ class OwnerEndpoint:
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
+
+    def _on_other(self, identity: bytes, msg: object) -> None:
+        """A peer's Cancel, Withdraw or TaskDone (anything else is counted as bad)."""
+        if getattr(msg, "v", 0) != PROTOCOL_VERSION:
+            self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
+            return
+        if isinstance(msg, Cancel):
+            # The producer key the entry daemon read: only the task's own key cancels it.
+            self._ingress.handle_cancel(msg.id, msg.producer_key)
+        elif isinstance(msg, Withdraw):
+            self._withdraw(identity, msg.id)
+        elif isinstance(msg, TaskDone):
+            self._on_peer_done(msg)
+        else:
+            self.counters.bad_peer_messages += 1
 
     def _refuse_invalid(self, identity: bytes, msg: Forward) -> bool:
         """Refuse a Forward whose task the ingress would refuse from a producer (protocol

@@ -558,7 +558,6 @@ class Ingress:
         seq = 0
         engine_died = False
         token = self._deadlines.add(job, deadline)
-        worker = self._workers[task.id]
         try:
             if job.stop is not None:  # cancelled or expired while it was queued
                 raise asyncio.CancelledError
@@ -603,6 +602,7 @@ class Ingress:
         except asyncio.CancelledError:
             why = job.stop  # our deadline sweeper, a Cancel or a Withdraw; None: a shutdown
             if why is not None:
+                worker = self._workers[task.id]
                 if worker.cancelling():
                     worker.uncancel()
                 if why is Stop.WITHDRAWN:
