@@ -111,6 +111,7 @@ NodeName = Annotated[str, msgspec.Meta(max_length=128)]
 
 # A CURVE public key in z85 (40 characters of the Z85 alphabet), or empty.
 PRODUCER_KEY_PATTERN = r"^(?:[0-9a-zA-Z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?$"
+_PRODUCER_KEY_RE = re.compile(PRODUCER_KEY_PATTERN)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -161,12 +162,16 @@ class Task(
     # Set by the daemon, never by the producer (whatever a producer sends is replaced): with
     # CURVE, the public key (z85) the producer authenticated with; replies go only to a
     # reply_to whose server proves it holds that key.  Forwards carry it to the owner.
-    producer_key: Annotated[str, msgspec.Meta(pattern=PRODUCER_KEY_PATTERN)] = ""
+    # (Its pattern is checked in __post_init__: a Meta pattern runs its regex also on the ""
+    # that every msgspec producer sends, 0.35 us of a 1.3 us decode, measured.)
+    producer_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
 
     def __post_init__(self) -> None:
         problem = endpoint_problem(self.reply_to)
         if problem is not None:
             raise ValueError(f"reply_to: {problem}")
+        if self.producer_key and _PRODUCER_KEY_RE.match(self.producer_key) is None:
+            raise ValueError("producer_key: neither empty nor a Z85 key (40 characters)")
 
     @property
     def route(self) -> str:

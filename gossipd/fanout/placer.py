@@ -143,9 +143,11 @@ class Placer:
         core = self._gossip.core
         assert core is not None
         table = core.table
-        if not self._evented and table.version != self._table_version:
-            self._rebuild = True  # no events to say which member changed: read them all
-        self._table_version = table.version
+        if not self._evented:  # (the version is a property: not read per task otherwise)
+            version = table.version
+            if version != self._table_version:
+                self._rebuild = True  # no events to say which member changed: read them all
+            self._table_version = version
         if self._rebuild:
             self._rebuild = False
             self._dirty.clear()
