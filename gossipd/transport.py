@@ -32,6 +32,7 @@ EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
 POLLOUT = int(zmq.POLLOUT)
 NOBLOCK = int(zmq.NOBLOCK)
+_REPLY = SocketKind.REPLY  # read per reply: a global (see core/admission.py on enums)
 
 RECHECK_S = 0.05
 
@@ -371,12 +372,12 @@ class ReplySender:
             self._enqueue(peer, frame)
             return
         if self._turn.send_now():
-            self._pool.touch(SocketKind.REPLY, endpoint)
+            self._pool.touch(_REPLY, endpoint)
             self._send_now(peer, [frame])
             return
         if not peer.batch:
             # A use of the socket (LRU, idle close): once per turn, not per reply.
-            self._pool.touch(SocketKind.REPLY, endpoint)
+            self._pool.touch(_REPLY, endpoint)
             self._batched.append(peer)
         peer.batch.append(frame)
 

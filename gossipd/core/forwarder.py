@@ -77,6 +77,11 @@ class Route(enum.Enum):
     TAKEN = "taken"  # forwarded, or answered with an error: nothing more for the caller
 
 
+# Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
+# core/admission.py).
+_LOCAL, _TAKEN = Route.LOCAL, Route.TAKEN
+
+
 class AttemptFailure(enum.StrEnum):
     """Why an attempt failed without a refusal from the member (never sent on the wire: these
     label attempts in the error message a producer gets)."""
@@ -267,10 +272,10 @@ class Forwarder:
         if owner == self.node:
             self.counters.local += 1
             self.local_ids.add(task.id)
-            return Route.LOCAL
+            return _LOCAL
         dispatch = Dispatch(task, now, now + task.timeout_ms / 1000.0, False, frozenset())
         self._attempt(dispatch, owner, now)
-        return Route.TAKEN
+        return _TAKEN
 
     def hand_off(self, task: Task, received_at: float, now: float) -> None:
         """Give an admitted task to another member; a HandedOff event tells the outcome."""
