@@ -109,7 +109,9 @@ class Placer:
 
     def addr(self, member: str) -> str | None:
         """The member's rpc address, if it is a live member."""
-        return self.view().addrs.get(member)
+        if self._dirty or self._rebuild or not self._evented:
+            self.view()  # else no member's entry changed since: only our own state may have
+        return self._view.addrs.get(member)
 
     def candidates(self) -> dict[str, Candidate]:
         """Every live member as a Candidate (O(N): for inspection and tests, not per task)."""
