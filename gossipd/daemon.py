@@ -12,6 +12,7 @@ cancelled on the way out.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import secrets
@@ -306,6 +307,11 @@ class Daemon:
                         )
                     )
                 background += self._start_budgets(tg)
+                # Start-up's objects (modules, classes, the config: most of the heap) never
+                # die: out of the collector's generations, a full collection no longer walks
+                # them on the task path (as Instagram does).
+                gc.collect()
+                gc.freeze()
                 self.notifier.ready(f"serving on {endpoint}")
                 log.info(
                     "serving",
@@ -520,7 +526,8 @@ class Daemon:
         ingress.on_admitted.append(placer.record_prefix)
         ingress.on_released.append(dispatcher.task_finished)
         ingress.on_refused.append(dispatcher.task_finished)
-        ingress.on_finished.append(lambda owned, result: dispatcher.task_finished(owned.task))
+        forwarder = dispatcher.forwarder  # (one call less per task than via the dispatcher)
+        ingress.on_finished.append(lambda owned, _result: forwarder.local_finished(owned.task.id))
         ingress.on_finished.append(owner.task_finished)
         return gossip, dispatcher
 

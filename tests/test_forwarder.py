@@ -70,7 +70,7 @@ def _reply(fwd: Forward, node: str, accepted: bool, code: str = "", hint: int = 
 def test_Forwarder_route_keeps_a_task_it_owns() -> None:
     fw, _ = _forwarder(["me", "a"])
     assert fw.route(_task(), 0.0) is Route.LOCAL
-    assert fw.take_outbox() == [] and fw.local_ids == {"t0"}
+    assert not fw.take_outbox() and fw.local_ids == {"t0"}
     fw.local_finished("t0")
     assert fw.local_ids == set()
 
@@ -93,7 +93,7 @@ def test_Forwarder_refusal_moves_on_after_a_backoff() -> None:
     fw.route(_task(), 0.0)
     [(_, fwd)] = _forwards(fw.take_outbox())
     fw.on_reply(_reply(fwd, "a", False, "overloaded", 300), 0.001)
-    assert fw.take_outbox() == [], "waits for the backoff"
+    assert not fw.take_outbox(), "waits for the backoff"
     due = fw.next_deadline()
     assert 0.001 + 0.005 <= due <= 0.001 + 0.015  # base 0.01 jittered by 0.5x..1.5x
     fw.tick(due)
@@ -101,7 +101,7 @@ def test_Forwarder_refusal_moves_on_after_a_backoff() -> None:
     assert addr == "addr-b" and second.attempt == 2
     fw.on_reply(_reply(second, "b", True), due + 0.001)
     assert fw.ledger.get("t0").owner == "b"  # type: ignore[union-attr]
-    assert fw.take_events() == []
+    assert not fw.take_events()
 
 
 def test_Forwarder_silence_withdraws_the_copy_and_opens_the_breaker() -> None:
@@ -167,7 +167,7 @@ def test_Forwarder_retry_that_lands_on_us_is_admitted_locally() -> None:
     [(_, fwd)] = _forwards(fw.take_outbox())
     fw.on_reply(_reply(fwd, "a", False, "overloaded", 10), 0.001)
     fw.tick(fw.next_deadline())
-    assert fw.local_ids == {"t0"} and fw.counters.local == 1 and fw.take_events() == []
+    assert fw.local_ids == {"t0"} and fw.counters.local == 1 and not fw.take_events()
 
 
 def test_Forwarder_deadline_stops_the_retries() -> None:
@@ -249,7 +249,7 @@ def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:
         fw.tick(fw.next_deadline())
     assert _forwards(fw.take_outbox()) == [], "no third member while the copy may win"
     fw.on_reply(_reply(copy, "b", True), now + 0.4)
-    assert fw.ledger.get("t0").owner == "b" and fw.take_events() == []  # type: ignore[union-attr]
+    assert fw.ledger.get("t0").owner == "b" and not fw.take_events()  # type: ignore[union-attr]
 
 
 def test_Forwarder_same_seed_same_backoffs() -> None:
@@ -365,7 +365,7 @@ def test_Forwarder_TaskDone_before_a_lost_accept_counts_as_the_accept() -> None:
     fw.on_reply(TaskDone(id="t0", node="a"), 0.1)
     assert fw.pending() == 0 and fw.ledger.get("t0") is None and fw.outstanding() == {}
     fw.tick(1.0)
-    assert fw.take_outbox() == [] and fw.take_events() == [], "no retry, no withdraw"
+    assert not fw.take_outbox() and not fw.take_events(), "no retry, no withdraw"
     fw.on_reply(_reply(fwd, "a", True), 1.1)  # the accept, late: nothing changes
     assert fw.ledger.get("t0") is None and fw.outstanding() == {}
 
@@ -396,7 +396,7 @@ def test_Forwarder_passes_a_Cancel_on_only_from_the_tasks_key_with_that_key() ->
     fw.route(_keyed("A" * 40), 0.0)
     [(_, fwd)] = _forwards(fw.take_outbox())
     fw.on_reply(_reply(fwd, "a", True), 0.001)
-    assert fw.cancel("t0", "B" * 40) == "refused" and fw.take_outbox() == []
+    assert fw.cancel("t0", "B" * 40) == "refused" and not fw.take_outbox()
     assert fw.cancel("nope", "A" * 40) is None
     assert fw.cancel("t0", "A" * 40) == "forwarded"
     [(addr, msg)] = fw.take_outbox()
@@ -410,7 +410,7 @@ def test_Forwarder_id_in_use_is_final_and_withdraws_a_racing_hedge() -> None:
     fw.on_reply(_reply(fwd, "a", False, ErrorCode.ID_IN_USE), 0.001)
     [event] = fw.take_events()
     assert isinstance(event, Refuse) and event.code is ErrorCode.ID_IN_USE
-    assert "a: id_in_use" in event.message and fw.take_outbox() == []
+    assert "a: id_in_use" in event.message and not fw.take_outbox()
     assert fw.pending() == 0 and fw.ledger.get("t0") is None
     # A retry that lands on us and conflicts here answers at once too.
     local, _ = _forwarder(["a", "me", "b"], local=Verdict.CONFLICT)

@@ -128,6 +128,24 @@ def test_unknown_top_level_keys_are_ignored_for_compatibility() -> None:
         (msgpack.packb(plain_task(timeout_ms=0)), ErrorCode.BAD_REQUEST, "timeout_ms", True),
         (msgpack.packb(plain_task(t=3)), ErrorCode.BAD_REQUEST, "", True),
         (
+            msgpack.packb(plain_task(producer_key="k" * 39)),
+            ErrorCode.BAD_REQUEST,
+            "producer_key",
+            True,
+        ),
+        (
+            msgpack.packb(plain_task(producer_key="k" * 41)),
+            ErrorCode.BAD_REQUEST,
+            "producer_key",
+            True,
+        ),
+        (
+            msgpack.packb(plain_task(producer_key="~" * 40)),
+            ErrorCode.BAD_REQUEST,
+            "producer_key",
+            True,
+        ),
+        (
             msgpack.packb(plain_task(prompt="x" * LIMIT)),
             ErrorCode.BAD_REQUEST,
             "exceeds the limit",
@@ -187,6 +205,14 @@ tasks = st.builds(
     timeout_ms=st.integers(1, 3_600_000),
     stream=st.booleans(),
 )
+
+
+@pytest.mark.parametrize("key", ["", "k" * 40, "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"])
+def test_an_empty_or_z85_producer_key_decodes(key: str) -> None:
+    assert (
+        decode_task(msgpack.packb(plain_task(producer_key=key)), bytes_max=LIMIT).producer_key
+        == key
+    )
 
 
 @given(tasks)

@@ -27,13 +27,10 @@ class DeadlineWheel:
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())
 
-    def _bucket_of(self, deadline: float) -> int:
-        # The bucket whose end is the first bucket boundary >= deadline.
-        return math.ceil(deadline / self._resolution_s)
-
     def add(self, item: Hashable, deadline: float) -> int:
         """Arm a deadline; returns the token that ``remove`` needs."""
-        index = self._bucket_of(deadline)
+        # The bucket whose end is the first bucket boundary >= deadline (once per task).
+        index = math.ceil(deadline / self._resolution_s)
         if self._swept_to is not None and index < self._swept_to:
             index = self._swept_to  # already swept past: the next sweep looks at it
         self._buckets.setdefault(index, {})[item] = deadline

@@ -35,6 +35,7 @@ class Forwarded:
     owner: str
     task: Task
     received_at: float  # time.monotonic() at the entry point: the task's deadline counts from it
+    size_bytes: int  # budgets.task_bytes(task), worked out once when it is ledgered
 
 
 class ForwardedLedger:
@@ -61,11 +62,14 @@ class ForwardedLedger:
 
     def accepted(self, task: Task, owner: str, received_at: float) -> None:
         """``owner`` accepted ``task``: we answer for it until its TaskDone."""
-        self.forget(task.id)
-        if self._early_done.pop(task.id, 0) is None:
+        task_id = task.id
+        if task_id in self._entries:  # accepted again (a retry, a hedge): ledgered once
+            self.forget(task_id)
+        if self._early_done.pop(task_id, 0) is None:
             return  # its TaskDone came first: it has finished already
-        self._entries[task.id] = Forwarded(owner, task, received_at)
-        self.bytes += task_bytes(task)
+        size = task_bytes(task)
+        self._entries[task_id] = Forwarded(owner, task, received_at, size)
+        self.bytes += size
         self.outstanding[owner] = self.outstanding.get(owner, 0) + 1
         while len(self._entries) > self._entries_max:
             self.forget(next(iter(self._entries)))
@@ -91,5 +95,5 @@ class ForwardedLedger:
         entry = self._entries.pop(task_id, None)
         if entry is not None:
             self.outstanding[entry.owner] -= 1
-            self.bytes -= task_bytes(entry.task)
+            self.bytes -= entry.size_bytes
         return entry

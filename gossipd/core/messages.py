@@ -111,9 +111,15 @@ NodeName = Annotated[str, msgspec.Meta(max_length=128)]
 
 # A CURVE public key in z85 (40 characters of the Z85 alphabet), or empty.
 PRODUCER_KEY_PATTERN = r"^(?:[0-9a-zA-Z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?$"
+_PRODUCER_KEY_RE = re.compile(PRODUCER_KEY_PATTERN)
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+# The messages made per task (a Task and its params, its Result, the fan-out messages) are
+# gc=False structs: they never hold a reference cycle, so the cyclic collector need not
+# track them (fewer objects on each young-generation pass, fewer passes).
+class SamplingParams(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_fields=True
+):
     """How to sample.  The names and meanings follow vLLM's ``SamplingParams``."""
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=32768)] = 16
@@ -137,6 +143,7 @@ class Task(
     msgspec.Struct,
     frozen=True,
     kw_only=True,
+    gc=False,
     tag_field="t",
     tag=int(MsgType.TASK),
 ):
@@ -161,12 +168,16 @@ class Task(
     # Set by the daemon, never by the producer (whatever a producer sends is replaced): with
     # CURVE, the public key (z85) the producer authenticated with; replies go only to a
     # reply_to whose server proves it holds that key.  Forwards carry it to the owner.
-    producer_key: Annotated[str, msgspec.Meta(pattern=PRODUCER_KEY_PATTERN)] = ""
+    # (Its pattern is checked in __post_init__: a Meta pattern runs its regex also on the ""
+    # that every msgspec producer sends, 0.35 us of a 1.3 us decode, measured.)
+    producer_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
 
     def __post_init__(self) -> None:
         problem = endpoint_problem(self.reply_to)
         if problem is not None:
             raise ValueError(f"reply_to: {problem}")
+        if self.producer_key and _PRODUCER_KEY_RE.match(self.producer_key) is None:
+            raise ValueError("producer_key: neither empty nor a Z85 key (40 characters)")
 
     @property
     def route(self) -> str:
@@ -179,6 +190,7 @@ class Chunk(
     msgspec.Struct,
     frozen=True,
     kw_only=True,
+    gc=False,
     tag_field="t",
     tag=int(MsgType.CHUNK),
 ):
@@ -192,14 +204,14 @@ class Chunk(
     node: NodeName = ""
 
 
-class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
+class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     code: str
     message: Annotated[str, msgspec.Meta(max_length=4096)]
     # For overloaded / shutting_down: when the producer may try again.
     retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
-class Timings(msgspec.Struct, frozen=True, kw_only=True):
+class Timings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Milliseconds spent at the daemon that ran the task."""
 
     queued_ms: float = 0.0
@@ -211,6 +223,7 @@ class Result(
     msgspec.Struct,
     frozen=True,
     kw_only=True,
+    gc=False,
     tag_field="t",
     tag=int(MsgType.RESULT),
 ):
@@ -235,6 +248,7 @@ class Cancel(
     msgspec.Struct,
     frozen=True,
     kw_only=True,
+    gc=False,
     tag_field="t",
     tag=int(MsgType.CANCEL),
 ):
@@ -682,7 +696,9 @@ def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
 # --- Fan-out (daemon to daemon, DEALER -> ROUTER) -------------------------------------------
 
 
-class Forward(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.FORWARD)):
+class Forward(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.FORWARD)
+):
     """A task handed to the member that should run it.  The receiver answers ForwardReply."""
 
     v: int = PROTOCOL_VERSION
@@ -695,7 +711,12 @@ class Forward(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(
 
 
 class ForwardReply(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.FORWARD_REPLY)
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    gc=False,
+    tag_field="t",
+    tag=int(MsgType.FORWARD_REPLY),
 ):
     v: int = PROTOCOL_VERSION
     req: Seq
@@ -708,7 +729,7 @@ class ForwardReply(
 
 
 class TaskDone(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.TASK_DONE)
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.TASK_DONE)
 ):
     """The owner sent the task's final Result: the forwarder may forget it."""
 
@@ -718,7 +739,9 @@ class TaskDone(
     load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
 
 
-class Withdraw(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.WITHDRAW)):
+class Withdraw(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.WITHDRAW)
+):
     """The forwarder has the task run elsewhere (a hedged copy lost, this member did not ack
     in time, or it was declared dead and the task migrated): drop it without answering the
     producer.  Only the copy this forwarder sent is withdrawn (after a restart, a task re-run

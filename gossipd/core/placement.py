@@ -90,8 +90,9 @@ class LoadCounts(dict[str, int]):
         self.total = 0
 
     def __setitem__(self, member: str, count: int) -> None:
+        # Twice a forwarded task: dict's own method, not super() (a lookup and an object).
         self.total += count - self.get(member, 0)
-        super().__setitem__(member, count)
+        dict.__setitem__(self, member, count)
 
     def __delitem__(self, member: str) -> None:
         self.total -= self[member]

@@ -31,6 +31,10 @@ from gossipd.fanout.placer import Placer
 
 log = logging.getLogger("gossipd.fanout.forwarding")
 
+# Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
+# core/admission.py).
+_LOCAL = Route.LOCAL
+
 
 @dataclass(frozen=True, slots=True)
 class FanoutStatistics:
@@ -116,7 +120,7 @@ class Dispatcher:
 
     def route(self, task: Task, now: float) -> bool:
         """Called by the ingress for each new task: False to run it here, True if taken."""
-        if self.forwarder.route(task, now) is Route.LOCAL:
+        if self.forwarder.route(task, now) is _LOCAL:
             return False  # nothing to send: the ingress admits it (the common case, no flush)
         self._flush()
         return True

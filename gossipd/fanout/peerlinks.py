@@ -35,6 +35,9 @@ class _Peer:
         self.reader: SocketReader | None = None
 
 
+_PEER = SocketKind.PEER  # read per send: a global (see core/admission.py on enums)
+
+
 @dataclass(slots=True)
 class PeerLinkCounters:
     sends_dropped: int = 0  # messages a peer's full queue refused (left to the ack timeout)
@@ -101,7 +104,7 @@ class PeerLinks:
             except zmq.Again:
                 self.counters.sends_dropped += count
         kick(peer.sock)
-        self._pool.touch(SocketKind.PEER, peer.addr)
+        self._pool.touch(_PEER, peer.addr)
 
     def close_idle(self, members: set[str], now: float) -> int:
         """Close the connections to addresses outside ``members`` (the live members' rpc

@@ -129,6 +129,8 @@ class Placer:
         self._rebuild = True
         self._ring_stale = True
         self._own: tuple[object, ...] = ()
+        self._own_gpu: GpuState | None = None  # our latest engine sample, as judged
+        self._own_gpu_saturated = False
         self._table_version: object = None
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
         # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
@@ -166,7 +168,9 @@ class Placer:
 
     def addr(self, member: str) -> str | None:
         """The member's rpc address, if it is a live member."""
-        return self.view().addrs.get(member)
+        if self._dirty or self._rebuild or not self._evented:
+            self.view()  # else no member's entry changed since: only our own state may have
+        return self._view.addrs.get(member)
 
     def candidates(self) -> dict[str, Candidate]:
         """Every live member as a Candidate (O(N): for inspection and tests, not per task)."""
@@ -191,14 +195,6 @@ class Placer:
             or gpu.kv_cache_usage_ratio >= cfg.engine_kv_cache_saturated_ratio
         )
 
-    def _own_saturated(self) -> bool:
-        own = self._gossip.last_gpu_state
-        return own is not None and self._saturated(own)
-
-    def _own_status(self) -> str:
-        shutting_down = self.draining or self._ingress.admission.shutting_down
-        return "draining" if shutting_down else "serving"
-
     # -- the view, member by member --------------------------------------------------------
 
     def view(self) -> View:
@@ -208,9 +204,11 @@ class Placer:
         core = self._gossip.core
         assert core is not None
         table = core.table
-        if not self._evented and table.version != self._table_version:
-            self._rebuild = True  # no events to say which member changed: read them all
-        self._table_version = table.version
+        if not self._evented:  # (the version is a property: not read per task otherwise)
+            version = table.version
+            if version != self._table_version:
+                self._rebuild = True  # no events to say which member changed: read them all
+            self._table_version = version
         if self._rebuild:
             self._rebuild = False
             self._dirty.clear()
@@ -224,12 +222,17 @@ class Placer:
             for name in dirty:
                 if name != self.node:
                     self._refresh(name)
-        own_model = self._ingress.model
+        # Our own entry, read on every call (up to twice a task): our engine sample is
+        # judged once per sample (the gossip replaces the frozen object), not per task.
+        gpu = self._gossip.last_gpu_state
+        if gpu is not self._own_gpu:
+            self._own_gpu = gpu
+            self._own_gpu_saturated = gpu is not None and self._saturated(gpu)
         own = (
-            self._own_status() == "serving",
-            self._own_saturated(),
+            not (self.draining or self._ingress.admission.shutting_down),
+            self._own_gpu_saturated,
             float(self._gossip.config.gpu.capacity_weight),
-            own_model,
+            self._ingress.model,
         )
         if own != self._own:
             self._own = own
