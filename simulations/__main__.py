@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from gossipd.core.swim_config import SwimConfig
 from simulations.scenarios.swim import SwimRun, plot, run_swim, summary_lines
 
 
@@ -28,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--extra-s", type=float, default=0.0, help="simulate this much longer at the end"
+    )
+    p.add_argument(
+        "--swim",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a SwimConfig field (repeatable), e.g. contain_suspicions=false",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png")
@@ -67,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         partition_s=args.partition_s,
         extra_s=args.extra_s,
         progress=not args.quiet,
+        config=SwimConfig.sim(**_overrides(args.swim)),
     )
     try:
         report = run_swim(run)
@@ -81,6 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\n".join(summary_lines(public)))
     return 0
+
+
+def _overrides(pairs: list[str]) -> dict[str, object]:
+    """``FIELD=VALUE`` pairs as SwimConfig overrides, each VALUE converted to its field's type."""
+    defaults = SwimConfig()
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in SwimConfig.field_names():
+            raise SystemExit(f"--swim {pair!r}: expected FIELD=VALUE with a SwimConfig field")
+        kind = type(getattr(defaults, name))
+        if kind is bool:
+            out[name] = text.lower() in ("1", "true", "yes", "on")
+        else:
+            out[name] = kind(text)
+    return out
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ Rules:
    checksum_mismatches_max mismatches in a row (from any peers) mean our view has drifted:
    we push-pull with the last one, at most once per checksum_sync; a match resets the run.
 5. Our own record in a push-pull carries our current GPU metadata.
+6. With contained suspicions, a push-pull record that only raises a live member's incarnation
+   is passed on quietly (piggyback only, Alive.quiet); a member new to us, or back from dead
+   or left, is gossiped in rounds as any join.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from gossipd.core.messages import MemberRecord, PushPull
+import msgspec
+
+from gossipd.core.messages import Alive, MemberRecord, PushPull
 
 if TYPE_CHECKING:
     from gossipd.core.swim import SwimNode
@@ -106,6 +111,7 @@ class AntiEntropy:
         self.joined = True
         table = swim.table
         members = table.members
+        contain = swim.config.contain_suspicions
         for record in msg.members:
             # Fast path: most records say what we already know (a push-pull at N=2,000 carries
             # 2,000 of them; building updates for each would dominate the simulator's time).
@@ -126,6 +132,10 @@ class AntiEntropy:
             ):
                 continue
             for update in table.merge_record(record, msg.src):
+                if contain and isinstance(update, Alive):
+                    # Anti-entropy news of a live member's incarnation is not urgent (rule 6);
+                    # a member we did not know, or knew dead, is still gossiped in rounds.
+                    update = msgspec.structs.replace(update, quiet=True)
                 swim.apply(update, now)
         if msg.reply:
             self.push_pull(msg.src_addr, reply=False)
