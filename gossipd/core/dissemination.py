@@ -11,6 +11,9 @@ Rules:
 3. Membership changes are urgent: while one is queued, every gossip interval we push what is
    queued to gossip_fanout random live members (a gossip round).  Metadata only rides along.
 4. A gossip message with nothing to carry is not sent.
+5. With contained suspicions, a Dead gets twice the transmit limit: only a few members held
+   the suspicion, so a member the Dead misses has no timer of its own to fall back on (it
+   would learn only by probing the dead member itself, or by a checksum push-pull).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from gossipd.core.broadcast import BroadcastQueue
-from gossipd.core.messages import GossipOnly, Meta, Update, encode_update
+from gossipd.core.messages import Dead, GossipOnly, Meta, Update, encode_update
 
 if TYPE_CHECKING:
     from gossipd.core.swim import SwimNode
@@ -45,8 +48,14 @@ class Dissemination:
 
     def push(self, update: Update, *, urgent: bool) -> None:
         family = META if isinstance(update, Meta) else MEMBER
+        # Rule 5: with contained suspicions a death is told twice as often.
+        twice = isinstance(update, Dead) and self._swim.config.contain_suspicions
         self.broadcasts.push(
-            (update.node, family), update, len(encode_update(update)), urgent=urgent
+            (update.node, family),
+            update,
+            len(encode_update(update)),
+            urgent=urgent,
+            limit_mult=2 if twice else 1,
         )
 
     def piggyback(self, first: Iterable[tuple[str, int]] | None = None) -> list[Update]:
