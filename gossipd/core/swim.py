@@ -340,7 +340,13 @@ class SwimNode:
     def _refresh_suspicion_bounds(self) -> None:
         cfg = self.config
         n = self.table.live_count()
-        lo = suspicion_min_s(cfg.suspicion_mult, n, cfg.probe_interval_s, cfg.suspicion_floor_s)
+        # Lifeguard scales the minimum with log N because a gossiped suspicion and its gossiped
+        # refutation must cross the whole cluster; a contained one's refutation goes straight
+        # to the few who hold it, so the minimum is the floor at every N (MEMBERSHIP.md).
+        scale_n = 1 if cfg.contain_suspicions else n
+        lo = suspicion_min_s(
+            cfg.suspicion_mult, scale_n, cfg.probe_interval_s, cfg.suspicion_floor_s
+        )
         self.table.suspicion_min_s = lo
         self.table.suspicion_max_s = lo * cfg.suspicion_max_mult
         self.table.suspicion_k = max(0, min(cfg.suspicion_k, n - 2))

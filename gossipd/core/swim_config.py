@@ -3,6 +3,7 @@
 Formulas (N = live members, including this one):
 - retransmit limit = retransmit_mult * ceil(log10(N + 1))                      (broadcast.py)
 - suspicion min    = max(suspicion_floor_s, suspicion_mult * log10(N + 1) * probe_interval_s)
+                   (contain_suspicions: N = 1 here, so the floor: see MEMBERSHIP.md)
 - suspicion max    = suspicion_max_mult * suspicion min                       (suspicion.py)
 - push-pull period = push_pull_interval_s * (1 + max(0, ceil(log2(N) - log2(32))))
 """
@@ -45,7 +46,8 @@ class SwimConfig:
     # them: a crashed member is noticed within one round instead of a geometric tail.
     coordinated_probing: bool = True
     # Lifeguard dynamic suspicion (see formulas above).  The floor protects members that stall
-    # (GC, SIGSTOP, CPU starvation) for up to about floor + probe_deadline seconds.
+    # (GC, SIGSTOP, CPU starvation) for up to about floor + probe_deadline seconds.  With
+    # contained suspicions the log N term is dropped (the minimum is the floor at every N).
     suspicion_mult: Annotated[float, Meta(gt=0.0, le=100.0)] = 0.8
     suspicion_floor_s: Period = 1.6
     suspicion_max_mult: Annotated[float, Meta(ge=1.0, le=100.0)] = 3.0

@@ -47,6 +47,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
     )
     rng = sim.rng
     crashed: set[str] = set()
+    crashed_at: dict[str, float] = {}
     stalling: dict[str, float] = {}
     report: dict[str, Any] = {"nodes": run.nodes, "loss": run.loss, "seed": run.seed}
 
@@ -134,6 +135,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
         victim = rng.choice(candidates)
         sim.crash(victim.index)
         crashed.add(victim.name)
+        crashed_at[victim.name] = sim.now
         start = sim.now
         mark = len(sim.trace.events)
         advance(start + run.detect_window_s)
@@ -214,7 +216,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
     ]
     # Per member per minute: suspicion events (an observer learning that a healthy member is
     # suspect) and accusations (distinct suspicions raised of healthy members).
-    member_min = run.nodes * sim.now / 60.0
+    member_min = sum(crashed_at.get(m.name, sim.now) for m in sim.members) / 60.0  # while up
     accusations = {(e.node, e.incarnation) for _, e in suspected}
     report["false_positives"] = {
         "declared_dead_events": len(false_dead),
