@@ -4,12 +4,16 @@ so each member's message load and the suspicions it hears stay flat as N grows u
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.core.membership import State
 from gossipd.core.messages import Alive, GossipOnly, Ping, Suspect
 from gossipd.core.swim_config import SwimConfig
+from simulations.__main__ import main
 from simulations.netsim import NetworkModel, Simulation
 from tests.test_swim_mechanisms import Wire, addr_of
 
@@ -144,3 +148,14 @@ def test_contained_suspicions_declare_no_healthy_member_dead_and_views_converge(
     sim.run_until(100.0)
     assert [e for _, e in sim.trace.events if e.kind == "dead"] == []
     assert len(sim.checksums()) == 1
+
+
+def test_the_swim_scenario_takes_config_overrides_and_reports_rates(capsys) -> None:  # type: ignore[no-untyped-def]
+    args = ["swim", "--nodes", "12", "--loss", "0.1", "--quiet", "--json"]
+    args += ["--crash-trials", "1", "--dissemination-trials", "1"]
+    assert main([*args, "--swim", "contain_suspicions=false", "--swim", "confirm_probes=2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    fp = report["false_positives"]
+    assert fp["suspicion_events_per_member_min"] >= fp["accusations_per_member_min"] >= 0
+    with pytest.raises(SystemExit, match="no_such_field"):
+        main([*args, "--swim", "no_such_field=1"])
