@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.stopping import main as stopping_main
 
         return stopping_main(argv[1:])
+    if argv and argv[0] == "simtime":
+        from simulations.simtime import main as simtime_main
+
+        return simtime_main(argv[1:])
     if argv and argv[0] == "stalls":
         from simulations.stall_sweep import main as stalls_main
 
@@ -63,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return chaos_main(argv[1:])
     sub.add_parser("cluster", help="real daemons on loopback with real faults (see --help there)")
+    sub.add_parser("simtime", help="the simulator's cost per N (start-up, CPU per second)")
     sub.add_parser("stalls", help="how often 2 s stalls under loss cause a false death")
     sub.add_parser("chaos", help="real daemons serving tasks through SIGKILL and SIGTERM")
     sub.add_parser("stopping", help="what stopping one daemon under load costs its producers")

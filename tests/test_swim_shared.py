@@ -5,6 +5,7 @@ live ring kept in place equals the one rebuilt from the table."""
 
 from __future__ import annotations
 
+import json
 import random
 
 from hypothesis import given, settings
@@ -144,3 +145,21 @@ def test_the_simulator_starts_10000_members_in_o_n() -> None:
     rng = random.Random(1)
     node = sim.members[rng.randrange(10_000)].core
     assert node.live_ring() == sorted(m.name for m in sim.members)
+
+
+def test_simtime_reports_the_cost_of_each_n(capsys) -> None:  # type: ignore[no-untyped-def]
+    from simulations.__main__ import main
+
+    assert main(["simtime", "--nodes", "20,40", "--seconds", "3"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["nodes"] for r in rows] == [20, 40]
+    assert all(r["cpu_s_per_simulated_s"] > 0 and r["startup_cpu_s"] >= 0 for r in rows)
+
+
+def test_stalls_counts_runs_with_a_false_death(capsys) -> None:  # type: ignore[no-untyped-def]
+    """A stall longer than every timer (8 s against a 4.8 s maximum) is a death."""
+    from simulations.__main__ import main
+
+    assert main(["stalls", "--seeds", "2", "--seconds", "12", "--stall-s", "8", "--loss", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["runs_with_false_death"] == 2
