@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from gossipd.core.swim_config import SwimConfig
 from simulations.scenarios.swim import SwimRun, plot, run_swim, summary_lines
 
 
@@ -30,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--extra-s", type=float, default=0.0, help="simulate this much longer at the end"
     )
+    p.add_argument(
+        "--swim",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a SwimConfig field (repeatable), e.g. contain_suspicions=false",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -51,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.freshness import main as freshness_main
 
         return freshness_main(argv[1:])
+    if argv and argv[0] == "simtime":
+        from simulations.simtime import main as simtime_main
+
+        return simtime_main(argv[1:])
+    if argv and argv[0] == "stalls":
+        from simulations.stall_sweep import main as stalls_main
+
+        return stalls_main(argv[1:])
     if argv and argv[0] == "chaos":
         from simulations.chaos import main as chaos_main
 
@@ -61,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return election_main(argv[1:])
     sub.add_parser("cluster", help="real daemons on loopback with real faults (see --help there)")
     sub.add_parser("freshness", help="how old the load state placement decisions use is")
+    sub.add_parser("simtime", help="the simulator's cost per N (start-up, CPU per second)")
+    sub.add_parser("stalls", help="how often 2 s stalls under loss cause a false death")
     sub.add_parser("chaos", help="real daemons serving tasks through SIGKILL and SIGTERM")
     sub.add_parser("election", help="real etcd and daemons electing a leader through faults")
     sub.add_parser("stopping", help="what stopping one daemon under load costs its producers")
@@ -78,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         partition_s=args.partition_s,
         extra_s=args.extra_s,
         progress=not args.quiet,
+        config=SwimConfig.sim(**_overrides(args.swim)),
     )
     try:
         report = run_swim(run)
@@ -92,6 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\n".join(summary_lines(public)))
     return 0
+
+
+def _overrides(pairs: list[str]) -> dict[str, object]:
+    """``FIELD=VALUE`` pairs as SwimConfig overrides, each VALUE converted to its field's type."""
+    defaults = SwimConfig()
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in SwimConfig.field_names():
+            raise SystemExit(f"--swim {pair!r}: expected FIELD=VALUE with a SwimConfig field")
+        kind = type(getattr(defaults, name))
+        if kind is bool:
+            out[name] = text.lower() in ("1", "true", "yes", "on")
+        else:
+            out[name] = kind(text)
+    return out
 
 
 if __name__ == "__main__":

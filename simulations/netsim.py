@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gossipd.core.membership import MemberEvent
+from gossipd.core.membership import MemberEvent, shared_base
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.datagrams import OnFrame
@@ -97,12 +97,14 @@ class Simulation:
         self.by_addr = {a: i for i, a in enumerate(addrs)}
         self.by_name = {nm: i for i, nm in enumerate(names)}
         self.members: list[SimMember] = []
-        pairs = list(zip(names, addrs, strict=True))
+        # Converged start: every member's table shares one copy-on-write table of all N
+        # (membership.shared_base): O(N) time and memory in all, not N tables of N entries.
+        base = None if join else shared_base(list(zip(names, addrs, strict=True)), 0.0)
         for i in range(n):
             seeds = (addrs[0],) if join and i else ()
             core = self._new_core(names[i], addrs[i], seeds=seeds)
-            if not join:
-                core.bootstrap(0.0, pairs)
+            if base is not None:
+                core.bootstrap_shared(0.0, base)
             member = SimMember(i, names[i], addrs[i], core)
             self.members.append(member)
             self._schedule(member)

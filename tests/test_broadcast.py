@@ -17,6 +17,19 @@ def test_BroadcastQueue_sends_each_update_limit_times_then_forgets_it() -> None:
     assert len(q) == 0 and not q.urgent_pending
 
 
+@given(mult=st.integers(1, 4), n=st.integers(1, 5000))
+def test_BroadcastQueue_an_item_with_a_limit_multiple_is_sent_that_many_times_more(
+    mult: int, n: int
+) -> None:
+    q = BroadcastQueue(retransmit_mult=2, items_max=100)
+    q.push(("dead", 0), "D", 10, urgent=True, limit_mult=mult)
+    q.push(("alive", 0), "A", 10, urgent=True)
+    sent = [u for _ in range(10 * retransmit_limit(2, n)) for u in q.select(100, n)]
+    assert sent.count("D") == mult * retransmit_limit(2, n)
+    assert sent.count("A") == retransmit_limit(2, n)
+    assert len(q) == 0 and not q.urgent_pending
+
+
 def test_BroadcastQueue_least_sent_first_and_newest_first_among_unsent() -> None:
     q = BroadcastQueue(retransmit_mult=4, items_max=100)
     q.push(("old", 0), "old", 10, urgent=False)

@@ -1,7 +1,7 @@
 """The transmit-limited broadcast queue (sans-IO).
 
 Each update waiting to be gossiped is sent at most ``retransmit_mult * ceil(log10(N + 1))``
-times, least-sent first (newest first among equals), packed into each outgoing message within
+times (an item may ask for a multiple), least-sent first (newest first among equals), packed into each outgoing message within
 a byte budget.  A newer update with the same key (node, family) replaces the queued one, so a
 stale update is never sent after a fresh one.  Items marked urgent (membership changes) also
 drive dedicated gossip messages; the rest (GPU metadata) only ride piggyback.
@@ -20,13 +20,16 @@ def retransmit_limit(mult: int, n: int) -> int:
 
 
 class _Item:
-    __slots__ = ("key", "size", "transmits", "update", "urgent")
+    __slots__ = ("key", "limit_mult", "size", "transmits", "update", "urgent")
 
-    def __init__(self, key: Hashable, update: Any, size: int, urgent: bool) -> None:
+    def __init__(
+        self, key: Hashable, update: Any, size: int, urgent: bool, limit_mult: int = 1
+    ) -> None:
         self.key = key
         self.update = update
         self.size = size
         self.urgent = urgent
+        self.limit_mult = limit_mult
         self.transmits = 0
 
 
@@ -46,11 +49,14 @@ class BroadcastQueue:
     def urgent_pending(self) -> bool:
         return self._urgent > 0
 
-    def push(self, key: Hashable, update: Any, size: int, *, urgent: bool) -> None:
+    def push(
+        self, key: Hashable, update: Any, size: int, *, urgent: bool, limit_mult: int = 1
+    ) -> None:
+        """Queue ``update`` under ``key``; ``limit_mult`` multiplies its transmit limit."""
         self._remove(key)
         if len(self._by_key) >= self._items_max:
             self._drop_most_sent()
-        item = _Item(key, update, size, urgent)
+        item = _Item(key, update, size, urgent, limit_mult)
         self._by_key[key] = item
         self._buckets.setdefault(0, {})[key] = item
         self._urgent += urgent
@@ -106,7 +112,7 @@ class BroadcastQueue:
         for item in chosen:
             self._remove(item.key)
             item.transmits += 1
-            if item.transmits < limit:
+            if item.transmits < limit * item.limit_mult:
                 self._by_key[item.key] = item
                 self._buckets.setdefault(item.transmits, {})[item.key] = item
                 self._urgent += item.urgent

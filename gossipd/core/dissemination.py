@@ -16,6 +16,9 @@ Rules:
 5. Terms and directives are urgent.  A directive larger than piggyback_bytes_max (up to
    64 KiB) rides only in gossip rounds, whose byte budget grows by its size while one is
    queued; piggyback on probes stays within piggyback_bytes_max.
+6. With contained suspicions, a Dead gets twice the transmit limit: only a few members held
+   the suspicion, so a member the Dead misses has no timer of its own to fall back on (it
+   would learn only by probing the dead member itself, or by a checksum push-pull).
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from gossipd.core.broadcast import BroadcastQueue
-from gossipd.core.messages import Directive, GossipOnly, Meta, Term, Update, encode_update
+from gossipd.core.messages import (
+    Dead,
+    Directive,
+    GossipOnly,
+    Meta,
+    Term,
+    Update,
+    encode_update,
+)
 
 if TYPE_CHECKING:
     from gossipd.core.swim import SwimNode
@@ -62,7 +73,9 @@ class Dissemination:
     def push(self, update: Update, *, urgent: bool) -> None:
         key = queue_key(update)
         size = len(encode_update(update))
-        self.broadcasts.push(key, update, size, urgent=urgent)
+        # Rule 6: with contained suspicions a death is told twice as often.
+        twice = isinstance(update, Dead) and self._swim.config.contain_suspicions
+        self.broadcasts.push(key, update, size, urgent=urgent, limit_mult=2 if twice else 1)
         if size > self._swim.config.piggyback_bytes_max:
             self._large[key] = size
         else:

@@ -43,6 +43,7 @@ Suspicion timers live here (one ``Suspicion`` per suspect); the SWIM node fires 
 
 from __future__ import annotations
 
+import bisect
 import enum
 import hashlib
 from array import array
@@ -63,6 +64,7 @@ from gossipd.core.messages import (
     Update,
     UpdateKind,
 )
+from gossipd.core.sharedtable import Overlay, SharedBase
 from gossipd.core.suspicion import Suspicion
 
 
@@ -151,6 +153,9 @@ class MemberTable:
         self.meta_incarnation = 0
         self.meta_version = 0
         self.members: dict[str, Member] = {}
+        self._ring: list[str] | None = None  # sorted live names, us included (built lazily)
+        self._ring_shared = False  # _ring is a SharedBase's: copy before changing it
+        self._base: SharedBase | None = None  # set by bootstrap_shared
         self.live_version = 0  # bumped on every change of state or incarnation
         self.set_version = 0  # bumped only when the live set itself changes
         self._xor = 0  # XOR of _contribution() over live members other than us
@@ -175,6 +180,50 @@ class MemberTable:
         """Live members, ourselves included."""
         return 1 + self._live_n
 
+    def live_ring(self) -> list[str]:
+        """The sorted names of the live members, us included (kept up to date in place: a
+        change of the live set costs one bisect, not a rebuild).  Do not modify it."""
+        if self._ring is None:
+            ring = [n for n, m in self.members.items() if m.state in LIVE_STATES]
+            ring.append(self.me)
+            ring.sort()
+            self._ring = ring
+        return self._ring
+
+    def _ring_change(self, node: str, live: bool) -> None:
+        ring = self._ring
+        if ring is None:
+            return
+        if self._ring_shared:
+            ring = self._ring = list(ring)
+            self._ring_shared = False
+        i = bisect.bisect_left(ring, node)
+        present = i < len(ring) and ring[i] == node
+        if live and not present:
+            ring.insert(i, node)
+        elif not live and present:
+            del ring[i]
+
+    def bootstrap_shared(self, base: SharedBase) -> None:
+        """Start knowing ``base``'s members (all alive at incarnation 0), sharing its entries
+        and its ring copy-on-write (sharedtable.py; for the simulator: N members start with
+        O(N) memory and time in all, not O(N^2))."""
+        if self.members:
+            raise ValueError("bootstrap_shared: the table must be empty")
+        members = Overlay(base.members, {self.me})
+        self.members = members
+        self._xor = base.xor
+        if self.me in base.members:
+            self._xor ^= _contribution(self.me, 0)
+        self._live_n = len(members)
+        if self.me in base.members:
+            self._ring, self._ring_shared = base.ring, True
+        else:
+            self._ring, self._ring_shared = sorted([*base.ring, self.me]), False
+        self._base = base
+        self.set_version += 1
+        self.live_version += 1
+
     def checksum(self) -> int:
         """A 63-bit digest of the live set (names and incarnations, ourselves included): the
         XOR of one hash per live member, kept up to date in O(1) per change."""
@@ -197,11 +246,16 @@ class MemberTable:
 
     def records(self) -> list[MemberRecord]:
         """Our whole table for a push-pull (cached until the next change)."""
+        own = MemberRecord(
+            node=self.me, addr=self.addr, incarnation=self.incarnation, state="alive"
+        )
+        members = self.members
+        if isinstance(members, Overlay) and self._base is not None:
+            # Shared entries' records are built once for all; none kept per member.
+            mine = [m.record() for m in dict.values(members)]
+            return [own, *mine, *self._base.records(members.hidden)]
         if self._records[0] != self.version:
-            own = MemberRecord(
-                node=self.me, addr=self.addr, incarnation=self.incarnation, state="alive"
-            )
-            self._records = (self.version, [own, *(m.record() for m in self.members.values())])
+            self._records = (self.version, [own, *(m.record() for m in members.values())])
         return list(self._records[1])
 
     @property
@@ -215,11 +269,14 @@ class MemberTable:
         kind = _KIND[type(update)]
         if update.node == self.me:
             return self._about_me(update, now)
-        member = self.members.get(update.node)
+        members = self.members
+        member = members.get(update.node)
         state = None if member is None else member.state
         handler = TRANSITIONS.get((state, kind))
         if handler is None:
             return Outcome()
+        if member is not None and isinstance(members, Overlay) and members.shared(update.node):
+            member = members[update.node] = _copy(member)  # copy-on-write (sharedtable.py)
         return handler(self, member, update, now)
 
     def _about_me(self, update: Update, now: float) -> Outcome:
@@ -234,8 +291,9 @@ class MemberTable:
         elif self.leaving:
             return Outcome()
         elif heard < self.incarnation:
-            # Stale news about us: whoever carries it missed our refutation; tell them again.
-            return Outcome(stale_about_me=True)
+            # Stale news about us: whoever carries it missed our refutation; tell them again
+            # (and the accuser it names).
+            return Outcome(stale_about_me=True, refute_to=getattr(update, "by", None))
         # Never past the bound peers decode (a forged incarnation at it would otherwise make
         # every message of ours undecodable): news at the bound cannot be refuted.
         self.incarnation = min(max(self.incarnation, heard) + 1, INCARNATION_MAX)
@@ -257,6 +315,7 @@ class MemberTable:
         )
         self._xor ^= _contribution(update.node, update.incarnation)
         self._live_n += 1
+        self._ring_change(update.node, True)
         self.set_version += 1
         self.live_version += 1
         return Outcome(
@@ -364,6 +423,7 @@ class MemberTable:
             self._xor ^= _contribution(member.node, incarnation)
         if was_live != is_live:
             self._live_n += 1 if is_live else -1
+            self._ring_change(member.node, is_live)
             self.set_version += 1
         if state is not State.SUSPECT:
             member.suspicion = None
@@ -426,6 +486,30 @@ class MemberTable:
         del self.members[node]
         self.live_version += 1
         return True
+
+
+def shared_base(members: list[tuple[str, str]], now: float) -> SharedBase:
+    """The converged table of these (node, addr) members, all alive at incarnation 0, for
+    ``MemberTable.bootstrap_shared`` (the simulator's start)."""
+    entries = {node: Member(node, addr, 0, State.ALIVE, now) for node, addr in members}
+    xor = 0
+    for node in entries:
+        xor ^= _contribution(node, 0)
+    return SharedBase(entries, xor)
+
+
+def _copy(m: Member) -> Member:
+    return Member(
+        m.node,
+        m.addr,
+        m.incarnation,
+        m.state,
+        m.state_since,
+        m.meta_version,
+        m.gpu,
+        m.suspicion,
+        m.meta_incarnation,
+    )
 
 
 def _contribution(node: str, incarnation: int) -> int:

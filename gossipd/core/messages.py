@@ -534,6 +534,9 @@ class Alive(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(Up
     node: NodeId
     incarnation: Incarnation
     addr: Endpoint
+    # A refutation of a contained suspicion (docs/MEMBERSHIP.md): passed on piggyback only,
+    # never in dedicated gossip rounds (absent from older peers: False).
+    quiet: bool = False
 
 
 class Suspect(

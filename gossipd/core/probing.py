@@ -18,8 +18,9 @@ Rules:
    member per probe interval; it is never a verdict by itself.
 4. Buddy system: every ping to a suspect carries the suspicion, so the suspect learns it and
    refutes.
-5. A member hearing a new suspicion probes the suspect with probability
-   confirm_probes / (n - 2): no ack by probe_deadline -> it confirms the suspicion.
+5. A member hearing a new suspicion probes the suspect (with probability
+   confirm_probes / (n - 2) when suspicions are gossiped to all, 1 when they are contained
+   and only the members the accuser chose hear it): no ack by probe_deadline -> it confirms.
 6. Before declaring a suspect dead we ping it once ourselves (one last-chance ping per
    suspicion, probe_deadline before its timer fires), so a refutation we missed reaches us.
 7. A timer that fires later than lateness_tolerance (we were paused) does not act: the probe
@@ -29,6 +30,10 @@ Rules:
    (core/refusal.py): a refusal there means its process is gone.
 9. Awareness: +1 when we miss our own schedule, when a probe fails and the helpers did not
    even nack, when a timer fires late; -1 for each probe acked.
+9. Contained suspicions: while we hold a suspicion (accuser, confirmer or not), we ping the
+   suspect every probe_timeout (scaled by awareness).  Only a few members hold one, and each
+   ping that arrives makes a healthy suspect answer us and the accuser directly, so its
+   refutation does not depend on one datagram.  Each ack matches nothing here.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import TYPE_CHECKING
 from gossipd.core.dissemination import MEMBER
 from gossipd.core.membership import LIVE_STATES, State
 from gossipd.core.messages import Ack, Nack, Ping, PingReq, Suspect
+from gossipd.core.suspicion import Suspicion
 
 if TYPE_CHECKING:
     from gossipd.core.swim import SwimNode
@@ -78,6 +84,8 @@ class Prober:
         # suspect is absent or holds another incarnation, its deadline is the earlier
         # last-chance time (``verify_at``), not its suspicion deadline.
         self.verifying: dict[str, int] = {}
+        # Contained suspicions (rule 9): suspect -> (incarnation, when we ping it next).
+        self.repinging: dict[str, tuple[int, float]] = {}
         self.next_probe_at = now + swim.rng.random() * swim.config.probe_interval_s
         self._rr: list[str] = []
         self._early_target: str | None = None
@@ -135,7 +143,19 @@ class Prober:
                 if self.verifying.get(node) != suspicion.incarnation:
                     deadline = self.verify_at(deadline)
                 deadlines.append(deadline)
+                if swim.config.contain_suspicions:
+                    deadlines.append(self._reping_at(node, suspicion))
         return deadlines
+
+    def _reping_at(self, node: str, suspicion: Suspicion) -> float:
+        """When we ping ``node`` again while we hold this suspicion of it (rule 9)."""
+        inc, at = self.repinging.get(node, (-1, 0.0))
+        if inc != suspicion.incarnation:
+            return suspicion.started_at + self._reping_interval_s()
+        return at
+
+    def _reping_interval_s(self) -> float:
+        return self._swim.awareness.scale(self._swim.config.probe_timeout_s)
 
     def verify_at(self, deadline: float) -> float:
         """When to send the last-chance ping to a suspect whose timer fires at ``deadline``."""
@@ -143,11 +163,19 @@ class Prober:
 
     def _fire_suspicions(self, now: float) -> None:
         swim = self._swim
+        contain = swim.config.contain_suspicions
+        for node in [n for n in self.repinging if n not in swim.table.suspects]:
+            del self.repinging[node]
         for node in sorted(swim.table.suspects):
             member = swim.table.members[node]
             suspicion = member.suspicion
             if suspicion is None:
                 continue
+            if contain and now >= self._reping_at(node, suspicion):
+                # Rule 9: each ping carries the suspicion; the suspect answers it directly.
+                self.repinging[node] = (suspicion.incarnation, now + self._reping_interval_s())
+                self.seq += 1
+                self.ping(node, self.seq)
             if (
                 now >= self.verify_at(suspicion.deadline())
                 and self.verifying.get(node) != suspicion.incarnation
@@ -229,8 +257,10 @@ class Prober:
         if member.state is State.SUSPECT and not any(
             getattr(u, "node", None) == target for u in updates
         ):
-            # Buddy system: a suspect always learns it is suspected when we ping it.
-            updates.insert(0, Suspect(node=target, incarnation=member.incarnation, by=swim.node))
+            # Buddy system: a suspect always learns it is suspected when we ping it, and by
+            # whom first (so that its refutation goes straight to the accuser too).
+            accuser = swim.node if member.suspicion is None else member.suspicion.accuser
+            updates.insert(0, Suspect(node=target, incarnation=member.incarnation, by=accuser))
         swim.send(member.addr, Ping(**swim.header(updates), seq=seq, target=target))
 
     def _send_ping_reqs(self, probe: Probe, now: float) -> None:
@@ -276,7 +306,9 @@ class Prober:
         confirm_probes / (n - 2) (rule 5)."""
         swim = self._swim
         n = swim.table.live_count()
-        if swim.rng.random() >= min(1.0, swim.config.confirm_probes / max(1, n - 2)):
+        # Contained: only the members the accuser chose hear it (and push-pull readers).
+        chance = swim.config.confirm_probes / max(1, n - 2)
+        if not swim.config.contain_suspicions and swim.rng.random() >= min(1.0, chance):
             return
         self.seq += 1
         swim.stats.confirm_probes += 1

@@ -40,7 +40,7 @@ from gossipd.core.antientropy import AntiEntropy
 from gossipd.core.awareness import Awareness
 from gossipd.core.dissemination import Dissemination
 from gossipd.core.fencing import Fence
-from gossipd.core.membership import LIVE_STATES, MemberEvent, MemberTable, Outcome
+from gossipd.core.membership import MemberEvent, MemberTable, Outcome
 from gossipd.core.messages import (
     INCARNATION_MAX,
     Ack,
@@ -64,6 +64,7 @@ from gossipd.core.messages import (
 )
 from gossipd.core.probing import Prober
 from gossipd.core.refusal import PortCheck, RefusalDetector
+from gossipd.core.sharedtable import SharedBase
 from gossipd.core.suspicion import suspicion_min_s
 from gossipd.core.swim_config import SwimConfig
 from gossipd.errors import RemoteProtocolError
@@ -115,7 +116,6 @@ class SwimNode:
         self.fence = Fence()
         self._leadership: list[Term | Directive] = []
         self._current_src = ""  # while applying a message's updates: who carried them
-        self._ring: tuple[int, list[str]] = (-1, [])  # (table.set_version, sorted live names)
         self._next_reap_at = now + REAP_INTERVAL_S
         # Each mechanism draws its first timer's phase from rng here, in this order.
         self.dissemination = Dissemination(self, now)
@@ -134,6 +134,14 @@ class SwimNode:
         }
         self._refresh_suspicion_bounds()
         self.dissemination.push(Alive(node=node, incarnation=incarnation, addr=addr), urgent=True)
+
+    def bootstrap_shared(self, now: float, base: SharedBase) -> None:
+        """``bootstrap`` from a table shared with other simulated members, copy-on-write
+        (membership.shared_base, sharedtable.py): the simulator's O(N) start."""
+        self.table.bootstrap_shared(base)
+        self._refresh_suspicion_bounds()
+        self.antientropy.bootstrap(now)
+        self.dissemination.forget()
 
     def bootstrap(self, now: float, members: list[tuple[str, str]]) -> None:
         """Start with these (node, addr) members known alive, as if already converged (for the
@@ -304,8 +312,15 @@ class SwimNode:
         outcome = self.table.apply(update, now)
         if outcome.event is not None:
             self._events.append(outcome.event)
+        contain = self.config.contain_suspicions
         if outcome.refuted or outcome.stale_about_me:
-            alive = Alive(node=self.node, incarnation=self.table.incarnation, addr=self.addr)
+            # A refutation of a (contained) suspicion is quiet: those who know of the
+            # suspicion hear it directly; everyone else only needs our new incarnation,
+            # which rides piggyback.  A refutation of a death is gossiped in rounds.
+            quiet = contain and isinstance(update, Suspect)
+            alive = Alive(
+                node=self.node, incarnation=self.table.incarnation, addr=self.addr, quiet=quiet
+            )
             # Tell the accuser and whoever carried the news directly; gossip does the rest.
             direct = {self._current_src} - {""}
             accuser = self.table.members.get(outcome.refute_to or "")
@@ -314,17 +329,24 @@ class SwimNode:
             if outcome.refuted:
                 self.stats.refutations += 1
                 self.awareness.apply(+1)
-                self.dissemination.push(alive, urgent=True)
+                self.dissemination.push(alive, urgent=not quiet)
                 self._republish_gpu()
             for addr in sorted(direct):
                 self.send(addr, GossipOnly(**self.header([alive])))
             return outcome
-        if outcome.rebroadcast:
-            self.dissemination.push(update, urgent=outcome.urgent)
+        if outcome.rebroadcast and not (contain and isinstance(update, Suspect)):
+            # A quiet Alive that only raises an incarnation rides piggyback; one that brings
+            # a member back (joined) is news for everyone.
+            quiet = isinstance(update, Alive) and update.quiet
+            kind = outcome.event.kind if outcome.event is not None else ""
+            urgent = outcome.urgent and not (quiet and kind == "alive")
+            self.dissemination.push(update, urgent=urgent)
         if outcome.changed and isinstance(update, Suspect | Dead | Left | Alive):
             self._refresh_suspicion_bounds()
         if isinstance(update, Suspect) and outcome.event is not None and update.by == self.node:
             self.stats.suspicions_raised += 1
+            if contain:
+                self._tell_suspicion(update)
         if outcome.confirm_probe is not None:
             self.prober.maybe_confirm(outcome.confirm_probe, now)
         if outcome.confirm_to is not None:
@@ -332,6 +354,15 @@ class SwimNode:
             if accuser is not None:
                 self.send(accuser.addr, GossipOnly(**self.header([update])))
         return outcome
+
+    def _tell_suspicion(self, suspect: Suspect) -> None:
+        """A contained suspicion we raised: tell the suspect (so that it refutes at once) and
+        ``confirm_probes`` random members (who probe it: confirm, or carry it to the suspect)."""
+        member = self.table.members[suspect.node]
+        sample = self.random_live_sample(self.config.confirm_probes + 1)
+        confirmers = [n for n in sample if n != suspect.node][: self.config.confirm_probes]
+        for addr in [member.addr, *(self.table.members[n].addr for n in confirmers)]:
+            self.send(addr, GossipOnly(**self.header([suspect])))
 
     def header(self, updates: list[Update]) -> dict[str, object]:
         """The fields every gossip message starts with, carrying ``updates``."""
@@ -351,14 +382,8 @@ class SwimNode:
         self._outbox.append((addr, data))
 
     def live_ring(self) -> list[str]:
-        """The sorted names of the live members, us included (cached per live-set version)."""
-        version = self.table.set_version
-        if self._ring[0] != version:
-            ring = [n for n, m in self.table.members.items() if m.state in LIVE_STATES]
-            ring.append(self.node)
-            ring.sort()
-            self._ring = (version, ring)
-        return self._ring[1]
+        """The sorted names of the live members, us included (kept by the table)."""
+        return self.table.live_ring()
 
     def random_live(self) -> str | None:
         sample = self.random_live_sample(1)
@@ -384,7 +409,13 @@ class SwimNode:
     def _refresh_suspicion_bounds(self) -> None:
         cfg = self.config
         n = self.table.live_count()
-        lo = suspicion_min_s(cfg.suspicion_mult, n, cfg.probe_interval_s, cfg.suspicion_floor_s)
+        # Lifeguard scales the minimum with log N because a gossiped suspicion and its gossiped
+        # refutation must cross the whole cluster; a contained one's refutation goes straight
+        # to the few who hold it, so the minimum is the floor at every N (MEMBERSHIP.md).
+        scale_n = 1 if cfg.contain_suspicions else n
+        lo = suspicion_min_s(
+            cfg.suspicion_mult, scale_n, cfg.probe_interval_s, cfg.suspicion_floor_s
+        )
         self.table.suspicion_min_s = lo
         self.table.suspicion_max_s = lo * cfg.suspicion_max_mult
         self.table.suspicion_k = max(0, min(cfg.suspicion_k, n - 2))

@@ -3,6 +3,7 @@
 Formulas (N = live members, including this one):
 - retransmit limit = retransmit_mult * ceil(log10(N + 1))                      (broadcast.py)
 - suspicion min    = max(suspicion_floor_s, suspicion_mult * log10(N + 1) * probe_interval_s)
+                   (contain_suspicions: N = 1 here, so the floor: see MEMBERSHIP.md)
 - suspicion max    = suspicion_max_mult * suspicion min                       (suspicion.py)
 - push-pull period = push_pull_interval_s * (1 + max(0, ceil(log2(N) - log2(32))))
 """
@@ -45,7 +46,8 @@ class SwimConfig:
     # them: a crashed member is noticed within one round instead of a geometric tail.
     coordinated_probing: bool = True
     # Lifeguard dynamic suspicion (see formulas above).  The floor protects members that stall
-    # (GC, SIGSTOP, CPU starvation) for up to about floor + probe_deadline seconds.
+    # (GC, SIGSTOP, CPU starvation) for up to about floor + probe_deadline seconds.  With
+    # contained suspicions the log N term is dropped (the minimum is the floor at every N).
     suspicion_mult: Annotated[float, Meta(gt=0.0, le=100.0)] = 0.8
     suspicion_floor_s: Period = 1.6
     suspicion_max_mult: Annotated[float, Meta(ge=1.0, le=100.0)] = 3.0
@@ -53,8 +55,18 @@ class SwimConfig:
     suspicion_k: Fanout = 3
     # On hearing a suspicion, probe the suspect with probability confirm_probes / (N - 2):
     # about this many members gather their own evidence (confirm, or carry the suspicion to
-    # the suspect so that it refutes at once).
-    confirm_probes: Fanout = 3
+    # the suspect so that it refutes at once).  Contained (below): the accuser asks exactly
+    # this many.  4: at 10% loss a confirmation needs two datagrams (0.81), so 3 asked bring
+    # the K = 3 confirmations that shorten the timer only half the time (detection p99 at
+    # N=1,000 near 5 s); 5 catch 2 s stalls at the floor under 20% loss (MEMBERSHIP.md).
+    confirm_probes: Fanout = 4
+    # Contained suspicions: a suspicion is not gossiped.  The accuser tells the suspect and
+    # confirm_probes random members directly, and those probe the suspect (probability 1);
+    # the suspect's refutation goes straight to the accuser and to whoever carried the news,
+    # and rides only piggyback elsewhere (Alive.quiet); a death is gossiped as before.  Off:
+    # every suspicion and refutation is gossiped to all (memberlist), which at a fixed loss
+    # rate makes each member's message load grow with N (docs/MEMBERSHIP.md).
+    contain_suspicions: bool = True
     # Urgent updates (membership changes) are also sent every gossip interval to
     # ``gossip_fanout`` random members while any is pending; others only ride piggyback.
     gossip_interval_s: Period = 0.2

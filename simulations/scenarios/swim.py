@@ -47,6 +47,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
     )
     rng = sim.rng
     crashed: set[str] = set()
+    crashed_at: dict[str, float] = {}
     stalling: dict[str, float] = {}
     report: dict[str, Any] = {"nodes": run.nodes, "loss": run.loss, "seed": run.seed}
 
@@ -134,6 +135,7 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
         victim = rng.choice(candidates)
         sim.crash(victim.index)
         crashed.add(victim.name)
+        crashed_at[victim.name] = sim.now
         start = sim.now
         mark = len(sim.trace.events)
         advance(start + run.detect_window_s)
@@ -212,10 +214,16 @@ def run_swim(run: SwimRun) -> dict[str, Any]:
     suspected = [
         (o, e) for o, e in sim.trace.events if e.kind == "suspect" and e.node not in crashed
     ]
+    # Per member per minute: suspicion events (an observer learning that a healthy member is
+    # suspect) and accusations (distinct suspicions raised of healthy members).
+    member_min = sum(crashed_at.get(m.name, sim.now) for m in sim.members) / 60.0  # while up
+    accusations = {(e.node, e.incarnation) for _, e in suspected}
     report["false_positives"] = {
         "declared_dead_events": len(false_dead),
         "members_declared_dead": len({e.node for _, e in false_dead}),
         "suspicions_of_healthy_members": len(suspected),
+        "suspicion_events_per_member_min": round(len(suspected) / member_min, 4),
+        "accusations_per_member_min": round(len(accusations) / member_min, 4),
         "refutations": sum(m.core.stats.refutations for m in sim.members),
         "dead_declarations_across_partition": len(in_partition),
     }
@@ -295,7 +303,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"detection: first declared p50 {det['first_declared_s']['p50']} s, p99 {det['first_declared_s']['p99']} s; "
         f"all know p50 {det['all_members_know_s']['p50']} s, p99 {det['all_members_know_s']['p99']} s",
         f"false positives: {fp['declared_dead_events']} dead declarations of healthy members; "
-        f"{fp['suspicions_of_healthy_members']} suspicions, {fp['refutations']} refutations",
+        f"{fp['suspicions_of_healthy_members']} suspicions "
+        f"({fp['suspicion_events_per_member_min']} per member per minute; "
+        f"{fp['accusations_per_member_min']} accusations), {fp['refutations']} refutations",
         f"cost (steady): {cost['messages_per_member_s']} msg/s and {cost['kbit_per_member_s']} kbit/s per member",
     ]
     if "partition" in report:

@@ -1,0 +1,107 @@
+"""A converged member table shared by many simulated members, copy-on-write (sans-IO).
+
+For the simulator only: a real daemon joins through seeds and builds its own table.  At start
+every simulated member knows every other alive at incarnation 0, so N members would hold N
+identical tables (N^2 entries: 10^8 at N = 10,000, about 20 GB).  Instead one ``SharedBase``
+holds the N entries once, and each member's ``MemberTable.members`` is an ``Overlay``: its own
+entries (members it has heard news about) over the shared ones.  The table copies a shared
+entry into its own before it changes it (``MemberTable.apply``), so a shared entry is never
+written and every member still applies every rule to its own state.  The sorted live ring is
+shared the same way until the member's live set first changes.
+
+Overlay invariant: ``hidden`` holds the shared keys that the overlay does not show through
+(deleted here, or shadowed by an entry of its own), so the view is own + (base - hidden),
+a disjoint union.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+class Overlay(dict):  # type: ignore[type-arg]
+    """A dict of its own entries over a shared read-only ``base`` dict."""
+
+    __slots__ = ("base", "hidden")
+
+    def __init__(self, base: dict[Any, Any], hidden: set[Any]) -> None:
+        super().__init__()
+        self.base = base
+        self.hidden = {k for k in hidden if k in base}
+
+    def __missing__(self, key: Any) -> Any:
+        if key in self.hidden:
+            raise KeyError(key)
+        return self.base[key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = dict.get(self, key, _ABSENT)
+        if value is not _ABSENT:
+            return value
+        if key in self.hidden:
+            return default
+        return self.base.get(key, default)
+
+    def shared(self, key: Any) -> bool:
+        """Is ``key`` shown from the shared base (not yet copied)?"""
+        return not dict.__contains__(self, key) and key in self.base and key not in self.hidden
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or (key not in self.hidden and key in self.base)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self.base:
+            self.hidden.add(key)
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        if dict.__contains__(self, key):
+            dict.__delitem__(self, key)
+        elif key in self.base and key not in self.hidden:
+            self.hidden.add(key)
+        else:
+            raise KeyError(key)
+
+    def __len__(self) -> int:
+        return dict.__len__(self) + len(self.base) - len(self.hidden)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from dict.__iter__(self)
+        hidden = self.hidden
+        yield from (k for k in self.base if k not in hidden)
+
+    def keys(self) -> Iterator[Any]:  # type: ignore[override]
+        return iter(self)
+
+    def values(self) -> Iterator[Any]:  # type: ignore[override]
+        yield from dict.values(self)
+        hidden = self.hidden
+        yield from (v for k, v in self.base.items() if k not in hidden)
+
+    def items(self) -> Iterator[tuple[Any, Any]]:  # type: ignore[override]
+        yield from dict.items(self)
+        hidden = self.hidden
+        yield from ((k, v) for k, v in self.base.items() if k not in hidden)
+
+
+_ABSENT = object()
+
+
+class SharedBase:
+    """N members known alive at incarnation 0: the entries, their checksum contributions'
+    XOR and the sorted names, built once for every simulated member."""
+
+    __slots__ = ("_records", "members", "ring", "xor")
+
+    def __init__(self, members: dict[str, Any], xor: int) -> None:
+        self.members = members
+        self.xor = xor
+        self.ring = sorted(members)
+        self._records: dict[str, Any] | None = None
+
+    def records(self, hidden: set[str]) -> list[Any]:
+        """The push-pull records of the shared entries not in ``hidden`` (built once)."""
+        if self._records is None:
+            self._records = {k: m.record() for k, m in self.members.items()}
+        return [r for k, r in self._records.items() if k not in hidden]
