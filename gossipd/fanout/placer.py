@@ -400,16 +400,22 @@ class Placer:
         only)."""
         owner = self._owner_for(task)
         if owner is not None:
+            # StateAges.observe inlined (once a task: no calls but the record's look-up).
+            ages = self.state_ages
             if owner == self.node:
-                ages = self.state_ages  # observe(0.0), inlined: the first bucket, sum unchanged
-                ages.counts[0] += 1
+                ages.counts[0] += 1  # our own state: 0 s, the first bucket; the sum unchanged
                 ages.count += 1
             else:
                 known = self.load_view.get(owner)
                 if known is None:
-                    self.state_ages.unknown += 1
+                    ages.unknown += 1
                 else:
-                    self.state_ages.observe(known.age_s(self._clock.monotonic()))
+                    age_s = self._clock.monotonic() - known.sampled_at  # Known.age_s
+                    if age_s < 0.0:
+                        age_s = 0.0
+                    ages.counts[bisect.bisect_left(STATE_AGE_BUCKETS_S, age_s)] += 1
+                    ages.count += 1
+                    ages.sum_s += age_s
         return owner
 
     def _owner_for(self, task: Task) -> str | None:
