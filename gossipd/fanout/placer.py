@@ -438,7 +438,15 @@ class Placer:
             owner = self.place_by_prefix(task, view, ring)
         else:
             owner = ring.owner(task.key or task.id)
-            if not self.free(owner, view, self.total_load()):
+            # free(owner, view, total_load()), inlined (the common case: once a task)
+            local = len(self.local_ids)
+            in_flight = self.in_flight
+            total = in_flight() + local if in_flight is not None else self.total_load()
+            load = local if owner == self.node else self.outstanding.get(owner, 0)
+            cfg = self.config
+            if owner in view.saturated or load >= bound(
+                total, view.weights[owner], view.total_weight, cfg.load_bound_c, cfg.load_floor
+            ):
                 order = self.order(task)
                 owner = order[0] if order else self.node
         return owner
