@@ -429,7 +429,7 @@ class Placer:
             if not order:
                 return None
             owner = order[0]
-        elif ring is None or (len(ring) == 1 and ring.members[0] == self.node):
+        elif ring is None or (len(ring.members) == 1 and ring.members[0] == self.node):
             owner = self.node
         elif self.config.policy == "round_robin":
             self._round_robin = (self._round_robin + 1) % len(ring.members)
