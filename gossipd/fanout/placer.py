@@ -10,7 +10,8 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 - the view is kept up to date member by member from membership events: a member's new GPU
   state (Meta) costs O(its own size); the ring is rebuilt only when the serving set or a
   weight changes, never for a load;
-- the sums bounded loads need (in-flight tasks, serving weight) are running totals;
+- the sums bounded loads need are O(1): in-flight tasks from the forwarder's own sizes
+  (``Forwarder.in_flight``: live flights plus ledger entries), serving weight a running total;
 - a new key is scored against every member in one NumPy pass (``Ring``), a repeated key is a
   cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
   ``attempts_max`` members, not a sort of all; prefix holders are ranked among themselves.
@@ -111,8 +112,7 @@ class Placer:
         self._ingress = ingress
         self._gossip = gossip
         # Kept up to date by the forwarder (core/forwarder.py): per member, our forwarded
-        # tasks not done yet; and the tasks from our intake that run here, unfinished.  A
-        # LoadCounts keeps their sum; a plain dict is summed per task.
+        # tasks not done yet; and the tasks from our intake that run here, unfinished.
         self.outstanding = loads
         self.local_ids = local_ids
         # The sum of ``loads`` where its keeper can tell it at once (Forwarder.in_flight,
