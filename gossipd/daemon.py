@@ -29,7 +29,6 @@ from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.loadstate import LoadSampler
 from gossipd.core.messages import ErrorCode, GpuState, LoadRecord, TaskDone, error_result
-from gossipd.core.placement import LoadCounts
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
@@ -431,7 +430,9 @@ class Daemon:
             clock=self.clock,
         )
         self.security.node_at = gossip.node_at
-        loads = LoadCounts()  # per member: our forwards not yet done (bounded loads), summed
+        # Per member: our forwards not yet done (bounded loads); the placer reads their sum
+        # from the forwarder (Forwarder.in_flight, wired by the Dispatcher).
+        loads: dict[str, int] = {}
         local_ids: set[str] = set()  # our intake's tasks running here
         placer = Placer(
             config.fanout,

@@ -339,7 +339,7 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
             fw.tick(now)
         drain()
         ledgered = sum(1 for t in routed if fw.ledger.get(t) is not None)
-        assert sum(fw.loads.values()) == fw.pending() + ledgered
+        assert sum(fw.loads.values()) == fw.pending() + ledgered == fw.in_flight()
         assert all(fw.ledger.get(t) is None for t in refused)
     while fw.next_deadline() != float("inf"):
         now = fw.next_deadline()

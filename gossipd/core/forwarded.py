@@ -43,44 +43,45 @@ class ForwardedLedger:
         self, outstanding: dict[str, int], *, entries_max: int, bytes_max: int = 1 << 62
     ) -> None:
         self.outstanding = outstanding
-        self._entries_max = entries_max
+        self.entries_max = entries_max
         self._bytes_max = bytes_max
         self.bytes = 0  # budgets.task_bytes of the entries
         self.evicted_count = 0  # forgotten for room: entries_max
         self.evicted_bytes = 0  # ...bytes_max
-        self._entries: OrderedDict[str, Forwarded] = OrderedDict()
+        # Read-only to others: its size is the forwarder's in-flight count's part (per task).
+        self.entries: OrderedDict[str, Forwarded] = OrderedDict()
         self._early_done: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def get(self, task_id: str) -> Forwarded | None:
-        return self._entries.get(task_id)
+        return self.entries.get(task_id)
 
     def owned_by(self, member: str) -> list[Forwarded]:
-        return [f for f in self._entries.values() if f.owner == member]
+        return [f for f in self.entries.values() if f.owner == member]
 
     def accepted(self, task: Task, owner: str, received_at: float) -> None:
         """``owner`` accepted ``task``: we answer for it until its TaskDone."""
         task_id = task.id
-        if task_id in self._entries:  # accepted again (a retry, a hedge): ledgered once
+        if task_id in self.entries:  # accepted again (a retry, a hedge): ledgered once
             self.forget(task_id)
         if self._early_done.pop(task_id, 0) is None:
             return  # its TaskDone came first: it has finished already
         size = task_bytes(task)
-        self._entries[task_id] = Forwarded(owner, task, received_at, size)
+        self.entries[task_id] = Forwarded(owner, task, received_at, size)
         self.bytes += size
         self.outstanding[owner] = self.outstanding.get(owner, 0) + 1
-        while len(self._entries) > self._entries_max:
-            self.forget(next(iter(self._entries)))
+        while len(self.entries) > self.entries_max:
+            self.forget(next(iter(self.entries)))
             self.evicted_count += 1
-        while self.bytes > self._bytes_max and len(self._entries) > 1:
-            self.forget(next(iter(self._entries)))
+        while self.bytes > self._bytes_max and len(self.entries) > 1:
+            self.forget(next(iter(self.entries)))
             self.evicted_bytes += 1
 
     def done(self, task_id: str, node: str) -> None:
         """``node`` reports ``task_id`` finished."""
-        entry = self._entries.get(task_id)
+        entry = self.entries.get(task_id)
         if entry is not None:
             if entry.owner == node:
                 self.forget(task_id)
@@ -92,7 +93,7 @@ class ForwardedLedger:
 
     def forget(self, task_id: str) -> Forwarded | None:
         """Stop answering for ``task_id``; the entry, if there was one."""
-        entry = self._entries.pop(task_id, None)
+        entry = self.entries.pop(task_id, None)
         if entry is not None:
             self.outstanding[entry.owner] -= 1
             self.bytes -= entry.size_bytes

@@ -391,6 +391,36 @@ class Forwarder:
         at = timers[0][0] if timers else _INF
         return min(at, acks[0][0]) if acks else at
 
+    def in_flight(self) -> int:
+        """The sum of ``loads``: forwards awaiting an answer plus ledgered tasks (each counts
+        one against its member), worked out from their sizes, not kept per change."""
+        return len(self._flights) + len(self.ledger.entries)
+
+    def take_all(
+        self,
+    ) -> tuple[
+        Sequence[tuple[str, Forward | Withdraw | Cancel]], Sequence[Refuse | HandedOff], float
+    ]:
+        """take_outbox(), take_events() and next_deadline() in one call (once per flush)."""
+        outbox = self._outbox
+        if outbox:
+            self._outbox = []
+        else:
+            outbox = ()  # type: ignore[assignment]
+        events = self._events
+        if events:
+            self._events = []
+        else:
+            events = ()  # type: ignore[assignment]
+        timers = self._timers
+        while timers and not _matters(timers[0]):
+            heapq.heappop(timers)
+        acks = self._acks
+        while acks and not acks[0][1].live:
+            acks.popleft()
+        at = timers[0][0] if timers else _INF
+        return outbox, events, (min(at, acks[0][0]) if acks else at)
+
     def last_addr(self, member: str) -> str | None:
         """The member's rpc address when we last forwarded to it (also once it is gone)."""
         return self._last_addr.get(member)

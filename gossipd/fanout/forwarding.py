@@ -81,6 +81,8 @@ class Dispatcher:
         self.node = node
         self.forwarder = forwarder
         self.placer = placer
+        # Bounded loads' total from the forwarder's own counts (no sum kept per change).
+        placer.in_flight = forwarder.in_flight
         self.owner = owner
         self._links = links
         self._send_error = send_error
@@ -184,20 +186,19 @@ class Dispatcher:
     # -- outputs ---------------------------------------------------------------------------
 
     def _flush(self) -> None:
-        fw = self.forwarder
+        outbox, events, at = self.forwarder.take_all()
         tracer = self.tracer
-        for addr, msg in fw.take_outbox():
+        for addr, msg in outbox:
             if tracer is not None and type(msg) is Forward:
                 msg = tracer.forwarding(msg, addr)
             self._links.send(addr, msg)
-        for event in fw.take_events():
+        for event in events:
             if isinstance(event, Refuse):
                 if tracer is not None:
                     tracer.refused(event.task.id, event.code)
                 self._send_error(event)
             else:
                 self._handed_off(event)
-        at = fw.next_deadline()
         if at < self._timer_at:
             if self._timer is not None:
                 self._timer.cancel()

@@ -244,7 +244,8 @@ class OwnerEndpoint:
             accepted=accepted,
             code="" if accepted else verdict.value,
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
-            load=self._load_for(identity),
+            # _load_for(identity), inlined (once a forwarded task)
+            load=None if self._router_out.get(identity) else self.load_record(),
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
 
@@ -382,11 +383,20 @@ class OwnerEndpoint:
 
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
+        router_out = self._router_out  # (no flush before the end of this turn)
+        node = self.node
         for task_id, identities, member in self._done_waiting.pop(reply_to, ()):
             for identity in identities:
                 assert isinstance(identity, bytes)
-                load = self._load_for(identity)
-                self._to_forwarder(identity, TaskDone(id=task_id, node=self.node, load=load))
+                # _to_forwarder(identity, TaskDone(..., load=_load_for(identity))), inlined
+                # (once a forwarded task): a TaskDone only queues; the load rides on the
+                # first message queued for this forwarder.
+                queue = router_out.get(identity)
+                if queue:
+                    queue.append(TaskDone(id=task_id, node=node))
+                else:
+                    done = TaskDone(id=task_id, node=node, load=self.load_record())
+                    router_out[identity] = [done]
             if member:  # a task re-run from the journal: its forwarder, by name
                 self._send_to_member(
                     member, TaskDone(id=task_id, node=self.node, load=self.load_record())

@@ -10,7 +10,8 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 - the view is kept up to date member by member from membership events: a member's new GPU
   state (Meta) costs O(its own size); the ring is rebuilt only when the serving set or a
   weight changes, never for a load;
-- the sums bounded loads need (in-flight tasks, serving weight) are running totals;
+- the sums bounded loads need are O(1): in-flight tasks from the forwarder's own sizes
+  (``Forwarder.in_flight``: live flights plus ledger entries), serving weight a running total;
 - a new key is scored against every member in one NumPy pass (``Ring``), a repeated key is a
   cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
   ``attempts_max`` members, not a sort of all; prefix holders are ranked among themselves.
@@ -19,7 +20,7 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,10 +112,12 @@ class Placer:
         self._ingress = ingress
         self._gossip = gossip
         # Kept up to date by the forwarder (core/forwarder.py): per member, our forwarded
-        # tasks not done yet; and the tasks from our intake that run here, unfinished.  A
-        # LoadCounts keeps their sum; a plain dict is summed per task.
+        # tasks not done yet; and the tasks from our intake that run here, unfinished.
         self.outstanding = loads
         self.local_ids = local_ids
+        # The sum of ``loads`` where its keeper can tell it at once (Forwarder.in_flight,
+        # set by the dispatcher); else a LoadCounts' kept sum, or a plain dict summed.
+        self.in_flight: Callable[[], int] | None = None
         self.draining = False
         self.prefix_hits = 0  # keyless tasks placed on a member that holds their prefix
         # Prefix affinity (policy "prefix"): what we ran, and who holds which prefix.
@@ -312,6 +315,9 @@ class Placer:
 
     def total_load(self) -> int:
         """In-flight tasks this entry point counts against all members (bounded loads)."""
+        in_flight = self.in_flight
+        if in_flight is not None:
+            return in_flight() + len(self.local_ids)
         loads = self.outstanding
         total = loads.total if isinstance(loads, LoadCounts) else sum(loads.values())
         return total + len(self.local_ids)
@@ -394,14 +400,22 @@ class Placer:
         only)."""
         owner = self._owner_for(task)
         if owner is not None:
+            # StateAges.observe inlined (once a task: no calls but the record's look-up).
+            ages = self.state_ages
             if owner == self.node:
-                self.state_ages.observe(0.0)
+                ages.counts[0] += 1  # our own state: 0 s, the first bucket; the sum unchanged
+                ages.count += 1
             else:
                 known = self.load_view.get(owner)
                 if known is None:
-                    self.state_ages.unknown += 1
+                    ages.unknown += 1
                 else:
-                    self.state_ages.observe(known.age_s(self._clock.monotonic()))
+                    age_s = self._clock.monotonic() - known.sampled_at  # Known.age_s
+                    if age_s < 0.0:
+                        age_s = 0.0
+                    ages.counts[bisect.bisect_left(STATE_AGE_BUCKETS_S, age_s)] += 1
+                    ages.count += 1
+                    ages.sum_s += age_s
         return owner
 
     def _owner_for(self, task: Task) -> str | None:
@@ -415,7 +429,7 @@ class Placer:
             if not order:
                 return None
             owner = order[0]
-        elif ring is None or (len(ring) == 1 and ring.members[0] == self.node):
+        elif ring is None or (len(ring.members) == 1 and ring.members[0] == self.node):
             owner = self.node
         elif self.config.policy == "round_robin":
             self._round_robin = (self._round_robin + 1) % len(ring.members)
@@ -424,7 +438,15 @@ class Placer:
             owner = self.place_by_prefix(task, view, ring)
         else:
             owner = ring.owner(task.key or task.id)
-            if not self.free(owner, view, self.total_load()):
+            # free(owner, view, total_load()), inlined (the common case: once a task)
+            local = len(self.local_ids)
+            in_flight = self.in_flight
+            total = in_flight() + local if in_flight is not None else self.total_load()
+            load = local if owner == self.node else self.outstanding.get(owner, 0)
+            cfg = self.config
+            if owner in view.saturated or load >= bound(
+                total, view.weights[owner], view.total_weight, cfg.load_bound_c, cfg.load_floor
+            ):
                 order = self.order(task)
                 owner = order[0] if order else self.node
         return owner
