@@ -402,24 +402,7 @@ class Forwarder:
         Sequence[tuple[str, Forward | Withdraw | Cancel]], Sequence[Refuse | HandedOff], float
     ]:
         """take_outbox(), take_events() and next_deadline() in one call (once per flush)."""
-        outbox = self._outbox
-        if outbox:
-            self._outbox = []
-        else:
-            outbox = ()  # type: ignore[assignment]
-        events = self._events
-        if events:
-            self._events = []
-        else:
-            events = ()  # type: ignore[assignment]
-        timers = self._timers
-        while timers and not _matters(timers[0]):
-            heapq.heappop(timers)
-        acks = self._acks
-        while acks and not acks[0][1].live:
-            acks.popleft()
-        at = timers[0][0] if timers else _INF
-        return outbox, events, (min(at, acks[0][0]) if acks else at)
+        return self.take_outbox(), self.take_events(), self.next_deadline()
 
     def last_addr(self, member: str) -> str | None:
         """The member's rpc address when we last forwarded to it (also once it is gone)."""
