@@ -361,7 +361,13 @@ def is_loopback(endpoint: str) -> bool:
     "localhost"; False for wildcards and every other host."""
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return is_loopback_host(endpoint.removeprefix("tcp://").rpartition(":")[0])
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a loopback address (bracketed or not) or "localhost"; a wildcard or another
+    name is not."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import hmac
-import ipaddress
 import logging
 import socket
 import threading
@@ -26,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from gossipd.ops.logs import RateLimiter
+from gossipd.security import is_loopback_host as is_loopback  # one rule for both
 
 log = logging.getLogger("gossipd.ops.metrics")
 
@@ -420,15 +420,6 @@ class MetricsGuard:
         )
 
 
-def is_loopback(host: str) -> bool:
-    """True for a loopback address or "localhost"; a wildcard or another name is not."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _QuietHandler(WSGIRequestHandler):
