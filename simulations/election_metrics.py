@@ -32,10 +32,11 @@ Rules:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from gossipd.tools.launcher import json_lines
 
 ELECTED = "leader_elected"
 STEPPED_DOWN = "leader_stepped_down"
@@ -73,16 +74,7 @@ def event_time(entry: dict[str, Any]) -> float:
     return float(entry.get("t_wall", entry.get("ts", 0.0)))
 
 
-def parse_log(text: str) -> list[dict[str, Any]]:
-    """The JSON lines of a log (other lines skipped)."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+parse_log = json_lines  # the launcher's reader of a daemon's JSON log lines
 
 
 def leadership_intervals(

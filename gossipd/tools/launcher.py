@@ -63,6 +63,18 @@ def free_tcp_port() -> int:
             return port
 
 
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON lines of a daemon's log (other lines, and a line cut short, skipped)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
 class DaemonProcess:
     def __init__(
         self,
@@ -150,14 +162,7 @@ class DaemonProcess:
 
     def events(self) -> list[dict[str, Any]]:
         """The JSON log lines so far (other lines are skipped)."""
-        out = []
-        for line in self.log_text().splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return out
+        return json_lines(self.log_text())
 
     @property
     def metrics_port(self) -> int:
