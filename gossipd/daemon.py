@@ -140,6 +140,7 @@ class Daemon:
             engine=self.engine,
             version=__version__,
             engine_dead=lambda: self.engine_dead,
+            election=bool(config.etcd.endpoints),
         )
         self.ingress.admin = self.admin.handle
         self.budget_gate: BudgetGate | None = None

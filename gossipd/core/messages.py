@@ -819,9 +819,10 @@ class StatusReport(
     members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)] = msgspec.field(
         default_factory=list
     )
-    # Leader election is not built yet: always nil for now.
+    # The highest leader term this daemon has seen (core/fencing.py): nil before any.
     leader: NodeName | None = None
     term: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    election: bool = False  # this daemon campaigns through etcd (etcd.endpoints set)
 
 
 _admin_answer_decoder = msgspec.msgpack.Decoder(

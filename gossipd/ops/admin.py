@@ -55,8 +55,10 @@ class Admin:
         engine: Engine,
         version: str,
         engine_dead: Callable[[], bool],
+        election: bool = False,
     ) -> None:
         self.node = node
+        self._election = election  # etcd.endpoints set: this daemon campaigns
         self._ingress = ingress
         self._replies = replies
         self._engine = engine
@@ -177,6 +179,7 @@ class Admin:
         )
         gossip = self.gossip
         core = gossip.core if gossip is not None else None
+        term = core.fence.term if core is not None else None
         return StatusReport(
             id=query_id,
             node=self.node,
@@ -191,6 +194,9 @@ class Admin:
             gpu=gossip.last_gpu_state if gossip is not None else None,
             load=load,
             members=[m.record() for m in core.table.members.values()] if core is not None else [],
+            leader=term.leader if term is not None else None,
+            term=term.token if term is not None else None,
+            election=self._election,
         )
 
     def statistics(self) -> dict[str, int]:

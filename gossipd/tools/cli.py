@@ -216,6 +216,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             model=args.model,
             tasks=args.tasks,
             log_dir=args.log_dir,
+            etcd=[e for e in args.etcd.split(",") if e] if args.etcd else None,
         )
     )
 
@@ -374,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"--demo: keyed tasks (default {DEFAULT_TASKS})",
     )
     p.add_argument("--log-dir", type=Path, help="daemon logs and journals (default: a temp dir)")
+    p.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,...]",
+        help="elect a leader through this etcd cluster (default: election off)",
+    )
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
