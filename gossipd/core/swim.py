@@ -101,6 +101,7 @@ class SwimNode:
         now: float,
         seeds: list[str] | tuple[str, ...] = (),
         incarnation: int = 0,
+        on_loads: Callable[[list[LoadRecord]], None] | None = None,
     ) -> None:
         self.config = config
         self.node = node
@@ -122,8 +123,8 @@ class SwimNode:
         self.prober = Prober(self, now)
         self.antientropy = AntiEntropy(self, now, [s for s in seeds if s != addr])
         self.refusals = RefusalDetector(self, now)
-        # Set by the shell: load records a message carried (membership/loadgossip.py).
-        self.on_loads: Callable[[list[LoadRecord]], None] | None = None
+        # Takes the load records a message carried (membership/loadgossip.py).
+        self.on_loads = on_loads
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             Ping: self.prober.on_ping,
             Ack: self.prober.on_ack,

@@ -108,6 +108,10 @@ class OwnerEndpoint:
         on_peer_done: Callable[[TaskDone], None],
         on_accepted: Callable[[Task, str], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        task_bytes_max: int = 1 << 62,
+        load_record: Callable[[], LoadRecord | None] = lambda: None,
+        serve_curve: Callable[[zmq.Socket], None] | None = None,
+        peer_allowed: Callable[[str, str, str], bool] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -129,17 +133,17 @@ class OwnerEndpoint:
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
         # A forwarded task is validated as the ingress validates a producer's (its size
-        # against ingress.message_bytes_max); set by the daemon.
-        self.task_bytes_max = 1 << 62
+        # against ingress.message_bytes_max).
+        self.task_bytes_max = task_bytes_max
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
-        # Set by the daemon under CURVE (gossipd/security.py): makes the ROUTER a CURVE
-        # server before it binds; peer_allowed(key's node, claimed source, "rpc") says
-        # whether a message may be taken (its key still authorised, speaking for itself).
-        self.serve_curve: Callable[[zmq.Socket], None] | None = None
-        self.peer_allowed: Callable[[str, str, str], bool] | None = None
-        # Our load as we answer, carried by every ForwardReply and TaskDone (issue 17): set
-        # by the daemon; None carries none.
-        self.load_record: Callable[[], LoadRecord | None] = lambda: None
+        # Under CURVE (gossipd/security.py): makes the ROUTER a CURVE server before it
+        # binds; peer_allowed(key's node, claimed source, "rpc") says whether a message may
+        # be taken (its key still authorised, speaking for itself).
+        self.serve_curve = serve_curve
+        self.peer_allowed = peer_allowed
+        # Our load as we answer, carried by every ForwardReply and TaskDone (issue 17); None
+        # carries none.
+        self.load_record = load_record
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)

@@ -100,6 +100,7 @@ class Placer:
         loads: dict[str, int],
         local_ids: set[str],
         clock: Clock = SYSTEM_CLOCK,
+        in_flight: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -116,9 +117,9 @@ class Placer:
         self.outstanding = loads
         self.local_ids = local_ids
         # The sum of ``loads`` where its keeper can tell it at once (Forwarder.in_flight,
-        # set by the dispatcher); else a LoadCounts' kept sum, or a plain dict summed.
-        self.in_flight: Callable[[], int] | None = None
-        self.draining = False
+        # wired by the daemon); else a LoadCounts' kept sum, or a plain dict summed.
+        self.in_flight = in_flight
+        self.draining = False  # set_draining: while drained or stopping, no task stays here
         self.prefix_hits = 0  # keyless tasks placed on a member that holds their prefix
         # Prefix affinity (policy "prefix"): what we ran, and who holds which prefix.
         self.prefix_record = PrefixRecord()
@@ -142,6 +143,10 @@ class Placer:
         self._evented = listeners is not None
         if listeners is not None:
             listeners.append(self.member_event)
+
+    def set_draining(self, draining: bool) -> None:
+        """Drained (an operator's Drain, or stopping): place every task on another member."""
+        self.draining = draining
 
     def member_event(self, event: MemberEvent) -> None:
         """A membership event: that member's entry is read again at the next placement."""

@@ -56,6 +56,8 @@ class Admin:
         version: str,
         engine_dead: Callable[[], bool],
         election: bool = False,
+        gossip: GossipService | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self.node = node
         self._election = election  # etcd.endpoints set: this daemon campaigns
@@ -64,8 +66,8 @@ class Admin:
         self._engine = engine
         self._version = version
         self._engine_dead = engine_dead
-        self.gossip: GossipService | None = None
-        self.dispatcher: Dispatcher | None = None
+        self.gossip = gossip  # None without membership (gossip.bind unset)
+        self.dispatcher = dispatcher
         self.drained = False
         self.on_drain: list[Callable[[bool], None]] = []  # the leader resigns when drained
         self.requests: Counter[str] = Counter()  # "kind:outcome"
@@ -129,7 +131,7 @@ class Admin:
         if drain == self.drained:
             return True, f"already {'draining' if drain else 'serving'}"
         self.drained = drain
-        self.dispatcher.placer.draining = drain
+        self.dispatcher.set_draining(drain)
         for on_drain in self.on_drain:
             on_drain(drain)
         if drain:
