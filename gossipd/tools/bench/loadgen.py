@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import zmq
@@ -34,6 +35,21 @@ class LoadResult:
             "p99_ms": round(percentile(lat, 99), 3),
             "ok": self.ok,
         }
+
+
+def final_results(pull: zmq.Socket, timeout_ms: int) -> list[dict[str, Any]]:
+    """The final Results (``t`` = 3, as maps) queued on ``pull``, after waiting up to
+    ``timeout_ms`` for the first message; chunks and other messages are skipped."""
+    out: list[dict[str, Any]] = []
+    if not pull.poll(timeout_ms):
+        return out
+    while True:
+        try:
+            reply = msgpack.unpackb(pull.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return out
+        if reply.get("t") == 3:
+            out.append(reply)
 
 
 def make_frames(
