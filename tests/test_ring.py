@@ -345,3 +345,20 @@ def test_a_large_ring_uses_the_compiled_kernels_when_numba_is_installed() -> Non
     small = Ring({f"m{i}": 1.0 for i in range(KERNEL_MIN - 1)})
     assert big._kernels is not None and small._kernels is None
     assert Ring({f"m{i}": 1.0 for i in range(20)}, kernels=True)._kernels is not None
+
+
+def test_hashes_equal_as_floats_rank_as_the_scalar_definition_ranks_them() -> None:
+    """The uniform ranking compares float(hash), then names (``successors``): where two of
+    the best are equal as floats (2^63 and 2^63 + 1), the kernel's integer order gives way."""
+    import numpy as np
+
+    pytest.importorskip("numba")  # the ring's kernel buffers
+    ring = Ring({f"m{i:03d}": 1.0 for i in range(300)}, kernels=True)
+
+    def fake_top(seeds_a, ka, lo, hi, k, scratch, out, out_values):  # type: ignore[no-untyped-def]
+        out[:3] = [5, 9, 2]
+        out_values[:3] = np.array([2**63 + 1, 2**63, 7], dtype=np.uint64)
+        return 3
+
+    # By integer 5 before 9; as floats they tie and the larger name (m009) comes first.
+    assert ring._top_kernel(fake_top, 1, 3) == [9, 5, 2]

@@ -71,6 +71,22 @@ def top_size(n: int, k: int) -> int:
     return max(8, min(128, n // (4 * max(1, k))))
 
 
+def kth_largest(values: np.ndarray, n: int, k: int) -> np.uint64:
+    """The ``k``-th largest of ``values[:n]`` (1 <= k <= n): the k largest kept in a small
+    sorted array, one comparison for most values (k is a few, n a few hundred)."""
+    kept = np.zeros(k, dtype=np.uint64)  # descending
+    for c in range(n):
+        v = values[c]
+        if v <= kept[k - 1] and c >= k:
+            continue
+        j = min(c, k - 1)
+        while j > 0 and kept[j - 1] < v:
+            kept[j] = kept[j - 1]
+            j -= 1
+        kept[j] = v
+    return kept[k - 1]
+
+
 def top(
     seeds_a: np.ndarray,
     ka: np.uint64,
@@ -95,7 +111,7 @@ def top(
     chunks = chunk_maxima(seeds_a, ka, lo, hi, size, scratch)
     bound = _ZERO  # fewer chunks than k: every value may be among them
     if chunks >= k:
-        bound = np.sort(scratch[:chunks])[chunks - k]
+        bound = kth_largest(scratch, chunks, k)
     reaching = 0
     for c in range(chunks):
         if scratch[c] >= bound:
@@ -143,8 +159,13 @@ def _compile() -> Kernels | None:
     except ImportError:  # pragma: no cover - where Numba is installed (tests, vLLM nodes)
         return None
     jit = numba.njit(cache=True, nogil=True)
-    # best and top call chunk_maxima and top_size: compiled against the compiled ones.
-    glob = {**globals(), "chunk_maxima": jit(chunk_maxima), "top_size": jit(top_size)}
+    # best and top call the helpers above: compiled against their compiled versions.
+    glob = {
+        **globals(),
+        "chunk_maxima": jit(chunk_maxima),
+        "top_size": jit(top_size),
+        "kth_largest": jit(kth_largest),
+    }
     best_fn = type(best)(best.__code__, glob, "best")
     top_fn = type(top)(top.__code__, glob, "top")
     return {"best": jit(best_fn), "top": jit(top_fn)}

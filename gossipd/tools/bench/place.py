@@ -250,7 +250,11 @@ def main(
     memory: bool = True,
     memory_nodes: int = 10_000,
     as_json: bool = False,
+    kernel_min: int | None = None,
 ) -> int:
+    """``kernel_min``: the ring size from which the compiled kernels score (core/ring.py's
+    KERNEL_MIN; e.g. 16 to compare sizes on the same code path)."""
+    kernels = _kernels(kernel_min)
     nodes = nodes or [64, 1000, 10_000]
     rows = measure(
         nodes, prefixes=prefixes, holders=holders, tasks=tasks, repeats=repeats, budget_s=0.5
@@ -269,6 +273,8 @@ def main(
         ),
         "ratio_by_path": {p: round(largest[p] / smallest[p], 2) for p in PATHS},
         "goals": {"us_per_task_max": 25.0, "ratio_max": 1.5, "memory_mb_max": 100.0},
+        # Which rings were scored by the compiled kernels (Numba), which by NumPy passes.
+        "kernels": kernels,
     }
     if memory:
         print(f"bench place: memory at N={memory_nodes}", file=sys.stderr)
@@ -295,6 +301,17 @@ def main(
     return 0
 
 
+def _kernels(kernel_min: int | None) -> dict[str, Any]:
+    """The compiled kernels' threshold (set to ``kernel_min`` if given) and availability."""
+    try:
+        from gossipd.core import hrw, ring
+    except ImportError:  # pragma: no cover - an older checkout
+        return {"available": False}
+    if kernel_min is not None:
+        ring.KERNEL_MIN = kernel_min
+    return {"available": hrw.load() is not None, "min_members": ring.KERNEL_MIN}
+
+
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="64,1000,10000")
@@ -304,6 +321,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--memory-nodes", type=int, default=10_000)
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--kernel-min", type=int, default=None, help="ring.KERNEL_MIN for this run")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -318,6 +336,7 @@ if __name__ == "__main__":
             tasks=a.tasks,
             repeats=a.repeats,
             memory=not a.no_memory,
+            kernel_min=a.kernel_min,
             memory_nodes=a.memory_nodes,
             as_json=a.json,
         )
