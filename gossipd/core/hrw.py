@@ -146,11 +146,18 @@ _loaded: list[Kernels | None] = []
 
 
 def load() -> Kernels | None:
-    """The kernels compiled with Numba (once a process; compiled code cached on disk), or
-    None when Numba is not installed."""
+    """The kernels compiled with Numba, or None when Numba is not installed.  The first call
+    in a process imports Numba (~0.5 s, ~80 MB) and loads the compiled code cached on disk
+    (``__pycache__``, else ``NUMBA_CACHE_DIR``), or compiles it (~2-4 s here) where there is
+    none: a daemon calls it off its event loop (``fanout/placer.py``)."""
     if not _loaded:
         _loaded.append(_compile())
     return _loaded[0]
+
+
+def loaded() -> bool:
+    """Has ``load()`` finished in this process (so that it returns at once)?"""
+    return bool(_loaded)
 
 
 def _compile() -> Kernels | None:

@@ -41,9 +41,9 @@ VECTOR_MIN = 16
 # Up to this many of the best, ``top`` selects them one pass each; more: one sort.
 TOP_SELECT_MAX = 32
 # From this many members on, the compiled kernels (core/hrw.py) score them when Numba is
-# installed: ~1.2 us at N=10,000 where the NumPy passes take ~11.  Below, the NumPy passes:
-# a process with a small ring never imports Numba (~0.6 s, and ~100 MB, once).
-KERNEL_MIN = 256
+# installed: ~1.2 us at N=10,000 where the NumPy passes take ~11 (0.3 against 3.5 at 64).
+# Below, the NumPy passes: a process with a small ring never imports Numba (~0.5 s, ~80 MB).
+KERNEL_MIN = 64
 
 
 def key_hash(key: str) -> int:
