@@ -4,10 +4,11 @@ Why rendezvous and not a ring of virtual nodes: measured at N=64 over 1M keys (s
 ``gossipd bench ring``), rendezvous puts at most ~1.01x the mean number of keys on one member
 where a 100-point ring puts 1.22x (ringpop) and even 1,000 points put ~1.08x; and when a member
 joins or leaves exactly the keys it gains or loses move, no others, which is the minimum.
-The price is O(N) hashing per new key, paid once per task: done in one NumPy pass over every
-member (``gossipd bench place``: ~6 us at N=64, ~15 us at N=10,000 on this 2-core machine,
-where one member at a time cost 3 ms), with the same owners as the scalar loop; a small
-cache makes repeated keys (sessions) O(1).  No exact rendezvous can avoid touching every
+The price is O(N) hashing per new key, paid once per task: done in one pass over every
+member, by compiled kernels (core/hrw.py) from ``KERNEL_MIN`` members on, else by NumPy passes
+(``gossipd bench place``, a new key: 2.9 us at N=64 and 4.1 us at N=10,000 with the kernels;
+~6 and ~14 us with NumPy alone; one member at a time cost 3 ms), with the same owners as the
+scalar loop; a small cache makes repeated keys (sessions) O(1).  No exact rendezvous can avoid touching every
 member for a new key; a hierarchical one (groups, then members) moves ~1.8x the
 minimum when a member leaves (N=64 in 8 groups, simulated: its group's weight falls, so it loses
 keys its other members held), which is why this stays flat.

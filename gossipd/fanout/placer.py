@@ -12,8 +12,9 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
   weight changes, never for a load;
 - the sums bounded loads need are O(1): in-flight tasks from the forwarder's own sizes
   (``Forwarder.in_flight``: live flights plus ledger entries), serving weight a running total;
-- a new key is scored against every member in one NumPy pass (``Ring``), a repeated key is a
-  cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
+- a new key is scored against every member in one pass (``Ring``: compiled kernels from 64
+  members on, loaded here in a thread; NumPy below), a repeated key is a cache hit;
+  ``order()`` (retries, migration, hand-off) is a partial selection of the first
   ``attempts_max`` members, not a sort of all; prefix holders are ranked among themselves.
 """
 
