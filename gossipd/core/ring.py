@@ -120,6 +120,7 @@ class Ring:
             self._scratch = np.empty(len(self.members) // 8 + 1, dtype=np.uint64)
             self._top_index = np.empty(TOP_SELECT_MAX, dtype=np.int64)
             self._top_value = np.empty(TOP_SELECT_MAX, dtype=np.uint64)
+            self._perm_list: list[int] = self._perm.tolist()  # indexed per selected member
 
     def __len__(self) -> int:
         return len(self.members)
@@ -219,10 +220,10 @@ class Ring:
         ka = np.uint64(kh ^ (kh >> 30))
         if self._uniform:
             return int(best(self._seed_a, ka, 0, len(self.members), self._scratch))
-        bounds, seeds, perm = self._group_bounds, self._seeds, self._perm
+        bounds, seeds, perm = self._group_bounds, self._seeds, self._perm_list
         best_i, best_score = -1, -1.0
         for g, w in enumerate(self._group_weights):
-            i = int(perm[best(self._seed_perm_a, ka, bounds[g], bounds[g + 1], self._scratch)])
+            i = perm[best(self._seed_perm_a, ka, bounds[g], bounds[g + 1], self._scratch)]
             score = w / -math.log((mix64(kh ^ seeds[i]) + 0.5) / _TWO64)
             if score > best_score or (score == best_score and i < best_i):
                 best_i, best_score = i, score
@@ -281,7 +282,7 @@ class Ring:
         """``top`` over every member with the compiled kernel: the same ``n`` best of each
         weight group by raw hash (no pass per member selected), ranked the same way."""
         ka = np.uint64(kh ^ (kh >> 30))
-        bounds, perm, members = self._group_bounds, self._perm, self.members
+        bounds, perm, members = self._group_bounds, self._perm_list, self.members
         index, value = self._top_index, self._top_value
         if self._uniform:  # one group, in name order (perm is the identity)
             got = top(self._seed_a, ka, 0, len(members), n, self._scratch, index, value)
@@ -289,17 +290,16 @@ class Ring:
             if len({float(v) for v in values}) == got:
                 return index[:got].tolist()  # the kernel's order is the ranking's
             # Two hashes equal as floats (~2^-50 a pair): ranked as below, by name then.
-        ranked = []
+        ranked: list[tuple[float, str, int]] = []  # (score, name, index): names are distinct
+        uniform, log, seeds_a, scratch = self._uniform, math.log, self._seed_perm_a, self._scratch
         for g, w in enumerate(self._group_weights):
-            got = top(
-                self._seed_perm_a, ka, bounds[g], bounds[g + 1], n, self._scratch, index, value
-            )
+            got = top(seeds_a, ka, bounds[g], bounds[g + 1], n, scratch, index, value)
             for j, v in zip(index[:got].tolist(), value[:got].tolist(), strict=True):
-                i = int(perm[j])
-                score = float(v) if self._uniform else w / -math.log((v + 0.5) / _TWO64)
-                ranked.append(((score, members[i]), i))
+                i = perm[j]
+                score = float(v) if uniform else w / -log((v + 0.5) / _TWO64)
+                ranked.append((score, members[i], i))
         ranked.sort()
-        return [i for _, i in reversed(ranked[-n:])]
+        return [entry[2] for entry in reversed(ranked[-n:])]
 
     def _sorted(self, kh: int, n: int, among: np.ndarray | None) -> list[int]:
         """``top`` for many: one vectorised sort of the scores."""
