@@ -238,3 +238,33 @@ def test_a_load_only_meta_refreshes_its_member_alone_and_keeps_the_ring() -> Non
     heavier = GpuState(rpc="tcp://m3:5558", prefixes=[3], capacity_weight=2.0)
     h.apply(Meta(node="m3", version=3, gpu=heavier, incarnation=0))
     assert placer.view().ring is not ring and placer.view().weights["m3"] == 2.0
+
+
+def test_the_ring_kernels_load_off_the_event_loop_and_the_ring_follows_once_loaded(
+    monkeypatch: Any,
+) -> None:
+    """A ring of KERNEL_MIN members or more: NumPy while the kernels load in a thread (no
+    stall of the loop), the same owners, then rebuilt with them."""
+    import pytest
+
+    from gossipd.core import hrw
+    from gossipd.core import ring as rings
+
+    pytest.importorskip("numba")
+    monkeypatch.setattr(rings, "KERNEL_MIN", 4)
+    monkeypatch.setattr(hrw, "_loaded", [])  # as in a process that never loaded them
+    h = Harness()
+    for name in [f"n{i}" for i in range(rings.VECTOR_MIN)]:  # vectorised: kernels may score
+        h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
+        h.apply(Meta(node=name, version=1, gpu=GpuState(rpc=f"tcp://{name}:5558"), incarnation=0))
+    placer = h.placer()
+    first = placer.view().ring
+    assert first is not None and first._kernels is None
+    loading = placer._kernels_loading
+    assert loading is not None
+    loading.join(timeout=60)
+    second = placer.view().ring
+    assert second is not first and second is not None and second._kernels is not None
+    assert placer._kernels_loading is None and placer.view().ring is second
+    keys = [f"k{i}" for i in range(200)]
+    assert [first.owner(k) for k in keys] == [second.owner(k) for k in keys]

@@ -12,14 +12,16 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
   weight changes, never for a load;
 - the sums bounded loads need are O(1): in-flight tasks from the forwarder's own sizes
   (``Forwarder.in_flight``: live flights plus ledger entries), serving weight a running total;
-- a new key is scored against every member in one NumPy pass (``Ring``), a repeated key is a
-  cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
+- a new key is scored against every member in one pass (``Ring``: compiled kernels from 64
+  members on, loaded here in a thread; NumPy below), a repeated key is a cache hit;
+  ``order()`` (retries, migration, hand-off) is a partial selection of the first
   ``attempts_max`` members, not a sort of all; prefix holders are ranked among themselves.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +29,8 @@ import numpy as np
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
+from gossipd.core import hrw
+from gossipd.core import ring as rings
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import GpuState, LoadRecord, Task
@@ -132,6 +136,10 @@ class Placer:
         self._dirty: set[str] = set()
         self._rebuild = True
         self._ring_stale = True
+        # The ring's compiled kernels load in a thread (seconds the first time on a host:
+        # not on the event loop); rings built meanwhile use NumPy (the same owners), and the
+        # ring is rebuilt once they are there.
+        self._kernels_loading: threading.Thread | None = None
         self._own: tuple[object, ...] = ()
         self._own_gpu: GpuState | None = None  # our latest engine sample, as judged
         self._own_gpu_saturated = False
@@ -247,12 +255,31 @@ class Placer:
             serving, saturated, weight, model = own
             self._set(self.node, _Info(weight, serving, model, saturated, ""))
         view = self._view
+        loading = self._kernels_loading
+        if loading is not None and not loading.is_alive():
+            self._kernels_loading = None
+            self._ring_stale = True
         if self._ring_stale:
             self._ring_stale = False
-            view.ring = Ring(view.weights) if view.weights else None
+            weights = view.weights
+            view.ring = Ring(weights, kernels=self._kernels(len(weights))) if weights else None
             self._holder_rank.clear()
             view.key = (table.version, own)
         return view
+
+    def _kernels(self, members: int) -> bool:
+        """Score a ring of ``members`` with the compiled kernels: yes once they are loaded,
+        from ``KERNEL_MIN`` members on (core/ring.py); the first time, start loading them."""
+        if members < rings.KERNEL_MIN:
+            return False
+        if hrw.loaded():
+            return True
+        if self._kernels_loading is None:
+            self._kernels_loading = threading.Thread(
+                target=hrw.load, name="gossipd-ring-kernels", daemon=True
+            )
+            self._kernels_loading.start()
+        return False
 
     def _refresh(self, name: str) -> None:
         core = self._gossip.core

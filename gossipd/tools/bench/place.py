@@ -220,7 +220,14 @@ def _meta_costs(cluster: _Cluster, task: Task, repeats: int) -> dict[str, float]
 
 
 def memory_mb(n: int, *, prefixes: int) -> float:
-    """Bytes allocated for membership + placement state of ``n`` members (tracemalloc)."""
+    """Bytes allocated for membership + placement state of ``n`` members (tracemalloc); the
+    ring's compiled kernels are loaded first (a library, once a process, not state)."""
+    try:
+        from gossipd.core import hrw
+
+        hrw.load()
+    except ImportError:  # pragma: no cover - an older checkout
+        pass
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -243,7 +250,11 @@ def main(
     memory: bool = True,
     memory_nodes: int = 10_000,
     as_json: bool = False,
+    kernel_min: int | None = None,
 ) -> int:
+    """``kernel_min``: the ring size from which the compiled kernels score (core/ring.py's
+    KERNEL_MIN; e.g. 16 to compare sizes on the same code path)."""
+    kernels = _kernels(kernel_min)
     nodes = nodes or [64, 1000, 10_000]
     rows = measure(
         nodes, prefixes=prefixes, holders=holders, tasks=tasks, repeats=repeats, budget_s=0.5
@@ -262,6 +273,8 @@ def main(
         ),
         "ratio_by_path": {p: round(largest[p] / smallest[p], 2) for p in PATHS},
         "goals": {"us_per_task_max": 25.0, "ratio_max": 1.5, "memory_mb_max": 100.0},
+        # Which rings were scored by the compiled kernels (Numba), which by NumPy passes.
+        "kernels": kernels,
     }
     if memory:
         print(f"bench place: memory at N={memory_nodes}", file=sys.stderr)
@@ -277,10 +290,26 @@ def main(
                 + " ".join(f"{r[p]:>22.2f}" for p in PATHS)
                 + f"  {r['meta_load_change_us']:>9.1f} {r['meta_prefix_change_us']:>11.1f}"
             )
+        ratios = report["ratio_by_path"]
+        print(
+            f"  ratio N={largest['nodes']} / N={smallest['nodes']} "
+            + " ".join(f"{ratios[p]:>22.2f}" for p in PATHS)
+        )
         for k, v in report.items():
             if k.startswith(("us_per_task", "ratio_n", "memory_mb", "worst")):
                 print(f"  {k}: {v}")
     return 0
+
+
+def _kernels(kernel_min: int | None) -> dict[str, Any]:
+    """The compiled kernels' threshold (set to ``kernel_min`` if given) and availability."""
+    try:
+        from gossipd.core import hrw, ring
+    except ImportError:  # pragma: no cover - an older checkout
+        return {"available": False}
+    if kernel_min is not None:
+        ring.KERNEL_MIN = kernel_min
+    return {"available": hrw.load() is not None, "min_members": ring.KERNEL_MIN}
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -292,6 +321,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--memory-nodes", type=int, default=10_000)
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--kernel-min", type=int, default=None, help="ring.KERNEL_MIN for this run")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -306,6 +336,7 @@ if __name__ == "__main__":
             tasks=a.tasks,
             repeats=a.repeats,
             memory=not a.no_memory,
+            kernel_min=a.kernel_min,
             memory_nodes=a.memory_nodes,
             as_json=a.json,
         )
