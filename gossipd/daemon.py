@@ -492,6 +492,12 @@ class Daemon:
             )
 
         owner.load_record = load_record
+
+        def engine_saturated() -> bool:  # the owner check: our latest engine sample
+            gpu = gossip.last_gpu_state
+            return gpu is not None and placer.engine_saturated(gpu)
+
+        owner.saturated = engine_saturated
         self.load_gossip = LoadGossip(
             gossip,
             view=placer.load_view,
