@@ -32,6 +32,7 @@ from gossipd.core.messages import ErrorCode, GpuState, LoadRecord, TaskDone, err
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
+from gossipd.fanout.engineload import EngineLoad
 from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
@@ -481,23 +482,22 @@ class Daemon:
         # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
         own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
 
+        # ...read from the engine itself (at most every 5 ms), not from gossip's 1 s sample:
+        # the owner check decides on it (fanout/engineload.py).
+        engine_load = EngineLoad(self.engine, clock=self.clock)
+
         def load_record() -> LoadRecord:
-            gpu = gossip.last_gpu_state
+            stats = engine_load.read()
             return own_load.current(
                 self.clock.monotonic(),
                 inflight=ingress.admission.pending,
-                waiting=gpu.waiting_requests if gpu else 0,
-                queued_tokens=gpu.queued_tokens if gpu else 0,
-                kv_ratio=gpu.kv_cache_usage_ratio if gpu else 0.0,
+                waiting=stats.waiting_requests,
+                queued_tokens=stats.queued_tokens,
+                kv_ratio=stats.kv_cache_usage_ratio,
             )
 
         owner.load_record = load_record
-
-        def engine_saturated() -> bool:  # the owner check: our latest engine sample
-            gpu = gossip.last_gpu_state
-            return gpu is not None and placer.engine_saturated(gpu)
-
-        owner.saturated = engine_saturated
+        owner.saturated = lambda: placer.engine_saturated(engine_load.read())
         self.load_gossip = LoadGossip(
             gossip,
             view=placer.load_view,

@@ -373,7 +373,7 @@ def run_freshness(run: FreshRun) -> dict[str, object]:
 
     def pct(ordered: list[float], q: float) -> float | None:
         value = _pct(ordered, q)
-        return None if math.isinf(value) else round(value, 3)
+        return None if math.isinf(value) else round(value, 4)
 
     return {
         "nodes": n,

@@ -93,3 +93,24 @@ def test_an_owner_refuses_if_free_forwards_while_saturated_with_its_load(tmp_pat
     assert plain.req == 2 and plain.accepted  # no if_free: admission alone decides
     assert free.req == 3 and free.accepted  # if_free, not saturated
     assert admitted == ["t2", "t3"] and refused == 1
+
+
+def test_the_owner_reads_its_engine_itself_at_most_every_5_ms() -> None:
+    """Not gossip's 1 s sample: the engine's own figures, one reading per burst."""
+    from gossipd.clock import ManualClock
+    from gossipd.engines.base import EngineStats
+    from gossipd.fanout.engineload import EngineLoad
+
+    class _Engine:
+        waiting = 0
+
+        def stats(self) -> EngineStats:
+            return EngineStats(waiting_requests=self.waiting)
+
+    engine, clock = _Engine(), ManualClock()
+    load = EngineLoad(engine, clock=clock)  # type: ignore[arg-type]
+    assert load.read().waiting_requests == 0
+    engine.waiting = 9
+    assert load.read().waiting_requests == 0 and load.reads == 1  # the same burst
+    clock.advance(0.006)
+    assert load.read().waiting_requests == 9 and load.reads == 2

@@ -33,6 +33,7 @@ from gossipd.core.messages import GpuState, LoadRecord, Task
 from gossipd.core.placement import Candidate, LoadCounts, bound
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring, key_hash
+from gossipd.engines.base import EngineStats
 from gossipd.ingress.service import Ingress
 from gossipd.membership.gossip import GossipService
 
@@ -217,8 +218,9 @@ class Placer:
             )
         return out
 
-    def engine_saturated(self, gpu: GpuState) -> bool:
-        """Is this engine load (gossiped, or our own latest sample) saturated?"""
+    def engine_saturated(self, gpu: GpuState | EngineStats) -> bool:
+        """Is this engine load (gossiped, our own latest sample, or our engine's own figures:
+        the owner check) saturated?"""
         cfg = self.config
         return (
             gpu.waiting_requests >= cfg.engine_waiting_saturated
