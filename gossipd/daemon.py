@@ -498,6 +498,7 @@ class Daemon:
 
         owner.load_record = load_record
         owner.saturated = lambda: placer.engine_saturated(engine_load.read())
+        placer.own_stats = engine_load.read  # our own decisions: our current load too
         self.load_gossip = LoadGossip(
             gossip,
             view=placer.load_view,

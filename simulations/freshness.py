@@ -218,6 +218,10 @@ def run_freshness(run: FreshRun) -> dict[str, object]:
             if d.attempts >= run.attempts_max or len(d.tried) >= n:
                 # Every member tried refused as saturated: the first is asked again plainly.
                 owner = d.first_refuser if d.first_refuser >= 0 else d.ring_owner
+                d.forced = True
+                if owner == d.entry:  # our own load, read as we decide
+                    finish(d, at)
+                    return
                 known = m.view.get(members[owner].name)
                 if known is not None:
                     d.age_s = max(d.age_s, known.age_s(at))

@@ -136,7 +136,10 @@ class Placer:
         self._rebuild = True
         self._ring_stale = True
         self._own: tuple[object, ...] = ()
-        self._own_gpu: GpuState | None = None  # our latest engine sample, as judged
+        self._own_gpu: GpuState | EngineStats | None = None  # our latest sample, as judged
+        # Our engine's own figures (set by the daemon: EngineLoad.read, at most 5 ms old), so
+        # that a decision on ourselves uses our current load; None: gossip's 1 s sample.
+        self.own_stats: Callable[[], EngineStats] | None = None
         self._own_gpu_saturated = False
         # The oldest record (or our own reading: 0) a member was passed over on as saturated
         # in the decision being made; -1: none (fanout.owner_check).
@@ -255,8 +258,10 @@ class Placer:
                 if name != self.node:
                     self._refresh(name)
         # Our own entry, read on every call (up to twice a task): our engine sample is
-        # judged once per sample (the gossip replaces the frozen object), not per task.
-        gpu = self._gossip.last_gpu_state
+        # judged once per sample (a new object each time), not per task.  Read from the
+        # engine itself when the daemon sets own_stats (fanout/engineload.py), else gossip's.
+        own_stats = self.own_stats
+        gpu = self._gossip.last_gpu_state if own_stats is None else own_stats()
         if gpu is not self._own_gpu:
             self._own_gpu = gpu
             self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
