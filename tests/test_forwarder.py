@@ -508,3 +508,16 @@ def test_Forwarder_saturated_then_overloaded_answers_overloaded() -> None:
     [refuse] = fw.take_events()
     assert isinstance(refuse, Refuse) and refuse.code is ErrorCode.OVERLOADED
     assert refuse.retry_after_ms == 70 and "a: saturated" in refuse.message
+
+
+def test_Forwarder_a_saturated_copy_waits_while_its_hedge_races() -> None:
+    fw, _ = _forwarder(["a", "b", "c"], hedge=True, hedge_budget=1.0, owner_check=True)
+    now = _warm_ack_times(fw, "a", 64, 0.001)
+    fw.route(_task(), now)
+    [(_, first)] = _forwards(fw.take_outbox())
+    fw.tick(fw.next_deadline())
+    [(_, copy)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(first, "a", False, "saturated"), now + 0.003)
+    assert _forwards(fw.take_outbox()) == [], "no third member while the copy may win"
+    fw.on_reply(_reply(copy, "b", True), now + 0.004)
+    assert fw.ledger.get("t0").owner == "b" and not fw.take_events()  # type: ignore[union-attr]
