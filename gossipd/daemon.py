@@ -32,6 +32,7 @@ from gossipd.core.messages import ErrorCode, GpuState, LoadRecord, TaskDone, err
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
+from gossipd.fanout.engineload import EngineLoad
 from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
@@ -441,6 +442,7 @@ class Daemon:
         # Parts that call each other back reach the later ones through these names, bound
         # below before any message is read (closures: no part sets another's attributes).
         gossip: GossipService
+        placer: Placer
         forwarder: Forwarder
         dispatcher: Dispatcher
         load_gossip: LoadGossip
@@ -448,14 +450,18 @@ class Daemon:
         # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
         own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
 
+        # ...read from the engine itself (at most every 5 ms), not from gossip's 1 s sample:
+        # the owner check decides on it (fanout/engineload.py).
+        engine_load = EngineLoad(self.engine, clock=self.clock)
+
         def load_record() -> LoadRecord:
-            gpu = gossip.last_gpu_state
+            stats = engine_load.read()
             return own_load.current(
                 self.clock.monotonic(),
                 inflight=ingress.admission.pending,
-                waiting=gpu.waiting_requests if gpu else 0,
-                queued_tokens=gpu.queued_tokens if gpu else 0,
-                kv_ratio=gpu.kv_cache_usage_ratio if gpu else 0.0,
+                waiting=stats.waiting_requests,
+                queued_tokens=stats.queued_tokens,
+                kv_ratio=stats.kv_cache_usage_ratio,
             )
 
         def peer_replies(msgs: list[object]) -> None:
@@ -482,6 +488,7 @@ class Daemon:
             if security.curve
             else None,
             peer_allowed=security.peer_allowed if security.curve else None,
+            saturated=lambda: placer.engine_saturated(engine_load.read()),
         )
         rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
         gossip = GossipService(
@@ -513,6 +520,7 @@ class Daemon:
             local_ids=local_ids,
             clock=self.clock,
             in_flight=lambda: forwarder.in_flight(),
+            own_stats=engine_load.read,  # our own decisions: our current load too
         )
         forwarder = Forwarder(
             Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),

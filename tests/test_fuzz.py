@@ -221,6 +221,7 @@ peer_item_map = fields(
         "task": task_map,
         "remaining_ms": nat,
         "attempt": nat,
+        "if_free": st.booleans() | st.integers(0, 1),  # the owner check (non-bool: refused)
         "accepted": st.booleans(),
         "code": st.text(max_size=10),
         "message": st.text(max_size=10),

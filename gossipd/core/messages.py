@@ -83,6 +83,9 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "cancelled"
     OVER_BUDGET = "over_budget"
     ID_IN_USE = "id_in_use"  # the id is another producer's pending or cached task: use another
+    # Between daemons only: a Forward with if_free reached an owner whose engine is saturated
+    # (docs/PROTOCOL.md "Fresh where placement looks"); a producer never gets it.
+    SATURATED = "saturated"
 
 
 # An endpoint that we may connect a socket to: tcp://host:port (host name, IPv4, or [IPv6])
@@ -711,6 +714,9 @@ class Forward(
     # What is left of the task's deadline, so the owner does not restart the clock.
     remaining_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
     attempt: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Refuse at once with code "saturated" (and your load) if your engine is saturated as you
+    # read it now (issue 17; docs/PROTOCOL.md "Fresh where placement looks").  Optional.
+    if_free: bool = False
 
 
 class ForwardReply(

@@ -61,6 +61,7 @@ class FanoutStatistics:
     forwarded_evicted_count: int = 0  # ...forgotten for room: fanout.forwarded_max
     forwarded_evicted_bytes: int = 0  # ...fanout.forwarded_bytes_max
     invalid_from_peers: int = 0  # Forwards refused as ingress would refuse their task
+    refused_saturated: int = 0  # Forwards with if_free refused: our engine was saturated
 
 
 class Dispatcher:
@@ -282,4 +283,5 @@ class Dispatcher:
             forwarded_evicted_count=self.forwarder.ledger.evicted_count,
             forwarded_evicted_bytes=self.forwarder.ledger.evicted_bytes,
             invalid_from_peers=owner.invalid_from_peers,
+            refused_saturated=owner.refused_saturated,
         )
