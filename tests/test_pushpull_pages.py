@@ -17,6 +17,7 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from gossipd.core.antientropy import STREAMS_MAX
+from gossipd.core.membership import shared_base
 from gossipd.core.messages import (
     Alive,
     Dead,
@@ -316,3 +317,29 @@ def test_no_copy_of_the_table_outlives_a_push_pull_and_an_exchange_holds_little(
     assert table_bytes / n < 10_000, table_bytes
     assert after - before < 50_000, after - before  # (was: a 10 MB records cache here)
     assert peak - before < 4 * PAGED.push_pull_page_bytes + 100 * n, peak - before
+
+
+def test_a_simulated_members_shared_table_goes_in_pages_with_its_own_entries() -> None:
+    """The simulator's copy-on-write tables (core/sharedtable.py): shared entries' records
+    are encoded once for all; a paged push-pull sends the same records as a daemon's table."""
+    names = [(f"s{i:03d}", addr_of(f"s{i:03d}")) for i in range(300)]
+    base = shared_base([*names, ("a", addr_of("a"))], 0.0)
+    shared = make("a", [], SMALL)
+    shared.bootstrap_shared(0.0, base)
+    plain = make("a", [], SMALL)
+    plain.bootstrap(0.0, names)
+    for node in (shared, plain):  # an entry of its own, and one forgotten
+        node.table.apply(Suspect(node="s007", incarnation=0, by="zz"), 0.0)
+        del node.table.members["s200"]
+        node.take_outbox()
+    sent = {}
+    for node in (shared, plain):
+        pages = [p for s, _, _, p in exchange(node, make("b", [], SMALL)) if s == "a"]
+        assert len(pages) >= 3
+        sent[id(node)] = sorted((r.node, r.incarnation, r.state) for p in pages for r in p.members)
+    assert sent[id(shared)] == sent[id(plain)]
+    assert ("s007", 0, "suspect") in sent[id(shared)] and len(sent[id(shared)]) == 300
+    # Small enough for one page: the whole shared table at once.
+    one = make("a", [], WHOLE)
+    one.bootstrap_shared(0.0, base)
+    assert [p.more for s, _, _, p in exchange(one, make("b", [], WHOLE)) if s == "a"] == [False]
