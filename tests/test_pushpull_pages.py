@@ -141,7 +141,8 @@ def test_two_tables_with_arbitrary_differences_converge_after_a_paged_exchange(
 ) -> None:
     a, b = make("a", a_news, SMALL), make("b", b_news, SMALL)
     pages = exchange(a, b)
-    # The same exchange in one message each way: the paged one ends in the same tables.
+    # The same exchange in one message each way: the paged one ends in the same tables (the
+    # answer leaves after the last page, as it did after the one message).
     a1, b1 = make("a", a_news, WHOLE), make("b", b_news, WHOLE)
     whole = exchange(a1, b1)
     assert len(whole) == 2
@@ -191,7 +192,7 @@ def test_a_large_table_goes_in_bounded_pages_paced_each_member_once_our_own_firs
     assert all(size <= PAGE_BYTES for _, size, _ in pages)
     assert [p.page for _, _, p in pages] == list(range(len(pages)))
     assert [p.more for _, _, p in pages] == [True] * (len(pages) - 1) + [False]
-    assert [p.reply for _, _, p in pages] == [True] + [False] * (len(pages) - 1)
+    assert [p.reply for _, _, p in pages] == [False] * (len(pages) - 1) + [True]
     # The first page at once, then one every push_pull_page_interval_s.
     times = [t for t, _, _ in pages]
     assert times == pytest.approx([i * PAGED.push_pull_page_interval_s for i in range(len(pages))])
@@ -199,9 +200,11 @@ def test_a_large_table_goes_in_bounded_pages_paced_each_member_once_our_own_firs
     assert records[0].node == "a" and records[0].gpu == gpu(256, seed=99)
     assert sorted(r.node for r in records[1:]) == sorted(set(a.table.members) - {"b"})
     assert view(b) == {k: v for k, v in view(a).items() if k != "b"} | {"a": view(b)["a"]}
-    # b answered at once (on the first page), with its own small table in one page.
-    replies = [p for sender, _, _, p in exchange(b, make("c", [])) if sender == "b"]
-    assert replies[0].page == 0 and replies[0].more is True
+    # b answered once it had a's whole table (the last page asks), in pages: it knows a's.
+    answer = [(t, p) for sender, t, _, p in exchange(make("c", []), b) if sender == "b"]
+    assert len(answer) >= 5 and not any(p.reply for _, p in answer)
+    asked = [(t, p) for sender, t, _, p in exchange(a, make("d", [])) if sender == "a"]
+    assert asked[-1][1].reply and asked[-1][1].more is False
 
 
 def test_a_member_gone_mid_exchange_is_skipped_and_one_new_since_waits() -> None:

@@ -13,8 +13,9 @@ Rules:
    message_bytes_max, if less; a record larger than that goes alone in its page):
    our own record first, then every member in the table's order when the exchange started
    (a member gone since is skipped; one new since waits for the next exchange).  The first
-   page leaves at once and alone carries ``reply`` and ``join``; one more page leaves every
-   push_pull_page_interval until the last (``more`` false).  Pages are numbered from 0.
+   page leaves at once; one more page leaves every push_pull_page_interval until the last
+   (``more`` false), which alone carries ``reply`` and ``join``: the receiver answers once it
+   has applied our whole table, as it did a one-message table.  Pages are numbered from 0.
    The receiver applies each page as it arrives, as a whole table (nothing waits for the
    rest).  Between pages only the names of the table are kept; each page's records are
    encoded as it is built and kept by nobody.  At most STREAMS_MAX exchanges are sent at
@@ -74,6 +75,8 @@ class _Stream:
     names: list[str]  # the table's node ids when the exchange started, in its order
     pos: int  # the next of ``names`` to send
     page: int  # the next page's number
+    reply: bool  # the last page asks for the receiver's table
+    join: bool
 
 
 class AntiEntropy:
@@ -166,14 +169,19 @@ class AntiEntropy:
         for pos, raw in enumerate(self._raws_in_order()):
             if used + len(raw) > budget:
                 # More than one page: keep only the names, in the same order (rule 1a).
-                stream = _Stream(addr=addr, names=list(members), pos=pos, page=1)
+                stream = _Stream(
+                    addr=addr, names=list(members), pos=pos, page=1, reply=reply, join=join
+                )
                 if not streams:
                     self.next_page_at = now + swim.config.push_pull_page_interval_s
                 streams.append(stream)
                 break
             page.append(raw)
             used += len(raw)
-        self._send_page(addr, page, reply=reply, join=join, page=0, more=stream is not None)
+        if stream is None:
+            self._send_page(addr, page, reply=reply, join=join, page=0, more=False)
+        else:
+            self._send_page(addr, page, reply=False, join=False, page=0, more=True)
 
     def _own_record(self) -> MemberRecord:
         """Our record, with our current GPU metadata (rule 5)."""
@@ -248,8 +256,15 @@ class AntiEntropy:
                     used += len(raw)
                 i += 1
             stream.pos = i
-            more = i < len(names)
-            self._send_page(stream.addr, page, reply=False, join=False, page=stream.page, more=more)
+            if i < len(names):
+                self._send_page(
+                    stream.addr, page, reply=False, join=False, page=stream.page, more=True
+                )
+            else:
+                reply, join = stream.reply, stream.join
+                self._send_page(
+                    stream.addr, page, reply=reply, join=join, page=stream.page, more=False
+                )
             stream.page += 1
         self._streams = [s for s in self._streams if s.pos < len(s.names)]
         self.next_page_at = (
