@@ -644,12 +644,39 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     meta_incarnation: Incarnation = 0  # the incarnation its gpu was published at (see Meta)
 
 
+PUSH_PULL_PAGES_MAX = 2**31 - 1
+
+
 class PushPull(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)):
-    """Anti-entropy: the whole member table.  ``reply`` asks the receiver to answer with its own."""
+    """Anti-entropy: one page of the sender's member table (docs/PROTOCOL.md, "Push-pull in
+    pages").  ``reply`` (first page only) asks the receiver to answer with its own table;
+    ``page`` counts the pages of one exchange from 0; ``more``: more pages follow."""
 
     reply: bool
     join: bool = False
     members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)]
+    # Absent from older peers (a whole table in one message): page 0, nothing more.
+    page: Annotated[int, msgspec.Meta(ge=0, le=PUSH_PULL_PAGES_MAX)] = 0
+    more: bool = False
+
+
+class PushPullEncoded(
+    _Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)
+):
+    """A PushPull to send whose records are already encoded (``encode_record``): the same
+    bytes on the wire as PushPull, each record encoded once, so that a page is sized exactly
+    as it is built (core/antientropy.py).  Never decoded."""
+
+    reply: bool
+    join: bool = False
+    members: list[msgspec.Raw]
+    page: int = 0
+    more: bool = False
+
+
+def encode_record(record: MemberRecord) -> msgspec.Raw:
+    """One member record's bytes, to send in a PushPullEncoded."""
+    return msgspec.Raw(_encoder.encode(record))
 
 
 class GossipOnly(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.GOSSIP)):
@@ -660,7 +687,7 @@ GossipMessage = Ping | Ack | Nack | PingReq | PushPull | GossipOnly
 _gossip_decoder = msgspec.msgpack.Decoder(GossipMessage)  # type: ignore[arg-type]
 
 
-def encode_gossip(message: GossipMessage) -> bytes:
+def encode_gossip(message: GossipMessage | PushPullEncoded) -> bytes:
     return _encoder.encode(message)
 
 

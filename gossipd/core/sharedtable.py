@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from gossipd.core.messages import encode_record
+
 
 class Overlay(dict):  # type: ignore[type-arg]
     """A dict of its own entries over a shared read-only ``base`` dict."""
@@ -92,16 +94,18 @@ class SharedBase:
     """N members known alive at incarnation 0: the entries, their checksum contributions'
     XOR and the sorted names, built once for every simulated member."""
 
-    __slots__ = ("_records", "members", "ring", "xor")
+    __slots__ = ("_raws", "members", "raws_bytes", "ring", "xor")
 
     def __init__(self, members: dict[str, Any], xor: int) -> None:
         self.members = members
         self.xor = xor
         self.ring = sorted(members)
-        self._records: dict[str, Any] | None = None
+        self._raws: dict[str, Any] | None = None
+        self.raws_bytes = 0  # their total length, once raws() has built them
 
-    def records(self, hidden: set[str]) -> list[Any]:
-        """The push-pull records of the shared entries not in ``hidden`` (built once)."""
-        if self._records is None:
-            self._records = {k: m.record() for k, m in self.members.items()}
-        return [r for k, r in self._records.items() if k not in hidden]
+    def raws(self) -> dict[str, Any]:
+        """Every shared entry's push-pull record, encoded (msgspec.Raw; built once)."""
+        if self._raws is None:
+            self._raws = {k: encode_record(m.record()) for k, m in self.members.items()}
+            self.raws_bytes = sum(len(r) for r in self._raws.values())
+        return self._raws

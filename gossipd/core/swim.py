@@ -88,6 +88,11 @@ class SwimStatistics:
     declared_dead: int = 0
     confirm_probes: int = 0
     checksum_syncs: int = 0
+    # Push-pull exchanges we started sending (core/antientropy.py; their pages count as
+    # PushPull in ``sent``), and those not started: one to that member was in progress, or
+    # antientropy.STREAMS_MAX were.
+    push_pulls: int = 0
+    push_pulls_refused: int = 0
 
 
 class SwimNode:
@@ -378,6 +383,12 @@ class SwimNode:
     def send(self, addr: str, msg: GossipMessage) -> None:
         data = encode_gossip(msg)
         name = type(msg).__name__
+        self.stats.sent[name] = self.stats.sent.get(name, 0) + 1
+        self.stats.sent_bytes += len(data)
+        self._outbox.append((addr, data))
+
+    def send_encoded(self, addr: str, name: str, data: bytes) -> None:
+        """Send a message already encoded (a push-pull page), counted as ``name``."""
         self.stats.sent[name] = self.stats.sent.get(name, 0) + 1
         self.stats.sent_bytes += len(data)
         self._outbox.append((addr, data))

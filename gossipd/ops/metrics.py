@@ -551,6 +551,16 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         ),
         ("gossipd_gossip_declared_dead", "Members we declared dead", stats.declared_dead),
         (
+            "gossipd_gossip_push_pulls",
+            "Push-pull exchanges we sent (each in pages: messages_sent type PushPull)",
+            stats.push_pulls,
+        ),
+        (
+            "gossipd_gossip_push_pulls_refused",
+            "Push-pull exchanges not sent: one to that member in progress, or 8 in all",
+            stats.push_pulls_refused,
+        ),
+        (
             "gossipd_gossip_sends_dropped",
             "Sends dropped at a full peer queue",
             gossip.dropped_sends,
