@@ -131,3 +131,36 @@ def test_plain_msgpack_producer_with_curve(daemon_factory, tmp_path) -> None:
         replies.close(linger=0)
         ctx.term()
     assert result["t"] == 3 and result["id"] == "c-1" and result["text"] == "red green red"
+
+
+def test_plain_msgpack_producer_asking_for_batched_replies(daemon_factory) -> None:
+    """docs/PROTOCOL.md, "Replies": a producer that sets `batch_replies` reads each frame as
+    one reply or as a Replies map (`t` = 5) of several; a burst of tasks gets every answer,
+    some of them packed together, each reply in a Replies frame a plain Chunk/Result map.
+    (A token delay: tasks that arrive together finish in one loop turn, so their Results
+    leave together.)"""
+    daemon = daemon_factory("engine.token_delay_s=0.05")
+    ctx = zmq.Context()
+    replies = ctx.socket(zmq.PULL)
+    port = replies.bind_to_random_port("tcp://127.0.0.1")
+    tasks = ctx.socket(zmq.PUSH)
+    tasks.connect(daemon.endpoint)
+    count = 300
+    frames = 0
+    got: list[dict[str, object]] = []
+    try:
+        for i in range(count):
+            task = {"v": 1, "t": 1, "id": f"b-{i}", "prompt": f"w{i}", "batch_replies": True}
+            task |= {"reply_to": f"tcp://127.0.0.1:{port}", "params": {"max_tokens": 1}}
+            tasks.send(msgpack.packb(task))
+        while len(got) < count and replies.poll(10_000):
+            msg = msgpack.unpackb(replies.recv())
+            frames += 1
+            got += msg["items"] if msg["t"] == 5 else [msg]
+    finally:
+        tasks.close(linger=0)
+        replies.close(linger=0)
+        ctx.term()
+    assert sorted(m["id"] for m in got) == sorted(f"b-{i}" for i in range(count))
+    assert all(m["t"] == 3 and m["ok"] for m in got)
+    assert frames < count  # some replies shared a frame

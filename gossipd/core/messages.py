@@ -38,6 +38,7 @@ class MsgType(enum.IntEnum):
     CHUNK = 2
     RESULT = 3
     CANCEL = 4
+    REPLIES = 5  # several Chunks/Results in one frame, to a producer that asked (batch_replies)
     # Membership (SWIM), daemon to daemon.
     PING = 10
     ACK = 11
@@ -165,6 +166,9 @@ class Task(
     traceparent: Annotated[str, msgspec.Meta(max_length=128)] = ""
     # How many times the producer has sent this id before (0 on the first send).
     attempt: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    # The producer also reads Replies frames (t = 5) at reply_to: replies to one reply_to that
+    # leave together may go as one frame (under CURVE each frame is encrypted on its own).
+    batch_replies: bool = False
     # Set by the daemon, never by the producer (whatever a producer sends is replaced): with
     # CURVE, the public key (z85) the producer authenticated with; replies go only to a
     # reply_to whose server proves it holds that key.  Forwards carry it to the owner.
@@ -469,6 +473,62 @@ def decode_reply(data: bytes) -> Chunk | Result:
         return _reply_decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise RemoteProtocolError(f"invalid reply: {exc}", code=ErrorCode.BAD_REQUEST) from None
+
+
+# A Replies frame: {"v": 1, "t": 5, "items": [Chunk or Result, ...]}, the items as encoded
+# alone (docs/PROTOCOL.md, "Replies").  Built from the encoded replies by concatenation.
+_REPLIES_HEAD = b"\x83\xa1v" + bytes((PROTOCOL_VERSION,)) + b"\xa1t" + bytes((MsgType.REPLIES,))
+_REPLIES_HEAD += b"\xa5items"
+# A Replies frame holds at most this many bytes of replies (one reply larger goes alone).
+REPLIES_BYTES_MAX = 256 * 1024
+
+
+class Replies(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.REPLIES)):
+    v: int = PROTOCOL_VERSION
+    items: list[Chunk | Result]
+
+
+_replies_decoder = msgspec.msgpack.Decoder(Chunk | Result | Replies)
+
+
+def pack_replies(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[bytes]:
+    """Encoded Chunks/Results for one reply address as few frames as ``bytes_max`` allows, in
+    order: a Replies frame for several, the reply itself for a lone one."""
+    out: list[bytes] = []
+    group: list[bytes] = []
+    size = 0
+    for frame in frames:
+        if group and size + len(frame) > bytes_max:
+            out.append(_replies_frame(group))
+            group, size = [], 0
+        group.append(frame)
+        size += len(frame)
+    if group:
+        out.append(_replies_frame(group))
+    return out
+
+
+def _replies_frame(items: list[bytes]) -> bytes:
+    n = len(items)
+    if n == 1:
+        return items[0]
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return b"".join((_REPLIES_HEAD, head, *items))
+
+
+def decode_replies(data: bytes) -> list[Chunk | Result]:
+    """The Chunks/Results in one frame at a producer that set ``batch_replies``: a Replies
+    frame's items, or the one reply.  Raises ``RemoteProtocolError``."""
+    try:
+        msg = _replies_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RemoteProtocolError(f"invalid reply: {exc}", code=ErrorCode.BAD_REQUEST) from None
+    return msg.items if type(msg) is Replies else [msg]
 
 
 # --- Membership (SWIM + Lifeguard) -------------------------------------------------------

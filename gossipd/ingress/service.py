@@ -329,7 +329,7 @@ class Ingress:
             self._queue.put_nowait(entry)
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
-            self._replies.send(task.route, encode(entry))
+            self._replies.send(task.route, encode(entry), task.batch_replies)
         elif verdict is Verdict.OVERLOADED:
             refusal = self.admission.refusal
             if refusal is not None:  # by expected wait
@@ -518,7 +518,7 @@ class Ingress:
         result = error_result(
             task.id, code, message, node=self._node, retry_after_ms=retry_after_ms
         )
-        self._replies.send(task.route, encode(result))
+        self._replies.send(task.route, encode(result), task.batch_replies)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -575,7 +575,7 @@ class Ingress:
                 parts.append(delta)
                 if task.stream:
                     chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
-                    self._replies.send(task.route, encode(chunk))
+                    self._replies.send(task.route, encode(chunk), task.batch_replies)
                     seq += 1
             end = clock()
             result = Result(
@@ -657,7 +657,7 @@ class Ingress:
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         owned = self.book.finish(task.id, result, remember=remember)
-        self._replies.send(task.route, encode(result))
+        self._replies.send(task.route, encode(result), task.batch_replies)
         for listener in self.on_finished:
             listener(owned, result)
 
