@@ -254,6 +254,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             as_json=args.json,
             plot=args.plot,
             curve=args.curve,
+            batch_replies=args.batch_replies,
         )
     if args.what == "engine":
         from gossipd.tools.bench.engine import main as bench_engine
@@ -282,6 +283,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             as_json=args.json,
             curve=args.curve,
+            batch_replies=args.batch_replies,
         )
     if args.what == "budgets":
         from gossipd.tools.bench.budgets import main as bench_budgets
@@ -630,6 +632,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve",
         action="store_true",
         help="ingress/route: the same with and without CurveZMQ (ratio_curve_vs_plain)",
+    )
+    p.add_argument(
+        "--batch-replies",
+        action="store_true",
+        help="ingress/route: the generator's tasks ask for Replies frames (batch_replies: "
+        "several results in one frame), on both sides of every ratio",
     )
     p.set_defaults(func=cmd_bench)
 

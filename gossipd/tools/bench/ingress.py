@@ -40,9 +40,26 @@ def _paired_median(curve: list[LoadResult], plain: list[LoadResult]) -> float:
     return round(statistics.median(c.tasks_per_s / p.tasks_per_s for c, p in pairs), 3)
 
 
-def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = False) -> int:
+def main(
+    *,
+    tasks: int,
+    window: int,
+    repeats: int,
+    as_json: bool,
+    curve: bool = False,
+    batch_replies: bool = False,
+) -> int:
+    """``batch_replies``: the daemon's tasks ask for Replies frames (the raw server's do not
+    matter: it answers each task on its own)."""
     if curve:
-        return main_curve(tasks=tasks, window=window, repeats=repeats, as_json=as_json)
+        return main_curve(
+            tasks=tasks,
+            window=window,
+            repeats=repeats,
+            as_json=as_json,
+            batch_replies=batch_replies,
+        )
+    batch = batch_replies
     steps = Steps(repeats + 1, "bench ingress")  # on stderr: stdout is the report
     steps.start("starting a daemon and a raw pyzmq echo server; warming both")
     raw_proc, raw_endpoint = _raw_server()
@@ -52,11 +69,13 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = 
     try:
         # Warm-up: connections, caches, first-touch allocations.
         drive(raw_endpoint, min(2000, tasks), window, run="warm-raw")
-        drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon")
+        drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon", batch_replies=batch)
         for i in range(repeats):
             steps.start(f"round {i + 1}/{repeats}: {tasks} tasks to each side")
             raw_runs.append(drive(raw_endpoint, tasks, window, run=f"raw-{i}"))
-            daemon_runs.append(drive(daemon.endpoint, tasks, window, run=f"daemon-{i}"))
+            daemon_runs.append(
+                drive(daemon.endpoint, tasks, window, run=f"daemon-{i}", batch_replies=batch)
+            )
             steps.note(
                 f"raw {raw_runs[-1].tasks_per_s:,.0f} tasks/s, "
                 f"daemon {daemon_runs[-1].tasks_per_s:,.0f} tasks/s"
@@ -73,6 +92,7 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = 
         "tasks_per_run": tasks,
         "window": window,
         "repeats": repeats,
+        "batch_replies": batch_replies,
         "raw_zmq": raw,
         "daemon": dmn,
         "ratio_vs_raw_zmq": ratio,
@@ -89,7 +109,9 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = 
     return 0 if ok else 1
 
 
-def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
+def main_curve(
+    *, tasks: int, window: int, repeats: int, as_json: bool, batch_replies: bool = False
+) -> int:
     """`--curve`: the same daemon with and without CURVE, alternating runs in one process
     pair; ``ratio_curve_vs_plain`` is the ratio of median throughputs, ``ratio_paired_median``
     the median of the rounds' own ratios."""
@@ -108,12 +130,29 @@ def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
     ).start()
     runs: dict[str, list[LoadResult]] = {"plain": [], "curve": []}
     try:
-        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain")
-        drive(secure.endpoint, min(2000, tasks), window, run="warm-curve", curve=producer)
+        batch = batch_replies
+        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain", batch_replies=batch)
+        drive(
+            secure.endpoint,
+            min(2000, tasks),
+            window,
+            run="warm-curve",
+            curve=producer,
+            batch_replies=batch,
+        )
         for i in range(repeats):
-            runs["plain"].append(drive(plain.endpoint, tasks, window, run=f"plain-{i}"))
+            runs["plain"].append(
+                drive(plain.endpoint, tasks, window, run=f"plain-{i}", batch_replies=batch)
+            )
             runs["curve"].append(
-                drive(secure.endpoint, tasks, window, run=f"curve-{i}", curve=producer)
+                drive(
+                    secure.endpoint,
+                    tasks,
+                    window,
+                    run=f"curve-{i}",
+                    curve=producer,
+                    batch_replies=batch,
+                )
             )
             if not as_json:
                 print(
@@ -132,6 +171,7 @@ def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
         "tasks_per_run": tasks,
         "window": window,
         "repeats": repeats,
+        "batch_replies": batch_replies,
         "plain": p,
         "curve_on": c,
         "ratio_curve_vs_plain": ratio,

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task, encode
+from gossipd.core.messages import PROTOCOL_VERSION, MsgType, SamplingParams, Task, encode
 from gossipd.tools.progress import percentile
+
+REPLIES, RESULT = int(MsgType.REPLIES), int(MsgType.RESULT)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,13 @@ class LoadResult:
 
 
 def make_frames(
-    n: int, reply_to: str, *, run: str, max_tokens: int = 1, keys: list[str] | None = None
+    n: int,
+    reply_to: str,
+    *,
+    run: str,
+    max_tokens: int = 1,
+    keys: list[str] | None = None,
+    batch_replies: bool = False,
 ) -> list[tuple[str, bytes]]:
     params = SamplingParams(max_tokens=max_tokens)
     out = []
@@ -49,6 +57,7 @@ def make_frames(
             params=params,
             reply_to=reply_to,
             key=keys[i] if keys else "",
+            batch_replies=batch_replies,
         )
         out.append((task.id, encode(task)))
     return out
@@ -71,8 +80,17 @@ def drive(
     run: str,
     timeout_s: float = 120.0,
     curve: ProducerCurve | None = None,
+    batch_replies: bool = False,
 ) -> LoadResult:
-    return drive_many([endpoint], n, window, run=run, timeout_s=timeout_s, curve=curve)
+    return drive_many(
+        [endpoint],
+        n,
+        window,
+        run=run,
+        timeout_s=timeout_s,
+        curve=curve,
+        batch_replies=batch_replies,
+    )
 
 
 def drive_many(
@@ -85,9 +103,11 @@ def drive_many(
     entry_of: list[int] | None = None,
     keys: list[str] | None = None,
     curve: ProducerCurve | None = None,
+    batch_replies: bool = False,
 ) -> LoadResult:
     """Like ``drive``; task i enters at ``endpoints[entry_of[i]]`` with key ``keys[i]``;
-    ``curve``: over CurveZMQ (the reply PULL served with the generator's key pair)."""
+    ``curve``: over CurveZMQ (the reply PULL served with the generator's key pair);
+    ``batch_replies``: the tasks ask for Replies frames (several results in one frame)."""
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -107,7 +127,9 @@ def drive_many(
     entry_of = entry_of or [0] * n
     by_task: dict[int, float] = {}
     index = {}
-    frames = make_frames(n, f"tcp://127.0.0.1:{port}", run=run, keys=keys)
+    frames = make_frames(
+        n, f"tcp://127.0.0.1:{port}", run=run, keys=keys, batch_replies=batch_replies
+    )
     for i, (task_id, _) in enumerate(frames):
         index[task_id] = i
     sent_at: dict[str, float] = {}
@@ -132,13 +154,14 @@ def drive_many(
                     data = pull.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                reply = msgpack.unpackb(data)
-                t0 = sent_at.pop(reply["id"], None)
-                if t0 is None or reply.get("t") != 3:
-                    continue
-                latencies.append((clock() - t0) * 1e3)
-                by_task[index[reply["id"]]] = latencies[-1]
-                ok += bool(reply["ok"])
+                msg = msgpack.unpackb(data)
+                for reply in msg["items"] if msg.get("t") == REPLIES else (msg,):
+                    t0 = sent_at.pop(reply["id"], None)
+                    if t0 is None or reply.get("t") != RESULT:
+                        continue
+                    latencies.append((clock() - t0) * 1e3)
+                    by_task[index[reply["id"]]] = latencies[-1]
+                    ok += bool(reply["ok"])
         elapsed = clock() - started
     finally:
         for sock in pushes:

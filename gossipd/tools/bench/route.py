@@ -31,9 +31,19 @@ def main(
     journal: bool = False,
     plot: str | None = None,
     curve: bool = False,
+    batch_replies: bool = False,
 ) -> int:
+    """``batch_replies``: the cluster's tasks ask for Replies frames (several results in one
+    frame; the raw server answers each task on its own whatever they ask)."""
     if curve:
-        return main_curve(nodes=nodes, tasks=tasks, repeats=repeats, as_json=as_json)
+        return main_curve(
+            nodes=nodes,
+            tasks=tasks,
+            repeats=repeats,
+            as_json=as_json,
+            batch_replies=batch_replies,
+        )
+    batch = batch_replies
     steps = Steps(repeats + 1, "bench route")  # on stderr: stdout is the report
     say = steps.note
     rng = random.Random(7)
@@ -55,17 +65,33 @@ def main(
         hops = [0 if names[entry[i]] == ring.owner(keys[i]) else 1 for i in range(tasks)]
         zero, one, tput_raw, tput_cluster = [], [], [], []
         warm = min(1000, tasks)  # (--tasks below 1,000 used to index past the keys)
-        drive_many(endpoints, warm, 100, run="warm", entry_of=entry[:warm], keys=keys[:warm])
+        drive_many(
+            endpoints,
+            warm,
+            100,
+            run="warm",
+            entry_of=entry[:warm],
+            keys=keys[:warm],
+            batch_replies=batch,
+        )
         for r in range(repeats):
             steps.start(f"round {r + 1}/{repeats}: latency at window 1, then throughput")
-            lat = drive_many(endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys)
+            lat = drive_many(
+                endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys, batch_replies=batch
+            )
             assert lat.by_task_ms is not None
             zero += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
             one += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 1]
             tput_raw.append(drive(raw_endpoint, tasks * 4, 300, run=f"raw{r}").tasks_per_s)
             tput_cluster.append(
                 drive_many(
-                    endpoints, tasks * 4, 300, run=f"tp{r}", entry_of=entry * 4, keys=keys * 4
+                    endpoints,
+                    tasks * 4,
+                    300,
+                    run=f"tp{r}",
+                    entry_of=entry * 4,
+                    keys=keys * 4,
+                    batch_replies=batch,
                 ).tasks_per_s
             )
             say(
@@ -83,6 +109,7 @@ def main(
     report = {
         "benchmark": "route",
         "nodes": nodes,
+        "batch_replies": batch_replies,
         "forwarded_fraction": round(sum(hops) / len(hops), 3),
         "latency_0_hop_ms": {
             "p50": round(percentile(zero, 50), 3),
@@ -137,7 +164,9 @@ def plot_latency(zero: list[float], one: list[float], report: dict[str, Any], pa
     save_percent_figure(fig, ax, title, path)
 
 
-def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
+def main_curve(
+    *, nodes: int, tasks: int, repeats: int, as_json: bool, batch_replies: bool = False
+) -> int:
     """`--curve`: two clusters of ``nodes`` daemons, one with CURVE on every socket (ingress,
     replies, gossip, rpc), driven alternately with the same keys, entry points and window;
     ``ratio_curve_vs_plain`` is the ratio of median throughputs (window 300), and the 0- and
@@ -175,13 +204,21 @@ def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
                 entry_of=entry[:warm],
                 keys=keys[:warm],
                 curve=cv,
+                batch_replies=batch_replies,
             )
         for r in range(repeats):
             for name, c, cv in runs:
                 endpoints = [d.endpoint for d in c.daemons]
                 f = figures[name]
                 lat = drive_many(
-                    endpoints, tasks, 1, run=f"lat{r}-{name}", entry_of=entry, keys=keys, curve=cv
+                    endpoints,
+                    tasks,
+                    1,
+                    run=f"lat{r}-{name}",
+                    entry_of=entry,
+                    keys=keys,
+                    curve=cv,
+                    batch_replies=batch_replies,
                 )
                 assert lat.by_task_ms is not None
                 f["zero"] += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
@@ -195,6 +232,7 @@ def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
                         entry_of=entry * 4,
                         keys=keys * 4,
                         curve=cv,
+                        batch_replies=batch_replies,
                     ).tasks_per_s
                 )
             say(
@@ -204,7 +242,12 @@ def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
     finally:
         plain.stop()
         secure.stop()
-    report: dict[str, Any] = {"benchmark": "route", "curve": True, "nodes": nodes}
+    report: dict[str, Any] = {
+        "benchmark": "route",
+        "curve": True,
+        "nodes": nodes,
+        "batch_replies": batch_replies,
+    }
     for name, label in (("plain", "plain"), ("curve", "curve_on")):
         f = figures[name]
         zero, one = sorted(f["zero"]), sorted(f["one"])
