@@ -249,7 +249,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return bench_route(
             nodes=args.nodes or 3,
-            tasks=min(args.tasks, 5000),
+            tasks=min(args.tasks or 20_000, 5000),
+            throughput_tasks=60_000 if args.curve and args.tasks is None else 0,
             repeats=args.repeats,
             as_json=args.json,
             plot=args.plot,
@@ -278,7 +279,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from gossipd.tools.bench.ingress import main as bench_ingress
 
         return bench_ingress(
-            tasks=args.tasks,
+            tasks=args.tasks or (60_000 if args.curve else 20_000),
             window=args.window,
             repeats=args.repeats,
             as_json=args.json,
@@ -604,7 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated (64,1000,10000)",
     )
     p.add_argument(
-        "--tasks", type=int, default=20_000, help="ingress, route: tasks per run (default 20000)"
+        "--tasks",
+        type=int,
+        default=None,
+        help="ingress, route: tasks per run (default 20000; with --curve, ingress 60000 and "
+        "route 60000 per throughput run, so that each run lasts about a second)",
     )
     p.add_argument("--rate", type=float, default=300.0, help="hedge: tasks per second")
     p.add_argument(

@@ -32,9 +32,11 @@ def main(
     plot: str | None = None,
     curve: bool = False,
     batch_replies: bool = False,
+    throughput_tasks: int = 0,
 ) -> int:
     """``batch_replies``: the cluster's tasks ask for Replies frames (several results in one
-    frame; the raw server answers each task on its own whatever they ask)."""
+    frame; the raw server answers each task on its own whatever they ask).
+    ``throughput_tasks``: tasks per throughput run with ``curve`` (0: 4 x ``tasks``)."""
     if curve:
         return main_curve(
             nodes=nodes,
@@ -42,6 +44,7 @@ def main(
             repeats=repeats,
             as_json=as_json,
             batch_replies=batch_replies,
+            throughput_tasks=throughput_tasks,
         )
     batch = batch_replies
     steps = Steps(repeats + 1, "bench route")  # on stderr: stdout is the report
@@ -165,7 +168,13 @@ def plot_latency(zero: list[float], one: list[float], report: dict[str, Any], pa
 
 
 def main_curve(
-    *, nodes: int, tasks: int, repeats: int, as_json: bool, batch_replies: bool = False
+    *,
+    nodes: int,
+    tasks: int,
+    repeats: int,
+    as_json: bool,
+    batch_replies: bool = False,
+    throughput_tasks: int = 0,
 ) -> int:
     """`--curve`: two clusters of ``nodes`` daemons, one with CURVE on every socket (ingress,
     replies, gossip, rpc), driven alternately with the same keys, entry points and window;
@@ -173,6 +182,7 @@ def main_curve(
     1-hop latencies (window 1) are reported for both."""
     say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
     rng = random.Random(7)
+    n_tp = throughput_tasks or tasks * 4
     plain = Cluster(nodes, extra_overrides=['journal.path=""'])
     secure = Cluster(nodes, extra_overrides=['journal.path=""'], curve=True)
     assert secure.keys is not None
@@ -193,6 +203,9 @@ def main_curve(
         entry = [rng.randrange(nodes) for _ in range(tasks)]
         hops = [0 if names[entry[i]] == ring.owner(keys[i]) else 1 for i in range(tasks)]
         runs = (("plain", plain, None), ("curve", secure, producer))
+        # The throughput runs: the same keys and entry points, repeated.
+        times = -(-n_tp // tasks)
+        entry_tp, keys_tp = (entry * times)[:n_tp], (keys * times)[:n_tp]
         warm = min(1000, tasks)
         for name, c, cv in runs:
             endpoints = [d.endpoint for d in c.daemons]
@@ -226,11 +239,11 @@ def main_curve(
                 f["tput"].append(
                     drive_many(
                         endpoints,
-                        tasks * 4,
+                        n_tp,
                         300,
                         run=f"tp{r}-{name}",
-                        entry_of=entry * 4,
-                        keys=keys * 4,
+                        entry_of=entry_tp,
+                        keys=keys_tp,
                         curve=cv,
                         batch_replies=batch_replies,
                     ).tasks_per_s
@@ -246,6 +259,7 @@ def main_curve(
         "benchmark": "route",
         "curve": True,
         "nodes": nodes,
+        "tasks_per_throughput_run": n_tp,
         "batch_replies": batch_replies,
     }
     for name, label in (("plain", "plain"), ("curve", "curve_on")):
