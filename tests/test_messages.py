@@ -22,6 +22,7 @@ from gossipd.core.messages import (
     SamplingParams,
     Task,
     TaskDone,
+    Tasks,
     Withdraw,
     decode_peer,
     decode_replies,
@@ -32,6 +33,7 @@ from gossipd.core.messages import (
     endpoint_problem,
     error_result,
     pack_replies,
+    pack_tasks,
 )
 from gossipd.errors import ProtocolError, RemoteProtocolError
 
@@ -430,3 +432,22 @@ def test_decode_replies_refuses_what_is_not_replies() -> None:
         decode_replies(msgpack.packb({"v": 1, "t": 5, "items": [{"t": 1}]}))
     with pytest.raises(RemoteProtocolError):
         decode_replies(b"\xc1")
+
+
+@given(st.lists(tasks, min_size=1, max_size=20))
+def test_pack_tasks_is_a_Tasks_frame_whose_items_decode_as_sent(items: list[Task]) -> None:
+    from gossipd.core.messages import decode_intake
+
+    frames = [encode(task) for task in items]
+    batch = decode_intake(pack_tasks(frames), bytes_max=LIMIT * 64)
+    assert type(batch) is Tasks and [bytes(raw) for raw in batch.items] == frames
+    assert [decode_intake(raw, bytes_max=LIMIT) for raw in batch.items] == items
+    raw = msgpack.unpackb(pack_tasks(frames))  # plain MessagePack, as PROTOCOL.md says
+    assert raw["t"] == 6 and raw["v"] == PROTOCOL_VERSION and len(raw["items"]) == len(items)
+
+
+def test_an_empty_Tasks_frame_is_refused() -> None:
+    from gossipd.core.messages import decode_intake
+
+    with pytest.raises(RemoteProtocolError):
+        decode_intake(msgpack.packb({"v": 1, "t": 6, "items": []}), bytes_max=LIMIT)
