@@ -256,6 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             plot=args.plot,
             curve=args.curve,
             batch_replies=args.batch_replies,
+            batch_tasks=args.batch_tasks,
         )
     if args.what == "engine":
         from gossipd.tools.bench.engine import main as bench_engine
@@ -285,6 +286,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             as_json=args.json,
             curve=args.curve,
             batch_replies=args.batch_replies,
+            batch_tasks=args.batch_tasks,
         )
     if args.what == "budgets":
         from gossipd.tools.bench.budgets import main as bench_budgets
@@ -643,6 +645,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ingress/route: the generator's tasks ask for Replies frames (batch_replies: "
         "several results in one frame), on both sides of every ratio",
+    )
+    p.add_argument(
+        "--batch-tasks",
+        action="store_true",
+        help="ingress/route: the generator sends each refill of its window as Tasks frames "
+        "(several tasks in one frame), on both sides of every ratio (not to the raw server)",
     )
     p.set_defaults(func=cmd_bench)
 

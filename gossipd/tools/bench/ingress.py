@@ -48,9 +48,11 @@ def main(
     as_json: bool,
     curve: bool = False,
     batch_replies: bool = False,
+    batch_tasks: bool = False,
 ) -> int:
-    """``batch_replies``: the daemon's tasks ask for Replies frames (the raw server's do not
-    matter: it answers each task on its own)."""
+    """``batch_replies``: the daemon's tasks ask for Replies frames (several results in one
+    frame); ``batch_tasks``: the generator sends each refill as Tasks frames (several tasks in
+    one).  The raw server's runs never use either."""
     if curve:
         return main_curve(
             tasks=tasks,
@@ -58,8 +60,9 @@ def main(
             repeats=repeats,
             as_json=as_json,
             batch_replies=batch_replies,
+            batch_tasks=batch_tasks,
         )
-    batch = batch_replies
+    opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
     steps = Steps(repeats + 1, "bench ingress")  # on stderr: stdout is the report
     steps.start("starting a daemon and a raw pyzmq echo server; warming both")
     raw_proc, raw_endpoint = _raw_server()
@@ -69,13 +72,11 @@ def main(
     try:
         # Warm-up: connections, caches, first-touch allocations.
         drive(raw_endpoint, min(2000, tasks), window, run="warm-raw")
-        drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon", batch_replies=batch)
+        drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon", **opts)
         for i in range(repeats):
             steps.start(f"round {i + 1}/{repeats}: {tasks} tasks to each side")
             raw_runs.append(drive(raw_endpoint, tasks, window, run=f"raw-{i}"))
-            daemon_runs.append(
-                drive(daemon.endpoint, tasks, window, run=f"daemon-{i}", batch_replies=batch)
-            )
+            daemon_runs.append(drive(daemon.endpoint, tasks, window, run=f"daemon-{i}", **opts))
             steps.note(
                 f"raw {raw_runs[-1].tasks_per_s:,.0f} tasks/s, "
                 f"daemon {daemon_runs[-1].tasks_per_s:,.0f} tasks/s"
@@ -93,6 +94,7 @@ def main(
         "window": window,
         "repeats": repeats,
         "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
         "raw_zmq": raw,
         "daemon": dmn,
         "ratio_vs_raw_zmq": ratio,
@@ -110,7 +112,13 @@ def main(
 
 
 def main_curve(
-    *, tasks: int, window: int, repeats: int, as_json: bool, batch_replies: bool = False
+    *,
+    tasks: int,
+    window: int,
+    repeats: int,
+    as_json: bool,
+    batch_replies: bool = False,
+    batch_tasks: bool = False,
 ) -> int:
     """`--curve`: the same daemon with and without CURVE, alternating runs in one process
     pair; ``ratio_curve_vs_plain`` is the ratio of median throughputs, ``ratio_paired_median``
@@ -130,20 +138,18 @@ def main_curve(
     ).start()
     runs: dict[str, list[LoadResult]] = {"plain": [], "curve": []}
     try:
-        batch = batch_replies
-        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain", batch_replies=batch)
+        opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
+        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain", **opts)
         drive(
             secure.endpoint,
             min(2000, tasks),
             window,
             run="warm-curve",
             curve=producer,
-            batch_replies=batch,
+            **opts,
         )
         for i in range(repeats):
-            runs["plain"].append(
-                drive(plain.endpoint, tasks, window, run=f"plain-{i}", batch_replies=batch)
-            )
+            runs["plain"].append(drive(plain.endpoint, tasks, window, run=f"plain-{i}", **opts))
             runs["curve"].append(
                 drive(
                     secure.endpoint,
@@ -151,7 +157,7 @@ def main_curve(
                     window,
                     run=f"curve-{i}",
                     curve=producer,
-                    batch_replies=batch,
+                    **opts,
                 )
             )
             if not as_json:
@@ -172,6 +178,7 @@ def main_curve(
         "window": window,
         "repeats": repeats,
         "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
         "plain": p,
         "curve_on": c,
         "ratio_curve_vs_plain": ratio,

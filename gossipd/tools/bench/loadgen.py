@@ -10,10 +10,19 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from gossipd.core.messages import PROTOCOL_VERSION, MsgType, SamplingParams, Task, encode
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    MsgType,
+    SamplingParams,
+    Task,
+    encode,
+    pack_tasks,
+)
 from gossipd.tools.progress import percentile
 
 REPLIES, RESULT = int(MsgType.REPLIES), int(MsgType.RESULT)
+# A Tasks frame holds at most this many bytes of tasks (well under ingress.message_bytes_max).
+TASKS_FRAME_BYTES_MAX = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,7 @@ def drive(
     timeout_s: float = 120.0,
     curve: ProducerCurve | None = None,
     batch_replies: bool = False,
+    batch_tasks: bool = False,
 ) -> LoadResult:
     return drive_many(
         [endpoint],
@@ -90,6 +100,7 @@ def drive(
         timeout_s=timeout_s,
         curve=curve,
         batch_replies=batch_replies,
+        batch_tasks=batch_tasks,
     )
 
 
@@ -104,10 +115,13 @@ def drive_many(
     keys: list[str] | None = None,
     curve: ProducerCurve | None = None,
     batch_replies: bool = False,
+    batch_tasks: bool = False,
 ) -> LoadResult:
     """Like ``drive``; task i enters at ``endpoints[entry_of[i]]`` with key ``keys[i]``;
     ``curve``: over CurveZMQ (the reply PULL served with the generator's key pair);
-    ``batch_replies``: the tasks ask for Replies frames (several results in one frame)."""
+    ``batch_replies``: the tasks ask for Replies frames (several results in one frame);
+    ``batch_tasks``: the tasks of one refill of the window go to each endpoint as Tasks
+    frames (several tasks in one, at most ``TASKS_FRAME_BYTES_MAX`` each)."""
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -139,9 +153,34 @@ def drive_many(
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     clock = time.perf_counter
+
+    def _send_packed(frames: list[tuple[str, bytes]], first: int, left: int, room: int) -> int:
+        """Send the next ``min(left, room)`` tasks packed per endpoint; the next index."""
+        groups: dict[int, list[bytes]] = {}
+        sizes: dict[int, int] = {}
+        now = clock()
+        end = first + min(left, room)
+        for i in range(first, end):
+            task_id, frame = frames[i]
+            sent_at[task_id] = now
+            e = entry_of[i]
+            group = groups.setdefault(e, [])
+            if group and sizes[e] + len(frame) > TASKS_FRAME_BYTES_MAX:
+                pushes[e].send(pack_tasks(group))
+                group.clear()
+                sizes[e] = 0
+            group.append(frame)
+            sizes[e] = sizes.get(e, 0) + len(frame)
+        for e, group in groups.items():
+            if group:
+                pushes[e].send(group[0] if len(group) == 1 else pack_tasks(group))
+        return end
+
     started = clock()
     try:
         while len(latencies) < n:
+            if batch_tasks:
+                next_i = _send_packed(frames, next_i, n - next_i, window - len(sent_at))
             while next_i < n and len(sent_at) < window:
                 task_id, frame = frames[next_i]
                 sent_at[task_id] = clock()

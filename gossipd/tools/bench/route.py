@@ -32,10 +32,12 @@ def main(
     plot: str | None = None,
     curve: bool = False,
     batch_replies: bool = False,
+    batch_tasks: bool = False,
     throughput_tasks: int = 0,
 ) -> int:
     """``batch_replies``: the cluster's tasks ask for Replies frames (several results in one
-    frame; the raw server answers each task on its own whatever they ask).
+    frame); ``batch_tasks``: the generator sends each refill as Tasks frames (several tasks
+    in one).  The raw server's runs never use either.
     ``throughput_tasks``: tasks per throughput run with ``curve`` (0: 4 x ``tasks``)."""
     if curve:
         return main_curve(
@@ -44,9 +46,10 @@ def main(
             repeats=repeats,
             as_json=as_json,
             batch_replies=batch_replies,
+            batch_tasks=batch_tasks,
             throughput_tasks=throughput_tasks,
         )
-    batch = batch_replies
+    opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
     steps = Steps(repeats + 1, "bench route")  # on stderr: stdout is the report
     say = steps.note
     rng = random.Random(7)
@@ -75,13 +78,11 @@ def main(
             run="warm",
             entry_of=entry[:warm],
             keys=keys[:warm],
-            batch_replies=batch,
+            **opts,
         )
         for r in range(repeats):
             steps.start(f"round {r + 1}/{repeats}: latency at window 1, then throughput")
-            lat = drive_many(
-                endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys, batch_replies=batch
-            )
+            lat = drive_many(endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys, **opts)
             assert lat.by_task_ms is not None
             zero += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
             one += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 1]
@@ -94,7 +95,7 @@ def main(
                     run=f"tp{r}",
                     entry_of=entry * 4,
                     keys=keys * 4,
-                    batch_replies=batch,
+                    **opts,
                 ).tasks_per_s
             )
             say(
@@ -113,6 +114,7 @@ def main(
         "benchmark": "route",
         "nodes": nodes,
         "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
         "forwarded_fraction": round(sum(hops) / len(hops), 3),
         "latency_0_hop_ms": {
             "p50": round(percentile(zero, 50), 3),
@@ -174,6 +176,7 @@ def main_curve(
     repeats: int,
     as_json: bool,
     batch_replies: bool = False,
+    batch_tasks: bool = False,
     throughput_tasks: int = 0,
 ) -> int:
     """`--curve`: two clusters of ``nodes`` daemons, one with CURVE on every socket (ingress,
@@ -218,6 +221,7 @@ def main_curve(
                 keys=keys[:warm],
                 curve=cv,
                 batch_replies=batch_replies,
+                batch_tasks=batch_tasks,
             )
         for r in range(repeats):
             for name, c, cv in runs:
@@ -232,6 +236,7 @@ def main_curve(
                     keys=keys,
                     curve=cv,
                     batch_replies=batch_replies,
+                    batch_tasks=batch_tasks,
                 )
                 assert lat.by_task_ms is not None
                 f["zero"] += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
@@ -246,6 +251,7 @@ def main_curve(
                         keys=keys_tp,
                         curve=cv,
                         batch_replies=batch_replies,
+                        batch_tasks=batch_tasks,
                     ).tasks_per_s
                 )
             say(
@@ -261,6 +267,7 @@ def main_curve(
         "nodes": nodes,
         "tasks_per_throughput_run": n_tp,
         "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
     }
     for name, label in (("plain", "plain"), ("curve", "curve_on")):
         f = figures[name]
