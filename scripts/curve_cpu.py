@@ -5,7 +5,8 @@
 
 Runs the generator of `gossipd bench` against daemons started as the benches start them (one
 daemon for ingress, a cluster of three for route; one plain and one with CURVE on every
-socket), alternating the modes in each round; ``B``: the tasks set ``batch_replies``.  Around
+socket), alternating the modes in each round; a mode is ``plain`` or ``curve`` and then
+``B`` (the tasks set ``batch_replies``) and/or ``T`` (each refill goes as Tasks frames).  Around
 each run it reads every thread's run time from /proc/PID/task/TID/schedstat (nanoseconds on a
 CPU, not sampled), for the daemons and for this process (the generator), and prints the median
 per task of: daemons' main (Python) threads, daemons' ZeroMQ IO threads, the generator's main
@@ -125,7 +126,7 @@ def main() -> int:
             task_keys = [f"k{i}" for i in range(args.tasks)]
 
         def run_of(mode: str, label: str, n: int) -> Callable[[], LoadResult]:
-            side = mode.rstrip("B")
+            side = mode.rstrip("BT")
             endpoints, _ = sides[side]
             return lambda: drive_many(
                 endpoints,
@@ -135,7 +136,8 @@ def main() -> int:
                 entry_of=entry[:n],
                 keys=task_keys[:n] if task_keys else None,
                 curve=producer if side == "curve" else None,
-                batch_replies=mode.endswith("B"),
+                batch_replies="B" in mode,
+                batch_tasks="T" in mode,
             )
 
         for mode in modes:
@@ -143,7 +145,7 @@ def main() -> int:
         rows: dict[str, list[tuple[float, dict[str, float]]]] = {m: [] for m in modes}
         for r in range(args.repeats):
             for mode in modes:
-                pids = sides[mode.rstrip("B")][1]
+                pids = sides[mode.rstrip("BT")][1]
                 rows[mode].append(
                     measure(pids, run_of(mode, f"{mode}-{r}", args.tasks), args.tasks)
                 )
@@ -154,7 +156,7 @@ def main() -> int:
         f"bench {args.bench}: {args.tasks} tasks a run, window {window}, {args.repeats} rounds; "
         f"load average {os.getloadavg()[0]:.2f} at the end"
     )
-    print("CPU us per task (median over rounds); B = batch_replies")
+    print("CPU us per task (median over rounds); B = batch_replies, T = Tasks frames")
     for mode in modes:
         keys_ = sorted(rows[mode][0][1])
         med = {
@@ -166,12 +168,11 @@ def main() -> int:
     for mode in modes[1:]:
         paired = statistics.median(row[0] / f for row, f in zip(rows[mode], first, strict=True))
         print(f"  {mode} / {modes[0]} throughput, paired median: {paired:.3f}")
-    if "curveB" in modes and "plainB" in modes:
-        pairs = zip(rows["curveB"], rows["plainB"], strict=True)
-        print(
-            f"  curveB / plainB throughput, paired median: "
-            f"{statistics.median(c[0] / p[0] for c, p in pairs):.3f}"
-        )
+    for suffix in ("B", "T", "BT"):
+        if f"curve{suffix}" in modes and f"plain{suffix}" in modes:
+            pairs = zip(rows[f"curve{suffix}"], rows[f"plain{suffix}"], strict=True)
+            paired = statistics.median(c[0] / p[0] for c, p in pairs)
+            print(f"  curve{suffix} / plain{suffix} throughput, paired median: {paired:.3f}")
     return 0
 
 
