@@ -35,6 +35,7 @@ from gossipd.core.messages import (
     Result,
     StatusQuery,
     Task,
+    Tasks,
     Timings,
     decode_intake,
     encode,
@@ -301,17 +302,27 @@ class Ingress:
 
     # -- decisions -----------------------------------------------------------------------
 
-    def handle_frame(self, frame: bytes | memoryview, now: float, producer_key: str = "") -> None:
-        """One producer message; ``producer_key``: the key it came with under CURVE."""
+    def handle_frame(
+        self,
+        frame: bytes | memoryview | msgspec.Raw,
+        now: float,
+        producer_key: str = "",
+        *,
+        in_tasks: bool = False,
+    ) -> None:
+        """One producer message; ``producer_key``: the key it came with under CURVE;
+        ``in_tasks``: an item of a Tasks frame."""
         self._received += 1
         try:
-            task = decode_intake(frame, bytes_max=self._config.message_bytes_max)
+            task = decode_intake(frame, bytes_max=self._config.message_bytes_max)  # type: ignore[arg-type]
         except RemoteProtocolError as exc:
             self._refuse(exc, len(frame), producer_key)
             return
         if type(task) is not Task:
             if type(task) is Cancel:
                 self.handle_cancel(task.id, producer_key)
+            elif type(task) is Tasks:
+                self._handle_tasks(task, len(frame), now, producer_key, in_tasks)
             elif (admin := self.links.admin) is not None:
                 admin(task, now)  # type: ignore[arg-type]
             else:
@@ -334,6 +345,19 @@ class Ingress:
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
+
+    def _handle_tasks(
+        self, batch: Tasks, size: int, now: float, producer_key: str, in_tasks: bool
+    ) -> None:
+        """A Tasks frame: each item as if it had come as a frame of its own (counted as one
+        message each); Tasks inside Tasks are refused."""
+        if in_tasks:
+            hint = "an item of a Tasks frame is itself a Tasks frame: send one level only"
+            self._refuse(RemoteProtocolError(hint, code=ErrorCode.BAD_REQUEST), size, producer_key)
+            return
+        self._received -= 1  # its items are the messages
+        for item in batch.items:
+            self.handle_frame(item, now, producer_key, in_tasks=True)
 
     def admit(
         self,
@@ -358,7 +382,7 @@ class Ingress:
             self._queue.put_nowait(entry)
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
-            self._replies.send(task.route, encode(entry))
+            self._replies.send(task.route, encode(entry), task.batch_replies)
         elif verdict is Verdict.OVERLOADED:
             refusal = self.admission.refusal
             if refusal is not None:  # by expected wait
@@ -548,7 +572,7 @@ class Ingress:
         result = error_result(
             task.id, code, message, node=self._node, retry_after_ms=retry_after_ms
         )
-        self._replies.send(task.route, encode(result))
+        self._replies.send(task.route, encode(result), task.batch_replies)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -605,7 +629,7 @@ class Ingress:
                 parts.append(delta)
                 if task.stream:
                     chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
-                    self._replies.send(task.route, encode(chunk))
+                    self._replies.send(task.route, encode(chunk), task.batch_replies)
                     seq += 1
             end = clock()
             result = Result(
@@ -688,7 +712,7 @@ class Ingress:
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         owned = self.book.finish(task.id, result, remember=remember)
-        self._replies.send(task.route, encode(result))
+        self._replies.send(task.route, encode(result), task.batch_replies)
         for listener in self.on_finished:
             listener(owned, result)
 
