@@ -84,6 +84,13 @@ class AntiEntropy:
             for seed in self.seeds:
                 self.push_pull(seed, reply=True, join=True)
 
+    def next_deadline(self) -> float:
+        """``min(deadlines())`` without the list."""
+        at = min(self.next_push_pull_at, self.next_heal_at)
+        if not self.joined and self.next_join_at < at:
+            return self.next_join_at
+        return at
+
     def deadlines(self) -> list[float]:
         deadlines = [self.next_push_pull_at, self.next_heal_at]
         if not self.joined:

@@ -86,7 +86,8 @@ class BroadcastQueue:
     ) -> list[Any]:
         """Updates for one message, within ``budget_bytes``; each counts as one transmission.
         Keys in ``first`` go before the rest (updates about the recipient, or about us)."""
-        limit = retransmit_limit(self._mult, n_members)
+        if not self._by_key:
+            return []  # the steady state: nothing queued (most messages carry nothing)
         chosen: list[_Item] = []
         used = 0
         seen: set[Hashable] = set()
@@ -109,6 +110,7 @@ class BroadcastQueue:
                 used += item.size
             if budget_bytes - used < 64:
                 break
+        limit = retransmit_limit(self._mult, n_members)
         for item in chosen:
             self._remove(item.key)
             item.transmits += 1

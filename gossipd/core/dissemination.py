@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,10 @@ class Dissemination:
             self.next_gossip_at = now + self._swim.config.gossip_interval_s
             for target in self._swim.random_live_sample(self._swim.config.gossip_fanout):
                 self.send_gossip_to(target)
+
+    def next_deadline(self) -> float:
+        """``min(deadlines())`` without the list (inf when nothing urgent is queued)."""
+        return self.next_gossip_at if self.broadcasts.urgent_pending else math.inf
 
     def deadlines(self) -> list[float]:
         return [self.next_gossip_at] if self.broadcasts.urgent_pending else []
