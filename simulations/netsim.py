@@ -28,8 +28,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from gossipd.core.membership import MemberEvent, shared_base
-from gossipd.core.messages import GossipMessage, encode_gossip
+from gossipd.core.messages import GossipMessage, PushPull, encode_gossip
+from gossipd.core.sharedtable import SharedBase, SharedRecords
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.datagrams import OnFrame
@@ -55,16 +58,52 @@ class NetworkModel:
         return delay
 
 
+def _array_header_bytes(n: int) -> int:
+    """The msgpack array header's size for ``n`` items."""
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5
+
+
+class RecordBytes:
+    """The encoded size of a push-pull whose records are mostly a shared base's
+    (``SharedRecords``): each shared record is encoded once, and a push-pull encodes only its
+    header and own records.  The same count as encoding it whole (tests/test_swim.py)."""
+
+    def __init__(self) -> None:
+        self._base: SharedBase | None = None
+        self._sizes: dict[str, int] = {}
+        self._total = 0
+
+    def push_pull_bytes(self, msg: PushPull, records: SharedRecords) -> int:
+        if records.base is not self._base:
+            self._base = records.base
+            self._sizes = {k: len(encode_gossip(r)) for k, r in records.base.record_map().items()}
+            self._total = sum(self._sizes.values())
+        explicit = records[: records.explicit]
+        head = len(encode_gossip(msgspec.structs.replace(msg, members=explicit)))
+        sizes = self._sizes
+        shared = self._total - sum(sizes[k] for k in records.hidden if k in sizes)
+        return (
+            head
+            - _array_header_bytes(len(explicit))
+            + _array_header_bytes(len(records))
+            + shared
+        )
+
+
 class SimSwimNode(SwimNode):
     """A SWIM core whose sent messages stay objects (with their encoded size) for the
     simulated network to hand over, instead of bytes for the receiver to decode."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, record_bytes: RecordBytes, **kwargs: object) -> None:
         self.sent_messages: list[tuple[str, GossipMessage, int]] = []
+        self.record_bytes = record_bytes
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def send(self, addr: str, msg: GossipMessage) -> None:
-        size = len(encode_gossip(msg))
+        if type(msg) is PushPull and type(msg.members) is SharedRecords:
+            size = self.record_bytes.push_pull_bytes(msg, msg.members)
+        else:
+            size = len(encode_gossip(msg))
         self.count_sent(msg, size)
         self.sent_messages.append((addr, msg, size))
 
@@ -119,6 +158,7 @@ class Simulation:
         messages travel as bytes and are decoded (slower; the same trace)."""
         self.seed = seed
         self.wire = wire
+        self._record_bytes = RecordBytes()
         self.rng = random.Random(seed)
         self.config = config or SwimConfig.sim()
         self.net = network or NetworkModel()
@@ -150,8 +190,19 @@ class Simulation:
         self, name: str, addr: str, seeds: tuple[str, ...], incarnation: int = 0
     ) -> SwimNode:
         node_rng = random.Random(self.rng.getrandbits(64))
-        return (SwimNode if self.wire else SimSwimNode)(
+        if self.wire:
+            return SwimNode(
+                self.config,
+                node=name,
+                addr=addr,
+                rng=node_rng,
+                now=self.now,
+                seeds=seeds,
+                incarnation=incarnation,
+            )
+        return SimSwimNode(
             self.config,
+            record_bytes=self._record_bytes,
             node=name,
             addr=addr,
             rng=node_rng,

@@ -253,7 +253,7 @@ class MemberTable:
         if isinstance(members, Overlay) and self._base is not None:
             # Shared entries' records are built once for all; none kept per member.
             mine = [m.record() for m in dict.values(members)]
-            return [own, *mine, *self._base.records(members.hidden)]
+            return self._base.records([own, *mine], members.hidden)
         if self._records[0] != self.version:
             self._records = (self.version, [own, *(m.record() for m in members.values())])
         return list(self._records[1])

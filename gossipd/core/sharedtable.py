@@ -88,20 +88,53 @@ class Overlay(dict):  # type: ignore[type-arg]
 _ABSENT = object()
 
 
+class SharedRecords(list):  # type: ignore[type-arg]
+    """A push-pull's records from an ``Overlay`` table: its first ``explicit`` records (the
+    sender and its own entries), then the shared records of ``base`` whose keys are not in
+    ``hidden`` (the sender's, frozen when sent), in the base's order.  To an encoder or any
+    other reader, a plain list.  A receiver whose table is an Overlay of the same base already
+    shows every shared record whose key it does not hide: only ``differing`` can be news."""
+
+    __slots__ = ("base", "explicit", "hidden")
+
+    def __init__(
+        self, explicit: list[Any], base: SharedBase, hidden: frozenset[Any], shared: list[Any]
+    ) -> None:
+        super().__init__(explicit)
+        self.extend(shared)
+        self.base = base
+        self.explicit = len(explicit)
+        self.hidden = hidden
+
+    def differing(self, hidden: set[Any]) -> list[Any]:
+        """The records, in this list's order, that a table showing own + (base - ``hidden``)
+        may not already hold: the explicit ones, and the shared ones of keys it hides."""
+        shared = self.base.record_map()
+        keys = sorted(hidden - self.hidden, key=self.base.position.__getitem__)
+        return [*self[: self.explicit], *(shared[k] for k in keys)]
+
+
 class SharedBase:
     """N members known alive at incarnation 0: the entries, their checksum contributions'
     XOR and the sorted names, built once for every simulated member."""
 
-    __slots__ = ("_records", "members", "ring", "xor")
+    __slots__ = ("_records", "members", "position", "ring", "xor")
 
     def __init__(self, members: dict[str, Any], xor: int) -> None:
         self.members = members
         self.xor = xor
         self.ring = sorted(members)
+        self.position = {k: i for i, k in enumerate(members)}
         self._records: dict[str, Any] | None = None
 
-    def records(self, hidden: set[str]) -> list[Any]:
-        """The push-pull records of the shared entries not in ``hidden`` (built once)."""
+    def records(self, explicit: list[Any], hidden: set[str]) -> SharedRecords:
+        """``explicit`` then the push-pull records of the shared entries not in ``hidden``
+        (those built once)."""
+        shared = [r for k, r in self.record_map().items() if k not in hidden]
+        return SharedRecords(explicit, self, frozenset(hidden), shared)
+
+    def record_map(self) -> dict[str, Any]:
+        """Each shared entry's push-pull record, by key (built once)."""
         if self._records is None:
             self._records = {k: m.record() for k, m in self.members.items()}
-        return [r for k, r in self._records.items() if k not in hidden]
+        return self._records
