@@ -49,7 +49,8 @@ class NetworkModel:
 
     def delay_s(self, rng: random.Random, starve_s: float = 0.0) -> float | None:
         """One message's fate: None when it is lost, else its delay.  Draws from ``rng`` in a
-        fixed order (loss, latency, the receiver's starvation), so a seed gives one trace."""
+        fixed order (loss, latency, the receiver's starvation), so a seed gives one trace.
+        (``Simulation._flush`` has a copy inlined: change both.)"""
         if self.loss and rng.random() < self.loss:
             return None
         delay = self.latency_s * math.exp(self.latency_sigma * rng.gauss(0.0, 1.0))
@@ -266,9 +267,12 @@ class Simulation:
             sent = [(addr, data, len(data)) for addr, data in core.take_outbox()]
         else:
             sent = core.take_sent()  # type: ignore[attr-defined]
+        rng, now, heap = self.rng, self.now, self._heap
         if sent:
+            # _push and NetworkModel.delay_s inlined (the same draws in the same order).
             by_addr, members, trace = self.by_addr, self.members, self.trace
-            net, rng, now = self.net, self.rng, self.now
+            net, push, draw, gauss, exp = self.net, heapq.heappush, rng.random, rng.gauss, math.exp
+            loss, latency_s, sigma = net.loss, net.latency_s, net.latency_sigma
             for addr, msg, size in sent:
                 dst = by_addr.get(addr)
                 if dst is None:
@@ -277,19 +281,30 @@ class Simulation:
                 if self.partitioned and target.group != member.group:
                     trace.lost += 1
                     continue
-                delay = net.delay_s(rng, target.starve_s)
-                if delay is None:
+                if loss and draw() < loss:
                     trace.lost += 1
                     continue
+                delay = latency_s * exp(sigma * gauss(0.0, 1.0))
+                if target.starve_s:
+                    delay += rng.expovariate(1.0 / target.starve_s)
                 trace.delivered += 1
-                self._push(now + delay, DELIVER, dst, msg, size)
+                self._seq += 1
+                push(heap, (now + delay, draw(), self._seq, DELIVER, dst, msg, size))
         events = core.take_events()
         if events:
             keep, name, kept = self._keep, member.name, self.trace.events
             for event in events:
                 if keep(event):
                     kept.append((name, event))
-        self._schedule(member)
+        # _schedule inlined.
+        if member.up:
+            at = core.next_deadline()
+            if at < now:
+                at = now
+            if at != member.tick_at:
+                member.tick_at = at
+                self._seq += 1
+                heapq.heappush(heap, (at, rng.random(), self._seq, TICK, member.index, None, 0))
 
     # -- faults ------------------------------------------------------------------------------
 
