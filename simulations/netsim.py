@@ -84,10 +84,7 @@ class RecordBytes:
         sizes = self._sizes
         shared = self._total - sum(sizes[k] for k in records.hidden if k in sizes)
         return (
-            head
-            - _array_header_bytes(len(explicit))
-            + _array_header_bytes(len(records))
-            + shared
+            head - _array_header_bytes(len(explicit)) + _array_header_bytes(len(records)) + shared
         )
 
 
@@ -218,9 +215,7 @@ class Simulation:
         self, at: float, kind: int, index: int, msg: object = None, size_bytes: int = 0
     ) -> None:
         self._seq += 1
-        heapq.heappush(
-            self._heap, (at, self.rng.random(), self._seq, kind, index, msg, size_bytes)
-        )
+        heapq.heappush(self._heap, (at, self.rng.random(), self._seq, kind, index, msg, size_bytes))
 
     def _schedule(self, member: SimMember) -> None:
         if not member.up:
