@@ -93,6 +93,8 @@ class Dissemination:
 
     def _large_bytes(self) -> int:
         """Rule 5: the budget a gossip round adds for a large queued directive."""
+        if not self._large:
+            return 0
         for key in [k for k in self._large if self.broadcasts.get(k) is None]:
             del self._large[key]
         return max(self._large.values(), default=0)

@@ -97,11 +97,16 @@ class SharedRecords(list):  # type: ignore[type-arg]
 
     __slots__ = ("base", "explicit", "hidden")
 
-    def __init__(
-        self, explicit: list[Any], base: SharedBase, hidden: frozenset[Any], shared: list[Any]
-    ) -> None:
+    def __init__(self, explicit: list[Any], base: SharedBase, hidden: frozenset[Any]) -> None:
         super().__init__(explicit)
-        self.extend(shared)
+        # The shared records but the hidden ones: slices between the hidden positions (a
+        # member hides few keys), not a test per record.
+        shared = base.record_list()
+        start = 0
+        for i in sorted(base.position[k] for k in hidden):  # hidden keys are base keys
+            self.extend(shared[start:i])
+            start = i + 1
+        self.extend(shared[start:])
         self.base = base
         self.explicit = len(explicit)
         self.hidden = hidden
@@ -118,7 +123,7 @@ class SharedBase:
     """N members known alive at incarnation 0: the entries, their checksum contributions'
     XOR and the sorted names, built once for every simulated member."""
 
-    __slots__ = ("_records", "members", "position", "ring", "xor")
+    __slots__ = ("_record_list", "_records", "members", "position", "ring", "xor")
 
     def __init__(self, members: dict[str, Any], xor: int) -> None:
         self.members = members
@@ -126,15 +131,21 @@ class SharedBase:
         self.ring = sorted(members)
         self.position = {k: i for i, k in enumerate(members)}
         self._records: dict[str, Any] | None = None
+        self._record_list: list[Any] = []
 
     def records(self, explicit: list[Any], hidden: set[str]) -> SharedRecords:
         """``explicit`` then the push-pull records of the shared entries not in ``hidden``
         (those built once)."""
-        shared = [r for k, r in self.record_map().items() if k not in hidden]
-        return SharedRecords(explicit, self, frozenset(hidden), shared)
+        return SharedRecords(explicit, self, frozenset(hidden))
 
     def record_map(self) -> dict[str, Any]:
         """Each shared entry's push-pull record, by key (built once)."""
         if self._records is None:
             self._records = {k: m.record() for k, m in self.members.items()}
+            self._record_list = list(self._records.values())
         return self._records
+
+    def record_list(self) -> list[Any]:
+        """The shared entries' push-pull records, in the base's order (``position``)."""
+        self.record_map()
+        return self._record_list
