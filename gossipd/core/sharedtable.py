@@ -9,6 +9,11 @@ entry into its own before it changes it (``MemberTable.apply``), so a shared ent
 written and every member still applies every rule to its own state.  The sorted live ring is
 shared the same way until the member's live set first changes.
 
+A push-pull from such a table carries ``SharedRecords``: a plain list to an encoder, which also
+says which records are the sender's own and which shared keys it hid, so that a receiver over
+the same base walks only the records that can differ from what it shows (``differing``), not
+all N (antientropy.py).
+
 Overlay invariant: ``hidden`` holds the shared keys that the overlay does not show through
 (deleted here, or shadowed by an entry of its own), so the view is own + (base - hidden),
 a disjoint union.
