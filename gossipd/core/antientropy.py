@@ -85,17 +85,11 @@ class AntiEntropy:
                 self.push_pull(seed, reply=True, join=True)
 
     def next_deadline(self) -> float:
-        """``min(deadlines())`` without the list."""
+        """The next push-pull, heal, or (while not joined) join attempt."""
         at = min(self.next_push_pull_at, self.next_heal_at)
         if not self.joined and self.next_join_at < at:
             return self.next_join_at
         return at
-
-    def deadlines(self) -> list[float]:
-        deadlines = [self.next_push_pull_at, self.next_heal_at]
-        if not self.joined:
-            deadlines.append(self.next_join_at)
-        return deadlines
 
     def push_pull_period(self) -> float:
         n = self._swim.table.live_count()

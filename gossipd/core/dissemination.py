@@ -114,8 +114,5 @@ class Dissemination:
                 self.send_gossip_to(target)
 
     def next_deadline(self) -> float:
-        """``min(deadlines())`` without the list (inf when nothing urgent is queued)."""
+        """The next gossip round (inf while nothing urgent is queued: no round is due)."""
         return self.next_gossip_at if self.broadcasts.urgent_pending else math.inf
-
-    def deadlines(self) -> list[float]:
-        return [self.next_gossip_at] if self.broadcasts.urgent_pending else []
