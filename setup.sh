@@ -23,7 +23,7 @@ if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
         --no-install-recommends etcd-server etcd-client || echo "etcd not installed: its tests skip"
 fi
-EXTRAS="test,plot,otel,etcd"
+EXTRAS="test,plot,otel,etcd,fast"  # fast: Numba, placement kernels (core/hrw.py)
 [ "$VLLM" != none ] && EXTRAS="$EXTRAS,$VLLM"
 .venv/bin/python -m pip install --quiet --upgrade pip
 echo "installing gossipd[$EXTRAS] into .venv (vLLM: a few minutes the first time)"

@@ -278,6 +278,13 @@ class FanoutConfig(Section):
     # much of its KV cache in use, is saturated and passed over while another is not.
     engine_waiting_saturated: Positive = 8
     engine_kv_cache_saturated_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
+    # The owner check (issue 17; docs/PROTOCOL.md "Fresh where placement looks"): forwards
+    # ask the owner to refuse at once ("saturated", with its load) when its engine is
+    # saturated as it reads it, and the next member is tried; this entry point passes a
+    # member over as saturated only on a load record at most load_trust_s old.  Off: the
+    # gossiped view alone decides (records of any age, or the Meta).
+    owner_check: bool = True
+    load_trust_s: Annotated[float, msgspec.Meta(ge=0.0, le=60.0)] = 0.5
 
     def __post_init__(self) -> None:
         if self.ack_delay_s * 10 > self.ack_timeout_s:

@@ -32,6 +32,7 @@ from gossipd.core.messages import ErrorCode, GpuState, LoadRecord, TaskDone, err
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
+from gossipd.fanout.engineload import EngineLoad
 from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
@@ -43,7 +44,7 @@ from gossipd.ingress.budgets import (
     recompute_forever,
 )
 from gossipd.ingress.journal import Journal
-from gossipd.ingress.service import Ingress
+from gossipd.ingress.service import Ingress, IngressCurve, IngressLinks
 from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
@@ -94,8 +95,16 @@ class Daemon:
         self.clock = clock  # every part reads the time from it (gossipd/clock.py)
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
-        self.security = _build_security(config, self._ctx)
-        self.sockets = SocketPool(self._ctx, clock=clock)  # every outgoing socket: gossip, replies, peers
+        # Membership (built in run()) tells which node an address is.
+        self.gossip: GossipService | None = None
+        self.security = _build_security(
+            config,
+            self._ctx,
+            node_at=lambda addr: self.gossip.node_at(addr) if self.gossip is not None else None,
+        )
+        self.sockets = SocketPool(
+            self._ctx, clock=clock
+        )  # every outgoing socket: gossip, replies, peers
         self.engine = build_engine(config)
         ic = config.ingress
         self.replies = ReplySender(
@@ -106,6 +115,17 @@ class Daemon:
             queue_max=ic.reply_queue_max,
             queue_bytes_max=ic.reply_queue_bytes_max,
         )
+        security = self.security
+        self.budget_gate: BudgetGate | None = None
+        if config.budgets.enabled:
+            self.budget_gate = BudgetGate(
+                config.budgets,
+                capacity_weight=config.gpu.capacity_weight,
+                retry_after_max_ms=ic.retry_after_max_ms,
+            )
+        # What the ingress calls in parts built after it (fan-out, admin): connected below
+        # and in _build_membership_and_fanout, before the first message is read.
+        self.links = IngressLinks()
         self.ingress = Ingress(
             ic,
             ctx=self._ctx,
@@ -114,13 +134,19 @@ class Daemon:
             node=self.node,
             refused_lines_per_s=config.log.refused_lines_per_s,
             clock=clock,
+            model=getattr(self.engine, "model", "") or self.engine.name,
+            curve=IngressCurve(
+                serve=lambda sock: security.serve(sock, DOMAIN_PRODUCERS),
+                producer_allowed=security.producer_allowed,
+            )
+            if security.curve
+            else None,
+            budget_gate=self.budget_gate,
+            links=self.links,
         )
-        security = self.security
         if security.curve:
             assert security.key_pair is not None
             pair = security.key_pair
-            self.ingress.serve_curve = lambda sock: security.serve(sock, DOMAIN_PRODUCERS)
-            self.ingress.producer_allowed = security.producer_allowed
             self.sockets.set_curve(
                 SocketKind.REPLY, public=pair.public, secret=pair.secret, route=split_reply_route
             )
@@ -132,24 +158,9 @@ class Daemon:
                     route=lambda addr: (addr, security.peer_server_key(addr)),
                 )
         self.notifier = Notifier(environ)
-        # StatusQuery and Drain, taken on the ingress (gossipd status, gossipd drain).
-        self.admin = Admin(
-            node=self.node,
-            ingress=self.ingress,
-            replies=self.replies,
-            engine=self.engine,
-            version=__version__,
-            engine_dead=lambda: self.engine_dead,
-        )
-        self.ingress.admin = self.admin.handle
-        self.budget_gate: BudgetGate | None = None
-        if config.budgets.enabled:
-            self.budget_gate = BudgetGate(
-                config.budgets,
-                capacity_weight=config.gpu.capacity_weight,
-                retry_after_max_ms=ic.retry_after_max_ms,
-            )
-            self.ingress.budget_gate = self.budget_gate
+        # StatusQuery and Drain, taken on the ingress (gossipd status, gossipd drain); built
+        # in run() once membership and fan-out exist (it reports on them).
+        self.admin: Admin | None = None
         self.journal: Journal | None = None
         if config.journal.path:
             try:
@@ -172,7 +183,6 @@ class Daemon:
         self._received_at_stop = 0
         self.metrics_port = 0
         self._metrics_token = _read_token(config.metrics.bearer_token_file)
-        self.gossip: GossipService | None = None
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
@@ -197,7 +207,7 @@ class Daemon:
             "gossip": self.gossip,
             "dispatcher": self.dispatcher,
             "load_gossip": self.load_gossip,
-            "admin": self.admin.statistics(),
+            "admin": self.admin.statistics() if self.admin is not None else {},
             "security": self.security,
             "budgets": self.budget_gate.statistics() if self.budget_gate else None,
             "leadership": self.leadership,
@@ -233,14 +243,25 @@ class Daemon:
         endpoint = _bind("ingress.bind", self.config.ingress.bind, self.ingress.bind)
         if self.config.gossip.bind:
             self.gossip, self.dispatcher = self._build_membership_and_fanout(endpoint)
-            self.admin.gossip, self.admin.dispatcher = self.gossip, self.dispatcher
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
+        self.admin = admin = Admin(
+            node=self.node,
+            ingress=self.ingress,
+            replies=self.replies,
+            engine=self.engine,
+            version=__version__,
+            engine_dead=lambda: self.engine_dead,
+            election=bool(self.config.etcd.endpoints),
+            gossip=self.gossip,
+            dispatcher=self.dispatcher,
+        )
+        self.links.admin = admin.handle
         self.leadership = build_leadership(
             self.config, node=self.node, gossip=self.gossip, clock=self.clock
         )
         if self.leadership is not None:
-            self.admin.on_drain.append(self.leadership.on_drain)
+            admin.on_drain.append(self.leadership.on_drain)
             from gossipd.leader.builtin import BuiltinDuties
 
             self.leader_duties = BuiltinDuties(
@@ -248,12 +269,12 @@ class Daemon:
                 node=self.node,
                 leadership=self.leadership,
                 gossip=self.gossip,
-                admin=self.admin,
+                admin=admin,
                 stop=self.request_stop,
                 wall=self.clock.wall,
             )
         if self.tracer is not None:
-            self.tracer.attach(self.ingress, self.dispatcher)
+            self.tracer.attach(self.ingress)
         if self.config.metrics.bind:
             _, self.metrics_port = serve_metrics(
                 self.config.metrics.bind,
@@ -264,7 +285,7 @@ class Daemon:
             async with asyncio.TaskGroup() as tg:
                 self.sockets.start()
                 self.replies.start(tg)
-                self.admin.start(tg)
+                admin.start(tg)
                 if self.dispatcher is not None:
                     self.dispatcher.start(tg)
                 self.ingress.start_receiving()
@@ -418,52 +439,38 @@ class Daemon:
         """Membership and fan-out, built in dependency order and wired here, the one place
         that knows them all (no part sets another's attributes)."""
         config, ingress = self.config, self.ingress
-        gossip = GossipService(
-            config,
-            node=self.node,
-            sockets=self.sockets,
-            engine=self.engine,
-            ingress_endpoint=endpoint,
-            rng=self.rng("membership"),
-            version=__version__,
-            security=self.security,
-            clock=self.clock,
-        )
-        self.security.node_at = gossip.node_at
-        # Per member: our forwards not yet done (bounded loads); the placer reads their sum
-        # from the forwarder (Forwarder.in_flight, wired by the Dispatcher).
-        loads: dict[str, int] = {}
-        local_ids: set[str] = set()  # our intake's tasks running here
-        placer = Placer(
-            config.fanout,
-            node=self.node,
-            ingress=ingress,
-            gossip=gossip,
-            loads=loads,
-            local_ids=local_ids,
-            clock=self.clock,
-        )
-        forwarder = Forwarder(
-            Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
-            node=self.node,
-            placement=placer,
-            admit_local=lambda task, at: ingress.admit(task, at, answer=False),
-            rng=self.rng("fanout"),
-            loads=loads,
-            local_ids=local_ids,
-        )
-        # The parts below call the dispatcher back; it exists by the time any message arrives.
-        dispatcher: Dispatcher | None = None
+        # Parts that call each other back reach the later ones through these names, bound
+        # below before any message is read (closures: no part sets another's attributes).
+        gossip: GossipService
+        placer: Placer
+        forwarder: Forwarder
+        dispatcher: Dispatcher
+        load_gossip: LoadGossip
+        # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the
+        # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
+        own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
+
+        # ...read from the engine itself (at most every 5 ms), not from gossip's 1 s sample:
+        # the owner check decides on it (fanout/engineload.py).
+        engine_load = EngineLoad(self.engine, clock=self.clock)
+
+        def load_record() -> LoadRecord:
+            stats = engine_load.read()
+            return own_load.current(
+                self.clock.monotonic(),
+                inflight=ingress.admission.pending,
+                waiting=stats.waiting_requests,
+                queued_tokens=stats.queued_tokens,
+                kv_ratio=stats.kv_cache_usage_ratio,
+            )
 
         def peer_replies(msgs: list[object]) -> None:
-            assert dispatcher is not None
             dispatcher.on_peer_replies(msgs)
 
         def send_to_member(member: str, msg: TaskDone) -> None:
-            assert dispatcher is not None
             dispatcher.send_to_member(member, msg)
 
-        journal = self.journal
+        security, journal = self.security, self.journal
         owner = OwnerEndpoint(
             config.fanout,
             ctx=self._ctx,
@@ -475,24 +482,56 @@ class Daemon:
             if journal is None
             else (lambda task, src: journal.mark_forwarded(task.id, src)),
             clock=self.clock,
+            task_bytes_max=config.ingress.message_bytes_max,  # as the ingress validates
+            load_record=load_record,
+            serve_curve=(lambda sock: security.serve(sock, DOMAIN_PEERS))
+            if security.curve
+            else None,
+            peer_allowed=security.peer_allowed if security.curve else None,
+            saturated=lambda: placer.engine_saturated(engine_load.read()),
         )
-        owner.task_bytes_max = config.ingress.message_bytes_max  # as the ingress validates
-        # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the
-        # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
-        own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
-
-        def load_record() -> LoadRecord:
-            gpu = gossip.last_gpu_state
-            return own_load.current(
-                self.clock.monotonic(),
-                inflight=ingress.admission.pending,
-                waiting=gpu.waiting_requests if gpu else 0,
-                queued_tokens=gpu.queued_tokens if gpu else 0,
-                kv_ratio=gpu.kv_cache_usage_ratio if gpu else 0.0,
-            )
-
-        owner.load_record = load_record
-        self.load_gossip = LoadGossip(
+        rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
+        gossip = GossipService(
+            config,
+            node=self.node,
+            sockets=self.sockets,
+            engine=self.engine,
+            ingress_endpoint=endpoint,
+            rng=self.rng("membership"),
+            version=__version__,
+            security=security,
+            clock=self.clock,
+            rpc_endpoint=rpc_endpoint,
+            model=ingress.model,
+            load=lambda: ingress.admission.pending,
+            prefixes=lambda: dispatcher.prefix_summary(),
+            on_loads=lambda records: load_gossip.on_loads(records),
+        )
+        # Per member: our forwards not yet done (bounded loads); the placer reads their sum
+        # from the forwarder (Forwarder.in_flight).
+        loads: dict[str, int] = {}
+        local_ids: set[str] = set()  # our intake's tasks running here
+        placer = Placer(
+            config.fanout,
+            node=self.node,
+            ingress=ingress,
+            gossip=gossip,
+            loads=loads,
+            local_ids=local_ids,
+            clock=self.clock,
+            in_flight=lambda: forwarder.in_flight(),
+            own_stats=engine_load.read,  # our own decisions: our current load too
+        )
+        forwarder = Forwarder(
+            Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
+            node=self.node,
+            placement=placer,
+            admit_local=lambda task, at: ingress.admit(task, at, answer=False),
+            rng=self.rng("fanout"),
+            loads=loads,
+            local_ids=local_ids,
+        )
+        self.load_gossip = load_gossip = LoadGossip(
             gossip,
             view=placer.load_view,
             on_load=placer.on_load,
@@ -500,11 +539,6 @@ class Daemon:
             rng=self.rng("load-gossip"),
             clock=self.clock,
         )
-        gossip.on_loads = self.load_gossip.on_loads
-        if self.security.curve:
-            security = self.security
-            owner.serve_curve = lambda sock: security.serve(sock, DOMAIN_PEERS)
-            owner.peer_allowed = security.peer_allowed
         dispatcher = Dispatcher(
             config.fanout,
             node=self.node,
@@ -514,20 +548,16 @@ class Daemon:
             owner=owner,
             send_error=lambda e: self._refuse_forward(e),
             clock=self.clock,
+            tracer=self.tracer,
         )
-        model = getattr(self.engine, "model", "") or self.engine.name
-        ingress.model = gossip.model = model
-        gossip.rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
-        gossip.load = lambda: ingress.admission.pending
-        gossip.prefixes = dispatcher.prefix_summary
+        # Subscriptions, and the ingress's links to fan-out (IngressLinks).
         gossip.listeners.append(dispatcher.member_event)
-        ingress.router = dispatcher.route
-        ingress.cancel_elsewhere = dispatcher.cancel_forwarded
-        ingress.rescue = dispatcher.hand_off
+        self.links.router = dispatcher.route
+        self.links.cancel_elsewhere = dispatcher.cancel_forwarded
+        self.links.rescue = dispatcher.hand_off
         ingress.on_admitted.append(placer.record_prefix)
         ingress.on_released.append(dispatcher.task_finished)
         ingress.on_refused.append(dispatcher.task_finished)
-        forwarder = dispatcher.forwarder  # (one call less per task than via the dispatcher)
         ingress.on_finished.append(lambda owned, _result: forwarder.local_finished(owned.task.id))
         ingress.on_finished.append(owner.task_finished)
         return gossip, dispatcher
@@ -597,7 +627,7 @@ class Daemon:
         self.ingress.begin_shutdown()  # tasks for us now go elsewhere or get shutting_down
         handed_off = 0
         if self.dispatcher is not None:
-            self.dispatcher.placer.draining = True
+            self.dispatcher.set_draining(True)
             for task, received_at in self.ingress.take_queued():
                 if await self.dispatcher.hand_off(task, received_at):
                     handed_off += 1
@@ -639,7 +669,9 @@ class Daemon:
         )
 
 
-def _build_security(config: Config, ctx: zmq.Context) -> Security:
+def _build_security(
+    config: Config, ctx: zmq.Context, node_at: Callable[[str], str | None]
+) -> Security:
     """CURVE on (keys loaded, the ZAP handler bound), or off: then only on loopback (one
     warning line) unless security.insecure; a non-loopback bind without CURVE stops start-up."""
     sc = config.security
@@ -651,6 +683,7 @@ def _build_security(config: Config, ctx: zmq.Context) -> Security:
             peer_keys_dir=sc.peer_keys_dir,
             producer_keys_dir=sc.producer_keys_dir,
             refused_lines_per_s=config.log.refused_lines_per_s,
+            node_at=node_at,
         )
     binds = [("ingress.bind", config.ingress.bind)]
     if config.gossip.bind:

@@ -235,6 +235,7 @@ class Security:
         peer_keys_dir: str = "",
         producer_keys_dir: str = "",
         refused_lines_per_s: float = 5.0,
+        node_at: Callable[[str], str | None] = lambda addr: None,
     ) -> None:
         self.curve = curve
         self.key_pair = key_pair
@@ -244,8 +245,8 @@ class Security:
         self.zap: ZapHandler | None = None
         self._src_log = RateLimiter(refused_lines_per_s)
         # Address -> node, for the server key of an outgoing gossip or rpc connection (the
-        # daemon sets it: the membership table and named seeds).
-        self.node_at: Callable[[str], str | None] = lambda addr: None
+        # membership table and named seeds).
+        self.node_at = node_at
         if curve:
             assert self.peers is not None and self.producers is not None
             for what, keys in (

@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from gossipd.core.messages import pack_replies
 from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
@@ -34,6 +35,7 @@ POLLOUT = int(zmq.POLLOUT)
 NOBLOCK = int(zmq.NOBLOCK)
 SNDMORE_NOBLOCK = int(zmq.SNDMORE) | NOBLOCK
 _REPLY = SocketKind.REPLY  # read per reply: a global (see core/admission.py on enums)
+_NONE: list[bytes] = []  # an empty default, never appended to
 
 RECHECK_S = 0.05
 
@@ -245,12 +247,13 @@ class ReplyStatistics:
 
 
 class _Peer:
-    __slots__ = ("batch", "endpoint", "flusher", "queue", "sock", "waiters")
+    __slots__ = ("batch", "endpoint", "flusher", "packed", "queue", "sock", "waiters")
 
     def __init__(self, endpoint: str, sock: zmq.Socket) -> None:
         self.endpoint = endpoint
         self.sock = sock
         self.batch: list[bytes] = []  # sent together at the end of this loop turn
+        self.packed: list[bytes] = []  # also, but as Replies frames (``send(..., pack=True)``)
         self.queue: deque[bytes] = deque()
         self.flusher: asyncio.Task[None] | None = None
         # when_sent callbacks: called once batch and queue are empty (handed to ZeroMQ, or
@@ -311,6 +314,11 @@ class ReplySender:
     streamed tasks of one producer, that is one send and one wake-up of the producer instead
     of 32.  When the last turn sent one reply at most (light load), a turn's first reply
     leaves at once instead: a lone reply does not wait for the rest of the turn.
+
+    Replies sent with ``pack=True`` (tasks whose producer set ``batch_replies``) that leave
+    together go as Replies frames instead, several in one frame (``messages.pack_replies``):
+    under CURVE libzmq encrypts each frame on its own, about 1 us of CPU per frame at each
+    end here, so a turn's 32 Results cost one encryption instead of 32.
     """
 
     def __init__(
@@ -362,8 +370,9 @@ class ReplySender:
         self._peers[endpoint] = peer
         return peer
 
-    def send(self, endpoint: str, frame: bytes) -> None:
-        """Queue ``frame`` for ``endpoint`` (already validated as connectable)."""
+    def send(self, endpoint: str, frame: bytes, pack: bool = False) -> None:
+        """Queue ``frame`` for ``endpoint`` (already validated as connectable); ``pack``: the
+        producer takes Replies frames (``Task.batch_replies``)."""
         if self._closed:
             return
         peer = self._peers.get(endpoint)
@@ -376,11 +385,14 @@ class ReplySender:
             self._pool.touch(_REPLY, endpoint)
             self._send_now(peer, [frame])
             return
-        if not peer.batch:
+        if not (peer.batch or peer.packed):
             # A use of the socket (LRU, idle close): once per turn, not per reply.
             self._pool.touch(_REPLY, endpoint)
             self._batched.append(peer)
-        peer.batch.append(frame)
+        if pack:
+            peer.packed.append(frame)
+        else:
+            peer.batch.append(frame)
 
     def when_sent(self, endpoint: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` once nothing sent to ``endpoint`` so far is held here any more:
@@ -390,7 +402,7 @@ class ReplySender:
         task's Result: a forwarder that forgot a task whose Result never left could not
         migrate it)."""
         peer = self._peers.get(endpoint)
-        if peer is None or not (peer.batch or peer.queue):
+        if peer is None or not (peer.batch or peer.packed or peer.queue):
             callback()
         else:
             peer.waiters.append(callback)
@@ -400,27 +412,32 @@ class ReplySender:
         batched, self._batched = self._batched, []
         for peer in batched:
             frames, peer.batch = peer.batch, []
-            if not peer.sock.closed and frames:
-                self._send_now(peer, frames)
+            packed, peer.packed = peer.packed, []
+            if not peer.sock.closed and (frames or packed):
+                self._send_now(peer, frames, packed)
             if peer.waiters and not peer.queue:
                 peer.release_waiters()
 
-    def _send_now(self, peer: _Peer, frames: list[bytes]) -> None:
-        """``frames`` as one message, or into the address's queue if it cannot go now."""
+    def _send_now(self, peer: _Peer, frames: list[bytes], packed: list[bytes] = _NONE) -> None:
+        """``frames``, and ``packed`` as Replies frames, as one message; or all of them into
+        the address's queue (unpacked) if it cannot go now."""
         if not peer.queue:
+            parts = frames + pack_replies(packed) if packed else frames
             try:
                 send = peer.sock.send
                 # Parts sent one by one, as send_multipart does, but with the flags as one
                 # int: pyzmq's ``SNDMORE | flags`` builds an IntFlag per part (~0.47 us,
                 # once per reply).  The first part's zmq.Again leaves nothing queued.
-                for frame in frames[:-1]:
+                for frame in parts[:-1]:
                     send(frame, SNDMORE_NOBLOCK)
-                send(frames[-1], NOBLOCK)
-                self._sent += len(frames)
+                send(parts[-1], NOBLOCK)
+                self._sent += len(frames) + len(packed)
                 return
             except zmq.Again:
                 pass  # nothing of a multipart message goes unless all of it does
         for frame in frames:
+            self._enqueue(peer, frame)
+        for frame in packed:
             self._enqueue(peer, frame)
 
     def _enqueue(self, peer: _Peer, frame: bytes) -> None:
@@ -459,7 +476,7 @@ class ReplySender:
                     continue
         finally:
             peer.flusher = None
-        if peer.waiters and not peer.batch:
+        if peer.waiters and not (peer.batch or peer.packed):
             peer.release_waiters()
 
     def _on_socket_closed(self, endpoint: str, reason: CloseReason) -> None:
@@ -472,10 +489,11 @@ class ReplySender:
             self._closed_idle += 1
         if peer.flusher is not None:
             peer.flusher.cancel()
-        self._dropped_undeliverable += len(peer.queue) + len(peer.batch)
+        self._dropped_undeliverable += len(peer.queue) + len(peer.batch) + len(peer.packed)
         self._queued_bytes -= sum(map(len, peer.queue))
         peer.queue.clear()
         peer.batch.clear()
+        peer.packed.clear()
         peer.release_waiters()  # nothing is held for the address any more
 
     async def flush(self, timeout_s: float) -> None:
@@ -497,7 +515,7 @@ class ReplySender:
         return ReplyStatistics(
             sockets_open=len(self._peers),
             sent=self._sent,
-            queued=sum(len(p.queue) + len(p.batch) for p in self._peers.values()),
+            queued=sum(len(p.queue) + len(p.batch) + len(p.packed) for p in self._peers.values()),
             dropped_undeliverable=self._dropped_undeliverable,
             dropped_queue_full=self._dropped_queue_full,
             sockets_closed_idle=self._closed_idle,

@@ -102,6 +102,9 @@ class FanoutRun:
     trace_task: str = ""  # record this task's events (replay of a violation)
     progress: Callable[[str], None] | None = None
     forwarder_class: type[Forwarder] = Forwarder
+    # The owner check (issue 17): an owner with this many tasks waiting for a slot takes its
+    # engine as saturated and refuses Forwards asking if_free ("saturated"); 0: never.
+    saturated_waiting: int = 0
 
 
 class SimPlacement:
@@ -235,6 +238,15 @@ class SimDaemon:
     def on_peer(self, src: str, msg: object) -> None:
         now = self.world.now
         if isinstance(msg, Forward):
+            waiting_max = self.world.run.saturated_waiting
+            if msg.if_free and waiting_max and len(self.queue) >= waiting_max:
+                self.world.refused_saturated += 1
+                self.world.trace(msg.task.id, self.name, f"refuses it: saturated (from {src})")
+                refusal = ForwardReply(
+                    req=msg.req, node=self.name, accepted=False, code=ErrorCode.SATURATED.value
+                )
+                self.world.send_peer(self, src, refusal)
+                return
             received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
             verdict = self.admit(msg.task, received_at, forwarder=src)
             accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
@@ -345,6 +357,7 @@ class World:
         self.forwarder_settings = ForwarderSettings.of(self.fanout_config, retry_after_ms=200)
         self.heap: list[tuple[float, float, int, int, int, object]] = []
         self.seq = 0
+        self.refused_saturated = 0  # Forwards refused by the owner check
         self.digest = hashlib.blake2b(digest_size=16)
         self.events = 0
         names = [f"d{i:04d}" for i in range(run.nodes)]
@@ -840,6 +853,7 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "duplicates_by_fault": world.duplicates_by_fault,
         "invariant_violations": len(world.violations),
         "violations": world.violations[:20],
+        "refused_saturated": world.refused_saturated,
         "latency_p50_s": _pct(latencies, 0.5),
         "latency_p99_s": _pct(latencies, 0.99),
         "simulated_s": round(world.now, 3),

@@ -45,6 +45,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--crash-share", type=float, default=0.2)
     p.add_argument(
+        "--saturated-waiting",
+        type=int,
+        default=0,
+        help="owners with this many tasks waiting refuse if_free Forwards (0: never saturated)",
+    )
+    p.add_argument(
         "--queue-wait-target-s",
         type=float,
         default=0.0,
@@ -93,6 +99,7 @@ def main(argv: list[str]) -> int:
         progress=show,
         crash_at_s=-1.0,
         crash_share=args.crash_share,
+        saturated_waiting=args.saturated_waiting,
     )
     if args.degrade:
         run.faults = ()

@@ -15,6 +15,9 @@ for them waits until they resume; timers first, as in an event loop), and CPU-st
 Messages travel as objects (``wire=False``, the default): a member's core encodes each message
 it sends only to count its bytes, and the receiver gets the sender's (frozen) message object
 instead of decoding those bytes: what decoding them would give, at a fraction of the cost.
+A push-pull that fits in one page is not even encoded: its records are objects, most of them
+the shared base's, and the core counts its encoded size from the base's encoded records
+(``SwimNode.send_page``); a page of a longer exchange comes encoded and is decoded once.
 The size limit a receiver enforces on the bytes (``message_bytes_max``) is enforced on the
 counted size.  ``wire=True`` sends bytes and decodes them, as a daemon does; one seed gives
 the same trace either way (tests/test_swim.py).
@@ -28,11 +31,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from gossipd.core.membership import MemberEvent, shared_base
-from gossipd.core.messages import GossipMessage, PushPull, encode_gossip
-from gossipd.core.sharedtable import SharedBase, SharedRecords
+from gossipd.core.messages import GossipMessage, PushPull, decode_gossip, encode_gossip
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.datagrams import OnFrame
@@ -59,51 +59,31 @@ class NetworkModel:
         return delay
 
 
-def _array_header_bytes(n: int) -> int:
-    """The msgpack array header's size for ``n`` items."""
-    return 1 if n < 16 else 3 if n < 1 << 16 else 5
-
-
-class RecordBytes:
-    """The encoded size of a push-pull whose records are mostly a shared base's
-    (``SharedRecords``): each shared record is encoded once, and a push-pull encodes only its
-    header and own records.  The same count as encoding it whole (tests/test_swim.py)."""
-
-    def __init__(self) -> None:
-        self._base: SharedBase | None = None
-        self._sizes: dict[str, int] = {}
-        self._total = 0
-
-    def push_pull_bytes(self, msg: PushPull, records: SharedRecords) -> int:
-        if records.base is not self._base:
-            self._base = records.base
-            self._sizes = {k: len(encode_gossip(r)) for k, r in records.base.record_map().items()}
-            self._total = sum(self._sizes.values())
-        explicit = records[: records.explicit]
-        head = len(encode_gossip(msgspec.structs.replace(msg, members=explicit)))
-        sizes = self._sizes
-        shared = self._total - sum(sizes[k] for k in records.hidden if k in sizes)
-        return (
-            head - _array_header_bytes(len(explicit)) + _array_header_bytes(len(records)) + shared
-        )
-
-
 class SimSwimNode(SwimNode):
     """A SWIM core whose sent messages stay objects (with their encoded size) for the
     simulated network to hand over, instead of bytes for the receiver to decode."""
 
-    def __init__(self, *args: object, record_bytes: RecordBytes, **kwargs: object) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         self.sent_messages: list[tuple[str, GossipMessage, int]] = []
-        self.record_bytes = record_bytes
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def send(self, addr: str, msg: GossipMessage) -> None:
-        if type(msg) is PushPull and type(msg.members) is SharedRecords:
-            size = self.record_bytes.push_pull_bytes(msg, msg.members)
-        else:
-            size = len(encode_gossip(msg))
+        size = len(encode_gossip(msg))
         self.count_sent(msg, size)
         self.sent_messages.append((addr, msg, size))
+
+    def send_page(self, addr: str, msg: PushPull, size_bytes: int) -> None:
+        """A push-pull of a shared table in one page (core/antientropy.py): the object, with
+        the size its encoding has (tests/test_swim_shared.py), neither encoded nor decoded."""
+        self.count_sent(msg, size_bytes)
+        self.sent_messages.append((addr, msg, size_bytes))
+
+    def send_encoded(self, addr: str, name: str, data: bytes) -> None:
+        """A page of a push-pull of several pages, already encoded: decoded here once, as its
+        receiver would (the rare case: a table larger than a page)."""
+        msg = decode_gossip(data, bytes_max=len(data))
+        self.count_sent_as(name, len(data))
+        self.sent_messages.append((addr, msg, len(data)))
 
     def take_sent(self) -> list[tuple[str, GossipMessage, int]]:
         out, self.sent_messages = self.sent_messages, []
@@ -156,7 +136,6 @@ class Simulation:
         messages travel as bytes and are decoded (slower; the same trace)."""
         self.seed = seed
         self.wire = wire
-        self._record_bytes = RecordBytes()
         self.rng = random.Random(seed)
         self.config = config or SwimConfig.sim()
         self.net = network or NetworkModel()
@@ -200,7 +179,6 @@ class Simulation:
             )
         return SimSwimNode(
             self.config,
-            record_bytes=self._record_bytes,
             node=name,
             addr=addr,
             rng=node_rng,

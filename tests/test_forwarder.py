@@ -276,6 +276,7 @@ action = st.one_of(
     st.tuples(st.just("route"), st.integers(0, 7)),
     st.tuples(st.just("accept"), st.integers(0, 50)),
     st.tuples(st.just("refuse"), st.integers(0, 50)),
+    st.tuples(st.just("saturated"), st.integers(0, 50)),
     st.tuples(st.just("done"), st.integers(0, 50)),
     st.tuples(st.just("dead"), st.sampled_from(["a", "b", "c"])),
     st.tuples(st.just("time"), st.sampled_from([0.0005, 0.0021, 0.01, 0.1, 0.6])),
@@ -288,16 +289,20 @@ action = st.one_of(
     hedge=st.booleans(),
     local=st.sampled_from([Verdict.ADMIT, Verdict.OVERLOADED]),
     seed=st.integers(0, 2**32),
+    owner_check=st.booleans(),
 )
 def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
-    actions: list[tuple[str, object]], hedge: bool, local: Verdict, seed: int
+    actions: list[tuple[str, object]], hedge: bool, local: Verdict, seed: int, owner_check: bool
 ) -> None:
     """Whatever happens (replies in any order, duplicates, silences, deaths, hedges): loads
     always equal the forwards awaiting an answer plus the ledger's entries; a task refused to
     its producer is never ledgered and never refused twice; once the timers run out nothing
     is pending and every routed task has ended exactly one way: run here, held by a member
     (ledgered), reported done by its member, or refused."""
-    fw, placement = _forwarder(MEMBERS, hedge=hedge, hedge_budget=1.0, local=local, seed=seed)
+    fw, placement = _forwarder(
+        MEMBERS, hedge=hedge, hedge_budget=1.0, local=local, seed=seed, owner_check=owner_check
+    )
+    saturated_by: dict[str, set[str]] = {}  # task id -> members that refused it as saturated
     # Hedging starts once 32 ack times are known: acks of 1 ms make it hedge after 2 ms.
     now = _warm_ack_times(fw, "a", 40, 0.001) if hedge else 0.0
     sent: list[tuple[str, Forward]] = []
@@ -309,7 +314,12 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
         for addr, msg in fw.take_outbox():
             if isinstance(msg, Forward):
                 assert addr != "addr-me", "never forwards to itself"
-                sent.append((addr.removeprefix("addr-"), msg))
+                member = addr.removeprefix("addr-")
+                # Rule 7: every Forward asks if_free, but the one plain re-ask of a member
+                # that refused the task as saturated.
+                plain_reask = member in saturated_by.get(msg.task.id, set())
+                assert msg.if_free == (owner_check and not plain_reask), (member, msg)
+                sent.append((member, msg))
         for event in fw.take_events():
             assert isinstance(event, Refuse)
             assert event.task.id not in refused, "refused twice"
@@ -321,6 +331,11 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
             if task_id not in routed:
                 routed.add(task_id)
                 fw.route(_task(int(arg)), now)  # type: ignore[call-overload]
+        elif kind == "saturated" and sent:
+            member, fwd = sent[int(arg) % len(sent)]  # type: ignore[call-overload]
+            if fwd.if_free:  # an owner refuses as saturated only what asked if_free
+                saturated_by.setdefault(fwd.task.id, set()).add(member)
+                fw.on_reply(_reply(fwd, member, False, "saturated", 5), now)
         elif kind in ("accept", "refuse") and sent:
             member, fwd = sent[int(arg) % len(sent)]  # type: ignore[call-overload]
             accepted = kind == "accept"
@@ -386,9 +401,7 @@ def test_Forwarder_one_overloaded_among_silent_members_answers_overloaded() -> N
 
 
 def _keyed(producer_key: str) -> Task:
-    return Task(
-        v=1, id="t0", prompt="p", reply_to="tcp://127.0.0.1:9", producer_key=producer_key
-    )
+    return Task(v=1, id="t0", prompt="p", reply_to="tcp://127.0.0.1:9", producer_key=producer_key)
 
 
 def test_Forwarder_passes_a_Cancel_on_only_from_the_tasks_key_with_that_key() -> None:
@@ -438,3 +451,73 @@ def test_Forwarder_id_in_use_is_final_and_withdraws_a_racing_hedge() -> None:
     [(_, fwd)] = _forwards(quiet.take_outbox())
     quiet.on_reply(_reply(fwd, "a", False, ErrorCode.ID_IN_USE), 0.001)
     assert quiet.take_events() == [HandedOff(_keyed("B" * 40), False)]
+
+
+# -- rule 7: the owner check ------------------------------------------------------------------
+
+
+def test_Forwarder_saturated_refusal_tries_the_next_member_at_once() -> None:
+    fw, _ = _forwarder(["a", "b"], owner_check=True, backoff_base_s=0.05)
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    assert fwd.if_free
+    fw.on_reply(_reply(fwd, "a", False, "saturated"), 0.001)
+    [(addr, second)] = _forwards(fw.take_outbox())  # no backoff: another member's queue
+    assert addr == "addr-b" and second.if_free and second.attempt == 2
+    fw.on_reply(_reply(second, "b", True), 0.002)
+    assert fw.ledger.get("t0").owner == "b"  # type: ignore[union-attr]
+    assert not fw.take_events() and fw.loads == {"a": 0, "b": 1}
+
+
+def test_Forwarder_without_the_owner_check_forwards_do_not_ask_if_free() -> None:
+    fw, _ = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    assert not fwd.if_free
+
+
+def test_Forwarder_saturated_everywhere_asks_the_first_that_refused_plainly() -> None:
+    """All members refuse as saturated: the task still queues (at the first that refused),
+    as it would without the check, with one plain Forward beyond attempts_max."""
+    fw, _ = _forwarder(["a", "b", "c"], owner_check=True, attempts_max=3)
+    fw.route(_task(), 0.0)
+    now = 0.0
+    for member in ("a", "b", "c"):
+        [(addr, fwd)] = _forwards(fw.take_outbox())
+        assert addr == f"addr-{member}" and fwd.if_free
+        now += 0.001
+        fw.on_reply(_reply(fwd, member, False, "saturated", 40), now)
+    [(addr, plain)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a" and not plain.if_free and plain.attempt == 4
+    fw.on_reply(_reply(plain, "a", True), now + 0.001)
+    assert fw.ledger.get("t0").owner == "a"  # type: ignore[union-attr]
+    assert not fw.take_events() and fw.next_deadline() == float("inf")
+
+
+def test_Forwarder_saturated_then_overloaded_answers_overloaded() -> None:
+    fw, _ = _forwarder(["a", "b"], owner_check=True, attempts_max=2)
+    fw.route(_task(), 0.0)
+    for member in ("a", "b"):
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        fw.on_reply(_reply(fwd, member, False, "saturated", 30), 0.001)
+    [(_, plain)] = _forwards(fw.take_outbox())
+    assert not plain.if_free
+    fw.on_reply(_reply(plain, "a", False, "overloaded", 70), 0.002)
+    fw.tick(fw.next_deadline())
+    assert not _forwards(fw.take_outbox()), "asked plainly once, not again"
+    [refuse] = fw.take_events()
+    assert isinstance(refuse, Refuse) and refuse.code is ErrorCode.OVERLOADED
+    assert refuse.retry_after_ms == 70 and "a: saturated" in refuse.message
+
+
+def test_Forwarder_a_saturated_copy_waits_while_its_hedge_races() -> None:
+    fw, _ = _forwarder(["a", "b", "c"], hedge=True, hedge_budget=1.0, owner_check=True)
+    now = _warm_ack_times(fw, "a", 64, 0.001)
+    fw.route(_task(), now)
+    [(_, first)] = _forwards(fw.take_outbox())
+    fw.tick(fw.next_deadline())
+    [(_, copy)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(first, "a", False, "saturated"), now + 0.003)
+    assert _forwards(fw.take_outbox()) == [], "no third member while the copy may win"
+    fw.on_reply(_reply(copy, "b", True), now + 0.004)
+    assert fw.ledger.get("t0").owner == "b" and not fw.take_events()  # type: ignore[union-attr]

@@ -209,6 +209,8 @@ gossip_map = fields(
         "reply": st.booleans(),
         "join": st.booleans(),
         "members": st.lists(record_map, max_size=4),
+        "page": st.integers(-2, 2**31 + 1) | st.sampled_from([0, 1]),  # push-pull pages
+        "more": st.booleans(),
     }
 )
 peer_item_map = fields(
@@ -221,6 +223,7 @@ peer_item_map = fields(
         "task": task_map,
         "remaining_ms": nat,
         "attempt": nat,
+        "if_free": st.booleans() | st.integers(0, 1),  # the owner check (non-bool: refused)
         "accepted": st.booleans(),
         "code": st.text(max_size=10),
         "message": st.text(max_size=10),
@@ -375,6 +378,8 @@ def gossip_messages(draw: st.DrawFn) -> Any:
             reply=draw(st.booleans()),
             join=draw(st.booleans()),
             members=draw(st.lists(records, max_size=5)),
+            page=draw(st.integers(0, 3)),
+            more=draw(st.booleans()),
         )
     return GossipOnly(**header)
 

@@ -14,7 +14,12 @@ from tests.helpers import RawProducer, scrape, wait_until
 @pytest.fixture
 def cluster(tmp_path):  # type: ignore[no-untyped-def]
     # Load gossip off: what the entry point knows of the owner's load came on its replies.
-    overrides = ['metrics.bind="127.0.0.1:0"', "gossip.load_interval_s=0"]
+    # The owner check off: this is about the state the entry point itself holds.
+    overrides = [
+        'metrics.bind="127.0.0.1:0"',
+        "gossip.load_interval_s=0",
+        "fanout.owner_check=false",
+    ]
     c = Cluster(2, log_dir=str(tmp_path / "c"), extra_overrides=overrides)
     c.start()
     try:
@@ -75,5 +80,36 @@ def test_load_gossip_tells_every_member_the_others_load_without_any_task(tmp_pat
         m = scrape(c.daemons[0].metrics_port)
         assert m["gossipd_load_gossip_sent_messages_total"] > 0
         assert m["gossipd_load_gossip_received_records_total"] > 0
+    finally:
+        c.stop()
+
+
+def test_with_the_owner_check_every_decision_on_a_member_is_left_to_its_own_check(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """fanout.owner_check (the default): the entry point's Forwards ask if_free, the owner
+    (not saturated) admits them, and each decision is counted as owner-checked: the state
+    it used is the owner's own, read as the Forward reached it."""
+    overrides = ['metrics.bind="127.0.0.1:0"', "gossip.load_interval_s=0"]
+    c = Cluster(2, log_dir=str(tmp_path / "c"), extra_overrides=overrides)
+    c.start()
+    try:
+        c.wait_converged(timeout_s=20)
+        c.wait_meta(timeout_s=20)
+        entry, owner = c.daemons
+        ring = Ring({"d00": 1.0, "d01": 1.0})
+        keys = [k for k in (f"chk-{i}" for i in range(200)) if ring.owner(k) == "d01"][:4]
+        producer = RawProducer(entry.endpoint)
+        try:
+            for i, key in enumerate(keys):
+                producer.send_task(f"c{i}", "a b c", key=key, params={"max_tokens": 2})
+            results = producer.results(len(keys), timeout_s=10)
+            assert all(r["ok"] and r["node"] == "d01" for r in results), results
+        finally:
+            producer.close()
+        metrics = scrape(entry.metrics_port)
+        assert metrics["gossipd_placement_state_owner_checked_total"] == len(keys)
+        assert metrics["gossipd_placement_state_unknown_total"] == 0.0
+        assert scrape(owner.metrics_port)["gossipd_fanout_refused_saturated_total"] == 0.0
     finally:
         c.stop()

@@ -22,14 +22,18 @@ from gossipd.core.messages import (
     SamplingParams,
     Task,
     TaskDone,
+    Tasks,
     Withdraw,
     decode_peer,
+    decode_replies,
     decode_reply,
     decode_task,
     encode,
     encode_peer,
     endpoint_problem,
     error_result,
+    pack_replies,
+    pack_tasks,
 )
 from gossipd.errors import ProtocolError, RemoteProtocolError
 
@@ -391,3 +395,59 @@ def test_unknown_and_malformed_admin_messages_are_refused_by_reason(
     assert words in info.value.hint
     if "reply_to" not in fields:
         assert info.value.reply_to == "tcp://127.0.0.1:9"  # so it can be answered
+
+
+reply_items = st.one_of(
+    st.builds(Chunk, id=st.text(min_size=1, max_size=8), seq=st.integers(0, 99), delta=st.text()),
+    st.builds(Result, id=st.text(max_size=8), ok=st.just(True), text=st.text(max_size=64)),
+)
+
+
+@given(st.lists(reply_items, min_size=1, max_size=40), st.integers(1, 2000))
+def test_pack_replies_keeps_every_reply_in_order_within_the_frame_limit(
+    items: list[Chunk | Result], bytes_max: int
+) -> None:
+    frames = [encode(item) for item in items]
+    packed = pack_replies(frames, bytes_max)
+    assert [r for frame in packed for r in decode_replies(frame)] == items
+    for frame in packed:
+        raw = msgpack.unpackb(frame)
+        if raw["t"] == 5:  # a Replies frame: plain MessagePack, as PROTOCOL.md says
+            assert raw["v"] == PROTOCOL_VERSION and len(raw["items"]) >= 2
+            # Only the head (at most 18 bytes) over the limit on the replies.
+            assert len(frame) <= bytes_max + 18
+        else:  # a lone reply goes as itself
+            assert frame in frames
+
+
+@pytest.mark.parametrize("count", [15, 16, 65_535, 65_536])
+def test_pack_replies_writes_each_msgpack_array_size(count: int) -> None:
+    frame = encode(Result(id="x", ok=True))
+    (packed,) = pack_replies([frame] * count, bytes_max=len(frame) * count)
+    assert len(msgpack.unpackb(packed)["items"]) == count
+
+
+def test_decode_replies_refuses_what_is_not_replies() -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode_replies(msgpack.packb({"v": 1, "t": 5, "items": [{"t": 1}]}))
+    with pytest.raises(RemoteProtocolError):
+        decode_replies(b"\xc1")
+
+
+@given(st.lists(tasks, min_size=1, max_size=20))
+def test_pack_tasks_is_a_Tasks_frame_whose_items_decode_as_sent(items: list[Task]) -> None:
+    from gossipd.core.messages import decode_intake
+
+    frames = [encode(task) for task in items]
+    batch = decode_intake(pack_tasks(frames), bytes_max=LIMIT * 64)
+    assert type(batch) is Tasks and [bytes(raw) for raw in batch.items] == frames
+    assert [decode_intake(raw, bytes_max=LIMIT) for raw in batch.items] == items
+    raw = msgpack.unpackb(pack_tasks(frames))  # plain MessagePack, as PROTOCOL.md says
+    assert raw["t"] == 6 and raw["v"] == PROTOCOL_VERSION and len(raw["items"]) == len(items)
+
+
+def test_an_empty_Tasks_frame_is_refused() -> None:
+    from gossipd.core.messages import decode_intake
+
+    with pytest.raises(RemoteProtocolError):
+        decode_intake(msgpack.packb({"v": 1, "t": 6, "items": []}), bytes_max=LIMIT)

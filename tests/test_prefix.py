@@ -123,3 +123,19 @@ def test_the_index_takes_the_member_tables_compact_arrays_as_they_are() -> None:
     index.set_member("a", array("I", [5]))
     index.set_member("a", array("I", [5]))  # the same again: nothing to do
     assert index.holders([9]) == [] and index.holders([5]) == [(1, frozenset({"a"}))]
+
+
+def test_remembered_holders_are_forgotten_when_summaries_change_or_too_many_are_kept() -> None:
+    from gossipd.core import prefix
+
+    index = PrefixIndex(merge_pairs=1)
+    index.set_member("a", [1, 2])
+    assert index.holders([1]) == [(1, frozenset({"a"}))]
+    index.set_member("b", [1])  # adds 1: its remembered holders are forgotten
+    assert index.holders([1]) == [(1, frozenset({"a", "b"}))]
+    index.set_member("a", [2])  # removes 1
+    assert index.holders([1]) == [(1, frozenset({"b"}))]
+    many = list(range(100, 100 + prefix.MEMO_MAX))
+    assert index.holders(many) == []  # more than MEMO_MAX remembered: all forgotten once
+    assert len(index._memo) <= prefix.MEMO_MAX
+    assert index.holders([1, 2]) == [(2, frozenset({"a"})), (1, frozenset({"b"}))]

@@ -170,11 +170,17 @@ def test_the_owner_keeps_its_keys_unless_its_engine_is_saturated() -> None:
 weight_sets = st.lists(st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0]), min_size=1, max_size=120)
 
 
-@given(weight_sets, st.lists(st.text(max_size=12), min_size=1, max_size=20), st.integers(0, 99))
+@given(
+    weight_sets,
+    st.lists(st.text(max_size=12), min_size=1, max_size=20),
+    st.integers(0, 99),
+    st.booleans(),
+)
 def test_vectorised_scoring_gives_the_scalar_owner_and_order(
-    weights: list[float], keys: list[str], salt: int
+    weights: list[float], keys: list[str], salt: int, kernels: bool
 ) -> None:
-    ring = Ring({f"m{salt}-{i}": w for i, w in enumerate(weights)}, cache_max=1)
+    # kernels: the compiled kernels (core/hrw.py) where Numba is installed, else NumPy's.
+    ring = Ring({f"m{salt}-{i}": w for i, w in enumerate(weights)}, cache_max=1, kernels=kernels)
     for k in keys:
         kh = key_hash(k)
         assert ring.members[ring._best_vector(kh)] == ring._best(k) == ring.owner(k)
@@ -210,11 +216,13 @@ def test_many_members_score_the_same_with_numpy_and_one_at_a_time() -> None:
     import numpy as np
 
     rng = random.Random(5)
-    for weights in (
-        {f"g{i}": 1.0 for i in range(300)},
-        {f"g{i}": 1.0 + i % 3 for i in range(300)},
+    for weights, kernels in (
+        ({f"g{i}": 1.0 for i in range(300)}, False),
+        ({f"g{i}": 1.0 + i % 3 for i in range(300)}, False),
+        ({f"g{i}": 1.0 for i in range(300)}, True),
+        ({f"g{i}": 1.0 + i % 3 for i in range(300)}, True),
     ):
-        ring = Ring(weights, cache_max=1)
+        ring = Ring(weights, cache_max=1, kernels=kernels)
         for k in KEYS[:200]:
             assert ring.owner(k) == ring._best(k)
         for k in KEYS[:20]:
@@ -248,3 +256,109 @@ def test_load_counts_keep_their_sum(ops: list[tuple[str, int, int]]) -> None:
         assert counts.total == sum(counts.values())
     counts.clear()
     assert counts.total == 0
+
+
+# -- the compiled kernels (core/hrw.py): the same selection as NumPy's argmax ----------------
+
+
+def _mixed_numpy(seeds_a, ka):  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    x = (seeds_a ^ ka) * np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _expected_top(x, lo: int, hi: int, k: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """What Ring.top's repeated argmax selects: larger first, the lower index first among
+    equal values (a stable sort of all: the reference, not the fast way)."""
+    import numpy as np
+
+    order = np.argsort(~x[lo:hi], kind="stable")[:k]
+    return [lo + int(j) for j in order]
+
+
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=700),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 700),
+    st.integers(0, 700),
+    st.integers(1, 40),
+    st.booleans(),
+    st.booleans(),
+)
+def test_kernels_select_what_argmax_selects(
+    seeds: list[int], kh: int, a: int, b: int, k: int, repeat: bool, compiled: bool
+) -> None:
+    """Uncompiled (the Python functions: their branches are the ones compiled) and compiled,
+    over chunk boundaries, empty and short ranges, and equal values (repeated seeds)."""
+    import numpy as np
+
+    from gossipd.core import hrw
+
+    kernels = hrw.load() if compiled else {"best": hrw.best, "top": hrw.top}
+    if kernels is None:
+        pytest.skip("Numba is not installed")
+    if repeat:
+        seeds = seeds * 3  # every value three times: ties
+    seeds_a = np.array(seeds, dtype=np.uint64)
+    lo, hi = sorted((min(a, len(seeds)), min(b, len(seeds))))
+    ka = np.uint64(kh)
+    scratch = np.empty(len(seeds) // 8 + 1, dtype=np.uint64)
+    index = np.empty(k, dtype=np.int64)
+    value = np.empty(k, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = _mixed_numpy(seeds_a, ka)
+        best = kernels["best"](seeds_a, ka, lo, hi, scratch)
+        got = kernels["top"](seeds_a, ka, lo, hi, k, scratch, index, value)
+    assert best == (lo + int(x[lo:hi].argmax()) if hi > lo else lo)
+    expected = _expected_top(x, lo, hi, k)
+    assert index[:got].tolist() == expected
+    assert value[:got].tolist() == [int(x[i]) for i in expected]
+
+
+def test_kernels_skip_the_chunks_that_cannot_hold_the_best() -> None:
+    """Many chunks (the hypothesis lists are short): most are passed over by ``top``."""
+    import numpy as np
+
+    from gossipd.core import hrw
+
+    seeds_a = np.random.default_rng(7).integers(0, 2**63, 5000, dtype=np.uint64)
+    scratch = np.empty(5000 // 8 + 1, dtype=np.uint64)
+    index = np.empty(6, dtype=np.int64)
+    value = np.empty(6, dtype=np.uint64)
+    for kh in range(5):
+        ka = np.uint64(kh)
+        with np.errstate(over="ignore"):
+            x = _mixed_numpy(seeds_a, ka)
+            assert hrw.best(seeds_a, ka, 3, 4990, scratch) == 3 + int(x[3:4990].argmax())
+            got = hrw.top(seeds_a, ka, 3, 4990, 6, scratch, index, value)
+        assert index[:got].tolist() == _expected_top(x, 3, 4990, 6)
+
+
+def test_a_large_ring_uses_the_compiled_kernels_when_numba_is_installed() -> None:
+    pytest.importorskip("numba")
+    from gossipd.core.ring import KERNEL_MIN
+
+    big = Ring({f"m{i}": 1.0 for i in range(KERNEL_MIN)})
+    small = Ring({f"m{i}": 1.0 for i in range(KERNEL_MIN - 1)})
+    assert big._kernels is not None and small._kernels is None
+    assert Ring({f"m{i}": 1.0 for i in range(20)}, kernels=True)._kernels is not None
+
+
+def test_hashes_equal_as_floats_rank_as_the_scalar_definition_ranks_them() -> None:
+    """The uniform ranking compares float(hash), then names (``successors``): where two of
+    the best are equal as floats (2^63 and 2^63 + 1), the kernel's integer order gives way."""
+    import numpy as np
+
+    pytest.importorskip("numba")  # the ring's kernel buffers
+    ring = Ring({f"m{i:03d}": 1.0 for i in range(300)}, kernels=True)
+
+    def fake_top(seeds_a, ka, lo, hi, k, scratch, out, out_values):  # type: ignore[no-untyped-def]
+        out[:3] = [5, 9, 2]
+        out_values[:3] = np.array([2**63 + 1, 2**63, 7], dtype=np.uint64)
+        return 3
+
+    # By integer 5 before 9; as floats they tie and the larger name (m009) comes first.
+    assert ring._top_kernel(fake_top, 1, 3) == [9, 5, 2]

@@ -61,6 +61,19 @@ def test_every_fault_kind_together_loses_nothing_and_breaks_no_invariant() -> No
     assert report["ok"] == 6000
 
 
+def test_the_owner_check_under_every_fault_kind_loses_nothing() -> None:
+    """Owners with 2 tasks waiting refuse if_free Forwards (rule 7 of core/forwarder.py): the
+    refusals move tasks on and a plain re-ask ends the all-saturated case, with the same
+    promises under crashes, stalls, partitions and loss."""
+    run = FanoutRun(nodes=16, tasks=6000, seed=1, fault_events=8, load=0.9, saturated_waiting=2)
+    report = run_fanout(run)
+    assert report["refused_saturated"] > 1000  # type: ignore[operator]
+    assert report["lost"] == 0, report["lost_ids"]
+    assert report["invariant_violations"] == 0, report["violations"]
+    assert report["duplicate_results_accepted"] == 0
+    assert report["ok"] == 6000
+
+
 class ForgetsToWithdraw(Forwarder):
     """A broken forwarder: never sends a Withdraw (hedge losers, silent members and dead
     members keep running their copies)."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import zmq
 
 import gossipd.transport as transport
+from gossipd.core.messages import Result, decode_replies, encode
 from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
@@ -318,3 +319,42 @@ def test_ReplySender_when_sent_calls_back_only_once_the_address_holds_nothing() 
     assert seen["late_before_bind"] is False and seen["late"] == 4
     assert seen["late_got"] == [b"held"]
     assert seen["dead"] == 4 and seen["dropped"] == 1
+
+
+def test_ReplySender_packs_a_turns_replies_to_an_address_into_one_Replies_frame() -> None:
+    """``pack=True`` replies that leave together arrive as one Replies frame, in order, next
+    to the unpacked replies of the same turn; the turn's first reply under light load still
+    leaves alone at once; ``sent`` counts replies, not frames."""
+
+    async def main() -> tuple[list[bytes], int]:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        sender = _sender(ctx)
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            sender.send(endpoint, b"connect")  # (queued until the connection is up)
+            assert await asyncio.wait_for(recv_batch(pull, 10), 5) == [b"connect"]
+            await asyncio.sleep(0.01)  # a quiet turn: the next turn's first reply goes at once
+            replies = [encode(Result(id=f"t{i}", ok=True, text=str(i))) for i in range(40)]
+            for frame in replies[:20]:
+                sender.send(endpoint, frame, True)
+            sender.send(endpoint, b"unpacked")
+            for frame in replies[20:]:
+                sender.send(endpoint, frame, True)
+            got: list[bytes] = []
+            while len(got) < 3:
+                got += await asyncio.wait_for(recv_batch(pull, 10), 5)
+            sender.stop()
+        sent = sender.statistics().sent
+        sender.close()
+        pull.close(linger=0)
+        ctx.term()
+        return got, sent
+
+    got, sent = asyncio.run(main())
+    lone, unpacked, packed = got
+    assert decode_replies(lone) == [Result(id="t0", ok=True, text="0")]
+    assert unpacked == b"unpacked"
+    assert [r.id for r in decode_replies(packed)] == [f"t{i}" for i in range(1, 40)]
+    assert sent == 42

@@ -4,6 +4,7 @@ The same run with vLLM is the README's first command (run by hand: about 3 minut
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -42,10 +43,37 @@ def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None
     assert len(summary["pids"]) == 4
     for pid in summary["pids"]:
         assert not processes_in_group(pid), f"processes left in group {pid}"
+    assert "leader: none (election off" in summary["final_status"]
+
+
+def test_up_with_etcd_elects_a_leader_that_status_names(tmp_path, etcd) -> None:  # type: ignore[no-untyped-def]
+    done = gossipd_cli(
+        "up",
+        "--demo",
+        "--json",
+        "--engine",
+        "echo",
+        "--nodes",
+        "2",
+        "--tasks",
+        "60",
+        "--etcd",
+        ",".join(etcd.endpoints),
+        "--log-dir",
+        str(tmp_path),
+        timeout_s=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["tasks"] == summary["ok"] == 60 and summary["lost"] == 0
+    assert "election through etcd" in done.stderr
+    # The asked daemon names the leader it follows and its term (the fencing token > 0).
+    leader = re.search(r"leader: (gpu[01]) \(term (\d+)\)", summary["final_status"])
+    assert leader is not None, summary["final_status"]
+    assert int(leader.group(2)) > 0
 
 
 def test_up_stops_every_daemon_on_sigterm(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import re
     import signal
     import subprocess
     import sys

@@ -31,6 +31,13 @@ Rules (one code path for each decision):
    retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
    caller.
+7. The owner check (``owner_check``; docs/PROTOCOL.md "Fresh where placement looks"): every
+   Forward asks ``if_free``: the owner refuses it at once with ``saturated`` (and its load
+   record) when its own engine is saturated as it reads it, and the next member is tried
+   with no backoff (it answered; another member is another queue).  When no member is left
+   to try (``attempts_max`` reached, or the order spent) and one refused as saturated, the
+   first that did is asked once more without ``if_free`` (so a cluster saturated everywhere
+   still queues the task, as without the check), beyond ``attempts_max``.
 6. A Cancel is passed on only from the key that submitted the task (``Task.producer_key``),
    with that key, so that the owner checks it too; an ``id_in_use`` refusal (the id is
    another producer's task there, core/admission.py rule 1a) is final: the producer gets it.
@@ -69,7 +76,8 @@ HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits the
 
 # What a local attempt's verdict means for the dispatch.
 _TAKEN_HERE = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
-_BUSY = (ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value)
+_BUSY = (ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.SATURATED.value)
+_SATURATED = ErrorCode.SATURATED.value
 
 
 class Route(enum.Enum):
@@ -117,6 +125,7 @@ class ForwarderSettings:
     forwarded_max: int = 200_000
     forwarded_bytes_max: int = 1 << 30
     retry_after_ms: int = 1000  # the hint when no member gave one
+    owner_check: bool = False  # rule 7: Forwards ask if_free
 
     @classmethod
     def of(cls, config: object, retry_after_ms: int) -> ForwarderSettings:
@@ -170,8 +179,10 @@ class Dispatch:
         "flights",
         "live",
         "order",
+        "plain",
         "quiet",
         "received_at",
+        "saturated",
         "task",
         "tried",
         "waiting",
@@ -195,6 +206,8 @@ class Dispatch:
         self.winner = ""  # the member that accepted
         self.waiting = False  # a backoff timer is armed for the next attempt
         self.ended = False
+        self.saturated = ""  # the first member that refused as saturated (rule 7)
+        self.plain = False  # ...asked again without if_free
 
 
 @dataclass(slots=True, eq=False)
@@ -458,6 +471,7 @@ class Forwarder:
             task=d.task,
             remaining_ms=max(1, int(remaining_s * 1000)),
             attempt=len(d.tried),
+            if_free=self.settings.owner_check and not d.plain,
         )
         self._outbox.append((addr, forward))
         flight = Flight(req, member, d, breaker, now)
@@ -486,6 +500,13 @@ class Forwarder:
             flight.breaker.success()  # it answered: healthy, maybe busy
         if reply.accepted:
             self._accepted(flight, now)
+            return
+        if reply.code == _SATURATED:  # rule 7: the next member at once
+            d.saturated = d.saturated or flight.member
+            d.busy_hint_ms = max(d.busy_hint_ms, reply.retry_after_ms)
+            d.attempts.append(f"{flight.member}: {reply.code}")
+            if not (d.winner or d.ended or d.live):
+                self._next(d, now, backed_off=True)
             return
         if reply.code == ErrorCode.OVERLOADED:
             d.busy_hint_ms = max(d.busy_hint_ms, reply.retry_after_ms)
@@ -546,6 +567,10 @@ class Forwarder:
             ]
         s = self.settings
         if not d.order or len(d.tried) >= s.attempts_max:
+            if d.saturated and not d.plain and now < d.deadline:  # rule 7: asked plainly
+                d.plain = True
+                self._attempt(d, d.saturated, now)
+                return
             self._give_up(d)
             return
         if now >= d.deadline:

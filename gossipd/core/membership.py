@@ -161,7 +161,6 @@ class MemberTable:
         self.set_version = 0  # bumped only when the live set itself changes
         self._xor = 0  # XOR of _contribution() over live members other than us
         self._live_n = 0
-        self._records: tuple[object, list[MemberRecord]] = (None, [])
         self._meta_changes = 0
         # Suspicion settings, refreshed by the SWIM node as the cluster size changes.
         self.suspicion_k = 3
@@ -246,18 +245,17 @@ class MemberTable:
         return heard > own or (heard == own and gpu != self.gpu)
 
     def records(self) -> list[MemberRecord]:
-        """Our whole table for a push-pull (cached until the next change)."""
+        """Our whole table as push-pull records, built on each call and kept by nobody (a
+        push-pull encodes its records page by page instead: core/antientropy.py)."""
         own = MemberRecord(
             node=self.me, addr=self.addr, incarnation=self.incarnation, state="alive"
         )
-        members = self.members
-        if isinstance(members, Overlay) and self._base is not None:
-            # Shared entries' records are built once for all; none kept per member.
-            mine = [m.record() for m in dict.values(members)]
-            return self._base.records([own, *mine], members.hidden)
-        if self._records[0] != self.version:
-            self._records = (self.version, [own, *(m.record() for m in members.values())])
-        return list(self._records[1])
+        return [own, *(m.record() for m in self.members.values())]
+
+    @property
+    def shared_base(self) -> SharedBase | None:
+        """The simulator's shared table under ours (bootstrap_shared), or None."""
+        return self._base
 
     @property
     def version(self) -> tuple[int, int, int]:

@@ -38,6 +38,8 @@ class MsgType(enum.IntEnum):
     CHUNK = 2
     RESULT = 3
     CANCEL = 4
+    REPLIES = 5  # several Chunks/Results in one frame, to a producer that asked (batch_replies)
+    TASKS = 6  # several producer messages in one frame (a producer's choice)
     # Membership (SWIM), daemon to daemon.
     PING = 10
     ACK = 11
@@ -83,6 +85,9 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "cancelled"
     OVER_BUDGET = "over_budget"
     ID_IN_USE = "id_in_use"  # the id is another producer's pending or cached task: use another
+    # Between daemons only: a Forward with if_free reached an owner whose engine is saturated
+    # (docs/PROTOCOL.md "Fresh where placement looks"); a producer never gets it.
+    SATURATED = "saturated"
 
 
 # An endpoint that we may connect a socket to: tcp://host:port (host name, IPv4, or [IPv6])
@@ -165,6 +170,9 @@ class Task(
     traceparent: Annotated[str, msgspec.Meta(max_length=128)] = ""
     # How many times the producer has sent this id before (0 on the first send).
     attempt: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    # The producer also reads Replies frames (t = 5) at reply_to: replies to one reply_to that
+    # leave together may go as one frame (under CURVE each frame is encrypted on its own).
+    batch_replies: bool = False
     # Set by the daemon, never by the producer (whatever a producer sends is replaced): with
     # CURVE, the public key (z85) the producer authenticated with; replies go only to a
     # reply_to whose server proves it holds that key.  Forwards carry it to the owner.
@@ -315,12 +323,22 @@ class AdminReply(
     message: Annotated[str, msgspec.Meta(max_length=4096)] = ""
 
 
+class Tasks(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.TASKS)):
+    """Several producer messages in one frame (docs/PROTOCOL.md, "Tasks"): each item is read
+    and answered as if it had come as a frame of its own.  Under CURVE each frame is
+    encrypted on its own, so 30 tasks in one frame cost one encryption instead of 30."""
+
+    v: int
+    items: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
+
+
 ReplyMessage = Chunk | Result
-IntakeMessage = Task | Cancel | StatusQuery | Drain
+IntakeMessage = Task | Cancel | StatusQuery | Drain | Tasks
 # The numbers the ingress takes, and their names (for the refusal of any other type).
 INTAKE_TYPES = {
     int(MsgType.TASK): "Task",
     int(MsgType.CANCEL): "Cancel",
+    int(MsgType.TASKS): "Tasks",
     int(MsgType.STATUS_QUERY): "StatusQuery",
     int(MsgType.DRAIN): "Drain",
 }
@@ -335,6 +353,25 @@ _any_decoder = msgspec.msgpack.Decoder()
 
 def encode(message: Task | Cancel | Chunk | Result) -> bytes:
     return _encoder.encode(message)
+
+
+# A Tasks frame's head: {"v": 1, "t": 6, "items": [...]}, the items as encoded alone.
+_TASKS_HEAD = b"\x83\xa1v" + bytes((PROTOCOL_VERSION,)) + b"\xa1t" + bytes((MsgType.TASKS,))
+_TASKS_HEAD += b"\xa5items"
+
+
+def pack_tasks(frames: list[bytes]) -> bytes:
+    """Encoded producer messages (Tasks, Cancels) as one Tasks frame, in order (the caller
+    keeps it within the daemon's ``ingress.message_bytes_max``)."""
+    return b"".join((_TASKS_HEAD, _array_head(len(frames)), *frames))
+
+
+def _array_head(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def error_result(
@@ -375,9 +412,9 @@ def decode_task(data: bytes, *, bytes_max: int, peer: str = "") -> Task:
 
 def decode_intake(
     data: bytes, *, bytes_max: int, peer: str = ""
-) -> Task | Cancel | StatusQuery | Drain:
+) -> Task | Cancel | StatusQuery | Drain | Tasks:
     """What a producer (or an operator's tool) may PUSH to the ingress: a Task, a Cancel, a
-    StatusQuery or a Drain.  Raises ``RemoteProtocolError`` saying why not: an unknown ``t``
+    StatusQuery, a Drain, or Tasks (several of them, undecoded).  Raises ``RemoteProtocolError`` saying why not: an unknown ``t``
     is counted as ``unknown_type``, a malformed admin message as ``bad_admin``."""
     return _decode_from_producer(_intake_decoder, data, bytes_max, peer)  # type: ignore[no-any-return]
 
@@ -423,7 +460,7 @@ def _decode_from_producer(
             f"protocol version {task.v} is not supported; this daemon speaks {PROTOCOL_VERSION}",
             code=ErrorCode.UNSUPPORTED_VERSION,
             peer=peer,
-            task_id=task.id,
+            task_id=getattr(task, "id", ""),
             reply_to=getattr(task, "reply_to", ""),
         )
     return task
@@ -469,6 +506,55 @@ def decode_reply(data: bytes) -> Chunk | Result:
         return _reply_decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise RemoteProtocolError(f"invalid reply: {exc}", code=ErrorCode.BAD_REQUEST) from None
+
+
+# A Replies frame: {"v": 1, "t": 5, "items": [Chunk or Result, ...]}, the items as encoded
+# alone (docs/PROTOCOL.md, "Replies").  Built from the encoded replies by concatenation.
+_REPLIES_HEAD = b"\x83\xa1v" + bytes((PROTOCOL_VERSION,)) + b"\xa1t" + bytes((MsgType.REPLIES,))
+_REPLIES_HEAD += b"\xa5items"
+# A Replies frame holds at most this many bytes of replies (one reply larger goes alone).
+REPLIES_BYTES_MAX = 256 * 1024
+
+
+class Replies(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.REPLIES)):
+    v: int = PROTOCOL_VERSION
+    items: list[Chunk | Result]
+
+
+_replies_decoder = msgspec.msgpack.Decoder(Chunk | Result | Replies)
+
+
+def pack_replies(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[bytes]:
+    """Encoded Chunks/Results for one reply address as few frames as ``bytes_max`` allows, in
+    order: a Replies frame for several, the reply itself for a lone one."""
+    out: list[bytes] = []
+    group: list[bytes] = []
+    size = 0
+    for frame in frames:
+        if group and size + len(frame) > bytes_max:
+            out.append(_replies_frame(group))
+            group, size = [], 0
+        group.append(frame)
+        size += len(frame)
+    if group:
+        out.append(_replies_frame(group))
+    return out
+
+
+def _replies_frame(items: list[bytes]) -> bytes:
+    if len(items) == 1:
+        return items[0]
+    return b"".join((_REPLIES_HEAD, _array_head(len(items)), *items))
+
+
+def decode_replies(data: bytes) -> list[Chunk | Result]:
+    """The Chunks/Results in one frame at a producer that set ``batch_replies``: a Replies
+    frame's items, or the one reply.  Raises ``RemoteProtocolError``."""
+    try:
+        msg = _replies_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise RemoteProtocolError(f"invalid reply: {exc}", code=ErrorCode.BAD_REQUEST) from None
+    return msg.items if type(msg) is Replies else [msg]
 
 
 # --- Membership (SWIM + Lifeguard) -------------------------------------------------------
@@ -641,12 +727,39 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
     meta_incarnation: Incarnation = 0  # the incarnation its gpu was published at (see Meta)
 
 
+PUSH_PULL_PAGES_MAX = 2**31 - 1
+
+
 class PushPull(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)):
-    """Anti-entropy: the whole member table.  ``reply`` asks the receiver to answer with its own."""
+    """Anti-entropy: one page of the sender's member table (docs/PROTOCOL.md, "Push-pull in
+    pages").  ``reply`` (first page only) asks the receiver to answer with its own table;
+    ``page`` counts the pages of one exchange from 0; ``more``: more pages follow."""
 
     reply: bool
     join: bool = False
     members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)]
+    # Absent from older peers (a whole table in one message): page 0, nothing more.
+    page: Annotated[int, msgspec.Meta(ge=0, le=PUSH_PULL_PAGES_MAX)] = 0
+    more: bool = False
+
+
+class PushPullEncoded(
+    _Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)
+):
+    """A PushPull to send whose records are already encoded (``encode_record``): the same
+    bytes on the wire as PushPull, each record encoded once, so that a page is sized exactly
+    as it is built (core/antientropy.py).  Never decoded."""
+
+    reply: bool
+    join: bool = False
+    members: list[msgspec.Raw]
+    page: int = 0
+    more: bool = False
+
+
+def encode_record(record: MemberRecord) -> msgspec.Raw:
+    """One member record's bytes, to send in a PushPullEncoded."""
+    return msgspec.Raw(_encoder.encode(record))
 
 
 class GossipOnly(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.GOSSIP)):
@@ -657,7 +770,7 @@ GossipMessage = Ping | Ack | Nack | PingReq | PushPull | GossipOnly
 _gossip_decoder = msgspec.msgpack.Decoder(GossipMessage)  # type: ignore[arg-type]
 
 
-def encode_gossip(message: GossipMessage) -> bytes:
+def encode_gossip(message: GossipMessage | PushPullEncoded) -> bytes:
     return _encoder.encode(message)
 
 
@@ -711,6 +824,9 @@ class Forward(
     # What is left of the task's deadline, so the owner does not restart the clock.
     remaining_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
     attempt: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Refuse at once with code "saturated" (and your load) if your engine is saturated as you
+    # read it now (issue 17; docs/PROTOCOL.md "Fresh where placement looks").  Optional.
+    if_free: bool = False
 
 
 class ForwardReply(
@@ -819,9 +935,10 @@ class StatusReport(
     members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)] = msgspec.field(
         default_factory=list
     )
-    # Leader election is not built yet: always nil for now.
+    # The highest leader term this daemon has seen (core/fencing.py): nil before any.
     leader: NodeName | None = None
     term: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    election: bool = False  # this daemon campaigns through etcd (etcd.endpoints set)
 
 
 _admin_answer_decoder = msgspec.msgpack.Decoder(

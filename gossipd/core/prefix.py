@@ -105,6 +105,11 @@ class PrefixIndex:
         self._removed: set[int] = set()  # pairs in ``_pairs`` no longer held
         self._pending = 0
         self._retired: list[int] = []
+        # hash -> the names holding it (gossiped), as last looked up: a popular prefix is
+        # asked for on each of its tasks, and a sorted-array search costs ~5 us in NumPy
+        # calls where this costs a dict look-up.  A summary change forgets the hashes it
+        # adds or removes (O(its size)); merging the side tables changes no answer.
+        self._memo: dict[int, frozenset[str]] = {}
 
     def __len__(self) -> int:
         """Member summaries held."""
@@ -138,11 +143,14 @@ class PrefixIndex:
         old = _unique(self._held.get(mid, _EMPTY))
         if len(old) == len(new) and bool((old == new).all()):
             return
+        memo = self._memo
         for h in np.setdiff1d(old, new, assume_unique=True).tolist():
+            memo.pop(h, None)
             if not self._unadd(h, mid):
                 self._removed.add(h << 32 | mid)
             self._pending += 1
         for h in np.setdiff1d(new, old, assume_unique=True).tolist():
+            memo.pop(h, None)
             pair = h << 32 | mid
             if pair in self._removed:
                 self._removed.discard(pair)
@@ -227,6 +235,20 @@ class PrefixIndex:
             out.append(ids)
         return out
 
+    def _gossiped_names(self, hashes: Sequence[int]) -> list[frozenset[str]]:
+        """For each hash, the names of the members whose summaries hold it (remembered)."""
+        memo = self._memo
+        out = [memo.get(h) for h in hashes]
+        missing = [i for i, names in enumerate(out) if names is None]
+        if missing:
+            if len(memo) + len(missing) > MEMO_MAX:
+                memo.clear()
+            found = self._gossiped([hashes[i] for i in missing])
+            names = self._names
+            for i, ids in zip(missing, found, strict=True):
+                out[i] = memo[hashes[i]] = frozenset(names[j] for j in ids)
+        return out  # type: ignore[return-value]
+
     def placed(self, hashes: Sequence[int], member: str) -> None:
         for h in hashes:
             self._recent[h] = member
@@ -237,16 +259,14 @@ class PrefixIndex:
     def holders(self, hashes: Sequence[int]) -> list[tuple[int, frozenset[str]]]:
         """For each known depth, deepest first: (depth, members holding that prefix)."""
         out = []
-        gossiped = self._gossiped(hashes) if hashes else []
-        names = self._names
+        gossiped = self._gossiped_names(hashes) if hashes else []
         for depth in range(len(hashes), 0, -1):
-            h = hashes[depth - 1]
-            members = {names[i] for i in gossiped[depth - 1]}
-            recent = self._recent.get(h)
-            if recent is not None:
-                members.add(recent)
+            members = gossiped[depth - 1]
+            recent = self._recent.get(hashes[depth - 1])
+            if recent is not None and recent not in members:
+                members = members | {recent}
             if members:
-                out.append((depth, frozenset(members)))
+                out.append((depth, members))
         return out
 
     def forget_member(self, member: str) -> None:
@@ -272,4 +292,5 @@ def _ids(held: int | set[int]) -> Iterable[int]:
 
 
 _ID_MASK = (1 << 32) - 1
+MEMO_MAX = 4096  # hashes whose holders are remembered (then forgotten all at once)
 _EMPTY = np.empty(0, dtype=np.uint32)

@@ -4,10 +4,11 @@ Why rendezvous and not a ring of virtual nodes: measured at N=64 over 1M keys (s
 ``gossipd bench ring``), rendezvous puts at most ~1.01x the mean number of keys on one member
 where a 100-point ring puts 1.22x (ringpop) and even 1,000 points put ~1.08x; and when a member
 joins or leaves exactly the keys it gains or loses move, no others, which is the minimum.
-The price is O(N) hashing per new key, paid once per task: done in one NumPy pass over every
-member (``gossipd bench place``: ~6 us at N=64, ~15 us at N=10,000 on this 2-core machine,
-where one member at a time cost 3 ms), with the same owners as the scalar loop; a small
-cache makes repeated keys (sessions) O(1).  No exact rendezvous can avoid touching every
+The price is O(N) hashing per new key, paid once per task: done in one pass over every
+member, by compiled kernels (core/hrw.py) from ``KERNEL_MIN`` members on, else by NumPy passes
+(``gossipd bench place``, a new key: 2.9 us at N=64 and 4.1 us at N=10,000 with the kernels;
+~6 and ~14 us with NumPy alone; one member at a time cost 3 ms), with the same owners as the
+scalar loop; a small cache makes repeated keys (sessions) O(1).  No exact rendezvous can avoid touching every
 member for a new key; a hierarchical one (groups, then members) moves ~1.8x the
 minimum when a member leaves (N=64 in 8 groups, simulated: its group's weight falls, so it loses
 keys its other members held), which is why this stays flat.
@@ -24,10 +25,12 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 import numpy as np
+
+from gossipd.core import hrw
 
 MASK64 = (1 << 64) - 1
 _TWO64 = float(1 << 64)
@@ -38,6 +41,10 @@ _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 VECTOR_MIN = 16
 # Up to this many of the best, ``top`` selects them one pass each; more: one sort.
 TOP_SELECT_MAX = 32
+# From this many members on, the compiled kernels (core/hrw.py) score them when Numba is
+# installed: ~1.2 us at N=10,000 where the NumPy passes take ~11 (0.3 against 3.5 at 64).
+# Below, the NumPy passes: a process with a small ring never imports Numba (~0.5 s, ~80 MB).
+KERNEL_MIN = 64
 
 
 def key_hash(key: str) -> int:
@@ -61,7 +68,15 @@ class Ring:
     """Immutable: build a new Ring when the member set or a weight changes (not when a load
     does: loads are placement's, see core/placement.py)."""
 
-    def __init__(self, weights: Mapping[str, float], *, cache_max: int = 4096) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, float],
+        *,
+        cache_max: int = 4096,
+        kernels: bool | None = None,
+    ) -> None:
+        """``kernels``: score with the compiled kernels (core/hrw.py) if Numba is installed;
+        None: from ``KERNEL_MIN`` members on.  The owners and orders are the same either way."""
         for name, w in weights.items():
             if not w > 0:
                 raise ValueError(f"member {name!r} has weight {w}; weights must be > 0")
@@ -97,6 +112,15 @@ class Ring:
             self._group_of[self._perm[starts[g] : starts[g] + len(groups[g][1])]] = g
         self._buf = np.empty(len(self.members), dtype=np.uint64)
         self._tmp = np.empty(len(self.members), dtype=np.uint64)
+        if kernels is None:
+            kernels = len(self.members) >= KERNEL_MIN
+        self._kernels = hrw.load() if kernels and self._vector else None
+        if self._kernels is not None:
+            # Chunk maxima (at most one per 8 members) and the selected indices and values.
+            self._scratch = np.empty(len(self.members) // 8 + 1, dtype=np.uint64)
+            self._top_index = np.empty(TOP_SELECT_MAX, dtype=np.int64)
+            self._top_value = np.empty(TOP_SELECT_MAX, dtype=np.uint64)
+            self._perm_list: list[int] = self._perm.tolist()  # indexed per selected member
 
     def __len__(self) -> int:
         return len(self.members)
@@ -173,6 +197,9 @@ class Ring:
 
     def _best_vector(self, kh: int) -> int:
         """The owner's index, the same member as ``_best`` (one pass over arrays)."""
+        kernels = self._kernels
+        if kernels is not None:
+            return self._best_kernel(kernels["best"], kh)
         if self._uniform:
             return int(self._mixed(kh, self._seed_a).argmax())
         x = self._mixed(kh, self._seed_perm_a)
@@ -183,6 +210,21 @@ class Ring:
             score = w / -math.log((int(x[j]) + 0.5) / _TWO64)
             i = int(self._perm[j])
             # Equal scores: the first member in name order, as the scalar loop keeps it.
+            if score > best_score or (score == best_score and i < best_i):
+                best_i, best_score = i, score
+        return best_i
+
+    def _best_kernel(self, best: Callable[..., int], kh: int) -> int:
+        """``_best_vector`` with the compiled kernel: the best raw hash of each weight group,
+        then one logarithm per group (the same comparisons as there)."""
+        ka = np.uint64(kh ^ (kh >> 30))
+        if self._uniform:
+            return int(best(self._seed_a, ka, 0, len(self.members), self._scratch))
+        bounds, seeds, perm = self._group_bounds, self._seeds, self._perm_list
+        best_i, best_score = -1, -1.0
+        for g, w in enumerate(self._group_weights):
+            i = perm[best(self._seed_perm_a, ka, bounds[g], bounds[g + 1], self._scratch)]
+            score = w / -math.log((mix64(kh ^ seeds[i]) + 0.5) / _TWO64)
             if score > best_score or (score == best_score and i < best_i):
                 best_i, best_score = i, score
         return best_i
@@ -208,6 +250,8 @@ class Ring:
             return [i for _, i in reversed(ranked[-n:])]
         if n > TOP_SELECT_MAX:
             return self._sorted(kh, n, among)
+        if among is None and self._kernels is not None:
+            return self._top_kernel(self._kernels["top"], kh, n)
         if among is None:
             x = self._mixed(kh, self._seed_perm_a)
             perm, bounds = self._perm, self._group_bounds
@@ -233,6 +277,29 @@ class Ring:
                 ranked.append(((score, members[i]), i))
         ranked.sort()
         return [i for _, i in reversed(ranked[-n:])]
+
+    def _top_kernel(self, top: Callable[..., int], kh: int, n: int) -> list[int]:
+        """``top`` over every member with the compiled kernel: the same ``n`` best of each
+        weight group by raw hash (no pass per member selected), ranked the same way."""
+        ka = np.uint64(kh ^ (kh >> 30))
+        bounds, perm, members = self._group_bounds, self._perm_list, self.members
+        index, value = self._top_index, self._top_value
+        if self._uniform:  # one group, in name order (perm is the identity)
+            got = top(self._seed_a, ka, 0, len(members), n, self._scratch, index, value)
+            values = value[:got].tolist()
+            if len({float(v) for v in values}) == got:
+                return index[:got].tolist()  # the kernel's order is the ranking's
+            # Two hashes equal as floats (~2^-50 a pair): ranked as below, by name then.
+        ranked: list[tuple[float, str, int]] = []  # (score, name, index): names are distinct
+        uniform, log, seeds_a, scratch = self._uniform, math.log, self._seed_perm_a, self._scratch
+        for g, w in enumerate(self._group_weights):
+            got = top(seeds_a, ka, bounds[g], bounds[g + 1], n, scratch, index, value)
+            for j, v in zip(index[:got].tolist(), value[:got].tolist(), strict=True):
+                i = perm[j]
+                score = float(v) if uniform else w / -log((v + 0.5) / _TWO64)
+                ranked.append((score, members[i], i))
+        ranked.sort()
+        return [entry[2] for entry in reversed(ranked[-n:])]
 
     def _sorted(self, kh: int, n: int, among: np.ndarray | None) -> list[int]:
         """``top`` for many: one vectorised sort of the scores."""

@@ -9,7 +9,8 @@ entry into its own before it changes it (``MemberTable.apply``), so a shared ent
 written and every member still applies every rule to its own state.  The sorted live ring is
 shared the same way until the member's live set first changes.
 
-A push-pull from such a table carries ``SharedRecords``: a plain list to an encoder, which also
+A push-pull from such a table that fits in one page (antientropy.py, rule 1a) carries
+``SharedRecords``: a plain list to an encoder, which also
 says which records are the sender's own and which shared keys it hid, so that a receiver over
 the same base walks only the records that can differ from what it shows (``differing``), not
 all N (antientropy.py).
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+
+from gossipd.core.messages import encode_record
 
 
 class Overlay(dict):  # type: ignore[type-arg]
@@ -128,7 +131,16 @@ class SharedBase:
     """N members known alive at incarnation 0: the entries, their checksum contributions'
     XOR and the sorted names, built once for every simulated member."""
 
-    __slots__ = ("_record_list", "_records", "members", "position", "ring", "xor")
+    __slots__ = (
+        "_raws",
+        "_record_list",
+        "_records",
+        "members",
+        "position",
+        "raws_bytes",
+        "ring",
+        "xor",
+    )
 
     def __init__(self, members: dict[str, Any], xor: int) -> None:
         self.members = members
@@ -137,11 +149,8 @@ class SharedBase:
         self.position = {k: i for i, k in enumerate(members)}
         self._records: dict[str, Any] | None = None
         self._record_list: list[Any] = []
-
-    def records(self, explicit: list[Any], hidden: set[str]) -> SharedRecords:
-        """``explicit`` then the push-pull records of the shared entries not in ``hidden``
-        (those built once)."""
-        return SharedRecords(explicit, self, frozenset(hidden))
+        self._raws: dict[str, Any] | None = None
+        self.raws_bytes = 0  # their total length, once raws() has built them
 
     def record_map(self) -> dict[str, Any]:
         """Each shared entry's push-pull record, by key (built once)."""
@@ -154,3 +163,11 @@ class SharedBase:
         """The shared entries' push-pull records, in the base's order (``position``)."""
         self.record_map()
         return self._record_list
+
+    def raws(self) -> dict[str, Any]:
+        """Every shared entry's push-pull record, encoded (msgspec.Raw; built once): the
+        pages of a push-pull too large for one page, and every push-pull's size."""
+        if self._raws is None:
+            self._raws = {k: encode_record(r) for k, r in self.record_map().items()}
+            self.raws_bytes = sum(len(r) for r in self._raws.values())
+        return self._raws

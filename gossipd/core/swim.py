@@ -88,6 +88,11 @@ class SwimStatistics:
     declared_dead: int = 0
     confirm_probes: int = 0
     checksum_syncs: int = 0
+    # Push-pull exchanges we started sending (core/antientropy.py; their pages count as
+    # PushPull in ``sent``), and those not started: one to that member was in progress, or
+    # antientropy.STREAMS_MAX were.
+    push_pulls: int = 0
+    push_pulls_refused: int = 0
 
 
 class SwimNode:
@@ -101,6 +106,7 @@ class SwimNode:
         now: float,
         seeds: list[str] | tuple[str, ...] = (),
         incarnation: int = 0,
+        on_loads: Callable[[list[LoadRecord]], None] | None = None,
     ) -> None:
         self.config = config
         self.node = node
@@ -122,8 +128,8 @@ class SwimNode:
         self.prober = Prober(self, now)
         self.antientropy = AntiEntropy(self, now, [s for s in seeds if s != addr])
         self.refusals = RefusalDetector(self, now)
-        # Set by the shell: load records a message carried (membership/loadgossip.py).
-        self.on_loads: Callable[[list[LoadRecord]], None] | None = None
+        # Takes the load records a message carried (membership/loadgossip.py).
+        self.on_loads = on_loads
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             Ping: self.prober.on_ping,
             Ack: self.prober.on_ack,
@@ -386,10 +392,23 @@ class SwimNode:
         self._outbox.append((addr, data))
 
     def count_sent(self, msg: GossipMessage, size_bytes: int) -> None:
-        name = type(msg).__name__
+        self.count_sent_as(type(msg).__name__, size_bytes)
+
+    def count_sent_as(self, name: str, size_bytes: int) -> None:
         sent = self.stats.sent
         sent[name] = sent.get(name, 0) + 1
         self.stats.sent_bytes += size_bytes
+
+    def send_encoded(self, addr: str, name: str, data: bytes) -> None:
+        """Send a message already encoded (a push-pull page), counted as ``name``."""
+        self.count_sent_as(name, len(data))
+        self._outbox.append((addr, data))
+
+    def send_page(self, addr: str, msg: PushPull, size_bytes: int) -> None:
+        """Send a push-pull page built of record objects whose encoded size (``size_bytes``)
+        is already known: a simulated member's shared table (antientropy.py).  Here it is
+        encoded; the simulator's node hands the object over instead (simulations/netsim.py)."""
+        self.send(addr, msg)
 
     def live_ring(self) -> list[str]:
         """The sorted names of the live members, us included (kept by the table)."""

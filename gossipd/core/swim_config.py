@@ -6,6 +6,7 @@ Formulas (N = live members, including this one):
                    (contain_suspicions: N = 1 here, so the floor: see MEMBERSHIP.md)
 - suspicion max    = suspicion_max_mult * suspicion min                       (suspicion.py)
 - push-pull period = push_pull_interval_s * (1 + max(0, ceil(log2(N) - log2(32))))
+- push-pull pages   = ceil(table bytes / push_pull_page_bytes), one per push_pull_page_interval_s
 """
 
 from __future__ import annotations
@@ -74,10 +75,17 @@ class SwimConfig:
     retransmit_mult: Fanout = 4
     # Bytes of piggybacked updates per message (fits a 1500-byte MTU with headers).
     piggyback_bytes_max: Annotated[int, Meta(ge=256, le=1 << 20)] = 1200
-    # Largest gossip message accepted (a push-pull carries the whole member table).
+    # Largest gossip message accepted (a push-pull page is at most push_pull_page_bytes).
     message_bytes_max: Annotated[int, Meta(ge=4096, le=1 << 30)] = 8 * 1024 * 1024
     # Anti-entropy: full-state exchange with one random member this often (scaled with N).
     push_pull_interval_s: Period = 30.0
+    # A push-pull sends the member table in pages of at most this many bytes (and at most
+    # message_bytes_max), one message each, the first at once and one more every
+    # push_pull_page_interval_s: a table of 10,000 members with 256 prefixes each (about
+    # 16 MB) never needs one huge message, and one exchange sends at most page_bytes /
+    # page_interval_s (10 MiB/s by default).  A record larger than a page goes alone.
+    push_pull_page_bytes: Annotated[int, Meta(ge=4096, le=1 << 30)] = 1024 * 1024
+    push_pull_page_interval_s: Period = 0.1
     # Partition healing: this often, with probability heal_fanout / N, push-pull with one
     # random dead member (a partition of any length heals without an operator).
     heal_interval_s: Period = 5.0

@@ -61,6 +61,7 @@ class FanoutStatistics:
     forwarded_evicted_count: int = 0  # ...forgotten for room: fanout.forwarded_max
     forwarded_evicted_bytes: int = 0  # ...fanout.forwarded_bytes_max
     invalid_from_peers: int = 0  # Forwards refused as ingress would refuse their task
+    refused_saturated: int = 0  # Forwards with if_free refused: our engine was saturated
 
 
 class Dispatcher:
@@ -75,14 +76,13 @@ class Dispatcher:
         owner: OwnerEndpoint,
         send_error: Callable[[Refuse], None],
         clock: Clock = SYSTEM_CLOCK,
+        tracer: Any = None,
     ) -> None:
         self.config = config
         self._clock = clock
         self.node = node
         self.forwarder = forwarder
         self.placer = placer
-        # Bounded loads' total from the forwarder's own counts (no sum kept per change).
-        placer.in_flight = forwarder.in_flight
         self.owner = owner
         self._links = links
         self._send_error = send_error
@@ -90,9 +90,13 @@ class Dispatcher:
         self._timer_at = float("inf")
         self._hand_offs: dict[str, list[asyncio.Future[bool]]] = {}
         self._idle_links: asyncio.Task[None] | None = None
-        # Set by the daemon when tracing is on (gossipd/ops/tracing.py); None costs nothing.
-        self.tracer: Any = None
+        # When tracing is on (gossipd/ops/tracing.py); None costs nothing.
+        self.tracer = tracer
         self.loads_refused = 0  # load records on a reply that named another member
+
+    def set_draining(self, draining: bool) -> None:
+        """Drained or stopping: the placer sends every task elsewhere (False: back to serving)."""
+        self.placer.set_draining(draining)
 
     @staticmethod
     def settings(config: FanoutConfig, retry_after_ms: int) -> ForwarderSettings:
@@ -279,4 +283,5 @@ class Dispatcher:
             forwarded_evicted_count=self.forwarder.ledger.evicted_count,
             forwarded_evicted_bytes=self.forwarder.ledger.evicted_bytes,
             invalid_from_peers=owner.invalid_from_peers,
+            refused_saturated=owner.refused_saturated,
         )

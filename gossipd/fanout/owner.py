@@ -94,6 +94,7 @@ class OwnerCounters:
     withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
     invalid_from_peers: int = 0  # Forwards whose task the ingress would refuse (version, size)
     refused_unauthorised: int = 0  # CURVE: a revoked key, or a source not the key's node
+    refused_saturated: int = 0  # Forwards with if_free refused: our engine is saturated
 
 
 class OwnerEndpoint:
@@ -108,6 +109,11 @@ class OwnerEndpoint:
         on_peer_done: Callable[[TaskDone], None],
         on_accepted: Callable[[Task, str], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        task_bytes_max: int = 1 << 62,
+        load_record: Callable[[], LoadRecord | None] = lambda: None,
+        serve_curve: Callable[[zmq.Socket], None] | None = None,
+        peer_allowed: Callable[[str, str, str], bool] | None = None,
+        saturated: Callable[[], bool] = lambda: False,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -129,17 +135,21 @@ class OwnerEndpoint:
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
         # A forwarded task is validated as the ingress validates a producer's (its size
-        # against ingress.message_bytes_max); set by the daemon.
-        self.task_bytes_max = 1 << 62
+        # against ingress.message_bytes_max).
+        self.task_bytes_max = task_bytes_max
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
-        # Set by the daemon under CURVE (gossipd/security.py): makes the ROUTER a CURVE
-        # server before it binds; peer_allowed(key's node, claimed source, "rpc") says
-        # whether a message may be taken (its key still authorised, speaking for itself).
-        self.serve_curve: Callable[[zmq.Socket], None] | None = None
-        self.peer_allowed: Callable[[str, str, str], bool] | None = None
-        # Our load as we answer, carried by every ForwardReply and TaskDone (issue 17): set
-        # by the daemon; None carries none.
-        self.load_record: Callable[[], LoadRecord | None] = lambda: None
+        # Under CURVE (gossipd/security.py): makes the ROUTER a CURVE server before it
+        # binds; peer_allowed(key's node, claimed source, "rpc") says whether a message may
+        # be taken (its key still authorised, speaking for itself).
+        self.serve_curve = serve_curve
+        self.peer_allowed = peer_allowed
+        # Our load as we answer, carried by every ForwardReply and TaskDone (issue 17); None
+        # carries none.
+        self.load_record = load_record
+        # Is our engine saturated as we read it now (fanout.engine_*_saturated, our latest
+        # engine sample)?  A Forward with if_free is then refused at once ("saturated"):
+        # the owner check of issue 17.  Never, without it.
+        self.saturated = saturated
 
     def bind(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -224,6 +234,9 @@ class OwnerEndpoint:
         assert isinstance(msg, Forward)
         if self._refuse_invalid(identity, msg):
             return
+        if msg.if_free and self.saturated():
+            self._refuse_saturated(identity, msg)
+            return
         now = self._clock.monotonic()
         received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
         verdict = self._ingress.admit(
@@ -248,6 +261,21 @@ class OwnerEndpoint:
             load=None if self._router_out.get(identity) else self.load_record(),
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
+
+    def _refuse_saturated(self, identity: bytes, msg: Forward) -> None:
+        """The owner check: our engine is saturated as we read it, and the forwarder asked
+        ``if_free``: refuse at once with our load (its next member is tried; the task was
+        not admitted, so nothing is journalled or remembered)."""
+        self.counters.refused_to_peers += 1
+        self.counters.refused_saturated += 1
+        reply = ForwardReply(
+            req=msg.req,
+            node=self.node,
+            accepted=False,
+            code=ErrorCode.SATURATED.value,
+            load=self.load_record(),
+        )
+        self._to_forwarder(identity, reply, urgent=True)
 
     def _on_other(self, identity: bytes, msg: object) -> None:
         """A peer's Cancel, Withdraw or TaskDone (anything else is counted as bad)."""

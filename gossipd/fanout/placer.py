@@ -12,14 +12,16 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
   weight changes, never for a load;
 - the sums bounded loads need are O(1): in-flight tasks from the forwarder's own sizes
   (``Forwarder.in_flight``: live flights plus ledger entries), serving weight a running total;
-- a new key is scored against every member in one NumPy pass (``Ring``), a repeated key is a
-  cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
+- a new key is scored against every member in one pass (``Ring``: compiled kernels from 64
+  members on, loaded here in a thread; NumPy below), a repeated key is a cache hit;
+  ``order()`` (retries, migration, hand-off) is a partial selection of the first
   ``attempts_max`` members, not a sort of all; prefix holders are ranked among themselves.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,12 +29,15 @@ import numpy as np
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
+from gossipd.core import hrw
+from gossipd.core import ring as rings
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.core.messages import GpuState, LoadRecord, Task
 from gossipd.core.placement import Candidate, LoadCounts, bound
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring, key_hash
+from gossipd.engines.base import EngineStats
 from gossipd.ingress.service import Ingress
 from gossipd.membership.gossip import GossipService
 
@@ -66,13 +71,16 @@ STATE_AGE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 class StateAges:
     """How old the owner's load state was at each placement decision (fixed buckets)."""
 
-    __slots__ = ("count", "counts", "sum_s", "unknown")
+    __slots__ = ("count", "counts", "owner_checked", "sum_s", "unknown")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(STATE_AGE_BUCKETS_S) + 1)
         self.count = 0
         self.sum_s = 0.0
         self.unknown = 0  # decisions on a member of which we had no load record (Meta only)
+        # Decisions whose owner checks its own load as the Forward reaches it (if_free: the
+        # state used is one one-way hop old), having passed no member over on a record.
+        self.owner_checked = 0
 
     def observe(self, age_s: float) -> None:
         self.counts[bisect.bisect_left(STATE_AGE_BUCKETS_S, age_s)] += 1
@@ -100,6 +108,8 @@ class Placer:
         loads: dict[str, int],
         local_ids: set[str],
         clock: Clock = SYSTEM_CLOCK,
+        in_flight: Callable[[], int] | None = None,
+        own_stats: Callable[[], EngineStats] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -116,9 +126,9 @@ class Placer:
         self.outstanding = loads
         self.local_ids = local_ids
         # The sum of ``loads`` where its keeper can tell it at once (Forwarder.in_flight,
-        # set by the dispatcher); else a LoadCounts' kept sum, or a plain dict summed.
-        self.in_flight: Callable[[], int] | None = None
-        self.draining = False
+        # wired by the daemon); else a LoadCounts' kept sum, or a plain dict summed.
+        self.in_flight = in_flight
+        self.draining = False  # set_draining: while drained or stopping, no task stays here
         self.prefix_hits = 0  # keyless tasks placed on a member that holds their prefix
         # Prefix affinity (policy "prefix"): what we ran, and who holds which prefix.
         self.prefix_record = PrefixRecord()
@@ -131,9 +141,19 @@ class Placer:
         self._dirty: set[str] = set()
         self._rebuild = True
         self._ring_stale = True
+        # The ring's compiled kernels load in a thread (seconds the first time on a host:
+        # not on the event loop); rings built meanwhile use NumPy (the same owners), and the
+        # ring is rebuilt once they are there.
+        self._kernels_loading: threading.Thread | None = None
         self._own: tuple[object, ...] = ()
-        self._own_gpu: GpuState | None = None  # our latest engine sample, as judged
+        self._own_gpu: GpuState | EngineStats | None = None  # our latest sample, as judged
+        # Our engine's own figures (EngineLoad.read, at most 5 ms old), so that a decision on
+        # ourselves uses our current load; None: gossip's 1 s sample.
+        self.own_stats = own_stats
         self._own_gpu_saturated = False
+        # The oldest record (or our own reading: 0) a member was passed over on as saturated
+        # in the decision being made; -1: none (fanout.owner_check).
+        self._passed_age_s = -1.0
         self._table_version: object = None
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
         # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
@@ -142,6 +162,10 @@ class Placer:
         self._evented = listeners is not None
         if listeners is not None:
             listeners.append(self.member_event)
+
+    def set_draining(self, draining: bool) -> None:
+        """Drained (an operator's Drain, or stopping): place every task on another member."""
+        self.draining = draining
 
     def member_event(self, event: MemberEvent) -> None:
         """A membership event: that member's entry is read again at the next placement."""
@@ -169,6 +193,27 @@ class Placer:
             or record.kv_pct / 100.0 >= cfg.engine_kv_cache_saturated_ratio
         )
 
+    def _passed_over(self, member: str, saturated: set[str]) -> bool:
+        """Is ``member`` passed over as saturated?  With the owner check, only on our own
+        reading or on a record at most ``load_trust_s`` old: otherwise the member is tried
+        and checks its own load as the Forward reaches it (``if_free``)."""
+        if member not in saturated:
+            return False
+        cfg = self.config
+        if not cfg.owner_check:
+            return True
+        if member == self.node:
+            age_s = 0.0
+        else:
+            known = self.load_view.get(member)
+            if known is None:
+                return False
+            age_s = max(0.0, self._clock.monotonic() - known.sampled_at)
+            if age_s > cfg.load_trust_s:
+                return False
+        self._passed_age_s = max(self._passed_age_s, age_s)
+        return True
+
     def addr(self, member: str) -> str | None:
         """The member's rpc address, if it is a live member."""
         if self._dirty or self._rebuild or not self._evented:
@@ -190,8 +235,9 @@ class Placer:
             )
         return out
 
-    def _saturated(self, gpu: GpuState) -> bool:
-        """Is this engine load (gossiped, or our own latest sample) saturated?"""
+    def engine_saturated(self, gpu: GpuState | EngineStats) -> bool:
+        """Is this engine load (gossiped, our own latest sample, or our engine's own figures:
+        the owner check) saturated?"""
         cfg = self.config
         return (
             gpu.waiting_requests >= cfg.engine_waiting_saturated
@@ -226,11 +272,13 @@ class Placer:
                 if name != self.node:
                     self._refresh(name)
         # Our own entry, read on every call (up to twice a task): our engine sample is
-        # judged once per sample (the gossip replaces the frozen object), not per task.
-        gpu = self._gossip.last_gpu_state
+        # judged once per sample (a new object each time), not per task.  Read from the
+        # engine itself when the daemon sets own_stats (fanout/engineload.py), else gossip's.
+        own_stats = self.own_stats
+        gpu = self._gossip.last_gpu_state if own_stats is None else own_stats()
         if gpu is not self._own_gpu:
             self._own_gpu = gpu
-            self._own_gpu_saturated = gpu is not None and self._saturated(gpu)
+            self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
         own = (
             not (self.draining or self._ingress.admission.shutting_down),
             self._own_gpu_saturated,
@@ -242,12 +290,31 @@ class Placer:
             serving, saturated, weight, model = own
             self._set(self.node, _Info(weight, serving, model, saturated, ""))
         view = self._view
+        loading = self._kernels_loading
+        if loading is not None and not loading.is_alive():
+            self._kernels_loading = None
+            self._ring_stale = True
         if self._ring_stale:
             self._ring_stale = False
-            view.ring = Ring(view.weights) if view.weights else None
+            weights = view.weights
+            view.ring = Ring(weights, kernels=self._kernels(len(weights))) if weights else None
             self._holder_rank.clear()
             view.key = (table.version, own)
         return view
+
+    def _kernels(self, members: int) -> bool:
+        """Score a ring of ``members`` with the compiled kernels: yes once they are loaded,
+        from ``KERNEL_MIN`` members on (core/ring.py); the first time, start loading them."""
+        if members < rings.KERNEL_MIN:
+            return False
+        if hrw.loaded():
+            return True
+        if self._kernels_loading is None:
+            self._kernels_loading = threading.Thread(
+                target=hrw.load, name="gossipd-ring-kernels", daemon=True
+            )
+            self._kernels_loading.start()
+        return False
 
     def _refresh(self, name: str) -> None:
         core = self._gossip.core
@@ -264,7 +331,7 @@ class Placer:
             gpu.capacity_weight or 1.0,
             gpu.status == "serving",
             gpu.model,
-            self._saturated(gpu) if known is None else self._record_saturated(known.record),
+            self.engine_saturated(gpu) if known is None else self._record_saturated(known.record),
             gpu.rpc,
         )
         self._set(name, info)
@@ -325,7 +392,7 @@ class Placer:
     def free(self, member: str, view: View, total: int) -> bool:
         """May ``member`` take one more task: its engine is not saturated and it is under its
         bounded-load ceiling for ``total`` (see core/placement.py)."""
-        if member in view.saturated:
+        if self._passed_over(member, view.saturated):
             return False
         cfg = self.config
         ceiling = bound(
@@ -386,7 +453,7 @@ class Placer:
         weights, saturated, first_under = view.weights, view.saturated, None
         for m in pool:  # in order, the bound worked out only as far as needed
             if self.load(m) < bound(total, weights[m], weight, c, floor):
-                if m not in saturated:
+                if not self._passed_over(m, saturated):
                     return m
                 first_under = first_under or m
         if not complete:
@@ -398,13 +465,19 @@ class Placer:
         serves the model it names; the age of the owner's load state it used is recorded
         (``state_ages``: our own is 0, a member's its newest record's, or unknown: Meta
         only)."""
+        self._passed_age_s = -1.0
         owner = self._owner_for(task)
         if owner is not None:
             # StateAges.observe inlined (once a task: no calls but the record's look-up).
             ages = self.state_ages
-            if owner == self.node:
+            passed_s = self._passed_age_s
+            if passed_s >= 0.0:  # a member passed over on a record: the oldest state used
+                ages.observe(passed_s)
+            elif owner == self.node:
                 ages.counts[0] += 1  # our own state: 0 s, the first bucket; the sum unchanged
                 ages.count += 1
+            elif self.config.owner_check:
+                ages.owner_checked += 1  # the owner reads its own load as it admits
             else:
                 known = self.load_view.get(owner)
                 if known is None:
@@ -444,7 +517,9 @@ class Placer:
             total = in_flight() + local if in_flight is not None else self.total_load()
             load = local if owner == self.node else self.outstanding.get(owner, 0)
             cfg = self.config
-            if owner in view.saturated or load >= bound(
+            if (
+                owner in view.saturated and self._passed_over(owner, view.saturated)
+            ) or load >= bound(
                 total, view.weights[owner], view.total_weight, cfg.load_bound_c, cfg.load_floor
             ):
                 order = self.order(task)

@@ -35,6 +35,7 @@ from gossipd.core.messages import (
     Result,
     StatusQuery,
     Task,
+    Tasks,
     Timings,
     decode_intake,
     encode,
@@ -72,6 +73,36 @@ _WITHDRAWN = Stop.WITHDRAWN
 
 
 @dataclass(frozen=True, slots=True)
+class IngressCurve:
+    """CURVE on the ingress: ``serve`` makes the socket a CURVE server (before it binds);
+    ``producer_allowed`` says whether a producer key is still authorised."""
+
+    serve: Callable[[zmq.Socket], None]
+    producer_allowed: Callable[[str], bool]
+
+
+@dataclass(slots=True)
+class IngressLinks:
+    """What the ingress calls in parts built after it, which need the ingress themselves (a
+    cycle a constructor cannot close): the composition root (daemon.py) connects each once,
+    before the first message is read.  Unconnected, every task runs here and an admin
+    request is refused.
+
+    - ``router(task, now)``: True if another member owns the task (the dispatcher forwards it);
+    - ``rescue(task, received_at)``: gives a task whose engine died to another member (True
+      if one took it);
+    - ``cancel_elsewhere(task_id, producer_key)``: passes a Cancel on to the member running a
+      forwarded task: "forwarded", "refused" (another key's task) or None (not known);
+    - ``admin(request, now)``: answers an operator's StatusQuery or Drain (ops/admin.py).
+    """
+
+    router: Callable[[Task, float], bool] | None = None
+    rescue: Callable[[Task, float], Awaitable[bool]] | None = None
+    cancel_elsewhere: Callable[[str, str], str | None] | None = None
+    admin: Callable[[StatusQuery | Drain, float], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class IngressStatistics:
     received: int
     refused: dict[str, int]
@@ -96,6 +127,10 @@ class Ingress:
         node: str,
         refused_lines_per_s: float,
         clock: Clock = SYSTEM_CLOCK,
+        model: str = "",
+        curve: IngressCurve | None = None,
+        budget_gate: BudgetGate | None = None,
+        links: IngressLinks | None = None,
     ) -> None:
         self._config = config
         self._clock = clock
@@ -137,10 +172,9 @@ class Ingress:
         self._results: Counter[str] = Counter()
         self.latency = LatencyHistogram()
         self.bound_endpoint = ""
-        self.model = ""  # the model this daemon's engine serves (set by the daemon)
-        # Hooks, called synchronously in order: a router that may take a task elsewhere, and
-        # listeners for admitted and finished tasks (journal, fan-out bookkeeping).
-        self.router: Callable[[Task, float], bool] | None = None
+        self.model = model  # the model this daemon's engine serves
+        # Listeners, called synchronously in order, for admitted and finished tasks (journal,
+        # fan-out bookkeeping, tracing): subscribers append themselves.
         self.on_admitted: list[Callable[[Task], None]] = []
         # ...answered from here: the Result has just been handed to the reply sender; the
         # entry says who else to tell (Owned.notify: the forwarders' TaskDones).
@@ -150,20 +184,15 @@ class Ingress:
         # results cache).
         self.on_released: list[Callable[[Task], None]] = []
         self.on_refused: list[Callable[[Task], None]] = []
-        # Set by the daemon: gives a task whose engine died to another member (True if taken).
-        self.rescue: Callable[[Task, float], Awaitable[bool]] | None = None
-        # Set by the daemon: passes a cancel (task id, producer key) on to the member running
-        # a forwarded task: "forwarded", "refused" (another key's task) or None (not known).
-        self.cancel_elsewhere: Callable[[str, str], str | None] | None = None
-        # Set by the daemon: answers an operator's StatusQuery or Drain (ops/admin.py).
-        self.admin: Callable[[StatusQuery | Drain, float], None] | None = None
-        # Set by the daemon under CURVE (gossipd/security.py): makes the socket a CURVE
-        # server before it binds, and says whether a producer key is still authorised.
-        self.serve_curve: Callable[[zmq.Socket], None] | None = None
-        self.producer_allowed: Callable[[str], bool] | None = None
-        # Set by the daemon when budgets.enabled: each producer's task is charged against its
-        # token budget before it is routed (ingress/budgets.py); past it: over_budget.
-        self.budget_gate: BudgetGate | None = None
+        # The parts built after the ingress that it calls (fan-out, admin): see IngressLinks.
+        self.links = links if links is not None else IngressLinks()
+        # Under CURVE (gossipd/security.py): makes the socket a CURVE server before it binds,
+        # and says whether a producer key is still authorised.
+        self.serve_curve = curve.serve if curve is not None else None
+        self.producer_allowed = curve.producer_allowed if curve is not None else None
+        # With budgets.enabled: each producer's task is charged against its token budget
+        # before it is routed (ingress/budgets.py); past it: over_budget.
+        self.budget_gate = budget_gate
 
     # -- socket side ---------------------------------------------------------------------
 
@@ -273,19 +302,29 @@ class Ingress:
 
     # -- decisions -----------------------------------------------------------------------
 
-    def handle_frame(self, frame: bytes | memoryview, now: float, producer_key: str = "") -> None:
-        """One producer message; ``producer_key``: the key it came with under CURVE."""
+    def handle_frame(
+        self,
+        frame: bytes | memoryview | msgspec.Raw,
+        now: float,
+        producer_key: str = "",
+        *,
+        in_tasks: bool = False,
+    ) -> None:
+        """One producer message; ``producer_key``: the key it came with under CURVE;
+        ``in_tasks``: an item of a Tasks frame."""
         self._received += 1
         try:
-            task = decode_intake(frame, bytes_max=self._config.message_bytes_max)
+            task = decode_intake(frame, bytes_max=self._config.message_bytes_max)  # type: ignore[arg-type]
         except RemoteProtocolError as exc:
             self._refuse(exc, len(frame), producer_key)
             return
         if type(task) is not Task:
             if type(task) is Cancel:
                 self.handle_cancel(task.id, producer_key)
-            elif self.admin is not None:
-                self.admin(task, now)  # type: ignore[arg-type]
+            elif type(task) is Tasks:
+                self._handle_tasks(task, len(frame), now, producer_key, in_tasks)
+            elif (admin := self.links.admin) is not None:
+                admin(task, now)  # type: ignore[arg-type]
             else:
                 self._refuse_admin(task)  # type: ignore[arg-type]
             return
@@ -299,12 +338,26 @@ class Ingress:
             self._refused[ErrorCode.OVER_BUDGET.value] += 1
             self._send_error(task, ErrorCode.OVER_BUDGET, gate.refusal(task), retry_after_ms)
             return
-        if self.router is not None and self.router(task, now):
+        router = self.links.router
+        if router is not None and router(task, now):
             return  # another member owns it: the dispatcher forwards it
         verdict = self.admit(task, now, answer=True, now=now)
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
+
+    def _handle_tasks(
+        self, batch: Tasks, size: int, now: float, producer_key: str, in_tasks: bool
+    ) -> None:
+        """A Tasks frame: each item as if it had come as a frame of its own (counted as one
+        message each); Tasks inside Tasks are refused."""
+        if in_tasks:
+            hint = "an item of a Tasks frame is itself a Tasks frame: send one level only"
+            self._refuse(RemoteProtocolError(hint, code=ErrorCode.BAD_REQUEST), size, producer_key)
+            return
+        self._received -= 1  # its items are the messages
+        for item in batch.items:
+            self.handle_frame(item, now, producer_key, in_tasks=True)
 
     def admit(
         self,
@@ -329,7 +382,7 @@ class Ingress:
             self._queue.put_nowait(entry)
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
-            self._replies.send(task.route, encode(entry))
+            self._replies.send(task.route, encode(entry), task.batch_replies)
         elif verdict is Verdict.OVERLOADED:
             refusal = self.admission.refusal
             if refusal is not None:  # by expected wait
@@ -414,8 +467,9 @@ class Ingress:
         to where it runs.  Only the key that submitted the task may cancel it; a Cancel from
         another is ignored and counted (outcome ``refused``), as docs/PROTOCOL.md says."""
         outcome = self.cancel(task_id, producer_key)
-        if outcome is None and self.cancel_elsewhere is not None:
-            outcome = self.cancel_elsewhere(task_id, producer_key)
+        cancel_elsewhere = self.links.cancel_elsewhere
+        if outcome is None and cancel_elsewhere is not None:
+            outcome = cancel_elsewhere(task_id, producer_key)
         if outcome is None:
             outcome = "unknown"  # finished already, or never seen here
         self._cancels[outcome] += 1
@@ -518,7 +572,7 @@ class Ingress:
         result = error_result(
             task.id, code, message, node=self._node, retry_after_ms=retry_after_ms
         )
-        self._replies.send(task.route, encode(result))
+        self._replies.send(task.route, encode(result), task.batch_replies)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -575,7 +629,7 @@ class Ingress:
                 parts.append(delta)
                 if task.stream:
                     chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
-                    self._replies.send(task.route, encode(chunk))
+                    self._replies.send(task.route, encode(chunk), task.batch_replies)
                     seq += 1
             end = clock()
             result = Result(
@@ -637,7 +691,8 @@ class Ingress:
             self._deadlines.remove(job, token)
         # Not the task's fault: another member runs it (its producer sees one result, from
         # there).  Chunks already streamed from here may be sent again from seq 0.
-        if engine_died and self.rescue is not None and await self.rescue(task, job.received_at):
+        rescue = self.links.rescue
+        if engine_died and rescue is not None and await rescue(task, job.received_at):
             self._results["handed_off_engine_dead"] += 1
             self.release(task, result)
             return
@@ -657,7 +712,7 @@ class Ingress:
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         owned = self.book.finish(task.id, result, remember=remember)
-        self._replies.send(task.route, encode(result))
+        self._replies.send(task.route, encode(result), task.batch_replies)
         for listener in self.on_finished:
             listener(owned, result)
 

@@ -66,7 +66,16 @@ class GossipService:
         version: str = "",
         security: Security | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        rpc_endpoint: str = "",
+        model: str = "",
+        load: Callable[[], int] = lambda: 0,
+        prefixes: Callable[[], list[int]] = list,
+        on_loads: Callable[[list[LoadRecord]], None] | None = None,
     ) -> None:
+        """``rpc_endpoint``: where peers forward tasks; ``model``: the model we serve;
+        ``load``: our in-flight task count; ``prefixes``: a summary of the prefixes we hold;
+        ``on_loads``: takes the load records a gossip message carried
+        (membership/loadgossip.py)."""
         g = config.gossip
         self._clock = clock
         self.config = config
@@ -106,14 +115,12 @@ class GossipService:
         self.listeners: list[Callable[[MemberEvent], None]] = []
         # Terms that raised ours and directives our fence admitted (gossipd/leader/).
         self.leadership_listeners: list[Callable[[Term | Directive], None]] = []
-        # Set by the daemon: where peers forward tasks, the model we serve, our in-flight load.
-        self.rpc_endpoint = ""
-        self.model = ""
-        self.load: Callable[[], int] = lambda: 0
-        self.prefixes: Callable[[], list[int]] = list  # summary of prefixes we hold
+        self.rpc_endpoint = rpc_endpoint
+        self.model = model
+        self.load = load
+        self.prefixes = prefixes
         self.last_gpu_state: GpuState | None = None  # our latest sample (placement reads it)
-        # Load records a gossip message carried (membership/loadgossip.py), set before bind.
-        self.on_loads: Callable[[list[LoadRecord]], None] | None = None
+        self.on_loads = on_loads
 
     def bind(self) -> str:
         bound = self.transport.bind(self.config.gossip.bind, self._on_frame)
@@ -125,8 +132,8 @@ class GossipService:
             rng=self._rng,
             now=self._clock.wall(),
             seeds=[addr for _, addr in self._seeds],
+            on_loads=self.on_loads,
         )
-        self.core.on_loads = self.on_loads
         return self.advertise
 
     def _accept(self, sender: str, frame: bytes) -> bool:
@@ -225,7 +232,10 @@ class GossipService:
         """Re-announce ourselves with a new incarnation (SIGUSR1; used to measure spreading)."""
         assert self.core is not None
         self.core.announce(self._clock.wall())
-        log.info("announced", extra={"incarnation": self.core.table.incarnation, "at": self._clock.wall()})
+        log.info(
+            "announced",
+            extra={"incarnation": self.core.table.incarnation, "at": self._clock.wall()},
+        )
         self._wake.set()
 
     async def leave(self, linger_s: float | None = None) -> None:

@@ -55,15 +55,19 @@ class Admin:
         engine: Engine,
         version: str,
         engine_dead: Callable[[], bool],
+        election: bool = False,
+        gossip: GossipService | None = None,
+        dispatcher: Dispatcher | None = None,
     ) -> None:
         self.node = node
+        self._election = election  # etcd.endpoints set: this daemon campaigns
         self._ingress = ingress
         self._replies = replies
         self._engine = engine
         self._version = version
         self._engine_dead = engine_dead
-        self.gossip: GossipService | None = None
-        self.dispatcher: Dispatcher | None = None
+        self.gossip = gossip  # None without membership (gossip.bind unset)
+        self.dispatcher = dispatcher
         self.drained = False
         self.on_drain: list[Callable[[bool], None]] = []  # the leader resigns when drained
         self.requests: Counter[str] = Counter()  # "kind:outcome"
@@ -127,7 +131,7 @@ class Admin:
         if drain == self.drained:
             return True, f"already {'draining' if drain else 'serving'}"
         self.drained = drain
-        self.dispatcher.placer.draining = drain
+        self.dispatcher.set_draining(drain)
         for on_drain in self.on_drain:
             on_drain(drain)
         if drain:
@@ -177,6 +181,7 @@ class Admin:
         )
         gossip = self.gossip
         core = gossip.core if gossip is not None else None
+        term = core.fence.term if core is not None else None
         return StatusReport(
             id=query_id,
             node=self.node,
@@ -191,6 +196,9 @@ class Admin:
             gpu=gossip.last_gpu_state if gossip is not None else None,
             load=load,
             members=[m.record() for m in core.table.members.values()] if core is not None else [],
+            leader=term.leader if term is not None else None,
+            term=term.token if term is not None else None,
+            election=self._election,
         )
 
     def statistics(self) -> dict[str, int]:

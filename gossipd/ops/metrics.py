@@ -551,6 +551,16 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         ),
         ("gossipd_gossip_declared_dead", "Members we declared dead", stats.declared_dead),
         (
+            "gossipd_gossip_push_pulls",
+            "Push-pull exchanges we sent (each in pages: messages_sent type PushPull)",
+            stats.push_pulls,
+        ),
+        (
+            "gossipd_gossip_push_pulls_refused",
+            "Push-pull exchanges not sent: one to that member in progress, or 8 in all",
+            stats.push_pulls_refused,
+        ),
+        (
             "gossipd_gossip_sends_dropped",
             "Sends dropped at a full peer queue",
             gossip.dropped_sends,
@@ -618,6 +628,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         ),
         ("gossipd_fanout_refused_to_peers", "Forwarded tasks we refused", stats.refused_to_peers),
         (
+            "gossipd_fanout_refused_saturated",
+            "Forwards asking if_free refused at once: our engine was saturated (owner check)",
+            stats.refused_saturated,
+        ),
+        (
             "gossipd_fanout_attempts_failed",
             "Forward attempts without a reply in time",
             stats.attempts_failed,
@@ -680,6 +695,12 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         "gossipd_placement_state_unknown",
         "Placement decisions on a member of which no load record was known (its Meta only)",
         ages.unknown,
+    )
+    yield _one(
+        C,
+        "gossipd_placement_state_owner_checked",
+        "Placement decisions left to the owner's own check of its load (if_free: one hop old)",
+        ages.owner_checked,
     )
     yield _one(
         C,

@@ -122,9 +122,7 @@ class TaskTracer:
     the clock's ``monotonic()`` readings (gossipd/clock.py), as everywhere in the daemon; spans get wall-clock
     nanoseconds from one offset taken at start."""
 
-    def __init__(
-        self, config: TracingConfig, node: str, *, clock: Clock = SYSTEM_CLOCK
-    ) -> None:
+    def __init__(self, config: TracingConfig, node: str, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self._clock = clock
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
@@ -158,19 +156,18 @@ class TaskTracer:
 
     # -- wiring ----------------------------------------------------------------------------
 
-    def attach(self, ingress: Any, dispatcher: Any = None) -> None:
+    def attach(self, ingress: Any) -> None:
         """Listen to the ingress (admitted, finished, released, refused) and, with fan-out,
-        see each producer's task before the router places it (the dispatcher calls
-        ``forwarding``, ``forward_done`` and ``refused`` itself)."""
+        see each producer's task before the router places it: the router link is wrapped
+        (the dispatcher, given this tracer when built, calls ``forwarding``, ``forward_done``
+        and ``refused`` itself)."""
         ingress.on_admitted.append(self.admitted)
         ingress.on_finished.append(self.finished)
         ingress.on_released.append(self.released)
         ingress.on_refused.append(self.refused_here)
-        route = ingress.router
-        if dispatcher is not None:
-            dispatcher.tracer = self
+        route = ingress.links.router
         if route is not None:
-            ingress.router = self._traced_router(route)
+            ingress.links.router = self._traced_router(route)
 
     def _traced_router(self, route: Callable[[Task, float], bool]) -> Callable[[Task, float], bool]:
         def traced(task: Task, now: float) -> bool:

@@ -177,9 +177,9 @@ def assemble(
         "members_live": sum(row["live"] for row in rows),
         "checksums_agree": answered and len(checksums) == 1,
         "checksums": sorted(f"{c:016x}" for c in checksums),
-        "leader": first.leader,  # no election yet: null
+        "leader": first.leader,  # the highest term the asked daemon has seen; null before any
         "term": first.term,
-        "election": "not built yet (leader and term stay null)",
+        "election": "etcd" if first.election else "off",
         "members": rows,
     }
 
@@ -268,8 +268,16 @@ def format_status(status: dict[str, Any]) -> str:
         if status["checksums_agree"]
         else f"DISAGREE or incomplete: {', '.join(status['checksums']) or 'none'}"
     )
-    lines.append(f"member-set checksum: {agree}; leader: none (no election yet)")
+    lines.append(f"member-set checksum: {agree}; leader: {_leader_text(status)}")
     return "\n".join(lines)
+
+
+def _leader_text(status: dict[str, Any]) -> str:
+    if status["leader"] is not None:
+        return f"{status['leader']} (term {status['term']})"
+    if status["election"] == "off":
+        return "none (election off: this daemon has no etcd.endpoints)"
+    return "none seen yet (election through etcd: no leader term has reached this daemon)"
 
 
 def status_main(

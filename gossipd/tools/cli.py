@@ -216,6 +216,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             model=args.model,
             tasks=args.tasks,
             log_dir=args.log_dir,
+            etcd=[e for e in args.etcd.split(",") if e] if args.etcd else None,
         )
     )
 
@@ -249,11 +250,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return bench_route(
             nodes=args.nodes or 3,
-            tasks=min(args.tasks, 5000),
+            tasks=min(args.tasks or 20_000, 5000),
+            throughput_tasks=60_000 if args.curve and args.tasks is None else 0,
             repeats=args.repeats,
             as_json=args.json,
             plot=args.plot,
             curve=args.curve,
+            batch_replies=args.batch_replies,
+            batch_tasks=args.batch_tasks,
         )
     if args.what == "engine":
         from gossipd.tools.bench.engine import main as bench_engine
@@ -277,11 +281,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from gossipd.tools.bench.ingress import main as bench_ingress
 
         return bench_ingress(
-            tasks=args.tasks,
+            tasks=args.tasks or (60_000 if args.curve else 20_000),
             window=args.window,
             repeats=args.repeats,
             as_json=args.json,
             curve=args.curve,
+            batch_replies=args.batch_replies,
+            batch_tasks=args.batch_tasks,
         )
     if args.what == "budgets":
         from gossipd.tools.bench.budgets import main as bench_budgets
@@ -374,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"--demo: keyed tasks (default {DEFAULT_TASKS})",
     )
     p.add_argument("--log-dir", type=Path, help="daemon logs and journals (default: a temp dir)")
+    p.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,...]",
+        help="elect a leader through this etcd cluster (default: election off)",
+    )
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
@@ -602,7 +613,11 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated (64,1000,10000)",
     )
     p.add_argument(
-        "--tasks", type=int, default=20_000, help="ingress, route: tasks per run (default 20000)"
+        "--tasks",
+        type=int,
+        default=None,
+        help="ingress, route: tasks per run (default 20000; with --curve, ingress 60000 and "
+        "route 60000 per throughput run, so that each run lasts about a second)",
     )
     p.add_argument("--rate", type=float, default=300.0, help="hedge: tasks per second")
     p.add_argument(
@@ -630,6 +645,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve",
         action="store_true",
         help="ingress/route: the same with and without CurveZMQ (ratio_curve_vs_plain)",
+    )
+    p.add_argument(
+        "--batch-replies",
+        action="store_true",
+        help="ingress/route: the generator's tasks ask for Replies frames (batch_replies: "
+        "several results in one frame), on both sides of every ratio",
+    )
+    p.add_argument(
+        "--batch-tasks",
+        action="store_true",
+        help="ingress/route: the generator sends each refill of its window as Tasks frames "
+        "(several tasks in one frame), on both sides of every ratio (not to the raw server)",
     )
     p.set_defaults(func=cmd_bench)
 

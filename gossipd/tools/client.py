@@ -41,7 +41,7 @@ from gossipd.core.messages import (
     Result,
     SamplingParams,
     Task,
-    decode_reply,
+    decode_replies,
     encode,
     error_result,
 )
@@ -355,6 +355,7 @@ class Client:
             timeout_ms=max(1, int(timeout_s * 1000)),
             stream=stream,
             model=model,
+            batch_replies=True,
         )
         return await self.submit_task(task)
 
@@ -478,12 +479,18 @@ class Client:
             self._on_reply(frame, loop)
 
     def _on_reply(self, frame: bytes, loop: asyncio.AbstractEventLoop) -> None:
+        """One frame: a Chunk or Result, or a Replies frame of several (our tasks set
+        ``batch_replies``: fewer frames, each encrypted on its own under CURVE)."""
         try:
-            reply = decode_reply(frame)
+            replies = decode_replies(frame)
         except RemoteProtocolError as exc:
             self._stats["bad_replies"] += 1
             log.warning("undecodable reply", extra={"hint": exc.hint[:200]})
             return
+        for reply in replies:
+            self._on_one_reply(reply, loop)
+
+    def _on_one_reply(self, reply: Chunk | Result, loop: asyncio.AbstractEventLoop) -> None:
         handle = self._outstanding.get(reply.id)
         if handle is None:
             if type(reply) is Result and reply.id in self._finished:

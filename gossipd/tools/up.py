@@ -60,6 +60,7 @@ class UpOptions:
     model: Path = Path("models/tiny")
     tasks: int = DEFAULT_TASKS
     log_dir: Path | None = None
+    etcd: list[str] | None = None  # etcd endpoints (host:port): every daemon campaigns there
     # The demo's pacing and patience, per engine (tests shorten nothing: echo is fast).
     rate_per_s: float = 0.0  # 0: 30/s with vLLM, 100/s with echo
     resubmit_after_s: float = 3.0
@@ -78,7 +79,13 @@ class LocalCluster:
     """N daemons on loopback ports, each in its own process group."""
 
     def __init__(
-        self, n: int, *, engine_overrides: list[str], log_dir: Path, gpus: int = 0
+        self,
+        n: int,
+        *,
+        engine_overrides: list[str],
+        log_dir: Path,
+        gpus: int = 0,
+        extra_overrides: list[str] | None = None,
     ) -> None:
         self.log_dir = log_dir
         cluster = f"up-{secrets.token_hex(4)}"  # two `up`s on one machine stay apart
@@ -98,6 +105,7 @@ class LocalCluster:
                 f"fanout.rpc_bind=tcp://127.0.0.1:{rpc_port}",
                 f"journal.path={json.dumps(str(log_dir / f'{name}.journal'))}",
                 *engine_overrides,
+                *(extra_overrides or []),
             ]
             # On a GPU host each daemon sees one GPU (round robin when there are fewer).
             env = {"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else None
@@ -263,11 +271,20 @@ def run_up(opts: UpOptions) -> int:
         opts.engine, opts.model, say, nodes=opts.nodes, gpus=gpus
     )
     gpus = gpus if kind == "vllm" else 0
-    say("election off: no etcd (leader election is not built yet)")
+    extra: list[str] = []
+    if opts.etcd:
+        extra.append(f"etcd.endpoints={json.dumps(opts.etcd)}")
+        say(f"election through etcd at {', '.join(opts.etcd)}")
+    else:
+        say("election off: no etcd (--etcd HOST:PORT[,...] elects a leader through etcd)")
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="gossipd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(
-        opts.nodes, engine_overrides=engine_overrides, log_dir=log_dir, gpus=gpus
+        opts.nodes,
+        engine_overrides=engine_overrides,
+        log_dir=log_dir,
+        gpus=gpus,
+        extra_overrides=extra,
     )
     start_timeout_s = 120.0 + 60.0 * opts.nodes if kind == "vllm" else 30.0
     say(

@@ -31,6 +31,7 @@ import zmq
 
 from gossipd.core.tokenbudgets import task_cost_tokens
 from gossipd.ops.metrics import scrape
+from gossipd.tools.bench.loadgen import final_results
 from gossipd.tools.progress import Steps, percentile
 from simulations.cluster import Cluster
 
@@ -86,18 +87,13 @@ def _runaway(
             sent += 1
         if sent >= total and (sum(codes.values()) >= total or now - start > seconds + 5):
             break
-        if pull.poll(2):
-            while True:
-                try:
-                    reply = msgpack.unpackb(pull.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if reply.get("t") == 3 and reply["id"] not in answered:
-                    answered.add(reply["id"])
-                    code = "ok" if reply["ok"] else reply["error"]["code"]
-                    codes[code] += 1
-                    if code == "over_budget":
-                        hints.append(reply["error"]["retry_after_ms"])
+        for reply in final_results(pull, 2):
+            if reply["id"] not in answered:
+                answered.add(reply["id"])
+                code = "ok" if reply["ok"] else reply["error"]["code"]
+                codes[code] += 1
+                if code == "over_budget":
+                    hints.append(reply["error"]["retry_after_ms"])
     ctx.destroy(linger=0)
     out.put(
         {
@@ -135,17 +131,12 @@ def _good(
             sent += 1
         if sent >= total and (sum(codes.values()) >= total or now - start > seconds + 10):
             break
-        if pull.poll(1):
-            while True:
-                try:
-                    reply = msgpack.unpackb(pull.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if reply.get("t") != 3 or reply["id"] not in sent_at:
-                    continue
-                codes["ok" if reply["ok"] else reply["error"]["code"]] += 1
-                if reply["ok"]:
-                    latency_ms.append((time.monotonic() - sent_at.pop(reply["id"])) * 1e3)
+        for reply in final_results(pull, 1):
+            if reply["id"] not in sent_at:
+                continue
+            codes["ok" if reply["ok"] else reply["error"]["code"]] += 1
+            if reply["ok"]:
+                latency_ms.append((time.monotonic() - sent_at.pop(reply["id"])) * 1e3)
     lat = sorted(latency_ms)
     return {
         "sent": total,

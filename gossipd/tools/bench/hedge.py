@@ -23,6 +23,7 @@ import zmq
 
 from gossipd.core.ring import Ring
 from gossipd.ops.metrics import scrape
+from gossipd.tools.bench.loadgen import final_results
 from gossipd.tools.progress import Steps, percentile
 from simulations.cluster import Cluster
 
@@ -104,21 +105,14 @@ def _one_mode(hedge: bool, *, rate: float, seconds: float, stall_ms: int) -> dic
                 and (len(latency) + failed >= total or now - start > seconds + 15)
             ):
                 break
-            if pull.poll(2):
-                while True:
-                    try:
-                        reply = msgpack.unpackb(pull.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    if reply.get("t") != 3:
-                        continue
-                    results[reply["id"]] += 1
-                    if results[reply["id"]] > 1:
-                        continue
-                    if reply["ok"]:
-                        latency[reply["id"]] = (time.monotonic() - sent_at[reply["id"]]) * 1e3
-                    else:
-                        failed += 1
+            for reply in final_results(pull, 2):
+                results[reply["id"]] += 1
+                if results[reply["id"]] > 1:
+                    continue
+                if reply["ok"]:
+                    latency[reply["id"]] = (time.monotonic() - sent_at[reply["id"]]) * 1e3
+                else:
+                    failed += 1
         # Late duplicates (a withdrawn copy that had finished) arrive after the stall ends.
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:

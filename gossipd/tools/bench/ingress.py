@@ -40,9 +40,29 @@ def _paired_median(curve: list[LoadResult], plain: list[LoadResult]) -> float:
     return round(statistics.median(c.tasks_per_s / p.tasks_per_s for c, p in pairs), 3)
 
 
-def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = False) -> int:
+def main(
+    *,
+    tasks: int,
+    window: int,
+    repeats: int,
+    as_json: bool,
+    curve: bool = False,
+    batch_replies: bool = False,
+    batch_tasks: bool = False,
+) -> int:
+    """``batch_replies``: the daemon's tasks ask for Replies frames (several results in one
+    frame); ``batch_tasks``: the generator sends each refill as Tasks frames (several tasks in
+    one).  The raw server's runs never use either."""
     if curve:
-        return main_curve(tasks=tasks, window=window, repeats=repeats, as_json=as_json)
+        return main_curve(
+            tasks=tasks,
+            window=window,
+            repeats=repeats,
+            as_json=as_json,
+            batch_replies=batch_replies,
+            batch_tasks=batch_tasks,
+        )
+    opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
     steps = Steps(repeats + 1, "bench ingress")  # on stderr: stdout is the report
     steps.start("starting a daemon and a raw pyzmq echo server; warming both")
     raw_proc, raw_endpoint = _raw_server()
@@ -52,11 +72,11 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = 
     try:
         # Warm-up: connections, caches, first-touch allocations.
         drive(raw_endpoint, min(2000, tasks), window, run="warm-raw")
-        drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon")
+        drive(daemon.endpoint, min(2000, tasks), window, run="warm-daemon", **opts)
         for i in range(repeats):
             steps.start(f"round {i + 1}/{repeats}: {tasks} tasks to each side")
             raw_runs.append(drive(raw_endpoint, tasks, window, run=f"raw-{i}"))
-            daemon_runs.append(drive(daemon.endpoint, tasks, window, run=f"daemon-{i}"))
+            daemon_runs.append(drive(daemon.endpoint, tasks, window, run=f"daemon-{i}", **opts))
             steps.note(
                 f"raw {raw_runs[-1].tasks_per_s:,.0f} tasks/s, "
                 f"daemon {daemon_runs[-1].tasks_per_s:,.0f} tasks/s"
@@ -73,6 +93,8 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = 
         "tasks_per_run": tasks,
         "window": window,
         "repeats": repeats,
+        "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
         "raw_zmq": raw,
         "daemon": dmn,
         "ratio_vs_raw_zmq": ratio,
@@ -89,7 +111,15 @@ def main(*, tasks: int, window: int, repeats: int, as_json: bool, curve: bool = 
     return 0 if ok else 1
 
 
-def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
+def main_curve(
+    *,
+    tasks: int,
+    window: int,
+    repeats: int,
+    as_json: bool,
+    batch_replies: bool = False,
+    batch_tasks: bool = False,
+) -> int:
     """`--curve`: the same daemon with and without CURVE, alternating runs in one process
     pair; ``ratio_curve_vs_plain`` is the ratio of median throughputs, ``ratio_paired_median``
     the median of the rounds' own ratios."""
@@ -108,12 +138,27 @@ def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
     ).start()
     runs: dict[str, list[LoadResult]] = {"plain": [], "curve": []}
     try:
-        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain")
-        drive(secure.endpoint, min(2000, tasks), window, run="warm-curve", curve=producer)
+        opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
+        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain", **opts)
+        drive(
+            secure.endpoint,
+            min(2000, tasks),
+            window,
+            run="warm-curve",
+            curve=producer,
+            **opts,
+        )
         for i in range(repeats):
-            runs["plain"].append(drive(plain.endpoint, tasks, window, run=f"plain-{i}"))
+            runs["plain"].append(drive(plain.endpoint, tasks, window, run=f"plain-{i}", **opts))
             runs["curve"].append(
-                drive(secure.endpoint, tasks, window, run=f"curve-{i}", curve=producer)
+                drive(
+                    secure.endpoint,
+                    tasks,
+                    window,
+                    run=f"curve-{i}",
+                    curve=producer,
+                    **opts,
+                )
             )
             if not as_json:
                 print(
@@ -132,6 +177,8 @@ def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool) -> int:
         "tasks_per_run": tasks,
         "window": window,
         "repeats": repeats,
+        "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
         "plain": p,
         "curve_on": c,
         "ratio_curve_vs_plain": ratio,

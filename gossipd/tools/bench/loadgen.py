@@ -6,12 +6,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import zmq
 
-from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task, encode
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    MsgType,
+    SamplingParams,
+    Task,
+    encode,
+    pack_tasks,
+)
 from gossipd.tools.progress import percentile
+
+REPLIES, RESULT = int(MsgType.REPLIES), int(MsgType.RESULT)
+# A Tasks frame holds at most this many bytes of tasks (well under ingress.message_bytes_max).
+TASKS_FRAME_BYTES_MAX = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -36,8 +48,29 @@ class LoadResult:
         }
 
 
+def final_results(pull: zmq.Socket, timeout_ms: int) -> list[dict[str, Any]]:
+    """The final Results (``t`` = 3, as maps) queued on ``pull``, after waiting up to
+    ``timeout_ms`` for the first message; chunks and other messages are skipped."""
+    out: list[dict[str, Any]] = []
+    if not pull.poll(timeout_ms):
+        return out
+    while True:
+        try:
+            reply = msgpack.unpackb(pull.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return out
+        if reply.get("t") == 3:
+            out.append(reply)
+
+
 def make_frames(
-    n: int, reply_to: str, *, run: str, max_tokens: int = 1, keys: list[str] | None = None
+    n: int,
+    reply_to: str,
+    *,
+    run: str,
+    max_tokens: int = 1,
+    keys: list[str] | None = None,
+    batch_replies: bool = False,
 ) -> list[tuple[str, bytes]]:
     params = SamplingParams(max_tokens=max_tokens)
     out = []
@@ -49,6 +82,7 @@ def make_frames(
             params=params,
             reply_to=reply_to,
             key=keys[i] if keys else "",
+            batch_replies=batch_replies,
         )
         out.append((task.id, encode(task)))
     return out
@@ -71,8 +105,19 @@ def drive(
     run: str,
     timeout_s: float = 120.0,
     curve: ProducerCurve | None = None,
+    batch_replies: bool = False,
+    batch_tasks: bool = False,
 ) -> LoadResult:
-    return drive_many([endpoint], n, window, run=run, timeout_s=timeout_s, curve=curve)
+    return drive_many(
+        [endpoint],
+        n,
+        window,
+        run=run,
+        timeout_s=timeout_s,
+        curve=curve,
+        batch_replies=batch_replies,
+        batch_tasks=batch_tasks,
+    )
 
 
 def drive_many(
@@ -85,9 +130,14 @@ def drive_many(
     entry_of: list[int] | None = None,
     keys: list[str] | None = None,
     curve: ProducerCurve | None = None,
+    batch_replies: bool = False,
+    batch_tasks: bool = False,
 ) -> LoadResult:
     """Like ``drive``; task i enters at ``endpoints[entry_of[i]]`` with key ``keys[i]``;
-    ``curve``: over CurveZMQ (the reply PULL served with the generator's key pair)."""
+    ``curve``: over CurveZMQ (the reply PULL served with the generator's key pair);
+    ``batch_replies``: the tasks ask for Replies frames (several results in one frame);
+    ``batch_tasks``: the tasks of one refill of the window go to each endpoint as Tasks
+    frames (several tasks in one, at most ``TASKS_FRAME_BYTES_MAX`` each)."""
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -107,7 +157,9 @@ def drive_many(
     entry_of = entry_of or [0] * n
     by_task: dict[int, float] = {}
     index = {}
-    frames = make_frames(n, f"tcp://127.0.0.1:{port}", run=run, keys=keys)
+    frames = make_frames(
+        n, f"tcp://127.0.0.1:{port}", run=run, keys=keys, batch_replies=batch_replies
+    )
     for i, (task_id, _) in enumerate(frames):
         index[task_id] = i
     sent_at: dict[str, float] = {}
@@ -117,9 +169,34 @@ def drive_many(
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     clock = time.perf_counter
+
+    def _send_packed(frames: list[tuple[str, bytes]], first: int, left: int, room: int) -> int:
+        """Send the next ``min(left, room)`` tasks packed per endpoint; the next index."""
+        groups: dict[int, list[bytes]] = {}
+        sizes: dict[int, int] = {}
+        now = clock()
+        end = first + min(left, room)
+        for i in range(first, end):
+            task_id, frame = frames[i]
+            sent_at[task_id] = now
+            e = entry_of[i]
+            group = groups.setdefault(e, [])
+            if group and sizes[e] + len(frame) > TASKS_FRAME_BYTES_MAX:
+                pushes[e].send(pack_tasks(group))
+                group.clear()
+                sizes[e] = 0
+            group.append(frame)
+            sizes[e] = sizes.get(e, 0) + len(frame)
+        for e, group in groups.items():
+            if group:
+                pushes[e].send(group[0] if len(group) == 1 else pack_tasks(group))
+        return end
+
     started = clock()
     try:
         while len(latencies) < n:
+            if batch_tasks:
+                next_i = _send_packed(frames, next_i, n - next_i, window - len(sent_at))
             while next_i < n and len(sent_at) < window:
                 task_id, frame = frames[next_i]
                 sent_at[task_id] = clock()
@@ -132,13 +209,14 @@ def drive_many(
                     data = pull.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                reply = msgpack.unpackb(data)
-                t0 = sent_at.pop(reply["id"], None)
-                if t0 is None or reply.get("t") != 3:
-                    continue
-                latencies.append((clock() - t0) * 1e3)
-                by_task[index[reply["id"]]] = latencies[-1]
-                ok += bool(reply["ok"])
+                msg = msgpack.unpackb(data)
+                for reply in msg["items"] if msg.get("t") == REPLIES else (msg,):
+                    t0 = sent_at.pop(reply["id"], None)
+                    if t0 is None or reply.get("t") != RESULT:
+                        continue
+                    latencies.append((clock() - t0) * 1e3)
+                    by_task[index[reply["id"]]] = latencies[-1]
+                    ok += bool(reply["ok"])
         elapsed = clock() - started
     finally:
         for sock in pushes:

@@ -33,6 +33,8 @@ from gossipd.config import FanoutConfig
 from gossipd.core.membership import MemberTable
 from gossipd.core.messages import Alive, GpuState, Meta, Task
 from gossipd.core.prefix import prefix_hashes
+from gossipd.core.swim import SwimNode
+from gossipd.core.swim_config import SwimConfig
 from gossipd.fanout.placer import Placer
 
 try:  # running totals (this change); a plain dict before it
@@ -56,7 +58,11 @@ class _Cluster:
     def __init__(self, n: int, *, prefixes: int, holders: int, seed: int = 1) -> None:
         self.rng = random.Random(seed)
         self.me = "gpu-00000"
-        self.table = MemberTable(me=self.me, addr="tcp://10.0.0.0:7946", now=0.0)
+        # The daemon's membership core (its table, dissemination, anti-entropy...).
+        self.swim = SwimNode(
+            SwimConfig(), node=self.me, addr="tcp://10.0.0.0:7946", rng=random.Random(seed), now=0.0
+        )
+        self.table: MemberTable = self.swim.table
         self.table.members_max = max(self.table.members_max, n)
         self.listeners: list[Any] = []
         self.versions: dict[str, int] = {}
@@ -219,18 +225,46 @@ def _meta_costs(cluster: _Cluster, task: Task, repeats: int) -> dict[str, float]
     }
 
 
-def memory_mb(n: int, *, prefixes: int) -> float:
-    """Bytes allocated for membership + placement state of ``n`` members (tracemalloc)."""
+def memory_mb(n: int, *, prefixes: int) -> dict[str, float]:
+    """MB allocated for the membership + placement state of ``n`` members (tracemalloc): the
+    SWIM core (member table, dissemination, anti-entropy) and the Placer's view, after a
+    push-pull of the whole table; and the peak while that push-pull was sent (its pages
+    taken from the outbox as a daemon's flush does).  The ring's compiled kernels are
+    loaded first (a library, once a process, not state)."""
+    try:
+        from gossipd.core import hrw
+
+        hrw.load()
+    except ImportError:  # pragma: no cover - an older checkout
+        pass
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     cluster = _Cluster(n, prefixes=prefixes, holders=8)
     cluster.placer.view()
     gc.collect()
-    after = tracemalloc.get_traced_memory()[0]
+    built = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    ae = cluster.swim.antientropy
+    pages = 0
+    try:
+        ae.push_pull("tcp://10.9.9.9:7946", reply=True, now=0.0)
+    except TypeError:  # pragma: no cover - an older checkout: one message, no pages
+        ae.push_pull("tcp://10.9.9.9:7946", reply=True)
+    pages += len(cluster.swim.take_outbox())
+    while getattr(ae, "next_page_at", float("inf")) < float("inf"):
+        ae.tick(ae.next_page_at)
+        pages += len(cluster.swim.take_outbox())
+    gc.collect()
+    after, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     del cluster
-    return round((after - before) / 1e6, 1)
+    return {
+        "state_mb": round((after - before) / 1e6, 1),
+        "state_before_push_pull_mb": round((built - before) / 1e6, 1),
+        "push_pull_peak_mb": round((peak - before) / 1e6, 1),
+        "push_pull_pages": pages,
+    }
 
 
 def main(
@@ -243,7 +277,11 @@ def main(
     memory: bool = True,
     memory_nodes: int = 10_000,
     as_json: bool = False,
+    kernel_min: int | None = None,
 ) -> int:
+    """``kernel_min``: the ring size from which the compiled kernels score (core/ring.py's
+    KERNEL_MIN; e.g. 16 to compare sizes on the same code path)."""
+    kernels = _kernels(kernel_min)
     nodes = nodes or [64, 1000, 10_000]
     rows = measure(
         nodes, prefixes=prefixes, holders=holders, tasks=tasks, repeats=repeats, budget_s=0.5
@@ -262,10 +300,14 @@ def main(
         ),
         "ratio_by_path": {p: round(largest[p] / smallest[p], 2) for p in PATHS},
         "goals": {"us_per_task_max": 25.0, "ratio_max": 1.5, "memory_mb_max": 100.0},
+        # Which rings were scored by the compiled kernels (Numba), which by NumPy passes.
+        "kernels": kernels,
     }
     if memory:
         print(f"bench place: memory at N={memory_nodes}", file=sys.stderr)
-        report[f"memory_mb_n{memory_nodes}"] = memory_mb(memory_nodes, prefixes=prefixes)
+        memory = memory_mb(memory_nodes, prefixes=prefixes)
+        report[f"memory_mb_n{memory_nodes}"] = memory["state_mb"]
+        report[f"memory_n{memory_nodes}"] = memory
     if as_json:
         print(json.dumps(report))
     else:
@@ -277,10 +319,26 @@ def main(
                 + " ".join(f"{r[p]:>22.2f}" for p in PATHS)
                 + f"  {r['meta_load_change_us']:>9.1f} {r['meta_prefix_change_us']:>11.1f}"
             )
+        ratios = report["ratio_by_path"]
+        print(
+            f"  ratio N={largest['nodes']} / N={smallest['nodes']} "
+            + " ".join(f"{ratios[p]:>22.2f}" for p in PATHS)
+        )
         for k, v in report.items():
-            if k.startswith(("us_per_task", "ratio_n", "memory_mb", "worst")):
+            if k.startswith(("us_per_task", "ratio_n", "memory_", "worst")):
                 print(f"  {k}: {v}")
     return 0
+
+
+def _kernels(kernel_min: int | None) -> dict[str, Any]:
+    """The compiled kernels' threshold (set to ``kernel_min`` if given) and availability."""
+    try:
+        from gossipd.core import hrw, ring
+    except ImportError:  # pragma: no cover - an older checkout
+        return {"available": False}
+    if kernel_min is not None:
+        ring.KERNEL_MIN = kernel_min
+    return {"available": hrw.load() is not None, "min_members": ring.KERNEL_MIN}
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -292,6 +350,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--memory-nodes", type=int, default=10_000)
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--kernel-min", type=int, default=None, help="ring.KERNEL_MIN for this run")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -306,6 +365,7 @@ if __name__ == "__main__":
             tasks=a.tasks,
             repeats=a.repeats,
             memory=not a.no_memory,
+            kernel_min=a.kernel_min,
             memory_nodes=a.memory_nodes,
             as_json=a.json,
         )

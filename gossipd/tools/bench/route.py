@@ -31,9 +31,25 @@ def main(
     journal: bool = False,
     plot: str | None = None,
     curve: bool = False,
+    batch_replies: bool = False,
+    batch_tasks: bool = False,
+    throughput_tasks: int = 0,
 ) -> int:
+    """``batch_replies``: the cluster's tasks ask for Replies frames (several results in one
+    frame); ``batch_tasks``: the generator sends each refill as Tasks frames (several tasks
+    in one).  The raw server's runs never use either.
+    ``throughput_tasks``: tasks per throughput run with ``curve`` (0: 4 x ``tasks``)."""
     if curve:
-        return main_curve(nodes=nodes, tasks=tasks, repeats=repeats, as_json=as_json)
+        return main_curve(
+            nodes=nodes,
+            tasks=tasks,
+            repeats=repeats,
+            as_json=as_json,
+            batch_replies=batch_replies,
+            batch_tasks=batch_tasks,
+            throughput_tasks=throughput_tasks,
+        )
+    opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
     steps = Steps(repeats + 1, "bench route")  # on stderr: stdout is the report
     say = steps.note
     rng = random.Random(7)
@@ -55,17 +71,31 @@ def main(
         hops = [0 if names[entry[i]] == ring.owner(keys[i]) else 1 for i in range(tasks)]
         zero, one, tput_raw, tput_cluster = [], [], [], []
         warm = min(1000, tasks)  # (--tasks below 1,000 used to index past the keys)
-        drive_many(endpoints, warm, 100, run="warm", entry_of=entry[:warm], keys=keys[:warm])
+        drive_many(
+            endpoints,
+            warm,
+            100,
+            run="warm",
+            entry_of=entry[:warm],
+            keys=keys[:warm],
+            **opts,
+        )
         for r in range(repeats):
             steps.start(f"round {r + 1}/{repeats}: latency at window 1, then throughput")
-            lat = drive_many(endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys)
+            lat = drive_many(endpoints, tasks, 1, run=f"lat{r}", entry_of=entry, keys=keys, **opts)
             assert lat.by_task_ms is not None
             zero += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
             one += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 1]
             tput_raw.append(drive(raw_endpoint, tasks * 4, 300, run=f"raw{r}").tasks_per_s)
             tput_cluster.append(
                 drive_many(
-                    endpoints, tasks * 4, 300, run=f"tp{r}", entry_of=entry * 4, keys=keys * 4
+                    endpoints,
+                    tasks * 4,
+                    300,
+                    run=f"tp{r}",
+                    entry_of=entry * 4,
+                    keys=keys * 4,
+                    **opts,
                 ).tasks_per_s
             )
             say(
@@ -83,6 +113,8 @@ def main(
     report = {
         "benchmark": "route",
         "nodes": nodes,
+        "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
         "forwarded_fraction": round(sum(hops) / len(hops), 3),
         "latency_0_hop_ms": {
             "p50": round(percentile(zero, 50), 3),
@@ -137,13 +169,23 @@ def plot_latency(zero: list[float], one: list[float], report: dict[str, Any], pa
     save_percent_figure(fig, ax, title, path)
 
 
-def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
+def main_curve(
+    *,
+    nodes: int,
+    tasks: int,
+    repeats: int,
+    as_json: bool,
+    batch_replies: bool = False,
+    batch_tasks: bool = False,
+    throughput_tasks: int = 0,
+) -> int:
     """`--curve`: two clusters of ``nodes`` daemons, one with CURVE on every socket (ingress,
     replies, gossip, rpc), driven alternately with the same keys, entry points and window;
     ``ratio_curve_vs_plain`` is the ratio of median throughputs (window 300), and the 0- and
     1-hop latencies (window 1) are reported for both."""
     say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
     rng = random.Random(7)
+    n_tp = throughput_tasks or tasks * 4
     plain = Cluster(nodes, extra_overrides=['journal.path=""'])
     secure = Cluster(nodes, extra_overrides=['journal.path=""'], curve=True)
     assert secure.keys is not None
@@ -164,6 +206,9 @@ def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
         entry = [rng.randrange(nodes) for _ in range(tasks)]
         hops = [0 if names[entry[i]] == ring.owner(keys[i]) else 1 for i in range(tasks)]
         runs = (("plain", plain, None), ("curve", secure, producer))
+        # The throughput runs: the same keys and entry points, repeated.
+        times = -(-n_tp // tasks)
+        entry_tp, keys_tp = (entry * times)[:n_tp], (keys * times)[:n_tp]
         warm = min(1000, tasks)
         for name, c, cv in runs:
             endpoints = [d.endpoint for d in c.daemons]
@@ -175,13 +220,23 @@ def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
                 entry_of=entry[:warm],
                 keys=keys[:warm],
                 curve=cv,
+                batch_replies=batch_replies,
+                batch_tasks=batch_tasks,
             )
         for r in range(repeats):
             for name, c, cv in runs:
                 endpoints = [d.endpoint for d in c.daemons]
                 f = figures[name]
                 lat = drive_many(
-                    endpoints, tasks, 1, run=f"lat{r}-{name}", entry_of=entry, keys=keys, curve=cv
+                    endpoints,
+                    tasks,
+                    1,
+                    run=f"lat{r}-{name}",
+                    entry_of=entry,
+                    keys=keys,
+                    curve=cv,
+                    batch_replies=batch_replies,
+                    batch_tasks=batch_tasks,
                 )
                 assert lat.by_task_ms is not None
                 f["zero"] += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
@@ -189,12 +244,14 @@ def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
                 f["tput"].append(
                     drive_many(
                         endpoints,
-                        tasks * 4,
+                        n_tp,
                         300,
                         run=f"tp{r}-{name}",
-                        entry_of=entry * 4,
-                        keys=keys * 4,
+                        entry_of=entry_tp,
+                        keys=keys_tp,
                         curve=cv,
+                        batch_replies=batch_replies,
+                        batch_tasks=batch_tasks,
                     ).tasks_per_s
                 )
             say(
@@ -204,7 +261,14 @@ def main_curve(*, nodes: int, tasks: int, repeats: int, as_json: bool) -> int:
     finally:
         plain.stop()
         secure.stop()
-    report: dict[str, Any] = {"benchmark": "route", "curve": True, "nodes": nodes}
+    report: dict[str, Any] = {
+        "benchmark": "route",
+        "curve": True,
+        "nodes": nodes,
+        "tasks_per_throughput_run": n_tp,
+        "batch_replies": batch_replies,
+        "batch_tasks": batch_tasks,
+    }
     for name, label in (("plain", "plain"), ("curve", "curve_on")):
         f = figures[name]
         zero, one = sorted(f["zero"]), sorted(f["one"])
