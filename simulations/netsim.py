@@ -11,6 +11,16 @@ The network model: per-message latency drawn from a lognormal (median ``latency_
 reach each other), crashed nodes (their messages vanish), paused nodes (SIGSTOP: everything
 for them waits until they resume; timers first, as in an event loop), and CPU-starved nodes
 (every event for them runs ``starve_s`` late on average).
+
+Messages travel as objects (``wire=False``, the default): a member's core encodes each message
+it sends only to count its bytes, and the receiver gets the sender's (frozen) message object
+instead of decoding those bytes: what decoding them would give, at a fraction of the cost.
+A push-pull that fits in one page is not even encoded: its records are objects, most of them
+the shared base's, and the core counts its encoded size from the base's encoded records
+(``SwimNode.send_page``); a page of a longer exchange comes encoded and is decoded once.
+The size limit a receiver enforces on the bytes (``message_bytes_max``) is enforced on the
+counted size.  ``wire=True`` sends bytes and decodes them, as a daemon does; one seed gives
+the same trace either way (tests/test_swim.py).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gossipd.core.membership import MemberEvent, shared_base
+from gossipd.core.messages import GossipMessage, PushPull, decode_gossip, encode_gossip
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.datagrams import OnFrame
@@ -38,13 +49,52 @@ class NetworkModel:
 
     def delay_s(self, rng: random.Random, starve_s: float = 0.0) -> float | None:
         """One message's fate: None when it is lost, else its delay.  Draws from ``rng`` in a
-        fixed order (loss, latency, the receiver's starvation), so a seed gives one trace."""
+        fixed order (loss, latency, the receiver's starvation), so a seed gives one trace.
+        (``Simulation._flush`` has a copy inlined: change both.)"""
         if self.loss and rng.random() < self.loss:
             return None
         delay = self.latency_s * math.exp(self.latency_sigma * rng.gauss(0.0, 1.0))
         if starve_s:
             delay += rng.expovariate(1.0 / starve_s)
         return delay
+
+
+class SimSwimNode(SwimNode):
+    """A SWIM core whose sent messages stay objects (with their encoded size) for the
+    simulated network to hand over, instead of bytes for the receiver to decode."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.sent_messages: list[tuple[str, GossipMessage, int]] = []
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def send(self, addr: str, msg: GossipMessage) -> None:
+        size = len(encode_gossip(msg))
+        self.count_sent(msg, size)
+        self.sent_messages.append((addr, msg, size))
+
+    def send_page(self, addr: str, msg: PushPull, size_bytes: int) -> None:
+        """A push-pull of a shared table in one page (core/antientropy.py): the object, with
+        the size its encoding has (tests/test_swim_shared.py), neither encoded nor decoded."""
+        self.count_sent(msg, size_bytes)
+        self.sent_messages.append((addr, msg, size_bytes))
+
+    def send_encoded(self, addr: str, name: str, data: bytes) -> None:
+        """A page of a push-pull of several pages, already encoded: decoded here once, as its
+        receiver would (the rare case: a table larger than a page)."""
+        msg = decode_gossip(data, bytes_max=len(data))
+        self.count_sent_as(name, len(data))
+        self.sent_messages.append((addr, msg, len(data)))
+
+    def take_sent(self) -> list[tuple[str, GossipMessage, int]]:
+        out, self.sent_messages = self.sent_messages, []
+        return out
+
+    def deliver(self, now: float, msg: GossipMessage, size_bytes: int) -> None:
+        """``receive`` of the message's bytes: the size limit, then the message."""
+        if size_bytes > self.config.message_bytes_max:
+            self.stats.refused += 1
+            return
+        self.receive_message(now, msg, size_bytes)
 
 
 @dataclass
@@ -79,15 +129,19 @@ class Simulation:
         network: NetworkModel | None = None,
         keep_events: Callable[[MemberEvent], bool] | None = None,
         join: bool = False,
+        wire: bool = False,
     ) -> None:
         """``join=False``: members start knowing each other (converged); ``join=True``: each
-        starts alone and joins through member 0 as its seed, as real daemons do."""
+        starts alone and joins through member 0 as its seed, as real daemons do.  ``wire``:
+        messages travel as bytes and are decoded (slower; the same trace)."""
         self.seed = seed
+        self.wire = wire
         self.rng = random.Random(seed)
         self.config = config or SwimConfig.sim()
         self.net = network or NetworkModel()
         self.now = 0.0
-        self._heap: list[tuple[float, float, int, int, int, bytes]] = []
+        # (at, tie-break, seq, kind, member, message: bytes with wire else object, its size)
+        self._heap: list[tuple[float, float, int, int, int, object, int]] = []
         self._seq = 0
         self.trace = Trace()
         self._keep = keep_events or (lambda e: True)
@@ -113,7 +167,17 @@ class Simulation:
         self, name: str, addr: str, seeds: tuple[str, ...], incarnation: int = 0
     ) -> SwimNode:
         node_rng = random.Random(self.rng.getrandbits(64))
-        return SwimNode(
+        if self.wire:
+            return SwimNode(
+                self.config,
+                node=name,
+                addr=addr,
+                rng=node_rng,
+                now=self.now,
+                seeds=seeds,
+                incarnation=incarnation,
+            )
+        return SimSwimNode(
             self.config,
             node=name,
             addr=addr,
@@ -125,9 +189,11 @@ class Simulation:
 
     # -- the event loop ----------------------------------------------------------------------
 
-    def _push(self, at: float, kind: int, index: int, data: bytes = b"") -> None:
+    def _push(
+        self, at: float, kind: int, index: int, msg: object = None, size_bytes: int = 0
+    ) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (at, self.rng.random(), self._seq, kind, index, data))
+        heapq.heappush(self._heap, (at, self.rng.random(), self._seq, kind, index, msg, size_bytes))
 
     def _schedule(self, member: SimMember) -> None:
         if not member.up:
@@ -139,9 +205,12 @@ class Simulation:
 
     def run_until(self, t_end: float) -> None:
         heap = self._heap
+        members = self.members
+        pop = heapq.heappop
+        wire = self.wire
         while heap and heap[0][0] <= t_end:
-            at, _, _, kind, index, data = heapq.heappop(heap)
-            member = self.members[index]
+            at, _, _, kind, index, msg, size = pop(heap)
+            member = members[index]
             if not member.up:
                 continue
             if kind == TICK and at != member.tick_at:
@@ -151,38 +220,64 @@ class Simulation:
                 later = member.paused_until + (0.0 if kind == TICK else 1e-6)
                 if kind == TICK:
                     member.tick_at = later
-                self._push(later, kind, index, data)
+                self._push(later, kind, index, msg, size)
                 continue
             self.now = at
             core = member.core
             if kind == TICK:
                 member.tick_at = math.inf
                 core.tick(at)
+            elif wire:
+                core.receive(at, msg)  # type: ignore[arg-type]
             else:
-                core.receive(at, data)
+                core.deliver(at, msg, size)  # type: ignore[attr-defined]
             self._flush(member)
         self.now = t_end
 
     def _flush(self, member: SimMember) -> None:
         core = member.core
-        for addr, data in core.take_outbox():
-            dst = self.by_addr.get(addr)
-            if dst is None:
-                continue
-            target = self.members[dst]
-            if self.partitioned and target.group != member.group:
-                self.trace.lost += 1
-                continue
-            delay = self.net.delay_s(self.rng, target.starve_s)
-            if delay is None:
-                self.trace.lost += 1
-                continue
-            self.trace.delivered += 1
-            self._push(self.now + delay, DELIVER, dst, data)
-        for event in core.take_events():
-            if self._keep(event):
-                self.trace.events.append((member.name, event))
-        self._schedule(member)
+        if self.wire:
+            sent = [(addr, data, len(data)) for addr, data in core.take_outbox()]
+        else:
+            sent = core.take_sent()  # type: ignore[attr-defined]
+        rng, now, heap = self.rng, self.now, self._heap
+        if sent:
+            # _push and NetworkModel.delay_s inlined (the same draws in the same order).
+            by_addr, members, trace = self.by_addr, self.members, self.trace
+            net, push, draw, gauss, exp = self.net, heapq.heappush, rng.random, rng.gauss, math.exp
+            loss, latency_s, sigma = net.loss, net.latency_s, net.latency_sigma
+            for addr, msg, size in sent:
+                dst = by_addr.get(addr)
+                if dst is None:
+                    continue
+                target = members[dst]
+                if self.partitioned and target.group != member.group:
+                    trace.lost += 1
+                    continue
+                if loss and draw() < loss:
+                    trace.lost += 1
+                    continue
+                delay = latency_s * exp(sigma * gauss(0.0, 1.0))
+                if target.starve_s:
+                    delay += rng.expovariate(1.0 / target.starve_s)
+                trace.delivered += 1
+                self._seq += 1
+                push(heap, (now + delay, draw(), self._seq, DELIVER, dst, msg, size))
+        events = core.take_events()
+        if events:
+            keep, name, kept = self._keep, member.name, self.trace.events
+            for event in events:
+                if keep(event):
+                    kept.append((name, event))
+        # _schedule inlined.
+        if member.up:
+            at = core.next_deadline()
+            if at < now:
+                at = now
+            if at != member.tick_at:
+                member.tick_at = at
+                self._seq += 1
+                heapq.heappush(heap, (at, rng.random(), self._seq, TICK, member.index, None, 0))
 
     # -- faults ------------------------------------------------------------------------------
 

@@ -169,7 +169,7 @@ def test_two_tables_with_arbitrary_differences_converge_after_a_paged_exchange(
     before = (view(a), view(b))
     exchange(b, a, now=10.0)
     assert (view(a), view(b)) == before
-    assert a.antientropy.deadlines() == b.antientropy.deadlines() == [math.inf, math.inf]
+    assert a.antientropy.next_deadline() == b.antientropy.next_deadline() == math.inf
 
 
 # -- the pages -------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_a_member_gone_mid_exchange_is_skipped_and_one_new_since_waits() -> None
     del a.table.members[gone]  # as the leader's forget would
     a.table.apply(Alive(node="late", incarnation=0, addr=addr_of("late")), 0.0)
     now, later = 0.0, []
-    while a.antientropy.deadlines()[-1] < math.inf and len(a.antientropy.deadlines()) == 3:
+    while a.antientropy.next_deadline() == a.antientropy.next_page_at < math.inf:
         now = a.antientropy.next_page_at
         a.antientropy.tick(now)
         later += [decode_gossip(d, bytes_max=BYTES_MAX) for _, d in a.take_outbox()]
@@ -247,7 +247,7 @@ def test_a_small_table_is_one_page_and_pages_encode_as_push_pull() -> None:
     a, b = make("a", big_table(3, prefixes=4)), make("b", [])
     pages = exchange(a, b)
     assert [(s, p.page, p.more) for s, _, _, p in pages] == [("a", 0, False), ("b", 0, False)]
-    assert a.antientropy.deadlines() == [math.inf, math.inf]
+    assert a.antientropy.next_deadline() == math.inf
     # PushPullEncoded's bytes are PushPull's: a receiver cannot tell them apart.
     msg = pages[0][3]
     encoded = PushPullEncoded(

@@ -53,7 +53,7 @@ from gossipd.core.messages import (
     encode_gossip,
     encode_record,
 )
-from gossipd.core.sharedtable import Overlay
+from gossipd.core.sharedtable import Overlay, SharedRecords
 
 if TYPE_CHECKING:
     from gossipd.core.swim import SwimNode
@@ -65,6 +65,11 @@ _EMPTY: frozenset[str] = frozenset()
 STREAMS_MAX = 8
 # A MessagePack array's header is 1 to 5 bytes: an envelope is measured with an empty one.
 _ARRAY_HEADER_BYTES_MORE = 4
+
+
+def _array_header_bytes(n: int) -> int:
+    """The size of a MessagePack array's header for ``n`` items."""
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5
 
 
 @dataclass(slots=True)
@@ -125,13 +130,13 @@ class AntiEntropy:
         if now >= self.next_page_at:
             self._send_next_pages(now)
 
-    def deadlines(self) -> list[float]:
-        deadlines = [self.next_push_pull_at, self.next_heal_at]
-        if not self.joined:
-            deadlines.append(self.next_join_at)
-        if self._streams:
-            deadlines.append(self.next_page_at)
-        return deadlines
+    def next_deadline(self) -> float:
+        """The next push-pull, heal, page of an exchange in progress (inf when none), or
+        (while not joined) join attempt."""
+        at = min(self.next_push_pull_at, self.next_heal_at, self.next_page_at)
+        if not self.joined and self.next_join_at < at:
+            return self.next_join_at
+        return at
 
     def push_pull_period(self) -> float:
         n = self._swim.table.live_count()
@@ -158,12 +163,10 @@ class AntiEntropy:
         swim.stats.push_pulls += 1
         members = swim.table.members
         budget = self._page_budget(reply=reply, join=join, page=0)
-        page = [encode_record(self._own_record())]
-        whole = self._shared_table_in_one_page(budget - len(page[0]))
-        if whole is not None:
-            page.extend(whole)
-            self._send_page(addr, page, reply=reply, join=join, page=0, more=False)
+        own = self._own_record()
+        if self._send_shared_table(addr, own, budget, reply=reply, join=join):
             return
+        page = [encode_record(own)]
         used = len(page[0])
         stream = None
         for pos, raw in enumerate(self._raws_in_order()):
@@ -200,21 +203,33 @@ class AntiEntropy:
             meta_incarnation=table.meta_incarnation,
         )
 
-    def _shared_table_in_one_page(self, budget: int) -> list[msgspec.Raw] | None:
-        """A simulated member's whole table when it fits in ``budget`` bytes (the common
-        case, sized without a step per record); None: a daemon's table, or too large."""
-        table = self._swim.table
+    def _send_shared_table(
+        self, addr: str, own: MemberRecord, budget: int, *, reply: bool, join: bool
+    ) -> bool:
+        """A simulated member's whole table as one page when it fits in ``budget`` bytes (the
+        common case, sized without a step per record; False: a daemon's table, or too large).
+        Its records are objects (SharedRecords: the shared ones its base's), sent with their
+        encoded size through ``SwimNode.send_page``: the same bytes as a PushPullEncoded of
+        the same records, which the simulator need not encode or decode (simulations/netsim.py)."""
+        swim = self._swim
+        table = swim.table
         members, base = table.members, table.shared_base
         if not isinstance(members, Overlay) or base is None:
-            return None
+            return False
         raws = base.raws()
-        own = [encode_record(m.record()) for m in dict.values(members)]
+        mine = [own, *(m.record() for m in dict.values(members))]
         hidden = members.hidden
-        size = base.raws_bytes - sum(len(raws[n]) for n in hidden) + sum(len(r) for r in own)
+        size = base.raws_bytes - sum(len(raws[n]) for n in hidden)
+        size += sum(len(encode_record(r)) for r in mine)
         if size > budget:
-            return None
-        own.extend([r for n, r in raws.items() if n not in hidden])
-        return own
+            return False
+        records = SharedRecords(mine, base, frozenset(hidden))
+        # The envelope with an empty array (a 1-byte header), then the array's real header.
+        envelope = len(self._page([], reply=reply, join=join, page=0, more=False))
+        size += envelope - 1 + _array_header_bytes(len(records))
+        msg = PushPull(**swim.header([]), reply=reply, join=join, members=records)
+        swim.send_page(addr, msg, size)
+        return True
 
     def _raws_in_order(self) -> Iterator[msgspec.Raw]:
         """Every member's encoded record, in the order of ``list(table.members)``; a
@@ -307,7 +322,16 @@ class AntiEntropy:
             if isinstance(members, Overlay)
             else (_NONE.get, _EMPTY)
         )
-        for record in msg.members:
+        records = msg.members
+        if (
+            isinstance(records, SharedRecords)
+            and isinstance(members, Overlay)
+            and records.base.members is members.base
+        ):
+            # The simulator's push-pull between two Overlays of one base (sharedtable.py):
+            # the shared records we show are known, so they would all take the fast path.
+            records = records.differing(hidden)
+        for record in records:
             # Fast path: most records say what we already know (a push-pull at N=10,000 carries
             # 10,000 of them; building updates for each would dominate the simulator's time).
             node = record.node

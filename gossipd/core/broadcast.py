@@ -86,34 +86,46 @@ class BroadcastQueue:
     ) -> list[Any]:
         """Updates for one message, within ``budget_bytes``; each counts as one transmission.
         Keys in ``first`` go before the rest (updates about the recipient, or about us)."""
-        limit = retransmit_limit(self._mult, n_members)
+        by_key = self._by_key
+        if not by_key:
+            return []  # the steady state: nothing queued (most messages carry nothing)
+        # Called for every message sent: written for speed (no per-call set; _remove inlined).
         chosen: list[_Item] = []
         used = 0
-        seen: set[Hashable] = set()
         for key in first:
-            item = self._by_key.get(key)
-            if item is not None and key not in seen and used + item.size <= budget_bytes:
+            item = by_key.get(key)
+            if item is not None and used + item.size <= budget_bytes and item not in chosen:
                 chosen.append(item)
-                seen.add(key)
                 used += item.size
-        for transmits in sorted(self._buckets):
-            for item in reversed(self._buckets[transmits].values()):
+        firsts = len(chosen)
+        buckets = self._buckets
+        for transmits in sorted(buckets):
+            for item in reversed(buckets[transmits].values()):
                 if used + item.size > budget_bytes:
                     if budget_bytes - used < 64:
                         break
                     continue
-                if item.key in seen:
+                if firsts and item in chosen[:firsts]:
                     continue
                 chosen.append(item)
-                seen.add(item.key)
                 used += item.size
             if budget_bytes - used < 64:
                 break
+        limit = retransmit_limit(self._mult, n_members)
         for item in chosen:
-            self._remove(item.key)
-            item.transmits += 1
-            if item.transmits < limit * item.limit_mult:
-                self._by_key[item.key] = item
-                self._buckets.setdefault(item.transmits, {})[item.key] = item
-                self._urgent += item.urgent
+            key, transmits = item.key, item.transmits
+            bucket = buckets[transmits]
+            del bucket[key]
+            if not bucket:
+                del buckets[transmits]
+            del by_key[key]
+            item.transmits = transmits = transmits + 1
+            if transmits < limit * item.limit_mult:
+                by_key[key] = item
+                bucket = buckets.get(transmits)
+                if bucket is None:
+                    bucket = buckets[transmits] = {}
+                bucket[key] = item
+            else:
+                self._urgent -= item.urgent
         return [item.update for item in chosen]

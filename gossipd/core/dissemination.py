@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
@@ -92,6 +93,8 @@ class Dissemination:
 
     def _large_bytes(self) -> int:
         """Rule 5: the budget a gossip round adds for a large queued directive."""
+        if not self._large:
+            return 0
         for key in [k for k in self._large if self.broadcasts.get(k) is None]:
             del self._large[key]
         return max(self._large.values(), default=0)
@@ -110,5 +113,6 @@ class Dissemination:
             for target in self._swim.random_live_sample(self._swim.config.gossip_fanout):
                 self.send_gossip_to(target)
 
-    def deadlines(self) -> list[float]:
-        return [self.next_gossip_at] if self.broadcasts.urgent_pending else []
+    def next_deadline(self) -> float:
+        """The next gossip round (inf while nothing urgent is queued: no round is due)."""
+        return self.next_gossip_at if self.broadcasts.urgent_pending else math.inf

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 import hashlib
 from array import array
 from collections.abc import Callable
@@ -510,6 +511,7 @@ def _copy(m: Member) -> Member:
     )
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _contribution(node: str, incarnation: int) -> int:
     digest = hashlib.blake2b(f"{node}:{incarnation}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")

@@ -127,6 +127,19 @@ class Prober:
                 swim.awareness.apply(+1)  # we missed our own schedule: we are the slow one
             self._start_probe(now)
 
+    def next_deadline(self) -> float:
+        """``min(deadlines())``, without building the list in the common case (no relays,
+        confirmations or suspects): the simulator asks after every event."""
+        at = self.next_probe_at
+        probe = self.probe
+        if probe is not None:
+            due = probe.final_deadline if probe.indirect_sent else probe.ack_deadline
+            if due < at:
+                at = due
+        if self.relays or self.confirming or self._swim.table.suspects:
+            return min(at, *self.deadlines())
+        return at
+
     def deadlines(self) -> list[float]:
         swim = self._swim
         deadlines = [self.next_probe_at]

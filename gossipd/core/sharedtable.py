@@ -9,6 +9,12 @@ entry into its own before it changes it (``MemberTable.apply``), so a shared ent
 written and every member still applies every rule to its own state.  The sorted live ring is
 shared the same way until the member's live set first changes.
 
+A push-pull from such a table that fits in one page (antientropy.py, rule 1a) carries
+``SharedRecords``: a plain list to an encoder, which also
+says which records are the sender's own and which shared keys it hid, so that a receiver over
+the same base walks only the records that can differ from what it shows (``differing``), not
+all N (antientropy.py).
+
 Overlay invariant: ``hidden`` holds the shared keys that the overlay does not show through
 (deleted here, or shadowed by an entry of its own), so the view is own + (base - hidden),
 a disjoint union.
@@ -90,22 +96,78 @@ class Overlay(dict):  # type: ignore[type-arg]
 _ABSENT = object()
 
 
+class SharedRecords(list):  # type: ignore[type-arg]
+    """A push-pull's records from an ``Overlay`` table: its first ``explicit`` records (the
+    sender and its own entries), then the shared records of ``base`` whose keys are not in
+    ``hidden`` (the sender's, frozen when sent), in the base's order.  To an encoder or any
+    other reader, a plain list.  A receiver whose table is an Overlay of the same base already
+    shows every shared record whose key it does not hide: only ``differing`` can be news."""
+
+    __slots__ = ("base", "explicit", "hidden")
+
+    def __init__(self, explicit: list[Any], base: SharedBase, hidden: frozenset[Any]) -> None:
+        super().__init__(explicit)
+        # The shared records but the hidden ones: slices between the hidden positions (a
+        # member hides few keys), not a test per record.
+        shared = base.record_list()
+        start = 0
+        for i in sorted(base.position[k] for k in hidden):  # hidden keys are base keys
+            self.extend(shared[start:i])
+            start = i + 1
+        self.extend(shared[start:])
+        self.base = base
+        self.explicit = len(explicit)
+        self.hidden = hidden
+
+    def differing(self, hidden: set[Any]) -> list[Any]:
+        """The records, in this list's order, that a table showing own + (base - ``hidden``)
+        may not already hold: the explicit ones, and the shared ones of keys it hides."""
+        shared = self.base.record_map()
+        keys = sorted(hidden - self.hidden, key=self.base.position.__getitem__)
+        return [*self[: self.explicit], *(shared[k] for k in keys)]
+
+
 class SharedBase:
     """N members known alive at incarnation 0: the entries, their checksum contributions'
     XOR and the sorted names, built once for every simulated member."""
 
-    __slots__ = ("_raws", "members", "raws_bytes", "ring", "xor")
+    __slots__ = (
+        "_raws",
+        "_record_list",
+        "_records",
+        "members",
+        "position",
+        "raws_bytes",
+        "ring",
+        "xor",
+    )
 
     def __init__(self, members: dict[str, Any], xor: int) -> None:
         self.members = members
         self.xor = xor
         self.ring = sorted(members)
+        self.position = {k: i for i, k in enumerate(members)}
+        self._records: dict[str, Any] | None = None
+        self._record_list: list[Any] = []
         self._raws: dict[str, Any] | None = None
         self.raws_bytes = 0  # their total length, once raws() has built them
 
+    def record_map(self) -> dict[str, Any]:
+        """Each shared entry's push-pull record, by key (built once)."""
+        if self._records is None:
+            self._records = {k: m.record() for k, m in self.members.items()}
+            self._record_list = list(self._records.values())
+        return self._records
+
+    def record_list(self) -> list[Any]:
+        """The shared entries' push-pull records, in the base's order (``position``)."""
+        self.record_map()
+        return self._record_list
+
     def raws(self) -> dict[str, Any]:
-        """Every shared entry's push-pull record, encoded (msgspec.Raw; built once)."""
+        """Every shared entry's push-pull record, encoded (msgspec.Raw; built once): the
+        pages of a push-pull too large for one page, and every push-pull's size."""
         if self._raws is None:
-            self._raws = {k: encode_record(m.record()) for k, m in self.members.items()}
+            self._raws = {k: encode_record(r) for k, r in self.record_map().items()}
             self.raws_bytes = sum(len(r) for r in self._raws.values())
         return self._raws

@@ -167,12 +167,17 @@ class SwimNode:
         except RemoteProtocolError:
             self.stats.refused += 1
             return
+        self.receive_message(now, msg, len(data))
+
+    def receive_message(self, now: float, msg: GossipMessage, size_bytes: int) -> None:
+        """A message already decoded and validated, of ``size_bytes`` on the wire (``receive``;
+        the simulator hands over the sender's own message object, see simulations/netsim.py)."""
         if msg.cluster != self.config.cluster:
             self.stats.foreign_cluster += 1
             return
         name = type(msg).__name__
         self.stats.received[name] = self.stats.received.get(name, 0) + 1
-        self.stats.received_bytes += len(data)
+        self.stats.received_bytes += size_bytes
         self._current_src = msg.src_addr
         for update in msg.updates:
             self.apply(update, now)
@@ -193,11 +198,12 @@ class SwimNode:
             self.table.reap(now, dead_after_s=cfg.dead_reap_s, left_after_s=cfg.left_reap_s)
 
     def next_deadline(self) -> float:
+        # Asked after every input (the simulator: after every event), so no lists built here.
         return min(
             self._next_reap_at,
-            *self.prober.deadlines(),
-            *self.dissemination.deadlines(),
-            *self.antientropy.deadlines(),
+            self.prober.next_deadline(),
+            self.dissemination.next_deadline(),
+            self.antientropy.next_deadline(),
         )
 
     def leave(self, now: float) -> None:
@@ -382,16 +388,27 @@ class SwimNode:
 
     def send(self, addr: str, msg: GossipMessage) -> None:
         data = encode_gossip(msg)
-        name = type(msg).__name__
-        self.stats.sent[name] = self.stats.sent.get(name, 0) + 1
-        self.stats.sent_bytes += len(data)
+        self.count_sent(msg, len(data))
         self._outbox.append((addr, data))
+
+    def count_sent(self, msg: GossipMessage, size_bytes: int) -> None:
+        self.count_sent_as(type(msg).__name__, size_bytes)
+
+    def count_sent_as(self, name: str, size_bytes: int) -> None:
+        sent = self.stats.sent
+        sent[name] = sent.get(name, 0) + 1
+        self.stats.sent_bytes += size_bytes
 
     def send_encoded(self, addr: str, name: str, data: bytes) -> None:
         """Send a message already encoded (a push-pull page), counted as ``name``."""
-        self.stats.sent[name] = self.stats.sent.get(name, 0) + 1
-        self.stats.sent_bytes += len(data)
+        self.count_sent_as(name, len(data))
         self._outbox.append((addr, data))
+
+    def send_page(self, addr: str, msg: PushPull, size_bytes: int) -> None:
+        """Send a push-pull page built of record objects whose encoded size (``size_bytes``)
+        is already known: a simulated member's shared table (antientropy.py).  Here it is
+        encoded; the simulator's node hands the object over instead (simulations/netsim.py)."""
+        self.send(addr, msg)
 
     def live_ring(self) -> list[str]:
         """The sorted names of the live members, us included (kept by the table)."""
