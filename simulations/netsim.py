@@ -167,17 +167,9 @@ class Simulation:
         self, name: str, addr: str, seeds: tuple[str, ...], incarnation: int = 0
     ) -> SwimNode:
         node_rng = random.Random(self.rng.getrandbits(64))
-        if self.wire:
-            return SwimNode(
-                self.config,
-                node=name,
-                addr=addr,
-                rng=node_rng,
-                now=self.now,
-                seeds=seeds,
-                incarnation=incarnation,
-            )
-        return SimSwimNode(
+        # wire: the daemon's own core (bytes encoded and decoded); else messages as objects.
+        core = SwimNode if self.wire else SimSwimNode
+        return core(
             self.config,
             node=name,
             addr=addr,
