@@ -22,8 +22,8 @@ def test_sigterm_of_one_of_three_daemons_under_load_leaves_no_task_to_the_resubm
     assert report["lost"] == 0, report
     # Every task the daemon read was handed on or answered (PROTOCOL.md: "every task that
     # arrives"); one written in the instant the connection drops can still be lost in
-    # transit (ZeroMQ hands it to no other pipe) and waits for the timer.  Seen once in about
-    # 20 runs, under CI's load; without the stopping daemon reading on, the tasks of its
+    # transit (ZeroMQ hands it to no other pipe) and waits for the timer.  Seen once in a
+    # dozen runs, under CI's load; without the stopping daemon reading on, the tasks of its
     # whole leave (~60 here) waited for it.
     assert report["tasks_resubmitted_by_timer"] <= 2, report
     drained = report["victim_drained"]
