@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
+from subprocess import CompletedProcess
+from typing import Any
 
 import pytest
 
@@ -14,7 +17,10 @@ from tests.helpers import gossipd_cli
 pytestmark = pytest.mark.slow
 
 
-def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def up_demo(
+    tmp_path: Path, nodes: int, tasks: int, *more: str
+) -> tuple[dict[str, Any], CompletedProcess[str]]:
+    """`gossipd up --demo --json` with the echo engine: its summary (it exited 0) and the run."""
     done = gossipd_cli(
         "up",
         "--demo",
@@ -22,15 +28,20 @@ def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None
         "--engine",
         "echo",
         "--nodes",
-        "3",
+        str(nodes),
         "--tasks",
-        "200",
+        str(tasks),
+        *more,
         "--log-dir",
         str(tmp_path),
         timeout_s=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done
+
+
+def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    summary, done = up_demo(tmp_path, 3, 200)
     assert summary["nodes"] == 3 and summary["engine"] == "echo"
     assert summary["tasks"] == summary["ok"] == 200
     assert summary["lost"] == 0 and summary["killed"] == 1 and summary["restarted"] == 1
@@ -47,24 +58,7 @@ def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None
 
 
 def test_up_with_etcd_elects_a_leader_that_status_names(tmp_path, etcd) -> None:  # type: ignore[no-untyped-def]
-    done = gossipd_cli(
-        "up",
-        "--demo",
-        "--json",
-        "--engine",
-        "echo",
-        "--nodes",
-        "2",
-        "--tasks",
-        "60",
-        "--etcd",
-        ",".join(etcd.endpoints),
-        "--log-dir",
-        str(tmp_path),
-        timeout_s=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary, done = up_demo(tmp_path, 2, 60, "--etcd", ",".join(etcd.endpoints))
     assert summary["tasks"] == summary["ok"] == 60 and summary["lost"] == 0
     assert "election through etcd" in done.stderr
     # The asked daemon names the leader it follows and its term (the fencing token > 0).
