@@ -81,7 +81,10 @@ class AdmissionMachine(RuleBasedStateMachine):
     @invariant()
     def producers_are_remembered_only_for_held_ids(self) -> None:
         assert set(self.producer) == self.pending | set(self.done)
-        assert set(self.adm._producer_of) == {t for t, p in self.producer.items() if p}
+        # The key rides in each held entry: exactly the held ids, each with its producer.
+        held = {t: p for t, (_, p) in self.adm._pending.items()}
+        held.update({t: p for t, (_, _, p) in self.adm._done.items()})
+        assert held == self.producer
 
     @invariant()
     def an_id_runs_again_only_after_it_was_forgotten(self) -> None:

@@ -60,25 +60,41 @@ def test_bench_route_json_reports_hops_and_throughput_and_plots_the_cdfs(tmp_pat
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
 
 
-def test_bench_ingress_and_route_with_curve_report_the_ratio_to_plain() -> None:
+def test_bench_ingress_and_route_with_curve_report_the_ratio_to_plain_for_both_producers() -> None:
     proc = gossipd_cli(
         "bench", "ingress", "--curve", "--json", "--tasks", "1000", "--repeats", "1", timeout_s=180
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
-    assert report["plain"]["ok"] == report["curve_on"]["ok"] == 1000
-    ratio = report["curve_on"]["tasks_per_s"] / report["plain"]["tasks_per_s"]
-    assert abs(report["ratio_curve_vs_plain"] - ratio) < 0.01
-    assert report["ratio_paired_median"] > 0
+    producers = report["producers"]
+    assert set(producers) == {"client", "frame_per_task"}
+    assert producers["client"]["batch_tasks"] and not producers["frame_per_task"]["batch_tasks"]
+    for name, entry in producers.items():
+        assert entry["plain"]["ok"] == entry["curve_on"]["ok"] == 1000
+        ratio = entry["curve_on"]["tasks_per_s"] / entry["plain"]["tasks_per_s"]
+        assert abs(entry["ratio_curve_vs_plain"] - ratio) < 0.01
+        assert report[f"ratio_curve_vs_plain_{name}"] == entry["ratio_curve_vs_plain"]
+        assert entry["ratio_paired_median"] > 0
+    # The headline is the producer that packs as gossipd's Client does.
+    assert report["headline_producer"] == "client"
+    assert report["ratio_curve_vs_plain"] == producers["client"]["ratio_curve_vs_plain"]
     proc = gossipd_cli(
-        "bench", "route", "--curve", "--json", "--tasks", "300", "--repeats", "1", timeout_s=180
-    )
+        "bench", "route", "--curve", "--json", "--tasks", "300", "--repeats", "1",
+        "--producer", "frame-per-task", timeout_s=180,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
+    assert list(report["producers"]) == ["frame_per_task"]
     for side in ("plain", "curve_on"):
         assert report[side]["cluster_tasks_per_s"] > 0
         assert report[side]["latency_1_hop_ms"]["p50"] > 0
     assert report["ratio_curve_vs_plain"] > 0 and report["ratio_paired_median"] > 0
+
+
+def test_bench_curve_refuses_the_batching_flags_it_sets_itself() -> None:
+    proc = gossipd_cli("bench", "ingress", "--curve", "--batch-tasks", timeout_s=60)
+    assert proc.returncode == 2
+    assert "--producer" in proc.stderr
 
 
 def test_bench_budgets_json_reports_the_runaway_refused_and_the_other_served() -> None:

@@ -99,11 +99,13 @@ class Admission:
         # The expected-wait decision of the latest offer when it refused by it, else None.
         self.refusal: QueueDecision | None = None
         self._results_max = results_max
-        self._pending: dict[str, int] = {}  # task id -> its bytes (budgets.task_bytes)
+        # task id -> (its bytes (budgets.task_bytes), its producer key or "" (rule 1a)).  The
+        # key rides in the entry rather than in a dict of its own: one insert and one pop
+        # fewer on a 100,000-entry table per task (0.2 us a task with keys, measured here).
+        self._pending: dict[str, tuple[int, str]] = {}
         self._pending_bytes = 0
-        self._done: OrderedDict[str, Result] = OrderedDict()
-        # Rule 1a: the producer key of each pending or cached id that has one.
-        self._producer_of: dict[str, str] = {}
+        # task id -> (its final Result, that Result's bytes, its producer key or "").
+        self._done: OrderedDict[str, tuple[Result, int, str]] = OrderedDict()
         self._refused_id_in_use = 0
         self._done_bytes = 0
         self._evicted_count = 0
@@ -141,20 +143,21 @@ class Admission:
         key, rule 1a); the Result is set for DUPLICATE_DONE only."""
         self.refusal = None
         self.refused_bytes = False
-        if task_id in self._pending:
-            if self._producer_of.get(task_id, "") != producer:
+        pending = self._pending.get(task_id)
+        if pending is not None:
+            if pending[1] != producer:
                 self._refused_id_in_use += 1
                 return Verdict.CONFLICT, None
             self._duplicates += 1
             return Verdict.DUPLICATE_PENDING, None
         cached = self._done.get(task_id)
         if cached is not None:
-            if self._producer_of.get(task_id, "") != producer:
+            if cached[2] != producer:
                 self._refused_id_in_use += 1
                 return Verdict.CONFLICT, None
             self._duplicates += 1
             self._done.move_to_end(task_id)
-            return Verdict.DUPLICATE_DONE, cached
+            return Verdict.DUPLICATE_DONE, cached[0]
         if self._shutting_down:
             self._refused_shutting_down += 1
             return Verdict.SHUTTING_DOWN, None
@@ -175,10 +178,8 @@ class Admission:
             self._overloaded += 1
             self._overloaded_pending_bytes += 1
             return Verdict.OVERLOADED, None
-        self._pending[task_id] = size_bytes
+        self._pending[task_id] = (size_bytes, producer)
         self._pending_bytes += size_bytes
-        if producer:
-            self._producer_of[task_id] = producer
         self._admitted += 1
         return _ADMIT, None
 
@@ -186,22 +187,21 @@ class Admission:
         """Record the final result of an admitted task.  ``remember=False`` (for a task
         refused at shutdown) lets a resubmission run it again elsewhere or later."""
         try:
-            self._pending_bytes -= self._pending.pop(task_id)
+            pending_bytes, producer = self._pending.pop(task_id)
         except KeyError:
             raise LocalProtocolError(
                 f"finish({task_id!r}) for a task that is not pending"
             ) from None
+        self._pending_bytes -= pending_bytes
         if not remember or self._results_max == 0:
-            self._producer_of.pop(task_id, None)
             return
         size = result_bytes(result)
         if size > self.results_bytes_max:
             self._evicted_bytes += 1  # it would push out everything else and still not fit
-            self._producer_of.pop(task_id, None)
             return
         if task_id in self._done:  # never, while offer() answers DUPLICATE_DONE first
-            self._done_bytes -= result_bytes(self._done.pop(task_id))
-        self._done[task_id] = result
+            self._done_bytes -= self._done.pop(task_id)[1]
+        self._done[task_id] = (result, size, producer)
         self._done_bytes += size
         while len(self._done) > self._results_max:
             self._evict_oldest()
@@ -211,9 +211,8 @@ class Admission:
             self._evicted_bytes += 1
 
     def _evict_oldest(self) -> None:
-        task_id, oldest = self._done.popitem(last=False)
-        self._done_bytes -= result_bytes(oldest)
-        self._producer_of.pop(task_id, None)
+        _, (_, size, _) = self._done.popitem(last=False)
+        self._done_bytes -= size
 
     def begin_shutdown(self) -> None:
         self._shutting_down = True

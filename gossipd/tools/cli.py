@@ -236,6 +236,13 @@ def _nodes(text: str) -> int | list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.curve and (args.batch_replies or args.batch_tasks):
+        print(
+            "gossipd bench: --curve measures its producers itself (see --producer); "
+            "--batch-replies and --batch-tasks are for runs without --curve",
+            file=sys.stderr,
+        )
+        return 2
     if args.what == "place":
         from gossipd.tools.bench.place import main as bench_place
 
@@ -258,6 +265,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             curve=args.curve,
             batch_replies=args.batch_replies,
             batch_tasks=args.batch_tasks,
+            producer=args.producer,
         )
     if args.what == "engine":
         from gossipd.tools.bench.engine import main as bench_engine
@@ -288,6 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             curve=args.curve,
             batch_replies=args.batch_replies,
             batch_tasks=args.batch_tasks,
+            producer=args.producer,
         )
     if args.what == "budgets":
         from gossipd.tools.bench.budgets import main as bench_budgets
@@ -647,16 +656,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="ingress/route: the same with and without CurveZMQ (ratio_curve_vs_plain)",
     )
     p.add_argument(
+        "--producer",
+        choices=["both", "client", "frame-per-task"],
+        default="both",
+        help="ingress/route --curve: the producers to measure: one that packs as gossipd's "
+        "Client does (Tasks and Replies frames; the headline ratio) and one that sends a frame "
+        "per task each way (default: both, side by side)",
+    )
+    p.add_argument(
         "--batch-replies",
         action="store_true",
-        help="ingress/route: the generator's tasks ask for Replies frames (batch_replies: "
-        "several results in one frame), on both sides of every ratio",
+        help="ingress/route without --curve: the generator's tasks ask for Replies frames "
+        "(batch_replies: several results in one frame; not to the raw server)",
     )
     p.add_argument(
         "--batch-tasks",
         action="store_true",
-        help="ingress/route: the generator sends each refill of its window as Tasks frames "
-        "(several tasks in one frame), on both sides of every ratio (not to the raw server)",
+        help="ingress/route without --curve: the generator sends each refill of its window as "
+        "Tasks frames (several tasks in one frame; not to the raw server)",
     )
     p.set_defaults(func=cmd_bench)
 

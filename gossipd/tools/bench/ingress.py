@@ -11,7 +11,17 @@ import json
 import statistics
 import subprocess
 import sys
+from typing import Any
 
+from gossipd.tools.bench.curvecompare import (
+    PRODUCERS,
+    SIDES,
+    headline,
+    paired_median,
+    print_ratios,
+    producers_of,
+    round_order,
+)
 from gossipd.tools.bench.loadgen import LoadResult, ProducerCurve, drive
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import Steps
@@ -35,11 +45,6 @@ def _median_summary(results: list[LoadResult]) -> dict[str, float]:
     return {k: round(statistics.median(s[k] for s in summaries), 3) for k in summaries[0]}
 
 
-def _paired_median(curve: list[LoadResult], plain: list[LoadResult]) -> float:
-    pairs = zip(curve, plain, strict=True)
-    return round(statistics.median(c.tasks_per_s / p.tasks_per_s for c, p in pairs), 3)
-
-
 def main(
     *,
     tasks: int,
@@ -49,18 +54,15 @@ def main(
     curve: bool = False,
     batch_replies: bool = False,
     batch_tasks: bool = False,
+    producer: str = "both",
 ) -> int:
     """``batch_replies``: the daemon's tasks ask for Replies frames (several results in one
     frame); ``batch_tasks``: the generator sends each refill as Tasks frames (several tasks in
-    one).  The raw server's runs never use either."""
+    one).  The raw server's runs never use either.  ``curve``: compare with and without
+    CURVE instead, for ``producer`` (``curvecompare.producers_of``)."""
     if curve:
         return main_curve(
-            tasks=tasks,
-            window=window,
-            repeats=repeats,
-            as_json=as_json,
-            batch_replies=batch_replies,
-            batch_tasks=batch_tasks,
+            tasks=tasks, window=window, repeats=repeats, as_json=as_json, producer=producer
         )
     opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
     steps = Steps(repeats + 1, "bench ingress")  # on stderr: stdout is the report
@@ -111,89 +113,96 @@ def main(
     return 0 if ok else 1
 
 
-def main_curve(
-    *,
-    tasks: int,
-    window: int,
-    repeats: int,
-    as_json: bool,
-    batch_replies: bool = False,
-    batch_tasks: bool = False,
-) -> int:
+def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool, producer: str) -> int:
     """`--curve`: the same daemon with and without CURVE, alternating runs in one process
-    pair; ``ratio_curve_vs_plain`` is the ratio of median throughputs, ``ratio_paired_median``
+    pair, for each kind of producer (``curvecompare``); per producer,
+    ``ratio_curve_vs_plain`` is the ratio of median throughputs and ``ratio_paired_median``
     the median of the rounds' own ratios."""
     import tempfile
 
     from gossipd.tools.curvekeys import CurveLayout
 
+    kinds = producers_of(producer)
     keys = CurveLayout(
         tempfile.mkdtemp(prefix="gossipd-bench-keys-"), nodes=["bench"], producers=["producer"]
     )
     public, secret = keys.pair("producer")
-    producer = ProducerCurve(public, secret, [keys.public("bench")])
+    producer_keys = ProducerCurve(public, secret, [keys.public("bench")])
+    steps = Steps(repeats + 1, "bench ingress --curve")  # on stderr: stdout is the report
+    steps.start("starting a daemon without CURVE and one with it; warming both")
     plain = DaemonProcess(name="plain", overrides=['gossip.bind=""']).start()
     secure = DaemonProcess(
         name="curve", overrides=['gossip.bind=""', *keys.overrides("bench")]
     ).start()
-    runs: dict[str, list[LoadResult]] = {"plain": [], "curve": []}
+    sides = {"plain": (plain.endpoint, None), "curve": (secure.endpoint, producer_keys)}
+    runs: dict[tuple[str, str], list[LoadResult]] = {(k, s): [] for k in kinds for s in SIDES}
     try:
-        opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
-        drive(plain.endpoint, min(2000, tasks), window, run="warm-plain", **opts)
-        drive(
-            secure.endpoint,
-            min(2000, tasks),
-            window,
-            run="warm-curve",
-            curve=producer,
-            **opts,
-        )
-        for i in range(repeats):
-            runs["plain"].append(drive(plain.endpoint, tasks, window, run=f"plain-{i}", **opts))
-            runs["curve"].append(
+        for kind in kinds:
+            for side, (endpoint, cv) in sides.items():
                 drive(
-                    secure.endpoint,
-                    tasks,
+                    endpoint,
+                    min(2000, tasks),
                     window,
-                    run=f"curve-{i}",
-                    curve=producer,
-                    **opts,
+                    run=f"warm-{side}-{kind}",
+                    curve=cv,
+                    **PRODUCERS[kind].opts(),
+                )
+        for i in range(repeats):
+            steps.start(f"round {i + 1}/{repeats}: {tasks} tasks a run")
+            for kind, side in round_order(i, kinds):
+                endpoint, cv = sides[side]
+                runs[kind, side].append(
+                    drive(
+                        endpoint,
+                        tasks,
+                        window,
+                        run=f"{side}-{kind}-{i}",
+                        curve=cv,
+                        **PRODUCERS[kind].opts(),
+                    )
+                )
+            steps.note(
+                ", ".join(
+                    f"{kind}: plain {runs[kind, 'plain'][-1].tasks_per_s:,.0f}/s, "
+                    f"curve {runs[kind, 'curve'][-1].tasks_per_s:,.0f}/s"
+                    for kind in kinds
                 )
             )
-            if not as_json:
-                print(
-                    f"round {i + 1}/{repeats}: plain {runs['plain'][-1].tasks_per_s:,.0f} "
-                    f"tasks/s, curve {runs['curve'][-1].tasks_per_s:,.0f} tasks/s",
-                    file=sys.stderr,
-                )
     finally:
         plain.stop()
         secure.stop()
-    p, c = _median_summary(runs["plain"]), _median_summary(runs["curve"])
-    ratio = round(c["tasks_per_s"] / p["tasks_per_s"], 3)
-    report = {
+        steps.close()
+    report: dict[str, Any] = {
         "benchmark": "ingress",
         "curve": True,
         "tasks_per_run": tasks,
         "window": window,
         "repeats": repeats,
-        "batch_replies": batch_replies,
-        "batch_tasks": batch_tasks,
-        "plain": p,
-        "curve_on": c,
-        "ratio_curve_vs_plain": ratio,
-        # The median of each round's curve/plain (runs side by side): steadier than the
-        # ratio of medians on a shared machine whose load drifts between rounds.
-        "ratio_paired_median": _paired_median(runs["curve"], runs["plain"]),
-        "goal_ratio": 0.9,
+        "producers": {
+            kind: {
+                **PRODUCERS[kind].opts(),
+                "plain": _median_summary(runs[kind, "plain"]),
+                "curve_on": _median_summary(runs[kind, "curve"]),
+                "ratio_paired_median": paired_median(
+                    [r.tasks_per_s for r in runs[kind, "curve"]],
+                    [r.tasks_per_s for r in runs[kind, "plain"]],
+                ),
+            }
+            for kind in kinds
+        },
     }
+    headline(report, kinds, "tasks_per_s")
     if as_json:
         print(json.dumps(report))
     else:
-        print(f"{'':10}{'tasks/s':>12}{'p50 ms':>10}{'p99 ms':>10}")
-        for name, s in (("plain", p), ("curve", c)):
-            print(f"{name:10}{s['tasks_per_s']:>12,.0f}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}")
-        print(f"ratio_curve_vs_plain = {ratio} (goal >= 0.9)")
-        print(f"ratio_paired_median = {report['ratio_paired_median']}")
-    ok = all(r.ok == r.tasks for r in runs["plain"] + runs["curve"])
+        print(f"{'':26}{'tasks/s':>12}{'p50 ms':>10}{'p99 ms':>10}")
+        for kind in kinds:
+            for side in ("plain", "curve_on"):
+                s = report["producers"][kind][side]
+                name = f"{kind}, {side}"
+                print(
+                    f"{name:26}{s['tasks_per_s']:>12,.0f}{s['p50_ms']:>10.3f}{s['p99_ms']:>10.3f}"
+                )
+        print_ratios(report)
+    ok = all(r.ok == r.tasks for rs in runs.values() for r in rs)
     return 0 if ok else 1

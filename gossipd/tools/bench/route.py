@@ -11,10 +11,18 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
 from typing import Any
 
 from gossipd.core.ring import Ring
+from gossipd.tools.bench.curvecompare import (
+    PRODUCERS,
+    SIDES,
+    headline,
+    paired_median,
+    print_ratios,
+    producers_of,
+    round_order,
+)
 from gossipd.tools.bench.ingress import _raw_server
 from gossipd.tools.bench.loadgen import ProducerCurve, drive, drive_many
 from gossipd.tools.bench.plotting import percent_figure, save_percent_figure
@@ -33,11 +41,13 @@ def main(
     curve: bool = False,
     batch_replies: bool = False,
     batch_tasks: bool = False,
+    producer: str = "both",
     throughput_tasks: int = 0,
 ) -> int:
     """``batch_replies``: the cluster's tasks ask for Replies frames (several results in one
     frame); ``batch_tasks``: the generator sends each refill as Tasks frames (several tasks
-    in one).  The raw server's runs never use either.
+    in one).  The raw server's runs never use either.  ``curve``: compare with and without
+    CURVE instead, for ``producer`` (``curvecompare.producers_of``);
     ``throughput_tasks``: tasks per throughput run with ``curve`` (0: 4 x ``tasks``)."""
     if curve:
         return main_curve(
@@ -45,8 +55,7 @@ def main(
             tasks=tasks,
             repeats=repeats,
             as_json=as_json,
-            batch_replies=batch_replies,
-            batch_tasks=batch_tasks,
+            producer=producer,
             throughput_tasks=throughput_tasks,
         )
     opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
@@ -170,31 +179,30 @@ def plot_latency(zero: list[float], one: list[float], report: dict[str, Any], pa
 
 
 def main_curve(
-    *,
-    nodes: int,
-    tasks: int,
-    repeats: int,
-    as_json: bool,
-    batch_replies: bool = False,
-    batch_tasks: bool = False,
-    throughput_tasks: int = 0,
+    *, nodes: int, tasks: int, repeats: int, as_json: bool, producer: str, throughput_tasks: int
 ) -> int:
     """`--curve`: two clusters of ``nodes`` daemons, one with CURVE on every socket (ingress,
-    replies, gossip, rpc), driven alternately with the same keys, entry points and window;
-    ``ratio_curve_vs_plain`` is the ratio of median throughputs (window 300), and the 0- and
-    1-hop latencies (window 1) are reported for both."""
-    say = (lambda t: print(t, file=sys.stderr, flush=True)) if not as_json else (lambda t: None)
+    replies, gossip, rpc), driven alternately with the same keys, entry points and window,
+    for each kind of producer (``curvecompare``); per producer, ``ratio_curve_vs_plain`` is the
+    ratio of median throughputs (window 300), and the 0- and 1-hop latencies (window 1) are
+    reported for both sides."""
+    kinds = producers_of(producer)
     rng = random.Random(7)
     n_tp = throughput_tasks or tasks * 4
+    steps = Steps(repeats + 1, "bench route --curve")  # on stderr: stdout is the report
+    steps.start(f"starting two clusters of {nodes} daemons, one with CURVE; warming both")
     plain = Cluster(nodes, extra_overrides=['journal.path=""'])
     secure = Cluster(nodes, extra_overrides=['journal.path=""'], curve=True)
     assert secure.keys is not None
     public, secret = secure.keys.pair("producer")
-    producer = ProducerCurve(public, secret, [secure.keys.public(d.name) for d in secure.daemons])
+    producer_keys = ProducerCurve(
+        public, secret, [secure.keys.public(d.name) for d in secure.daemons]
+    )
     plain.start()
     secure.start()
-    figures: dict[str, dict[str, list[float]]] = {
-        name: {"tput": [], "zero": [], "one": []} for name in ("plain", "curve")
+    sides = {"plain": (plain, None), "curve": (secure, producer_keys)}
+    figures: dict[tuple[str, str], dict[str, list[float]]] = {
+        (k, s): {"tput": [], "zero": [], "one": []} for k in kinds for s in SIDES
     }
     try:
         for c in (plain, secure):
@@ -205,38 +213,38 @@ def main_curve(
         keys = [f"k{i}" for i in range(tasks)]
         entry = [rng.randrange(nodes) for _ in range(tasks)]
         hops = [0 if names[entry[i]] == ring.owner(keys[i]) else 1 for i in range(tasks)]
-        runs = (("plain", plain, None), ("curve", secure, producer))
         # The throughput runs: the same keys and entry points, repeated.
         times = -(-n_tp // tasks)
         entry_tp, keys_tp = (entry * times)[:n_tp], (keys * times)[:n_tp]
         warm = min(1000, tasks)
-        for name, c, cv in runs:
-            endpoints = [d.endpoint for d in c.daemons]
-            drive_many(
-                endpoints,
-                warm,
-                100,
-                run=f"warm-{name}",
-                entry_of=entry[:warm],
-                keys=keys[:warm],
-                curve=cv,
-                batch_replies=batch_replies,
-                batch_tasks=batch_tasks,
-            )
+        for kind in kinds:
+            for side, (c, cv) in sides.items():
+                drive_many(
+                    [d.endpoint for d in c.daemons],
+                    warm,
+                    100,
+                    run=f"warm-{side}-{kind}",
+                    entry_of=entry[:warm],
+                    keys=keys[:warm],
+                    curve=cv,
+                    **PRODUCERS[kind].opts(),
+                )
         for r in range(repeats):
-            for name, c, cv in runs:
+            steps.start(f"round {r + 1}/{repeats}: {tasks} tasks at window 1, {n_tp} at 300")
+            for kind, side in round_order(r, kinds):
+                c, cv = sides[side]
                 endpoints = [d.endpoint for d in c.daemons]
-                f = figures[name]
+                f = figures[kind, side]
+                opts = PRODUCERS[kind].opts()
                 lat = drive_many(
                     endpoints,
                     tasks,
                     1,
-                    run=f"lat{r}-{name}",
+                    run=f"lat{r}-{side}-{kind}",
                     entry_of=entry,
                     keys=keys,
                     curve=cv,
-                    batch_replies=batch_replies,
-                    batch_tasks=batch_tasks,
+                    **opts,
                 )
                 assert lat.by_task_ms is not None
                 f["zero"] += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
@@ -246,47 +254,57 @@ def main_curve(
                         endpoints,
                         n_tp,
                         300,
-                        run=f"tp{r}-{name}",
+                        run=f"tp{r}-{side}-{kind}",
                         entry_of=entry_tp,
                         keys=keys_tp,
                         curve=cv,
-                        batch_replies=batch_replies,
-                        batch_tasks=batch_tasks,
+                        **opts,
                     ).tasks_per_s
                 )
-            say(
-                f"round {r + 1}/{repeats}: plain {figures['plain']['tput'][-1]:,.0f}/s, "
-                f"curve {figures['curve']['tput'][-1]:,.0f}/s"
+            steps.note(
+                ", ".join(
+                    f"{kind}: plain {figures[kind, 'plain']['tput'][-1]:,.0f}/s, "
+                    f"curve {figures[kind, 'curve']['tput'][-1]:,.0f}/s"
+                    for kind in kinds
+                )
             )
     finally:
         plain.stop()
         secure.stop()
+        steps.close()
+
+    def side_figures(f: dict[str, list[float]]) -> dict[str, Any]:
+        zero, one = sorted(f["zero"]), sorted(f["one"])
+        return {
+            "cluster_tasks_per_s": round(statistics.median(f["tput"]), 1),
+            "latency_0_hop_ms": {f"p{q}": round(percentile(zero, q), 3) for q in (50, 99)},
+            "latency_1_hop_ms": {f"p{q}": round(percentile(one, q), 3) for q in (50, 99)},
+        }
+
     report: dict[str, Any] = {
         "benchmark": "route",
         "curve": True,
         "nodes": nodes,
         "tasks_per_throughput_run": n_tp,
-        "batch_replies": batch_replies,
-        "batch_tasks": batch_tasks,
+        "repeats": repeats,
+        "producers": {
+            kind: {
+                **PRODUCERS[kind].opts(),
+                "plain": side_figures(figures[kind, "plain"]),
+                "curve_on": side_figures(figures[kind, "curve"]),
+                "ratio_paired_median": paired_median(
+                    figures[kind, "curve"]["tput"], figures[kind, "plain"]["tput"]
+                ),
+            }
+            for kind in kinds
+        },
     }
-    for name, label in (("plain", "plain"), ("curve", "curve_on")):
-        f = figures[name]
-        zero, one = sorted(f["zero"]), sorted(f["one"])
-        report[label] = {
-            "cluster_tasks_per_s": round(statistics.median(f["tput"]), 1),
-            "latency_0_hop_ms": {f"p{q}": round(percentile(zero, q), 3) for q in (50, 99)},
-            "latency_1_hop_ms": {f"p{q}": round(percentile(one, q), 3) for q in (50, 99)},
-        }
-    report["ratio_curve_vs_plain"] = round(
-        report["curve_on"]["cluster_tasks_per_s"] / report["plain"]["cluster_tasks_per_s"], 3
-    )
-    # The median of each round's curve/plain (run side by side): steadier on a shared machine.
-    pairs = zip(figures["curve"]["tput"], figures["plain"]["tput"], strict=True)
-    report["ratio_paired_median"] = round(statistics.median(c / p for c, p in pairs), 3)
-    report["goal_ratio"] = 0.9
+    headline(report, kinds, "cluster_tasks_per_s")
     if as_json:
         print(json.dumps(report))
     else:
-        for k, v in report.items():
-            print(f"{k}: {v}")
+        for kind in kinds:
+            for side in ("plain", "curve_on"):
+                print(f"{kind}, {side}: {report['producers'][kind][side]}")
+        print_ratios(report)
     return 0
