@@ -117,6 +117,11 @@ NodeName = Annotated[str, msgspec.Meta(max_length=128)]
 # A CURVE public key in z85 (40 characters of the Z85 alphabet), or empty.
 PRODUCER_KEY_PATTERN = r"^(?:[0-9a-zA-Z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?$"
 _PRODUCER_KEY_RE = re.compile(PRODUCER_KEY_PATTERN)
+# Keys that matched it: a forwarded task's key is one of a few producers' keys, and a set
+# lookup (0.03 us) is cheaper than the regex (0.19 us), once per forwarded task.  Bounded:
+# emptied when full, so a stream of distinct keys costs the regex, never memory.
+_KEYS_MATCHED: set[str] = set()
+_KEYS_MATCHED_MAX = 1024
 
 
 # The messages made per task (a Task and its params, its Result, the fan-out messages) are
@@ -184,8 +189,13 @@ class Task(
         problem = endpoint_problem(self.reply_to)
         if problem is not None:
             raise ValueError(f"reply_to: {problem}")
-        if self.producer_key and _PRODUCER_KEY_RE.match(self.producer_key) is None:
-            raise ValueError("producer_key: neither empty nor a Z85 key (40 characters)")
+        key = self.producer_key
+        if key and key not in _KEYS_MATCHED:
+            if _PRODUCER_KEY_RE.match(key) is None:
+                raise ValueError("producer_key: neither empty nor a Z85 key (40 characters)")
+            if len(_KEYS_MATCHED) >= _KEYS_MATCHED_MAX:
+                _KEYS_MATCHED.clear()
+            _KEYS_MATCHED.add(key)
 
     @property
     def route(self) -> str:
