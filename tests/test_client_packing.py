@@ -170,7 +170,7 @@ def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any
                 [old.endpoint], ctx=ctx, resubmit_after_s=60, connect_timeout_s=5
             ) as client:
                 started = time.monotonic()
-                first = await _submit_in_one_turn(client, 50, timeout_s=50)
+                first = await _submit_in_one_turn(client, 300, timeout_s=50)  # 2 packs
                 results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in first)), 10)
                 more = [await client.submit(f"m{i}", timeout_s=50) for i in range(50)]
                 results += await asyncio.wait_for(asyncio.gather(*(h.result() for h in more)), 10)
@@ -180,14 +180,35 @@ def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any
 
     with caplog.at_level("WARNING", logger="gossipd.tools.client"):
         results, stats, old, elapsed_s = run_with_context(main)
-    assert all(r.ok for r in results) and len(results) == 100
+    assert all(r.ok for r in results) and len(results) == 350
     assert elapsed_s < 10, "no task waited for the resubmission timer"
-    assert old.kinds == [6] + [1] * 100, "one pack, refused; then one frame per task"
-    assert old.pack_ids and old.pack_ids[0].endswith("-pack-1")
-    assert stats.packs_sent == 1 and stats.packs_refused == 1 and stats.resubmitted == 0
-    assert stats.frames_sent == 101 and stats.completed == 100
+    assert old.kinds == [6, 6] + [1] * 350, "two packs, refused; then one frame a task"
+    assert [p.split("-pack-")[1] for p in old.pack_ids] == ["1", "2"]
+    assert stats.packs_sent == 2 and stats.packs_refused == 2 and stats.resubmitted == 0
+    assert stats.frames_sent == 352 and stats.completed == 350
     warnings = [r for r in caplog.records if "refused a Tasks frame" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_a_task_cancelled_in_a_refused_pack_ends_cancelled_and_is_not_resent() -> None:
+    async def main(ctx: zmq.Context) -> tuple[list[Result], OldDaemon]:
+        old = OldDaemon(ctx)
+        try:
+            async with Client(
+                [old.endpoint], ctx=ctx, resubmit_after_s=60, connect_timeout_s=5
+            ) as client:
+                handles = await _submit_in_one_turn(client, 3, timeout_s=50)
+                assert await client.cancel("t1")  # in the same turn: after the pack
+                results = [await asyncio.wait_for(h.result(), 10) for h in handles]
+                return results, old
+        finally:
+            old.close()
+
+    results, old = run_with_context(main)
+    assert results[0].ok and results[2].ok
+    assert results[1].error is not None and results[1].error.code == "cancelled"
+    assert results[1].node == "client"
+    assert old.kinds == [6, 4, 1, 1], "the pack, its Cancel, the two others alone"
 
 
 def test_without_packing_every_task_is_a_frame() -> None:

@@ -11,6 +11,11 @@ killed between its Result and its TaskDone, a hedged copy: docs/PROTOCOL.md, "Du
 Results"); the first one resolves the task, later ones are dropped and counted
 (``duplicate_results``).
 
+Tasks submitted (or resent) in one turn of the event loop leave together at its end, packed
+into Tasks frames (gossipd/tools/packing.py; a lone task as a plain Task): fewer frames to
+encrypt under CURVE and to read at both ends.  A daemon older than Tasks frames refuses the
+first one; the Client then resends its tasks at once, one frame each, and packs no more.
+
 Usage::
 
     async with Client(["tcp://127.0.0.1:5557"]) as client:
@@ -361,7 +366,8 @@ class Client:
         stream: bool = False,
         model: str = "",
     ) -> TaskHandle:
-        """Send a task; returns at once with its handle (waits only for a free slot)."""
+        """Send a task; returns at once with its handle (waits only for a free slot).  The
+        task leaves at the end of this loop turn, with the others submitted in it."""
         if params is None:
             params = (
                 SamplingParams() if max_tokens is None else SamplingParams(max_tokens=max_tokens)
