@@ -16,6 +16,7 @@ import zmq
 from gossipd.core.messages import ErrorCode, Result, decode_intake, encode, error_result
 from gossipd.ops.metrics import scrape
 from gossipd.tools.client import Client, ClientStatistics, ProducerKeys
+from gossipd.tools.packing import PACK_ITEMS_MAX
 from tests.helpers import run_with_context
 from tests.test_curve import Keys, curve_daemon
 
@@ -31,7 +32,7 @@ def test_tasks_of_one_turn_leave_in_tasks_frames_and_each_gets_one_result(
     daemon_factory: Any,
 ) -> None:
     daemon = daemon_factory('metrics.bind="127.0.0.1:0"')
-    n = 600  # more than a pack's 256 items: three packs
+    n = 6 * PACK_ITEMS_MAX + 5  # seven packs
 
     async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics]:
         async with Client([daemon.endpoint], ctx=ctx, resubmit_after_s=60) as client:
@@ -42,7 +43,7 @@ def test_tasks_of_one_turn_leave_in_tasks_frames_and_each_gets_one_result(
 
     results, stats = run_with_context(main)
     assert [r.text for r in results] == [f"t{i} t{i}" for i in range(n)]
-    assert stats.packs_sent == 3 and stats.tasks_packed == n and stats.frames_sent == 3
+    assert stats.packs_sent == 7 and stats.tasks_packed == n and stats.frames_sent == 7
     assert stats.duplicate_results == stats.unknown_replies == stats.resubmitted == 0
     assert stats.completed == n and stats.packs_refused == 0
     metrics = scrape(daemon.metrics_port)
@@ -161,6 +162,9 @@ class OldDaemon:
         self.push.close(linger=0)
 
 
+N_OLD = 2 * PACK_ITEMS_MAX + 10  # three packs
+
+
 def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any) -> None:
     async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics, OldDaemon, float]:
         old = OldDaemon(ctx)
@@ -170,7 +174,7 @@ def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any
                 [old.endpoint], ctx=ctx, resubmit_after_s=60, connect_timeout_s=5
             ) as client:
                 started = time.monotonic()
-                first = await _submit_in_one_turn(client, 300, timeout_s=50)  # 2 packs
+                first = await _submit_in_one_turn(client, N_OLD, timeout_s=50)  # 3 packs
                 results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in first)), 10)
                 more = [await client.submit(f"m{i}", timeout_s=50) for i in range(50)]
                 results += await asyncio.wait_for(asyncio.gather(*(h.result() for h in more)), 10)
@@ -180,12 +184,12 @@ def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any
 
     with caplog.at_level("WARNING", logger="gossipd.tools.client"):
         results, stats, old, elapsed_s = run_with_context(main)
-    assert all(r.ok for r in results) and len(results) == 350
+    assert all(r.ok for r in results) and len(results) == N_OLD + 50
     assert elapsed_s < 10, "no task waited for the resubmission timer"
-    assert old.kinds == [6, 6] + [1] * 350, "two packs, refused; then one frame a task"
-    assert [p.split("-pack-")[1] for p in old.pack_ids] == ["1", "2"]
-    assert stats.packs_sent == 2 and stats.packs_refused == 2 and stats.resubmitted == 0
-    assert stats.frames_sent == 352 and stats.completed == 350
+    assert old.kinds == [6] * 3 + [1] * (N_OLD + 50), "3 packs, refused; then a frame a task"
+    assert [p.split("-pack-")[1] for p in old.pack_ids] == ["1", "2", "3"]
+    assert stats.packs_sent == 3 and stats.packs_refused == 3 and stats.resubmitted == 0
+    assert stats.frames_sent == 3 + N_OLD + 50 and stats.completed == N_OLD + 50
     warnings = [r for r in caplog.records if "refused a Tasks frame" in r.getMessage()]
     assert len(warnings) == 1
 
@@ -226,15 +230,16 @@ def test_packed_tasks_from_a_curve_producer_run(daemon_factory: Any, tmp_path: P
     daemon = curve_daemon(daemon_factory, keys, "s0")
     public, secret = keys.pair("p1")
     curve = ProducerKeys(public=public, secret=secret, server_keys=[keys.public("s0")])
+    n = 2 * PACK_ITEMS_MAX + 10  # three packs
 
     async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics]:
         async with Client(
             [daemon.endpoint], ctx=ctx, curve=curve, resubmit_after_s=60, connect_timeout_s=5
         ) as client:
-            handles = await _submit_in_one_turn(client, 300, timeout_s=30)
+            handles = await _submit_in_one_turn(client, n, timeout_s=30)
             results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 30)
             return results, client.statistics()
 
     results, stats = run_with_context(main)
-    assert [r.text for r in results] == [f"t{i} t{i}" for i in range(300)]
-    assert stats.packs_sent == 2 and stats.frames_sent == 2 and stats.resubmitted == 0
+    assert [r.text for r in results] == [f"t{i} t{i}" for i in range(n)]
+    assert stats.packs_sent == 3 and stats.frames_sent == 3 and stats.resubmitted == 0
