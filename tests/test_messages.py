@@ -446,6 +446,29 @@ def test_pack_tasks_is_a_Tasks_frame_whose_items_decode_as_sent(items: list[Task
     assert raw["t"] == 6 and raw["v"] == PROTOCOL_VERSION and len(raw["items"]) == len(items)
 
 
+@given(
+    st.lists(tasks, min_size=1, max_size=5),
+    st.text(min_size=1, max_size=128),
+    st.sampled_from(["tcp://127.0.0.1:5558", "ipc:///tmp/producer"]),
+)
+def test_a_Tasks_frame_with_a_pack_id_decodes_and_an_older_decoder_reads_its_id(
+    items: list[Task], pack_id: str, reply_to: str
+) -> None:
+    """Its id and reply_to are ignored by a daemon that takes Tasks frames; one that knows
+    only Task reads them for its bad_request answer (docs/PROTOCOL.md, "Tasks")."""
+    from gossipd.core.messages import decode_intake, decode_task
+
+    frames = [encode(task) for task in items]
+    packed = pack_tasks(frames, pack_id=pack_id, reply_to=reply_to)
+    batch = decode_intake(packed, bytes_max=LIMIT * 64)
+    assert type(batch) is Tasks and [bytes(raw) for raw in batch.items] == frames
+    raw = msgpack.unpackb(packed)
+    assert (raw["v"], raw["t"], raw["id"], raw["reply_to"]) == (1, 6, pack_id, reply_to)
+    with pytest.raises(RemoteProtocolError) as refused:
+        decode_task(packed, bytes_max=LIMIT * 64)
+    assert (refused.value.task_id, refused.value.reply_to) == (pack_id, reply_to)
+
+
 def test_an_empty_Tasks_frame_is_refused() -> None:
     from gossipd.core.messages import decode_intake
 

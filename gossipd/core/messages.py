@@ -336,7 +336,9 @@ class AdminReply(
 class Tasks(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.TASKS)):
     """Several producer messages in one frame (docs/PROTOCOL.md, "Tasks"): each item is read
     and answered as if it had come as a frame of its own.  Under CURVE each frame is
-    encrypted on its own, so 30 tasks in one frame cost one encryption instead of 30."""
+    encrypted on its own, so 30 tasks in one frame cost one encryption instead of 30.
+    Other top-level keys are ignored (no ``forbid_unknown_fields``): a producer's ``id`` and
+    ``reply_to`` there are for daemons that do not know ``t`` = 6 (they answer bad_request)."""
 
     v: int
     items: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
@@ -370,10 +372,18 @@ _TASKS_HEAD = b"\x83\xa1v" + bytes((PROTOCOL_VERSION,)) + b"\xa1t" + bytes((MsgT
 _TASKS_HEAD += b"\xa5items"
 
 
-def pack_tasks(frames: list[bytes]) -> bytes:
+def pack_tasks(frames: list[bytes], *, pack_id: str = "", reply_to: str = "") -> bytes:
     """Encoded producer messages (Tasks, Cancels) as one Tasks frame, in order (the caller
-    keeps it within the daemon's ``ingress.message_bytes_max``)."""
-    return b"".join((_TASKS_HEAD, _array_head(len(frames)), *frames))
+    keeps it within the daemon's ``ingress.message_bytes_max``).  ``pack_id`` and
+    ``reply_to``: the frame's own top-level ``id`` and ``reply_to``, which a daemon that
+    takes Tasks frames ignores and one that does not answers with a ``bad_request`` Result
+    for that id (docs/PROTOCOL.md, "Tasks")."""
+    if not pack_id:
+        return b"".join((_TASKS_HEAD, _array_head(len(frames)), *frames))
+    fields = {"v": PROTOCOL_VERSION, "t": int(MsgType.TASKS), "id": pack_id}
+    head = _encoder.encode({**fields, "reply_to": reply_to, "items": []})
+    # The map's last value, the empty array (0x90), is replaced by the items.
+    return b"".join((head[:-1], _array_head(len(frames)), *frames))
 
 
 def _array_head(n: int) -> bytes:

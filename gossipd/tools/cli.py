@@ -159,6 +159,7 @@ def _submit_file(
             connect_timeout_s=connect_timeout_s,
             out=out,
             curve=curve,  # type: ignore[arg-type]
+            pack_tasks=not args.no_pack,
         )
         submit.print_report(report, as_json=args.json)
         return 0 if report.ok == report.total else 1
@@ -519,6 +520,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-progress", action="store_true", help="--file: no progress lines")
+    p.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="--file: send one frame per task, not several tasks in one Tasks frame "
+        "(the default; it falls back by itself for a daemon older than Tasks frames)",
+    )
     p.add_argument(
         "--secret-key",
         default="",

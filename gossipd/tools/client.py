@@ -11,6 +11,11 @@ killed between its Result and its TaskDone, a hedged copy: docs/PROTOCOL.md, "Du
 Results"); the first one resolves the task, later ones are dropped and counted
 (``duplicate_results``).
 
+Tasks submitted (or resent) in one turn of the event loop leave together at its end, packed
+into Tasks frames (gossipd/tools/packing.py; a lone task as a plain Task): fewer frames to
+encrypt under CURVE and to read at both ends.  A daemon older than Tasks frames refuses the
+first one; the Client then resends its tasks at once, one frame each, and packs no more.
+
 Usage::
 
     async with Client(["tcp://127.0.0.1:5557"]) as client:
@@ -46,6 +51,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
+from gossipd.tools.packing import TaskPacker
 from gossipd.transport import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
 
 log = logging.getLogger("gossipd.tools.client")
@@ -86,6 +92,7 @@ class TaskHandle:
         "_result",
         "_timer",
         "attempts",
+        "cancelled",
         "deadline",
         "submitted_at",
         "task",
@@ -94,6 +101,7 @@ class TaskHandle:
     def __init__(self, task: Task, loop: asyncio.AbstractEventLoop) -> None:
         self.task = task
         self.attempts = 1
+        self.cancelled = False  # cancel() was called: never sent again
         self.submitted_at = loop.time()
         self.deadline = self.submitted_at + task.timeout_ms / 1000.0  # loop time
         self._result: asyncio.Future[Result] = loop.create_future()
@@ -153,6 +161,10 @@ class ClientStatistics:
     bad_replies: int
     local_deadline_exceeded: int
     cancelled: int
+    frames_sent: int  # every frame handed to the PUSH socket (or queued until connected)
+    packs_sent: int  # Tasks frames (several tasks in one frame: docs/PROTOCOL.md, "Tasks")
+    tasks_packed: int  # tasks that left inside a Tasks frame
+    packs_refused: int  # Tasks frames a daemon refused: their tasks were resent one a frame
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,11 +209,15 @@ class Client:
         id_prefix: str | None = None,
         connect_timeout_s: float | None = None,
         curve: ProducerKeys | None = None,
+        pack_tasks: bool = True,
     ) -> None:
         """``connect_timeout_s``: entering ``async with`` waits until a connection to at
         least one endpoint is made, and raises ``NotConnected`` if none is within that long
         (None: do not wait; tasks wait, queued here, for a daemon to appear).  ``curve``:
-        connect with CurveZMQ (the daemons run with ``security.curve``)."""
+        connect with CurveZMQ (the daemons run with ``security.curve``).  ``pack_tasks``:
+        the tasks submitted (or resent) in one turn of the event loop leave together in
+        Tasks frames (gossipd/tools/packing.py); it turns itself off for good when a daemon
+        refuses a Tasks frame (one older than them)."""
         if not endpoints:
             raise LocalProtocolError("a Client needs at least one daemon endpoint")
         if curve is not None and len(curve.server_keys) not in (1, len(endpoints)):
@@ -226,6 +242,8 @@ class Client:
         self._receiver: SocketReader | None = None
         self._unsent: deque[bytes] = deque()
         self._flusher: asyncio.Task[None] | None = None
+        self._pack_tasks = pack_tasks
+        self._packer: TaskPacker | None = None  # made at open(), with our reply_to
         self.reply_to = ""
         self._stats = dict.fromkeys(ClientStatistics.__slots__, 0)
         self._connect_timeout_s = connect_timeout_s
@@ -256,6 +274,12 @@ class Client:
             self._pull.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
         self._pull.bind(self._reply_bind)
         self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._packer = TaskPacker(
+            self._send_frame,
+            reply_to=self.reply_to,
+            id_prefix=self._prefix,
+            enabled=self._pack_tasks,
+        )
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         # Only hand tasks to daemons we are connected to: a dead daemon's pipe would otherwise
@@ -308,6 +332,8 @@ class Client:
 
     async def close(self) -> None:
         self._stop_monitor()
+        if self._packer is not None:
+            self._packer.close()
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, return_exceptions=True)
@@ -340,7 +366,8 @@ class Client:
         stream: bool = False,
         model: str = "",
     ) -> TaskHandle:
-        """Send a task; returns at once with its handle (waits only for a free slot)."""
+        """Send a task; returns at once with its handle (waits only for a free slot).  The
+        task leaves at the end of this loop turn, with the others submitted in it."""
         if params is None:
             params = (
                 SamplingParams() if max_tokens is None else SamplingParams(max_tokens=max_tokens)
@@ -369,7 +396,7 @@ class Client:
         handle = TaskHandle(task, loop)
         self._outstanding[task.id] = handle
         self._stats["submitted"] += 1
-        await self._send(task)
+        self._send(task)
         self._arm(handle, loop)
         return handle
 
@@ -387,10 +414,13 @@ class Client:
             return False
         if handle._timer is not None:
             handle._timer.cancel()
+        handle.cancelled = True
         deadline = _local_deadline(handle)
         handle._timer = asyncio.get_running_loop().call_at(
             deadline, self._on_timer, handle, deadline
         )
+        assert self._packer is not None
+        self._packer.flush()  # the task, if packed in this turn, goes before its Cancel
         # PUSH spreads messages round robin over the connected daemons; one copy per endpoint
         # reaches the daemon that took the task (the others count it as unknown).
         cancel = encode(Cancel(v=PROTOCOL_VERSION, id=task_id))
@@ -436,16 +466,19 @@ class Client:
         handle.task = msgspec.structs.replace(
             handle.task, attempt=min(handle.attempts - 1, 1000), timeout_ms=remaining_ms
         )
-        loop.create_task(self._send(handle.task))
+        self._send(handle.task)
         self._arm(handle, loop, delay_s)
 
-    async def _send(self, task: Task) -> None:
-        self._send_frame(encode(task))
+    def _send(self, task: Task) -> None:
+        """Hand a task to the packer: it leaves at the end of this loop turn."""
+        assert self._packer is not None
+        self._packer.add(task.id, encode(task))
 
     def _send_frame(self, frame: bytes) -> None:
         """Hand a message to ZeroMQ, or queue it here while no daemon is connected (the
         socket only sends to connected daemons); never blocks the caller."""
         assert self._push is not None
+        self._stats["frames_sent"] += 1
         if not self._unsent:
             try:
                 self._push.send(frame, NOBLOCK)
@@ -493,6 +526,11 @@ class Client:
     def _on_one_reply(self, reply: Chunk | Result, loop: asyncio.AbstractEventLoop) -> None:
         handle = self._outstanding.get(reply.id)
         if handle is None:
+            if type(reply) is Result and self._packer is not None:
+                refused = self._packer.refused(reply)
+                if refused is not None:
+                    self._resend_refused(refused, loop)
+                    return
             if type(reply) is Result and reply.id in self._finished:
                 self._stats["duplicate_results"] += 1  # the first one resolved the task
             else:
@@ -513,8 +551,32 @@ class Client:
             return
         self._complete(handle, reply)
 
+    def _resend_refused(self, task_ids: list[str], loop: asyncio.AbstractEventLoop) -> None:
+        """A daemon refused the Tasks frame these tasks were in (it takes no Tasks frames):
+        send each again now, alone, rather than at its resubmission timer.  A task cancelled
+        since never reached a daemon: it ends here, ``cancelled``."""
+        for task_id in task_ids:
+            handle = self._outstanding.get(task_id)
+            if handle is None or handle.done():
+                continue
+            if handle._timer is not None:
+                handle._timer.cancel()
+            if handle.cancelled:
+                why = "cancelled before any daemon took it (its Tasks frame was refused)"
+                self._complete(
+                    handle, error_result(task_id, ErrorCode.CANCELLED, why, node="client")
+                )
+            else:
+                self._resend(handle, loop)
+
     def statistics(self) -> ClientStatistics:
-        return ClientStatistics(**{**self._stats, "outstanding": len(self._outstanding)})
+        packer = self._packer
+        packing = {
+            "packs_sent": packer.packs_sent if packer else 0,
+            "tasks_packed": packer.tasks_packed if packer else 0,
+            "packs_refused": packer.packs_refused if packer else 0,
+        }
+        return ClientStatistics(**{**self._stats, **packing, "outstanding": len(self._outstanding)})
 
 
 def _local_deadline(handle: TaskHandle) -> float:

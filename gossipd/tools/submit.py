@@ -113,10 +113,12 @@ async def submit_many(
     numbers: list[int] | None = None,
     out: ResultWriter | None = None,
     curve: ProducerKeys | None = None,
+    pack_tasks: bool = True,
 ) -> SubmitReport:
     """Send every task line, wait for every Result.  ``numbers``: each line's number in the
     input (for ``out``; default 1, 2, ...).  ``connect_timeout_s``: fail with
-    ``NotConnected`` when no daemon accepts a connection within that long."""
+    ``NotConnected`` when no daemon accepts a connection within that long.  ``pack_tasks``:
+    the Client's (several tasks in one Tasks frame)."""
     numbers = numbers if numbers is not None else list(range(1, len(lines) + 1))
     report = SubmitReport(total=len(lines))
     progress = Progress(len(lines), "submit", enabled=show_progress)
@@ -143,6 +145,7 @@ async def submit_many(
         outstanding_max=window,
         connect_timeout_s=connect_timeout_s,
         curve=curve,
+        pack_tasks=pack_tasks,
     ) as client:
         waiters: list[asyncio.Task[None]] = []
 
