@@ -4,6 +4,7 @@ generator's own cost is the same on both sides of every ratio."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,11 +20,10 @@ from gossipd.core.messages import (
     encode,
     pack_tasks,
 )
+from gossipd.tools.packing import PACK_BYTES_MAX, PACK_ITEMS_MAX
 from gossipd.tools.progress import percentile
 
 REPLIES, RESULT = int(MsgType.REPLIES), int(MsgType.RESULT)
-# A Tasks frame holds at most this many bytes of tasks (well under ingress.message_bytes_max).
-TASKS_FRAME_BYTES_MAX = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,8 @@ def drive_many(
     ``curve``: over CurveZMQ (the reply PULL served with the generator's key pair);
     ``batch_replies``: the tasks ask for Replies frames (several results in one frame);
     ``batch_tasks``: the tasks of one refill of the window go to each endpoint as Tasks
-    frames (several tasks in one, at most ``TASKS_FRAME_BYTES_MAX`` each)."""
+    frames, bounded as gossipd's Client bounds them (``packing.PACK_ITEMS_MAX`` tasks and
+    ``PACK_BYTES_MAX`` bytes a frame)."""
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -157,9 +158,13 @@ def drive_many(
     entry_of = entry_of or [0] * n
     by_task: dict[int, float] = {}
     index = {}
-    frames = make_frames(
-        n, f"tcp://127.0.0.1:{port}", run=run, keys=keys, batch_replies=batch_replies
-    )
+    reply_to = f"tcp://127.0.0.1:{port}"
+    frames = make_frames(n, reply_to, run=run, keys=keys, batch_replies=batch_replies)
+    packs = itertools.count()
+
+    def pack(group: list[bytes]) -> bytes:  # as the Client packs: with a pack id and reply_to
+        return pack_tasks(group, pack_id=f"{run}-pack-{next(packs)}", reply_to=reply_to)
+
     for i, (task_id, _) in enumerate(frames):
         index[task_id] = i
     sent_at: dict[str, float] = {}
@@ -181,15 +186,17 @@ def drive_many(
             sent_at[task_id] = now
             e = entry_of[i]
             group = groups.setdefault(e, [])
-            if group and sizes[e] + len(frame) > TASKS_FRAME_BYTES_MAX:
-                pushes[e].send(pack_tasks(group))
+            if group and (
+                len(group) >= PACK_ITEMS_MAX or sizes[e] + len(frame) > PACK_BYTES_MAX
+            ):
+                pushes[e].send(pack(group))
                 group.clear()
                 sizes[e] = 0
             group.append(frame)
             sizes[e] = sizes.get(e, 0) + len(frame)
         for e, group in groups.items():
             if group:
-                pushes[e].send(group[0] if len(group) == 1 else pack_tasks(group))
+                pushes[e].send(group[0] if len(group) == 1 else pack(group))
         return end
 
     started = clock()
