@@ -334,7 +334,10 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
         elif kind == "saturated" and sent:
             member, fwd = sent[int(arg) % len(sent)]  # type: ignore[call-overload]
             if fwd.if_free:  # an owner refuses as saturated only what asked if_free
-                saturated_by.setdefault(fwd.task.id, set()).add(member)
+                # Remembered only while its Forward is in flight: a late refusal (the task
+                # already won, or that Forward timed out) is ignored, as it should be.
+                if fwd.req in fw._flights:
+                    saturated_by.setdefault(fwd.task.id, set()).add(member)
                 fw.on_reply(_reply(fwd, member, False, "saturated", 5), now)
         elif kind in ("accept", "refuse") and sent:
             member, fwd = sent[int(arg) % len(sent)]  # type: ignore[call-overload]
@@ -347,6 +350,12 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
                 fw.on_reply(TaskDone(id=fwd.task.id, node=entry.owner), now)
                 completed.add(fwd.task.id)
         elif kind == "dead" and arg in placement.members:
+            # A task held by the dead member is placed anew: its refusals were another
+            # placement's, so its first Forwards ask if_free again.
+            for task_id in routed:
+                entry = fw.ledger.get(task_id)
+                if entry is not None and entry.owner == arg:
+                    saturated_by.pop(task_id, None)
             placement.members.remove(str(arg))
             fw.member_dead(str(arg), now)
         elif kind == "time":
