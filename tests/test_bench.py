@@ -95,6 +95,9 @@ def test_bench_curve_refuses_the_batching_flags_it_sets_itself() -> None:
     proc = gossipd_cli("bench", "ingress", "--curve", "--batch-tasks", timeout_s=60)
     assert proc.returncode == 2
     assert "--producer" in proc.stderr
+    proc = gossipd_cli("bench", "ingress", "--producer", "client", timeout_s=60)
+    assert proc.returncode == 2
+    assert "add --curve" in proc.stderr
 
 
 def test_bench_budgets_json_reports_the_runaway_refused_and_the_other_served() -> None:

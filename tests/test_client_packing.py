@@ -14,9 +14,10 @@ import msgpack
 import zmq
 
 from gossipd.core.messages import ErrorCode, Result, decode_intake, encode, error_result
+from gossipd.errors import LocalProtocolError
 from gossipd.ops.metrics import scrape
 from gossipd.tools.client import Client, ClientStatistics, ProducerKeys
-from gossipd.tools.packing import PACK_ITEMS_MAX
+from gossipd.tools.packing import PACK_BYTES_MAX, PACK_ITEMS_MAX
 from tests.helpers import run_with_context
 from tests.test_curve import Keys, curve_daemon
 
@@ -72,12 +73,13 @@ def test_a_lone_task_leaves_as_a_plain_task_frame() -> None:
 
 
 def test_packs_are_bounded_in_bytes_and_a_larger_task_goes_alone() -> None:
+    third = PACK_BYTES_MAX // 3 + 1000  # two fit in a pack, three do not
+
     async def main(ctx: zmq.Context) -> list[bytes]:
         async with Client(["tcp://127.0.0.1:1"], ctx=ctx) as client:
-            prompt = "x" * 100_000
             await asyncio.gather(
-                *(client.submit(prompt, task_id=f"b{i}") for i in range(5)),
-                client.submit("y" * 300_000, task_id="huge"),
+                *(client.submit("x" * third, task_id=f"b{i}") for i in range(5)),
+                client.submit("y" * (PACK_BYTES_MAX + 1), task_id="huge"),
                 client.submit("small", task_id="s"),
             )
             await asyncio.sleep(0)
@@ -86,9 +88,9 @@ def test_packs_are_bounded_in_bytes_and_a_larger_task_goes_alone() -> None:
     frames = run_with_context(main)
     maps = [msgpack.unpackb(f) for f in frames]
     shapes = [[i["id"] for i in m["items"]] if m["t"] == 6 else m["id"] for m in maps]
-    # In order; at most 256 KiB of tasks in a pack: two of 100 kB each.
+    # In order; at most PACK_BYTES_MAX of tasks in a pack.
     assert shapes == [["b0", "b1"], ["b2", "b3"], "b4", "huge", "s"]
-    assert all(len(f) < 256 * 1024 + 1024 for f in frames if msgpack.unpackb(f)["t"] == 6)
+    assert all(len(f) < PACK_BYTES_MAX + 1024 for f in frames if msgpack.unpackb(f)["t"] == 6)
 
 
 def test_a_cancel_in_the_same_turn_does_not_overtake_its_task(daemon_factory: Any) -> None:
@@ -182,7 +184,7 @@ def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any
         finally:
             old.close()
 
-    with caplog.at_level("WARNING", logger="gossipd.tools.client"):
+    with caplog.at_level("WARNING", logger="gossipd.tools.packing"):
         results, stats, old, elapsed_s = run_with_context(main)
     assert all(r.ok for r in results) and len(results) == N_OLD + 50
     assert elapsed_s < 10, "no task waited for the resubmission timer"
@@ -243,3 +245,100 @@ def test_packed_tasks_from_a_curve_producer_run(daemon_factory: Any, tmp_path: P
     results, stats = run_with_context(main)
     assert [r.text for r in results] == [f"t{i} t{i}" for i in range(n)]
     assert stats.packs_sent == 3 and stats.frames_sent == 3 and stats.resubmitted == 0
+
+
+def _submit_large_in_one_turn(client: Client, n: int, prompt_bytes: int) -> Any:
+    return asyncio.gather(
+        *(
+            client.submit("x" * prompt_bytes, task_id=f"L{i}", max_tokens=1, timeout_s=30)
+            for i in range(n)
+        )
+    )
+
+
+def test_a_pack_over_a_daemons_size_limit_is_refused_and_its_tasks_go_alone_at_once(
+    daemon_factory: Any,
+) -> None:
+    """A daemon of today with a small ingress.message_bytes_max refuses a larger pack with
+    bad_request for the pack's id (PROTOCOL.md, "Tasks"): the Client stops packing and sends
+    the pack's tasks alone at once."""
+    daemon = daemon_factory("ingress.message_bytes_max=16384")  # a 32-task pack: 33 KB
+
+    async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics]:
+        async with Client([daemon.endpoint], ctx=ctx, resubmit_after_s=60) as client:
+            handles = await _submit_large_in_one_turn(client, PACK_ITEMS_MAX, 1000)
+            results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 10)
+            return results, client.statistics()
+
+    results, stats = run_with_context(main)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:2]
+    assert stats.packs_sent == 1 and stats.packs_refused == 1 and stats.resubmitted == 0
+    assert stats.frames_sent == 1 + PACK_ITEMS_MAX
+
+
+def test_a_pack_zeromq_drops_unanswered_reaches_the_daemon_by_its_resubmissions(
+    daemon_factory: Any,
+) -> None:
+    """Over four times the daemon's ingress.message_bytes_max, ZeroMQ drops the frame with
+    the connection and nobody answers: the resubmission timer sends each task again alone
+    (never packed), so every task still runs."""
+    daemon = daemon_factory("ingress.message_bytes_max=4096")  # drops frames over 16 KiB
+
+    async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics]:
+        async with Client([daemon.endpoint], ctx=ctx, resubmit_after_s=0.5) as client:
+            handles = await _submit_large_in_one_turn(client, PACK_ITEMS_MAX, 1000)
+            results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 20)
+            return results, client.statistics()
+
+    results, stats = run_with_context(main)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:2]
+    assert stats.packs_sent == 1 and stats.packs_refused == 0, "dropped, not refused"
+    assert stats.resubmitted == PACK_ITEMS_MAX and stats.tasks_packed == PACK_ITEMS_MAX
+
+
+def test_a_task_id_that_looks_like_a_pack_id_is_refused_locally() -> None:
+    async def main(ctx: zmq.Context) -> str:
+        async with Client(["tcp://127.0.0.1:1"], ctx=ctx, id_prefix="c") as client:
+            try:
+                await client.submit("p", task_id="c-pack-7")
+            except LocalProtocolError as exc:
+                return str(exc)
+            return ""
+
+    assert "Tasks frame ids" in run_with_context(main)
+
+
+class BusyDaemon(OldDaemon):
+    """Answers every task `overloaded` with a short retry-after hint."""
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.pull.poll(20):
+                continue
+            msg = msgpack.unpackb(self.pull.recv())
+            self.kinds.append(msg.get("t"))
+            if msg.get("t") == 1:
+                busy = error_result(
+                    msg["id"], ErrorCode.OVERLOADED, "busy", node="busy", retry_after_ms=20
+                )
+                self._answer(msg["reply_to"], busy)
+
+
+def test_a_cancelled_task_is_not_retried_after_an_overloaded_answer() -> None:
+    async def main(ctx: zmq.Context) -> tuple[Result, BusyDaemon]:
+        busy = BusyDaemon(ctx)
+        try:
+            async with Client(
+                [busy.endpoint], ctx=ctx, resubmit_after_s=60, connect_timeout_s=5
+            ) as client:
+                handle = await client.submit("p", task_id="c0", timeout_s=1.0)
+                await asyncio.sleep(0)  # it leaves
+                assert await client.cancel("c0")
+                result = await asyncio.wait_for(handle.result(), 10)
+                return result, busy
+        finally:
+            busy.close()
+
+    result, busy = run_with_context(main)
+    assert busy.kinds.count(1) == 1, "sent once: a cancelled task is not retried"
+    assert result.error is not None and result.error.code == "overloaded"

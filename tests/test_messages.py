@@ -219,6 +219,36 @@ def test_an_empty_or_z85_producer_key_decodes(key: str) -> None:
     )
 
 
+def test_producer_keys_that_matched_are_remembered_boundedly_and_bad_ones_still_refused() -> None:
+    from gossipd.core import messages
+
+    def decode(key: str) -> str:
+        return decode_task(
+            msgpack.packb(plain_task(producer_key=key)), bytes_max=LIMIT
+        ).producer_key
+
+    messages._KEYS_MATCHED.clear()
+    good = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+    assert decode(good) == good and good in messages._KEYS_MATCHED
+    assert decode(good) == good  # from the set this time
+    for i in range(messages._KEYS_MATCHED_MAX + 5):  # distinct keys: the set is emptied, not grown
+        decode(f"{i:040d}")
+    assert 0 < len(messages._KEYS_MATCHED) <= messages._KEYS_MATCHED_MAX
+    with pytest.raises(RemoteProtocolError, match="producer_key"):
+        decode("~" * 40)
+    assert "~" * 40 not in messages._KEYS_MATCHED
+
+
+def test_a_cancel_producer_key_with_a_trailing_newline_is_refused() -> None:
+    """The pattern ends with \\Z, not $ (which would let "KEY\\n" through)."""
+    import msgspec
+
+    key = "k" * 40
+    assert msgspec.convert({"v": 1, "id": "a", "producer_key": key}, Cancel).producer_key == key
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"v": 1, "id": "a", "producer_key": key + "\n"}, Cancel)
+
+
 @given(tasks)
 def test_any_valid_task_round_trips(task: Task) -> None:
     assert decode_task(encode(task), bytes_max=1 << 20) == task

@@ -115,7 +115,7 @@ NodeName = Annotated[str, msgspec.Meta(max_length=128)]
 
 
 # A CURVE public key in z85 (40 characters of the Z85 alphabet), or empty.
-PRODUCER_KEY_PATTERN = r"^(?:[0-9a-zA-Z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?$"
+PRODUCER_KEY_PATTERN = r"^(?:[0-9a-zA-Z.:+=^!/*?&<>()\[\]{}@%$#-]{40})?\Z"
 _PRODUCER_KEY_RE = re.compile(PRODUCER_KEY_PATTERN)
 # Keys that matched it: a forwarded task's key is one of a few producers' keys, and a set
 # lookup (0.03 us) is cheaper than the regex (0.19 us), once per forwarded task.  Bounded:

@@ -246,6 +246,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.producer is not None and not args.curve:
+        print(
+            "gossipd bench: --producer chooses what --curve measures: add --curve", file=sys.stderr
+        )
+        return 2
     if args.what == "place":
         from gossipd.tools.bench.place import main as bench_place
 
@@ -268,7 +273,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             curve=args.curve,
             batch_replies=args.batch_replies,
             batch_tasks=args.batch_tasks,
-            producer=args.producer,
+            producer=args.producer or "both",
         )
     if args.what == "engine":
         from gossipd.tools.bench.engine import main as bench_engine
@@ -299,7 +304,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             curve=args.curve,
             batch_replies=args.batch_replies,
             batch_tasks=args.batch_tasks,
-            producer=args.producer,
+            producer=args.producer or "both",
         )
     if args.what == "budgets":
         from gossipd.tools.bench.budgets import main as bench_budgets
@@ -668,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--producer",
         choices=["both", "client", "frame-per-task"],
-        default="both",
+        default=None,
         help="ingress/route --curve: the producers to measure: one that packs as gossipd's "
         "Client does (Tasks and Replies frames; the headline ratio) and one that sends a frame "
         "per task each way (default: both, side by side)",

@@ -51,7 +51,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
-from gossipd.tools.packing import TaskPacker
+from gossipd.tools.packing import PACK_BYTES_MAX, PackedTask, TaskPacker
 from gossipd.transport import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
 
 log = logging.getLogger("gossipd.tools.client")
@@ -210,14 +210,16 @@ class Client:
         connect_timeout_s: float | None = None,
         curve: ProducerKeys | None = None,
         pack_tasks: bool = True,
+        pack_bytes_max: int = PACK_BYTES_MAX,
     ) -> None:
         """``connect_timeout_s``: entering ``async with`` waits until a connection to at
         least one endpoint is made, and raises ``NotConnected`` if none is within that long
         (None: do not wait; tasks wait, queued here, for a daemon to appear).  ``curve``:
         connect with CurveZMQ (the daemons run with ``security.curve``).  ``pack_tasks``:
         the tasks submitted (or resent) in one turn of the event loop leave together in
-        Tasks frames (gossipd/tools/packing.py); it turns itself off for good when a daemon
-        refuses a Tasks frame (one older than them)."""
+        Tasks frames (gossipd/tools/packing.py) of at most ``pack_bytes_max`` bytes (keep it
+        at most the daemons' ``ingress.message_bytes_max``); it turns itself off for good
+        when a daemon refuses a Tasks frame (one older than them)."""
         if not endpoints:
             raise LocalProtocolError("a Client needs at least one daemon endpoint")
         if curve is not None and len(curve.server_keys) not in (1, len(endpoints)):
@@ -243,6 +245,7 @@ class Client:
         self._unsent: deque[bytes] = deque()
         self._flusher: asyncio.Task[None] | None = None
         self._pack_tasks = pack_tasks
+        self._pack_bytes_max = pack_bytes_max
         self._packer: TaskPacker | None = None  # made at open(), with our reply_to
         self.reply_to = ""
         self._stats = dict.fromkeys(ClientStatistics.__slots__, 0)
@@ -279,6 +282,7 @@ class Client:
             reply_to=self.reply_to,
             id_prefix=self._prefix,
             enabled=self._pack_tasks,
+            bytes_max=self._pack_bytes_max,
         )
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -391,6 +395,12 @@ class Client:
             raise LocalProtocolError("open the Client (async with) before submitting")
         if task.id in self._outstanding:
             raise LocalProtocolError(f"task id {task.id!r} is already outstanding")
+        assert self._packer is not None
+        if task.id.startswith(self._packer.pack_id_prefix):
+            raise LocalProtocolError(
+                f"task id {task.id!r}: ids starting with {self._packer.pack_id_prefix!r} are "
+                'this Client\'s Tasks frame ids (docs/PROTOCOL.md, "Tasks"); choose another'
+            )
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
         handle = TaskHandle(task, loop)
@@ -453,10 +463,17 @@ class Client:
             )
             return
         self._stats["resubmitted"] += 1
-        self._resend(handle, loop)
+        # Alone, never packed: if its pack was lost unanswered (a frame ZeroMQ dropped as
+        # over the daemon's size limit, a connection that broke), this one gets through.
+        self._resend(handle, loop, alone=True)
 
     def _resend(
-        self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, delay_s: float | None = None
+        self,
+        handle: TaskHandle,
+        loop: asyncio.AbstractEventLoop,
+        delay_s: float | None = None,
+        *,
+        alone: bool = False,
     ) -> None:
         handle.attempts += 1
         # Tasks are immutable: copy with the new attempt number, and what is left of the
@@ -466,13 +483,14 @@ class Client:
         handle.task = msgspec.structs.replace(
             handle.task, attempt=min(handle.attempts - 1, 1000), timeout_ms=remaining_ms
         )
-        self._send(handle.task)
+        self._send(handle.task, alone=alone)
         self._arm(handle, loop, delay_s)
 
-    def _send(self, task: Task) -> None:
-        """Hand a task to the packer: it leaves at the end of this loop turn."""
+    def _send(self, task: Task, *, alone: bool = False) -> None:
+        """Hand a task to the packer: it leaves at the end of this loop turn (``alone``: now,
+        as a frame of its own)."""
         assert self._packer is not None
-        self._packer.add(task.id, encode(task))
+        self._packer.add((task.id, task.attempt), encode(task), alone=alone)
 
     def _send_frame(self, frame: bytes) -> None:
         """Hand a message to ZeroMQ, or queue it here while no daemon is connected (the
@@ -524,13 +542,13 @@ class Client:
             self._on_one_reply(reply, loop)
 
     def _on_one_reply(self, reply: Chunk | Result, loop: asyncio.AbstractEventLoop) -> None:
+        if type(reply) is Result and reply.error is not None and self._packer is not None:
+            refused = self._packer.refused(reply)  # a bad_request for a pack id of ours
+            if refused is not None:
+                self._resend_refused(refused, loop)
+                return
         handle = self._outstanding.get(reply.id)
         if handle is None:
-            if type(reply) is Result and self._packer is not None:
-                refused = self._packer.refused(reply)
-                if refused is not None:
-                    self._resend_refused(refused, loop)
-                    return
             if type(reply) is Result and reply.id in self._finished:
                 self._stats["duplicate_results"] += 1  # the first one resolved the task
             else:
@@ -543,7 +561,8 @@ class Client:
         code = reply.error.code if reply.error is not None else ""
         deadline = handle.deadline
         retry_s = (reply.error.retry_after_ms / 1000.0) if reply.error is not None else 0.0
-        if code in self._retry_codes and loop.time() + retry_s < deadline:
+        retry = code in self._retry_codes and not handle.cancelled
+        if retry and loop.time() + retry_s < deadline:
             self._stats["retried"] += 1
             if handle._timer is not None:
                 handle._timer.cancel()
@@ -551,13 +570,16 @@ class Client:
             return
         self._complete(handle, reply)
 
-    def _resend_refused(self, task_ids: list[str], loop: asyncio.AbstractEventLoop) -> None:
+    def _resend_refused(self, tasks: list[PackedTask], loop: asyncio.AbstractEventLoop) -> None:
         """A daemon refused the Tasks frame these tasks were in (it takes no Tasks frames):
-        send each again now, alone, rather than at its resubmission timer.  A task cancelled
-        since never reached a daemon: it ends here, ``cancelled``."""
-        for task_id in task_ids:
+        send each again now, alone, rather than at its resubmission timer, unless it was sent
+        again since (another attempt is under way) or its deadline passed (its timer ends
+        it).  A task cancelled since never reached a daemon: it ends here, ``cancelled``."""
+        for task_id, attempt in tasks:
             handle = self._outstanding.get(task_id)
-            if handle is None or handle.done():
+            if handle is None or handle.done() or handle.task.attempt != attempt:
+                continue
+            if loop.time() >= handle.deadline:
                 continue
             if handle._timer is not None:
                 handle._timer.cancel()

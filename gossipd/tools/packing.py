@@ -5,7 +5,7 @@ end of that turn (``loop.call_soon``: no timer, no latency beyond the turn), as 
 frame, or as a few when they exceed ``bytes_max`` or ``items_max``; a lone task leaves as
 the plain Task frame it is, so light load adds no bytes.  Why: under CURVE ZeroMQ encrypts
 every frame and the daemon reads every frame's producer key (together about 2 us of CPU a
-frame on a 2-core VM), so 200 tasks in one frame cost that once instead of 200 times.
+frame on a 2-core VM), so 32 tasks in one frame cost that once instead of 32 times.
 
 Each Tasks frame carries an ``id`` of its own (a pack id, never a task id) and the
 producer's ``reply_to``.  A daemon that takes Tasks frames ignores both; one that does not
@@ -23,10 +23,14 @@ from collections.abc import Callable
 
 from gossipd.core.messages import ErrorCode, Result, pack_tasks
 
-log = logging.getLogger("gossipd.tools.client")
+log = logging.getLogger("gossipd.tools.packing")
 
-# Well under the daemons' default ingress.message_bytes_max (1 MiB), like a Replies frame.
-PACK_BYTES_MAX = 256 * 1024
+# Well under the daemons' default ingress.message_bytes_max (1 MiB).  A daemon refuses a
+# frame over its limit with bad_request (the Client then stops packing), but ZeroMQ drops one
+# over four times the limit with the connection, unanswered: at 64 KiB that needs a limit set
+# below 16 KiB (the Client's pack_bytes_max is for such a cluster; a timer's resubmission
+# goes alone, so a dropped pack's tasks still arrive).
+PACK_BYTES_MAX = 64 * 1024
 # Items in one pack: at 32 the per-frame cost is already 1/32 a task, and a turn's tasks leave
 # in several frames, so the daemon starts on the first while the producer still encodes the
 # rest.  Measured (scripts/client_packing.py's loop, 2-core VM, load ~1.3): 200 tasks gathered
@@ -38,6 +42,11 @@ PACK_ITEMS_MAX = 32
 PACKS_REMEMBERED_MAX = 1024
 # A pack id is at most the 128 characters of a task id (docs/PROTOCOL.md): the prefix is cut.
 _PREFIX_CHARS_MAX = 64
+
+
+# A packed task: its id and its attempt number (``Task.attempt``), so that a refused pack's
+# task is resent only if it was not sent again since.
+PackedTask = tuple[str, int]
 
 
 class TaskPacker:
@@ -62,19 +71,26 @@ class TaskPacker:
         self._bytes_max = bytes_max
         self._items_max = items_max
         self._remembered_max = remembered_max
-        self._ids: list[str] = []
+        self._ids: list[PackedTask] = []
         self._frames: list[bytes] = []
         self._bytes = 0
         self._flush_handle: asyncio.Handle | None = None
-        self._recent: OrderedDict[str, list[str]] = OrderedDict()  # pack id -> its task ids
+        self._recent: OrderedDict[str, list[PackedTask]] = OrderedDict()  # pack id -> tasks
         self._counter = 0
         self.packs_sent = 0
         self.tasks_packed = 0
         self.packs_refused = 0
 
-    def add(self, task_id: str, frame: bytes) -> None:
-        """Send this encoded task at the end of the loop's turn, packed with the others."""
-        if not self.enabled or len(frame) > self._bytes_max:
+    @property
+    def pack_id_prefix(self) -> str:
+        """Every pack id starts with it; no task id of the owner's may (``refused``)."""
+        return self._id_prefix
+
+    def add(self, task: PackedTask, frame: bytes, *, alone: bool = False) -> None:
+        """Send this encoded task (``task``: its id and attempt) at the end of the loop's
+        turn, packed with the others; ``alone``: now, as a frame of its own (after what was
+        added before it)."""
+        if alone or not self.enabled or len(frame) > self._bytes_max:
             self.flush()  # what was added before leaves before it
             self._send_frame(frame)
             return
@@ -82,7 +98,7 @@ class TaskPacker:
             self._bytes + len(frame) > self._bytes_max or len(self._frames) >= self._items_max
         ):
             self.flush()
-        self._ids.append(task_id)
+        self._ids.append(task)
         self._frames.append(frame)
         self._bytes += len(frame)
         if self._flush_handle is None:
@@ -109,7 +125,7 @@ class TaskPacker:
         """Drop what was not sent yet (the owner is closing its sockets)."""
         self._take()
 
-    def _take(self) -> tuple[list[str], list[bytes]]:
+    def _take(self) -> tuple[list[PackedTask], list[bytes]]:
         """The task ids and frames added since the last flush; empties the pack."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
@@ -118,10 +134,10 @@ class TaskPacker:
         self._ids, self._frames, self._bytes = [], [], 0
         return taken
 
-    def refused(self, result: Result) -> list[str] | None:
+    def refused(self, result: Result) -> list[PackedTask] | None:
         """If ``result`` refuses one of our recent packs (``bad_request`` for its pack id):
-        stop packing for good and return the ids of the tasks it held, to be resent one frame
-        each.  None: it is no answer to a pack of ours."""
+        stop packing for good and return the tasks it held (id, attempt), to be resent one
+        frame each.  None: it is no answer to a pack of ours."""
         if result.error is None or result.error.code != ErrorCode.BAD_REQUEST.value:
             return None
         ids = self._recent.pop(result.id, None)

@@ -3,7 +3,7 @@ without CURVE, in alternating runs.
 
 The cost of CURVE to a daemon depends on how its producers send: libzmq encrypts and
 authenticates every frame on its own (about 1 us of CPU per small frame at each end on the
-2-core VM), and the daemon reads every frame's producer key (about 1 us).  So the benches
+2-core VM), and the daemon reads every frame's producer key (about 0.6 us).  So the benches
 measure both kinds of producer side by side:
 
 - ``client``: sends as gossipd's Client does by default: the tasks of one turn packed into
@@ -17,7 +17,7 @@ beside it, never hidden.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,15 +63,31 @@ def paired_median(curve: Sequence[float], plain: Sequence[float]) -> float:
     return round(statistics.median(c / p for c, p in zip(curve, plain, strict=True)), 3)
 
 
-def headline(report: dict[str, Any], producers: Sequence[str], figure: str) -> None:
-    """Put the first producer's ratios at the top of ``report`` (``ratio_curve_vs_plain``,
-    ``ratio_paired_median``, ``headline_producer``) and every producer's ratio as
-    ``ratio_curve_vs_plain_<producer>``; ``figure``: the throughput key in a side's entry."""
+def report_producers(
+    report: dict[str, Any],
+    producers: Sequence[str],
+    figure: str,
+    side_figures: Callable[[str, str], dict[str, Any]],
+    throughputs: Callable[[str, str], list[float]],
+) -> None:
+    """Add each producer's entry to ``report["producers"]`` (its batching, both sides'
+    figures, ``ratio_curve_vs_plain`` of the sides' ``figure``, ``ratio_paired_median`` of the
+    rounds' ``throughputs``), every producer's ratio as ``ratio_curve_vs_plain_<producer>``,
+    and the first producer's at the top (``ratio_curve_vs_plain``, ``ratio_paired_median``,
+    ``headline_producer``, ``plain``, ``curve_on``).  ``side_figures(producer, side)``,
+    ``throughputs(producer, side)``: side is "plain" or "curve"."""
+    report["producers"] = {}
     for name in producers:
-        entry = report["producers"][name]
-        entry["ratio_curve_vs_plain"] = round(
-            entry["curve_on"][figure] / entry["plain"][figure], 3
-        )
+        plain, curve = side_figures(name, "plain"), side_figures(name, "curve")
+        report["producers"][name] = entry = {
+            **PRODUCERS[name].opts(),
+            "plain": plain,
+            "curve_on": curve,
+            "ratio_curve_vs_plain": round(curve[figure] / plain[figure], 3),
+            "ratio_paired_median": paired_median(
+                throughputs(name, "curve"), throughputs(name, "plain")
+            ),
+        }
         report[f"ratio_curve_vs_plain_{name}"] = entry["ratio_curve_vs_plain"]
     first = report["producers"][producers[0]]
     report["headline_producer"] = producers[0]

@@ -16,10 +16,9 @@ from typing import Any
 from gossipd.tools.bench.curvecompare import (
     PRODUCERS,
     SIDES,
-    headline,
-    paired_median,
     print_ratios,
     producers_of,
+    report_producers,
     round_order,
 )
 from gossipd.tools.bench.loadgen import LoadResult, ProducerCurve, drive
@@ -178,20 +177,14 @@ def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool, producer
         "tasks_per_run": tasks,
         "window": window,
         "repeats": repeats,
-        "producers": {
-            kind: {
-                **PRODUCERS[kind].opts(),
-                "plain": _median_summary(runs[kind, "plain"]),
-                "curve_on": _median_summary(runs[kind, "curve"]),
-                "ratio_paired_median": paired_median(
-                    [r.tasks_per_s for r in runs[kind, "curve"]],
-                    [r.tasks_per_s for r in runs[kind, "plain"]],
-                ),
-            }
-            for kind in kinds
-        },
     }
-    headline(report, kinds, "tasks_per_s")
+    report_producers(
+        report,
+        kinds,
+        "tasks_per_s",
+        lambda kind, side: _median_summary(runs[kind, side]),
+        lambda kind, side: [r.tasks_per_s for r in runs[kind, side]],
+    )
     if as_json:
         print(json.dumps(report))
     else:

@@ -186,9 +186,7 @@ def drive_many(
             sent_at[task_id] = now
             e = entry_of[i]
             group = groups.setdefault(e, [])
-            if group and (
-                len(group) >= PACK_ITEMS_MAX or sizes[e] + len(frame) > PACK_BYTES_MAX
-            ):
+            if group and (len(group) >= PACK_ITEMS_MAX or sizes[e] + len(frame) > PACK_BYTES_MAX):
                 pushes[e].send(pack(group))
                 group.clear()
                 sizes[e] = 0

@@ -17,10 +17,9 @@ from gossipd.core.ring import Ring
 from gossipd.tools.bench.curvecompare import (
     PRODUCERS,
     SIDES,
-    headline,
-    paired_median,
     print_ratios,
     producers_of,
+    report_producers,
     round_order,
 )
 from gossipd.tools.bench.ingress import _raw_server
@@ -287,19 +286,14 @@ def main_curve(
         "nodes": nodes,
         "tasks_per_throughput_run": n_tp,
         "repeats": repeats,
-        "producers": {
-            kind: {
-                **PRODUCERS[kind].opts(),
-                "plain": side_figures(figures[kind, "plain"]),
-                "curve_on": side_figures(figures[kind, "curve"]),
-                "ratio_paired_median": paired_median(
-                    figures[kind, "curve"]["tput"], figures[kind, "plain"]["tput"]
-                ),
-            }
-            for kind in kinds
-        },
     }
-    headline(report, kinds, "cluster_tasks_per_s")
+    report_producers(
+        report,
+        kinds,
+        "cluster_tasks_per_s",
+        lambda kind, side: side_figures(figures[kind, side]),
+        lambda kind, side: figures[kind, side]["tput"],
+    )
     if as_json:
         print(json.dumps(report))
     else:
