@@ -27,8 +27,10 @@ from gossipd import __version__
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id
 from gossipd.core.forwarder import Forwarder, Refuse
+from gossipd.core.gossip_messages import GpuState, LoadRecord
 from gossipd.core.loadstate import LoadSampler
-from gossipd.core.messages import ErrorCode, GpuState, LoadRecord, TaskDone, error_result
+from gossipd.core.messages import ErrorCode, error_result
+from gossipd.core.peer_messages import TaskDone
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError

@@ -44,17 +44,8 @@ from gossipd.core.admission import Admission, Verdict
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, Refuse, Route
 from gossipd.core.lifecycle import Abort, Owned, TaskBook
 from gossipd.core.membership import LIVE_STATES
-from gossipd.core.messages import (
-    Chunk,
-    ErrorCode,
-    Forward,
-    ForwardReply,
-    Result,
-    Task,
-    TaskDone,
-    Withdraw,
-    error_result,
-)
+from gossipd.core.messages import Chunk, ErrorCode, Result, Task, error_result
+from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 from gossipd.core.placement import Candidate, bound, place
 from gossipd.core.queueing import QueueWait
 from gossipd.core.ring import Ring

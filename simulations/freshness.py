@@ -54,8 +54,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from gossipd.core.gossip_messages import GossipOnly, LoadRecord, encode_gossip, encode_update
 from gossipd.core.loadstate import LoadRumors, LoadSampler, LoadView, with_age
-from gossipd.core.messages import GossipOnly, LoadRecord, encode_gossip, encode_update
 
 CHANGE, GOSSIP, RECEIVE, TASK, REPLY, CONFIRM, ANSWER, CHECK, REFUSED = range(9)
 # The daemon's defaults (fanout.engine_waiting_saturated, engine_kv_cache_saturated_ratio).

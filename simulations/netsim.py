@@ -31,8 +31,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gossipd.core.gossip_messages import GossipMessage, PushPull, decode_gossip, encode_gossip
 from gossipd.core.membership import MemberEvent, shared_base
-from gossipd.core.messages import GossipMessage, PushPull, decode_gossip, encode_gossip
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.datagrams import OnFrame

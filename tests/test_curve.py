@@ -20,21 +20,17 @@ import zmq
 import zmq.auth
 
 from gossipd.config import split_seed
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     Alive,
     Dead,
-    Forward,
-    ForwardReply,
     GossipOnly,
     GpuState,
     Left,
     Meta,
-    PeerBatch,
-    Task,
-    decode_peer,
     encode_gossip,
-    encode_peer,
 )
+from gossipd.core.messages import Task
+from gossipd.core.peer_messages import Forward, ForwardReply, PeerBatch, decode_peer, encode_peer
 from gossipd.ops.metrics import scrape
 from gossipd.security import KeyDir, is_loopback, write_key_pair
 from gossipd.sockets import SocketKind, SocketPool

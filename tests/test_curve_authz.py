@@ -12,7 +12,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from gossipd.core.messages import Cancel, encode_peer
+from gossipd.core.messages import Cancel
+from gossipd.core.peer_messages import encode_peer
 from gossipd.core.ring import Ring
 from gossipd.tools.launcher import DaemonProcess
 from tests.helpers import wait_until

@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from gossipd.core.gossip_messages import Alive, Dead
 from gossipd.core.membership import MemberTable
-from gossipd.core.messages import Alive, Dead
 from gossipd.leader.builtin import BuiltinDuties
 from gossipd.leader.reaping import FORGET
 from gossipd.leader.rollout import DRAIN, EXIT_RESTART

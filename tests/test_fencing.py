@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gossipd.core.fencing import KINDS_MAX, Fence
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     DIRECTIVE_BODY_BYTES_MAX,
     Directive,
     GossipOnly,

@@ -17,7 +17,8 @@ from gossipd.core.forwarder import (
     Refuse,
     Route,
 )
-from gossipd.core.messages import Cancel, ErrorCode, Forward, ForwardReply, Task, TaskDone, Withdraw
+from gossipd.core.messages import Cancel, ErrorCode, Task
+from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 
 
 class FixedPlacement:

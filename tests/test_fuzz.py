@@ -22,39 +22,38 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from gossipd.core.membership import LIVE_STATES, State, _contribution
-from gossipd.core.messages import (
-    PROTOCOL_VERSION,
+from gossipd.core.gossip_messages import (
     Ack,
     Alive,
-    Chunk,
     Dead,
-    ErrorCode,
-    Forward,
     GossipOnly,
     GpuState,
     Left,
     MemberRecord,
     Meta,
     Nack,
-    PeerBatch,
     Ping,
     PingReq,
     PushPull,
-    Result,
     Suspect,
+    decode_gossip,
+    encode_gossip,
+)
+from gossipd.core.membership import LIVE_STATES, State, _contribution
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    Chunk,
+    ErrorCode,
+    Result,
     Task,
     check_forwarded_task,
-    decode_gossip,
     decode_intake,
-    decode_peer,
     decode_reply,
     decode_task,
     encode,
-    encode_gossip,
-    encode_peer,
     endpoint_problem,
 )
+from gossipd.core.peer_messages import Forward, PeerBatch, decode_peer, encode_peer
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.errors import RemoteProtocolError
@@ -322,7 +321,7 @@ def test_fuzz_gossip_messages_decode_to_a_valid_message_or_are_refused(frame: by
 ME = "me"
 NAMES = [ME, "a", "b", "c", "ghost"]
 CLUSTER = "c1"
-MAX_INCARNATION = 2**53  # messages.Incarnation's bound
+MAX_INCARNATION = 2**53  # gossip_messages.Incarnation's bound
 
 
 def addr_of(name: str) -> str:

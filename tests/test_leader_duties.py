@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gossipd.config import Config, load_config
-from gossipd.core.messages import Directive, Term
+from gossipd.core.gossip_messages import Directive, Term
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.leader import build_leadership

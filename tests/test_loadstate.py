@@ -10,22 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.core.loadstate import CONFIRM_MIN_S, LoadRumors, LoadSampler, LoadView, with_age
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     Alive,
-    ForwardReply,
     GossipOnly,
     GpuState,
     LoadRecord,
     Meta,
-    Task,
-    TaskDone,
     decode_gossip,
-    decode_peer,
     encode_gossip,
-    encode_peer,
     encode_update,
 )
+from gossipd.core.loadstate import CONFIRM_MIN_S, LoadRumors, LoadSampler, LoadView, with_age
+from gossipd.core.messages import Task
+from gossipd.core.peer_messages import ForwardReply, TaskDone, decode_peer, encode_peer
 from gossipd.errors import RemoteProtocolError
 from tests.test_placer import NAMES, Harness
 

@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gossipd.core.membership import TRANSITIONS, MemberTable, State
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     Alive,
     Dead,
     GpuState,
@@ -19,8 +18,9 @@ from gossipd.core.messages import (
     Meta,
     Suspect,
     Update,
-    UpdateKind,
 )
+from gossipd.core.membership import TRANSITIONS, MemberTable, State
+from gossipd.core.messages import UpdateKind
 
 ADDR = "tcp://10.0.0.1:7946"
 

@@ -15,25 +15,27 @@ from gossipd.core.messages import (
     Chunk,
     ErrorCode,
     ErrorInfo,
-    Forward,
-    ForwardReply,
-    PeerBatch,
     Result,
     SamplingParams,
     Task,
-    TaskDone,
     Tasks,
-    Withdraw,
-    decode_peer,
     decode_replies,
     decode_reply,
     decode_task,
     encode,
-    encode_peer,
     endpoint_problem,
     error_result,
     pack_replies,
     pack_tasks,
+)
+from gossipd.core.peer_messages import (
+    Forward,
+    ForwardReply,
+    PeerBatch,
+    TaskDone,
+    Withdraw,
+    decode_peer,
+    encode_peer,
 )
 from gossipd.errors import ProtocolError, RemoteProtocolError
 
@@ -303,7 +305,8 @@ def test_deeply_nested_garbage_is_refused_not_crashing() -> None:
 def test_any_bytes_decode_to_a_peer_or_gossip_message_or_raise_remote_protocol_error(
     data: bytes,
 ) -> None:
-    from gossipd.core.messages import decode_gossip, decode_peer
+    from gossipd.core.gossip_messages import decode_gossip
+    from gossipd.core.peer_messages import decode_peer
 
     for decode in (decode_peer, decode_gossip):
         try:
@@ -361,17 +364,15 @@ def test_an_oversized_message_is_refused_with_the_oversized_reason() -> None:
 
 
 def test_admin_requests_decode_on_the_ingress_and_answers_round_trip() -> None:
-    from gossipd.core.messages import (
+    from gossipd.core.admin_messages import (
         AdminReply,
-        Drain,
         LoadReport,
-        MemberRecord,
-        StatusQuery,
         StatusReport,
         decode_admin_answer,
-        decode_intake,
         encode_admin,
     )
+    from gossipd.core.gossip_messages import MemberRecord
+    from gossipd.core.messages import Drain, StatusQuery, decode_intake
 
     rt = "tcp://127.0.0.1:9999"
     query = StatusQuery(v=PROTOCOL_VERSION, id="q1", reply_to=rt)

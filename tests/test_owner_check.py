@@ -11,15 +11,9 @@ import zmq
 
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
-from gossipd.core.messages import (
-    Forward,
-    ForwardReply,
-    LoadRecord,
-    PeerBatch,
-    Task,
-    decode_peer,
-    encode_peer,
-)
+from gossipd.core.gossip_messages import LoadRecord
+from gossipd.core.messages import Task
+from gossipd.core.peer_messages import Forward, ForwardReply, PeerBatch, decode_peer, encode_peer
 from gossipd.fanout.owner import OwnerEndpoint
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
 
 from gossipd.config import FanoutConfig
-from gossipd.core.messages import Forward, Task, TaskDone
+from gossipd.core.messages import Task
+from gossipd.core.peer_messages import Forward, TaskDone
 from gossipd.fanout.owner import peer_frames, peer_items
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.sockets import SocketPool

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from gossipd.clock import ManualClock
 from gossipd.config import FanoutConfig
+from gossipd.core.gossip_messages import Alive, Dead, GpuState, Left, LoadRecord, Meta, Suspect
 from gossipd.core.membership import MemberTable
-from gossipd.core.messages import Alive, Dead, GpuState, Left, LoadRecord, Meta, Suspect, Task
+from gossipd.core.messages import Task
 from gossipd.core.placement import Candidate, LoadCounts, place
 from gossipd.core.prefix import prefix_hashes
 from gossipd.fanout.placer import Placer

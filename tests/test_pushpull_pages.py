@@ -17,8 +17,7 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from gossipd.core.antientropy import STREAMS_MAX
-from gossipd.core.membership import shared_base
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     Alive,
     Dead,
     GpuState,
@@ -32,6 +31,7 @@ from gossipd.core.messages import (
     encode_gossip,
     encode_record,
 )
+from gossipd.core.membership import shared_base
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 

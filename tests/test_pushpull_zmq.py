@@ -10,7 +10,7 @@ import random
 import zmq
 
 from gossipd.config import load_config
-from gossipd.core.messages import Alive, GpuState, Meta, PushPull, encode_gossip
+from gossipd.core.gossip_messages import Alive, GpuState, Meta, PushPull, encode_gossip
 from gossipd.engines.echo import EchoEngine
 from gossipd.membership.gossip import GossipService
 from gossipd.sockets import SocketPool

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossipd.core.gossip_messages import Alive, Dead, Left, MemberRecord, Suspect
 from gossipd.core.membership import MemberTable, State
-from gossipd.core.messages import Alive, Dead, Left, MemberRecord, Suspect
 from gossipd.core.reaping import (
     FORGET_MAX,
     SEEDS_MAX,

@@ -12,8 +12,8 @@ import socket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossipd.core.gossip_messages import Alive, GossipOnly
 from gossipd.core.membership import State
-from gossipd.core.messages import Alive, GossipOnly
 from gossipd.core.refusal import ACCEPTED, DEAD, OVER_BUDGET, STALE, PortCheck
 from gossipd.core.swim_config import SwimConfig
 from gossipd.membership.portcheck import connection_refused, tcp_target

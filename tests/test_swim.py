@@ -7,8 +7,8 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossipd.core.gossip_messages import Alive, GossipOnly, encode_gossip
 from gossipd.core.membership import State
-from gossipd.core.messages import Alive, GossipOnly, encode_gossip
 from gossipd.core.swim_config import SwimConfig
 from simulations.netsim import NetworkModel, Simulation
 

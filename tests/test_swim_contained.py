@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossipd.core.gossip_messages import Alive, GossipOnly, Ping, Suspect
 from gossipd.core.membership import State
-from gossipd.core.messages import Alive, GossipOnly, Ping, Suspect
 from gossipd.core.swim_config import SwimConfig
 from simulations.__main__ import main
 from simulations.netsim import NetworkModel, Simulation

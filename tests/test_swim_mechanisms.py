@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gossipd.core.membership import State
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     GossipMessage,
     GossipOnly,
     GpuState,
@@ -24,6 +23,7 @@ from gossipd.core.messages import (
     decode_gossip,
     encode_gossip,
 )
+from gossipd.core.membership import State
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 

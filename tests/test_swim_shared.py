@@ -11,8 +11,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.core.membership import LIVE_STATES, MemberTable, shared_base
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     Alive,
     Dead,
     Left,
@@ -22,6 +21,7 @@ from gossipd.core.messages import (
     encode_gossip,
     encode_record,
 )
+from gossipd.core.membership import LIVE_STATES, MemberTable, shared_base
 from gossipd.core.sharedtable import Overlay, SharedRecords
 from gossipd.core.swim_config import SwimConfig
 from simulations.netsim import SimSwimNode, Simulation

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     Alive,
     MemberRecord,
     PushPull,

@@ -28,7 +28,7 @@ from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from gossipd.core.broadcast import BroadcastQueue
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     Dead,
     Directive,
     GossipOnly,

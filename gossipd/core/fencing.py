@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gossipd.core.messages import Directive, Term
+from gossipd.core.gossip_messages import Directive, Term
 
 KINDS_MAX = 256
 REFUSAL_REASONS = ("stale_token", "superseded", "conflict", "kinds_full")

@@ -60,16 +60,8 @@ from gossipd.core.acktimes import AckTimes
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import Breaker
 from gossipd.core.forwarded import ForwardedLedger
-from gossipd.core.messages import (
-    PROTOCOL_VERSION,
-    Cancel,
-    ErrorCode,
-    Forward,
-    ForwardReply,
-    Task,
-    TaskDone,
-    Withdraw,
-)
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
+from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 
 _INF = float("inf")
 HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits them

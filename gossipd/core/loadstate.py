@@ -2,7 +2,7 @@
 
 A member's load (in-flight tasks, engine queue, KV cache use) changes every second; its Meta
 (addresses, model, prefixes, weight) rarely.  Load therefore travels apart, as a
-``LoadRecord`` of about 20 bytes (core/messages.py), through three sources:
+``LoadRecord`` of about 20 bytes (core/gossip_messages.py), through three sources:
 
 - the owner's own replies: every ForwardReply and TaskDone an owner sends carries its load as
   it answers, so an entry point knows the members it actually sends to (fresh exactly where
@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from gossipd.core.messages import LOAD_RECORDS_MAX, LoadRecord, encode_update
+from gossipd.core.gossip_messages import LOAD_RECORDS_MAX, LoadRecord, encode_update
 
 AGE_MS_MAX = 3_600_000  # the wire's bound on age_ms
 # The same seq again counts as news (a confirmation that the figures still hold) only this

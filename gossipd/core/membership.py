@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     INCARNATION_MAX,
     Alive,
     Dead,
@@ -63,8 +63,8 @@ from gossipd.core.messages import (
     Meta,
     Suspect,
     Update,
-    UpdateKind,
 )
+from gossipd.core.messages import UpdateKind
 from gossipd.core.sharedtable import Overlay, SharedBase
 from gossipd.core.suspicion import Suspicion
 

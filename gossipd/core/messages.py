@@ -2,7 +2,10 @@
 
 The wire format is plain MessagePack: each message is a map with ``v`` (protocol version) and
 ``t`` (message type, a number from ``MsgType``).  ``docs/PROTOCOL.md`` documents the same
-fields for producers written without gossipd's code.
+fields for producers written without gossipd's code.  What every message shares is here too
+(``MsgType``, ``UpdateKind``, ``ErrorCode``, the version check between daemons); the other
+messages have their own modules: membership in ``gossip_messages.py``, fan-out in
+``peer_messages.py``, the answers to admin requests in ``admin_messages.py``.
 
 Rules:
 1. Decoding validates everything: types, lengths, ranges and cross-field rules.  A message that
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
@@ -281,7 +284,8 @@ class Cancel(
 
 
 # --- Admin (docs/PROTOCOL.md, "Admin"): operator tools to any daemon's ingress PULL, answered
-# at reply_to like tasks.  `gossipd status` and `gossipd drain` speak these.
+# at reply_to like tasks.  `gossipd status` and `gossipd drain` speak these.  The requests are
+# here, beside the intake decoder that reads them; the answers are in admin_messages.py.
 
 
 class StatusQuery(
@@ -318,19 +322,6 @@ class Drain(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(Ms
             raise ValueError(f"reply_to: {problem}")
         if not self.node:
             raise ValueError("node: name the member to drain")
-
-
-class AdminReply(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.ADMIN_REPLY)
-):
-    """The answer to a Drain: ``ok`` and the member's status now, or why not."""
-
-    v: int = PROTOCOL_VERSION
-    id: Annotated[str, msgspec.Meta(max_length=TASK_ID_CHARS_MAX)]
-    node: NodeName
-    ok: bool
-    status: Annotated[str, msgspec.Meta(max_length=32)] = ""
-    message: Annotated[str, msgspec.Meta(max_length=4096)] = ""
 
 
 class Tasks(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.TASKS)):
@@ -577,229 +568,8 @@ def decode_replies(data: bytes) -> list[Chunk | Result]:
     return msg.items if type(msg) is Replies else [msg]
 
 
-# --- Membership (SWIM + Lifeguard) -------------------------------------------------------
-# Every gossip message names its cluster, its sender and the sender's gossip endpoint, and may
-# carry piggybacked updates.  A message of another cluster is dropped unread beyond that.
-
-NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-# A member's incarnation never goes past this (a refutation of news at the bound stays at it).
-INCARNATION_MAX = 2**53
-Incarnation = Annotated[int, msgspec.Meta(ge=0, le=INCARNATION_MAX)]
-ClusterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-SmallText = Annotated[str, msgspec.Meta(max_length=128)]
-Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-
-
-class GpuState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a daemon tells the cluster about its GPU and load (bounded, versioned by Meta)."""
-
-    gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
-    ingress: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
-    model: SmallText = ""
-    memory_free_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
-    memory_total_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
-    utilization_pct: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
-    running_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
-    waiting_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
-    kv_cache_usage_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    capacity_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
-    # Where peers forward tasks to this daemon (its ROUTER socket).
-    rpc: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
-    # In-flight tasks (queued + running) here: the load that bounded-load placement uses.
-    inflight: Annotated[int, msgspec.Meta(ge=0)] = 0
-    status: Literal["serving", "draining", "unhealthy"] = "serving"
-    software_version: SmallText = ""
-    # Prompt-prefix hashes this daemon's engine has run more than once (core/prefix.py).
-    prefixes: Annotated[
-        list[Annotated[int, msgspec.Meta(ge=0, lt=2**32)]], msgspec.Meta(max_length=256)
-    ] = msgspec.field(default_factory=list)
-    queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-class LoadRecord(msgspec.Struct, frozen=True, array_like=True):
-    """A member's engine load, small and frequent, apart from its Meta (issue 17): a
-    MessagePack array [node, seq, age_ms, inflight, waiting, queued_tokens, kv_pct] of about
-    20 bytes.  ``seq`` grows with every sample the member takes (across restarts too: it
-    starts from the wall clock in milliseconds); ``age_ms`` is how old the sample was when
-    the message left (each relay adds the time it held it), so a receiver knows the sample's
-    age without synchronised clocks (core/loadstate.py)."""
-
-    node: NodeId
-    seq: Seq
-    age_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
-    inflight: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
-    waiting: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
-    queued_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
-    kv_pct: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
-
-
-LOAD_RECORDS_MAX = 1024  # load records in one gossip message
-
-
-class Alive(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.ALIVE)):
-    node: NodeId
-    incarnation: Incarnation
-    addr: Endpoint
-    # A refutation of a contained suspicion (docs/MEMBERSHIP.md): passed on piggyback only,
-    # never in dedicated gossip rounds (absent from older peers: False).
-    quiet: bool = False
-
-
-class Suspect(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.SUSPECT)
-):
-    node: NodeId
-    incarnation: Incarnation
-    by: NodeId  # who suspects: counts as an independent confirmation (Lifeguard)
-
-
-class Dead(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.DEAD)):
-    node: NodeId
-    incarnation: Incarnation
-    by: NodeId
-
-
-class Left(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.LEFT)):
-    node: NodeId
-    incarnation: Incarnation
-
-
-class Meta(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.META)):
-    """A member's GPU state, ordered by (incarnation, version): the incarnation the member had
-    when it published it, then its own counter (which a restarted process starts again)."""
-
-    node: NodeId
-    version: Seq  # the node's own counter
-    gpu: GpuState
-    incarnation: Incarnation = 0  # the publisher's incarnation (absent from older peers: 0)
-
-
-# Leadership (issue 15): the fencing token is the leader's etcd campaign key's create_revision.
-Token = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
-DIRECTIVE_KIND_CHARS_MAX = 32
-DIRECTIVE_BODY_BYTES_MAX = 64 * 1024
-
-
-class Term(msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.TERM)):
-    """Who leads, with its fencing token.  Members keep the highest token they have seen."""
-
-    leader: NodeId
-    token: Token
-
-
-class Directive(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="k", tag=int(UpdateKind.DIRECTIVE)
-):
-    """A fenced leader order: applied only at a token >= the highest seen (core/fencing.py).
-    ``body`` is msgpack; for one ``kind`` only the newest (token, seq) applies."""
-
-    leader: NodeId
-    token: Token
-    seq: Seq
-    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=DIRECTIVE_KIND_CHARS_MAX)]
-    body: Annotated[bytes, msgspec.Meta(max_length=DIRECTIVE_BODY_BYTES_MAX)] = b""
-
-
-Update = Alive | Suspect | Dead | Left | Meta | Term | Directive
-Updates = Annotated[list[Update], msgspec.Meta(max_length=4096)]
-
-
-class _Gossip(msgspec.Struct, frozen=True, kw_only=True):
-    v: int = PROTOCOL_VERSION
-    cluster: ClusterName
-    src: NodeId
-    src_addr: Endpoint
-    updates: Updates = msgspec.field(default_factory=list)
-    # The sender's highest leader term (core/fencing.py): every message carries it, so a
-    # member (a joiner through its first push-pull) learns the leader from any traffic.
-    term: Term | None = None
-    # Load records (issue 17), newest first; absent from older peers, ignored by them.
-    loads: Annotated[list[LoadRecord], msgspec.Meta(max_length=LOAD_RECORDS_MAX)] | None = None
-
-
-class Ping(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PING)):
-    seq: Seq
-    target: NodeId
-
-
-class Ack(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.ACK)):
-    seq: Seq
-    checksum: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
-
-
-class Nack(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.NACK)):
-    seq: Seq
-
-
-class PingReq(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PING_REQ)):
-    seq: Seq
-    target: NodeId
-    target_addr: Endpoint
-
-
-class MemberRecord(msgspec.Struct, frozen=True, kw_only=True):
-    node: NodeId
-    addr: Endpoint
-    incarnation: Incarnation
-    state: Literal["alive", "suspect", "dead", "left"]
-    meta_version: Seq = 0
-    gpu: GpuState | None = None
-    meta_incarnation: Incarnation = 0  # the incarnation its gpu was published at (see Meta)
-
-
-PUSH_PULL_PAGES_MAX = 2**31 - 1
-
-
-class PushPull(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)):
-    """Anti-entropy: one page of the sender's member table (docs/PROTOCOL.md, "Push-pull in
-    pages").  ``reply`` (first page only) asks the receiver to answer with its own table;
-    ``page`` counts the pages of one exchange from 0; ``more``: more pages follow."""
-
-    reply: bool
-    join: bool = False
-    members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)]
-    # Absent from older peers (a whole table in one message): page 0, nothing more.
-    page: Annotated[int, msgspec.Meta(ge=0, le=PUSH_PULL_PAGES_MAX)] = 0
-    more: bool = False
-
-
-class PushPullEncoded(
-    _Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PUSH_PULL)
-):
-    """A PushPull to send whose records are already encoded (``encode_record``): the same
-    bytes on the wire as PushPull, each record encoded once, so that a page is sized exactly
-    as it is built (core/antientropy.py).  Never decoded."""
-
-    reply: bool
-    join: bool = False
-    members: list[msgspec.Raw]
-    page: int = 0
-    more: bool = False
-
-
-def encode_record(record: MemberRecord) -> msgspec.Raw:
-    """One member record's bytes, to send in a PushPullEncoded."""
-    return msgspec.Raw(_encoder.encode(record))
-
-
-class GossipOnly(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.GOSSIP)):
-    """Updates with nothing else: sent every gossip interval while urgent updates are pending."""
-
-
-GossipMessage = Ping | Ack | Nack | PingReq | PushPull | GossipOnly
-_gossip_decoder = msgspec.msgpack.Decoder(GossipMessage)  # type: ignore[arg-type]
-
-
-def encode_gossip(message: GossipMessage | PushPullEncoded) -> bytes:
-    return _encoder.encode(message)
-
-
-def encode_update(update: Update) -> bytes:
-    """One update's bytes (its size counts against a message's byte budget)."""
-    return _encoder.encode(update)
-
-
-def _decode_between_daemons(
+# The decoders of gossip_messages.py and peer_messages.py share this rule.
+def decode_between_daemons(
     decoder: msgspec.msgpack.Decoder, data: bytes, bytes_max: int, what: str
 ) -> Any:
     """Size check, decode + validate, version check: one rule for every daemon-to-daemon
@@ -822,158 +592,3 @@ def _decode_between_daemons(
             code=ErrorCode.UNSUPPORTED_VERSION,
         )
     return message
-
-
-def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
-    """Decode and validate one gossip message, or raise ``RemoteProtocolError``."""
-    return _decode_between_daemons(_gossip_decoder, data, bytes_max, "gossip")  # type: ignore[no-any-return]
-
-
-# --- Fan-out (daemon to daemon, DEALER -> ROUTER) -------------------------------------------
-
-
-class Forward(
-    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.FORWARD)
-):
-    """A task handed to the member that should run it.  The receiver answers ForwardReply."""
-
-    v: int = PROTOCOL_VERSION
-    req: Seq
-    src: NodeId
-    task: Task
-    # What is left of the task's deadline, so the owner does not restart the clock.
-    remaining_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
-    attempt: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
-    # Refuse at once with code "saturated" (and your load) if your engine is saturated as you
-    # read it now (issue 17; docs/PROTOCOL.md "Fresh where placement looks").  Optional.
-    if_free: bool = False
-
-
-class ForwardReply(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    gc=False,
-    tag_field="t",
-    tag=int(MsgType.FORWARD_REPLY),
-):
-    v: int = PROTOCOL_VERSION
-    req: Seq
-    node: NodeId
-    accepted: bool
-    code: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-    retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
-    load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
-
-
-class TaskDone(
-    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.TASK_DONE)
-):
-    """The owner sent the task's final Result: the forwarder may forget it."""
-
-    v: int = PROTOCOL_VERSION
-    id: TaskId
-    node: NodeId
-    load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
-
-
-class Withdraw(
-    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.WITHDRAW)
-):
-    """The forwarder has the task run elsewhere (a hedged copy lost, this member did not ack
-    in time, or it was declared dead and the task migrated): drop it without answering the
-    producer.  Only the copy this forwarder sent is withdrawn (after a restart, a task re-run
-    from the journal by any forwarder)."""
-
-    v: int = PROTOCOL_VERSION
-    id: TaskId
-    node: NodeId  # the forwarder
-
-
-class PeerBatch(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PEER_BATCH)
-):
-    """Several fan-out messages for one peer, sent together at the end of an event-loop turn
-    (one ZeroMQ message instead of many under load; no added wait)."""
-
-    v: int = PROTOCOL_VERSION
-    items: Annotated[
-        list[Forward | ForwardReply | TaskDone | Cancel | Withdraw],
-        msgspec.Meta(max_length=100_000),
-    ]
-
-
-# A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner.
-PeerMessage = Forward | ForwardReply | TaskDone | Cancel | Withdraw | PeerBatch
-_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
-
-
-def encode_peer(message: PeerMessage) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode_peer(data: bytes, *, bytes_max: int) -> PeerMessage:
-    """Decode and validate one fan-out message, or raise ``RemoteProtocolError``."""
-    return _decode_between_daemons(_peer_decoder, data, bytes_max, "peer")  # type: ignore[no-any-return]
-
-
-# --- Admin answers (docs/PROTOCOL.md, "Admin") ----------------------------------------------
-
-
-class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
-    """A daemon's own counts, read as it answers."""
-
-    pending: Annotated[int, msgspec.Meta(ge=0)] = 0  # admitted and not finished (queued + running)
-    queued: Annotated[int, msgspec.Meta(ge=0)] = 0
-    running: Annotated[int, msgspec.Meta(ge=0)] = 0
-    received: Annotated[int, msgspec.Meta(ge=0)] = 0  # messages read from its ingress
-    served: Annotated[int, msgspec.Meta(ge=0)] = 0  # tasks it ran to an ok Result
-    failed: Annotated[int, msgspec.Meta(ge=0)] = 0  # tasks it answered with an error
-
-
-class StatusReport(
-    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.STATUS_REPORT)
-):
-    """One daemon's answer to a StatusQuery: itself, and every member as it sees them."""
-
-    v: int = PROTOCOL_VERSION
-    id: Annotated[str, msgspec.Meta(max_length=TASK_ID_CHARS_MAX)]
-    node: NodeId
-    software_version: SmallText = ""
-    engine: SmallText = ""
-    model: SmallText = ""
-    # serving | draining (drained, or stopping) | unhealthy (its engine died) | shutting_down
-    status: Literal["serving", "draining", "unhealthy", "shutting_down"] = "serving"
-    drained: bool = False  # by a Drain (not by a stop)
-    gossip: bool = False  # membership is on (gossip.bind set)
-    incarnation: Incarnation = 0
-    checksum: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0  # of its live set
-    gpu: GpuState | None = None  # its own latest sample
-    load: LoadReport = msgspec.field(default_factory=LoadReport)
-    # The other members as this daemon sees them (every state, dead and left included).
-    members: Annotated[list[MemberRecord], msgspec.Meta(max_length=100_000)] = msgspec.field(
-        default_factory=list
-    )
-    # The highest leader term this daemon has seen (core/fencing.py): nil before any.
-    leader: NodeName | None = None
-    term: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    election: bool = False  # this daemon campaigns through etcd (etcd.endpoints set)
-
-
-_admin_answer_decoder = msgspec.msgpack.Decoder(
-    Result | AdminReply | StatusReport  # type: ignore[arg-type]
-)
-
-
-def encode_admin(message: StatusQuery | Drain | AdminReply | StatusReport) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode_admin_answer(data: bytes) -> Result | AdminReply | StatusReport:
-    """An answer to a StatusQuery or Drain (a Result when the daemon refused the request).
-    Raises ``RemoteProtocolError``."""
-    try:
-        return _admin_answer_decoder.decode(data)  # type: ignore[no-any-return]
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise RemoteProtocolError(f"invalid answer: {exc}", code=ErrorCode.BAD_REQUEST) from None

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gossipd.core.dissemination import MEMBER
+from gossipd.core.gossip_messages import Ack, Nack, Ping, PingReq, Suspect
 from gossipd.core.membership import LIVE_STATES, State
-from gossipd.core.messages import Ack, Nack, Ping, PingReq, Suspect
 from gossipd.core.suspicion import Suspicion
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ from typing import Annotated
 
 import msgspec
 
+from gossipd.core.gossip_messages import INCARNATION_MAX
 from gossipd.core.membership import Member, State
-from gossipd.core.messages import INCARNATION_MAX
 
 FORGET_MAX = 500  # names per directive: ~60 bytes each, well under the 64 KiB body bound
 SEEDS_MAX = 3

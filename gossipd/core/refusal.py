@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gossipd.core.gossip_messages import Dead
 from gossipd.core.membership import LIVE_STATES
-from gossipd.core.messages import Dead
 
 if TYPE_CHECKING:
     from gossipd.core.swim import SwimNode

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gossipd.core.messages import encode_record
+from gossipd.core.gossip_messages import encode_record
 
 
 class Overlay(dict):  # type: ignore[type-arg]

@@ -40,8 +40,7 @@ from gossipd.core.antientropy import AntiEntropy
 from gossipd.core.awareness import Awareness
 from gossipd.core.dissemination import Dissemination
 from gossipd.core.fencing import Fence
-from gossipd.core.membership import MemberEvent, MemberTable, Outcome
-from gossipd.core.messages import (
+from gossipd.core.gossip_messages import (
     INCARNATION_MAX,
     Ack,
     Alive,
@@ -62,6 +61,7 @@ from gossipd.core.messages import (
     decode_gossip,
     encode_gossip,
 )
+from gossipd.core.membership import MemberEvent, MemberTable, Outcome
 from gossipd.core.probing import Prober
 from gossipd.core.refusal import PortCheck, RefusalDetector
 from gossipd.core.sharedtable import SharedBase

@@ -24,7 +24,8 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refuse, Route
 from gossipd.core.membership import MemberEvent
-from gossipd.core.messages import Forward, Task, TaskDone
+from gossipd.core.messages import Task
+from gossipd.core.peer_messages import Forward, TaskDone
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer

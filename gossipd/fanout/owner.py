@@ -26,20 +26,22 @@ import zmq
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
+from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.lifecycle import Owned
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
     ErrorCode,
-    Forward,
-    ForwardReply,
-    LoadRecord,
-    PeerBatch,
     Result,
     Task,
+    check_forwarded_task,
+)
+from gossipd.core.peer_messages import (
+    Forward,
+    ForwardReply,
+    PeerBatch,
     TaskDone,
     Withdraw,
-    check_forwarded_task,
     decode_peer,
     encode_peer,
 )

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import zmq
 
 from gossipd.config import FanoutConfig
-from gossipd.core.messages import Cancel, Forward, TaskDone, Withdraw
+from gossipd.core.messages import Cancel
+from gossipd.core.peer_messages import Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.sockets import CloseReason, SocketKind, SocketPool

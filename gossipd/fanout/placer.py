@@ -31,9 +31,10 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core import hrw
 from gossipd.core import ring as rings
+from gossipd.core.gossip_messages import GpuState, LoadRecord
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, MemberEvent
-from gossipd.core.messages import GpuState, LoadRecord, Task
+from gossipd.core.messages import Task
 from gossipd.core.placement import Candidate, LoadCounts, bound
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring, key_hash

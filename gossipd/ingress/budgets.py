@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 
 from gossipd.config import BudgetsConfig
-from gossipd.core.messages import DIRECTIVE_BODY_BYTES_MAX, GpuState, Task
+from gossipd.core.gossip_messages import DIRECTIVE_BODY_BYTES_MAX, GpuState
+from gossipd.core.messages import Task
 from gossipd.core.tokenbudgets import (
     Budgets,
     TokenBuckets,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from gossipd.core.messages import Directive
+from gossipd.core.gossip_messages import Directive
 
 log = logging.getLogger("gossipd.leader.directives")
 

@@ -21,7 +21,7 @@ import msgspec
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config
 from gossipd.core.fencing import Fence
-from gossipd.core.messages import Directive, Term
+from gossipd.core.gossip_messages import Directive, Term
 from gossipd.errors import StartupError
 from gossipd.leader.directives import Directives
 from gossipd.leader.duties import LeaderContext, LeaderDuties

@@ -26,8 +26,8 @@ import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
+from gossipd.core.gossip_messages import Directive, GpuState, LoadRecord, Term
 from gossipd.core.membership import LIVE_STATES, MemberEvent
-from gossipd.core.messages import Directive, GpuState, LoadRecord, Term
 from gossipd.core.refusal import PortCheck
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport

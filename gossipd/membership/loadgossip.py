@@ -16,9 +16,9 @@ import random
 from collections.abc import Callable
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
+from gossipd.core.gossip_messages import GossipOnly, LoadRecord, encode_gossip
 from gossipd.core.loadstate import LoadRumors, LoadView
 from gossipd.core.membership import LIVE_STATES
-from gossipd.core.messages import GossipOnly, LoadRecord, encode_gossip
 from gossipd.membership.gossip import GossipService
 
 

@@ -24,16 +24,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gossipd.core.messages import (
-    AdminReply,
-    Drain,
-    ErrorCode,
-    LoadReport,
-    StatusQuery,
-    StatusReport,
-    encode_admin,
-    error_result,
-)
+from gossipd.core.admin_messages import AdminReply, LoadReport, StatusReport, encode_admin
+from gossipd.core.messages import Drain, ErrorCode, StatusQuery, error_result
 from gossipd.engines.base import Engine
 from gossipd.ingress.service import Ingress
 from gossipd.transport import ReplySender

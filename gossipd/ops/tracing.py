@@ -39,7 +39,8 @@ from gossipd.errors import StartupError
 if TYPE_CHECKING:
     from gossipd.config import TracingConfig
     from gossipd.core.lifecycle import Owned
-    from gossipd.core.messages import Forward, Result, Task
+    from gossipd.core.messages import Result, Task
+    from gossipd.core.peer_messages import Forward
 
 _MEMORY_EXPORTER: Any = None
 

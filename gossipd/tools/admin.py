@@ -21,18 +21,9 @@ from typing import Any
 
 import zmq
 
-from gossipd.core.messages import (
-    PROTOCOL_VERSION,
-    AdminReply,
-    Drain,
-    MemberRecord,
-    Result,
-    StatusQuery,
-    StatusReport,
-    decode_admin_answer,
-    encode_admin,
-    endpoint_problem,
-)
+from gossipd.core.admin_messages import AdminReply, StatusReport, decode_admin_answer, encode_admin
+from gossipd.core.gossip_messages import MemberRecord
+from gossipd.core.messages import PROTOCOL_VERSION, Drain, Result, StatusQuery, endpoint_problem
 from gossipd.errors import RemoteProtocolError
 
 DEFAULT_TIMEOUT_S = 2.0

@@ -30,8 +30,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from gossipd.config import FanoutConfig
+from gossipd.core.gossip_messages import Alive, GpuState, Meta
 from gossipd.core.membership import MemberTable
-from gossipd.core.messages import Alive, GpuState, Meta, Task
+from gossipd.core.messages import Task
 from gossipd.core.prefix import prefix_hashes
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig

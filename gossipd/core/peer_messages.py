@@ -1,0 +1,114 @@
+"""Fan-out messages between daemons (DEALER -> ROUTER on ``fanout.rpc_bind``) and their codec.
+
+A task forwarded to the member that runs it (Forward, answered by ForwardReply), its end
+(TaskDone), its withdrawal (Withdraw), a producer's Cancel passed on, and PeerBatch (several of
+them in one ZeroMQ message).  ``docs/PROTOCOL.md``, "Between daemons" / "Fan-out", documents
+the fields.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from gossipd.core.gossip_messages import LoadRecord, NodeId, Seq
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    MsgType,
+    Task,
+    TaskId,
+    decode_between_daemons,
+)
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+# --- Fan-out (daemon to daemon, DEALER -> ROUTER) -------------------------------------------
+
+
+class Forward(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.FORWARD)
+):
+    """A task handed to the member that should run it.  The receiver answers ForwardReply."""
+
+    v: int = PROTOCOL_VERSION
+    req: Seq
+    src: NodeId
+    task: Task
+    # What is left of the task's deadline, so the owner does not restart the clock.
+    remaining_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)]
+    attempt: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Refuse at once with code "saturated" (and your load) if your engine is saturated as you
+    # read it now (issue 17; docs/PROTOCOL.md "Fresh where placement looks").  Optional.
+    if_free: bool = False
+
+
+class ForwardReply(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    gc=False,
+    tag_field="t",
+    tag=int(MsgType.FORWARD_REPLY),
+):
+    v: int = PROTOCOL_VERSION
+    req: Seq
+    node: NodeId
+    accepted: bool
+    code: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
+
+
+class TaskDone(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.TASK_DONE)
+):
+    """The owner sent the task's final Result: the forwarder may forget it."""
+
+    v: int = PROTOCOL_VERSION
+    id: TaskId
+    node: NodeId
+    load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
+
+
+class Withdraw(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.WITHDRAW)
+):
+    """The forwarder has the task run elsewhere (a hedged copy lost, this member did not ack
+    in time, or it was declared dead and the task migrated): drop it without answering the
+    producer.  Only the copy this forwarder sent is withdrawn (after a restart, a task re-run
+    from the journal by any forwarder)."""
+
+    v: int = PROTOCOL_VERSION
+    id: TaskId
+    node: NodeId  # the forwarder
+
+
+class PeerBatch(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PEER_BATCH)
+):
+    """Several fan-out messages for one peer, sent together at the end of an event-loop turn
+    (one ZeroMQ message instead of many under load; no added wait)."""
+
+    v: int = PROTOCOL_VERSION
+    items: Annotated[
+        list[Forward | ForwardReply | TaskDone | Cancel | Withdraw],
+        msgspec.Meta(max_length=100_000),
+    ]
+
+
+# A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner.
+PeerMessage = Forward | ForwardReply | TaskDone | Cancel | Withdraw | PeerBatch
+_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
+
+
+def encode_peer(message: PeerMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_peer(data: bytes, *, bytes_max: int) -> PeerMessage:
+    """Decode and validate one fan-out message, or raise ``RemoteProtocolError``."""
+    return decode_between_daemons(_peer_decoder, data, bytes_max, "peer")  # type: ignore[no-any-return]
