@@ -1,5 +1,6 @@
 """`python -m simulations fanout --nodes N --tasks T --seed S --faults crash,stall,... [--json]`
-and `... fanout --swarm K`: the whole-daemon simulator (simulations/fanout.py)."""
+and `... fanout --swarm K`: the whole-daemon simulator (simulations/fanout.py and
+its fanout_*.py modules)."""
 
 from __future__ import annotations
 
