@@ -1,6 +1,5 @@
 """`python -m simulations fanout --nodes N --tasks T --seed S --faults crash,stall,... [--json]`
-and `... fanout --swarm K`: the whole-daemon simulator (simulations/fanout.py and
-its fanout_*.py modules)."""
+and `... fanout --swarm K`: the whole-daemon simulator (simulations/fanout.py)."""
 
 from __future__ import annotations
 
