@@ -1,0 +1,75 @@
+"""The invariants, mixed into the world (simulations/fanout_world.py), checked as the run goes
+(and the two-runs one at the end):
+- lost: every task a producer sent ends with a final Result it accepted (counted by
+  ``run_fanout``);
+- duplicate_results_accepted: a second final Result for an id that the producer would accept
+  (arriving after it stopped remembering the id: ``producer_memory_s`` after its first);
+  second Results it drops by id are counted apart (``duplicate_results_dropped``), with the
+  faults under way when the second copy started (counted by the producers,
+  fanout_producers.py);
+- two_runs: a task starts on a second owner while an earlier copy of the same producer send
+  runs, and the forwarder withdrew neither copy (a hedge or a migration must withdraw one; a
+  crash of the first owner excuses it).  Two copies of different producer sends (the producer
+  resent during a stall or a partition) are counted apart, not a violation;
+- answer_after_withdraw: an owner answers for a task that was withdrawn before it ran;
+- chunk_gap: a final Result arrives while the producer misses some of its chunks;
+- loads: each forwarder's load counts equal its pending forwards plus its ledger.
+A violation prints the seed; ``trace`` records the events of one task (``trace_for`` in
+simulations/fanout.py replays a seed with it), the shortest trace that shows it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gossipd.core.messages import Task
+
+if TYPE_CHECKING:
+    from simulations.fanout_daemon import SimDaemon
+
+
+class Checks:
+    """Which owner runs which task, the violations found, one task's trace."""
+
+    def started_running(self, d: SimDaemon, task: Task) -> None:
+        task_id = task.id
+        others = self.running_on.setdefault(task_id, [])
+        for node, epoch, attempt in others:
+            if node == d.index:
+                continue
+            if attempt == task.attempt:  # fan-out made two copies: one must be withdrawn
+                self.two_runs.append((task_id, node, epoch, d.index, self.now))
+            else:  # the producer resent it while the first copy ran (a stall, a partition)
+                self.resubmitted_two_runs += 1
+        others.append((d.index, d.epoch, task.attempt))
+        self.trace(task_id, d.name, "starts running")
+
+    def stopped_running(self, d: SimDaemon, task_id: str) -> None:
+        runs = self.running_on.get(task_id)
+        if runs:
+            runs[:] = [r for r in runs if r[0] != d.index]
+            if not runs:
+                del self.running_on[task_id]
+
+    def violation(self, kind: str, task_id: str, node: str) -> None:
+        self.violations.append(
+            {"invariant": kind, "task": task_id, "node": node, "at": round(self.now, 6)}
+        )
+
+    def check_loads(self) -> None:
+        for d in self.daemons:
+            fw = d.forwarder
+            if sum(fw.loads.values()) != fw.pending() + len(fw.ledger):
+                self.violation("loads", "", d.name)
+
+    def trace(self, task_id: str, who: str, what: str) -> None:
+        if task_id == self.run.trace_task:
+            self.trace_lines.append(f"{self.now:12.6f}  {who:>9}  {what}")
+
+    def check_two_runs(self) -> None:
+        """At the end: two runs at once are excused when the earlier copy was withdrawn or its
+        daemon crashed."""
+        for task_id, first, epoch, second, _ in self.two_runs:
+            names = (self.daemons[first].name, self.daemons[second].name)
+            withdrawn = any((name, task_id) in self.withdraws_sent for name in names)
+            if not withdrawn and (first, epoch) not in self.crashed_at:
+                self.violation("two_runs", task_id, names[0])

@@ -1,0 +1,253 @@
+"""A simulated daemon: its real protocol cores (``SwimNode``, ``Forwarder``, ``Admission``
+with ``TaskBook``) and, around them, what the asyncio shell does: the placer over its
+membership view (``SimPlacement``), producer intake, the owner's handling of Forward /
+Withdraw / TaskDone (as ``gossipd/fanout/owner.py`` does) and an engine with a few slots and
+random service times.  It talks to the world (simulations/fanout_world.py) for everything
+outside the process: the network, the journal, the producer."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from typing import TYPE_CHECKING
+
+from gossipd.config import FanoutConfig
+from gossipd.core.admission import Admission, Verdict
+from gossipd.core.forwarder import Route
+from gossipd.core.lifecycle import Abort, Owned, TaskBook
+from gossipd.core.membership import LIVE_STATES
+from gossipd.core.messages import Chunk, ErrorCode, Result, Task, error_result
+from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
+from gossipd.core.placement import Candidate, bound, place
+from gossipd.core.queueing import QueueWait
+from gossipd.core.ring import Ring
+from gossipd.core.swim import SwimNode
+from simulations.fanout_run import FINISH
+
+if TYPE_CHECKING:
+    from simulations.fanout_world import World
+
+
+class SimPlacement:
+    """The placer's rules over a simulated daemon's membership view (all members serve)."""
+
+    def __init__(self, daemon: SimDaemon, config: FanoutConfig) -> None:
+        self._d = daemon
+        self._c = config.load_bound_c
+        self._floor = config.load_floor
+        self._key: tuple[int, int, int] | None = None
+        self._live: list[str] = []
+        self._ring: Ring | None = None
+
+    def _view(self) -> tuple[list[str], Ring]:
+        table = self._d.swim.table
+        if self._key != table.version or self._ring is None:
+            live = [n for n, m in table.members.items() if m.state in LIVE_STATES]
+            live.append(self._d.name)
+            self._live = sorted(live)
+            self._ring = Ring(dict.fromkeys(self._live, 1.0))
+            self._key = table.version
+        return self._live, self._ring
+
+    def owner_for(self, task: Task) -> str | None:
+        live, ring = self._view()
+        owner = ring.owner(task.key or task.id)
+        loads = self._d.forwarder.loads
+        total = sum(loads.values()) + len(self._d.forwarder.local_ids)
+        load = self._load(owner)
+        if load < bound(total, 1.0, float(len(live)), self._c, self._floor):
+            return owner
+        order = self.order(task)
+        return order[0] if order else None
+
+    def _load(self, member: str) -> int:
+        fw = self._d.forwarder
+        return len(fw.local_ids) if member == self._d.name else fw.loads.get(member, 0)
+
+    def order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]:
+        live, ring = self._view()
+        cands = {n: Candidate(n, load=self._load(n)) for n in live if n not in exclude}
+        return place(task.key or task.id, cands, ring=ring, c=self._c, floor=self._floor)
+
+    def addr(self, member: str) -> str | None:
+        if member == self._d.name:
+            return member
+        m = self._d.swim.table.members.get(member)
+        return member if m is not None and m.state in LIVE_STATES else None
+
+
+class SimDaemon:
+    """One daemon process: its cores and the owner-side shell around them."""
+
+    def __init__(self, world: World, index: int, epoch: int, seeds: list[str]) -> None:
+        self.world = world
+        self.index = index
+        self.name = f"d{index:04d}"
+        self.epoch = epoch
+        run = world.run
+        rng = random.Random(world.rng.getrandbits(64))
+        self.swim = SwimNode(
+            world.swim_config,
+            node=self.name,
+            addr=world.swim_addrs[index],
+            rng=rng,
+            now=world.now,
+            seeds=seeds,
+        )
+        self.placement = SimPlacement(self, world.fanout_config)
+        self.forwarder = run.forwarder_class(
+            world.forwarder_settings,
+            node=self.name,
+            placement=self.placement,
+            admit_local=self.admit_local,
+            rng=random.Random(world.rng.getrandbits(64)),
+        )
+        queue = None
+        if run.queue_wait_admission:
+            queue = QueueWait(
+                concurrency=run.slots,
+                deadline_ratio=0.5,
+                target_s=run.queue_wait_target_s,
+                retry_after_min_ms=200,
+                retry_after_max_ms=10_000,
+                smoothing=0.1,
+            )
+        self.admission = Admission(pending_max=10_000, results_max=100_000, queue=queue)
+        # The owner's tasks, admission to TaskDone (core/lifecycle.py, as the ingress uses it).
+        self.book = TaskBook(self.admission)
+        self.started_at: dict[str, float] = {}
+        self.queue: deque[str] = deque()
+        self.running = 0
+        self.withdrawn_before_run: set[str] = set()
+        self.swim_tick_at = math.inf
+        self.fw_tick_at = math.inf
+
+    # -- producer intake and local admission ------------------------------------------------
+
+    def on_task(self, task: Task) -> None:
+        now = self.world.now
+        if self.forwarder.route(task, now) is Route.LOCAL:
+            verdict = self.admit(task, now, forwarder="")
+            if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING):
+                self.forwarder.local_finished(task.id)  # nothing of ours runs here
+            if verdict in (Verdict.OVERLOADED, Verdict.SHUTTING_DOWN):
+                busy = error_result(
+                    task.id, ErrorCode(verdict.value), "busy", retry_after_ms=self.retry_after_ms()
+                )
+                self.world.answer(self, task, busy)
+
+    def admit_local(self, task: Task, received_at: float) -> Verdict:
+        return self.admit(task, received_at, forwarder="")
+
+    def admit(self, task: Task, received_at: float, *, forwarder: str) -> Verdict:
+        verdict, entry = self.book.offer(
+            task, received_at, self.world.now, forwarder=forwarder or None
+        )
+        if verdict is Verdict.ADMIT:
+            self.withdrawn_before_run.discard(task.id)
+            self.world.journal_accept(self, task, forwarder)
+            self.queue.append(task.id)
+            self.world.trace(task.id, self.name, f"admitted (from {forwarder or 'intake'})")
+            self.start_jobs()
+        elif verdict is Verdict.DUPLICATE_DONE:
+            assert isinstance(entry, Result)
+            self.world.answer(self, task, entry)
+        return verdict
+
+    # -- the owner's side (rpc.py) ----------------------------------------------------------
+
+    def on_peer(self, src: str, msg: object) -> None:
+        now = self.world.now
+        if isinstance(msg, Forward):
+            waiting_max = self.world.run.saturated_waiting
+            if msg.if_free and waiting_max and len(self.queue) >= waiting_max:
+                self.world.refused_saturated += 1
+                self.world.trace(msg.task.id, self.name, f"refuses it: saturated (from {src})")
+                refusal = ForwardReply(
+                    req=msg.req, node=self.name, accepted=False, code=ErrorCode.SATURATED.value
+                )
+                self.world.send_peer(self, src, refusal)
+                return
+            received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
+            verdict = self.admit(msg.task, received_at, forwarder=src)
+            accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
+            if verdict is Verdict.DUPLICATE_DONE:
+                self.world.send_peer(self, src, TaskDone(id=msg.task.id, node=self.name))
+            reply = ForwardReply(
+                req=msg.req,
+                node=self.name,
+                accepted=accepted,
+                code="" if accepted else verdict.value,
+                retry_after_ms=0 if accepted else self.retry_after_ms(),
+            )
+            self.world.send_peer(self, src, reply)
+        elif isinstance(msg, Withdraw):
+            self.withdraw(src, msg.id)
+        elif isinstance(msg, (ForwardReply, TaskDone)):
+            if isinstance(msg, TaskDone):
+                self.world.trace(msg.id, self.name, f"gets TaskDone from {src}")
+            self.forwarder.on_reply(msg, now)
+            self.world.flush_forwarder(self)
+
+    def retry_after_ms(self) -> int:
+        refusal = self.admission.refusal
+        return refusal.retry_after_ms if refusal is not None else 200
+
+    def withdraw(self, src: str, task_id: str) -> None:
+        abort = self.book.withdraw(task_id, src)
+        if abort is Abort.NOTHING:
+            return
+        if abort is Abort.MARKED:  # queued: it never runs
+            self.withdrawn_before_run.add(task_id)
+        else:  # running: the engine request is aborted
+            self.started_at.pop(task_id, None)
+            self.running -= 1
+            self.world.stopped_running(self, task_id)
+        self.book.release(task_id, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
+        self.world.journal_done(self, task_id)
+        self.world.trace(task_id, self.name, f"withdrawn by {src}")
+        self.start_jobs()
+
+    # -- the engine ---------------------------------------------------------------------------
+
+    def start_jobs(self) -> None:
+        world = self.world
+        while self.running < world.run.slots and self.queue:
+            task_id = self.queue.popleft()
+            owned = self.book.get(task_id)
+            if owned is None or not self.book.start(owned):
+                continue
+            self.started_at[task_id] = world.now
+            self.running += 1
+            world.started_running(self, owned.task)
+            service = world.rng.expovariate(1.0 / world.run.service_s)
+            world.push(world.now + service, FINISH, self.index, (self.epoch, owned))
+
+    def finish(self, owned: Owned) -> None:
+        task_id = owned.task.id
+        if self.book.get(task_id) is not owned:
+            return  # withdrawn while it ran (and maybe admitted again since: another run)
+        world = self.world
+        self.running -= 1
+        world.stopped_running(self, task_id)
+        if self.admission.queue is not None:
+            self.admission.queue.observe(world.now - self.started_at.pop(task_id))
+        task = owned.task
+        chunks = 3 if task.stream else 0
+        for seq in range(chunks):
+            world.to_producer(self, Chunk(id=task.id, seq=seq, delta=f"{seq},", node=self.name))
+        result = Result(
+            id=task.id, ok=True, text="0,1,2," if chunks else "ok", node=self.name, chunks=chunks
+        )
+        ended = self.book.finish(task_id, result)
+        notify = (*ended.notify(), ended.notify_member())
+        world.answer(self, task, result)
+        world.journal_done(self, task_id)
+        # TaskDone after the Result (rule 5 of core/lifecycle.py).
+        for dst in notify:
+            if dst:
+                done = TaskDone(id=task_id, node=self.name)
+                world.send_peer(self, str(dst), done, delay=world.run.taskdone_delay_s)
+        self.forwarder.local_finished(task_id)
+        self.start_jobs()

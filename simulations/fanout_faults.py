@@ -1,0 +1,131 @@
+"""Faults, mixed into the world (simulations/fanout_world.py), and the journals a crash
+replays.
+
+Faults: crash (SIGKILL; the node restarts later and replays its journal), stall (SIGSTOP for
+a while), partition (a few members cut off), loss (a share of daemon-to-daemon messages lost);
+and the "degrade" scenario's mass crash.  A journal's records survive a crash once fsynced
+(``fsync_s`` old)."""
+
+from __future__ import annotations
+
+import math
+
+from gossipd.core.admission import Verdict
+from gossipd.core.messages import Task
+from simulations.fanout_daemon import SimDaemon
+from simulations.fanout_run import FAULT, FAULT_KINDS
+
+
+class Faults:
+    """Injects the run's faults at random times and undoes them; keeps each daemon's journal."""
+
+    def journal_accept(self, d: SimDaemon, task: Task, forwarder: str) -> None:
+        self.journals[d.index][task.id] = (task, forwarder, self.now)
+        self.journal_done_at[d.index].pop(task.id, None)
+
+    def journal_done(self, d: SimDaemon, task_id: str) -> None:
+        self.journal_done_at[d.index][task_id] = self.now
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def schedule_faults(self, duration_s: float) -> None:
+        run = self.run
+        if run.crash_at_s >= 0:
+            self.push(run.crash_at_s, FAULT, -1, ("mass_crash", 0))
+        kinds = [k for k in run.faults if k in FAULT_KINDS]
+        if not kinds:
+            return
+        count = run.fault_events or max(len(kinds), int(duration_s / 10.0) * len(kinds))
+        for i in range(count):
+            kind = kinds[i % len(kinds)]
+            at = self.rng.uniform(0.1, 0.8) * duration_s
+            self.push(at, FAULT, -1, (kind, self.rng.randrange(run.nodes)))
+
+    def fault(self, payload: tuple[str, int]) -> None:
+        kind, index = payload
+        run = self.run
+        if kind == "mass_crash":
+            victims = self.rng.sample(range(run.nodes), int(run.nodes * run.crash_share))
+            for v in victims:
+                self.crash(v)
+            self.fault_spans.append(("crash", (self.now, math.inf)))
+            self.faults_log.append((self.now, f"crash {len(victims)} members"))
+            return
+        if kind == "crash" and self.up[index] and sum(self.up) > 2:
+            self.crash(index)
+            self.push(self.now + run.restart_after_s, FAULT, -1, ("restart", index))
+            self.fault_spans.append(("crash", (self.now, self.now + run.restart_after_s + 10)))
+        elif kind == "restart":
+            self.restart(index)
+        elif kind == "stall" and self.up[index]:
+            self.paused_until[index] = max(self.paused_until[index], self.now + run.stall_s)
+            self.fault_spans.append(("stall", (self.now, self.now + run.stall_s)))
+            self.active_faults["stall"] += 1
+            self.push(self.now + run.stall_s, FAULT, -1, ("end_stall", index))
+        elif kind == "end_stall":
+            self.active_faults["stall"] -= 1
+        elif kind == "partition" and run.nodes >= 4:
+            cut = self.rng.sample(range(run.nodes), max(1, run.nodes // 8))
+            for i in cut:
+                self.group[i] = 1
+            self.active_faults["partition"] += 1
+            span = self.rng.uniform(1.0, 6.0)
+            self.push(self.now + span, FAULT, -1, ("heal", 0))
+            self.fault_spans.append(("partition", (self.now, self.now + span)))
+        elif kind == "heal":
+            self.group = [0] * run.nodes
+            self.active_faults["partition"] -= 1
+        elif kind == "loss":
+            self.loss = run.loss
+            self.active_faults["loss"] += 1
+            span = self.rng.uniform(1.0, 5.0)
+            self.push(self.now + span, FAULT, -1, ("end_loss", 0))
+            self.fault_spans.append(("loss", (self.now, self.now + span)))
+        elif kind == "end_loss":
+            self.active_faults["loss"] -= 1
+            if not self.active_faults["loss"]:
+                self.loss = 0.0
+        else:
+            return
+        self.faults_log.append((self.now, f"{kind} d{index:04d}"))
+
+    def faults_during(self, start: float, end: float) -> list[str]:
+        """The kinds of fault under way at some point between ``start`` and ``end``."""
+        kinds = {k for k, (a, b) in self.fault_spans if a <= end and b >= start}
+        return sorted(kinds) or ["none"]
+
+    def crash(self, index: int) -> None:
+        d = self.daemons[index]
+        self.up[index] = False
+        self.crashed_at[(index, d.epoch)] = self.now
+        self.active_faults["crash"] += 1
+        for task_id in list(d.started_at):
+            self.stopped_running(d, task_id)
+
+    def restart(self, index: int) -> None:
+        old = self.daemons[index]
+        live = [self.swim_addrs[i] for i in range(self.run.nodes) if self.up[i] and i != index]
+        seeds = self.rng.sample(live, min(3, len(live)))
+        d = SimDaemon(self, index, old.epoch + 1, seeds)
+        self.daemons[index] = d
+        self.up[index] = True
+        self.paused_until[index] = 0.0
+        self.active_faults["crash"] -= 1
+        crashed = self.crashed_at[(index, old.epoch)]
+        durable = crashed - self.run.fsync_s
+        journal, done_at = self.journals[index], self.journal_done_at[index]
+        # What reached the disk: accepts and dones fsynced before the crash.
+        for task_id in list(journal):
+            task, src, accepted_at = journal[task_id]
+            done = done_at.get(task_id)
+            if accepted_at > durable:
+                del journal[task_id]
+            elif done is not None and done <= durable:
+                del journal[task_id]
+                del done_at[task_id]
+        done_at.clear()
+        for task, src, _ in list(journal.values()):
+            if d.admit(task, self.now, forwarder="") is Verdict.ADMIT and src:
+                journal[task.id] = (task, src, self.now)  # still marked as forwarded by src
+                d.book.expect_withdraw(task.id, src)
+        self.schedule(d)

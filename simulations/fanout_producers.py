@@ -1,0 +1,116 @@
+"""The producers, mixed into the world (simulations/fanout_world.py): tasks arrive at the
+run's rate (a Poisson process), PUSH deals them round robin over the live daemons, and
+producers resubmit as docs/PROTOCOL.md says (same id after a silence of ``resubmit_s``, after
+``retry_after_ms`` for a busy refusal) and deduplicate final Results by id, counting what
+they accept and drop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gossipd.core.messages import Chunk, Result, Task
+from simulations.fanout_run import ARRIVAL, PEER_MSG, PRODUCER, RESUBMIT, RETRYABLE
+
+
+@dataclass
+class TaskState:
+    task: Task
+    first_sent: float
+    entry: int = 0
+    final: Result | None = None
+    final_at: float = 0.0
+    chunks_next: int = 0
+    last_sent: float = 0.0
+    answered: int = 0
+
+
+class Producers:
+    """The producers' side of the world: sends, resubmissions, what arrives back."""
+
+    def arrival(self) -> None:
+        run = self.run
+        i = self.sent
+        self.sent += 1
+        key = f"k{self.rng.randrange(self.keys)}"
+        task = Task(
+            v=1,
+            id=f"t{i:07d}",
+            key=key,
+            prompt="p",
+            reply_to="tcp://producer:1",
+            timeout_ms=run.timeout_ms,
+            stream=run.stream_every > 0 and i % run.stream_every == 0,
+        )
+        self.tasks[task.id] = TaskState(task, self.now)
+        self.send_task(task)
+        if self.sent < run.tasks:
+            self.push(self.now + self.rng.expovariate(self.rate), ARRIVAL, -1)
+
+    def send_task(self, task: Task) -> None:
+        """PUSH deals round robin over the daemons it is connected to (not the dead ones)."""
+        n = self.run.nodes
+        for _ in range(n):
+            entry = self.next_entry
+            self.next_entry = (entry + 1) % n
+            if self.up[entry]:
+                break
+        self.tasks[task.id].entry = entry
+        self.tasks[task.id].last_sent = self.now
+        self.trace(task.id, PRODUCER, f"sends attempt {task.attempt} to d{entry:04d}")
+        latency = self.latency()
+        self.push(self.now + latency, PEER_MSG, entry, (-1, 0, self.now, task))
+        self.push(self.now + self.run.resubmit_s, RESUBMIT, -1, (task.id, task.attempt))
+
+    def resubmit_if_silent(self, payload: tuple[str, int | None]) -> None:
+        """Resend a task still without a final Result: after a silence of resubmit_s since
+        attempt ``attempt`` (None: now, after a busy refusal's retry_after_ms)."""
+        task_id, attempt = payload
+        state = self.tasks[task_id]
+        if state.final is None and attempt in (None, state.task.attempt):
+            self.resend(state)
+
+    def resend(self, state: TaskState) -> None:
+        if (self.now - state.first_sent) * 1000 >= self.run.timeout_ms:
+            return  # the producer gives up: counted as lost at the end
+        state.task = _with_attempt(state.task, state.task.attempt + 1)
+        self.send_task(state.task)
+
+    def producer_receives(self, msg: Chunk | Result) -> None:
+        state = self.tasks.get(msg.id)
+        if state is None:
+            return
+        if isinstance(msg, Chunk):
+            if msg.seq == state.chunks_next and state.final is None:
+                state.chunks_next += 1
+            return
+        self.trace(msg.id, PRODUCER, f"gets {'ok' if msg.ok else msg.error.code} from {msg.node}")  # type: ignore[union-attr]
+        if state.final is not None:
+            if self.now - state.final_at > self.run.producer_memory_s:
+                self.duplicates_accepted += 1
+            else:
+                self.duplicates_dropped += 1
+            for kind in self.faults_during(state.first_sent, self.now):
+                self.duplicates_by_fault[kind] = self.duplicates_by_fault.get(kind, 0) + 1
+            return
+        if not msg.ok and msg.error is not None and msg.error.code in RETRYABLE:
+            self.errors[msg.error.code] = self.errors.get(msg.error.code, 0) + 1
+            delay = max(0.05, msg.error.retry_after_ms / 1000.0)
+            self.push(self.now + delay, RESUBMIT, -1, (msg.id, None))
+            return
+        if msg.ok and msg.chunks and state.chunks_next < msg.chunks:
+            self.violation("chunk_gap", msg.id, msg.node)
+        state.final = msg
+        state.final_at = self.now
+        if msg.ok:
+            self.served_at.append(self.now)
+            self.latencies.append(self.now - state.first_sent)
+            self.attempt_latencies.append(self.now - state.last_sent)
+        else:
+            code = msg.error.code if msg.error is not None else "?"
+            self.errors[code] = self.errors.get(code, 0) + 1
+
+
+def _with_attempt(task: Task, attempt: int) -> Task:
+    import msgspec
+
+    return msgspec.structs.replace(task, attempt=attempt)

@@ -1,0 +1,55 @@
+"""The whole-daemon simulator's parameters (``FanoutRun``) and the names its modules share:
+fault kinds, the codes a producer retries, the event kinds of the world's heap."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gossipd.core.forwarder import Forwarder
+from gossipd.core.messages import ErrorCode
+
+PRODUCER = "producer"
+FAULT_KINDS = ("crash", "stall", "partition", "loss")
+RETRYABLE = (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
+
+# Event kinds (the heap holds (at, tie-break, seq, kind, node, payload)).
+SWIM_TICK, SWIM_MSG, PEER_MSG, FW_TICK, FINISH, TO_PRODUCER, ARRIVAL, RESUBMIT, FAULT = range(9)
+
+
+@dataclass
+class FanoutRun:
+    nodes: int = 16
+    tasks: int = 20_000
+    seed: int = 1
+    faults: tuple[str, ...] = FAULT_KINDS
+    fault_events: int = 0  # 0: about one of each kind per 10 simulated seconds
+    load: float = 0.7  # offered load, a share of the cluster's engine capacity
+    slots: int = 4  # engine requests each daemon runs at once
+    service_s: float = 0.05  # mean engine time of a task
+    keys: int = 0  # distinct task keys (0: tasks / 20)
+    stream_every: int = 10  # every n-th task streams chunks
+    latency_s: float = 0.0003  # median one-way latency
+    loss: float = 0.05  # share of daemon-to-daemon messages lost during a loss fault
+    timeout_ms: int = 30_000
+    resubmit_s: float = 2.0  # a producer resends an id after this long without a Result
+    producer_memory_s: float = 60.0
+    restart_after_s: float = 3.0
+    stall_s: float = 4.0
+    fsync_s: float = 0.005  # journal records survive a crash once this old
+    kill_loss_s: float = 0.001  # what a killed daemon sent this recently never leaves
+    taskdone_delay_s: float = 0.0  # the owner's TaskDone leaves this long after its Result
+    hedge: bool = False
+    # Admission refuses (overloaded) a task whose expected queueing wait does not fit half its
+    # remaining deadline, or queue_wait_target_s (core/queueing.py).
+    queue_wait_admission: bool = True
+    queue_wait_target_s: float = 0.0
+    crash_at_s: float = -1.0  # scenario "degrade": crash crash_share of members at once then
+    crash_share: float = 0.2
+    check_every: int = 1000  # events between full consistency checks
+    trace_task: str = ""  # record this task's events (replay of a violation)
+    progress: Callable[[str], None] | None = None
+    forwarder_class: type[Forwarder] = Forwarder
+    # The owner check (issue 17): an owner with this many tasks waiting for a slot takes its
+    # engine as saturated and refuses Forwards asking if_free ("saturated"); 0: never.
+    saturated_waiting: int = 0
