@@ -100,6 +100,7 @@ def main(argv: list[str]) -> int:
         crash_at_s=-1.0,
         crash_share=args.crash_share,
         saturated_waiting=args.saturated_waiting,
+        queue_wait_target_s=args.queue_wait_target_s,
     )
     if args.degrade:
         run.faults = ()

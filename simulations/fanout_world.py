@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import ForwarderSettings, Refuse
-from gossipd.core.messages import Forward, Result, Task, Withdraw, error_result
+from gossipd.core.messages import Result, Task, error_result
+from gossipd.core.peer_messages import Forward, Withdraw
 from gossipd.core.swim_config import SwimConfig
 from simulations.fanout_checks import Checks
 from simulations.fanout_daemon import SimDaemon

@@ -112,3 +112,19 @@ def test_losing_a_fifth_of_the_members_at_once_degrades_gracefully() -> None:
     assert report["lost"] == 0
     assert seen["back_to_0_78x_within_s"] is not None, seen
     assert seen["back_to_0_78x_within_s"] <= 5, seen  # type: ignore[operator]
+
+
+def test_the_cli_passes_the_queue_wait_target_to_the_owners(capsys) -> None:  # type: ignore[no-untyped-def]
+    """--queue-wait-target-s reaches the owners' queues: a tight target refuses tasks as
+    overloaded that the default (half the deadline) queues."""
+    from simulations.fanout_cli import main
+
+    def errors(target_s: str) -> dict[str, int]:
+        argv = ["--nodes", "8", "--tasks", "3000", "--seed", "3", "--load", "0.95", "--faults", ""]
+        main([*argv, "--json", "--quiet", "--queue-wait-target-s", target_s])
+        report = json.loads(capsys.readouterr().out)
+        assert report["lost"] == 0 and report["invariant_violations"] == 0
+        return report["errors"]  # type: ignore[no-any-return]
+
+    assert errors("0").get("overloaded", 0) == 0
+    assert errors("0.002").get("overloaded", 0) > 0
