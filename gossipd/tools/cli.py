@@ -1,16 +1,32 @@
 """The `gossipd` command: run a daemon or a local cluster, see and steer a cluster, submit
 tasks, run the demo and the benchmarks."""
 
+# This module: the argument tree (build_parser) and main, the entry point; what each
+# subcommand does is in commands.py. The docstring above is `gossipd --help`'s description.
+
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from gossipd.config import Config, load_config
 from gossipd.errors import ConfigError, StartupError
-
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+from gossipd.tools.commands import (
+    DEFAULT_ENDPOINT,
+    cmd_bench,
+    cmd_check_config,
+    cmd_cluster_drain,
+    cmd_demo,
+    cmd_drain,
+    cmd_keygen,
+    cmd_model,
+    cmd_reference,
+    cmd_run,
+    cmd_status,
+    cmd_submit,
+    cmd_systemd_render,
+    cmd_up,
+)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -27,328 +43,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", help="shorthand for --set metrics.bind=HOST:PORT")
 
 
-def _config_from(args: argparse.Namespace) -> Config:
-    overrides = list(args.overrides)
-    if args.bind:
-        overrides.append(f"ingress.bind={args.bind}")
-    if args.metrics:
-        overrides.append(f"metrics.bind={args.metrics}")
-    return load_config(args.config, overrides=overrides)
-
-
-def _run_loop(coro: object) -> int:
-    import uvloop
-
-    return uvloop.run(coro)  # type: ignore[arg-type]
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from gossipd.daemon import Daemon
-    from gossipd.ops.logs import setup_logging
-    from gossipd.ops.memory import return_large_buffers
-
-    config = _config_from(args)
-    return_large_buffers()  # freed prompts and frames go back to the OS (ops/memory.py)
-    daemon_holder: list[Daemon] = []
-
-    async def main() -> int:
-        daemon = Daemon(config)
-        daemon_holder.append(daemon)
-        setup_logging(level=config.log.level, fmt=config.log.format, node=daemon.node)
-        return await daemon.run()
-
-    return _run_loop(main())
-
-
-def cmd_check_config(args: argparse.Namespace) -> int:
-    import msgspec
-
-    from gossipd.config import resolved
-
-    config = _config_from(args)
-    print(msgspec.json.format(msgspec.json.encode(resolved(config))).decode())
-    return 0
-
-
-def _producer_keys(args: argparse.Namespace, endpoints: list[str]) -> object:
-    """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE."""
-    import os
-
-    from gossipd.tools.client import ProducerKeys
-
-    secret = args.secret_key or os.environ.get("GOSSIPD_SECRET_KEY", "")
-    servers = args.server_key or [
-        p for p in os.environ.get("GOSSIPD_SERVER_KEY", "").split(",") if p
-    ]
-    if not secret and not servers:
-        return None
-    if not secret or not servers:
-        raise StartupError("CURVE needs both --secret-key FILE and --server-key FILE")
-    if len(servers) not in (1, len(endpoints)):
-        raise StartupError(
-            f"give --server-key once (all daemons) or once per --endpoint ({len(endpoints)})"
-        )
-    try:
-        return ProducerKeys.from_files(secret, servers)
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"cannot read a key file: {exc}") from None
-
-
-def cmd_keygen(args: argparse.Namespace) -> int:
-    from gossipd.security import write_key_pair
-
-    try:
-        public, secret = write_key_pair(args.name, args.out)
-    except FileExistsError as exc:
-        print(f"gossipd keygen: {exc}", file=sys.stderr)
-        return 2
-    print(f"public key (distribute): {public}\nsecret key (keep, mode 0600): {secret}")
-    return 0
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    from gossipd.tools import submit
-    from gossipd.tools.client import NotConnected
-
-    endpoints = args.endpoint or [DEFAULT_ENDPOINT]
-    connect_timeout_s = args.connect_timeout or None
-    curve = _producer_keys(args, endpoints)
-    try:
-        if args.file:
-            return _submit_file(args, endpoints, connect_timeout_s, curve)
-        if args.prompt is None:
-            print("gossipd submit: give a PROMPT or --file FILE", file=sys.stderr)
-            return 2
-        return _run_loop(
-            submit.submit_one(
-                endpoints,
-                args.prompt,
-                max_tokens=args.max_tokens,
-                timeout_s=args.timeout,
-                stream=args.stream,
-                key=args.key,
-                as_json=args.json,
-                connect_timeout_s=connect_timeout_s,
-                curve=curve,  # type: ignore[arg-type]
-            )
-        )
-    except NotConnected as exc:
-        print(f"gossipd submit: {exc}", file=sys.stderr)
-        return 1
-
-
-def _submit_file(
-    args: argparse.Namespace,
-    endpoints: list[str],
-    connect_timeout_s: float | None,
-    curve: object = None,
-) -> int:
-    from gossipd.tools import submit
-
-    numbered = submit.read_numbered_task_lines(args.file)
-    out = submit.ResultWriter(args.out) if args.out else None
-
-    async def many() -> int:
-        report = await submit.submit_many(
-            endpoints,
-            [line for _, line in numbered],
-            numbers=[n for n, _ in numbered],
-            resubmit_after_s=args.resubmit_after,
-            window=args.window,
-            show_progress=not args.no_progress,
-            connect_timeout_s=connect_timeout_s,
-            out=out,
-            curve=curve,  # type: ignore[arg-type]
-            pack_tasks=not args.no_pack,
-        )
-        submit.print_report(report, as_json=args.json)
-        return 0 if report.ok == report.total else 1
-
-    try:
-        return _run_loop(many())
-    finally:
-        if out is not None:
-            out.close()
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from gossipd.tools.demo import run_demo
-
-    return run_demo(tasks=args.tasks)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from gossipd.tools.admin import status_main
-
-    return status_main(
-        args.endpoint,
-        watch=args.watch,
-        as_json=args.json,
-        interval_s=args.interval,
-        timeout_s=args.timeout,
-    )
-
-
-def cmd_drain(args: argparse.Namespace) -> int:
-    from gossipd.tools.admin import drain_main
-
-    return drain_main(
-        args.endpoint, args.node, drain_it=args.command == "drain", timeout_s=args.timeout
-    )
-
-
-def cmd_cluster_drain(args: argparse.Namespace) -> int:
-    from gossipd.tools.cluster import drain_main
-
-    config = _config_from(args)
-    endpoints = [e for e in (args.etcd or "").split(",") if e]
-    return drain_main(args, config.etcd, endpoints, args.cluster or config.node.cluster)
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from gossipd.tools.up import UpOptions, run_up
-
-    return run_up(
-        UpOptions(
-            nodes=args.nodes,
-            demo=args.demo,
-            as_json=args.json,
-            engine=args.engine,
-            model=args.model,
-            tasks=args.tasks,
-            log_dir=args.log_dir,
-            etcd=[e for e in args.etcd.split(",") if e] if args.etcd else None,
-        )
-    )
-
-
-def cmd_model(args: argparse.Namespace) -> int:
-    from gossipd.tools.tinymodel import make_tiny
-
-    out = make_tiny(args.directory, seed=args.seed)
-    print(f"wrote a tiny Llama (seed {args.seed}) to {out}")
-    return 0
-
-
 def _nodes(text: str) -> int | list[int]:
     """--nodes: one count, or several comma-separated (bench place)."""
     counts = [int(part) for part in text.split(",")]
     return counts[0] if len(counts) == 1 else counts
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.repeats is None:
-        args.repeats = 5 if args.curve else 3
-    if args.curve and (args.batch_replies or args.batch_tasks):
-        print(
-            "gossipd bench: --curve measures its producers itself (see --producer); "
-            "--batch-replies and --batch-tasks are for runs without --curve",
-            file=sys.stderr,
-        )
-        return 2
-    if args.producer is not None and not args.curve:
-        print(
-            "gossipd bench: --producer chooses what --curve measures: add --curve", file=sys.stderr
-        )
-        return 2
-    if args.what == "place":
-        from gossipd.tools.bench.place import main as bench_place
-
-        nodes = args.nodes if isinstance(args.nodes, list) or args.nodes is None else [args.nodes]
-        return bench_place(nodes=nodes, as_json=args.json)
-    if args.what == "ring":
-        from gossipd.tools.bench.ring import main as bench_ring
-
-        return bench_ring(keys=args.keys, nodes=args.nodes or 64, as_json=args.json)
-    if args.what == "route":
-        from gossipd.tools.bench.route import main as bench_route
-
-        return bench_route(
-            nodes=args.nodes or 3,
-            tasks=min(args.tasks or 20_000, 5000),
-            throughput_tasks=60_000 if args.curve and args.tasks is None else 0,
-            repeats=args.repeats,
-            as_json=args.json,
-            plot=args.plot,
-            curve=args.curve,
-            batch_replies=args.batch_replies,
-            batch_tasks=args.batch_tasks,
-            producer=args.producer or "both",
-        )
-    if args.what == "engine":
-        from gossipd.tools.bench.engine import main as bench_engine
-
-        return bench_engine(
-            model=args.model, rounds=args.repeats, max_tokens=args.max_tokens, as_json=args.json
-        )
-    if args.what == "prefix":
-        from gossipd.tools.bench.prefix import main as bench_prefix
-
-        return bench_prefix(
-            model=args.model, nodes=args.nodes or 3, as_json=args.json, plot=args.plot
-        )
-    if args.what == "hedge":
-        from gossipd.tools.bench.hedge import main as bench_hedge
-
-        return bench_hedge(
-            rate=args.rate, seconds=args.seconds, stall_ms=args.stall_ms, as_json=args.json
-        )
-    if args.what == "ingress":
-        from gossipd.tools.bench.ingress import main as bench_ingress
-
-        return bench_ingress(
-            tasks=args.tasks or (60_000 if args.curve else 20_000),
-            window=args.window,
-            repeats=args.repeats,
-            as_json=args.json,
-            curve=args.curve,
-            batch_replies=args.batch_replies,
-            batch_tasks=args.batch_tasks,
-            producer=args.producer or "both",
-        )
-    if args.what == "budgets":
-        from gossipd.tools.bench.budgets import main as bench_budgets
-
-        return bench_budgets(
-            nodes=args.nodes or 2,
-            rounds=args.repeats,
-            seconds=args.seconds,
-            compare_off=args.compare_off,
-            as_json=args.json,
-        )
-    raise AssertionError(args.what)
-
-
-def cmd_systemd_render(args: argparse.Namespace) -> int:
-    from gossipd.ops.systemd import RenderError, render_node
-
-    try:
-        summary = render_node(
-            out_dir=args.out,
-            gpus_spec=args.gpus,
-            sysfs_root=args.sysfs,
-            config_path=args.config,
-            bin_path=args.bin,
-            port_stride=args.port_stride,
-            state_root=args.state_root,
-        )
-    except RenderError as exc:
-        print(f"gossipd systemd render: {exc}", file=sys.stderr)
-        return 2
-    print(summary)
-    return 0
-
-
-def cmd_reference(args: argparse.Namespace) -> int:
-    from gossipd.tools.reference import render
-
-    text = render(args.what)
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        args.out.write_text(text)
-        print(f"wrote {args.out}", file=sys.stderr)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
