@@ -51,7 +51,8 @@ from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops.admin import Admin
-from gossipd.ops.metrics import DaemonCollector, serve_metrics
+from gossipd.ops.metrics import DaemonCollector
+from gossipd.ops.metrics_server import serve_metrics
 from gossipd.ops.notify import Notifier
 from gossipd.ops.tracing import build_tracer
 from gossipd.security import (

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgpack
 import zmq
 
-from gossipd.ops.metrics import scrape  # noqa: F401  (re-exported for the tests)
+from gossipd.ops.scrape import scrape  # noqa: F401  (re-exported for the tests)
 from gossipd.tools.tinymodel import engine_overrides as tiny_engine_overrides
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ import zmq
 
 from gossipd.core.messages import ErrorCode, Result, decode_intake, encode, error_result
 from gossipd.errors import LocalProtocolError
-from gossipd.ops.metrics import scrape
+from gossipd.ops.scrape import scrape
 from gossipd.tools.client import Client, ClientStatistics, ProducerKeys
 from gossipd.tools.packing import PACK_BYTES_MAX, PACK_ITEMS_MAX
 from tests.helpers import run_with_context

@@ -31,7 +31,7 @@ from gossipd.core.gossip_messages import (
 )
 from gossipd.core.messages import Task
 from gossipd.core.peer_messages import Forward, ForwardReply, PeerBatch, decode_peer, encode_peer
-from gossipd.ops.metrics import scrape
+from gossipd.ops.scrape import scrape
 from gossipd.security import KeyDir, is_loopback, write_key_pair
 from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port

@@ -430,7 +430,7 @@ def test_key_hashing_and_round_robin_scatter_a_shared_prefix(make_cluster) -> No
 
 
 def test_a_cancel_reaches_the_owner_of_a_forwarded_task(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    from gossipd.ops.metrics import scrape
+    from gossipd.ops.scrape import scrape
 
     cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
     entry, owner = cluster.daemons

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.ops.metrics import DaemonCollector, is_loopback, serve_metrics
+from gossipd.ops.metrics import DaemonCollector
+from gossipd.ops.metrics_server import is_loopback, serve_metrics
 from gossipd.tools.launcher import free_tcp_port
 from tests.helpers import scrape
 

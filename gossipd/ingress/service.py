@@ -52,8 +52,8 @@ from gossipd.engines.base import (
 from gossipd.errors import RemoteProtocolError
 from gossipd.ingress.budgets import BudgetGate
 from gossipd.ingress.runqueue import RunQueue
+from gossipd.ops.histogram import LatencyHistogram
 from gossipd.ops.logs import RateLimiter
-from gossipd.ops.metrics import LatencyHistogram
 from gossipd.transport import NOBLOCK, ReplySender, SocketReader
 
 log = logging.getLogger("gossipd.ingress.service")

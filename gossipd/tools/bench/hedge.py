@@ -22,7 +22,7 @@ import msgpack
 import zmq
 
 from gossipd.core.ring import Ring
-from gossipd.ops.metrics import scrape
+from gossipd.ops.scrape import scrape
 from gossipd.tools.bench.loadgen import final_results
 from gossipd.tools.progress import Steps, percentile
 from simulations.cluster import Cluster

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from gossipd.ops.metrics import scrape
+from gossipd.ops.scrape import scrape
 from gossipd.tools.client import Client
 from gossipd.tools.progress import percentile
 from simulations.cluster import Cluster

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gossipd.core.messages import SamplingParams
-from gossipd.ops.metrics import scrape
+from gossipd.ops.scrape import scrape
 from gossipd.tools.bench.plotting import percent_figure, save_percent_figure
 from gossipd.tools.client import Client
 from gossipd.tools.progress import Progress, Steps

@@ -1,0 +1,376 @@
+"""The metric families of the daemon's optional subsystems, one function per subsystem
+(leadership, leader duties, CURVE security, token budgets, SWIM gossip, load gossip, fan-out
+and placement), each reading that subsystem's statistics at scrape time; DaemonCollector
+(metrics.py) calls those whose subsystem runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+
+from gossipd.ops.metric_families import C, G, _by, _one
+
+
+def _leadership_metrics(st: Any) -> Iterator[Metric]:
+    """Leader election through etcd (gossipd/leader/), when etcd.endpoints is set."""
+    yield _one(
+        G,
+        "gossipd_leader_term",
+        "The highest leader token (term) this daemon has seen",
+        st["term_token"],
+    )
+    yield _one(
+        G, "gossipd_is_leader", "1 while this daemon is the leader, else 0", int(st["is_leader"])
+    )
+    yield _one(
+        C, "gossipd_leader_elections", "Times this daemon was elected leader", st["elections"]
+    )
+    yield _by(
+        C,
+        "gossipd_leader_step_downs",
+        "Times this daemon stopped leading, by reason (lease_expired, lease_lost, key_gone, resigned)",
+        "reason",
+        sorted(st["step_downs"].items()),
+    )
+    yield _by(
+        C,
+        "gossipd_directives_refused",
+        "Leader directives refused (stale_token: below the highest token seen; superseded; conflict; kinds_full)",
+        "reason",
+        sorted(st["directives_refused"].items()),
+    )
+    yield _one(
+        C,
+        "gossipd_directives_admitted",
+        "Leader directives applied here",
+        st["directives_admitted"],
+    )
+    yield _one(
+        C,
+        "gossipd_etcd_errors",
+        "etcd calls of the election that failed (etcd down, slow or refusing)",
+        st["etcd_errors"],
+    )
+
+
+def _duty_metrics(st: Any) -> Iterator[Metric]:
+    """The leader's duties and their directives on this member (gossipd/leader/builtin.py)."""
+    yield _one(
+        C,
+        "gossipd_seed_registry_writes",
+        "Writes of the seeds in etcd by this daemon while it led (one per change of seeds)",
+        st["seed_writes"],
+    )
+    yield _one(
+        C,
+        "gossipd_members_forgotten",
+        "Members dropped from this daemon's table by the leader's forget directives",
+        st["forgotten"],
+    )
+    yield _by(
+        C,
+        "gossipd_duty_directives_refused",
+        "forget and drain directives not acted on (bad_body; before_start: a drain order older "
+        "than this process; not_drained: leave or restart for a member not drained; refused: "
+        "the drain itself was refused, e.g. while shutting down)",
+        "reason",
+        sorted(st["refused"].items()),
+    )
+    yield _by(
+        C,
+        "gossipd_drain_orders",
+        "Rolling-drain orders addressed to this member and obeyed, by action (drain, leave, "
+        "restart; the leader repeats an order until it is done, and each repeat counts)",
+        "action",
+        sorted(st["drain_orders"].items()),
+    )
+
+
+def _security_metrics(security: Any) -> Iterator[Metric]:
+    zap = security.zap
+    refused = CounterMetricFamily(
+        "gossipd_auth_refused",
+        "CURVE connections refused by the ZAP handler, by domain and reason",
+        labels=["domain", "reason"],
+    )
+    for (domain, reason), count in sorted(zap.refused.items()):
+        refused.add_metric([domain, reason], count)
+    yield refused
+    yield _by(
+        C,
+        "gossipd_auth_admitted",
+        "CURVE connections admitted by the ZAP handler, by domain",
+        "domain",
+        sorted(zap.admitted.items()),
+    )
+    yield _by(
+        C,
+        "gossipd_auth_revoked_messages",
+        "Messages refused on a connection whose key was revoked since it opened",
+        "domain",
+        sorted(security.counters.revoked_messages.items()),
+    )
+    yield _by(
+        C,
+        "gossipd_peer_src_mismatch",
+        "Peer messages refused: their source is not the node their key belongs to",
+        "channel",
+        sorted(security.counters.src_mismatch.items()),
+    )
+    yield _by(
+        G,
+        "gossipd_auth_keys",
+        "Authorised public keys loaded, by directory",
+        "domain",
+        [("peers", len(security.peers.by_key)), ("producers", len(security.producers.by_key))],
+    )
+
+
+def _budget_metrics(b: Any) -> Iterator[Metric]:
+    """Token budgets (ingress/budgets.py); refusals are gossipd_messages_refused_total
+    {reason="over_budget"}."""
+    yield _one(G, "gossipd_budget_share", "The part of every token budget enforced here", b.share)
+    yield _one(
+        G,
+        "gossipd_budget_cluster_tokens_per_s",
+        "The cluster's token rate the budgets were computed from",
+        b.cluster_tokens_per_s,
+    )
+    yield _by(
+        G,
+        "gossipd_budget_source",
+        "Where the budgets come from (1 = this one)",
+        "source",
+        [(b.source, 1)],
+    )
+    yield _one(
+        G, "gossipd_budget_producers", "Producers with a token bucket here", b.buckets.producers
+    )
+    yield _one(
+        C,
+        "gossipd_budget_tokens_admitted",
+        "Tokens charged to admitted tasks",
+        b.buckets.admitted_tokens,
+    )
+    yield _by(
+        C,
+        "gossipd_budget_directives",
+        "Budgets directives from the leader, by outcome (applied, invalid: ignored)",
+        "outcome",
+        [("applied", b.directives_applied), ("invalid", b.directives_invalid)],
+    )
+    yield _one(
+        C,
+        "gossipd_budget_overflowed",
+        "Tasks charged to the shared overflow bucket (budgets.producers_max reached)",
+        b.buckets.overflowed,
+    )
+
+
+def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
+    core = gossip.core
+    counts: dict[str, int] = {"alive": 0, "suspect": 0, "dead": 0, "left": 0}
+    for m in core.table.members.values():
+        counts[m.state.value] += 1
+    yield _by(
+        G, "gossipd_members", "Members known, by state (not counting us)", "state", counts.items()
+    )
+    stats = core.stats
+    yield _by(
+        C,
+        "gossipd_gossip_messages_sent",
+        "Membership messages sent",
+        "type",
+        sorted(stats.sent.items()),
+    )
+    yield _by(
+        C,
+        "gossipd_gossip_messages_received",
+        "Membership messages received",
+        "type",
+        sorted(stats.received.items()),
+    )
+    for name, doc, value in (
+        ("gossipd_gossip_bytes_sent", "Membership bytes sent", stats.sent_bytes),
+        ("gossipd_gossip_bytes_received", "Membership bytes received", stats.received_bytes),
+        ("gossipd_gossip_refused", "Undecodable membership messages", stats.refused),
+        (
+            "gossipd_gossip_foreign_cluster",
+            "Messages of another cluster, ignored",
+            stats.foreign_cluster,
+        ),
+        ("gossipd_gossip_probes", "Probes started", stats.probes),
+        ("gossipd_gossip_probes_failed", "Probes that ended in a suspicion", stats.probes_failed),
+        (
+            "gossipd_gossip_refutations",
+            "Times we refuted a suspicion of ourselves",
+            stats.refutations,
+        ),
+        ("gossipd_gossip_declared_dead", "Members we declared dead", stats.declared_dead),
+        (
+            "gossipd_gossip_push_pulls",
+            "Push-pull exchanges we sent (each in pages: messages_sent type PushPull)",
+            stats.push_pulls,
+        ),
+        (
+            "gossipd_gossip_push_pulls_refused",
+            "Push-pull exchanges not sent: one to that member in progress, or 8 in all",
+            stats.push_pulls_refused,
+        ),
+        (
+            "gossipd_gossip_sends_dropped",
+            "Sends dropped at a full peer queue",
+            gossip.dropped_sends,
+        ),
+    ):
+        yield _one(C, name, doc, value)
+    yield _by(
+        C,
+        "gossipd_gossip_port_checks",
+        "Connects to a member's gossip port, by verdict: accepted (no evidence), dead (refused:"
+        " declared dead), stale (refused, but it changed life), over_budget (refused, ignored)",
+        "verdict",
+        sorted(core.refusals.verdicts.items()),
+    )
+    yield _one(
+        G, "gossipd_gossip_awareness", "Local health score (0 = healthy)", core.awareness.score
+    )
+    yield _one(
+        G, "gossipd_gossip_checksum", "Checksum of the live member set", core.table.checksum()
+    )
+
+
+def _load_gossip_metrics(load_gossip: Any, dispatcher: Any) -> Iterator[Metric]:
+    """Load records (issue 17): what load gossip costs, and how many members we know."""
+    yield _one(
+        C,
+        "gossipd_load_gossip_sent_bytes",
+        "Bytes of load-gossip messages sent (gossip.load_*)",
+        load_gossip.sent_bytes,
+    )
+    yield _one(
+        C,
+        "gossipd_load_gossip_sent_messages",
+        "Load-gossip messages sent",
+        load_gossip.sent_messages,
+    )
+    yield _one(
+        C,
+        "gossipd_load_gossip_received_records",
+        "Load records received on gossip messages",
+        load_gossip.received_records,
+    )
+    if dispatcher is not None:
+        yield _one(
+            G,
+            "gossipd_load_members_known",
+            "Members whose load record this daemon holds",
+            len(dispatcher.placer.load_view),
+        )
+
+
+def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
+    stats = dispatcher.statistics()
+    for name, doc, value in (
+        ("gossipd_fanout_local", "Tasks from our intake run here", stats.local),
+        (
+            "gossipd_fanout_forwarded",
+            "Tasks forwarded and accepted by another member",
+            stats.forwarded,
+        ),
+        (
+            "gossipd_fanout_accepted_from_peers",
+            "Forwarded tasks we accepted",
+            stats.accepted_from_peers,
+        ),
+        ("gossipd_fanout_refused_to_peers", "Forwarded tasks we refused", stats.refused_to_peers),
+        (
+            "gossipd_fanout_refused_saturated",
+            "Forwards asking if_free refused at once: our engine was saturated (owner check)",
+            stats.refused_saturated,
+        ),
+        (
+            "gossipd_fanout_attempts_failed",
+            "Forward attempts without a reply in time",
+            stats.attempts_failed,
+        ),
+        ("gossipd_fanout_unavailable", "Tasks no member took", stats.unavailable),
+        ("gossipd_fanout_migrated", "Tasks re-dispatched off a dead member", stats.migrated),
+        ("gossipd_fanout_handed_off", "Queued tasks handed to others at drain", stats.handed_off),
+        ("gossipd_fanout_bad_peer_messages", "Undecodable peer messages", stats.bad_peer_messages),
+        ("gossipd_fanout_hedged", "Forwards also sent to a second member", stats.hedged),
+        ("gossipd_fanout_hedge_wins", "Hedged tasks the second member won", stats.hedge_wins),
+        (
+            "gossipd_fanout_hedges_over_budget",
+            "Slow acks not hedged because fanout.hedge_budget was spent",
+            stats.hedges_over_budget,
+        ),
+        (
+            "gossipd_fanout_withdrawn",
+            "Copies we withdrew (a hedge lost, no ack in time, or the member was declared dead)",
+            stats.withdrawn,
+        ),
+        (
+            "gossipd_fanout_withdrawn_by_peers",
+            "Copies a forwarder withdrew from us before they finished",
+            stats.withdrawn_by_peers,
+        ),
+        (
+            "gossipd_fanout_invalid_from_peers",
+            "Forwards refused because the ingress would refuse their task (version, size)",
+            stats.invalid_from_peers,
+        ),
+        (
+            "gossipd_fanout_peer_links_closed",
+            "Connections to addresses of no live member closed after fanout.peer_idle_close_s",
+            stats.peer_links_closed,
+        ),
+    ):
+        yield _one(C, name, doc, value)
+    yield _by(
+        C,
+        "gossipd_fanout_forgotten",
+        "Forwarded tasks forgotten for room before their TaskDone, by the bound that forced it",
+        "reason",
+        [("count", stats.forwarded_evicted_count), ("bytes", stats.forwarded_evicted_bytes)],
+    )
+    yield _one(
+        G,
+        "gossipd_fanout_forwarded_bytes",
+        "Bytes of forwarded tasks remembered for migration (fanout.forwarded_bytes_max)",
+        stats.forwarded_bytes,
+    )
+    ages = dispatcher.placer.state_ages
+    age = HistogramMetricFamily(
+        "gossipd_placement_state_age_seconds",
+        "Age of the owner's load state each placement decision used (0: this daemon)",
+    )
+    age.add_metric([], ages.cumulative(), sum_value=ages.sum_s)
+    yield age
+    yield _one(
+        C,
+        "gossipd_placement_state_unknown",
+        "Placement decisions on a member of which no load record was known (its Meta only)",
+        ages.unknown,
+    )
+    yield _one(
+        C,
+        "gossipd_placement_state_owner_checked",
+        "Placement decisions left to the owner's own check of its load (if_free: one hop old)",
+        ages.owner_checked,
+    )
+    yield _one(
+        C,
+        "gossipd_fanout_loads_refused",
+        "Load records on a peer reply that named another member than the replying owner",
+        dispatcher.loads_refused,
+    )
+    yield _by(
+        G,
+        "gossipd_fanout_outstanding",
+        "Forwarded tasks not reported done, by owner",
+        "member",
+        sorted(dispatcher.outstanding().items()),
+    )
