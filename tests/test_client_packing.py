@@ -247,13 +247,25 @@ def test_packed_tasks_from_a_curve_producer_run(daemon_factory: Any, tmp_path: P
     assert stats.packs_sent == 3 and stats.frames_sent == 3 and stats.resubmitted == 0
 
 
-def _submit_large_in_one_turn(client: Client, n: int, prompt_bytes: int) -> Any:
-    return asyncio.gather(
-        *(
-            client.submit("x" * prompt_bytes, task_id=f"L{i}", max_tokens=1, timeout_s=30)
-            for i in range(n)
-        )
-    )
+def _one_pack_of_large_tasks(
+    endpoint: str, resubmit_after_s: float, wait_s: float
+) -> tuple[list[Result], ClientStatistics]:
+    """A pack of PACK_ITEMS_MAX tasks of 1 kB each (33 KB) to ``endpoint``: every Result."""
+
+    async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics]:
+        async with Client([endpoint], ctx=ctx, resubmit_after_s=resubmit_after_s) as client:
+            handles = await asyncio.gather(
+                *(
+                    client.submit("x" * 1000, task_id=f"L{i}", max_tokens=1, timeout_s=30)
+                    for i in range(PACK_ITEMS_MAX)
+                )
+            )
+            results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), wait_s)
+            return results, client.statistics()
+
+    results, stats = run_with_context(main)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:2]
+    return results, stats
 
 
 def test_a_pack_over_a_daemons_size_limit_is_refused_and_its_tasks_go_alone_at_once(
@@ -261,17 +273,9 @@ def test_a_pack_over_a_daemons_size_limit_is_refused_and_its_tasks_go_alone_at_o
 ) -> None:
     """A daemon of today with a small ingress.message_bytes_max refuses a larger pack with
     bad_request for the pack's id (PROTOCOL.md, "Tasks"): the Client stops packing and sends
-    the pack's tasks alone at once."""
-    daemon = daemon_factory("ingress.message_bytes_max=16384")  # a 32-task pack: 33 KB
-
-    async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics]:
-        async with Client([daemon.endpoint], ctx=ctx, resubmit_after_s=60) as client:
-            handles = await _submit_large_in_one_turn(client, PACK_ITEMS_MAX, 1000)
-            results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 10)
-            return results, client.statistics()
-
-    results, stats = run_with_context(main)
-    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:2]
+    the pack's tasks alone at once (a resubmission timer of 60 s would fail the 10 s wait)."""
+    daemon = daemon_factory("ingress.message_bytes_max=16384")
+    _, stats = _one_pack_of_large_tasks(daemon.endpoint, resubmit_after_s=60, wait_s=10)
     assert stats.packs_sent == 1 and stats.packs_refused == 1 and stats.resubmitted == 0
     assert stats.frames_sent == 1 + PACK_ITEMS_MAX
 
@@ -283,15 +287,7 @@ def test_a_pack_zeromq_drops_unanswered_reaches_the_daemon_by_its_resubmissions(
     the connection and nobody answers: the resubmission timer sends each task again alone
     (never packed), so every task still runs."""
     daemon = daemon_factory("ingress.message_bytes_max=4096")  # drops frames over 16 KiB
-
-    async def main(ctx: zmq.Context) -> tuple[list[Result], ClientStatistics]:
-        async with Client([daemon.endpoint], ctx=ctx, resubmit_after_s=0.5) as client:
-            handles = await _submit_large_in_one_turn(client, PACK_ITEMS_MAX, 1000)
-            results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 20)
-            return results, client.statistics()
-
-    results, stats = run_with_context(main)
-    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:2]
+    _, stats = _one_pack_of_large_tasks(daemon.endpoint, resubmit_after_s=0.5, wait_s=20)
     assert stats.packs_sent == 1 and stats.packs_refused == 0, "dropped, not refused"
     assert stats.resubmitted == PACK_ITEMS_MAX and stats.tasks_packed == PACK_ITEMS_MAX
 
