@@ -21,7 +21,6 @@ class TaskState:
     final_at: float = 0.0
     chunks_next: int = 0
     last_sent: float = 0.0
-    answered: int = 0
 
 
 class Producers:
