@@ -71,12 +71,11 @@ class TaskPacker:
         self._bytes_max = bytes_max
         self._items_max = items_max
         self._remembered_max = remembered_max
-        self._ids: list[PackedTask] = []
+        self._tasks: list[PackedTask] = []
         self._frames: list[bytes] = []
         self._bytes = 0
         self._flush_handle: asyncio.Handle | None = None
         self._recent: OrderedDict[str, list[PackedTask]] = OrderedDict()  # pack id -> tasks
-        self._counter = 0
         self.packs_sent = 0
         self.tasks_packed = 0
         self.packs_refused = 0
@@ -98,7 +97,7 @@ class TaskPacker:
             self._bytes + len(frame) > self._bytes_max or len(self._frames) >= self._items_max
         ):
             self.flush()
-        self._ids.append(task)
+        self._tasks.append(task)
         self._frames.append(frame)
         self._bytes += len(frame)
         if self._flush_handle is None:
@@ -106,19 +105,18 @@ class TaskPacker:
 
     def flush(self) -> None:
         """Send what was added now (before a message that must not overtake it)."""
-        ids, frames = self._take()
+        tasks, frames = self._take()
         if not frames:
             return
         if len(frames) == 1:
             self._send_frame(frames[0])
             return
-        self._counter += 1
-        pack_id = f"{self._id_prefix}{self._counter}"
-        self._recent[pack_id] = ids
-        if len(self._recent) > self._remembered_max:
-            self._recent.popitem(last=False)
         self.packs_sent += 1
         self.tasks_packed += len(frames)
+        pack_id = f"{self._id_prefix}{self.packs_sent}"
+        self._recent[pack_id] = tasks
+        if len(self._recent) > self._remembered_max:
+            self._recent.popitem(last=False)
         self._send_frame(pack_tasks(frames, pack_id=pack_id, reply_to=self._reply_to))
 
     def close(self) -> None:
@@ -126,12 +124,12 @@ class TaskPacker:
         self._take()
 
     def _take(self) -> tuple[list[PackedTask], list[bytes]]:
-        """The task ids and frames added since the last flush; empties the pack."""
+        """The tasks and frames added since the last flush; empties the pack."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        taken = self._ids, self._frames
-        self._ids, self._frames, self._bytes = [], [], 0
+        taken = self._tasks, self._frames
+        self._tasks, self._frames, self._bytes = [], [], 0
         return taken
 
     def refused(self, result: Result) -> list[PackedTask] | None:
@@ -140,8 +138,8 @@ class TaskPacker:
         frame each.  None: it is no answer to a pack of ours."""
         if result.error is None or result.error.code != ErrorCode.BAD_REQUEST.value:
             return None
-        ids = self._recent.pop(result.id, None)
-        if ids is None:
+        tasks = self._recent.pop(result.id, None)
+        if tasks is None:
             return None
         self.packs_refused += 1
         if self.enabled:
@@ -154,4 +152,4 @@ class TaskPacker:
                 "per task from now on, and the refused frame's tasks again at once",
                 extra={"node": result.node, "hint": result.error.message[:300]},
             )
-        return ids
+        return tasks

@@ -63,6 +63,14 @@ def paired_median(curve: Sequence[float], plain: Sequence[float]) -> float:
     return round(statistics.median(c / p for c, p in zip(curve, plain, strict=True)), 3)
 
 
+def round_note(producers: Sequence[str], last: Callable[[str, str], float]) -> str:
+    """One round's throughputs for the progress line; ``last(producer, side)``: that run's
+    tasks/s."""
+    return ", ".join(
+        f"{p}: plain {last(p, 'plain'):,.0f}/s, curve {last(p, 'curve'):,.0f}/s" for p in producers
+    )
+
+
 def report_producers(
     report: dict[str, Any],
     producers: Sequence[str],

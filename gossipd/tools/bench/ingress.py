@@ -19,6 +19,7 @@ from gossipd.tools.bench.curvecompare import (
     print_ratios,
     producers_of,
     report_producers,
+    round_note,
     round_order,
 )
 from gossipd.tools.bench.loadgen import LoadResult, ProducerCurve, drive
@@ -160,13 +161,7 @@ def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool, producer
                         **PRODUCERS[kind].opts(),
                     )
                 )
-            steps.note(
-                ", ".join(
-                    f"{kind}: plain {runs[kind, 'plain'][-1].tasks_per_s:,.0f}/s, "
-                    f"curve {runs[kind, 'curve'][-1].tasks_per_s:,.0f}/s"
-                    for kind in kinds
-                )
-            )
+            steps.note(round_note(kinds, lambda kind, side: runs[kind, side][-1].tasks_per_s))
     finally:
         plain.stop()
         secure.stop()

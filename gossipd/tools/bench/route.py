@@ -20,6 +20,7 @@ from gossipd.tools.bench.curvecompare import (
     print_ratios,
     producers_of,
     report_producers,
+    round_note,
     round_order,
 )
 from gossipd.tools.bench.ingress import _raw_server
@@ -260,13 +261,7 @@ def main_curve(
                         **opts,
                     ).tasks_per_s
                 )
-            steps.note(
-                ", ".join(
-                    f"{kind}: plain {figures[kind, 'plain']['tput'][-1]:,.0f}/s, "
-                    f"curve {figures[kind, 'curve']['tput'][-1]:,.0f}/s"
-                    for kind in kinds
-                )
-            )
+            steps.note(round_note(kinds, lambda kind, side: figures[kind, side]["tput"][-1]))
     finally:
         plain.stop()
         secure.stop()
