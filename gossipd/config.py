@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -416,6 +417,9 @@ class SecurityConfig(Section):
     curve: bool = False
     # This daemon's key pair: the `NAME.key_secret` file `gossipd keygen NAME` writes (it
     # holds both keys).  The daemon serves its sockets with it and connects with it.
+    # "{node_id}" in it is replaced by this daemon's node id (node.id, or the default
+    # "<hostname>-gpu<gpu_index>"), so one gossipd.toml serves every instance of a node:
+    # "/etc/gossipd/keys/{node_id}.key_secret".
     secret_key_file: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     # Authorised daemons: one `NODE.key` public key file per member, named after its
     # node.id (a member's messages must carry that id as their source).
@@ -641,8 +645,12 @@ def load_config(
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Sequence[str] = (),
+    hostname: str | None = None,
 ) -> Config:
-    """Build the configuration.  ``overrides`` are ``section.key=value`` strings (CLI --set)."""
+    """Build the configuration.  ``overrides`` are ``section.key=value`` strings (CLI --set).
+    ``hostname`` (default: this host's) names the node in ``{node_id}`` placeholders
+    (``resolve_node_id``); "" leaves them as written (``gossipd systemd render`` fills them
+    per instance)."""
     tree: dict[str, Any] = {}
     origins: dict[str, str] = {"": "embedded default"}
     if path is not None:
@@ -670,9 +678,26 @@ def load_config(
         keys = dotted.strip().split(".")
         _set_path(tree, keys, _parse_scalar(raw), origins, f"flag --set {dotted}")
     try:
-        return msgspec.convert(tree, Config)
+        config = msgspec.convert(tree, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, tree, origins)) from None
+    if hostname == "":
+        return config
+    return resolve_node_id(config, socket.gethostname() if hostname is None else hostname)
+
+
+NODE_ID_PLACEHOLDER = "{node_id}"
+
+
+def resolve_node_id(config: Config, hostname: str) -> Config:
+    """``{node_id}`` in security.secret_key_file replaced by this daemon's node id: one
+    gossipd.toml names every instance's own key pair."""
+    template = config.security.secret_key_file
+    if NODE_ID_PLACEHOLDER not in template:
+        return config
+    path = template.replace(NODE_ID_PLACEHOLDER, node_id(config, hostname))
+    security = msgspec.structs.replace(config.security, secret_key_file=path)
+    return msgspec.structs.replace(config, security=security)
 
 
 def resolved(config: Config) -> dict[str, Any]:

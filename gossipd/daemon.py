@@ -25,7 +25,7 @@ import zmq
 
 from gossipd import __version__
 from gossipd.clock import SYSTEM_CLOCK, Clock
-from gossipd.config import Config, node_id
+from gossipd.config import Config, node_id, resolve_node_id
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.gossip_messages import GpuState, LoadRecord
 from gossipd.core.loadstate import LoadSampler
@@ -50,6 +50,7 @@ from gossipd.ingress.service import Ingress, IngressCurve, IngressLinks
 from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
+from gossipd.ops import preflight
 from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector
 from gossipd.ops.metrics_server import serve_metrics
@@ -59,8 +60,6 @@ from gossipd.security import (
     DOMAIN_PEERS,
     DOMAIN_PRODUCERS,
     Security,
-    is_loopback,
-    load_key_pair,
 )
 from gossipd.sockets import SocketKind, SocketPool, split_reply_route
 from gossipd.transport import ReplySender
@@ -94,6 +93,8 @@ class Daemon:
         environ: Mapping[str, str] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        # "{node_id}" in security.secret_key_file: this daemon's own key pair (config.py).
+        config = resolve_node_id(config, socket.gethostname())
         self.config = config
         self.clock = clock  # every part reads the time from it (gossipd/clock.py)
         self.node = node_id(config, socket.gethostname())
@@ -103,6 +104,7 @@ class Daemon:
         self.security = _build_security(
             config,
             self._ctx,
+            self.node,
             node_at=lambda addr: self.gossip.node_at(addr) if self.gossip is not None else None,
         )
         self.sockets = SocketPool(
@@ -194,6 +196,25 @@ class Daemon:
         # None when tracing is off: nothing of OpenTelemetry is imported (ops/tracing.py).
         self.tracer = build_tracer(config.tracing, self.node, clock=clock)
 
+    def _log_security(self) -> None:
+        """One line: who this daemon is under CURVE and whom it admits."""
+        sec = self.security
+        assert sec.key_pair is not None and sec.peers is not None and sec.producers is not None
+        summary = preflight.security_summary(
+            self.config,
+            self.node,
+            sec.key_pair.public,
+            len(sec.peers.by_key),
+            len(sec.producers.by_key),
+        )
+        log.info("CURVE on", extra=summary)
+        if not summary["own_key_listed"]:
+            log.warning(
+                "this daemon's NODE.key is not in security.peer_keys_dir: members reading "
+                "the same directory cannot check its key",
+                extra={"node": self.node, "peer_keys_dir": self.config.security.peer_keys_dir},
+            )
+
     def request_stop(self, exit_status: int | None = None) -> None:
         """Stop as on SIGTERM; ``exit_status``: what run() returns then (the leader's restart
         order asks for one that systemd's Restart=on-failure restarts)."""
@@ -223,6 +244,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         if self.security.curve:
             self.security.start()  # the ZAP handler answers before any CURVE socket binds
+            self._log_security()
             loop.add_signal_handler(
                 signal.SIGHUP,
                 lambda: self.security.reload_and_tell(self._keys_looked_at, force=True),
@@ -673,33 +695,24 @@ class Daemon:
 
 
 def _build_security(
-    config: Config, ctx: zmq.Context, node_at: Callable[[str], str | None]
+    config: Config, ctx: zmq.Context, node: str, node_at: Callable[[str], str | None]
 ) -> Security:
     """CURVE on (keys loaded, the ZAP handler bound), or off: then only on loopback (one
-    warning line) unless security.insecure; a non-loopback bind without CURVE stops start-up."""
+    warning line) unless security.insecure.  What stops start-up is ops/preflight.py's
+    (the checks `gossipd check-config` makes too)."""
     sc = config.security
-    if sc.curve:
-        return Security(
-            curve=True,
-            ctx=ctx,
-            key_pair=load_key_pair(sc.secret_key_file),
-            peer_keys_dir=sc.peer_keys_dir,
-            producer_keys_dir=sc.producer_keys_dir,
-            refused_lines_per_s=config.log.refused_lines_per_s,
-            node_at=node_at,
-        )
-    binds = [("ingress.bind", config.ingress.bind)]
-    if config.gossip.bind:
-        binds += [("gossip.bind", config.gossip.bind), ("fanout.rpc_bind", config.fanout.rpc_bind)]
-    exposed = [f"{key} = {value!r}" for key, value in binds if not is_loopback(value)]
-    if exposed and not sc.insecure:
-        raise StartupError(
-            f"refusing to bind {', '.join(exposed)} without CURVE: anyone who can reach it "
-            "could submit, read results or join the cluster.  Set security.curve = true with "
-            "keys (`gossipd keygen`, docs/OPERATIONS.md), or security.insecure = true on a "
-            "network you trust"
-        )
-    return Security(curve=False, ctx=ctx)
+    key_pair = preflight.check(config, node)
+    if key_pair is None:
+        return Security(curve=False, ctx=ctx)
+    return Security(
+        curve=True,
+        ctx=ctx,
+        key_pair=key_pair,
+        peer_keys_dir=sc.peer_keys_dir,
+        producer_keys_dir=sc.producer_keys_dir,
+        refused_lines_per_s=config.log.refused_lines_per_s,
+        node_at=node_at,
+    )
 
 
 def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:

@@ -209,8 +209,9 @@ def test_render_gpus_0_7_gives_8_instances_with_distinct_ports_and_their_numa_no
         assert config.journal.path == f"/var/lib/gossipd/{i}/journal"
         # the other seven instances of the node, after the configured seed
         assert config.gossip.seeds[0] == "tcp://10.0.0.9:7946"
+        host = socket.gethostname()  # named seeds: NODE@ADDR (PROTOCOL.md, with CURVE)
         assert sorted(config.gossip.seeds[1:]) == sorted(
-            f"tcp://10.0.0.5:{7946 + 10 * j}" for j in range(8) if j != i
+            f"{host}-gpu{j}@tcp://10.0.0.5:{7946 + 10 * j}" for j in range(8) if j != i
         )
         for endpoint in (config.ingress.bind, config.fanout.rpc_bind, config.gossip.bind):
             ports.append(int(endpoint.rsplit(":", 1)[1]))

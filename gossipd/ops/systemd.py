@@ -16,8 +16,11 @@ metrics.bind) plus ``N x port_stride`` (10 by default: 5557, 5567, 5577...; a po
 ``*`` stays as it is, an ipc:// path gets ``-N``), ``node.gpu_index = N``, its GPU alone in
 CUDA_VISIBLE_DEVICES (indices in PCI bus order, as NVML numbers them), its journal in its own
 state directory, ``node.id`` with ``-gpuN`` appended when one is set (the default id already
-ends in ``-gpuN``), and the node's other instances added to ``gossip.seeds``.  Rendering
-refuses a port that two instances (or two sockets of one) would share, or one past 65535.
+ends in ``-gpuN``), and the node's other instances added to ``gossip.seeds``, each named by
+its node id (``NODE@tcp://HOST:PORT``, as CURVE requires).  Rendering refuses a port that two
+instances (or two sockets of one) would share, or one past 65535, and with CURVE on and more
+than one GPU a ``security.secret_key_file`` without ``{node_id}`` (every instance is its own
+member with its own key pair; the daemon puts its node id there, gossipd/config.py).
 
 The env file is the subset of systemd's EnvironmentFile syntax that ``read_env_file`` reads
 back: ``KEY=VALUE`` lines, a value bare or in single quotes, ``#`` comments.
@@ -28,11 +31,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gossipd.config import Config, _parse_scalar
+from gossipd.config import NODE_ID_PLACEHOLDER, Config, _parse_scalar
 from gossipd.ops.topology import Gpu
 
 DEFAULT_BIN = "/opt/gossipd/bin/gossipd"
@@ -163,6 +167,8 @@ class Instance:
     gpu: Gpu
     env: dict[str, str]  # GOSSIPD_* and CUDA variables, as the process sees them
     ports: dict[str, int]  # setting -> port, for the collision check and the summary
+    node_id: str  # the id it runs under
+    key_file: str  # with CURVE: its key pair, {node_id} filled in; "" without
 
 
 def format_indices(indices: Sequence[int]) -> str:
@@ -290,16 +296,38 @@ def env_literal(value: str | int | Sequence[str]) -> str:
     return f"'{text}'"
 
 
+def instance_node_id(config: Config, index: int, hostname: str) -> str:
+    """The node id instance ``index`` runs under (config.node_id for its env file)."""
+    return f"{config.node.id or hostname}-gpu{index}"
+
+
+def _check_keys(config: Config, gpus: Sequence[Gpu]) -> None:
+    sc = config.security
+    if sc.curve and len(gpus) > 1 and NODE_ID_PLACEHOLDER not in sc.secret_key_file:
+        raise RenderError(
+            f"security.secret_key_file = {sc.secret_key_file!r} would be the key pair of all "
+            f"{len(gpus)} instances, each its own member under its own node id: put "
+            f"{NODE_ID_PLACEHOLDER} in it, e.g. secret_key_file = "
+            f'"/etc/gossipd/keys/{NODE_ID_PLACEHOLDER}.key_secret", and make one key pair per '
+            "instance with `gossipd keygen NODE... --out DIR` (docs/OPERATIONS.md, Security)"
+        )
+
+
 def plan(
     config: Config,
     gpus: Sequence[Gpu],
     *,
     port_stride: int = DEFAULT_PORT_STRIDE,
     state_root: str = DEFAULT_STATE_ROOT,
+    hostname: str | None = None,
 ) -> list[Instance]:
-    """Every instance's settings; RenderError if two would share a port."""
+    """Every instance's settings; RenderError if two would share a port, or share a key pair
+    under CURVE.  ``hostname``: what the default node ids start with (this host's)."""
     if port_stride < 1:
         raise RenderError(f"--port-stride: expected at least 1, found {port_stride}")
+    _check_keys(config, gpus)
+    host = socket.gethostname() if hostname is None else hostname
+    ids = {gpu.index: instance_node_id(config, gpu.index, host) for gpu in gpus}
     endpoints = {gpu.index: _endpoints(config, gpu.index, port_stride) for gpu in gpus}
     owner: dict[int, str] = {}
     for gpu in gpus:
@@ -330,8 +358,11 @@ def plan(
             env[_env_name(key)] = env_literal(value)
         if config.gossip.bind:
             others = [
-                endpoints[other.index][0].get("gossip.advertise")
-                or endpoints[other.index][0]["gossip.bind"]
+                f"{ids[other.index]}@"
+                + (
+                    endpoints[other.index][0].get("gossip.advertise")
+                    or endpoints[other.index][0]["gossip.bind"]
+                )
                 for other in gpus
                 if other.index != gpu.index
             ]
@@ -339,7 +370,12 @@ def plan(
             env[_env_name("gossip.seeds")] = env_literal(seeds)
         journal = f"{state_root.rstrip('/')}/{gpu.index}/journal"
         env[_env_name("journal.path")] = env_literal(journal)
-        instances.append(Instance(gpu=gpu, env=env, ports=ports))
+        key_file = ""
+        if config.security.curve:
+            key_file = config.security.secret_key_file.replace(NODE_ID_PLACEHOLDER, ids[gpu.index])
+        instances.append(
+            Instance(gpu=gpu, env=env, ports=ports, node_id=ids[gpu.index], key_file=key_file)
+        )
     return instances
 
 
@@ -425,76 +461,3 @@ def exec_start_argv(service_text: str, instance: str) -> list[str]:
     if "%" in command:
         raise ValueError(f"ExecStart= uses a specifier this reader does not expand: {command}")
     return [word.replace("\0", "%") for word in shlex.split(command)]
-
-
-# --- the command -------------------------------------------------------------------------------
-
-
-def render_node(
-    *,
-    out_dir: Path,
-    gpus_spec: str | None,
-    sysfs_root: Path,
-    config_path: Path,
-    bin_path: str,
-    port_stride: int,
-    state_root: str,
-) -> str:
-    """`gossipd systemd render`: read the node's config and topology, write the files, and
-    return a summary to print.  RenderError (or ConfigError) says what to fix."""
-    from gossipd.config import load_config
-    from gossipd.ops.topology import TopologyError, parse_index_list, read_gpus, select
-
-    config_path = config_path.absolute()
-    if not config_path.exists():
-        raise RenderError(
-            f"{config_path}: no such file; write the node's configuration there first (start "
-            "from configs/local.toml, docs/OPERATIONS.md) or give --config FILE"
-        )
-    # The file alone: this shell's GOSSIPD_* variables are not the instances'.
-    config = load_config(config_path, environ={})
-    try:
-        found = read_gpus(sysfs_root)
-        indices = parse_index_list(gpus_spec) if gpus_spec else [gpu.index for gpu in found]
-        where = f"{sysfs_root}/bus/pci/devices" if sysfs_root != Path("/sys") else "this node"
-        gpus = select(found, indices, where=where)
-    except (TopologyError, ValueError) as exc:
-        raise RenderError(str(exc)) from None
-    if not gpus:
-        nvml = "NVML is not installed or finds none, and " if sysfs_root == Path("/sys") else ""
-        raise RenderError(f"no NVIDIA GPU found: {nvml}{sysfs_root}/bus/pci/devices lists none")
-    files, instances = render_files(
-        config,
-        gpus,
-        config_path=str(config_path),
-        bin_path=bin_path,
-        port_stride=port_stride,
-        state_root=state_root,
-    )
-    write_files(out_dir, files)
-    rows = [("unit", "PCI", "NUMA", "CPUs", "ingress", "gossip", "rpc", "metrics")]
-    for instance in instances:
-        gpu, ports = instance.gpu, instance.ports
-        rows.append(
-            (
-                f"gossipd@{gpu.index}",
-                gpu.pci_bus_id,
-                "-" if gpu.numa_node is None else str(gpu.numa_node),
-                gpu.cpulist or "-",
-                *(
-                    str(ports.get(key) or "-")
-                    for key in ("ingress.bind", "gossip.bind", "fanout.rpc_bind", "metrics.bind")
-                ),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
-    return (
-        f"wrote {len(files)} files under {out_dir} for GPUs {format_indices(indices)}:\n"
-        f"{table}\n"
-        f"install: sudo cp -r {out_dir}/etc/. /etc/ && sudo systemctl daemon-reload && "
-        "sudo systemctl enable --now gossipd.target"
-    )

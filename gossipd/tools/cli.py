@@ -249,8 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", type=int, default=2000, help="tasks to push (default 2000)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("keygen", help="write a CURVE key pair: NAME.key and NAME.key_secret")
-    p.add_argument("name", help="a node id (peers) or any name (producers)")
+    p = sub.add_parser(
+        "keygen", help="write CURVE key pairs: NAME.key and NAME.key_secret for each NAME"
+    )
+    p.add_argument(
+        "name",
+        nargs="+",
+        help="node ids (one per instance: HOST-gpu0 HOST-gpu1 ...) or any names (producers)",
+    )
     p.add_argument("--out", type=Path, default=Path("."), help="directory (default: here)")
     p.set_defaults(func=cmd_keygen)
 

@@ -46,11 +46,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    """Print the configuration resolved, after the checks `gossipd run` makes before it binds
+    (ops/preflight.py): exit 2 wherever `run` would."""
+    import socket
+
     import msgspec
 
-    from gossipd.config import resolved
+    from gossipd.config import node_id, resolved
+    from gossipd.ops import preflight
 
     config = _config_from(args)
+    try:
+        preflight.check(config, node_id(config, socket.gethostname()))
+    except StartupError as exc:
+        print(f"gossipd check-config: `gossipd run` would refuse it: {exc}", file=sys.stderr)
+        return 2
     print(msgspec.json.format(msgspec.json.encode(resolved(config))).decode())
     return 0
 
@@ -80,14 +90,24 @@ def _producer_keys(args: argparse.Namespace, endpoints: list[str]) -> object:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from gossipd.security import write_key_pair
 
-    try:
-        public, secret = write_key_pair(args.name, args.out)
-    except FileExistsError as exc:
-        print(f"gossipd keygen: {exc}", file=sys.stderr)
+    names = args.name
+    clash = [
+        str(path)
+        for name in names
+        for path in (Path(args.out) / f"{name}.key", Path(args.out) / f"{name}.key_secret")
+        if path.exists()
+    ]
+    if clash or len(set(names)) != len(names):
+        why = f"{', '.join(clash)} already exists" if clash else "a name is given twice"
+        print(f"gossipd keygen: {why}; remove them first to replace keys", file=sys.stderr)
         return 2
-    print(f"public key (distribute): {public}\nsecret key (keep, mode 0600): {secret}")
+    for name in names:
+        public, secret = write_key_pair(name, args.out)
+        print(f"public key (distribute): {public}\nsecret key (keep, mode 0600): {secret}")
     return 0
 
 
@@ -299,7 +319,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_systemd_render(args: argparse.Namespace) -> int:
-    from gossipd.ops.systemd import RenderError, render_node
+    from gossipd.ops.systemd import RenderError
+    from gossipd.ops.systemd_node import render_node
 
     try:
         summary = render_node(

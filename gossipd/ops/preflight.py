@@ -1,0 +1,94 @@
+"""The checks of a configuration that `gossipd run` makes before it binds anything, shared with
+`gossipd check-config` so that it exits 2 wherever `run` would (docs/OPERATIONS.md).
+
+- Without CURVE, a non-loopback ingress, gossip or rpc bind is refused unless
+  ``security.insecure`` (anyone who can reach it could submit or join).
+- With CURVE: the key pair must be readable, the key directories must be directories, every
+  gossip seed must be named (``NODE@tcp://HOST:PORT``: its key is ``NODE.key``, and an
+  unnamed seed's connection could never be checked), and when ``peer_keys_dir`` holds this
+  daemon's own ``NODE.key`` it must be this key pair's public key (two instances serving
+  one key pair under two node ids: each one's peers would refuse the other's messages).
+
+``check`` returns what the start-up log line says about security (``security_summary``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import zmq.auth
+
+from gossipd.config import Config, split_seed
+from gossipd.errors import StartupError
+from gossipd.security import PUBLIC_SUFFIX, KeyPair, is_loopback, load_key_pair
+
+
+def check(config: Config, node: str) -> KeyPair | None:
+    """Raise StartupError (exit 2) naming the fix for what `run` would refuse; the key pair
+    with CURVE on, None without."""
+    sc = config.security
+    if not sc.curve:
+        _check_exposure(config)
+        return None
+    unnamed = [seed for seed in config.gossip.seeds if not split_seed(seed)[0]]
+    if unnamed:
+        raise StartupError(
+            f"gossip.seeds {unnamed}: with security.curve every seed must be named "
+            "NODE@tcp://HOST:PORT (NODE: the member's node.id, whose key is NODE.key in "
+            "security.peer_keys_dir); `gossipd systemd render` names a node's own instances"
+        )
+    pair = load_key_pair(sc.secret_key_file)
+    for what in ("peer_keys_dir", "producer_keys_dir"):
+        path = getattr(sc, what)
+        if not Path(path).is_dir():
+            raise StartupError(
+                f"security.{what} = {path!r} is not a directory "
+                "(put the authorised NAME.key files there)"
+            )
+    own = Path(sc.peer_keys_dir) / f"{node}{PUBLIC_SUFFIX}"
+    if own.exists():
+        try:
+            listed = zmq.auth.load_certificate(str(own))[0]
+        except (OSError, ValueError):
+            listed = None  # an unreadable key file is the key directory's to report
+        if listed is not None and listed != pair.public:
+            raise StartupError(
+                f"{own} is not the public key of security.secret_key_file = "
+                f"{sc.secret_key_file!r}: this daemon ({node!r}) would serve another key than "
+                "its peers expect (two instances sharing one key pair?).  Give each instance "
+                'its own key pair: secret_key_file = "/etc/gossipd/keys/{node_id}.key_secret" '
+                "and `gossipd keygen NODE...` (docs/OPERATIONS.md, Security)"
+            )
+    return pair
+
+
+def _check_exposure(config: Config) -> None:
+    binds = [("ingress.bind", config.ingress.bind)]
+    if config.gossip.bind:
+        binds += [("gossip.bind", config.gossip.bind), ("fanout.rpc_bind", config.fanout.rpc_bind)]
+    exposed = [f"{key} = {value!r}" for key, value in binds if not is_loopback(value)]
+    if exposed and not config.security.insecure:
+        raise StartupError(
+            f"refusing to bind {', '.join(exposed)} without CURVE: anyone who can reach it "
+            "could submit, read results or join the cluster.  Set security.curve = true with "
+            "keys (`gossipd keygen`, docs/OPERATIONS.md), or security.insecure = true on a "
+            "network you trust"
+        )
+
+
+def security_summary(
+    config: Config, node: str, public: bytes, peer_keys: int, producer_keys: int
+) -> dict[str, Any]:
+    """The fields of the start-up line "CURVE on" (docs/OPERATIONS.md, Security)."""
+    sc = config.security
+    return {
+        "node": node,
+        "public_key": public.decode(),
+        "secret_key_file": sc.secret_key_file,
+        "peer_keys": peer_keys,
+        "peer_keys_dir": sc.peer_keys_dir,
+        "producer_keys": producer_keys,
+        "producer_keys_dir": sc.producer_keys_dir,
+        "own_key_listed": (Path(sc.peer_keys_dir) / f"{node}{PUBLIC_SUFFIX}").exists(),
+    }
