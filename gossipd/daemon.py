@@ -280,6 +280,7 @@ class Daemon:
             election=bool(self.config.etcd.endpoints),
             gossip=self.gossip,
             dispatcher=self.dispatcher,
+            relay=self.dispatcher.relay_drain if self.dispatcher is not None else None,
         )
         self.links.admin = admin.handle
         self.leadership = build_leadership(
@@ -514,6 +515,8 @@ class Daemon:
             else None,
             peer_allowed=security.peer_allowed if security.curve else None,
             saturated=lambda: placer.engine_saturated(engine_load.read()),
+            # built in run() after membership; a relayed Drain before that waits for none
+            on_drain=lambda msg: self.admin.handle_drain(msg) if self.admin else None,
         )
         rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
         gossip = GossipService(

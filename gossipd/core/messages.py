@@ -315,6 +315,11 @@ class Drain(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(Ms
     node: NodeName
     drain: bool = True
     relayed: bool = False
+    # Set by the daemons, never by the producer (the ingress replaces what one sends): with
+    # CURVE, the key the asking producer authenticated with, carried on a relay (over the
+    # members' authenticated rpc channel) so that ``node`` answers over a connection to a
+    # server holding that key, as it answers a Task.
+    producer_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
 
     def __post_init__(self) -> None:
         problem = endpoint_problem(self.reply_to)

@@ -1,7 +1,8 @@
 """Fan-out messages between daemons (DEALER -> ROUTER on ``fanout.rpc_bind``) and their codec.
 
 A task forwarded to the member that runs it (Forward, answered by ForwardReply), its end
-(TaskDone), its withdrawal (Withdraw), a producer's Cancel passed on, and PeerBatch (several of
+(TaskDone), its withdrawal (Withdraw), a producer's Cancel passed on, an operator's Drain
+relayed to the member it names, and PeerBatch (several of
 them in one ZeroMQ message).  ``docs/PROTOCOL.md``, "Between daemons" / "Fan-out", documents
 the fields.
 """
@@ -16,6 +17,7 @@ from gossipd.core.gossip_messages import LoadRecord, NodeId, Seq
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
+    Drain,
     MsgType,
     Task,
     TaskId,
@@ -95,13 +97,14 @@ class PeerBatch(
 
     v: int = PROTOCOL_VERSION
     items: Annotated[
-        list[Forward | ForwardReply | TaskDone | Cancel | Withdraw],
+        list[Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain],
         msgspec.Meta(max_length=100_000),
     ]
 
 
-# A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner.
-PeerMessage = Forward | ForwardReply | TaskDone | Cancel | Withdraw | PeerBatch
+# A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner;
+# a Drain: an operator's drain of another member, relayed to it (ops/admin.py).
+PeerMessage = Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | PeerBatch
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
 
 

@@ -24,7 +24,7 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refuse, Route
 from gossipd.core.membership import MemberEvent
-from gossipd.core.messages import Task
+from gossipd.core.messages import Drain, Task
 from gossipd.core.peer_messages import Forward, TaskDone
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
@@ -181,6 +181,15 @@ class Dispatcher:
         self.forwarder.hand_off(task, received_at, self._clock.monotonic())
         self._flush()
         return await future
+
+    def relay_drain(self, member: str, msg: Drain) -> bool:
+        """An operator's Drain for ``member``, to its rpc address; False when it is no live
+        member we know."""
+        addr = self.placer.addr(member)
+        if addr is None:
+            return False
+        self._links.send(addr, msg)
+        return True
 
     def send_to_member(self, member: str, msg: TaskDone) -> None:
         """The owner's TaskDone for a task re-run from its journal, to its forwarder by name."""

@@ -31,6 +31,7 @@ from gossipd.core.lifecycle import Owned
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
+    Drain,
     ErrorCode,
     Result,
     Task,
@@ -116,6 +117,7 @@ class OwnerEndpoint:
         serve_curve: Callable[[zmq.Socket], None] | None = None,
         peer_allowed: Callable[[str, str, str], bool] | None = None,
         saturated: Callable[[], bool] = lambda: False,
+        on_drain: Callable[[Drain], None] = lambda msg: None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -136,6 +138,7 @@ class OwnerEndpoint:
         # its forwarder (a task it re-ran from its journal).
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
+        self._on_drain = on_drain  # a Drain another member relayed to us (ops/admin.py)
         # A forwarded task is validated as the ingress validates a producer's (its size
         # against ingress.message_bytes_max).
         self.task_bytes_max = task_bytes_max
@@ -280,7 +283,8 @@ class OwnerEndpoint:
         self._to_forwarder(identity, reply, urgent=True)
 
     def _on_other(self, identity: bytes, msg: object) -> None:
-        """A peer's Cancel, Withdraw or TaskDone (anything else is counted as bad)."""
+        """A peer's Cancel, Withdraw, TaskDone or relayed Drain (anything else is counted as
+        bad)."""
         if getattr(msg, "v", 0) != PROTOCOL_VERSION:
             self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
             return
@@ -291,6 +295,8 @@ class OwnerEndpoint:
             self._withdraw(identity, msg.id)
         elif isinstance(msg, TaskDone):
             self._on_peer_done(msg)
+        elif isinstance(msg, Drain):
+            self._on_drain(msg)
         else:
             self.counters.bad_peer_messages += 1
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import zmq
 
 from gossipd.config import FanoutConfig
-from gossipd.core.messages import Cancel
+from gossipd.core.messages import Cancel, Drain
 from gossipd.core.peer_messages import Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
 
-Outgoing = Forward | Cancel | Withdraw | TaskDone
+Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain
 
 
 class _Peer:

@@ -93,13 +93,14 @@ class IngressLinks:
       if one took it);
     - ``cancel_elsewhere(task_id, producer_key)``: passes a Cancel on to the member running a
       forwarded task: "forwarded", "refused" (another key's task) or None (not known);
-    - ``admin(request, now)``: answers an operator's StatusQuery or Drain (ops/admin.py).
+    - ``admin(request, now, producer_key)``: answers an operator's StatusQuery or Drain
+      (ops/admin.py), with CURVE over a connection to the asking producer's key.
     """
 
     router: Callable[[Task, float], bool] | None = None
     rescue: Callable[[Task, float], Awaitable[bool]] | None = None
     cancel_elsewhere: Callable[[str, str], str | None] | None = None
-    admin: Callable[[StatusQuery | Drain, float], None] | None = None
+    admin: Callable[[StatusQuery | Drain, float, str], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,9 +325,9 @@ class Ingress:
             elif type(task) is Tasks:
                 self._handle_tasks(task, len(frame), now, producer_key, in_tasks)
             elif (admin := self.links.admin) is not None:
-                admin(task, now)  # type: ignore[arg-type]
+                admin(task, now, producer_key)  # type: ignore[arg-type]
             else:
-                self._refuse_admin(task)  # type: ignore[arg-type]
+                self._refuse_admin(task, producer_key)  # type: ignore[arg-type]
             return
         assert isinstance(task, Task)
         if task.producer_key != producer_key:  # the daemon's field: ours, never the producer's
@@ -523,10 +524,10 @@ class Ingress:
         self._results["withdrawn"] += 1
         self.release(owned.task, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
 
-    def _refuse_admin(self, msg: StatusQuery | Drain) -> None:
+    def _refuse_admin(self, msg: StatusQuery | Drain, producer_key: str = "") -> None:
         self._refused["bad_admin"] += 1
         self._replies.send(
-            msg.reply_to,
+            f"{msg.reply_to} {producer_key}" if producer_key else msg.reply_to,
             encode(
                 error_result(
                     msg.id,

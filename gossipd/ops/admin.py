@@ -6,7 +6,11 @@ answered at their ``reply_to`` (docs/PROTOCOL.md, "Admin").
     Drain       -> AdminReply:   for this node, drain (new tasks go to other members, queued
                    ones are handed off, running ones finish; the process keeps running) or
                    undrain (back to serving); for another member, relayed once to that
-                   member's ingress, which answers reply_to itself
+                   member over the rpc channel (authenticated between members under
+                   CURVE), which answers reply_to itself
+
+With CURVE, answers go as a Task's replies do: over a connection to a server that proves it
+holds the asking producer's key (the key the ingress read; a relayed Drain carries it).
 
 Handlers run in the ingress socket's fd callback and never wait; the hand-off of queued tasks
 runs as a task in the daemon's TaskGroup.  Counted by kind and outcome
@@ -50,6 +54,7 @@ class Admin:
         election: bool = False,
         gossip: GossipService | None = None,
         dispatcher: Dispatcher | None = None,
+        relay: Callable[[str, Drain], bool] | None = None,
     ) -> None:
         self.node = node
         self._election = election  # etcd.endpoints set: this daemon campaigns
@@ -60,6 +65,8 @@ class Admin:
         self._engine_dead = engine_dead
         self.gossip = gossip  # None without membership (gossip.bind unset)
         self.dispatcher = dispatcher
+        # A Drain for another member, to that member (False: not a live member known here).
+        self._relay_to = relay
         self.drained = False
         self.on_drain: list[Callable[[bool], None]] = []  # the leader resigns when drained
         self.requests: Counter[str] = Counter()  # "kind:outcome"
@@ -70,12 +77,21 @@ class Admin:
 
     # -- the handler the ingress calls ------------------------------------------------------
 
-    def handle(self, msg: StatusQuery | Drain, now: float) -> None:
+    def handle(self, msg: StatusQuery | Drain, now: float, producer_key: str = "") -> None:
+        """A request from a producer at our ingress; ``producer_key``: the key it came with
+        under CURVE (the answer goes only to a server holding it)."""
         if type(msg) is StatusQuery:
             self.requests["status:ok"] += 1
-            self._replies.send(msg.reply_to, encode_admin(self.report(msg.id)))
+            route = f"{msg.reply_to} {producer_key}" if producer_key else msg.reply_to
+            self._replies.send(route, encode_admin(self.report(msg.id)))
             return
         assert isinstance(msg, Drain)
+        # The daemon's field: what the producer put there is replaced by what the ingress read.
+        self.handle_drain(msgspec.structs.replace(msg, producer_key=producer_key))
+
+    def handle_drain(self, msg: Drain) -> None:
+        """A Drain from our ingress, or relayed by a member over rpc (its producer_key is
+        the one the first member read)."""
         kind = "drain" if msg.drain else "undrain"
         if msg.node != self.node:
             self._relay(msg, kind)
@@ -85,29 +101,26 @@ class Admin:
         self._answer(msg, ok, text)
 
     def _relay(self, msg: Drain, kind: str) -> None:
-        """Pass a Drain for another member on to that member's ingress, once."""
-        target = None
-        if self.gossip is not None and not msg.relayed:
-            target = next((m for m in self.gossip.live_members() if m.node == msg.node), None)
-        if target is None or target.gpu is None or not target.gpu.ingress:
-            self.requests[f"{kind}:refused"] += 1
-            if msg.relayed:
-                why = f"a relayed {kind} for {msg.node!r} reached {self.node!r}; not relayed again"
-            else:
-                live = sorted(m.node for m in self.gossip.live_members()) if self.gossip else []
-                why = (
-                    f"no live member named {msg.node!r} known here; members: "
-                    f"{', '.join([self.node, *live])}"
-                )
-            self._answer(msg, False, why)
-            return
-        self.requests[f"{kind}:relayed"] += 1
+        """Pass a Drain for another member on to that member, once."""
         relayed = msgspec.structs.replace(msg, relayed=True)
-        self._replies.send(target.gpu.ingress, encode_admin(relayed))
+        if not msg.relayed and self._relay_to is not None and self._relay_to(msg.node, relayed):
+            self.requests[f"{kind}:relayed"] += 1
+            return
+        self.requests[f"{kind}:refused"] += 1
+        if msg.relayed:
+            why = f"a relayed {kind} for {msg.node!r} reached {self.node!r}; not relayed again"
+        else:
+            live = sorted(m.node for m in self.gossip.live_members()) if self.gossip else []
+            why = (
+                f"no live member named {msg.node!r} known here; members: "
+                f"{', '.join([self.node, *live])}"
+            )
+        self._answer(msg, False, why)
 
     def _answer(self, msg: Drain, ok: bool, text: str) -> None:
         reply = AdminReply(id=msg.id, node=self.node, ok=ok, status=self.status(), message=text)
-        self._replies.send(msg.reply_to, encode_admin(reply))
+        route = f"{msg.reply_to} {msg.producer_key}" if msg.producer_key else msg.reply_to
+        self._replies.send(route, encode_admin(reply))
 
     # -- drain --------------------------------------------------------------------------------
 
