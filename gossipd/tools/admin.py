@@ -6,6 +6,11 @@ answers together: each member's own status and load, how every other member sees
 whether all members agree on the member-set checksum.  Drain: one Drain to the daemon asked,
 which relays it to the member named (docs/PROTOCOL.md, "Admin").
 
+With CURVE (``ProducerKeys``): the answers' PULL is served with the producer's key pair, each
+request's PUSH checks the daemon's key; the other members asked for status are checked
+against ``member_key(node)`` (their ``NODE.key`` beside the --server-key file), and one whose
+key is not known is shown as the asked daemon sees it.
+
 Plain blocking pyzmq with deadlines: these are one-shot commands.
 """
 
@@ -14,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -25,8 +31,11 @@ from gossipd.core.admin_messages import AdminReply, StatusReport, decode_admin_a
 from gossipd.core.gossip_messages import MemberRecord
 from gossipd.core.messages import PROTOCOL_VERSION, Drain, Result, StatusQuery, endpoint_problem
 from gossipd.errors import RemoteProtocolError
+from gossipd.tools.client import ProducerKeys
 
 DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_REPLY_BIND = "tcp://127.0.0.1:*"
+MemberKey = Callable[[str], bytes | None]
 
 
 class AdminError(Exception):
@@ -36,21 +45,46 @@ class AdminError(Exception):
 class _Asker:
     """One PULL for answers, one PUSH per endpoint (so each gets its own request)."""
 
-    def __init__(self, ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context | None = None,
+        *,
+        reply_bind: str = DEFAULT_REPLY_BIND,
+        curve: ProducerKeys | None = None,
+    ) -> None:
         self._own = ctx is None
         self._ctx = ctx or zmq.Context()
+        self.curve = curve
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind("tcp://127.0.0.1:*")
-        self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pushes: list[zmq.Socket] = []
+        if curve is not None:  # daemons answer only a server holding our key
+            self._pull.setsockopt(zmq.CURVE_SERVER, 1)
+            self._pull.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+            self._pull.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+        try:
+            self._pull.bind(reply_bind)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise AdminError(
+                f"cannot bind the reply address {reply_bind}: {exc.strerror} (--reply-bind: "
+                "an address of this host)"
+            ) from None
+        self.reply_to = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def send(self, endpoint: str, frame: bytes, timeout_s: float) -> bool:
-        """False when no connection to ``endpoint`` came up within ``timeout_s``."""
+    def send(
+        self, endpoint: str, frame: bytes, timeout_s: float, server_key: bytes | None = None
+    ) -> bool:
+        """False when no connection to ``endpoint`` came up within ``timeout_s``.  With CURVE,
+        ``server_key`` is the daemon's (None: the first --server-key)."""
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.IMMEDIATE, 1)  # send only once connected: fail fast otherwise
         push.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        if self.curve is not None:
+            push.setsockopt(zmq.CURVE_PUBLICKEY, self.curve.public)
+            push.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret)
+            push.setsockopt(zmq.CURVE_SERVERKEY, server_key or self.curve.server_key(0))
         push.connect(endpoint)
         self._pushes.append(push)
         try:
@@ -89,27 +123,69 @@ def _check(endpoint: str) -> None:
         raise AdminError(f"endpoint {problem}")
 
 
+def no_connection(endpoint: str, timeout_s: float, curve: bool) -> str:
+    """Why no request could go to ``endpoint``, and what to do: nothing listens there, or
+    something does but no ZeroMQ handshake completed (CURVE keys missing or not its)."""
+    listening = False
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=0.5):
+                listening = True
+        except (OSError, ValueError):
+            pass
+    if not listening:
+        return (
+            f"nothing listens at {endpoint} (no connection within {timeout_s:g} s): start a "
+            "daemon with `gossipd run` or give the right --endpoint"
+        )
+    if curve:
+        return (
+            f"{endpoint} accepts connections but no CURVE handshake completed within "
+            f"{timeout_s:g} s: is --server-key that daemon's NODE.key, and this producer's "
+            "NAME.key in its security.producer_keys_dir?"
+        )
+    return (
+        f"{endpoint} accepts connections but no handshake completed within {timeout_s:g} s: "
+        "if the daemon runs with security.curve, give --secret-key FILE and --server-key FILE "
+        "(or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY)"
+    )
+
+
+def _no_answer(what: str, endpoint: str, timeout_s: float, reply_to: str) -> str:
+    return (
+        f"no answer from {what} within {timeout_s:g} s (asked through {endpoint}; answers "
+        f"go to {reply_to}: if the daemons are on another host, give --reply-bind with an "
+        "address of this host they can reach)"
+    )
+
+
 def ask_status(
-    endpoints: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S
+    endpoints: Sequence[str],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    reply_bind: str = DEFAULT_REPLY_BIND,
+    curve: ProducerKeys | None = None,
+    server_keys: Sequence[bytes | None] = (),
 ) -> dict[str, StatusReport | str]:
-    """Each endpoint's StatusReport, or a string saying why there is none."""
+    """Each endpoint's StatusReport, or a string saying why there is none.  ``server_keys``:
+    with CURVE, each endpoint's daemon key (default: the first --server-key)."""
     for e in endpoints:
         _check(e)
-    asker = _Asker()
+    asker = _Asker(reply_bind=reply_bind, curve=curve)
     try:
         ids: dict[str, str] = {}
         out: dict[str, StatusReport | str] = {}
         started = time.monotonic()
-        for endpoint in endpoints:
+        for i, endpoint in enumerate(endpoints):
             query_id = f"status-{secrets.token_hex(6)}"
             query = StatusQuery(v=PROTOCOL_VERSION, id=query_id, reply_to=asker.reply_to)
             left_s = max(0.05, timeout_s - (time.monotonic() - started))
-            if asker.send(endpoint, encode_admin(query), left_s):
+            key = server_keys[i] if i < len(server_keys) else None
+            if asker.send(endpoint, encode_admin(query), left_s, key):
                 ids[query_id] = endpoint
             else:
-                out[endpoint] = (
-                    f"nothing listens at {endpoint} (no connection within {timeout_s} s)"
-                )
+                out[endpoint] = no_connection(endpoint, timeout_s, curve is not None)
         left_s = max(0.05, timeout_s - (time.monotonic() - started))
         answers = asker.collect(set(ids), left_s)
         for query_id, endpoint in ids.items():
@@ -119,21 +195,45 @@ def ask_status(
             elif isinstance(answer, Result) and answer.error is not None:
                 out[endpoint] = f"{endpoint} refused: {answer.error.code}: {answer.error.message}"
             else:
-                out[endpoint] = f"no answer from {endpoint} within {timeout_s} s"
+                out[endpoint] = _no_answer(endpoint, endpoint, timeout_s, asker.reply_to)
         return out
     finally:
         asker.close()
 
 
-def cluster_status(endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """The cluster as seen from ``endpoint``'s daemon and from each member it knows."""
-    first = ask_status([endpoint], timeout_s)[endpoint]
+def cluster_status(
+    endpoint: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    reply_bind: str = DEFAULT_REPLY_BIND,
+    curve: ProducerKeys | None = None,
+    member_key: MemberKey = lambda node: None,
+) -> dict[str, Any]:
+    """The cluster as seen from ``endpoint``'s daemon and from each member it knows.  With
+    CURVE, a member is asked itself only when ``member_key(node)`` knows its key."""
+    first = ask_status([endpoint], timeout_s, reply_bind=reply_bind, curve=curve)[endpoint]
     if isinstance(first, str):
         raise AdminError(first)
     live = [m for m in first.members if m.state in ("alive", "suspect")]
     ingresses = {m.node: m.gpu.ingress for m in live if m.gpu is not None and m.gpu.ingress}
-    answers = ask_status(list(ingresses.values()), timeout_s) if ingresses else {}
     reports: dict[str, StatusReport | str] = {first.node: first}
+    keys = {node: member_key(node) for node in ingresses} if curve is not None else {}
+    for node, key in keys.items():
+        if key is None:
+            reports[node] = f"not asked: no {node}.key beside the --server-key file"
+            del ingresses[node]
+    asked = list(ingresses.values())
+    answers = (
+        ask_status(
+            asked,
+            timeout_s,
+            reply_bind=reply_bind,
+            curve=curve,
+            server_keys=[keys.get(node) for node in ingresses],
+        )
+        if asked
+        else {}
+    )
     for node, ingress in ingresses.items():
         reports[node] = answers[ingress]
     for m in live:
@@ -272,11 +372,21 @@ def _leader_text(status: dict[str, Any]) -> str:
 
 
 def status_main(
-    endpoint: str, *, watch: bool, as_json: bool, interval_s: float, timeout_s: float
+    endpoint: str,
+    *,
+    watch: bool,
+    as_json: bool,
+    interval_s: float,
+    timeout_s: float,
+    reply_bind: str = DEFAULT_REPLY_BIND,
+    curve: ProducerKeys | None = None,
+    member_key: MemberKey = lambda node: None,
 ) -> int:
     while True:
         try:
-            status = cluster_status(endpoint, timeout_s)
+            status = cluster_status(
+                endpoint, timeout_s, reply_bind=reply_bind, curve=curve, member_key=member_key
+            )
         except AdminError as exc:
             print(f"gossipd status: {exc}", file=sys.stderr)
             if not watch:
@@ -296,11 +406,18 @@ def status_main(
 
 
 def drain(
-    endpoint: str, node: str, *, drain: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S
+    endpoint: str,
+    node: str,
+    *,
+    drain: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    reply_bind: str = DEFAULT_REPLY_BIND,
+    curve: ProducerKeys | None = None,
 ) -> AdminReply:
-    """Ask ``endpoint``'s daemon to drain (or undrain) ``node``; raise AdminError if refused."""
+    """Ask ``endpoint``'s daemon to drain (or undrain) ``node``; raise AdminError if refused.
+    The daemon relays it to ``node``, which answers."""
     _check(endpoint)
-    asker = _Asker()
+    asker = _Asker(reply_bind=reply_bind, curve=curve)
     try:
         request = Drain(
             v=PROTOCOL_VERSION,
@@ -310,12 +427,13 @@ def drain(
             drain=drain,
         )
         if not asker.send(endpoint, encode_admin(request), timeout_s):
-            raise AdminError(f"nothing listens at {endpoint} (no connection within {timeout_s} s)")
+            raise AdminError(no_connection(endpoint, timeout_s, curve is not None))
         answer = asker.collect({request.id}, timeout_s).get(request.id)
+        reply_to = asker.reply_to
     finally:
         asker.close()
     if answer is None:
-        raise AdminError(f"no answer from {node!r} (asked through {endpoint}) within {timeout_s} s")
+        raise AdminError(_no_answer(repr(node), endpoint, timeout_s, reply_to))
     if isinstance(answer, Result):
         assert answer.error is not None
         raise AdminError(f"{endpoint} refused: {answer.error.code}: {answer.error.message}")
@@ -324,10 +442,20 @@ def drain(
     return answer
 
 
-def drain_main(endpoint: str, node: str, *, drain_it: bool, timeout_s: float) -> int:
+def drain_main(
+    endpoint: str,
+    node: str,
+    *,
+    drain_it: bool,
+    timeout_s: float,
+    reply_bind: str = DEFAULT_REPLY_BIND,
+    curve: ProducerKeys | None = None,
+) -> int:
     verb = "drain" if drain_it else "undrain"
     try:
-        reply = drain(endpoint, node, drain=drain_it, timeout_s=timeout_s)
+        reply = drain(
+            endpoint, node, drain=drain_it, timeout_s=timeout_s, reply_bind=reply_bind, curve=curve
+        )
     except AdminError as exc:
         print(f"gossipd {verb}: {exc}", file=sys.stderr)
         return 1

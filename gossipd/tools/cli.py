@@ -27,6 +27,7 @@ from gossipd.tools.commands import (
     cmd_systemd_render,
     cmd_up,
 )
+from gossipd.tools.producer_opts import add_producer_args
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=2.0, help="--watch: seconds between looks")
     p.add_argument("--json", action="store_true", help="print JSON (one object per look)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for answers")
+    add_producer_args(p, per_endpoint=False)
     p.set_defaults(func=cmd_status)
 
     for verb, what in (
@@ -131,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"any daemon's ingress; it relays to NODE (default {DEFAULT_ENDPOINT})",
         )
         p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+        add_producer_args(p, per_endpoint=False)
         p.set_defaults(func=cmd_drain)
 
     p = sub.add_parser("cluster", help="cluster-wide operations carried out by the leader (etcd)")
@@ -170,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop following after this many seconds (the plan goes on; default 0: until it ends)",
     )
     _add_config_args(p)
+    # Checked, and unused by the plan itself (it goes through etcd): one set of producer
+    # options and variables serves every producer-side command.
+    add_producer_args(p, per_endpoint=False)
     p.set_defaults(func=cmd_cluster_drain)
 
     p = sub.add_parser("run", help="run one daemon in the foreground")
@@ -229,18 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="--file: send one frame per task, not several tasks in one Tasks frame "
         "(the default; it falls back by itself for a daemon older than Tasks frames)",
     )
-    p.add_argument(
-        "--secret-key",
-        default="",
-        help="CURVE: this producer's NAME.key_secret (gossipd keygen); env GOSSIPD_SECRET_KEY",
-    )
-    p.add_argument(
-        "--server-key",
-        action="append",
-        default=[],
-        help="CURVE: a daemon's NODE.key, once for all or once per --endpoint in order; "
-        "env GOSSIPD_SERVER_KEY (comma-separated)",
-    )
+    add_producer_args(p)  # --reply-bind, --secret-key, --server-key
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser(

@@ -67,26 +67,16 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def _producer_keys(args: argparse.Namespace, endpoints: list[str]) -> object:
     """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE."""
-    import os
+    from gossipd.tools.producer_opts import producer_keys
 
-    from gossipd.tools.client import ProducerKeys
+    return producer_keys(args, endpoints)
 
-    secret = args.secret_key or os.environ.get("GOSSIPD_SECRET_KEY", "")
-    servers = args.server_key or [
-        p for p in os.environ.get("GOSSIPD_SERVER_KEY", "").split(",") if p
-    ]
-    if not secret and not servers:
-        return None
-    if not secret or not servers:
-        raise StartupError("CURVE needs both --secret-key FILE and --server-key FILE")
-    if len(servers) not in (1, len(endpoints)):
-        raise StartupError(
-            f"give --server-key once (all daemons) or once per --endpoint ({len(endpoints)})"
-        )
-    try:
-        return ProducerKeys.from_files(secret, servers)
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"cannot read a key file: {exc}") from None
+
+def _reply_bind(args: argparse.Namespace) -> str:
+    """--reply-bind (or GOSSIPD_REPLY_BIND), checked."""
+    from gossipd.tools.producer_opts import reply_bind
+
+    return reply_bind(args)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -112,15 +102,18 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    import zmq
+
     from gossipd.tools import submit
     from gossipd.tools.client import NotConnected
 
     endpoints = args.endpoint or [DEFAULT_ENDPOINT]
     connect_timeout_s = args.connect_timeout or None
     curve = _producer_keys(args, endpoints)
+    reply_bind = _reply_bind(args)
     try:
         if args.file:
-            return _submit_file(args, endpoints, connect_timeout_s, curve)
+            return _submit_file(args, endpoints, connect_timeout_s, curve, reply_bind)
         if args.prompt is None:
             print("gossipd submit: give a PROMPT or --file FILE", file=sys.stderr)
             return 2
@@ -135,11 +128,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 as_json=args.json,
                 connect_timeout_s=connect_timeout_s,
                 curve=curve,  # type: ignore[arg-type]
+                reply_bind=reply_bind,
             )
         )
     except NotConnected as exc:
         print(f"gossipd submit: {exc}", file=sys.stderr)
         return 1
+    except zmq.ZMQError as exc:  # binding the reply address
+        print(
+            f"gossipd submit: cannot bind the reply address {reply_bind}: {exc.strerror} "
+            "(--reply-bind: an address of this host)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def _submit_file(
@@ -147,6 +148,7 @@ def _submit_file(
     endpoints: list[str],
     connect_timeout_s: float | None,
     curve: object = None,
+    reply_bind: str = "tcp://127.0.0.1:*",
 ) -> int:
     from gossipd.tools import submit
 
@@ -165,6 +167,7 @@ def _submit_file(
             out=out,
             curve=curve,  # type: ignore[arg-type]
             pack_tasks=not args.no_pack,
+            reply_bind=reply_bind,
         )
         submit.print_report(report, as_json=args.json)
         return 0 if report.ok == report.total else 1
@@ -184,6 +187,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from gossipd.tools.admin import status_main
+    from gossipd.tools.producer_opts import member_key_finder
 
     return status_main(
         args.endpoint,
@@ -191,6 +195,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         as_json=args.json,
         interval_s=args.interval,
         timeout_s=args.timeout,
+        reply_bind=_reply_bind(args),
+        curve=_producer_keys(args, [args.endpoint]),  # type: ignore[arg-type]
+        member_key=member_key_finder(args),
     )
 
 
@@ -198,13 +205,20 @@ def cmd_drain(args: argparse.Namespace) -> int:
     from gossipd.tools.admin import drain_main
 
     return drain_main(
-        args.endpoint, args.node, drain_it=args.command == "drain", timeout_s=args.timeout
+        args.endpoint,
+        args.node,
+        drain_it=args.command == "drain",
+        timeout_s=args.timeout,
+        reply_bind=_reply_bind(args),
+        curve=_producer_keys(args, [args.endpoint]),  # type: ignore[arg-type]
     )
 
 
 def cmd_cluster_drain(args: argparse.Namespace) -> int:
     from gossipd.tools.cluster import drain_main
 
+    _reply_bind(args)  # checked like every producer-side command's; the plan goes by etcd
+    _producer_keys(args, ["etcd"])
     config = _config_from(args)
     endpoints = [e for e in (args.etcd or "").split(",") if e]
     return drain_main(args, config.etcd, endpoints, args.cluster or config.node.cluster)

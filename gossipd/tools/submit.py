@@ -114,6 +114,7 @@ async def submit_many(
     out: ResultWriter | None = None,
     curve: ProducerKeys | None = None,
     pack_tasks: bool = True,
+    reply_bind: str = "tcp://127.0.0.1:*",
 ) -> SubmitReport:
     """Send every task line, wait for every Result.  ``numbers``: each line's number in the
     input (for ``out``; default 1, 2, ...).  ``connect_timeout_s``: fail with
@@ -146,6 +147,7 @@ async def submit_many(
         connect_timeout_s=connect_timeout_s,
         curve=curve,
         pack_tasks=pack_tasks,
+        reply_bind=reply_bind,
     ) as client:
         waiters: list[asyncio.Task[None]] = []
 
@@ -215,8 +217,11 @@ async def submit_one(
     as_json: bool,
     connect_timeout_s: float | None = None,
     curve: ProducerKeys | None = None,
+    reply_bind: str = "tcp://127.0.0.1:*",
 ) -> int:
-    async with Client(endpoints, connect_timeout_s=connect_timeout_s, curve=curve) as client:
+    async with Client(
+        endpoints, connect_timeout_s=connect_timeout_s, curve=curve, reply_bind=reply_bind
+    ) as client:
         handle = await client.submit(
             prompt, max_tokens=max_tokens, timeout_s=timeout_s, stream=stream, key=key
         )
