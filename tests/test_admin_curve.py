@@ -112,6 +112,18 @@ def test_status_with_keys_shows_every_member_asked_itself(cluster: Cluster) -> N
     done = cli("status", "--json", "-e", cluster.daemons[2].endpoint, env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["members_live"] == 3
+    # ...and from a producer configuration file (paths relative to it)
+    conf = keys.root / "producer.toml"
+    conf.write_text(
+        '[producer]\nsecret_key = "secrets/producer.key_secret"\n'
+        'server_key = ["peers/d01.key"]\nreply_bind = "tcp://127.0.0.3:*"\n'
+    )
+    done = cli(
+        "status", "--json", "-e", cluster.daemons[1].endpoint, "--producer-config", str(conf)
+    )
+    assert done.returncode == 0, done.stderr
+    s = json.loads(done.stdout)
+    assert s["members_live"] == 3 and all(r["reachable"] for r in s["members"])
 
 
 def test_a_member_whose_key_is_not_at_hand_is_shown_as_the_asked_daemon_sees_it(

@@ -1,13 +1,22 @@
 """The options every producer-side command shares (submit, status, drain, undrain, cluster
 drain): where daemons send their answers (``--reply-bind``) and the CURVE keys
-(``--secret-key``, ``--server-key``), each also from the environment (docs/OPERATIONS.md,
-"Security": the producer host's commands)."""
+(``--secret-key``, ``--server-key``), each also from the environment, or from a producer
+configuration file (``--producer-config FILE`` or GOSSIPD_PRODUCER_CONFIG)::
+
+    [producer]
+    secret_key = "/home/me/.gossipd/me.key_secret"
+    server_key = ["/home/me/.gossipd/peers/n1-gpu0.key"]   # or one string
+    reply_bind = "tcp://10.0.0.20:*"
+
+A flag beats its variable, which beats the file; relative paths in the file are taken from
+the file's directory (docs/OPERATIONS.md, "Security": the producer host's commands)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -44,13 +53,68 @@ def add_producer_args(p: argparse.ArgumentParser, *, per_endpoint: bool = True) 
         default=[],
         help=f"CURVE: a daemon's NODE.key, {once}; env GOSSIPD_SERVER_KEY (comma-separated)",
     )
+    p.add_argument(
+        "--producer-config",
+        default="",
+        metavar="FILE",
+        help="a TOML file whose [producer] table gives secret_key, server_key, reply_bind "
+        "(what the flags and variables do not); env GOSSIPD_PRODUCER_CONFIG",
+    )
+
+
+_FILE_KEYS = ("secret_key", "server_key", "reply_bind")
+
+
+def _from_file(args: argparse.Namespace) -> dict[str, str | list[str]]:
+    """The [producer] table of --producer-config (or GOSSIPD_PRODUCER_CONFIG), checked, with
+    its paths made absolute; {} when none is given."""
+    path_text = getattr(args, "producer_config", "") or os.environ.get(
+        "GOSSIPD_PRODUCER_CONFIG", ""
+    )
+    if not path_text:
+        return {}
+    path = Path(path_text).expanduser()
+    try:
+        table = tomllib.loads(path.read_text()).get("producer")
+    except OSError as exc:
+        raise StartupError(
+            f"cannot read the producer configuration {path}: {exc.strerror}"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise StartupError(f"{path}: not valid TOML: {exc}") from None
+    if not isinstance(table, dict):
+        raise StartupError(f"{path}: expected a [producer] table with {', '.join(_FILE_KEYS)}")
+    unknown = sorted(set(table) - set(_FILE_KEYS))
+    if unknown:
+        raise StartupError(
+            f"{path}: [producer] {', '.join(unknown)}: unknown; expected {', '.join(_FILE_KEYS)}"
+        )
+    out: dict[str, str | list[str]] = {}
+    for key, value in table.items():
+        values = value if key == "server_key" and isinstance(value, list) else [value]
+        if not all(isinstance(v, str) and v for v in values):
+            raise StartupError(f"{path}: [producer] {key}: expected a non-empty string")
+        if key == "reply_bind":
+            out[key] = value
+        else:
+            files = [str(path.parent / Path(v).expanduser()) for v in values]
+            out[key] = files if key == "server_key" else files[0]
+    return out
 
 
 def reply_bind(args: argparse.Namespace) -> str:
     """--reply-bind (or GOSSIPD_REPLY_BIND), checked: the address is also what the daemons are
     told to connect to, so it must name this host, not a wildcard."""
-    value = args.reply_bind or os.environ.get("GOSSIPD_REPLY_BIND", "") or DEFAULT_REPLY_BIND
-    where = "--reply-bind" if args.reply_bind else "GOSSIPD_REPLY_BIND"
+    env = os.environ.get("GOSSIPD_REPLY_BIND", "")
+    from_file = str(_from_file(args).get("reply_bind", ""))
+    value = args.reply_bind or env or from_file or DEFAULT_REPLY_BIND
+    where = (
+        "--reply-bind"
+        if args.reply_bind
+        else "GOSSIPD_REPLY_BIND"
+        if env
+        else "[producer] reply_bind"
+    )
     match = _REPLY_BIND_RE.match(value)
     if match is None:
         raise StartupError(
@@ -68,7 +132,11 @@ def reply_bind(args: argparse.Namespace) -> str:
 
 def producer_keys(args: argparse.Namespace, endpoints: Sequence[str]) -> ProducerKeys | None:
     """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE."""
-    secret = args.secret_key or os.environ.get("GOSSIPD_SECRET_KEY", "")
+    secret = (
+        args.secret_key
+        or os.environ.get("GOSSIPD_SECRET_KEY", "")
+        or str(_from_file(args).get("secret_key", ""))
+    )
     servers = server_key_files(args)
     if not secret and not servers:
         return None
@@ -88,9 +156,9 @@ def producer_keys(args: argparse.Namespace, endpoints: Sequence[str]) -> Produce
 
 
 def server_key_files(args: argparse.Namespace) -> list[str]:
-    return list(args.server_key) or [
-        p for p in os.environ.get("GOSSIPD_SERVER_KEY", "").split(",") if p
-    ]
+    from_env = [p for p in os.environ.get("GOSSIPD_SERVER_KEY", "").split(",") if p]
+    from_file = _from_file(args).get("server_key", [])
+    return list(args.server_key) or from_env or list(from_file)
 
 
 def member_key_finder(args: argparse.Namespace) -> Callable[[str], bytes | None]:
