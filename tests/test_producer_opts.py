@@ -99,3 +99,20 @@ def test_a_bad_producer_file_says_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(StartupError, match="both --secret-key FILE and --server-key FILE"):
         conf.write_text('[producer]\nsecret_key = "me.key_secret"\n')
         producer_keys(parse("--producer-config", str(conf)), ["e"])
+
+
+@pytest.mark.parametrize(
+    ("ingress", "gossip", "asked"),
+    [
+        ("tcp://0.0.0.0:5567", "tcp://10.0.0.5:7956", "tcp://10.0.0.5:5567"),
+        ("tcp://[::]:5567", "tcp://[fd00::5]:7956", "tcp://[fd00::5]:5567"),
+        ("tcp://10.0.0.7:5557", "tcp://10.0.0.5:7946", "tcp://10.0.0.7:5557"),
+        ("ipc:///run/gossipd/0", "tcp://10.0.0.5:7946", "ipc:///run/gossipd/0"),
+    ],
+)
+def test_status_asks_a_wildcard_ingress_at_its_members_gossip_host(
+    ingress: str, gossip: str, asked: str
+) -> None:
+    from gossipd.tools.admin import reachable_ingress
+
+    assert reachable_ingress(ingress, gossip) == asked

@@ -215,7 +215,11 @@ def cluster_status(
     if isinstance(first, str):
         raise AdminError(first)
     live = [m for m in first.members if m.state in ("alive", "suspect")]
-    ingresses = {m.node: m.gpu.ingress for m in live if m.gpu is not None and m.gpu.ingress}
+    ingresses = {
+        m.node: reachable_ingress(m.gpu.ingress, m.addr)
+        for m in live
+        if m.gpu is not None and m.gpu.ingress
+    }
     reports: dict[str, StatusReport | str] = {first.node: first}
     keys = {node: member_key(node) for node in ingresses} if curve is not None else {}
     for node, key in keys.items():
@@ -239,6 +243,21 @@ def cluster_status(
     for m in live:
         reports.setdefault(m.node, "its ingress address is not known yet (no GPU state gossiped)")
     return assemble(first, reports, asked=endpoint)
+
+
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
+
+
+def reachable_ingress(ingress: str, gossip_addr: str) -> str:
+    """A member's gossiped ingress, with a wildcard host (``ingress.bind = "tcp://0.0.0.0:..."``)
+    replaced by the host of its gossip address: the address its peers reach it at."""
+    if not ingress.startswith("tcp://") or not gossip_addr.startswith("tcp://"):
+        return ingress
+    host, _, port = ingress.removeprefix("tcp://").rpartition(":")
+    if host not in _WILDCARD_HOSTS:
+        return ingress
+    gossip_host = gossip_addr.removeprefix("tcp://").rpartition(":")[0]
+    return ingress if gossip_host in _WILDCARD_HOSTS else f"tcp://{gossip_host}:{port}"
 
 
 def assemble(
