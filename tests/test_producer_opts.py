@@ -116,3 +116,14 @@ def test_status_asks_a_wildcard_ingress_at_its_members_gossip_host(
     from gossipd.tools.admin import reachable_ingress
 
     assert reachable_ingress(ingress, gossip) == asked
+
+
+def test_a_loopback_reply_address_for_a_daemon_elsewhere_is_warned_of(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    reply_bind(parse(), ["tcp://127.0.0.1:5557", "ipc:///tmp/x"])
+    assert capsys.readouterr().err == ""
+    reply_bind(parse(), ["tcp://10.0.0.5:5557"])
+    assert "--reply-bind tcp://THIS_HOST_IP:*" in capsys.readouterr().err
+    reply_bind(parse("--reply-bind", "tcp://10.0.0.20:*"), ["tcp://10.0.0.5:5557"])
+    assert capsys.readouterr().err == ""

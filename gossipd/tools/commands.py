@@ -72,11 +72,12 @@ def _producer_keys(args: argparse.Namespace, endpoints: list[str]) -> object:
     return producer_keys(args, endpoints)
 
 
-def _reply_bind(args: argparse.Namespace) -> str:
-    """--reply-bind (or GOSSIPD_REPLY_BIND), checked."""
+def _reply_bind(args: argparse.Namespace, endpoints: list[str] = []) -> str:  # noqa: B006
+    """--reply-bind (or GOSSIPD_REPLY_BIND), checked (a warning when the daemons asked may
+    not reach it)."""
     from gossipd.tools.producer_opts import reply_bind
 
-    return reply_bind(args)
+    return reply_bind(args, endpoints)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -110,7 +111,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     endpoints = args.endpoint or [DEFAULT_ENDPOINT]
     connect_timeout_s = args.connect_timeout or None
     curve = _producer_keys(args, endpoints)
-    reply_bind = _reply_bind(args)
+    reply_bind = _reply_bind(args, endpoints)
     try:
         if args.file:
             return _submit_file(args, endpoints, connect_timeout_s, curve, reply_bind)
@@ -195,7 +196,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         as_json=args.json,
         interval_s=args.interval,
         timeout_s=args.timeout,
-        reply_bind=_reply_bind(args),
+        reply_bind=_reply_bind(args, [args.endpoint]),
         curve=_producer_keys(args, [args.endpoint]),  # type: ignore[arg-type]
         member_key=member_key_finder(args),
     )
@@ -209,7 +210,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         args.node,
         drain_it=args.command == "drain",
         timeout_s=args.timeout,
-        reply_bind=_reply_bind(args),
+        reply_bind=_reply_bind(args, [args.endpoint]),
         curve=_producer_keys(args, [args.endpoint]),  # type: ignore[arg-type]
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import zmq.auth
 
 from gossipd.errors import StartupError
+from gossipd.security import is_loopback
 from gossipd.tools.client import ProducerKeys
 
 DEFAULT_REPLY_BIND = "tcp://127.0.0.1:*"
@@ -102,9 +104,11 @@ def _from_file(args: argparse.Namespace) -> dict[str, str | list[str]]:
     return out
 
 
-def reply_bind(args: argparse.Namespace) -> str:
+def reply_bind(args: argparse.Namespace, endpoints: Sequence[str] = ()) -> str:
     """--reply-bind (or GOSSIPD_REPLY_BIND), checked: the address is also what the daemons are
-    told to connect to, so it must name this host, not a wildcard."""
+    told to connect to, so it must name this host, not a wildcard.  A loopback one with a
+    daemon ``endpoints`` off this host gets a warning on stderr: tasks that daemon forwards
+    to members on other hosts are answered from there, and 127.0.0.1 is not this host there."""
     env = os.environ.get("GOSSIPD_REPLY_BIND", "")
     from_file = str(_from_file(args).get("reply_bind", ""))
     value = args.reply_bind or env or from_file or DEFAULT_REPLY_BIND
@@ -126,6 +130,13 @@ def reply_bind(args: argparse.Namespace) -> str:
             f"{where} {value!r}: not a wildcard host: the address is also sent to the daemons "
             "as where to answer; give this host's address on their network, e.g. "
             "tcp://10.0.0.9:*"
+        )
+    if is_loopback(value) and any(not is_loopback(e) for e in endpoints):
+        print(
+            f"gossipd: warning: answers go to {value}, which only daemons on this host can "
+            "reach; tasks run by members on other hosts will not be answered: give "
+            "--reply-bind tcp://THIS_HOST_IP:* (or GOSSIPD_REPLY_BIND)",
+            file=sys.stderr,
         )
     return value
 
