@@ -136,6 +136,8 @@ def test_check_config_refuses_what_run_refuses(tmp_path: Path) -> None:
     node = '[node]\nid = "n-gpu0"\n'
     done = check(_curve_toml(tmp_path) + node + '[gossip]\nseeds = ["tcp://127.0.0.1:7956"]\n')
     assert done.returncode == 2 and "NODE@tcp://HOST:PORT" in done.stderr
+    ran = gossipd_cli("run", "--config", str(path))  # run refuses it the same way
+    assert ran.returncode == 2 and "NODE@tcp://HOST:PORT" in ran.stderr
     done = check(
         _curve_toml(tmp_path) + node + '[gossip]\nseeds = ["n-gpu1@tcp://127.0.0.1:7956"]\n'
     )
