@@ -57,8 +57,7 @@ class EtcdErrorLog:
             self._summary_at = now + SUMMARY_S
             total = sum(self.kinds.values())
             self._log.warning(
-                "etcd still unreachable after %.0f s: %d failed calls (%d since the last "
-                "line; %s)",
+                "etcd still unreachable after %.0f s: %d failed calls (%d since the last line; %s)",
                 now - self._since,
                 total,
                 total - self._summarised,
