@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     runs = [
-        cut_and_heal(s, args.hosts, args.per_host, args.cut_s, args.loss)
-        for s in range(args.seeds)
+        cut_and_heal(s, args.hosts, args.per_host, args.cut_s, args.loss) for s in range(args.seeds)
     ]
     report = {
         "shape": f"{args.hosts} hosts x {args.per_host}, host 0 cut {args.cut_s} s, "
