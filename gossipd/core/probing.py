@@ -11,6 +11,7 @@ Rules:
    no ack within probe_timeout -> a second direct ping plus ping-req through
    ``indirect_probes`` peers (they relay, and nack when the target is silent to them too);
    no ack by probe_deadline -> we suspect it (and are a witness, see suspicion.py).
+   Rule 1a: the helpers are members we do not suspect, as far as there are enough.
 2. Targets follow a shared schedule: in round r = floor(now / probe_interval) the member at
    ring position p probes position p + 1 + (r mod (n - 1)).  With agreeing views every member
    is probed exactly once per round.  Without coordinated probing: a shuffled round robin.
@@ -32,20 +33,21 @@ Rules:
    (core/refusal.py): a refusal there means its process is gone.
 9. Awareness: +1 when we miss our own schedule, when a probe fails and no helper even
    nacked, when a timer fires late; -1 for each probe acked.
-10. A failed probe for which at least one helper nacked (so we hear in time) and at least
-   SILENT_HELPERS_MIN (2) neither acked nor nacked also makes those silent helpers suspect:
-   they did not answer our ping-req either.
-   A member cut off with a few others suspects everyone beyond the cut in its first failed
-   probe instead of one member per round (issue 24).  No nack at all: rule 9 instead.
-11. Each probe round, with probability heal_fanout / N, we also ping one member declared dead
-   within the last DEAD_PING_S (30 s), carrying its death: after a partition heals, the two
-   sides find each other within a round or two instead of at the next heal push-pull.  Its
-   timer is not scaled by awareness.  An ack to a ping from a member we hold dead carries
-   its death, so that it refutes.
 9. Contained suspicions: while we hold a suspicion (accuser, confirmer or not), we ping the
    suspect every probe_timeout (scaled by awareness).  Only a few members hold one, and each
    ping that arrives makes a healthy suspect answer us and the accuser directly, so its
    refutation does not depend on one datagram.  Each ack matches nothing here.
+10. A failed probe for which at least one helper nacked (so we hear in time) also makes
+    suspect the helpers that neither acked nor nacked (at least SILENT_HELPERS_MIN, 1):
+    they did not answer our ping-req either.  A member cut off with a few others suspects
+    everyone beyond the cut in its first failed probes instead of one member per round
+    (issue 24).  No nack at all: awareness rises instead (rule 9).
+    Rule 2b: a probe that made a member newly suspect is followed by the next at once.
+11. Each probe interval (not scaled by awareness), with probability heal_fanout / N, we ping
+    one member declared dead within the last DEAD_PING_S (30 s), carrying its death: after a
+    partition heals, the two sides find each other within a round or two instead of at the
+    next heal push-pull.  An ack to a ping from a member we hold dead carries its death, so
+    that it refutes.
 """
 
 from __future__ import annotations
@@ -363,14 +365,12 @@ class Prober:
             return
         k = swim.config.indirect_probes
         suspects = swim.table.suspects
-        if suspects and swim.table.live_count() - 1 - len(suspects) > k:
-            # Enough members we do not suspect: ask only them (a suspect is likely unable).
-            helpers = []
-            for n in swim.random_live_sample(k + 1 + len(suspects)):
-                if n != probe.target and n not in suspects:
-                    helpers.append(n)
-        elif suspects:
-            sample = swim.random_live_sample(swim.table.live_count())
+        if suspects:
+            # Rule 1a: members we do not suspect first (a suspect is likely unable to help).
+            many = swim.table.live_count() - 1 - len(suspects) > k
+            sample = swim.random_live_sample(
+                k + 1 + len(suspects) if many else swim.table.live_count()
+            )
             helpers = [n for n in sample if n != probe.target and n not in suspects]
             helpers += [n for n in sample if n != probe.target and n in suspects]
         else:
