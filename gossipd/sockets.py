@@ -45,6 +45,10 @@ class SocketKind(enum.Enum):
 KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
     # Sends never block: a full queue (64) drops the datagram, as UDP would; SWIM is built for
     # loss.  Reconnect soon after a peer restarts, backing off to 2 s for one that is gone.
+    # TCP_MAXRT and CONNECT_TIMEOUT (issue 24): a connection whose data goes unacknowledged
+    # for 2 s (a cut cable, a host cut off) is dropped and made anew, and a connect gives up
+    # after 1 s; else TCP's retransmission backoff (0.2 s doubling: the next try 10 s after
+    # a 15 s cut) kept every datagram to a healed member waiting for up to ~10 s.
     SocketKind.GOSSIP: (
         zmq.PUSH,
         (
@@ -52,6 +56,8 @@ KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
             (zmq.LINGER, 0),
             (zmq.RECONNECT_IVL, 100),
             (zmq.RECONNECT_IVL_MAX, 2000),
+            (zmq.TCP_MAXRT, 2000),
+            (zmq.CONNECT_TIMEOUT, 1000),
         ),
     ),
     # IMMEDIATE: queue only on a live connection, so that replies to an address that never

@@ -11,6 +11,11 @@ first, or it probed the suspect and failed).  A member that only heard the suspi
 ``max_s``: it cannot tell a dead member from a stalled one, and the witness's Dead message
 reaches it sooner anyway.  This keeps a refutation, which reaches the witnesses directly, ahead
 of every timer that could fire.
+
+K is capped by the members that could still confirm: those live and not suspect, less the
+observer (issue 24).  A member cut off with one other, suspecting the four beyond the cut, can
+get one confirmation (from the other), never three: it runs the timer of K = 1, not the
+maximum.  A member that suspects few keeps K.
 """
 
 from __future__ import annotations
@@ -72,9 +77,13 @@ class Suspicion:
         self.confirmers.add(by)
         return True
 
-    def deadline(self) -> float:
+    def deadline(self, can_confirm: int | None = None) -> float:
+        """When the timer fires.  ``can_confirm``: how many members could still confirm (the
+        live ones we do not suspect, less us): K is never more than that, so that a member
+        cut off with a few others does not wait for confirmations that cannot come."""
         if not self.witness:
             return self.started_at + self.max_s
+        k = self.k if can_confirm is None else min(self.k, max(0, can_confirm))
         # The first suspecter is not a confirmation of itself.
-        timeout = remaining_timeout_s(len(self.confirmers) - 1, self.k, self.min_s, self.max_s)
+        timeout = remaining_timeout_s(len(self.confirmers) - 1, k, self.min_s, self.max_s)
         return self.started_at + timeout

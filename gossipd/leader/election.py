@@ -9,8 +9,8 @@ a leader whose lease was not confirmed for a TTL steps down, etcd reachable or n
 
 aetcd does not re-create a watch after its connection breaks: a follower waits on its
 predecessor's deletion for at most a TTL, then reads the candidates again and watches anew.
-Every etcd error is logged (at most once per state change), and the loops go on: etcd
-coming back needs no operator.
+Every kind of etcd error is logged once per outage, with a count when etcd answers again
+(errorlog.py), and the loops go on: etcd coming back needs no operator.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gossipd.core.election import (
     Watch,
 )
 from gossipd.leader.client import EtcdClient
+from gossipd.leader.errorlog import EtcdErrorLog
 
 log = logging.getLogger("gossipd.leader.election")
 
@@ -70,7 +71,7 @@ class EtcdElection:
         self._on_deposed = on_deposed
         self._clock = clock
         self._changed = asyncio.Event()  # wakes the campaign: the session or leadership changed
-        self._last_error = ""
+        self._error_log = EtcdErrorLog(log, clock.monotonic)
         self.errors = 0
         self.resigned = False
 
@@ -113,7 +114,6 @@ class EtcdElection:
                     await self._put_key()
                 else:
                     await self._look()
-                self._error_cleared()
             except ETCD_ERRORS as exc:
                 self._error(exc)
                 await asyncio.sleep(RETRY_S)
@@ -122,6 +122,7 @@ class EtcdElection:
         sent_at = self._clock.monotonic()
         ttl = max(1, math.ceil(self.config.ttl_s))  # etcd's leases are whole seconds
         lease = await self.client.lease(ttl)
+        self._error_cleared()
         self.core.granted(sent_at, lease.id, float(lease.ttl))
 
     async def _put_key(self) -> None:
@@ -142,6 +143,7 @@ class EtcdElection:
             rpc.TxnRequest(compare=[compare], success=[put], failure=[get]),
             timeout=self.config.request_timeout_s,
         )
+        self._error_cleared()
         if reply.succeeded:
             self.core.key_created(reply.header.revision)
             return
@@ -162,6 +164,7 @@ class EtcdElection:
             ),
             timeout=self.config.request_timeout_s,
         )
+        self._error_cleared()
         return [(kv.create_revision, kv.key) for kv in reply.kvs], reply.header.revision
 
     async def _look(self) -> None:
@@ -215,6 +218,7 @@ class EtcdElection:
                 except ETCD_ERRORS as exc:
                     self._error(exc)
                 else:
+                    self._error_cleared()
                     if reply is not None and lease_id == core.lease_id:
                         was_valid = core.lease_valid(self._clock.monotonic())
                         self._apply(core.keepalive_answered(self._clock.monotonic(), sent_at, reply.TTL))
@@ -301,12 +305,9 @@ class EtcdElection:
 
     def _error(self, exc: BaseException) -> None:
         self.errors += 1
-        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        if text != self._last_error:
-            self._last_error = text
-            log.warning("etcd unreachable or refusing (retrying): %s", text)
+        self._error_log.failed(exc)
 
     def _error_cleared(self) -> None:
-        if self._last_error:
-            self._last_error = ""
-            log.info("etcd reachable again")
+        """etcd answered a call: an outage (if any) is over (only an answer clears it: a
+        campaign step that made no call, e.g. a wait woken up, says nothing about etcd)."""
+        self._error_log.cleared()

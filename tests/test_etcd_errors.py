@@ -1,0 +1,129 @@
+"""The election's etcd errors are logged once per kind per outage (docs/OPERATIONS.md): against
+a loopback port where nothing listens, and against a real etcd stopped and started again
+(then one "reachable again" line with the count).  Every failed call is still counted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+
+import pytest
+
+from gossipd.config import EtcdConfig
+from gossipd.leader.election import EtcdElection
+from gossipd.leader.errorlog import EtcdErrorLog, error_kind
+from tests.etcd_cluster import EtcdCluster
+
+UNREACHABLE = "etcd unreachable or refusing"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lines(caplog: pytest.LogCaptureFixture, start: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+
+async def _until(until: Callable[[], bool], limit_s: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while not until() and loop.time() < end:
+        await asyncio.sleep(0.05)
+    assert until(), f"not within {limit_s} s: {what}"
+
+
+async def _stop(task: asyncio.Future[None], election: EtcdElection) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await election.close()
+
+
+def _election(endpoints: list[str], elected: list[int]) -> EtcdElection:
+    config = EtcdConfig(endpoints=endpoints, ttl_s=2.0, request_timeout_s=0.3)
+    return EtcdElection(
+        config, node="n1", cluster="t", on_elected=elected.append, on_deposed=lambda r: None
+    )
+
+
+def test_refused_port_is_logged_once_per_kind_while_every_call_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="gossipd.leader.election")
+    election = _election([f"127.0.0.1:{_free_port()}"], [])
+
+    async def main() -> None:
+        task = asyncio.ensure_future(election.run_forever())
+        await _until(lambda: election.errors >= 20, 20.0, "20 failed calls")
+        await _stop(task, election)
+
+    asyncio.run(main())
+    lines = _lines(caplog, UNREACHABLE)
+    assert 1 <= len(lines) <= len(election._error_log.kinds), lines
+    assert sum(election._error_log.kinds.values()) == election.errors >= 20
+
+
+def test_etcd_stopped_then_started_logs_each_kind_once_then_the_count(
+    etcd: EtcdCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gossipd.leader.election")
+    elected: list[int] = []
+    election = _election(etcd.endpoints, elected)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(election.run_forever())
+        await _until(lambda: len(elected) == 1, 20.0, "elected")
+        etcd.stop(0)
+        before = election.errors
+        await _until(lambda: election.errors >= before + 20, 30.0, "20 failed calls")
+        kinds = dict(election._error_log.kinds)
+        etcd.start(0)
+        await _until(lambda: not election._error_log.failing, 30.0, "etcd answers again")
+        await _stop(task, election)
+        lines = _lines(caplog, UNREACHABLE)
+        assert 1 <= len(lines) <= len(kinds) + 1, lines  # a kind may first appear after `kinds`
+        again = _lines(caplog, "etcd reachable again after")
+        assert len(again) == 1 and "failed calls" in again[0], again
+
+    asyncio.run(main())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self.t
+
+
+def test_a_long_outage_gets_one_summary_a_minute() -> None:
+    clock = _Clock()
+    records: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("test.etcd.errorlog")
+    logger.addHandler(Capture())
+    logger.setLevel(logging.INFO)
+    errors = EtcdErrorLog(logger, clock.monotonic)
+    for _ in range(1500):  # 150 s at one failed call each 0.1 s, alternating kinds
+        errors.failed(TimeoutError())
+        errors.failed(OSError("connect refused to 127.0.0.1:1"))
+        clock.t += 0.1
+    assert len([r for r in records if r.startswith(UNREACHABLE)]) == 2
+    summaries = [r for r in records if r.startswith("etcd still unreachable")]
+    assert len(summaries) == 2 and "3000 failed calls" not in summaries[0]
+    errors.cleared()
+    assert records[-1].startswith("etcd reachable again after 150.0 s: 3000 failed calls")
+    errors.cleared()
+    assert records[-1].startswith("etcd reachable again after 150.0 s")  # said once
+    assert not errors.failing and error_kind(TimeoutError()) == "TimeoutError"
