@@ -1,5 +1,5 @@
-"""`python -m simulations swim|fanout|cluster|chaos|stopping|election|freshness ...` (each
-with --help)."""
+"""`python -m simulations swim|fanout|cluster|chaos|stopping|election|freshness|hosts ...`
+(each with --help)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.chaos import main as chaos_main
 
         return chaos_main(argv[1:])
+    if argv and argv[0] == "hosts":
+        from simulations.hosts_cli import main as hosts_main
+
+        return hosts_main(argv[1:])
     if argv and argv[0] == "election":
         from simulations.election_cli import main as election_main
 
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("stalls", help="how often 2 s stalls under loss cause a false death")
     sub.add_parser("chaos", help="real daemons serving tasks through SIGKILL and SIGTERM")
     sub.add_parser("election", help="real etcd and daemons electing a leader through faults")
+    sub.add_parser("hosts", help="hosts as network namespaces, deployed as OPERATIONS.md says")
     sub.add_parser("stopping", help="what stopping one daemon under load costs its producers")
     sub.add_parser("fanout", help="whole daemons (membership, fan-out, owners) in virtual time")
     args = parser.parse_args(argv)
