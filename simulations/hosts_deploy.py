@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from simulations.hosts_net import Host, Net
-from simulations.hosts_units import Unit, host_command
+from simulations.hosts_units import Unit, host_command, read_unit
 
 REPO = Path(__file__).resolve().parent.parent
 GOSSIPD = "/opt/gossipd/bin/gossipd"  # as the docs run it, on every host
@@ -153,10 +153,11 @@ class Deployment:
         check: bool = True,
         timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
+        clean_env: bool = False,
     ) -> subprocess.CompletedProcess[str]:
         """``argv`` run on host ``hd`` as root there (its netns, its paths mounted)."""
         command = host_command(hd.host.netns, hd.root, self.root / "scratch" / hd.node, argv)
-        full_env = {**os.environ, **(env or {})}
+        full_env = dict(env or {}) if clean_env else {**os.environ, **(env or {})}
         done = subprocess.run(
             command,
             capture_output=True,
@@ -222,7 +223,23 @@ class Deployment:
             (hd.root / "etc/gossipd/gossipd.toml").write_text(
                 host_config(self.net, hd.host, self.opts)
             )
-            self.on_host(hd, [GOSSIPD, "check-config", "--config", "/etc/gossipd/gossipd.toml"])
+
+    def check_config(self) -> None:
+        """`gossipd check-config` as each instance resolves it: with its unit's environment
+        (N.env over the shared file).  The shared file alone resolves the file's node.id,
+        which is no instance's (with CURVE its key file does not exist)."""
+        for unit in self.units:
+            env = unit.environment(read_unit(unit.unit_dir, unit.instance), "")
+            env.pop("NOTIFY_SOCKET", None)
+            self.on_host(
+                self.host_of(unit),
+                [GOSSIPD, "check-config", "--config", "/etc/gossipd/gossipd.toml"],
+                env=env,
+                clean_env=True,
+            )
+
+    def host_of(self, unit: Unit) -> HostDeploy:
+        return next(hd for hd in self.hosts if hd.node == unit.host)
 
     def render(self) -> None:
         """`gossipd systemd render` on each host, then the docs' `cp -r units/etc/. /etc/`."""
@@ -267,6 +284,7 @@ class Deployment:
         self.keygen()
         self.configure()
         self.render()
+        self.check_config()
         return self
 
     # --- etcd and the units -------------------------------------------------------------
