@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import urllib.request
@@ -142,6 +143,8 @@ class Deployment:
         self.producer = HostDeploy(net.producer, self.root / net.producer.name)
         self.etcd: subprocess.Popen[bytes] | None = None
         self.steps: list[dict[str, Any]] = []  # each operator command: argv, rc, output
+        self._systemd: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     # --- running commands on a host ----------------------------------------------------
 
@@ -357,6 +360,15 @@ class Deployment:
             unit.start()
         for unit in self.units:
             unit.wait_ready(timeout_s)
+        if self._systemd is None:  # from now on "systemd" restarts what fails, meanwhile
+            self._systemd = threading.Thread(
+                target=self._supervise_forever, daemon=True, name="gsdbed-systemd"
+            )
+            self._systemd.start()
+
+    def _supervise_forever(self) -> None:
+        while not self._stopping.wait(0.05):
+            self.supervise()
 
     def supervise(self) -> None:
         """One turn of "systemd": notifications read, failed instances restarted."""
@@ -365,6 +377,9 @@ class Deployment:
 
     def close(self) -> None:
         """Stop every instance (SIGTERM, all at once; SIGKILL what is left) and etcd."""
+        self._stopping.set()
+        if self._systemd is not None:
+            self._systemd.join(5)
         for unit in self.units:
             if unit.pid is not None:
                 if unit.paused:

@@ -35,6 +35,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +192,7 @@ class Unit:
     paused: bool = False
     _notify: socket.socket | None = None
     _restart_at: float | None = None
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def log_path(self) -> Path:
@@ -227,6 +229,10 @@ class Unit:
 
     def start(self) -> None:
         """Start it now (as `systemctl start`): returns at once; ``wait_ready`` for READY=1."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
         settings = read_unit(self.unit_dir, self.instance)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         notify_path = str(self.run_dir / f"notify-{self.instance}.sock")
@@ -262,6 +268,10 @@ class Unit:
 
     def poll(self) -> None:
         """Read notifications; restart per Restart=on-failure.  Called by the supervisor."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         while self._notify is not None:
             try:
                 message = self._notify.recv(4096).decode(errors="replace")
@@ -288,7 +298,7 @@ class Unit:
                 return
             self._restart_at = now + settings.restart_sec
         if now >= self._restart_at:
-            self.start()
+            self._start()
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
