@@ -175,7 +175,7 @@ def test_rolling_drain_of_all_six_under_load_loses_nothing(bed: Bed) -> None:
 
 def test_a_short_nemesis_loses_nothing(bed: Bed) -> None:
     nemesis = Nemesis(
-        bed.net, bed.d, bed.watcher, NemesisOptions(cut_s=4.0, pause_s=3.0, settle_s=1.0)
+        bed.net, bed.d, bed.watcher, NemesisOptions(cut_s=5.0, pause_s=3.0, settle_s=1.0)
     )
     producer = start_producer(bed.d, rate=100, duration_s=300, keys=300)
     try:
@@ -186,7 +186,10 @@ def test_a_short_nemesis_loses_nothing(bed: Bed) -> None:
         report = finish_producer(bed.d, producer, 120)
     assert report.get("lost") == 0 and report["sent"] > 500, (report, faults)
     cut = faults["partition"]
-    assert cut["seen_by_both_sides_s"] is not None, cut  # each side saw the other go
+    # The hosts left connected see the cut host go within 3 s (issue 24's goal; the cut host's
+    # own view is reported in cut_side_s, and checked by the benchmark's longer cut).
+    assert cut["other_side_s"] is not None and cut["other_side_s"] <= 3.0, cut
+    assert cut["all_alive_after_heal_s"] is not None, cut
     assert faults["kill"]["restarted_by_unit"] == GPUS, faults["kill"]
     terms = leaders_per_term(bed.d.units)
     assert all(len(leaders) == 1 for leaders in terms.values()), terms
