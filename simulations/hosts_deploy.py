@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -157,6 +158,7 @@ class Deployment:
         timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
         clean_env: bool = False,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """``argv`` run on host ``hd`` as root there (its netns, its paths mounted)."""
         command = host_command(hd.host.netns, hd.root, self.root / "scratch" / hd.node, argv)
@@ -167,7 +169,7 @@ class Deployment:
             text=True,
             timeout=timeout_s,
             env=full_env,
-            cwd=hd.root / "root",
+            cwd=cwd or hd.root / "root",
         )
         self.steps.append(
             {
@@ -266,21 +268,29 @@ class Deployment:
                 ],
             )
             shutil.copytree(out / "etc", hd.root / "etc", dirs_exist_ok=True)
-            unit_dir = hd.root / "etc" / "systemd" / "system"
-            for g in range(self.opts.gpus):
-                for sub in ("var/lib/gossipd", "var/cache/gossipd"):  # StateDirectory= etc.
-                    (hd.root / sub / str(g)).mkdir(mode=0o750, exist_ok=True)
-                hd.units.append(
-                    Unit(
-                        name=node_id(hd.host, g),
-                        host=hd.node,
-                        netns=hd.host.netns,
-                        instance=str(g),
-                        host_root=hd.root,
-                        unit_dir=unit_dir,
-                        run_dir=self.root / "run" / hd.node,
-                    )
+            self.adopt_units(hd)
+
+    def adopt_units(self, hd: HostDeploy) -> None:
+        """The instances gossipd.target wants (as installed in the host's /etc), as Units;
+        their StateDirectory= and CacheDirectory= made, as systemd makes them."""
+        unit_dir = hd.root / "etc" / "systemd" / "system"
+        target = (unit_dir / "gossipd.target").read_text()
+        wants = re.search(r"^Wants=(.*)$", target, re.M)
+        instances = re.findall(r"gossipd@(\d+)\.service", wants.group(1) if wants else "")
+        for g in instances:
+            for sub in ("var/lib/gossipd", "var/cache/gossipd"):
+                (hd.root / sub / g).mkdir(mode=0o750, parents=True, exist_ok=True)
+            hd.units.append(
+                Unit(
+                    name=node_id(hd.host, int(g)),
+                    host=hd.node,
+                    netns=hd.host.netns,
+                    instance=g,
+                    host_root=hd.root,
+                    unit_dir=unit_dir,
+                    run_dir=self.root / "run" / hd.node,
                 )
+            )
 
     def deploy(self) -> Deployment:
         self.prepare_dirs()

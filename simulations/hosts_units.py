@@ -16,7 +16,8 @@ What the bed reads from the unit and applies (the rest is listed in ``NOT_APPLIE
 - ``KillSignal=`` and ``TimeoutStopSec=`` for a stop.
 
 The unit's absolute paths resolve to the host's own root directory: each instance runs as
-``ip netns exec gsdbed-hN unshare --mount --propagation private sh -c SCRIPT``, where SCRIPT
+``ip netns exec gsdbed-hN unshare --mount --uts --propagation private sh -c SCRIPT``, where
+SCRIPT names the host ``hN`` (its own hostname, so `<hostname>-gpuN` ids differ) and
 bind-mounts the host's ``etc/gossipd``, ``var/lib/gossipd``, ``var/cache/gossipd`` and
 ``opt/gossipd`` (a link to the virtual environment running the bed, as OPERATIONS.md links
 /opt/gossipd to a version) onto ``/etc/gossipd``, ``/var/lib/gossipd``, ``/var/cache/gossipd``
@@ -121,9 +122,10 @@ def read_unit(unit_dir: Path, instance: str) -> UnitSettings:
     return settings
 
 
-def mount_script(host_root: Path, scratch: Path) -> str:
-    """The sh script that makes HOST_PATHS resolve under ``host_root``, then execs "$@"."""
-    lines = ["set -e"]
+def mount_script(host_root: Path, scratch: Path, hostname: str) -> str:
+    """The sh script that makes HOST_PATHS resolve under ``host_root`` and names the host
+    ``hostname`` (its own UTS namespace: `<hostname>-gpuN` node ids differ), then execs "$@"."""
+    lines = ["set -e", f"hostname {shlex.quote(hostname)}"]
     overlaid: set[str] = set()
     for n, target in enumerate(HOST_PATHS):
         source = host_root / target.lstrip("/")
@@ -153,7 +155,7 @@ def host_command(netns: str, host_root: Path, scratch: Path, argv: list[str]) ->
     if scratch.exists():
         shutil.rmtree(scratch)  # overlay layers must start empty
     scratch.mkdir(parents=True)
-    script = mount_script(host_root, scratch)
+    script = mount_script(host_root, scratch, netns.removeprefix("gsdbed-"))
     return [
         "ip",
         "netns",
@@ -161,6 +163,7 @@ def host_command(netns: str, host_root: Path, scratch: Path, argv: list[str]) ->
         netns,
         "unshare",
         "--mount",
+        "--uts",
         "--propagation",
         "private",
         "sh",
