@@ -56,7 +56,8 @@ class BedOptions:
     curve: bool = True
     etcd: bool = True
     ttl_s: float = 2.0
-    keep: bool = False  # leave the bed's directory (logs) behind
+    # leave the bed's directory (logs, keys, units) behind; GSDBED_KEEP=1 does it for tests
+    keep: bool = field(default_factory=lambda: os.environ.get("GSDBED_KEEP") == "1")
 
 
 @dataclass

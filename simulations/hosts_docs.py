@@ -56,17 +56,28 @@ def section(doc: str) -> str:
 
 
 def commands(doc: str) -> list[Command]:
-    """The section's commands in order: fenced block lines, TOML blocks, inline commands."""
+    """The section's commands in order: fenced block lines, TOML blocks, inline commands (a
+    code span may run over a line break of the Markdown source)."""
     out: list[Command] = []
     step = 0
+    prose: list[str] = []
+
+    def flush() -> None:
+        for span in re.findall(r"`([^`]+)`", " ".join(" ".join(prose).split())):
+            if span.startswith(INLINE_PREFIXES):
+                out.append(Command(step, span))
+        prose.clear()
+
     lines = section(doc).splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
         numbered = re.match(r"^(\d+)\. \*\*", line)
         if numbered:
+            flush()
             step = int(numbered.group(1))
         if line.strip().startswith("```"):
+            flush()
             block = []
             i += 1
             while i < len(lines) and not lines[i].strip().startswith("```"):
@@ -80,24 +91,9 @@ def commands(doc: str) -> list[Command]:
                     if text and not text.startswith("#"):
                         out.append(Command(step, text))
         else:
-            for span in re.findall(r"`([^`]+)`", line):
-                if span.startswith(INLINE_PREFIXES):
-                    out.append(Command(step, span))
+            prose.append(line)
         i += 1
-    return _joined_inline(out, section(doc))
-
-
-def _joined_inline(found: list[Command], text: str) -> list[Command]:
-    """Inline commands broken over two lines of the Markdown source, read whole."""
-    joined = " ".join(text.split())
-    whole = {m for m in re.findall(r"`([^`]+)`", joined) if m.startswith(INLINE_PREFIXES)}
-    out = []
-    for cmd in found:
-        if cmd.toml or cmd.text in whole or not cmd.text.startswith(INLINE_PREFIXES):
-            out.append(cmd)
-            continue
-        full = next((w for w in whole if w.startswith(cmd.text)), cmd.text)
-        out.append(Command(cmd.step, full))
+    flush()
     return out
 
 
