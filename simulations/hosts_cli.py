@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except BedUnavailable as exc:
         print(f"simulations hosts: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a step of the deployment failed: its command and output
+        print(f"simulations hosts: the deployment failed: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report))
     else:
