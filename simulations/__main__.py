@@ -1,5 +1,5 @@
-"""`python -m simulations swim|fanout|cluster|chaos|stopping|election|freshness|hostcut ...` (each
-with --help)."""
+"""`python -m simulations swim|fanout|cluster|chaos|stopping|election|freshness|hostcut|hosts
+...` (each with --help)."""
 
 from __future__ import annotations
 
@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         from simulations.hostcut import main as hostcut_main
 
         return hostcut_main(argv[1:])
+    if argv and argv[0] == "hosts":
+        from simulations.hosts_cli import main as hosts_main
+
+        return hosts_main(argv[1:])
     if argv and argv[0] == "election":
         from simulations.election_cli import main as election_main
 
@@ -86,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("chaos", help="real daemons serving tasks through SIGKILL and SIGTERM")
     sub.add_parser("election", help="real etcd and daemons electing a leader through faults")
     sub.add_parser("hostcut", help="a host of daemons cut off and healed, over many seeds")
+    sub.add_parser("hosts", help="hosts as network namespaces, deployed as OPERATIONS.md says")
     sub.add_parser("stopping", help="what stopping one daemon under load costs its producers")
     sub.add_parser("fanout", help="whole daemons (membership, fan-out, owners) in virtual time")
     args = parser.parse_args(argv)
