@@ -588,14 +588,16 @@ class Ingress:
                     raise
                 me.uncancel()
                 continue
-            if not self.book.start(owned):
-                continue  # withdrawn while it was queued
-            task_id = owned.task.id
-            self._workers[task_id] = me
-            try:
-                await self._run_job(owned)
-            finally:
-                del self._workers[task_id]
+            if self.book.start(owned):  # else withdrawn while it was queued
+                task_id = owned.task.id
+                self._workers[task_id] = me
+                try:
+                    await self._run_job(owned)
+                finally:
+                    del self._workers[task_id]
+            # Not held while waiting for the next: each idle worker (concurrency_max of them)
+            # would keep its last task's prompt alive (256 x 900 KB prompts: issue 24).
+            del owned
 
     async def expire_forever(self) -> None:
         """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
