@@ -33,10 +33,16 @@ from gossipd.tools.launcher import DaemonProcess
 MIB = 1024 * 1024
 WORD = "x" * 10_000
 PROMPT = " ".join([WORD] * 90)  # 900 KB
-BUDGETS = {"pending_bytes_max": 32 * MIB, "results_cache_bytes_max": 16 * MIB,
-           "reply_queue_bytes_max": 16 * MIB}
-GAUGES = ("gossipd_tasks_pending_bytes", "gossipd_results_cached_bytes",
-          "gossipd_replies_queued_bytes")
+BUDGETS = {
+    "pending_bytes_max": 32 * MIB,
+    "results_cache_bytes_max": 16 * MIB,
+    "reply_queue_bytes_max": 16 * MIB,
+}
+GAUGES = (
+    "gossipd_tasks_pending_bytes",
+    "gossipd_results_cached_bytes",
+    "gossipd_replies_queued_bytes",
+)
 
 
 def rss_mib(pid: int, key: str = "VmRSS") -> float:
@@ -109,8 +115,14 @@ class Producer:
         self.push.connect(endpoint)
 
     def send(self, task_id: str, prompt: str, max_tokens: int) -> None:
-        task = {"v": 1, "t": 1, "id": task_id, "prompt": prompt, "reply_to": self.reply_to,
-                "params": {"max_tokens": max_tokens}}
+        task = {
+            "v": 1,
+            "t": 1,
+            "id": task_id,
+            "prompt": prompt,
+            "reply_to": self.reply_to,
+            "params": {"max_tokens": max_tokens},
+        }
         self.push.send(msgpack.packb(task))
 
     def results(self, ids: set[str], timeout_s: float) -> dict[str, dict[str, Any]]:
@@ -181,16 +193,18 @@ def run_bursts(
                 for r in results.values():
                     code = "ok" if r["ok"] else r["error"]["code"]
                     codes[code] = codes.get(code, 0) + 1
-                rows.append({
-                    "burst": b + 1,
-                    "peak_mib": round(rss_mib(daemon.pid, "VmHWM"), 1),
-                    "settled_mib": round(settled, 1),
-                    "answered": len(results),
-                    "codes": codes,
-                    "seconds": round(elapsed_s, 1),
-                    "where_mib": where_mib(daemon.pid),
-                    **{g.removeprefix("gossipd_"): metrics.get(g, 0.0) for g in GAUGES},
-                })
+                rows.append(
+                    {
+                        "burst": b + 1,
+                        "peak_mib": round(rss_mib(daemon.pid, "VmHWM"), 1),
+                        "settled_mib": round(settled, 1),
+                        "answered": len(results),
+                        "codes": codes,
+                        "seconds": round(elapsed_s, 1),
+                        "where_mib": where_mib(daemon.pid),
+                        **{g.removeprefix("gossipd_"): metrics.get(g, 0.0) for g in GAUGES},
+                    }
+                )
         finally:
             producer.close()
             daemon.stop(timeout_s=15)
@@ -218,9 +232,14 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.env)
-    out = run_bursts(bursts=args.bursts, tasks=args.tasks, max_tokens=args.max_tokens,
-                     curve=not args.plain,
-                     overrides=args.set, env=env)
+    out = run_bursts(
+        bursts=args.bursts,
+        tasks=args.tasks,
+        max_tokens=args.max_tokens,
+        curve=not args.plain,
+        overrides=args.set,
+        env=env,
+    )
     if args.json:
         print(json.dumps(out))
         return 0
