@@ -65,6 +65,10 @@ DEADLINE_RESOLUTION_S = 0.01
 # out to bytes rather than decoded from its buffer.
 USER_ID = b"User-Id"
 COPY_BYTES_MAX = 64 * 1024
+ID_IN_USE_MESSAGE = (
+    "this task id is in use by another producer's task (pending or recently answered): "
+    "choose another id"
+)
 
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
 # core/admission.py).
@@ -93,12 +97,15 @@ class IngressLinks:
       if one took it);
     - ``cancel_elsewhere(task_id, producer_key)``: passes a Cancel on to the member running a
       forwarded task: "forwarded", "refused" (another key's task) or None (not known);
+    - ``forwarded_for_other(task)``: True if a task with its id that another key submitted
+      is being forwarded from here, or ran elsewhere and is not reported done;
     - ``admin(request, now)``: answers an operator's StatusQuery or Drain (ops/admin.py).
     """
 
     router: Callable[[Task, float], bool] | None = None
     rescue: Callable[[Task, float], Awaitable[bool]] | None = None
     cancel_elsewhere: Callable[[str, str], str | None] | None = None
+    forwarded_for_other: Callable[[Task], bool] | None = None
     admin: Callable[[StatusQuery | Drain, float], None] | None = None
 
 
@@ -339,12 +346,24 @@ class Ingress:
             self._send_error(task, ErrorCode.OVER_BUDGET, gate.refusal(task), retry_after_ms)
             return
         router = self.links.router
+        if router is not None and self._id_held_by_other(task):
+            self._refused[ErrorCode.ID_IN_USE.value] += 1
+            self._send_error(task, ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE)
+            return
         if router is not None and router(task, now):
             return  # another member owns it: the dispatcher forwards it
         verdict = self.admit(task, now, answer=True, now=now)
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
+
+    def _id_held_by_other(self, task: Task) -> bool:
+        """The task's id is another producer key's here: pending or cached, or forwarded
+        from here and not reported done (docs/PROTOCOL.md "An id is its producer's")."""
+        if self.admission.held_by_other(task.id, task.producer_key):
+            return True
+        forwarded = self.links.forwarded_for_other
+        return forwarded is not None and forwarded(task)
 
     def _handle_tasks(
         self, batch: Tasks, size: int, now: float, producer_key: str, in_tasks: bool
@@ -413,8 +432,7 @@ class Ingress:
                 self._send_error(
                     task,
                     ErrorCode.ID_IN_USE,
-                    "this task id is in use by another producer's task (pending or recently "
-                    "answered): choose another id",
+                    ID_IN_USE_MESSAGE,
                 )
         elif verdict is Verdict.SHUTTING_DOWN:
             self._refused[ErrorCode.SHUTTING_DOWN.value] += 1
