@@ -23,9 +23,7 @@ from tests.test_curve import CurveProducer, Keys, curve_daemon, metric
 REFUSED_CANCELS = "gossipd_cancels_total{outcome=refused}"
 
 
-def curve_pair(
-    daemon_factory: Any, keys: Keys, *extra: str
-) -> tuple[DaemonProcess, DaemonProcess]:
+def curve_pair(daemon_factory: Any, keys: Keys, *extra: str) -> tuple[DaemonProcess, DaemonProcess]:
     s0 = curve_daemon(daemon_factory, keys, "s0", *extra)
     s1 = curve_daemon(
         daemon_factory, keys, "s1", f'gossip.seeds=["s0@{s0.gossip_endpoint}"]', *extra
