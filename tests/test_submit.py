@@ -175,3 +175,22 @@ def test_a_client_refuses_an_id_the_daemon_would_refuse_before_sending(task_id: 
             assert client.statistics().submitted == 0
 
     asyncio.run(main())
+
+
+def test_a_daemon_started_without_a_log_dir_writes_nothing_into_tmp_under_pytest() -> None:
+    """Issue 24: test runs left gossipd-* directories in /tmp (tests/conftest.py points
+    TMPDIR at pytest's own base temp for the session, subprocesses included)."""
+    import tempfile
+
+    from gossipd.tools.launcher import DaemonProcess
+
+    root = Path(tempfile.gettempdir())
+    assert root != Path("/tmp") and "pytest" in str(root), root
+    daemon = DaemonProcess()
+    assert daemon.log_path.parent.parent == root, daemon.log_path
+    code = "import tempfile; print(tempfile.gettempdir())"
+    import subprocess
+    import sys
+
+    seen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert Path(seen.stdout.strip()) == root
