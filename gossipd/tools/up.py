@@ -151,7 +151,8 @@ class LocalCluster:
                 for d in waiting:
                     events = d.events()
                     last = events[-1].get("msg", "") if events else "nothing logged yet"
-                    say(f"  {d.name} still starting ({now - started:.0f} s): {str(last)[:100]}")
+                    last = " ".join(str(last).split())[:100]  # one line
+                    say(f"  {d.name} still starting ({now - started:.0f} s): {last}")
             for d in list(waiting):
                 assert d.proc is not None
                 if d.proc.poll() is not None:
