@@ -582,6 +582,7 @@ class Daemon:
         gossip.listeners.append(dispatcher.member_event)
         self.links.router = dispatcher.route
         self.links.cancel_elsewhere = dispatcher.cancel_forwarded
+        self.links.forwarded_for_other = forwarder.forwarded_for_other
         self.links.rescue = dispatcher.hand_off
         ingress.on_admitted.append(placer.record_prefix)
         ingress.on_released.append(dispatcher.task_finished)

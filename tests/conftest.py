@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,27 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_pytests_own_directory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Path]:
+    """What tests start without a directory of their own (the benchmarks run by
+    tests/test_bench.py: their daemons' logs, clusters and key pairs; a killed vLLM daemon's
+    logging config) is made with ``tempfile`` and kept for its logs: under pytest it goes to
+    this session's base temp, which pytest removes after 3 more runs, not to /tmp (issue 24:
+    test runs left ``gossipd-*`` directories there). TMPDIR reaches the subprocesses too."""
+    root = tmp_path_factory.mktemp("tmp")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(root)
+    tempfile.tempdir = None  # read TMPDIR again
+    yield root
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
 
 
 @pytest.fixture

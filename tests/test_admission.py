@@ -33,8 +33,12 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @rule(task_id=IDS, producer=PRODUCERS)
     def offer(self, task_id: str, producer: str) -> None:
-        verdict, cached = self.adm.offer(task_id, producer=producer)
         held = task_id in self.pending or task_id in self.done
+        # What an entry daemon asks before forwarding: the same answer as offer's CONFLICT.
+        assert self.adm.held_by_other(task_id, producer) == (
+            held and self.producer[task_id] != producer
+        )
+        verdict, cached = self.adm.offer(task_id, producer=producer)
         if held and self.producer[task_id] != producer:
             assert verdict is Verdict.CONFLICT and cached is None
         elif task_id in self.pending:

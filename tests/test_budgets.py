@@ -315,3 +315,21 @@ def test_a_daemon_fed_large_prompts_and_results_stays_within_its_byte_budgets(
     # What stays: the results cache (one budget) over the baseline, and some slack (the
     # allocator, ZeroMQ). Before the budgets and ops/memory.py: 289 MiB from 36.
     assert settled < baseline + BUDGET_MIB + 20, (baseline, settled, peak)
+
+
+@pytest.mark.timeout(120)
+def test_rss_settles_under_the_documented_bound_after_each_of_5_bursts_over_curve(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 24: 5 bursts of 150 x 900 KB prompts from an authorised CURVE producer, budgets
+    pending 32 MiB, cache 16, replies 16 (scripts/memory_bursts.py). Before the fix each
+    idle worker kept its last prompt: settled RSS rose by ~15 MiB a burst (85 -> 150)."""
+    from scripts.memory_bursts import run_bursts
+
+    out = run_bursts(bursts=5, tasks=150, log_dir=tmp_path)
+    print(out)
+    for row in out["bursts"]:
+        assert row["answered"] == 150, row
+        assert row["results_cached_bytes"] <= 16 * 1024 * 1024
+        # docs/OPERATIONS.md "Memory budgets": baseline + the results cache's budget + 20 MiB.
+        assert row["settled_mib"] < out["bound_mib"], (out["baseline_mib"], row)

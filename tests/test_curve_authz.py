@@ -1,7 +1,8 @@
 """Who may do what to a task under CURVE, with real daemons (docs/PROTOCOL.md, "Cancel" and
 "Delivery"): only the producer key that submitted a task may cancel it, on the daemon it
-entered and at the member it was forwarded to; a task id is its producer's, so another key
-neither gets its cached Result nor has its own task absorbed into it.
+entered and at the member it was forwarded to; a task is its key and its id, so another key
+neither gets its cached Result nor has its own task absorbed into it: refused id_in_use
+where both meet on one member (entry or owner), two tasks where they do not.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from tests.test_curve import CurveProducer, Keys, curve_daemon, metric
 REFUSED_CANCELS = "gossipd_cancels_total{outcome=refused}"
 
 
-def curve_pair(
-    daemon_factory: Any, keys: Keys, *extra: str
-) -> tuple[DaemonProcess, DaemonProcess]:
+def curve_pair(daemon_factory: Any, keys: Keys, *extra: str) -> tuple[DaemonProcess, DaemonProcess]:
     s0 = curve_daemon(daemon_factory, keys, "s0", *extra)
     s1 = curve_daemon(
         daemon_factory, keys, "s1", f'gossip.seeds=["s0@{s0.gossip_endpoint}"]', *extra
@@ -141,8 +140,80 @@ def test_a_task_id_is_its_producers_and_another_key_gets_id_in_use(
         again = {r["id"]: r for r in a.results(2, timeout_s=10)}
         assert again["done-there"]["ok"] and "secret" in again["done-there"]["text"]
         assert again["pending-there"]["ok"]
-        assert metric(s0, "gossipd_messages_refused_total{reason=id_in_use}") == 1
-        assert metric(s1, "gossipd_messages_refused_total{reason=id_in_use}") == 2
+        # "pending-there" is refused at s0, which forwarded A's and answers for it until its
+        # TaskDone; "done-there" at its owner s1 (s0 forgot A's once it was done).
+        assert metric(s0, "gossipd_messages_refused_total{reason=id_in_use}") == 2
+        assert metric(s1, "gossipd_messages_refused_total{reason=id_in_use}") == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_same_id_from_two_keys_on_two_members_is_two_tasks_each_its_producers(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """docs/PROTOCOL.md "An id is its producer's": no member holds both tasks (A's entered
+    and runs at s0, B's at s1), so both run; each producer gets its own Result only, and
+    neither can cancel the other's, at either member."""
+    keys = Keys(tmp_path, peers=["s0", "s1"], producers=["pa", "pb"])
+    s0, s1 = curve_pair(daemon_factory, keys, *SLOW_DAEMONS)
+    a = CurveProducer(s0.endpoint, keys.pair("pa"), keys.public("s0"))
+    a_at_s1 = CurveProducer(s1.endpoint, keys.pair("pa"), keys.public("s1"))
+    b = CurveProducer(s1.endpoint, keys.pair("pb"), keys.public("s1"))
+    b_at_s0 = CurveProducer(s0.endpoint, keys.pair("pb"), keys.public("s0"))
+    try:
+        a.send_task("same", prompt="alpha", key=key_owned_by("s0"), **SLOW)
+        b.send_task("same", prompt="beta", key=key_owned_by("s1"), **SLOW)
+        wait_until(lambda: metric(s0, "gossipd_tasks_pending") == 1, 10, "s0 runs A's")
+        wait_until(lambda: metric(s1, "gossipd_tasks_pending") == 1, 10, "s1 runs B's")
+        # Each key's Cancel at the member running the other's task (at its own member the
+        # id names its own task: that one it may cancel).
+        cancel(b_at_s0, "same")
+        cancel(a_at_s1, "same")
+        wait_until(lambda: metric(s0, REFUSED_CANCELS) >= 1, 5, "s0 refuses B's cancel")
+        wait_until(lambda: metric(s1, REFUSED_CANCELS) >= 1, 5, "s1 refuses A's cancel")
+        got_a = a.results(1, timeout_s=15)
+        got_b = b.results(1, timeout_s=15)
+        assert len(got_a) == 1 and got_a[0]["ok"] and got_a[0]["node"] == "s0", got_a
+        assert len(got_b) == 1 and got_b[0]["ok"] and got_b[0]["node"] == "s1", got_b
+        assert set(got_a[0]["text"].split()) == {"alpha"}
+        assert set(got_b[0]["text"].split()) == {"beta"}
+        assert metric(s0, REFUSED_CANCELS) == 1 == metric(s1, REFUSED_CANCELS)
+        assert metric(s0, "gossipd_cancels_total{outcome=here}") == 0
+        assert metric(s1, "gossipd_cancels_total{outcome=here}") == 0
+        # Nothing more anywhere: no cross delivery, no second answer.
+        for p in (a, a_at_s1, b, b_at_s0):
+            assert p.results(1, timeout_s=0.3) == []
+    finally:
+        for p in (a, a_at_s1, b, b_at_s0):
+            p.close()
+
+
+def test_an_entry_member_refuses_an_id_it_runs_or_forwards_for_another_key(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """Where both tasks meet on one member, the entry daemon included: A's task forwarded
+    from s0 to s1 (s0 answers for it until its TaskDone), and A's task run at s0; B's task
+    with the same id, entering at s0 and placed on the other member, gets id_in_use."""
+    keys = Keys(tmp_path, peers=["s0", "s1"], producers=["pa", "pb"])
+    s0, s1 = curve_pair(daemon_factory, keys, *SLOW_DAEMONS)
+    a = CurveProducer(s0.endpoint, keys.pair("pa"), keys.public("s0"))
+    b = CurveProducer(s0.endpoint, keys.pair("pb"), keys.public("s0"))
+    try:
+        a.send_task("forwarded", prompt="alpha", key=key_owned_by("s1"), **SLOW)
+        a.send_task("run-here", prompt="alpha", key=key_owned_by("s0"), **SLOW)
+        wait_until(lambda: metric(s1, "gossipd_tasks_pending") == 1, 10, "s1 runs one")
+        wait_until(lambda: metric(s0, "gossipd_tasks_pending") == 1, 10, "s0 runs one")
+        b.send_task("forwarded", prompt="beta", key=key_owned_by("s0"), params={"max_tokens": 2})
+        b.send_task("run-here", prompt="beta", key=key_owned_by("s1"), params={"max_tokens": 2})
+        refused = {r["id"]: r for r in b.results(2, timeout_s=10)}
+        assert sorted(refused) == ["forwarded", "run-here"]
+        for r in refused.values():
+            assert not r["ok"] and r["error"]["code"] == "id_in_use", r
+        assert metric(s0, "gossipd_messages_refused_total{reason=id_in_use}") == 2
+        mine = {r["id"]: r for r in a.results(2, timeout_s=15)}
+        assert sorted(mine) == ["forwarded", "run-here"]
+        assert all(r["ok"] and set(r["text"].split()) == {"alpha"} for r in mine.values())
     finally:
         a.close()
         b.close()

@@ -52,3 +52,27 @@ def test_progress_shows_an_eta_while_items_remain() -> None:
     progress._started -= 10.0  # 10 s ago: 25 done, so 75 more take about 30 s
     progress.update(25, force=True)
     assert "25/100" in out.getvalue() and "ETA 30s" in out.getvalue()
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_progress_prints_its_last_line_once(tty: bool) -> None:
+    """Issue 24: close() after the last update used to write the same line again."""
+
+    class Stream(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    out = Stream()
+    progress = Progress(3, "submit", stream=out)
+    progress.update(1, "ok=1", force=True)
+    progress.update(3, "ok=3", force=True)
+    progress.close(3, "ok=3")
+    lines = [x for x in out.getvalue().replace("\r", "\n").splitlines() if x]
+    assert [x.split()[2] for x in lines] == ["1/3", "3/3"], lines
+    assert out.getvalue().endswith("\n")
+    # A close that says more than the last line does write it.
+    out = Stream()
+    progress = Progress(3, "submit", stream=out)
+    progress.update(2, "ok=2", force=True)
+    progress.close(3, "ok=3")
+    assert out.getvalue().count("3/3") == 1

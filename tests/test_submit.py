@@ -105,3 +105,92 @@ def test_submit_stream_ends_with_a_status_line(daemon_factory) -> None:
     assert proc.returncode == 0 and proc.stdout == "a b c a\n"
     status = proc.stderr.strip().splitlines()[-1]
     assert status.startswith("[ok: 4 chunks from ") and "total" in status, proc.stderr
+
+
+def test_submit_file_does_not_send_lines_whose_id_the_daemon_would_refuse(
+    daemon_factory,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    """Issue 24: a 146-character id was sent, refused bad_request (answered with another id)
+    and resubmitted for 32 s; an empty id was accepted. Ids are 1..128 characters."""
+    port = free_tcp_port()
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}")
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "results.jsonl"
+    lines = [
+        {"id": "x" * 146, "prompt": "too long an id"},
+        {"id": "", "prompt": "an empty id"},
+        {"id": "y" * 128, "prompt": "a b", "params": {"max_tokens": 2}},
+    ]
+    tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    started = time.monotonic()
+    proc = gossipd_cli(
+        "submit", "-e", daemon.endpoint, "--file", str(tasks), "--out", str(out), "--no-progress"
+    )
+    elapsed_s = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr
+    assert elapsed_s < 10, elapsed_s
+    rows = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows[1]["error"]["code"] == "bad_request" and "128" in rows[1]["error"]["message"]
+    assert rows[2]["error"]["code"] == "bad_request" and "1" in rows[2]["error"]["message"]
+    assert rows[3]["ok"] and rows[3]["id"] == "y" * 128
+    assert "2 tasks" not in proc.stdout and "failed: bad_request=2" in proc.stdout
+    from gossipd.ops.scrape import scrape
+
+    assert scrape(port)["gossipd_messages_received_total"] == 1  # the invalid lines: not sent
+
+
+def test_submit_file_that_cannot_be_read_says_so_without_a_traceback(tmp_path: Path) -> None:
+    proc = gossipd_cli("submit", "--file", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 2
+    assert "cannot read" in proc.stderr and "missing.jsonl" in proc.stderr
+    assert "No such file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """`gossipd check-config | head`: the reader gone, the command ends without a traceback,
+    with 141 (128 + SIGPIPE) as a shell reports a tool killed by SIGPIPE."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossipd", "check-config"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # no reader: every write fails with EPIPE
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=30) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+@pytest.mark.parametrize("task_id", ["", "z" * 129])
+def test_a_client_refuses_an_id_the_daemon_would_refuse_before_sending(task_id: str) -> None:
+    from gossipd.errors import LocalProtocolError
+
+    async def main() -> None:
+        async with Client(["tcp://127.0.0.1:9"]) as client:
+            with pytest.raises(LocalProtocolError, match=r"1\.\.128 characters"):
+                await client.submit("p", task_id=task_id)
+            assert client.statistics().submitted == 0
+
+    asyncio.run(main())
+
+
+def test_a_daemon_started_without_a_log_dir_writes_nothing_into_tmp_under_pytest() -> None:
+    """Issue 24: test runs left gossipd-* directories in /tmp (tests/conftest.py points
+    TMPDIR at pytest's own base temp for the session, subprocesses included)."""
+    import tempfile
+
+    from gossipd.tools.launcher import DaemonProcess
+
+    root = Path(tempfile.gettempdir())
+    assert root != Path("/tmp") and "pytest" in str(root), root
+    daemon = DaemonProcess()
+    assert daemon.log_path.parent.parent == root, daemon.log_path
+    code = "import tempfile; print(tempfile.gettempdir())"
+    import subprocess
+    import sys
+
+    seen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert Path(seen.stdout.strip()) == root

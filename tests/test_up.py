@@ -55,6 +55,26 @@ def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None
     for pid in summary["pids"]:
         assert not processes_in_group(pid), f"processes left in group {pid}"
     assert "leader: none (election off" in summary["final_status"]
+    # Issue 24: every daemon in every phase (0 said, not left out), the streamed prompts
+    # counted, and the status table's SERVED beside the Results, each daemon named.
+    names = ["gpu0", "gpu1", "gpu2"]
+    phases = summary["served_by_phase"]
+    assert list(phases) == [
+        "streamed prompts",
+        "before the kill",
+        "victim down",
+        "after the restart",
+    ]
+    assert all(sorted(counts) == names for counts in phases.values()), phases
+    assert sum(phases["streamed prompts"].values()) == 3
+    assert summary["results_by_daemon"] == {
+        n: summary["served_by"].get(n, 0) + phases["streamed prompts"][n] for n in names
+    }
+    since_start = summary["served_since_start"]
+    assert sorted(since_start) == names and all(isinstance(v, int) for v in since_start.values())
+    for n in names:
+        if n != summary["victim"]:  # it ran what it sent, and maybe more (answered twice)
+            assert since_start[n] >= summary["results_by_daemon"][n], summary
 
 
 def test_up_with_etcd_elects_a_leader_that_status_names(tmp_path, etcd) -> None:  # type: ignore[no-untyped-def]
@@ -111,3 +131,25 @@ def test_up_stops_every_daemon_on_sigterm(tmp_path) -> None:  # type: ignore[no-
     assert len(pids) == 2
     for pid in pids:
         assert not processes_in_group(pid)
+
+
+def test_up_says_which_daemons_are_still_starting_while_it_waits(tmp_path: Path) -> None:
+    """Issue 24: vLLM's load (minutes on CPUs) printed nothing until "serving". A daemon held
+    stopped (SIGSTOP) never serves: wait_ready says every heartbeat that it still starts."""
+    import io
+
+    from gossipd.tools.up import LocalCluster, Say
+
+    cluster = LocalCluster(1, engine_overrides=["engine.kind=echo"], log_dir=tmp_path)
+    daemon = cluster.daemons[0]
+    cluster.launch(daemon)
+    daemon.pause()
+    out = io.StringIO()
+    try:
+        with pytest.raises(TimeoutError, match="gpu0 did not start"):
+            cluster.wait_ready([daemon], 1.0, Say(out), heartbeat_s=0.3)
+    finally:
+        daemon.resume()
+        cluster.stop(timeout_s=15)
+    notes = [x for x in out.getvalue().splitlines() if "gpu0 still starting" in x]
+    assert len(notes) >= 2, out.getvalue()

@@ -183,6 +183,15 @@ class Admission:
         self._admitted += 1
         return _ADMIT, None
 
+    def held_by_other(self, task_id: str, producer: str) -> bool:
+        """Rule 1a without offering: ``task_id`` is pending or cached here for another key
+        (an entry daemon asks before it forwards a task elsewhere)."""
+        pending = self._pending.get(task_id)
+        if pending is not None:
+            return pending[1] != producer
+        cached = self._done.get(task_id)
+        return cached is not None and cached[2] != producer
+
     def finish(self, task_id: str, result: Result, *, remember: bool = True) -> None:
         """Record the final result of an admitted task.  ``remember=False`` (for a task
         refused at shutdown) lets a resubmission run it again elsewhere or later."""

@@ -282,6 +282,16 @@ class Forwarder:
         self._attempt(dispatch, owner, now)
         return _TAKEN
 
+    def forwarded_for_other(self, task: Task) -> bool:
+        """Rule 6's id_in_use as far as this member knows: it is forwarding ``task``'s id,
+        or answers for it until its TaskDone, for another producer key (the ingress refuses
+        the task then)."""
+        d = self._flying.get(task.id)
+        if d is not None and d.task.producer_key != task.producer_key:
+            return True
+        entry = self.ledger.get(task.id)
+        return entry is not None and entry.task.producer_key != task.producer_key
+
     def hand_off(self, task: Task, received_at: float, now: float) -> None:
         """Give an admitted task to another member; a HandedOff event tells the outcome."""
         me = frozenset({self.node})

@@ -65,6 +65,10 @@ DEADLINE_RESOLUTION_S = 0.01
 # out to bytes rather than decoded from its buffer.
 USER_ID = b"User-Id"
 COPY_BYTES_MAX = 64 * 1024
+ID_IN_USE_MESSAGE = (
+    "this task id is in use by another producer's task (pending or recently answered): "
+    "choose another id"
+)
 
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
 # core/admission.py).
@@ -93,6 +97,8 @@ class IngressLinks:
       if one took it);
     - ``cancel_elsewhere(task_id, producer_key)``: passes a Cancel on to the member running a
       forwarded task: "forwarded", "refused" (another key's task) or None (not known);
+    - ``forwarded_for_other(task)``: True if a task with its id that another key submitted
+      is being forwarded from here, or ran elsewhere and is not reported done;
     - ``admin(request, now, producer_key)``: answers an operator's StatusQuery or Drain
       (ops/admin.py), with CURVE over a connection to the asking producer's key.
     """
@@ -100,6 +106,7 @@ class IngressLinks:
     router: Callable[[Task, float], bool] | None = None
     rescue: Callable[[Task, float], Awaitable[bool]] | None = None
     cancel_elsewhere: Callable[[str, str], str | None] | None = None
+    forwarded_for_other: Callable[[Task], bool] | None = None
     admin: Callable[[StatusQuery | Drain, float, str], None] | None = None
 
 
@@ -340,12 +347,24 @@ class Ingress:
             self._send_error(task, ErrorCode.OVER_BUDGET, gate.refusal(task), retry_after_ms)
             return
         router = self.links.router
+        if router is not None and self._id_held_by_other(task):
+            self._refused[ErrorCode.ID_IN_USE.value] += 1
+            self._send_error(task, ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE)
+            return
         if router is not None and router(task, now):
             return  # another member owns it: the dispatcher forwards it
         verdict = self.admit(task, now, answer=True, now=now)
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
+
+    def _id_held_by_other(self, task: Task) -> bool:
+        """The task's id is another producer key's here: pending or cached, or forwarded
+        from here and not reported done (docs/PROTOCOL.md "An id is its producer's")."""
+        if self.admission.held_by_other(task.id, task.producer_key):
+            return True
+        forwarded = self.links.forwarded_for_other
+        return forwarded is not None and forwarded(task)
 
     def _handle_tasks(
         self, batch: Tasks, size: int, now: float, producer_key: str, in_tasks: bool
@@ -414,8 +433,7 @@ class Ingress:
                 self._send_error(
                     task,
                     ErrorCode.ID_IN_USE,
-                    "this task id is in use by another producer's task (pending or recently "
-                    "answered): choose another id",
+                    ID_IN_USE_MESSAGE,
                 )
         elif verdict is Verdict.SHUTTING_DOWN:
             self._refused[ErrorCode.SHUTTING_DOWN.value] += 1
@@ -589,14 +607,16 @@ class Ingress:
                     raise
                 me.uncancel()
                 continue
-            if not self.book.start(owned):
-                continue  # withdrawn while it was queued
-            task_id = owned.task.id
-            self._workers[task_id] = me
-            try:
-                await self._run_job(owned)
-            finally:
-                del self._workers[task_id]
+            if self.book.start(owned):  # else withdrawn while it was queued
+                task_id = owned.task.id
+                self._workers[task_id] = me
+                try:
+                    await self._run_job(owned)
+                finally:
+                    del self._workers[task_id]
+            # Not held while waiting for the next: each idle worker (concurrency_max of them)
+            # would keep its last task's prompt alive (256 x 900 KB prompts: issue 24).
+            del owned
 
     async def expire_forever(self) -> None:
         """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""

@@ -7,6 +7,7 @@ tasks, run the demo and the benchmarks."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -408,7 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
+        return status
+    except BrokenPipeError:
+        # Read by `| head` that has stopped: end quietly, as other tools do (128 + SIGPIPE).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except ConfigError as exc:
         print(f"gossipd: configuration error: {exc}", file=sys.stderr)
         return 2

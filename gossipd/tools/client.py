@@ -40,6 +40,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
+    TASK_ID_CHARS_MAX,
     Cancel,
     Chunk,
     ErrorCode,
@@ -378,7 +379,7 @@ class Client:
             )
         task = Task(
             v=PROTOCOL_VERSION,
-            id=task_id or self.new_id(),
+            id=self.new_id() if task_id is None else task_id,
             key=key,
             prompt=prompt,
             params=params,
@@ -395,6 +396,10 @@ class Client:
             raise LocalProtocolError("open the Client (async with) before submitting")
         if task.id in self._outstanding:
             raise LocalProtocolError(f"task id {task.id!r} is already outstanding")
+        if not 1 <= len(task.id) <= TASK_ID_CHARS_MAX:  # the daemon would refuse it unanswerably
+            raise LocalProtocolError(
+                f"task id of {len(task.id)} characters: ids are 1..{TASK_ID_CHARS_MAX} characters"
+            )
         assert self._packer is not None
         if task.id.startswith(self._packer.pack_id_prefix):
             raise LocalProtocolError(

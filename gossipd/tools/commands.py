@@ -153,7 +153,12 @@ def _submit_file(
 ) -> int:
     from gossipd.tools import submit
 
-    numbered = submit.read_numbered_task_lines(args.file)
+    try:
+        numbered = submit.read_numbered_task_lines(args.file)
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8 text ({exc.reason})"
+        print(f"gossipd submit: cannot read {args.file}: {why}", file=sys.stderr)
+        return 2
     out = submit.ResultWriter(args.out) if args.out else None
 
     async def many() -> int:

@@ -36,6 +36,7 @@ class Progress:
         self._interval_s = 0.1 if self._tty else 2.0
         self._started = time.monotonic()
         self._last = 0.0
+        self._shown: tuple[int, str] | None = None  # (done, extra) of the last line written
 
     def update(self, done: int, extra: str = "", *, force: bool = False) -> None:
         if not self._enabled:
@@ -44,6 +45,7 @@ class Progress:
         if not force and now - self._last < self._interval_s:
             return
         self._last = now
+        self._shown = (done, extra)
         elapsed = max(now - self._started, 1e-9)
         width = 30
         filled = int(width * done / self.total) if self.total else width
@@ -62,7 +64,8 @@ class Progress:
         self._stream.flush()
 
     def close(self, done: int, extra: str = "") -> None:
-        self.update(done, extra, force=True)
+        if self._shown != (done, extra):  # else the last line already says it
+            self.update(done, extra, force=True)
         if self._enabled and self._tty:
             self._stream.write("\n")
             self._stream.flush()

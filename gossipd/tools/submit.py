@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import ErrorCode, Result, SamplingParams, error_result
+from gossipd.core.messages import ErrorCode, Result, SamplingParams, TaskId, error_result
 from gossipd.tools.client import Client, ProducerKeys, TaskHandle
 from gossipd.tools.progress import Progress, percentile
 
@@ -54,7 +54,7 @@ class SubmitReport:
 
 class _Line(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str
-    id: str | None = None
+    id: TaskId | None = None  # the daemon's rule (1..128 characters): else not sent
     key: str = ""
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False

@@ -130,11 +130,29 @@ class LocalCluster:
     def running(self) -> list[DaemonProcess]:
         return [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]
 
-    def wait_ready(self, daemons: list[DaemonProcess], timeout_s: float, say: Say) -> None:
-        """Return when each has logged "serving"; say each as it comes up."""
+    def wait_ready(
+        self,
+        daemons: list[DaemonProcess],
+        timeout_s: float,
+        say: Say,
+        *,
+        heartbeat_s: float = 15.0,
+    ) -> None:
+        """Return when each has logged "serving"; say each as it comes up, and every
+        ``heartbeat_s`` which are still starting and what each logged last (vLLM takes
+        minutes to load on CPUs: nothing long is silent)."""
         started = time.monotonic()
+        noted = started
         waiting = list(daemons)
         while waiting:
+            now = time.monotonic()
+            if now - noted >= heartbeat_s:
+                noted = now
+                for d in waiting:
+                    events = d.events()
+                    last = events[-1].get("msg", "") if events else "nothing logged yet"
+                    last = " ".join(str(last).split())[:100]  # one line
+                    say(f"  {d.name} still starting ({now - started:.0f} s): {last}")
             for d in list(waiting):
                 assert d.proc is not None
                 if d.proc.poll() is not None:
@@ -383,6 +401,7 @@ async def _demo(
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     latencies_ms: list[float] = []
     results: dict[str, Result] = {}
+    streamed = _Phase("streamed prompts")
     phases = [_Phase("before the kill"), _Phase("victim down"), _Phase("after the restart")]
     tail = max(1, opts.tasks // 10)
     half = (opts.tasks - tail) // 2
@@ -406,6 +425,7 @@ async def _demo(
             async for delta in handle.deltas():
                 say(delta.replace("\n", " "), end="")
             result = await handle.result()
+            streamed.results.append(result)
             say(
                 f"  <- {result.node}, {result.timings.total_ms:.0f} ms"
                 if result.ok
@@ -453,6 +473,19 @@ async def _demo(
     ok = sum(r.ok for r in results.values())
     lat = sorted(latencies_ms)
     served_by = Counter(r.node for r in results.values() if r.ok)
+    names = [d.name for d in cluster.daemons]
+
+    def by_node(rs: list[Result]) -> dict[str, int]:
+        """Every daemon, 0 for one that served none (a missing name read as "not counted")."""
+        counts = Counter(r.node for r in rs if r.ok)
+        return {n: counts.get(n, 0) for n in names} | dict(sorted(counts.items()))
+
+    # What each daemon says it ran since its last start (the status table's SERVED): the
+    # victim's count began again at its restart, and a task run twice counts at both.
+    since_start = {
+        r["node"]: r.get("load", {}).get("served")
+        for r in (status["members"] if status is not None else [])
+    }
     return {
         "nodes": len(cluster.daemons),
         "engine": kind,
@@ -471,9 +504,9 @@ async def _demo(
             "p99": round(percentile(lat, 99), 1) if lat else None,
         },
         "served_by": dict(sorted(served_by.items())),
-        "served_by_phase": {
-            p.name: dict(sorted(Counter(r.node for r in p.results if r.ok).items())) for p in phases
-        },
+        "served_by_phase": {p.name: by_node(p.results) for p in [streamed, *phases]},
+        "results_by_daemon": by_node([*streamed.results, *results.values()]),
+        "served_since_start": {n: since_start.get(n) for n in names},
         "elapsed_s": round(loop.time() - started, 1),
         "final_status": format_status(status) if status is not None else "",
         "log_dir": str(cluster.log_dir),
@@ -493,5 +526,18 @@ def print_summary(s: dict[str, Any], say: Say) -> None:
     for phase, counts in s["served_by_phase"].items():
         say(f"  {phase:<18} " + ", ".join(f"{n}: {c}" for n, c in counts.items()))
     say("  total              " + ", ".join(f"{n}: {c}" for n, c in s["served_by"].items()))
+    say(
+        "  with the streamed  "
+        + ", ".join(f"{n}: {c}" for n, c in s["results_by_daemon"].items())
+        + "  (each Result by the daemon that sent it)"
+    )
+    say(
+        "  status SERVED      "
+        + ", ".join(
+            f"{n}: {c if c is not None else '-'}" for n, c in s["served_since_start"].items()
+        )
+        + f"  (what each ran since its last start: {s['victim']}'s count began again at its"
+        " restart; a task run at two daemons, replayed from a journal or migrated, counts at both)"
+    )
     if s["errors"]:
         say(f"  errors: {s['errors']}")
