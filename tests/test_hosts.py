@@ -186,10 +186,10 @@ def test_a_short_nemesis_loses_nothing(bed: Bed) -> None:
         report = finish_producer(bed.d, producer, 120)
     assert report.get("lost") == 0 and report["sent"] > 500, (report, faults)
     cut = faults["partition"]
-    # The hosts left connected see the cut host go within 3 s (issue 24's goal; the cut host's
-    # own view is reported in cut_side_s, and checked by the benchmark's longer cut).
-    assert cut["other_side_s"] is not None and cut["other_side_s"] <= 3.0, cut
-    assert cut["all_alive_after_heal_s"] is not None, cut
+    # Both sides of the cut see it within 3 s, and all are alive within 5 s of the heal
+    # (issue 24's goals; docs/MEMBERSHIP.md has the rules that make the cut-off side see it).
+    assert cut["seen_by_both_sides_s"] is not None and cut["seen_by_both_sides_s"] <= 3.0, cut
+    assert cut["all_alive_after_heal_s"] is not None and cut["all_alive_after_heal_s"] <= 5.0, cut
     assert faults["kill"]["restarted_by_unit"] == GPUS, faults["kill"]
     terms = leaders_per_term(bed.d.units)
     assert all(len(leaders) == 1 for leaders in terms.values()), terms
