@@ -535,24 +535,31 @@ class Replies(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(
 _replies_decoder = msgspec.msgpack.Decoder(Chunk | Result | Replies)
 
 
-def pack_replies(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[bytes]:
-    """Encoded Chunks/Results for one reply address as few frames as ``bytes_max`` allows, in
-    order: a Replies frame for several, the reply itself for a lone one."""
-    out: list[bytes] = []
+def replies_groups(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[list[bytes]]:
+    """Encoded Chunks/Results for one reply address in order, cut into runs of at most
+    ``bytes_max`` bytes (a larger reply alone): each run is one frame (``replies_frame``)."""
+    out: list[list[bytes]] = []
     group: list[bytes] = []
     size = 0
     for frame in frames:
         if group and size + len(frame) > bytes_max:
-            out.append(_replies_frame(group))
+            out.append(group)
             group, size = [], 0
         group.append(frame)
         size += len(frame)
     if group:
-        out.append(_replies_frame(group))
+        out.append(group)
     return out
 
 
-def _replies_frame(items: list[bytes]) -> bytes:
+def pack_replies(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[bytes]:
+    """Encoded Chunks/Results for one reply address as few frames as ``bytes_max`` allows, in
+    order: a Replies frame for several, the reply itself for a lone one."""
+    return [replies_frame(group) for group in replies_groups(frames, bytes_max)]
+
+
+def replies_frame(items: list[bytes]) -> bytes:
+    """One frame for a run of encoded replies: a Replies frame, or the lone reply itself."""
     if len(items) == 1:
         return items[0]
     return b"".join((_REPLIES_HEAD, _array_head(len(items)), *items))
