@@ -109,3 +109,18 @@ def test_seed_takes_64_bit_integers_up_to_2_63_minus_1() -> None:
     assert decode_task(encode(top), bytes_max=LIMIT).params.seed == 2**63 - 1
     assert "seed" in refusal(task(params={"seed": 2**63})).hint
     assert "seed" in refusal(task(params={"seed": -1})).hint
+
+
+def test_strings_refuse_bin_and_bools_refuse_integers() -> None:
+    assert "$.prompt" in refusal(task(prompt=b"bytes")).hint
+    assert "$.stream" in refusal(task(stream=1)).hint
+    assert decode_task(task(stream=True), bytes_max=LIMIT).stream is True
+
+
+def test_echo_output_is_exactly_max_tokens_words_cycled_as_documented() -> None:
+    from gossipd.engines.echo import echo_tokens
+
+    assert echo_tokens("red green", 3) == ["red", " green", " red"]
+    assert echo_tokens("  a\t\x1cb\n", 4) == ["a", " b", " a", " b"]  # str.split() whitespace
+    assert echo_tokens(" \t", 2) == ["<empty>", " <empty>"]
+    assert echo_tokens("a\ufeffb", 1) == ["a\ufeffb"]  # U+FEFF is no space here
