@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from gossipd.core.messages import pack_replies
+from gossipd.core.messages import replies_frame, replies_groups
 from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
@@ -33,9 +33,7 @@ EVENTS = int(zmq.EVENTS)
 POLLIN = int(zmq.POLLIN)
 POLLOUT = int(zmq.POLLOUT)
 NOBLOCK = int(zmq.NOBLOCK)
-SNDMORE_NOBLOCK = int(zmq.SNDMORE) | NOBLOCK
 _REPLY = SocketKind.REPLY  # read per reply: a global (see core/admission.py on enums)
-_NONE: list[bytes] = []  # an empty default, never appended to
 
 RECHECK_S = 0.05
 
@@ -247,18 +245,23 @@ class ReplyStatistics:
 
 
 class _Peer:
-    __slots__ = ("batch", "endpoint", "flusher", "packed", "queue", "sock", "waiters")
+    __slots__ = ("batch", "endpoint", "flusher", "queue", "sock", "waiters")
 
     def __init__(self, endpoint: str, sock: zmq.Socket) -> None:
         self.endpoint = endpoint
         self.sock = sock
-        self.batch: list[bytes] = []  # sent together at the end of this loop turn
-        self.packed: list[bytes] = []  # also, but as Replies frames (``send(..., pack=True)``)
+        # Sent at the end of this loop turn, in order: a reply (bytes), or a run of replies
+        # sent with ``pack=True`` (a list), which leaves as Replies frames.
+        self.batch: list[bytes | list[bytes]] = []
         self.queue: deque[bytes] = deque()
         self.flusher: asyncio.Task[None] | None = None
         # when_sent callbacks: called once batch and queue are empty (handed to ZeroMQ, or
         # dropped).
         self.waiters: list[Callable[[], None]] = []
+
+    def held(self) -> int:
+        """Replies in the batch and the queue."""
+        return len(self.queue) + sum(1 if type(i) is bytes else len(i) for i in self.batch)
 
     def release_waiters(self) -> None:
         waiters, self.waiters = self.waiters, []
@@ -308,12 +311,15 @@ class ReplySender:
     counted, and the socket is closed.  A message that finds no room is dropped and counted
     at once.  Messages to one address keep their order.
 
-    Messages for one address within one turn of the event loop leave as one multipart
-    ZeroMQ message at the turn's end (each part still one Chunk or Result, so a producer
-    reading frame by frame sees no difference): when an engine step yields a token for 32
-    streamed tasks of one producer, that is one send and one wake-up of the producer instead
-    of 32.  When the last turn sent one reply at most (light load), a turn's first reply
-    leaves at once instead: a lone reply does not wait for the rest of the turn.
+    Messages for one address within one turn of the event loop leave together at the turn's
+    end, each its own one-frame ZeroMQ message (docs/PROTOCOL.md: a multipart message would
+    lose every part but the first at a producer that reads one frame per message, as
+    zeromq.js's ``for await (const [frame] of sock)`` does): when an engine step yields a
+    token for 32 streamed tasks of one producer, the 32 sends follow one another and libzmq's
+    I/O thread writes them out together.  When the last turn sent one reply at most (light
+    load), a turn's first reply leaves at once instead: a lone reply does not wait for the
+    rest of the turn.  Replies to one address leave in the order they were sent here (a
+    task's Chunks before its Result), whichever of them are packed.
 
     Replies sent with ``pack=True`` (tasks whose producer set ``batch_replies``) that leave
     together go as Replies frames instead, several in one frame (``messages.pack_replies``):
@@ -385,14 +391,17 @@ class ReplySender:
             self._pool.touch(_REPLY, endpoint)
             self._send_now(peer, [frame])
             return
-        if not (peer.batch or peer.packed):
+        batch = peer.batch
+        if not batch:
             # A use of the socket (LRU, idle close): once per turn, not per reply.
             self._pool.touch(_REPLY, endpoint)
             self._batched.append(peer)
-        if pack:
-            peer.packed.append(frame)
+        if not pack:
+            batch.append(frame)
+        elif batch and type(last := batch[-1]) is list:
+            last.append(frame)
         else:
-            peer.batch.append(frame)
+            batch.append([frame])
 
     def when_sent(self, endpoint: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` once nothing sent to ``endpoint`` so far is held here any more:
@@ -402,43 +411,56 @@ class ReplySender:
         task's Result: a forwarder that forgot a task whose Result never left could not
         migrate it)."""
         peer = self._peers.get(endpoint)
-        if peer is None or not (peer.batch or peer.packed or peer.queue):
+        if peer is None or not (peer.batch or peer.queue):
             callback()
         else:
             peer.waiters.append(callback)
 
     def _send_batches(self) -> None:
-        """End of the loop turn: each address's frames as one message, or into its queue."""
+        """End of the loop turn: each address's replies, one message each, or into its queue."""
         batched, self._batched = self._batched, []
         for peer in batched:
-            frames, peer.batch = peer.batch, []
-            packed, peer.packed = peer.packed, []
-            if not peer.sock.closed and (frames or packed):
-                self._send_now(peer, frames, packed)
+            batch, peer.batch = peer.batch, []
+            if not peer.sock.closed and batch:
+                self._send_now(peer, batch)
             if peer.waiters and not peer.queue:
                 peer.release_waiters()
 
-    def _send_now(self, peer: _Peer, frames: list[bytes], packed: list[bytes] = _NONE) -> None:
-        """``frames``, and ``packed`` as Replies frames, as one message; or all of them into
-        the address's queue (unpacked) if it cannot go now."""
+    def _send_now(self, peer: _Peer, batch: list[bytes | list[bytes]]) -> None:
+        """``batch``'s replies in order, each its own one-frame message (a packed run as
+        Replies frames); what cannot go now into the address's queue (unpacked), in order."""
         if not peer.queue:
-            parts = frames + pack_replies(packed) if packed else frames
+            send = peer.sock.send
+            done = 0
             try:
-                send = peer.sock.send
-                # Parts sent one by one, as send_multipart does, but with the flags as one
-                # int: pyzmq's ``SNDMORE | flags`` builds an IntFlag per part (~0.47 us,
-                # once per reply).  The first part's zmq.Again leaves nothing queued.
-                for frame in parts[:-1]:
-                    send(frame, SNDMORE_NOBLOCK)
-                send(parts[-1], NOBLOCK)
-                self._sent += len(frames) + len(packed)
+                for item in batch:
+                    if type(item) is bytes:
+                        send(item, NOBLOCK)
+                        self._sent += 1
+                    else:
+                        self._send_packed(send, item)  # type: ignore[arg-type]
+                    done += 1
                 return
             except zmq.Again:
-                pass  # nothing of a multipart message goes unless all of it does
-        for frame in frames:
-            self._enqueue(peer, frame)
-        for frame in packed:
-            self._enqueue(peer, frame)
+                batch = batch[done:]  # a packed run cut short holds only what did not go
+        for item in batch:
+            if type(item) is bytes:
+                self._enqueue(peer, item)
+            else:
+                for frame in item:
+                    self._enqueue(peer, frame)
+
+    def _send_packed(self, send: Callable[[bytes, int], Any], replies: list[bytes]) -> None:
+        """A run of packed replies as Replies frames; on zmq.Again, ``replies`` is left
+        holding those not sent, and it is raised."""
+        groups = replies_groups(replies)
+        for n, group in enumerate(groups):
+            try:
+                send(replies_frame(group), NOBLOCK)
+            except zmq.Again:
+                del replies[: sum(map(len, groups[:n]))]
+                raise
+            self._sent += len(group)
 
     def _enqueue(self, peer: _Peer, frame: bytes) -> None:
         if len(peer.queue) >= self._queue_max:
@@ -476,7 +498,7 @@ class ReplySender:
                     continue
         finally:
             peer.flusher = None
-        if peer.waiters and not (peer.batch or peer.packed):
+        if peer.waiters and not peer.batch:
             peer.release_waiters()
 
     def _on_socket_closed(self, endpoint: str, reason: CloseReason) -> None:
@@ -489,11 +511,10 @@ class ReplySender:
             self._closed_idle += 1
         if peer.flusher is not None:
             peer.flusher.cancel()
-        self._dropped_undeliverable += len(peer.queue) + len(peer.batch) + len(peer.packed)
+        self._dropped_undeliverable += peer.held()
         self._queued_bytes -= sum(map(len, peer.queue))
         peer.queue.clear()
         peer.batch.clear()
-        peer.packed.clear()
         peer.release_waiters()  # nothing is held for the address any more
 
     async def flush(self, timeout_s: float) -> None:
@@ -515,7 +536,7 @@ class ReplySender:
         return ReplyStatistics(
             sockets_open=len(self._peers),
             sent=self._sent,
-            queued=sum(len(p.queue) + len(p.batch) + len(p.packed) for p in self._peers.values()),
+            queued=sum(p.held() for p in self._peers.values()),
             dropped_undeliverable=self._dropped_undeliverable,
             dropped_queue_full=self._dropped_queue_full,
             sockets_closed_idle=self._closed_idle,

@@ -207,10 +207,23 @@ def test_RateLimiter_allows_burst_then_rate() -> None:
     assert limiter.allow() is True and limiter.allow() is False
 
 
+def _messages(pull: zmq.Socket, n: int) -> list[bytes]:
+    """The next ``n`` messages (blocking, 2 s each), asserting that each is one frame."""
+    got = []
+    for _ in range(n):
+        if not pull.poll(2000):
+            break
+        message = pull.recv_multipart()
+        assert len(message) == 1, f"a multipart message of {len(message)} parts"
+        got.append(message[0])
+    return got
+
+
 def test_ReplySender_sends_a_turns_first_reply_at_once_under_light_load() -> None:
     """Under light load a turn's first reply does not wait for the end of the turn (latency);
-    the replies that follow it in the same turn leave together as one multipart message (one
-    wake-up), and after a busy turn the whole next turn is batched."""
+    the replies that follow it in the same turn leave together at the turn's end, each its own
+    one-frame message (docs/PROTOCOL.md: "Each message is one ZeroMQ frame"), and after a
+    busy turn the whole next turn is batched."""
 
     async def main(ctx: zmq.Context) -> tuple[list[bytes], int, list[bytes]]:
         pull = ctx.socket(zmq.PULL)
@@ -224,24 +237,25 @@ def test_ReplySender_sends_a_turns_first_reply_at_once_under_light_load() -> Non
                 for i in range(5):  # one turn: no await in between
                     sender.send(endpoint, str(i).encode())
                 # Still inside the turn (blocking waits; the loop does not run).
-                first = pull.recv_multipart() if pull.poll(2000) else []
+                first = _messages(pull, 1)
                 before_turn_end = pull.poll(100)
                 await asyncio.sleep(0)  # the turn ends: the batch goes
-                rest = pull.recv_multipart() if pull.poll(2000) else []
+                rest = _messages(pull, 4)
                 # Under load (the last turn sent several) even a turn's first reply waits.
                 sender.send(endpoint, b"5")
                 busy_before_turn_end = pull.poll(100)
                 await asyncio.sleep(0)  # the turn ends: the batch goes
                 rest.append(b"|")
-                rest += pull.recv_multipart() if pull.poll(2000) else []
+                rest += _messages(pull, 1)
                 # That turn had one reply: light load again, the next one leaves at once.
                 sender.send(endpoint, b"6")
                 rest.append(b"|")
-                rest += pull.recv_multipart() if pull.poll(2000) else []
+                rest += _messages(pull, 1)
+                extra = pull.poll(100)
                 sender.stop()
         finally:
             sender.close(linger_ms=0)
-        return first, before_turn_end + busy_before_turn_end, rest
+        return first, before_turn_end + busy_before_turn_end + extra, rest
 
     first, before_turn_end, rest = run_with_context(main)
     assert first == [b"0"]
@@ -322,9 +336,10 @@ def test_ReplySender_when_sent_calls_back_only_once_the_address_holds_nothing() 
 
 
 def test_ReplySender_packs_a_turns_replies_to_an_address_into_one_Replies_frame() -> None:
-    """``pack=True`` replies that leave together arrive as one Replies frame, in order, next
-    to the unpacked replies of the same turn; the turn's first reply under light load still
-    leaves alone at once; ``sent`` counts replies, not frames."""
+    """``pack=True`` replies that leave together arrive as Replies frames, in the order they
+    were sent among the unpacked replies of the same turn (a packed run is cut where an
+    unpacked reply comes between), each its own one-frame message; the turn's first reply
+    under light load still leaves alone at once; ``sent`` counts replies, not frames."""
 
     async def main() -> tuple[list[bytes], int]:
         ctx = zmq.Context()
@@ -342,9 +357,8 @@ def test_ReplySender_packs_a_turns_replies_to_an_address_into_one_Replies_frame(
             sender.send(endpoint, b"unpacked")
             for frame in replies[20:]:
                 sender.send(endpoint, frame, True)
-            got: list[bytes] = []
-            while len(got) < 3:
-                got += await asyncio.wait_for(recv_batch(pull, 10), 5)
+            await asyncio.sleep(0)  # the turn ends: the batch goes
+            got = _messages(pull, 4)
             sender.stop()
         sent = sender.statistics().sent
         sender.close()
@@ -353,8 +367,9 @@ def test_ReplySender_packs_a_turns_replies_to_an_address_into_one_Replies_frame(
         return got, sent
 
     got, sent = asyncio.run(main())
-    lone, unpacked, packed = got
+    lone, before, unpacked, after = got
     assert decode_replies(lone) == [Result(id="t0", ok=True, text="0")]
+    assert [r.id for r in decode_replies(before)] == [f"t{i}" for i in range(1, 20)]
     assert unpacked == b"unpacked"
-    assert [r.id for r in decode_replies(packed)] == [f"t{i}" for i in range(1, 40)]
+    assert [r.id for r in decode_replies(after)] == [f"t{i}" for i in range(20, 40)]
     assert sent == 42

@@ -29,6 +29,9 @@ from gossipd.errors import RemoteProtocolError
 
 PROTOCOL_VERSION = 1
 
+# Every length limit on a string field counts Unicode code points (Python's len, msgspec's
+# max_length), never UTF-8 bytes nor UTF-16 units: an id of 128 emoji (512 bytes) is valid.
+# Only frame and memory limits count bytes (docs/PROTOCOL.md, "Types, units and limits").
 TASK_ID_CHARS_MAX = 128
 TASK_KEY_CHARS_MAX = 256
 ENDPOINT_CHARS_MAX = 256
@@ -251,7 +254,9 @@ class Result(
     """The one final answer for a task: ``ok`` with ``text``, or not ok with ``error``."""
 
     v: int = PROTOCOL_VERSION
-    id: Annotated[str, msgspec.Meta(max_length=TASK_ID_CHARS_MAX)]
+    # A task's id; a refusal's echoes the refused message's id as given, also an invalid one
+    # (empty, too long: bounded by the frame limit only), "" when it had no string id.
+    id: str
     ok: bool
     text: str = ""
     error: ErrorInfo | None = None
@@ -394,15 +399,22 @@ def error_result(
     task_id: str, code: ErrorCode, message: str, *, node: str = "", retry_after_ms: int = 0
 ) -> Result:
     return Result(
-        id=task_id[:TASK_ID_CHARS_MAX],
+        id=task_id,
         ok=False,
         error=ErrorInfo(code=code.value, message=message[:4096], retry_after_ms=retry_after_ms),
         node=node,
     )
 
 
-def _peek(data: bytes) -> tuple[Any, str, str]:
-    """Best effort: the raw object, and its id and reply_to when they are usable."""
+def _over(text: str, bytes_max: int) -> bool:
+    """``text`` encodes in more than ``bytes_max`` bytes (only in an oversized frame)."""
+    return 4 * len(text) > bytes_max and len(text.encode()) > bytes_max
+
+
+def _peek(data: bytes, bytes_max: int) -> tuple[Any, str, str]:
+    """Best effort: the raw object, its id as given when it is a string that fits the frame
+    limit (so the producer can tell which message was refused, even for an invalid id),
+    and its reply_to when it is usable."""
     try:
         obj = _any_decoder.decode(data)
     except (msgspec.DecodeError, RecursionError):
@@ -411,7 +423,8 @@ def _peek(data: bytes) -> tuple[Any, str, str]:
         return obj, "", ""
     task_id = obj.get("id")
     reply_to = obj.get("reply_to")
-    task_id = task_id if isinstance(task_id, str) and 0 < len(task_id) <= TASK_ID_CHARS_MAX else ""
+    if not isinstance(task_id, str) or _over(task_id, bytes_max):
+        task_id = ""
     if not (
         isinstance(reply_to, str)
         and len(reply_to) <= ENDPOINT_CHARS_MAX
@@ -439,7 +452,7 @@ def _decode_from_producer(
     decoder: msgspec.msgpack.Decoder, data: bytes, bytes_max: int, peer: str
 ) -> Any:
     if len(data) > bytes_max:
-        _, task_id, reply_to = _peek(data)
+        _, task_id, reply_to = _peek(data, bytes_max)
         raise RemoteProtocolError(
             f"message of {len(data)} bytes exceeds the limit of {bytes_max} bytes",
             code=ErrorCode.BAD_REQUEST,
@@ -451,7 +464,7 @@ def _decode_from_producer(
     try:
         task = decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
-        obj, task_id, reply_to = _peek(data)
+        obj, task_id, reply_to = _peek(data, bytes_max)
         reason = ""
         kind = obj.get("t") if isinstance(obj, dict) else None
         if obj is None:
@@ -540,24 +553,31 @@ class Replies(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(
 _replies_decoder = msgspec.msgpack.Decoder(Chunk | Result | Replies)
 
 
-def pack_replies(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[bytes]:
-    """Encoded Chunks/Results for one reply address as few frames as ``bytes_max`` allows, in
-    order: a Replies frame for several, the reply itself for a lone one."""
-    out: list[bytes] = []
+def replies_groups(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[list[bytes]]:
+    """Encoded Chunks/Results for one reply address in order, cut into runs of at most
+    ``bytes_max`` bytes (a larger reply alone): each run is one frame (``replies_frame``)."""
+    out: list[list[bytes]] = []
     group: list[bytes] = []
     size = 0
     for frame in frames:
         if group and size + len(frame) > bytes_max:
-            out.append(_replies_frame(group))
+            out.append(group)
             group, size = [], 0
         group.append(frame)
         size += len(frame)
     if group:
-        out.append(_replies_frame(group))
+        out.append(group)
     return out
 
 
-def _replies_frame(items: list[bytes]) -> bytes:
+def pack_replies(frames: list[bytes], bytes_max: int = REPLIES_BYTES_MAX) -> list[bytes]:
+    """Encoded Chunks/Results for one reply address as few frames as ``bytes_max`` allows, in
+    order: a Replies frame for several, the reply itself for a lone one."""
+    return [replies_frame(group) for group in replies_groups(frames, bytes_max)]
+
+
+def replies_frame(items: list[bytes]) -> bytes:
+    """One frame for a run of encoded replies: a Replies frame, or the lone reply itself."""
     if len(items) == 1:
         return items[0]
     return b"".join((_REPLIES_HEAD, _array_head(len(items)), *items))
