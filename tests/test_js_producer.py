@@ -106,9 +106,11 @@ def test_js_producer_with_curve_and_its_own_minimal_key_file(
         'node.id="s0"',
         'gossip.preset="local"',
     )
-    # No StatusQuery here: an admin answer goes to reply_to without a producer key, which a
-    # CURVE reply socket cannot reach (issue 24's admin tools under CURVE).
+    # A StatusQuery too: under CURVE its StatusReport comes back over the producer's own
+    # CURVE reply socket, as a Task's replies do (PROTOCOL.md, admin messages under CURVE).
     key_file = str(tmp_path / "js" / "js.key_secret")
     curve = {"server_key_file": str(daemon_public), "key_file": key_file}
-    report = _report(node, {"endpoint": daemon.endpoint, "tasks": TASKS, "curve": curve})
+    config = {"endpoint": daemon.endpoint, "tasks": TASKS, "curve": curve, "status": True}
+    report = _report(node, config)
     _assert_complete(report, curve=True)
+    assert report["status"]["checksum_type"] in ("bigint", "number")
