@@ -146,6 +146,18 @@ def test_Admission_an_id_belongs_to_its_producer_key_while_pending_or_cached() -
     assert stats.refused_id_in_use == 3 and stats.duplicates == 2
 
 
+def test_Admission_held_by_other_sees_another_keys_id_and_its_refusal_is_counted() -> None:
+    """An entry daemon's check before it forwards: the id pending or cached for another key;
+    the refusal it answers counts with offer's own (statistics().refused_id_in_use)."""
+    adm = Admission(pending_max=10, results_max=10)
+    adm.offer("a", producer="A" * 40)
+    assert adm.held_by_other("a", "B" * 40) and not adm.held_by_other("a", "A" * 40)
+    adm.finish("a", ok("a"))
+    assert adm.held_by_other("a", "B" * 40) and not adm.held_by_other("b", "B" * 40)
+    adm.count_conflict()
+    assert adm.statistics().refused_id_in_use == 1
+
+
 def test_Admission_a_result_too_large_to_cache_frees_its_id() -> None:
     adm = Admission(pending_max=10, results_max=10, results_bytes_max=1)
     adm.offer("a", producer="A" * 40)

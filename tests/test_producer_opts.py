@@ -127,3 +127,21 @@ def test_a_loopback_reply_address_for_a_daemon_elsewhere_is_warned_of(
     assert "--reply-bind tcp://THIS_HOST_IP:*" in capsys.readouterr().err
     reply_bind(parse("--reply-bind", "tcp://10.0.0.20:*"), ["tcp://10.0.0.5:5557"])
     assert capsys.readouterr().err == ""
+
+
+def test_several_server_keys_suit_submit_and_cluster_drain_not_a_one_daemon_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One environment for every command: GOSSIPD_SERVER_KEY made for `submit -e A -e B -e C`
+    serves submit and cluster drain (etcd only); status/drain/undrain ask one daemon and say
+    which key they need instead of a count that does not apply."""
+    write_key_pair("me", tmp_path)
+    keys = [str(write_key_pair(f"n{i}", tmp_path)[0]) for i in range(3)]
+    monkeypatch.setenv("GOSSIPD_SECRET_KEY", str(tmp_path / "me.key_secret"))
+    monkeypatch.setenv("GOSSIPD_SERVER_KEY", ",".join(keys))
+    assert len(producer_keys(parse(), ["a", "b", "c"]).server_keys) == 3  # type: ignore[union-attr]
+    assert producer_keys(parse(), None) is not None
+    with pytest.raises(StartupError, match=r"asks one daemon: give its NODE\.key once"):
+        producer_keys(parse(), ["a"])
+    with pytest.raises(StartupError, match=r"once per --endpoint \(2\)"):
+        producer_keys(parse(), ["a", "b"])

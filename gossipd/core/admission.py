@@ -192,6 +192,11 @@ class Admission:
         cached = self._done.get(task_id)
         return cached is not None and cached[2] != producer
 
+    def count_conflict(self) -> None:
+        """An id_in_use refused before ``offer`` (``held_by_other``, or an id forwarded from
+        here for another key): counted with the ones ``offer`` refuses."""
+        self._refused_id_in_use += 1
+
     def finish(self, task_id: str, result: Result, *, remember: bool = True) -> None:
         """Record the final result of an admitted task.  ``remember=False`` (for a task
         refused at shutdown) lets a resubmission run it again elsewhere or later."""

@@ -15,8 +15,9 @@ Rules:
 2. Targets follow a shared schedule: in round r = floor(now / probe_interval) the member at
    ring position p probes position p + 1 + (r mod (n - 1)).  With agreeing views every member
    is probed exactly once per round.  Without coordinated probing: a shuffled round robin.
-   Rule 2a: while some are suspect, the round's target is the first member from that
-   position on that is neither us nor suspect (suspects are pinged by their holders).
+   Rule 2a: with contain_suspicions, while some are suspect, the round's target is the first
+   member from that position on that is neither us nor suspect (their holders ping them).
+   Rule 2b: a probe that made a member newly suspect is followed by the next at once.
 3. An early-probe hint (``probe_soon``) replaces the next scheduled target, at most once per
    member per probe interval; it is never a verdict by itself.
 4. Buddy system: every ping to a suspect carries the suspicion, so the suspect learns it and
@@ -42,8 +43,8 @@ Rules:
     they did not answer our ping-req either.  A member cut off with a few others suspects
     everyone beyond the cut in its first failed probes instead of one member per round
     (issue 24).  No nack at all: awareness rises instead (rule 9).
-    Rule 2b: a probe that made a member newly suspect is followed by the next at once.
-11. Each probe interval (not scaled by awareness), with probability heal_fanout / N, we ping
+11. Each probe interval (not scaled by awareness), with probability heal_fanout / N (N: the
+    members alive in our view, few on a cut-off side), we ping
     one member declared dead within the last DEAD_PING_S (30 s), carrying its death: after a
     partition heals, the two sides find each other within a round or two instead of at the
     next heal push-pull.  An ack to a ping from a member we hold dead carries its death, so
@@ -281,9 +282,10 @@ class Prober:
             pos = bisect.bisect_left(ring, swim.node)
             first = (pos + 1 + rnd % (n - 1)) % n
             suspects = swim.table.suspects
-            if suspects:
-                # Rule 2a: a suspect is pinged by those who hold its suspicion (rule 9): the
-                # round goes to the next member in ring order that is not (issue 24).
+            if suspects and swim.config.contain_suspicions:
+                # Rule 2a: with contain_suspicions, a suspect is pinged by those who hold its
+                # suspicion (rule 9): the round goes to the next member in ring order that is
+                # not (issue 24).  Without it nobody else pings a suspect, so it stays in turn.
                 for step in range(n):
                     candidate = ring[(first + step) % n]
                     if candidate == swim.node:
@@ -301,8 +303,8 @@ class Prober:
         return self._rr.pop()
 
     def _ping_the_dead(self, now: float) -> None:
-        """Rule 11: with probability heal_fanout / N, ping one member declared dead less than
-        DEAD_PING_S ago.  The ping carries its death: if it is alive (the partition healed)
+        """Rule 11: with probability heal_fanout / (members alive in our view), ping one
+        member declared dead less than DEAD_PING_S ago.  The ping carries its death: if it is alive (the partition healed)
         it refutes at once, to us directly, and its ack tells us whether it holds us dead."""
         swim = self._swim
         table = swim.table

@@ -349,6 +349,7 @@ class Ingress:
         router = self.links.router
         if router is not None and self._id_held_by_other(task):
             self._refused[ErrorCode.ID_IN_USE.value] += 1
+            self.admission.count_conflict()
             self._send_error(task, ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE)
             return
         if router is not None and router(task, now):

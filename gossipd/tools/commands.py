@@ -65,7 +65,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _producer_keys(args: argparse.Namespace, endpoints: list[str]) -> object:
+def _producer_keys(args: argparse.Namespace, endpoints: list[str] | None) -> object:
     """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE."""
     from gossipd.tools.producer_opts import producer_keys
 
@@ -224,7 +224,7 @@ def cmd_cluster_drain(args: argparse.Namespace) -> int:
     from gossipd.tools.cluster import drain_main
 
     _reply_bind(args)  # checked like every producer-side command's; the plan goes by etcd
-    _producer_keys(args, ["etcd"])
+    _producer_keys(args, None)
     config = _config_from(args)
     endpoints = [e for e in (args.etcd or "").split(",") if e]
     return drain_main(args, config.etcd, endpoints, args.cluster or config.node.cluster)

@@ -141,8 +141,12 @@ def reply_bind(args: argparse.Namespace, endpoints: Sequence[str] = ()) -> str:
     return value
 
 
-def producer_keys(args: argparse.Namespace, endpoints: Sequence[str]) -> ProducerKeys | None:
-    """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE."""
+def producer_keys(
+    args: argparse.Namespace, endpoints: Sequence[str] | None
+) -> ProducerKeys | None:
+    """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE.
+    ``endpoints`` None: a command that asks no daemon (cluster drain goes by etcd), so any
+    number of server keys is fine (one environment can serve every command)."""
     secret = (
         args.secret_key
         or os.environ.get("GOSSIPD_SECRET_KEY", "")
@@ -156,7 +160,13 @@ def producer_keys(args: argparse.Namespace, endpoints: Sequence[str]) -> Produce
             "CURVE needs both --secret-key FILE and --server-key FILE "
             "(or GOSSIPD_SECRET_KEY and GOSSIPD_SERVER_KEY)"
         )
-    if len(servers) not in (1, len(endpoints)):
+    if endpoints is not None and len(endpoints) == 1 and len(servers) > 1:
+        raise StartupError(
+            f"this command asks one daemon: give its NODE.key once (--server-key, or "
+            f"GOSSIPD_SERVER_KEY), not {len(servers)} (status finds the other members' keys "
+            "beside it)"
+        )
+    if endpoints is not None and len(servers) not in (1, len(endpoints)):
         raise StartupError(
             f"give --server-key once (all daemons) or once per --endpoint ({len(endpoints)})"
         )
