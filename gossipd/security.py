@@ -365,6 +365,18 @@ def is_loopback(endpoint: str) -> bool:
     return is_loopback_host(endpoint.removeprefix("tcp://").rpartition(":")[0])
 
 
+def is_wildcard_host(host: str) -> bool:
+    """True for "*" or an unspecified address (0.0.0.0, ::, bracketed or not, any spelling):
+    a bind to every interface, which names no host that another can connect to."""
+    host = host.strip("[]")
+    if host == "*":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def is_loopback_host(host: str) -> bool:
     """True for a loopback address (bracketed or not) or "localhost"; a wildcard or another
     name is not."""

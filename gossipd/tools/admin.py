@@ -31,10 +31,10 @@ from gossipd.core.admin_messages import AdminReply, StatusReport, decode_admin_a
 from gossipd.core.gossip_messages import MemberRecord
 from gossipd.core.messages import PROTOCOL_VERSION, Drain, Result, StatusQuery, endpoint_problem
 from gossipd.errors import RemoteProtocolError
-from gossipd.tools.client import ProducerKeys
+from gossipd.security import is_wildcard_host
+from gossipd.tools.client import DEFAULT_REPLY_BIND, ProducerKeys
 
 DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_REPLY_BIND = "tcp://127.0.0.1:*"
 MemberKey = Callable[[str], bytes | None]
 
 
@@ -245,19 +245,16 @@ def cluster_status(
     return assemble(first, reports, asked=endpoint)
 
 
-_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
-
-
 def reachable_ingress(ingress: str, gossip_addr: str) -> str:
     """A member's gossiped ingress, with a wildcard host (``ingress.bind = "tcp://0.0.0.0:..."``)
     replaced by the host of its gossip address: the address its peers reach it at."""
     if not ingress.startswith("tcp://") or not gossip_addr.startswith("tcp://"):
         return ingress
     host, _, port = ingress.removeprefix("tcp://").rpartition(":")
-    if host not in _WILDCARD_HOSTS:
+    if not is_wildcard_host(host):
         return ingress
     gossip_host = gossip_addr.removeprefix("tcp://").rpartition(":")[0]
-    return ingress if gossip_host in _WILDCARD_HOSTS else f"tcp://{gossip_host}:{port}"
+    return ingress if is_wildcard_host(gossip_host) else f"tcp://{gossip_host}:{port}"
 
 
 def assemble(

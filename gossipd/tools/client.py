@@ -197,12 +197,16 @@ class ProducerKeys:
         return self.server_keys[index]
 
 
+# Replies on loopback: for daemons on this host; a producer elsewhere binds an address of its own.
+DEFAULT_REPLY_BIND = "tcp://127.0.0.1:*"
+
+
 class Client:
     def __init__(
         self,
         endpoints: Sequence[str],
         *,
-        reply_bind: str = "tcp://127.0.0.1:*",
+        reply_bind: str = DEFAULT_REPLY_BIND,
         ctx: zmq.Context | None = None,
         resubmit_after_s: float = 5.0,
         outstanding_max: int = 10_000,

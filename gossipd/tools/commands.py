@@ -148,8 +148,8 @@ def _submit_file(
     args: argparse.Namespace,
     endpoints: list[str],
     connect_timeout_s: float | None,
-    curve: object = None,
-    reply_bind: str = "tcp://127.0.0.1:*",
+    curve: object,
+    reply_bind: str,
 ) -> int:
     from gossipd.tools import submit
 

@@ -24,14 +24,12 @@ from pathlib import Path
 import zmq.auth
 
 from gossipd.errors import StartupError
-from gossipd.security import is_loopback
-from gossipd.tools.client import ProducerKeys
+from gossipd.security import is_loopback, is_wildcard_host
+from gossipd.tools.client import DEFAULT_REPLY_BIND, ProducerKeys
 
-DEFAULT_REPLY_BIND = "tcp://127.0.0.1:*"
 _REPLY_BIND_RE = re.compile(
     r"^tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):(?:\*|\d{1,5})$"
 )
-_WILDCARDS = {"*", "0.0.0.0", "[::]", "[::0]", "[0:0:0:0:0:0:0:0]"}
 
 
 def add_producer_args(p: argparse.ArgumentParser, *, per_endpoint: bool = True) -> None:
@@ -125,7 +123,7 @@ def reply_bind(args: argparse.Namespace, endpoints: Sequence[str] = ()) -> str:
             f"{where} {value!r}: expected tcp://IP:PORT (PORT may be *), an address of this "
             "host that the daemons can reach"
         )
-    if match.group("host") in _WILDCARDS:
+    if is_wildcard_host(match.group("host")):
         raise StartupError(
             f"{where} {value!r}: not a wildcard host: the address is also sent to the daemons "
             "as where to answer; give this host's address on their network, e.g. "

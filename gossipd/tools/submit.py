@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from gossipd.core.messages import ErrorCode, Result, SamplingParams, TaskId, error_result
-from gossipd.tools.client import Client, ProducerKeys, TaskHandle
+from gossipd.tools.client import DEFAULT_REPLY_BIND, Client, ProducerKeys, TaskHandle
 from gossipd.tools.progress import Progress, percentile
 
 
@@ -114,7 +114,7 @@ async def submit_many(
     out: ResultWriter | None = None,
     curve: ProducerKeys | None = None,
     pack_tasks: bool = True,
-    reply_bind: str = "tcp://127.0.0.1:*",
+    reply_bind: str = DEFAULT_REPLY_BIND,
 ) -> SubmitReport:
     """Send every task line, wait for every Result.  ``numbers``: each line's number in the
     input (for ``out``; default 1, 2, ...).  ``connect_timeout_s``: fail with
@@ -217,7 +217,7 @@ async def submit_one(
     as_json: bool,
     connect_timeout_s: float | None = None,
     curve: ProducerKeys | None = None,
-    reply_bind: str = "tcp://127.0.0.1:*",
+    reply_bind: str = DEFAULT_REPLY_BIND,
 ) -> int:
     async with Client(
         endpoints, connect_timeout_s=connect_timeout_s, curve=curve, reply_bind=reply_bind
