@@ -71,7 +71,10 @@ class EtcdElection:
         self._on_deposed = on_deposed
         self._clock = clock
         self._changed = asyncio.Event()  # wakes the campaign: the session or leadership changed
+        # One log per loop: a lease kept alive says nothing of a campaign call that keeps
+        # failing (a permission error, say), so each loop's outage ends with its own answer.
         self._error_log = EtcdErrorLog(log, clock.monotonic)
+        self._keepalive_error_log = EtcdErrorLog(log, clock.monotonic)
         self.errors = 0
         self.resigned = False
 
@@ -216,9 +219,10 @@ class EtcdElection:
                         self.client.refresh_lease(lease_id), self.config.request_timeout_s
                     )
                 except ETCD_ERRORS as exc:
-                    self._error(exc)
+                    self.errors += 1
+                    self._keepalive_error_log.failed(exc)
                 else:
-                    self._error_cleared()
+                    self._keepalive_error_log.cleared()
                     if reply is not None and lease_id == core.lease_id:
                         was_valid = core.lease_valid(self._clock.monotonic())
                         self._apply(core.keepalive_answered(self._clock.monotonic(), sent_at, reply.TTL))
