@@ -7,8 +7,9 @@ CURVE with the producer's key pair when given.  It submits ``--rate`` tasks a se
 ``--duration`` s (keys drawn from ``--keys``), waits for every task to end, and prints one
 JSON object: sent, ok, failed by code, lost (no ok Result), the ids answered ok twice (two ok
 Results) without ever being resent (resubmitted, or retried after ``overloaded``) and those
-answered twice after a resend, and per node how many
-tasks it answered.  ``--ids FILE`` writes one JSON line per id: its key, every final Result
+answered twice after a resend, per node how many
+tasks it answered, and per lost id its final error (code, message, the node that gave it, how
+many times it was resent: ``lost_detail``).  ``--ids FILE`` writes one JSON line per id: its key, every final Result
 (ok or code, node, seconds after submission) and how many times it was resent.
 SIGTERM ends the sending early (the tasks sent are still waited for).
 """
@@ -69,16 +70,35 @@ class RecordingClient(Client):
         super()._on_one_reply(reply, loop)
 
 
+LOST_DETAIL_MAX = 20
+ERROR_MESSAGE_CHARS_MAX = 600
+
+
+def lost_detail(task_id: str, record: IdRecord, result: Result | None) -> dict[str, Any]:
+    """Why a task was lost, as far as the producer can tell: its final Result's error."""
+    detail: dict[str, Any] = {"id": task_id, "key": record.key, "resent": record.resent}
+    if result is None:
+        detail["code"] = "no_result"
+    elif result.error is not None:
+        detail["code"] = result.error.code
+        detail["node"] = result.node
+        detail["message"] = result.error.message[:ERROR_MESSAGE_CHARS_MAX]
+    return detail
+
+
 def summarise(
     records: dict[str, IdRecord], final: dict[str, Result], elapsed_s: float
 ) -> dict[str, Any]:
     failed: Counter[str] = Counter()
     per_node: Counter[str] = Counter()
     twice_plain, twice_resent, lost = [], [], []
+    details: list[dict[str, Any]] = []
     for task_id, record in records.items():
         result = final.get(task_id)
         if result is None or result.error is not None:
             lost.append(task_id)
+            if len(details) < LOST_DETAIL_MAX:
+                details.append(lost_detail(task_id, record, result))
             failed[result.error.code if result and result.error else "no_result"] += 1
         else:
             per_node[result.node] += 1
@@ -90,6 +110,7 @@ def summarise(
         "failed": dict(failed),
         "lost": len(lost),
         "lost_ids": lost[:50],
+        "lost_detail": details,
         "answered_twice_without_resubmission": len(twice_plain),
         "answered_twice_without_resubmission_ids": twice_plain[:50],
         "answered_twice_after_resubmission": len(twice_resent),
