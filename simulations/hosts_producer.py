@@ -6,7 +6,7 @@ daemon's ingress, its reply address on the producer host's own address (``--repl
 CURVE with the producer's key pair when given.  It submits ``--rate`` tasks a second for
 ``--duration`` s (keys drawn from ``--keys``), waits for every task to end, and prints one
 JSON object: sent, ok, failed by code, lost (no ok Result), the ids answered ok twice (two ok
-Results) without ever being resent (resubmitted, or retried after ``overloaded``) and those
+Results) without ever being resent (resubmitted, or retried after a retryable code) and those
 answered twice after a resend, per node how many
 tasks it answered, and per lost id its final error (code, message, the node that gave it, how
 many times it was resent: ``lost_detail``).  ``--ids FILE`` writes one JSON line per id: its key, every final Result
@@ -30,6 +30,9 @@ from typing import Any
 from gossipd.core.messages import Chunk, Result
 from gossipd.tools.client import Client, ProducerKeys, TaskHandle
 
+LOST_DETAIL_MAX = 20  # ids whose final error is reported, and retried unavailable answers
+ERROR_MESSAGE_CHARS_MAX = 600
+
 
 @dataclass
 class IdRecord:
@@ -46,6 +49,10 @@ class RecordingClient(Client):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.records: dict[str, IdRecord] = {}
+        # Answers retried (a retryable code for an outstanding id), per code, and the first
+        # few unavailable ones: how often the cluster said "later" and why.
+        self.retried_codes: Counter[str] = Counter()
+        self.unavailable_examples: list[dict[str, str]] = []
 
     def _resend(
         self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, *args: Any, **kwargs: Any
@@ -67,11 +74,18 @@ class RecordingClient(Client):
                 record.results.append(
                     (outcome, reply.node, round(time.monotonic() - record.sent_at, 3))
                 )
+            elif record is not None and reply.error is not None:
+                code = reply.error.code
+                self.retried_codes[code] += 1
+                if code == "unavailable" and len(self.unavailable_examples) < LOST_DETAIL_MAX:
+                    self.unavailable_examples.append(
+                        {
+                            "id": reply.id,
+                            "node": reply.node,
+                            "message": reply.error.message[:ERROR_MESSAGE_CHARS_MAX],
+                        }
+                    )
         super()._on_one_reply(reply, loop)
-
-
-LOST_DETAIL_MAX = 20
-ERROR_MESSAGE_CHARS_MAX = 600
 
 
 def lost_detail(task_id: str, record: IdRecord, result: Result | None) -> dict[str, Any]:
@@ -175,6 +189,8 @@ async def produce(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.linger)  # late second answers still count
         records = client.records
     report = summarise(records, final, time.monotonic() - started)
+    report["retried_answers"] = dict(client.retried_codes)
+    report["unavailable_retried_examples"] = client.unavailable_examples
     if args.ids:
         with open(args.ids, "w") as fh:
             for task_id, record in records.items():
