@@ -6,9 +6,10 @@ daemon's ingress, its reply address on the producer host's own address (``--repl
 CURVE with the producer's key pair when given.  It submits ``--rate`` tasks a second for
 ``--duration`` s (keys drawn from ``--keys``), waits for every task to end, and prints one
 JSON object: sent, ok, failed by code, lost (no ok Result), the ids answered ok twice (two ok
-Results) without ever being resent (resubmitted, or retried after ``overloaded``) and those
-answered twice after a resend, and per node how many
-tasks it answered.  ``--ids FILE`` writes one JSON line per id: its key, every final Result
+Results) without ever being resent (resubmitted, or retried after a retryable code) and those
+answered twice after a resend, per node how many
+tasks it answered, and per lost id its final error (code, message, the node that gave it, how
+many times it was resent: ``lost_detail``).  ``--ids FILE`` writes one JSON line per id: its key, every final Result
 (ok or code, node, seconds after submission) and how many times it was resent.
 SIGTERM ends the sending early (the tasks sent are still waited for).
 """
@@ -29,6 +30,9 @@ from typing import Any
 from gossipd.core.messages import Chunk, Result
 from gossipd.tools.client import Client, ProducerKeys, TaskHandle
 
+LOST_DETAIL_MAX = 20  # ids whose final error is reported, and retried unavailable answers
+ERROR_MESSAGE_CHARS_MAX = 600
+
 
 @dataclass
 class IdRecord:
@@ -45,6 +49,10 @@ class RecordingClient(Client):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.records: dict[str, IdRecord] = {}
+        # Answers retried (a retryable code for an outstanding id), per code, and the first
+        # few unavailable ones: how often the cluster said "later" and why.
+        self.retried_codes: Counter[str] = Counter()
+        self.unavailable_examples: list[dict[str, str]] = []
 
     def _resend(
         self, handle: TaskHandle, loop: asyncio.AbstractEventLoop, *args: Any, **kwargs: Any
@@ -66,7 +74,30 @@ class RecordingClient(Client):
                 record.results.append(
                     (outcome, reply.node, round(time.monotonic() - record.sent_at, 3))
                 )
+            elif record is not None and reply.error is not None:
+                code = reply.error.code
+                self.retried_codes[code] += 1
+                if code == "unavailable" and len(self.unavailable_examples) < LOST_DETAIL_MAX:
+                    self.unavailable_examples.append(
+                        {
+                            "id": reply.id,
+                            "node": reply.node,
+                            "message": reply.error.message[:ERROR_MESSAGE_CHARS_MAX],
+                        }
+                    )
         super()._on_one_reply(reply, loop)
+
+
+def lost_detail(task_id: str, record: IdRecord, result: Result | None) -> dict[str, Any]:
+    """Why a task was lost, as far as the producer can tell: its final Result's error."""
+    detail: dict[str, Any] = {"id": task_id, "key": record.key, "resent": record.resent}
+    if result is None:
+        detail["code"] = "no_result"
+    elif result.error is not None:
+        detail["code"] = result.error.code
+        detail["node"] = result.node
+        detail["message"] = result.error.message[:ERROR_MESSAGE_CHARS_MAX]
+    return detail
 
 
 def summarise(
@@ -75,10 +106,13 @@ def summarise(
     failed: Counter[str] = Counter()
     per_node: Counter[str] = Counter()
     twice_plain, twice_resent, lost = [], [], []
+    details: list[dict[str, Any]] = []
     for task_id, record in records.items():
         result = final.get(task_id)
         if result is None or result.error is not None:
             lost.append(task_id)
+            if len(details) < LOST_DETAIL_MAX:
+                details.append(lost_detail(task_id, record, result))
             failed[result.error.code if result and result.error else "no_result"] += 1
         else:
             per_node[result.node] += 1
@@ -90,6 +124,7 @@ def summarise(
         "failed": dict(failed),
         "lost": len(lost),
         "lost_ids": lost[:50],
+        "lost_detail": details,
         "answered_twice_without_resubmission": len(twice_plain),
         "answered_twice_without_resubmission_ids": twice_plain[:50],
         "answered_twice_after_resubmission": len(twice_resent),
@@ -154,6 +189,8 @@ async def produce(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.linger)  # late second answers still count
         records = client.records
     report = summarise(records, final, time.monotonic() - started)
+    report["retried_answers"] = dict(client.retried_codes)
+    report["unavailable_retried_examples"] = client.unavailable_examples
     if args.ids:
         with open(args.ids, "w") as fh:
             for task_id, record in records.items():

@@ -2,9 +2,12 @@
 
 Delivery is at-least-once: a task with no answer after ``resubmit_after_s`` is sent again with
 the same id (``attempt`` + 1, ``timeout_ms`` what is left of its deadline); the daemon's
-de-duplication turns that into an exactly-once effect.  ``overloaded``, ``shutting_down`` and
-``over_budget`` answers are retried after their retry-after hint while the task's deadline
-allows (``retry_codes``).  Every task ends with exactly one Result:
+de-duplication turns that into an exactly-once effect.  ``overloaded``, ``shutting_down``,
+``over_budget`` and ``unavailable`` answers are retried after their retry-after hint while the
+task's deadline allows (``retry_codes``; docs/PROTOCOL.md, "Error codes"): ``unavailable``
+means no member took the task this time (e.g. every member tried had just died and was not
+yet declared dead), and the retry is placed on what membership knows then.  Every task ends
+with exactly one Result:
 the daemon's, or a local ``deadline_exceeded`` one when the deadline passed with no answer.
 A second final Result for an id can still arrive (a resubmitted task's cached Result, an owner
 killed between its Result and its TaskDone, a hedged copy: docs/PROTOCOL.md, "Duplicate final
@@ -59,8 +62,15 @@ log = logging.getLogger("gossipd.tools.client")
 
 # A Result carries the whole output text; bound what one reply may make us hold.
 REPLY_BYTES_MAX = 64 * 1024 * 1024
+# The codes that mean "not now": the same id again after retry_after_ms, while the deadline
+# allows (docs/PROTOCOL.md, "Error codes"); the last one is final at the deadline.
 RETRYABLE_CODES = frozenset(
-    {ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.OVER_BUDGET.value}
+    {
+        ErrorCode.OVERLOADED.value,
+        ErrorCode.SHUTTING_DOWN.value,
+        ErrorCode.OVER_BUDGET.value,
+        ErrorCode.UNAVAILABLE.value,
+    }
 )
 # Ids of resolved tasks remembered to tell a duplicate Result from one for an id never sent
 # here (statistics only: a reply for an id not outstanding is dropped either way).
