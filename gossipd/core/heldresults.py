@@ -99,7 +99,11 @@ class HeldResults:
             self.counters.confirms_sent += 1
 
     def on_reply(
-        self, member: str, still_mine: Sequence[str], migrated: Sequence[str], unknown: Sequence[str]
+        self,
+        member: str,
+        still_mine: Sequence[str],
+        migrated: Sequence[str],
+        unknown: Sequence[str],
     ) -> None:
         """Rule 3: ``member``'s ConfirmReply."""
         for task_id in migrated:

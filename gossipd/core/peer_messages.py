@@ -134,7 +134,9 @@ class PeerBatch(
 
     v: int = PROTOCOL_VERSION
     items: Annotated[
-        list[Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | Confirm | ConfirmReply],
+        list[
+            Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | Confirm | ConfirmReply
+        ],
         msgspec.Meta(max_length=100_000),
     ]
 
@@ -142,7 +144,15 @@ class PeerBatch(
 # A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner;
 # a Drain: an operator's drain of another member, relayed to it (ops/admin.py).
 PeerMessage = (
-    Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | Confirm | ConfirmReply | PeerBatch
+    Forward
+    | ForwardReply
+    | TaskDone
+    | Cancel
+    | Withdraw
+    | Drain
+    | Confirm
+    | ConfirmReply
+    | PeerBatch
 )
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
 
