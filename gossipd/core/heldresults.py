@@ -50,6 +50,7 @@ class HeldCounters:
     sent_unknown: int = 0  # ...sent: the forwarder did not know them (restarted)
     sent_deadline: int = 0  # ...sent at the deadline with no answer
     sent_resubmitted: int = 0  # ...answered from the cache to a resubmission
+    sent_shutdown: int = 0  # ...sent as the daemon stopped
     dropped_migrated: int = 0  # ...dropped: migrated elsewhere
     not_held: int = 0  # sent at once: no room in bytes_max, or past the deadline
     confirms_sent: int = 0  # Confirm messages asked
@@ -125,6 +126,14 @@ class HeldResults:
             self.counters.sent_resubmitted += 1
             return True
         return False
+
+    def end_all(self) -> list[str]:
+        """At shutdown: every held Result is to be sent now (a duplicate beats a loss)."""
+        ids = list(self._held)
+        for task_id in ids:
+            self._end(task_id, None)
+        self.counters.sent_shutdown += len(ids)
+        return ids
 
     def tick(self, now: float, alive: Callable[[str], bool]) -> None:
         """Rule 4 (deadlines due), and rule 2 again for alive members not answered within

@@ -1,0 +1,146 @@
+"""An owner holds a forwarded task's final Result while the task's forwarder is not alive in its
+view (real daemons on loopback; docs/PROTOCOL.md "Duplicate final Results").
+
+A link cannot be cut on loopback, but a forwarder can be SIGSTOPped: it becomes suspect, then
+dead, in the owner's view while the owner finishes the task it forwarded.  Resumed, it
+answers the owner's Confirm and the producer gets exactly one Result; killed for good, its
+producer still gets the Result: at once on a resubmission through another member, else at
+the task's deadline."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import msgpack
+import pytest
+import zmq
+
+from gossipd.core.ring import Ring
+from simulations.cluster import Cluster
+from tests.helpers import RawProducer, scrape, wait_until
+
+TOKEN_DELAY_S = 0.1
+PROMPT = " ".join(f"w{i}" for i in range(10))
+
+
+@pytest.fixture
+def cluster(tmp_path):  # type: ignore[no-untyped-def]
+    c = Cluster(
+        3,
+        log_dir=str(tmp_path),
+        extra_overrides=[f"engine.token_delay_s={TOKEN_DELAY_S}", 'metrics.bind="127.0.0.1:0"'],
+    )
+    c.start()
+    c.wait_converged(timeout_s=30)
+    c.wait_meta(timeout_s=30)
+    yield c
+    c.stop()
+
+
+def _metric(daemon, name: str) -> float:  # type: ignore[no-untyped-def]
+    return scrape(daemon.metrics_port).get(name, 0.0)
+
+
+def _key_of(cluster: Cluster, member: str) -> str:
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    return next(k for k in (f"k-{i}" for i in range(1000)) if ring.owner(k) == member)
+
+
+def _not_alive_seen(owner, forwarder) -> bool:  # type: ignore[no-untyped-def]
+    """The owner logged the forwarder suspect or dead after its last alive."""
+    last = ""
+    for e in owner.events():
+        if e.get("msg") == "member" and e.get("member") == forwarder.name:
+            last = e["event"] if e["event"] != "meta" else last
+    return last in ("suspect", "dead")
+
+
+def _start_long_task(cluster: Cluster, producer: RawProducer, task_id: str, **fields) -> None:  # type: ignore[no-untyped-def]
+    """One task through the entry daemon d00, owned by d01, running ~6 s."""
+    entry, owner, _ = cluster.daemons
+    accepted = _metric(owner, "gossipd_fanout_accepted_from_peers_total")
+    producer.send_task(
+        task_id, PROMPT, key=_key_of(cluster, owner.name), params={"max_tokens": 60}, **fields
+    )
+    wait_until(
+        lambda: _metric(owner, "gossipd_fanout_accepted_from_peers_total") > accepted,
+        10,
+        "the owner to accept the forwarded task",
+    )
+
+
+def test_a_stalled_forwarder_confirms_and_the_producer_gets_one_result(cluster: Cluster) -> None:
+    entry, owner, _spare = cluster.daemons
+    producer = RawProducer(entry.endpoint)
+    try:
+        _start_long_task(cluster, producer, "held-1", timeout_ms=60_000)
+        entry.pause()
+        try:
+            wait_until(lambda: _not_alive_seen(owner, entry), 15, "the owner to suspect d00")
+            wait_until(
+                lambda: _metric(owner, "gossipd_fanout_results_held") == 1,
+                15,
+                "the owner to hold the Result",
+            )
+            assert producer.replies(timeout_s=0.5) == [], "held: nothing sent while d00 is stopped"
+        finally:
+            entry.resume()
+        got = producer.replies(timeout_s=20, quiet_s=4.0)
+    finally:
+        producer.close()
+    results = [r for r in got if r["t"] == 3]
+    assert Counter(r["id"] for r in results) == {"held-1": 1}, results
+    # d00 still routed it to d01 (confirmed), or migrated it after it resumed (then d02
+    # answered and d01 dropped its copy): either way one Result.
+    sent = _metric(owner, "gossipd_fanout_results_held_sent_total{why=confirmed}")
+    dropped = _metric(owner, "gossipd_fanout_results_dropped_migrated_total")
+    assert (sent, dropped) in ((1, 0), (0, 1)), (sent, dropped)
+    assert _metric(owner, "gossipd_fanout_confirms_sent_total") >= 1
+    assert _metric(owner, "gossipd_fanout_results_held") == 0
+    assert _metric(owner, "gossipd_fanout_results_held_bytes") == 0
+
+
+def test_a_forwarder_killed_for_good_still_gets_its_producer_a_result(cluster: Cluster) -> None:
+    entry, owner, spare = cluster.daemons
+    producer = RawProducer(entry.endpoint)
+    resend = zmq.Context.instance().socket(zmq.PUSH)
+    resend.setsockopt(zmq.LINGER, 0)
+    resend.connect(spare.endpoint)
+    try:
+        # Two tasks: one the producer resubmits through d02, one it leaves to the deadline.
+        _start_long_task(cluster, producer, "again", timeout_ms=60_000)
+        _start_long_task(cluster, producer, "wait", timeout_ms=14_000)
+        sent_at = time.monotonic()
+        entry.kill()
+        wait_until(
+            lambda: _metric(owner, "gossipd_fanout_results_held") == 2,
+            20,
+            "the owner to hold both Results",
+        )
+        task = {
+            "v": 1,
+            "t": 1,
+            "id": "again",
+            "prompt": PROMPT,
+            "reply_to": producer.reply_to,
+            "key": _key_of(cluster, owner.name),
+            "params": {"max_tokens": 60},
+            "timeout_ms": 60_000,
+        }
+        resend.send(msgpack.packb(task))
+        first = producer.results(1, timeout_s=10)
+        assert [r["id"] for r in first] == ["again"] and first[0]["ok"]
+        # The other comes at its deadline (14 s after it was sent), not before.
+        second = producer.results(1, timeout_s=20)
+        waited = time.monotonic() - sent_at
+        late = producer.replies(timeout_s=2.0, quiet_s=1.5)
+    finally:
+        resend.close()
+        producer.close()
+    assert [r["id"] for r in second] == ["wait"] and second[0]["ok"]
+    assert 11.0 <= waited <= 18.0, waited
+    assert not [r for r in late if r["t"] == 3], late
+    assert _metric(owner, "gossipd_fanout_results_held_sent_total{why=resubmitted}") == 1
+    assert _metric(owner, "gossipd_fanout_results_held_sent_total{why=deadline}") == 1
+    assert _metric(owner, "gossipd_fanout_results_held") == 0
