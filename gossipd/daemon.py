@@ -599,6 +599,7 @@ class Daemon:
             ingress=ingress,
             forwarders_of=owner.forwarders_of,
             member_alive=lambda name: _alive(gossip, name),
+            member_down=lambda name: _down(gossip, name),
             send_confirm=dispatcher.send_to_member,
             clock=self.clock,
         )
@@ -769,3 +770,10 @@ def _alive(gossip: GossipService, name: str) -> bool:
     core = gossip.core
     member = None if core is None else core.table.members.get(name)
     return member is not None and member.state is State.ALIVE
+
+
+def _down(gossip: GossipService, name: str) -> bool:
+    """Is ``name`` a member we know as suspect, dead or left?"""
+    core = gossip.core
+    member = None if core is None else core.table.members.get(name)
+    return member is not None and member.state is not State.ALIVE

@@ -41,6 +41,7 @@ class ResultHolder:
         ingress: Ingress,
         forwarders_of: Callable[[Owned], list[str]],
         member_alive: Callable[[str], bool],
+        member_down: Callable[[str], bool],
         send_confirm: Callable[[str, Confirm], None],
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -49,6 +50,7 @@ class ResultHolder:
         self._ingress = ingress
         self._forwarders_of = forwarders_of  # the member names that forwarded it to us
         self._member_alive = member_alive  # alive (not suspect, dead or unknown) in our view
+        self._member_down = member_down  # known in our view, and suspect, dead or left
         self._send_confirm = send_confirm
         self._clock = clock
         self._entries: dict[str, tuple[Owned, Result]] = {}
@@ -57,10 +59,11 @@ class ResultHolder:
 
     def hold(self, owned: Owned, result: Result, size: int) -> bool:
         """The ingress's final Result for a forwarded task: True when held (not sent now).
-        Held only when its one forwarder is not alive in our view (a task that two members
-        forwarded is answered at once)."""
+        Held only when its one forwarder is a member that is suspect, dead or left in our
+        view (a task that two members forwarded, or a forwarder we do not know, is answered
+        at once: nothing says it migrated the task)."""
         names = self._forwarders_of(owned)
-        if len(names) != 1 or not names[0] or self._member_alive(names[0]):
+        if len(names) != 1 or not names[0] or not self._member_down(names[0]):
             return False
         task = owned.task
         now = self._clock.monotonic()
