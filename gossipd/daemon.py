@@ -606,6 +606,7 @@ class Daemon:
         gossip.listeners.append(holder.member_event)
         dispatcher.on_confirm_reply = holder.on_reply
         dispatcher.holder = holder
+        owner.on_withdraw_held = holder.withdrawn
         self.links.hold = holder.hold
         self.links.answered_cached = holder.answered
         return gossip, dispatcher

@@ -69,6 +69,16 @@ def test_not_held_past_the_budget_or_the_deadline() -> None:
     assert held.counters.not_held == 3 and held.bytes == 10
 
 
+def test_a_withdraw_from_its_forwarder_drops_it() -> None:
+    held = HeldResults(bytes_max=1000)
+    held.hold("a", "f", 10, deadline=9.0, now=0.0)
+    held.withdrawn("a", "g")  # not its forwarder
+    assert held.take_decisions() == []
+    held.withdrawn("a", "f")
+    assert held.take_decisions() == [("a", Decision.DROP)]
+    assert held.counters.dropped_migrated == 1
+
+
 def test_a_resubmission_answered_from_the_cache_ends_the_hold() -> None:
     held = HeldResults(bytes_max=1000)
     held.hold("a", "f", 10, deadline=9.0, now=0.0)
@@ -108,7 +118,7 @@ def test_the_ledger_answers_a_confirm() -> None:
 # Operations on a HeldResults: (kind, task index, member index, time step).
 _ops = st.lists(
     st.tuples(
-        st.sampled_from(["hold", "alive", "reply", "answered", "tick"]),
+        st.sampled_from(["hold", "alive", "reply", "answered", "tick", "withdraw"]),
         st.integers(0, 7),
         st.integers(0, 2),
         st.floats(0.0, 2.0),
@@ -122,7 +132,8 @@ _ops = st.lists(
 @given(_ops, st.integers(5, 80))
 def test_every_held_result_is_sent_or_dropped_once_by_its_deadline(ops, bytes_max) -> None:
     """Whatever order the inputs come in: each held Result ends exactly once, dropped only
-    on its own forwarder's "migrated", and none is left once every deadline has passed."""
+    on its own forwarder's "migrated" or Withdraw, and none is left once every deadline has
+    passed."""
     held = HeldResults(bytes_max=bytes_max, confirm_every_s=0.5)
     members = ["f", "g", "h"]
     alive = {m: False for m in members}
@@ -149,6 +160,9 @@ def test_every_held_result_is_sent_or_dropped_once_by_its_deadline(ops, bytes_ma
             if verdict == "migrated":
                 said_migrated.add((task_id, member))
             held.on_reply(member, lists["still"], lists["migrated"], lists["unknown"])
+        elif kind == "withdraw":
+            said_migrated.add((task_id, member))
+            held.withdrawn(task_id, member)
         elif kind == "answered":
             if held.answered(task_id):
                 assert task_id not in ended
@@ -173,3 +187,20 @@ def test_every_held_result_is_sent_or_dropped_once_by_its_deadline(ops, bytes_ma
         assert now <= last
     assert set(ended) == set(holders)
     assert held.bytes == 0
+
+
+def test_at_shutdown_everything_held_is_sent() -> None:
+    held = HeldResults(bytes_max=1000)
+    held.hold("a", "f", 10, deadline=9.0, now=0.0)
+    held.hold("b", "g", 10, deadline=9.0, now=0.0)
+    assert sorted(held.end_all()) == ["a", "b"]
+    assert held.bytes == 0 and held.counters.sent_shutdown == 2
+    assert held.next_deadline() == float("inf")
+
+
+def test_the_ledger_remembers_the_latest_migrations(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr("gossipd.core.forwarded.MOVED_MAX", 2)
+    ledger = ForwardedLedger({}, entries_max=100)
+    for task_id in ("a", "b", "c"):
+        ledger.moved_off(task_id, "o")
+    assert ledger.confirm(["a", "b", "c"], "o") == ([], ["b", "c"], ["a"])

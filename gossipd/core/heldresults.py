@@ -16,7 +16,9 @@ Rules (every held Result ends exactly once, as SEND or DROP, by its task's deadl
    ``unknown`` -> SEND (when in doubt, answer: a duplicate beats a loss).
 4. At the task's deadline a Result still held is sent (SEND): the forwarder never came back
    or never answered (an old daemon that does not know Confirm).
-5. ``answered``: a resubmission of the id was answered from the results cache (its Forward
+5. A Withdraw from the forwarder a Result is held for (it had the task run elsewhere, and
+   its Withdraw came through after the heal) -> DROP, as ``migrated``.
+6. ``answered``: a resubmission of the id was answered from the results cache (its Forward
    or the producer's own resend is its confirmation): the held copy ends, counted as sent.
 """
 
@@ -120,8 +122,14 @@ class HeldResults:
                 self.counters.sent_unknown += 1
                 self._decisions.append((task_id, Decision.SEND))
 
+    def withdrawn(self, task_id: str, member: str) -> None:
+        """Rule 5: ``member`` withdrew its copy of ``task_id``."""
+        if self._end(task_id, member):
+            self.counters.dropped_migrated += 1
+            self._decisions.append((task_id, Decision.DROP))
+
     def answered(self, task_id: str) -> bool:
-        """Rule 5: True when ``task_id`` was held (it ends now, as sent)."""
+        """Rule 6: True when ``task_id`` was held (it ends now, as sent)."""
         if self._end(task_id, None):
             self.counters.sent_resubmitted += 1
             return True

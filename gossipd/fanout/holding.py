@@ -9,6 +9,7 @@ ConfirmReply, or send it at the task's deadline (docs/PROTOCOL.md "Duplicate fin
     membership "alive"/"joined" -> HeldResults.member_alive -> Confirm to the forwarder
     ConfirmReply (PeerLinks) -> HeldResults.on_reply
     a resubmission answered from the results cache -> HeldResults.answered
+    a Withdraw from the forwarder (fanout/owner.py) -> HeldResults.withdrawn
     one loop timer at HeldResults.next_deadline() -> HeldResults.tick
 Decisions: SEND -> the Result to its producer, then its TaskDones (Ingress.end_held);
 DROP -> nothing sent, no TaskDone (the forwarder ledgers the task elsewhere), the task
@@ -79,6 +80,12 @@ class ResultHolder:
         if self.core.answered(task_id):
             owned, result = self._entries.pop(task_id)
             self._ingress.end_held(owned, result, send=False)
+
+    def withdrawn(self, task_id: str, member: str) -> None:
+        """``member`` withdrew ``task_id`` from us after its Result was held: dropped."""
+        if task_id in self.core:
+            self.core.withdrawn(task_id, member)
+            self._flush()
 
     def member_event(self, event: MemberEvent) -> None:
         if event.kind in _ALIVE_KINDS and len(self.core):

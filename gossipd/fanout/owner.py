@@ -150,6 +150,8 @@ class OwnerEndpoint:
         # Each forwarder's connection identity -> its node (Forward.src): whose the task is,
         # for the Results held while that member is not alive (fanout/holding.py).
         self.member_of: dict[bytes, str] = {}
+        # A Withdraw for a task that ended here: (task id, forwarder) to the ResultHolder.
+        self.on_withdraw_held: Callable[[str, str], None] | None = None
         # A forwarded task is validated as the ingress validates a producer's (its size
         # against ingress.message_bytes_max).
         self.task_bytes_max = task_bytes_max
@@ -357,6 +359,8 @@ class OwnerEndpoint:
         (or its producer directly) still counts on it (core/lifecycle.py, rule 3)."""
         if self._ingress.withdraw(task_id, identity):
             self.counters.withdrawn_by_peers += 1
+        elif self.on_withdraw_held is not None:  # ended here: its Result may be held
+            self.on_withdraw_held(task_id, self.member_of.get(identity, ""))
 
     def _load_for(self, identity: bytes) -> LoadRecord | None:
         """Our load for the next reply to this forwarder: only the first of the replies that
