@@ -144,3 +144,80 @@ def test_a_forwarder_killed_for_good_still_gets_its_producer_a_result(cluster: C
     assert _metric(owner, "gossipd_fanout_results_held_sent_total{why=resubmitted}") == 1
     assert _metric(owner, "gossipd_fanout_results_held_sent_total{why=deadline}") == 1
     assert _metric(owner, "gossipd_fanout_results_held") == 0
+
+
+def _dealer(daemon) -> zmq.Socket:  # type: ignore[no-untyped-def]
+    """A raw DEALER to a daemon's rpc ROUTER (plain pyzmq + msgpack)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{Cluster._port_of(daemon, 'fanout.rpc_bind')}")
+    return sock
+
+
+def _items(sock: zmq.Socket, kind: int, timeout_s: float = 5.0) -> list[dict]:  # type: ignore[type-arg]
+    """The first message's items of fan-out type ``kind`` (others pass by)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            msg = msgpack.unpackb(sock.recv())
+            items = [m for m in (msg["items"] if msg["t"] == 23 else [msg]) if m["t"] == kind]
+            if items:
+                return items
+    raise AssertionError(f"no message of type {kind} within {timeout_s} s")
+
+
+def test_a_withdraw_that_comes_after_the_result_was_held_drops_it(cluster: Cluster) -> None:
+    """After a heal the forwarder's Withdraws come through: one for a held Result drops it
+    (a raw DEALER speaks for d00 here: without CURVE a Forward's src is taken as it is)."""
+    entry, owner, _spare = cluster.daemons
+    producer = RawProducer(owner.endpoint)
+    dealer = _dealer(owner)
+    entry.pause()
+    try:
+        wait_until(lambda: _not_alive_seen(owner, entry), 15, "the owner to suspect d00")
+        task = {"v": 1, "t": 1, "id": "w1", "prompt": PROMPT, "reply_to": producer.reply_to}
+        task["params"] = {"max_tokens": 5}
+        forward = {"v": 1, "t": 20, "req": 1, "src": entry.name, "task": task}
+        dealer.send(msgpack.packb({**forward, "remaining_ms": 30_000, "attempt": 1}))
+        assert _items(dealer, 21)[0]["accepted"] is True
+        wait_until(
+            lambda: _metric(owner, "gossipd_fanout_results_held") == 1, 10, "the Result held"
+        )
+        dealer.send(msgpack.packb({"v": 1, "t": 24, "id": "w1", "node": entry.name}))
+        wait_until(
+            lambda: _metric(owner, "gossipd_fanout_results_dropped_migrated_total") == 1,
+            10,
+            "the held Result dropped",
+        )
+        assert producer.replies(timeout_s=1.0) == [], "nothing reached the producer"
+    finally:
+        entry.resume()
+        dealer.close()
+        producer.close()
+    assert _metric(owner, "gossipd_fanout_results_held") == 0
+
+
+def test_the_forwarder_answers_a_confirm_from_its_ledger(cluster: Cluster) -> None:
+    """d00 forwards a task to d01, which stalls: d00 migrates it to d02 (which answers) and,
+    asked later on d01's behalf, says "migrated"; an id it never had is "unknown"."""
+    entry, owner, spare = cluster.daemons
+    producer = RawProducer(entry.endpoint)
+    dealer = _dealer(entry)
+    try:
+        _start_long_task(cluster, producer, "m1", timeout_ms=60_000)
+        owner.pause()
+        try:
+            got = producer.results(1, timeout_s=30)  # migrated to d02, which answers
+            assert [(r["id"], r["node"]) for r in got] == [("m1", spare.name)]
+            dealer.send(msgpack.packb({"v": 1, "t": 25, "ids": ["m1", "nope"], "node": owner.name}))
+            reply = _items(dealer, 26)[0]
+        finally:
+            owner.resume()
+        # Resumed, d01 reads d00's Withdraw first: no second Result.
+        late = producer.replies(timeout_s=4.0, quiet_s=2.0)
+    finally:
+        dealer.close()
+        producer.close()
+    assert reply["node"] == entry.name
+    assert (reply["still_mine"], reply["migrated"], reply["unknown"]) == ([], ["m1"], ["nope"])
+    assert not [r for r in late if r["t"] == 3], late
