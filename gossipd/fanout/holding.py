@@ -31,6 +31,8 @@ from gossipd.core.peer_messages import Confirm, ConfirmReply
 from gossipd.ingress.service import Ingress
 
 _ALIVE_KINDS = ("alive", "joined")
+_DOWN_KINDS = ("suspect", "dead", "left")
+_NEVER = float("-inf")
 
 
 class ResultHolder:
@@ -57,21 +59,35 @@ class ResultHolder:
         self._entries: dict[str, tuple[Owned, Result]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        # When each member was last seen suspect, dead or left (the clock's monotonic time).
+        self._last_down: dict[str, float] = {}
+        # ...and when we last refuted a suspicion or death of ours: any forwarder may have
+        # migrated our tasks then (we were cut off from them, or stalled).
+        self._refuted_at = _NEVER
 
     def hold(self, owned: Owned, result: Result, size: int) -> bool:
         """The ingress's final Result for a forwarded task: True when held (not sent now).
         Held only when its one forwarder is a member that is suspect, dead or left in our
-        view (a task that two members forwarded, or a forwarder we do not know, is answered
-        at once: nothing says it migrated the task)."""
+        view, or was since the task came, or we refuted a suspicion of ours since (it may
+        have migrated the task meanwhile: asked at once);
+        a task that two members forwarded, or from a forwarder we do not know, is answered
+        at once (nothing says it migrated the task)."""
         names = self._forwarders_of(owned)
-        if len(names) != 1 or not names[0] or not self._member_down(names[0]):
+        if len(names) != 1 or not names[0]:
             return False
+        member = names[0]
+        down_now = self._member_down(member)
+        last_down = max(self._last_down.get(member, _NEVER), self._refuted_at)
+        if not down_now and last_down < owned.received_at:
+            return False  # alive all along since the task came: nothing says it migrated
         task = owned.task
         now = self._clock.monotonic()
         deadline = owned.received_at + task.timeout_ms / 1000.0
-        if not self.core.hold(task.id, names[0], size, deadline, now):
+        if not self.core.hold(task.id, member, size, deadline, now):
             return False
         self._entries[task.id] = (owned, result)
+        if not down_now:  # alive again: ask it at once
+            self.core.member_alive(member, now)
         self._flush()
         return True
 
@@ -88,7 +104,11 @@ class ResultHolder:
             self._flush()
 
     def member_event(self, event: MemberEvent) -> None:
-        if event.kind in _ALIVE_KINDS and len(self.core):
+        if event.kind in _DOWN_KINDS:
+            self._last_down[event.node] = self._clock.monotonic()
+        elif event.kind == "refuted":
+            self._refuted_at = self._clock.monotonic()
+        elif event.kind in _ALIVE_KINDS and len(self.core):
             self.core.member_alive(event.node, self._clock.monotonic())
             self._flush()
 
