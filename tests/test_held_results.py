@@ -221,3 +221,36 @@ def test_the_forwarder_answers_a_confirm_from_its_ledger(cluster: Cluster) -> No
     assert reply["node"] == entry.name
     assert (reply["still_mine"], reply["migrated"], reply["unknown"]) == ([], ["m1"], ["nope"])
     assert not [r for r in late if r["t"] == 3], late
+
+
+def _alive_again_seen(owner, forwarder) -> bool:  # type: ignore[no-untyped-def]
+    """The owner logged the forwarder alive again after a suspicion or death."""
+    kinds = [
+        e["event"]
+        for e in owner.events()
+        if e.get("msg") == "member" and e.get("member") == forwarder.name
+    ]
+    down = [i for i, k in enumerate(kinds) if k in ("suspect", "dead")]
+    return bool(down) and any(k in ("alive", "joined") for k in kinds[down[-1] :])
+
+
+def test_a_forwarder_that_was_suspect_while_the_task_ran_is_asked_first(cluster: Cluster) -> None:
+    """d00 stalls while d01 runs its task and is alive again when the task ends: it may have
+    migrated the task meanwhile, so d01 asks before answering (it had not: one Result)."""
+    entry, owner, _spare = cluster.daemons
+    producer = RawProducer(entry.endpoint)
+    try:
+        _start_long_task(cluster, producer, "asked", timeout_ms=60_000)
+        entry.pause()
+        try:
+            wait_until(lambda: _not_alive_seen(owner, entry), 15, "the owner to suspect d00")
+        finally:
+            entry.resume()
+        wait_until(lambda: _alive_again_seen(owner, entry), 15, "d00 alive again for d01")
+        got = producer.results(1, timeout_s=20)
+        got += producer.replies(timeout_s=4.0, quiet_s=2.0)
+    finally:
+        producer.close()
+    assert Counter(r["id"] for r in got if r["t"] == 3) == {"asked": 1}, got
+    assert _metric(owner, "gossipd_fanout_results_held_total") == 1
+    assert _metric(owner, "gossipd_fanout_results_held_sent_total{why=confirmed}") == 1
