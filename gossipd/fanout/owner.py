@@ -8,7 +8,8 @@ forwarder are sent together at the end of an event-loop turn (PeerBatch).
 Rule: a TaskDone leaves right after its Result, in the same callback that hands the Result to
 ZeroMQ, never before it and never held back (an owner killed between the two leaves a
 forwarder that migrates the task and has it answered twice; one that sent the TaskDone first,
-a task whose Result may never have left).  Accepts may wait up to ``fanout.ack_delay_s`` to
+a task whose Result may never have left); a Result held while its forwarder may have
+migrated the task (fanout/holding.py) holds its TaskDone with it.  Accepts may wait up to ``fanout.ack_delay_s`` to
 share a message.
 """
 
