@@ -28,7 +28,9 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.gossip_messages import GpuState, LoadRecord
+from gossipd.core.heldresults import HeldResults
 from gossipd.core.loadstate import LoadSampler
+from gossipd.core.membership import State
 from gossipd.core.messages import ErrorCode, error_result
 from gossipd.core.peer_messages import TaskDone
 from gossipd.engines.base import Engine
@@ -36,6 +38,7 @@ from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
 from gossipd.fanout.engineload import EngineLoad
 from gossipd.fanout.forwarding import Dispatcher
+from gossipd.fanout.holding import ResultHolder
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer
@@ -190,6 +193,7 @@ class Daemon:
         self._metrics_token = preflight.read_token(config.metrics.bearer_token_file)
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
+        self.holder: ResultHolder | None = None  # Results held for forwarders not alive
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         self.leader_duties: Any = None  # gossipd.leader.builtin.BuiltinDuties; idem
         self.exit_status = 0  # what run() returns after a clean stop (see request_stop)
@@ -517,6 +521,7 @@ class Daemon:
             saturated=lambda: placer.engine_saturated(engine_load.read()),
             # built in run() after membership; a relayed Drain before that waits for none
             on_drain=lambda msg: self.admin.handle_drain(msg) if self.admin else None,
+            on_confirm=lambda msg: dispatcher.confirm(msg),
         )
         rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
         gossip = GossipService(
@@ -589,6 +594,22 @@ class Daemon:
         ingress.on_refused.append(dispatcher.task_finished)
         ingress.on_finished.append(lambda owned, _result: forwarder.local_finished(owned.task.id))
         ingress.on_finished.append(owner.task_finished)
+        self.holder = holder = ResultHolder(
+            HeldResults(bytes_max=config.fanout.held_results_bytes_max),
+            node=self.node,
+            ingress=ingress,
+            forwarders_of=owner.forwarders_of,
+            member_alive=lambda name: _alive(gossip, name),
+            member_down=lambda name: _down(gossip, name),
+            send_confirm=dispatcher.send_to_member,
+            clock=self.clock,
+        )
+        gossip.listeners.append(holder.member_event)
+        dispatcher.on_confirm_reply = holder.on_reply
+        dispatcher.holder = holder
+        owner.on_withdraw_held = holder.withdrawn
+        self.links.hold = holder.hold
+        self.links.answered_cached = holder.answered
         return gossip, dispatcher
 
     def _refuse_forward(self, refusal: Refuse) -> None:
@@ -670,7 +691,17 @@ class Daemon:
         for worker in workers:
             worker.cancel()  # a running task answers shutting_down as it is cancelled
         await asyncio.gather(*workers, return_exceptions=True)
-        return {"finished_in_grace": finished, "refused_queued": refused, "handed_off": handed_off}
+        # Results still held for forwarders not alive in our view: sent (a duplicate beats a
+        # loss; docs/PROTOCOL.md "Duplicate final Results").
+        held_sent = self.holder.send_all() if self.holder is not None else 0
+        if self.holder is not None:
+            self.holder.stop()
+        return {
+            "finished_in_grace": finished,
+            "refused_queued": refused,
+            "handed_off": handed_off,
+            "held_results_sent": held_sent,
+        }
 
     async def _close_intake(self, drain: dict[str, int]) -> None:
         """Close the ingress as late as possible, after the leave: producers stay connected
@@ -734,3 +765,17 @@ def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}
     return out
+
+
+def _alive(gossip: GossipService, name: str) -> bool:
+    """Is ``name`` alive in our membership view (not suspect, dead, left or unknown)?"""
+    core = gossip.core
+    member = None if core is None else core.table.members.get(name)
+    return member is not None and member.state is State.ALIVE
+
+
+def _down(gossip: GossipService, name: str) -> bool:
+    """Is ``name`` a member we know as suspect, dead or left?"""
+    core = gossip.core
+    member = None if core is None else core.table.members.get(name)
+    return member is not None and member.state is not State.ALIVE

@@ -2,7 +2,8 @@
 producers, all in one process and deterministic for a seed.
 
 Each simulated daemon runs the real protocol cores: ``SwimNode`` (membership), ``Forwarder``
-(fan-out, the forwarder's side) and ``Admission`` (dedup and bounds).  Around them the
+(fan-out, the forwarder's side), ``Admission`` (dedup and bounds) and ``HeldResults`` (an
+owner's Results held while their forwarder may have migrated the task; ``hold_results``).  Around them the
 simulator plays what the asyncio shell and the world do: the owner's handling of Forward /
 Withdraw / TaskDone (as ``gossipd/fanout/owner.py`` does), an engine with a few slots and
 random service times, a journal whose records survive a crash once fsynced, a network

@@ -56,6 +56,18 @@ def main(argv: list[str]) -> int:
         default=0.0,
         help="owners refuse (overloaded) a task expected to queue longer (0: half its deadline)",
     )
+    p.add_argument("--service-s", type=float, default=0.05, help="mean engine time of a task")
+    p.add_argument(
+        "--resubmit-s",
+        type=float,
+        default=2.0,
+        help="a producer resends an id after this long without a Result",
+    )
+    p.add_argument(
+        "--no-hold-results",
+        action="store_true",
+        help="owners send every Result at once (no held Results, no Confirm: to compare)",
+    )
     p.add_argument(
         "--swarm",
         type=int,
@@ -101,6 +113,9 @@ def main(argv: list[str]) -> int:
         crash_share=args.crash_share,
         saturated_waiting=args.saturated_waiting,
         queue_wait_target_s=args.queue_wait_target_s,
+        service_s=args.service_s,
+        resubmit_s=args.resubmit_s,
+        hold_results=not args.no_hold_results,
     )
     if args.degrade:
         run.faults = ()

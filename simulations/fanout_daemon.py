@@ -15,10 +15,18 @@ from typing import TYPE_CHECKING
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.forwarder import Route
-from gossipd.core.lifecycle import Abort, Owned, TaskBook
-from gossipd.core.membership import LIVE_STATES
+from gossipd.core.heldresults import Decision, HeldResults
+from gossipd.core.lifecycle import ANY, Abort, Owned, TaskBook
+from gossipd.core.membership import LIVE_STATES, State
 from gossipd.core.messages import Chunk, ErrorCode, Result, Task, error_result
-from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
+from gossipd.core.peer_messages import (
+    Confirm,
+    ConfirmReply,
+    Forward,
+    ForwardReply,
+    TaskDone,
+    Withdraw,
+)
 from gossipd.core.placement import Candidate, bound, place
 from gossipd.core.queueing import QueueWait
 from gossipd.core.ring import Ring
@@ -122,6 +130,11 @@ class SimDaemon:
         self.withdrawn_before_run: set[str] = set()
         self.swim_tick_at = math.inf
         self.fw_tick_at = math.inf
+        # Results held while their forwarder is not alive in our view (fanout/holding.py).
+        self.held = HeldResults(bytes_max=1 << 30)
+        self.held_entries: dict[str, tuple[Owned, Result]] = {}
+        self.last_down: dict[str, float] = {}  # member -> when last seen suspect/dead/left
+        self.refuted_at = -math.inf  # when we last refuted a suspicion of ours
 
     # -- producer intake and local admission ------------------------------------------------
 
@@ -153,6 +166,9 @@ class SimDaemon:
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
             self.world.answer(self, task, entry)
+            if self.held.answered(task.id):  # the held copy ends: this answer was its
+                owned, _ = self.held_entries.pop(task.id)
+                self._ended(owned)
         return verdict
 
     # -- the owner's side (rpc.py) ----------------------------------------------------------
@@ -184,6 +200,18 @@ class SimDaemon:
             self.world.send_peer(self, src, reply)
         elif isinstance(msg, Withdraw):
             self.withdraw(src, msg.id)
+            if msg.id in self.held:
+                self.held.withdrawn(msg.id, src)
+                self.flush_held()
+        elif isinstance(msg, Confirm):
+            still, migrated, unknown = self.forwarder.ledger.confirm(msg.ids, msg.node)
+            reply = ConfirmReply(
+                node=self.name, still_mine=still, migrated=migrated, unknown=unknown
+            )
+            self.world.send_peer(self, src, reply)
+        elif isinstance(msg, ConfirmReply):
+            self.held.on_reply(msg.node, msg.still_mine, msg.migrated, msg.unknown)
+            self.flush_held()
         elif isinstance(msg, (ForwardReply, TaskDone)):
             if isinstance(msg, TaskDone):
                 self.world.trace(msg.id, self.name, f"gets TaskDone from {src}")
@@ -241,13 +269,62 @@ class SimDaemon:
             id=task.id, ok=True, text="0,1,2," if chunks else "ok", node=self.name, chunks=chunks
         )
         ended = self.book.finish(task_id, result)
-        notify = (*ended.notify(), ended.notify_member())
-        world.answer(self, task, result)
+        if not self._hold(ended, result):
+            world.answer(self, task, result)
+            self._ended(ended)
+        self.forwarder.local_finished(task_id)
+        self.start_jobs()
+
+    def _ended(self, ended: Owned) -> None:
+        """The task's Result has left (or will never): journal DONE, then TaskDones."""
+        world = self.world
+        task_id = ended.task.id
         world.journal_done(self, task_id)
         # TaskDone after the Result (rule 5 of core/lifecycle.py).
-        for dst in notify:
+        for dst in (*ended.notify(), ended.notify_member()):
             if dst:
                 done = TaskDone(id=task_id, node=self.name)
                 world.send_peer(self, str(dst), done, delay=world.run.taskdone_delay_s)
-        self.forwarder.local_finished(task_id)
-        self.start_jobs()
+
+    # -- held Results (fanout/holding.py) ------------------------------------------------------
+
+    def member_alive(self, member: str) -> bool:
+        m = self.swim.table.members.get(member)
+        return m is not None and m.state is State.ALIVE
+
+    def _hold(self, ended: Owned, result: Result) -> bool:
+        if not self.world.run.hold_results or ended.from_producer or not ended.forwarders:
+            return False
+        names = [ended.replayed_src if f == ANY else str(f) for f in ended.forwarders]
+        if len(names) != 1 or not names[0]:
+            return False
+        m = self.swim.table.members.get(names[0])
+        if m is None:
+            return False
+        down_now = m.state is not State.ALIVE
+        last_down = max(self.last_down.get(names[0], -math.inf), self.refuted_at)
+        if not down_now and last_down < ended.received_at:
+            return False
+        deadline = ended.received_at + ended.task.timeout_ms / 1000.0
+        if not self.held.hold(ended.task.id, names[0], 100, deadline, self.world.now):
+            return False
+        self.world.trace(ended.task.id, self.name, f"holds its Result ({names[0]} was down)")
+        self.held_entries[ended.task.id] = (ended, result)
+        if not down_now:
+            self.held.member_alive(names[0], self.world.now)
+        self.flush_held()
+        return True
+
+    def flush_held(self) -> None:
+        world = self.world
+        for task_id, decision in self.held.take_decisions():
+            owned, result = self.held_entries.pop(task_id)
+            world.trace(task_id, self.name, f"held Result: {decision.value}")
+            if decision is Decision.SEND:
+                world.answer(self, owned.task, result)
+                self._ended(owned)
+            else:
+                world.journal_done(self, task_id)  # no TaskDone: ledgered elsewhere
+        for member, ids in self.held.take_confirms():
+            world.send_peer(self, member, Confirm(ids=ids, node=self.name))
+        world.schedule_forwarder(self)

@@ -53,3 +53,7 @@ class FanoutRun:
     # The owner check (issue 17): an owner with this many tasks waiting for a slot takes its
     # engine as saturated and refuses Forwards asking if_free ("saturated"); 0: never.
     saturated_waiting: int = 0
+    # An owner holds a forwarded task's Result while its forwarder is not alive in its view
+    # and asks it by Confirm (core/heldresults.py, as fanout/holding.py does); False: sent
+    # at once, as before (to measure what holding saves).
+    hold_results: bool = True

@@ -138,7 +138,11 @@ class World(Producers, Faults, Network, Checks):
                         retry_after_ms=event.retry_after_ms,
                     ),
                 )
-        at = fw.next_deadline()
+        self.schedule_forwarder(d)
+
+    def schedule_forwarder(self, d: SimDaemon) -> None:
+        """One timer for the forwarder's and the held Results' deadlines (FW_TICK)."""
+        at = max(min(d.forwarder.next_deadline(), d.held.next_deadline()), self.now)
         if at < d.fw_tick_at:
             d.fw_tick_at = at
             self.push(at, FW_TICK, d.index, d.epoch)
@@ -149,6 +153,13 @@ class World(Producers, Faults, Network, Checks):
             if dst is not None:
                 self.deliver(d.index, dst, SWIM_MSG, data, lossy=True)
         for event in d.swim.take_events():
+            if event.kind in ("suspect", "dead", "left"):
+                d.last_down[event.node] = self.now
+            elif event.kind == "refuted":
+                d.refuted_at = self.now
+            if event.kind in ("alive", "joined") and len(d.held):
+                d.held.member_alive(event.node, self.now)
+                d.flush_held()
             if event.kind == "dead":
                 if self.run.trace_task:
                     self.trace_lines.append(
@@ -216,6 +227,9 @@ class World(Producers, Faults, Network, Checks):
                 return True
             d.fw_tick_at = math.inf
             d.forwarder.tick(at)
+            if len(d.held):
+                d.held.tick(at, d.member_alive)
+                d.flush_held()
             self.flush_forwarder(d)
         elif kind == FINISH:
             assert d is not None

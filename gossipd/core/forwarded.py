@@ -16,7 +16,11 @@ Rules, whatever order acks and TaskDones arrive in:
   before the withdrawal landed) leaves the entry alone;
 - at most ``entries_max`` tasks and ``bytes_max`` bytes of them (``budgets.task_bytes``: the
   prompt and a fixed part): the oldest goes first (it can no longer migrate), counted by the
-  bound that forced it (``evicted_count`` / ``evicted_bytes``).
+  bound that forced it (``evicted_count`` / ``evicted_bytes``);
+- a task migrated off a member is remembered as moved off it (the last ``MOVED_MAX``), so
+  that the member, asking later whether it still runs the task for us (``confirm``), hears
+  "migrated" even after the new owner's TaskDone; a task neither ledgered nor remembered is
+  "unknown" (the owner then answers: a duplicate beats a loss).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import Task
 
 EARLY_DONE_MAX = 10_000  # TaskDones remembered from before their accept
+MOVED_MAX = 100_000  # migrations remembered for confirm() (~150 bytes each)
 
 
 @dataclass(slots=True)
@@ -51,6 +56,7 @@ class ForwardedLedger:
         # Read-only to others: its size is the forwarder's in-flight count's part (per task).
         self.entries: OrderedDict[str, Forwarded] = OrderedDict()
         self._early_done: OrderedDict[str, None] = OrderedDict()
+        self._moved: OrderedDict[str, str] = OrderedDict()  # task id -> member it moved off
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -98,3 +104,26 @@ class ForwardedLedger:
             self.outstanding[entry.owner] -= 1
             self.bytes -= entry.size_bytes
         return entry
+
+    def moved_off(self, task_id: str, member: str) -> None:
+        """``task_id`` was migrated off ``member`` (declared dead): remember it for confirm()."""
+        self._moved[task_id] = member
+        self._moved.move_to_end(task_id)
+        if len(self._moved) > MOVED_MAX:
+            self._moved.popitem(last=False)
+
+    def confirm(self, task_ids: list[str], member: str) -> tuple[list[str], list[str], list[str]]:
+        """``member`` asks whether we still route each task to it: (still routed to it,
+        migrated off it, unknown here)."""
+        still: list[str] = []
+        migrated: list[str] = []
+        unknown: list[str] = []
+        for task_id in task_ids:
+            entry = self.entries.get(task_id)
+            if entry is not None and entry.owner == member:
+                still.append(task_id)
+            elif entry is not None or self._moved.get(task_id) == member:
+                migrated.append(task_id)  # ledgered under another member, or moved off it
+            else:
+                unknown.append(task_id)
+        return still, migrated, unknown

@@ -324,6 +324,7 @@ class Forwarder:
         addr = self._last_addr.get(node)
         for entry in orphans:
             self.ledger.forget(entry.task.id)
+            self.ledger.moved_off(entry.task.id, node)
             self.counters.migrated += 1
             # It may only have stalled: withdraw its copy, so that if it comes back it drops
             # the task instead of running it beside the migrated one.

@@ -59,6 +59,8 @@ class MsgType(enum.IntEnum):
     TASK_DONE = 22
     PEER_BATCH = 23
     WITHDRAW = 24
+    CONFIRM = 25  # an owner holding Results asks their forwarder: still routed to me?
+    CONFIRM_REPLY = 26
     # Admin: an operator's tool to any daemon's ingress; the answer goes to reply_to.
     STATUS_QUERY = 30
     STATUS_REPORT = 31

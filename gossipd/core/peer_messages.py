@@ -1,7 +1,8 @@
 """Fan-out messages between daemons (DEALER -> ROUTER on ``fanout.rpc_bind``) and their codec.
 
 A task forwarded to the member that runs it (Forward, answered by ForwardReply), its end
-(TaskDone), its withdrawal (Withdraw), a producer's Cancel passed on, an operator's Drain
+(TaskDone), its withdrawal (Withdraw), an owner's question whether tasks whose Results it
+holds are still routed to it (Confirm, answered ConfirmReply), a producer's Cancel passed on, an operator's Drain
 relayed to the member it names, and PeerBatch (several of
 them in one ZeroMQ message).  ``docs/PROTOCOL.md``, "Between daemons" / "Fan-out", documents
 the fields.
@@ -89,6 +90,42 @@ class Withdraw(
     node: NodeId  # the forwarder
 
 
+# Task ids in one Confirm / ConfirmReply list (an owner asks in pieces of this size).
+CONFIRM_IDS_MAX = 1000
+_Ids = Annotated[list[TaskId], msgspec.Meta(max_length=CONFIRM_IDS_MAX)]
+
+
+class Confirm(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.CONFIRM)
+):
+    """An owner that held these tasks' final Results while their forwarder was not alive in
+    its view asks that forwarder, now alive again, whether it still routes each to the owner
+    (docs/PROTOCOL.md "Duplicate final Results").  Sent to the forwarder's rpc address."""
+
+    v: int = PROTOCOL_VERSION
+    ids: _Ids
+    node: NodeId  # the owner asking
+
+
+class ConfirmReply(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    gc=False,
+    tag_field="t",
+    tag=int(MsgType.CONFIRM_REPLY),
+):
+    """The forwarder's answer, from its ledger: ``still_mine`` (routed to the asker: send the
+    Result), ``migrated`` (run elsewhere since: drop it), ``unknown`` (not known here, e.g.
+    after a restart: the owner sends the Result, a duplicate beats a loss)."""
+
+    v: int = PROTOCOL_VERSION
+    node: NodeId  # the forwarder
+    still_mine: _Ids = []
+    migrated: _Ids = []
+    unknown: _Ids = []
+
+
 class PeerBatch(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PEER_BATCH)
 ):
@@ -97,14 +134,26 @@ class PeerBatch(
 
     v: int = PROTOCOL_VERSION
     items: Annotated[
-        list[Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain],
+        list[
+            Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | Confirm | ConfirmReply
+        ],
         msgspec.Meta(max_length=100_000),
     ]
 
 
 # A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner;
 # a Drain: an operator's drain of another member, relayed to it (ops/admin.py).
-PeerMessage = Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | PeerBatch
+PeerMessage = (
+    Forward
+    | ForwardReply
+    | TaskDone
+    | Cancel
+    | Withdraw
+    | Drain
+    | Confirm
+    | ConfirmReply
+    | PeerBatch
+)
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
 
 

@@ -25,7 +25,7 @@ from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refuse, Route
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Drain, Task
-from gossipd.core.peer_messages import Forward, TaskDone
+from gossipd.core.peer_messages import Confirm, ConfirmReply, Forward, TaskDone
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.fanout.placer import Placer
@@ -94,6 +94,9 @@ class Dispatcher:
         # When tracing is on (gossipd/ops/tracing.py); None costs nothing.
         self.tracer = tracer
         self.loads_refused = 0  # load records on a reply that named another member
+        # ConfirmReplies to our Confirms (the owner's held Results, fanout/holding.py).
+        self.on_confirm_reply: Callable[[ConfirmReply], None] = lambda msg: None
+        self.holder: Any = None  # the owner's ResultHolder, for metrics (set by daemon.py)
 
     def set_draining(self, draining: bool) -> None:
         """Drained or stopping: the placer sends every task elsewhere (False: back to serving)."""
@@ -139,6 +142,9 @@ class Dispatcher:
         tracer = self.tracer
         on_load = self.placer.on_load
         for msg in msgs:
+            if type(msg) is ConfirmReply:
+                self.on_confirm_reply(msg)
+                continue
             if tracer is not None and type(msg) is TaskDone:
                 tracer.forward_done(msg.id)
             load = getattr(msg, "load", None)
@@ -191,8 +197,14 @@ class Dispatcher:
         self._links.send(addr, msg)
         return True
 
-    def send_to_member(self, member: str, msg: TaskDone) -> None:
-        """The owner's TaskDone for a task re-run from its journal, to its forwarder by name."""
+    def confirm(self, msg: Confirm) -> ConfirmReply:
+        """An owner asks whether we still route these tasks to it: our ledger answers."""
+        still, migrated, unknown = self.forwarder.ledger.confirm(msg.ids, msg.node)
+        return ConfirmReply(node=self.node, still_mine=still, migrated=migrated, unknown=unknown)
+
+    def send_to_member(self, member: str, msg: TaskDone | Confirm) -> None:
+        """The owner's TaskDone for a task re-run from its journal, or its Confirm about
+        Results it holds, to the forwarder by name."""
         addr = self.placer.addr(member) or self.forwarder.last_addr(member)
         if addr is not None:
             self._links.send(addr, msg)

@@ -8,7 +8,8 @@ forwarder are sent together at the end of an event-loop turn (PeerBatch).
 Rule: a TaskDone leaves right after its Result, in the same callback that hands the Result to
 ZeroMQ, never before it and never held back (an owner killed between the two leaves a
 forwarder that migrates the task and has it answered twice; one that sent the TaskDone first,
-a task whose Result may never have left).  Accepts may wait up to ``fanout.ack_delay_s`` to
+a task whose Result may never have left); a Result held while its forwarder may have
+migrated the task (fanout/holding.py) holds its TaskDone with it.  Accepts may wait up to ``fanout.ack_delay_s`` to
 share a message.
 """
 
@@ -27,7 +28,7 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
 from gossipd.core.gossip_messages import LoadRecord
-from gossipd.core.lifecycle import Owned
+from gossipd.core.lifecycle import ANY, Owned
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -38,6 +39,8 @@ from gossipd.core.messages import (
     check_forwarded_task,
 )
 from gossipd.core.peer_messages import (
+    Confirm,
+    ConfirmReply,
     Forward,
     ForwardReply,
     PeerBatch,
@@ -53,6 +56,9 @@ from gossipd.transport import NOBLOCK, SocketReader, kick
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
+# Connection identities remembered with the member that forwarded on them (a new one per
+# connection: bounded, the oldest forgotten first).
+MEMBER_OF_MAX = 4096
 
 log = logging.getLogger("gossipd.fanout.owner")
 
@@ -83,7 +89,7 @@ def _source(item: object, sender: str) -> str:
     """The node a fan-out message says it comes from (a Cancel names none: its sender)."""
     if type(item) is Forward:
         return item.src
-    if type(item) in (Withdraw, TaskDone):
+    if type(item) in (Withdraw, TaskDone, Confirm):
         return item.node  # type: ignore[attr-defined, no-any-return]
     return sender
 
@@ -118,6 +124,7 @@ class OwnerEndpoint:
         peer_allowed: Callable[[str, str, str], bool] | None = None,
         saturated: Callable[[], bool] = lambda: False,
         on_drain: Callable[[Drain], None] = lambda msg: None,
+        on_confirm: Callable[[Confirm], ConfirmReply] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -126,7 +133,7 @@ class OwnerEndpoint:
         self._ingress = ingress
         self.counters = OwnerCounters()
         self._router: zmq.Socket | None = None
-        self._router_out: dict[bytes, list[ForwardReply | TaskDone]] = {}
+        self._router_out: dict[bytes, list[ForwardReply | TaskDone | ConfirmReply]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         # TaskDones waiting for their Results to leave, by the Results' reply_to
         # (ReplySender.when_sent tells when): (task id, forwarder identities, member by name).
@@ -139,6 +146,13 @@ class OwnerEndpoint:
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
         self._on_drain = on_drain  # a Drain another member relayed to us (ops/admin.py)
+        # An owner's Confirm about tasks we forwarded to it: our ledger's answer.
+        self._on_confirm = on_confirm
+        # Each forwarder's connection identity -> its node (Forward.src): whose the task is,
+        # for the Results held while that member is not alive (fanout/holding.py).
+        self.member_of: dict[bytes, str] = {}
+        # A Withdraw for a task that ended here: (task id, forwarder) to the ResultHolder.
+        self.on_withdraw_held: Callable[[str, str], None] | None = None
         # A forwarded task is validated as the ingress validates a producer's (its size
         # against ingress.message_bytes_max).
         self.task_bytes_max = task_bytes_max
@@ -242,6 +256,10 @@ class OwnerEndpoint:
         if msg.if_free and self.saturated():
             self._refuse_saturated(identity, msg)
             return
+        if identity not in self.member_of:
+            self.member_of[identity] = msg.src
+            if len(self.member_of) > MEMBER_OF_MAX:
+                del self.member_of[next(iter(self.member_of))]
         now = self._clock.monotonic()
         received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
         verdict = self._ingress.admit(
@@ -297,6 +315,8 @@ class OwnerEndpoint:
             self._on_peer_done(msg)
         elif isinstance(msg, Drain):
             self._on_drain(msg)
+        elif isinstance(msg, Confirm) and self._on_confirm is not None:
+            self._to_forwarder(identity, self._on_confirm(msg), urgent=True)
         else:
             self.counters.bad_peer_messages += 1
 
@@ -340,6 +360,8 @@ class OwnerEndpoint:
         (or its producer directly) still counts on it (core/lifecycle.py, rule 3)."""
         if self._ingress.withdraw(task_id, identity):
             self.counters.withdrawn_by_peers += 1
+        elif self.on_withdraw_held is not None:  # ended here: its Result may be held
+            self.on_withdraw_held(task_id, self.member_of.get(identity, ""))
 
     def _load_for(self, identity: bytes) -> LoadRecord | None:
         """Our load for the next reply to this forwarder: only the first of the replies that
@@ -347,7 +369,7 @@ class OwnerEndpoint:
         return None if self._router_out.get(identity) else self.load_record()
 
     def _to_forwarder(
-        self, identity: bytes, msg: ForwardReply | TaskDone, *, urgent: bool = False
+        self, identity: bytes, msg: ForwardReply | TaskDone | ConfirmReply, *, urgent: bool = False
     ) -> None:
         """Queue for one forwarder; everything queued until the flush goes as one message.
 
@@ -391,6 +413,14 @@ class OwnerEndpoint:
                 except zmq.Again:
                     self.counters.replies_dropped += count  # the forwarder times out: next
         kick(self._router)
+
+    def forwarders_of(self, owned: Owned) -> list[str]:
+        """The members that forwarded ``owned`` to us, by name ("" for one not known)."""
+        member_of = self.member_of
+        return [
+            owned.replayed_src if f == ANY else member_of.get(f, "")  # type: ignore[call-overload]
+            for f in owned.forwarders
+        ]
 
     def task_finished(self, owned: Owned, result: Result) -> None:
         """A task's final Result has just been handed to the reply sender (an ingress

@@ -17,13 +17,13 @@ import zmq
 
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Drain
-from gossipd.core.peer_messages import Forward, TaskDone, Withdraw
+from gossipd.core.peer_messages import Confirm, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
 
-Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain
+Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm
 
 
 class _Peer:

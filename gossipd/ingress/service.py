@@ -99,6 +99,10 @@ class IngressLinks:
       forwarded task: "forwarded", "refused" (another key's task) or None (not known);
     - ``forwarded_for_other(task)``: True if a task with its id that another key submitted
       is being forwarded from here, or ran elsewhere and is not reported done;
+    - ``hold(owned, result, size)``: True when a forwarded task's final Result is held back
+      (its forwarder is not alive in our view, fanout/holding.py); it is sent later by
+      ``end_held``, or never when the forwarder migrated the task;
+    - ``answered_cached(task_id)``: a resubmission was answered from the results cache;
     - ``admin(request, now, producer_key)``: answers an operator's StatusQuery or Drain
       (ops/admin.py), with CURVE over a connection to the asking producer's key.
     """
@@ -108,6 +112,8 @@ class IngressLinks:
     cancel_elsewhere: Callable[[str, str], str | None] | None = None
     forwarded_for_other: Callable[[Task], bool] | None = None
     admin: Callable[[StatusQuery | Drain, float, str], None] | None = None
+    hold: Callable[[Owned, Result, int], bool] | None = None
+    answered_cached: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,6 +410,8 @@ class Ingress:
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
             self._replies.send(task.route, encode(entry), task.batch_replies)
+            if self.links.answered_cached is not None:
+                self.links.answered_cached(task.id)  # a Result held for it is now sent
         elif verdict is Verdict.OVERLOADED:
             refusal = self.admission.refusal
             if refusal is not None:  # by expected wait
@@ -734,7 +742,27 @@ class Ingress:
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self._results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         owned = self.book.finish(task.id, result, remember=remember)
-        self._replies.send(task.route, encode(result), task.batch_replies)
+        data = encode(result)
+        hold = self.links.hold
+        if (
+            hold is not None
+            and remember
+            and owned.forwarders
+            and not owned.from_producer
+            and hold(owned, result, len(data))
+        ):
+            return  # held: end_held sends it (or not) and tells the listeners
+        self._replies.send(task.route, data, task.batch_replies)
+        for listener in self.on_finished:
+            listener(owned, result)
+
+    def end_held(self, owned: Owned, result: Result, *, send: bool) -> None:
+        """A Result ``links.hold`` held: send it now (``send``), or not (its forwarder had
+        the task run elsewhere, or a resubmission was answered from the cache); either way
+        the task ends here for the listeners (journal, TaskDones to ``owned.forwarders``)."""
+        if send:
+            task = owned.task
+            self._replies.send(task.route, encode(result), task.batch_replies)
         for listener in self.on_finished:
             listener(owned, result)
 

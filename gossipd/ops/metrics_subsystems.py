@@ -271,6 +271,51 @@ def _load_gossip_metrics(load_gossip: Any, dispatcher: Any) -> Iterator[Metric]:
         )
 
 
+def _held_metrics(core: Any) -> Iterator[Metric]:
+    """An owner's held Results (fanout/holding.py)."""
+    c = core.counters
+    yield _one(
+        G,
+        "gossipd_fanout_results_held",
+        "Final Results held now: their task's forwarder is not alive in our view",
+        len(core),
+    )
+    yield _one(
+        G,
+        "gossipd_fanout_results_held_bytes",
+        "Bytes of the Results held now (fanout.held_results_bytes_max)",
+        core.bytes,
+    )
+    yield _one(C, "gossipd_fanout_results_held_total", "Final Results held back", c.held)
+    yield _one(
+        C,
+        "gossipd_fanout_results_dropped_migrated",
+        "Held Results dropped: their forwarder had migrated the task (it is answered there)",
+        c.dropped_migrated,
+    )
+    yield _by(
+        C,
+        "gossipd_fanout_results_held_sent",
+        "Held Results sent, by why (confirmed, unknown to the forwarder, deadline, resubmitted, "
+        "shutdown)",
+        "why",
+        [
+            ("confirmed", c.sent_confirmed),
+            ("unknown", c.sent_unknown),
+            ("deadline", c.sent_deadline),
+            ("resubmitted", c.sent_resubmitted),
+            ("shutdown", c.sent_shutdown),
+        ],
+    )
+    yield _one(
+        C,
+        "gossipd_fanout_results_not_held",
+        "Results of forwarders not alive sent at once (no room in the budget, or past the deadline)",
+        c.not_held,
+    )
+    yield _one(C, "gossipd_fanout_confirms_sent", "Confirm messages sent", c.confirms_sent)
+
+
 def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
     stats = dispatcher.statistics()
     for name, doc, value in (
@@ -336,6 +381,9 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         "reason",
         [("count", stats.forwarded_evicted_count), ("bytes", stats.forwarded_evicted_bytes)],
     )
+    holder = dispatcher.holder
+    if holder is not None:
+        yield from _held_metrics(holder.core)
     yield _one(
         G,
         "gossipd_fanout_forwarded_bytes",

@@ -1,0 +1,156 @@
+"""The owner's held Results: the asyncio driver of ``core/heldresults.py``.
+
+A forwarded task's final Result goes to its producer at once while the task's forwarder is
+alive in our membership view.  When it is suspect or dead (we may be cut off from it, and it
+may have migrated the task), the ingress hands the Result here instead (``hold``); we ask
+the forwarder by a Confirm once it is alive again and send or drop the Result by its
+ConfirmReply, or send it at the task's deadline (docs/PROTOCOL.md "Duplicate final Results"):
+    Ingress._finish -> hold (True: held, not sent)
+    membership "alive"/"joined" -> HeldResults.member_alive -> Confirm to the forwarder
+    ConfirmReply (PeerLinks) -> HeldResults.on_reply
+    a resubmission answered from the results cache -> HeldResults.answered
+    a Withdraw from the forwarder (fanout/owner.py) -> HeldResults.withdrawn
+    one loop timer at HeldResults.next_deadline() -> HeldResults.tick
+Decisions: SEND -> the Result to its producer, then its TaskDones (Ingress.end_held);
+DROP -> nothing sent, no TaskDone (the forwarder ledgers the task elsewhere), the task
+ends here as answered (journal, counters).  Streamed Chunks are not held: only the final
+Result is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from gossipd.clock import SYSTEM_CLOCK, Clock
+from gossipd.core.heldresults import Decision, HeldResults
+from gossipd.core.lifecycle import Owned
+from gossipd.core.membership import MemberEvent
+from gossipd.core.messages import Result
+from gossipd.core.peer_messages import Confirm, ConfirmReply
+from gossipd.ingress.service import Ingress
+
+_ALIVE_KINDS = ("alive", "joined")
+_DOWN_KINDS = ("suspect", "dead", "left")
+_NEVER = float("-inf")
+
+
+class ResultHolder:
+    def __init__(
+        self,
+        core: HeldResults,
+        *,
+        node: str,
+        ingress: Ingress,
+        forwarders_of: Callable[[Owned], list[str]],
+        member_alive: Callable[[str], bool],
+        member_down: Callable[[str], bool],
+        send_confirm: Callable[[str, Confirm], None],
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.core = core
+        self.node = node
+        self._ingress = ingress
+        self._forwarders_of = forwarders_of  # the member names that forwarded it to us
+        self._member_alive = member_alive  # alive (not suspect, dead or unknown) in our view
+        self._member_down = member_down  # known in our view, and suspect, dead or left
+        self._send_confirm = send_confirm
+        self._clock = clock
+        self._entries: dict[str, tuple[Owned, Result]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        # When each member was last seen suspect, dead or left (the clock's monotonic time).
+        self._last_down: dict[str, float] = {}
+        # ...and when we last refuted a suspicion or death of ours: any forwarder may have
+        # migrated our tasks then (we were cut off from them, or stalled).
+        self._refuted_at = _NEVER
+
+    def hold(self, owned: Owned, result: Result, size: int) -> bool:
+        """The ingress's final Result for a forwarded task: True when held (not sent now).
+        Held only when its one forwarder is a member that is suspect, dead or left in our
+        view, or was since the task came, or we refuted a suspicion of ours since (it may
+        have migrated the task meanwhile: asked at once);
+        a task that two members forwarded, or from a forwarder we do not know, is answered
+        at once (nothing says it migrated the task)."""
+        names = self._forwarders_of(owned)
+        if len(names) != 1 or not names[0]:
+            return False
+        member = names[0]
+        down_now = self._member_down(member)
+        last_down = max(self._last_down.get(member, _NEVER), self._refuted_at)
+        if not down_now and last_down < owned.received_at:
+            return False  # alive all along since the task came: nothing says it migrated
+        task = owned.task
+        now = self._clock.monotonic()
+        deadline = owned.received_at + task.timeout_ms / 1000.0
+        if not self.core.hold(task.id, member, size, deadline, now):
+            return False
+        self._entries[task.id] = (owned, result)
+        if not down_now:  # alive again: ask it at once
+            self.core.member_alive(member, now)
+        self._flush()
+        return True
+
+    def answered(self, task_id: str) -> None:
+        """A resubmission of ``task_id`` was answered from the results cache just now."""
+        if self.core.answered(task_id):
+            owned, result = self._entries.pop(task_id)
+            self._ingress.end_held(owned, result, send=False)
+
+    def withdrawn(self, task_id: str, member: str) -> None:
+        """``member`` withdrew ``task_id`` from us after its Result was held: dropped."""
+        if task_id in self.core:
+            self.core.withdrawn(task_id, member)
+            self._flush()
+
+    def member_event(self, event: MemberEvent) -> None:
+        if event.kind in _DOWN_KINDS:
+            self._last_down[event.node] = self._clock.monotonic()
+        elif event.kind == "refuted":
+            self._refuted_at = self._clock.monotonic()
+        elif event.kind in _ALIVE_KINDS and len(self.core):
+            self.core.member_alive(event.node, self._clock.monotonic())
+            self._flush()
+
+    def on_reply(self, msg: ConfirmReply) -> None:
+        self.core.on_reply(msg.node, msg.still_mine, msg.migrated, msg.unknown)
+        self._flush()
+
+    def _flush(self) -> None:
+        core = self.core
+        for task_id, decision in core.take_decisions():
+            owned, result = self._entries.pop(task_id)
+            if decision is Decision.DROP:
+                # Run elsewhere: no TaskDone either (its forwarder ledgers the new owner's
+                # copy; a TaskDone from us would be taken as that copy's, core/forwarded.py).
+                owned.forwarders = []
+                owned.replayed_src = ""
+            self._ingress.end_held(owned, result, send=decision is Decision.SEND)
+        for member, ids in core.take_confirms():
+            self._send_confirm(member, Confirm(ids=ids, node=self.node))
+        at = core.next_deadline()
+        if at < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            delay = max(0.0, at - self._clock.monotonic())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+            self._timer_at = at
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        self.core.tick(self._clock.monotonic(), self._member_alive)
+        self._flush()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def send_all(self) -> int:
+        """At shutdown: send every held Result now (a duplicate beats a loss); how many."""
+        ids = self.core.end_all()
+        for task_id in ids:
+            owned, result = self._entries.pop(task_id)
+            self._ingress.end_held(owned, result, send=True)
+        return len(ids)

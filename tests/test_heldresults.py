@@ -1,0 +1,206 @@
+"""core/heldresults.py: Results held while their forwarder is not alive, and the ledger's
+answer to a Confirm (core/forwarded.py)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gossipd.core.forwarded import ForwardedLedger
+from gossipd.core.heldresults import Decision, HeldResults
+from gossipd.core.messages import PROTOCOL_VERSION, Task
+from gossipd.core.peer_messages import CONFIRM_IDS_MAX
+
+ALIVE = {"f": True}
+
+
+def _alive(member: str) -> bool:
+    return ALIVE.get(member, False)
+
+
+def test_held_until_the_forwarder_says_migrated_then_dropped() -> None:
+    held = HeldResults(bytes_max=1000)
+    assert held.hold("a", "f", 10, deadline=30.0, now=1.0)
+    assert held.hold("b", "f", 10, deadline=30.0, now=1.0)
+    assert held.bytes == 20 and len(held) == 2
+    assert held.take_confirms() == []  # not alive yet: nothing asked
+    held.member_alive("f", 5.0)
+    assert held.take_confirms() == [("f", ["a", "b"])]
+    held.on_reply("f", still_mine=["b"], migrated=["a"], unknown=[])
+    assert held.take_decisions() == [("a", Decision.DROP), ("b", Decision.SEND)]
+    assert held.bytes == 0 and len(held) == 0
+    assert held.counters.dropped_migrated == 1 and held.counters.sent_confirmed == 1
+    assert held.next_deadline() == float("inf")
+
+
+def test_unknown_is_sent_and_a_reply_from_another_member_changes_nothing() -> None:
+    held = HeldResults(bytes_max=1000)
+    held.hold("a", "f", 10, deadline=30.0, now=0.0)
+    held.on_reply("g", still_mine=[], migrated=["a"], unknown=[])  # not a's forwarder
+    assert held.take_decisions() == [] and "a" in held
+    held.on_reply("f", still_mine=[], migrated=[], unknown=["a", "zz"])
+    assert held.take_decisions() == [("a", Decision.SEND)]
+    assert held.counters.sent_unknown == 1
+
+
+def test_sent_at_the_deadline_without_an_answer() -> None:
+    held = HeldResults(bytes_max=1000, confirm_every_s=1.0)
+    held.hold("a", "f", 10, deadline=3.0, now=0.0)
+    assert held.next_deadline() == 1.0  # a look at who is alive
+    held.tick(1.0, _alive)
+    assert held.take_confirms() == [("f", ["a"])]  # alive: asked
+    held.tick(1.5, _alive)
+    assert held.take_confirms() == []  # asked within confirm_every_s
+    held.tick(2.0, _alive)
+    assert held.take_confirms() == [("f", ["a"])]  # no answer: asked again
+    held.tick(3.0, _alive)
+    assert held.take_decisions() == [("a", Decision.SEND)]
+    assert held.counters.sent_deadline == 1
+    held.on_reply("f", still_mine=[], migrated=["a"], unknown=[])  # too late: sent already
+    assert held.take_decisions() == []
+
+
+def test_not_held_past_the_budget_or_the_deadline() -> None:
+    held = HeldResults(bytes_max=15)
+    assert held.hold("a", "f", 10, deadline=9.0, now=0.0)
+    assert not held.hold("b", "f", 10, deadline=9.0, now=0.0)  # no room
+    assert not held.hold("c", "f", 1, deadline=9.0, now=9.0)  # its deadline has passed
+    assert not held.hold("a", "f", 1, deadline=9.0, now=0.0)  # held already
+    assert held.counters.not_held == 3 and held.bytes == 10
+
+
+def test_a_withdraw_from_its_forwarder_drops_it() -> None:
+    held = HeldResults(bytes_max=1000)
+    held.hold("a", "f", 10, deadline=9.0, now=0.0)
+    held.withdrawn("a", "g")  # not its forwarder
+    assert held.take_decisions() == []
+    held.withdrawn("a", "f")
+    assert held.take_decisions() == [("a", Decision.DROP)]
+    assert held.counters.dropped_migrated == 1
+
+
+def test_a_resubmission_answered_from_the_cache_ends_the_hold() -> None:
+    held = HeldResults(bytes_max=1000)
+    held.hold("a", "f", 10, deadline=9.0, now=0.0)
+    assert held.answered("a") and not held.answered("a")
+    held.tick(9.0, _alive)
+    assert held.take_decisions() == []
+    assert held.counters.sent_resubmitted == 1
+
+
+def test_confirms_come_in_pieces() -> None:
+    held = HeldResults(bytes_max=1 << 30)
+    for i in range(CONFIRM_IDS_MAX + 5):
+        held.hold(f"t{i}", "f", 1, deadline=9.0, now=0.0)
+    held.member_alive("f", 0.0)
+    sizes = [len(ids) for _, ids in held.take_confirms()]
+    assert sizes == [CONFIRM_IDS_MAX, 5]
+
+
+def _task(task_id: str) -> Task:
+    return Task(v=PROTOCOL_VERSION, id=task_id, prompt="p", reply_to="tcp://127.0.0.1:1")
+
+
+def test_the_ledger_answers_a_confirm() -> None:
+    ledger = ForwardedLedger({}, entries_max=100)
+    ledger.accepted(_task("mine"), "o", 0.0)
+    ledger.accepted(_task("moved"), "o2", 0.0)  # migrated off o, now with o2
+    ledger.moved_off("moved", "o")
+    ledger.moved_off("done", "o")  # migrated, and its new owner answered already
+    assert ledger.confirm(["mine", "moved", "done", "never"], "o") == (
+        ["mine"],
+        ["moved", "done"],
+        ["never"],
+    )
+    assert ledger.confirm(["moved"], "o2") == (["moved"], [], [])
+
+
+# Operations on a HeldResults: (kind, task index, member index, time step).
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["hold", "alive", "reply", "answered", "tick", "withdraw"]),
+        st.integers(0, 7),
+        st.integers(0, 2),
+        st.floats(0.0, 2.0),
+        st.sampled_from(["still", "migrated", "unknown"]),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops, st.integers(5, 80))
+def test_every_held_result_is_sent_or_dropped_once_by_its_deadline(ops, bytes_max) -> None:
+    """Whatever order the inputs come in: each held Result ends exactly once, dropped only
+    on its own forwarder's "migrated" or Withdraw, and none is left once every deadline has
+    passed."""
+    held = HeldResults(bytes_max=bytes_max, confirm_every_s=0.5)
+    members = ["f", "g", "h"]
+    alive = {m: False for m in members}
+    now = 0.0
+    holders: dict[str, str] = {}  # task id -> the forwarder it was held under
+    deadlines: dict[str, float] = {}
+    said_migrated: set[tuple[str, str]] = set()
+    ended: dict[str, str] = {}  # task id -> "send" / "drop" / "answered"
+    for kind, t, m, step, verdict in ops:
+        now += step
+        task_id, member = f"t{t}", members[m]
+        if kind == "hold":
+            if task_id not in ended and task_id not in holders:
+                deadline = now + 1.0 + t
+                if held.hold(task_id, member, 10, deadline, now):
+                    holders[task_id], deadlines[task_id] = member, deadline
+        elif kind == "alive":
+            alive[member] = not alive[member]
+            if alive[member]:
+                held.member_alive(member, now)
+        elif kind == "reply":
+            lists = {"still": [], "migrated": [], "unknown": []}
+            lists[verdict].append(task_id)
+            if verdict == "migrated":
+                said_migrated.add((task_id, member))
+            held.on_reply(member, lists["still"], lists["migrated"], lists["unknown"])
+        elif kind == "withdraw":
+            said_migrated.add((task_id, member))
+            held.withdrawn(task_id, member)
+        elif kind == "answered":
+            if held.answered(task_id):
+                assert task_id not in ended
+                ended[task_id] = "answered"
+        else:
+            held.tick(now, alive.__getitem__)
+        for task_id2, decision in held.take_decisions():
+            assert task_id2 in holders and task_id2 not in ended  # never twice
+            if decision is Decision.DROP:
+                assert (task_id2, holders[task_id2]) in said_migrated
+            ended[task_id2] = decision.value
+        held.take_confirms()
+        assert held.bytes == 10 * len(held) <= bytes_max
+    # Past every deadline: nothing is left held (ticks due no later than the last one).
+    last = max(now, *deadlines.values()) if deadlines else now
+    while held.next_deadline() != float("inf"):
+        now = max(now, held.next_deadline())
+        held.tick(now, alive.__getitem__)
+        for task_id2, _decision in held.take_decisions():
+            assert task_id2 not in ended
+            ended[task_id2] = "send"
+        assert now <= last
+    assert set(ended) == set(holders)
+    assert held.bytes == 0
+
+
+def test_at_shutdown_everything_held_is_sent() -> None:
+    held = HeldResults(bytes_max=1000)
+    held.hold("a", "f", 10, deadline=9.0, now=0.0)
+    held.hold("b", "g", 10, deadline=9.0, now=0.0)
+    assert sorted(held.end_all()) == ["a", "b"]
+    assert held.bytes == 0 and held.counters.sent_shutdown == 2
+    assert held.next_deadline() == float("inf")
+
+
+def test_the_ledger_remembers_the_latest_migrations(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr("gossipd.core.forwarded.MOVED_MAX", 2)
+    ledger = ForwardedLedger({}, entries_max=100)
+    for task_id in ("a", "b", "c"):
+        ledger.moved_off(task_id, "o")
+    assert ledger.confirm(["a", "b", "c"], "o") == ([], ["b", "c"], ["a"])
