@@ -235,6 +235,7 @@ class Daemon:
             "gossip": self.gossip,
             "dispatcher": self.dispatcher,
             "load_gossip": self.load_gossip,
+            "held_results": self.holder,
             "admin": self.admin.statistics() if self.admin is not None else {},
             "security": self.security,
             "budgets": self.budget_gate.statistics() if self.budget_gate else None,
@@ -520,6 +521,7 @@ class Daemon:
             peer_allowed=security.peer_allowed if security.curve else None,
             saturated=lambda: placer.engine_saturated(engine_load.read()),
             # built in run() after membership; a relayed Drain before that waits for none
+            on_withdraw_held=lambda task_id, node: self._held().withdrawn(task_id, node),
             on_drain=lambda msg: self.admin.handle_drain(msg) if self.admin else None,
             on_confirm=lambda msg: dispatcher.confirm(msg),
         )
@@ -582,6 +584,7 @@ class Daemon:
             send_error=lambda e: self._refuse_forward(e),
             clock=self.clock,
             tracer=self.tracer,
+            on_confirm_reply=lambda msg: self._held().on_reply(msg),
         )
         # Subscriptions, and the ingress's links to fan-out (IngressLinks).
         gossip.listeners.append(dispatcher.member_event)
@@ -605,12 +608,15 @@ class Daemon:
             clock=self.clock,
         )
         gossip.listeners.append(holder.member_event)
-        dispatcher.on_confirm_reply = holder.on_reply
-        dispatcher.holder = holder
-        owner.on_withdraw_held = holder.withdrawn
         self.links.hold = holder.hold
         self.links.answered_cached = holder.answered
         return gossip, dispatcher
+
+    def _held(self) -> ResultHolder:
+        """The ResultHolder, built after the dispatcher and the owner that call it (a Withdraw
+        or ConfirmReply for it arrives only once messages flow, after _build)."""
+        assert self.holder is not None
+        return self.holder
 
     def _refuse_forward(self, refusal: Refuse) -> None:
         """No member took a task from our intake.  While we shut down, the producer hears
@@ -760,7 +766,7 @@ def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stats in snapshot.items():
-        if name in ("gossip", "dispatcher", "admin"):
+        if name in ("gossip", "dispatcher", "admin", "held_results"):
             continue
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}

@@ -78,6 +78,7 @@ class Dispatcher:
         send_error: Callable[[Refuse], None],
         clock: Clock = SYSTEM_CLOCK,
         tracer: Any = None,
+        on_confirm_reply: Callable[[ConfirmReply], None] = lambda msg: None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -95,8 +96,7 @@ class Dispatcher:
         self.tracer = tracer
         self.loads_refused = 0  # load records on a reply that named another member
         # ConfirmReplies to our Confirms (the owner's held Results, fanout/holding.py).
-        self.on_confirm_reply: Callable[[ConfirmReply], None] = lambda msg: None
-        self.holder: Any = None  # the owner's ResultHolder, for metrics (set by daemon.py)
+        self.on_confirm_reply = on_confirm_reply
 
     def set_draining(self, draining: bool) -> None:
         """Drained or stopping: the placer sends every task elsewhere (False: back to serving)."""

@@ -125,6 +125,7 @@ class OwnerEndpoint:
         saturated: Callable[[], bool] = lambda: False,
         on_drain: Callable[[Drain], None] = lambda msg: None,
         on_confirm: Callable[[Confirm], ConfirmReply] | None = None,
+        on_withdraw_held: Callable[[str, str], None] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -152,7 +153,7 @@ class OwnerEndpoint:
         # for the Results held while that member is not alive (fanout/holding.py).
         self.member_of: dict[bytes, str] = {}
         # A Withdraw for a task that ended here: (task id, forwarder) to the ResultHolder.
-        self.on_withdraw_held: Callable[[str, str], None] | None = None
+        self.on_withdraw_held = on_withdraw_held
         # A forwarded task is validated as the ingress validates a producer's (its size
         # against ingress.message_bytes_max).
         self.task_bytes_max = task_bytes_max

@@ -18,6 +18,7 @@ from gossipd.ops.metrics_subsystems import (
     _dispatch_metrics,
     _duty_metrics,
     _gossip_metrics,
+    _held_metrics,
     _leadership_metrics,
     _load_gossip_metrics,
     _security_metrics,
@@ -182,6 +183,9 @@ class DaemonCollector:
         dispatcher = s.get("dispatcher")
         if dispatcher is not None:
             yield from _dispatch_metrics(dispatcher)
+        holder = s.get("held_results")  # fanout/holding.py's ResultHolder
+        if holder is not None:
+            yield from _held_metrics(holder.core)
         load_gossip = s.get("load_gossip")
         if load_gossip is not None:
             yield from _load_gossip_metrics(load_gossip, dispatcher)

@@ -381,9 +381,6 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         "reason",
         [("count", stats.forwarded_evicted_count), ("bytes", stats.forwarded_evicted_bytes)],
     )
-    holder = dispatcher.holder
-    if holder is not None:
-        yield from _held_metrics(holder.core)
     yield _one(
         G,
         "gossipd_fanout_forwarded_bytes",
