@@ -781,7 +781,7 @@ def _alive(gossip: GossipService, name: str) -> bool:
 
 
 def _down(gossip: GossipService, name: str) -> bool:
-    """Is ``name`` a member we know as suspect, dead or left?"""
+    """Is ``name`` a member we know as suspect or dead?  (One that left migrates nothing.)"""
     core = gossip.core
     member = None if core is None else core.table.members.get(name)
-    return member is not None and member.state is not State.ALIVE
+    return member is not None and member.state in (State.SUSPECT, State.DEAD)

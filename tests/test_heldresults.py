@@ -79,6 +79,17 @@ def test_a_withdraw_from_its_forwarder_drops_it() -> None:
     assert held.counters.dropped_migrated == 1
 
 
+def test_a_forwarder_that_left_gets_its_held_results_sent() -> None:
+    """Rule 7: a graceful leave migrates nothing; the Results held for it go out, others
+    stay held."""
+    held = HeldResults(bytes_max=1000)
+    held.hold("a", "f", 10, deadline=9.0, now=0.0)
+    held.hold("b", "g", 10, deadline=9.0, now=0.0)
+    held.member_left("f")
+    assert held.take_decisions() == [("a", Decision.SEND)]
+    assert "b" in held and "a" not in held and held.counters.sent_left == 1
+
+
 def test_a_resubmission_answered_from_the_cache_ends_the_hold() -> None:
     held = HeldResults(bytes_max=1000)
     held.hold("a", "f", 10, deadline=9.0, now=0.0)
@@ -118,7 +129,7 @@ def test_the_ledger_answers_a_confirm() -> None:
 # Operations on a HeldResults: (kind, task index, member index, time step).
 _ops = st.lists(
     st.tuples(
-        st.sampled_from(["hold", "alive", "reply", "answered", "tick", "withdraw"]),
+        st.sampled_from(["hold", "alive", "reply", "answered", "tick", "withdraw", "left"]),
         st.integers(0, 7),
         st.integers(0, 2),
         st.floats(0.0, 2.0),
@@ -163,6 +174,9 @@ def test_every_held_result_is_sent_or_dropped_once_by_its_deadline(ops, bytes_ma
         elif kind == "withdraw":
             said_migrated.add((task_id, member))
             held.withdrawn(task_id, member)
+        elif kind == "left":
+            held.member_left(member)
+            assert all(h != member for t, h in holders.items() if t in held), "left: all sent"
         elif kind == "answered":
             if held.answered(task_id):
                 assert task_id not in ended

@@ -20,6 +20,9 @@ Rules (every held Result ends exactly once, as SEND or DROP, by its task's deadl
    its Withdraw came through after the heal) -> DROP, as ``migrated``.
 6. ``answered``: a resubmission of the id was answered from the results cache (its Forward
    or the producer's own resend is its confirmation): the held copy ends, counted as sent.
+7. ``member_left``: a forwarder that left the cluster (a graceful leave, not a death) had
+   not migrated the task (it was alive in our view) and will migrate nothing now: its held
+   Results are sent.  (A Result is never held for a member that has left.)
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class HeldCounters:
     sent_deadline: int = 0  # ...sent at the deadline with no answer
     sent_resubmitted: int = 0  # ...answered from the cache to a resubmission
     sent_shutdown: int = 0  # ...sent as the daemon stopped
+    sent_left: int = 0  # ...sent: their forwarder left the cluster (rule 7)
     dropped_migrated: int = 0  # ...dropped: migrated elsewhere
     not_held: int = 0  # sent at once: no room in bytes_max, or past the deadline
     confirms_sent: int = 0  # Confirm messages asked
@@ -134,6 +138,13 @@ class HeldResults:
             self.counters.sent_resubmitted += 1
             return True
         return False
+
+    def member_left(self, member: str) -> None:
+        """Rule 7: ``member`` left: every Result held for it is sent."""
+        for task_id in [t for t, h in self._held.items() if h.member == member]:
+            if self._end(task_id, member):
+                self.counters.sent_left += 1
+                self._decisions.append((task_id, Decision.SEND))
 
     def end_all(self) -> list[str]:
         """At shutdown: every held Result is to be sent now (a duplicate beats a loss)."""

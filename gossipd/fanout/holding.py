@@ -31,7 +31,8 @@ from gossipd.core.peer_messages import Confirm, ConfirmReply
 from gossipd.ingress.service import Ingress
 
 _ALIVE_KINDS = ("alive", "joined")
-_DOWN_KINDS = ("suspect", "dead", "left")
+# A member that left (gracefully) migrates nothing: not a reason to hold (rule 7).
+_DOWN_KINDS = ("suspect", "dead")
 _NEVER = float("-inf")
 
 
@@ -53,13 +54,13 @@ class ResultHolder:
         self._ingress = ingress
         self._forwarders_of = forwarders_of  # the member names that forwarded it to us
         self._member_alive = member_alive  # alive (not suspect, dead or unknown) in our view
-        self._member_down = member_down  # known in our view, and suspect, dead or left
+        self._member_down = member_down  # known in our view, and suspect or dead
         self._send_confirm = send_confirm
         self._clock = clock
         self._entries: dict[str, tuple[Owned, Result]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        # When each member was last seen suspect, dead or left (the clock's monotonic time).
+        # When each member was last seen suspect or dead (the clock's monotonic time).
         self._last_down: dict[str, float] = {}
         # ...and when we last refuted a suspicion or death of ours: any forwarder may have
         # migrated our tasks then (we were cut off from them, or stalled).
@@ -67,7 +68,7 @@ class ResultHolder:
 
     def hold(self, owned: Owned, result: Result, size: int) -> bool:
         """The ingress's final Result for a forwarded task: True when held (not sent now).
-        Held only when its one forwarder is a member that is suspect, dead or left in our
+        Held only when its one forwarder is a member that is suspect or dead in our
         view, or was since the task came, or we refuted a suspicion of ours since (it may
         have migrated the task meanwhile: asked at once);
         a task that two members forwarded, or from a forwarder we do not know, is answered
@@ -106,6 +107,9 @@ class ResultHolder:
     def member_event(self, event: MemberEvent) -> None:
         if event.kind in _DOWN_KINDS:
             self._last_down[event.node] = self._clock.monotonic()
+        elif event.kind == "left" and len(self.core):
+            self.core.member_left(event.node)
+            self._flush()
         elif event.kind == "refuted":
             self._refuted_at = self._clock.monotonic()
         elif event.kind in _ALIVE_KINDS and len(self.core):

@@ -297,7 +297,7 @@ def _held_metrics(core: Any) -> Iterator[Metric]:
         C,
         "gossipd_fanout_results_held_sent",
         "Held Results sent, by why (confirmed, unknown to the forwarder, deadline, resubmitted, "
-        "shutdown)",
+        "shutdown, the forwarder left)",
         "why",
         [
             ("confirmed", c.sent_confirmed),
@@ -305,6 +305,7 @@ def _held_metrics(core: Any) -> Iterator[Metric]:
             ("deadline", c.sent_deadline),
             ("resubmitted", c.sent_resubmitted),
             ("shutdown", c.sent_shutdown),
+            ("left", c.sent_left),
         ],
     )
     yield _one(
