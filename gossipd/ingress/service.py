@@ -40,6 +40,7 @@ from gossipd.core.messages import (
     decode_intake,
     encode,
     error_result,
+    reply_route,
 )
 from gossipd.core.queueing import QueueWait
 from gossipd.engines.base import (
@@ -554,7 +555,7 @@ class Ingress:
     def _refuse_admin(self, msg: StatusQuery | Drain, producer_key: str = "") -> None:
         self._refused["bad_admin"] += 1
         self._replies.send(
-            f"{msg.reply_to} {producer_key}" if producer_key else msg.reply_to,
+            reply_route(msg.reply_to, producer_key),
             encode(
                 error_result(
                     msg.id,
@@ -576,7 +577,7 @@ class Ingress:
         answered = bool(exc.reply_to)
         if answered:
             self._replies.send(
-                f"{exc.reply_to} {producer_key}" if producer_key else exc.reply_to,
+                reply_route(exc.reply_to, producer_key),
                 encode(error_result(exc.task_id, ErrorCode(exc.code), exc.hint, node=self._node)),
             )
         else:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gossipd.core.admin_messages import AdminReply, LoadReport, StatusReport, encode_admin
-from gossipd.core.messages import Drain, ErrorCode, StatusQuery, error_result
+from gossipd.core.messages import Drain, ErrorCode, StatusQuery, error_result, reply_route
 from gossipd.engines.base import Engine
 from gossipd.ingress.service import Ingress
 from gossipd.transport import ReplySender
@@ -82,7 +82,7 @@ class Admin:
         under CURVE (the answer goes only to a server holding it)."""
         if type(msg) is StatusQuery:
             self.requests["status:ok"] += 1
-            route = f"{msg.reply_to} {producer_key}" if producer_key else msg.reply_to
+            route = reply_route(msg.reply_to, producer_key)
             self._replies.send(route, encode_admin(self.report(msg.id)))
             return
         assert isinstance(msg, Drain)
@@ -119,7 +119,7 @@ class Admin:
 
     def _answer(self, msg: Drain, ok: bool, text: str) -> None:
         reply = AdminReply(id=msg.id, node=self.node, ok=ok, status=self.status(), message=text)
-        route = f"{msg.reply_to} {msg.producer_key}" if msg.producer_key else msg.reply_to
+        route = reply_route(msg.reply_to, msg.producer_key)
         self._replies.send(route, encode_admin(reply))
 
     # -- drain --------------------------------------------------------------------------------
