@@ -14,7 +14,7 @@ import pytest
 
 from gossipd import __version__
 from gossipd.core.messages import SamplingParams
-from gossipd.tools.client import Client
+from gossipd.tools.client import DEFAULT_REPLY_BIND, Client, ProducerKeys
 from gossipd.tools.launcher import free_tcp_port
 from simulations.cluster import Cluster
 from tests.helpers import RawProducer, gossipd_cli, scrape, wait_until
@@ -32,11 +32,20 @@ def rows(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["node"]: r for r in status["members"]}
 
 
-def send_keyed(endpoints: list[str], n: int, tag: str) -> Counter[str]:
+def send_keyed(
+    endpoints: list[str],
+    n: int,
+    tag: str,
+    *,
+    curve: ProducerKeys | None = None,
+    reply_bind: str = DEFAULT_REPLY_BIND,
+) -> Counter[str]:
     """n keyed tasks pushed to every endpoint; which member served each (all must be ok)."""
 
     async def main() -> Counter[str]:
-        async with Client(endpoints, resubmit_after_s=5.0) as client:
+        async with Client(
+            endpoints, resubmit_after_s=5.0, curve=curve, reply_bind=reply_bind
+        ) as client:
             handles = [
                 await client.submit(
                     f"{tag} {i}", key=f"{tag}-{i % 20}", params=SamplingParams(max_tokens=2)

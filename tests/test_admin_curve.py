@@ -7,7 +7,6 @@ daemon or a valid reply address are missing."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -18,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from gossipd.core.messages import SamplingParams
-from gossipd.tools.client import Client, ProducerKeys
+from gossipd.tools.client import DEFAULT_REPLY_BIND, ProducerKeys
 from gossipd.tools.launcher import free_tcp_port
 from simulations.cluster import Cluster
 from tests.helpers import wait_until
+from tests.test_admin import send_keyed as send_keyed_to
 
 pytestmark = pytest.mark.slow
 
@@ -68,30 +67,17 @@ def rows(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def send_keyed(
-    cluster: Cluster, n: int, tag: str, reply_bind: str = "tcp://127.0.0.1:*"
+    cluster: Cluster, n: int, tag: str, reply_bind: str = DEFAULT_REPLY_BIND
 ) -> Counter[str]:
+    """tests/test_admin.py's send_keyed with this cluster's producer keys."""
     keys = cluster.keys
     assert keys is not None
     curve = ProducerKeys.from_files(
         str(keys.secrets / "producer.key_secret"),
         [str(keys.peers / f"{d.name}.key") for d in cluster.daemons],
     )
-
-    async def main() -> Counter[str]:
-        async with Client(
-            [d.endpoint for d in cluster.daemons], curve=curve, reply_bind=reply_bind
-        ) as client:
-            handles = [
-                await client.submit(
-                    f"{tag} {i}", key=f"{tag}-{i % 20}", params=SamplingParams(max_tokens=2)
-                )
-                for i in range(n)
-            ]
-            results = [await h.result() for h in handles]
-        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-        return Counter(r.node for r in results)
-
-    return asyncio.run(main())
+    endpoints = [d.endpoint for d in cluster.daemons]
+    return send_keyed_to(endpoints, n, tag, curve=curve, reply_bind=reply_bind)
 
 
 def test_status_with_keys_shows_every_member_asked_itself(cluster: Cluster) -> None:
