@@ -5,8 +5,9 @@ memory, and the leaders the daemons logged.
 ``/metrics`` (``metrics.bind`` on its host's address) is read from its own host, cut off or
 not; every ``interval_s`` it records, per daemon, ``gossipd_members{state}`` (members known,
 not counting itself) and its RSS (``/proc/PID/status``; VmHWM for the peak of each life).
-From those samples: when every daemon sees every other alive, and how long each side of a cut
-took to see the other side gone.
+From those samples: when every daemon sees every other alive.  How long each side of a cut
+took to see the other side gone comes from the daemons' own logged member events instead
+(``cut_detection``), stamped when each daemon decided, without the samples' lag.
 """
 
 from __future__ import annotations
@@ -141,22 +142,57 @@ class Watcher:
             f"{ {n: s.alive for n, s in self.latest(t0).items()} }"
         )
 
-    def first_below(self, t0: float, node: str, alive_at_most: int) -> float | None:
-        """Seconds from t0 until ``node`` first sees at most ``alive_at_most`` others alive."""
-        with self._lock:
-            for s in self.samples:
-                if s.t >= t0 and s.node == node and s.alive <= alive_at_most:
-                    return s.t - t0
-        return None
+
+def member_events(unit: Unit, since_wall: float) -> list[tuple[float, str, str]]:
+    """(ts, member, event) of the "member" lines ``unit`` logged at or after ``since_wall``
+    (wall-clock seconds, the logs' ``ts``)."""
+    try:
+        text = unit.log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        if '"msg": "member"' not in line and '"msg":"member"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        ts = event.get("ts")
+        if isinstance(ts, (int, float)) and ts >= since_wall:
+            out.append((float(ts), str(event.get("member")), str(event.get("event"))))
+    return sorted(out)
 
 
-def cut_detection(
-    watcher: Watcher, t_cut: float, cut: Sequence[Unit], rest: Sequence[Unit]
-) -> dict[str, Any]:
-    """How long each side of a cut took to see the other side not alive (suspect or dead):
-    the slowest daemon of each side, seconds; None where a daemon never saw it."""
-    inside = [watcher.first_below(t_cut, u.name, len(cut) - 1) for u in cut]
-    outside = [watcher.first_below(t_cut, u.name, len(rest) - 1) for u in rest]
+_NOT_ALIVE = {"suspect", "dead", "left"}
+
+
+def saw_all_gone(unit: Unit, t_cut_wall: float, others: Sequence[str]) -> float | None:
+    """Seconds from the cut until ``unit`` first held every one of ``others`` not alive at
+    once, from the member events it logged (each stamped when the daemon decided it, so no
+    sampling lag); None if it never did."""
+    gone: set[str] = set()
+    for ts, member, event in member_events(unit, t_cut_wall):
+        if member not in others:
+            continue
+        if event in _NOT_ALIVE:
+            gone.add(member)
+        elif event in ("alive", "joined"):
+            gone.discard(member)
+        if len(gone) == len(others):
+            return ts - t_cut_wall
+    return None
+
+
+def cut_detection(t_cut_wall: float, cut: Sequence[Unit], rest: Sequence[Unit]) -> dict[str, Any]:
+    """How long each side of a cut took to see the whole other side not alive (suspect or
+    dead): the slowest daemon of each side, seconds; None where a daemon never saw it.  From
+    the daemons' own logged member events: the watcher's /metrics samples would add up to
+    its interval plus a scrape's latency on a loaded machine."""
+    cut_names = [u.name for u in cut]
+    rest_names = [u.name for u in rest]
+    inside = [saw_all_gone(u, t_cut_wall, rest_names) for u in cut]
+    outside = [saw_all_gone(u, t_cut_wall, cut_names) for u in rest]
 
     def slowest(times: list[float | None]) -> float | None:
         return None if not times or any(t is None for t in times) else round(max(times), 2)  # type: ignore[type-var]

@@ -82,10 +82,10 @@ class Nemesis:
         target = self.d.hosts[-1]
         rest = [u for hd in self.d.hosts if hd is not target for u in hd.units]
         etcd_errors_before = log_count(target.units, "etcd unreachable or refusing")
-        t_cut = time.monotonic()
+        t_cut_wall = time.time()  # the daemons' logs stamp wall-clock time
         self.net.cut(target.host)
         self.hold(self.opts.cut_s)
-        seen = cut_detection(self.watcher, t_cut, target.units, rest)
+        seen = cut_detection(t_cut_wall, target.units, rest)
         etcd_errors = log_count(target.units, "etcd unreachable or refusing")
         t_heal = time.monotonic()
         self.net.heal(target.host)
