@@ -252,9 +252,15 @@ class FanoutConfig(Section):
     # ...and at most this many bytes of them (each: its prompt plus about 700 bytes); beyond
     # either bound the oldest is forgotten first (counted: it can no longer migrate).
     forwarded_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 1024 * 1024 * 1024
-    # An owner holds a forwarded task's final Result while its forwarder is suspect or dead
-    # in its view (it may have migrated the task: docs/PROTOCOL.md "Duplicate final
-    # Results"), up to this many bytes of encoded Results; past it a Result is sent at once.
+    # When an owner holds a forwarded task's final Result until the task's forwarder says it
+    # did not migrate the task (docs/PROTOCOL.md "Duplicate final Results"): "always" (one
+    # round trip to the forwarder before the producer hears: no Result is in flight to the
+    # producer when a cut comes, so a cut-off owner's answer never arrives after the
+    # migrated copy's), or "suspect" (only while the forwarder is, or was since the task
+    # came, suspect or dead in our view: no added latency, but Results sent in the second or
+    # so before a cut is noticed arrive twice after the heal).
+    confirm_results: Literal["always", "suspect"] = "always"
+    # ...up to this many bytes of encoded Results held; past it a Result is sent at once.
     held_results_bytes_max: Annotated[int, msgspec.Meta(ge=0)] = 16 * 1024 * 1024
     # A connection to a peer that drops is retried after 0.1 s, the wait doubling up to this:
     # a dead member costs a connect attempt a second, not ten.  Keep it short: a member that

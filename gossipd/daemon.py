@@ -598,7 +598,10 @@ class Daemon:
         ingress.on_finished.append(lambda owned, _result: forwarder.local_finished(owned.task.id))
         ingress.on_finished.append(owner.task_finished)
         self.holder = holder = ResultHolder(
-            HeldResults(bytes_max=config.fanout.held_results_bytes_max),
+            HeldResults(
+                bytes_max=config.fanout.held_results_bytes_max,
+                always=config.fanout.confirm_results == "always",
+            ),
             node=self.node,
             ingress=ingress,
             forwarders_of=owner.forwarders_of,

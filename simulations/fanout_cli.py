@@ -69,6 +69,12 @@ def main(argv: list[str]) -> int:
         help="owners send every Result at once (no held Results, no Confirm: to compare)",
     )
     p.add_argument(
+        "--confirm-results",
+        choices=("always", "suspect"),
+        default="always",
+        help="which forwarded Results wait for their forwarder's Confirm (fanout.confirm_results)",
+    )
+    p.add_argument(
         "--swarm",
         type=int,
         default=0,
@@ -116,6 +122,7 @@ def main(argv: list[str]) -> int:
         service_s=args.service_s,
         resubmit_s=args.resubmit_s,
         hold_results=not args.no_hold_results,
+        confirm_results=args.confirm_results,
     )
     if args.degrade:
         run.faults = ()

@@ -131,10 +131,8 @@ class SimDaemon:
         self.swim_tick_at = math.inf
         self.fw_tick_at = math.inf
         # Results held while their forwarder is not alive in our view (fanout/holding.py).
-        self.held = HeldResults(bytes_max=1 << 30)
+        self.held = HeldResults(bytes_max=1 << 30, always=world.run.confirm_results == "always")
         self.held_entries: dict[str, tuple[Owned, Result]] = {}
-        self.last_down: dict[str, float] = {}  # member -> when last seen suspect/dead/left
-        self.refuted_at = -math.inf  # when we last refuted a suspicion of ours
 
     # -- producer intake and local admission ------------------------------------------------
 
@@ -299,19 +297,22 @@ class SimDaemon:
         if len(names) != 1 or not names[0]:
             return False
         m = self.swim.table.members.get(names[0])
-        if m is None:
+        if m is None or m.state is State.LEFT:
+            view = "gone"
+        else:
+            view = "alive" if m.state is State.ALIVE else "down"
+        if not self.held.offer(
+            ended.task.id,
+            names[0],
+            100,
+            received_at=ended.received_at,
+            deadline=ended.received_at + ended.task.timeout_ms / 1000.0,
+            now=self.world.now,
+            view=view,
+        ):
             return False
-        down_now = m.state is not State.ALIVE
-        last_down = max(self.last_down.get(names[0], -math.inf), self.refuted_at)
-        if not down_now and last_down < ended.received_at:
-            return False
-        deadline = ended.received_at + ended.task.timeout_ms / 1000.0
-        if not self.held.hold(ended.task.id, names[0], 100, deadline, self.world.now):
-            return False
-        self.world.trace(ended.task.id, self.name, f"holds its Result ({names[0]} was down)")
+        self.world.trace(ended.task.id, self.name, f"holds its Result ({names[0]} {view})")
         self.held_entries[ended.task.id] = (ended, result)
-        if not down_now:
-            self.held.member_alive(names[0], self.world.now)
         self.flush_held()
         return True
 

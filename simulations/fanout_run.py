@@ -57,3 +57,6 @@ class FanoutRun:
     # and asks it by Confirm (core/heldresults.py, as fanout/holding.py does); False: sent
     # at once, as before (to measure what holding saves).
     hold_results: bool = True
+    # fanout.confirm_results: "always" (every forwarded Result waits for its forwarder's
+    # Confirm answer) or "suspect" (only while the forwarder is or was down in our view).
+    confirm_results: str = "always"

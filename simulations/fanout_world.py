@@ -153,12 +153,8 @@ class World(Producers, Faults, Network, Checks):
             if dst is not None:
                 self.deliver(d.index, dst, SWIM_MSG, data, lossy=True)
         for event in d.swim.take_events():
-            if event.kind in ("suspect", "dead", "left"):
-                d.last_down[event.node] = self.now
-            elif event.kind == "refuted":
-                d.refuted_at = self.now
-            if event.kind in ("alive", "joined") and len(d.held):
-                d.held.member_alive(event.node, self.now)
+            d.held.member_event(event.kind, event.node, self.now)
+            if len(d.held) or event.kind == "left":
                 d.flush_held()
             if event.kind == "dead":
                 if self.run.trace_task:

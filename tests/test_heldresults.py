@@ -218,3 +218,53 @@ def test_the_ledger_remembers_the_latest_migrations(monkeypatch) -> None:  # typ
     for task_id in ("a", "b", "c"):
         ledger.moved_off(task_id, "o")
     assert ledger.confirm(["a", "b", "c"], "o") == ([], ["b", "c"], ["a"])
+
+
+def test_a_task_moved_twice_is_migrated_for_every_member_it_left() -> None:
+    """The simulator's seed 6 (partition): moved off o, then off o2, then done at o3; o, cut
+    off while its Result waited for the Confirm, asks after the heal and must hear
+    "migrated" (it heard "unknown" when only the last member moved off was remembered, and
+    answered a second time)."""
+    ledger = ForwardedLedger({}, entries_max=100)
+    ledger.moved_off("t", "o")
+    ledger.moved_off("t", "o2")
+    ledger.moved_off("t", "o2")  # remembered once
+    assert ledger.confirm(["t"], "o") == ([], ["t"], [])
+    assert ledger.confirm(["t"], "o2") == ([], ["t"], [])
+    assert ledger.confirm(["t"], "o3") == ([], [], ["t"])
+
+
+def _offer(held: HeldResults, task_id: str, view: str, *, received_at: float, now: float) -> bool:
+    return held.offer(
+        task_id, "f", 10, received_at=received_at, deadline=30.0, now=now, view=view
+    )
+
+
+def test_rule_0_suspect_holds_only_while_the_forwarder_is_or_was_down() -> None:
+    held = HeldResults(bytes_max=1000)
+    assert not _offer(held, "a", "alive", received_at=1.0, now=2.0)  # alive all along
+    assert _offer(held, "b", "down", received_at=1.0, now=2.0)
+    assert held.take_confirms() == []  # down: asked once it is alive
+    held.member_event("suspect", "f", 3.0)
+    held.member_event("alive", "f", 3.5)  # refuted: b is asked now
+    assert held.take_confirms() == [("f", ["b"])]
+    assert _offer(held, "c", "alive", received_at=2.5, now=4.0)  # down since c came
+    assert not _offer(held, "d", "alive", received_at=3.6, now=4.0)  # came after
+    held.member_event("refuted", "me", 5.0)  # we were suspected: anyone may have migrated
+    assert _offer(held, "e", "alive", received_at=4.5, now=5.5)
+    assert held.take_confirms() == [("f", ["c", "e"])]  # asked at once, alive
+    assert not _offer(held, "g", "gone", received_at=4.5, now=5.5)  # left or unknown
+
+
+def test_rule_0_always_holds_every_forwarded_result_and_asks_at_once() -> None:
+    held = HeldResults(bytes_max=1000, always=True)
+    assert _offer(held, "a", "alive", received_at=1.0, now=1.1)
+    assert _offer(held, "b", "alive", received_at=1.0, now=1.1)
+    assert _offer(held, "c", "down", received_at=1.0, now=1.1)  # held, asked later
+    assert not _offer(held, "d", "gone", received_at=1.0, now=1.1)
+    assert held.take_confirms() == [("f", ["a", "b"])]  # one Confirm for the turn
+    held.on_reply("f", still_mine=["a"], migrated=["b"], unknown=[])
+    assert held.take_decisions() == [("b", Decision.DROP), ("a", Decision.SEND)]
+    held.member_event("left", "f", 2.0)  # rule 7: a forwarder that left migrated nothing
+    assert held.take_decisions() == [("c", Decision.SEND)]
+    assert len(held) == 0 and held.bytes == 0

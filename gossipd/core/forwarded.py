@@ -17,9 +17,10 @@ Rules, whatever order acks and TaskDones arrive in:
 - at most ``entries_max`` tasks and ``bytes_max`` bytes of them (``budgets.task_bytes``: the
   prompt and a fixed part): the oldest goes first (it can no longer migrate), counted by the
   bound that forced it (``evicted_count`` / ``evicted_bytes``);
-- a task migrated off a member is remembered as moved off it (the last ``MOVED_MAX``), so
-  that the member, asking later whether it still runs the task for us (``confirm``), hears
-  "migrated" even after the new owner's TaskDone; a task neither ledgered nor remembered is
+- a task migrated off a member is remembered as moved off it (the last ``MOVED_MAX`` tasks,
+  with every member each moved off), so that the member, asking later whether it still runs
+  the task for us (``confirm``), hears "migrated" even after the new owner's TaskDone and
+  after the task moved on again; a task neither ledgered nor remembered is
   "unknown" (the owner then answers: a duplicate beats a loss).
 """
 
@@ -56,7 +57,9 @@ class ForwardedLedger:
         # Read-only to others: its size is the forwarder's in-flight count's part (per task).
         self.entries: OrderedDict[str, Forwarded] = OrderedDict()
         self._early_done: OrderedDict[str, None] = OrderedDict()
-        self._moved: OrderedDict[str, str] = OrderedDict()  # task id -> member it moved off
+        # task id -> every member it moved off (a task can move more than once, and each of
+        # those members may ask)
+        self._moved: OrderedDict[str, tuple[str, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -107,7 +110,8 @@ class ForwardedLedger:
 
     def moved_off(self, task_id: str, member: str) -> None:
         """``task_id`` was migrated off ``member`` (declared dead): remember it for confirm()."""
-        self._moved[task_id] = member
+        before = self._moved.get(task_id, ())
+        self._moved[task_id] = before if member in before else (*before, member)
         self._moved.move_to_end(task_id)
         if len(self._moved) > MOVED_MAX:
             self._moved.popitem(last=False)
@@ -122,7 +126,7 @@ class ForwardedLedger:
             entry = self.entries.get(task_id)
             if entry is not None and entry.owner == member:
                 still.append(task_id)
-            elif entry is not None or self._moved.get(task_id) == member:
+            elif entry is not None or member in self._moved.get(task_id, ()):
                 migrated.append(task_id)  # ledgered under another member, or moved off it
             else:
                 unknown.append(task_id)

@@ -1,10 +1,17 @@
-"""Final Results an owner holds back while their forwarder is not alive in its view, sans-IO
-(docs/PROTOCOL.md "Duplicate final Results", the partition case).
+"""Final Results an owner holds back until the task's forwarder says it did not migrate the
+task, sans-IO (docs/PROTOCOL.md "Duplicate final Results", the partition case).
 
 An owner cut off from a forwarder cannot tell a partition from the forwarder's death; on the
 other side the forwarder may have declared the owner dead and migrated the task, whose new
-owner answers.  So a forwarded task's Result is held, not sent, when the task's forwarder is
-suspect or dead in our view, until the forwarder can say which of the two happened.
+owner answers.  So a forwarded task's Result is held, not sent, until the forwarder can say
+which of the two happened.
+
+Rule 0, which Results are held (``offer``): with ``always`` every forwarded task's Result
+(asked at once: one round trip to the forwarder before the producer hears, so that a Result
+is never in flight to the producer when the cut comes); else only while the forwarder is
+suspect or dead in our view, or was since the task came, or we refuted a suspicion of ours
+since (it may have migrated the task meanwhile: asked at once when it is alive).  A member
+that left gracefully is no reason to hold (rule 7).
 
 Rules (every held Result ends exactly once, as SEND or DROP, by its task's deadline):
 1. ``hold`` takes a Result unless the byte budget (``bytes_max``) is spent or the task's
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -63,16 +71,25 @@ class HeldCounters:
 
 
 class HeldResults:
-    def __init__(self, *, bytes_max: int, confirm_every_s: float = 1.0) -> None:
+    def __init__(
+        self, *, bytes_max: int, confirm_every_s: float = 1.0, always: bool = False
+    ) -> None:
         self.bytes_max = bytes_max
         self.confirm_every_s = confirm_every_s
+        self.always = always  # rule 0: every forwarded Result waits for its forwarder's word
         self.bytes = 0
         self.counters = HeldCounters()
         self._held: dict[str, _Held] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped
         self._decisions: list[tuple[str, Decision]] = []
         self._confirms: list[tuple[str, list[str]]] = []
+        self._asks: dict[str, list[str]] = {}  # forwarder -> ids to ask at the next take
         self._poll_at = float("inf")  # when tick() next looks who is alive (rule 2)
+        # Rule 0's memory: when each member was last suspect or dead in our view, and when
+        # we last refuted a suspicion or death of ours (any forwarder may have migrated our
+        # tasks then: we were cut off from them, or stalled).
+        self._last_down: dict[str, float] = {}
+        self._refuted_at = -math.inf
 
     def __len__(self) -> int:
         return len(self._held)
@@ -81,6 +98,45 @@ class HeldResults:
         return task_id in self._held
 
     # -- inputs ----------------------------------------------------------------------------
+
+    def offer(
+        self,
+        task_id: str,
+        member: str,
+        size: int,
+        *,
+        received_at: float,
+        deadline: float,
+        now: float,
+        view: str,
+    ) -> bool:
+        """Rules 0 and 1: the final Result of ``task_id``, forwarded to us by ``member``,
+        which is ``view`` in our membership now: "alive", "down" (suspect or dead), or
+        "gone" (left, or not known: nothing says it migrated the task, and nobody would
+        answer a Confirm).  True when held (not sent now)."""
+        if view == "gone":
+            return False
+        if not self.always and view == "alive":
+            last_down = max(self._last_down.get(member, -math.inf), self._refuted_at)
+            if last_down < received_at:
+                return False  # alive all along since the task came: nothing says it moved
+        if not self.hold(task_id, member, size, deadline, now):
+            return False
+        if view == "alive":  # ask it at once
+            self._held[task_id].asked_at = now
+            self._asks.setdefault(member, []).append(task_id)
+        return True
+
+    def member_event(self, kind: str, member: str, now: float) -> None:
+        """A membership event (core/membership.py's MemberEvent.kind) about ``member``."""
+        if kind in ("suspect", "dead"):
+            self._last_down[member] = now
+        elif kind == "refuted":
+            self._refuted_at = now
+        elif kind == "left":
+            self.member_left(member)
+        elif kind in ("alive", "joined") and self._held:
+            self.member_alive(member, now)
 
     def hold(self, task_id: str, member: str, size: int, deadline: float, now: float) -> bool:
         """Rule 1: True when held; False: send it now."""
@@ -182,6 +238,12 @@ class HeldResults:
     def take_confirms(self) -> list[tuple[str, list[str]]]:
         """(forwarder, task ids) to ask in a Confirm each."""
         out, self._confirms = self._confirms, []
+        for member, ids in self._asks.items():
+            ids = [t for t in ids if t in self._held]
+            for i in range(0, len(ids), CONFIRM_IDS_MAX):
+                out.append((member, ids[i : i + CONFIRM_IDS_MAX]))
+                self.counters.confirms_sent += 1
+        self._asks.clear()
         return out
 
     def next_deadline(self) -> float:

@@ -1,12 +1,15 @@
 """The owner's held Results: the asyncio driver of ``core/heldresults.py``.
 
-A forwarded task's final Result goes to its producer at once while the task's forwarder is
-alive in our membership view.  When it is suspect or dead (we may be cut off from it, and it
-may have migrated the task), the ingress hands the Result here instead (``hold``); we ask
-the forwarder by a Confirm once it is alive again and send or drop the Result by its
-ConfirmReply, or send it at the task's deadline (docs/PROTOCOL.md "Duplicate final Results"):
+With ``fanout.confirm_results = "always"`` every forwarded task's final Result waits here for
+one round trip: a Confirm to its forwarder, sent at once (one per forwarder per loop turn),
+and its ConfirmReply.  With "suspect" it goes to its producer at once while the forwarder
+is alive in our membership view, and waits here only when it is (or was since the task
+came) suspect or dead: we may be cut off from it, and it may have migrated the task.  We ask
+the forwarder by a Confirm once it is alive and send or drop the Result by its
+ConfirmReply, or send it at the task's deadline (docs/PROTOCOL.md "Duplicate final Results";
+core/heldresults.py rule 0):
     Ingress._finish -> hold (True: held, not sent)
-    membership "alive"/"joined" -> HeldResults.member_alive -> Confirm to the forwarder
+    membership events -> HeldResults.member_event ("alive": a Confirm to the forwarder)
     ConfirmReply (PeerLinks) -> HeldResults.on_reply
     a resubmission answered from the results cache -> HeldResults.answered
     a Withdraw from the forwarder (fanout/owner.py) -> HeldResults.withdrawn
@@ -29,11 +32,6 @@ from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Result
 from gossipd.core.peer_messages import Confirm, ConfirmReply
 from gossipd.ingress.service import Ingress
-
-_ALIVE_KINDS = ("alive", "joined")
-# A member that left (gracefully) migrates nothing: not a reason to hold (rule 7).
-_DOWN_KINDS = ("suspect", "dead")
-_NEVER = float("-inf")
 
 
 class ResultHolder:
@@ -60,36 +58,37 @@ class ResultHolder:
         self._entries: dict[str, tuple[Owned, Result]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        # When each member was last seen suspect or dead (the clock's monotonic time).
-        self._last_down: dict[str, float] = {}
-        # ...and when we last refuted a suspicion or death of ours: any forwarder may have
-        # migrated our tasks then (we were cut off from them, or stalled).
-        self._refuted_at = _NEVER
+        self._flush_soon = False  # a flush is due at the end of this loop turn
 
     def hold(self, owned: Owned, result: Result, size: int) -> bool:
-        """The ingress's final Result for a forwarded task: True when held (not sent now).
-        Held only when its one forwarder is a member that is suspect or dead in our
-        view, or was since the task came, or we refuted a suspicion of ours since (it may
-        have migrated the task meanwhile: asked at once);
-        a task that two members forwarded, or from a forwarder we do not know, is answered
-        at once (nothing says it migrated the task)."""
+        """The ingress's final Result for a forwarded task: True when held (not sent now;
+        core/heldresults.py rule 0 says which).  A task that two members forwarded is
+        answered at once (nothing says both migrated it)."""
         names = self._forwarders_of(owned)
         if len(names) != 1 or not names[0]:
             return False
         member = names[0]
-        down_now = self._member_down(member)
-        last_down = max(self._last_down.get(member, _NEVER), self._refuted_at)
-        if not down_now and last_down < owned.received_at:
-            return False  # alive all along since the task came: nothing says it migrated
+        if self._member_down(member):
+            view = "down"
+        elif self._member_alive(member):
+            view = "alive"
+        else:
+            view = "gone"
         task = owned.task
-        now = self._clock.monotonic()
-        deadline = owned.received_at + task.timeout_ms / 1000.0
-        if not self.core.hold(task.id, member, size, deadline, now):
+        if not self.core.offer(
+            task.id,
+            member,
+            size,
+            received_at=owned.received_at,
+            deadline=owned.received_at + task.timeout_ms / 1000.0,
+            now=self._clock.monotonic(),
+            view=view,
+        ):
             return False
         self._entries[task.id] = (owned, result)
-        if not down_now:  # alive again: ask it at once
-            self.core.member_alive(member, now)
-        self._flush()
+        if not self._flush_soon:  # the Confirms of this turn's Results in one message
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
         return True
 
     def answered(self, task_id: str) -> None:
@@ -105,15 +104,8 @@ class ResultHolder:
             self._flush()
 
     def member_event(self, event: MemberEvent) -> None:
-        if event.kind in _DOWN_KINDS:
-            self._last_down[event.node] = self._clock.monotonic()
-        elif event.kind == "left" and len(self.core):
-            self.core.member_left(event.node)
-            self._flush()
-        elif event.kind == "refuted":
-            self._refuted_at = self._clock.monotonic()
-        elif event.kind in _ALIVE_KINDS and len(self.core):
-            self.core.member_alive(event.node, self._clock.monotonic())
+        self.core.member_event(event.kind, event.node, self._clock.monotonic())
+        if len(self.core):
             self._flush()
 
     def on_reply(self, msg: ConfirmReply) -> None:
@@ -121,6 +113,7 @@ class ResultHolder:
         self._flush()
 
     def _flush(self) -> None:
+        self._flush_soon = False
         core = self.core
         for task_id, decision in core.take_decisions():
             owned, result = self._entries.pop(task_id)
