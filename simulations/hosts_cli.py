@@ -41,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss-s", type=float, default=10.0, help="loss: how long (default 10)")
     p.add_argument("--loss-percent", type=int, default=5)
     p.add_argument("--keep", action="store_true", help="keep the bed's directory (logs, ids)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a setting written into every host's gossipd.toml (repeatable), e.g. "
+        "fanout.confirm_results=suspect",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = p.parse_args(argv)
     faults = [f for f in args.nemesis.split(",") if f]
@@ -49,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--nemesis: unknown {', '.join(unknown)} (choose from {', '.join(FAULTS)})")
     opts = ScenarioOptions(
         bed=BedOptions(
-            hosts=args.hosts, gpus=args.gpus, curve=args.curve, etcd=args.etcd, keep=args.keep
+            hosts=args.hosts,
+            gpus=args.gpus,
+            curve=args.curve,
+            etcd=args.etcd,
+            keep=args.keep,
+            settings=args.set,
         ),
         nemesis=faults,
         nemesis_opts=NemesisOptions(

@@ -58,6 +58,22 @@ class BedOptions:
     ttl_s: float = 2.0
     # leave the bed's directory (logs, keys, units) behind; GSDBED_KEEP=1 does it for tests
     keep: bool = field(default_factory=lambda: os.environ.get("GSDBED_KEEP") == "1")
+    # SECTION.KEY=VALUE (a TOML value; a bare word is a string) written into every host's
+    # gossipd.toml, as an operator edits it: to compare a setting on the bed.
+    settings: list[str] = field(default_factory=list)
+
+
+def apply_settings(doc: dict[str, dict[str, Any]], settings: list[str]) -> None:
+    for item in settings:
+        dotted, sep, raw = item.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not sep or not dot or not key or "." in key:
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        doc.setdefault(section, {})[key] = value
 
 
 @dataclass
@@ -120,6 +136,7 @@ def host_config(net: Net, host: Host, opts: BedOptions) -> str:
         doc["security"] = {"curve": False, "insecure": True}
     if opts.etcd:
         doc["etcd"] = {"endpoints": [f"{net.hosts[0].addr}:{ETCD_PORT}"], "ttl_s": opts.ttl_s}
+    apply_settings(doc, opts.settings)
     return toml_text(doc)
 
 

@@ -321,15 +321,12 @@ class Forwarder:
     def member_dead(self, node: str, now: float) -> int:
         """Migrate the tasks ``node`` held for us; how many."""
         orphans = self.ledger.owned_by(node)
-        addr = self._last_addr.get(node)
         for entry in orphans:
             self.ledger.forget(entry.task.id)
-            self.ledger.moved_off(entry.task.id, node)
             self.counters.migrated += 1
             # It may only have stalled: withdraw its copy, so that if it comes back it drops
             # the task instead of running it beside the migrated one.
-            if addr is not None:
-                self._withdraw(addr, entry.task.id)
+            self._withdraw(node, entry.task.id)
             task = entry.task
             gone = frozenset({node})
             dispatch = Dispatch(
@@ -521,10 +518,8 @@ class Forwarder:
 
     def _accepted(self, flight: Flight, now: float) -> None:
         d = flight.dispatch
-        addr = self._last_addr.get(flight.member)
         if d.winner:  # a copy that lost accepted after all: take it back
-            if addr is not None:
-                self._withdraw(addr, d.task.id)
+            self._withdraw(flight.member, d.task.id)
             return
         d.winner = flight.member
         first = d.flights[0]
@@ -536,9 +531,7 @@ class Forwarder:
         for other in d.flights:
             if other.live:
                 self._land(other)
-                other_addr = self._last_addr.get(other.member)
-                if other_addr is not None:
-                    self._withdraw(other_addr, d.task.id)
+                self._withdraw(other.member, d.task.id)
         if not d.quiet:
             self.counters.forwarded += 1
         self.ledger.accepted(d.task, flight.member, d.received_at)
@@ -548,9 +541,7 @@ class Forwarder:
         self._land(flight)
         flight.breaker.failure(now)
         self.counters.attempts_failed += 1
-        addr = self._last_addr.get(flight.member)
-        if addr is not None:
-            self._withdraw(addr, flight.dispatch.task.id)
+        self._withdraw(flight.member, flight.dispatch.task.id)
         self._failed(flight.dispatch, flight.member, AttemptFailure.NO_REPLY, now)
 
     def _failed(self, d: Dispatch, member: str, outcome: str, now: float) -> None:
@@ -610,9 +601,7 @@ class Forwarder:
         for other in d.flights:
             if other.live:
                 self._land(other)
-                addr = self._last_addr.get(other.member)
-                if addr is not None:
-                    self._withdraw(addr, d.task.id)
+                self._withdraw(other.member, d.task.id)
         if d.quiet:
             self._end(d, ok=False)
             return
@@ -641,9 +630,16 @@ class Forwarder:
         if not d.live and self._flying.get(d.task.id) is d:
             del self._flying[d.task.id]
 
-    def _withdraw(self, addr: str, task_id: str) -> None:
-        self._outbox.append((addr, Withdraw(id=task_id, node=self.node)))
-        self.counters.withdrawn += 1
+    def _withdraw(self, member: str, task_id: str) -> None:
+        """``member``'s copy of ``task_id`` is no longer ours (the task moved on, or ended):
+        tell it to drop the copy, and remember that it moved off it, so that the member,
+        asking by Confirm before it answers (a Forward that arrived late, after a cut), hears
+        "migrated" and drops its Result even when the Withdraw is lost or overtaken."""
+        self.ledger.moved_off(task_id, member)
+        addr = self._last_addr.get(member)
+        if addr is not None:
+            self._outbox.append((addr, Withdraw(id=task_id, node=self.node)))
+            self.counters.withdrawn += 1
 
     # -- hedging ---------------------------------------------------------------------------
 
