@@ -97,7 +97,6 @@ class Dispatcher:
         self.loads_refused = 0  # load records on a reply that named another member
         # ConfirmReplies to our Confirms (the owner's held Results, fanout/holding.py).
         self.on_confirm_reply = on_confirm_reply
-        self._declared_dead: set[str] = set()  # members last seen dead (not back, not left)
 
     def set_draining(self, draining: bool) -> None:
         """Drained or stopping: the placer sends every task elsewhere (False: back to serving)."""
@@ -159,21 +158,8 @@ class Dispatcher:
         self._flush()
 
     def member_event(self, event: MemberEvent) -> None:
-        if event.kind in ("alive", "joined") and event.node in self._declared_dead:
-            # Back from the dead (a healed cut, a restart): a fresh connection, not the old
-            # one stuck in retransmission backoff.  What waited in it was for a member we
-            # had given up: Forwards and Withdraws of tasks since migrated (its Confirm
-            # hears "migrated" for those, core/forwarded.py), and Confirms, asked again.
-            self._declared_dead.discard(event.node)
-            for addr in {self.placer.addr(event.node), self.forwarder.last_addr(event.node)}:
-                if addr is not None:
-                    self._links.reset(addr)
-            return
-        if event.kind == "left":
-            self._declared_dead.discard(event.node)
         if event.kind != "dead":
             return
-        self._declared_dead.add(event.node)
         self.placer.prefix_index.forget_member(event.node)
         moved = self.forwarder.member_dead(event.node, self._clock.monotonic())
         self._flush()

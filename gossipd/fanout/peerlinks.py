@@ -119,14 +119,6 @@ class PeerLinks:
         self.counters.links_closed += closed
         return closed
 
-    def reset(self, addr: str) -> bool:
-        """Close the connection to ``addr`` now, dropping what waits in it, so that the next
-        send connects afresh; False if none was open.  For a member back from the dead (a
-        healed cut): the old connection's unacknowledged data sits in TCP's retransmission
-        backoff (a try every few seconds after a long cut), and everything queued behind it
-        would wait as long."""
-        return self._pool.close(SocketKind.PEER, addr)
-
     def _on_socket_closed(self, addr: str, reason: CloseReason) -> None:
         """The pool closes ``addr``'s socket: stop reading it first."""
         peer = self._peers.pop(addr)
