@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--confirm-results",
         choices=("always", "suspect"),
-        default="always",
+        default="suspect",
         help="which forwarded Results wait for their forwarder's Confirm (fanout.confirm_results)",
     )
     p.add_argument(

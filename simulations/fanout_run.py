@@ -59,4 +59,4 @@ class FanoutRun:
     hold_results: bool = True
     # fanout.confirm_results: "always" (every forwarded Result waits for its forwarder's
     # Confirm answer) or "suspect" (only while the forwarder is or was down in our view).
-    confirm_results: str = "always"
+    confirm_results: str = "suspect"

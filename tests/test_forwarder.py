@@ -126,6 +126,11 @@ def test_Forwarder_silence_withdraws_the_copy_and_opens_the_breaker() -> None:
     # A late reply from a for the first task changes nothing.
     fw.on_reply(_reply(fwd, "a", True), 2.0)
     assert fw.ledger.get("t1").owner == "b" and fw.loads["a"] == 0  # type: ignore[union-attr]
+    # a may run it all the same (its accept was lost in a cut): asked before it answers, the
+    # ledger says the task moved off it, also after b's TaskDone.
+    assert fw.ledger.confirm(["t1"], "a") == ([], ["t1"], [])
+    fw.on_reply(TaskDone(id="t1", node="b"), 2.1)
+    assert fw.ledger.confirm(["t1"], "a") == ([], ["t1"], [])
 
 
 def test_Forwarder_every_busy_refusal_answers_overloaded_with_the_largest_hint() -> None:
@@ -236,6 +241,8 @@ def test_Forwarder_hedges_a_slow_ack_and_withdraws_the_loser() -> None:
     # The first copy accepting late changes nothing more (its wait was withdrawn).
     fw.on_reply(_reply(first, "a", True), hedge_at + 0.002)
     assert fw.ledger.get("t0").owner == "b" and fw.loads["a"] == 0  # type: ignore[union-attr]
+    assert fw.ledger.confirm(["t0"], "a") == ([], ["t0"], [])  # the loser drops its Result
+    assert fw.ledger.confirm(["t0"], "b") == (["t0"], [], [])
 
 
 def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:
