@@ -104,8 +104,9 @@ class ResultHolder:
             self._flush()
 
     def member_event(self, event: MemberEvent) -> None:
+        held_any = len(self.core) > 0  # before: a "left" may end the last one (rule 7)
         self.core.member_event(event.kind, event.node, self._clock.monotonic())
-        if len(self.core):
+        if held_any:
             self._flush()
 
     def on_reply(self, msg: ConfirmReply) -> None:
