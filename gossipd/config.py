@@ -108,7 +108,9 @@ class IngressConfig(Section):
     # A reply socket unused this long is closed.
     reply_idle_s: Seconds = 60.0
     # How long replies wait for a producer's reply address to accept them before they are
-    # dropped and counted (a reply_to that points nowhere).
+    # dropped and counted (a reply_to that points nowhere), and how long a connection to it
+    # may leave data unacknowledged (TCP_MAXRT: a cut link) before it is given up with what
+    # it carried, rather than delivered by TCP's retransmissions after a long cut.
     reply_timeout_s: Seconds = 5.0
     # Replies waiting for one slow reply address; beyond it they are dropped and counted.
     reply_queue_max: Positive = 100_000

@@ -344,6 +344,13 @@ class ReplySender:
             sockets_max=sockets_max,
             idle_s=idle_s,
             linger_ms=1000,
+            # A reply the producer's host does not acknowledge within timeout_s (a cut link,
+            # a host gone) is given up with its connection, as a queued one is here: else
+            # TCP keeps retransmitting it, ever more slowly, and delivers it after a heal,
+            # long after the forwarder had the task answered elsewhere (PROTOCOL.md
+            # "Duplicate final Results").  IMMEDIATE (sockets.py) drops what waited in
+            # ZeroMQ for that connection with it.
+            options={zmq.TCP_MAXRT: max(1, int(timeout_s * 1000))},
             keep=lambda endpoint: bool(self._peers[endpoint].queue),  # still flushing
         )
         self._timeout_s = timeout_s
