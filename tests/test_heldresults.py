@@ -234,9 +234,17 @@ def test_a_task_moved_twice_is_migrated_for_every_member_it_left() -> None:
     assert ledger.confirm(["t"], "o3") == ([], [], ["t"])
 
 
-def _offer(held: HeldResults, task_id: str, view: str, *, received_at: float, now: float) -> bool:
+def _offer(
+    held: HeldResults,
+    task_id: str,
+    view: str,
+    *,
+    received_at: float,
+    now: float,
+    deadline: float = 30.0,
+) -> bool:
     return held.offer(
-        task_id, "f", 10, received_at=received_at, deadline=30.0, now=now, view=view
+        task_id, "f", 10, received_at=received_at, deadline=deadline, now=now, view=view
     )
 
 
@@ -249,10 +257,19 @@ def test_rule_0_suspect_holds_only_while_the_forwarder_is_or_was_down() -> None:
     held.member_event("alive", "f", 3.5)  # refuted: b is asked now
     assert held.take_confirms() == [("f", ["b"])]
     assert _offer(held, "c", "alive", received_at=2.5, now=4.0)  # down since c came
-    assert not _offer(held, "d", "alive", received_at=3.6, now=4.0)  # came after
+    # d came after f was back, with 0.4 s left: sent at most 0.4 s before it came, when f
+    # was alive again: nothing says f moved it.
+    assert not _offer(held, "d", "alive", received_at=3.9, now=4.0, deadline=4.3)
+    # d2 came after f was back too, but with 26 s left: its Forward may have waited in a
+    # connection stalled by the cut that made f suspect (TCP delivers it after the heal,
+    # long after f's ack timeout sent the task elsewhere): held and asked.
+    assert _offer(held, "d2", "alive", received_at=4.0, now=4.0)
+    assert held.take_confirms() == [("f", ["c", "d2"])]
+    held.on_reply("f", still_mine=["c"], migrated=["d2"], unknown=[])
+    assert held.take_decisions() == [("d2", Decision.DROP), ("c", Decision.SEND)]
     held.member_event("refuted", "me", 5.0)  # we were suspected: anyone may have migrated
-    assert _offer(held, "e", "alive", received_at=4.5, now=5.5)
-    assert held.take_confirms() == [("f", ["c", "e"])]  # asked at once, alive
+    assert _offer(held, "e", "alive", received_at=4.5, now=5.5, deadline=6.0)
+    assert held.take_confirms() == [("f", ["e"])]  # asked at once, alive
     assert not _offer(held, "g", "gone", received_at=4.5, now=5.5)  # left or unknown
 
 

@@ -9,9 +9,12 @@ which of the two happened.
 Rule 0, which Results are held (``offer``): with ``always`` every forwarded task's Result
 (asked at once: one round trip to the forwarder before the producer hears, so that a Result
 is never in flight to the producer when the cut comes); else only while the forwarder is
-suspect or dead in our view, or was since the task came, or we refuted a suspicion of ours
-since (it may have migrated the task meanwhile: asked at once when it is alive).  A member
-that left gracefully is no reason to hold (rule 7).
+suspect or dead in our view, or was since the task may have been sent (its arrival minus
+its remaining time: a Forward can wait that long in a connection stalled by a cut, and TCP
+delivers it after the heal, long after the forwarder's ack timeout sent the task
+elsewhere), or we refuted a suspicion of ours since (it may have migrated the task
+meanwhile: asked at once when it is alive).  A member that left gracefully is no reason to
+hold (rule 7).
 
 Rules (every held Result ends exactly once, as SEND or DROP, by its task's deadline):
 1. ``hold`` takes a Result unless the byte budget (``bytes_max``) is spent or the task's
@@ -117,9 +120,13 @@ class HeldResults:
         if view == "gone":
             return False
         if not self.always and view == "alive":
+            # A Forward can wait in a stalled connection for up to its remaining time (TCP
+            # delivers it after a heal, with the forwarder's Withdraw behind it): look back
+            # that far before it came.
+            since = received_at - max(0.0, deadline - received_at)
             last_down = max(self._last_down.get(member, -math.inf), self._refuted_at)
-            if last_down < received_at:
-                return False  # alive all along since the task came: nothing says it moved
+            if last_down < since:
+                return False  # alive all along since it may have been sent: nothing says it moved
         if not self.hold(task_id, member, size, deadline, now):
             return False
         if view == "alive":  # ask it at once
