@@ -565,6 +565,7 @@ class Daemon:
             rng=self.rng("fanout"),
             loads=loads,
             local_ids=local_ids,
+            boot=int(self.clock.wall() * 1000),
         )
         self.load_gossip = load_gossip = LoadGossip(
             gossip,

@@ -65,3 +65,45 @@ def test_a_forward_the_ingress_would_refuse_is_refused_with_its_code_and_counted
         dealer.close()
         ctx.term()
         producer.close()
+
+
+def test_a_forward_from_an_earlier_process_of_its_sender_is_refused_and_not_run(
+    daemon_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """Forward.boot: the bed found a Forward that had waited 26 s in the kernel's copy of a
+    SIGKILLed forwarder's connection (sent as a cut began) run by the owner after the heal,
+    whose restarted forwarder then answered its Confirm "unknown": the task was answered a
+    second time.  A Forward older than one its sender's later process sent is refused."""
+    port = free_tcp_port()
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}")
+    producer = RawProducer(daemon.endpoint)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{daemon.rpc_port}")
+    try:
+
+        def forward(req: int, task_id: str, boot: int | None, src: str = "f1") -> None:
+            body = {"v": 1, "t": 1, "id": task_id, "prompt": "a b", "reply_to": producer.reply_to}
+            frame: dict[str, Any] = {"v": 1, "t": 20, "req": req, "src": src, "task": body}
+            if boot is not None:
+                frame["boot"] = boot
+            dealer.send(msgpack.packb({**frame, "remaining_ms": 5000, "attempt": 1}))
+
+        forward(1, "new", 2_000)  # the restarted process
+        forward(2, "old", 1_000)  # the dead one's, late
+        forward(3, "unsaid", None)  # a daemon that does not say (old version): taken
+        forward(4, "other", 500, src="f2")  # another member's own processes
+        replies = {r["req"]: r for r in _replies(dealer, 4)}
+        assert replies[1]["accepted"] is True
+        assert replies[2]["accepted"] is False and replies[2]["code"] == "unavailable"
+        assert "earlier process" in replies[2]["message"]
+        assert replies[3]["accepted"] is True and replies[4]["accepted"] is True
+        results = producer.replies(quiet_s=1.0, timeout_s=5)
+        assert sorted(r["id"] for r in results if r["t"] == 3) == ["new", "other", "unsaid"]
+        metrics = scrape(port)
+        assert metrics["gossipd_fanout_refused_stale_total"] == 1
+    finally:
+        dealer.close()
+        ctx.term()
+        producer.close()

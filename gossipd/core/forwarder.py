@@ -230,9 +230,11 @@ class Forwarder:
         rng: random.Random,
         loads: dict[str, int] | None = None,
         local_ids: set[str] | None = None,
+        boot: int = 0,
     ) -> None:
         self.settings = settings
         self.node = node
+        self.boot = boot  # this process's start (Forward.boot), from the shell's clock
         self._placement = placement
         self._admit_local = admit_local
         self._rng = rng
@@ -472,6 +474,7 @@ class Forwarder:
             remaining_ms=max(1, int(remaining_s * 1000)),
             attempt=len(d.tried),
             if_free=self.settings.owner_check and not d.plain,
+            boot=self.boot,
         )
         self._outbox.append((addr, forward))
         flight = Flight(req, member, d, breaker, now)

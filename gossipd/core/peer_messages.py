@@ -46,6 +46,10 @@ class Forward(
     # Refuse at once with code "saturated" (and your load) if your engine is saturated as you
     # read it now (issue 17; docs/PROTOCOL.md "Fresh where placement looks").  Optional.
     if_free: bool = False
+    # When the sending process started (ms since the epoch, its host's clock; 0: not said).
+    # A Forward from an earlier process of ``src`` than one the owner has heard from is stale
+    # (it waited in a dead process's connection: docs/PROTOCOL.md "Held Results").
+    boot: Annotated[int, msgspec.Meta(ge=0, le=1 << 53)] = 0
 
 
 class ForwardReply(

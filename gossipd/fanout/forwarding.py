@@ -63,6 +63,7 @@ class FanoutStatistics:
     forwarded_evicted_bytes: int = 0  # ...fanout.forwarded_bytes_max
     invalid_from_peers: int = 0  # Forwards refused as ingress would refuse their task
     refused_saturated: int = 0  # Forwards with if_free refused: our engine was saturated
+    refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
 
 
 class Dispatcher:
@@ -306,4 +307,5 @@ class Dispatcher:
             forwarded_evicted_bytes=self.forwarder.ledger.evicted_bytes,
             invalid_from_peers=owner.invalid_from_peers,
             refused_saturated=owner.refused_saturated,
+            refused_stale=owner.refused_stale,
         )

@@ -104,6 +104,7 @@ class OwnerCounters:
     invalid_from_peers: int = 0  # Forwards whose task the ingress would refuse (version, size)
     refused_unauthorised: int = 0  # CURVE: a revoked key, or a source not the key's node
     refused_saturated: int = 0  # Forwards with if_free refused: our engine is saturated
+    refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
 
 
 class OwnerEndpoint:
@@ -158,6 +159,9 @@ class OwnerEndpoint:
         # against ingress.message_bytes_max).
         self.task_bytes_max = task_bytes_max
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
+        self._stale_log = RateLimiter(per_s=1.0, burst=5)
+        # The latest Forward.boot heard from each member (a stale Forward's is older).
+        self._boots: dict[str, int] = {}
         # Under CURVE (gossipd/security.py): makes the ROUTER a CURVE server before it
         # binds; peer_allowed(key's node, claimed source, "rpc") says whether a message may
         # be taken (its key still authorised, speaking for itself).
@@ -257,6 +261,19 @@ class OwnerEndpoint:
         if msg.if_free and self.saturated():
             self._refuse_saturated(identity, msg)
             return
+        if msg.boot and self._stale(msg):
+            self._to_forwarder(
+                identity,
+                ForwardReply(
+                    req=msg.req,
+                    node=self.node,
+                    accepted=False,
+                    code=ErrorCode.UNAVAILABLE.value,
+                    message="a Forward from an earlier process of its sender (Forward.boot)",
+                ),
+                urgent=True,
+            )
+            return
         if identity not in self.member_of:
             self.member_of[identity] = msg.src
             if len(self.member_of) > MEMBER_OF_MAX:
@@ -285,6 +302,38 @@ class OwnerEndpoint:
             load=None if self._router_out.get(identity) else self.load_record(),
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
+
+    def _stale(self, msg: Forward) -> bool:
+        """A Forward from an earlier process of its sender than one we have heard from:
+        it waited in that dead process's connection (the kernel keeps sending a closed
+        socket's data; after a cut, with TCP's backoff, for tens of seconds) and nobody
+        answers for it any more: whatever the old process did not get back from us it
+        retried elsewhere, or its producer resends.  Not run; refused (``unavailable``), which
+        reaches nobody from a dead process, and sends a live one (its host's clock stepped
+        back across a restart) to the next member."""
+        boots = self._boots
+        latest = boots.get(msg.src, 0)
+        if msg.boot >= latest:
+            if msg.boot > latest:
+                boots[msg.src] = msg.boot
+                if len(boots) > MEMBER_OF_MAX:
+                    del boots[next(iter(boots))]
+            return False
+        self.counters.refused_stale += 1
+        self.counters.refused_to_peers += 1
+        if self._stale_log.allow():
+            log.warning(
+                "dropped a Forward from an earlier process of its sender",
+                extra={
+                    "src": msg.src,
+                    "task": msg.task.id,
+                    "boot": msg.boot,
+                    "latest_boot": latest,
+                    "suppressed_since_last": self._stale_log.suppressed,
+                },
+            )
+            self._stale_log.suppressed = 0
+        return True
 
     def _refuse_saturated(self, identity: bytes, msg: Forward) -> None:
         """The owner check: our engine is saturated as we read it, and the forwarder asked

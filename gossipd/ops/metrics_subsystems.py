@@ -338,6 +338,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             stats.refused_saturated,
         ),
         (
+            "gossipd_fanout_refused_stale",
+            "Forwards dropped: from an earlier process of their sender (Forward.boot)",
+            stats.refused_stale,
+        ),
+        (
             "gossipd_fanout_attempts_failed",
             "Forward attempts without a reply in time",
             stats.attempts_failed,
