@@ -256,12 +256,12 @@ class FanoutConfig(Section):
     forwarded_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 1024 * 1024 * 1024
     # When an owner holds a forwarded task's final Result until the task's forwarder says it
     # did not migrate the task (docs/PROTOCOL.md "Duplicate final Results"): "suspect" (only
-    # while the forwarder is, or was since the task came, suspect or dead in our view: no
-    # added latency, but Results sent in the second or so before a cut is noticed can arrive
-    # twice after the heal), or "always" (one round trip to the forwarder before the
-    # producer hears: no Result is in flight to the producer when a cut comes; 0 second
-    # answers in a partition on the bed and in the simulator, but more than "suspect" when a
-    # host is also killed and restarted: PROTOCOL.md has the figures).
+    # when the forwarder is, or was since the task may have been sent, suspect or dead in
+    # our view: no added latency; a Result sent before the owner had any sign of a cut can
+    # still arrive twice), or "always" (one round trip to the forwarder before every
+    # forwarded task's Result: none is in flight to the producer when a cut comes).  Both
+    # answered 0 of 12,000 twice in the bed's nemesis; the simulator, whose tasks run
+    # longer, finds the difference (PROTOCOL.md has the figures).
     confirm_results: Literal["always", "suspect"] = "suspect"
     # ...up to this many bytes of encoded Results held; past it a Result is sent at once.
     held_results_bytes_max: Annotated[int, msgspec.Meta(ge=0)] = 16 * 1024 * 1024
