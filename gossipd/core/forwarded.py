@@ -109,7 +109,8 @@ class ForwardedLedger:
         return entry
 
     def moved_off(self, task_id: str, member: str) -> None:
-        """``task_id`` was migrated off ``member`` (declared dead): remember it for confirm()."""
+        """``task_id`` was withdrawn from ``member`` (declared dead, no accept in time, a
+        hedge's loser): remember it for confirm()."""
         before = self._moved.get(task_id, ())
         self._moved[task_id] = before if member in before else (*before, member)
         self._moved.move_to_end(task_id)

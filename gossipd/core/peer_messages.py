@@ -48,7 +48,7 @@ class Forward(
     if_free: bool = False
     # When the sending process started (ms since the epoch, its host's clock; 0: not said).
     # A Forward from an earlier process of ``src`` than one the owner has heard from is stale
-    # (it waited in a dead process's connection: docs/PROTOCOL.md "Held Results").
+    # (it waited in a dead process's connection: docs/PROTOCOL.md "Duplicate final Results").
     boot: Annotated[int, msgspec.Meta(ge=0, le=1 << 53)] = 0
 
 
