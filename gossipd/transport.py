@@ -6,8 +6,9 @@ thousands of messages per second on two cores.
 
 ZMQ_FD is edge-triggered: it signals "look at ZMQ_EVENTS again", not "readable".  So a reader
 goes back to waiting only after a read of ZMQ_EVENTS that found nothing to read, and also
-re-checks every ``RECHECK_S`` in case another call on the same socket consumed the signal; a
-send on a socket that a reader watches calls ``kick``.
+re-checks (every ``RECHECK_S`` in a wait, every ``READER_RECHECK_S`` in a long-lived reader)
+in case another call on the same socket consumed the signal; a send on a socket that a
+reader watches calls ``kick``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ NOBLOCK = int(zmq.NOBLOCK)
 _REPLY = SocketKind.REPLY  # read per reply: a global (see core/admission.py on enums)
 
 RECHECK_S = 0.05
+# A long-lived reader's safety net only (kick() covers our own sends, and
+# tests/test_transport.py sees every message with the recheck pushed out to 60 s): each
+# reader's recheck is a wake-up of an idle daemon, 20 a second each at RECHECK_S.
+READER_RECHECK_S = 1.0
 
 
 async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = None) -> bool:
@@ -126,7 +131,7 @@ class SocketReader:
         # A send on this socket may consume the fd's signal (kick() calls this), and the
         # recheck covers any other call that does.
         _waiters[id(sock)] = self._look
-        self._recheck = self._loop.call_later(RECHECK_S, self._on_recheck)
+        self._recheck = self._loop.call_later(READER_RECHECK_S, self._on_recheck)
         self._read_soon()  # what came before the fd was registered
 
     def _read_soon(self) -> None:
@@ -139,7 +144,7 @@ class SocketReader:
         self._read()
 
     def _on_recheck(self) -> None:
-        self._recheck = self._loop.call_later(RECHECK_S, self._on_recheck)
+        self._recheck = self._loop.call_later(READER_RECHECK_S, self._on_recheck)
         self._look()
 
     def _look(self) -> None:

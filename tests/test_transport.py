@@ -131,6 +131,7 @@ def test_SocketReader_receives_lone_messages_and_backlogs_with_no_missed_wake_up
     pushed out to 60 s, so a missed wake-up would time out here instead of being papered
     over by it.  A handler that raises does not stop the reader."""
     monkeypatch.setattr(transport, "RECHECK_S", 60.0)  # type: ignore[attr-defined]
+    monkeypatch.setattr(transport, "READER_RECHECK_S", 60.0)  # type: ignore[attr-defined]
 
     async def main() -> tuple[list[list[list[bytes]]], list[bytes], int]:
         ctx = zmq.Context()

@@ -50,6 +50,7 @@ class Journal:
         self._file = self.path.open("ab")
         self._size = self.path.stat().st_size
         self._dirty = False
+        self._written = asyncio.Event()  # set with _dirty: sync_forever sleeps on it
         self.appended = 0
         self.syncs = 0
         self.compactions = 0
@@ -125,12 +126,17 @@ class Journal:
     def _write(self, record: bytes) -> None:
         self._file.write(record)
         self._size += len(record)
-        self._dirty = True
+        if not self._dirty:
+            self._dirty = True
+            self._written.set()
         self.appended += 1
 
     async def sync_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if not self._dirty:  # nothing to sync: sleep until a record is written
+                self._written.clear()
+                await self._written.wait()
             await asyncio.sleep(self._fsync_interval_s)
             if self._dirty:
                 self._dirty = False

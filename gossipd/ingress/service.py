@@ -176,6 +176,9 @@ class Ingress:
         # Unbounded as a container; admission bounds it (pending_max).
         self._queue: RunQueue[Owned] = RunQueue()
         self._deadlines = DeadlineWheel(DEADLINE_RESOLUTION_S)
+        # Set when a running task's deadline is on the wheel: expire_forever sleeps on it
+        # while none is (an idle daemon does not wake 100 times a second for nothing).
+        self._deadlines_armed = asyncio.Event()
         self._workers: dict[str, asyncio.Task[None]] = {}  # running task id -> its worker
         self._cancels: Counter[str] = Counter()
         self._sock: zmq.Socket | None = None
@@ -631,7 +634,11 @@ class Ingress:
     async def expire_forever(self) -> None:
         """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
         clock = self._clock.monotonic
+        armed = self._deadlines_armed
         while True:
+            if not len(self._deadlines):
+                armed.clear()
+                await armed.wait()
             await asyncio.sleep(DEADLINE_RESOLUTION_S)
             for owned in self._deadlines.expire(clock()):
                 assert isinstance(owned, Owned)
@@ -648,6 +655,9 @@ class Ingress:
         seq = 0
         engine_died = False
         token = self._deadlines.add(job, deadline)
+        armed = self._deadlines_armed
+        if not armed.is_set():
+            armed.set()
         try:
             if job.stop is not None:  # cancelled or expired while it was queued
                 raise asyncio.CancelledError
