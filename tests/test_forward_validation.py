@@ -3,6 +3,8 @@ DEALER (plain pyzmq + msgpack) sends Forwards the ingress would refuse."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -10,6 +12,22 @@ import zmq
 
 from gossipd.tools.launcher import free_tcp_port
 from tests.helpers import RawProducer, scrape, wait_until
+
+
+@contextmanager
+def _forwarding(daemon: Any) -> Iterator[tuple[RawProducer, zmq.Socket]]:
+    """A producer to get the Results, and a raw DEALER on the daemon's rpc ROUTER."""
+    producer = RawProducer(daemon.endpoint)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{daemon.rpc_port}")
+    try:
+        yield producer, dealer
+    finally:
+        dealer.close()
+        ctx.term()
+        producer.close()
 
 
 def _replies(dealer: zmq.Socket, n: int) -> list[dict[str, Any]]:
@@ -27,12 +45,7 @@ def test_a_forward_the_ingress_would_refuse_is_refused_with_its_code_and_counted
 ) -> None:
     port = free_tcp_port()
     daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}", "ingress.message_bytes_max=4096")
-    producer = RawProducer(daemon.endpoint)
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{daemon.rpc_port}")
-    try:
+    with _forwarding(daemon) as (producer, dealer):
 
         def forward(req: int, task_id: str, **task: Any) -> None:
             body = {"v": 1, "t": 1, "id": task_id, "prompt": "a b", "reply_to": producer.reply_to}
@@ -61,10 +74,6 @@ def test_a_forward_the_ingress_would_refuse_is_refused_with_its_code_and_counted
         )
         assert metrics["gossipd_fanout_invalid_from_peers_total"] == 2
         assert metrics["gossipd_fanout_refused_to_peers_total"] == 2
-    finally:
-        dealer.close()
-        ctx.term()
-        producer.close()
 
 
 def test_a_forward_from_an_earlier_process_of_its_sender_is_refused_and_not_run(
@@ -76,12 +85,7 @@ def test_a_forward_from_an_earlier_process_of_its_sender_is_refused_and_not_run(
     second time.  A Forward older than one its sender's later process sent is refused."""
     port = free_tcp_port()
     daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}")
-    producer = RawProducer(daemon.endpoint)
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{daemon.rpc_port}")
-    try:
+    with _forwarding(daemon) as (producer, dealer):
 
         def forward(req: int, task_id: str, boot: int | None, src: str = "f1") -> None:
             body = {"v": 1, "t": 1, "id": task_id, "prompt": "a b", "reply_to": producer.reply_to}
@@ -103,7 +107,3 @@ def test_a_forward_from_an_earlier_process_of_its_sender_is_refused_and_not_run(
         assert sorted(r["id"] for r in results if r["t"] == 3) == ["new", "other", "unsaid"]
         metrics = scrape(port)
         assert metrics["gossipd_fanout_refused_stale_total"] == 1
-    finally:
-        dealer.close()
-        ctx.term()
-        producer.close()

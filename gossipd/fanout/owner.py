@@ -261,18 +261,7 @@ class OwnerEndpoint:
         if msg.if_free and self.saturated():
             self._refuse_saturated(identity, msg)
             return
-        if msg.boot and self._stale(msg):
-            self._to_forwarder(
-                identity,
-                ForwardReply(
-                    req=msg.req,
-                    node=self.node,
-                    accepted=False,
-                    code=ErrorCode.UNAVAILABLE.value,
-                    message="a Forward from an earlier process of its sender (Forward.boot)",
-                ),
-                urgent=True,
-            )
+        if msg.boot and self._refuse_stale(identity, msg):
             return
         if identity not in self.member_of:
             self.member_of[identity] = msg.src
@@ -303,7 +292,7 @@ class OwnerEndpoint:
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
 
-    def _stale(self, msg: Forward) -> bool:
+    def _refuse_stale(self, identity: bytes, msg: Forward) -> bool:
         """A Forward from an earlier process of its sender than one we have heard from:
         it waited in that dead process's connection (the kernel keeps sending a closed
         socket's data; after a cut, with TCP's backoff, for tens of seconds) and nobody
@@ -323,7 +312,7 @@ class OwnerEndpoint:
         self.counters.refused_to_peers += 1
         if self._stale_log.allow():
             log.warning(
-                "dropped a Forward from an earlier process of its sender",
+                "refused a Forward from an earlier process of its sender",
                 extra={
                     "src": msg.src,
                     "task": msg.task.id,
@@ -333,6 +322,14 @@ class OwnerEndpoint:
                 },
             )
             self._stale_log.suppressed = 0
+        reply = ForwardReply(
+            req=msg.req,
+            node=self.node,
+            accepted=False,
+            code=ErrorCode.UNAVAILABLE.value,
+            message="a Forward from an earlier process of its sender (Forward.boot)",
+        )
+        self._to_forwarder(identity, reply, urgent=True)
         return True
 
     def _refuse_saturated(self, identity: bytes, msg: Forward) -> None:
