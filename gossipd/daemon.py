@@ -28,9 +28,9 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.gossip_messages import GpuState, LoadRecord
-from gossipd.core.heldresults import HeldResults
+from gossipd.core.heldresults import HeldResults, forwarder_view
 from gossipd.core.loadstate import LoadSampler
-from gossipd.core.membership import State
+from gossipd.core.membership import Member, State
 from gossipd.core.messages import ErrorCode, error_result
 from gossipd.core.peer_messages import TaskDone
 from gossipd.engines.base import Engine
@@ -607,7 +607,7 @@ class Daemon:
             ingress=ingress,
             forwarders_of=owner.forwarders_of,
             member_alive=lambda name: _alive(gossip, name),
-            member_down=lambda name: _down(gossip, name),
+            member_view=lambda name: forwarder_view(_member(gossip, name)),
             send_confirm=dispatcher.send_to_member,
             clock=self.clock,
         )
@@ -779,13 +779,11 @@ def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 def _alive(gossip: GossipService, name: str) -> bool:
     """Is ``name`` alive in our membership view (not suspect, dead, left or unknown)?"""
-    core = gossip.core
-    member = None if core is None else core.table.members.get(name)
+    member = _member(gossip, name)
     return member is not None and member.state is State.ALIVE
 
 
-def _down(gossip: GossipService, name: str) -> bool:
-    """Is ``name`` a member we know as suspect or dead?  (One that left migrates nothing.)"""
+def _member(gossip: GossipService, name: str) -> Member | None:
+    """``name``'s entry in our member table, if we know it."""
     core = gossip.core
-    member = None if core is None else core.table.members.get(name)
-    return member is not None and member.state in (State.SUSPECT, State.DEAD)
+    return None if core is None else core.table.members.get(name)

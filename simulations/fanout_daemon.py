@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.forwarder import Route
-from gossipd.core.heldresults import Decision, HeldResults
+from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
 from gossipd.core.lifecycle import ANY, Abort, Owned, TaskBook
 from gossipd.core.membership import LIVE_STATES, State
 from gossipd.core.messages import Chunk, ErrorCode, Result, Task, error_result
@@ -296,11 +296,7 @@ class SimDaemon:
         names = [ended.replayed_src if f == ANY else str(f) for f in ended.forwarders]
         if len(names) != 1 or not names[0]:
             return False
-        m = self.swim.table.members.get(names[0])
-        if m is None or m.state is State.LEFT:
-            view = "gone"
-        else:
-            view = "alive" if m.state is State.ALIVE else "down"
+        view = forwarder_view(self.swim.table.members.get(names[0]))
         if not self.held.offer(
             ended.task.id,
             names[0],

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.core.forwarded import ForwardedLedger
-from gossipd.core.heldresults import Decision, HeldResults
+from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
+from gossipd.core.membership import Member, State
 from gossipd.core.messages import PROTOCOL_VERSION, Task
 from gossipd.core.peer_messages import CONFIRM_IDS_MAX
 
@@ -285,3 +286,17 @@ def test_rule_0_always_holds_every_forwarded_result_and_asks_at_once() -> None:
     held.member_event("left", "f", 2.0)  # rule 7: a forwarder that left migrated nothing
     assert held.take_decisions() == [("c", Decision.SEND)]
     assert len(held) == 0 and held.bytes == 0
+
+
+def test_the_forwarder_view_comes_from_its_table_entry() -> None:
+    """One derivation for the daemon's ResultHolder and the simulator: unknown or left ->
+    "gone" (never held), alive -> "alive" (asked at once), suspect or dead -> "down"."""
+
+    def entry(state: State) -> Member:
+        return Member(node="f", addr="a", incarnation=1, state=state, state_since=0.0)
+
+    assert forwarder_view(None) == "gone"
+    assert forwarder_view(entry(State.LEFT)) == "gone"
+    assert forwarder_view(entry(State.ALIVE)) == "alive"
+    assert forwarder_view(entry(State.SUSPECT)) == "down"
+    assert forwarder_view(entry(State.DEAD)) == "down"

@@ -43,6 +43,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gossipd.core.membership import Member, State
 from gossipd.core.peer_messages import CONFIRM_IDS_MAX
 
 
@@ -71,6 +72,13 @@ class HeldCounters:
     dropped_migrated: int = 0  # ...dropped: migrated elsewhere
     not_held: int = 0  # sent at once: no room in bytes_max, or past the deadline
     confirms_sent: int = 0  # Confirm messages asked
+
+
+def forwarder_view(member: Member | None) -> str:
+    """What ``offer`` calls the forwarder's ``view``, from its entry in our member table."""
+    if member is None or member.state is State.LEFT:
+        return "gone"
+    return "alive" if member.state is State.ALIVE else "down"
 
 
 class HeldResults:

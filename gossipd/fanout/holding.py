@@ -43,7 +43,7 @@ class ResultHolder:
         ingress: Ingress,
         forwarders_of: Callable[[Owned], list[str]],
         member_alive: Callable[[str], bool],
-        member_down: Callable[[str], bool],
+        member_view: Callable[[str], str],
         send_confirm: Callable[[str, Confirm], None],
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -52,7 +52,7 @@ class ResultHolder:
         self._ingress = ingress
         self._forwarders_of = forwarders_of  # the member names that forwarded it to us
         self._member_alive = member_alive  # alive (not suspect, dead or unknown) in our view
-        self._member_down = member_down  # known in our view, and suspect or dead
+        self._member_view = member_view  # heldresults.forwarder_view of its table entry
         self._send_confirm = send_confirm
         self._clock = clock
         self._entries: dict[str, tuple[Owned, Result]] = {}
@@ -68,12 +68,6 @@ class ResultHolder:
         if len(names) != 1 or not names[0]:
             return False
         member = names[0]
-        if self._member_down(member):
-            view = "down"
-        elif self._member_alive(member):
-            view = "alive"
-        else:
-            view = "gone"
         task = owned.task
         if not self.core.offer(
             task.id,
@@ -82,7 +76,7 @@ class ResultHolder:
             received_at=owned.received_at,
             deadline=owned.received_at + task.timeout_ms / 1000.0,
             now=self._clock.monotonic(),
-            view=view,
+            view=self._member_view(member),
         ):
             return False
         self._entries[task.id] = (owned, result)

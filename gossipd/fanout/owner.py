@@ -322,15 +322,21 @@ class OwnerEndpoint:
                 },
             )
             self._stale_log.suppressed = 0
+        self._refuse(
+            identity,
+            msg,
+            ErrorCode.UNAVAILABLE.value,
+            "a Forward from an earlier process of its sender (Forward.boot)",
+        )
+        return True
+
+    def _refuse(self, identity: bytes, msg: Forward, code: str, message: str) -> None:
+        """Refuse ``msg`` with ``code`` and ``message``, at once (the forwarder tries the
+        next member on it)."""
         reply = ForwardReply(
-            req=msg.req,
-            node=self.node,
-            accepted=False,
-            code=ErrorCode.UNAVAILABLE.value,
-            message="a Forward from an earlier process of its sender (Forward.boot)",
+            req=msg.req, node=self.node, accepted=False, code=code, message=message
         )
         self._to_forwarder(identity, reply, urgent=True)
-        return True
 
     def _refuse_saturated(self, identity: bytes, msg: Forward) -> None:
         """The owner check: our engine is saturated as we read it, and the forwarder asked
@@ -391,14 +397,7 @@ class OwnerEndpoint:
                     },
                 )
                 self._invalid_log.suppressed = 0
-            reply = ForwardReply(
-                req=msg.req,
-                node=self.node,
-                accepted=False,
-                code=exc.code,
-                message=exc.hint[:1024],
-            )
-            self._to_forwarder(identity, reply, urgent=True)
+            self._refuse(identity, msg, exc.code, exc.hint[:1024])
             return True
         return False
 
