@@ -1,9 +1,16 @@
-"""The benchmark commands run and report comparable figures (no timing is asserted here:
-performance lives in the benchmarks' output, not in pass/fail)."""
+"""The benchmark commands run and report comparable figures (no speed is asserted here:
+performance lives in the benchmarks' output, not in pass/fail; what is asserted is behaviour,
+like a lone daemon's wake-ups, which count timers, not how fast the machine is)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 from tests.helpers import gossipd_cli
 
@@ -130,3 +137,46 @@ def test_bench_place_json_reports_every_path_the_worst_and_its_ratio(capsys) -> 
     assert abs(report["ratio_n80_vs_n20"] - large[worst] / small[worst]) < 0.01
     assert large["prefix_hit_share"] == 1.0  # the popular prefix's holders take its tasks
     assert large["meta_load_change_us"] > 0 and report["memory_mb_n100"] > 0
+
+
+def _serf_or_skip() -> None:
+    """Serf (Debian package serf) for the membership bench's reference side, or skip (fail
+    under GOSSIPD_REQUIRE_SERF=1, as in CI)."""
+    if shutil.which("serf") is None:
+        if os.environ.get("GOSSIPD_REQUIRE_SERF") == "1":
+            pytest.fail("GOSSIPD_REQUIRE_SERF=1 and serf is not installed (apt-get install serf)")
+        pytest.skip("serf is not installed (apt-get install serf)")
+
+
+def test_bench_membership_measures_idle_cost_and_crash_detection_beside_serf() -> None:
+    _serf_or_skip()
+    proc = gossipd_cli(
+        "bench", "membership", "--peers", "serf", "--nodes", "4", "--idle-s", "3",
+        "--crashes", "1", "--json", timeout_s=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    # A lone daemon sleeps between its few timers (issue 25: 146 wake-ups a second before).
+    assert report["lone_gossipd"]["main_thread_wakeups_per_s"] <= 20
+    for side in ("gossipd", "serf"):
+        r = report[side]
+        assert r["agents"] == 4 and r["converged_after_launch_s"] > 0
+        assert r["cpu_pct_per_agent"]["max"] > 0 and r["rss_mb_per_agent"]["mean"] > 1
+        crash = r["crash_known_to_all_s"]
+        assert crash["rounds"] == 1 and crash["not_all_known"] == 0, r
+    # A SIGKILLed daemon's port refuses at once: known to all well within a second (Serf,
+    # with LAN defaults, takes seconds: its figure is reported, not bounded here).
+    assert report["gossipd"]["crash_known_to_all_s"]["max"] < 1.0
+    assert set(report["goals"]) >= {"idle_cpu_ratio_vs_serf", "lone_main_thread_wakeups_per_s"}
+
+
+def test_bench_membership_without_serf_says_how_to_get_it_before_running_anything() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipd", "bench", "membership", "--peers", "serf"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": "/nonexistent"},
+    )
+    assert proc.returncode == 2
+    assert "apt-get install -y serf" in proc.stderr and "bench membership 1/" not in proc.stderr

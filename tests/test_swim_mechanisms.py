@@ -272,6 +272,24 @@ def test_a_joining_member_learns_gpu_state_from_the_seeds_push_pull_reply() -> N
     assert set(n.table.members) == {"a", "b"}
 
 
+def test_a_lone_member_sets_no_deadline_until_it_has_someone_to_tell() -> None:
+    """A member alone sleeps (issue 25): its urgent update (its own Alive) schedules no
+    gossip round while no other member is live (the daemon's loop waits on next_deadline);
+    once one joins, the round is due at once and its metadata goes out."""
+    wire = Wire([], seed=7)
+    n = wire.add("n")
+    n.set_gpu(0.0, GPU)
+    assert n.dissemination.broadcasts.urgent_pending
+    assert n.dissemination.next_deadline() == float("inf")
+    wire.run_until(5.0)
+    assert not [m for _, who, _, m in wire.sent if who == "n"], "sent to no one"
+    wire.add("a", seeds=(addr_of("n"),))
+    wire.run_until(6.0, stop=lambda: "a" in n.table.members)
+    assert "a" in n.table.members
+    wire.run_until(7.0)
+    assert wire.nodes["a"].table.members["n"].gpu == GPU
+
+
 def test_seeds_set_after_start_make_a_lone_member_join_and_are_ignored_once_joined() -> None:
     """antientropy.set_seeds (seeds read from etcd): a member started with none joins."""
     wire = Wire(["a", "b"], seed=4)

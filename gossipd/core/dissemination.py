@@ -114,5 +114,8 @@ class Dissemination:
                 self.send_gossip_to(target)
 
     def next_deadline(self) -> float:
-        """The next gossip round (inf while nothing urgent is queued: no round is due)."""
-        return self.next_gossip_at if self.broadcasts.urgent_pending else math.inf
+        """The next gossip round (inf while nothing urgent is queued, or nobody is there to
+        hear it: a lone member does not wake to gossip to no one)."""
+        if self.broadcasts.urgent_pending and self._swim.table.live_count() > 1:
+            return self.next_gossip_at
+        return math.inf

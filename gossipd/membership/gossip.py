@@ -170,7 +170,7 @@ class GossipService:
         self._flush()
         while True:
             wait_s = max(0.0, core.next_deadline() - self._clock.wall())
-            await _woken_within(wait_s, self._wake)
+            await woken_within(wait_s, self._wake)
             now = self._clock.wall()
             if now >= core.next_deadline():
                 core.tick(now)
@@ -364,7 +364,7 @@ class _Src(msgspec.Struct):
 _src_decoder = msgspec.msgpack.Decoder(_Src)
 
 
-async def _woken_within(timeout_s: float, wake: asyncio.Event) -> None:
+async def woken_within(timeout_s: float, wake: asyncio.Event) -> None:
     """Return when ``wake`` is set (clearing it) or ``timeout_s`` has passed."""
     if not wake.is_set():
         try:

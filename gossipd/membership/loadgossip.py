@@ -7,6 +7,12 @@ each record passed on at most ``gossip.load_transmits`` times (core/loadstate.py
 ``LoadRumors``).  Records received (on these messages or any gossip message's ``loads``)
 go to the placer's ``LoadView``; the newer ones are passed on.  The owners' replies carry
 load too (fanout/owner.py): this is for the members an entry point has not sent to lately.
+
+When a round has nothing to send (no live peer, or every record passed on as often as it
+may be) the loop sleeps until a record comes in, or ``QUIET_RECHECK_S`` has passed (our own
+load is read then: it changes only while tasks come, and a new figure goes out at the next
+round).  An idle cluster sends no load gossip and its daemons do not wake for it (issue 25:
+20 wake-ups a second for nothing).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.core.gossip_messages import GossipOnly, LoadRecord, encode_gossip
 from gossipd.core.loadstate import LoadRumors, LoadView
 from gossipd.core.membership import LIVE_STATES
-from gossipd.membership.gossip import GossipService
+from gossipd.membership.gossip import GossipService, woken_within
+
+QUIET_RECHECK_S = 1.0  # idle: how often our own load is read for a change
 
 
 class LoadGossip:
@@ -47,6 +55,7 @@ class LoadGossip:
         self._own_seq = -1
         self._peers: list[tuple[str, str]] = []
         self._peers_version: object = None
+        self._wake = asyncio.Event()  # a record to pass on came in
         self.sent_messages = 0
         self.sent_bytes = 0
         self.received_records = 0
@@ -60,6 +69,7 @@ class LoadGossip:
                 known = self._view.get(record.node)
                 if known is not None:
                     self.rumors.add(record, known.sampled_at)
+                    self._wake.set()
 
     def _live_peers(self) -> list[tuple[str, str]]:
         core = self._gossip.core
@@ -74,7 +84,8 @@ class LoadGossip:
             ]
         return self._peers
 
-    def send_once(self) -> None:
+    def send_once(self) -> int:
+        """One round: the messages sent (0: nothing to send, or nobody to send it to)."""
         now = self._clock.monotonic()
         own = self._own()
         if own.seq != self._own_seq:
@@ -82,8 +93,9 @@ class LoadGossip:
             self.rumors.add(own, now - own.age_ms / 1000.0)
         peers = self._live_peers()
         if not peers:
-            return
+            return 0
         gossip = self._gossip
+        sent = 0
         for name, addr in self._rng.sample(peers, min(self.fanout, len(peers))):
             records = self.rumors.take(now, self.bytes_max, exclude=name)
             if not records:
@@ -99,10 +111,14 @@ class LoadGossip:
             self.sent_messages += 1
             self.sent_bytes += len(data)
             gossip.send(addr, data)
+            sent += 1
+        return sent
 
     async def run_forever(self) -> None:
         if self.interval_s <= 0:
             return
         while True:
             await asyncio.sleep(self.interval_s)
-            self.send_once()
+            self._wake.clear()
+            if not self.send_once():
+                await woken_within(QUIET_RECHECK_S, self._wake)

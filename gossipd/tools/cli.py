@@ -314,12 +314,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "what",
-        choices=["ingress", "route", "ring", "engine", "prefix", "hedge", "budgets", "place"],
+        choices=[
+            "ingress",
+            "route",
+            "ring",
+            "engine",
+            "prefix",
+            "hedge",
+            "budgets",
+            "place",
+            "membership",
+        ],
         help="ingress: one daemon vs raw pyzmq; route: the cost of a forward hop; ring: "
         "placement balance and churn; place: placement's cost per task as N grows; engine: the daemon's overhead on vLLM; prefix: "
         "prefix-cache hit rate by placement policy (six fresh 3-daemon vLLM clusters: many "
         "minutes on 2 cores); hedge: a stalled member, hedging off/on; budgets: a well-behaved "
-        "producer's latency alone and beside a runaway at 10x its token budget",
+        "producer's latency alone and beside a runaway at 10x its token budget; membership: "
+        "idle CPU, wake-ups and RSS per daemon, crash detection (--peers serf: beside Serf)",
+    )
+    p.add_argument(
+        "--peers",
+        choices=["serf"],
+        default="",
+        help="membership: the same figures for as many HashiCorp Serf agents in the same run "
+        "(Debian package serf)",
+    )
+    p.add_argument(
+        "--idle-s", type=float, default=20.0, help="membership: the idle window (default 20)"
+    )
+    p.add_argument(
+        "--crashes", type=int, default=3, help="membership: SIGKILLs on each side (default 3)"
     )
     p.add_argument("--model", help="engine/prefix: a model directory (default: make the tiny one)")
     p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")

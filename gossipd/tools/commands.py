@@ -275,6 +275,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         nodes = args.nodes if isinstance(args.nodes, list) or args.nodes is None else [args.nodes]
         return bench_place(nodes=nodes, as_json=args.json)
+    if args.what == "membership":
+        from gossipd.tools.bench.membership import main as bench_membership
+
+        return bench_membership(
+            nodes=args.nodes or 16,
+            peers=args.peers,
+            idle_s=args.idle_s,
+            crashes=args.crashes,
+            as_json=args.json,
+        )
     if args.what == "ring":
         from gossipd.tools.bench.ring import main as bench_ring
 
