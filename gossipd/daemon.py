@@ -33,6 +33,7 @@ from gossipd.core.loadstate import LoadSampler
 from gossipd.core.membership import Member, State
 from gossipd.core.messages import ErrorCode, error_result
 from gossipd.core.peer_messages import TaskDone
+from gossipd.core.placer import Placer
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
@@ -41,7 +42,7 @@ from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.holding import ResultHolder
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
-from gossipd.fanout.placer import Placer
+from gossipd.fanout.placement_feed import KernelLoader, PlacementFeed
 from gossipd.ingress.budgets import (
     DIRECTIVE_KIND,
     BudgetGate,
@@ -549,14 +550,15 @@ class Daemon:
         placer = Placer(
             config.fanout,
             node=self.node,
-            ingress=ingress,
-            gossip=gossip,
             loads=loads,
             local_ids=local_ids,
-            clock=self.clock,
+            weight=config.gpu.capacity_weight,
+            model=ingress.model,
             in_flight=lambda: forwarder.in_flight(),
-            own_stats=engine_load.read,  # our own decisions: our current load too
+            own_sample=engine_load.read,  # our own decisions: our current load too
+            kernels=KernelLoader(),
         )
+        PlacementFeed(placer, gossip)
         forwarder = Forwarder(
             Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
             node=self.node,

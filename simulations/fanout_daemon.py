@@ -1,6 +1,5 @@
-"""A simulated daemon: its real protocol cores (``SwimNode``, ``Forwarder``, ``Admission``
-with ``TaskBook``) and, around them, what the asyncio shell does: the placer over its
-membership view (``SimPlacement``), producer intake, the owner's handling of Forward /
+"""A simulated daemon: its real protocol cores (``SwimNode``, ``Placer``, ``Forwarder``,
+``Admission`` with ``TaskBook``) and, around them, what the asyncio shell does: producer intake, the owner's handling of Forward /
 Withdraw / TaskDone (as ``gossipd/fanout/owner.py`` does) and an engine with a few slots and
 random service times.  It talks to the world (simulations/fanout_world.py) for everything
 outside the process: the network, the journal, the producer."""
@@ -12,12 +11,12 @@ import random
 from collections import deque
 from typing import TYPE_CHECKING
 
-from gossipd.config import FanoutConfig
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.forwarder import Route
+from gossipd.core.gossip_messages import GpuState
 from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
 from gossipd.core.lifecycle import ANY, Abort, Owned, TaskBook
-from gossipd.core.membership import LIVE_STATES, State
+from gossipd.core.membership import State
 from gossipd.core.messages import Chunk, ErrorCode, Result, Task, error_result
 from gossipd.core.peer_messages import (
     Confirm,
@@ -27,62 +26,13 @@ from gossipd.core.peer_messages import (
     TaskDone,
     Withdraw,
 )
-from gossipd.core.placement import Candidate, bound, place
+from gossipd.core.placer import Placer
 from gossipd.core.queueing import QueueWait
-from gossipd.core.ring import Ring
 from gossipd.core.swim import SwimNode
 from simulations.fanout_run import FINISH
 
 if TYPE_CHECKING:
     from simulations.fanout_world import World
-
-
-class SimPlacement:
-    """The placer's rules over a simulated daemon's membership view (all members serve)."""
-
-    def __init__(self, daemon: SimDaemon, config: FanoutConfig) -> None:
-        self._d = daemon
-        self._c = config.load_bound_c
-        self._floor = config.load_floor
-        self._key: tuple[int, int, int] | None = None
-        self._live: list[str] = []
-        self._ring: Ring | None = None
-
-    def _view(self) -> tuple[list[str], Ring]:
-        table = self._d.swim.table
-        if self._key != table.version or self._ring is None:
-            live = [n for n, m in table.members.items() if m.state in LIVE_STATES]
-            live.append(self._d.name)
-            self._live = sorted(live)
-            self._ring = Ring(dict.fromkeys(self._live, 1.0))
-            self._key = table.version
-        return self._live, self._ring
-
-    def owner_for(self, task: Task) -> str | None:
-        live, ring = self._view()
-        owner = ring.owner(task.key or task.id)
-        loads = self._d.forwarder.loads
-        total = sum(loads.values()) + len(self._d.forwarder.local_ids)
-        load = self._load(owner)
-        if load < bound(total, 1.0, float(len(live)), self._c, self._floor):
-            return owner
-        order = self.order(task)
-        return order[0] if order else None
-
-    def _load(self, member: str) -> int:
-        fw = self._d.forwarder
-        return len(fw.local_ids) if member == self._d.name else fw.loads.get(member, 0)
-
-    def order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]:
-        live, ring = self._view()
-        cands = {n: Candidate(n, load=self._load(n)) for n in live if n not in exclude}
-        return place(task.key or task.id, cands, ring=ring, c=self._c, floor=self._floor)
-
-    def addr(self, member: str) -> str | None:
-        if member == self._d.name:
-            return member
-        m = self._d.swim.table.members.get(member)
-        return member if m is not None and m.state in LIVE_STATES else None
 
 
 class SimDaemon:
@@ -103,13 +53,27 @@ class SimDaemon:
             now=world.now,
             seeds=seeds,
         )
-        self.placement = SimPlacement(self, world.fanout_config)
+        # The daemon's own placement core (core/placer.py), fed as fanout/placement_feed.py
+        # feeds it: member events with the member's entry (World.flush_swim); every member
+        # gossips an rpc address (its name: the world routes peer messages by name).
+        loads: dict[str, int] = {}
+        local_ids: set[str] = set()
+        self.gpu = GpuState(rpc=self.name)
+        self.placement = Placer(
+            world.fanout_config,
+            node=self.name,
+            loads=loads,
+            local_ids=local_ids,
+            in_flight=lambda: self.forwarder.in_flight(),
+        )
         self.forwarder = run.forwarder_class(
             world.forwarder_settings,
             node=self.name,
             placement=self.placement,
             admit_local=self.admit_local,
             rng=random.Random(world.rng.getrandbits(64)),
+            loads=loads,
+            local_ids=local_ids,
         )
         queue = None
         if run.queue_wait_admission:

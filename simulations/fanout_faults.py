@@ -107,6 +107,7 @@ class Faults:
         live = [self.swim_addrs[i] for i in range(self.run.nodes) if self.up[i] and i != index]
         seeds = self.rng.sample(live, min(3, len(live)))
         d = SimDaemon(self, index, old.epoch + 1, seeds)
+        d.swim.set_gpu(self.now, d.gpu)  # a new process publishes its GPU state, as a daemon does
         self.daemons[index] = d
         self.up[index] = True
         self.paused_until[index] = 0.0

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from gossipd.config import FanoutConfig
 from gossipd.core.forwarder import ForwarderSettings, Refuse
+from gossipd.core.gossip_messages import Meta
 from gossipd.core.messages import Result, Task, error_result
 from gossipd.core.peer_messages import Forward, Withdraw
 from gossipd.core.swim_config import SwimConfig
@@ -80,6 +81,13 @@ class World(Producers, Faults, Network, Checks):
         pairs = list(zip(names, self.swim_addrs, strict=True))
         for d in self.daemons:
             d.swim.bootstrap(0.0, pairs)
+            # As converged: every member's GPU state (its rpc address) known to all.
+            d.swim.table.publish_meta(d.gpu)
+            for other in self.daemons:
+                if other is not d:
+                    meta = Meta(node=other.name, version=1, gpu=other.gpu, incarnation=0)
+                    d.swim.table.apply(meta, 0.0)
+            d.placement.rebuild(d.swim.table.members.values())
             self.schedule(d)
         # Producer state.
         self.tasks: dict[str, TaskState] = {}
@@ -153,6 +161,7 @@ class World(Producers, Faults, Network, Checks):
             if dst is not None:
                 self.deliver(d.index, dst, SWIM_MSG, data, lossy=True)
         for event in d.swim.take_events():
+            d.placement.member_event(event, d.swim.table.members.get(event.node))
             d.held.member_event(event.kind, event.node, self.now)
             if len(d.held) or event.kind == "left":
                 d.flush_held()

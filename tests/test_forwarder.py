@@ -27,10 +27,10 @@ class FixedPlacement:
     def __init__(self, members: list[str]) -> None:
         self.members = list(members)
 
-    def owner_for(self, task: Task) -> str | None:
+    def owner_for(self, task: Task, now: float) -> str | None:
         return self.members[0] if self.members else None
 
-    def order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]:
+    def order(self, task: Task, now: float, exclude: frozenset[str] = frozenset()) -> list[str]:
         return [m for m in self.members if m not in exclude]
 
     def addr(self, member: str) -> str | None:

@@ -178,20 +178,20 @@ def test_the_placer_uses_an_owners_load_from_its_reply_and_records_its_age() -> 
         h.apply(Meta(node=name, version=1, gpu=GpuState(rpc=f"tcp://{name}:5558"), incarnation=0))
     placer = h.placer()
     task = Task(v=1, id="t1", key="k", prompt="p", reply_to="tcp://1.2.3.4:5")
-    owner = placer.owner_for(task)
+    owner = placer.owner_for(task, 5.0)
     assert owner is not None and owner != "me"
     assert placer.state_ages.unknown == 1  # its Meta only, so far
     # The owner answers: saturated (its engine queue is long), as of 200 ms ago.
     busy = LoadRecord(owner, 7, 200, 3, 1_000_000, 0, 10)
-    assert placer.on_load(busy, placer._clock.monotonic())
+    assert placer.on_load(busy, 5.0)
     assert owner in placer.view().saturated
-    assert placer.owner_for(task) != owner  # the next decision avoids it
+    assert placer.owner_for(task, 5.0) != owner  # the next decision avoids it
     # The age recorded is the chosen member's state: of that one we had no record either.
     assert placer.state_ages.unknown == 2 and placer.state_ages.count == 0
     # An older copy (gossip relayed late) changes nothing; a newer idle one frees it.
-    assert not placer.on_load(LoadRecord(owner, 6, 0, 0, 0, 0, 0), placer._clock.monotonic())
-    assert placer.on_load(LoadRecord(owner, 8, 0, 0, 0, 0, 0), placer._clock.monotonic())
-    assert placer.owner_for(task) == owner
+    assert not placer.on_load(LoadRecord(owner, 6, 0, 0, 0, 0, 0), 5.0)
+    assert placer.on_load(LoadRecord(owner, 8, 0, 0, 0, 0, 0), 5.0)
+    assert placer.owner_for(task, 5.0) == owner
     assert placer.state_ages.count == 1 and placer.state_ages.counts[0] == 1  # ~0 s old
 
 

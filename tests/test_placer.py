@@ -3,24 +3,24 @@ the same decisions as core/placement.place, and its memory at 10,000 members."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.clock import ManualClock
 from gossipd.config import FanoutConfig
 from gossipd.core.gossip_messages import Alive, Dead, GpuState, Left, LoadRecord, Meta, Suspect
 from gossipd.core.membership import MemberTable
 from gossipd.core.messages import Task
 from gossipd.core.placement import Candidate, LoadCounts, place
+from gossipd.core.placer import Placer
 from gossipd.core.prefix import prefix_hashes
-from gossipd.fanout.placer import Placer
+from gossipd.fanout.placement_feed import KernelLoader
 from gossipd.tools.bench.place import memory_mb
 
 NAMES = [f"m{i}" for i in range(8)]
 ME = "me"
+NOW = 0.0  # decisions' time where no record's age matters
 PROMPT = "You are a careful assistant. " * 20  # four whole blocks of 128 characters
 PROMPT_HASHES = prefix_hashes(PROMPT, 128, 8)
 
@@ -32,38 +32,29 @@ class Harness:
         self.table = MemberTable(me=ME, addr="tcp://10.0.0.1:1", now=0.0)
         self.listeners: list[Any] = []
         self.meta_versions: dict[str, int] = {}
-        self.gossip = SimpleNamespace(
-            core=SimpleNamespace(table=self.table),
-            listeners=self.listeners,
-            config=SimpleNamespace(gpu=SimpleNamespace(capacity_weight=1.0)),
-            last_gpu_state=None,
-        )
-        self.ingress = SimpleNamespace(model="", admission=SimpleNamespace(shutting_down=False))
         self.loads = LoadCounts()
 
-    def placer(
-        self, *, listen: bool = True, owner_check: bool = False, clock: Any = None
-    ) -> Placer:
+    def placer(self, *, listen: bool = True, owner_check: bool = False, **kw: Any) -> Placer:
         """Without the owner check by default: the gossiped view alone decides, as
-        core/placement.place does over the same candidates."""
-        gossip = (
-            self.gossip if listen else SimpleNamespace(**{**vars(self.gossip), "listeners": None})
-        )
-        return Placer(
+        core/placement.place does over the same candidates.  It reads the table as it stands
+        (``rebuild``) and, with ``listen``, follows its events (as PlacementFeed does)."""
+        placer = Placer(
             FanoutConfig(load_floor=0, owner_check=owner_check),
             node=ME,
-            ingress=self.ingress,  # type: ignore[arg-type]
-            gossip=gossip,  # type: ignore[arg-type]
             loads=self.loads,
             local_ids=set(),
-            **({} if clock is None else {"clock": clock}),
+            **kw,
         )
+        placer.rebuild(self.table.members.values())
+        if listen:
+            self.listeners.append(placer)
+        return placer
 
     def apply(self, update: Any) -> None:
         outcome = self.table.apply(update, 0.0)
         if outcome.event is not None:
-            for listener in self.listeners:
-                listener(outcome.event)
+            for placer in self.listeners:
+                placer.member_event(outcome.event, self.table.members.get(outcome.event.node))
 
     def incarnation(self, name: str) -> int:
         m = self.table.members.get(name)
@@ -145,11 +136,11 @@ def test_the_view_kept_member_by_member_equals_the_view_built_from_scratch(
             task = Task(
                 v=1, id=f"t{k}", key=f"k{k}", prompt="p", reply_to="tcp://1.2.3.4:5", model=model
             )
-            assert incremental.order(task) == rebuilt.order(task)
-            assert incremental.owner_for(task) == rebuilt.owner_for(task)
+            assert incremental.order(task, NOW) == rebuilt.order(task, NOW)
+            assert incremental.owner_for(task, NOW) == rebuilt.owner_for(task, NOW)
     keyless = Task(v=1, id="q", prompt=PROMPT + "?", reply_to="tcp://1.2.3.4:5")
     for _ in range(2):  # the second time from the remembered holder ranking
-        assert incremental.owner_for(keyless) == rebuilt.owner_for(keyless)
+        assert incremental.owner_for(keyless, NOW) == rebuilt.owner_for(keyless, NOW)
     assert incremental.prefix_hits == rebuilt.prefix_hits
 
 
@@ -210,7 +201,7 @@ def test_order_chooses_as_core_placement_does(
     expected = place(
         key or "t", cands, c=config.load_bound_c, floor=config.load_floor, model=model
     )[: config.attempts_max]
-    assert placer.order(task, frozenset(exclude)) == expected
+    assert placer.order(task, NOW, frozenset(exclude)) == expected
 
 
 def test_membership_and_placement_state_of_10000_members_fits_100_mb() -> None:
@@ -236,9 +227,9 @@ def test_a_load_only_meta_refreshes_its_member_alone_and_keeps_the_ring() -> Non
     refreshed: list[str] = []
     original = placer._refresh
 
-    def counting(name: str) -> None:
+    def counting(name: str, member: Any) -> None:
         refreshed.append(name)
-        original(name)
+        original(name, member)
 
     placer._refresh = counting  # type: ignore[method-assign]
     busy = GpuState(rpc="tcp://m3:5558", prefixes=[3], running_requests=7, waiting_requests=9)
@@ -268,15 +259,15 @@ def test_the_ring_kernels_load_off_the_event_loop_and_the_ring_follows_once_load
     for name in [f"n{i}" for i in range(rings.VECTOR_MIN)]:  # vectorised: kernels may score
         h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
         h.apply(Meta(node=name, version=1, gpu=GpuState(rpc=f"tcp://{name}:5558"), incarnation=0))
-    placer = h.placer()
+    loader = KernelLoader()
+    placer = h.placer(kernels=loader)
     first = placer.view().ring
     assert first is not None and first._kernels is None
-    loading = placer._kernels_loading
-    assert loading is not None
-    loading.join(timeout=60)
+    assert loader._thread is not None
+    loader._thread.join(timeout=60)
     second = placer.view().ring
     assert second is not first and second is not None and second._kernels is not None
-    assert placer._kernels_loading is None and placer.view().ring is second
+    assert placer.view().ring is second
     keys = [f"k{i}" for i in range(200)]
     assert [first.owner(k) for k in keys] == [second.owner(k) for k in keys]
 
@@ -293,23 +284,22 @@ def test_owner_check_passes_a_member_over_only_on_a_record_at_most_trust_s_old()
     passed over, and the decision is recorded with that record's age."""
     h = Harness()
     _saturated_cluster(h)
-    clock = ManualClock(monotonic=100.0)
-    placer = h.placer(owner_check=True, clock=clock)
+    placer = h.placer(owner_check=True)
     task = _task_not_mine(placer)
-    ring_owner = placer.order(task)[0]
+    ring_owner = placer.order(task, 100.0)[0]
     hot = LoadRecord(ring_owner, 5, 0, 3, 50, 0, 99)
     assert placer.on_load(hot, 100.0)
-    clock.advance(0.2)  # 0.2 s old: trusted, passed over
-    assert placer.owner_for(task) not in (ring_owner, None)
+    now = 100.2  # 0.2 s old: trusted, passed over
+    assert placer.owner_for(task, now) not in (ring_owner, None)
     ages = placer.state_ages
     assert ages.count == 1 and abs(ages.sum_s - 0.2) < 1e-6 and ages.owner_checked == 0
-    clock.advance(placer.config.load_trust_s)  # older than load_trust_s: the owner checks
-    assert placer.owner_for(task) == ring_owner
+    now += placer.config.load_trust_s  # older than load_trust_s: the owner checks
+    assert placer.owner_for(task, now) == ring_owner
     assert ages.count == 1 and ages.owner_checked == 1 and ages.unknown == 0
     # Without the check the same old record still passes it over (the view alone decides).
-    plain = h.placer(owner_check=False, clock=clock)
+    plain = h.placer(owner_check=False)
     plain.on_load(hot, 100.0)
-    assert plain.owner_for(task) != ring_owner
+    assert plain.owner_for(task, now) != ring_owner
 
 
 def test_owner_check_ignores_a_saturated_meta_without_a_record() -> None:
@@ -321,10 +311,10 @@ def test_owner_check_ignores_a_saturated_meta_without_a_record() -> None:
     checked = h.placer(owner_check=True)
     viewed = h.placer(owner_check=False)
     task = _task_not_mine(checked)
-    ring_owner = checked.order(task)[0]
-    assert checked.owner_for(task) == ring_owner and checked.state_ages.owner_checked == 1
+    ring_owner = checked.order(task, NOW)[0]
+    assert checked.owner_for(task, NOW) == ring_owner and checked.state_ages.owner_checked == 1
     # The view alone passes every saturated Meta over: only we are left.
-    assert viewed.owner_for(task) == ME and viewed.state_ages.owner_checked == 0
+    assert viewed.owner_for(task, NOW) == ME and viewed.state_ages.owner_checked == 0
 
 
 def _task_not_mine(placer: Placer) -> Task:

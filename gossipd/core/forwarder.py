@@ -95,9 +95,9 @@ class AttemptFailure(enum.StrEnum):
 class Placement(Protocol):
     """Which member should run a task, as this node sees the cluster."""
 
-    def owner_for(self, task: Task) -> str | None: ...
+    def owner_for(self, task: Task, now: float) -> str | None: ...
 
-    def order(self, task: Task, exclude: frozenset[str] = frozenset()) -> list[str]: ...
+    def order(self, task: Task, now: float, exclude: frozenset[str] = frozenset()) -> list[str]: ...
 
     def addr(self, member: str) -> str | None: ...
 
@@ -268,7 +268,7 @@ class Forwarder:
 
     def route(self, task: Task, now: float) -> Route:
         """A new task from our intake."""
-        owner = self._placement.owner_for(task)
+        owner = self._placement.owner_for(task, now)
         if owner is None:
             self.counters.unavailable += 1
             message = f"no live member serves model {task.model!r}"
@@ -298,7 +298,7 @@ class Forwarder:
         """Give an admitted task to another member; a HandedOff event tells the outcome."""
         me = frozenset({self.node})
         dispatch = Dispatch(task, received_at, received_at + task.timeout_ms / 1000.0, True, me)
-        dispatch.order = self._placement.order(task, exclude=me)
+        dispatch.order = self._placement.order(task, now, exclude=me)
         self._next(dispatch, now)
 
     def on_reply(self, msg: object, now: float) -> None:
@@ -334,7 +334,7 @@ class Forwarder:
             dispatch = Dispatch(
                 task, entry.received_at, entry.received_at + task.timeout_ms / 1000.0, False, gone
             )
-            dispatch.order = self._placement.order(task, exclude=gone)
+            dispatch.order = self._placement.order(task, now, exclude=gone)
             self._next(dispatch, now)
         return len(orphans)
 
@@ -560,7 +560,7 @@ class Forwarder:
         if d.order is None:
             tried = set(d.tried) | d.exclude
             d.order = [
-                m for m in self._placement.order(d.task, exclude=d.exclude) if m not in tried
+                m for m in self._placement.order(d.task, now, exclude=d.exclude) if m not in tried
             ]
         s = self.settings
         if not d.order or len(d.tried) >= s.attempts_max:
@@ -664,7 +664,7 @@ class Forwarder:
             self.counters.hedges_over_budget += 1
             return
         d = flight.dispatch
-        order = self._placement.order(d.task, exclude=frozenset({flight.member, self.node}))
+        order = self._placement.order(d.task, now, exclude=frozenset({flight.member, self.node}))
         if not order:
             return
         member = order[0]

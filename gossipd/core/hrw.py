@@ -149,7 +149,7 @@ def load() -> Kernels | None:
     """The kernels compiled with Numba, or None when Numba is not installed.  The first call
     in a process imports Numba (~0.5 s, ~80 MB) and loads the compiled code cached on disk
     (``__pycache__``, else ``NUMBA_CACHE_DIR``), or compiles it (~2-4 s here) where there is
-    none: a daemon calls it off its event loop (``fanout/placer.py``)."""
+    none: a daemon calls it off its event loop (``fanout/placement_feed.py``)."""
     if not _loaded:
         _loaded.append(_compile())
     return _loaded[0]

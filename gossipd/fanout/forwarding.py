@@ -9,7 +9,7 @@ returns:
     one loop timer at Forwarder.next_deadline() -> Forwarder.tick
     events: Refuse -> the producer gets the error; HandedOff -> the awaiting hand_off()
 The owner's side (admitting forwarded tasks) is ``fanout/owner.py``; which member should run
-a task is ``fanout/placer.py``; the sockets to peers are ``fanout/peerlinks.py``.
+a task is ``core/placer.py`` (fed by ``fanout/placement_feed.py``); the sockets to peers are ``fanout/peerlinks.py``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refu
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Drain, Task
 from gossipd.core.peer_messages import Confirm, ConfirmReply, Forward, TaskDone
+from gossipd.core.placer import Placer
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
-from gossipd.fanout.placer import Placer
 
 log = logging.getLogger("gossipd.fanout.forwarding")
 

@@ -26,17 +26,17 @@ import statistics
 import sys
 import time
 import tracemalloc
-from types import SimpleNamespace
 from typing import Any
 
 from gossipd.config import FanoutConfig
 from gossipd.core.gossip_messages import Alive, GpuState, Meta
 from gossipd.core.membership import MemberTable
 from gossipd.core.messages import Task
+from gossipd.core.placer import Placer
 from gossipd.core.prefix import prefix_hashes
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
-from gossipd.fanout.placer import Placer
+from gossipd.fanout.placement_feed import KernelLoader
 
 try:  # running totals (this change); a plain dict before it
     from gossipd.core.placement import LoadCounts
@@ -49,6 +49,8 @@ except ImportError:  # pragma: no cover - an older checkout
         return {}
 
 
+NOW = 0.0  # the decisions' time (no load record's age matters here)
+KERNELS = KernelLoader()  # the ring's compiled kernels, loaded once for every cluster
 PATHS = ("keyed_new_key", "keyed_repeated_key", "keyless_popular_prefix", "order_retry")
 POPULAR = "You are a helpful assistant. " * 20  # 560 characters: 4 blocks of 128
 
@@ -79,29 +81,14 @@ class _Cluster:
             if i < holders:
                 own[: len(self.popular)] = self.popular
             self.meta(name, prefixes=own, running=0)
-        gossip = SimpleNamespace(
-            core=SimpleNamespace(table=self.table),
-            listeners=self.listeners,
-            config=SimpleNamespace(gpu=SimpleNamespace(capacity_weight=1.0)),
-            last_gpu_state=None,
-            live_members=self._live_members,
-        )
-        ingress = SimpleNamespace(model="", admission=SimpleNamespace(shutting_down=False))
-        self.placer = Placer(
-            config,
-            node=self.me,
-            ingress=ingress,  # type: ignore[arg-type]
-            gossip=gossip,  # type: ignore[arg-type]
-            loads=_loads(),
-            local_ids=set(),
+        self.placer = Placer(config, node=self.me, loads=_loads(), local_ids=set(), kernels=KERNELS)
+        self.placer.rebuild(self.table.members.values())
+        self.listeners.append(
+            lambda event: self.placer.member_event(event, self.table.members.get(event.node))
         )
         self.placer.view()
-
-    def _live_members(self) -> list[Any]:
-        return [
-            SimpleNamespace(node=m.node, state=m.state.value, addr=m.addr, gpu=_full_gpu(m))
-            for m in self.table.members.values()
-        ]
+        if KERNELS._thread is not None:  # measure the steady state: with the kernels
+            KERNELS._thread.join(timeout=120)
 
     def _apply(self, update: Any) -> None:
         outcome = self.table.apply(update, 0.0)
@@ -119,17 +106,6 @@ class _Cluster:
             prefixes=prefixes,
         )
         self._apply(Meta(node=name, version=version, gpu=gpu, incarnation=0))
-
-
-def _full_gpu(member: Any) -> Any:
-    """The member's GpuState with its prefixes (kept apart in a compact table, or not)."""
-    gpu = member.gpu
-    compact = getattr(member, "prefixes", ())
-    if gpu is not None and len(compact):
-        import msgspec
-
-        return msgspec.structs.replace(gpu, prefixes=list(compact))
-    return gpu
 
 
 def _slice_us(run: Any, tasks: list[Task], budget_s: float) -> tuple[float, int]:
@@ -167,15 +143,15 @@ def measure(
         cluster = _Cluster(n, prefixes=prefixes, holders=min(holders, n - 1))
         placer = cluster.placer
         w = _tasks(random.Random(n), tasks)
-        retry = frozenset({placer.owner_for(w["same"][0]) or "", cluster.me})
+        retry = frozenset({placer.owner_for(w["same"][0], NOW) or "", cluster.me})
         clusters.append(cluster)
         work.append(w)
         paths.append(
             {
-                "keyed_new_key": (placer.owner_for, w["new"]),
-                "keyed_repeated_key": (placer.owner_for, w["same"]),
-                "keyless_popular_prefix": (placer.owner_for, w["keyless"]),
-                "order_retry": (lambda t, p=placer, x=retry: p.order(t, exclude=x), w["new"]),
+                "keyed_new_key": (lambda t, p=placer: p.owner_for(t, NOW), w["new"]),
+                "keyed_repeated_key": (lambda t, p=placer: p.owner_for(t, NOW), w["same"]),
+                "keyless_popular_prefix": (lambda t, p=placer: p.owner_for(t, NOW), w["keyless"]),
+                "order_retry": (lambda t, p=placer, x=retry: p.order(t, NOW, exclude=x), w["new"]),
             }
         )
     samples: dict[tuple[int, str], list[float]] = {}
@@ -213,12 +189,12 @@ def _meta_costs(cluster: _Cluster, task: Task, repeats: int) -> dict[str, float]
     for i in range(max(3, repeats)):
         start = time.perf_counter()
         cluster.meta(name, prefixes=kept, running=i + 1)
-        placer.owner_for(task)
+        placer.owner_for(task, NOW)
         load.append((time.perf_counter() - start) * 1e6)
         kept = [*kept[1:], rng.getrandbits(32)]
         start = time.perf_counter()
         cluster.meta(name, prefixes=kept, running=i + 1)
-        placer.owner_for(task)
+        placer.owner_for(task, NOW)
         prefix.append((time.perf_counter() - start) * 1e6)
     return {
         "meta_load_change_us": round(statistics.median(load), 1),

@@ -1,10 +1,17 @@
-"""Placement as one entry point sees the cluster: which member should run a task.
+"""Placement as one entry point sees the cluster: which member should run a task (sans-IO).
 
-The pure rules live in ``core/`` (the ring, bounded loads, prefix summaries); this module
-feeds them this daemon's view: the serving members and their weights from gossip, the loads
-this entry point has put on each (what it forwarded and has not seen finish, and what it kept),
-engine saturation from gossiped engine load, and the prefixes members hold.  The forwarding
-itself (sending, acks, retries, migration) is ``core/forwarder.py``.
+The pure rules are ``core/placement.py`` (bounded loads), ``core/ring.py`` and
+``core/prefix.py``; this is the state they are applied to, kept from this daemon's inputs:
+- membership events, each with the member's entry as it now stands (``member_event``): the
+  serving members, their weights, models, rpc addresses, engine saturation and prefixes;
+- members' load records (``on_load``: owners' replies, load gossip);
+- our own state: serving or drained (``set_draining``), our engine's latest sample (read
+  through ``own_sample``, a value the shell keeps), our weight and model (constructor);
+- the loads this entry point has put on each member (``loads``/``local_ids``, kept by the
+  forwarder, and their sum from ``in_flight``);
+- ``now``, passed to every decision (the age of a load record decides the owner check).
+The daemon (``fanout/placement_feed.py`` feeds it) and the simulator drive this same class.
+The forwarding itself (sending, acks, retries, migration) is ``core/forwarder.py``.
 
 Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 - the view is kept up to date member by member from membership events: a member's new GPU
@@ -13,41 +20,75 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 - the sums bounded loads need are O(1): in-flight tasks from the forwarder's own sizes
   (``Forwarder.in_flight``: live flights plus ledger entries), serving weight a running total;
 - a new key is scored against every member in one pass (``Ring``: compiled kernels from 64
-  members on, loaded here in a thread; NumPy below), a repeated key is a cache hit;
-  ``order()`` (retries, migration, hand-off) is a partial selection of the first
+  members on, once ``kernels(n)`` says they are loaded; NumPy before), a repeated key is a
+  cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
   ``attempts_max`` members, not a sort of all; prefix holders are ranked among themselves.
 """
 
 from __future__ import annotations
 
 import bisect
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from gossipd.clock import SYSTEM_CLOCK, Clock
-from gossipd.config import FanoutConfig
-from gossipd.core import hrw
 from gossipd.core import ring as rings
-from gossipd.core.gossip_messages import GpuState, LoadRecord
+from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.loadstate import LoadView
-from gossipd.core.membership import LIVE_STATES, MemberEvent
+from gossipd.core.membership import LIVE_STATES, Member, MemberEvent
 from gossipd.core.messages import Task
 from gossipd.core.placement import Candidate, LoadCounts, bound
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.ring import Ring, key_hash
-from gossipd.engines.base import EngineStats
-from gossipd.ingress.service import Ingress
-from gossipd.membership.gossip import GossipService
+
+
+class PlacerConfig(Protocol):
+    """The settings placement reads (``FanoutConfig`` has them all)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def load_bound_c(self) -> float: ...
+    @property
+    def load_floor(self) -> int: ...
+    @property
+    def attempts_max(self) -> int: ...
+    @property
+    def owner_check(self) -> bool: ...
+    @property
+    def load_trust_s(self) -> float: ...
+    @property
+    def engine_waiting_saturated(self) -> int: ...
+    @property
+    def engine_kv_cache_saturated_ratio(self) -> float: ...
+    @property
+    def prefix_block_chars(self) -> int: ...
+    @property
+    def prefix_blocks_max(self) -> int: ...
+    @property
+    def prefix_summary_max(self) -> int: ...
+
+
+class EngineSample(Protocol):
+    """An engine's load as placement judges it (a gossiped GpuState or EngineStats)."""
+
+    @property
+    def waiting_requests(self) -> int: ...
+    @property
+    def kv_cache_usage_ratio(self) -> float: ...
+
+
+def _numpy_only(members: int) -> bool:
+    return False
+
 
 HOLDER_RANKS_MAX = 4096  # prefix holder rankings remembered (then forgotten all at once)
 
 
 @dataclass(slots=True)
 class View:
-    key: object
     ring: Ring | None
     weights: dict[str, float]  # serving members (us included while we serve)
     addrs: dict[str, str]  # live members with an rpc address
@@ -101,33 +142,30 @@ class Placer:
 
     def __init__(
         self,
-        config: FanoutConfig,
+        config: PlacerConfig,
         *,
         node: str,
-        ingress: Ingress,
-        gossip: GossipService,
         loads: dict[str, int],
         local_ids: set[str],
-        clock: Clock = SYSTEM_CLOCK,
+        weight: float = 1.0,
+        model: str = "",
         in_flight: Callable[[], int] | None = None,
-        own_stats: Callable[[], EngineStats] | None = None,
+        own_sample: Callable[[], EngineSample | None] | None = None,
+        kernels: Callable[[int], bool] = _numpy_only,
     ) -> None:
         self.config = config
-        self._clock = clock
         # Members' load records (owners' replies, load gossip; core/loadstate.py): once a
         # member has one, its engine saturation is read from its newest record, not from
         # its Meta; and the age of the owner's state each decision used is recorded.
         self.load_view = LoadView()
         self.state_ages = StateAges()
         self.node = node
-        self._ingress = ingress
-        self._gossip = gossip
         # Kept up to date by the forwarder (core/forwarder.py): per member, our forwarded
         # tasks not done yet; and the tasks from our intake that run here, unfinished.
         self.outstanding = loads
         self.local_ids = local_ids
-        # The sum of ``loads`` where its keeper can tell it at once (Forwarder.in_flight,
-        # wired by the daemon); else a LoadCounts' kept sum, or a plain dict summed.
+        # The sum of ``loads`` where its keeper can tell it at once (Forwarder.in_flight);
+        # else a LoadCounts' kept sum, or a plain dict summed.
         self.in_flight = in_flight
         self.draining = False  # set_draining: while drained or stopping, no task stays here
         self.prefix_hits = 0  # keyless tasks placed on a member that holds their prefix
@@ -135,44 +173,50 @@ class Placer:
         self.prefix_record = PrefixRecord()
         self.prefix_index = PrefixIndex()
         self._round_robin = 0
-        # The view, kept member by member: members whose state changed since it was read
-        # (membership events), or everything (at first, or without events).
         self._info: dict[str, _Info] = {}
-        self._view = View(None, None, {}, {}, set())
-        self._dirty: set[str] = set()
-        self._rebuild = True
+        self._view = View(None, {}, {}, set())
         self._ring_stale = True
-        # The ring's compiled kernels load in a thread (seconds the first time on a host:
-        # not on the event loop); rings built meanwhile use NumPy (the same owners), and the
-        # ring is rebuilt once they are there.
-        self._kernels_loading: threading.Thread | None = None
-        self._own: tuple[object, ...] = ()
-        self._own_gpu: GpuState | EngineStats | None = None  # our latest sample, as judged
-        # Our engine's own figures (EngineLoad.read, at most 5 ms old), so that a decision on
-        # ourselves uses our current load; None: gossip's 1 s sample.
-        self.own_stats = own_stats
+        # Whether the ring is scored by compiled kernels: ``kernels(n)`` says if they are
+        # there for n members (the shell loads them in a thread: seconds the first time);
+        # a ring built without them is rebuilt once they are (the same owners either way).
+        self._kernels = kernels
+        self._awaiting_kernels = False
+        self._weight = float(weight)
+        self._model = model
+        self._own: tuple[bool, bool] | None = None  # (serving, saturated) as last set
+        # Our engine's latest sample, judged once per sample (a new object each time): read
+        # on every decision, so that one on ourselves uses our current load.  None: none.
+        self.own_sample = own_sample
+        self._own_gpu: EngineSample | None = None
         self._own_gpu_saturated = False
         # The oldest record (or our own reading: 0) a member was passed over on as saturated
         # in the decision being made; -1: none (fanout.owner_check).
         self._passed_age_s = -1.0
-        self._table_version: object = None
+        self._now = 0.0  # the decision being made's ``now``
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
         # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
         self._holder_rank: dict[tuple[str, frozenset[str]], list[str]] = {}
-        listeners = getattr(gossip, "listeners", None)
-        self._evented = listeners is not None
-        if listeners is not None:
-            listeners.append(self.member_event)
 
     def set_draining(self, draining: bool) -> None:
         """Drained (an operator's Drain, or stopping): place every task on another member."""
         self.draining = draining
 
-    def member_event(self, event: MemberEvent) -> None:
-        """A membership event: that member's entry is read again at the next placement."""
-        self._dirty.add(event.node)
+    def member_event(self, event: MemberEvent, member: Member | None) -> None:
+        """A membership event, with the member's entry as it now stands (None: not in the
+        table): its placement entry follows at once."""
         if event.kind in ("dead", "left"):
             self.load_view.forget(event.node)
+        if event.node != self.node:
+            self._refresh(event.node, member)
+
+    def rebuild(self, members: Iterable[Member]) -> None:
+        """Every member read again (no events to say which changed: at first, or in tests)."""
+        for name in list(self._info):
+            if name != self.node:
+                self._drop(name)
+        for m in members:
+            if m.node != self.node:
+                self._refresh(m.node, m)
 
     def on_load(self, record: LoadRecord, now: float) -> bool:
         """A member's load record (an owner's reply, load gossip): kept if newer than what
@@ -209,7 +253,7 @@ class Placer:
             known = self.load_view.get(member)
             if known is None:
                 return False
-            age_s = max(0.0, self._clock.monotonic() - known.sampled_at)
+            age_s = max(0.0, self._now - known.sampled_at)
             if age_s > cfg.load_trust_s:
                 return False
         self._passed_age_s = max(self._passed_age_s, age_s)
@@ -217,8 +261,6 @@ class Placer:
 
     def addr(self, member: str) -> str | None:
         """The member's rpc address, if it is a live member."""
-        if self._dirty or self._rebuild or not self._evented:
-            self.view()  # else no member's entry changed since: only our own state may have
         return self._view.addrs.get(member)
 
     def candidates(self) -> dict[str, Candidate]:
@@ -236,7 +278,7 @@ class Placer:
             )
         return out
 
-    def engine_saturated(self, gpu: GpuState | EngineStats) -> bool:
+    def engine_saturated(self, gpu: EngineSample) -> bool:
         """Is this engine load (gossiped, our own latest sample, or our engine's own figures:
         the owner check) saturated?"""
         cfg = self.config
@@ -249,78 +291,33 @@ class Placer:
 
     def view(self) -> View:
         """Serving members, their ring, weights and rpc addresses: each member's entry is
-        refreshed when an event names it, the ring when the serving set or a weight changes;
+        kept as its events come, the ring rebuilt when the serving set or a weight changes;
         nothing is rebuilt per task or for a load."""
-        core = self._gossip.core
-        assert core is not None
-        table = core.table
-        if not self._evented:  # (the version is a property: not read per task otherwise)
-            version = table.version
-            if version != self._table_version:
-                self._rebuild = True  # no events to say which member changed: read them all
-            self._table_version = version
-        if self._rebuild:
-            self._rebuild = False
-            self._dirty.clear()
-            for name in list(self._info):
-                if name != self.node:
-                    self._drop(name)
-            for name in list(table.members):
-                self._refresh(name)
-        elif self._dirty:
-            dirty, self._dirty = self._dirty, set()
-            for name in dirty:
-                if name != self.node:
-                    self._refresh(name)
-        # Our own entry, read on every call (up to twice a task): our engine sample is
-        # judged once per sample (a new object each time), not per task.  Read from the
-        # engine itself when the daemon sets own_stats (fanout/engineload.py), else gossip's.
-        own_stats = self.own_stats
-        gpu = self._gossip.last_gpu_state if own_stats is None else own_stats()
-        if gpu is not self._own_gpu:
-            self._own_gpu = gpu
-            self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
-        own = (
-            not (self.draining or self._ingress.admission.shutting_down),
-            self._own_gpu_saturated,
-            float(self._gossip.config.gpu.capacity_weight),
-            self._ingress.model,
-        )
+        # Our own entry, read on every call (up to twice a task).
+        own_sample = self.own_sample
+        if own_sample is not None:
+            gpu = own_sample()
+            if gpu is not self._own_gpu:
+                self._own_gpu = gpu
+                self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
+        own = (not self.draining, self._own_gpu_saturated)
         if own != self._own:
             self._own = own
-            serving, saturated, weight, model = own
-            self._set(self.node, _Info(weight, serving, model, saturated, ""))
+            self._set(self.node, _Info(self._weight, own[0], self._model, own[1], ""))
         view = self._view
-        loading = self._kernels_loading
-        if loading is not None and not loading.is_alive():
-            self._kernels_loading = None
+        if self._awaiting_kernels and self._kernels(len(view.weights)):
             self._ring_stale = True
         if self._ring_stale:
             self._ring_stale = False
             weights = view.weights
-            view.ring = Ring(weights, kernels=self._kernels(len(weights))) if weights else None
+            n = len(weights)
+            kernels = n >= rings.KERNEL_MIN and self._kernels(n)
+            self._awaiting_kernels = n >= rings.KERNEL_MIN and not kernels
+            view.ring = Ring(weights, kernels=kernels) if weights else None
             self._holder_rank.clear()
-            view.key = (table.version, own)
         return view
 
-    def _kernels(self, members: int) -> bool:
-        """Score a ring of ``members`` with the compiled kernels: yes once they are loaded,
-        from ``KERNEL_MIN`` members on (core/ring.py); the first time, start loading them."""
-        if members < rings.KERNEL_MIN:
-            return False
-        if hrw.loaded():
-            return True
-        if self._kernels_loading is None:
-            self._kernels_loading = threading.Thread(
-                target=hrw.load, name="gossipd-ring-kernels", daemon=True
-            )
-            self._kernels_loading.start()
-        return False
-
-    def _refresh(self, name: str) -> None:
-        core = self._gossip.core
-        assert core is not None
-        m = core.table.members.get(name)
+    def _refresh(self, name: str, m: Member | None) -> None:
         gpu = None if m is None or m.state not in LIVE_STATES else m.gpu
         # Suspects stay candidates: most are alive and refute; a dead one fails its forward
         # and the next member takes the task.
@@ -401,7 +398,9 @@ class Placer:
         )
         return self.load(member) < ceiling
 
-    def order(self, task: Task, exclude: frozenset[str] = frozenset(), key: str = "") -> list[str]:
+    def order(
+        self, task: Task, now: float, exclude: frozenset[str] = frozenset(), key: str = ""
+    ) -> list[str]:
         """The members to try, best first: the first in ring order under its load bound (an
         unsaturated one first), then the others in ring order; at most ``attempts_max`` of
         them (the forwarder never tries more: the forwarder's ``tried`` filter leaves at
@@ -410,6 +409,7 @@ class Placer:
         candidate, with one difference: the total load the bounds scale with counts every
         task in flight from here, also on members that stopped serving (as ``owner_for``'s
         first check always did), where place() sums the pool's alone (a pass over N)."""
+        self._now = now
         view = self.view()
         ring = view.ring
         if ring is None:
@@ -461,12 +461,13 @@ class Placer:
             return None  # an unsaturated one may come further on: look there first
         return first_under
 
-    def owner_for(self, task: Task) -> str | None:
+    def owner_for(self, task: Task, now: float) -> str | None:
         """The member that should run ``task`` (maybe this node); None when no live member
         serves the model it names; the age of the owner's load state it used is recorded
         (``state_ages``: our own is 0, a member's its newest record's, or unknown: Meta
         only)."""
         self._passed_age_s = -1.0
+        self._now = now
         owner = self._owner_for(task)
         if owner is not None:
             # StateAges.observe inlined (once a task: no calls but the record's look-up).
@@ -484,7 +485,7 @@ class Placer:
                 if known is None:
                     ages.unknown += 1
                 else:
-                    age_s = self._clock.monotonic() - known.sampled_at  # Known.age_s
+                    age_s = now - known.sampled_at  # Known.age_s
                     if age_s < 0.0:
                         age_s = 0.0
                     ages.counts[bisect.bisect_left(STATE_AGE_BUCKETS_S, age_s)] += 1
@@ -499,7 +500,7 @@ class Placer:
         ring = view.ring
         if task.model:
             # Only members serving the named model qualify: the full placement, not the ring.
-            order = self.order(task)
+            order = self.order(task, self._now)
             if not order:
                 return None
             owner = order[0]
@@ -523,7 +524,7 @@ class Placer:
             ) or load >= bound(
                 total, view.weights[owner], view.total_weight, cfg.load_bound_c, cfg.load_floor
             ):
-                order = self.order(task)
+                order = self.order(task, self._now)
                 owner = order[0] if order else self.node
         return owner
 
@@ -548,7 +549,7 @@ class Placer:
         if not owner:
             owner = ring.owner(key)
             if not self.free(owner, view, total):
-                order = self.order(task, key=key)
+                order = self.order(task, self._now, key=key)
                 owner = order[0] if order else self.node
         if hashes:
             self.prefix_index.placed(hashes, owner)
