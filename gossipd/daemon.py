@@ -65,7 +65,7 @@ from gossipd.security import (
     Security,
 )
 from gossipd.sockets import SocketKind, SocketPool, split_reply_route
-from gossipd.transport import ReplySender
+from gossipd.zmqloop import ReplySender
 
 log = logging.getLogger("gossipd.daemon")
 

@@ -52,7 +52,7 @@ from gossipd.core.peer_messages import (
 from gossipd.errors import RemoteProtocolError
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter
-from gossipd.transport import NOBLOCK, SocketReader, kick
+from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256

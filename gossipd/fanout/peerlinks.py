@@ -21,7 +21,7 @@ from gossipd.core.peer_messages import Confirm, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
-from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
+from gossipd.zmqloop import NOBLOCK, SocketReader, TurnBatching, kick
 
 Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm
 

@@ -55,7 +55,7 @@ from gossipd.ingress.budgets import BudgetGate
 from gossipd.ingress.runqueue import RunQueue
 from gossipd.ops.histogram import LatencyHistogram
 from gossipd.ops.logs import RateLimiter
-from gossipd.transport import NOBLOCK, ReplySender, SocketReader
+from gossipd.zmqloop import NOBLOCK, ReplySender, SocketReader
 
 log = logging.getLogger("gossipd.ingress.service")
 
