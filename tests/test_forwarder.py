@@ -323,7 +323,7 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
             if isinstance(msg, Forward):
                 assert addr != "addr-me", "never forwards to itself"
                 member = addr.removeprefix("addr-")
-                # Rule 7: every Forward asks if_free, but the one plain re-ask of a member
+                # Rule 6: every Forward asks if_free, but the one plain re-ask of a member
                 # that refused the task as saturated.
                 plain_reask = member in saturated_by.get(msg.task.id, set())
                 assert msg.if_free == (owner_check and not plain_reask), (member, msg)
@@ -470,7 +470,7 @@ def test_Forwarder_id_in_use_is_final_and_withdraws_a_racing_hedge() -> None:
     assert quiet.take_events() == [HandedOff(_keyed("B" * 40), False)]
 
 
-# -- rule 7: the owner check ------------------------------------------------------------------
+# -- rule 6: the owner check ------------------------------------------------------------------
 
 
 def test_Forwarder_saturated_refusal_tries_the_next_member_at_once() -> None:

@@ -31,14 +31,14 @@ Rules (one code path for each decision):
    retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
    caller.
-7. The owner check (``owner_check``; docs/PROTOCOL.md "Fresh where placement looks"): every
+6. The owner check (``owner_check``; docs/PROTOCOL.md "Fresh where placement looks"): every
    Forward asks ``if_free``: the owner refuses it at once with ``saturated`` (and its load
    record) when its own engine is saturated as it reads it, and the next member is tried
    with no backoff (it answered; another member is another queue).  When no member is left
    to try (``attempts_max`` reached, or the order spent) and one refused as saturated, the
    first that did is asked once more without ``if_free`` (so a cluster saturated everywhere
    still queues the task, as without the check), beyond ``attempts_max``.
-6. A Cancel is passed on only from the key that submitted the task (``Task.producer_key``),
+7. A Cancel is passed on only from the key that submitted the task (``Task.producer_key``),
    with that key, so that the owner checks it too; an ``id_in_use`` refusal (the id is
    another producer's task there, core/admission.py rule 1a) is final: the producer gets it.
 
@@ -117,7 +117,7 @@ class ForwarderSettings:
     forwarded_max: int = 200_000
     forwarded_bytes_max: int = 1 << 30
     retry_after_ms: int = 1000  # the hint when no member gave one
-    owner_check: bool = False  # rule 7: Forwards ask if_free
+    owner_check: bool = False  # rule 6: Forwards ask if_free
 
     @classmethod
     def of(cls, config: object, retry_after_ms: int) -> ForwarderSettings:
@@ -199,7 +199,7 @@ class Journey:
         self.winner = ""  # the member that accepted
         self.waiting = False  # a backoff timer is armed for the next attempt
         self.ended = False
-        self.saturated = ""  # the first member that refused as saturated (rule 7)
+        self.saturated = ""  # the first member that refused as saturated (rule 6)
         self.plain = False  # ...asked again without if_free
 
 
@@ -286,7 +286,7 @@ class Forwarder:
         return _TAKEN
 
     def forwarded_for_other(self, task: Task) -> bool:
-        """Rule 6's id_in_use as far as this member knows: it is forwarding ``task``'s id,
+        """Rule 7's id_in_use as far as this member knows: it is forwarding ``task``'s id,
         or answers for it until its TaskDone, for another producer key (the ingress refuses
         the task then)."""
         j = self._flying.get(task.id)
@@ -341,7 +341,7 @@ class Forwarder:
 
     def cancel(self, task_id: str, producer_key: str = "") -> str | None:
         """Pass a producer's Cancel, from ``producer_key``, to the member running a task we
-        forwarded: "forwarded"; "refused" when the task is another key's (rule 6); None when
+        forwarded: "forwarded"; "refused" when the task is another key's (rule 7); None when
         we hold no such task."""
         entry = self.ledger.get(task_id)
         addr = None if entry is None else self._placement.addr(entry.owner)
@@ -505,7 +505,7 @@ class Forwarder:
         if reply.accepted:
             self._accepted(flight, now)
             return
-        if reply.code == _SATURATED:  # rule 7: the next member at once
+        if reply.code == _SATURATED:  # rule 6: the next member at once
             j.saturated = j.saturated or flight.member
             j.busy_hint_ms = max(j.busy_hint_ms, reply.retry_after_ms)
             j.attempts.append(f"{flight.member}: {reply.code}")
@@ -565,7 +565,7 @@ class Forwarder:
             ]
         s = self.settings
         if not j.order or len(j.tried) >= s.attempts_max:
-            if j.saturated and not j.plain and now < j.deadline:  # rule 7: asked plainly
+            if j.saturated and not j.plain and now < j.deadline:  # rule 6: asked plainly
                 j.plain = True
                 self._attempt(j, j.saturated, now)
                 return
@@ -600,7 +600,7 @@ class Forwarder:
         j.flights = []  # see _end
 
     def _refuse_final(self, j: Journey, code: ErrorCode) -> None:
-        """A refusal that another member would not change (rule 6): answer it now.  (The
+        """A refusal that another member would not change (rule 7): answer it now.  (The
         journey is live: a winner's or an ended journey's other flights have landed.)"""
         for other in j.flights:
             if other.live:
