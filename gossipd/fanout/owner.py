@@ -290,7 +290,8 @@ class OwnerEndpoint:
             accepted=accepted,
             code="" if accepted else verdict.value,
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
-            # _load_for(identity), inlined (once a forwarded task)
+            # Our load on the first reply queued for this forwarder only: one record a
+            # message, not one per task in a batch.
             load=None if self._router_out.get(identity) else self.load_record(),
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
@@ -412,11 +413,6 @@ class OwnerEndpoint:
         elif self.on_withdraw_held is not None:  # ended here: its Result may be held
             self.on_withdraw_held(task_id, self.member_of.get(identity, ""))
 
-    def _load_for(self, identity: bytes) -> LoadRecord | None:
-        """Our load for the next reply to this forwarder: only the first of the replies that
-        leave together carries it (one record a message, not one per task in a batch)."""
-        return None if self._router_out.get(identity) else self.load_record()
-
     def _to_forwarder(
         self, identity: bytes, msg: ForwardReply | TaskDone | ConfirmReply, *, urgent: bool = False
     ) -> None:
@@ -503,9 +499,9 @@ class OwnerEndpoint:
         for task_id, identities, member in self._done_waiting.pop(reply_to, ()):
             for identity in identities:
                 assert isinstance(identity, bytes)
-                # _to_forwarder(identity, TaskDone(..., load=_load_for(identity))), inlined
-                # (once a forwarded task): a TaskDone only queues; the load rides on the
-                # first message queued for this forwarder.
+                # Queued here rather than through _to_forwarder (once a forwarded task): a
+                # TaskDone only queues; the load rides on the first message queued for this
+                # forwarder, as in _on_forward.
                 queue = router_out.get(identity)
                 if queue:
                     queue.append(TaskDone(id=task_id, node=node))
