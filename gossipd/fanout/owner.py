@@ -149,7 +149,7 @@ class OwnerEndpoint:
         # its forwarder (a task it re-ran from its journal).
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
-        self._on_drain = on_drain  # a Drain another member relayed to us (ops/admin.py)
+        self._on_drain = on_drain  # a Drain another member relayed to us (gossipd/admin.py)
         # An owner's Confirm about tasks we forwarded to it: our ledger's answer.
         self._on_confirm = on_confirm
         # Each forwarder's connection identity -> its node (Forward.src): whose the task is,

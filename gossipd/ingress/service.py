@@ -108,7 +108,7 @@ class IngressLinks:
       ``end_held``, or never when the forwarder migrated the task;
     - ``answered_cached(task_id)``: a resubmission was answered from the results cache;
     - ``admin(request, now, producer_key)``: answers an operator's StatusQuery or Drain
-      (ops/admin.py), with CURVE over a connection to the asking producer's key.
+      (gossipd/admin.py), with CURVE over a connection to the asking producer's key.
     """
 
     router: Callable[[Task, float], bool] | None = None

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from gossipd.fanout.forwarding import Dispatcher
     from gossipd.membership.gossip import GossipService
 
-log = logging.getLogger("gossipd.ops.admin")
+log = logging.getLogger("gossipd.admin")
 
 
 class Admin:
