@@ -260,6 +260,31 @@ def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:
     assert fw.ledger.get("t0").owner == "b" and not fw.take_events()  # type: ignore[union-attr]
 
 
+def test_Forwarder_a_retry_accepted_elsewhere_is_no_hedge_win_nor_a_failure_more() -> None:
+    """Without hedging, the next member accepting after the first answered busy or stayed
+    silent: the busy answer counts as a success and the silence as one failure (rule 2), not
+    one more for being 'outrun'; and no hedge won (gossipd bench hedge saw hedge_wins > 0
+    with hedging off)."""
+    fw, _ = _forwarder(["a", "b"], ack_timeout_s=0.5, breaker_failures=2, breaker_open_s=10.0)
+    fw.route(_task(1), 0.0)
+    [(_, to_a)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(to_a, "a", False, "overloaded", 5), 0.001)
+    fw.tick(fw.next_deadline())
+    [(_, to_b)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(to_b, "b", True), 0.1)
+    fw.route(_task(2), 1.0)
+    [(addr, _)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a"
+    fw.tick(1.5)  # a is silent: its one failure
+    fw.tick(fw.next_deadline())
+    [(_, to_b)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(to_b, "b", True), 1.7)
+    fw.route(_task(3), 2.0)
+    [(addr, _)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a", "one failure of two: a's breaker is still closed"
+    assert fw.counters.hedged == fw.counters.hedge_wins == 0
+
+
 def test_Forwarder_same_seed_same_backoffs() -> None:
     def deadlines(seed: int) -> list[float]:
         fw, _ = _forwarder(["a", "b"], seed=seed)

@@ -214,6 +214,7 @@ class Flight:
     sent_at: float
     hedge_armed: bool = False
     live: bool = True
+    hedge: bool = False  # sent by _hedge, racing the first copy
 
 
 # Timer kinds, in the heap as (at, seq, kind, object); stale entries are skipped.
@@ -526,12 +527,15 @@ class Forwarder:
             self._withdraw(flight.member, j.task.id)
             return
         j.winner = flight.member
-        first = j.flights[0]
-        if flight is not first:
-            # The first member was outrun: a failure for its breaker, so that a member that
-            # keeps stalling is skipped outright rather than hedged task after task.
-            first.breaker.failure(now)
+        if flight.hedge:
             self.counters.hedge_wins += 1
+        first = j.flights[0]
+        if first.live:
+            # The first member was outrun by a hedge: a failure for its breaker, so that a
+            # member that keeps stalling is skipped outright rather than hedged task after
+            # task.  (A first copy that landed has had its say: an answer counts as a
+            # success, a timeout as its one failure; a retry accepted after it is no win.)
+            first.breaker.failure(now)
         for other in j.flights:
             if other.live:
                 self._land(other)
@@ -676,7 +680,7 @@ class Forwarder:
         if not breaker.allow(now):
             return
         j.tried.append(member)
-        self._send_forward(j, member, addr, breaker, now)
+        self._send_forward(j, member, addr, breaker, now).hedge = True
         self._hedge_credit -= 1.0
         self.counters.hedged += 1
 
