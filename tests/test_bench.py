@@ -53,6 +53,20 @@ def test_bench_hedge_json_reports_both_modes_with_nothing_lost() -> None:
     assert report["during_stall_p50_ratio_on_vs_off"] > 0
 
 
+def test_bench_hedge_text_report_ends_with_the_ratio_the_json_holds(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from gossipd.tools.bench import hedge
+
+    def one_mode(on: bool, **_: object) -> dict[str, object]:  # figures made up: no cluster
+        figures = {"n": 10, "p50_ms": 90.0 if on else 600.0, "p99_ms": 700.0, "max_ms": 800.0}
+        sets = ("all", "owned_by_stalled_member", "sent_to_stalled_owner_during_stall")
+        counts = {"lost": 0, "failed": 0, "answered_twice": 0, "fanout": {}}
+        return {"hedge": on, **counts, **{name: figures for name in sets}}
+
+    monkeypatch.setattr(hedge, "_one_mode", one_mode)
+    assert hedge.main(rate=100, seconds=1.0, stall_ms=800, as_json=False) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("on / off: 0.15")
+
+
 def test_bench_route_json_reports_hops_and_throughput_and_plots_the_cdfs(tmp_path) -> None:  # type: ignore[no-untyped-def]
     png = tmp_path / "route.png"
     proc = gossipd_cli(
