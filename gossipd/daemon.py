@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from gossipd import __version__
+from gossipd.admin import Admin
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
 from gossipd.core.forwarder import Forwarder, Refuse
@@ -55,7 +56,6 @@ from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
-from gossipd.ops.admin import Admin
 from gossipd.ops.metrics import DaemonCollector
 from gossipd.ops.metrics_server import serve_metrics
 from gossipd.ops.notify import Notifier
@@ -66,7 +66,7 @@ from gossipd.security import (
     Security,
 )
 from gossipd.sockets import SocketKind, SocketPool, split_reply_route
-from gossipd.transport import ReplySender
+from gossipd.zmqloop import ReplySender
 
 log = logging.getLogger("gossipd.daemon")
 

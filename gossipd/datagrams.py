@@ -16,7 +16,7 @@ import zmq
 
 from gossipd.errors import LocalProtocolError, TransportClosed
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
-from gossipd.transport import NOBLOCK, SocketReader
+from gossipd.zmqloop import NOBLOCK, SocketReader
 
 OnFrame = Callable[[bytes], None]
 

@@ -37,7 +37,7 @@ from zmq.utils import z85
 
 from gossipd.errors import StartupError
 from gossipd.ops.logs import RateLimiter
-from gossipd.transport import NOBLOCK, SocketReader, kick
+from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 
 log = logging.getLogger("gossipd.security")
 

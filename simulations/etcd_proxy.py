@@ -33,10 +33,6 @@ class EtcdProxy:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def is_cut(self) -> bool:
-        return not self._open.is_set()
-
     async def start(self, port: int = 0) -> EtcdProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
         self.port = int(self._server.sockets[0].getsockname()[1])

@@ -26,7 +26,7 @@ from gossipd.core.lifecycle import TaskBook
 from gossipd.core.messages import Result, Task, decode_task
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
-from gossipd.transport import ReplySender, SocketReader
+from gossipd.zmqloop import ReplySender, SocketReader
 from tests.helpers import RawProducer, run_with_context, scrape, wait_until_async
 
 IDS = st.sampled_from([f"t{i}" for i in range(10)])

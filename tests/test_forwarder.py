@@ -260,6 +260,31 @@ def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:
     assert fw.ledger.get("t0").owner == "b" and not fw.take_events()  # type: ignore[union-attr]
 
 
+def test_Forwarder_a_retry_accepted_elsewhere_is_no_hedge_win_nor_a_failure_more() -> None:
+    """Without hedging, the next member accepting after the first answered busy or stayed
+    silent: the busy answer counts as a success and the silence as one failure (rule 2), not
+    one more for being 'outrun'; and no hedge won (gossipd bench hedge saw hedge_wins > 0
+    with hedging off)."""
+    fw, _ = _forwarder(["a", "b"], ack_timeout_s=0.5, breaker_failures=2, breaker_open_s=10.0)
+    fw.route(_task(1), 0.0)
+    [(_, to_a)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(to_a, "a", False, "overloaded", 5), 0.001)
+    fw.tick(fw.next_deadline())
+    [(_, to_b)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(to_b, "b", True), 0.1)
+    fw.route(_task(2), 1.0)
+    [(addr, _)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a"
+    fw.tick(1.5)  # a is silent: its one failure
+    fw.tick(fw.next_deadline())
+    [(_, to_b)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(to_b, "b", True), 1.7)
+    fw.route(_task(3), 2.0)
+    [(addr, _)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a", "one failure of two: a's breaker is still closed"
+    assert fw.counters.hedged == fw.counters.hedge_wins == 0
+
+
 def test_Forwarder_same_seed_same_backoffs() -> None:
     def deadlines(seed: int) -> list[float]:
         fw, _ = _forwarder(["a", "b"], seed=seed)
@@ -323,7 +348,7 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
             if isinstance(msg, Forward):
                 assert addr != "addr-me", "never forwards to itself"
                 member = addr.removeprefix("addr-")
-                # Rule 7: every Forward asks if_free, but the one plain re-ask of a member
+                # Rule 6: every Forward asks if_free, but the one plain re-ask of a member
                 # that refused the task as saturated.
                 plain_reask = member in saturated_by.get(msg.task.id, set())
                 assert msg.if_free == (owner_check and not plain_reask), (member, msg)
@@ -470,7 +495,7 @@ def test_Forwarder_id_in_use_is_final_and_withdraws_a_racing_hedge() -> None:
     assert quiet.take_events() == [HandedOff(_keyed("B" * 40), False)]
 
 
-# -- rule 7: the owner check ------------------------------------------------------------------
+# -- rule 6: the owner check ------------------------------------------------------------------
 
 
 def test_Forwarder_saturated_refusal_tries_the_next_member_at_once() -> None:

@@ -62,7 +62,7 @@ def test_every_fault_kind_together_loses_nothing_and_breaks_no_invariant() -> No
 
 
 def test_the_owner_check_under_every_fault_kind_loses_nothing() -> None:
-    """Owners with 2 tasks waiting refuse if_free Forwards (rule 7 of core/forwarder.py): the
+    """Owners with 2 tasks waiting refuse if_free Forwards (rule 6 of core/forwarder.py): the
     refusals move tasks on and a plain re-ask ends the all-saturated case, with the same
     promises under crashes, stalls, partitions and loss."""
     run = FanoutRun(nodes=16, tasks=6000, seed=1, fault_events=8, load=0.9, saturated_waiting=2)

@@ -13,7 +13,7 @@ Outputs:
     take_events()  [Refuse | HandedOff]: answer a producer with an error; a hand-off's outcome
 
 Rules (one code path for each decision):
-1. A task is a ``Dispatch``: its attempts, in placement order, each a Forward that the member
+1. A task is a ``Journey``: its attempts, in placement order, each a Forward that the member
    accepts or refuses within ``ack_timeout_s``.  A refusal or silence moves to the next member
    after a backoff of min(backoff_max_s, backoff_base_s * 2^(n-1)) x U(0.5, 1.5) (no backoff
    for hand-offs, which race a drain), never past the task's deadline and at most
@@ -31,14 +31,14 @@ Rules (one code path for each decision):
    retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
    caller.
-7. The owner check (``owner_check``; docs/PROTOCOL.md "Fresh where placement looks"): every
+6. The owner check (``owner_check``; docs/PROTOCOL.md "Fresh where placement looks"): every
    Forward asks ``if_free``: the owner refuses it at once with ``saturated`` (and its load
    record) when its own engine is saturated as it reads it, and the next member is tried
    with no backoff (it answered; another member is another queue).  When no member is left
    to try (``attempts_max`` reached, or the order spent) and one refused as saturated, the
    first that did is asked once more without ``if_free`` (so a cluster saturated everywhere
    still queues the task, as without the check), beyond ``attempts_max``.
-6. A Cancel is passed on only from the key that submitted the task (``Task.producer_key``),
+7. A Cancel is passed on only from the key that submitted the task (``Task.producer_key``),
    with that key, so that the owner checks it too; an ``id_in_use`` refusal (the id is
    another producer's task there, core/admission.py rule 1a) is final: the producer gets it.
 
@@ -66,7 +66,7 @@ from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 _INF = float("inf")
 HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits them
 
-# What a local attempt's verdict means for the dispatch.
+# What a local attempt's verdict means for the journey.
 _TAKEN_HERE = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
 _BUSY = (ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.SATURATED.value)
 _SATURATED = ErrorCode.SATURATED.value
@@ -117,7 +117,7 @@ class ForwarderSettings:
     forwarded_max: int = 200_000
     forwarded_bytes_max: int = 1 << 30
     retry_after_ms: int = 1000  # the hint when no member gave one
-    owner_check: bool = False  # rule 7: Forwards ask if_free
+    owner_check: bool = False  # rule 6: Forwards ask if_free
 
     @classmethod
     def of(cls, config: object, retry_after_ms: int) -> ForwarderSettings:
@@ -158,9 +158,10 @@ class ForwarderCounters:
     withdrawn: int = 0  # Withdraws sent
 
 
-class Dispatch:
-    """One task on its way to a member.  A plain slots class: one is made per forwarded
-    task, on the hot path."""
+class Journey:
+    """One task on its way to a member: the members tried and the Forwards sent (its
+    Flights), until one accepts or none is left.  A plain slots class: one is made per
+    forwarded task, on the hot path."""
 
     __slots__ = (
         "attempts",
@@ -198,7 +199,7 @@ class Dispatch:
         self.winner = ""  # the member that accepted
         self.waiting = False  # a backoff timer is armed for the next attempt
         self.ended = False
-        self.saturated = ""  # the first member that refused as saturated (rule 7)
+        self.saturated = ""  # the first member that refused as saturated (rule 6)
         self.plain = False  # ...asked again without if_free
 
 
@@ -208,11 +209,12 @@ class Flight:
 
     req: int
     member: str
-    dispatch: Dispatch
+    journey: Journey
     breaker: Breaker
     sent_at: float
     hedge_armed: bool = False
     live: bool = True
+    hedge: bool = False  # sent by _hedge, racing the first copy
 
 
 # Timer kinds, in the heap as (at, seq, kind, object); stale entries are skipped.
@@ -248,13 +250,13 @@ class Forwarder:
         # Tasks from our intake that run here, unfinished: our own load as placement sees it.
         self.local_ids: set[str] = set() if local_ids is None else local_ids
         self._flights: dict[int, Flight] = {}
-        self._flying: dict[str, Dispatch] = {}  # task id -> its dispatch, while forwards fly
+        self._flying: dict[str, Journey] = {}  # task id -> its journey, while forwards fly
         self._req = 0
         self._breakers: dict[str, Breaker] = {}
         # Each member's rpc address when we last forwarded to it: still known once the member
         # is declared dead and gone from the live view (its copies are withdrawn there).
         self._last_addr: dict[str, str] = {}
-        self._timers: list[tuple[float, int, int, Flight | Dispatch]] = []
+        self._timers: list[tuple[float, int, int, Flight | Journey]] = []
         # Ack timeouts of full length (the common case) are due in the order they were set:
         # a FIFO instead of the heap (append and popleft instead of heap operations).
         self._acks: deque[tuple[float, Flight]] = deque()
@@ -280,16 +282,16 @@ class Forwarder:
             self.counters.local += 1
             self.local_ids.add(task.id)
             return _LOCAL
-        dispatch = Dispatch(task, now, now + task.timeout_ms / 1000.0, False, frozenset())
-        self._attempt(dispatch, owner, now)
+        journey = Journey(task, now, now + task.timeout_ms / 1000.0, False, frozenset())
+        self._attempt(journey, owner, now)
         return _TAKEN
 
     def forwarded_for_other(self, task: Task) -> bool:
-        """Rule 6's id_in_use as far as this member knows: it is forwarding ``task``'s id,
+        """Rule 7's id_in_use as far as this member knows: it is forwarding ``task``'s id,
         or answers for it until its TaskDone, for another producer key (the ingress refuses
         the task then)."""
-        d = self._flying.get(task.id)
-        if d is not None and d.task.producer_key != task.producer_key:
+        j = self._flying.get(task.id)
+        if j is not None and j.task.producer_key != task.producer_key:
             return True
         entry = self.ledger.get(task.id)
         return entry is not None and entry.task.producer_key != task.producer_key
@@ -297,9 +299,9 @@ class Forwarder:
     def hand_off(self, task: Task, received_at: float, now: float) -> None:
         """Give an admitted task to another member; a HandedOff event tells the outcome."""
         me = frozenset({self.node})
-        dispatch = Dispatch(task, received_at, received_at + task.timeout_ms / 1000.0, True, me)
-        dispatch.order = self._placement.order(task, now, exclude=me)
-        self._next(dispatch, now)
+        journey = Journey(task, received_at, received_at + task.timeout_ms / 1000.0, True, me)
+        journey.order = self._placement.order(task, now, exclude=me)
+        self._next(journey, now)
 
     def on_reply(self, msg: object, now: float) -> None:
         if isinstance(msg, ForwardReply):
@@ -312,9 +314,9 @@ class Forwarder:
             # late, but the member ran the task.  Take it as accepted (the ledger remembers
             # the TaskDone, so nothing stays ledgered), instead of timing out and running the
             # task a second time elsewhere.
-            d = self._flying.get(msg.id)
-            if d is not None:
-                for flight in d.flights:
+            j = self._flying.get(msg.id)
+            if j is not None:
+                for flight in j.flights:
                     if flight.live and flight.member == msg.node:
                         accept = ForwardReply(req=flight.req, node=msg.node, accepted=True)
                         self._answered(flight, accept, now)
@@ -331,16 +333,16 @@ class Forwarder:
             self._withdraw(node, entry.task.id)
             task = entry.task
             gone = frozenset({node})
-            dispatch = Dispatch(
+            journey = Journey(
                 task, entry.received_at, entry.received_at + task.timeout_ms / 1000.0, False, gone
             )
-            dispatch.order = self._placement.order(task, now, exclude=gone)
-            self._next(dispatch, now)
+            journey.order = self._placement.order(task, now, exclude=gone)
+            self._next(journey, now)
         return len(orphans)
 
     def cancel(self, task_id: str, producer_key: str = "") -> str | None:
         """Pass a producer's Cancel, from ``producer_key``, to the member running a task we
-        forwarded: "forwarded"; "refused" when the task is another key's (rule 6); None when
+        forwarded: "forwarded"; "refused" when the task is another key's (rule 7); None when
         we hold no such task."""
         entry = self.ledger.get(task_id)
         addr = None if entry is None else self._placement.addr(entry.owner)
@@ -375,7 +377,7 @@ class Forwarder:
                 if obj.live and obj.hedge_armed:
                     self._hedge(obj, now)
             else:
-                assert isinstance(obj, Dispatch)
+                assert isinstance(obj, Journey)
                 if obj.waiting:
                     obj.waiting = False
                     self._next(obj, now, backed_off=True)
@@ -433,55 +435,55 @@ class Forwarder:
 
     # -- attempts --------------------------------------------------------------------------
 
-    def _attempt(self, d: Dispatch, member: str, now: float) -> None:
+    def _attempt(self, j: Journey, member: str, now: float) -> None:
         """Try ``member`` now; on a failure that needs no answer, go on to the next one."""
-        d.tried.append(member)
+        j.tried.append(member)
         if member == self.node:
-            verdict = self._admit_local(d.task, d.received_at)
+            verdict = self._admit_local(j.task, j.received_at)
             if verdict in _TAKEN_HERE:
                 self.counters.local += 1
                 if verdict is not Verdict.DUPLICATE_DONE:  # done already: nothing will run
-                    self.local_ids.add(d.task.id)
-                self._end(d, ok=True)
+                    self.local_ids.add(j.task.id)
+                self._end(j, ok=True)
                 return
             if verdict is Verdict.CONFLICT:
-                d.attempts.append(f"{member}: {verdict.value}")
-                self._refuse_final(d, ErrorCode.ID_IN_USE)
+                j.attempts.append(f"{member}: {verdict.value}")
+                self._refuse_final(j, ErrorCode.ID_IN_USE)
                 return
-            self._failed(d, member, verdict.value, now)
+            self._failed(j, member, verdict.value, now)
             return
         breaker = self._breaker(member)
         if not breaker.allow(now):
-            self._failed(d, member, AttemptFailure.CIRCUIT_OPEN, now)
+            self._failed(j, member, AttemptFailure.CIRCUIT_OPEN, now)
             return
         addr = self._placement.addr(member)
         if addr is None:
-            self._failed(d, member, AttemptFailure.NOT_A_MEMBER, now)
+            self._failed(j, member, AttemptFailure.NOT_A_MEMBER, now)
             return
-        self._send_forward(d, member, addr, breaker, now)
+        self._send_forward(j, member, addr, breaker, now)
 
     def _send_forward(
-        self, d: Dispatch, member: str, addr: str, breaker: Breaker, now: float
+        self, j: Journey, member: str, addr: str, breaker: Breaker, now: float
     ) -> Flight:
         self._last_addr[member] = addr
         self._req += 1
         req = self._req
-        remaining_s = d.deadline - now
+        remaining_s = j.deadline - now
         forward = Forward(
             req=req,
             src=self.node,
-            task=d.task,
+            task=j.task,
             remaining_ms=max(1, int(remaining_s * 1000)),
-            attempt=len(d.tried),
-            if_free=self.settings.owner_check and not d.plain,
+            attempt=len(j.tried),
+            if_free=self.settings.owner_check and not j.plain,
             boot=self.boot,
         )
         self._outbox.append((addr, forward))
-        flight = Flight(req, member, d, breaker, now)
+        flight = Flight(req, member, j, breaker, now)
         self._flights[req] = flight
-        d.flights.append(flight)
-        d.live += 1
-        self._flying[d.task.id] = d
+        j.flights.append(flight)
+        j.live += 1
+        self._flying[j.task.id] = j
         # Counted against the member at once: the tasks routed next must see it.
         self.loads[member] = self.loads.get(member, 0) + 1
         ack_timeout_s = self.settings.ack_timeout_s
@@ -491,136 +493,139 @@ class Forwarder:
         else:  # cut to the task's deadline: out of order, so in the heap
             timeout_s = max(0.0, remaining_s)
             self._timer(now + timeout_s, _ACK, flight)
-        if self.settings.hedge and len(d.tried) == 1 and not d.quiet:
+        if self.settings.hedge and len(j.tried) == 1 and not j.quiet:
             self._arm_hedge(flight, timeout_s, now)
         return flight
 
     def _answered(self, flight: Flight, reply: ForwardReply, now: float) -> None:
         self._land(flight)
         self._ack_times.observe(now - flight.sent_at)
-        d = flight.dispatch
+        j = flight.journey
         if reply.accepted or reply.code in _BUSY:
             flight.breaker.success()  # it answered: healthy, maybe busy
         if reply.accepted:
             self._accepted(flight, now)
             return
-        if reply.code == _SATURATED:  # rule 7: the next member at once
-            d.saturated = d.saturated or flight.member
-            d.busy_hint_ms = max(d.busy_hint_ms, reply.retry_after_ms)
-            d.attempts.append(f"{flight.member}: {reply.code}")
-            if not (d.winner or d.ended or d.live):
-                self._next(d, now, backed_off=True)
+        if reply.code == _SATURATED:  # rule 6: the next member at once
+            j.saturated = j.saturated or flight.member
+            j.busy_hint_ms = max(j.busy_hint_ms, reply.retry_after_ms)
+            j.attempts.append(f"{flight.member}: {reply.code}")
+            if not (j.winner or j.ended or j.live):
+                self._next(j, now, backed_off=True)
             return
         if reply.code == ErrorCode.OVERLOADED:
-            d.busy_hint_ms = max(d.busy_hint_ms, reply.retry_after_ms)
+            j.busy_hint_ms = max(j.busy_hint_ms, reply.retry_after_ms)
         elif reply.code == ErrorCode.ID_IN_USE:
-            d.attempts.append(f"{flight.member}: {reply.code}")
-            self._refuse_final(d, ErrorCode.ID_IN_USE)
+            j.attempts.append(f"{flight.member}: {reply.code}")
+            self._refuse_final(j, ErrorCode.ID_IN_USE)
             return
-        self._failed(d, flight.member, reply.code, now)
+        self._failed(j, flight.member, reply.code, now)
 
     def _accepted(self, flight: Flight, now: float) -> None:
-        d = flight.dispatch
-        if d.winner:  # a copy that lost accepted after all: take it back
-            self._withdraw(flight.member, d.task.id)
+        j = flight.journey
+        if j.winner:  # a copy that lost accepted after all: take it back
+            self._withdraw(flight.member, j.task.id)
             return
-        d.winner = flight.member
-        first = d.flights[0]
-        if flight is not first:
-            # The first member was outrun: a failure for its breaker, so that a member that
-            # keeps stalling is skipped outright rather than hedged task after task.
-            first.breaker.failure(now)
+        j.winner = flight.member
+        if flight.hedge:
             self.counters.hedge_wins += 1
-        for other in d.flights:
+        first = j.flights[0]
+        if first.live:
+            # The first member was outrun by a hedge: a failure for its breaker, so that a
+            # member that keeps stalling is skipped outright rather than hedged task after
+            # task.  (A first copy that landed has had its say: an answer counts as a
+            # success, a timeout as its one failure; a retry accepted after it is no win.)
+            first.breaker.failure(now)
+        for other in j.flights:
             if other.live:
                 self._land(other)
-                self._withdraw(other.member, d.task.id)
-        if not d.quiet:
+                self._withdraw(other.member, j.task.id)
+        if not j.quiet:
             self.counters.forwarded += 1
-        self.ledger.accepted(d.task, flight.member, d.received_at)
-        self._end(d, ok=True)
+        self.ledger.accepted(j.task, flight.member, j.received_at)
+        self._end(j, ok=True)
 
     def _timed_out(self, flight: Flight, now: float) -> None:
         self._land(flight)
         flight.breaker.failure(now)
         self.counters.attempts_failed += 1
-        self._withdraw(flight.member, flight.dispatch.task.id)
-        self._failed(flight.dispatch, flight.member, AttemptFailure.NO_REPLY, now)
+        self._withdraw(flight.member, flight.journey.task.id)
+        self._failed(flight.journey, flight.member, AttemptFailure.NO_REPLY, now)
 
-    def _failed(self, d: Dispatch, member: str, outcome: str, now: float) -> None:
-        d.attempts.append(f"{member}: {outcome}")
-        if d.winner or d.ended or d.live:
+    def _failed(self, j: Journey, member: str, outcome: str, now: float) -> None:
+        j.attempts.append(f"{member}: {outcome}")
+        if j.winner or j.ended or j.live:
             return  # another copy won, or may yet
-        self._next(d, now)
+        self._next(j, now)
 
-    def _next(self, d: Dispatch, now: float, *, backed_off: bool = False) -> None:
+    def _next(self, j: Journey, now: float, *, backed_off: bool = False) -> None:
         """Try the next member (after a backoff), or give up."""
-        if d.ended:
+        if j.ended:
             return
-        if d.order is None:
-            tried = set(d.tried) | d.exclude
-            d.order = [
-                m for m in self._placement.order(d.task, now, exclude=d.exclude) if m not in tried
+        if j.order is None:
+            tried = set(j.tried) | j.exclude
+            j.order = [
+                m for m in self._placement.order(j.task, now, exclude=j.exclude) if m not in tried
             ]
         s = self.settings
-        if not d.order or len(d.tried) >= s.attempts_max:
-            if d.saturated and not d.plain and now < d.deadline:  # rule 7: asked plainly
-                d.plain = True
-                self._attempt(d, d.saturated, now)
+        if not j.order or len(j.tried) >= s.attempts_max:
+            if j.saturated and not j.plain and now < j.deadline:  # rule 6: asked plainly
+                j.plain = True
+                self._attempt(j, j.saturated, now)
                 return
-            self._give_up(d)
+            self._give_up(j)
             return
-        if now >= d.deadline:
-            d.attempts.append(str(AttemptFailure.DEADLINE))
-            self._give_up(d)
+        if now >= j.deadline:
+            j.attempts.append(str(AttemptFailure.DEADLINE))
+            self._give_up(j)
             return
-        n = len(d.tried)
-        if n and not d.quiet and not backed_off:
+        n = len(j.tried)
+        if n and not j.quiet and not backed_off:
             backoff = min(s.backoff_max_s, s.backoff_base_s * 2 ** (n - 1))
-            wait = min(backoff * (0.5 + self._rng.random()), d.deadline - now)
-            d.waiting = True
-            self._timer(now + wait, _RETRY, d)
+            wait = min(backoff * (0.5 + self._rng.random()), j.deadline - now)
+            j.waiting = True
+            self._timer(now + wait, _RETRY, j)
             return
-        self._attempt(d, d.order.pop(0), now)
+        self._attempt(j, j.order.pop(0), now)
 
-    def _give_up(self, d: Dispatch) -> None:
-        if d.quiet:
-            self._end(d, ok=False)
+    def _give_up(self, j: Journey) -> None:
+        if j.quiet:
+            self._end(j, ok=False)
             return
         self.counters.unavailable += 1
-        attempts = d.attempts or ["none"]
+        attempts = j.attempts or ["none"]
         # Someone said overloaded (with a hint): the producer should come back then, not
         # treat the cluster as down, even if a dead member was among the attempts.
-        code = ErrorCode.OVERLOADED if d.busy_hint_ms else ErrorCode.UNAVAILABLE
+        code = ErrorCode.OVERLOADED if j.busy_hint_ms else ErrorCode.UNAVAILABLE
         message = "no member took the task; attempts: " + "; ".join(attempts)
-        hint = d.busy_hint_ms or self.settings.retry_after_ms
-        self._events.append(Refuse(d.task, code, message, hint))
-        d.ended = True
-        d.flights = []  # see _end
+        hint = j.busy_hint_ms or self.settings.retry_after_ms
+        self._events.append(Refuse(j.task, code, message, hint))
+        j.ended = True
+        j.flights = []  # see _end
 
-    def _refuse_final(self, d: Dispatch, code: ErrorCode) -> None:
-        """A refusal that another member would not change (rule 6): answer it now.  (The
-        dispatch is live: a winner's or an ended dispatch's other flights have landed.)"""
-        for other in d.flights:
+    def _refuse_final(self, j: Journey, code: ErrorCode) -> None:
+        """A refusal that another member would not change (rule 7): answer it now.  (The
+        journey is live: a winner's or an ended journey's other flights have landed.)"""
+        for other in j.flights:
             if other.live:
                 self._land(other)
-                self._withdraw(other.member, d.task.id)
-        if d.quiet:
-            self._end(d, ok=False)
+                self._withdraw(other.member, j.task.id)
+        if j.quiet:
+            self._end(j, ok=False)
             return
-        message = "the task was refused; attempts: " + "; ".join(d.attempts)
-        self._events.append(Refuse(d.task, code, message, 0))
-        self._end(d, ok=False)
+        message = "the task was refused; attempts: " + "; ".join(j.attempts)
+        self._events.append(Refuse(j.task, code, message, 0))
+        self._end(j, ok=False)
 
-    def _end(self, d: Dispatch, *, ok: bool) -> None:
-        d.ended = True
-        # Break the Dispatch <-> Flight cycle: freed by reference counting at once instead of
+    def _end(self, j: Journey, *, ok: bool) -> None:
+        j.ended = True
+        # Break the Journey <-> Flight cycle: freed by reference counting at once instead of
         # piling up for the cyclic garbage collector (whose passes cost p99 latency).
-        d.flights = []
-        if d.quiet:
+        j.flights = []
+        if j.quiet:
             if ok:
                 self.counters.handed_off += 1
-            self._events.append(HandedOff(d.task, ok))
+            self._events.append(HandedOff(j.task, ok))
 
     def _land(self, flight: Flight) -> None:
         """A flight's wait is over (answered, timed out or withdrawn)."""
@@ -628,10 +633,10 @@ class Forwarder:
         flight.hedge_armed = False
         del self._flights[flight.req]
         self.loads[flight.member] -= 1
-        d = flight.dispatch
-        d.live -= 1
-        if not d.live and self._flying.get(d.task.id) is d:
-            del self._flying[d.task.id]
+        j = flight.journey
+        j.live -= 1
+        if not j.live and self._flying.get(j.task.id) is j:
+            del self._flying[j.task.id]
 
     def _withdraw(self, member: str, task_id: str) -> None:
         """``member``'s copy of ``task_id`` is no longer ours (the task moved on, or ended):
@@ -663,8 +668,8 @@ class Forwarder:
         if self._hedge_credit < 1.0:
             self.counters.hedges_over_budget += 1
             return
-        d = flight.dispatch
-        order = self._placement.order(d.task, now, exclude=frozenset({flight.member, self.node}))
+        j = flight.journey
+        order = self._placement.order(j.task, now, exclude=frozenset({flight.member, self.node}))
         if not order:
             return
         member = order[0]
@@ -674,8 +679,8 @@ class Forwarder:
         breaker = self._breaker(member)
         if not breaker.allow(now):
             return
-        d.tried.append(member)
-        self._send_forward(d, member, addr, breaker, now)
+        j.tried.append(member)
+        self._send_forward(j, member, addr, breaker, now).hedge = True
         self._hedge_credit -= 1.0
         self.counters.hedged += 1
 
@@ -689,12 +694,12 @@ class Forwarder:
             )
         return breaker
 
-    def _timer(self, at: float, kind: int, obj: Flight | Dispatch) -> None:
+    def _timer(self, at: float, kind: int, obj: Flight | Journey) -> None:
         self._seq += 1
         heapq.heappush(self._timers, (at, self._seq, kind, obj))
 
 
-def _matters(entry: tuple[float, int, int, Flight | Dispatch]) -> bool:
+def _matters(entry: tuple[float, int, int, Flight | Journey]) -> bool:
     _, _, kind, obj = entry
     if kind == _ACK:
         return obj.live  # type: ignore[union-attr]

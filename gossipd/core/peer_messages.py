@@ -146,7 +146,7 @@ class PeerBatch(
 
 
 # A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner;
-# a Drain: an operator's drain of another member, relayed to it (ops/admin.py).
+# a Drain: an operator's drain of another member, relayed to it (gossipd/admin.py).
 PeerMessage = (
     Forward
     | ForwardReply

@@ -5,12 +5,14 @@ gets a ForwardReply (accepted, or refused with the reason) and, once the task's 
 has gone to the producer, a TaskDone so that it can forget the task.  Replies for one
 forwarder are sent together at the end of an event-loop turn (PeerBatch).
 
-Rule: a TaskDone leaves right after its Result, in the same callback that hands the Result to
-ZeroMQ, never before it and never held back (an owner killed between the two leaves a
-forwarder that migrates the task and has it answered twice; one that sent the TaskDone first,
-a task whose Result may never have left); a Result held while its forwarder may have
-migrated the task (fanout/holding.py) holds its TaskDone with it.  Accepts may wait up to ``fanout.ack_delay_s`` to
-share a message.
+Rule: a TaskDone never leaves before its Result.  It is queued in the callback that finds the
+Result gone from the reply sender (handed to ZeroMQ, or dropped as undeliverable:
+``ReplySender.when_sent``) and leaves with the ROUTER's next flush, queued behind that
+callback, without the ``fanout.ack_delay_s`` wait of accepts (an owner killed between the two
+leaves a forwarder that migrates the task and has it answered twice; one that sent the
+TaskDone first, a task whose Result may never have left).  A Result held while its forwarder
+may have migrated the task (fanout/holding.py) holds its TaskDone with it.  Accepts may wait
+up to ``fanout.ack_delay_s`` to share a message.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from gossipd.core.peer_messages import (
 from gossipd.errors import RemoteProtocolError
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter
-from gossipd.transport import NOBLOCK, SocketReader, kick
+from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
@@ -147,7 +149,7 @@ class OwnerEndpoint:
         # its forwarder (a task it re-ran from its journal).
         self._send_to_member = send_to_member
         self._on_peer_done = on_peer_done
-        self._on_drain = on_drain  # a Drain another member relayed to us (ops/admin.py)
+        self._on_drain = on_drain  # a Drain another member relayed to us (gossipd/admin.py)
         # An owner's Confirm about tasks we forwarded to it: our ledger's answer.
         self._on_confirm = on_confirm
         # Each forwarder's connection identity -> its node (Forward.src): whose the task is,
@@ -167,8 +169,9 @@ class OwnerEndpoint:
         # be taken (its key still authorised, speaking for itself).
         self.serve_curve = serve_curve
         self.peer_allowed = peer_allowed
-        # Our load as we answer, carried by every ForwardReply and TaskDone (issue 17); None
-        # carries none.
+        # Our load as we answer (issue 17): the first ForwardReply or TaskDone queued for a
+        # forwarder carries it, the rest that leave with it none; a saturated refusal always
+        # does, an invalid or stale Forward's refusal never.  None carries none.
         self.load_record = load_record
         # Is our engine saturated as we read it now (fanout.engine_*_saturated, our latest
         # engine sample)?  A Forward with if_free is then refused at once ("saturated"):
@@ -287,7 +290,8 @@ class OwnerEndpoint:
             accepted=accepted,
             code="" if accepted else verdict.value,
             retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
-            # _load_for(identity), inlined (once a forwarded task)
+            # Our load on the first reply queued for this forwarder only: one record a
+            # message, not one per task in a batch.
             load=None if self._router_out.get(identity) else self.load_record(),
         )
         self._to_forwarder(identity, reply, urgent=not accepted)
@@ -354,8 +358,8 @@ class OwnerEndpoint:
         self._to_forwarder(identity, reply, urgent=True)
 
     def _on_other(self, identity: bytes, msg: object) -> None:
-        """A peer's Cancel, Withdraw, TaskDone or relayed Drain (anything else is counted as
-        bad)."""
+        """A peer's Cancel, Withdraw, TaskDone, relayed Drain, or Confirm (answered from our
+        ledger when ``on_confirm`` is set); anything else is counted as bad."""
         if getattr(msg, "v", 0) != PROTOCOL_VERSION:
             self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
             return
@@ -409,11 +413,6 @@ class OwnerEndpoint:
         elif self.on_withdraw_held is not None:  # ended here: its Result may be held
             self.on_withdraw_held(task_id, self.member_of.get(identity, ""))
 
-    def _load_for(self, identity: bytes) -> LoadRecord | None:
-        """Our load for the next reply to this forwarder: only the first of the replies that
-        leave together carries it (one record a message, not one per task in a batch)."""
-        return None if self._router_out.get(identity) else self.load_record()
-
     def _to_forwarder(
         self, identity: bytes, msg: ForwardReply | TaskDone | ConfirmReply, *, urgent: bool = False
     ) -> None:
@@ -424,7 +423,7 @@ class OwnerEndpoint:
         task, and a task that ends at once has its Result sent to the producer before its
         ack, and its ack and TaskDone leave together.  A refusal is urgent: the forwarder
         tries the next member on it.  A TaskDone is queued by ``_results_left``, which
-        flushes at once."""
+        schedules the flush itself, with no ``ack_delay_s`` wait."""
         queue = self._router_out.get(identity)
         if queue is None:
             queue = self._router_out[identity] = []
@@ -500,9 +499,9 @@ class OwnerEndpoint:
         for task_id, identities, member in self._done_waiting.pop(reply_to, ()):
             for identity in identities:
                 assert isinstance(identity, bytes)
-                # _to_forwarder(identity, TaskDone(..., load=_load_for(identity))), inlined
-                # (once a forwarded task): a TaskDone only queues; the load rides on the
-                # first message queued for this forwarder.
+                # Queued here rather than through _to_forwarder (once a forwarded task): a
+                # TaskDone only queues; the load rides on the first message queued for this
+                # forwarder, as in _on_forward.
                 queue = router_out.get(identity)
                 if queue:
                     queue.append(TaskDone(id=task_id, node=node))

@@ -5,7 +5,9 @@ What is queued for one peer within one loop turn leaves as one message (a PeerBa
 there are several), so a burst of forwards costs one send and one wake-up of the peer.  When
 the last turn sent one message at most (light load), a turn's first message leaves at once:
 a lone forward does not wait for the rest of the turn.
-Decisions (who gets what, retries, hedging) are the dispatcher's.
+Nothing is decided here: who gets what, retries and hedging are the core Forwarder's
+(core/forwarder.py, over the placer's order); the Dispatcher (fanout/forwarding.py) sends
+what it returns through these links.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from gossipd.core.peer_messages import Confirm, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
-from gossipd.transport import NOBLOCK, SocketReader, TurnBatching, kick
+from gossipd.zmqloop import NOBLOCK, SocketReader, TurnBatching, kick
 
 Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm
 

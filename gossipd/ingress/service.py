@@ -1,13 +1,16 @@
 """Ingress: take tasks from producers, admit them, run them on the engine, answer.
 
-    PULL socket -> decode_task -> Admission.offer -> run queue -> workers -> engine.generate
-                -> Chunk*/Result to reply_to (ReplySender) -> Admission.finish
+    PULL socket -> SocketReader (fd callback) -> decode_intake -> budget gate -> router
+    (another member's task: the dispatcher forwards it) -> TaskBook.offer (admission)
+    -> run queue -> worker: TaskBook.start -> engine.generate -> Chunk* to reply_to
+    -> TaskBook.finish -> Result to reply_to (ReplySender)
 
 Bad input never raises out of here: each refusal is counted by reason, logged (rate-limited)
 and, when the message's reply_to can be read, answered with an error Result.
 
-Concurrency: one receive loop and ``concurrency_max`` worker coroutines, all in the daemon's
-TaskGroup.  The run queue is unbounded as a container but bounded by admission (pending_max).
+Concurrency: the socket is read in the loop's fd callback (no receive task);
+``concurrency_max`` worker coroutines and the deadline sweeper run in the daemon's TaskGroup.
+The run queue is unbounded as a container but bounded by admission (pending_max).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from gossipd.ingress.budgets import BudgetGate
 from gossipd.ingress.runqueue import RunQueue
 from gossipd.ops.histogram import LatencyHistogram
 from gossipd.ops.logs import RateLimiter
-from gossipd.transport import NOBLOCK, ReplySender, SocketReader
+from gossipd.zmqloop import NOBLOCK, ReplySender, SocketReader
 
 log = logging.getLogger("gossipd.ingress.service")
 
@@ -105,7 +108,7 @@ class IngressLinks:
       ``end_held``, or never when the forwarder migrated the task;
     - ``answered_cached(task_id)``: a resubmission was answered from the results cache;
     - ``admin(request, now, producer_key)``: answers an operator's StatusQuery or Drain
-      (ops/admin.py), with CURVE over a connection to the asking producer's key.
+      (gossipd/admin.py), with CURVE over a connection to the asking producer's key.
     """
 
     router: Callable[[Task, float], bool] | None = None

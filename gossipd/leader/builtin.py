@@ -19,9 +19,9 @@ from gossipd.leader.rollout import DRAIN, Rollout
 from gossipd.leader.seeding import SeedRegistry, join_through_etcd
 
 if TYPE_CHECKING:
+    from gossipd.admin import Admin
     from gossipd.config import Config
     from gossipd.membership.gossip import GossipService
-    from gossipd.ops.admin import Admin
 
 
 class BuiltinDuties:

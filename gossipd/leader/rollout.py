@@ -7,7 +7,7 @@ leader's write fails, and it stops), and gossip the order as a fenced ``drain`` 
 at once when it changes, again every ``REPUBLISH_S`` while it stands.
 
 The member side: a ``drain`` directive naming this daemon, issued after it started, is
-obeyed: "drain" through the operator's drain path (ops/admin.py ``set_drained``), "leave" by
+obeyed: "drain" through the operator's drain path (gossipd/admin.py ``set_drained``), "leave" by
 the graceful shutdown of SIGTERM (exit 0), "restart" by the same shutdown with exit status
 ``EXIT_RESTART`` so that systemd (Restart=on-failure) starts it again.
 """
@@ -25,8 +25,8 @@ from gossipd.core import rollout
 from gossipd.core.rollout import Order, Plan, Progress, Seen
 
 if TYPE_CHECKING:
+    from gossipd.admin import Admin
     from gossipd.membership.gossip import GossipService
-    from gossipd.ops.admin import Admin
 
 log = logging.getLogger("gossipd.leader.rollout")
 

@@ -56,7 +56,7 @@ from gossipd.core.messages import (
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
 from gossipd.tools.packing import PACK_BYTES_MAX, PackedTask, TaskPacker
-from gossipd.transport import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
+from gossipd.zmqloop import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
 
 log = logging.getLogger("gossipd.tools.client")
 

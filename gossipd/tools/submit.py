@@ -62,13 +62,8 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     model: str = ""
 
 
-def read_task_lines(path: Path) -> list[_Line | str]:
-    """Each line parsed, or an error string naming the line ("FILE:N: why")."""
-    return [line for _, line in read_numbered_task_lines(path)]
-
-
 def read_numbered_task_lines(path: Path) -> list[tuple[int, _Line | str]]:
-    """(line number, the task or an error string) for each non-blank line."""
+    """(line number, the task or an error string "FILE:N: why") for each non-blank line."""
     out: list[tuple[int, _Line | str]] = []
     with path.open() as fh:
         for number, raw in enumerate(fh, 1):

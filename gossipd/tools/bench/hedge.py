@@ -212,6 +212,7 @@ def main(*, rate: float, seconds: float, stall_ms: int, as_json: bool) -> int:
             )
         print(f"{'':>6} fan-out: {r['fanout']}")
     print(
-        f"p99 of the stalled member's tasks, on / off: {report['stalled_owner_p99_ratio_on_vs_off']}"
+        "p50 of the tasks sent to the stalled owner during the stall, on / off: "
+        f"{report['during_stall_p50_ratio_on_vs_off']}"
     )
     return 0

@@ -26,7 +26,7 @@ from gossipd.core.messages import replies_frame, replies_groups
 from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
-log = logging.getLogger("gossipd.transport")
+log = logging.getLogger("gossipd.zmqloop")
 
 # Plain ints for the per-message paths: pyzmq's enum members make every `&` a Flag operation
 # (an EVENTS check measured 5.6 us with them, 3.5 us with ints).
@@ -38,7 +38,7 @@ _REPLY = SocketKind.REPLY  # read per reply: a global (see core/admission.py on 
 
 RECHECK_S = 0.05
 # A long-lived reader's safety net only (kick() covers our own sends, and
-# tests/test_transport.py sees every message with the recheck pushed out to 60 s): each
+# tests/test_zmqloop.py sees every message with the recheck pushed out to 60 s): each
 # reader's recheck is a wake-up of an idle daemon, 20 a second each at RECHECK_S.
 READER_RECHECK_S = 1.0
 

@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import zmq
 
-import gossipd.transport as transport
+import gossipd.zmqloop as zmqloop
 from gossipd.core.messages import Result, decode_replies, encode
 from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
-from gossipd.transport import ReplySender, SocketReader, kick, recv_batch, wait_events
+from gossipd.zmqloop import ReplySender, SocketReader, kick, recv_batch, wait_events
 from tests.helpers import run_with_context, wait_until_async
 
 
@@ -130,8 +130,8 @@ def test_SocketReader_receives_lone_messages_and_backlogs_with_no_missed_wake_up
     socket (which may use the fd's signal; kick() looks again).  The periodic recheck is
     pushed out to 60 s, so a missed wake-up would time out here instead of being papered
     over by it.  A handler that raises does not stop the reader."""
-    monkeypatch.setattr(transport, "RECHECK_S", 60.0)  # type: ignore[attr-defined]
-    monkeypatch.setattr(transport, "READER_RECHECK_S", 60.0)  # type: ignore[attr-defined]
+    monkeypatch.setattr(zmqloop, "RECHECK_S", 60.0)  # type: ignore[attr-defined]
+    monkeypatch.setattr(zmqloop, "READER_RECHECK_S", 60.0)  # type: ignore[attr-defined]
 
     async def main() -> tuple[list[list[list[bytes]]], list[bytes], int]:
         ctx = zmq.Context()

@@ -32,13 +32,13 @@ from gossipd.core.admin_messages import AdminReply, LoadReport, StatusReport, en
 from gossipd.core.messages import Drain, ErrorCode, StatusQuery, error_result, reply_route
 from gossipd.engines.base import Engine
 from gossipd.ingress.service import Ingress
-from gossipd.transport import ReplySender
+from gossipd.zmqloop import ReplySender
 
 if TYPE_CHECKING:
     from gossipd.fanout.forwarding import Dispatcher
     from gossipd.membership.gossip import GossipService
 
-log = logging.getLogger("gossipd.ops.admin")
+log = logging.getLogger("gossipd.admin")
 
 
 class Admin:
