@@ -33,6 +33,7 @@ import random
 from collections.abc import Callable
 
 from gossipd.core.forwarder import Forwarder
+from gossipd.core.owner import Owner
 from simulations.fanout_run import ARRIVAL, FAULT_KINDS, FanoutRun
 from simulations.fanout_world import World
 
@@ -112,6 +113,7 @@ def swarm(
     *,
     seed: int = 1,
     forwarder_class: type[Forwarder] = Forwarder,
+    owner_class: type[Owner] = Owner,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, object]:
     """Run ``count`` short simulations, each with its own seed and a random mix of faults
@@ -130,6 +132,7 @@ def swarm(
             load=rng.uniform(0.3, 0.9),
             hedge=rng.random() < 0.3,
             forwarder_class=forwarder_class,
+            owner_class=owner_class,
         )
         report = run_fanout(run)
         broken = (

@@ -18,6 +18,7 @@ from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
 from gossipd.core.lifecycle import ANY, Abort, Owned, TaskBook
 from gossipd.core.membership import State
 from gossipd.core.messages import Chunk, ErrorCode, Result, Task, error_result
+from gossipd.core.owner import Refused
 from gossipd.core.peer_messages import (
     Confirm,
     ConfirmReply,
@@ -58,6 +59,7 @@ class SimDaemon:
         # gossips an rpc address (its name: the world routes peer messages by name).
         loads: dict[str, int] = {}
         local_ids: set[str] = set()
+        self.owner = run.owner_class(node=self.name)
         self.gpu = GpuState(rpc=self.name)
         self.placement = Placer(
             world.fanout_config,
@@ -138,28 +140,22 @@ class SimDaemon:
     def on_peer(self, src: str, msg: object) -> None:
         now = self.world.now
         if isinstance(msg, Forward):
+            # The owner's decisions are the daemon's own core (core/owner.py), as
+            # fanout/owner.py drives it; admission is this simulated shell's.
             waiting_max = self.world.run.saturated_waiting
-            if msg.if_free and waiting_max and len(self.queue) >= waiting_max:
-                self.world.refused_saturated += 1
-                self.world.trace(msg.task.id, self.name, f"refuses it: saturated (from {src})")
-                refusal = ForwardReply(
-                    req=msg.req, node=self.name, accepted=False, code=ErrorCode.SATURATED.value
-                )
-                self.world.send_peer(self, src, refusal)
+            saturated = bool(waiting_max) and len(self.queue) >= waiting_max
+            decision = self.owner.forward(src, msg, now, saturated=saturated)
+            if isinstance(decision, Refused):
+                if decision.why == "saturated":
+                    self.world.refused_saturated += 1
+                self.world.trace(msg.task.id, self.name, f"refuses it: {decision.why} (from {src})")
+                self.world.send_peer(self, src, decision.reply)
                 return
-            received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
-            verdict = self.admit(msg.task, received_at, forwarder=src)
-            accepted = verdict in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
-            if verdict is Verdict.DUPLICATE_DONE:
+            verdict = self.admit(decision.task, decision.received_at, forwarder=src)
+            answer = self.owner.admitted(msg, verdict, self.retry_after_ms())
+            if answer.done_now:
                 self.world.send_peer(self, src, TaskDone(id=msg.task.id, node=self.name))
-            reply = ForwardReply(
-                req=msg.req,
-                node=self.name,
-                accepted=accepted,
-                code="" if accepted else verdict.value,
-                retry_after_ms=0 if accepted else self.retry_after_ms(),
-            )
-            self.world.send_peer(self, src, reply)
+            self.world.send_peer(self, src, answer.reply)
         elif isinstance(msg, Withdraw):
             self.withdraw(src, msg.id)
             if msg.id in self.held:

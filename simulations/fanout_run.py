@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gossipd.core.forwarder import Forwarder
 from gossipd.core.messages import ErrorCode
+from gossipd.core.owner import Owner
 
 PRODUCER = "producer"
 FAULT_KINDS = ("crash", "stall", "partition", "loss")
@@ -50,6 +51,8 @@ class FanoutRun:
     trace_task: str = ""  # record this task's events (replay of a violation)
     progress: Callable[[str], None] | None = None
     forwarder_class: type[Forwarder] = Forwarder
+    # The owner's core (core/owner.py); a test swaps in a broken one to see the swarm catch it.
+    owner_class: type[Owner] = Owner
     # The owner check (issue 17): an owner with this many tasks waiting for a slot takes its
     # engine as saturated and refuses Forwards asking if_free ("saturated"); 0: never.
     saturated_waiting: int = 0

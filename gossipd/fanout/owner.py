@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import msgspec
 import zmq
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
@@ -35,11 +35,10 @@ from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
     Drain,
-    ErrorCode,
     Result,
     Task,
-    check_forwarded_task,
 )
+from gossipd.core.owner import Admit, Owner, Refused
 from gossipd.core.peer_messages import (
     Confirm,
     ConfirmReply,
@@ -58,16 +57,12 @@ from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
-# Connection identities remembered with the member that forwarded on them (a new one per
-# connection: bounded, the oldest forgotten first).
-MEMBER_OF_MAX = 4096
 
 log = logging.getLogger("gossipd.fanout.owner")
 
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
 # core/admission.py).
-_ADMIT, _DUPLICATE_DONE = Verdict.ADMIT, Verdict.DUPLICATE_DONE
-_ACCEPTED = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
+_ADMIT = Verdict.ADMIT
 
 
 def peer_frames(items: list[Any], bytes_max: int) -> list[tuple[bytes, int]]:
@@ -96,19 +91,6 @@ def _source(item: object, sender: str) -> str:
     return sender
 
 
-@dataclass(slots=True)
-class OwnerCounters:
-    accepted_from_peers: int = 0
-    refused_to_peers: int = 0
-    bad_peer_messages: int = 0
-    replies_dropped: int = 0  # acks and TaskDones our ROUTER could not queue
-    withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
-    invalid_from_peers: int = 0  # Forwards whose task the ingress would refuse (version, size)
-    refused_unauthorised: int = 0  # CURVE: a revoked key, or a source not the key's node
-    refused_saturated: int = 0  # Forwards with if_free refused: our engine is saturated
-    refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
-
-
 class OwnerEndpoint:
     def __init__(
         self,
@@ -135,7 +117,9 @@ class OwnerEndpoint:
         self.node = node
         self._ctx = ctx
         self._ingress = ingress
-        self.counters = OwnerCounters()
+        # The owner's decisions on Forwards (core/owner.py); its counters are ours.
+        self.core = Owner(node=node, task_bytes_max=task_bytes_max)
+        self.counters = self.core.counters
         self._router: zmq.Socket | None = None
         self._router_out: dict[bytes, list[ForwardReply | TaskDone | ConfirmReply]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
@@ -154,16 +138,11 @@ class OwnerEndpoint:
         self._on_confirm = on_confirm
         # Each forwarder's connection identity -> its node (Forward.src): whose the task is,
         # for the Results held while that member is not alive (fanout/holding.py).
-        self.member_of: dict[bytes, str] = {}
+        self.member_of = self.core.member_of
         # A Withdraw for a task that ended here: (task id, forwarder) to the ResultHolder.
         self.on_withdraw_held = on_withdraw_held
-        # A forwarded task is validated as the ingress validates a producer's (its size
-        # against ingress.message_bytes_max).
-        self.task_bytes_max = task_bytes_max
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
         self._stale_log = RateLimiter(per_s=1.0, burst=5)
-        # The latest Forward.boot heard from each member (a stale Forward's is older).
-        self._boots: dict[str, int] = {}
         # Under CURVE (gossipd/security.py): makes the ROUTER a CURVE server before it
         # binds; peer_allowed(key's node, claimed source, "rpc") says whether a message may
         # be taken (its key still authorised, speaking for itself).
@@ -259,102 +238,48 @@ class OwnerEndpoint:
             self._on_other(identity, msg)
             return
         assert isinstance(msg, Forward)
-        if self._refuse_invalid(identity, msg):
-            return
-        if msg.if_free and self.saturated():
-            self._refuse_saturated(identity, msg)
-            return
-        if msg.boot and self._refuse_stale(identity, msg):
-            return
-        if identity not in self.member_of:
-            self.member_of[identity] = msg.src
-            if len(self.member_of) > MEMBER_OF_MAX:
-                del self.member_of[next(iter(self.member_of))]
         now = self._clock.monotonic()
-        received_at = now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0
+        decision = self.core.forward(identity, msg, now, saturated=msg.if_free and self.saturated())
+        if type(decision) is not Admit:
+            assert isinstance(decision, Refused)
+            self._refused(identity, msg, decision)
+            return
         verdict = self._ingress.admit(
-            msg.task, received_at, answer=False, now=now, forwarder=identity
+            decision.task, decision.received_at, answer=False, now=now, forwarder=identity
         )
-        accepted = verdict in _ACCEPTED
-        if accepted:
-            self.counters.accepted_from_peers += 1
+        # Our load on the first reply queued for this forwarder only: one record a message,
+        # not one per task in a batch.
+        load = None if self._router_out.get(identity) else self.load_record()
+        answer = self.core.admitted(msg, verdict, self._ingress.retry_after_ms, load)
+        if answer.accepted:
             if verdict is _ADMIT and self._on_accepted is not None:
                 self._on_accepted(msg.task, msg.src)
-            if verdict is _DUPLICATE_DONE:  # admit() has just sent the cached Result
+            if answer.done_now:  # admit() has just sent the cached Result
                 self._done_after_result(msg.task, (identity,), "")
+        self._to_forwarder(identity, answer.reply, urgent=not answer.accepted)
+
+    def _refused(self, identity: bytes, msg: Forward, refused: Refused) -> None:
+        """A Forward refused before admission: the reply now (the forwarder tries the next
+        member on it), a rate-limited warning for an invalid or stale one."""
+        reply = refused.reply
+        if refused.why == "saturated":  # with our load: why the forwarder should go on
+            reply = msgspec.structs.replace(reply, load=self.load_record())
         else:
-            self.counters.refused_to_peers += 1
-        reply = ForwardReply(
-            req=msg.req,
-            node=self.node,
-            accepted=accepted,
-            code="" if accepted else verdict.value,
-            retry_after_ms=0 if accepted else self._ingress.retry_after_ms,
-            # Our load on the first reply queued for this forwarder only: one record a
-            # message, not one per task in a batch.
-            load=None if self._router_out.get(identity) else self.load_record(),
-        )
-        self._to_forwarder(identity, reply, urgent=not accepted)
-
-    def _refuse_stale(self, identity: bytes, msg: Forward) -> bool:
-        """A Forward from an earlier process of its sender than one we have heard from:
-        it waited in that dead process's connection (the kernel keeps sending a closed
-        socket's data; after a cut, with TCP's backoff, for tens of seconds) and nobody
-        answers for it any more: whatever the old process did not get back from us it
-        retried elsewhere, or its producer resends.  Not run; refused (``unavailable``), which
-        reaches nobody from a dead process, and sends a live one (its host's clock stepped
-        back across a restart) to the next member."""
-        boots = self._boots
-        latest = boots.get(msg.src, 0)
-        if msg.boot >= latest:
-            if msg.boot > latest:
-                boots[msg.src] = msg.boot
-                if len(boots) > MEMBER_OF_MAX:
-                    del boots[next(iter(boots))]
-            return False
-        self.counters.refused_stale += 1
-        self.counters.refused_to_peers += 1
-        if self._stale_log.allow():
-            log.warning(
-                "refused a Forward from an earlier process of its sender",
-                extra={
-                    "src": msg.src,
-                    "task": msg.task.id,
-                    "boot": msg.boot,
-                    "latest_boot": latest,
-                    "suppressed_since_last": self._stale_log.suppressed,
-                },
-            )
-            self._stale_log.suppressed = 0
-        self._refuse(
-            identity,
-            msg,
-            ErrorCode.UNAVAILABLE.value,
-            "a Forward from an earlier process of its sender (Forward.boot)",
-        )
-        return True
-
-    def _refuse(self, identity: bytes, msg: Forward, code: str, message: str) -> None:
-        """Refuse ``msg`` with ``code`` and ``message``, at once (the forwarder tries the
-        next member on it)."""
-        reply = ForwardReply(
-            req=msg.req, node=self.node, accepted=False, code=code, message=message
-        )
-        self._to_forwarder(identity, reply, urgent=True)
-
-    def _refuse_saturated(self, identity: bytes, msg: Forward) -> None:
-        """The owner check: our engine is saturated as we read it, and the forwarder asked
-        ``if_free``: refuse at once with our load (its next member is tried; the task was
-        not admitted, so nothing is journalled or remembered)."""
-        self.counters.refused_to_peers += 1
-        self.counters.refused_saturated += 1
-        reply = ForwardReply(
-            req=msg.req,
-            node=self.node,
-            accepted=False,
-            code=ErrorCode.SATURATED.value,
-            load=self.load_record(),
-        )
+            limiter = self._invalid_log if refused.why == "invalid" else self._stale_log
+            if limiter.allow():
+                extra = {"code": reply.code, "hint": refused.hint[:200], "src": msg.src}
+                if refused.why == "stale":
+                    extra.update(
+                        task=msg.task.id, boot=msg.boot, latest_boot=self.core.latest_boot(msg.src)
+                    )
+                extra["suppressed_since_last"] = limiter.suppressed
+                limiter.suppressed = 0
+                log.warning(
+                    "refused a forwarded task"
+                    if refused.why == "invalid"
+                    else "refused a Forward from an earlier process of its sender",
+                    extra=extra,
+                )
         self._to_forwarder(identity, reply, urgent=True)
 
     def _on_other(self, identity: bytes, msg: object) -> None:
@@ -376,34 +301,6 @@ class OwnerEndpoint:
             self._to_forwarder(identity, self._on_confirm(msg), urgent=True)
         else:
             self.counters.bad_peer_messages += 1
-
-    def _refuse_invalid(self, identity: bytes, msg: Forward) -> bool:
-        """Refuse a Forward whose task the ingress would refuse from a producer (protocol
-        version, size): ForwardReply with the code, counted, logged (rate-limited)."""
-        try:
-            if msg.v != PROTOCOL_VERSION:
-                raise RemoteProtocolError(
-                    f"Forward of protocol version {msg.v} is not supported",
-                    code=ErrorCode.UNSUPPORTED_VERSION,
-                )
-            check_forwarded_task(msg.task, bytes_max=self.task_bytes_max)
-        except RemoteProtocolError as exc:
-            self.counters.invalid_from_peers += 1
-            self.counters.refused_to_peers += 1
-            if self._invalid_log.allow():
-                log.warning(
-                    "refused a forwarded task",
-                    extra={
-                        "code": exc.code,
-                        "hint": exc.hint[:200],
-                        "src": msg.src,
-                        "suppressed_since_last": self._invalid_log.suppressed,
-                    },
-                )
-                self._invalid_log.suppressed = 0
-            self._refuse(identity, msg, exc.code, exc.hint[:1024])
-            return True
-        return False
 
     def _withdraw(self, identity: bytes, task_id: str) -> None:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder

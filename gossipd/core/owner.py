@@ -1,0 +1,182 @@
+"""The owner's side of fan-out as a core: what a Forward asks of this member, and what it
+answers (sans-IO).  The daemon's ROUTER endpoint (``fanout/owner.py``) and the simulator's
+daemons (``simulations/fanout_daemon.py``) both drive it.
+
+A Forward goes through two steps, so that admission (the shell's: its run queue, journal and
+cached answers) stays outside and nothing here calls back into the shell:
+
+1. ``forward(identity, msg, now, saturated)``: refused at once (``Refused``: the reply to
+   send, and why) or to be offered to admission (``Admit``: the task and when it came in at
+   its entry point, ``now`` less the time it has spent):
+   - a Forward of another protocol version, or whose task the ingress would refuse from a
+     producer (its size against ``task_bytes_max``): ``invalid``, with the code and reason;
+   - ``if_free`` while our engine is saturated (the owner check of issue 17): ``saturated``;
+   - one from an earlier process of its sender than one we have heard from (``boot``
+     older than the latest we saw: it waited in a dead process's connection): ``stale``,
+     refused ``unavailable``, never run.
+2. ``admitted(identity, msg, verdict, retry_after_ms)``: admission's verdict as the reply.
+   A task admitted, or already here (running, or done: its cached Result was just sent
+   again), is accepted; the forwarder then waits for its TaskDone, which a task already done
+   gets at once (``Reply.done_now``).  Every other verdict is a refusal with its code and
+   the retry hint.
+
+It also keeps which member forwarded on each connection identity (``member_of``): whose a
+held Result is (``core/heldresults.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Literal
+
+from gossipd.core.admission import Verdict
+from gossipd.core.gossip_messages import LoadRecord
+from gossipd.core.messages import PROTOCOL_VERSION, ErrorCode, Task, check_forwarded_task
+from gossipd.core.peer_messages import Forward, ForwardReply
+from gossipd.errors import RemoteProtocolError
+
+# Connection identities (and senders' boots) remembered: bounded, the oldest forgotten first.
+MEMBER_OF_MAX = 4096
+
+_ACCEPTED = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
+_DUPLICATE_DONE = Verdict.DUPLICATE_DONE
+
+
+@dataclass(slots=True)
+class OwnerCounters:
+    accepted_from_peers: int = 0
+    refused_to_peers: int = 0
+    bad_peer_messages: int = 0
+    replies_dropped: int = 0  # acks and TaskDones our ROUTER could not queue
+    withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
+    invalid_from_peers: int = 0  # Forwards whose task the ingress would refuse (version, size)
+    refused_unauthorised: int = 0  # CURVE: a revoked key, or a source not the key's node
+    refused_saturated: int = 0  # Forwards with if_free refused: our engine is saturated
+    refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Send ``reply`` (a refusal) now; ``why`` and ``hint`` are for the shell's log."""
+
+    reply: ForwardReply
+    why: Literal["invalid", "saturated", "stale"]
+    hint: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Offer ``task`` to admission as received at ``received_at`` from ``forwarder``."""
+
+    task: Task
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Admission's verdict as the forwarder hears it; ``done_now``: the task was done already
+    (its cached Result sent again): its TaskDone follows that Result."""
+
+    reply: ForwardReply
+    accepted: bool
+    done_now: bool
+
+
+class Owner:
+    """The owner's decisions on the Forwards peers send it."""
+
+    def __init__(self, *, node: str, task_bytes_max: int = 1 << 62) -> None:
+        self.node = node
+        self.task_bytes_max = task_bytes_max
+        self.counters = OwnerCounters()
+        # Each forwarder's connection identity -> its node (Forward.src).
+        self.member_of: dict[Hashable, str] = {}
+        # The latest Forward.boot heard from each member (a stale Forward's is older).
+        self._boots: dict[str, int] = {}
+
+    def forward(
+        self, identity: Hashable, msg: Forward, now: float, *, saturated: bool = False
+    ) -> Refused | Admit:
+        refused = self._invalid(msg)
+        if refused is not None:
+            return refused
+        if msg.if_free and saturated:
+            self.counters.refused_to_peers += 1
+            self.counters.refused_saturated += 1
+            reply = ForwardReply(
+                req=msg.req, node=self.node, accepted=False, code=ErrorCode.SATURATED.value
+            )
+            return Refused(reply, "saturated")
+        if msg.boot and self._stale(msg):
+            self.counters.refused_stale += 1
+            self.counters.refused_to_peers += 1
+            hint = "a Forward from an earlier process of its sender (Forward.boot)"
+            return Refused(self._refusal(msg, ErrorCode.UNAVAILABLE.value, hint), "stale", hint)
+        member_of = self.member_of
+        if identity not in member_of:
+            member_of[identity] = msg.src
+            if len(member_of) > MEMBER_OF_MAX:
+                del member_of[next(iter(member_of))]
+        return Admit(msg.task, now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0)
+
+    def admitted(
+        self, msg: Forward, verdict: Verdict, retry_after_ms: int, load: LoadRecord | None = None
+    ) -> Reply:
+        """``load``: our load record to carry (the shell's rule: on the first reply queued for
+        a forwarder only)."""
+        accepted = verdict in _ACCEPTED
+        if accepted:
+            self.counters.accepted_from_peers += 1
+        else:
+            self.counters.refused_to_peers += 1
+        reply = ForwardReply(
+            req=msg.req,
+            node=self.node,
+            accepted=accepted,
+            code="" if accepted else verdict.value,
+            retry_after_ms=0 if accepted else retry_after_ms,
+            load=load,
+        )
+        return Reply(reply, accepted, verdict is _DUPLICATE_DONE)
+
+    def latest_boot(self, member: str) -> int:
+        return self._boots.get(member, 0)
+
+    def _refusal(self, msg: Forward, code: str, message: str) -> ForwardReply:
+        return ForwardReply(req=msg.req, node=self.node, accepted=False, code=code, message=message)
+
+    def _invalid(self, msg: Forward) -> Refused | None:
+        """A Forward whose task the ingress would refuse from a producer (protocol version,
+        size): refused with the code."""
+        try:
+            if msg.v != PROTOCOL_VERSION:
+                raise RemoteProtocolError(
+                    f"Forward of protocol version {msg.v} is not supported",
+                    code=ErrorCode.UNSUPPORTED_VERSION,
+                )
+            check_forwarded_task(msg.task, bytes_max=self.task_bytes_max)
+        except RemoteProtocolError as exc:
+            self.counters.invalid_from_peers += 1
+            self.counters.refused_to_peers += 1
+            hint = exc.hint[:1024]
+            return Refused(self._refusal(msg, exc.code, hint), "invalid", hint)
+        return None
+
+    def _stale(self, msg: Forward) -> bool:
+        """From an earlier process of its sender than one we have heard from: it waited in
+        that dead process's connection (the kernel keeps sending a closed socket's data;
+        after a cut, with TCP's backoff, for tens of seconds) and nobody answers for it any
+        more: whatever the old process did not get back from us it retried elsewhere, or its
+        producer resends.  Not run; refused (``unavailable``), which reaches nobody from a
+        dead process, and sends a live one (its host's clock stepped back across a restart)
+        to the next member."""
+        boots = self._boots
+        latest = boots.get(msg.src, 0)
+        if msg.boot >= latest:
+            if msg.boot > latest:
+                boots[msg.src] = msg.boot
+                if len(boots) > MEMBER_OF_MAX:
+                    del boots[next(iter(boots))]
+            return False
+        return True
