@@ -131,7 +131,7 @@ class Admin:
                 False,
                 "draining needs membership (gossip.bind): a lone daemon has no member to send tasks to",
             )
-        if self._ingress.admission.shutting_down:
+        if self._ingress.intake.admission.shutting_down:
             return False, "this daemon is shutting down"
         if drain == self.drained:
             return True, f"already {'draining' if drain else 'serving'}"
@@ -141,7 +141,7 @@ class Admin:
             on_drain(drain)
         if drain:
             self.gossip.set_status("draining")
-            queued = self._ingress.take_queued()
+            queued = self._ingress.runner.take_queued()
             if queued:
                 assert self._tg is not None, "start() first"
                 self._tg.create_task(self._hand_off(queued), name="drain-hand-off")
@@ -156,17 +156,17 @@ class Admin:
         assert self.dispatcher is not None
         for task, received_at in queued:
             if await self.dispatcher.hand_off(task, received_at):  # type: ignore[arg-type]
-                self._ingress.release(
+                self._ingress.runner.release(
                     task,  # type: ignore[arg-type]
                     error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off"),  # type: ignore[attr-defined]
                 )
             else:  # no member took it: it runs here after all
-                self._ingress.requeue(task)  # type: ignore[arg-type]
+                self._ingress.runner.requeue(task)  # type: ignore[arg-type]
 
     # -- status -------------------------------------------------------------------------------
 
     def status(self) -> str:
-        if self._ingress.admission.shutting_down:
+        if self._ingress.intake.admission.shutting_down:
             return "shutting_down"
         if self._engine_dead():
             return "unhealthy"
@@ -174,10 +174,10 @@ class Admin:
 
     def report(self, query_id: str) -> StatusReport:
         ing = self._ingress
-        served, failed = ing.served()
+        served, failed = ing.runner.served()
         stats = ing.statistics()
         load = LoadReport(
-            pending=ing.admission.pending,
+            pending=ing.intake.admission.pending,
             queued=stats.queued,
             running=stats.running,
             received=stats.received,
@@ -192,7 +192,7 @@ class Admin:
             node=self.node,
             software_version=self._version,
             engine=self._engine.name,
-            model=(ing.model or getattr(self._engine, "model", "") or "")[:128],
+            model=(ing.intake.model or getattr(self._engine, "model", "") or "")[:128],
             status=self.status(),  # type: ignore[arg-type]
             drained=self.drained,
             gossip=core is not None,

@@ -51,7 +51,8 @@ from gossipd.ingress.budgets import (
     recompute_forever,
 )
 from gossipd.ingress.journal import Journal
-from gossipd.ingress.service import Ingress, IngressCurve, IngressLinks
+from gossipd.ingress.links import IngressLinks
+from gossipd.ingress.service import Ingress, IngressCurve
 from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
@@ -182,10 +183,12 @@ class Daemon:
                 raise StartupError(
                     f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"
                 ) from None
-            self.ingress.on_admitted.append(self.journal.accept)
-            self.ingress.on_finished.append(lambda owned, result: self.journal.done(owned.task.id))  # type: ignore[union-attr]
+            self.ingress.intake.on_admitted.append(self.journal.accept)
+            self.ingress.runner.on_finished.append(
+                lambda owned, result: self.journal.done(owned.task.id)
+            )  # type: ignore[union-attr]
             # Handed to another member: that member answers it, so a restart must not re-run it.
-            self.ingress.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
+            self.ingress.runner.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
         self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
         self._stop = asyncio.Event()
         self.engine_dead = False
@@ -230,7 +233,7 @@ class Daemon:
     def snapshot(self) -> dict[str, Any]:
         return {
             "ingress": self.ingress.statistics(),
-            "admission": self.ingress.admission.statistics(),
+            "admission": self.ingress.intake.admission.statistics(),
             "replies": self.replies.statistics(),
             "engine": self.engine.stats(),
             "gossip": self.gossip,
@@ -322,10 +325,10 @@ class Daemon:
                     self.dispatcher.start(tg)
                 self.ingress.start_receiving()
                 workers = [
-                    tg.create_task(self.ingress.work_forever(), name=f"worker-{i}")
+                    tg.create_task(self.ingress.runner.work_forever(), name=f"worker-{i}")
                     for i in range(self.config.ingress.concurrency_max)
                 ]
-                expirer = tg.create_task(self.ingress.expire_forever(), name="deadlines")
+                expirer = tg.create_task(self.ingress.runner.expire_forever(), name="deadlines")
                 health = tg.create_task(self._watch_engine_forever(), name="engine-health")
                 watchdog = tg.create_task(self.notifier.watchdog_forever(), name="watchdog")
                 background: list[asyncio.Task[None]] = []
@@ -490,7 +493,7 @@ class Daemon:
             stats = engine_load.read()
             return own_load.current(
                 self.clock.monotonic(),
-                inflight=ingress.admission.pending,
+                inflight=ingress.intake.admission.pending,
                 waiting=stats.waiting_requests,
                 queued_tokens=stats.queued_tokens,
                 kv_ratio=stats.kv_cache_usage_ratio,
@@ -538,8 +541,8 @@ class Daemon:
             security=security,
             clock=self.clock,
             rpc_endpoint=rpc_endpoint,
-            model=ingress.model,
-            load=lambda: ingress.admission.pending,
+            model=ingress.intake.model,
+            load=lambda: ingress.intake.admission.pending,
             prefixes=lambda: dispatcher.prefix_summary(),
             on_loads=lambda records: load_gossip.on_loads(records),
         )
@@ -553,7 +556,7 @@ class Daemon:
             loads=loads,
             local_ids=local_ids,
             weight=config.gpu.capacity_weight,
-            model=ingress.model,
+            model=ingress.intake.model,
             in_flight=lambda: forwarder.in_flight(),
             own_sample=engine_load.read,  # our own decisions: our current load too
             kernels=KernelLoader(),
@@ -563,7 +566,7 @@ class Daemon:
             Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
             node=self.node,
             placement=placer,
-            admit_local=lambda task, at: ingress.admit(task, at, answer=False),
+            admit_local=lambda task, at: ingress.intake.admit(task, at, answer=False),
             rng=self.rng("fanout"),
             loads=loads,
             local_ids=local_ids,
@@ -595,11 +598,13 @@ class Daemon:
         self.links.cancel_elsewhere = dispatcher.cancel_forwarded
         self.links.forwarded_for_other = forwarder.forwarded_for_other
         self.links.rescue = dispatcher.hand_off
-        ingress.on_admitted.append(placer.record_prefix)
-        ingress.on_released.append(dispatcher.task_finished)
-        ingress.on_refused.append(dispatcher.task_finished)
-        ingress.on_finished.append(lambda owned, _result: forwarder.local_finished(owned.task.id))
-        ingress.on_finished.append(owner.task_finished)
+        ingress.intake.on_admitted.append(placer.record_prefix)
+        ingress.runner.on_released.append(dispatcher.task_finished)
+        ingress.intake.on_refused.append(dispatcher.task_finished)
+        ingress.runner.on_finished.append(
+            lambda owned, _result: forwarder.local_finished(owned.task.id)
+        )
+        ingress.runner.on_finished.append(owner.task_finished)
         self.holder = holder = ResultHolder(
             HeldResults(
                 bytes_max=config.fanout.held_results_bytes_max,
@@ -628,13 +633,13 @@ class Daemon:
         """No member took a task from our intake.  While we shut down, the producer hears
         shutting_down (retry elsewhere), not unavailable: we served it until now."""
         code, message = refusal.code, refusal.message
-        if code is ErrorCode.UNAVAILABLE and self.ingress.admission.shutting_down:
+        if code is ErrorCode.UNAVAILABLE and self.ingress.intake.admission.shutting_down:
             code = ErrorCode.SHUTTING_DOWN
             message = f"this daemon is shutting down and no other member took the task ({message})"
             retry_after_ms = self.config.ingress.retry_after_ms
         else:
             retry_after_ms = refusal.retry_after_ms
-        self.ingress.send_error(refusal.task, code, message, retry_after_ms)
+        self.ingress.intake.send_error(refusal.task, code, message, retry_after_ms)
 
     def _keys_looked_at(self, peers_changed: bool) -> None:
         """Outgoing gossip and rpc sockets whose member's key changed (or was unknown when
@@ -666,10 +671,10 @@ class Daemon:
         unfinished = self.journal.replay()
         now = self.clock.monotonic()
         for task in unfinished:
-            self.ingress.admit(task, now, answer=True)
+            self.ingress.intake.admit(task, now, answer=True)
             src = self.journal.forwarded.get(task.id)
             if src is not None and self.dispatcher is not None:
-                self.ingress.book.expect_withdraw(task.id, src)
+                self.ingress.intake.book.expect_withdraw(task.id, src)
         if unfinished:
             log.info(
                 "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}
@@ -684,22 +689,22 @@ class Daemon:
         self.notifier.stopping()
         if self.gossip is not None and not self.engine_dead:
             self.gossip.set_status("draining")
-        pending = self.ingress.admission.pending
+        pending = self.ingress.intake.admission.pending
         log.info("shutting down", extra={"pending": pending, "grace_s": grace_s})
-        self.ingress.begin_shutdown()  # tasks for us now go elsewhere or get shutting_down
+        self.ingress.intake.begin_shutdown()  # tasks for us now go elsewhere or get shutting_down
         handed_off = 0
         if self.dispatcher is not None:
             self.dispatcher.set_draining(True)
-            for task, received_at in self.ingress.take_queued():
+            for task, received_at in self.ingress.runner.take_queued():
                 if await self.dispatcher.hand_off(task, received_at):
                     handed_off += 1
-                    self.ingress.release(
+                    self.ingress.runner.release(
                         task, error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off")
                     )
                 else:
-                    self.ingress.answer_shutting_down(task)
-        finished = await self.ingress.wait_idle(grace_s)
-        refused = self.ingress.refuse_queued()
+                    self.ingress.runner.answer_shutting_down(task)
+        finished = await self.ingress.runner.wait_idle(grace_s)
+        refused = self.ingress.runner.refuse_queued()
         for worker in workers:
             worker.cancel()  # a running task answers shutting_down as it is cancelled
         await asyncio.gather(*workers, return_exceptions=True)

@@ -35,8 +35,8 @@ def test_a_simulated_daemon_drives_the_classes_the_daemon_composes() -> None:
         assert type(sim.placement) is type(dispatcher.placer)
         assert type(sim.forwarder) is type(dispatcher.forwarder)
         assert type(sim.owner) is type(dispatcher.owner.core)
-        assert type(sim.admission) is type(daemon.ingress.admission)
-        assert type(sim.book) is type(daemon.ingress.book)
+        assert type(sim.admission) is type(daemon.ingress.intake.admission)
+        assert type(sim.book) is type(daemon.ingress.intake.book)
     finally:
         dispatcher.close()
         daemon._ctx.destroy(linger=0)

@@ -89,7 +89,7 @@ class ResultHolder:
         """A resubmission of ``task_id`` was answered from the results cache just now."""
         if self.core.answered(task_id):
             owned, result = self._entries.pop(task_id)
-            self._ingress.end_held(owned, result, send=False)
+            self._ingress.runner.end_held(owned, result, send=False)
 
     def withdrawn(self, task_id: str, member: str) -> None:
         """``member`` withdrew ``task_id`` from us after its Result was held: dropped."""
@@ -117,7 +117,7 @@ class ResultHolder:
                 # copy; a TaskDone from us would be taken as that copy's, core/forwarded.py).
                 owned.forwarders = []
                 owned.replayed_src = ""
-            self._ingress.end_held(owned, result, send=decision is Decision.SEND)
+            self._ingress.runner.end_held(owned, result, send=decision is Decision.SEND)
         for member, ids in core.take_confirms():
             self._send_confirm(member, Confirm(ids=ids, node=self.node))
         at = core.next_deadline()
@@ -144,5 +144,5 @@ class ResultHolder:
         ids = self.core.end_all()
         for task_id in ids:
             owned, result = self._entries.pop(task_id)
-            self._ingress.end_held(owned, result, send=True)
+            self._ingress.runner.end_held(owned, result, send=True)
         return len(ids)

@@ -244,13 +244,13 @@ class OwnerEndpoint:
             assert isinstance(decision, Refused)
             self._refused(identity, msg, decision)
             return
-        verdict = self._ingress.admit(
+        verdict = self._ingress.intake.admit(
             decision.task, decision.received_at, answer=False, now=now, forwarder=identity
         )
         # Our load on the first reply queued for this forwarder only: one record a message,
         # not one per task in a batch.
         load = None if self._router_out.get(identity) else self.load_record()
-        answer = self.core.admitted(msg, verdict, self._ingress.retry_after_ms, load)
+        answer = self.core.admitted(msg, verdict, self._ingress.intake.retry_after_ms, load)
         if answer.accepted:
             if verdict is _ADMIT and self._on_accepted is not None:
                 self._on_accepted(msg.task, msg.src)
@@ -290,7 +290,7 @@ class OwnerEndpoint:
             return
         if isinstance(msg, Cancel):
             # The producer key the entry daemon read: only the task's own key cancels it.
-            self._ingress.handle_cancel(msg.id, msg.producer_key)
+            self._ingress.intake.handle_cancel(msg.id, msg.producer_key)
         elif isinstance(msg, Withdraw):
             self._withdraw(identity, msg.id)
         elif isinstance(msg, TaskDone):
@@ -305,7 +305,7 @@ class OwnerEndpoint:
     def _withdraw(self, identity: bytes, task_id: str) -> None:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder
         (or its producer directly) still counts on it (core/lifecycle.py, rule 3)."""
-        if self._ingress.withdraw(task_id, identity):
+        if self._ingress.runner.withdraw(task_id, identity):
             self.counters.withdrawn_by_peers += 1
         elif self.on_withdraw_held is not None:  # ended here: its Result may be held
             self.on_withdraw_held(task_id, self.member_of.get(identity, ""))
@@ -387,7 +387,7 @@ class OwnerEndpoint:
             waiting.append((task.id, identities, member))
             return
         self._done_waiting[route] = [(task.id, identities, member)]
-        self._ingress.when_replies_sent(route, partial(self._results_left, route))
+        self._ingress.runner.when_replies_sent(route, partial(self._results_left, route))
 
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""

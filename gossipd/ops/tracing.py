@@ -162,13 +162,13 @@ class TaskTracer:
         see each producer's task before the router places it: the router link is wrapped
         (the dispatcher, given this tracer when built, calls ``forwarding``, ``forward_done``
         and ``refused`` itself)."""
-        ingress.on_admitted.append(self.admitted)
-        ingress.on_finished.append(self.finished)
-        ingress.on_released.append(self.released)
-        ingress.on_refused.append(self.refused_here)
-        route = ingress.links.router
+        ingress.intake.on_admitted.append(self.admitted)
+        ingress.runner.on_finished.append(self.finished)
+        ingress.runner.on_released.append(self.released)
+        ingress.intake.on_refused.append(self.refused_here)
+        route = ingress.intake.links.router
         if route is not None:
-            ingress.links.router = self._traced_router(route)
+            ingress.intake.links.router = self._traced_router(route)
 
     def _traced_router(self, route: Callable[[Task, float], bool]) -> Callable[[Task, float], bool]:
         def traced(task: Task, now: float) -> bool:

@@ -1,0 +1,241 @@
+"""The intake: one path from any door to a decision on a producer's task.
+
+    a door (ZeroMQ: ingress/service.py; an HTTP door would call the same) -> ``take``
+    -> token budget gate -> id of another producer? -> router (another member's task: the
+    dispatcher forwards it) -> ``admit`` (TaskBook.offer: admission, dedup) -> the runner's
+    queue (ingress/runner.py)
+
+A door decodes its own wire format, says whose the task is (``Task.producer_key``: the key
+it authenticated, never the producer's word) and hands the Task here; everything after that
+is the same for every door.  Each refusal is counted by reason and answered on the task's
+route with the code and a reason a person can act on (the verdict-to-error mapping is
+here, once).  Cancels go the same way: ``cancel`` here, or passed on to where the task runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Hashable
+
+from gossipd.clock import SYSTEM_CLOCK, Clock
+from gossipd.config import IngressConfig
+from gossipd.core.admission import Admission, Verdict
+from gossipd.core.lifecycle import Owned, TaskBook
+from gossipd.core.messages import ErrorCode, Result, Task, encode, error_result
+from gossipd.core.queueing import QueueWait
+from gossipd.ingress.budgets import BudgetGate
+from gossipd.ingress.links import IngressLinks
+from gossipd.ingress.runner import Runner
+from gossipd.ops.logs import RateLimiter
+from gossipd.zmqloop import ReplySender
+
+log = logging.getLogger("gossipd.ingress.intake")
+
+ID_IN_USE_MESSAGE = (
+    "this task id is in use by another producer's task (pending or recently answered): "
+    "choose another id"
+)
+
+# Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
+# core/admission.py).
+_ADMIT, _DUPLICATE_PENDING = Verdict.ADMIT, Verdict.DUPLICATE_PENDING
+
+
+def admission_for(config: IngressConfig) -> tuple[TaskBook, QueueWait]:
+    """The task book over admission as ``config`` bounds it, and the expected-wait model
+    admission refuses by (core/queueing.py; the runner feeds it service times)."""
+    queue_wait = QueueWait(
+        concurrency=config.concurrency_max,
+        deadline_ratio=config.queue_wait_deadline_ratio,
+        target_s=config.queue_wait_target_s,
+        retry_after_min_ms=config.retry_after_ms,
+        retry_after_max_ms=config.retry_after_max_ms,
+        smoothing=config.service_time_smoothing,
+    )
+    admission = Admission(
+        pending_max=config.pending_max,
+        results_max=config.results_cache_max,
+        queue=queue_wait if config.queue_wait_admission else None,
+        pending_bytes_max=config.pending_bytes_max,
+        results_bytes_max=config.results_cache_bytes_max,
+    )
+    return TaskBook(admission), queue_wait
+
+
+class Intake:
+    """Admission, budgets and routing for every door; the runner runs what it admits."""
+
+    def __init__(
+        self,
+        config: IngressConfig,
+        *,
+        book: TaskBook,
+        runner: Runner,
+        replies: ReplySender,
+        node: str,
+        refused_lines_per_s: float,
+        links: IngressLinks,
+        clock: Clock = SYSTEM_CLOCK,
+        model: str = "",
+        budget_gate: BudgetGate | None = None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._replies = replies
+        self._node = node
+        # Every admitted task from admission to its answer and TaskDones: core/lifecycle.py.
+        self.book = book
+        self.admission = book.admission
+        self.runner = runner
+        self._retry_after_ms = config.retry_after_ms  # the hint of the latest refusal
+        self.refused: Counter[str] = Counter()  # by reason (the doors count theirs here too)
+        self.cancels: Counter[str] = Counter()  # by outcome: here, forwarded, refused, unknown
+        self._refused_log = RateLimiter(refused_lines_per_s)
+        self.model = model  # the model this daemon's engine serves
+        # Listeners, called synchronously in order: a task admitted here (journal, prefix
+        # record, tracing); a task routed here that admission refused or answered from the
+        # results cache (nothing of it runs here).
+        self.on_admitted: list[Callable[[Task], None]] = []
+        self.on_refused: list[Callable[[Task], None]] = []
+        # The parts built after the intake that it calls (fan-out, admin): see IngressLinks.
+        self.links = links
+        # With budgets.enabled: each producer's task is charged against its token budget
+        # before it is routed (ingress/budgets.py); past it: over_budget.
+        self.budget_gate = budget_gate
+
+    def take(self, task: Task, now: float) -> None:
+        """A producer's task from a door, its ``producer_key`` set by the door."""
+        gate = self.budget_gate
+        if gate is not None and (retry_after_ms := gate.check(task, now)):
+            self.refused[ErrorCode.OVER_BUDGET.value] += 1
+            self.send_error(task, ErrorCode.OVER_BUDGET, gate.refusal(task), retry_after_ms)
+            return
+        router = self.links.router
+        if router is not None and self._id_held_by_other(task):
+            self.refused[ErrorCode.ID_IN_USE.value] += 1
+            self.admission.count_conflict()
+            self.send_error(task, ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE)
+            return
+        if router is not None and router(task, now):
+            return  # another member owns it: the dispatcher forwards it
+        verdict = self.admit(task, now, answer=True, now=now)
+        if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
+            for listener in self.on_refused:  # routed here, but nothing of it runs here
+                listener(task)
+
+    def _id_held_by_other(self, task: Task) -> bool:
+        """The task's id is another producer key's here: pending or cached, or forwarded
+        from here and not reported done (docs/PROTOCOL.md "An id is its producer's")."""
+        if self.admission.held_by_other(task.id, task.producer_key):
+            return True
+        forwarded = self.links.forwarded_for_other
+        return forwarded is not None and forwarded(task)
+
+    def admit(
+        self,
+        task: Task,
+        received_at: float,
+        *,
+        answer: bool,
+        now: float | None = None,
+        forwarder: Hashable | None = None,
+    ) -> Verdict:
+        """Run ``task`` here if admission allows.  ``answer=False`` (a forwarded task): a
+        refusal is the forwarder's to handle, not sent to the producer, with the hint
+        ``retry_after_ms`` (read it right after this call).  ``forwarder``: the peer that
+        forwarded it (told TaskDone when it ends).  ``now``: the clock's monotonic()."""
+        now = self._clock.monotonic() if now is None else now
+        verdict, entry = self.book.offer(task, received_at, now, forwarder=forwarder)
+        self._retry_after_ms = self._config.retry_after_ms
+        if verdict is _ADMIT:
+            for listener in self.on_admitted:
+                listener(task)
+            assert isinstance(entry, Owned)
+            self.runner.enqueue(entry)
+        elif verdict is Verdict.DUPLICATE_DONE:
+            assert isinstance(entry, Result)
+            self._replies.send(task.route, encode(entry), task.batch_replies)
+            if self.links.answered_cached is not None:
+                self.links.answered_cached(task.id)  # a Result held for it is now sent
+        elif verdict is not _DUPLICATE_PENDING:  # (its one result goes out when it finishes)
+            self._refuse(task, verdict, answer)
+        return verdict
+
+    def _refuse(self, task: Task, verdict: Verdict, answer: bool) -> None:
+        """Admission said no: counted by reason; answered to the producer with ``answer``."""
+        config, admission = self._config, self.admission
+        if verdict is Verdict.OVERLOADED:
+            code = ErrorCode.OVERLOADED
+            refusal = admission.refusal
+            if refusal is not None:  # by expected wait
+                self.refused["overloaded_expected_wait"] += 1
+                self._retry_after_ms = refusal.retry_after_ms
+                why = (
+                    f"{admission.pending} tasks pending: expected wait "
+                    f"{refusal.expected_wait_s:.3f} s, more than the {refusal.bound_s:.3f} s "
+                    "this task may wait"
+                )
+            elif admission.refused_bytes:
+                self.refused["overloaded_pending_bytes"] += 1
+                why = (
+                    f"{admission.pending_bytes} bytes of tasks pending here: this task "
+                    f"does not fit the byte budget (ingress.pending_bytes_max = "
+                    f"{config.pending_bytes_max})"
+                )
+            else:
+                self.refused[code.value] += 1
+                why = f"{admission.pending} tasks pending, the limit is {config.pending_max}"
+            retry_after_ms = self._retry_after_ms
+        elif verdict is Verdict.CONFLICT:
+            code, why, retry_after_ms = ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE, 0
+            self.refused[code.value] += 1
+        else:
+            assert verdict is Verdict.SHUTTING_DOWN, verdict
+            code, why = ErrorCode.SHUTTING_DOWN, "this daemon is shutting down"
+            retry_after_ms = config.retry_after_ms
+            self.refused[code.value] += 1
+        if answer:
+            self.send_error(task, code, why, retry_after_ms)
+
+    @property
+    def retry_after_ms(self) -> int:
+        """The retry-after hint for the latest ``admit`` call's refusal: computed for a refusal
+        by expected wait, else ``ingress.retry_after_ms``."""
+        return self._retry_after_ms
+
+    def handle_cancel(self, task_id: str, producer_key: str = "") -> None:
+        """A producer's Cancel (``producer_key``: the key it came with, "" without CURVE; on
+        the rpc channel, the key the entry daemon read): abort the task here, or pass it on
+        to where it runs.  Only the key that submitted the task may cancel it; a Cancel from
+        another is ignored and counted (outcome ``refused``), as docs/PROTOCOL.md says."""
+        outcome = self.runner.cancel(task_id, producer_key)
+        cancel_elsewhere = self.links.cancel_elsewhere
+        if outcome is None and cancel_elsewhere is not None:
+            outcome = cancel_elsewhere(task_id, producer_key)
+        if outcome is None:
+            outcome = "unknown"  # finished already, or never seen here
+        self.cancels[outcome] += 1
+        if outcome == "refused" and self._refused_log.allow():
+            log.warning(
+                "refused a Cancel from a producer that did not submit the task",
+                extra={
+                    "task_id": task_id[:128],
+                    "key": producer_key,
+                    "suppressed_since_last": self._refused_log.suppressed,
+                },
+            )
+            self._refused_log.suppressed = 0
+
+    def send_error(
+        self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0
+    ) -> None:
+        """Answer ``task`` with an error Result on its route."""
+        result = error_result(
+            task.id, code, message, node=self._node, retry_after_ms=retry_after_ms
+        )
+        self._replies.send(task.route, encode(result), task.batch_replies)
+
+    def begin_shutdown(self) -> None:
+        """Every new task is refused with shutting_down from now on; pending ones finish."""
+        self.admission.begin_shutdown()

@@ -1,0 +1,402 @@
+"""The runner: admitted tasks from the run queue to the engine and back to their producers.
+
+    run queue -> worker: TaskBook.start -> engine.generate -> Chunk* to reply_to
+    -> TaskBook.finish -> Result to reply_to (ReplySender) -> on_finished listeners
+
+Deadlines (a wheel swept while any running task has one), cancels and withdrawals (the
+worker running the task is cancelled), the engine's death (the task goes to another member
+through ``links.rescue``), held Results (``links.hold``: fanout/holding.py) and the end of a
+shutdown (queued tasks handed off or answered shutting_down).  Every door's tasks come here
+through the intake (ingress/intake.py), which admits them; this module decides nothing
+about admission.
+
+Concurrency: ``concurrency_max`` worker coroutines and the deadline sweeper run in the
+daemon's TaskGroup.  The run queue is unbounded as a container but bounded by admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Hashable
+
+from gossipd.clock import SYSTEM_CLOCK, Clock
+from gossipd.core.admission import Admission
+from gossipd.core.deadlines import DeadlineWheel
+from gossipd.core.lifecycle import Abort, Owned, Phase, Stop, TaskBook
+from gossipd.core.messages import (
+    Chunk,
+    ErrorCode,
+    Result,
+    Task,
+    Timings,
+    encode,
+    error_result,
+)
+from gossipd.core.queueing import QueueWait
+from gossipd.engines.base import (
+    Engine,
+    EngineDead,
+    EngineError,
+    GenerateRequest,
+    InvalidRequest,
+)
+from gossipd.ingress.links import IngressLinks
+from gossipd.ingress.runqueue import RunQueue
+from gossipd.ops.histogram import LatencyHistogram
+from gossipd.zmqloop import ReplySender
+
+log = logging.getLogger("gossipd.ingress.runner")
+
+# How often running tasks are checked against their deadlines (see core/deadlines.py).
+DEADLINE_RESOLUTION_S = 0.01
+
+_WITHDRAWN = Stop.WITHDRAWN
+
+
+class Runner:
+    """Runs what admission took: workers, the engine, deadlines, the answers."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        replies: ReplySender,
+        node: str,
+        book: TaskBook,
+        queue_wait: QueueWait,
+        links: IngressLinks,
+        retry_after_ms: int,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._engine = engine
+        self._replies = replies
+        self._node = node
+        self._clock = clock
+        self.book = book
+        self.admission: Admission = book.admission
+        self.queue_wait = queue_wait  # fed the service time of every task run to its end
+        self._links = links
+        self._retry_after_ms = retry_after_ms  # the hint with shutting_down answers
+        # Unbounded as a container; admission bounds it (pending_max).
+        self._queue: RunQueue[Owned] = RunQueue()
+        self._deadlines = DeadlineWheel(DEADLINE_RESOLUTION_S)
+        # Set when a running task's deadline is on the wheel: expire_forever sleeps on it
+        # while none is (an idle daemon does not wake 100 times a second for nothing).
+        self._deadlines_armed = asyncio.Event()
+        self._workers: dict[str, asyncio.Task[None]] = {}  # running task id -> its worker
+        self.results: Counter[str] = Counter()
+        self.latency = LatencyHistogram()
+        # Listeners, called synchronously in order (journal, fan-out bookkeeping, tracing):
+        # a task answered from here (the Result has just been handed to the reply sender;
+        # the entry says who else to tell: Owned.notify, the forwarders' TaskDones)...
+        self.on_finished: list[Callable[[Owned, Result], None]] = []
+        # ...and an admitted task that leaves without a result from here (handed off,
+        # withdrawn).
+        self.on_released: list[Callable[[Task], None]] = []
+
+    def enqueue(self, owned: Owned) -> None:
+        """An admitted task: a worker runs it when one is free."""
+        self._queue.put_nowait(owned)
+
+    def when_replies_sent(self, reply_to: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every reply sent to ``reply_to`` so far has left this
+        daemon's reply queues (``ReplySender.when_sent``): a task's TaskDone follows its
+        Result, never precedes it."""
+        self._replies.when_sent(reply_to, callback)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._workers)
+
+    # -- cancels and withdrawals -------------------------------------------------------------
+
+    def cancel(self, task_id: str, producer_key: str = "") -> str | None:
+        """Cancel an admitted task that has not finished, for the key that submitted it: a
+        running one is aborted in the engine (its worker is cancelled), a queued one is
+        answered when a worker takes it.  Either way its producer gets one Result with
+        ``cancelled``.  Returns "here" (the task is here), "refused" (another key's task),
+        None (not here)."""
+        if self.book.get(task_id) is None:
+            return None
+        abort = self.book.cancel(task_id, producer_key)
+        if abort is Abort.REFUSED:
+            return "refused"
+        if abort is Abort.ABORT:
+            self._abort(task_id)
+        return "here"
+
+    def withdraw(self, task_id: str, forwarder: Hashable) -> bool:
+        """``forwarder`` has the task run elsewhere: when no one else waits for its answer
+        from here, drop it without answering (a running one is aborted in the engine; chunks
+        already streamed stay sent).  True when it was dropped."""
+        abort = self.book.withdraw(task_id, forwarder)
+        if abort is Abort.ABORT:
+            self._abort(task_id)  # its worker releases it
+        elif abort is Abort.MARKED:
+            self._withdrawn(task_id)
+        return abort is not Abort.NOTHING
+
+    def _abort(self, task_id: str) -> None:
+        """Cancel the worker running ``task_id`` (none: it is being handed off, and the
+        hand-off's end looks at its stop reason)."""
+        worker = self._workers.get(task_id)
+        if worker is not None:
+            worker.cancel()
+
+    def _withdrawn(self, task_id: str) -> None:
+        owned = self.book.get(task_id)
+        assert owned is not None
+        self.results["withdrawn"] += 1
+        self.release(owned.task, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
+
+    def answer_shutting_down(self, task: Task) -> None:
+        """A taken task could not be handed off: answer it and forget it."""
+        if self.book.stop_reason(task.id) is Stop.WITHDRAWN:
+            self._withdrawn(task.id)  # nobody waits for an answer from here
+            return
+        self._finish_shutting_down(task, "started")
+
+    def _finish_shutting_down(self, task: Task, what: str) -> None:
+        """Answer shutting_down and forget the task (a resubmission runs it elsewhere)."""
+        self._finish(
+            task,
+            error_result(
+                task.id,
+                ErrorCode.SHUTTING_DOWN,
+                f"the daemon shut down before this task {what}",
+                node=self._node,
+                retry_after_ms=self._retry_after_ms,
+            ),
+            remember=False,
+        )
+
+    # -- workers -------------------------------------------------------------------------
+
+    async def work_forever(self) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        while True:
+            try:
+                owned = await self._queue.get()
+            except asyncio.CancelledError:
+                # A cancel aimed at a task that finished before the cancel landed arrives here.
+                if self.admission.shutting_down or not me.cancelling():
+                    raise
+                me.uncancel()
+                continue
+            if self.book.start(owned):  # else withdrawn while it was queued
+                task_id = owned.task.id
+                self._workers[task_id] = me
+                try:
+                    await self._run_job(owned)
+                finally:
+                    del self._workers[task_id]
+            # Not held while waiting for the next: each idle worker (concurrency_max of them)
+            # would keep its last task's prompt alive (256 x 900 KB prompts: issue 24).
+            del owned
+
+    async def expire_forever(self) -> None:
+        """Cancel the engine work of tasks past their deadline (they answer deadline_exceeded)."""
+        clock = self._clock.monotonic
+        armed = self._deadlines_armed
+        while True:
+            if not len(self._deadlines):
+                armed.clear()
+                await armed.wait()
+            await asyncio.sleep(DEADLINE_RESOLUTION_S)
+            for owned in self._deadlines.expire(clock()):
+                assert isinstance(owned, Owned)
+                if self.book.expire(owned.task.id) is Abort.ABORT:
+                    self._abort(owned.task.id)
+
+    async def _run_job(self, job: Owned) -> None:
+        task = job.task
+        clock = self._clock.monotonic
+        started = clock()
+        deadline = job.received_at + task.timeout_ms / 1000.0
+        parts: list[str] = []
+        first_token_at = 0.0
+        seq = 0
+        engine_died = False
+        token = self._deadlines.add(job, deadline)
+        armed = self._deadlines_armed
+        if not armed.is_set():
+            armed.set()
+        try:
+            if job.stop is not None:  # cancelled or expired while it was queued
+                raise asyncio.CancelledError
+            if started >= deadline:
+                raise TimeoutError
+            request = GenerateRequest(request_id=task.id, prompt=task.prompt, params=task.params)
+            async for delta in self._engine.generate(request):
+                if not first_token_at:
+                    first_token_at = clock()
+                parts.append(delta)
+                if task.stream:
+                    chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
+                    self._replies.send(task.route, encode(chunk), task.batch_replies)
+                    seq += 1
+            end = clock()
+            result = Result(
+                id=task.id,
+                ok=True,
+                text="".join(parts),
+                node=self._node,
+                attempts=task.attempt + 1,
+                chunks=seq,
+                timings=Timings(
+                    queued_ms=(started - job.received_at) * 1e3,
+                    first_token_ms=(first_token_at - job.received_at) * 1e3
+                    if first_token_at
+                    else 0.0,
+                    total_ms=(end - job.received_at) * 1e3,
+                ),
+            )
+            self.latency.observe(end - job.received_at)
+            self.queue_wait.observe(end - started)
+        except TimeoutError:
+            result = self._deadline_result(task, len(parts))
+        except InvalidRequest as exc:
+            result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
+        except EngineDead as exc:
+            engine_died = True
+            result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
+        except EngineError as exc:
+            result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
+        except asyncio.CancelledError:
+            why = job.stop  # our deadline sweeper, a Cancel or a Withdraw; None: a shutdown
+            if why is not None:
+                worker = self._workers[task.id]
+                if worker.cancelling():
+                    worker.uncancel()
+                if why is Stop.WITHDRAWN:
+                    self._withdrawn(task.id)
+                    return
+                result = (
+                    self._deadline_result(task, len(parts))
+                    if why is Stop.EXPIRED
+                    else error_result(
+                        task.id,
+                        ErrorCode.CANCELLED,
+                        f"cancelled by the producer ({len(parts)} chunks done)",
+                        node=self._node,
+                    )
+                )
+                self._finish(task, result)
+                return
+            # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
+            self._finish_shutting_down(task, "finished")
+            raise
+        except Exception as exc:  # an engine bug must not take the daemon down with it
+            log.exception("engine raised an unexpected error", extra={"task_id": task.id})
+            result = error_result(
+                task.id, ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}", node=self._node
+            )
+        finally:
+            self._deadlines.remove(job, token)
+        # Not the task's fault: another member runs it (its producer sees one result, from
+        # there).  Chunks already streamed from here may be sent again from seq 0.
+        rescue = self._links.rescue
+        if engine_died and rescue is not None and await rescue(task, job.received_at):
+            self.results["handed_off_engine_dead"] += 1
+            self.release(task, result)
+            return
+        if job.stop is _WITHDRAWN:  # withdrawn as it finished: the copy elsewhere answers
+            self._withdrawn(task.id)
+            return
+        self._finish(task, result)
+
+    def _deadline_result(self, task: Task, tokens: int) -> Result:
+        return error_result(
+            task.id,
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"deadline of {task.timeout_ms} ms passed ({tokens} tokens done)",
+            node=self._node,
+        )
+
+    def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
+        self.results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
+        owned = self.book.finish(task.id, result, remember=remember)
+        data = encode(result)
+        hold = self._links.hold
+        if (
+            hold is not None
+            and remember
+            and owned.forwarders
+            and not owned.from_producer
+            and hold(owned, result, len(data))
+        ):
+            return  # held: end_held sends it (or not) and tells the listeners
+        self._replies.send(task.route, data, task.batch_replies)
+        for listener in self.on_finished:
+            listener(owned, result)
+
+    def end_held(self, owned: Owned, result: Result, *, send: bool) -> None:
+        """A Result ``links.hold`` held: send it now (``send``), or not (its forwarder had
+        the task run elsewhere, or a resubmission was answered from the cache); either way
+        the task ends here for the listeners (journal, TaskDones to ``owned.forwarders``)."""
+        if send:
+            task = owned.task
+            self._replies.send(task.route, encode(result), task.batch_replies)
+        for listener in self.on_finished:
+            listener(owned, result)
+
+    def take_queued(self) -> list[tuple[Task, float]]:
+        """Remove admitted-but-unstarted tasks (to hand them to other members at drain).
+        They stay pending in admission until ``release`` is called for each."""
+        out = []
+        while len(self._queue):
+            owned = self._queue.get_nowait()
+            if self.book.get(owned.task.id) is owned and owned.phase is Phase.QUEUED:
+                owned.phase = Phase.RUNNING  # taken: no worker starts it now
+                out.append((owned.task, owned.received_at))
+        return out
+
+    def requeue(self, task: Task) -> bool:
+        """Put back a task ``take_queued`` took (no member would take it): it runs here."""
+        owned = self.book.get(task.id)
+        if owned is None or owned.phase is not Phase.RUNNING or task.id in self._workers:
+            return False
+        owned.phase = Phase.QUEUED
+        self._queue.put_nowait(owned)
+        return True
+
+    def release(self, task: Task, result: Result) -> None:
+        """A taken task leaves without a reply from here (withdrawn, handed off)."""
+        self.book.release(task.id, result)
+        for listener in self.on_released:
+            listener(task)
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def refuse_queued(self) -> int:
+        """Answer every admitted-but-unstarted task with shutting_down."""
+        count = 0
+        while len(self._queue):
+            owned = self._queue.get_nowait()
+            if self.book.get(owned.task.id) is owned:  # not withdrawn meanwhile
+                self.answer_shutting_down(owned.task)
+                count += 1
+        return count
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or running; False if ``timeout_s`` passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.admission.pending and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return not self.admission.pending
+
+    def served(self) -> tuple[int, int]:
+        """Tasks answered from here: (ok, with an error)."""
+        ok = self.results.get("ok", 0)
+        not_answered = self.results.get("withdrawn", 0) + self.results.get(
+            "handed_off_engine_dead", 0
+        )
+        return ok, sum(self.results.values()) - ok - not_answered
