@@ -184,9 +184,10 @@ class GossipConfig(Section):
     meta_sample_s: Seconds = 1.0
     meta_publish_min_s: Seconds = 2.0
     # Load gossip (issue 17; docs/PROTOCOL.md, "Load records"): every load_interval_s (0: off)
-    # a message of load records only to load_fanout random members, at most load_bytes_max
-    # of records, each record passed on at most load_transmits times and not once older
-    # than load_age_max_s.
+    # while records wait to be passed on, a message of load records only to load_fanout
+    # random members, at most load_bytes_max of records, each record passed on at most
+    # load_transmits times and not once older than load_age_max_s; none while every record
+    # has been passed on (an idle cluster sends none).
     # The defaults cost at most (500 + ~90 bytes of header) x 20 a second = 94 kbit/s.
     load_interval_s: Seconds = 0.05
     load_fanout: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1

@@ -599,6 +599,10 @@ class Daemon:
         self.links.forwarded_for_other = forwarder.forwarded_for_other
         self.links.rescue = dispatcher.hand_off
         ingress.intake.on_admitted.append(placer.record_prefix)
+        # Our load changes as tasks come and go: load gossip reads it at its next round.
+        ingress.intake.on_admitted.append(load_gossip.poke)
+        ingress.runner.on_finished.append(load_gossip.poke)
+        ingress.runner.on_released.append(load_gossip.poke)
         ingress.runner.on_released.append(dispatcher.task_finished)
         ingress.intake.on_refused.append(dispatcher.task_finished)
         ingress.runner.on_finished.append(

@@ -323,3 +323,29 @@ def _task_not_mine(placer: Placer) -> Task:
         if placer.view().ring.owner(task.key) != ME:  # type: ignore[union-attr]
             return task
     raise AssertionError("every key is ours")
+
+
+def test_drained_or_saturated_we_are_never_the_first_choice_while_another_serves() -> None:
+    """Our own entry comes from set_draining (an operator's Drain, or stopping) and from our
+    engine's latest sample (own_sample): drained, no task is placed here; saturated, another
+    member under its bound comes first."""
+    h = Harness()
+    _saturated_cluster(h)  # every member serving, none saturated
+    sample: dict[str, Any] = {"now": GpuState()}
+    placer = h.placer(own_sample=lambda: sample["now"])
+    tasks = [
+        Task(v=1, id=f"t{i}", key=f"k{i}", prompt="p", reply_to="tcp://1.2.3.4:5")
+        for i in range(200)
+    ]
+    mine = [t for t in tasks if placer.owner_for(t, NOW) == ME]
+    assert mine, "some keys are ours while we serve"
+    placer.set_draining(True)
+    assert all(placer.owner_for(t, NOW) != ME for t in tasks)
+    assert all(ME not in placer.order(t, NOW) for t in tasks)
+    placer.set_draining(False)
+    assert [t for t in tasks if placer.owner_for(t, NOW) == ME] == mine
+    sample["now"] = GpuState(waiting_requests=1_000_000)  # our engine queues: saturated
+    assert ME in placer.view().saturated
+    assert all(placer.owner_for(t, NOW) != ME for t in mine)
+    sample["now"] = GpuState()
+    assert [t for t in tasks if placer.owner_for(t, NOW) == ME] == mine

@@ -312,7 +312,10 @@ class Placer:
             weights = view.weights
             n = len(weights)
             kernels = n >= rings.KERNEL_MIN and self._kernels(n)
-            self._awaiting_kernels = n >= rings.KERNEL_MIN and not kernels
+            # Asked again on each decision until they are there (never with NumPy only).
+            self._awaiting_kernels = (
+                n >= rings.KERNEL_MIN and not kernels and self._kernels is not _numpy_only
+            )
             view.ring = Ring(weights, kernels=kernels) if weights else None
             self._holder_rank.clear()
         return view

@@ -8,11 +8,13 @@ each record passed on at most ``gossip.load_transmits`` times (core/loadstate.py
 go to the placer's ``LoadView``; the newer ones are passed on.  The owners' replies carry
 load too (fanout/owner.py): this is for the members an entry point has not sent to lately.
 
-When a round has nothing to send (no live peer, or every record passed on as often as it
-may be) the loop sleeps until a record comes in, or ``QUIET_RECHECK_S`` has passed (our own
-load is read then: it changes only while tasks come, and a new figure goes out at the next
-round).  An idle cluster sends no load gossip and its daemons do not wake for it (issue 25:
-20 wake-ups a second for nothing).
+Rounds run every ``gossip.load_interval_s`` while records wait to be passed on; when none
+does (every record passed on as often as it may be, or no live peer to send to) the loop
+sleeps until ``poke`` (our own load changed: the daemon pokes when a task is admitted or
+ends), a record to pass on comes in, a member joins, or ``QUIET_RECHECK_S`` has passed (our
+engine's figures can change with no task event).  An idle cluster sends no load gossip and
+its daemons do not wake for it (issue 25: 20 wake-ups a second for nothing); a daemon that
+gets busy says so at the next round, 50 ms later at most, as before.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from collections.abc import Callable
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.core.gossip_messages import GossipOnly, LoadRecord, encode_gossip
 from gossipd.core.loadstate import LoadRumors, LoadView
-from gossipd.core.membership import LIVE_STATES
+from gossipd.core.membership import LIVE_STATES, MemberEvent
 from gossipd.membership.gossip import GossipService, woken_within
 
-QUIET_RECHECK_S = 1.0  # idle: how often our own load is read for a change
+QUIET_RECHECK_S = 1.0  # quiet: how often our own load is read for a change
 
 
 class LoadGossip:
@@ -55,10 +57,21 @@ class LoadGossip:
         self._own_seq = -1
         self._peers: list[tuple[str, str]] = []
         self._peers_version: object = None
-        self._wake = asyncio.Event()  # a record to pass on came in
+        self._wake = asyncio.Event()  # something may be worth a round: see poke
+        gossip.listeners.append(self._member_event)
         self.sent_messages = 0
         self.sent_bytes = 0
         self.received_records = 0
+
+    def poke(self, *_event: object) -> None:
+        """Our load may have changed (a task admitted or ended: a listener of either, its
+        arguments ignored): the next round reads it."""
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _member_event(self, event: MemberEvent) -> None:
+        if event.kind in ("joined", "alive"):  # someone new to tell
+            self._wake.set()
 
     def on_loads(self, records: list[LoadRecord]) -> None:
         """Records from any gossip message: the newer ones kept and passed on."""
@@ -84,8 +97,9 @@ class LoadGossip:
             ]
         return self._peers
 
-    def send_once(self) -> int:
-        """One round: the messages sent (0: nothing to send, or nobody to send it to)."""
+    def send_once(self) -> bool:
+        """One round; True while records wait to be passed on (the next round is due),
+        False when there is nothing more to send, or nobody to send it to."""
         now = self._clock.monotonic()
         own = self._own()
         if own.seq != self._own_seq:
@@ -93,9 +107,8 @@ class LoadGossip:
             self.rumors.add(own, now - own.age_ms / 1000.0)
         peers = self._live_peers()
         if not peers:
-            return 0
+            return False
         gossip = self._gossip
-        sent = 0
         for name, addr in self._rng.sample(peers, min(self.fanout, len(peers))):
             records = self.rumors.take(now, self.bytes_max, exclude=name)
             if not records:
@@ -111,8 +124,7 @@ class LoadGossip:
             self.sent_messages += 1
             self.sent_bytes += len(data)
             gossip.send(addr, data)
-            sent += 1
-        return sent
+        return bool(self.rumors)
 
     async def run_forever(self) -> None:
         if self.interval_s <= 0:

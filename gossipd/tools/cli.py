@@ -356,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes",
         type=_nodes,
         default=None,
-        help="route, prefix: daemons (3); ring: members (64); place: member counts, "
-        "comma-separated (64,1000,10000)",
+        help="route, prefix: daemons (3); ring: members (64); membership: daemons and Serf "
+        "agents (16); place: member counts, comma-separated (64,1000,10000)",
     )
     p.add_argument(
         "--tasks",

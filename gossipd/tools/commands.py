@@ -278,6 +278,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "membership":
         from gossipd.tools.bench.membership import main as bench_membership
 
+        if isinstance(args.nodes, list):
+            print("gossipd bench membership: --nodes takes one count (16)", file=sys.stderr)
+            return 2
         return bench_membership(
             nodes=args.nodes or 16,
             peers=args.peers,

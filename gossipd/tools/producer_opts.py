@@ -139,9 +139,7 @@ def reply_bind(args: argparse.Namespace, endpoints: Sequence[str] = ()) -> str:
     return value
 
 
-def producer_keys(
-    args: argparse.Namespace, endpoints: Sequence[str] | None
-) -> ProducerKeys | None:
+def producer_keys(args: argparse.Namespace, endpoints: Sequence[str] | None) -> ProducerKeys | None:
     """--secret-key and --server-key (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY): CURVE.
     ``endpoints`` None: a command that asks no daemon (cluster drain goes by etcd), so any
     number of server keys is fine (one environment can serve every command)."""

@@ -313,6 +313,7 @@ def run(*, nodes: int, peers: str, idle_s: float, crashes: int, steps: Steps) ->
         cluster.stop()
         if serf is not None:
             serf.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     g = report["gossipd"]
     if serf is not None:
         s = report["serf"]
@@ -323,7 +324,6 @@ def run(*, nodes: int, peers: str, idle_s: float, crashes: int, steps: Steps) ->
             g["rss_mb_per_agent"]["mean"] / max(1e-9, s["rss_mb_per_agent"]["mean"]), 3
         )
     report["goals"] = _goals(report)
-    shutil.rmtree(workdir, ignore_errors=True)
     return report
 
 
