@@ -19,6 +19,7 @@ import secrets
 import signal
 import socket
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import zmq
@@ -566,7 +567,6 @@ class Daemon:
             Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
             node=self.node,
             placement=placer,
-            admit_local=lambda task, at: ingress.intake.admit(task, at, answer=False),
             rng=self.rng("fanout"),
             loads=loads,
             local_ids=local_ids,
@@ -588,6 +588,7 @@ class Daemon:
             links=PeerLinks(config.fanout, sockets=self.sockets, on_reply=peer_replies),
             owner=owner,
             send_error=lambda e: self._refuse_forward(e),
+            admit_here=partial(ingress.intake.admit, answer=False),
             clock=self.clock,
             tracer=self.tracer,
             on_confirm_reply=lambda msg: self._held().on_reply(msg),

@@ -72,7 +72,6 @@ class SimDaemon:
             world.forwarder_settings,
             node=self.name,
             placement=self.placement,
-            admit_local=self.admit_local,
             rng=random.Random(world.rng.getrandbits(64)),
             loads=loads,
             local_ids=local_ids,
@@ -113,9 +112,6 @@ class SimDaemon:
                     task.id, ErrorCode(verdict.value), "busy", retry_after_ms=self.retry_after_ms()
                 )
                 self.world.answer(self, task, busy)
-
-    def admit_local(self, task: Task, received_at: float) -> Verdict:
-        return self.admit(task, received_at, forwarder="")
 
     def admit(self, task: Task, received_at: float, *, forwarder: str) -> Verdict:
         verdict, entry = self.book.offer(

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 
 from gossipd.config import FanoutConfig
-from gossipd.core.forwarder import ForwarderSettings, Refuse
+from gossipd.core.forwarder import ForwarderSettings, Refuse, RunHere
 from gossipd.core.gossip_messages import Meta
 from gossipd.core.messages import Result, Task, error_result
 from gossipd.core.peer_messages import Forward, Withdraw
@@ -134,8 +134,13 @@ class World(Producers, Faults, Network, Checks):
             elif isinstance(msg, Forward):
                 self.trace(msg.task.id, d.name, f"forwards it to {addr} (attempt {msg.attempt})")
             self.send_peer(d, addr, msg)
+        answered = False
         for event in fw.take_events():
-            if isinstance(event, Refuse):
+            if isinstance(event, RunHere):  # as the daemon's Dispatcher answers it
+                verdict = d.admit(event.task, event.received_at, forwarder="")
+                fw.local_verdict(event.task.id, verdict, self.now)
+                answered = True
+            elif isinstance(event, Refuse):
                 self.answer(
                     d,
                     event.task,
@@ -146,6 +151,9 @@ class World(Producers, Faults, Network, Checks):
                         retry_after_ms=event.retry_after_ms,
                     ),
                 )
+        if answered:
+            self.flush_forwarder(d)  # what the forwarder did next
+            return
         self.schedule_forwarder(d)
 
     def schedule_forwarder(self, d: SimDaemon) -> None:

@@ -16,6 +16,7 @@ from gossipd.core.forwarder import (
     HandedOff,
     Refuse,
     Route,
+    RunHere,
 )
 from gossipd.core.messages import Cancel, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
@@ -41,6 +42,43 @@ def _task(i: int = 0, timeout_ms: int = 10_000) -> Task:
     return Task(v=1, id=f"t{i}", prompt="p", reply_to="tcp://127.0.0.1:9", timeout_ms=timeout_ms)
 
 
+class AnsweringForwarder(Forwarder):
+    """The forwarder with each RunHere answered by ``local`` right after the input that made
+    it, as the Dispatcher answers it with our admission's verdict (fanout/forwarding.py)."""
+
+    local = Verdict.ADMIT
+    answered_here: list[str]
+
+    def _answer_here(self, now: float) -> None:
+        while here := [e for e in self._events if isinstance(e, RunHere)]:
+            self._events = [e for e in self._events if not isinstance(e, RunHere)]
+            for event in here:
+                self.answered_here.append(event.task.id)
+                self.local_verdict(event.task.id, self.local, now)
+
+    def route(self, task: Task, now: float) -> Route:
+        route = super().route(task, now)
+        self._answer_here(now)
+        return route
+
+    def hand_off(self, task: Task, received_at: float, now: float) -> None:
+        super().hand_off(task, received_at, now)
+        self._answer_here(now)
+
+    def on_reply(self, msg: object, now: float) -> None:
+        super().on_reply(msg, now)
+        self._answer_here(now)
+
+    def member_dead(self, node: str, now: float) -> int:
+        moved = super().member_dead(node, now)
+        self._answer_here(now)
+        return moved
+
+    def tick(self, now: float) -> None:
+        super().tick(now)
+        self._answer_here(now)
+
+
 def _forwarder(
     members: list[str],
     *,
@@ -50,13 +88,14 @@ def _forwarder(
     **settings: object,
 ) -> tuple[Forwarder, FixedPlacement]:
     placement = FixedPlacement(members)
-    fw = Forwarder(
+    fw = AnsweringForwarder(
         ForwarderSettings(**settings),  # type: ignore[arg-type]
         node=me,
         placement=placement,
-        admit_local=lambda task, at: local,
         rng=random.Random(seed),
     )
+    fw.local = local
+    fw.answered_here = []
     return fw, placement
 
 
@@ -563,3 +602,34 @@ def test_Forwarder_a_saturated_copy_waits_while_its_hedge_races() -> None:
     assert _forwards(fw.take_outbox()) == [], "no third member while the copy may win"
     fw.on_reply(_reply(copy, "b", True), now + 0.004)
     assert fw.ledger.get("t0").owner == "b" and not fw.take_events()  # type: ignore[union-attr]
+
+
+def test_a_retry_that_lands_on_us_is_offered_to_our_admission_by_an_event() -> None:
+    """Rule 1: ourselves as the next member is a RunHere event (no call into the shell);
+    admission's verdict, given back, is that attempt's answer."""
+    fw = Forwarder(ForwarderSettings(), node="me", placement=FixedPlacement(["a", "me", "b"]),
+                   rng=random.Random(1))  # fmt: skip
+    task = _task()
+    fw.route(task, 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", False, "overloaded", 10), 0.001)
+    fw.tick(fw.next_deadline())  # the backoff: ourselves next
+    [event] = fw.take_events()
+    assert isinstance(event, RunHere) and event.task is task and event.received_at == 0.0
+    assert not fw.take_outbox() and "t0" not in fw.local_ids  # nothing decided yet
+    fw.local_verdict("t0", Verdict.OVERLOADED, 0.01)  # busy here too: on to b
+    fw.tick(fw.next_deadline())
+    [(addr, second)] = _forwards(fw.take_outbox())
+    assert addr == "addr-b" and second.task.id == "t0"
+    fw.local_verdict("t0", Verdict.ADMIT, 0.02)  # a stray verdict changes nothing
+    assert "t0" not in fw.local_ids and fw.pending() == 1
+    # Taken here: it runs here, counted as our own load.
+    other = Forwarder(ForwarderSettings(), node="me", placement=FixedPlacement(["a", "me"]),
+                      rng=random.Random(1))  # fmt: skip
+    other.route(task, 0.0)
+    [(_, fwd)] = _forwards(other.take_outbox())
+    other.on_reply(_reply(fwd, "a", False, "overloaded", 10), 0.001)
+    other.tick(other.next_deadline())
+    [event] = other.take_events()
+    other.local_verdict("t0", Verdict.ADMIT, 0.01)
+    assert other.local_ids == {"t0"} and other.pending() == 0 and other.counters.local == 1

@@ -8,16 +8,21 @@ Inputs (each with the time ``now``, seconds on one monotonic clock):
     member_dead(node, now)   membership declared a member dead: migrate what it held for us
     cancel(task_id)          a producer's Cancel for a task we forwarded
     tick(now)                timers: ack timeouts, hedges, backoffs (due at next_deadline())
+    local_verdict(id, verdict, now)  admission's verdict on a RunHere (below)
 Outputs:
     take_outbox()  [(rpc address, Forward | Withdraw | Cancel)] to send, in order
-    take_events()  [Refuse | HandedOff]: answer a producer with an error; a hand-off's outcome
+    take_events()  [Refuse | HandedOff | RunHere]: answer a producer with an error; a
+                   hand-off's outcome; offer a task to our own admission (the shell does,
+                   and answers with local_verdict before anything else reaches us)
 
 Rules (one code path for each decision):
 1. A task is a ``Journey``: its attempts, in placement order, each a Forward that the member
    accepts or refuses within ``ack_timeout_s``.  A refusal or silence moves to the next member
    after a backoff of min(backoff_max_s, backoff_base_s * 2^(n-1)) x U(0.5, 1.5) (no backoff
    for hand-offs, which race a drain), never past the task's deadline and at most
-   ``attempts_max`` members.  A member that is ourselves is tried through ``admit_local``.
+   ``attempts_max`` members.  A member that is ourselves is tried by a ``RunHere`` event:
+   the shell offers the task to our admission and gives the verdict back
+   (``local_verdict``), which counts as that member's answer.
 2. A member that stays silent gets a Withdraw for its copy (a stalled member that resumes
    reads the Forward, then the Withdraw, and answers nothing), and a failure on its breaker.
    Accepts and busy refusals (overloaded, shutting_down) count as successes: it answered.
@@ -52,7 +57,7 @@ import enum
 import heapq
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -144,6 +149,15 @@ class HandedOff:
     ok: bool
 
 
+@dataclass(frozen=True, slots=True)
+class RunHere:
+    """Offer ``task`` to our own admission as received at ``received_at`` (a retry or a
+    migration whose next member is ourselves); answer with ``local_verdict``."""
+
+    task: Task
+    received_at: float
+
+
 @dataclass(slots=True)
 class ForwarderCounters:
     local: int = 0  # tasks from our intake run here
@@ -228,7 +242,6 @@ class Forwarder:
         *,
         node: str,
         placement: Placement,
-        admit_local: Callable[[Task, float], Verdict],
         rng: random.Random,
         loads: dict[str, int] | None = None,
         local_ids: set[str] | None = None,
@@ -238,7 +251,7 @@ class Forwarder:
         self.node = node
         self.boot = boot  # this process's start (Forward.boot), from the shell's clock
         self._placement = placement
-        self._admit_local = admit_local
+        self._here: dict[str, Journey] = {}  # task id -> its journey, awaiting local_verdict
         self._rng = rng
         self.loads: dict[str, int] = {} if loads is None else loads
         self.ledger = ForwardedLedger(
@@ -264,7 +277,7 @@ class Forwarder:
         self._ack_times = AckTimes(quantile=settings.hedge_quantile)
         self._hedge_credit = HEDGE_BURST
         self._outbox: list[tuple[str, Forward | Withdraw | Cancel]] = []
-        self._events: list[Refuse | HandedOff] = []
+        self._events: list[Refuse | HandedOff | RunHere] = []
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -391,7 +404,7 @@ class Forwarder:
         out, self._outbox = self._outbox, []
         return out
 
-    def take_events(self) -> Sequence[Refuse | HandedOff]:
+    def take_events(self) -> Sequence[Refuse | HandedOff | RunHere]:
         if not self._events:
             return ()
         out, self._events = self._events, []
@@ -416,7 +429,9 @@ class Forwarder:
     def take_all(
         self,
     ) -> tuple[
-        Sequence[tuple[str, Forward | Withdraw | Cancel]], Sequence[Refuse | HandedOff], float
+        Sequence[tuple[str, Forward | Withdraw | Cancel]],
+        Sequence[Refuse | HandedOff | RunHere],
+        float,
     ]:
         """take_outbox(), take_events() and next_deadline() in one call (once per flush)."""
         return self.take_outbox(), self.take_events(), self.next_deadline()
@@ -439,18 +454,8 @@ class Forwarder:
         """Try ``member`` now; on a failure that needs no answer, go on to the next one."""
         j.tried.append(member)
         if member == self.node:
-            verdict = self._admit_local(j.task, j.received_at)
-            if verdict in _TAKEN_HERE:
-                self.counters.local += 1
-                if verdict is not Verdict.DUPLICATE_DONE:  # done already: nothing will run
-                    self.local_ids.add(j.task.id)
-                self._end(j, ok=True)
-                return
-            if verdict is Verdict.CONFLICT:
-                j.attempts.append(f"{member}: {verdict.value}")
-                self._refuse_final(j, ErrorCode.ID_IN_USE)
-                return
-            self._failed(j, member, verdict.value, now)
+            self._here[j.task.id] = j
+            self._events.append(RunHere(j.task, j.received_at))
             return
         breaker = self._breaker(member)
         if not breaker.allow(now):
@@ -461,6 +466,24 @@ class Forwarder:
             self._failed(j, member, AttemptFailure.NOT_A_MEMBER, now)
             return
         self._send_forward(j, member, addr, breaker, now)
+
+    def local_verdict(self, task_id: str, verdict: Verdict, now: float) -> None:
+        """Our admission's verdict on the RunHere for ``task_id``: taken here, or the next
+        member (as a refusal from a peer would)."""
+        j = self._here.pop(task_id, None)
+        if j is None or j.ended:
+            return
+        if verdict in _TAKEN_HERE:
+            self.counters.local += 1
+            if verdict is not Verdict.DUPLICATE_DONE:  # done already: nothing will run
+                self.local_ids.add(j.task.id)
+            self._end(j, ok=True)
+            return
+        if verdict is Verdict.CONFLICT:
+            j.attempts.append(f"{self.node}: {verdict.value}")
+            self._refuse_final(j, ErrorCode.ID_IN_USE)
+            return
+        self._failed(j, self.node, verdict.value, now)
 
     def _send_forward(
         self, j: Journey, member: str, addr: str, breaker: Breaker, now: float

@@ -22,7 +22,15 @@ from typing import Any
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
-from gossipd.core.forwarder import Forwarder, ForwarderSettings, HandedOff, Refuse, Route
+from gossipd.core.admission import Verdict
+from gossipd.core.forwarder import (
+    Forwarder,
+    ForwarderSettings,
+    HandedOff,
+    Refuse,
+    Route,
+    RunHere,
+)
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Drain, Task
 from gossipd.core.peer_messages import Confirm, ConfirmReply, Forward, TaskDone
@@ -77,6 +85,7 @@ class Dispatcher:
         links: PeerLinks,
         owner: OwnerEndpoint,
         send_error: Callable[[Refuse], None],
+        admit_here: Callable[[Task, float], Verdict],
         clock: Clock = SYSTEM_CLOCK,
         tracer: Any = None,
         on_confirm_reply: Callable[[ConfirmReply], None] = lambda msg: None,
@@ -89,6 +98,9 @@ class Dispatcher:
         self.owner = owner
         self._links = links
         self._send_error = send_error
+        # Our admission, for the forwarder's RunHere (a retry or a migration whose next
+        # member is ourselves): its verdict goes back at once (Forwarder.local_verdict).
+        self._admit_here = admit_here
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._hand_offs: dict[str, list[asyncio.Future[bool]]] = {}
@@ -213,18 +225,30 @@ class Dispatcher:
     # -- outputs ---------------------------------------------------------------------------
 
     def _flush(self) -> None:
+        while self._flush_once():
+            pass  # a RunHere answered: what the forwarder did next goes out too
+
+    def _flush_once(self) -> bool:
+        """Send what the forwarder queued and act on its events; True if a RunHere was
+        answered (the forwarder has more to say)."""
         outbox, events, at = self.forwarder.take_all()
         tracer = self.tracer
         for addr, msg in outbox:
             if tracer is not None and type(msg) is Forward:
                 msg = tracer.forwarding(msg, addr)
             self._links.send(addr, msg)
+        answered = False
         for event in events:
-            if isinstance(event, Refuse):
+            if type(event) is RunHere:
+                verdict = self._admit_here(event.task, event.received_at)
+                self.forwarder.local_verdict(event.task.id, verdict, self._clock.monotonic())
+                answered = True
+            elif isinstance(event, Refuse):
                 if tracer is not None:
                     tracer.refused(event.task.id, event.code)
                 self._send_error(event)
             else:
+                assert isinstance(event, HandedOff)
                 self._handed_off(event)
         if at < self._timer_at:
             if self._timer is not None:
@@ -232,6 +256,7 @@ class Dispatcher:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(max(0.0, at - self._clock.monotonic()), self._on_timer)
             self._timer_at = at
+        return answered
 
     def _on_timer(self) -> None:
         self._timer = None
