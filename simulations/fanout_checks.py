@@ -12,6 +12,9 @@
   crash of the first owner excuses it).  Two copies of different producer sends (the producer
   resent during a stall or a partition) are counted apart, not a violation;
 - answer_after_withdraw: an owner answers for a task that was withdrawn before it ran;
+- taskdone_before_result: an owner sends a TaskDone for a task whose Result this process has
+  not sent (docs/PROTOCOL.md: a TaskDone never leaves before its Result; a forwarder that
+  forgets a task its owner then loses cannot migrate it);
 - chunk_gap: a final Result arrives while the producer misses some of its chunks;
 - loads: each forwarder's load counts equal its pending forwards plus its ledger.
 A violation prints the seed; ``trace`` records the events of one task (``trace_for`` in

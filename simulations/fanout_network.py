@@ -9,6 +9,7 @@ import math
 from typing import TYPE_CHECKING
 
 from gossipd.core.messages import Chunk, Result
+from gossipd.core.peer_messages import TaskDone
 from simulations.fanout_run import PEER_MSG, TO_PRODUCER
 
 if TYPE_CHECKING:
@@ -40,11 +41,15 @@ class Network:
         return self.run.latency_s * math.exp(0.5 * self.rng.gauss(0.0, 1.0))
 
     def send_peer(self, d: SimDaemon, member: str, msg: object, delay: float = 0.0) -> None:
+        if type(msg) is TaskDone and (d.index, d.epoch, msg.id) not in self.results_sent:
+            self.violation("taskdone_before_result", msg.id, d.name)
         dst = self.by_name.get(member)
         if dst is not None:
             self.deliver(d.index, dst, PEER_MSG, msg, lossy=True, delay=delay)
 
     def to_producer(self, d: SimDaemon, msg: Chunk | Result) -> None:
+        if type(msg) is Result:
+            self.results_sent.add((d.index, d.epoch, msg.id))
         latency = self.latency()
         link = (d.index, -1)
         at = max(self.now + latency, self.link_last.get(link, 0.0) + 1e-7)

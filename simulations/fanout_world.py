@@ -100,6 +100,7 @@ class World(Producers, Faults, Network, Checks):
         self.resubmitted_two_runs = 0
         self.two_runs: list[tuple[str, int, int, int, float]] = []  # id, first, epoch, second, t
         self.withdraws_sent: set[tuple[str, str]] = set()  # (member, task id)
+        self.results_sent: set[tuple[int, int, str]] = set()  # (daemon, epoch, task id)
         self.violations: list[dict[str, object]] = []
         self.duplicates_dropped = 0
         self.duplicates_accepted = 0

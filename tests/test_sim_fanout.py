@@ -1,5 +1,6 @@
 """The whole-daemon simulator (simulations/fanout.py): the promises under faults, replay by
-seed both ways, and a swarm that catches a forwarder that forgets to withdraw."""
+seed both ways, and a swarm that catches a forwarder that forgets to withdraw and an owner
+that says done before its Result."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import os
 import subprocess
 import sys
 
+from gossipd.core.admission import Verdict
 from gossipd.core.forwarder import Forwarder
+from gossipd.core.gossip_messages import LoadRecord
+from gossipd.core.owner import Owner, Reply
+from gossipd.core.peer_messages import Forward
 from simulations.fanout import FanoutRun, run_fanout, swarm, trace_for
 
 
@@ -90,6 +95,27 @@ def test_swarm_passes_the_real_forwarder_and_catches_one_that_skips_withdraw() -
     failure = bad["failures"][0]  # type: ignore[index]
     assert failure["violations"][0]["invariant"] == "two_runs"
     assert isinstance(failure["seed"], int), "the seed to replay it is reported"
+
+
+class DoneAtOnce(Owner):
+    """A broken owner: tells its forwarder a task is done as it accepts it (the TaskDone
+    leaves before the Result: a forwarder that forgets the task cannot migrate it when this
+    owner then dies)."""
+
+    def admitted(
+        self, msg: Forward, verdict: Verdict, retry_after_ms: int, load: LoadRecord | None = None
+    ) -> Reply:
+        reply = super().admitted(msg, verdict, retry_after_ms, load)
+        return Reply(reply.reply, reply.accepted, done_now=reply.accepted)
+
+
+def test_swarm_catches_an_owner_that_says_done_before_its_result() -> None:
+    """The simulated daemons run the daemon's own owner core (core/owner.py): break it and
+    the swarm fails, on the rule it breaks."""
+    bad = swarm(10, seed=3, owner_class=DoneAtOnce)
+    assert bad["failing"] >= 1
+    failure = bad["failures"][0]  # type: ignore[index]
+    assert failure["violations"][0]["invariant"] == "taskdone_before_result"
 
 
 def test_trace_replays_one_tasks_story() -> None:
