@@ -475,13 +475,13 @@ class Daemon:
         """Membership and fan-out, built in dependency order and wired here, the one place
         that knows them all (no part sets another's attributes)."""
         config, ingress = self.config, self.ingress
-        # Parts that call each other back reach the later ones through these names, bound
-        # below before any message is read (closures: no part sets another's attributes).
-        gossip: GossipService
-        placer: Placer
+        # Two cycles of calls remain, closed by these names, bound below before any message
+        # is read (tests/test_composition.py holds the list): the placer reads the
+        # forwarder's in-flight count, and the owner endpoint hands what peers send us as a
+        # forwarder (TaskDones of tasks re-run from a journal, Confirms) to the dispatcher,
+        # which is built on the owner endpoint.
         forwarder: Forwarder
         dispatcher: Dispatcher
-        load_gossip: LoadGossip
         # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the
         # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
         own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
@@ -499,6 +499,23 @@ class Daemon:
                 queued_tokens=stats.queued_tokens,
                 kv_ratio=stats.kv_cache_usage_ratio,
             )
+
+        # Per member: our forwards not yet done (bounded loads); the placer reads their sum
+        # from the forwarder (Forwarder.in_flight: the one cycle of the cores, placer and
+        # forwarder, closed by that name).
+        loads: dict[str, int] = {}
+        local_ids: set[str] = set()  # our intake's tasks running here
+        placer = Placer(
+            config.fanout,
+            node=self.node,
+            loads=loads,
+            local_ids=local_ids,
+            weight=config.gpu.capacity_weight,
+            model=ingress.intake.model,
+            in_flight=lambda: forwarder.in_flight(),
+            own_sample=engine_load.read,  # our own decisions: our current load too
+            kernels=KernelLoader(),
+        )
 
         def peer_replies(msgs: list[object]) -> None:
             dispatcher.on_peer_replies(msgs)
@@ -524,7 +541,7 @@ class Daemon:
             if security.curve
             else None,
             peer_allowed=security.peer_allowed if security.curve else None,
-            saturated=lambda: placer.engine_saturated(engine_load.read()),
+            saturated=placer.own_engine_saturated,
             # built in run() after membership; a relayed Drain before that waits for none
             on_withdraw_held=lambda task_id, node: self._held().withdrawn(task_id, node),
             on_drain=lambda msg: self.admin.handle_drain(msg) if self.admin else None,
@@ -544,23 +561,7 @@ class Daemon:
             rpc_endpoint=rpc_endpoint,
             model=ingress.intake.model,
             load=lambda: ingress.intake.admission.pending,
-            prefixes=lambda: dispatcher.prefix_summary(),
-            on_loads=lambda records: load_gossip.on_loads(records),
-        )
-        # Per member: our forwards not yet done (bounded loads); the placer reads their sum
-        # from the forwarder (Forwarder.in_flight).
-        loads: dict[str, int] = {}
-        local_ids: set[str] = set()  # our intake's tasks running here
-        placer = Placer(
-            config.fanout,
-            node=self.node,
-            loads=loads,
-            local_ids=local_ids,
-            weight=config.gpu.capacity_weight,
-            model=ingress.intake.model,
-            in_flight=lambda: forwarder.in_flight(),
-            own_sample=engine_load.read,  # our own decisions: our current load too
-            kernels=KernelLoader(),
+            prefixes=placer.prefix_summary,
         )
         PlacementFeed(placer, gossip)
         forwarder = Forwarder(

@@ -46,3 +46,69 @@ def test_the_check_finds_a_hook_set_on_a_part() -> None:
     tree = ast.parse("self.ingress.router = d.route\ngossip.model = m\nself.links.router = r\n")
     found = [t for _, t in attribute_assignments(tree) if foreign(t)]
     assert found == ["self.ingress.router", "gossip.model"]
+
+
+# The cycles the composition root still closes by a name bound after the closure that uses
+# it (issue 25 took the rest out: placement before the owner endpoint and gossip, load
+# gossip subscribing itself).  A new one fails here: build the part first, or subscribe.
+LATE_NAMES_ALLOWED = {
+    # the placer reads the forwarder's in-flight count; the forwarder places through it
+    ("_build_membership_and_fanout", "forwarder"),
+    # the owner endpoint hands the dispatcher what peers send us as a forwarder (TaskDones
+    # of tasks re-run from a journal, Confirms); the dispatcher is built on the endpoint
+    ("_build_membership_and_fanout", "dispatcher"),
+}
+
+
+def closures_over_later_names(tree: ast.AST) -> set[tuple[str, str]]:
+    """(function, name) for each lambda or nested function that reads a local of its
+    enclosing function assigned only after the closure is written."""
+    found: set[tuple[str, str]] = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        bound: dict[str, int] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign | ast.AugAssign) or (
+                isinstance(node, ast.AnnAssign) and node.value is not None
+            ):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names = target.elts if isinstance(target, ast.Tuple) else [target]
+                    for n in names:
+                        if isinstance(n, ast.Name):  # a local (not self.x: an attribute)
+                            bound.setdefault(n.id, node.lineno)
+        for inner in ast.walk(fn):
+            if inner is fn or not isinstance(inner, ast.Lambda | ast.FunctionDef):
+                continue
+            own = {a.arg for a in inner.args.args} | {
+                n.id
+                for n in ast.walk(inner)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            }
+            for n in ast.walk(inner):
+                if (
+                    isinstance(n, ast.Name)
+                    and isinstance(n.ctx, ast.Load)
+                    and n.id not in own
+                    and bound.get(n.id, 0) > inner.lineno
+                ):
+                    found.add((fn.name, n.id))
+    return found
+
+
+def test_the_daemon_closes_no_cycle_by_a_later_name_but_the_two_it_names() -> None:
+    source = Path(gossipd.daemon.__file__).read_text()
+    assert closures_over_later_names(ast.parse(source)) == LATE_NAMES_ALLOWED
+
+
+def test_the_check_finds_a_closure_over_a_name_bound_later() -> None:
+    tree = ast.parse(
+        "def build():\n"
+        "    a = make(lambda: b.go())\n"
+        "    def inner(x):\n"
+        "        y = x\n"
+        "        return y + a\n"
+        "    b = make(inner)\n"
+    )
+    assert closures_over_later_names(tree) == {("build", "b")}

@@ -84,10 +84,18 @@ def test_tasks_on_a_killed_owner_migrate_and_every_task_gets_one_result(make_clu
                 await client.submit(f"p{i}", key=f"key-{i}", max_tokens=40, timeout_s=30)
                 for i in range(60)
             ]
+
+            def d02_holds_accepted_tasks() -> bool:
+                # Accepted, not only sent: an accept waits up to ack_delay_s at the owner, and
+                # a forward killed before its accept is retried (ack timeout), not migrated.
+                m = scrape(cluster.daemons[0].metrics_port)
+                routed = m.get("gossipd_fanout_forwarded_total", 0) + m.get(
+                    "gossipd_fanout_local_total", 0
+                )
+                return routed >= 60 and m.get(held, 0) >= 5
+
             await wait_until_async(
-                lambda: scrape(cluster.daemons[0].metrics_port).get(held, 0) >= 5,
-                10,
-                "d00 to have tasks accepted by d02",
+                d02_holds_accepted_tasks, 10, "d00 to have tasks accepted by d02"
             )
             victim.kill()
             results = [await h.result() for h in handles]

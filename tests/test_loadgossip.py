@@ -29,6 +29,7 @@ class Wire:
             config=SimpleNamespace(gossip=GossipConfig(load_interval_s=INTERVAL_S)),
             core=SimpleNamespace(table=self.table),
             listeners=self.listeners,
+            load_listeners=[],
             swim_config=SimpleNamespace(cluster="default"),
             node="me",
             advertise="tcp://me:1",

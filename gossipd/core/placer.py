@@ -287,6 +287,12 @@ class Placer:
             or gpu.kv_cache_usage_ratio >= cfg.engine_kv_cache_saturated_ratio
         )
 
+    def own_engine_saturated(self) -> bool:
+        """Is our engine saturated as its latest sample reads now (the owner check of a
+        Forward that asks if_free)?  Never, without ``own_sample``."""
+        sample = None if self.own_sample is None else self.own_sample()
+        return sample is not None and self.engine_saturated(sample)
+
     # -- the view, member by member --------------------------------------------------------
 
     def view(self) -> View:

@@ -70,12 +70,9 @@ class GossipService:
         model: str = "",
         load: Callable[[], int] = lambda: 0,
         prefixes: Callable[[], list[int]] = list,
-        on_loads: Callable[[list[LoadRecord]], None] | None = None,
     ) -> None:
         """``rpc_endpoint``: where peers forward tasks; ``model``: the model we serve;
-        ``load``: our in-flight task count; ``prefixes``: a summary of the prefixes we hold;
-        ``on_loads``: takes the load records a gossip message carried
-        (membership/loadgossip.py)."""
+        ``load``: our in-flight task count; ``prefixes``: a summary of the prefixes we hold."""
         g = config.gossip
         self._clock = clock
         self.config = config
@@ -120,7 +117,8 @@ class GossipService:
         self.load = load
         self.prefixes = prefixes
         self.last_gpu_state: GpuState | None = None  # our latest sample (placement reads it)
-        self.on_loads = on_loads
+        # Take the load records a gossip message carried (membership/loadgossip.py).
+        self.load_listeners: list[Callable[[list[LoadRecord]], None]] = []
 
     def bind(self) -> str:
         bound = self.transport.bind(self.config.gossip.bind, self._on_frame)
@@ -132,9 +130,13 @@ class GossipService:
             rng=self._rng,
             now=self._clock.wall(),
             seeds=[addr for _, addr in self._seeds],
-            on_loads=self.on_loads,
+            on_loads=self._on_loads,
         )
         return self.advertise
+
+    def _on_loads(self, records: list[LoadRecord]) -> None:
+        for listener in self.load_listeners:
+            listener(records)
 
     def _accept(self, sender: str, frame: bytes) -> bool:
         """CURVE: a datagram from the member whose key is ``sender``'s must say it is from

@@ -59,6 +59,7 @@ class LoadGossip:
         self._peers_version: object = None
         self._wake = asyncio.Event()  # something may be worth a round: see poke
         gossip.listeners.append(self._member_event)
+        gossip.load_listeners.append(self.on_loads)  # records any gossip message carries
         self.sent_messages = 0
         self.sent_bytes = 0
         self.received_records = 0
