@@ -42,8 +42,8 @@ from gossipd.errors import StartupError
 from gossipd.fanout.engineload import EngineLoad
 from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.holding import ResultHolder
-from gossipd.fanout.owner import OwnerEndpoint
-from gossipd.fanout.peerlinks import PeerLinks
+from gossipd.fanout.owner import OwnerEndpoint, zmq_peer_server
+from gossipd.fanout.peerlinks import PeerLinks, zmq_peer_client
 from gossipd.fanout.placement_feed import KernelLoader, PlacementFeed
 from gossipd.ingress.budgets import (
     DIRECTIVE_KIND,
@@ -526,7 +526,13 @@ class Daemon:
         security, journal = self.security, self.journal
         owner = OwnerEndpoint(
             config.fanout,
-            ctx=self._ctx,
+            server=zmq_peer_server(
+                config.fanout,
+                self._ctx,
+                serve_curve=(lambda sock: security.serve(sock, DOMAIN_PEERS))
+                if security.curve
+                else None,
+            ),
             node=self.node,
             ingress=ingress,
             send_to_member=send_to_member,
@@ -537,9 +543,6 @@ class Daemon:
             clock=self.clock,
             task_bytes_max=config.ingress.message_bytes_max,  # as the ingress validates
             load_record=load_record,
-            serve_curve=(lambda sock: security.serve(sock, DOMAIN_PEERS))
-            if security.curve
-            else None,
             peer_allowed=security.peer_allowed if security.curve else None,
             saturated=placer.own_engine_saturated,
             # built in run() after membership; a relayed Drain before that waits for none
@@ -586,7 +589,11 @@ class Daemon:
             node=self.node,
             forwarder=forwarder,
             placer=placer,
-            links=PeerLinks(config.fanout, sockets=self.sockets, on_reply=peer_replies),
+            links=PeerLinks(
+                config.fanout,
+                channel=zmq_peer_client(config.fanout, self.sockets),
+                on_reply=peer_replies,
+            ),
             owner=owner,
             send_error=lambda e: self._refuse_forward(e),
             admit_here=partial(ingress.intake.admit, answer=False),

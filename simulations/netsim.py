@@ -30,6 +30,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gossipd.core.gossip_messages import GossipMessage, PushPull, decode_gossip, encode_gossip
 from gossipd.core.membership import MemberEvent, shared_base
@@ -322,6 +323,18 @@ class Simulation:
 # -- Transports in virtual time ---------------------------------------------------------------
 
 
+class Receiver(Protocol):
+    """What is bound at an address of a ``SimNetwork``: a ``SimTransport``, or the fan-out
+    peer channel's servers and connections (simulations/peerchannel.py)."""
+
+    def _deliver(self, frame: object) -> None: ...
+
+
+def node_of(addr: str) -> str:
+    """The node an address belongs to, for partitions: ``sim://NODE`` or ``sim://NODE/...``."""
+    return addr.removeprefix("sim://").partition("/")[0]
+
+
 class SimNetwork:
     """Connected ``SimTransport``s over the network model, in virtual time.
 
@@ -332,7 +345,8 @@ class SimNetwork:
     no earlier than the one sent before it on that path.  ``partition`` makes groups of
     transports unable to reach each other (frames between them are lost) until ``heal``.
     At most ``inflight_max`` frames per path are in flight; a send beyond that returns False,
-    as a full ZeroMQ queue does."""
+    as a full ZeroMQ queue does.  A frame is any object: bytes for a ``SimTransport``, the
+    peer channel's (identity, frame, sender) for its server."""
 
     def __init__(
         self, *, seed: int, model: NetworkModel | None = None, inflight_max: int = 10_000
@@ -342,9 +356,9 @@ class SimNetwork:
         self.model = model or NetworkModel()
         self.inflight_max = inflight_max
         self.now = 0.0
-        self._heap: list[tuple[float, float, int, str, str, bytes]] = []
+        self._heap: list[tuple[float, float, int, str, str, object]] = []
         self._seq = 0
-        self._bound: dict[str, SimTransport] = {}
+        self._bound: dict[str, Receiver] = {}
         self._last_at: dict[tuple[str, str], float] = {}  # per path: the latest delivery time
         self._inflight: dict[tuple[str, str], int] = {}
         self._group: dict[str, int] = {}  # transport name -> partition group
@@ -366,15 +380,14 @@ class SimNetwork:
     def heal(self) -> None:
         self._group = {}
 
-    def _send(self, src: str, addr: str, frame: bytes) -> bool:
+    def _send(self, src: str, addr: str, frame: object) -> bool:
         path = (src, addr)
         inflight = self._inflight.get(path, 0)
         if inflight >= self.inflight_max:
             self.dropped_full += 1
             return False
         self.sent += 1
-        dst = addr.removeprefix("sim://")
-        if self._group and self._group.get(src, 0) != self._group.get(dst, 0):
+        if self._group and self._group.get(src, 0) != self._group.get(node_of(addr), 0):
             self.lost += 1
             return True
         delay = self.model.delay_s(self.rng)
@@ -438,8 +451,8 @@ class SimTransport:
             raise TransportClosed("send on a closed transport")
         return self.network._send(self.name, addr, frame)
 
-    def _deliver(self, frame: bytes) -> None:
-        assert self._on_frame is not None
+    def _deliver(self, frame: object) -> None:
+        assert self._on_frame is not None and isinstance(frame, bytes)
         self._on_frame(frame)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from gossipd.core.admission import Verdict
 from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.messages import Task
 from gossipd.core.peer_messages import Forward, ForwardReply, PeerBatch, decode_peer, encode_peer
-from gossipd.fanout.owner import OwnerEndpoint
+from gossipd.fanout.owner import OwnerEndpoint, zmq_peer_server
 
 
 class _Ingress:
@@ -43,9 +43,10 @@ def test_an_owner_refuses_if_free_forwards_while_saturated_with_its_load(tmp_pat
         ingress = _Ingress()
         saturated = True
         record = LoadRecord("owner", 7, 0, 3, 12, 0, 40)
+        config = FanoutConfig(rpc_bind=f"ipc://{tmp_path}/rpc", ack_delay_s=0.0)
         owner = OwnerEndpoint(
-            FanoutConfig(rpc_bind=f"ipc://{tmp_path}/rpc", ack_delay_s=0.0),
-            ctx=ctx,
+            config,
+            server=zmq_peer_server(config, ctx),
             node="owner",
             ingress=ingress,  # type: ignore[arg-type]
             send_to_member=lambda member, done: None,

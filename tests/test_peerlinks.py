@@ -14,8 +14,8 @@ from gossipd.config import FanoutConfig
 from gossipd.core.messages import Task
 from gossipd.core.peer_messages import Forward, TaskDone
 from gossipd.fanout.owner import peer_frames, peer_items
-from gossipd.fanout.peerlinks import PeerLinks
-from gossipd.sockets import SocketPool
+from gossipd.fanout.peerlinks import PeerLinks, zmq_peer_client
+from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import free_tcp_port
 from tests.helpers import run_with_context
 
@@ -23,6 +23,10 @@ from tests.helpers import run_with_context
 def _forward(req: int) -> Forward:
     task = Task(v=1, id=f"t{req}", prompt="p", reply_to="tcp://127.0.0.1:1")
     return Forward(req=req, src="a", task=task, remaining_ms=1000)
+
+
+def _links(config: FanoutConfig, pool: SocketPool) -> PeerLinks:
+    return PeerLinks(config, channel=zmq_peer_client(config, pool), on_reply=lambda m: None)
 
 
 def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> None:
@@ -34,7 +38,7 @@ def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> Non
     async def main(ctx: zmq.Context) -> tuple[list[int], int, list[int]]:
         router = ctx.socket(zmq.ROUTER)
         addr = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-        links = PeerLinks(config, sockets=SocketPool(ctx), on_reply=lambda m: None)
+        links = _links(config, SocketPool(ctx))
 
         def reqs() -> list[int]:
             if not router.poll(2000):
@@ -88,11 +92,14 @@ def _retries_in(seconds: float, config: FanoutConfig) -> int:
     """Connect attempts PeerLinks makes in ``seconds`` to an address nobody listens on."""
 
     async def main(ctx: zmq.Context) -> int:
-        links = PeerLinks(config, sockets=SocketPool(ctx), on_reply=lambda m: None)
+        pool = SocketPool(ctx)
+        links = _links(config, pool)
         addr = f"tcp://127.0.0.1:{free_tcp_port()}"
         try:
             links.send(addr, _forward(1))
-            monitor = links._peers[addr].sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
+            sock = pool.get(SocketKind.PEER, addr)
+            assert sock is not None
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
             retries = 0
             deadline = time.monotonic() + seconds
             while (left := deadline - time.monotonic()) > 0:
@@ -120,7 +127,7 @@ def test_idle_connections_to_non_members_are_closed() -> None:
     config = FanoutConfig(peer_idle_close_s=5.0)
 
     async def main(ctx: zmq.Context) -> tuple[int, int, int, int]:
-        links = PeerLinks(config, sockets=SocketPool(ctx), on_reply=lambda m: None)
+        links = _links(config, SocketPool(ctx))
         member, gone = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2))
         try:
             links.send(member, _forward(1))

@@ -48,7 +48,7 @@ class OwnerCounters:
     accepted_from_peers: int = 0
     refused_to_peers: int = 0
     bad_peer_messages: int = 0
-    replies_dropped: int = 0  # acks and TaskDones our ROUTER could not queue
+    replies_dropped: int = 0  # acks and TaskDones refused: the connection gone or full
     withdrawn_by_peers: int = 0  # copies a forwarder withdrew from us before they finished
     invalid_from_peers: int = 0  # Forwards whose task the ingress would refuse (version, size)
     refused_unauthorised: int = 0  # CURVE: a revoked key, or a source not the key's node

@@ -1,4 +1,5 @@
-"""The owner's side of fan-out: the ROUTER socket that peers forward tasks to.
+"""The owner's side of fan-out: the server (a ``PeerServer``, gossipd/peerchannel.py; in the
+daemon a ZeroMQ ROUTER) that peers forward tasks to.
 
 A Forward is admitted like a task from a producer (same admission, same dedup); the forwarder
 gets a ForwardReply (accepted, or refused with the reason) and, once the task's final Result
@@ -53,7 +54,7 @@ from gossipd.core.peer_messages import (
 from gossipd.errors import RemoteProtocolError
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter
-from gossipd.zmqloop import NOBLOCK, SocketReader, kick
+from gossipd.peerchannel import PeerServer, ZmqPeerServer
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
@@ -63,6 +64,22 @@ log = logging.getLogger("gossipd.fanout.owner")
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
 # core/admission.py).
 _ADMIT = Verdict.ADMIT
+
+
+def zmq_peer_server(
+    config: FanoutConfig,
+    ctx: zmq.Context,
+    *,
+    serve_curve: Callable[[zmq.Socket], None] | None = None,
+) -> ZmqPeerServer:
+    """The daemon's server for its peers: a ROUTER with fan-out's limits; ``serve_curve``
+    makes it a CURVE server (gossipd/security.py), whose frames then carry their sender."""
+    return ZmqPeerServer(
+        ctx,
+        message_bytes_max=config.message_bytes_max,
+        recv_batch_max=PEER_READ_MAX,
+        serve_curve=serve_curve,
+    )
 
 
 def peer_frames(items: list[Any], bytes_max: int) -> list[tuple[bytes, int]]:
@@ -96,7 +113,7 @@ class OwnerEndpoint:
         self,
         config: FanoutConfig,
         *,
-        ctx: zmq.Context,
+        server: PeerServer,
         node: str,
         ingress: Ingress,
         send_to_member: Callable[[str, TaskDone], None],
@@ -105,7 +122,6 @@ class OwnerEndpoint:
         clock: Clock = SYSTEM_CLOCK,
         task_bytes_max: int = 1 << 62,
         load_record: Callable[[], LoadRecord | None] = lambda: None,
-        serve_curve: Callable[[zmq.Socket], None] | None = None,
         peer_allowed: Callable[[str, str, str], bool] | None = None,
         saturated: Callable[[], bool] = lambda: False,
         on_drain: Callable[[Drain], None] = lambda msg: None,
@@ -115,19 +131,20 @@ class OwnerEndpoint:
         self.config = config
         self._clock = clock
         self.node = node
-        self._ctx = ctx
+        # Peers' connections (in the daemon a ZeroMQ ROUTER at fanout.rpc_bind; under CURVE
+        # it gives each frame's sender: its key's node).
+        self._server = server
+        self._bound = False  # between bind() and close(): replies may go
         self._ingress = ingress
         # The owner's decisions on Forwards (core/owner.py); its counters are ours.
         self.core = Owner(node=node, task_bytes_max=task_bytes_max)
         self.counters = self.core.counters
-        self._router: zmq.Socket | None = None
         self._router_out: dict[bytes, list[ForwardReply | TaskDone | ConfirmReply]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         # TaskDones waiting for their Results to leave, by the Results' reply_to
         # (ReplySender.when_sent tells when): (task id, forwarder identities, member by name).
         self._done_waiting: dict[str, list[tuple[str, Sequence[Hashable], str]]] = {}
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
-        self._reader: SocketReader | None = None
         self._on_accepted = on_accepted  # (task, forwarder): the journal marks it
         # Send a TaskDone to a member's ROUTER by name; and a TaskDone that a member sent us as
         # its forwarder (a task it re-ran from its journal).
@@ -143,10 +160,8 @@ class OwnerEndpoint:
         self.on_withdraw_held = on_withdraw_held
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
         self._stale_log = RateLimiter(per_s=1.0, burst=5)
-        # Under CURVE (gossipd/security.py): makes the ROUTER a CURVE server before it
-        # binds; peer_allowed(key's node, claimed source, "rpc") says whether a message may
-        # be taken (its key still authorised, speaking for itself).
-        self.serve_curve = serve_curve
+        # Under CURVE (gossipd/security.py): peer_allowed(key's node, claimed source, "rpc")
+        # says whether a message may be taken (its key still authorised, speaking for itself).
         self.peer_allowed = peer_allowed
         # Our load as we answer (issue 17): the first ForwardReply or TaskDone queued for a
         # forwarder carries it, the rest that leave with it none; a saturated refusal always
@@ -158,75 +173,37 @@ class OwnerEndpoint:
         self.saturated = saturated
 
     def bind(self) -> str:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.message_bytes_max)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if self.serve_curve is not None:
-            self.serve_curve(sock)
-        sock.bind(self.config.rpc_bind)
-        self._router = sock
-        return self.config.rpc_advertise or sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = self._server.bind(self.config.rpc_bind)
+        self._bound = True
+        return self.config.rpc_advertise or endpoint
 
     def start(self) -> None:
-        """Read forwards from the ROUTER in its fd callback (``SocketReader``): a forward is
-        admitted in the callback that sees it arrive, which takes about 20 us off a hop."""
-        assert self._router is not None, "bind() first"
-        router = self._router
-        if self.peer_allowed is not None:
-            self._reader = SocketReader(
-                router,
-                partial(router.recv_multipart, copy=False),
-                PEER_READ_MAX,
-                self._on_curve_messages,
-            )
-            return
-        self._reader = SocketReader(router, router.recv_multipart, PEER_READ_MAX, self._on_messages)
+        """Take peers' frames from the server as they arrive (ZeroMQ: in the ROUTER's fd
+        callback: a forward is admitted in the callback that sees it arrive)."""
+        self._server.start(self._on_peer_frame, self._on_malformed)
 
     def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+        self._server.stop()
 
     def close(self) -> None:
-        self.stop()
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
+        self._bound = False
+        self._server.close()
 
-    def _on_messages(self, messages: list[list[bytes]]) -> None:
-        for parts in messages:
-            if len(parts) != 2:  # a ROUTER gives [identity, frame]; a peer sent more
-                self.counters.bad_peer_messages += 1
-                continue
-            self._on_peer_frame(parts[0], parts[1])
+    def _on_malformed(self) -> None:
+        self.counters.bad_peer_messages += 1  # a peer sent a message of several parts
 
-    def _on_curve_messages(self, messages: list[list[zmq.Frame]]) -> None:
-        """With CURVE: the User-Id of each message is the node its sender's key belongs to
-        (ZAP); every item must name that node as its source (Forward.src, Withdraw.node,
-        TaskDone.node), and a Cancel must come from a member whose key is still authorised."""
-        allowed = self.peer_allowed
-        assert allowed is not None
-        for parts in messages:
-            if len(parts) != 2:
-                self.counters.bad_peer_messages += 1
-                continue
-            sender = parts[1].get(b"User-Id")
-            self._on_peer_frame(parts[0].bytes, parts[1].bytes, sender, allowed)
-
-    def _on_peer_frame(
-        self,
-        identity: bytes,
-        frame: bytes,
-        sender: str = "",
-        allowed: Callable[[str, str, str], bool] | None = None,
-    ) -> None:
-        assert self._router is not None
+    def _on_peer_frame(self, identity: bytes, frame: bytes, sender: str) -> None:
+        """One frame from a forwarder's connection.  With CURVE (``peer_allowed``),
+        ``sender`` is the node its key belongs to (ZAP); every item must name that node as
+        its source (Forward.src, Withdraw.node, TaskDone.node), and a Cancel must come from
+        a member whose key is still authorised."""
         try:
             items = peer_items(frame, self.config.message_bytes_max)
         except RemoteProtocolError as exc:
             self.counters.bad_peer_messages += 1
             log.warning("refused a peer message", extra={"hint": exc.hint[:200]})
             return
+        allowed = self.peer_allowed
         for item in items:
             if allowed is not None and not allowed(sender, _source(item, sender), "rpc"):
                 self.counters.refused_unauthorised += 1
@@ -346,15 +323,15 @@ class OwnerEndpoint:
             self._router_flush_timer.cancel()
             self._router_flush_timer = None
         out, self._router_out = self._router_out, {}
-        if self._router is None or not out:
+        if not self._bound or not out:
             return
+        send = self._server.send
         for identity, items in out.items():
             for frame, count in peer_frames(items, self.config.message_bytes_max):
-                try:
-                    self._router.send_multipart([identity, frame], NOBLOCK)
-                except zmq.Again:
-                    self.counters.replies_dropped += count  # the forwarder times out: next
-        kick(self._router)
+                # Refused: its connection gone or full; the forwarder times out, tries the next.
+                if not send(identity, frame):
+                    self.counters.replies_dropped += count
+        self._server.flush()
 
     def forwarders_of(self, owned: Owned) -> list[str]:
         """The members that forwarded ``owned`` to us, by name ("" for one not known)."""

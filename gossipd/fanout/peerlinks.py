@@ -1,5 +1,6 @@
-"""The forwarder's connections to its peers: one DEALER socket per peer's ROUTER
-(``fanout.rpc_bind``); what comes back (acks, TaskDone) is read in each socket's fd callback.
+"""The forwarder's links to its peers, over a ``PeerClient`` (gossipd/peerchannel.py; in the
+daemon ``zmq_peer_client``: one DEALER per peer's ROUTER at ``fanout.rpc_bind``, what comes
+back, acks and TaskDones, read in each socket's fd callback).
 
 What is queued for one peer within one loop turn leaves as one message (a PeerBatch when
 there are several), so a burst of forwards costs one send and one wake-up of the peer.  When
@@ -22,23 +23,23 @@ from gossipd.core.messages import Cancel, Drain
 from gossipd.core.peer_messages import Confirm, Forward, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
-from gossipd.sockets import CloseReason, SocketKind, SocketPool
-from gossipd.zmqloop import NOBLOCK, SocketReader, TurnBatching, kick
+from gossipd.peerchannel import PeerClient, ZmqPeerClient
+from gossipd.sockets import SocketPool
+from gossipd.zmqloop import TurnBatching
 
 Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm
 
 
-class _Peer:
-    __slots__ = ("addr", "outbox", "reader", "sock")
-
-    def __init__(self, addr: str, sock: zmq.Socket) -> None:
-        self.addr = addr
-        self.sock = sock
-        self.outbox: list[Outgoing] = []
-        self.reader: SocketReader | None = None
-
-
-_PEER = SocketKind.PEER  # read per send: a global (see core/admission.py on enums)
+def zmq_peer_client(config: FanoutConfig, sockets: SocketPool) -> ZmqPeerClient:
+    """The daemon's channel to its peers: DEALERs from ``sockets`` with fan-out's limits."""
+    return ZmqPeerClient(
+        sockets,
+        options={
+            zmq.MAXMSGSIZE: config.message_bytes_max,
+            zmq.RECONNECT_IVL_MAX: int(config.peer_reconnect_max_s * 1000),
+        },
+        recv_batch_max=PEER_READ_MAX,
+    )
 
 
 @dataclass(slots=True)
@@ -53,93 +54,70 @@ class PeerLinks:
         self,
         config: FanoutConfig,
         *,
-        sockets: SocketPool,
+        channel: PeerClient,
         on_reply: Callable[[list[object]], None],
     ) -> None:
         self._config = config
-        self._pool = sockets
-        sockets.register(
-            SocketKind.PEER,
-            on_close=self._on_socket_closed,
-            options={
-                zmq.MAXMSGSIZE: config.message_bytes_max,
-                zmq.RECONNECT_IVL_MAX: int(config.peer_reconnect_max_s * 1000),
-            },
-        )
+        self._channel = channel
         self.counters = PeerLinkCounters()
         self._on_reply = on_reply  # the decoded items a peer sent back, in order, per read
-        self._peers: dict[str, _Peer] = {}
+        # What waits for the end of this turn, per peer address (a new dict per busy turn).
+        self._outbox: dict[str, list[Outgoing]] = {}
         self._turn = TurnBatching(self._flush)
+        channel.start(self._on_frames)
 
     def stop(self) -> None:
-        """Stop reading what peers send back (before the sockets close)."""
-        for peer in self._peers.values():
-            if peer.reader is not None:
-                peer.reader.close()
+        """Stop reading what peers send back (before the connections close)."""
+        self._channel.stop()
 
     def close(self) -> None:
-        self.stop()
-        self._pool.close_kind(SocketKind.PEER)
+        self._channel.close()
 
     def send(self, addr: str, msg: Outgoing) -> None:
         """Queue for the peer at ``addr``; what is queued in this loop turn leaves as one
         message per peer when the turn ends, except a lone message under light load
         (TurnBatching)."""
-        peer = self._peer(addr)
         if self._turn.send_now():
-            self._send(peer, [msg])
+            self._send(addr, [msg])
+            return
+        queued = self._outbox.get(addr)
+        if queued is None:
+            self._outbox[addr] = [msg]
         else:
-            peer.outbox.append(msg)
+            queued.append(msg)
 
     def _flush(self) -> None:
         """Send what each peer has queued since the turn's first message."""
-        for peer in self._peers.values():
-            if peer.outbox:
-                items, peer.outbox = peer.outbox, []
-                self._send(peer, items)
+        if not self._outbox:
+            return
+        out, self._outbox = self._outbox, {}
+        for addr, items in out.items():
+            self._send(addr, items)
 
-    def _send(self, peer: _Peer, items: list[Outgoing]) -> None:
+    def _send(self, addr: str, items: list[Outgoing]) -> None:
         """A send that cannot go (the peer's queue is full) is left to the ack timeout, which
         tries the next member."""
+        send = self._channel.send
         for frame, count in peer_frames(items, self._config.message_bytes_max):
-            try:
-                peer.sock.send(frame, NOBLOCK)
-            except zmq.Again:
+            if not send(addr, frame):
                 self.counters.sends_dropped += count
-        kick(peer.sock)
-        self._pool.touch(_PEER, peer.addr)
 
     def close_idle(self, members: set[str], now: float) -> int:
         """Close the connections to addresses outside ``members`` (the live members' rpc
         addresses) that have sent nothing for ``fanout.peer_idle_close_s``; how many."""
-        closed = self._pool.close_idle(
+        outbox = self._outbox
+        closed = self._channel.close_idle(
             now,
-            SocketKind.PEER,
-            idle_s=self._config.peer_idle_close_s,
-            keep=lambda addr: addr in members or bool(self._peers[addr].outbox),
+            self._config.peer_idle_close_s,
+            keep=lambda addr: addr in members or addr in outbox,
         )
         self.counters.links_closed += closed
         return closed
 
-    def _on_socket_closed(self, addr: str, reason: CloseReason) -> None:
-        """The pool closes ``addr``'s socket: stop reading it first."""
-        peer = self._peers.pop(addr)
-        if peer.reader is not None:
-            peer.reader.close()
-
     def __len__(self) -> int:
-        return len(self._peers)
+        return len(self._channel)
 
-    def _peer(self, addr: str) -> _Peer:
-        peer = self._peers.get(addr)
-        if peer is None:
-            sock = self._pool.open(SocketKind.PEER, addr)
-            peer = _Peer(addr, sock)
-            self._peers[addr] = peer
-            peer.reader = SocketReader(sock, sock.recv, PEER_READ_MAX, self._on_frames)
-        return peer
-
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, addr: str, frames: list[bytes]) -> None:
         """One read's frames: their items go to the handler together (one flush of the
         forwarder's outputs for the batch, not one per ack)."""
         replies: list[object] = []
