@@ -54,13 +54,15 @@ import sys
 import time
 from dataclasses import dataclass
 
+from gossipd.config import FanoutConfig
 from gossipd.core.gossip_messages import GossipOnly, LoadRecord, encode_gossip, encode_update
 from gossipd.core.loadstate import LoadRumors, LoadSampler, LoadView, with_age
+from gossipd.core.placer import record_saturated
 
 CHANGE, GOSSIP, RECEIVE, TASK, REPLY, CONFIRM, ANSWER, CHECK, REFUSED = range(9)
-# The daemon's defaults (fanout.engine_waiting_saturated, engine_kv_cache_saturated_ratio).
-WAITING_SATURATED = 8
-KV_PCT_SATURATED = 95
+# Saturation as the daemon's placer judges a record, at the daemon's defaults
+# (fanout.engine_waiting_saturated, engine_kv_cache_saturated_ratio).
+FANOUT_DEFAULTS = FanoutConfig()
 
 
 @dataclass
@@ -197,7 +199,7 @@ def run_freshness(run: FreshRun) -> dict[str, object]:
         return 0.0
 
     def is_saturated(rec: LoadRecord) -> bool:
-        return rec.waiting >= WAITING_SATURATED or rec.kv_pct >= KV_PCT_SATURATED
+        return record_saturated(rec, FANOUT_DEFAULTS)
 
     def finish(d: _Decision, done_at: float) -> None:
         nonlocal checked, skipped_decisions, forced_decisions

@@ -80,6 +80,15 @@ class EngineSample(Protocol):
     def kv_cache_usage_ratio(self) -> float: ...
 
 
+def record_saturated(record: LoadRecord, config: PlacerConfig) -> bool:
+    """Does this load record say its member's engine is saturated (passed over while
+    another is not)?  The one rule, also for the load-freshness simulator."""
+    return (
+        record.waiting >= config.engine_waiting_saturated
+        or record.kv_pct / 100.0 >= config.engine_kv_cache_saturated_ratio
+    )
+
+
 def _numpy_only(members: int) -> bool:
     return False
 
@@ -232,11 +241,7 @@ class Placer:
         return True
 
     def _record_saturated(self, record: LoadRecord) -> bool:
-        cfg = self.config
-        return (
-            record.waiting >= cfg.engine_waiting_saturated
-            or record.kv_pct / 100.0 >= cfg.engine_kv_cache_saturated_ratio
-        )
+        return record_saturated(record, self.config)
 
     def _passed_over(self, member: str, saturated: set[str]) -> bool:
         """Is ``member`` passed over as saturated?  With the owner check, only on our own
