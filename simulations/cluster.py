@@ -239,6 +239,31 @@ def _member_lines(daemon: DaemonProcess, member: str, since: float) -> list[dict
     ]
 
 
+def wait_known_dead(
+    observers: Sequence[DaemonProcess],
+    victim: str,
+    killed_at: float,
+    window_s: float,
+    *,
+    poll_s: float = 0.1,
+) -> dict[str, float]:
+    """Seconds from ``killed_at`` (wall clock) until each observer logged ``victim`` dead,
+    by its own clock; waits until all have, or ``window_s`` has passed (then some are
+    missing)."""
+    dead_at: dict[str, float] = {}
+    deadline = time.monotonic() + window_s
+    while True:
+        for other in observers:
+            dead = [
+                e["at"] for e in _member_lines(other, victim, killed_at) if e.get("event") == "dead"
+            ]
+            if dead:
+                dead_at[other.name] = min(dead) - killed_at
+        if len(dead_at) == len(observers) or time.monotonic() > deadline:
+            return dead_at
+        time.sleep(poll_s)
+
+
 def _dissemination(
     cluster: Cluster, run: ClusterRun, rng: random.Random, say: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -297,20 +322,7 @@ def _crashes(
         killed_at = time.time()
         d.kill()
         d.wait(5)
-        dead_at: dict[str, float] = {}
-        deadline = time.monotonic() + run.detect_window_s
-        while True:
-            for other in others:
-                dead = [
-                    e["at"]
-                    for e in _member_lines(other, d.name, killed_at)
-                    if e.get("event") == "dead"
-                ]
-                if dead:
-                    dead_at[other.name] = min(dead) - killed_at
-            if len(dead_at) == len(others) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        dead_at = wait_known_dead(others, d.name, killed_at, run.detect_window_s, poll_s=0.2)
         refused = sum(
             e.get("verdict") == "dead"
             for other in others

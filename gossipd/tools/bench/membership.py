@@ -34,7 +34,7 @@ from typing import Any
 
 from gossipd.tools.launcher import free_tcp_port
 from gossipd.tools.progress import Steps, summarize
-from simulations.cluster import Cluster, _member_lines
+from simulations.cluster import Cluster, wait_known_dead
 
 GOALS = {
     "idle_cpu_pct_per_daemon_max": 1.0,
@@ -231,18 +231,7 @@ def _gossipd_crashes(cluster: Cluster, rounds: int, window_s: float) -> list[flo
         killed_at = time.time()
         victim.kill()
         victim.wait(5)
-        deadline = time.monotonic() + window_s
-        known: dict[str, float] = {}
-        while len(known) < len(live) and time.monotonic() < deadline:
-            for d in live:
-                dead = [
-                    e["at"]
-                    for e in _member_lines(d, victim.name, killed_at)
-                    if e.get("event") == "dead"
-                ]
-                if dead:
-                    known[d.name] = min(dead) - killed_at
-            time.sleep(0.1)
+        known = wait_known_dead(live, victim.name, killed_at, window_s)
         out.append(max(known.values()) if len(known) == len(live) else None)
     return out
 
