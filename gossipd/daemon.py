@@ -398,6 +398,7 @@ class Daemon:
                 self.sockets.stop()
         finally:
             if self.dispatcher is not None:
+                self.dispatcher.stop()  # (again) its timer: a task group that failed skipped it
                 self.dispatcher.close()
             if self.leadership is not None:
                 await self.leadership.close()
@@ -475,11 +476,13 @@ class Daemon:
         """Membership and fan-out, built in dependency order and wired here, the one place
         that knows them all (no part sets another's attributes)."""
         config, ingress = self.config, self.ingress
-        # Two cycles of calls remain, closed by these names, bound below before any message
-        # is read (tests/test_composition.py holds the list): the placer reads the
-        # forwarder's in-flight count, and the owner endpoint hands what peers send us as a
-        # forwarder (TaskDones of tasks re-run from a journal, Confirms) to the dispatcher,
-        # which is built on the owner endpoint.
+        # Cycles of calls that remain, all closed before any message is read: by these two
+        # names, bound below (tests/test_composition.py holds the list), the placer reads
+        # the forwarder's in-flight count and the owner endpoint hands what peers send us as
+        # a forwarder (TaskDones of tasks re-run from a journal, Confirms) to the dispatcher,
+        # which is built on the owner endpoint; through methods of ours, the owner endpoint
+        # and the dispatcher reach the ResultHolder (self._held(), built last here) and a
+        # relayed Drain reaches admin (self.admin, built in run()); and IngressLinks.
         forwarder: Forwarder
         dispatcher: Dispatcher
         # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the

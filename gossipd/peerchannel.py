@@ -3,7 +3,7 @@ protocols and their ZeroMQ implementations (DEALER per peer, one ROUTER).
 
 The seam between fan-out and the network, as ``datagrams.Transport`` is gossip's: the
 forwarder's links (fanout/peerlinks.py) send through a ``PeerClient``, the owner
-(fanout/owner.py) serves through a ``PeerServer``; ``simulations.netsim`` has both over its
+(fanout/owner.py) serves through a ``PeerServer``; ``simulations.peerchannel`` has both over netsim's
 virtual-time network, and ``tests/test_peerchannel_contract.py`` holds the two pairs to the
 same contract.  Frames are opaque bytes here: batching, encoding and counting are the
 callers'.
@@ -40,7 +40,7 @@ class PeerClient(Protocol):
     order sent, with gaps where some were lost); nothing is retried here, so loss is left to
     the caller's timeouts.  No method blocks or waits; all run on one thread (the event
     loop's, or the simulator's).  Implementations: ``ZmqPeerClient`` below, ``SimPeerClient``
-    in ``simulations/netsim.py``; ``tests/test_peerchannel_contract.py`` holds both to this."""
+    in ``simulations/peerchannel.py``; ``tests/test_peerchannel_contract.py`` holds both to this."""
 
     dropped: int  # frames ``send`` refused (it returned False)
 
@@ -86,10 +86,11 @@ class PeerServer(Protocol):
 
     Delivery as ``PeerClient``'s: at most once, in order per connection, nothing retried.
     A reply to an identity whose connection is gone (closed, reconnected under a new one, or
-    never known) is dropped and reported at once (``send`` returns False, ``dropped``
-    counts it), never queued or blocked on.  No method blocks or waits; all run on one
+    never known) is dropped and reported (``send`` returns False, ``dropped`` counts it)
+    once the server knows the connection is gone (ZeroMQ learns of a close a moment after
+    it happens; a reply sent in that moment is lost unreported), never queued or blocked on.  No method blocks or waits; all run on one
     thread.  Implementations: ``ZmqPeerServer`` below, ``SimPeerServer`` in
-    ``simulations/netsim.py``."""
+    ``simulations/peerchannel.py``."""
 
     dropped: int  # replies ``send`` refused (it returned False)
 

@@ -11,7 +11,7 @@ import random
 from collections import deque
 from typing import TYPE_CHECKING
 
-from gossipd.core.admission import Admission, Verdict
+from gossipd.core.admission import Admission, Verdict, refused
 from gossipd.core.forwarder import Route
 from gossipd.core.gossip_messages import GpuState
 from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
@@ -34,6 +34,12 @@ from simulations.fanout_run import FINISH
 
 if TYPE_CHECKING:
     from simulations.fanout_world import World
+
+# A simulated daemon's admission bounds and retry hint (ingress.pending_max,
+# pending_bytes_max, retry_after_ms): wide, so that refusals come from expected waits.
+PENDING_MAX = 10_000
+PENDING_BYTES_MAX = 1 << 40
+RETRY_AFTER_MS = 200
 
 
 class SimDaemon:
@@ -86,7 +92,12 @@ class SimDaemon:
                 retry_after_max_ms=10_000,
                 smoothing=0.1,
             )
-        self.admission = Admission(pending_max=10_000, results_max=100_000, queue=queue)
+        self.admission = Admission(
+            pending_max=PENDING_MAX,
+            results_max=100_000,
+            queue=queue,
+            pending_bytes_max=PENDING_BYTES_MAX,
+        )
         # The owner's tasks, admission to TaskDone (core/lifecycle.py, as the ingress uses it).
         self.book = TaskBook(self.admission)
         self.started_at: dict[str, float] = {}
@@ -107,11 +118,19 @@ class SimDaemon:
             verdict = self.admit(task, now, forwarder="")
             if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING):
                 self.forwarder.local_finished(task.id)  # nothing of ours runs here
-            if verdict in (Verdict.OVERLOADED, Verdict.SHUTTING_DOWN):
-                busy = error_result(
-                    task.id, ErrorCode(verdict.value), "busy", retry_after_ms=self.retry_after_ms()
+            if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
+                # Answered as the daemon's intake answers it (core/admission.refused).
+                no = refused(
+                    verdict,
+                    self.admission,
+                    pending_max=PENDING_MAX,
+                    pending_bytes_max=PENDING_BYTES_MAX,
+                    retry_after_ms=RETRY_AFTER_MS,
                 )
-                self.world.answer(self, task, busy)
+                answer = error_result(
+                    task.id, no.code, no.message, retry_after_ms=no.retry_after_ms
+                )
+                self.world.answer(self, task, answer)
 
     def admit(self, task: Task, received_at: float, *, forwarder: str) -> Verdict:
         verdict, entry = self.book.offer(
@@ -174,7 +193,7 @@ class SimDaemon:
 
     def retry_after_ms(self) -> int:
         refusal = self.admission.refusal
-        return refusal.retry_after_ms if refusal is not None else 200
+        return refusal.retry_after_ms if refusal is not None else RETRY_AFTER_MS
 
     def withdraw(self, src: str, task_id: str) -> None:
         abort = self.book.withdraw(task_id, src)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gossipd.core.admission import Admission, Verdict
+from gossipd.core.admission import Admission, Verdict, refused
 from gossipd.core.messages import ErrorCode, Result, error_result
 from gossipd.errors import LocalProtocolError
 
@@ -163,3 +163,30 @@ def test_Admission_a_result_too_large_to_cache_frees_its_id() -> None:
     adm.offer("a", producer="A" * 40)
     adm.finish("a", ok("a"))
     assert adm.offer("a", producer="B" * 40)[0] is Verdict.ADMIT
+
+
+def test_each_refusal_is_answered_with_its_code_reason_and_hint() -> None:
+    """core/admission.refused: one mapping from verdict to what the producer hears (the
+    intake's and the simulator's)."""
+    kw = {"pending_max": 1, "pending_bytes_max": 10_000, "retry_after_ms": 300}
+    adm = Admission(pending_max=1, results_max=10)
+    assert adm.offer("a")[0] is Verdict.ADMIT
+    assert adm.offer("b")[0] is Verdict.OVERLOADED
+    no = refused(Verdict.OVERLOADED, adm, **kw)
+    assert (no.code, no.reason, no.retry_after_ms) == (ErrorCode.OVERLOADED, "overloaded", 300)
+    assert "1 tasks pending, the limit is 1" in no.message
+    by_bytes = Admission(pending_max=10, results_max=10, pending_bytes_max=100)
+    assert by_bytes.offer("small", size_bytes=60)[0] is Verdict.ADMIT
+    assert by_bytes.offer("big", size_bytes=60)[0] is Verdict.OVERLOADED
+    no = refused(Verdict.OVERLOADED, by_bytes, **kw)
+    assert no.reason == "overloaded_pending_bytes" and "pending_bytes_max = 10000" in no.message
+    no = refused(Verdict.CONFLICT, adm, **kw)
+    assert (no.code, no.retry_after_ms) == (
+        ErrorCode.ID_IN_USE,
+        0,
+    ) and "choose another id" in no.message
+    adm.begin_shutdown()
+    no = refused(Verdict.SHUTTING_DOWN, adm, **kw)
+    assert (no.code, no.retry_after_ms) == (ErrorCode.SHUTTING_DOWN, 300)
+    with pytest.raises(LocalProtocolError):
+        refused(Verdict.ADMIT, adm, **kw)

@@ -76,8 +76,10 @@ def closures_over_later_names(tree: ast.AST) -> set[tuple[str, str]]:
                 for target in targets:
                     names = target.elts if isinstance(target, ast.Tuple) else [target]
                     for n in names:
-                        if isinstance(n, ast.Name):  # a local (not self.x: an attribute)
+                        if isinstance(n, ast.Name):  # a local
                             bound.setdefault(n.id, node.lineno)
+                        elif _is_self_attr(n):  # or one of ours, self.part
+                            bound.setdefault(ast.unparse(n), node.lineno)
         for inner in ast.walk(fn):
             if inner is fn or not isinstance(inner, ast.Lambda | ast.FunctionDef):
                 continue
@@ -94,7 +96,17 @@ def closures_over_later_names(tree: ast.AST) -> set[tuple[str, str]]:
                     and bound.get(n.id, 0) > inner.lineno
                 ):
                     found.add((fn.name, n.id))
+                elif _is_self_attr(n) and bound.get(ast.unparse(n), 0) > inner.lineno:
+                    found.add((fn.name, ast.unparse(n)))
     return found
+
+
+def _is_self_attr(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
 
 
 def test_the_daemon_closes_no_cycle_by_a_later_name_but_the_two_it_names() -> None:
@@ -110,5 +122,7 @@ def test_the_check_finds_a_closure_over_a_name_bound_later() -> None:
         "        y = x\n"
         "        return y + a\n"
         "    b = make(inner)\n"
+        "    c = make(lambda: self.holder.go())\n"
+        "    self.holder = make(c)\n"
     )
-    assert closures_over_later_names(tree) == {("build", "b")}
+    assert closures_over_later_names(tree) == {("build", "b"), ("build", "self.holder")}

@@ -616,8 +616,10 @@ def test_a_retry_that_lands_on_us_is_offered_to_our_admission_by_an_event() -> N
     fw.tick(fw.next_deadline())  # the backoff: ourselves next
     [event] = fw.take_events()
     assert isinstance(event, RunHere) and event.task is task and event.received_at == 0.0
-    assert not fw.take_outbox() and "t0" not in fw.local_ids  # nothing decided yet
+    assert not fw.take_outbox()  # nothing decided yet...
+    assert "t0" in fw.local_ids  # ...but counted as our load while it is offered to us
     fw.local_verdict("t0", Verdict.OVERLOADED, 0.01)  # busy here too: on to b
+    assert "t0" not in fw.local_ids
     fw.tick(fw.next_deadline())
     [(addr, second)] = _forwards(fw.take_outbox())
     assert addr == "addr-b" and second.task.id == "t0"
@@ -633,3 +635,38 @@ def test_a_retry_that_lands_on_us_is_offered_to_our_admission_by_an_event() -> N
     [event] = other.take_events()
     other.local_verdict("t0", Verdict.ADMIT, 0.01)
     assert other.local_ids == {"t0"} and other.pending() == 0 and other.counters.local == 1
+
+
+class PrefersUsUnderThree(FixedPlacement):
+    """Bounded loads in miniature: us first while we hold fewer than 3 of our own tasks."""
+
+    def __init__(self, members: list[str], local_ids: set[str]) -> None:
+        super().__init__(members)
+        self.local_ids = local_ids
+
+    def order(self, task: Task, now: float, exclude: frozenset[str] = frozenset()) -> list[str]:
+        first = ["me", "b"] if len(self.local_ids) < 3 else ["b", "me"]
+        return [m for m in first if m not in exclude]
+
+
+def test_tasks_offered_to_us_count_as_our_load_before_admission_answers() -> None:
+    """A migration of many tasks places each while the RunHere events of the ones before it
+    wait for the shell: those count as our load already, so bounded loads send the rest
+    elsewhere instead of piling every task onto us."""
+    local_ids: set[str] = set()
+    placement = PrefersUsUnderThree(["a", "me", "b"], local_ids)
+    fw = Forwarder(ForwarderSettings(), node="me", placement=placement, rng=random.Random(1),
+                   local_ids=local_ids)  # fmt: skip
+    for i in range(8):
+        fw.route(_task(i), 0.0)
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        fw.on_reply(_reply(fwd, "a", True), 0.001)
+    assert fw.member_dead("a", 1.0) == 8
+    here = [e for e in fw.take_events() if isinstance(e, RunHere)]
+    forwards = _forwards(fw.take_outbox())
+    assert len(here) == 3 and local_ids == {e.task.id for e in here}
+    assert len(forwards) == 5 and {a for a, _ in forwards} == {"addr-b"}
+    fw.local_verdict(here[0].task.id, Verdict.ADMIT, 1.0)
+    fw.local_verdict(here[1].task.id, Verdict.DUPLICATE_DONE, 1.0)  # done already: not ours
+    fw.local_verdict(here[2].task.id, Verdict.OVERLOADED, 1.0)  # refused: not ours either
+    assert local_ids == {here[0].task.id}

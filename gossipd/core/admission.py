@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from gossipd.core.budgets import result_bytes
-from gossipd.core.messages import Result
+from gossipd.core.messages import ErrorCode, Result
 from gossipd.core.queueing import QueueDecision, QueueWait
 from gossipd.errors import LocalProtocolError
 
@@ -247,3 +247,68 @@ class Admission:
             refused_shutting_down=self._refused_shutting_down,
             refused_id_in_use=self._refused_id_in_use,
         )
+
+
+ID_IN_USE_MESSAGE = (
+    "this task id is in use by another producer's task (pending or recently answered): "
+    "choose another id"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A refusal as its producer hears it: the code, a reason a person can act on, the
+    retry hint, and the label it is counted under (the code, or a finer one)."""
+
+    code: ErrorCode
+    message: str
+    retry_after_ms: int
+    reason: str
+
+
+def refused(
+    verdict: Verdict,
+    admission: Admission,
+    *,
+    pending_max: int,
+    pending_bytes_max: int,
+    retry_after_ms: int,
+) -> Refused:
+    """What ``offer``'s refusal (overloaded, conflict, shutting_down) says to the producer,
+    read right after it (``admission.refusal`` and ``refused_bytes`` say why it was
+    overloaded).  One mapping for every door and the simulator."""
+    if verdict is Verdict.OVERLOADED:
+        refusal = admission.refusal
+        if refusal is not None:  # by expected wait
+            return Refused(
+                ErrorCode.OVERLOADED,
+                f"{admission.pending} tasks pending: expected wait "
+                f"{refusal.expected_wait_s:.3f} s, more than the {refusal.bound_s:.3f} s "
+                "this task may wait",
+                refusal.retry_after_ms,
+                "overloaded_expected_wait",
+            )
+        if admission.refused_bytes:
+            return Refused(
+                ErrorCode.OVERLOADED,
+                f"{admission.pending_bytes} bytes of tasks pending here: this task does not "
+                f"fit the byte budget (ingress.pending_bytes_max = {pending_bytes_max})",
+                retry_after_ms,
+                "overloaded_pending_bytes",
+            )
+        return Refused(
+            ErrorCode.OVERLOADED,
+            f"{admission.pending} tasks pending, the limit is {pending_max}",
+            retry_after_ms,
+            ErrorCode.OVERLOADED.value,
+        )
+    if verdict is Verdict.CONFLICT:
+        return Refused(ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE, 0, ErrorCode.ID_IN_USE.value)
+    if verdict is Verdict.SHUTTING_DOWN:
+        return Refused(
+            ErrorCode.SHUTTING_DOWN,
+            "this daemon is shutting down",
+            retry_after_ms,
+            ErrorCode.SHUTTING_DOWN.value,
+        )
+    raise LocalProtocolError(f"{verdict} is not a refusal")

@@ -454,6 +454,10 @@ class Forwarder:
         """Try ``member`` now; on a failure that needs no answer, go on to the next one."""
         j.tried.append(member)
         if member == self.node:
+            # Counted as ours at once (placement reads local_ids for our load): the shell
+            # answers after this input is done, and the tasks placed meanwhile (a migration
+            # of many) must see those already offered to us.
+            self.local_ids.add(j.task.id)
             self._here[j.task.id] = j
             self._events.append(RunHere(j.task, j.received_at))
             return
@@ -471,12 +475,14 @@ class Forwarder:
         """Our admission's verdict on the RunHere for ``task_id``: taken here, or the next
         member (as a refusal from a peer would)."""
         j = self._here.pop(task_id, None)
-        if j is None or j.ended:
+        if j is None:
+            return
+        if verdict not in _TAKEN_HERE or verdict is Verdict.DUPLICATE_DONE:
+            self.local_ids.discard(task_id)  # nothing of it runs here (done already, or no)
+        if j.ended:
             return
         if verdict in _TAKEN_HERE:
             self.counters.local += 1
-            if verdict is not Verdict.DUPLICATE_DONE:  # done already: nothing will run
-                self.local_ids.add(j.task.id)
             self._end(j, ok=True)
             return
         if verdict is Verdict.CONFLICT:

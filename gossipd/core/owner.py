@@ -14,7 +14,7 @@ cached answers) stays outside and nothing here calls back into the shell:
    - one from an earlier process of its sender than one we have heard from (``boot``
      older than the latest we saw: it waited in a dead process's connection): ``stale``,
      refused ``unavailable``, never run.
-2. ``admitted(identity, msg, verdict, retry_after_ms)``: admission's verdict as the reply.
+2. ``admitted(msg, verdict, retry_after_ms, load)``: admission's verdict as the reply.
    A task admitted, or already here (running, or done: its cached Result was just sent
    again), is accepted; the forwarder then waits for its TaskDone, which a task already done
    gets at once (``Reply.done_now``).  Every other verdict is a refusal with its code and

@@ -7,7 +7,8 @@ returns:
     peer ForwardReply / TaskDone -> Forwarder.on_reply       (PeerLinks' fd callback)
     membership "dead" -> Forwarder.member_dead                (gossip listener)
     one loop timer at Forwarder.next_deadline() -> Forwarder.tick
-    events: Refuse -> the producer gets the error; HandedOff -> the awaiting hand_off()
+    events: Refuse -> the producer gets the error; HandedOff -> the awaiting hand_off();
+            RunHere -> our intake's admit, its verdict back (Forwarder.local_verdict)
 The owner's side (admitting forwarded tasks) is ``fanout/owner.py``; which member should run
 a task is ``core/placer.py`` (fed by ``fanout/placement_feed.py``); the sockets to peers are ``fanout/peerlinks.py``.
 """

@@ -8,13 +8,13 @@ came) suspect or dead: we may be cut off from it, and it may have migrated the t
 the forwarder by a Confirm once it is alive and send or drop the Result by its
 ConfirmReply, or send it at the task's deadline (docs/PROTOCOL.md "Duplicate final Results";
 core/heldresults.py rule 0):
-    Ingress._finish -> hold (True: held, not sent)
+    Runner._finish (ingress/runner.py) -> hold (True: held, not sent)
     membership events -> HeldResults.member_event ("alive": a Confirm to the forwarder)
     ConfirmReply (PeerLinks) -> HeldResults.on_reply
     a resubmission answered from the results cache -> HeldResults.answered
     a Withdraw from the forwarder (fanout/owner.py) -> HeldResults.withdrawn
     one loop timer at HeldResults.next_deadline() -> HeldResults.tick
-Decisions: SEND -> the Result to its producer, then its TaskDones (Ingress.end_held);
+Decisions: SEND -> the Result to its producer, then its TaskDones (Runner.end_held);
 DROP -> nothing sent, no TaskDone (the forwarder ledgers the task elsewhere), the task
 ends here as answered (journal, counters).  Streamed Chunks are not held: only the final
 Result is.

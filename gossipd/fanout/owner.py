@@ -51,7 +51,7 @@ from gossipd.core.peer_messages import (
     decode_peer,
     encode_peer,
 )
-from gossipd.errors import RemoteProtocolError
+from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter
 from gossipd.peerchannel import PeerServer, ZmqPeerServer
@@ -329,7 +329,11 @@ class OwnerEndpoint:
         for identity, items in out.items():
             for frame, count in peer_frames(items, self.config.message_bytes_max):
                 # Refused: its connection gone or full; the forwarder times out, tries the next.
-                if not send(identity, frame):
+                try:
+                    sent = send(identity, frame)
+                except (TransportClosed, zmq.ZMQError):  # closing: one failure, not the rest
+                    sent = False
+                if not sent:
                     self.counters.replies_dropped += count
         self._server.flush()
 

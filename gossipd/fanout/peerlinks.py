@@ -21,7 +21,7 @@ import zmq
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Drain
 from gossipd.core.peer_messages import Confirm, Forward, TaskDone, Withdraw
-from gossipd.errors import RemoteProtocolError
+from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.peerchannel import PeerClient, ZmqPeerClient
 from gossipd.sockets import SocketPool
@@ -99,7 +99,11 @@ class PeerLinks:
         tries the next member."""
         send = self._channel.send
         for frame, count in peer_frames(items, self._config.message_bytes_max):
-            if not send(addr, frame):
+            try:
+                sent = send(addr, frame)
+            except TransportClosed:  # stopping: what is left goes nowhere, as a dropped send
+                sent = False
+            if not sent:
                 self.counters.sends_dropped += count
 
     def close_idle(self, members: set[str], now: float) -> int:

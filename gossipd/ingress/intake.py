@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import IngressConfig
-from gossipd.core.admission import Admission, Verdict
+from gossipd.core.admission import ID_IN_USE_MESSAGE, Admission, Verdict, refused
 from gossipd.core.lifecycle import Owned, TaskBook
 from gossipd.core.messages import ErrorCode, Result, Task, encode, error_result
 from gossipd.core.queueing import QueueWait
@@ -31,11 +31,6 @@ from gossipd.ops.logs import RateLimiter
 from gossipd.zmqloop import ReplySender
 
 log = logging.getLogger("gossipd.ingress.intake")
-
-ID_IN_USE_MESSAGE = (
-    "this task id is in use by another producer's task (pending or recently answered): "
-    "choose another id"
-)
 
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
 # core/admission.py).
@@ -164,39 +159,19 @@ class Intake:
 
     def _refuse(self, task: Task, verdict: Verdict, answer: bool) -> None:
         """Admission said no: counted by reason; answered to the producer with ``answer``."""
-        config, admission = self._config, self.admission
+        config = self._config
+        no = refused(
+            verdict,
+            self.admission,
+            pending_max=config.pending_max,
+            pending_bytes_max=config.pending_bytes_max,
+            retry_after_ms=config.retry_after_ms,
+        )
+        self.refused[no.reason] += 1
         if verdict is Verdict.OVERLOADED:
-            code = ErrorCode.OVERLOADED
-            refusal = admission.refusal
-            if refusal is not None:  # by expected wait
-                self.refused["overloaded_expected_wait"] += 1
-                self._retry_after_ms = refusal.retry_after_ms
-                why = (
-                    f"{admission.pending} tasks pending: expected wait "
-                    f"{refusal.expected_wait_s:.3f} s, more than the {refusal.bound_s:.3f} s "
-                    "this task may wait"
-                )
-            elif admission.refused_bytes:
-                self.refused["overloaded_pending_bytes"] += 1
-                why = (
-                    f"{admission.pending_bytes} bytes of tasks pending here: this task "
-                    f"does not fit the byte budget (ingress.pending_bytes_max = "
-                    f"{config.pending_bytes_max})"
-                )
-            else:
-                self.refused[code.value] += 1
-                why = f"{admission.pending} tasks pending, the limit is {config.pending_max}"
-            retry_after_ms = self._retry_after_ms
-        elif verdict is Verdict.CONFLICT:
-            code, why, retry_after_ms = ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE, 0
-            self.refused[code.value] += 1
-        else:
-            assert verdict is Verdict.SHUTTING_DOWN, verdict
-            code, why = ErrorCode.SHUTTING_DOWN, "this daemon is shutting down"
-            retry_after_ms = config.retry_after_ms
-            self.refused[code.value] += 1
+            self._retry_after_ms = no.retry_after_ms  # read by a forwarder's owner
         if answer:
-            self.send_error(task, code, why, retry_after_ms)
+            self.send_error(task, no.code, no.message, no.retry_after_ms)
 
     @property
     def retry_after_ms(self) -> int:

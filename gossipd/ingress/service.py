@@ -75,7 +75,7 @@ class IngressStatistics:
     results: dict[str, int]
     queued: int
     running: int
-    cancels: dict[str, int]  # by outcome: here, forwarded, unknown
+    cancels: dict[str, int]  # by outcome: here, forwarded, refused, unknown
     service_s: float  # smoothed service time of finished tasks; 0 before the first
     expected_wait_s: float  # the expected queueing wait of a task arriving now
     latency: LatencyHistogram = field(repr=False)

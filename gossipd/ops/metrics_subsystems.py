@@ -369,6 +369,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             stats.withdrawn_by_peers,
         ),
         (
+            "gossipd_fanout_replies_dropped",
+            "Acks and TaskDones for forwarders our ROUTER refused (connection gone or full)",
+            stats.replies_dropped,
+        ),
+        (
             "gossipd_fanout_invalid_from_peers",
             "Forwards refused because the ingress would refuse their task (version, size)",
             stats.invalid_from_peers,
