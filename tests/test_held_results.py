@@ -56,12 +56,14 @@ def _not_alive_seen(owner, forwarder) -> bool:  # type: ignore[no-untyped-def]
     return last in ("suspect", "dead")
 
 
-def _start_long_task(cluster: Cluster, producer: RawProducer, task_id: str, **fields) -> None:  # type: ignore[no-untyped-def]
-    """One task through the entry daemon d00, owned by d01, running ~6 s."""
+def _start_long_task(  # type: ignore[no-untyped-def]
+    cluster: Cluster, producer: RawProducer, task_id: str, tokens: int = 60, **fields
+) -> None:
+    """One task through the entry daemon d00, owned by d01, running ``tokens`` x 0.1 s."""
     owner = cluster.daemons[1]
     accepted = _metric(owner, "gossipd_fanout_accepted_from_peers_total")
     producer.send_task(
-        task_id, PROMPT, key=_key_of(cluster, owner.name), params={"max_tokens": 60}, **fields
+        task_id, PROMPT, key=_key_of(cluster, owner.name), params={"max_tokens": tokens}, **fields
     )
     wait_until(
         lambda: _metric(owner, "gossipd_fanout_accepted_from_peers_total") > accepted,
@@ -240,7 +242,9 @@ def test_a_forwarder_that_was_suspect_while_the_task_ran_is_asked_first(cluster:
     entry, owner, _spare = cluster.daemons
     producer = RawProducer(entry.endpoint)
     try:
-        _start_long_task(cluster, producer, "asked", timeout_ms=60_000)
+        # 15 s: it must still run when the owner suspects d00, which on a loaded machine
+        # took longer than a 6 s task once (the Result then left before any suspicion).
+        _start_long_task(cluster, producer, "asked", tokens=150, timeout_ms=60_000)
         entry.pause()
         try:
             wait_until(lambda: _not_alive_seen(owner, entry), 15, "the owner to suspect d00")

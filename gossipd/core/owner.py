@@ -65,7 +65,9 @@ class Refused:
     hint: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+# Admit and Reply are made once a forwarded task: not frozen (a frozen dataclass costs
+# ~0.5 us to build here, a plain one ~0.2 us).
+@dataclass(slots=True)
 class Admit:
     """Offer ``task`` to admission as received at ``received_at`` from ``forwarder``."""
 
@@ -73,7 +75,7 @@ class Admit:
     received_at: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reply:
     """Admission's verdict as the forwarder hears it; ``done_now``: the task was done already
     (its cached Result sent again): its TaskDone follows that Result."""
