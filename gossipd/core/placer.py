@@ -295,8 +295,16 @@ class Placer:
     def own_engine_saturated(self) -> bool:
         """Is our engine saturated as its latest sample reads now (the owner check of a
         Forward that asks if_free)?  Never, without ``own_sample``."""
-        sample = None if self.own_sample is None else self.own_sample()
-        return sample is not None and self.engine_saturated(sample)
+        own_sample = self.own_sample
+        return own_sample is not None and self._judge_own(own_sample())
+
+    def _judge_own(self, gpu: EngineSample | None) -> bool:
+        """Is our engine saturated by this sample?  Judged once per sample (a new object
+        each time), not per decision or per Forward."""
+        if gpu is not self._own_gpu:
+            self._own_gpu = gpu
+            self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
+        return self._own_gpu_saturated
 
     # -- the view, member by member --------------------------------------------------------
 
@@ -307,10 +315,7 @@ class Placer:
         # Our own entry, read on every call (up to twice a task).
         own_sample = self.own_sample
         if own_sample is not None:
-            gpu = own_sample()
-            if gpu is not self._own_gpu:
-                self._own_gpu = gpu
-                self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
+            self._judge_own(own_sample())
         own = (not self.draining, self._own_gpu_saturated)
         if own != self._own:
             self._own = own

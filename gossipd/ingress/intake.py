@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import IngressConfig
-from gossipd.core.admission import ID_IN_USE_MESSAGE, Admission, Verdict, refused
+from gossipd.core.admission import Admission, Verdict, refused
 from gossipd.core.lifecycle import Owned, TaskBook
 from gossipd.core.messages import ErrorCode, Result, Task, encode, error_result
 from gossipd.core.queueing import QueueWait
@@ -69,7 +69,7 @@ class Intake:
         runner: Runner,
         replies: ReplySender,
         node: str,
-        refused_lines_per_s: float,
+        refused_log: RateLimiter,
         links: IngressLinks,
         clock: Clock = SYSTEM_CLOCK,
         model: str = "",
@@ -86,7 +86,8 @@ class Intake:
         self._retry_after_ms = config.retry_after_ms  # the hint of the latest refusal
         self.refused: Counter[str] = Counter()  # by reason (the doors count theirs here too)
         self.cancels: Counter[str] = Counter()  # by outcome: here, forwarded, refused, unknown
-        self._refused_log = RateLimiter(refused_lines_per_s)
+        # Warnings of refusals, rate-limited with the door's (one budget of lines a second).
+        self._refused_log = refused_log
         self.model = model  # the model this daemon's engine serves
         # Listeners, called synchronously in order: a task admitted here (journal, prefix
         # record, tracing); a task routed here that admission refused or answered from the
@@ -108,9 +109,8 @@ class Intake:
             return
         router = self.links.router
         if router is not None and self._id_held_by_other(task):
-            self.refused[ErrorCode.ID_IN_USE.value] += 1
             self.admission.count_conflict()
-            self.send_error(task, ErrorCode.ID_IN_USE, ID_IN_USE_MESSAGE)
+            self._refuse(task, Verdict.CONFLICT, answer=True)
             return
         if router is not None and router(task, now):
             return  # another member owns it: the dispatcher forwards it

@@ -103,6 +103,8 @@ class Ingress:
         self._replies = replies
         self._node = node
         links = links if links is not None else IngressLinks()
+        # One budget of refusal warnings for the door and the intake (as before the split).
+        self._refused_log = RateLimiter(refused_lines_per_s)
         book, queue_wait = admission_for(config)
         # What admission takes runs here: workers, the engine, deadlines, answers.
         self.runner = Runner(
@@ -122,7 +124,7 @@ class Ingress:
             runner=self.runner,
             replies=replies,
             node=node,
-            refused_lines_per_s=refused_lines_per_s,
+            refused_log=self._refused_log,
             links=links,
             clock=clock,
             model=model,
@@ -130,7 +132,6 @@ class Ingress:
         )
         self._sock: zmq.Socket | None = None
         self._reader: SocketReader | None = None
-        self._refused_log = RateLimiter(refused_lines_per_s)
         self._received = 0
         self._refused = self.intake.refused  # one count by reason, the intake's and ours
         self._unanswerable = 0
