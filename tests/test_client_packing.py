@@ -176,7 +176,7 @@ def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any
                 [old.endpoint], ctx=ctx, resubmit_after_s=60, connect_timeout_s=5
             ) as client:
                 started = time.monotonic()
-                first = await _submit_in_one_turn(client, N_OLD, timeout_s=50)  # 3 packs
+                first = await _submit_in_one_turn(client, N_OLD, timeout_s=50)  # <= 3 packs
                 results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in first)), 10)
                 more = [await client.submit(f"m{i}", timeout_s=50) for i in range(50)]
                 results += await asyncio.wait_for(asyncio.gather(*(h.result() for h in more)), 10)
@@ -188,10 +188,15 @@ def test_a_daemon_without_tasks_frames_gets_every_task_alone_at_once(caplog: Any
         results, stats, old, elapsed_s = run_with_context(main)
     assert all(r.ok for r in results) and len(results) == N_OLD + 50
     assert elapsed_s < 10, "no task waited for the resubmission timer"
-    assert old.kinds == [6] * 3 + [1] * (N_OLD + 50), "3 packs, refused; then a frame a task"
-    assert [p.split("-pack-")[1] for p in old.pack_ids] == ["1", "2", "3"]
-    assert stats.packs_sent == 3 and stats.packs_refused == 3 and stats.resubmitted == 0
-    assert stats.frames_sent == 3 + N_OLD + 50 and stats.completed == N_OLD + 50
+    # Three packs when the first refusal comes after the turn; on a loaded machine it can
+    # come before the last pack leaves, whose tasks then go alone (packing.refused).
+    packs = old.kinds.count(6)
+    assert 1 <= packs <= 3, old.kinds
+    assert old.kinds == [6] * packs + [1] * (N_OLD + 50), "packs, refused; then a frame a task"
+    assert [p.split("-pack-")[1] for p in old.pack_ids] == [str(i + 1) for i in range(packs)]
+    assert stats.packs_sent == packs and stats.packs_refused == packs
+    assert stats.resubmitted == 0
+    assert stats.frames_sent == packs + N_OLD + 50 and stats.completed == N_OLD + 50
     warnings = [r for r in caplog.records if "refused a Tasks frame" in r.getMessage()]
     assert len(warnings) == 1
 
