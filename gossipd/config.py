@@ -402,6 +402,44 @@ class MetricsConfig(Section):
             raise ValueError(f"bind: expected HOST:PORT or empty, found {self.bind!r}")
 
 
+class HttpConfig(Section):
+    """The OpenAI-compatible HTTP door (docs/PROTOCOL.md "HTTP"): the same intake as the
+    ZeroMQ ingress, answers streamed back through this daemon."""
+
+    # "HOST:PORT" to serve on; empty: no HTTP door.  A non-loopback address needs keys_dir
+    # and TLS (tls_cert_file) unless security.insecure.
+    bind: str = ""
+    # ZeroMQ PULL socket that owners send this door's answers to (as to a producer's
+    # reply_to).  Empty: ingress.bind's host, any free port.
+    reply_bind: str = ""
+    # API keys: one file per key, NAME.key holding the key (one line); a request needs
+    # "Authorization: Bearer KEY".  Reloaded every security.reload_interval_s and on SIGHUP.
+    # Empty: no key asked (loopback only, or security.insecure).
+    keys_dir: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    # TLS: a PEM certificate chain and its key; empty: plain HTTP.
+    tls_cert_file: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    tls_key_file: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    # The request header whose value places the task by key (session affinity); the
+    # request's `user` field when it is absent; neither: prefix-aware placement.
+    session_header: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "x-session-id"
+    # Largest request body; larger ones get 413.
+    body_bytes_max: Annotated[int, msgspec.Meta(ge=1024, le=256 * 1024 * 1024)] = 1024 * 1024
+    # A request's deadline, from when it arrives (504 past it).
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 60.0
+    # Bytes of a stream waiting for a slow client; past it the request is cancelled.
+    stream_buffer_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
+    # Open connections at once; more are closed at once, counted.
+    connections_max: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
+
+    def __post_init__(self) -> None:
+        if self.bind and not _HOSTPORT_RE.match(self.bind):
+            raise ValueError(f"bind: expected HOST:PORT or empty, found {self.bind!r}")
+        if self.reply_bind:
+            _check_bind("reply_bind", self.reply_bind)
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file: tls_cert_file and tls_key_file go together")
+
+
 class LogConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["json", "text"] = "json"
@@ -547,6 +585,7 @@ class Config(Section):
     lifecycle: LifecycleConfig = msgspec.field(default_factory=LifecycleConfig)
     membership: MembershipConfig = msgspec.field(default_factory=MembershipConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)

@@ -18,11 +18,13 @@ import random
 import secrets
 import signal
 import socket
+import ssl
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 import zmq
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gossipd import __version__
 from gossipd.admin import Admin
@@ -45,6 +47,8 @@ from gossipd.fanout.holding import ResultHolder
 from gossipd.fanout.owner import OwnerEndpoint, zmq_peer_server
 from gossipd.fanout.peerlinks import PeerLinks, zmq_peer_client
 from gossipd.fanout.placement_feed import KernelLoader, PlacementFeed
+from gossipd.http.door import DoorLinks, HttpDoor
+from gossipd.http.wiring import build_door, open_door
 from gossipd.ingress.budgets import (
     DIRECTIVE_KIND,
     BudgetGate,
@@ -168,6 +172,25 @@ class Daemon:
                     secret=pair.secret,
                     route=lambda addr: (addr, security.peer_server_key(addr)),
                 )
+        # The OpenAI-compatible HTTP door (http.bind): the same intake as the ingress.
+        self.door: HttpDoor | None = None
+        if config.http.bind:
+            self.door = build_door(
+                config,
+                intake=self.ingress.intake,
+                engine=self.engine,
+                node=self.node,
+                model=self.ingress.intake.model,
+                links=DoorLinks(
+                    cluster_models=self._cluster_models,
+                    not_ready=self._not_ready,
+                    metrics=self._metrics_text,
+                ),
+                producer_key=security.key_pair.public.decode()
+                if security.key_pair is not None
+                else "",
+                clock=clock,
+            )
         self.notifier = Notifier(environ)
         # StatusQuery and Drain, taken on the ingress (gossipd status, gossipd drain); built
         # in run() once membership and fan-out exist (it reports on them).
@@ -195,6 +218,8 @@ class Daemon:
         self.engine_dead = False
         self._received_at_stop = 0
         self.metrics_port = 0
+        self.http_port = 0
+        self._registry: CollectorRegistry | None = None  # the metrics' (metrics.bind)
         self._metrics_token = preflight.read_token(config.metrics.bearer_token_file)
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
@@ -246,19 +271,60 @@ class Daemon:
             "budgets": self.budget_gate.statistics() if self.budget_gate else None,
             "leadership": self.leadership,
             "leader_duties": self.leader_duties,
+            "http": self.door,
         }
+
+    # -- what the HTTP door reads ------------------------------------------------------
+
+    def _cluster_models(self) -> set[str]:
+        """The models served here and by live members (GET /v1/models, a request's model)."""
+        models = {self.ingress.intake.model}
+        if self.gossip is not None:
+            models.update(m.gpu.model for m in self.gossip.live_members() if m.gpu and m.gpu.model)
+        return models
+
+    def _not_ready(self) -> str:
+        """Readiness: "" when a request can be served through this daemon, else why not."""
+        if self.ingress.intake.admission.shutting_down:
+            return "this daemon is shutting down"
+        if not self.engine_dead and self.engine.healthy():
+            return ""
+        if self.gossip is not None and any(
+            m.gpu is not None and m.gpu.status == "serving"
+            for m in self.gossip.live_members()
+            if m.node != self.node
+        ):
+            return ""
+        return "no engine serves, here or at a live member"
+
+    def _metrics_text(self) -> bytes:
+        if self._registry is None:  # metrics.bind unset: a registry for the door alone
+            self._registry = CollectorRegistry()
+            self._registry.register(DaemonCollector(self.node, self.snapshot))  # type: ignore[arg-type]
+        return generate_latest(self._registry)
+
+    def _reload_keys_now(self) -> None:
+        """SIGHUP: the CURVE key directories and the door's API keys, read again at once."""
+        if self.security.curve:
+            self.security.reload_and_tell(self._keys_looked_at, force=True)
+        if self.door is not None and self.door.keys is not None:
+            self.door.keys.reload(force=True)
+
+    async def _reload_api_keys_forever(self) -> None:
+        """The door's API keys read again when their directory changes (revocation)."""
+        assert self.door is not None and self.door.keys is not None
+        while True:
+            await asyncio.sleep(self.config.security.reload_interval_s)
+            self.door.keys.reload()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._reload_keys_now)
         if self.security.curve:
             self.security.start()  # the ZAP handler answers before any CURVE socket binds
             self._log_security()
-            loop.add_signal_handler(
-                signal.SIGHUP,
-                lambda: self.security.reload_and_tell(self._keys_looked_at, force=True),
-            )
         else:
             log.warning(
                 "CURVE is off: sockets are neither authenticated nor encrypted"
@@ -312,11 +378,30 @@ class Daemon:
         if self.tracer is not None:
             self.tracer.attach(self.ingress)
         if self.config.metrics.bind:
-            _, self.metrics_port = serve_metrics(
+            self._registry, self.metrics_port = serve_metrics(
                 self.config.metrics.bind,
                 DaemonCollector(self.node, self.snapshot),
                 token=self._metrics_token,
             )
+        http_bound = ""
+        if self.door is not None:
+            try:
+                _, port = await open_door(
+                    self.door,
+                    self.config,
+                    ctx=self._ctx,
+                    replies=self.replies,
+                    serve_curve=(lambda sock: self.security.serve(sock, DOMAIN_PEERS))
+                    if self.security.curve
+                    else None,
+                )
+            except (OSError, zmq.ZMQError, ssl.SSLError) as exc:
+                raise StartupError(
+                    f"cannot serve http.bind = {self.config.http.bind!r} (or its reply "
+                    f"socket): {exc}"
+                ) from None
+            http_bound = f"{self.config.http.bind.rpartition(':')[0]}:{port}"
+            self.http_port = port
         try:
             async with asyncio.TaskGroup() as tg:
                 self.sockets.start()
@@ -363,6 +448,12 @@ class Daemon:
                         )
                     )
                 background += self._start_budgets(tg)
+                if self.door is not None:
+                    background.append(tg.create_task(self.door.sweep_forever(), name="http"))
+                    if self.door.keys is not None:
+                        background.append(
+                            tg.create_task(self._reload_api_keys_forever(), name="api-keys")
+                        )
                 # Start-up's objects (modules, classes, the config: most of the heap) never
                 # die: out of the collector's generations, a full collection no longer walks
                 # them on the task path (as Instagram does).
@@ -377,6 +468,7 @@ class Daemon:
                         "gossip": gossip_endpoint if self.gossip is not None else "",
                         "engine": self.engine.name,
                         "metrics_port": self.metrics_port,
+                        "http": http_bound,
                         "concurrency_max": self.config.ingress.concurrency_max,
                     },
                 )
@@ -404,6 +496,8 @@ class Daemon:
                 await self.leadership.close()
             if self.gossip is not None:
                 self.gossip.close()
+            if self.door is not None:
+                self.door.close()
             self.ingress.close()
             self.replies.close(linger_ms=2000)
             self.sockets.close_all()

@@ -373,9 +373,16 @@ class ReplySender:
         self._dropped_queue_full = 0
         self._closed_idle = 0
         self._evicted = 0
+        # Reply addresses served in this process (the HTTP door's): handed over directly.
+        self._local: dict[str, Callable[[bytes], None]] = {}
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
+
+    def deliver_locally(self, endpoint: str, deliver: Callable[[bytes], None]) -> None:
+        """Replies to ``endpoint`` (a route this daemon serves itself: the HTTP door's reply
+        address) go to ``deliver`` at once, in order, instead of through a socket."""
+        self._local[endpoint] = deliver
 
     def stop(self) -> None:
         """Cancel the background tasks (queued replies stay until ``close``)."""
@@ -392,6 +399,9 @@ class ReplySender:
         """Queue ``frame`` for ``endpoint`` (already validated as connectable); ``pack``: the
         producer takes Replies frames (``Task.batch_replies``)."""
         if self._closed:
+            return
+        if self._local and (deliver := self._local.get(endpoint)) is not None:
+            deliver(frame)
             return
         peer = self._peers.get(endpoint)
         if peer is None:

@@ -251,6 +251,15 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     total_ms: float = 0.0
 
 
+class TokenUsage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Tokens a task took, as its engine counted them (OpenAI's ``usage``), and why it
+    ended: "length" (max_tokens) or "stop" (end of sequence or a stop string)."""
+
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    completion_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    finish_reason: Annotated[str, msgspec.Meta(max_length=32)] = ""
+
+
 class Result(
     msgspec.Struct,
     frozen=True,
@@ -272,6 +281,8 @@ class Result(
     attempts: int = 1
     chunks: int = 0
     timings: Timings = msgspec.field(default_factory=Timings)
+    # Added in the HTTP door's release: absent (None) from older daemons and on errors.
+    usage: TokenUsage | None = None
 
     def __post_init__(self) -> None:
         if self.ok == (self.error is not None):

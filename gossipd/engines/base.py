@@ -8,7 +8,7 @@ inside the engine (an engine must guarantee this; vLLM's AsyncLLM does).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from gossipd.core.messages import SamplingParams
@@ -27,11 +27,22 @@ class InvalidRequest(Exception):
     """The engine refuses the request's parameters (answered with bad_request)."""
 
 
+@dataclass(slots=True)
+class Usage:
+    """What one request took, filled in by the engine as it generates (the OpenAI door's
+    ``usage`` and ``finish_reason``): "length" when max_tokens ended it, "stop" else."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: str
     prompt: str
     params: SamplingParams
+    usage: Usage = field(default_factory=Usage)
 
 
 @dataclass(frozen=True, slots=True)

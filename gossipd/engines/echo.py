@@ -37,12 +37,16 @@ class EchoEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
         self._running += 1
+        usage = request.usage
+        usage.prompt_tokens = len(request.prompt.split())  # a word a token, as it answers
         try:
             for token in echo_tokens(request.prompt, request.params.max_tokens):
                 if self._token_delay_s > 0:
                     await asyncio.sleep(self._token_delay_s)
                 self._tokens_total += 1
+                usage.completion_tokens += 1
                 yield token
+            usage.finish_reason = "length"
         finally:
             self._running -= 1
 

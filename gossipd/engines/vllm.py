@@ -181,11 +181,17 @@ class VllmEngine:
             raise EngineDead("the vLLM engine is not running")
         params = self.sampling_params(request)
         try:
+            usage = request.usage
             async for output in self._llm.generate(request.prompt, params, request.request_id):
                 completion = output.outputs[0] if output.outputs else None
                 if completion is None:
                     continue
+                if output.prompt_token_ids is not None:
+                    usage.prompt_tokens = len(output.prompt_token_ids)
                 self._tokens_total += len(completion.token_ids)
+                usage.completion_tokens += len(completion.token_ids)  # DELTA: this step's
+                if completion.finish_reason is not None:
+                    usage.finish_reason = str(completion.finish_reason)
                 # Byte-level tokens may end mid-character: vLLM holds those bytes back and
                 # sends an empty delta, which is not worth a chunk.
                 if completion.text:

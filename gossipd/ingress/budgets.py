@@ -114,17 +114,20 @@ class BudgetGate:
                 },
             )
 
-    def check(self, task: Task, now: float) -> int:
-        """Charge ``task``: 0 when admitted, else its retry-after hint in ms."""
+    def check(self, task: Task, now: float, identity: str | None = None) -> int:
+        """Charge ``task`` (to ``identity``, else its producer's by tokenbudgets' rule 1): 0
+        when admitted, else its retry-after hint in ms."""
         c = self._config
-        identity = producer_identity(task.producer_key, task.key, c.key_separator)
+        if identity is None:
+            identity = producer_identity(task.producer_key, task.key, c.key_separator)
         cost = task_cost_tokens(len(task.prompt), task.params.max_tokens, c.chars_per_token)
         return self.buckets.charge(identity, cost, now)
 
-    def refusal(self, task: Task) -> str:
+    def refusal(self, task: Task, identity: str | None = None) -> str:
         """What an over_budget answer says."""
         c = self._config
-        identity = producer_identity(task.producer_key, task.key, c.key_separator)
+        if identity is None:
+            identity = producer_identity(task.producer_key, task.key, c.key_separator)
         rate = self.buckets.rate(identity)
         return (
             f"producer {identity!r} is over its token budget here ({rate:.1f} tokens/s at this "

@@ -100,12 +100,15 @@ class Intake:
         # before it is routed (ingress/budgets.py); past it: over_budget.
         self.budget_gate = budget_gate
 
-    def take(self, task: Task, now: float) -> None:
-        """A producer's task from a door, its ``producer_key`` set by the door."""
+    def take(self, task: Task, now: float, identity: str | None = None) -> None:
+        """A producer's task from a door, its ``producer_key`` set by the door.
+        ``identity``: whose token budget it is charged to when the door knows better than
+        the task's key (the HTTP door's API key name); None: from the task (tokenbudgets)."""
         gate = self.budget_gate
-        if gate is not None and (retry_after_ms := gate.check(task, now)):
+        if gate is not None and (retry_after_ms := gate.check(task, now, identity)):
             self.refused[ErrorCode.OVER_BUDGET.value] += 1
-            self.send_error(task, ErrorCode.OVER_BUDGET, gate.refusal(task), retry_after_ms)
+            message = gate.refusal(task, identity)
+            self.send_error(task, ErrorCode.OVER_BUDGET, message, retry_after_ms)
             return
         router = self.links.router
         if router is not None and self._id_held_by_other(task):

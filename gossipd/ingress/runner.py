@@ -31,6 +31,7 @@ from gossipd.core.messages import (
     Result,
     Task,
     Timings,
+    TokenUsage,
     encode,
     error_result,
 )
@@ -234,6 +235,7 @@ class Runner:
             if started >= deadline:
                 raise TimeoutError
             request = GenerateRequest(request_id=task.id, prompt=task.prompt, params=task.params)
+            usage = request.usage
             async for delta in self._engine.generate(request):
                 if not first_token_at:
                     first_token_at = clock()
@@ -250,6 +252,11 @@ class Runner:
                 node=self._node,
                 attempts=task.attempt + 1,
                 chunks=seq,
+                usage=TokenUsage(
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    finish_reason=usage.finish_reason or "stop",
+                ),
                 timings=Timings(
                     queued_ms=(started - job.received_at) * 1e3,
                     first_token_ms=(first_token_at - job.received_at) * 1e3

@@ -27,14 +27,58 @@ import zmq.auth
 
 from gossipd.config import Config, split_seed
 from gossipd.errors import StartupError
-from gossipd.security import PUBLIC_SUFFIX, KeyPair, is_loopback, load_key_pair
+from gossipd.security import (
+    PUBLIC_SUFFIX,
+    KeyPair,
+    is_loopback,
+    is_wildcard_host,
+    load_key_pair,
+)
 
 
 def check(config: Config, node: str) -> KeyPair | None:
     """Raise StartupError (exit 2) naming the fix for what `run` would refuse; the key pair
     with CURVE on, None without."""
     _check_needs(config)
+    _check_http(config)
     return _check_security(config, node)
+
+
+def _check_http(config: Config) -> None:
+    """A non-loopback HTTP door needs API keys and TLS unless security.insecure; its key
+    directory and TLS files must be readable (as CURVE's are)."""
+    http = config.http
+    if not http.bind:
+        return
+    missing = [
+        what
+        for what, present in (
+            ("http.keys_dir", http.keys_dir),
+            ("TLS (http.tls_cert_file)", http.tls_cert_file),
+        )
+        if not present
+    ]
+    if not is_loopback(http.bind) and missing and not config.security.insecure:
+        raise StartupError(
+            f"refusing to serve http.bind = {http.bind!r} without {' and '.join(missing)}: "
+            "anyone who can reach it could submit tasks or read answers.  Set http.keys_dir "
+            "(one NAME.key file per API key) and http.tls_cert_file/tls_key_file, or "
+            "security.insecure = true on a network you trust"
+        )
+    if http.keys_dir and not Path(http.keys_dir).is_dir():
+        raise StartupError(
+            f"http.keys_dir = {http.keys_dir!r} is not a directory (put NAME.key files there)"
+        )
+    for name in ("tls_cert_file", "tls_key_file"):
+        path = getattr(http, name)
+        if path and not os.access(path, os.R_OK):
+            raise StartupError(f"cannot read http.{name} = {path!r}")
+    ingress_host = config.ingress.bind.removeprefix("tcp://").rpartition(":")[0]
+    if not http.reply_bind and is_wildcard_host(ingress_host):
+        raise StartupError(
+            f"http.reply_bind: required when ingress.bind is a wildcard "
+            f"({config.ingress.bind!r}): the address owners send the door's answers to"
+        )
 
 
 def _check_needs(config: Config) -> None:

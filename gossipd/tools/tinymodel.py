@@ -27,6 +27,13 @@ zero one two three four five six seven eight nine ten hundred thousand million
 TOKENIZER_VOCAB_SIZE = 512
 
 
+# A plain role-tagged template: each message on its own lines, then the assistant's turn.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:
     """Write the tokenizer and model into ``directory`` (created if needed); return its path."""
     import torch
@@ -49,6 +56,9 @@ def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    # Chat requests (the HTTP door's /v1/chat/completions, `vllm serve`) render their
+    # messages through it.
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
     torch.manual_seed(seed)

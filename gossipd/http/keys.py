@@ -1,0 +1,79 @@
+"""API keys for the HTTP door: one file per key in ``http.keys_dir``, ``NAME.key`` holding the
+key on one line.  NAME is the producer's identity (token budgets, logs); a request proves it
+with "Authorization: Bearer KEY".
+
+Keys are kept as SHA-256 digests and looked up by digest: no comparison of the secret itself
+whose time depends on how much of it matched.  ``reload`` reads the directory again when a
+file was added, removed or changed (the daemon calls it every security.reload_interval_s and
+on SIGHUP), so a removed key is refused from the next request on, without a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+log = logging.getLogger("gossipd.http.keys")
+
+KEY_CHARS_MIN = 16  # shorter keys are refused at load: guessable
+KEY_FILE_BYTES_MAX = 4096
+
+
+class ApiKeys:
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+        self._by_digest: dict[bytes, str] = {}
+        self._seen: tuple[tuple[str, int, int], ...] = ()
+        self.reloads = 0
+        self.reload(force=True)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def name_of(self, authorization: str) -> str | None:
+        """The key's name for an Authorization header value, or None (missing or unknown)."""
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return None
+        return self._by_digest.get(hashlib.sha256(token.strip().encode()).digest())
+
+    def reload(self, *, force: bool = False) -> bool:
+        """Read the directory again if it changed; True when the keys were read."""
+        try:
+            files = sorted(p for p in self.directory.iterdir() if p.suffix == ".key")
+            seen = tuple((p.name, *_stamp(p)) for p in files)
+        except OSError as exc:
+            if force:
+                raise OSError(f"http.keys_dir {str(self.directory)!r}: {exc.strerror}") from None
+            log.warning("cannot read http.keys_dir", extra={"error": exc.strerror})
+            return False
+        if seen == self._seen and not force:
+            return False
+        keys: dict[bytes, str] = {}
+        for path in files:
+            try:
+                token = path.read_bytes()[:KEY_FILE_BYTES_MAX].decode().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                log.warning(
+                    "skipped an unreadable API key file",
+                    extra={"file": str(path), "error": str(exc)},
+                )
+                continue
+            if len(token) < KEY_CHARS_MIN:
+                log.warning(
+                    f"skipped an API key shorter than {KEY_CHARS_MIN} characters",
+                    extra={"file": str(path)},
+                )
+                continue
+            keys[hashlib.sha256(token.encode()).digest()] = path.stem
+        self._by_digest = keys
+        self._seen = seen
+        self.reloads += 1
+        log.info("API keys loaded", extra={"keys": len(keys), "dir": str(self.directory)})
+        return True
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size

@@ -1,0 +1,357 @@
+"""OpenAI's HTTP API in gossipd's terms: a request body to a task's fields, a Result or Chunk to
+the JSON (or server-sent event) an OpenAI client parses, an error to OpenAI's error shape.
+
+Pure functions, no IO: the door (gossipd/http/door.py) calls them.  docs/PROTOCOL.md "HTTP"
+documents every rule here; a request that breaks one is a ``BadRequest`` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from gossipd.core.messages import (
+    TASK_KEY_CHARS_MAX,
+    ErrorCode,
+    ErrorInfo,
+    SamplingParams,
+    TokenUsage,
+)
+
+_json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+
+COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
+CHAT_MAX_TOKENS_DEFAULT = 256  # OpenAI's is "up to the context"; a bound that fits small models
+STOP_MAX = 8
+MESSAGES_MAX = 1024
+
+# An error code to (HTTP status, OpenAI error type).
+STATUS_OF: dict[str, tuple[int, str]] = {
+    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.UNSUPPORTED_VERSION: (400, "invalid_request_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.OVER_BUDGET: (429, "rate_limit_error"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    ErrorCode.ENGINE_ERROR: (500, "server_error"),
+    ErrorCode.UNAVAILABLE: (503, "server_error"),
+    ErrorCode.SHUTTING_DOWN: (503, "server_error"),
+    ErrorCode.SATURATED: (503, "server_error"),
+    ErrorCode.CANCELLED: (499, "cancelled"),
+    ErrorCode.ID_IN_USE: (409, "invalid_request_error"),
+}
+
+
+class BadRequest(Exception):
+    """A request the door refuses before it becomes a task: ``status`` (400, 404, ...)."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What one request asks, decoded: the task's fields and how to answer."""
+
+    chat: bool
+    model: str
+    prompt: str
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    user: str
+
+
+def error_body(
+    message: str, err_type: str, *, param: str | None = None, code: str | None = None
+) -> bytes:
+    return _json_encode(
+        {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    )
+
+
+def error_of(error: ErrorInfo) -> tuple[int, bytes, list[tuple[str, str]]]:
+    """A task's error as (status, body, headers): 429s and 503s with Retry-After."""
+    status, err_type = STATUS_OF.get(error.code, (500, "server_error"))
+    headers: list[tuple[str, str]] = []
+    if error.retry_after_ms and status in (429, 503):
+        headers = [
+            ("retry-after", str(max(1, math.ceil(error.retry_after_ms / 1000)))),
+            ("retry-after-ms", str(error.retry_after_ms)),
+        ]
+    return status, error_body(error.message, err_type, code=error.code), headers
+
+
+def decode_call(body: bytes, *, chat: bool) -> Call:
+    """A /v1/completions (``chat`` false) or /v1/chat/completions body."""
+    try:
+        doc = _json_decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the body must be a JSON object")
+    model = _str(doc, "model", required=True)
+    messages: list[dict[str, str]] | None = None
+    prompt = ""
+    if chat:
+        messages = _messages(doc.get("messages"))
+        max_tokens = _int(doc, "max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = _int(doc, "max_tokens")
+        default_max = CHAT_MAX_TOKENS_DEFAULT
+    else:
+        prompt = _prompt(doc.get("prompt"))
+        max_tokens = _int(doc, "max_tokens")
+        default_max = COMPLETIONS_MAX_TOKENS_DEFAULT
+    n = _int(doc, "n")
+    if n not in (None, 1):
+        raise BadRequest("n: only 1 choice per request is served here", param="n")
+    for name in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "logit_bias"):
+        if doc.get(name) not in (None, False, 1 if name == "best_of" else None):
+            raise BadRequest(f"{name}: not supported by this server", param=name)
+    if doc.get("echo"):
+        raise BadRequest("echo: not supported by this server", param="echo")
+    stop = doc.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise BadRequest("stop: a string or a list of non-empty strings", param="stop")
+    fields: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens}
+    for name in ("temperature", "top_p"):
+        value = doc.get(name)
+        if value is not None:
+            fields[name] = value
+    for name in ("seed", "top_k"):
+        value = _int(doc, name)
+        if value is not None:
+            fields[name] = value
+    if stop:
+        fields["stop"] = stop[:STOP_MAX] if len(stop) <= STOP_MAX else _too_many_stops()
+    if doc.get("ignore_eos") is not None:
+        fields["ignore_eos"] = doc.get("ignore_eos")
+    try:
+        params = msgspec.convert(fields, SamplingParams)
+    except (msgspec.ValidationError, ValueError) as exc:
+        text = str(exc)
+        param = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else None
+        if param == "max_tokens" and chat:
+            param = "max_completion_tokens" if "max_completion_tokens" in doc else "max_tokens"
+        raise BadRequest(
+            f"{param or 'parameters'}: {text.split(' - at ')[0]}", param=param
+        ) from None
+    stream = doc.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream: true or false", param="stream")
+    options = doc.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options: an object", param="stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    user = doc.get("user") or ""
+    if not isinstance(user, str):
+        raise BadRequest("user: a string", param="user")
+    return Call(
+        chat=chat,
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        params=params,
+        stream=stream,
+        include_usage=include_usage and stream,
+        user=user,
+    )
+
+
+def placement_key(session: str) -> str:
+    """A session id as a task key: as given when it fits, else its hash (same id, same key)."""
+    if len(session) <= TASK_KEY_CHARS_MAX:
+        return session
+    import hashlib
+
+    return "h:" + hashlib.sha256(session.encode()).hexdigest()
+
+
+def _too_many_stops() -> list[str]:
+    raise BadRequest(f"stop: at most {STOP_MAX} strings", param="stop")
+
+
+def _str(doc: dict[str, Any], name: str, *, required: bool = False) -> str:
+    value = doc.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{name}: a non-empty string is required", param=name)
+    return value
+
+
+def _int(doc: dict[str, Any], name: str) -> int | None:
+    value = doc.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{name}: an integer", param=name)
+    return value
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        raise BadRequest("prompt: token ids are not taken here; send text", param="prompt")
+    if isinstance(value, list) and len(value) > 1:
+        raise BadRequest("prompt: one prompt per request is served here", param="prompt")
+    raise BadRequest("prompt: a string is required", param="prompt")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest("messages: a non-empty list is required", param="messages")
+    if len(value) > MESSAGES_MAX:
+        raise BadRequest(f"messages: at most {MESSAGES_MAX}", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}]: an object with a role", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise BadRequest(
+                        f"messages[{i}].content: only text parts are served here",
+                        param="messages",
+                    )
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content: a string", param="messages")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def usage_of(usage: TokenUsage | None) -> dict[str, int]:
+    prompt = usage.prompt_tokens if usage is not None else 0
+    completion = usage.completion_tokens if usage is not None else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def finish_reason(usage: TokenUsage | None) -> str:
+    return usage.finish_reason if usage is not None and usage.finish_reason else "stop"
+
+
+def whole_answer(
+    call: Call, response_id: str, created: int, text: str, usage: TokenUsage | None
+) -> bytes:
+    """A non-streamed answer."""
+    reason = finish_reason(usage)
+    if call.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        kind = "text_completion"
+    return _json_encode(
+        {
+            "id": response_id,
+            "object": kind,
+            "created": created,
+            "model": call.model,
+            "choices": [choice],
+            "usage": usage_of(usage),
+        }
+    )
+
+
+class StreamWriter:
+    """The server-sent events of one streamed answer, in OpenAI's exact framing: each event
+    ``data: {json}\\n\\n``, one ``id`` and ``created`` for all, a last chunk with the finish
+    reason, with include_usage a usage chunk with empty ``choices``, then ``data: [DONE]``."""
+
+    __slots__ = ("_chat", "_head", "_include_usage", "_role_sent")
+
+    def __init__(self, call: Call, response_id: str, created: int) -> None:
+        kind = "chat.completion.chunk" if call.chat else "text_completion"
+        # Every event starts with the same fields: encoded once.
+        self._head = b'data: {"id":%s,"object":"%s","created":%d,"model":%s,' % (
+            _json_encode(response_id),
+            kind.encode(),
+            created,
+            _json_encode(call.model),
+        )
+        self._chat = call.chat
+        self._include_usage = call.include_usage
+        self._role_sent = False
+
+    def _event(self, choices: bytes, usage: bytes = b"") -> bytes:
+        tail = (
+            b',"usage":%s' % usage if usage else (b',"usage":null' if self._include_usage else b"")
+        )
+        return b'%s"choices":%s%s}\n\n' % (self._head, choices, tail)
+
+    def delta(self, text: str) -> bytes:
+        body = _json_encode(text)
+        if self._chat:
+            if not self._role_sent:
+                self._role_sent = True
+                return self._event(
+                    b'[{"index":0,"delta":{"role":"assistant","content":%s},'
+                    b'"logprobs":null,"finish_reason":null}]' % body
+                )
+            return self._event(
+                b'[{"index":0,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]' % body
+            )
+        return self._event(b'[{"index":0,"text":%s,"logprobs":null,"finish_reason":null}]' % body)
+
+    def finish(self, usage: TokenUsage | None) -> bytes:
+        reason = _json_encode(finish_reason(usage))
+        if self._chat:
+            delta = b'{"role":"assistant","content":""}' if not self._role_sent else b"{}"
+            last = self._event(
+                b'[{"index":0,"delta":%s,"logprobs":null,"finish_reason":%s}]' % (delta, reason)
+            )
+        else:
+            last = self._event(
+                b'[{"index":0,"text":"","logprobs":null,"finish_reason":%s}]' % reason
+            )
+        if self._include_usage:
+            last += self._event(b"[]", _json_encode(usage_of(usage)))
+        return last + b"data: [DONE]\n\n"
+
+    @staticmethod
+    def error(error: ErrorInfo) -> bytes:
+        """An error after the stream began: a last event with an ``error`` object."""
+        _, err_type = STATUS_OF.get(error.code, (500, "server_error"))
+        return (
+            b"data: "
+            + error_body(error.message, err_type, code=error.code)
+            + b"\n\ndata: [DONE]\n\n"
+        )

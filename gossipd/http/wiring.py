@@ -1,0 +1,99 @@
+"""Building and opening the HTTP door from a daemon's parts (kept out of daemon.py, which
+only calls ``build_door`` and ``open_door``)."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from gossipd.clock import Clock
+from gossipd.config import Config
+from gossipd.engines.base import Engine
+from gossipd.http.chat import ChatTemplate, find_template
+from gossipd.http.door import DoorLinks, HttpDoor
+from gossipd.http.keys import ApiKeys
+from gossipd.http.server import serve
+from gossipd.ingress.intake import Intake
+from gossipd.zmqloop import ReplySender
+
+
+def build_door(
+    config: Config,
+    *,
+    intake: Intake,
+    engine: Engine,
+    node: str,
+    model: str,
+    links: DoorLinks,
+    producer_key: str,
+    clock: Clock,
+) -> HttpDoor:
+    http = config.http
+    model_dir = config.engine.model if config.engine.kind == "vllm" else ""
+    template, _ = find_template(model_dir)
+    bos, eos = _special_tokens(model_dir)
+    max_model_len = getattr(engine, "max_model_len", None) or config.engine.max_model_len or None
+    return HttpDoor(
+        http,
+        intake=intake,
+        node=node,
+        model=model,
+        max_model_len=max_model_len,
+        chat=ChatTemplate(template, bos_token=bos, eos_token=eos),
+        links=links,
+        keys=ApiKeys(http.keys_dir) if http.keys_dir else None,
+        producer_key=producer_key,
+        clock=clock,
+    )
+
+
+def reply_endpoint(config: Config) -> str:
+    """Where the door's reply socket binds: http.reply_bind, else ingress.bind's host on
+    any free port (preflight refuses a wildcard ingress host without reply_bind)."""
+    if config.http.reply_bind:
+        return config.http.reply_bind
+    ingress = config.ingress.bind
+    if ingress.startswith("ipc://"):
+        return ingress + ".http-replies"
+    return ingress.rpartition(":")[0] + ":*"
+
+
+async def open_door(
+    door: HttpDoor,
+    config: Config,
+    *,
+    ctx: zmq.Context,
+    replies: ReplySender,
+    serve_curve: Callable[[zmq.Socket], None] | None,
+) -> tuple[str, int]:
+    """Bind the reply socket and the HTTP listener; (reply address, HTTP port)."""
+    reply_to = door.bind_replies(ctx, reply_endpoint(config), serve_curve)
+    replies.deliver_locally(door.route, door.deliver)  # tasks run here: no socket between
+    door.start_receiving()
+    host, _, port = config.http.bind.rpartition(":")
+    context = None
+    if config.http.tls_cert_file:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(config.http.tls_cert_file, config.http.tls_key_file)
+    door.server = await serve(host.strip("[]"), int(port), door.handle, door.limits, ssl=context)
+    door.port = door.server.sockets[0].getsockname()[1]
+    return reply_to, door.port
+
+
+def _special_tokens(model_dir: str) -> tuple[str, str]:
+    """The model's bos and eos tokens as its chat template may name them."""
+    path = Path(model_dir) / "tokenizer_config.json" if model_dir else None
+    if path is None or not path.is_file():
+        return "", ""
+    doc = json.loads(path.read_text())
+    return _token(doc.get("bos_token")), _token(doc.get("eos_token"))
+
+
+def _token(value: object) -> str:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
