@@ -512,6 +512,7 @@ class BudgetsConfig(Section):
     default_share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     # Named producers' shares of the cluster's rate (they need not add up to 1: a budget is
     # a ceiling, not a reservation).  Names: "curve:<z85 public key>" (CURVE producers),
+    # "http:<NAME>" (the HTTP door's API key NAME.key),
     # "prefix:<P>" (tasks whose key starts with P and the separator), "default".
     shares: dict[
         Annotated[str, msgspec.Meta(min_length=1, max_length=300)],

@@ -887,7 +887,7 @@ def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stats in snapshot.items():
-        if name in ("gossip", "dispatcher", "admin", "held_results"):
+        if name in ("gossip", "dispatcher", "admin", "held_results", "http"):
             continue
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}

@@ -220,9 +220,12 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(400, "protocol upgrades are not served here")
         except httptools.HttpParserError as exc:
-            self._fail(400, f"malformed HTTP request: {exc}")
-        except _TooLarge as exc:
-            self._fail(exc.status, str(exc))
+            # A callback's exception comes wrapped (HttpParserCallbackError): ours says why.
+            cause = exc.__context__
+            if isinstance(cause, _TooLarge):
+                self._fail(cause.status, str(cause))
+            else:
+                self._fail(400, f"malformed HTTP request: {exc}")
 
     # -- httptools callbacks -----------------------------------------------------------------
 

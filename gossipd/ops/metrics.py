@@ -19,6 +19,7 @@ from gossipd.ops.metrics_subsystems import (
     _duty_metrics,
     _gossip_metrics,
     _held_metrics,
+    _http_metrics,
     _leadership_metrics,
     _load_gossip_metrics,
     _security_metrics,
@@ -186,6 +187,9 @@ class DaemonCollector:
         holder = s.get("held_results")  # fanout/holding.py's ResultHolder
         if holder is not None:
             yield from _held_metrics(holder.core)
+        door = s.get("http")
+        if door is not None:
+            yield from _http_metrics(door)
         load_gossip = s.get("load_gossip")
         if load_gossip is not None:
             yield from _load_gossip_metrics(load_gossip, dispatcher)

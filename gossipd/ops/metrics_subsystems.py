@@ -430,3 +430,60 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         "member",
         sorted(dispatcher.outstanding().items()),
     )
+
+
+def _http_metrics(door: Any) -> Iterator[Metric]:
+    """The OpenAI-compatible HTTP door (gossipd/http/), when http.bind is set."""
+    c = door.limits.counters
+    yield _one(C, "gossipd_http_connections", "HTTP connections opened", c.connections)
+    yield _one(
+        C,
+        "gossipd_http_connections_refused",
+        "HTTP connections closed at once: http.connections_max were open",
+        c.connections_refused,
+    )
+    yield _one(G, "gossipd_http_connections_open", "HTTP connections open now", c.open_now)
+    yield _one(C, "gossipd_http_requests", "HTTP requests parsed", c.requests)
+    yield _one(
+        C,
+        "gossipd_http_bad_requests",
+        "HTTP requests unparseable or over a bound (body, headers): answered, connection closed",
+        c.bad_requests,
+    )
+    yield _by(
+        C,
+        "gossipd_http_responses",
+        "HTTP responses, by status",
+        "status",
+        sorted((str(k), v) for k, v in door.responses.items()),
+    )
+    yield _one(
+        C, "gossipd_http_unauthorized", "Requests without a valid API key (401)", door.unauthorized
+    )
+    yield _by(
+        C,
+        "gossipd_http_cancels",
+        "Tasks the door cancelled: client gone (disconnect), stream unread "
+        "(slow_client: http.stream_buffer_bytes_max), no answer by the deadline (deadline)",
+        "why",
+        [
+            ("disconnect", door.disconnect_cancels),
+            ("slow_client", door.slow_client_cancels),
+            ("deadline", door.deadline_answers),
+        ],
+    )
+    yield _one(G, "gossipd_http_pending", "Requests waiting for their task's answer", door.pending)
+    yield _one(
+        C,
+        "gossipd_http_replies_unknown",
+        "Answers for no waiting request (its client had gone)",
+        door.replies_unknown,
+    )
+    yield _one(
+        C,
+        "gossipd_http_replies_invalid",
+        "Undecodable frames on the door's reply socket",
+        door.replies_invalid,
+    )
+    if door.keys is not None:
+        yield _one(G, "gossipd_http_api_keys", "API keys loaded", len(door.keys))

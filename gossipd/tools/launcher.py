@@ -175,6 +175,14 @@ class DaemonProcess:
                 return self._metrics_port
         return 0
 
+    @property
+    def http_url(self) -> str:
+        """http://HOST:PORT of its HTTP door (http.bind, port 0 included), "" if none."""
+        for event in self.events():
+            if event.get("msg") == "serving" and event.get("http"):
+                return f"http://{event['http']}"
+        return ""
+
     @metrics_port.setter
     def metrics_port(self, port: int) -> None:
         self._metrics_port = port

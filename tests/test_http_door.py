@@ -1,0 +1,272 @@
+"""The HTTP door on real daemons with the echo engine: the wire (raw sockets: malformed,
+oversized, pipelined), API keys and their revocation, forwarding to the owner and back,
+cancel on disconnect, the door's own deadline, 429 with Retry-After honoured by the official
+`openai` client's own retry (docs/PROTOCOL.md "HTTP")."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from gossipd.core.ring import Ring
+from simulations.cluster import Cluster
+from tests.helpers import gossipd_cli, scrape, wait_until
+
+HTTP = 'http.bind="127.0.0.1:0"'
+METRICS = 'metrics.bind="127.0.0.1:0"'
+KEY = "sk-test-0123456789abcdef"
+
+
+def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _read_response(stream: Any) -> bytes:
+    """One response with a content-length off a socket's file (status 200 asserted)."""
+    assert stream.readline().startswith(b"HTTP/1.1 200 ")
+    length = 0
+    while (line := stream.readline()) != b"\r\n":
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return stream.read(length)  # type: ignore[no-any-return]
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _body(n: int, prompt: str = "a b c") -> bytes:
+    doc = json.dumps({"model": "echo", "prompt": prompt, "max_tokens": n}).encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(doc), doc)
+    )
+
+
+def test_the_wire_refuses_bad_input_and_keeps_serving(daemon_factory: Any) -> None:
+    d = daemon_factory(HTTP, METRICS, "http.body_bytes_max=2048")
+    url = d.http_url
+    port = _port(url)
+    assert _raw(port, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    big = b"x" * 4096
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(big)
+    answer = _raw(port, head + big)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"http.body_bytes_max" in answer
+    huge_header = b"GET /health HTTP/1.1\r\nx-a: " + b"y" * 70_000 + b"\r\n\r\n"
+    assert _raw(port, huge_header).startswith(b"HTTP/1.1 431 ")
+    status, _, body = _post(f"{url}/v1/completions", {"model": "echo"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
+    status, _, body = _post(f"{url}/v1/completions", {"model": "echo", "prompt": "x", "n": 2})
+    assert status == 400 and json.loads(body)["error"]["param"] == "n"
+    status, _, body = _post(f"{url}/v1/completions", {"model": "gpt-9", "prompt": "x"})
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    status, _, _ = _post(f"{url}/v1/nowhere", {})
+    assert status == 404
+    # Three requests in one write: answered in order on the one connection.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(_body(1, "one") + _body(1, "two") + _body(1, "three"))
+        stream = sock.makefile("rb")
+        texts = [json.loads(_read_response(stream))["choices"][0]["text"] for _ in range(3)]
+    assert texts == ["one", "two", "three"]
+    metrics = scrape(d.metrics_port)
+    assert metrics["gossipd_http_bad_requests_total"] == 3
+    assert metrics["gossipd_http_responses_total{status=404}"] == 2
+    # Still serving after all that.
+    status, _, body = _post(f"{url}/v1/completions", {"model": "echo", "prompt": "still here"})
+    assert status == 200 and json.loads(body)["choices"][0]["text"].startswith("still")
+
+
+def test_api_keys_are_asked_and_a_removed_key_is_refused_without_a_restart(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "alice.key").write_text(KEY + "\n")
+    (keys / "bob.key").write_text("sk-bob-fedcba9876543210\n")
+    d = daemon_factory(HTTP, METRICS, f'http.keys_dir="{keys}"', "security.reload_interval_s=0.2")
+    url = d.http_url
+    body = {"model": "echo", "prompt": "hello"}
+    assert _post(f"{url}/v1/completions", body)[0] == 401
+    assert (
+        _post(f"{url}/v1/completions", body, {"authorization": "Bearer wrong-key-123456"})[0] == 401
+    )
+    assert _post(f"{url}/v1/completions", body, {"authorization": f"Bearer {KEY}"})[0] == 200
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+        assert response.status == 200, "liveness needs no key"
+    (keys / "alice.key").unlink()
+    wait_until(
+        lambda: _post(f"{url}/v1/completions", body, {"authorization": f"Bearer {KEY}"})[0] == 401,
+        10,
+        "alice's removed key to be refused",
+    )
+    ok = _post(f"{url}/v1/completions", body, {"authorization": "Bearer sk-bob-fedcba9876543210"})
+    assert ok[0] == 200
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="not-a-key-at-all", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model="echo", prompt="x")
+    assert scrape(d.metrics_port)["gossipd_http_unauthorized_total"] >= 4
+
+
+def test_a_non_loopback_door_without_keys_or_tls_stops_start_up() -> None:
+    done = gossipd_cli("check-config", "--set", 'http.bind="0.0.0.0:8000"')
+    assert done.returncode == 2, done.stderr
+    assert "http.keys_dir" in done.stderr and "TLS" in done.stderr
+
+
+@pytest.fixture
+def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=[HTTP, METRICS, "engine.token_delay_s=0.05"],
+    )
+    c.start()
+    c.wait_converged(timeout_s=30)
+    c.wait_meta(timeout_s=30)
+    yield c
+    c.stop()
+
+
+def _key_owned_by(cluster: Cluster, member: str) -> str:
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    return next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == member)
+
+
+def test_a_session_owned_elsewhere_is_forwarded_and_streams_back_through_the_entry(
+    pair: Cluster,
+) -> None:
+    entry, owner = pair.daemons
+    client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
+    session = _key_owned_by(pair, owner.name)
+    raw = client.completions.with_raw_response.create(
+        model="echo", prompt="far away", max_tokens=3, extra_headers={"x-session-id": session}
+    )
+    assert raw.headers["x-gossipd-member"] == owner.name
+    assert raw.parse().choices[0].text == "far away far"
+    stream = client.chat.completions.create(
+        model="echo",
+        messages=[{"role": "user", "content": "stream me"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-session-id": session},
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "<|user|> stream me <|assistant|>"
+    assert len({c.id for c in chunks}) == 1
+    assert scrape(owner.metrics_port)["gossipd_fanout_accepted_from_peers_total"] == 2
+
+
+def test_a_client_that_disconnects_cancels_its_task_where_it_runs(pair: Cluster) -> None:
+    entry, owner = pair.daemons
+    client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(
+        model="echo",
+        prompt="long",
+        max_tokens=2000,  # 100 s at 0.05 s a token
+        stream=True,
+        extra_headers={"x-session-id": _key_owned_by(pair, owner.name)},
+    )
+    next(iter(stream))
+    stream.close()  # the client goes away mid-stream
+    wait_until(
+        lambda: scrape(owner.metrics_port).get("gossipd_cancels_total{outcome=here}") == 1,
+        10,
+        "the owner to cancel the task",
+    )
+    assert scrape(entry.metrics_port)["gossipd_http_cancels_total{why=disconnect}"] == 1
+    wait_until(
+        lambda: scrape(owner.metrics_port)["gossipd_tasks_running"] == 0, 10, "the engine idle"
+    )
+
+
+def test_overload_is_429_with_retry_after_and_the_openai_client_retries(
+    daemon_factory: Any,
+) -> None:
+    # A budget of 40 tokens/s with a 1 s burst: each request costs 2 + 30 tokens.
+    d = daemon_factory(
+        HTTP,
+        METRICS,
+        "budgets.enabled=true",
+        "budgets.tokens_per_s_per_capacity=40",
+        "budgets.default_share=1.0",
+    )
+    body = {"model": "echo", "prompt": "budget me", "max_tokens": 30}
+    # The bucket may go into debt by one task (core/tokenbudgets.py): a few go through.
+    answers = [_post(f"{d.http_url}/v1/completions", body) for _ in range(4)]
+    assert answers[0][0] == 200
+    status, headers, answer = next((a for a in answers if a[0] != 200), answers[-1])
+    assert status == 429, answer
+    error = json.loads(answer)["error"]
+    assert error["code"] == "over_budget" and error["type"] == "rate_limit_error"
+    assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) > 0
+    client = openai.OpenAI(base_url=f"{d.http_url}/v1", api_key="none", max_retries=4)
+    started = time.monotonic()
+    done = client.completions.create(model="echo", prompt="budget me", max_tokens=30)
+    assert done.choices[0].text.startswith("budget")
+    assert time.monotonic() - started >= 0.3, "the client waited as Retry-After said"
+    assert scrape(d.metrics_port)["gossipd_http_responses_total{status=429}"] >= 2
+
+
+def test_past_its_deadline_a_request_gets_504(daemon_factory: Any) -> None:
+    d = daemon_factory(HTTP, METRICS, "engine.token_delay_s=0.1", "http.request_timeout_s=0.5")
+    status, _, body = _post(
+        f"{d.http_url}/v1/completions", {"model": "echo", "prompt": "slow", "max_tokens": 100}
+    )
+    assert status == 504, body
+    assert json.loads(body)["error"]["code"] == "deadline_exceeded"
+
+
+def test_models_health_and_readiness(daemon_factory: Any) -> None:
+    d = daemon_factory(HTTP, METRICS)
+    with urllib.request.urlopen(f"{d.http_url}/v1/models", timeout=10) as response:
+        models = json.loads(response.read())
+    assert [m["id"] for m in models["data"]] == ["echo"]
+    assert set(models["data"][0]) >= {
+        "id",
+        "object",
+        "created",
+        "owned_by",
+        "root",
+        "max_model_len",
+    }
+    for path in ("/health", "/v1/health/ready"):
+        with urllib.request.urlopen(f"{d.http_url}{path}", timeout=10) as response:
+            assert response.status == 200
+    with urllib.request.urlopen(f"{d.http_url}/metrics", timeout=10) as response:
+        assert b"gossipd_http_requests_total" in response.read()
