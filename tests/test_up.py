@@ -50,6 +50,10 @@ def test_up_demo_kills_and_restarts_a_daemon_and_loses_nothing(tmp_path) -> None
     # The restarted daemon serves again after its restart (its keys come back to it).
     assert summary["served_by_phase"]["after the restart"].get(summary["victim"], 0) > 0
     assert "election off: no etcd" in done.stderr
+    # Every daemon's OpenAI-compatible door answered chat completions, placed over members.
+    http = summary["http"]
+    assert http["requests"] == http["ok"] == 12 and sum(http["served_by"].values()) == 12
+    assert set(http["served_by"]) <= {"gpu0", "gpu1", "gpu2"} and len(http["served_by"]) >= 2
     # No process is left of any daemon started (first starts and the restart).
     assert len(summary["pids"]) == 4
     for pid in summary["pids"]:

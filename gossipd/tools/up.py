@@ -103,6 +103,7 @@ class LocalCluster:
                 f"gossip.seeds={seeds}",
                 "gossip.preset=local",
                 f"fanout.rpc_bind=tcp://127.0.0.1:{rpc_port}",
+                f'http.bind="127.0.0.1:{free_tcp_port()}"',  # the OpenAI-compatible door
                 f"journal.path={json.dumps(str(log_dir / f'{name}.journal'))}",
                 *engine_overrides,
                 *(extra_overrides or []),
@@ -324,6 +325,10 @@ def run_up(opts: UpOptions) -> int:
         cluster.wait_ready(cluster.daemons, start_timeout_s, say)
         status = cluster.wait_converged(30.0)
         say(format_status(status))
+        say(
+            "OpenAI-compatible HTTP doors (any member takes any request): "
+            + ", ".join(f"{d.http_url}/v1 ({d.name})" for d in cluster.daemons)
+        )
         if opts.demo:
             summary = run_demo(cluster, opts, kind, say, start_timeout_s)
         else:
@@ -349,7 +354,10 @@ def run_up(opts: UpOptions) -> int:
             print(json.dumps(summary), flush=True)
         else:
             print_summary(summary, say)
-        if code == 0 and (summary["lost"] or summary["ok"] != summary["tasks"]):
+        http = summary["http"]
+        if code == 0 and (
+            summary["lost"] or summary["ok"] != summary["tasks"] or http["ok"] != http["requests"]
+        ):
             code = 1
     return code
 
@@ -470,6 +478,7 @@ async def _demo(
         await asyncio.gather(*waiters)
         stats = client.statistics()
         status = await asyncio.to_thread(cluster.status)
+        http = await asyncio.to_thread(_through_the_http_doors, cluster)
     ok = sum(r.ok for r in results.values())
     lat = sorted(latencies_ms)
     served_by = Counter(r.node for r in results.values() if r.ok)
@@ -507,6 +516,7 @@ async def _demo(
         "served_by_phase": {p.name: by_node(p.results) for p in [streamed, *phases]},
         "results_by_daemon": by_node([*streamed.results, *results.values()]),
         "served_since_start": {n: since_start.get(n) for n in names},
+        "http": http,
         "elapsed_s": round(loop.time() - started, 1),
         "final_status": format_status(status) if status is not None else "",
         "log_dir": str(cluster.log_dir),
@@ -539,5 +549,47 @@ def print_summary(s: dict[str, Any], say: Say) -> None:
         + f"  (what each ran since its last start: {s['victim']}'s count began again at its"
         " restart; a task run at two daemons, replayed from a journal or migrated, counts at both)"
     )
+    http = s.get("http") or {}
+    say(
+        f"  OpenAI HTTP doors  {http.get('ok', 0)} of {http.get('requests', 0)} chat "
+        f"completions ok, served by "
+        + ", ".join(f"{n}: {c}" for n, c in http.get("served_by", {}).items())
+    )
     if s["errors"]:
         say(f"  errors: {s['errors']}")
+
+
+def _through_the_http_doors(cluster: LocalCluster, per_door: int = 4) -> dict[str, Any]:
+    """A few chat completions through each daemon's OpenAI-compatible door, as any OpenAI
+    client sends them (stdlib HTTP here), each with its own session (placed by key)."""
+    import urllib.error
+    import urllib.request
+
+    served: Counter[str] = Counter()
+    ok = sent = 0
+    for d in cluster.running():
+        url = d.http_url
+        if not url:
+            continue
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+            model = json.loads(response.read())["data"][0]["id"]
+        for i in range(per_door):
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": f"hello from the demo, {i}"}],
+                "max_tokens": 8,
+            }
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"content-type": "application/json", "x-session-id": f"demo-{d.name}-{i}"},
+            )
+            sent += 1
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    answer = json.loads(response.read())
+                    ok += answer["choices"][0]["message"]["role"] == "assistant"
+                    served[response.headers.get("x-gossipd-member", "?")] += 1
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                continue
+    return {"requests": sent, "ok": ok, "served_by": dict(sorted(served.items()))}
