@@ -324,13 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
             "budgets",
             "place",
             "membership",
+            "openai",
         ],
         help="ingress: one daemon vs raw pyzmq; route: the cost of a forward hop; ring: "
         "placement balance and churn; place: placement's cost per task as N grows; engine: the daemon's overhead on vLLM; prefix: "
         "prefix-cache hit rate by placement policy (six fresh 3-daemon vLLM clusters: many "
         "minutes on 2 cores); hedge: a stalled member, hedging off/on; budgets: a well-behaved "
         "producer's latency alone and beside a runaway at 10x its token budget; membership: "
-        "idle CPU, wake-ups and RSS per daemon, crash detection (--peers serf: beside Serf)",
+        "idle CPU, wake-ups and RSS per daemon, crash detection (--peers serf: beside Serf); "
+        "openai: vLLM's own benchmark client against `vllm serve`, one and two daemons with "
+        "the vLLM engine behind their HTTP doors (same model and load, interleaved rounds)",
     )
     p.add_argument(
         "--peers",
@@ -365,6 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ingress, route: tasks per run (default 20000; with --curve, ingress 60000 and "
         "route 60000 per throughput run, so that each run lasts about a second)",
+    )
+    p.add_argument(
+        "--variants",
+        default="vllm-serve,gossipd,gossipd-2",
+        help="openai: the servers to measure, comma-separated (default %(default)s)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="openai: requests in flight (default 8)"
     )
     p.add_argument("--rate", type=float, default=300.0, help="hedge: tasks per second")
     p.add_argument(

@@ -288,6 +288,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             crashes=args.crashes,
             as_json=args.json,
         )
+    if args.what == "openai":
+        from gossipd.tools.bench.openai import main as bench_openai
+
+        return bench_openai(
+            model=args.model,
+            variants=[v for v in args.variants.split(",") if v],
+            rounds=args.repeats,
+            prompts=args.tasks or 64,
+            concurrency=args.concurrency,
+            as_json=args.json,
+        )
     if args.what == "ring":
         from gossipd.tools.bench.ring import main as bench_ring
 
