@@ -246,6 +246,16 @@ def wrk_available() -> str | None:
     return None
 
 
+def split_load(entry_points: int, connections: int) -> list[tuple[int, int]]:
+    """(wrk threads, connections) per wrk process: one process per entry point (wrk takes
+    one host; at concurrency 1 the first only), the connections split evenly, 2 threads in
+    all (1 at concurrency 1) so that every variant gets the same generator."""
+    n = min(entry_points, connections)
+    conns = [connections // n + (1 if i < connections % n else 0) for i in range(n)]
+    threads = max(1, min(2, connections) // n)
+    return [(threads, c) for c in conns]
+
+
 class Wrk:
     """Runs wrk with the bench's Lua script; several processes at once for several entry
     points (wrk takes one host), the connections and threads split between them."""
@@ -255,15 +265,11 @@ class Wrk:
         self.script.write_text(WRK_LUA)
 
     def run(self, urls: list[str], connections: int, seconds: int, cpu_pids: list[int]) -> Window:
-        n = min(len(urls), connections)  # at concurrency 1: the first entry point only
-        conns = [connections // n + (1 if i < connections % n else 0) for i in range(n)]
-        threads_total = min(2, connections)  # wrk threads, all processes together
-        threads = [max(1, threads_total // n)] * n
         procs = []
         cpu0 = cpu_s(cpu_pids)
-        for i in range(n):
+        for i, (threads, conns) in enumerate(split_load(len(urls), connections)):
             cmd = [
-                "wrk", f"-t{threads[i]}", f"-c{conns[i]}", f"-d{seconds}s", "--timeout", "5s",
+                "wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s",
                 "-s", str(self.script), urls[i], "--", f"w{i}-",
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
