@@ -57,7 +57,7 @@ FAIR = [
     "Not equal topology: a router is one central process plus 2 stub engines; gossipd is 2 "
     "daemons, each a door, a router and an engine host.  gossipd's CPU per request includes "
     "its echo engine (in-process, about 0: cannot be separated by /proc); the routers' figure "
-    "excludes their stubs (uvloop + httptools, a few us per request each).",
+    "excludes their stubs (uvloop + httptools: engine_cpu_us_per_req, both stubs together).",
     "Not equal runtime: the routers are Rust (tokio, multi-threaded: one router process can "
     "use both cores); each gossipd daemon is one Python event loop plus ZeroMQ IO threads.",
     "Shared cores: wrk, the stubs and the layer measured share this machine's CPUs, so req/s "
@@ -129,6 +129,7 @@ def _figures(
             if not ws:
                 continue
             cpu = [w.cpu_us_per_req for w in ws if w.cpu_us_per_req is not None]
+            eng = [w.engine_cpu_s * 1e6 / w.requests for w in ws if w.engine_cpu_s and w.requests]
             fig: dict[str, Any] = {
                 "req_per_s": _median([w.req_per_s for w in ws]),
                 "p50_us": _median([w.p50_us for w in ws]),
@@ -136,6 +137,8 @@ def _figures(
                 "requests": sum(w.requests for w in ws),
                 "errors": sum(w.errors for w in ws),
                 "cpu_us_per_req": _median(cpu) if cpu and name != "direct" else None,
+                # The stubs behind (not counted above): what an engine that does nothing costs.
+                "engine_cpu_us_per_req": _median(eng) if eng else None,
             }
             pairs = list(zip(ws, base.get(c, []), strict=False))
             if name != "direct" and pairs:
@@ -184,14 +187,16 @@ def run(
     workdir = new_workdir()
     procs = Processes(workdir)
     not_measured: dict[str, str] = {}
-    targets: dict[str, tuple[list[str], list[int]]] = {}  # variant: (wrk URLs, layer pids)
+    # variant: (wrk URLs, pids of its routing layer, pids of the stub engines behind it)
+    targets: dict[str, tuple[list[str], list[int], list[int]]] = {}
     cluster = None
     steps.start("starting 2 stub engines, the routers and 2 gossipd daemons")
     try:
-        stubs = [start_stub(procs, f"stub{i}") for i in range(2)]
+        started = [start_stub(procs, f"stub{i}") for i in range(2)]
+        stubs, stub_pids = [u for u, _ in started], [p for _, p in started]
         for url in stubs:
             wait_serving(url, 20)
-        targets["direct"] = ([stubs[0]], [])
+        targets["direct"] = ([stubs[0]], [], stub_pids[:1])
         for r in routers:
             why = r.missing(router_venv)
             if why is None:
@@ -199,7 +204,7 @@ def run(
                 pid = procs.start(r.name, r.command(router_venv, port, stubs), env=ROUTER_ENV)
                 try:
                     wait_serving(f"http://127.0.0.1:{port}", 60)
-                    targets[r.name] = ([f"http://127.0.0.1:{port}"], [pid])
+                    targets[r.name] = ([f"http://127.0.0.1:{port}"], [pid], stub_pids)
                     continue
                 except TimeoutError as exc:
                     why = f"did not serve: {exc}; its log: {procs.log_tail(r.name)}"
@@ -207,12 +212,12 @@ def run(
             steps.note(f"{r.name} not measured: {why}")
         try:
             cluster, urls, pids = _gossipd(workdir)
-            targets["gossipd"] = (urls, pids)
+            targets["gossipd"] = (urls, pids, [])
         except (RuntimeError, TimeoutError) as exc:
             not_measured["gossipd"] = f"did not serve: {str(exc).strip()[-1500:]}"
             steps.note(f"gossipd not measured: {not_measured['gossipd'][:300]}")
         wrk = Wrk(workdir)
-        for urls, pids in targets.values():  # warm: connection pools, caches, the JIT-less rest
+        for urls, pids, _ in targets.values():  # warm: connections, pools, caches
             wrk.run(urls, 16, 1, pids)
         fwd0 = _forwarded(cluster) if cluster is not None else (0.0, 0.0)
         windows: dict[str, dict[int, list[Window]]] = {n: {} for n in targets}
@@ -222,8 +227,8 @@ def run(
             steps.start(f"round {r + 1}/{rounds}: {', '.join(order)} at c={concurrency}")
             for c in concurrency:
                 for name in order:
-                    urls, pids = targets[name]
-                    w = wrk.run(urls, c, seconds, pids)
+                    urls, pids, engines = targets[name]
+                    w = wrk.run(urls, c, seconds, pids, engines)
                     windows[name].setdefault(c, []).append(w)
             steps.note(
                 f"round {r + 1}: "
@@ -278,7 +283,7 @@ def run(
 
 def _print(report: dict[str, Any]) -> None:
     cols = f"{'variant':26}{'conc':>5}{'req/s':>10}{'p50 us':>9}{'p99 us':>9}"
-    cols += f"{'+p50 us':>9}{'+p99 us':>9}{'CPU us/req':>11}{'errors':>8}"
+    cols += f"{'+p50 us':>9}{'+p99 us':>9}{'CPU us/req':>11}{'stubs':>7}{'errors':>8}"
     print(cols)
 
     def num(v: float | None) -> str:
@@ -289,7 +294,8 @@ def _print(report: dict[str, Any]) -> None:
             print(
                 f"{name:26}{c[1:]:>5}{f['req_per_s']:>10,.0f}{f['p50_us']:>9,.0f}"
                 f"{f['p99_us']:>9,.0f}{num(f.get('added_p50_us')):>9}"
-                f"{num(f.get('added_p99_us')):>9}{num(f['cpu_us_per_req']):>11}{f['errors']:>8}"
+                f"{num(f.get('added_p99_us')):>9}{num(f['cpu_us_per_req']):>11}"
+                f"{num(f['engine_cpu_us_per_req']):>7}{f['errors']:>8}"
             )
     for name, why in report["not_measured"].items():
         print(f"{name}: not measured: {why}")

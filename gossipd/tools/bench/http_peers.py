@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,11 +157,11 @@ class Processes:
                 p.wait()
 
 
-def start_stub(procs: Processes, name: str) -> str:
+def start_stub(procs: Processes, name: str) -> tuple[str, int]:
+    """A stub engine: (its URL, its pid)."""
     port = free_tcp_port()
     cmd = [sys.executable, "-m", "gossipd.tools.bench.http_stub", "--port", str(port)]
-    procs.start(name, cmd)
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", procs.start(name, cmd)
 
 
 def wait_serving(url: str, timeout_s: float, *, headers: dict[str, str] | None = None) -> None:
@@ -229,6 +230,7 @@ class Window:
     p99_us: float
     errors: int
     cpu_s: float  # of the routing layer over the window
+    engine_cpu_s: float = 0.0  # of the stub engines behind it (none for gossipd: in-process)
 
     @property
     def req_per_s(self) -> float:
@@ -264,9 +266,16 @@ class Wrk:
         self.script = workdir / "post.lua"
         self.script.write_text(WRK_LUA)
 
-    def run(self, urls: list[str], connections: int, seconds: int, cpu_pids: list[int]) -> Window:
+    def run(
+        self,
+        urls: list[str],
+        connections: int,
+        seconds: int,
+        cpu_pids: list[int],
+        engine_pids: Sequence[int] = (),
+    ) -> Window:
         procs = []
-        cpu0 = cpu_s(cpu_pids)
+        cpu0, eng0 = cpu_s(cpu_pids), cpu_s(list(engine_pids))
         for i, (threads, conns) in enumerate(split_load(len(urls), connections)):
             cmd = [
                 "wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s",
@@ -274,7 +283,7 @@ class Wrk:
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         outs = [p.communicate(timeout=seconds + 30) for p in procs]
-        cpu1 = cpu_s(cpu_pids)
+        cpu1, eng1 = cpu_s(cpu_pids), cpu_s(list(engine_pids))
         figs: list[dict[str, Any]] = []
         for p, (out, err) in zip(procs, outs, strict=True):
             line = next((x for x in out.decode().splitlines() if x.startswith("WRKJSON ")), None)
@@ -294,6 +303,7 @@ class Wrk:
                 f[k] for f in figs for k in ("status", "connect", "read", "write", "timeout")
             ),
             cpu_s=cpu1 - cpu0,
+            engine_cpu_s=eng1 - eng0,
         )
 
 
