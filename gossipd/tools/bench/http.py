@@ -188,6 +188,7 @@ def run(
     workdir = new_workdir()
     procs = Processes(workdir)
     not_measured: dict[str, str] = {}
+    versions: dict[str, str] = {}
     # variant: (wrk URLs, pids of its routing layer, pids of the stub engines behind it)
     targets: dict[str, tuple[list[str], list[int], list[int]]] = {}
     cluster = None
@@ -206,6 +207,7 @@ def run(
                 try:
                     wait_serving(f"http://127.0.0.1:{port}", 60)
                     targets[r.name] = ([f"http://127.0.0.1:{port}"], [pid], stub_pids)
+                    versions[r.package] = r.version(router_venv)
                     continue
                 except TimeoutError as exc:
                     why = f"did not serve: {exc}; its log: {procs.log_tail(r.name)}"
@@ -257,6 +259,7 @@ def run(
         "gossipd: 2 wrk processes, one per door, half the connections each",
         "variants": figures,
         "not_measured": not_measured,
+        "peer_versions": versions,
         "gossipd_forwarded_fraction": fwd,
         "routing_layer_cpu": {
             "gossipd": "both daemons (their echo engines included: about 0)",
@@ -371,14 +374,18 @@ def main(
             f"x {seconds} s: about {windows_n * seconds + 20} s"
         )
         t0, load0 = time.monotonic(), os.getloadavg()[0]
-        report = run(
-            routers=routers,
-            router_venv=router_venv,
-            rounds=rounds,
-            seconds=max(1, round(seconds)),
-            concurrency=concurrency,
-            steps=steps,
-        )
+        try:
+            report = run(
+                routers=routers,
+                router_venv=router_venv,
+                rounds=rounds,
+                seconds=max(1, round(seconds)),
+                concurrency=concurrency,
+                steps=steps,
+            )
+        except (RuntimeError, TimeoutError) as exc:  # wrk failed, or a stub did not start
+            print(f"gossipd bench http: {exc}", file=sys.stderr)
+            return 2
         report["wall_s"] = round(time.monotonic() - t0, 1)
         # A shared machine: how busy it was (1-minute load average, before and after).
         report["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]

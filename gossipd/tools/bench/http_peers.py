@@ -89,6 +89,14 @@ class Router:
             return [str(venv / "bin" / "vllm-router"), *common]
         return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
 
+    def version(self, venv: Path) -> str:
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), "-c",
+             f"import importlib.metadata as m; print(m.version({self.package!r}))"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        return out.stdout.strip() or "?"
+
     def missing(self, venv: Path) -> str | None:
         """Why it cannot run (with the pip command that installs it), or None."""
         module = self.package.replace("-", "_")
