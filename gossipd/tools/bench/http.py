@@ -135,6 +135,9 @@ def _figures(
                 "req_per_s": _median([w.req_per_s for w in ws]),
                 "p50_us": _median([w.p50_us for w in ws]),
                 "p99_us": _median([w.p99_us for w in ws]),
+                # Each round's own, in order: how much the medians hide (c=1 swings 2x here).
+                "req_per_s_rounds": [round(w.req_per_s) for w in ws],
+                "p50_us_rounds": [round(w.p50_us) for w in ws],
                 "requests": sum(w.requests for w in ws),
                 "errors": sum(w.errors for w in ws),
                 "cpu_us_per_req": _median(cpu) if cpu and name != "direct" else None,
