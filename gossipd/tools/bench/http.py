@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -252,6 +253,11 @@ def run(
         if cluster is not None:
             cluster.stop()
         procs.stop()
+    # The logs (stubs, routers, daemons) are kept when something did not serve (or raised).
+    if not_measured:
+        steps.note(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     figures = _figures(windows, concurrency)
     report: dict[str, Any] = {
         "benchmark": "http",
