@@ -51,6 +51,14 @@ def _nodes(text: str) -> int | list[int]:
     return counts[0] if len(counts) == 1 else counts
 
 
+def _counts(text: str) -> list[int]:
+    """--concurrency: positive counts, comma-separated."""
+    counts = [int(part) for part in text.split(",")]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive counts, found {text!r}")
+    return counts
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gossipd import __version__
 
@@ -324,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
             "budgets",
             "place",
             "membership",
+            "http",
             "openai",
         ],
         help="ingress: one daemon vs raw pyzmq; route: the cost of a forward hop; ring: "
@@ -332,15 +341,37 @@ def build_parser() -> argparse.ArgumentParser:
         "minutes on 2 cores); hedge: a stalled member, hedging off/on; budgets: a well-behaved "
         "producer's latency alone and beside a runaway at 10x its token budget; membership: "
         "idle CPU, wake-ups and RSS per daemon, crash detection (--peers serf: beside Serf); "
+        "http: the OpenAI-compatible door (2 daemons) against a stub engine alone, with "
+        "--peers beside vllm-router and sglang-router (wrk, Linux); "
         "openai: vLLM's own benchmark client against `vllm serve`, one and two daemons with "
         "the vLLM engine behind their HTTP doors (same model and load, interleaved rounds)",
     )
     p.add_argument(
         "--peers",
-        choices=["serf"],
+        nargs="?",
+        const="all",
+        choices=["all", "serf", "routers", "vllm-router", "sglang-router"],
         default="",
-        help="membership: the same figures for as many HashiCorp Serf agents in the same run "
-        "(Debian package serf)",
+        help="the same figures for other software in the same run; alone (or 'all'): every "
+        "peer of the benchmark.  membership: 'serf', as many HashiCorp Serf agents (Debian "
+        "package serf).  http: 'routers' (= all), or one of 'vllm-router' (round_robin and "
+        "consistent_hash) and 'sglang-router' (round_robin), from PyPI, in --router-venv",
+    )
+    p.add_argument(
+        "--router-venv",
+        type=Path,
+        default=None,
+        help="http: the venv holding vllm-router and sglang-router (default: "
+        "$GOSSIPD_ROUTER_VENV, else ~/.cache/gossipd/routers-venv); make it with "
+        "'python3 -m venv DIR && DIR/bin/pip install vllm-router sglang-router', never in "
+        "gossipd's own venv (their dependencies conflict)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_counts,
+        default=None,
+        help="http: connections, comma-separated (default 1,16,64); openai: requests in "
+        "flight, one count (default 8)",
     )
     p.add_argument(
         "--idle-s", type=float, default=20.0, help="membership: the idle window (default 20)"
@@ -352,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16, help="engine: tokens per request")
     p.add_argument(
         "--plot",
-        help="prefix: a PNG bar chart of the hit rates; route: a PNG of the latency CDFs",
+        help="prefix: a PNG bar chart of the hit rates; route: a PNG of the latency CDFs; "
+        "http: a PNG of req/s by concurrency per variant",
     )
     p.add_argument("--keys", type=int, default=1_000_000, help="ring: keys to place")
     p.add_argument(
@@ -374,12 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="vllm-serve,gossipd,gossipd-2",
         help="openai: the servers to measure, comma-separated (default %(default)s)",
     )
-    p.add_argument(
-        "--concurrency", type=int, default=8, help="openai: requests in flight (default 8)"
-    )
     p.add_argument("--rate", type=float, default=300.0, help="hedge: tasks per second")
     p.add_argument(
-        "--seconds", type=float, default=4.0, help="hedge: how long to send; budgets: per phase"
+        "--seconds",
+        type=float,
+        default=None,
+        help="hedge: how long to send (4); budgets: per phase (4); http: per window, whole "
+        "seconds (3)",
     )
     p.add_argument(
         "--compare-off",
@@ -395,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="ingress, route: runs of each side (default 3; 5 with --curve, whose ratios swing "
-        "more on a shared machine); engine, budgets: rounds (default 3)",
+        "more on a shared machine); engine, budgets, http: rounds (default 3)",
     )
     p.add_argument(
         "--json", action="store_true", help="print the report as JSON (progress goes to stderr)"

@@ -275,15 +275,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         nodes = args.nodes if isinstance(args.nodes, list) or args.nodes is None else [args.nodes]
         return bench_place(nodes=nodes, as_json=args.json)
+    if args.peers and args.what not in ("membership", "http"):
+        print("gossipd bench: --peers is for membership and http", file=sys.stderr)
+        return 2
+    if args.what == "http":
+        from gossipd.tools.bench.http import main as bench_http
+        from gossipd.tools.bench.http_peers import default_router_venv
+
+        if args.peers == "serf":
+            print("gossipd bench http: --peers takes routers, vllm-router or sglang-router "
+                  "(alone: all of them)", file=sys.stderr)  # fmt: skip
+            return 2
+        return bench_http(
+            peers=args.peers,
+            rounds=args.repeats,
+            seconds=args.seconds or 3.0,
+            concurrency=args.concurrency or [1, 16, 64],
+            router_venv=args.router_venv or default_router_venv(),
+            as_json=args.json,
+            plot_path=args.plot,
+        )
     if args.what == "membership":
         from gossipd.tools.bench.membership import main as bench_membership
+
+        if args.peers not in ("", "all", "serf"):
+            print("gossipd bench membership: --peers takes serf", file=sys.stderr)
+            return 2
 
         if isinstance(args.nodes, list):
             print("gossipd bench membership: --nodes takes one count (16)", file=sys.stderr)
             return 2
         return bench_membership(
             nodes=args.nodes or 16,
-            peers=args.peers,
+            peers="serf" if args.peers else "",
             idle_s=args.idle_s,
             crashes=args.crashes,
             as_json=args.json,
@@ -291,12 +315,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "openai":
         from gossipd.tools.bench.openai import main as bench_openai
 
+        if args.concurrency is not None and len(args.concurrency) > 1:
+            print("gossipd bench openai: --concurrency takes one count", file=sys.stderr)
+            return 2
+
         return bench_openai(
             model=args.model,
             variants=[v for v in args.variants.split(",") if v],
             rounds=args.repeats,
             prompts=args.tasks or 64,
-            concurrency=args.concurrency,
+            concurrency=(args.concurrency or [8])[0],
             as_json=args.json,
         )
     if args.what == "ring":
@@ -334,7 +362,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from gossipd.tools.bench.hedge import main as bench_hedge
 
         return bench_hedge(
-            rate=args.rate, seconds=args.seconds, stall_ms=args.stall_ms, as_json=args.json
+            rate=args.rate,
+            seconds=args.seconds or 4.0,
+            stall_ms=args.stall_ms,
+            as_json=args.json,
         )
     if args.what == "ingress":
         from gossipd.tools.bench.ingress import main as bench_ingress
@@ -355,7 +386,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench_budgets(
             nodes=args.nodes or 2,
             rounds=args.repeats,
-            seconds=args.seconds,
+            seconds=args.seconds or 4.0,
             compare_off=args.compare_off,
             as_json=args.json,
         )

@@ -1,0 +1,319 @@
+"""The moving parts of `gossipd bench http`: the stub engines, the routers it compares with
+(vllm-router, sglang-router: Rust, from PyPI, in a venv of their own), the load generator
+(wrk, Debian package ``wrk``) and the CPU each process spends (/proc/PID/stat).
+
+Router launch flags, found with ``--help`` and by running them against the stub:
+- both wait for their workers at start-up, polling every ``--worker-startup-check-interval``
+  seconds (default 30: set to 1), and check ``GET /health`` every 60 s afterwards;
+- both serve Prometheus on port 29000 by default: each gets a free port, so two can run;
+- sglang-router asks each worker for ``/server_info`` and ``/model_info`` (then the older
+  ``/get_*`` names) and, when one names a model path, downloads that model's tokenizer from
+  Hugging Face (its Rust code ignores HF_HUB_OFFLINE).  The stub answers those with 404, so
+  nothing is fetched ("No tokenizer_path or model_path found").  vllm-router asks for
+  ``/health`` only.  HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 are set anyway;
+- ``--log-level error``: their INFO lines are per worker, not per request, but warnings about
+  the missing info endpoints are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gossipd.tools.launcher import free_tcp_port
+
+BODY = '{"model":"echo","prompt":"hello world","max_tokens":1}'
+
+# One Lua script for every variant: the same POST, an x-session-id from 4,096 keys per wrk
+# process (the placement key of gossipd and of vllm-router's consistent_hash; round_robin
+# ignores it), and a JSON line of wrk's own figures at the end (latency percentiles in us).
+WRK_LUA = """
+local body = '@BODY@'
+local prefix = "s"
+local n = 0
+function init(args)
+  if args[1] then prefix = args[1] end
+end
+function request()
+  n = n + 1
+  return wrk.format("POST", "/v1/completions",
+    {["Content-Type"] = "application/json", ["x-session-id"] = prefix .. (n % 4096)}, body)
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRKJSON {"requests":%d,"duration_us":%d,"p50_us":%d,' ..
+    '"p99_us":%d,"status":%d,"connect":%d,"read":%d,"write":%d,"timeout":%d}\\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.status, e.connect, e.read, e.write, e.timeout))
+end
+""".replace("@BODY@", BODY)
+
+ROUTER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_COLOR": "1"}
+
+
+def default_router_venv() -> Path:
+    env = os.environ.get("GOSSIPD_ROUTER_VENV")
+    return Path(env) if env else Path.home() / ".cache" / "gossipd" / "routers-venv"
+
+
+@dataclass(frozen=True)
+class Router:
+    """One router variant: a package in the router venv, how to start it with a policy."""
+
+    package: str  # on PyPI
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.package}:{self.policy}"
+
+    def command(self, venv: Path, port: int, workers: list[str]) -> list[str]:
+        common = [
+            "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            "--policy", self.policy, "--prometheus-port", str(free_tcp_port()),
+            "--prometheus-host", "127.0.0.1", "--worker-startup-check-interval", "1",
+            "--log-level", "error",
+        ]  # fmt: skip
+        if self.package == "vllm-router":
+            return [str(venv / "bin" / "vllm-router"), *common]
+        return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
+
+    def version(self, venv: Path) -> str:
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), "-c",
+             f"import importlib.metadata as m; print(m.version({self.package!r}))"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        return out.stdout.strip() or "?"
+
+    def missing(self, venv: Path) -> str | None:
+        """Why it cannot run (with the pip command that installs it), or None."""
+        module = self.package.replace("-", "_")
+        py = venv / "bin" / "python"
+        install = f"python3 -m venv {venv} && {py} -m pip install {self.package}"
+        if not py.exists():
+            return f"no router venv at {venv}: {install}"
+        found = subprocess.run(
+            [str(py), "-c", f"import importlib.util as u; print(bool(u.find_spec({module!r})))"],
+            capture_output=True,
+            text=True,
+        )
+        if found.stdout.strip() != "True":
+            return f"{self.package} is not installed in {venv}: {install}"
+        return None
+
+
+ROUTERS = [
+    Router("vllm-router", "round_robin"),
+    Router("vllm-router", "consistent_hash"),
+    Router("sglang-router", "round_robin"),
+]
+
+
+def routers_of(peers: str) -> list[Router]:
+    """``--peers`` for http: all (or routers): every router; else one package's variants."""
+    if peers in ("all", "routers"):
+        return list(ROUTERS)
+    return [r for r in ROUTERS if r.package == peers]
+
+
+class Processes:
+    """Child processes (stubs, routers) with their logs in one folder; ``stop`` ends them all."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> int:
+        log = (self.workdir / f"{name.replace(':', '-')}.log").open("wb")
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        log.close()
+        return self.procs[name].pid
+
+    def log_tail(self, name: str) -> str:
+        path = self.workdir / f"{name.replace(':', '-')}.log"
+        try:
+            return path.read_text(errors="replace")[-1500:]
+        except FileNotFoundError:
+            return ""
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def start_stub(procs: Processes, name: str) -> tuple[str, int]:
+    """A stub engine: (its URL, its pid)."""
+    port = free_tcp_port()
+    cmd = [sys.executable, "-m", "gossipd.tools.bench.http_stub", "--port", str(port)]
+    return f"http://127.0.0.1:{port}", procs.start(name, cmd)
+
+
+def wait_serving(url: str, timeout_s: float, *, headers: dict[str, str] | None = None) -> None:
+    """Until one POST /v1/completions through ``url`` answers 200 (TimeoutError if not)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=BODY.encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                if resp.status == 200:
+                    json.loads(resp.read())
+                    return
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer POST /v1/completions with 200: {last}")
+
+
+# -- CPU from /proc ----------------------------------------------------------------------------
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue
+    return out
+
+
+def cpu_s(pids: list[int]) -> float:
+    """utime + stime of these processes and their children (every thread, /proc/PID/stat)."""
+    total = 0
+    for root in pids:
+        for pid in _descendants(root):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": field 3 is fields[0]
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total * _TICK_S
+
+
+# -- the load generator --------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """One measured window of one variant at one concurrency."""
+
+    requests: int
+    seconds: float
+    p50_us: float
+    p99_us: float
+    errors: int
+    cpu_s: float  # of the routing layer over the window
+    engine_cpu_s: float = 0.0  # of the stub engines behind it (none for gossipd: in-process)
+
+    @property
+    def req_per_s(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_us_per_req(self) -> float | None:
+        return self.cpu_s * 1e6 / self.requests if self.requests else None
+
+
+def wrk_available() -> str | None:
+    """None, or why wrk cannot run."""
+    if shutil.which("wrk") is None:
+        return "wrk is not installed (Debian: apt-get install wrk)"
+    return None
+
+
+def split_load(entry_points: int, connections: int) -> list[tuple[int, int]]:
+    """(wrk threads, connections) per wrk process: one process per entry point (wrk takes
+    one host; at concurrency 1 the first only), the connections split evenly, 2 threads in
+    all (1 at concurrency 1) so that every variant gets the same generator."""
+    n = min(entry_points, connections)
+    conns = [connections // n + (1 if i < connections % n else 0) for i in range(n)]
+    threads = max(1, min(2, connections) // n)
+    return [(threads, c) for c in conns]
+
+
+class Wrk:
+    """Runs wrk with the bench's Lua script; several processes at once for several entry
+    points (wrk takes one host), the connections and threads split between them."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.script = workdir / "post.lua"
+        self.script.write_text(WRK_LUA)
+
+    def run(
+        self,
+        urls: list[str],
+        connections: int,
+        seconds: int,
+        cpu_pids: list[int],
+        engine_pids: Sequence[int] = (),
+    ) -> Window:
+        procs = []
+        cpu0, eng0 = cpu_s(cpu_pids), cpu_s(list(engine_pids))
+        for i, (threads, conns) in enumerate(split_load(len(urls), connections)):
+            cmd = [
+                "wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s",
+                "-s", str(self.script), urls[i], "--", f"w{i}-",
+            ]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        outs = [p.communicate(timeout=seconds + 30) for p in procs]
+        cpu1, eng1 = cpu_s(cpu_pids), cpu_s(list(engine_pids))
+        figs: list[dict[str, Any]] = []
+        for p, (out, err) in zip(procs, outs, strict=True):
+            line = next((x for x in out.decode().splitlines() if x.startswith("WRKJSON ")), None)
+            if p.returncode != 0 or line is None:
+                raise RuntimeError(f"wrk failed ({p.returncode}): {err.decode()[-500:]}")
+            figs.append(json.loads(line[len("WRKJSON ") :]))
+        requests = sum(f["requests"] for f in figs)
+        # Several wrk processes: their percentiles weighted by their requests (they ran side by
+        # side on entry points of the same kind, so their distributions are alike).
+        weight = [f["requests"] / max(1, requests) for f in figs]
+        return Window(
+            requests=requests,
+            seconds=max(f["duration_us"] for f in figs) / 1e6,
+            p50_us=sum(w * f["p50_us"] for w, f in zip(weight, figs, strict=True)),
+            p99_us=sum(w * f["p99_us"] for w, f in zip(weight, figs, strict=True)),
+            errors=sum(
+                f[k] for f in figs for k in ("status", "connect", "read", "write", "timeout")
+            ),
+            cpu_s=cpu1 - cpu0,
+            engine_cpu_s=eng1 - eng0,
+        )
+
+
+def new_workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="gossipd-bench-http-"))

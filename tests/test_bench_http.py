@@ -1,0 +1,141 @@
+"""`gossipd bench http`: the run itself, briefly (direct and gossipd: CI installs no router),
+and its pure parts (how the load is split, the figures and goals, a missing router)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gossipd.tools.bench.http import _figures, _goals
+from gossipd.tools.bench.http_peers import ROUTERS, Window, routers_of, split_load
+from tests.helpers import gossipd_cli
+
+
+def _wrk_or_skip() -> None:
+    if shutil.which("wrk") is None:
+        if os.environ.get("GOSSIPD_REQUIRE_WRK") == "1":
+            pytest.fail("GOSSIPD_REQUIRE_WRK=1 and wrk is not installed (apt-get install wrk)")
+        pytest.skip("wrk is not installed (apt-get install wrk)")
+
+
+def test_bench_http_measures_gossipd_through_its_doors_beside_a_stub_alone() -> None:
+    _wrk_or_skip()
+    proc = gossipd_cli(
+        "bench", "http", "--json", "--repeats", "1", "--seconds", "1",
+        "--concurrency", "1,16", timeout_s=180,
+    )  # fmt: skip
+    # 1 (not 0) when the daemons did not serve HTTP: the report then says why.
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-2000:])
+    report = json.loads(proc.stdout)
+    assert report["not_measured"] == {}
+    assert set(report["variants"]) == {"direct", "gossipd"}
+    for name in ("direct", "gossipd"):
+        for c in ("c1", "c16"):
+            fig = report["variants"][name][c]
+            assert fig["req_per_s"] > 0 and fig["requests"] > 0, (name, c, fig)
+            assert fig["errors"] == 0, (name, c, fig)
+            assert fig["p99_us"] >= fig["p50_us"] > 0, (name, c, fig)
+    assert "gossipd" in report["added_p50_us_c1"]
+    assert report["cpu_us_per_req"]["gossipd"]["c16"] > 0
+    # Keyed by x-session-id over 2 daemons: about half are forwarded to the other.
+    assert 0.25 <= report["gossipd_forwarded_fraction"] <= 0.75, report
+    # No vllm-router measured: the headline ratio is null, not a crash.
+    assert report["ratio_vs_vllm_router_c16"] is None
+    assert report["fair"] and all(isinstance(line, str) for line in report["fair"])
+
+
+def test_bench_http_without_wrk_says_how_to_get_it_before_starting_anything() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipd", "bench", "http"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": "/nonexistent"},
+    )
+    assert proc.returncode == 2
+    assert "apt-get install wrk" in proc.stderr and "bench http 1/" not in proc.stderr
+
+
+def test_a_missing_router_names_the_pip_command_that_installs_it(tmp_path: Path) -> None:
+    why = ROUTERS[0].missing(tmp_path / "nowhere")
+    assert why is not None and "pip install vllm-router" in why
+    assert "python3 -m venv" in why
+
+
+@pytest.mark.parametrize(
+    ("peers", "names"),
+    [
+        ("all", ["vllm-router:round_robin", "vllm-router:consistent_hash",
+                 "sglang-router:round_robin"]),
+        ("routers", ["vllm-router:round_robin", "vllm-router:consistent_hash",
+                     "sglang-router:round_robin"]),
+        ("vllm-router", ["vllm-router:round_robin", "vllm-router:consistent_hash"]),
+        ("sglang-router", ["sglang-router:round_robin"]),
+    ],
+)  # fmt: skip
+def test_routers_of(peers: str, names: list[str]) -> None:
+    assert [r.name for r in routers_of(peers)] == names
+
+
+@pytest.mark.parametrize(
+    ("entry_points", "connections", "split"),
+    [
+        (1, 1, [(1, 1)]),
+        (1, 16, [(2, 16)]),
+        (1, 64, [(2, 64)]),
+        (2, 1, [(1, 1)]),  # one connection: the first door only
+        (2, 16, [(1, 8), (1, 8)]),
+        (2, 64, [(1, 32), (1, 32)]),
+        (2, 5, [(1, 3), (1, 2)]),
+    ],
+)
+def test_split_load(entry_points: int, connections: int, split: list[tuple[int, int]]) -> None:
+    assert split_load(entry_points, connections) == split
+
+
+def _w(req: int, p50: float, p99: float, cpu_s: float = 0.0) -> Window:
+    return Window(requests=req, seconds=1.0, p50_us=p50, p99_us=p99, errors=0, cpu_s=cpu_s)
+
+
+def test_figures_take_medians_and_pair_each_round_with_direct() -> None:
+    windows = {
+        "direct": {1: [_w(10_000, 70, 100), _w(12_000, 80, 120), _w(11_000, 60, 90)]},
+        "gossipd": {
+            1: [_w(5_000, 170, 300, 0.5), _w(6_000, 150, 320, 0.6), _w(4_000, 200, 310, 0.4)]
+        },
+    }
+    figs = _figures(windows, [1])
+    assert figs["direct"]["c1"]["req_per_s"] == 11_000
+    assert figs["direct"]["c1"]["cpu_us_per_req"] is None
+    g = figs["gossipd"]["c1"]
+    assert g["req_per_s"] == 5_000 and g["p50_us"] == 170
+    # Per round: 100, 70, 140 -> median 100 (not 170 - 70 from the medians, also 100 here);
+    # p99: 200, 200, 220 -> 200.
+    assert g["added_p50_us"] == 100 and g["added_p99_us"] == 200
+    assert g["cpu_us_per_req"] == 100.0  # 0.5 s / 5,000, 0.6 / 6,000, 0.4 / 4,000
+
+
+def test_goals_compare_gossipd_with_every_peer_measured() -> None:
+    report = {
+        "ratio_vs_vllm_router_c16": 1.6,
+        "added_p50_us_c1": {"gossipd": 50.0, "vllm-router:round_robin": 90.0},
+        "cpu_us_per_req": {
+            "gossipd": {"c1": 40.0, "c16": 30.0},
+            "vllm-router:round_robin": {"c1": 100.0, "c16": 29.0},
+        },
+    }
+    goals = _goals(report)
+    assert goals["ratio_vs_vllm_router_c16"]["met"] is True
+    assert goals["added_p50_c1_below_every_peer"]["met"] is True
+    assert goals["cpu_per_req_below_every_peer"]["met"] is False  # 30 vs 29 at c16
+    alone = _goals(
+        {"ratio_vs_vllm_router_c16": None, "added_p50_us_c1": {"gossipd": 5.0},
+         "cpu_us_per_req": {"gossipd": {"c1": 1.0}}}
+    )  # fmt: skip
+    assert all(g["met"] is None for g in alone.values())
