@@ -223,8 +223,9 @@ def test_bench_openai_runs_vllms_client_against_vllm_serve_and_a_daemon(tiny_mod
         assert figures["completed"] == 24 and figures["failed"] == 0, figures
         assert figures["req_per_s"] > 0 and figures["ttft_p99_ms"] >= figures["ttft_p50_ms"] > 0
         assert figures["cpu_us_per_req_with_engines"] >= figures["front_cpu_us_per_req"] >= 0
-    ratio = (
-        report["variants"]["gossipd"]["req_per_s"] / report["variants"]["vllm-serve"]["req_per_s"]
-    )
-    assert report["ratio_vs_vllm_serve"] == pytest.approx(ratio, rel=0.01)
-    assert report["ttft_p50_ms_gossipd"] == report["variants"]["gossipd"]["ttft_p50_ms"]
+    # At 4 in flight, each request lasts at least its first token's time: req/s <= 4 / TTFT
+    # (a clock or a count off by 2x fails it).
+    for name in ("vllm-serve", "gossipd"):
+        figures = report["variants"][name]
+        assert figures["req_per_s"] <= 2 * 4 / (figures["ttft_p50_ms"] / 1e3), figures
+    assert report["ratio_vs_vllm_serve"] > 0
