@@ -270,6 +270,8 @@ class HttpDoor:
             stream=call.stream,
             model=call.model,
             producer_key=self._producer_key,
+            # An owner's answers to this door that leave in one turn go as one frame.
+            batch_replies=True,
         )
         kind = "chatcmpl-" if chat else "cmpl-"
         pending = _Pending(
