@@ -219,6 +219,7 @@ class Daemon:
         self._received_at_stop = 0
         self.metrics_port = 0
         self.http_port = 0
+        self._http_replies = ""  # the HTTP door's reply address (owners send answers there)
         self._registry: CollectorRegistry | None = None  # the metrics' (metrics.bind)
         self._metrics_token = preflight.read_token(config.metrics.bearer_token_file)
         self.load_gossip: LoadGossip | None = None
@@ -401,6 +402,7 @@ class Daemon:
                     f"socket): {exc}"
                 ) from None
             http_bound = f"{self.config.http.bind.rpartition(':')[0]}:{port}"
+            self._http_replies = self.door.reply_to
             self.http_port = port
         try:
             async with asyncio.TaskGroup() as tg:
@@ -469,6 +471,7 @@ class Daemon:
                         "engine": self.engine.name,
                         "metrics_port": self.metrics_port,
                         "http": http_bound,
+                        "http_replies": self._http_replies,
                         "concurrency_max": self.config.ingress.concurrency_max,
                     },
                 )

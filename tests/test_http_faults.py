@@ -1,0 +1,157 @@
+"""The HTTP door where things go wrong or security is on (real daemons, echo engine): an owner
+SIGKILLed mid-task (the entry migrates the task and the client still gets its whole answer),
+a client that does not read its stream (cancelled at the byte bound), CURVE on every socket
+(the owner's answers reach the door's reply socket), TLS on the door."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import zmq
+
+from gossipd.core.messages import Result, encode
+from gossipd.core.ring import Ring
+from simulations.cluster import Cluster
+from tests.helpers import scrape, wait_until
+
+HTTP = 'http.bind="127.0.0.1:0"'
+METRICS = 'metrics.bind="127.0.0.1:0"'
+
+
+def _session_owned_by(names: list[str], member: str) -> str:
+    ring = Ring({n: 1.0 for n in names})
+    return next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == member)
+
+
+@pytest.fixture
+def trio(tmp_path: Path):  # type: ignore[no-untyped-def]
+    c = Cluster(
+        3, log_dir=str(tmp_path), extra_overrides=[HTTP, METRICS, "engine.token_delay_s=0.05"]
+    )
+    c.start()
+    c.wait_converged(timeout_s=30)
+    c.wait_meta(timeout_s=30)
+    yield c
+    c.stop()
+
+
+def test_an_owner_killed_mid_task_does_not_lose_the_clients_answer(trio: Cluster) -> None:
+    entry, owner, _other = trio.daemons
+    client = openai.OpenAI(
+        base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0, timeout=60
+    )
+    session = _session_owned_by([d.name for d in trio.daemons], owner.name)
+    stream = client.completions.create(
+        model="echo",
+        prompt="one two three",
+        max_tokens=60,  # 3 s at 0.05 s a token
+        stream=True,
+        extra_headers={"x-session-id": session},
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    owner.kill()  # SIGKILL: no goodbye, its engine and its answer are gone
+    rest = list(chunks)
+    text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
+    words = text.split()
+    assert len(words) == 60 and words[:3] == ["one", "two", "three"], text
+    assert rest[-1].choices[0].finish_reason == "length"
+    migrated = scrape(entry.metrics_port).get("gossipd_fanout_migrated_total", 0)
+    assert migrated >= 1, "the entry moved the task off the dead owner"
+
+
+def test_a_client_that_does_not_read_its_stream_is_cut_at_the_byte_bound(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory(HTTP, METRICS, "http.stream_buffer_bytes_max=65536")
+    port = int(d.http_url.rsplit(":", 1)[1])
+    word = "w" * 50_000  # one token is a 50 KB delta: megabytes a second, never read
+    body = json.dumps(
+        {"model": "echo", "prompt": word, "max_tokens": 2000, "stream": True}
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_until(
+            lambda: scrape(d.metrics_port).get("gossipd_http_cancels_total{why=slow_client}") == 1,
+            20,
+            "the door to give up on the client",
+        )
+        metrics = scrape(d.metrics_port)
+        assert metrics["gossipd_cancels_total{outcome=here}"] == 1, "its task cancelled"
+        assert metrics["gossipd_http_pending"] == 0
+    finally:
+        sock.close()
+    # The daemon serves the next client as before.
+    client = openai.OpenAI(base_url=f"{d.http_url}/v1", api_key="none", max_retries=0)
+    assert client.completions.create(model="echo", prompt="after", max_tokens=1).choices[0].text
+
+
+def test_under_curve_a_forwarded_requests_answer_reaches_the_door(tmp_path: Path) -> None:
+    c = Cluster(2, log_dir=str(tmp_path), curve=True, extra_overrides=[HTTP, METRICS])
+    c.start()
+    try:
+        c.wait_converged(timeout_s=30)
+        c.wait_meta(timeout_s=30)
+        entry, owner = c.daemons
+        client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
+        session = _session_owned_by([d.name for d in c.daemons], owner.name)
+        raw = client.completions.with_raw_response.create(
+            model="echo", prompt="sealed", max_tokens=2, extra_headers={"x-session-id": session}
+        )
+        assert raw.headers["x-gossipd-member"] == owner.name
+        assert raw.parse().choices[0].text == "sealed sealed"
+        # A stranger without a member's key cannot push answers into the door's socket:
+        # CURVE refuses its connection, so nothing it sends is read (not even as unknown).
+        reply_to = next(e["http_replies"] for e in entry.events() if e.get("msg") == "serving")
+        stranger = zmq.Context.instance().socket(zmq.PUSH)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(reply_to)
+        stranger.send(encode(Result(id="http-forged-1", ok=True, text="forged")), zmq.NOBLOCK)
+        time.sleep(1.0)  # what would arrive has by now: nothing must
+        stranger.close()
+        metrics = scrape(entry.metrics_port)
+        assert metrics["gossipd_http_replies_unknown_total"] == 0
+        assert metrics["gossipd_http_replies_invalid_total"] == 0
+    finally:
+        c.stop()
+
+
+def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    d = daemon_factory(
+        HTTP, f'http.tls_cert_file="{cert}"', f'http.tls_key_file="{key}"', 'log.level="info"'
+    )
+    url = d.http_url.replace("http://", "https://")
+    client = openai.OpenAI(
+        base_url=f"{url}/v1",
+        api_key="none",
+        max_retries=0,
+        http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert))),
+    )
+    assert client.completions.create(model="echo", prompt="secret", max_tokens=1).choices[0].text
+    with pytest.raises(openai.APIConnectionError):  # a client that trusts no such certificate
+        openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).models.list()
+    started = time.monotonic()
+    plain = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+    plain.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    answer = plain.recv(100)
+    plain.close()
+    assert not answer.startswith(b"HTTP/1.1 200"), "plain HTTP is not served on a TLS door"
+    assert time.monotonic() - started < 5
