@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,7 +277,7 @@ class HttpDoor:
             exchange=exchange,
             call=call,
             response_id=kind + task_id[5:],
-            created=int(time.time()),
+            created=int(self._clock.wall()),
             deadline=now + self._config.request_timeout_s + DEADLINE_GRACE_S,
             request_id=request.headers.get("x-request-id", "")[:256],
         )
@@ -398,7 +397,7 @@ class HttpDoor:
         return self._models_cache
 
     def _models(self) -> bytes:
-        created = int(time.time())
+        created = int(self._clock.wall())
         data = [
             {
                 "id": name,
