@@ -430,6 +430,9 @@ class HttpConfig(Section):
     stream_buffer_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
     # Open connections at once; more are closed at once, counted.
     connections_max: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
+    # A connection idle this long, or a request not read whole within it, is closed
+    # (slow or silent clients would otherwise hold connections_max for ever).
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
 
     def __post_init__(self) -> None:
         if self.bind and not _HOSTPORT_RE.match(self.bind):

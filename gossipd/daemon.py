@@ -174,6 +174,7 @@ class Daemon:
                 )
         # The OpenAI-compatible HTTP door (http.bind): the same intake as the ingress.
         self.door: HttpDoor | None = None
+        self._metrics_token = preflight.read_token(config.metrics.bearer_token_file)
         if config.http.bind:
             self.door = build_door(
                 config,
@@ -185,6 +186,7 @@ class Daemon:
                     cluster_models=self._cluster_models,
                     not_ready=self._not_ready,
                     metrics=self._metrics_text,
+                    metrics_token=self._metrics_token,
                 ),
                 producer_key=security.key_pair.public.decode()
                 if security.key_pair is not None
@@ -221,7 +223,6 @@ class Daemon:
         self.http_port = 0
         self._http_replies = ""  # the HTTP door's reply address (owners send answers there)
         self._registry: CollectorRegistry | None = None  # the metrics' (metrics.bind)
-        self._metrics_token = preflight.read_token(config.metrics.bearer_token_file)
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
         self.holder: ResultHolder | None = None  # Results held for forwarders not alive
@@ -451,7 +452,7 @@ class Daemon:
                     )
                 background += self._start_budgets(tg)
                 if self.door is not None:
-                    background.append(tg.create_task(self.door.sweep_forever(), name="http"))
+                    background.append(tg.create_task(self.door.answers.sweep_forever(), name="http"))
                     if self.door.keys is not None:
                         background.append(
                             tg.create_task(self._reload_api_keys_forever(), name="api-keys")
@@ -798,6 +799,7 @@ class Daemon:
         the grace.  The ingress is read all along: a new task goes to another member (our
         status excludes us from placement) or is answered shutting_down."""
         grace_s = self.config.lifecycle.shutdown_grace_s
+        grace_ends = self.clock.monotonic() + grace_s
         self._received_at_stop = self.ingress.statistics().received
         self.notifier.stopping()
         if self.gossip is not None and not self.engine_dead:
@@ -805,6 +807,8 @@ class Daemon:
         pending = self.ingress.intake.admission.pending
         log.info("shutting down", extra={"pending": pending, "grace_s": grace_s})
         self.ingress.intake.begin_shutdown()  # tasks for us now go elsewhere or get shutting_down
+        if self.door is not None:
+            self.door.stop_listening()  # no new HTTP client; those waiting are answered
         handed_off = 0
         if self.dispatcher is not None:
             self.dispatcher.set_draining(True)
@@ -817,6 +821,9 @@ class Daemon:
                 else:
                     self.ingress.runner.answer_shutting_down(task)
         finished = await self.ingress.runner.wait_idle(grace_s)
+        http_cut = 0
+        if self.door is not None:  # answers from other members, within what is left
+            http_cut = await self.door.settle(max(0.0, grace_ends - self.clock.monotonic()))
         refused = self.ingress.runner.refuse_queued()
         for worker in workers:
             worker.cancel()  # a running task answers shutting_down as it is cancelled
@@ -831,6 +838,7 @@ class Daemon:
             "refused_queued": refused,
             "handed_off": handed_off,
             "held_results_sent": held_sent,
+            "http_answers_cut": http_cut,
         }
 
     async def _close_intake(self, drain: dict[str, int]) -> None:

@@ -270,3 +270,39 @@ def test_models_health_and_readiness(daemon_factory: Any) -> None:
             assert response.status == 200
     with urllib.request.urlopen(f"{d.http_url}/metrics", timeout=10) as response:
         assert b"gossipd_http_requests_total" in response.read()
+
+
+def test_the_wire_bounds_pipelining_idle_clients_and_answers_head_and_expect(
+    daemon_factory: Any,
+) -> None:
+    d = daemon_factory(HTTP, METRICS, "http.idle_timeout_s=0.5")
+    port = _port(d.http_url)
+    # 40 requests in one write: more than 16 waiting is refused (429) and the connection
+    # closed, without answering by recursion.
+    burst = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 40
+    assert b"HTTP/1.1 429 " in _raw(port, burst)
+    # A request never finished, and an idle connection: closed after idle_timeout_s.
+    for partial in (b"POST /v1/completions HTTP/1.1\r\ncontent-len", b""):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            started = time.monotonic()
+            sock.sendall(partial)
+            assert sock.recv(100) == b"", "closed by the daemon"
+            assert 0.3 < time.monotonic() - started < 4
+    # HEAD: the head only; x-request-id echoed on every answer, a 404 too.
+    answer = _raw(port, b"HEAD /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\n")
+    answer = _raw(port, b"GET /nope HTTP/1.1\r\nx-request-id: r-7\r\nconnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 404 ") and b"x-request-id: r-7\r\n" in answer
+    # Expect: 100-continue (curl, for bodies over 1 KiB): told to go on at once.
+    body = json.dumps({"model": "echo", "prompt": "x " * 800, "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
+        assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+    metrics = scrape(d.metrics_port)
+    assert metrics["gossipd_http_connections_idle_closed_total"] >= 2
+    assert metrics["gossipd_http_bad_requests_total"] == 1

@@ -155,3 +155,44 @@ def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: 
     plain.close()
     assert not answer.startswith(b"HTTP/1.1 200"), "plain HTTP is not served on a TLS door"
     assert time.monotonic() - started < 5
+
+
+def test_a_stopping_entry_answers_what_it_holds_and_cancels_the_rest(tmp_path: Path) -> None:
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=[HTTP, METRICS, "engine.token_delay_s=0.05"],
+        overrides_for=lambda i: ["lifecycle.shutdown_grace_s=1"] if i == 0 else [],
+    )
+    c.start()
+    try:
+        c.wait_converged(timeout_s=30)
+        c.wait_meta(timeout_s=30)
+        entry, owner = c.daemons
+        client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(
+            model="echo",
+            prompt="stop me",
+            max_tokens=400,  # 20 s: longer than the entry's 1 s grace
+            stream=True,
+            extra_headers={"x-session-id": _session_owned_by([d.name for d in c.daemons],
+                                                              owner.name)},
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        started = time.monotonic()
+        entry.terminate()
+        with pytest.raises(openai.APIError) as ended:
+            list(chunks)  # the last event is an error: shutting_down
+        assert "stopped before the answer came" in str(ended.value)
+        assert time.monotonic() - started < 8
+        wait_until(
+            lambda: scrape(owner.metrics_port).get("gossipd_cancels_total{outcome=here}") == 1,
+            10,
+            "the owner to cancel the task the stopped entry held",
+        )
+        assert entry.wait(15) == 0
+        drained = next(e for e in entry.events() if e.get("msg") == "drained")
+        assert drained["http_answers_cut"] == 1
+    finally:
+        c.stop()

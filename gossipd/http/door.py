@@ -4,7 +4,7 @@ the client that holds the connection (docs/PROTOCOL.md "HTTP").
     HTTP request (gossipd/http/server.py) -> route, API key -> openai_api.decode_call ->
     Task (reply_to: this door's reply address) -> Intake.take (budgets, ids, routing,
     admission: the same path as a ZeroMQ producer's task) ... Chunks and the Result come back
-    to the reply address -> SSE events or one JSON answer
+    to the reply address (gossipd/http/answers.py) -> SSE events or one JSON answer
 
 Answers come back the way a producer's do: to the task's reply address.  That address is this
 door's own ZeroMQ PULL socket, so an owner on another member streams to it exactly as it
@@ -20,66 +20,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import msgspec
 import zmq
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import HttpConfig
-from gossipd.core.messages import (
-    PROTOCOL_VERSION,
-    Chunk,
-    ErrorCode,
-    ErrorInfo,
-    Result,
-    Task,
-    decode_replies,
-    reply_route,
-)
-from gossipd.errors import RemoteProtocolError
-from gossipd.http.chat import ChatTemplate
+from gossipd.core.messages import PROTOCOL_VERSION, Task, reply_route
+from gossipd.http.answers import Answers, Waiting
+from gossipd.http.chat import ChatTemplate, TemplateFailed
 from gossipd.http.keys import ApiKeys
-from gossipd.http.openai_api import (
-    BadRequest,
-    Call,
-    StreamWriter,
-    decode_call,
-    error_body,
-    error_of,
-    placement_key,
-    whole_answer,
-)
+from gossipd.http.openai_api import BadRequest, decode_call, error_body, placement_key
 from gossipd.http.server import WANTED_HEADERS, Exchange, HttpLimits, Request
 from gossipd.ingress.intake import Intake
-from gossipd.zmqloop import SocketReader
 
 log = logging.getLogger("gossipd.http.door")
 
-MEMBER_HEADER = "x-gossipd-member"  # the member that ran the task
-SWEEP_INTERVAL_S = 0.5
-MODELS_TTL_S = 1.0  # how stale the door's list of the cluster's models may be
 # Past its deadline a request waits this much longer for the owner's deadline_exceeded
 # before the door answers 504 itself (a Result lost with a dead owner and no migration).
 DEADLINE_GRACE_S = 2.0
+MODELS_TTL_S = 1.0  # how stale the door's list of the cluster's models may be
 _OK_JSON = b"application/json"
+_TASK_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A request whose task is out: where and how its answer goes."""
-
-    exchange: Exchange
-    call: Call
-    response_id: str
-    created: int
-    deadline: float
-    request_id: str
-    writer: StreamWriter | None = None
-    next_seq: int = 0
+def _wire_error(message: str) -> bytes:
+    return error_body(message, "invalid_request_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +60,8 @@ class DoorLinks:
     not_ready: Callable[[], str]
     # Prometheus text for GET /metrics; None: not served here.
     metrics: Callable[[], bytes] | None = None
+    # With metrics.bearer_token_file: the token GET /metrics needs (API keys do not serve).
+    metrics_token: str = ""
 
 
 class HttpDoor:
@@ -105,6 +75,7 @@ class HttpDoor:
         max_model_len: int | None,
         chat: ChatTemplate,
         links: DoorLinks,
+        prompt_bytes_max: int,
         keys: ApiKeys | None = None,
         producer_key: str = "",
         clock: Clock = SYSTEM_CLOCK,
@@ -117,6 +88,9 @@ class HttpDoor:
         self._chat = chat
         self._links = links
         self.keys = keys
+        # A prompt longer than a task may carry (ingress.message_bytes_max, less room for the
+        # task's other fields) is refused here with 413, as the ingress refuses its frame.
+        self._prompt_bytes_max = prompt_bytes_max
         # Under CURVE: this daemon's public key, which the reply socket serves with; owners
         # check it before they send our tasks' answers.
         self._producer_key = producer_key
@@ -125,112 +99,99 @@ class HttpDoor:
         self.limits = HttpLimits(
             body_bytes_max=config.body_bytes_max,
             connections_max=config.connections_max,
+            idle_timeout_s=config.idle_timeout_s,
             wanted_headers=WANTED_HEADERS | {self._session_header.encode()},
+            error_body=_wire_error,
         )
         self._timeout_ms = int(config.request_timeout_s * 1000)
-        self._id_prefix = f"http-{secrets.token_hex(6)}-"
-        self._next_id = 0
-        self._pending: dict[str, _Pending] = {}
+        self.answers = Answers(
+            node=node,
+            cancel=lambda task_id: intake.handle_cancel(task_id, producer_key),
+            stream_buffer_bytes_max=config.stream_buffer_bytes_max,
+            request_timeout_s=config.request_timeout_s,
+            clock=clock,
+        )
         self._models_cache: set[str] = set()
         self._models_until = float("-inf")
-        self.reply_to = ""
-        self._sock: zmq.Socket | None = None
-        self._reader: SocketReader | None = None
         self.server: asyncio.Server | None = None
         self.port = 0
-        # Counted, exported as gossipd_http_* (ops/metrics_subsystems.py).
-        self.responses: Counter[int] = Counter()  # by status
-        self.unauthorized = 0
-        self.disconnect_cancels = 0  # clients gone before their answer: task cancelled
-        self.slow_client_cancels = 0  # streams past stream_buffer_bytes_max: cancelled
-        self.deadline_answers = 0  # answered 504 by the door's own sweep
-        self.replies_unknown = 0  # answers for no pending request (its client had gone)
-        self.replies_invalid = 0  # undecodable frames on the reply socket
+        self.unauthorized = 0  # requests without a valid API key (401)
 
     # -- the reply address ---------------------------------------------------------------
 
     def bind_replies(
         self, ctx: zmq.Context, endpoint: str, serve_curve: Callable[[zmq.Socket], None] | None
     ) -> str:
-        """Bind the reply PULL socket at ``endpoint``; answers from owners arrive there."""
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        if serve_curve is not None:
-            serve_curve(sock)
-        sock.bind(endpoint)
-        self._sock = sock
-        self.reply_to = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return self.reply_to
+        return self.answers.bind(ctx, endpoint, serve_curve)
+
+    @property
+    def reply_to(self) -> str:
+        return self.answers.reply_to
 
     @property
     def route(self) -> str:
         """The route of this door's tasks (what ReplySender.deliver_locally is given)."""
-        return reply_route(self.reply_to, self._producer_key)
-
-    def start_receiving(self) -> None:
-        assert self._sock is not None, "bind_replies() first"
-        self._reader = SocketReader(self._sock, self._sock.recv, 256, self._on_frames)
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            self.deliver(frame)
-
-    def deliver(self, frame: bytes) -> None:
-        """One reply frame for one of our tasks: a Chunk, a Result or a Replies pack."""
-        try:
-            messages = decode_replies(frame)
-        except RemoteProtocolError as exc:
-            self.replies_invalid += 1
-            log.warning("undecodable answer on the HTTP reply socket", extra={"error": str(exc)})
-            return
-        for message in messages:
-            self._on_reply(message)
+        return reply_route(self.answers.reply_to, self._producer_key)
 
     # -- requests ------------------------------------------------------------------------
 
     def handle(self, request: Request, exchange: Exchange) -> None:
         path = request.path.partition("?")[0]
         method = request.method
+        request_id = request.headers.get("x-request-id", "")[:256]
+        echo = [("x-request-id", request_id)] if request_id else None
         if path == "/health":
-            self._json(exchange, 200, b'{"status":"ok"}')
+            self._json(exchange, 200, b'{"status":"ok"}', echo)
             return
         if path == "/v1/health/ready":
             why = self._links.not_ready()
             if why:
-                self._error(exchange, 503, why, "server_error", code="unavailable")
+                self._error(exchange, 503, why, "server_error", code="unavailable", headers=echo)
             else:
-                self._json(exchange, 200, b'{"status":"ready"}')
+                self._json(exchange, 200, b'{"status":"ready"}', echo)
             return
-        if self.keys is not None:
-            identity = self.keys.name_of(request.headers.get("authorization", ""))
-            if identity is None:
-                self.unauthorized += 1
-                self._error(
+        authorization = request.headers.get("authorization", "")
+        if path == "/metrics" and self._links.metrics_token:
+            if authorization != f"Bearer {self._links.metrics_token}":
+                self._unauthorized(exchange, "GET /metrics needs metrics.bearer_token_file's "
+                                   "token", echo)  # fmt: skip
+                return
+            identity = ""
+        elif self.keys is not None:
+            name = self.keys.name_of(authorization)
+            if name is None:
+                self._unauthorized(
                     exchange,
-                    401,
                     "send a valid API key as 'Authorization: Bearer KEY' (http.keys_dir)",
-                    "authentication_error",
-                    code="invalid_api_key",
-                    headers=[("www-authenticate", 'Bearer realm="gossipd"')],
+                    echo,
                 )
                 return
+            identity = f"http:{name}"
         else:
-            identity = ""
-        if path in ("/v1/completions", "/v1/chat/completions"):
+            identity = ""  # every client: the budget a keyless task has (tokenbudgets)
+        if path in _TASK_PATHS:
             if method != "POST":
-                self._error(exchange, 405, f"{path} takes POST", "invalid_request_error")
+                allow = [("allow", "POST"), *(echo or [])]
+                self._error(exchange, 405, f"{path} takes POST", "invalid_request_error",
+                            headers=allow)  # fmt: skip
                 return
-            self._take(request, exchange, path == "/v1/chat/completions", identity)
-        elif path == "/v1/models" and method == "GET":
-            self._json(exchange, 200, self._models())
-        elif path == "/metrics" and method == "GET" and self._links.metrics is not None:
-            exchange.respond(200, self._links.metrics(), content_type=b"text/plain; version=0.0.4")
-            self.responses[200] += 1
+            self._take(request, exchange, path == "/v1/chat/completions", identity, request_id)
+        elif path == "/v1/models" and method in ("GET", "HEAD"):
+            self._json(exchange, 200, self._models(), echo)
+        elif path == "/metrics" and method in ("GET", "HEAD") and self._links.metrics:
+            exchange.respond(
+                200, self._links.metrics(), content_type=b"text/plain; version=0.0.4",
+                headers=echo,
+            )  # fmt: skip
+            self.answers.counters.count(200)
         else:
-            self._error(exchange, 404, f"no route {method} {path[:200]}", "not_found_error")
+            self._error(exchange, 404, f"no route {method} {path[:200]}", "not_found_error",
+                        headers=echo)  # fmt: skip
 
-    def _take(self, request: Request, exchange: Exchange, chat: bool, identity: str) -> None:
+    def _take(
+        self, request: Request, exchange: Exchange, chat: bool, identity: str, request_id: str
+    ) -> None:
+        echo = [("x-request-id", request_id)] if request_id else None
         try:
             call = decode_call(request.body, chat=chat)
             if call.model not in self._models_now():
@@ -241,21 +202,28 @@ class HttpDoor:
                     code="model_not_found",
                 )
             prompt = self._chat.render(call.messages) if call.messages is not None else call.prompt
+            if len(prompt) > self._prompt_bytes_max // 4 and (
+                len(prompt.encode()) > self._prompt_bytes_max
+            ):
+                raise BadRequest(
+                    f"the prompt is over {self._prompt_bytes_max} bytes (what a task may "
+                    "carry: ingress.message_bytes_max)",
+                    param="messages" if chat else "prompt",
+                    status=413,
+                )
         except BadRequest as exc:
             err_type = "not_found_error" if exc.status == 404 else "invalid_request_error"
-            self._error(exchange, exc.status, exc.message, err_type, param=exc.param, code=exc.code)
+            self._error(exchange, exc.status, exc.message, err_type, param=exc.param,
+                        code=exc.code, headers=echo)  # fmt: skip
             return
-        except Exception as exc:  # the chat template raised (jinja2's errors): the request's
-            self._error(
-                exchange,
-                400,
-                f"messages: the chat template failed: {exc}",
-                "invalid_request_error",
-                param="messages",
-            )
+        except TemplateFailed as exc:
+            self._error(exchange, 400, f"messages: the chat template failed: {exc}",
+                        "invalid_request_error", param="messages", headers=echo)  # fmt: skip
             return
-        self._next_id += 1
-        task_id = f"{self._id_prefix}{self._next_id}"
+        # Ids no client can guess (a ZeroMQ producer without CURVE shares our producer key
+        # "": a guessable id could be cancelled or read from the results cache by it), and a
+        # response id that is not the task id.
+        task_id = f"http-{secrets.token_hex(12)}"
         session = request.headers.get(self._session_header) or call.user
         now = self._clock.monotonic()
         task = Task(
@@ -264,7 +232,7 @@ class HttpDoor:
             key=placement_key(session) if session else "",
             prompt=prompt,
             params=call.params,
-            reply_to=self.reply_to,
+            reply_to=self.answers.reply_to,
             timeout_ms=self._timeout_ms,
             stream=call.stream,
             model=call.model,
@@ -272,118 +240,33 @@ class HttpDoor:
             # An owner's answers to this door that leave in one turn go as one frame.
             batch_replies=True,
         )
-        kind = "chatcmpl-" if chat else "cmpl-"
-        pending = _Pending(
-            exchange=exchange,
-            call=call,
-            response_id=kind + task_id[5:],
-            created=int(self._clock.wall()),
-            deadline=now + self._config.request_timeout_s + DEADLINE_GRACE_S,
-            request_id=request.headers.get("x-request-id", "")[:256],
+        self.answers.wait(
+            task_id,
+            Waiting(
+                exchange=exchange,
+                call=call,
+                response_id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+                created=int(self._clock.wall()),
+                deadline=now + self._config.request_timeout_s + DEADLINE_GRACE_S,
+                request_id=request_id,
+            ),
         )
-        # Before take: a refusal, or a task run at once here, answers within the call.
-        self._pending[task_id] = pending
-        exchange.on_close = partial(self._client_gone, task_id)
-        self._intake.take(task, now, f"http:{identity}" if identity else None)
+        self._intake.take(task, now, identity)
 
-    def _client_gone(self, task_id: str) -> None:
-        """The client closed its connection before its answer: cancel the task."""
-        if self._pending.pop(task_id, None) is None:
-            return
-        self.disconnect_cancels += 1
-        self._intake.handle_cancel(task_id, self._producer_key)
+    # -- stopping ------------------------------------------------------------------------
 
-    # -- answers -------------------------------------------------------------------------
+    def stop_listening(self) -> None:
+        """Take no new connection (the daemon stops); waiting requests are still answered."""
+        if self.server is not None:
+            self.server.close()
 
-    def _on_reply(self, message: Chunk | Result) -> None:
-        pending = self._pending.get(message.id)
-        if pending is None:
-            self.replies_unknown += 1
-            return
-        if type(message) is Chunk:
-            if message.seq < pending.next_seq:
-                return  # a copy (a resubmission or a migration sent it again)
-            pending.next_seq = message.seq + 1
-            writer = self._stream(pending, message.node)
-            waiting = pending.exchange.write(writer.delta(message.delta))
-            if waiting > self._config.stream_buffer_bytes_max:
-                # The client reads slower than the task writes: give up on it.
-                self._pending.pop(message.id, None)
-                self.slow_client_cancels += 1
-                pending.exchange.abort()
-                self._intake.handle_cancel(message.id, self._producer_key)
-            return
-        assert isinstance(message, Result)
-        del self._pending[message.id]
-        exchange = pending.exchange
-        if pending.writer is not None or (pending.call.stream and message.ok):
-            writer = self._stream(pending, message.node)
-            if message.ok:
-                exchange.write(writer.finish(message.usage))
-            else:
-                assert message.error is not None
-                exchange.write(writer.error(message.error))
-            exchange.end_stream()
-            self.responses[200] += 1
-            return
-        if message.ok:
-            body = whole_answer(
-                pending.call, pending.response_id, pending.created, message.text, message.usage
-            )
-            exchange.respond(200, body, headers=self._answer_headers(pending, message.node))
-            self.responses[200] += 1
-            return
-        assert message.error is not None
-        status, body, headers = error_of(message.error)
-        headers += self._answer_headers(pending, message.node)
-        exchange.respond(status, body, headers=headers)
-        self.responses[status] += 1
-
-    def _stream(self, pending: _Pending, node: str) -> StreamWriter:
-        writer = pending.writer
-        if writer is None:
-            writer = pending.writer = StreamWriter(
-                pending.call, pending.response_id, pending.created
-            )
-            pending.exchange.start_stream(headers=self._answer_headers(pending, node))
-        return writer
-
-    def _answer_headers(self, pending: _Pending, node: str) -> list[tuple[str, str]]:
-        headers = [(MEMBER_HEADER, node or self._node)]
-        if pending.request_id:
-            headers.append(("x-request-id", pending.request_id))
-        return headers
-
-    def sweep(self, now: float) -> int:
-        """Answer 504 to requests past their deadline and its grace (their answer was lost:
-        an owner that died with no member left to migrate to); returns how many."""
-        late = [tid for tid, p in self._pending.items() if p.deadline <= now]
-        for task_id in late:
-            pending = self._pending.pop(task_id)
-            self.deadline_answers += 1
-            error = ErrorInfo(
-                code=ErrorCode.DEADLINE_EXCEEDED,
-                message=f"no answer within http.request_timeout_s "
-                f"({self._config.request_timeout_s:g} s)",
-            )
-            if pending.writer is not None:
-                pending.exchange.write(StreamWriter.error(error))
-                pending.exchange.end_stream()
-            else:
-                status, body, headers = error_of(error)
-                pending.exchange.respond(status, body, headers=headers)
-            self._intake.handle_cancel(task_id, self._producer_key)
-        return len(late)
-
-    async def sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
-            if self._pending:
-                self.sweep(self._clock.monotonic())
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
+    async def settle(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every waiting request's answer; then answer the rest
+        503 ``shutting_down`` and cancel their tasks.  Returns how many were cut."""
+        deadline = self._clock.monotonic() + timeout_s
+        while len(self.answers) and self._clock.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.answers.give_up_all("this daemon stopped before the answer came")
 
     # -- small answers -------------------------------------------------------------------
 
@@ -409,13 +292,22 @@ class HttpDoor:
                 # Known for the model this daemon serves; members do not gossip theirs.
                 "max_model_len": self._max_model_len if name == self.model else None,
             }
-            for name in sorted(self._links.cluster_models())
+            for name in sorted(self._models_now())
         ]
         return msgspec.json.encode({"object": "list", "data": data})
 
-    def _json(self, exchange: Exchange, status: int, body: bytes) -> None:
-        exchange.respond(status, body, content_type=_OK_JSON)
-        self.responses[status] += 1
+    def _json(
+        self, exchange: Exchange, status: int, body: bytes, headers: list[tuple[str, str]] | None
+    ) -> None:
+        exchange.respond(status, body, content_type=_OK_JSON, headers=headers)
+        self.answers.counters.count(status)
+
+    def _unauthorized(
+        self, exchange: Exchange, message: str, echo: list[tuple[str, str]] | None
+    ) -> None:
+        self.unauthorized += 1
+        self._error(exchange, 401, message, "authentication_error", code="invalid_api_key",
+                    headers=[("www-authenticate", 'Bearer realm="gossipd"'), *(echo or [])])  # fmt: skip
 
     def _error(
         self,
@@ -431,14 +323,9 @@ class HttpDoor:
         exchange.respond(
             status, error_body(message, err_type, param=param, code=code), headers=headers
         )
-        self.responses[status] += 1
+        self.answers.counters.count(status)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        self.answers.close()
         if self.server is not None:
             self.server.close()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None

@@ -98,6 +98,8 @@ def decode_call(body: bytes, *, chat: bool) -> Call:
         doc = _json_decode(body)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the body's JSON is nested too deeply") from None
     if not isinstance(doc, dict):
         raise BadRequest("the body must be a JSON object")
     model = _str(doc, "model", required=True)
@@ -138,7 +140,9 @@ def decode_call(body: bytes, *, chat: bool) -> Call:
         if value is not None:
             fields[name] = value
     if stop:
-        fields["stop"] = stop[:STOP_MAX] if len(stop) <= STOP_MAX else _too_many_stops()
+        if len(stop) > STOP_MAX:
+            raise BadRequest(f"stop: at most {STOP_MAX} strings", param="stop")
+        fields["stop"] = stop
     if doc.get("ignore_eos") is not None:
         fields["ignore_eos"] = doc.get("ignore_eos")
     try:
@@ -182,10 +186,6 @@ def placement_key(session: str) -> str:
     import hashlib
 
     return "h:" + hashlib.sha256(session.encode()).hexdigest()
-
-
-def _too_many_stops() -> list[str]:
-    raise BadRequest(f"stop: at most {STOP_MAX} strings", param="stop")
 
 
 def _str(doc: dict[str, Any], name: str, *, required: bool = False) -> str:

@@ -5,14 +5,21 @@ Why not a framework: CPU per request is what decides at the door (issue 26), and
 between the parser and the intake costs microseconds a request (scripts/http_stack.py, the
 same answer from each stack: 8.4 us of CPU a request here, uvicorn with a bare ASGI app
 19.8, aiohttp 36.1; docs/results/http-stack-vm.json, bench/README.md "The HTTP door's
-stack").  This module is only the
-wire: requests in (method, path, a few headers, a bounded body), one response or one chunked
-stream out, keep-alive, and the client's going away.  What a request means is the door's
-(gossipd/http/door.py).
+stack").  This module is only the wire: requests in (method, path, a few headers, a bounded
+body), one response or one chunked stream out, keep-alive, and the client's going away.
+What a request means, and what an error says, is the door's (gossipd/http/door.py).
+
+Bounds a hostile client meets (each answered, counted and the connection closed):
+- a request line and header block over HEADER_BYTES_MAX (431), a body over
+  ``body_bytes_max`` (413), unparseable bytes (400);
+- more than PIPELINED_MAX requests waiting behind the one being answered (429): reading
+  pauses at half that, and while the client does not read its answers (the transport's
+  write buffer is over its high-water mark) no request is read or answered;
+- a connection idle, or a request not read whole, for ``idle_timeout_s``: closed.
 
 Requests on one connection are answered in order: a pipelined request waits until the one
-before it has ended its response.  Bad input never raises out of here: a parse error, a
-header block or body over its bound is answered 400/431/413 and the connection closed.
+before it has ended its response (the next is taken on the next loop turn, never by
+recursion).  HTTP/1.0 clients are served whole answers only (no chunked streams).
 """
 
 from __future__ import annotations
@@ -27,25 +34,30 @@ import httptools
 
 log = logging.getLogger("gossipd.http.server")
 
-HEADER_BYTES_MAX = 64 * 1024  # all of one request's header names and values
-PIPELINED_MAX = 16  # requests waiting behind the one being answered; past it, reading pauses
+HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
+PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429 and close
 _REASONS = {
+    100: "Continue",
     200: "OK",
     400: "Bad Request",
     401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
+    409: "Conflict",
     413: "Content Too Large",
     429: "Too Many Requests",
     431: "Request Header Fields Too Large",
+    499: "Client Closed Request",
     500: "Internal Server Error",
     503: "Service Unavailable",
     504: "Gateway Timeout",
 }
-# The headers a door reads; others are skipped as they are parsed (no dict entry each).
-WANTED_HEADERS = frozenset(
-    {b"authorization", b"content-type", b"x-request-id", b"connection", b"expect"}
-)
+# The headers every door reads; the others are skipped as they are parsed (no dict entry).
+WANTED_HEADERS = frozenset({b"authorization", b"x-request-id", b"expect"})
+
+
+def _plain_error(message: str) -> bytes:
+    return message.encode("utf-8", "replace")
 
 
 @dataclass(slots=True)
@@ -55,6 +67,7 @@ class Request:
     headers: dict[str, str]  # lower-case names, only the wanted ones
     body: bytes
     keep_alive: bool
+    http10: bool = False  # an HTTP/1.0 client: no chunked answers
 
 
 @dataclass(slots=True)
@@ -63,6 +76,7 @@ class HttpCounters:
     connections_refused: int = 0  # over connections_max: closed at once
     requests: int = 0
     bad_requests: int = 0  # unparseable, or over a bound: answered and closed
+    idle_closed: int = 0  # idle, or a request not read whole, for idle_timeout_s
     open_now: int = 0
 
 
@@ -70,8 +84,16 @@ class HttpCounters:
 class HttpLimits:
     body_bytes_max: int
     connections_max: int
+    idle_timeout_s: float = 30.0
     wanted_headers: frozenset[bytes] = WANTED_HEADERS
+    # The body of an error the wire itself answers (the door gives OpenAI's shape).
+    error_body: Callable[[str], bytes] = _plain_error
     counters: HttpCounters = field(default_factory=HttpCounters)
+
+
+def _latin1(text: str) -> bytes:
+    """A header value as HTTP carries it: what latin-1 cannot say becomes \\u escapes."""
+    return text.encode("latin-1", "backslashreplace")
 
 
 class Exchange:
@@ -79,11 +101,13 @@ class Exchange:
     ``end_stream``.  ``on_close`` (set by the handler) is called if the client goes away
     before the response has ended."""
 
-    __slots__ = ("_conn", "done", "keep_alive", "on_close", "streaming")
+    __slots__ = ("_conn", "done", "head_only", "http10", "keep_alive", "on_close", "streaming")
 
-    def __init__(self, conn: HttpConnection, keep_alive: bool) -> None:
+    def __init__(self, conn: HttpConnection, request: Request) -> None:
         self._conn = conn
-        self.keep_alive = keep_alive
+        self.keep_alive = request.keep_alive
+        self.http10 = request.http10
+        self.head_only = request.method == "HEAD"
         self.done = False
         self.streaming = False
         self.on_close: Callable[[], None] | None = None
@@ -91,6 +115,18 @@ class Exchange:
     @property
     def closed(self) -> bool:
         return self._conn.transport is None
+
+    def _head(self, status: int, fields: bytes, headers: list[tuple[str, str]] | None) -> bytes:
+        parts = [
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Error").encode()),
+            fields,
+        ]
+        if headers:
+            parts.extend(_latin1(f"{k}: {v}\r\n") for k, v in headers)
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
     def respond(
         self,
@@ -102,21 +138,15 @@ class Exchange:
     ) -> None:
         if self.done:
             return
+        head = self._head(
+            status,
+            b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type, len(body)),
+            headers,
+        )
         self.done = True
         transport = self._conn.transport
-        if transport is None:
-            return
-        head = [
-            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
-            % (status, _REASONS.get(status, "Error").encode(), content_type, len(body))
-        ]
-        if headers:
-            head.extend(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
-        if not self.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        head.append(body)
-        transport.write(b"".join(head))
+        if transport is not None:
+            transport.write(head if self.head_only else head + body)
         self._conn.ended(self)
 
     def start_stream(
@@ -126,22 +156,18 @@ class Exchange:
         content_type: bytes = b"text/event-stream",
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
-        """The head of a chunked response; ``write`` sends its pieces."""
-        transport = self._conn.transport
+        """The head of a chunked response; ``write`` sends its pieces.  An HTTP/1.0 client
+        gets the pieces unframed and the connection closed at the end."""
+        if self.http10:
+            self.keep_alive = False
+        fields = b"content-type: %s\r\ncache-control: no-cache\r\n" % content_type
+        if not self.http10:
+            fields += b"transfer-encoding: chunked\r\n"
+        head = self._head(status, fields, headers)
         self.streaming = True
-        if transport is None:
-            return
-        head = [
-            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncache-control: no-cache\r\n"
-            b"transfer-encoding: chunked\r\n"
-            % (status, _REASONS.get(status, "Error").encode(), content_type)
-        ]
-        if headers:
-            head.extend(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
-        if not self.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        transport.write(b"".join(head))
+        transport = self._conn.transport
+        if transport is not None:
+            transport.write(head)
 
     def write(self, data: bytes) -> int:
         """One chunk of the stream; returns the bytes now waiting for the client (the
@@ -149,7 +175,7 @@ class Exchange:
         transport = self._conn.transport
         if transport is None or self.done or not data:
             return 0
-        transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        transport.write(data if self.http10 else b"%x\r\n%s\r\n" % (len(data), data))
         return transport.get_write_buffer_size()  # type: ignore[no-any-return]
 
     def end_stream(self) -> None:
@@ -157,9 +183,8 @@ class Exchange:
             return
         self.done = True
         transport = self._conn.transport
-        if transport is None:
-            return
-        transport.write(b"0\r\n\r\n")
+        if transport is not None and not self.http10:
+            transport.write(b"0\r\n\r\n")
         self._conn.ended(self)
 
     def abort(self) -> None:
@@ -179,18 +204,24 @@ class HttpConnection(asyncio.Protocol):
     def __init__(self, handler: Handler, limits: HttpLimits) -> None:
         self._handler = handler
         self._limits = limits
+        self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._header_bytes = 0
-        self._header_name = b""
+        self._in_head = False  # between a request's first byte and its headers' end
+        self._head_bytes = 0
+        self._buffered_head = 0
+        self._last_seen = False  # a request without keep-alive came: nothing after it is read
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._waiting: deque[Request] = deque()
         self._current: Exchange | None = None
-        self._paused = False
+        self._reading_paused = False
+        self._writing_paused = False  # the client does not read: take nothing more
+        self._next_soon = False  # the next pipelined request is scheduled
         self._broken = False  # answered an error and closing: ignore the rest
+        self._idle: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -203,8 +234,10 @@ class HttpConnection(asyncio.Protocol):
             return
         counters.open_now += 1
         self.transport = transport  # type: ignore[assignment]
+        self._arm_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_idle()
         if self.transport is None:
             return
         self.transport = None
@@ -214,44 +247,70 @@ class HttpConnection(asyncio.Protocol):
         if current is not None and not current.done and current.on_close is not None:
             current.on_close()
 
+    def pause_writing(self) -> None:
+        # The client does not read its answers: read and answer nothing more until it does.
+        self._writing_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._maybe_resume_reading()
+        self._schedule_next()
+
     def data_received(self, data: bytes) -> None:
-        if self._broken:
-            return
+        if self._broken or self._last_seen:
+            return  # (still read: a client that goes away is seen)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(400, "protocol upgrades are not served here")
+            return
         except httptools.HttpParserError as exc:
             # A callback's exception comes wrapped (HttpParserCallbackError): ours says why.
             cause = exc.__context__
-            if isinstance(cause, _TooLarge):
+            if isinstance(cause, _Refused):
                 self._fail(cause.status, str(cause))
             else:
                 self._fail(400, f"malformed HTTP request: {exc}")
+            return
+        if self._in_head:
+            # httptools holds a header until it ends: count what it holds, so one endless
+            # header is refused at the bound, not when it ends.
+            self._buffered_head += len(data)
+            if self._buffered_head > HEADER_BYTES_MAX:
+                self._fail(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
 
     # -- httptools callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = {}
-        self._header_bytes = 0
+        self._in_head = True
+        self._head_bytes = 0  # the request line and headers parsed so far
+        self._buffered_head = 0  # bytes read while the head had not ended
         self._body = []
         self._body_bytes = 0
+        self._arm_idle()  # the whole request must arrive within idle_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count_header_bytes(len(url))
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value))
+        self._count_head(len(name) + len(value))
         name = name.lower()
         if name in self._limits.wanted_headers:
             self._headers[name.decode("latin-1")] = value.decode("latin-1")
 
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._headers.get("expect", "").lower() == "100-continue" and self.transport:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without
+
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._body_bytes > self._limits.body_bytes_max:
-            raise _TooLarge(
+            raise _Refused(
                 413,
                 f"the request body is over {self._limits.body_bytes_max} bytes "
                 "(http.body_bytes_max)",
@@ -259,6 +318,8 @@ class HttpConnection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._last_seen:
+            return  # pipelined after a request that closes the connection
         parser = self._parser
         request = Request(
             method=parser.get_method().decode("latin-1"),
@@ -266,36 +327,54 @@ class HttpConnection(asyncio.Protocol):
             headers=self._headers,
             body=b"".join(self._body),
             keep_alive=parser.should_keep_alive(),
+            http10=parser.get_http_version() == "1.0",
         )
+        self._body = []
         self._limits.counters.requests += 1
-        if self._current is None:
-            self._dispatch(request)
-            return
+        self._disarm_idle()
+        if len(self._waiting) >= PIPELINED_MAX:
+            raise _Refused(429, f"more than {PIPELINED_MAX} pipelined requests unanswered")
         self._waiting.append(request)
-        if len(self._waiting) >= PIPELINED_MAX and not self._paused and self.transport:
-            self._paused = True
-            self.transport.pause_reading()
+        if len(self._waiting) >= PIPELINED_MAX // 2:
+            self._pause_reading()
+        if not request.keep_alive:
+            self._last_seen = True  # the client's last request: what follows is ignored
+        self._schedule_next()
 
     # -- internals -------------------------------------------------------------------------
 
-    def _count_header_bytes(self, n: int) -> None:
-        self._header_bytes += n
-        if self._header_bytes > HEADER_BYTES_MAX:
-            raise _TooLarge(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > HEADER_BYTES_MAX:
+            raise _Refused(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
+
+    def _schedule_next(self) -> None:
+        """Take the next waiting request on the next loop turn (never by recursion: an answer
+        given synchronously would otherwise take the next inside the handler)."""
+        if self._current is None and self._waiting and not self._next_soon:
+            self._next_soon = True
+            self._loop.call_soon(self._next)
+
+    def _next(self) -> None:
+        self._next_soon = False
+        if self._current is not None or not self._waiting or self.transport is None:
+            return
+        if self._writing_paused:
+            return  # resume_writing takes it
+        self._dispatch(self._waiting.popleft())
+        self._maybe_resume_reading()
 
     def _dispatch(self, request: Request) -> None:
-        exchange = Exchange(self, request.keep_alive)
+        exchange = Exchange(self, request)
         self._current = exchange
         try:
             self._handler(request, exchange)
         except Exception:  # a handler bug answers 500, the daemon keeps serving
             log.exception("the HTTP handler raised", extra={"path": request.path[:200]})
             if not exchange.done and not exchange.streaming:
-                exchange.respond(
-                    500,
-                    b'{"error": {"message": "internal error", '
-                    b'"type": "internal_error", "param": null, "code": null}}',
-                )
+                exchange.respond(500, self._limits.error_body("internal error"))
+            elif not exchange.done:
+                exchange.abort()
 
     def ended(self, exchange: Exchange) -> None:
         """``exchange``'s response is out: close, or take the next pipelined request."""
@@ -307,10 +386,39 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.close()
             return
         if self._waiting:
-            self._dispatch(self._waiting.popleft())
-        if self._paused and len(self._waiting) < PIPELINED_MAX // 2 and self.transport:
-            self._paused = False
+            self._schedule_next()
+        else:
+            self._arm_idle()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _maybe_resume_reading(self) -> None:
+        if (
+            self._reading_paused
+            and self.transport is not None
+            and not self._writing_paused
+            and len(self._waiting) < PIPELINED_MAX // 2
+        ):
+            self._reading_paused = False
             self.transport.resume_reading()
+
+    def _arm_idle(self) -> None:
+        self._disarm_idle()
+        self._idle = self._loop.call_later(self._limits.idle_timeout_s, self._idle_out)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_out(self) -> None:
+        self._idle = None
+        if self.transport is not None and self._current is None:
+            self._limits.counters.idle_closed += 1
+            self.transport.close()
 
     def _fail(self, status: int, message: str) -> None:
         self._broken = True
@@ -318,14 +426,11 @@ class HttpConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        body = (
-            b'{"error": {"message": %s, "type": "invalid_request_error", "param": null, '
-            b'"code": null}}' % _json_str(message)
-        )
         if self._current is not None and not self._current.done:
             # A response is under way on this connection: it cannot be interleaved.
             transport.close()
             return
+        body = self._limits.error_body(message)
         transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"
@@ -334,16 +439,12 @@ class HttpConnection(asyncio.Protocol):
         transport.close()
 
 
-class _TooLarge(Exception):
+class _Refused(Exception):
+    """A request over a bound, raised inside a parser callback to stop parsing."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _json_str(text: str) -> bytes:
-    import json
-
-    return json.dumps(text).encode()
 
 
 async def serve(

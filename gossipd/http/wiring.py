@@ -20,6 +20,8 @@ from gossipd.http.server import serve
 from gossipd.ingress.intake import Intake
 from gossipd.zmqloop import ReplySender
 
+PROMPT_ROOM_BYTES = 16 * 1024  # a task's fields beside its prompt, with room to spare
+
 
 def build_door(
     config: Config,
@@ -32,6 +34,8 @@ def build_door(
     producer_key: str,
     clock: Clock,
 ) -> HttpDoor:
+    """The door over ``intake``; a prompt may take what a task frame may carry, less room
+    for its other fields (at the ingress and between daemons)."""
     http = config.http
     model_dir = config.engine.model if config.engine.kind == "vllm" else ""
     template, _ = find_template(model_dir)
@@ -45,6 +49,8 @@ def build_door(
         max_model_len=max_model_len,
         chat=ChatTemplate(template, bos_token=bos, eos_token=eos),
         links=links,
+        prompt_bytes_max=min(config.ingress.message_bytes_max, config.fanout.message_bytes_max)
+        - PROMPT_ROOM_BYTES,
         keys=ApiKeys(http.keys_dir) if http.keys_dir else None,
         producer_key=producer_key,
         clock=clock,
@@ -72,8 +78,8 @@ async def open_door(
 ) -> tuple[str, int]:
     """Bind the reply socket and the HTTP listener; (reply address, HTTP port)."""
     reply_to = door.bind_replies(ctx, reply_endpoint(config), serve_curve)
-    replies.deliver_locally(door.route, door.deliver)  # tasks run here: no socket between
-    door.start_receiving()
+    replies.deliver_locally(door.route, door.answers.deliver)  # tasks run here: no socket
+    door.answers.start_receiving()
     host, _, port = config.http.bind.rpartition(":")
     context = None
     if config.http.tls_cert_file:

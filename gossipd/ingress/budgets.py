@@ -118,16 +118,22 @@ class BudgetGate:
         """Charge ``task`` (to ``identity``, else its producer's by tokenbudgets' rule 1): 0
         when admitted, else its retry-after hint in ms."""
         c = self._config
-        if identity is None:
-            identity = producer_identity(task.producer_key, task.key, c.key_separator)
+        identity = self._identity(task, identity)
         cost = task_cost_tokens(len(task.prompt), task.params.max_tokens, c.chars_per_token)
         return self.buckets.charge(identity, cost, now)
+
+    def _identity(self, task: Task, identity: str | None) -> str:
+        """Whose budget: ``identity`` as the door says; "" (a door whose clients carry no
+        identity): as a task without CURVE, by its key; None: tokenbudgets' rule 1."""
+        if identity:
+            return identity
+        producer_key = task.producer_key if identity is None else ""
+        return producer_identity(producer_key, task.key, self._config.key_separator)
 
     def refusal(self, task: Task, identity: str | None = None) -> str:
         """What an over_budget answer says."""
         c = self._config
-        if identity is None:
-            identity = producer_identity(task.producer_key, task.key, c.key_separator)
+        identity = self._identity(task, identity)
         rate = self.buckets.rate(identity)
         return (
             f"producer {identity!r} is over its token budget here ({rate:.1f} tokens/s at this "

@@ -103,7 +103,8 @@ class Intake:
     def take(self, task: Task, now: float, identity: str | None = None) -> None:
         """A producer's task from a door, its ``producer_key`` set by the door.
         ``identity``: whose token budget it is charged to when the door knows better than
-        the task's key (the HTTP door's API key name); None: from the task (tokenbudgets)."""
+        the task (the HTTP door: "http:NAME" of its API key, "" without keys: by the task's
+        key as if without CURVE); None: from the task (tokenbudgets' rule 1)."""
         gate = self.budget_gate
         if gate is not None and (retry_after_ms := gate.check(task, now, identity)):
             self.refused[ErrorCode.OVER_BUDGET.value] += 1

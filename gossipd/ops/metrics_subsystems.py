@@ -434,7 +434,7 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
 
 def _http_metrics(door: Any) -> Iterator[Metric]:
     """The OpenAI-compatible HTTP door (gossipd/http/), when http.bind is set."""
-    c = door.limits.counters
+    c, a = door.limits.counters, door.answers.counters
     yield _one(C, "gossipd_http_connections", "HTTP connections opened", c.connections)
     yield _one(
         C,
@@ -442,20 +442,28 @@ def _http_metrics(door: Any) -> Iterator[Metric]:
         "HTTP connections closed at once: http.connections_max were open",
         c.connections_refused,
     )
+    yield _one(
+        C,
+        "gossipd_http_connections_idle_closed",
+        "HTTP connections closed idle, or with a request not read whole, after "
+        "http.idle_timeout_s",
+        c.idle_closed,
+    )
     yield _one(G, "gossipd_http_connections_open", "HTTP connections open now", c.open_now)
     yield _one(C, "gossipd_http_requests", "HTTP requests parsed", c.requests)
     yield _one(
         C,
         "gossipd_http_bad_requests",
-        "HTTP requests unparseable or over a bound (body, headers): answered, connection closed",
+        "HTTP requests unparseable or over a bound (body, headers, pipelining): answered, "
+        "connection closed",
         c.bad_requests,
     )
     yield _by(
         C,
         "gossipd_http_responses",
-        "HTTP responses, by status",
+        "HTTP responses, by status (a stream counts as 200)",
         "status",
-        sorted((str(k), v) for k, v in door.responses.items()),
+        sorted((str(k), v) for k, v in a.responses.items()),
     )
     yield _one(
         C, "gossipd_http_unauthorized", "Requests without a valid API key (401)", door.unauthorized
@@ -467,23 +475,29 @@ def _http_metrics(door: Any) -> Iterator[Metric]:
         "(slow_client: http.stream_buffer_bytes_max), no answer by the deadline (deadline)",
         "why",
         [
-            ("disconnect", door.disconnect_cancels),
-            ("slow_client", door.slow_client_cancels),
-            ("deadline", door.deadline_answers),
+            ("disconnect", a.disconnect_cancels),
+            ("slow_client", a.slow_client_cancels),
+            ("deadline", a.deadline_answers),
         ],
     )
-    yield _one(G, "gossipd_http_pending", "Requests waiting for their task's answer", door.pending)
+    yield _one(G, "gossipd_http_pending", "Requests waiting for their task's answer", len(door.answers))
     yield _one(
         C,
         "gossipd_http_replies_unknown",
         "Answers for no waiting request (its client had gone)",
-        door.replies_unknown,
+        a.replies_unknown,
     )
     yield _one(
         C,
         "gossipd_http_replies_invalid",
         "Undecodable frames on the door's reply socket",
-        door.replies_invalid,
+        a.replies_invalid,
+    )
+    yield _one(
+        C,
+        "gossipd_http_answer_failures",
+        "Answers that raised as they were written (a bug: logged; the connection closed)",
+        a.answer_failures,
     )
     if door.keys is not None:
         yield _one(G, "gossipd_http_api_keys", "API keys loaded", len(door.keys))

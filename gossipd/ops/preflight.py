@@ -74,6 +74,21 @@ def _check_http(config: Config) -> None:
         if path and not os.access(path, os.R_OK):
             raise StartupError(f"cannot read http.{name} = {path!r}")
     ingress_host = config.ingress.bind.removeprefix("tcp://").rpartition(":")[0]
+    if http.reply_bind and (
+        http.reply_bind.startswith("tcp://")
+        and is_wildcard_host(http.reply_bind.removeprefix("tcp://").rpartition(":")[0])
+    ):
+        raise StartupError(
+            f"http.reply_bind = {http.reply_bind!r}: a wildcard names no address an owner can "
+            "send the door's answers to; give this host's address (tcp://HOST:*)"
+        )
+    reply = http.reply_bind or config.ingress.bind
+    if config.gossip.bind and is_loopback(reply) and not is_loopback(config.fanout.rpc_bind):
+        raise StartupError(
+            f"the HTTP door's answers would come to {reply!r}, which members on other hosts "
+            "cannot reach (fanout.rpc_bind is not on loopback): set http.reply_bind to "
+            "tcp://THIS_HOST:*"
+        )
     if not http.reply_bind and is_wildcard_host(ingress_host):
         raise StartupError(
             f"http.reply_bind: required when ingress.bind is a wildcard "

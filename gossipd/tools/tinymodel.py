@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gossipd.http.chat import PLAIN_TEMPLATE
+
 # A corpus with the words our tests and benchmarks use, so that prompts tokenize compactly.
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A peer-to-peer daemon gossips membership and GPU
@@ -27,11 +29,8 @@ zero one two three four five six seven eight nine ten hundred thousand million
 TOKENIZER_VOCAB_SIZE = 512
 
 
-# A plain role-tagged template: each message on its own lines, then the assistant's turn.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# Chat requests render through it: the HTTP door's own plain template (gossipd/http/chat.py).
+CHAT_TEMPLATE = PLAIN_TEMPLATE
 
 
 def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:

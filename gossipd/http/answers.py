@@ -1,0 +1,270 @@
+"""The HTTP door's waiting requests and the answers that come back to them.
+
+Every request the door turned into a task waits here by task id until its Result: Chunks
+become server-sent events (in ``seq`` order: one that comes early is held until the gap
+fills, a copy is dropped), the Result becomes the one JSON answer or the stream's last
+events.  Answers arrive two ways, both through ``deliver``: from an owner on another member
+at this door's own ZeroMQ PULL socket (the task's ``reply_to``, bound here), or in-process
+from this daemon's runner (ReplySender.deliver_locally).  A failure to answer one request
+never reaches the runner or the socket reader (logged, counted).
+
+Cancels: a client gone, a stream past its byte bound, a request past its deadline are
+cancelled through the intake, wherever the task runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from gossipd.clock import Clock
+from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result, decode_replies
+from gossipd.errors import RemoteProtocolError
+from gossipd.http.openai_api import Call, StreamWriter, error_of, whole_answer
+from gossipd.http.server import Exchange
+from gossipd.zmqloop import SocketReader
+
+log = logging.getLogger("gossipd.http.answers")
+
+MEMBER_HEADER = "x-gossipd-member"  # the member that ran the task
+SWEEP_INTERVAL_S = 0.5
+HELD_CHUNKS_MAX = 256  # chunks held for a gap in seq; past it the gap is skipped
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A request whose task is out: where and how its answer goes."""
+
+    exchange: Exchange
+    call: Call
+    response_id: str
+    created: int
+    deadline: float
+    request_id: str
+    writer: StreamWriter | None = None
+    next_seq: int = 0
+    held: dict[int, Chunk] = field(default_factory=dict)  # early chunks by seq
+
+
+@dataclass(slots=True)
+class AnswerCounters:
+    responses: dict[int, int] = field(default_factory=dict)  # by status
+    disconnect_cancels: int = 0  # clients gone before their answer: task cancelled
+    slow_client_cancels: int = 0  # streams past stream_buffer_bytes_max: cancelled
+    deadline_answers: int = 0  # answered 504 by the door's own sweep
+    replies_unknown: int = 0  # answers for no waiting request (its client had gone)
+    replies_invalid: int = 0  # undecodable frames on the reply socket
+    answer_failures: int = 0  # answers that raised while written (a bug: logged)
+
+    def count(self, status: int) -> None:
+        self.responses[status] = self.responses.get(status, 0) + 1
+
+
+class Answers:
+    def __init__(
+        self,
+        *,
+        node: str,
+        cancel: Callable[[str], None],
+        stream_buffer_bytes_max: int,
+        request_timeout_s: float,
+        clock: Clock,
+    ) -> None:
+        self._node = node
+        self._cancel = cancel  # a task id: cancel the task wherever it runs
+        self._stream_bytes_max = stream_buffer_bytes_max
+        self._timeout_s = request_timeout_s
+        self._clock = clock
+        self._waiting: dict[str, Waiting] = {}
+        self.counters = AnswerCounters()
+        self.reply_to = ""
+        self._sock: zmq.Socket | None = None
+        self._reader: SocketReader | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    # -- the reply address ---------------------------------------------------------------
+
+    def bind(
+        self, ctx: zmq.Context, endpoint: str, serve_curve: Callable[[zmq.Socket], None] | None
+    ) -> str:
+        """Bind the reply PULL socket at ``endpoint``; owners' answers arrive there."""
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if serve_curve is not None:
+            serve_curve(sock)
+        sock.bind(endpoint)
+        self._sock = sock
+        self.reply_to = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.reply_to
+
+    def start_receiving(self) -> None:
+        assert self._sock is not None, "bind() first"
+        self._reader = SocketReader(self._sock, self._sock.recv, 256, self._on_frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            self.deliver(frame)
+
+    def deliver(self, frame: bytes) -> None:
+        """One reply frame for one of our tasks: a Chunk, a Result or a Replies pack."""
+        try:
+            messages = decode_replies(frame)
+        except RemoteProtocolError as exc:
+            self.counters.replies_invalid += 1
+            log.warning("undecodable answer on the HTTP reply socket", extra={"error": str(exc)})
+            return
+        for message in messages:
+            try:
+                self._on_reply(message)
+            except Exception:  # one request's answer must not stop the others (or the runner)
+                self.counters.answer_failures += 1
+                log.exception("answering an HTTP request failed", extra={"task_id": message.id})
+                waiting = self._waiting.pop(message.id, None)
+                if waiting is not None:
+                    waiting.exchange.abort()
+
+    # -- waiting requests ----------------------------------------------------------------
+
+    def wait(self, task_id: str, waiting: Waiting) -> None:
+        """``task_id``'s answer goes to ``waiting`` (before the task is taken: a refusal or
+        a task run here at once answers within that call)."""
+        self._waiting[task_id] = waiting
+        waiting.exchange.on_close = lambda: self._client_gone(task_id)
+
+    def _client_gone(self, task_id: str) -> None:
+        if self._waiting.pop(task_id, None) is None:
+            return
+        self.counters.disconnect_cancels += 1
+        self._cancel(task_id)
+
+    def _on_reply(self, message: Chunk | Result) -> None:
+        waiting = self._waiting.get(message.id)
+        if waiting is None:
+            self.counters.replies_unknown += 1
+            return
+        if type(message) is Chunk:
+            if waiting.call.stream:
+                self._on_chunk(message.id, waiting, message)
+            return  # (a Chunk for a whole answer: the Result has all of its text)
+        assert isinstance(message, Result)
+        del self._waiting[message.id]
+        exchange = waiting.exchange
+        if waiting.writer is not None or (waiting.call.stream and message.ok):
+            writer = self._stream(waiting, message.node)
+            for seq in sorted(waiting.held):  # a gap never filled: what came after it
+                exchange.write(writer.delta(waiting.held[seq].delta))
+            if message.ok:
+                exchange.write(writer.finish(message.usage))
+            else:
+                assert message.error is not None
+                exchange.write(writer.error(message.error))
+            exchange.end_stream()
+            self.counters.count(200)
+            return
+        if message.ok:
+            body = whole_answer(
+                waiting.call, waiting.response_id, waiting.created, message.text, message.usage
+            )
+            exchange.respond(200, body, headers=self.headers(waiting, message.node))
+            self.counters.count(200)
+            return
+        assert message.error is not None
+        status, body, headers = error_of(message.error)
+        exchange.respond(status, body, headers=headers + self.headers(waiting, message.node))
+        self.counters.count(status)
+
+    def _on_chunk(self, task_id: str, waiting: Waiting, chunk: Chunk) -> None:
+        """In seq order: a copy dropped, an early one held until the gap fills (bounded)."""
+        if chunk.seq < waiting.next_seq:
+            return
+        if chunk.seq > waiting.next_seq:
+            waiting.held[chunk.seq] = chunk
+            if len(waiting.held) <= HELD_CHUNKS_MAX:
+                return
+            waiting.next_seq = min(waiting.held)  # the gap will not fill: go on after it
+            chunk = waiting.held.pop(waiting.next_seq)
+        writer = self._stream(waiting, chunk.node)
+        waiting_bytes = 0
+        while True:
+            if chunk.seq == waiting.next_seq:
+                waiting_bytes = waiting.exchange.write(writer.delta(chunk.delta))
+                waiting.next_seq += 1
+            nxt = waiting.held.pop(waiting.next_seq, None)
+            if nxt is None:
+                break
+            chunk = nxt
+        if waiting_bytes > self._stream_bytes_max:
+            # The client reads slower than the task writes: give up on it.
+            self._waiting.pop(task_id, None)
+            self.counters.slow_client_cancels += 1
+            waiting.exchange.abort()
+            self._cancel(task_id)
+
+    def _stream(self, waiting: Waiting, node: str) -> StreamWriter:
+        writer = waiting.writer
+        if writer is None:
+            writer = waiting.writer = StreamWriter(
+                waiting.call, waiting.response_id, waiting.created
+            )
+            waiting.exchange.start_stream(headers=self.headers(waiting, node))
+        return writer
+
+    def headers(self, waiting: Waiting, node: str) -> list[tuple[str, str]]:
+        headers = [(MEMBER_HEADER, node or self._node)]
+        if waiting.request_id:
+            headers.append(("x-request-id", waiting.request_id))
+        return headers
+
+    # -- the door's own deadline and shutdown ------------------------------------------
+
+    def sweep(self, now: float) -> int:
+        """Answer 504 to requests past their deadline and its grace (their answer was lost:
+        an owner that died with no member left to migrate to); returns how many."""
+        late = [tid for tid, w in self._waiting.items() if w.deadline <= now]
+        why = f"no answer within http.request_timeout_s ({self._timeout_s:g} s)"
+        for task_id in late:
+            self.counters.deadline_answers += 1
+            self._give_up(task_id, ErrorCode.DEADLINE_EXCEEDED, why)
+        return len(late)
+
+    def give_up_all(self, why: str) -> int:
+        """Answer every waiting request ``shutting_down`` (503) and cancel its task: the
+        daemon stops and its answers could no longer reach the clients."""
+        ids = list(self._waiting)
+        for task_id in ids:
+            self._give_up(task_id, ErrorCode.SHUTTING_DOWN, why)
+        return len(ids)
+
+    def _give_up(self, task_id: str, code: ErrorCode, message: str) -> None:
+        waiting = self._waiting.pop(task_id)
+        error = ErrorInfo(code=code, message=message)
+        if waiting.writer is not None:
+            waiting.exchange.write(StreamWriter.error(error))
+            waiting.exchange.end_stream()
+            self.counters.count(200)
+        else:
+            status, body, headers = error_of(error)
+            waiting.exchange.respond(status, body, headers=headers + self.headers(waiting, ""))
+            self.counters.count(status)
+        self._cancel(task_id)
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            if self._waiting:
+                self.sweep(self._clock.monotonic())
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
