@@ -306,3 +306,35 @@ def test_the_wire_bounds_pipelining_idle_clients_and_answers_head_and_expect(
     metrics = scrape(d.metrics_port)
     assert metrics["gossipd_http_connections_idle_closed_total"] >= 2
     assert metrics["gossipd_http_bad_requests_total"] == 1
+
+
+def test_prompts_over_a_task_and_metrics_behind_their_token(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    token = tmp_path / "metrics.token"
+    token.write_text("metrics-secret-123\n")
+    d = daemon_factory(
+        HTTP, METRICS, "ingress.message_bytes_max=65536", f'metrics.bearer_token_file="{token}"'
+    )
+    status, _, body = _post(
+        f"{d.http_url}/v1/completions", {"model": "echo", "prompt": "x" * 60_000}
+    )
+    assert status == 413 and json.loads(body)["error"]["param"] == "prompt"
+    request = urllib.request.Request(f"{d.http_url}/metrics")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 401
+    request.add_header("authorization", "Bearer metrics-secret-123")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert b"gossipd_http_responses_total" in response.read()
+
+
+def test_start_up_refuses_a_reply_address_other_hosts_cannot_reach() -> None:
+    remote = ["--set", 'fanout.rpc_bind="tcp://10.9.9.9:7000"', "--set", "security.insecure=true"]
+    done = gossipd_cli("check-config", "--set", 'http.bind="127.0.0.1:8000"', *remote)
+    assert done.returncode == 2 and "http.reply_bind" in done.stderr, done.stderr
+    done = gossipd_cli(
+        "check-config", "--set", 'http.bind="127.0.0.1:8000"',
+        "--set", 'http.reply_bind="tcp://0.0.0.0:*"',
+    )  # fmt: skip
+    assert done.returncode == 2 and "wildcard" in done.stderr, done.stderr

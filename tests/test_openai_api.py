@@ -136,3 +136,22 @@ def test_errors_map_to_openai_statuses_with_retry_after() -> None:
     assert error_of(ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="late"))[0] == 504
     assert error_of(ErrorInfo(code=ErrorCode.ENGINE_ERROR, message="x"))[0] == 500
     assert error_of(ErrorInfo(code="something_new", message="x"))[0] == 500
+
+
+def test_json_nested_deeper_than_the_decoder_goes_is_a_bad_request() -> None:
+    with pytest.raises(BadRequest) as exc:
+        decode_call(b"[" * 200_000 + b"]" * 200_000, chat=False)
+    assert exc.value.status == 400 and "nested" in exc.value.message
+
+
+def test_a_bos_the_template_writes_is_not_doubled_by_the_engine() -> None:
+    from gossipd.http.chat import ChatTemplate, TemplateFailed
+
+    template = ChatTemplate(
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}",
+        bos_token="<s>",
+    )
+    assert template.render([{"role": "user", "content": "hi"}]) == "[user] hi"
+    broken = ChatTemplate("{{ raise_me() }}")
+    with pytest.raises(TemplateFailed):
+        broken.render([{"role": "user", "content": "hi"}])
