@@ -290,7 +290,13 @@ class Wrk:
                 "-s", str(self.script), urls[i], "--", f"w{i}-",
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        outs = [p.communicate(timeout=seconds + 30) for p in procs]
+        try:
+            outs = [p.communicate(timeout=seconds + 30) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:  # none left running behind the bench
+                p.kill()
+                p.wait()
+            raise RuntimeError(f"wrk did not end within {seconds + 30} s") from None
         cpu1, eng1 = cpu_s(cpu_pids), cpu_s(list(engine_pids))
         figs: list[dict[str, Any]] = []
         for p, (out, err) in zip(procs, outs, strict=True):

@@ -23,6 +23,8 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -102,14 +104,19 @@ def _start_vllm_serve(model: Path, log_dir: Path) -> _Server:
         stdout=log,
         stderr=log,
         env=env,
+        start_new_session=True,  # its engine core process in its group: stopped with it
     )
+    log.close()  # the child holds its own copy
 
     def stop() -> None:
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
     def exited() -> str:
         if proc.poll() is None:
@@ -261,6 +268,11 @@ def run(
                     windows[server.name].append(
                         _one_window(server, model, prompts, concurrency, Path(tmp))
                     )
+    except BaseException:
+        steps.note(f"logs kept in {log_dir}")
+        raise
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)  # every server served: nothing to read
     finally:
         for server in servers:
             with contextlib.suppress(Exception):
@@ -363,11 +375,12 @@ def main(
             file=sys.stderr,
         )
         return 2
+    made = None
     if model is None:
         from gossipd.tools.tinymodel import make_tiny
 
-        path = Path(tempfile.mkdtemp(prefix="gossipd-tiny-")) / "tiny"
-        make_tiny(path)
+        made = Path(tempfile.mkdtemp(prefix="gossipd-tiny-"))
+        path = make_tiny(made / "tiny")
     else:
         path = Path(model).resolve()
     try:
@@ -383,6 +396,9 @@ def main(
     except (RuntimeError, TimeoutError) as exc:
         print(f"gossipd bench openai: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
     if as_json:
         print(json.dumps(report, indent=2))
     else:
