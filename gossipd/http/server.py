@@ -12,14 +12,15 @@ What a request means, and what an error says, is the door's (gossipd/http/door.p
 Bounds a hostile client meets (each answered, counted and the connection closed):
 - a request line and header block over HEADER_BYTES_MAX (431), a body over
   ``body_bytes_max`` (413), unparseable bytes (400);
-- more than PIPELINED_MAX requests waiting behind the one being answered (429): reading
+- more than PIPELINED_MAX requests waiting behind the one being answered (429 when no answer
+  is under way, else the connection is just closed): reading
   pauses at half that, and while the client does not read its answers (the transport's
   write buffer is over its high-water mark) no request is read or answered;
 - a connection idle, or a request not read whole, for ``idle_timeout_s``: closed.
 
-Requests on one connection are answered in order: a pipelined request waits until the one
-before it has ended its response (the next is taken on the next loop turn, never by
-recursion).  HTTP/1.0 clients are served whole answers only (no chunked streams).
+Requests on one connection are answered in order: a request with nothing before it is
+handled as it is read; a pipelined one waits until the one before it has ended its response
+and is then taken on the next loop turn (never by recursion).  HTTP/1.0 clients are served whole answers only (no chunked streams).
 """
 
 from __future__ import annotations
@@ -332,13 +333,17 @@ class HttpConnection(asyncio.Protocol):
         self._body = []
         self._limits.counters.requests += 1
         self._disarm_idle()
+        if not request.keep_alive:
+            self._last_seen = True  # the client's last request: what follows is ignored
+        if self._current is None and not self._waiting and not self._writing_paused:
+            # Nothing before it (the usual case): answered now, inside this read.
+            self._dispatch(request)
+            return
         if len(self._waiting) >= PIPELINED_MAX:
             raise _Refused(429, f"more than {PIPELINED_MAX} pipelined requests unanswered")
         self._waiting.append(request)
         if len(self._waiting) >= PIPELINED_MAX // 2:
             self._pause_reading()
-        if not request.keep_alive:
-            self._last_seen = True  # the client's last request: what follows is ignored
         self._schedule_next()
 
     # -- internals -------------------------------------------------------------------------
