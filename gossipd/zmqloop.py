@@ -250,7 +250,7 @@ class ReplyStatistics:
 
 
 class _Peer:
-    __slots__ = ("batch", "endpoint", "flusher", "queue", "sock", "waiters")
+    __slots__ = ("batch", "endpoint", "flusher", "queue", "queue_replies", "sock", "waiters")
 
     def __init__(self, endpoint: str, sock: zmq.Socket) -> None:
         self.endpoint = endpoint
@@ -259,6 +259,8 @@ class _Peer:
         # sent with ``pack=True`` (a list), which leaves as Replies frames.
         self.batch: list[bytes | list[bytes]] = []
         self.queue: deque[bytes] = deque()
+        # How many replies each queued frame holds (a Replies frame: several).
+        self.queue_replies: deque[int] = deque()
         self.flusher: asyncio.Task[None] | None = None
         # when_sent callbacks: called once batch and queue are empty (handed to ZeroMQ, or
         # dropped).
@@ -266,7 +268,14 @@ class _Peer:
 
     def held(self) -> int:
         """Replies in the batch and the queue."""
-        return len(self.queue) + sum(1 if type(i) is bytes else len(i) for i in self.batch)
+        return sum(self.queue_replies) + sum(1 if type(i) is bytes else len(i) for i in self.batch)
+
+    def clear_queue(self) -> int:
+        """Empty the queue; returns the replies it held."""
+        replies = sum(self.queue_replies)
+        self.queue.clear()
+        self.queue_replies.clear()
+        return replies
 
     def release_waiters(self) -> None:
         waiters, self.waiters = self.waiters, []
@@ -407,9 +416,10 @@ class ReplySender:
         if peer is None:
             peer = self._open(endpoint)
         if peer.queue:
-            self._enqueue(peer, frame)
-            return
-        if self._turn.send_now():
+            # Behind what waits: into the turn's batch, queued at the turn's end with its
+            # packed runs kept (a slow reader is when packing saves the most).
+            self._turn.send_now()  # (arms the turn's end)
+        elif self._turn.send_now():
             self._pool.touch(_REPLY, endpoint)
             self._send_now(peer, [frame])
             return
@@ -450,7 +460,8 @@ class ReplySender:
 
     def _send_now(self, peer: _Peer, batch: list[bytes | list[bytes]]) -> None:
         """``batch``'s replies in order, each its own one-frame message (a packed run as
-        Replies frames); what cannot go now into the address's queue (unpacked), in order."""
+        Replies frames); what cannot go now into the address's queue, in order, a packed run
+        as its Replies frames."""
         if not peer.queue:
             send = peer.sock.send
             done = 0
@@ -469,8 +480,8 @@ class ReplySender:
             if type(item) is bytes:
                 self._enqueue(peer, item)
             else:
-                for frame in item:
-                    self._enqueue(peer, frame)
+                for group in replies_groups(item):  # type: ignore[arg-type]
+                    self._enqueue(peer, replies_frame(group), len(group))
 
     def _send_packed(self, send: Callable[[bytes, int], Any], replies: list[bytes]) -> None:
         """A run of packed replies as Replies frames; on zmq.Again, ``replies`` is left
@@ -484,15 +495,17 @@ class ReplySender:
                 raise
             self._sent += len(group)
 
-    def _enqueue(self, peer: _Peer, frame: bytes) -> None:
+    def _enqueue(self, peer: _Peer, frame: bytes, replies: int = 1) -> None:
+        """``frame`` (holding ``replies`` replies) behind what waits for ``peer``."""
         if len(peer.queue) >= self._queue_max:
-            self._dropped_queue_full += 1
+            self._dropped_queue_full += replies
             return
         if self._queued_bytes + len(frame) > self._queue_bytes_max:
-            self._dropped_queue_bytes += 1
+            self._dropped_queue_bytes += replies
             return
         self._queued_bytes += len(frame)
         peer.queue.append(frame)
+        peer.queue_replies.append(replies)
         if peer.flusher is None and self._tg is not None:
             peer.flusher = self._tg.create_task(self._flush(peer), name="reply-flush")
 
@@ -500,14 +513,13 @@ class ReplySender:
         try:
             while peer.queue:
                 if not await wait_events(peer.sock, POLLOUT, self._timeout_s):
-                    dropped = len(peer.queue)
-                    self._dropped_undeliverable += dropped
                     self._queued_bytes -= sum(map(len, peer.queue))
+                    dropped = peer.clear_queue()
+                    self._dropped_undeliverable += dropped
                     log.warning(
                         "reply address does not accept messages; dropped them",
                         extra={"endpoint": peer.endpoint, "dropped": dropped},
                     )
-                    peer.queue.clear()
                     if self._peers.get(peer.endpoint) is peer:
                         self._pool.close(SocketKind.REPLY, peer.endpoint, linger_ms=0)
                     return
@@ -515,7 +527,7 @@ class ReplySender:
                     while peer.queue:
                         peer.sock.send(peer.queue[0], NOBLOCK)
                         self._queued_bytes -= len(peer.queue.popleft())
-                        self._sent += 1
+                        self._sent += peer.queue_replies.popleft()
                 except zmq.Again:
                     continue
         finally:
@@ -535,7 +547,7 @@ class ReplySender:
             peer.flusher.cancel()
         self._dropped_undeliverable += peer.held()
         self._queued_bytes -= sum(map(len, peer.queue))
-        peer.queue.clear()
+        peer.clear_queue()
         peer.batch.clear()
         peer.release_waiters()  # nothing is held for the address any more
 

@@ -379,3 +379,51 @@ def test_ReplySender_packs_a_turns_replies_to_an_address_into_one_Replies_frame(
     assert unpacked == b"unpacked"
     assert [r.id for r in decode_replies(after)] == [f"t{i}" for i in range(20, 40)]
     assert sent == 42
+
+
+def test_ReplySender_keeps_packing_replies_that_wait_for_a_slow_address() -> None:
+    """Replies that cannot leave at once (the address not yet connected: a producer slow to
+    read looks the same) wait in its queue still packed, as Replies frames in order, and
+    ``sent`` counts the replies; what comes while they wait goes behind them, packed too."""
+
+    async def main() -> tuple[list[bytes], int, int]:
+        ctx = zmq.Context()
+        port = free_tcp_port()
+        endpoint = f"tcp://127.0.0.1:{port}"
+        sender = _sender(ctx, timeout_s=5.0)
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            replies = [encode(Result(id=f"t{i}", ok=True, text=str(i))) for i in range(30)]
+            for frame in replies[:10]:  # nobody listens yet: all of it waits
+                sender.send(endpoint, frame, True)
+            await asyncio.sleep(0)
+            for frame in replies[10:20]:  # behind the queue, in the next turn
+                sender.send(endpoint, frame, True)
+            sender.send(endpoint, b"unpacked")
+            for frame in replies[20:]:
+                sender.send(endpoint, frame, True)
+            await asyncio.sleep(0)
+            queued = sender.statistics().queued
+            pull = ctx.socket(zmq.PULL)
+            pull.bind(endpoint)
+            await sender.flush(5.0)
+            got = _messages(pull, 5)
+            sender.stop()
+        sent = sender.statistics().sent
+        sender.close()
+        pull.close(linger=0)
+        ctx.term()
+        return got, sent, queued
+
+    got, sent, queued = asyncio.run(main())
+    assert queued == 31
+    # The turn's first reply tried to leave at once (light load) and waits alone; the rest
+    # of that turn, and the next turn's run, wait as Replies frames.
+    cut = got.index(b"unpacked")
+    before, after = got[:cut], got[cut + 1 :]
+    assert [r.id for frame in before for r in decode_replies(frame)] == [f"t{i}" for i in range(20)]
+    assert [len(decode_replies(frame)) for frame in before] == [1, 9, 10]
+    assert [[r.id for r in decode_replies(frame)] for frame in after] == [
+        [f"t{i}" for i in range(20, 30)]
+    ]
+    assert sent == 31
