@@ -220,8 +220,6 @@ class Daemon:
         self.engine_dead = False
         self._received_at_stop = 0
         self.metrics_port = 0
-        self.http_port = 0
-        self._http_replies = ""  # the HTTP door's reply address (owners send answers there)
         self._registry: CollectorRegistry | None = None  # the metrics' (metrics.bind)
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
@@ -388,7 +386,7 @@ class Daemon:
         http_bound = ""
         if self.door is not None:
             try:
-                _, port = await open_door(
+                port = await open_door(
                     self.door,
                     self.config,
                     ctx=self._ctx,
@@ -403,8 +401,6 @@ class Daemon:
                     f"socket): {exc}"
                 ) from None
             http_bound = f"{self.config.http.bind.rpartition(':')[0]}:{port}"
-            self._http_replies = self.door.reply_to
-            self.http_port = port
         try:
             async with asyncio.TaskGroup() as tg:
                 self.sockets.start()
@@ -452,7 +448,9 @@ class Daemon:
                     )
                 background += self._start_budgets(tg)
                 if self.door is not None:
-                    background.append(tg.create_task(self.door.answers.sweep_forever(), name="http"))
+                    background.append(
+                        tg.create_task(self.door.answers.sweep_forever(), name="http")
+                    )
                     if self.door.keys is not None:
                         background.append(
                             tg.create_task(self._reload_api_keys_forever(), name="api-keys")
@@ -472,7 +470,8 @@ class Daemon:
                         "engine": self.engine.name,
                         "metrics_port": self.metrics_port,
                         "http": http_bound,
-                        "http_replies": self._http_replies,
+                        # where owners send the door's answers
+                        "http_replies": self.door.reply_to if self.door is not None else "",
                         "concurrency_max": self.config.ingress.concurrency_max,
                     },
                 )

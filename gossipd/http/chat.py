@@ -28,41 +28,56 @@ class TemplateFailed(Exception):
     """The chat template could not render these messages (the request's fault: 400)."""
 
 
-def find_template(model_dir: str) -> tuple[str, str]:
-    """(template, where it came from) for the model in ``model_dir`` ("" for none)."""
-    if model_dir:
-        directory = Path(model_dir)
-        jinja = directory / "chat_template.jinja"
-        if jinja.is_file():
-            return jinja.read_text(), str(jinja)
-        config = directory / "tokenizer_config.json"
-        if config.is_file():
-            template = json.loads(config.read_text()).get("chat_template")
-            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-                template = named.get("default")
-            if isinstance(template, str) and template:
-                return template, f"{config} (chat_template)"
-    return PLAIN_TEMPLATE, "built in"
+def chat_template_for(model_dir: str) -> ChatTemplate:
+    """The chat template of the model in ``model_dir`` ("" or none found: PLAIN_TEMPLATE),
+    with the special tokens its tokenizer config names (read once)."""
+    directory = Path(model_dir) if model_dir else None
+    config: dict[str, object] = {}
+    if directory is not None and (directory / "tokenizer_config.json").is_file():
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    template: object = None
+    if directory is not None and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text()
+    else:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+    if not isinstance(template, str) or not template:
+        template = PLAIN_TEMPLATE
+    return ChatTemplate(
+        template,
+        bos_token=_token(config.get("bos_token")),
+        eos_token=_token(config.get("eos_token")),
+    )
+
+
+def _token(value: object) -> str:
+    """A special token as tokenizer_config.json names it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
 
 
 class ChatTemplate:
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(source)
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
         self._bos = bos_token
+        # What a template raises on messages it cannot render (jinja2 is imported only
+        # when a door is built: the daemon without one never loads it).
+        self._failures = (TemplateError, TypeError, ValueError, RecursionError)
 
     def render(self, messages: list[dict[str, str]]) -> str:
-        from jinja2 import TemplateError
-
         try:
             prompt = self._template.render(
                 messages=messages, add_generation_prompt=True, **self._special
             )
-        except (TemplateError, TypeError, ValueError, RecursionError) as exc:
+        except self._failures as exc:
             raise TemplateFailed(f"{type(exc).__name__}: {exc}") from None
         if self._bos and prompt.startswith(self._bos):
             prompt = prompt[len(self._bos) :]  # the engine adds it

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-import zmq
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import HttpConfig
@@ -114,15 +113,9 @@ class HttpDoor:
         self._models_cache: set[str] = set()
         self._models_until = float("-inf")
         self.server: asyncio.Server | None = None
-        self.port = 0
         self.unauthorized = 0  # requests without a valid API key (401)
 
     # -- the reply address ---------------------------------------------------------------
-
-    def bind_replies(
-        self, ctx: zmq.Context, endpoint: str, serve_curve: Callable[[zmq.Socket], None] | None
-    ) -> str:
-        return self.answers.bind(ctx, endpoint, serve_curve)
 
     @property
     def reply_to(self) -> str:

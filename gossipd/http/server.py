@@ -113,10 +113,6 @@ class Exchange:
         self.streaming = False
         self.on_close: Callable[[], None] | None = None
 
-    @property
-    def closed(self) -> bool:
-        return self._conn.transport is None
-
     def _head(self, status: int, fields: bytes, headers: list[tuple[str, str]] | None) -> bytes:
         parts = [
             b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Error").encode()),

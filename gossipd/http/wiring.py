@@ -3,17 +3,15 @@ only calls ``build_door`` and ``open_door``)."""
 
 from __future__ import annotations
 
-import json
 import ssl
 from collections.abc import Callable
-from pathlib import Path
 
 import zmq
 
 from gossipd.clock import Clock
 from gossipd.config import Config
 from gossipd.engines.base import Engine
-from gossipd.http.chat import ChatTemplate, find_template
+from gossipd.http.chat import chat_template_for
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.keys import ApiKeys
 from gossipd.http.server import serve
@@ -38,8 +36,6 @@ def build_door(
     for its other fields (at the ingress and between daemons)."""
     http = config.http
     model_dir = config.engine.model if config.engine.kind == "vllm" else ""
-    template, _ = find_template(model_dir)
-    bos, eos = _special_tokens(model_dir)
     max_model_len = getattr(engine, "max_model_len", None) or config.engine.max_model_len or None
     return HttpDoor(
         http,
@@ -47,7 +43,7 @@ def build_door(
         node=node,
         model=model,
         max_model_len=max_model_len,
-        chat=ChatTemplate(template, bos_token=bos, eos_token=eos),
+        chat=chat_template_for(model_dir),
         links=links,
         prompt_bytes_max=min(config.ingress.message_bytes_max, config.fanout.message_bytes_max)
         - PROMPT_ROOM_BYTES,
@@ -75,9 +71,9 @@ async def open_door(
     ctx: zmq.Context,
     replies: ReplySender,
     serve_curve: Callable[[zmq.Socket], None] | None,
-) -> tuple[str, int]:
-    """Bind the reply socket and the HTTP listener; (reply address, HTTP port)."""
-    reply_to = door.bind_replies(ctx, reply_endpoint(config), serve_curve)
+) -> int:
+    """Bind the reply socket and the HTTP listener; returns the HTTP port."""
+    door.answers.bind(ctx, reply_endpoint(config), serve_curve)
     replies.deliver_locally(door.route, door.answers.deliver)  # tasks run here: no socket
     door.answers.start_receiving()
     host, _, port = config.http.bind.rpartition(":")
@@ -86,20 +82,4 @@ async def open_door(
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(config.http.tls_cert_file, config.http.tls_key_file)
     door.server = await serve(host.strip("[]"), int(port), door.handle, door.limits, ssl=context)
-    door.port = door.server.sockets[0].getsockname()[1]
-    return reply_to, door.port
-
-
-def _special_tokens(model_dir: str) -> tuple[str, str]:
-    """The model's bos and eos tokens as its chat template may name them."""
-    path = Path(model_dir) / "tokenizer_config.json" if model_dir else None
-    if path is None or not path.is_file():
-        return "", ""
-    doc = json.loads(path.read_text())
-    return _token(doc.get("bos_token")), _token(doc.get("eos_token"))
-
-
-def _token(value: object) -> str:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
+    return door.server.sockets[0].getsockname()[1]  # type: ignore[no-any-return]
