@@ -4,18 +4,22 @@ waiting on a condition (instead of sleeping for a guessed time)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 import zmq
 
 from gossipd.ops.scrape import scrape  # noqa: F401  (re-exported for the tests)
 from gossipd.tools.tinymodel import engine_overrides as tiny_engine_overrides
+
+if TYPE_CHECKING:
+    from simulations.cluster import Cluster
 
 T = TypeVar("T")
 
@@ -123,3 +127,16 @@ def gossipd_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProces
         text=True,
         timeout=timeout_s,
     )
+
+
+@contextlib.contextmanager
+def running(cluster: Cluster, start_timeout_s: float = 60.0) -> Iterator[Cluster]:
+    """``cluster`` started, converged, every member's GPU state known to every other; stopped
+    afterwards, also when its start-up fails."""
+    try:
+        cluster.start(timeout_s=start_timeout_s)
+        cluster.wait_converged(timeout_s=30)
+        cluster.wait_meta(timeout_s=30)
+        yield cluster
+    finally:
+        cluster.stop()

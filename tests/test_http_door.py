@@ -18,7 +18,7 @@ import pytest
 
 from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
-from tests.helpers import gossipd_cli, scrape, wait_until
+from tests.helpers import gossipd_cli, running, scrape, wait_until
 
 HTTP = 'http.bind="127.0.0.1:0"'
 METRICS = 'metrics.bind="127.0.0.1:0"'
@@ -153,11 +153,8 @@ def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
         log_dir=str(tmp_path),
         extra_overrides=[HTTP, METRICS, "engine.token_delay_s=0.05"],
     )
-    c.start()
-    c.wait_converged(timeout_s=30)
-    c.wait_meta(timeout_s=30)
-    yield c
-    c.stop()
+    with running(c):
+        yield c
 
 
 def _key_owned_by(cluster: Cluster, member: str) -> str:

@@ -20,7 +20,7 @@ import zmq
 from gossipd.core.messages import Result, encode
 from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
-from tests.helpers import scrape, wait_until
+from tests.helpers import running, scrape, wait_until
 
 HTTP = 'http.bind="127.0.0.1:0"'
 METRICS = 'metrics.bind="127.0.0.1:0"'
@@ -36,11 +36,8 @@ def trio(tmp_path: Path):  # type: ignore[no-untyped-def]
     c = Cluster(
         3, log_dir=str(tmp_path), extra_overrides=[HTTP, METRICS, "engine.token_delay_s=0.05"]
     )
-    c.start()
-    c.wait_converged(timeout_s=30)
-    c.wait_meta(timeout_s=30)
-    yield c
-    c.stop()
+    with running(c):
+        yield c
 
 
 def test_an_owner_killed_mid_task_does_not_lose_the_clients_answer(trio: Cluster) -> None:
@@ -99,10 +96,7 @@ def test_a_client_that_does_not_read_its_stream_is_cut_at_the_byte_bound(daemon_
 
 def test_under_curve_a_forwarded_requests_answer_reaches_the_door(tmp_path: Path) -> None:
     c = Cluster(2, log_dir=str(tmp_path), curve=True, extra_overrides=[HTTP, METRICS])
-    c.start()
-    try:
-        c.wait_converged(timeout_s=30)
-        c.wait_meta(timeout_s=30)
+    with running(c):
         entry, owner = c.daemons
         client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
         session = _session_owned_by([d.name for d in c.daemons], owner.name)
@@ -123,8 +117,6 @@ def test_under_curve_a_forwarded_requests_answer_reaches_the_door(tmp_path: Path
         metrics = scrape(entry.metrics_port)
         assert metrics["gossipd_http_replies_unknown_total"] == 0
         assert metrics["gossipd_http_replies_invalid_total"] == 0
-    finally:
-        c.stop()
 
 
 def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -164,10 +156,7 @@ def test_a_stopping_entry_answers_what_it_holds_and_cancels_the_rest(tmp_path: P
         extra_overrides=[HTTP, METRICS, "engine.token_delay_s=0.05"],
         overrides_for=lambda i: ["lifecycle.shutdown_grace_s=1"] if i == 0 else [],
     )
-    c.start()
-    try:
-        c.wait_converged(timeout_s=30)
-        c.wait_meta(timeout_s=30)
+    with running(c):
         entry, owner = c.daemons
         client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
         stream = client.completions.create(
@@ -194,5 +183,3 @@ def test_a_stopping_entry_answers_what_it_holds_and_cancels_the_rest(tmp_path: P
         assert entry.wait(15) == 0
         drained = next(e for e in entry.events() if e.get("msg") == "drained")
         assert drained["http_answers_cut"] == 1
-    finally:
-        c.stop()

