@@ -649,6 +649,7 @@ class Daemon:
             on_withdraw_held=lambda task_id, node: self._held().withdrawn(task_id, node),
             on_drain=lambda msg: self.admin.handle_drain(msg) if self.admin else None,
             on_confirm=lambda msg: dispatcher.confirm(msg),
+            relay=self.replies.relay,
         )
         rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
         gossip = GossipService(
@@ -675,6 +676,7 @@ class Daemon:
             loads=loads,
             local_ids=local_ids,
             boot=int(self.clock.wall() * 1000),
+            relay_routes=self.replies.local_routes,  # the HTTP door's, once it opens
         )
         self.load_gossip = load_gossip = LoadGossip(
             gossip,
@@ -700,6 +702,7 @@ class Daemon:
             clock=self.clock,
             tracer=self.tracer,
             on_confirm_reply=lambda msg: self._held().on_reply(msg),
+            deliver_relayed=self.replies.deliver_here,
         )
         # Subscriptions, and the ingress's links to fan-out (IngressLinks).
         gossip.listeners.append(dispatcher.member_event)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -384,6 +384,9 @@ class ReplySender:
         self._evicted = 0
         # Reply addresses served in this process (the HTTP door's): handed over directly.
         self._local: dict[str, Callable[[bytes], None]] = {}
+        # ...and every route whose replies go elsewhere than a socket of ours: those, and
+        # the routes of forwarders that asked their owner (us) to relay (Forward.relay).
+        self._divert: dict[str, Callable[[bytes], None]] = {}
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
@@ -392,6 +395,32 @@ class ReplySender:
         """Replies to ``endpoint`` (a route this daemon serves itself: the HTTP door's reply
         address) go to ``deliver`` at once, in order, instead of through a socket."""
         self._local[endpoint] = deliver
+        self._divert[endpoint] = deliver
+
+    def relay(self, endpoint: str, deliver: Callable[[bytes], None] | None) -> None:
+        """Replies to ``endpoint`` (the route of a forwarder that holds its clients itself:
+        Forward.relay) go to ``deliver``, which sends them back on that forwarder's
+        connection, instead of to a socket of their own; None: to the socket again."""
+        if endpoint in self._local:
+            return
+        if deliver is None:
+            self._divert.pop(endpoint, None)
+        else:
+            self._divert[endpoint] = deliver
+
+    @property
+    def local_routes(self) -> Collection[str]:
+        """The routes ``deliver_locally`` serves (a live view)."""
+        return self._local.keys()
+
+    def deliver_here(self, endpoint: str, frame: bytes) -> bool:
+        """Hand ``frame`` (a reply an owner relayed back to us, Relay) to the route served
+        in this process; False if none is."""
+        deliver = self._local.get(endpoint)
+        if deliver is None:
+            return False
+        deliver(frame)
+        return True
 
     def stop(self) -> None:
         """Cancel the background tasks (queued replies stay until ``close``)."""
@@ -409,7 +438,7 @@ class ReplySender:
         producer takes Replies frames (``Task.batch_replies``)."""
         if self._closed:
             return
-        if self._local and (deliver := self._local.get(endpoint)) is not None:
+        if self._divert and (deliver := self._divert.get(endpoint)) is not None:
             deliver(frame)
             return
         peer = self._peers.get(endpoint)

@@ -186,7 +186,12 @@ def test_a_session_owned_elsewhere_is_forwarded_and_streams_back_through_the_ent
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "<|user|> stream me <|assistant|>"
     assert len({c.id for c in chunks}) == 1
-    assert scrape(owner.metrics_port)["gossipd_fanout_accepted_from_peers_total"] == 2
+    owner_metrics = scrape(owner.metrics_port)
+    assert owner_metrics["gossipd_fanout_accepted_from_peers_total"] == 2
+    # The answers came back on the entry's own connection to the owner (Forward.relay):
+    # the Result of the first, the 4 chunks and the Result of the second, at least.
+    assert owner_metrics["gossipd_fanout_replies_relayed_total"] >= 6
+    assert scrape(entry.metrics_port)["gossipd_fanout_relayed_unroutable_total"] == 0
 
 
 def test_a_client_that_disconnects_cancels_its_task_where_it_runs(pair: Cluster) -> None:
@@ -341,3 +346,12 @@ def test_start_up_refuses_a_reply_address_other_hosts_cannot_reach() -> None:
         "--set", 'http.reply_bind="tcp://0.0.0.0:*"',
     )  # fmt: skip
     assert done.returncode == 2 and "wildcard" in done.stderr, done.stderr
+
+
+def test_request_ids_are_random_distinct_and_outlast_their_pool() -> None:
+    from gossipd.http.door import RandomIds
+
+    ids = RandomIds()
+    drawn = [ids.next() for _ in range(1000)]  # about three pools
+    assert len(set(drawn)) == 1000
+    assert all(len(i) == 24 and int(i, 16) >= 0 for i in drawn)

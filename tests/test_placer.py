@@ -349,3 +349,42 @@ def test_drained_or_saturated_we_are_never_the_first_choice_while_another_serves
     assert all(placer.owner_for(t, NOW) != ME for t in mine)
     sample["now"] = GpuState()
     assert [t for t in tasks if placer.owner_for(t, NOW) == ME] == mine
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(NAMES),
+        st.tuples(st.integers(0, 5), st.sampled_from(["", "llama", "llama", "qwen"])),
+        min_size=1,
+    ),
+    st.sampled_from(["", "llama"]),  # what we serve ourselves
+    st.booleans(),  # keyed, or placed by its prompt's prefix
+    st.lists(st.sampled_from(NAMES), max_size=3),  # members holding the prompt's prefix
+)
+def test_a_task_naming_a_model_goes_to_a_member_serving_it_and_else_as_any_task(
+    members: dict[str, tuple[int, str]], own_model: str, keyed: bool, holders: list[str]
+) -> None:
+    """Where every member serves the model (names it or names none), a task naming it is
+    placed exactly as the same task naming none (ring, bounds, prefix holders: every OpenAI
+    request names a model); where some do not, it goes to one that does."""
+    h = Harness()
+    for name, (_, member_model) in members.items():
+        h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
+        prefixes = list(PROMPT_HASHES) if name in holders else []
+        gpu = GpuState(rpc=f"tcp://{name}:5558", model=member_model, prefixes=prefixes)
+        h.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0))
+        h.loads[name] = members[name][0]
+    named = h.placer(model=own_model)
+    plain = h.placer(model=own_model)
+    fields = {"v": 1, "id": "t1", "prompt": PROMPT, "reply_to": "tcp://1.2.3.4:5"}
+    if keyed:
+        fields["key"] = "session-7"
+    owner = named.owner_for(Task(**fields, model="llama"), NOW)
+    serving = {n for n, (_, m) in members.items() if m in ("", "llama")}
+    if own_model in ("", "llama"):
+        serving.add(ME)
+    if len(serving) == len(members) + 1:  # everyone, ourselves included
+        assert owner == plain.owner_for(Task(**fields), NOW)
+    else:
+        assert owner in serving

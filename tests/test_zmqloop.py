@@ -427,3 +427,39 @@ def test_ReplySender_keeps_packing_replies_that_wait_for_a_slow_address() -> Non
         [f"t{i}" for i in range(20, 30)]
     ]
     assert sent == 31
+
+
+def test_ReplySender_relays_a_forwarders_route_and_never_a_route_served_here() -> None:
+    """Replies to a relayed route (Forward.relay) go to its relay, in order, with no socket
+    opened; None gives the route back to the socket; a route served here (the HTTP door's)
+    stays its own, and only such a route takes a relayed reply (deliver_here)."""
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        sender = _sender(ctx)
+        door: list[bytes] = []
+        relayed: list[bytes] = []
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            sender.deliver_locally("tcp://127.0.0.1:1", door.append)
+            sender.relay("tcp://127.0.0.1:1", relayed.append)  # ours: not taken
+            sender.relay(endpoint, relayed.append)
+            for i in range(3):
+                sender.send(endpoint, b"r%d" % i)
+            sender.send("tcp://127.0.0.1:1", b"d")
+            assert relayed == [b"r0", b"r1", b"r2"] and door == [b"d"]
+            assert sender.statistics().sockets_open == 0
+            assert list(sender.local_routes) == ["tcp://127.0.0.1:1"]
+            assert sender.deliver_here("tcp://127.0.0.1:1", b"x") and door == [b"d", b"x"]
+            assert not sender.deliver_here(endpoint, b"y")  # not served here
+            sender.relay(endpoint, None)
+            sender.send(endpoint, b"s")
+            assert await asyncio.wait_for(recv_batch(pull, 10), 5) == [b"s"]
+            sender.stop()
+        sender.close()
+        pull.close(linger=0)
+        ctx.term()
+
+    asyncio.run(main())

@@ -57,7 +57,7 @@ import enum
 import heapq
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -246,10 +246,14 @@ class Forwarder:
         loads: dict[str, int] | None = None,
         local_ids: set[str] | None = None,
         boot: int = 0,
+        relay_routes: Collection[str] = (),
     ) -> None:
         self.settings = settings
         self.node = node
         self.boot = boot  # this process's start (Forward.boot), from the shell's clock
+        # Reply routes served in this process (the HTTP door's): their tasks' Forwards ask
+        # the owner to relay the replies back on our connection (Forward.relay).
+        self.relay_routes = relay_routes
         self._placement = placement
         self._here: dict[str, Journey] = {}  # task id -> its journey, awaiting local_verdict
         self._rng = rng
@@ -506,6 +510,7 @@ class Forwarder:
             attempt=len(j.tried),
             if_free=self.settings.owner_check and not j.plain,
             boot=self.boot,
+            relay=bool(self.relay_routes) and j.task.route in self.relay_routes,
         )
         self._outbox.append((addr, forward))
         flight = Flight(req, member, j, breaker, now)

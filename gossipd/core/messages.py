@@ -61,6 +61,7 @@ class MsgType(enum.IntEnum):
     WITHDRAW = 24
     CONFIRM = 25  # an owner holding Results asks their forwarder: still routed to me?
     CONFIRM_REPLY = 26
+    RELAY = 27  # an owner's reply for a task whose forwarder holds the client (Forward.relay)
     # Admin: an operator's tool to any daemon's ingress; the answer goes to reply_to.
     STATUS_QUERY = 30
     STATUS_REPORT = 31

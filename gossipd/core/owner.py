@@ -54,6 +54,7 @@ class OwnerCounters:
     refused_unauthorised: int = 0  # CURVE: a revoked key, or a source not the key's node
     refused_saturated: int = 0  # Forwards with if_free refused: our engine is saturated
     refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
+    replies_relayed: int = 0  # replies sent back on a forwarder's connection (Forward.relay)
 
 
 @dataclass(frozen=True, slots=True)

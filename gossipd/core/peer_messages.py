@@ -16,6 +16,7 @@ import msgspec
 
 from gossipd.core.gossip_messages import LoadRecord, NodeId, Seq
 from gossipd.core.messages import (
+    ENDPOINT_CHARS_MAX,
     PROTOCOL_VERSION,
     Cancel,
     Drain,
@@ -50,6 +51,9 @@ class Forward(
     # A Forward from an earlier process of ``src`` than one the owner has heard from is stale
     # (it waited in a dead process's connection: docs/PROTOCOL.md "Duplicate final Results").
     boot: Annotated[int, msgspec.Meta(ge=0, le=1 << 53)] = 0
+    # Send the task's replies back on this connection as Relay messages, not to its
+    # reply_to: the forwarder holds the client itself (its HTTP door).  Optional.
+    relay: bool = False
 
 
 class ForwardReply(
@@ -130,6 +134,19 @@ class ConfirmReply(
     unknown: _Ids = []
 
 
+class Relay(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.RELAY)
+):
+    """A reply (Chunk, Result or Replies frame, encoded as it would go to ``to``) for a task
+    whose Forward asked ``relay``: the forwarder hands ``frame`` to its own reply address
+    ``to`` (the task's route) in-process."""
+
+    v: int = PROTOCOL_VERSION
+    node: NodeId  # the owner
+    to: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX + 41)]  # a route
+    frame: bytes
+
+
 class PeerBatch(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PEER_BATCH)
 ):
@@ -139,7 +156,15 @@ class PeerBatch(
     v: int = PROTOCOL_VERSION
     items: Annotated[
         list[
-            Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | Confirm | ConfirmReply
+            Forward
+            | ForwardReply
+            | TaskDone
+            | Cancel
+            | Withdraw
+            | Drain
+            | Confirm
+            | ConfirmReply
+            | Relay
         ],
         msgspec.Meta(max_length=100_000),
     ]
@@ -156,6 +181,7 @@ PeerMessage = (
     | Drain
     | Confirm
     | ConfirmReply
+    | Relay
     | PeerBatch
 )
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]

@@ -517,7 +517,7 @@ class Placer:
         check; the preference order is computed only when the owner is over its bound."""
         view = self.view()
         ring = view.ring
-        if task.model:
+        if task.model and not self._all_serve(task.model, view):
             # Only members serving the named model qualify: the full placement, not the ring.
             order = self.order(task, self._now)
             if not order:
@@ -546,6 +546,16 @@ class Placer:
                 order = self.order(task, self._now)
                 owner = order[0] if order else self.node
         return owner
+
+    def _all_serve(self, model: str, view: View) -> bool:
+        """Does every serving member serve ``model`` (it names it, or names none)?  Then a
+        task naming it is placed as any other (ring, bounds, prefixes): the common case of a
+        cluster of one model, and every OpenAI request names one."""
+        by_model = self._by_model
+        named = by_model.get(model)
+        unnamed = by_model.get("")
+        n = (len(named) if named else 0) + (len(unnamed) if unnamed else 0)
+        return n >= len(view.weights)
 
     def place_by_prefix(self, task: Task, view: View, ring: Ring) -> str:
         """A keyless task: the member holding the longest known prefix of its prompt, under

@@ -34,7 +34,7 @@ from gossipd.core.forwarder import (
 )
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Drain, Task
-from gossipd.core.peer_messages import Confirm, ConfirmReply, Forward, TaskDone
+from gossipd.core.peer_messages import Confirm, ConfirmReply, Forward, Relay, TaskDone
 from gossipd.core.placer import Placer
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
@@ -73,6 +73,8 @@ class FanoutStatistics:
     invalid_from_peers: int = 0  # Forwards refused as ingress would refuse their task
     refused_saturated: int = 0  # Forwards with if_free refused: our engine was saturated
     refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
+    replies_relayed: int = 0  # replies we sent back on a forwarder's connection (Relay)
+    relayed_unroutable: int = 0  # Relays to us for a route not served here (dropped)
 
 
 class Dispatcher:
@@ -90,6 +92,7 @@ class Dispatcher:
         clock: Clock = SYSTEM_CLOCK,
         tracer: Any = None,
         on_confirm_reply: Callable[[ConfirmReply], None] = lambda msg: None,
+        deliver_relayed: Callable[[str, bytes], bool] = lambda route, frame: False,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -111,6 +114,10 @@ class Dispatcher:
         self.loads_refused = 0  # load records on a reply that named another member
         # ConfirmReplies to our Confirms (the owner's held Results, fanout/holding.py).
         self.on_confirm_reply = on_confirm_reply
+        # Replies an owner relayed back to us (Forward.relay), to the route served here
+        # (ReplySender.deliver_here: the HTTP door's); False: no such route here.
+        self._deliver_relayed = deliver_relayed
+        self.relayed_unroutable = 0  # Relays for a route not served here (counted, dropped)
 
     def set_draining(self, draining: bool) -> None:
         """Drained or stopping: the placer sends every task elsewhere (False: back to serving)."""
@@ -150,12 +157,17 @@ class Dispatcher:
         return True
 
     def on_peer_replies(self, msgs: list[object]) -> None:
-        """ForwardReplies and TaskDones read from the peer links (one read's worth)."""
+        """ForwardReplies, TaskDones and Relays read from the peer links (one read's
+        worth)."""
         now = self._clock.monotonic()
         on_reply = self.forwarder.on_reply
         tracer = self.tracer
         on_load = self.placer.on_load
         for msg in msgs:
+            if type(msg) is Relay:
+                if not self._deliver_relayed(msg.to, msg.frame):
+                    self.relayed_unroutable += 1
+                continue
             if type(msg) is ConfirmReply:
                 self.on_confirm_reply(msg)
                 continue
@@ -334,4 +346,6 @@ class Dispatcher:
             invalid_from_peers=owner.invalid_from_peers,
             refused_saturated=owner.refused_saturated,
             refused_stale=owner.refused_stale,
+            replies_relayed=owner.replies_relayed,
+            relayed_unroutable=self.relayed_unroutable,
         )

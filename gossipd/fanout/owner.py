@@ -46,6 +46,7 @@ from gossipd.core.peer_messages import (
     Forward,
     ForwardReply,
     PeerBatch,
+    Relay,
     TaskDone,
     Withdraw,
     decode_peer,
@@ -58,6 +59,9 @@ from gossipd.peerchannel import PeerServer, ZmqPeerServer
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
+# Forwarders' routes whose replies we relay (one per door of a member; a restarted door's
+# new route replaces the oldest beyond this).
+RELAY_ROUTES_MAX = 1024
 
 log = logging.getLogger("gossipd.fanout.owner")
 
@@ -127,6 +131,7 @@ class OwnerEndpoint:
         on_drain: Callable[[Drain], None] = lambda msg: None,
         on_confirm: Callable[[Confirm], ConfirmReply] | None = None,
         on_withdraw_held: Callable[[str, str], None] | None = None,
+        relay: Callable[[str, Callable[[bytes], None] | None], None] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -139,7 +144,7 @@ class OwnerEndpoint:
         # The owner's decisions on Forwards (core/owner.py); its counters are ours.
         self.core = Owner(node=node, task_bytes_max=task_bytes_max)
         self.counters = self.core.counters
-        self._router_out: dict[bytes, list[ForwardReply | TaskDone | ConfirmReply]] = {}
+        self._router_out: dict[bytes, list[ForwardReply | TaskDone | ConfirmReply | Relay]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         # TaskDones waiting for their Results to leave, by the Results' reply_to
         # (ReplySender.when_sent tells when): (task id, forwarder identities, member by name).
@@ -171,6 +176,13 @@ class OwnerEndpoint:
         # engine sample)?  A Forward with if_free is then refused at once ("saturated"):
         # the owner check of issue 17.  Never, without it.
         self.saturated = saturated
+        # Forward.relay: replies to a forwarder's route go back on its connection as Relay
+        # items (``relay`` registers the route with the reply sender, ReplySender.relay);
+        # route -> the forwarder's identity, the most recent RELAY_ROUTES_MAX routes.
+        self._relay = relay
+        self._relays: dict[str, bytes] = {}
+        # Forwarders whose queued message carries our load already (one record a message).
+        self._loaded: set[bytes] = set()
 
     def bind(self) -> str:
         endpoint = self._server.bind(self.config.rpc_bind)
@@ -226,14 +238,46 @@ class OwnerEndpoint:
         )
         # Our load on the first reply queued for this forwarder only: one record a message,
         # not one per task in a batch.
-        load = None if self._router_out.get(identity) else self.load_record()
+        load = None if identity in self._loaded else self.load_record()
+        if load is not None:
+            self._loaded.add(identity)
         answer = self.core.admitted(msg, verdict, self._ingress.intake.retry_after_ms, load)
         if answer.accepted:
+            if msg.relay and self._relay is not None:
+                self._relay_to(identity, msg.task.route)
             if verdict is _ADMIT and self._on_accepted is not None:
                 self._on_accepted(msg.task, msg.src)
             if answer.done_now:  # admit() has just sent the cached Result
                 self._done_after_result(msg.task, (identity,), "")
         self._to_forwarder(identity, answer.reply, urgent=not answer.accepted)
+
+    def _relay_to(self, identity: bytes, route: str) -> None:
+        """From now on, replies to ``route`` go back on ``identity``'s connection (the
+        latest connection of the forwarder whose door that route is)."""
+        relays = self._relays
+        if relays.get(route) == identity:
+            return
+        if route not in relays and len(relays) >= RELAY_ROUTES_MAX:
+            oldest = next(iter(relays))  # a door gone long ago: its replies go by socket
+            del relays[oldest]
+            self._relay(oldest, None)  # type: ignore[misc]
+        relays[route] = identity
+        self._relay(route, partial(self._relay_out, route))  # type: ignore[misc]
+
+    def _relay_out(self, route: str, frame: bytes) -> None:
+        """A reply to a relayed route: queued for its forwarder, sent this turn (its
+        TaskDone, queued after it, leaves with it)."""
+        identity = self._relays[route]
+        item = Relay(node=self.node, to=route, frame=frame)
+        queue = self._router_out.get(identity)
+        if queue is None:
+            self._router_out[identity] = [item]
+        else:
+            queue.append(item)
+        self.counters.replies_relayed += 1
+        if not self._router_flush_soon:
+            self._router_flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush_router)
 
     def _refused(self, identity: bytes, msg: Forward, refused: Refused) -> None:
         """A Forward refused before admission: the reply now (the forwarder tries the next
@@ -323,6 +367,7 @@ class OwnerEndpoint:
             self._router_flush_timer.cancel()
             self._router_flush_timer = None
         out, self._router_out = self._router_out, {}
+        self._loaded.clear()
         if not self._bound or not out:
             return
         send = self._server.send
@@ -380,12 +425,16 @@ class OwnerEndpoint:
                 # Queued here rather than through _to_forwarder (once a forwarded task): a
                 # TaskDone only queues; the load rides on the first message queued for this
                 # forwarder, as in _on_forward.
-                queue = router_out.get(identity)
-                if queue:
-                    queue.append(TaskDone(id=task_id, node=node))
+                if identity in self._loaded:
+                    done = TaskDone(id=task_id, node=node)
                 else:
+                    self._loaded.add(identity)
                     done = TaskDone(id=task_id, node=node, load=self.load_record())
+                queue = router_out.get(identity)
+                if queue is None:
                     router_out[identity] = [done]
+                else:
+                    queue.append(done)
             if member:  # a task re-run from the journal: its forwarder, by name
                 self._send_to_member(
                     member, TaskDone(id=task_id, node=self.node, load=self.load_record())

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +43,27 @@ DEADLINE_GRACE_S = 2.0
 MODELS_TTL_S = 1.0  # how stale the door's list of the cluster's models may be
 _OK_JSON = b"application/json"
 _TASK_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class RandomIds:
+    """Unguessable ids (12 random bytes in hex) drawn from the OS 4 KiB at a time: two ids
+    a request, one getrandom call per 170 requests instead of two a request."""
+
+    __slots__ = ("_at", "_hex")
+
+    POOL_BYTES = 4080  # 340 ids
+
+    def __init__(self) -> None:
+        self._hex = ""
+        self._at = 0
+
+    def next(self) -> str:
+        at = self._at
+        if at >= len(self._hex):
+            self._hex = os.urandom(self.POOL_BYTES).hex()
+            at = 0
+        self._at = at + 24
+        return self._hex[at : at + 24]
 
 
 def _wire_error(message: str) -> bytes:
@@ -110,6 +131,7 @@ class HttpDoor:
             request_timeout_s=config.request_timeout_s,
             clock=clock,
         )
+        self._ids = RandomIds()
         self._models_cache: set[str] = set()
         self._models_until = float("-inf")
         self.server: asyncio.Server | None = None
@@ -216,7 +238,7 @@ class HttpDoor:
         # Ids no client can guess (a ZeroMQ producer without CURVE shares our producer key
         # "": a guessable id could be cancelled or read from the results cache by it), and a
         # response id that is not the task id.
-        task_id = f"http-{secrets.token_hex(12)}"
+        task_id = "http-" + self._ids.next()
         session = request.headers.get(self._session_header) or call.user
         now = self._clock.monotonic()
         task = Task(
@@ -238,7 +260,7 @@ class HttpDoor:
             Waiting(
                 exchange=exchange,
                 call=call,
-                response_id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+                response_id=("chatcmpl-" if chat else "cmpl-") + self._ids.next(),
                 created=int(self._clock.wall()),
                 deadline=now + self._config.request_timeout_s + DEADLINE_GRACE_S,
                 request_id=request_id,

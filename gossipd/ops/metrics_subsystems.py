@@ -364,13 +364,23 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             stats.withdrawn,
         ),
         (
+            "gossipd_fanout_replies_relayed",
+            "Replies sent back on their forwarder's connection (Forward.relay: its HTTP door)",
+            stats.replies_relayed,
+        ),
+        (
+            "gossipd_fanout_relayed_unroutable",
+            "Relayed replies for a route not served here (dropped)",
+            stats.relayed_unroutable,
+        ),
+        (
             "gossipd_fanout_withdrawn_by_peers",
             "Copies a forwarder withdrew from us before they finished",
             stats.withdrawn_by_peers,
         ),
         (
             "gossipd_fanout_replies_dropped",
-            "Acks and TaskDones for forwarders our ROUTER refused (connection gone or full)",
+            "Acks, TaskDones and relayed replies for forwarders our ROUTER refused (connection gone or full)",
             stats.replies_dropped,
         ),
         (
