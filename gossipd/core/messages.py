@@ -20,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from typing import Annotated, Any
 
@@ -107,6 +108,9 @@ _ENDPOINT_RE = re.compile(
 )
 
 
+# Every task is checked, and most come from a few reply addresses (the HTTP door's: every
+# request's): the answer is remembered for the last 4,096 (at most ~1.3 MB).
+@functools.lru_cache(maxsize=4096)
 def endpoint_problem(endpoint: str) -> str | None:
     """Why ``endpoint`` is not a connectable ZeroMQ endpoint, or None when it is."""
     match = _ENDPOINT_RE.match(endpoint)

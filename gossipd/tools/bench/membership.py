@@ -170,7 +170,14 @@ class SerfAgents:
         pending = list(live)
         while pending:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Serf did not converge: {len(pending)} agents short")
+                i = pending[0]
+                seen = sorted(self.alive_seen_by(i))
+                log = (self.dir / f"{self.names[i]}.log").read_text(errors="replace")[-600:]
+                raise TimeoutError(
+                    f"Serf did not converge: {len(pending)} agents short; {self.names[i]} "
+                    f"(exit code {self.procs[i].poll() if self.procs[i] else None}) sees "
+                    f"{len(seen)} alive: {seen}; its log ends: {log!r}"
+                )
             pending = [i for i in pending if self.alive_seen_by(i) != want]
             if pending:
                 time.sleep(0.1)
