@@ -355,3 +355,40 @@ def test_request_ids_are_random_distinct_and_outlast_their_pool() -> None:
     drawn = [ids.next() for _ in range(1000)]  # about three pools
     assert len(set(drawn)) == 1000
     assert all(len(i) == 24 and int(i, 16) >= 0 for i in drawn)
+
+
+def test_a_client_that_does_not_read_its_answers_gets_no_more_taken_until_it_does(
+    daemon_factory: Any,
+) -> None:
+    """Pipelined requests whose answers (~1 MB each) the client does not read: once the
+    connection's write buffer is full the door takes none of the rest (they wait unread in
+    the socket, bounded by PIPELINED_MAX), other clients are served meanwhile, and when the
+    client reads, every answer comes, whole and in order."""
+    d = daemon_factory(HTTP, METRICS)
+    port = _port(d.http_url)
+    words = " ".join(f"word{i:04d}" + "x" * 21 for i in range(1000))  # 30 characters a word
+    requests = 6
+    answered = "gossipd_http_responses_total{status=200}"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(_body(32768, words) * requests)
+        wait_until(lambda: scrape(d.metrics_port).get(answered, 0) >= 1, 20, "a first answer")
+        time.sleep(1.0)  # a window in which nothing more may be taken
+        taken = scrape(d.metrics_port).get(answered, 0)
+        assert taken < requests, "the door kept answering a client that does not read"
+        assert _raw(port, b"GET /health HTTP/1.1\r\nconnection: close\r\n\r\n").startswith(
+            b"HTTP/1.1 200 "
+        )
+        got = b""
+        while got.count(b"HTTP/1.1 200 ") < requests or not got.endswith(b"}"):
+            chunk = sock.recv(1 << 20)
+            assert chunk, f"closed after {got.count(b'HTTP/1.1 200 ')} answers"
+            got += chunk
+    answers = got.split(b"HTTP/1.1 200 ")[1:]
+    assert len(answers) == requests
+    for answer in answers:
+        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert body["usage"]["completion_tokens"] == 32768
+        assert len(body["choices"][0]["text"]) > 900_000
