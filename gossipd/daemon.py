@@ -649,7 +649,10 @@ class Daemon:
             on_withdraw_held=lambda task_id, node: self._held().withdrawn(task_id, node),
             on_drain=lambda msg: self.admin.handle_drain(msg) if self.admin else None,
             on_confirm=lambda msg: dispatcher.confirm(msg),
-            relay=self.replies.relay,
+            replies=self.replies,
+            # Under CURVE a member may only ask us to relay its own door's replies (routes
+            # with its own key): else any member could draw another's replies to itself.
+            relay_allowed=security.is_peers_key if security.curve else lambda src, key: True,
         )
         rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
         gossip = GossipService(

@@ -303,6 +303,11 @@ class Security:
         self.counters.revoked_messages["producers"] += 1
         return False
 
+    def is_peers_key(self, node: str, public_z85: str) -> bool:
+        """Is ``public_z85`` the key of member ``node`` (in security.peer_keys_dir)?"""
+        assert self.peers is not None
+        return bool(public_z85) and self.peers.by_key.get(public_z85.encode()) == node
+
     def peer_allowed(self, user_id: str, src: str, channel: str) -> bool:
         """A message claiming to come from ``src``, on a connection authenticated as
         ``user_id``: still authorised, and speaking for itself?"""

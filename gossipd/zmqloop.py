@@ -441,6 +441,15 @@ class ReplySender:
         if self._divert and (deliver := self._divert.get(endpoint)) is not None:
             deliver(frame)
             return
+        self._send_by_socket(endpoint, frame, pack)
+
+    def send_direct(self, endpoint: str, frame: bytes) -> None:
+        """``frame`` to ``endpoint``'s socket even when its replies are relayed (a relayed
+        reply that cannot go on its forwarder's connection)."""
+        if not self._closed:
+            self._send_by_socket(endpoint, frame, False)
+
+    def _send_by_socket(self, endpoint: str, frame: bytes, pack: bool) -> None:
         peer = self._peers.get(endpoint)
         if peer is None:
             peer = self._open(endpoint)

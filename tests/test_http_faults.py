@@ -105,6 +105,10 @@ def test_under_curve_a_forwarded_requests_answer_reaches_the_door(tmp_path: Path
         )
         assert raw.headers["x-gossipd-member"] == owner.name
         assert raw.parse().choices[0].text == "sealed sealed"
+        # Relayed back on the entry's own connection: the route carries the entry's own key.
+        owner_metrics = scrape(owner.metrics_port)
+        assert owner_metrics["gossipd_fanout_replies_relayed_total"] >= 1
+        assert owner_metrics["gossipd_fanout_relays_refused_total"] == 0
         # A stranger without a member's key cannot push answers into the door's socket:
         # CURVE refuses its connection, so nothing it sends is read (not even as unknown).
         reply_to = next(e["http_replies"] for e in entry.events() if e.get("msg") == "serving")

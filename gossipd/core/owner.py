@@ -55,6 +55,8 @@ class OwnerCounters:
     refused_saturated: int = 0  # Forwards with if_free refused: our engine is saturated
     refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
     replies_relayed: int = 0  # replies sent back on a forwarder's connection (Forward.relay)
+    relays_by_socket: int = 0  # ...that could not go on it, sent to the route's socket
+    relays_refused: int = 0  # Forward.relay for a route not its sender's own (CURVE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -555,7 +555,7 @@ class Placer:
         named = by_model.get(model)
         unnamed = by_model.get("")
         n = (len(named) if named else 0) + (len(unnamed) if unnamed else 0)
-        return n >= len(view.weights)
+        return bool(view.weights) and n >= len(view.weights)
 
     def place_by_prefix(self, task: Task, view: View, ring: Ring) -> str:
         """A keyless task: the member holding the longest known prefix of its prompt, under

@@ -74,6 +74,8 @@ class FanoutStatistics:
     refused_saturated: int = 0  # Forwards with if_free refused: our engine was saturated
     refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
     replies_relayed: int = 0  # replies we sent back on a forwarder's connection (Relay)
+    relays_by_socket: int = 0  # ...that could not go on it: sent to the route's socket
+    relays_refused: int = 0  # Forward.relay for a route not its sender's own (CURVE)
     relayed_unroutable: int = 0  # Relays to us for a route not served here (dropped)
 
 
@@ -347,5 +349,7 @@ class Dispatcher:
             refused_saturated=owner.refused_saturated,
             refused_stale=owner.refused_stale,
             replies_relayed=owner.replies_relayed,
+            relays_by_socket=owner.relays_by_socket,
+            relays_refused=owner.relays_refused,
             relayed_unroutable=self.relayed_unroutable,
         )

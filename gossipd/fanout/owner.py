@@ -22,7 +22,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -60,8 +60,19 @@ from gossipd.peerchannel import PeerServer, ZmqPeerServer
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
 # Forwarders' routes whose replies we relay (one per door of a member; a restarted door's
-# new route replaces the oldest beyond this).
+# new route replaces the least recently asked beyond this).
 RELAY_ROUTES_MAX = 1024
+# A Relay's fields beside its frame and route, with room to spare: a reply that would not
+# fit one peer message with them goes by socket.
+RELAY_ROOM = 256
+
+
+class ReplyRoutes(Protocol):
+    """The reply sender as the owner relays through it (gossipd/zmqloop.ReplySender)."""
+
+    def relay(self, endpoint: str, deliver: Callable[[bytes], None] | None) -> None: ...
+
+    def send_direct(self, endpoint: str, frame: bytes) -> None: ...
 
 log = logging.getLogger("gossipd.fanout.owner")
 
@@ -131,7 +142,8 @@ class OwnerEndpoint:
         on_drain: Callable[[Drain], None] = lambda msg: None,
         on_confirm: Callable[[Confirm], ConfirmReply] | None = None,
         on_withdraw_held: Callable[[str, str], None] | None = None,
-        relay: Callable[[str, Callable[[bytes], None] | None], None] | None = None,
+        replies: ReplyRoutes | None = None,
+        relay_allowed: Callable[[str, str], bool] = lambda src, producer_key: True,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -177,10 +189,15 @@ class OwnerEndpoint:
         # the owner check of issue 17.  Never, without it.
         self.saturated = saturated
         # Forward.relay: replies to a forwarder's route go back on its connection as Relay
-        # items (``relay`` registers the route with the reply sender, ReplySender.relay);
-        # route -> the forwarder's identity, the most recent RELAY_ROUTES_MAX routes.
-        self._relay = relay
-        self._relays: dict[str, bytes] = {}
+        # items (the reply sender hands them to us: ReplySender.relay); route -> the
+        # forwarder's node, the RELAY_ROUTES_MAX routes most recently asked for; each
+        # member's latest connection (a reconnect is followed at its next Forward).  Under
+        # CURVE ``relay_allowed(src, producer_key)`` says the route is src's own (its key):
+        # no member can draw another's replies to itself.
+        self._replies = replies
+        self._relay_allowed = relay_allowed
+        self._relays: dict[str, str] = {}
+        self._link_of: dict[str, bytes] = {}
         # Forwarders whose queued message carries our load already (one record a message).
         self._loaded: set[bytes] = set()
 
@@ -233,6 +250,10 @@ class OwnerEndpoint:
             assert isinstance(decision, Refused)
             self._refused(identity, msg, decision)
             return
+        self._link_of[msg.src] = identity
+        if msg.relay and self._replies is not None:
+            # Before admission: a Result it sends at once (the results cache) is relayed too.
+            self._relay_to(msg.src, msg.task)
         verdict = self._ingress.intake.admit(
             decision.task, decision.received_at, answer=False, now=now, forwarder=identity
         )
@@ -243,31 +264,38 @@ class OwnerEndpoint:
             self._loaded.add(identity)
         answer = self.core.admitted(msg, verdict, self._ingress.intake.retry_after_ms, load)
         if answer.accepted:
-            if msg.relay and self._relay is not None:
-                self._relay_to(identity, msg.task.route)
             if verdict is _ADMIT and self._on_accepted is not None:
                 self._on_accepted(msg.task, msg.src)
             if answer.done_now:  # admit() has just sent the cached Result
                 self._done_after_result(msg.task, (identity,), "")
         self._to_forwarder(identity, answer.reply, urgent=not answer.accepted)
 
-    def _relay_to(self, identity: bytes, route: str) -> None:
-        """From now on, replies to ``route`` go back on ``identity``'s connection (the
-        latest connection of the forwarder whose door that route is)."""
+    def _relay_to(self, member: str, task: Task) -> None:
+        """From now on, replies to ``task``'s route go back to ``member`` (the member whose
+        door that route is), if the route is that member's own."""
+        route = task.route
         relays = self._relays
-        if relays.get(route) == identity:
-            return
-        if route not in relays and len(relays) >= RELAY_ROUTES_MAX:
-            oldest = next(iter(relays))  # a door gone long ago: its replies go by socket
-            del relays[oldest]
-            self._relay(oldest, None)  # type: ignore[misc]
-        relays[route] = identity
-        self._relay(route, partial(self._relay_out, route))  # type: ignore[misc]
+        known = relays.pop(route, None)  # re-inserted: the most recent last
+        if known is None:
+            if not self._relay_allowed(member, task.producer_key):
+                self.counters.relays_refused += 1
+                return
+            if len(relays) >= RELAY_ROUTES_MAX:
+                oldest = next(iter(relays))  # a door gone long ago: its replies by socket
+                del relays[oldest]
+                self._replies.relay(oldest, None)  # type: ignore[union-attr]
+            self._replies.relay(route, partial(self._relay_out, route))  # type: ignore[union-attr]
+        relays[route] = member
 
     def _relay_out(self, route: str, frame: bytes) -> None:
-        """A reply to a relayed route: queued for its forwarder, sent this turn (its
-        TaskDone, queued after it, leaves with it)."""
-        identity = self._relays[route]
+        """A reply to a relayed route: queued for its member's latest connection, sent this
+        turn (its TaskDone, queued after it, leaves with it); one that cannot fit a peer
+        message goes to the route's socket instead."""
+        identity = self._link_of.get(self._relays.get(route, ""))
+        if identity is None or len(frame) + len(route) + RELAY_ROOM > self.config.message_bytes_max:
+            self.counters.relays_by_socket += 1
+            self._replies.send_direct(route, frame)  # type: ignore[union-attr]
+            return
         item = Relay(node=self.node, to=route, frame=frame)
         queue = self._router_out.get(identity)
         if queue is None:
@@ -372,6 +400,7 @@ class OwnerEndpoint:
             return
         send = self._server.send
         for identity, items in out.items():
+            start = 0
             for frame, count in peer_frames(items, self.config.message_bytes_max):
                 # Refused: its connection gone or full; the forwarder times out, tries the next.
                 try:
@@ -379,8 +408,24 @@ class OwnerEndpoint:
                 except (TransportClosed, zmq.ZMQError):  # closing: one failure, not the rest
                     sent = False
                 if not sent:
-                    self.counters.replies_dropped += count
+                    self._not_sent(identity, items[start : start + count])
+                start += count
         self._server.flush()
+
+    def _not_sent(self, identity: bytes, items: Sequence[object]) -> None:
+        """``items`` for ``identity`` could not go: counted; the replies among them go to
+        their routes' sockets instead (the door's reply socket serves), and the member's
+        replies go that way until it forwards to us again on a live connection."""
+        self.counters.replies_dropped += len(items)
+        member = self.member_of.get(identity, "")
+        if self._link_of.get(member) == identity:
+            del self._link_of[member]
+        for item in items:
+            if type(item) is Relay and self._replies is not None:
+                self.counters.replies_dropped -= 1
+                self.counters.replies_relayed -= 1
+                self.counters.relays_by_socket += 1
+                self._replies.send_direct(item.to, item.frame)
 
     def forwarders_of(self, owned: Owned) -> list[str]:
         """The members that forwarded ``owned`` to us, by name ("" for one not known)."""

@@ -48,6 +48,8 @@ class Waiting:
     writer: StreamWriter | None = None
     next_seq: int = 0
     held: dict[int, Chunk] = field(default_factory=dict)  # early chunks by seq
+    streamed_chars: int = 0  # of the answer's text written as deltas so far, in order
+    gap: bool = False  # a chunk was skipped (never came): the deltas are not a prefix
 
 
 @dataclass(slots=True)
@@ -158,8 +160,15 @@ class Answers:
         exchange = waiting.exchange
         if waiting.writer is not None or (waiting.call.stream and message.ok):
             writer = self._stream(waiting, message.node)
-            for seq in sorted(waiting.held):  # a gap never filled: what came after it
-                exchange.write(writer.delta(waiting.held[seq].delta))
+            if message.ok and not waiting.gap:
+                # The Result holds the whole text: what no chunk brought in order (chunks
+                # dropped or still on their way, by another path) goes as one last delta.
+                rest = message.text[waiting.streamed_chars :]
+                if rest:
+                    exchange.write(writer.delta(rest))
+            else:
+                for seq in sorted(waiting.held):  # a gap never filled: what came after it
+                    exchange.write(writer.delta(waiting.held[seq].delta))
             if message.ok:
                 exchange.write(writer.finish(message.usage))
             else:
@@ -189,12 +198,14 @@ class Answers:
             if len(waiting.held) <= HELD_CHUNKS_MAX:
                 return
             waiting.next_seq = min(waiting.held)  # the gap will not fill: go on after it
+            waiting.gap = True
             chunk = waiting.held.pop(waiting.next_seq)
         writer = self._stream(waiting, chunk.node)
         waiting_bytes = 0
         while True:
             if chunk.seq == waiting.next_seq:
                 waiting_bytes = waiting.exchange.write(writer.delta(chunk.delta))
+                waiting.streamed_chars += len(chunk.delta)
                 waiting.next_seq += 1
             nxt = waiting.held.pop(waiting.next_seq, None)
             if nxt is None:

@@ -369,6 +369,17 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             stats.replies_relayed,
         ),
         (
+            "gossipd_fanout_relays_by_socket",
+            "Replies to relay that went to their route's socket: too large for a peer message, "
+            "or the forwarder's connection refused them",
+            stats.relays_by_socket,
+        ),
+        (
+            "gossipd_fanout_relays_refused",
+            "Forward.relay refused: the route is not the sender's own (its CURVE key)",
+            stats.relays_refused,
+        ),
+        (
             "gossipd_fanout_relayed_unroutable",
             "Relayed replies for a route not served here (dropped)",
             stats.relayed_unroutable,
