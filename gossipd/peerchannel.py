@@ -32,6 +32,10 @@ _PEER = SocketKind.PEER  # read per send: a global (see core/admission.py on enu
 _DROPPED_ERRNOS = (errno.EAGAIN, errno.EHOSTUNREACH)  # a full queue; a connection gone
 
 
+# Messages a ROUTER queues for one connection before it refuses more (libzmq's default,
+# set here because the owner's byte bound on relayed replies counts on it).
+ROUTER_SNDHWM = 1000
+
 class PeerClient(Protocol):
     """One node's connections to its peers' servers, one per address: frames go to a peer,
     and what that peer sends back on the connection comes back through ``on_replies``.
@@ -243,6 +247,7 @@ class ZmqPeerServer:
         sock.setsockopt(zmq.MAXMSGSIZE, self._message_bytes_max)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
         if self._serve_curve is not None:
             self._serve_curve(sock)
         try:

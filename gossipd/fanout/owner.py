@@ -65,6 +65,11 @@ RELAY_ROUTES_MAX = 1024
 # A Relay's fields beside its frame and route, with room to spare: a reply that would not
 # fit one peer message with them goes by socket.
 RELAY_ROOM = 256
+# Our messages to a forwarder are at most this large (and at most fanout.message_bytes_max),
+# so relayed replies waiting in the ROUTER's queue for a forwarder that does not read are
+# bounded in bytes: its high-water mark (peerchannel.ROUTER_SNDHWM messages) x this, 64 MiB
+# per connection.  A larger reply goes by socket (the reply sender's byte budget).
+ROUTER_MESSAGE_BYTES_MAX = 64 * 1024
 
 
 class ReplyRoutes(Protocol):
@@ -197,6 +202,7 @@ class OwnerEndpoint:
         self._replies = replies
         self._relay_allowed = relay_allowed
         self._relays: dict[str, str] = {}
+        self._message_max = min(config.message_bytes_max, ROUTER_MESSAGE_BYTES_MAX)
         self._link_of: dict[str, bytes] = {}
         # Forwarders whose queued message carries our load already (one record a message).
         self._loaded: set[bytes] = set()
@@ -292,7 +298,7 @@ class OwnerEndpoint:
         turn (its TaskDone, queued after it, leaves with it); one that cannot fit a peer
         message goes to the route's socket instead."""
         identity = self._link_of.get(self._relays.get(route, ""))
-        if identity is None or len(frame) + len(route) + RELAY_ROOM > self.config.message_bytes_max:
+        if identity is None or len(frame) + len(route) + RELAY_ROOM > self._message_max:
             self.counters.relays_by_socket += 1
             self._replies.send_direct(route, frame)  # type: ignore[union-attr]
             return
@@ -401,7 +407,7 @@ class OwnerEndpoint:
         send = self._server.send
         for identity, items in out.items():
             start = 0
-            for frame, count in peer_frames(items, self.config.message_bytes_max):
+            for frame, count in peer_frames(items, self._message_max):
                 # Refused: its connection gone or full; the forwarder times out, tries the next.
                 try:
                     sent = send(identity, frame)
