@@ -47,6 +47,19 @@ def _texts(exchange: RecordingExchange) -> list[str]:
     return out
 
 
+def _streaming() -> tuple[Answers, RecordingExchange]:
+    """Answers with one streamed request waiting, task "t1"."""
+    answers = Answers(
+        node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
+        request_timeout_s=60, clock=ManualClock(),
+    )  # fmt: skip
+    call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
+    exchange = RecordingExchange()
+    answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
+                               deadline=1e9, request_id=""))  # fmt: skip
+    return answers, exchange
+
+
 @given(st.permutations(list(range(12))), st.lists(st.integers(0, 11), max_size=6))
 def test_chunks_are_written_in_seq_order_copies_dropped_one_answer(
     order: list[int], copies: list[int]
@@ -83,14 +96,7 @@ def test_chunks_are_written_in_seq_order_copies_dropped_one_answer(
 
 
 def test_a_gap_that_never_fills_is_passed_once_enough_chunks_wait() -> None:
-    answers = Answers(
-        node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
-        request_timeout_s=60, clock=ManualClock(),
-    )  # fmt: skip
-    call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
-    exchange = RecordingExchange()
-    answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
-                               deadline=1e9, request_id=""))  # fmt: skip
+    answers, exchange = _streaming()
     for seq in range(1, HELD_CHUNKS_MAX + 2):  # seq 0 never comes
         answers.deliver(encode(Chunk(id="t1", seq=seq, delta=f"<{seq}>")))
     assert _texts(exchange) == [f"<{i}>" for i in range(1, HELD_CHUNKS_MAX + 2)]
@@ -102,14 +108,7 @@ def test_a_stream_spells_the_whole_text_whatever_chunks_were_lost_or_late(
 ) -> None:
     """Chunks dropped between members (a full queue) or still on their way by another path:
     the Result's text completes the stream, so the client reads exactly the answer."""
-    answers = Answers(
-        node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
-        request_timeout_s=60, clock=ManualClock(),
-    )  # fmt: skip
-    call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
-    exchange = RecordingExchange()
-    answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
-                               deadline=1e9, request_id=""))  # fmt: skip
+    answers, exchange = _streaming()
     deltas = [f"<{i}>" for i in range(12)]
     for seq in delivered:  # some, in any order, some twice, some never
         answers.deliver(encode(Chunk(id="t1", seq=seq, delta=deltas[seq])))

@@ -147,6 +147,14 @@ class Relay(
     frame: bytes
 
 
+# One fan-out message (a PeerBatch holds several).  A Cancel between daemons: the entry
+# point passes a producer's cancel on to the task's owner; a Drain: an operator's drain of
+# another member, relayed to it (gossipd/admin.py).
+PeerItem = (
+    Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | Confirm | ConfirmReply | Relay
+)
+
+
 class PeerBatch(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.PEER_BATCH)
 ):
@@ -154,36 +162,10 @@ class PeerBatch(
     (one ZeroMQ message instead of many under load; no added wait)."""
 
     v: int = PROTOCOL_VERSION
-    items: Annotated[
-        list[
-            Forward
-            | ForwardReply
-            | TaskDone
-            | Cancel
-            | Withdraw
-            | Drain
-            | Confirm
-            | ConfirmReply
-            | Relay
-        ],
-        msgspec.Meta(max_length=100_000),
-    ]
+    items: Annotated[list[PeerItem], msgspec.Meta(max_length=100_000)]
 
 
-# A Cancel between daemons: the entry point passes a producer's cancel on to the task's owner;
-# a Drain: an operator's drain of another member, relayed to it (gossipd/admin.py).
-PeerMessage = (
-    Forward
-    | ForwardReply
-    | TaskDone
-    | Cancel
-    | Withdraw
-    | Drain
-    | Confirm
-    | ConfirmReply
-    | Relay
-    | PeerBatch
-)
+PeerMessage = PeerItem | PeerBatch
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
 
 
