@@ -167,6 +167,7 @@ class Supervisor:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.restarts: list[tuple[str, int | None]] = []
+        self.exits_at: list[float] = []  # when each restart by order was seen (monotonic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.errors: list[str] = []
@@ -185,6 +186,8 @@ class Supervisor:
                 code = d.proc.poll() if d.proc is not None else None
                 if code is not None and code != 0:
                     self.restarts.append((d.name, code))
+                    if code == 75:  # told to restart (a drain's), not killed
+                        self.exits_at.append(time.monotonic())
                     try:
                         self.cluster.restart(i)
                     except Exception as exc:
@@ -281,10 +284,19 @@ def test_rolling_drain_of_3_daemons_under_load_loses_nothing_and_survives_a_lead
             f"restarts {supervisor.restarts}"
         )
         assert len(ok) == len(tasks), f"lost {len(tasks) - len(ok)} of {len(tasks)}"
-        # The drains cost nothing: only tasks on their way to the SIGKILLed leader as it died
-        # waited for the producer's resubmission timer (the restarts by order needed none).
-        timer = sorted(round(t.first_sent - killed_at, 3) for t in tasks if t.timer_resends)
-        assert all(-1.0 <= dt <= 1.0 for dt in timer), f"timer resends, s from the kill: {timer}"
+        # The drains cost nothing: only tasks written as a member's connection dropped (the
+        # SIGKILLed leader as it died; at most a few in the instant a drained member exits to
+        # restart: docs/PROTOCOL.md, "lost in transit") waited for the producer's
+        # resubmission timer.
+        exits = [killed_at, *supervisor.exits_at]
+        timer = sorted(t.first_sent for t in tasks if t.timer_resends)
+        near = [min(exits, key=lambda x: abs(x - t)) for t in timer]
+        assert all(abs(t - x) <= 1.0 for t, x in zip(timer, near, strict=True)), (
+            f"timer resends, s from the kill: {[round(t - killed_at, 3) for t in timer]}, "
+            f"exits at {[round(x - killed_at, 3) for x in exits]}"
+        )
+        drain_exits = [x for x in near if x != killed_at]
+        assert all(drain_exits.count(x) <= 3 for x in drain_exits), "more than in an instant"
         assert "[1/3]" in output and "done: 3 members done" in output
     finally:
         if cli is not None and cli.poll() is None:
