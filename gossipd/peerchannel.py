@@ -36,6 +36,7 @@ _DROPPED_ERRNOS = (errno.EAGAIN, errno.EHOSTUNREACH)  # a full queue; a connecti
 # set here because the owner's byte bound on relayed replies counts on it).
 ROUTER_SNDHWM = 1000
 
+
 class PeerClient(Protocol):
     """One node's connections to its peers' servers, one per address: frames go to a peer,
     and what that peer sends back on the connection comes back through ``on_replies``.

@@ -435,13 +435,11 @@ class Placer:
             return []
         model = task.model
         ineligible: set[str] = set()
-        if model:
+        if model and not self._all_serve(model, view):
             # Members naming no model serve any; the others only theirs.  Only a mixed
             # cluster pays for the set of the others (O(members), not per task otherwise).
-            named = self._by_model.get(model, set())
-            unnamed = self._by_model.get("", set())
-            if len(named) + len(unnamed) < len(view.weights):
-                ineligible = set(view.weights).difference(named, unnamed)
+            by_model = self._by_model
+            ineligible = set(view.weights).difference(by_model.get(model, ()), by_model.get("", ()))
         skip = ineligible.union(exclude)
         pool_n = len(view.weights) - len(skip & view.weights.keys())
         if pool_n <= 0:

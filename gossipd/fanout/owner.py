@@ -79,6 +79,7 @@ class ReplyRoutes(Protocol):
 
     def send_direct(self, endpoint: str, frame: bytes) -> None: ...
 
+
 log = logging.getLogger("gossipd.fanout.owner")
 
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
@@ -422,16 +423,17 @@ class OwnerEndpoint:
         """``items`` for ``identity`` could not go: counted; the replies among them go to
         their routes' sockets instead (the door's reply socket serves), and the member's
         replies go that way until it forwards to us again on a live connection."""
-        self.counters.replies_dropped += len(items)
         member = self.member_of.get(identity, "")
         if self._link_of.get(member) == identity:
             del self._link_of[member]
-        for item in items:
-            if type(item) is Relay and self._replies is not None:
-                self.counters.replies_dropped -= 1
-                self.counters.replies_relayed -= 1
-                self.counters.relays_by_socket += 1
-                self._replies.send_direct(item.to, item.frame)
+        relays = [i for i in items if type(i) is Relay] if self._replies is not None else []
+        counters = self.counters
+        counters.replies_dropped += len(items) - len(relays)
+        counters.replies_relayed -= len(relays)
+        counters.relays_by_socket += len(relays)
+        for relay in relays:
+            assert isinstance(relay, Relay)
+            self._replies.send_direct(relay.to, relay.frame)  # type: ignore[union-attr]
 
     def forwarders_of(self, owned: Owned) -> list[str]:
         """The members that forwarded ``owned`` to us, by name ("" for one not known)."""
