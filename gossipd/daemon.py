@@ -32,16 +32,15 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.gossip_messages import GpuState, LoadRecord
-from gossipd.core.heldresults import HeldResults, forwarder_view
+from gossipd.core.heldresults import HeldResults
 from gossipd.core.loadstate import LoadSampler
-from gossipd.core.membership import Member, State
 from gossipd.core.messages import ErrorCode, error_result
 from gossipd.core.peer_messages import TaskDone
+from gossipd.core.placement import LoadCounts
 from gossipd.core.placer import Placer
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
-from gossipd.fanout.engineload import EngineLoad
 from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.holding import ResultHolder
 from gossipd.fanout.owner import OwnerEndpoint, zmq_peer_server
@@ -79,6 +78,8 @@ log = logging.getLogger("gossipd.daemon")
 
 # Exit status when the engine died: non-zero, so systemd (Restart=on-failure) restarts us.
 EXIT_ENGINE_DEAD = 3
+# Our engine's own figures (the owner check, our load records) at most this old.
+OWN_SAMPLE_EVERY_S = 0.005
 # At shutdown, after the ingress endpoint is unbound: how long the reader goes on taking what
 # ZeroMQ's I/O thread had already read, and the longest wait for forwards' answers.
 INTAKE_SETTLE_S = 0.02
@@ -573,37 +574,20 @@ class Daemon:
         """Membership and fan-out, built in dependency order and wired here, the one place
         that knows them all (no part sets another's attributes)."""
         config, ingress = self.config, self.ingress
-        # Cycles of calls that remain, all closed before any message is read: by these two
-        # names, bound below (tests/test_composition.py holds the list), the placer reads
-        # the forwarder's in-flight count and the owner endpoint hands what peers send us as
-        # a forwarder (TaskDones of tasks re-run from a journal, Confirms) to the dispatcher,
-        # which is built on the owner endpoint; through methods of ours, the owner endpoint
+        # Cycles of calls that remain, all closed before any message is read: by this
+        # name, bound below (tests/test_composition.py holds the list), the owner endpoint
+        # hands what peers send us as a forwarder (TaskDones of tasks re-run from a
+        # journal, Confirms) to the dispatcher, which is built on the owner endpoint; through methods of ours, the owner endpoint
         # and the dispatcher reach the ResultHolder (self._held(), built last here) and a
         # relayed Drain reaches admin (self.admin, built in run()); and IngressLinks.
-        forwarder: Forwarder
         dispatcher: Dispatcher
         # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the
         # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
         own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
 
-        # ...read from the engine itself (at most every 5 ms), not from gossip's 1 s sample:
-        # the owner check decides on it (fanout/engineload.py).
-        engine_load = EngineLoad(self.engine, clock=self.clock)
-
-        def load_record() -> LoadRecord:
-            stats = engine_load.read()
-            return own_load.current(
-                self.clock.monotonic(),
-                inflight=ingress.intake.admission.pending,
-                waiting=stats.waiting_requests,
-                queued_tokens=stats.queued_tokens,
-                kv_ratio=stats.kv_cache_usage_ratio,
-            )
-
-        # Per member: our forwards not yet done (bounded loads); the placer reads their sum
-        # from the forwarder (Forwarder.in_flight: the one cycle of the cores, placer and
-        # forwarder, closed by that name).
-        loads: dict[str, int] = {}
+        # Per member: our forwards not yet done (bounded loads), counted by the forwarder;
+        # the placer reads their sum as LoadCounts keeps it (no call back into the forwarder).
+        loads = LoadCounts()
         local_ids: set[str] = set()  # our intake's tasks running here
         placer = Placer(
             config.fanout,
@@ -612,10 +596,24 @@ class Daemon:
             local_ids=local_ids,
             weight=config.gpu.capacity_weight,
             model=ingress.intake.model,
-            in_flight=lambda: forwarder.in_flight(),
-            own_sample=engine_load.read,  # our own decisions: our current load too
+            # Our own decisions, the owner check and our load records: the engine's own
+            # figures, read at most every 5 ms (a burst of Forwards costs one reading).
+            own_sample=self.engine.stats,
+            own_sample_every_s=OWN_SAMPLE_EVERY_S,
             kernels=KernelLoader(),
         )
+
+        def load_record() -> LoadRecord:
+            now = self.clock.monotonic()
+            stats = placer.own_now(now)  # the engine's own figures, at most 5 ms old
+            assert stats is not None
+            return own_load.current(
+                now,
+                inflight=ingress.intake.admission.pending,
+                waiting=stats.waiting_requests,
+                queued_tokens=stats.queued_tokens,
+                kv_ratio=stats.kv_cache_usage_ratio,
+            )
 
         def peer_replies(msgs: list[object]) -> None:
             dispatcher.on_peer_replies(msgs)
@@ -720,9 +718,7 @@ class Daemon:
         ingress.runner.on_released.append(load_gossip.poke)
         ingress.runner.on_released.append(dispatcher.task_finished)
         ingress.intake.on_refused.append(dispatcher.task_finished)
-        ingress.runner.on_finished.append(
-            lambda owned, _result: forwarder.local_finished(owned.task.id)
-        )
+        ingress.runner.on_finished.append(dispatcher.local_finished)
         ingress.runner.on_finished.append(owner.task_finished)
         self.holder = holder = ResultHolder(
             HeldResults(
@@ -732,8 +728,8 @@ class Daemon:
             node=self.node,
             ingress=ingress,
             forwarders_of=owner.forwarders_of,
-            member_alive=lambda name: _alive(gossip, name),
-            member_view=lambda name: forwarder_view(_member(gossip, name)),
+            member_alive=gossip.alive,
+            member_of=gossip.member,
             send_confirm=dispatcher.send_to_member,
             clock=self.clock,
         )
@@ -908,15 +904,3 @@ def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}
     return out
-
-
-def _alive(gossip: GossipService, name: str) -> bool:
-    """Is ``name`` alive in our membership view (not suspect, dead, left or unknown)?"""
-    member = _member(gossip, name)
-    return member is not None and member.state is State.ALIVE
-
-
-def _member(gossip: GossipService, name: str) -> Member | None:
-    """``name``'s entry in our member table, if we know it."""
-    core = gossip.core
-    return None if core is None else core.table.members.get(name)

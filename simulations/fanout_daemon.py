@@ -27,7 +27,7 @@ from gossipd.core.peer_messages import (
     TaskDone,
     Withdraw,
 )
-from gossipd.core.placer import Placer
+from gossipd.core.placer import LoadCounts, Placer
 from gossipd.core.queueing import QueueWait
 from gossipd.core.swim import SwimNode
 from simulations.fanout_run import FINISH
@@ -63,7 +63,7 @@ class SimDaemon:
         # The daemon's own placement core (core/placer.py), fed as fanout/placement_feed.py
         # feeds it: member events with the member's entry (World.flush_swim); every member
         # gossips an rpc address (its name: the world routes peer messages by name).
-        loads: dict[str, int] = {}
+        loads = LoadCounts()  # as the daemon's: the placer reads their sum, kept
         local_ids: set[str] = set()
         self.owner = run.owner_class(node=self.name)
         self.gpu = GpuState(rpc=self.name)
@@ -72,7 +72,6 @@ class SimDaemon:
             node=self.name,
             loads=loads,
             local_ids=local_ids,
-            in_flight=lambda: self.forwarder.in_flight(),
         )
         self.forwarder = run.forwarder_class(
             world.forwarder_settings,

@@ -52,8 +52,6 @@ def test_the_check_finds_a_hook_set_on_a_part() -> None:
 # it (issue 25 took the rest out: placement before the owner endpoint and gossip, load
 # gossip subscribing itself).  A new one fails here: build the part first, or subscribe.
 LATE_NAMES_ALLOWED = {
-    # the placer reads the forwarder's in-flight count; the forwarder places through it
-    ("_build_membership_and_fanout", "forwarder"),
     # the owner endpoint hands the dispatcher what peers send us as a forwarder (TaskDones
     # of tasks re-run from a journal, Confirms); the dispatcher is built on the endpoint
     ("_build_membership_and_fanout", "dispatcher"),
@@ -109,7 +107,7 @@ def _is_self_attr(node: ast.AST) -> bool:
     )
 
 
-def test_the_daemon_closes_no_cycle_by_a_later_name_but_the_two_it_names() -> None:
+def test_the_daemon_closes_no_cycle_by_a_later_name_but_the_one_it_names() -> None:
     source = Path(gossipd.daemon.__file__).read_text()
     assert closures_over_later_names(ast.parse(source)) == LATE_NAMES_ALLOWED
 

@@ -51,7 +51,7 @@ def test_an_owner_refuses_if_free_forwards_while_saturated_with_its_load(tmp_pat
             ingress=ingress,  # type: ignore[arg-type]
             send_to_member=lambda member, done: None,
             on_peer_done=lambda done: None,
-            saturated=lambda: saturated,
+            saturated=lambda now: saturated,
             load_record=lambda: record,
         )
         endpoint = owner.bind()
@@ -94,10 +94,10 @@ def test_an_owner_refuses_if_free_forwards_while_saturated_with_its_load(tmp_pat
 
 
 def test_the_owner_reads_its_engine_itself_at_most_every_5_ms() -> None:
-    """Not gossip's 1 s sample: the engine's own figures, one reading per burst."""
-    from gossipd.clock import ManualClock
+    """Not gossip's 1 s sample: the engine's own figures, one reading per burst, by the
+    decisions' ``now`` (the placer core reads no clock)."""
+    from gossipd.core.placer import Placer
     from gossipd.engines.base import EngineStats
-    from gossipd.fanout.engineload import EngineLoad
 
     class _Engine:
         waiting = 0
@@ -105,10 +105,17 @@ def test_the_owner_reads_its_engine_itself_at_most_every_5_ms() -> None:
         def stats(self) -> EngineStats:
             return EngineStats(waiting_requests=self.waiting)
 
-    engine, clock = _Engine(), ManualClock()
-    load = EngineLoad(engine, clock=clock)  # type: ignore[arg-type]
-    assert load.read().waiting_requests == 0
+    engine = _Engine()
+    placer = Placer(
+        FanoutConfig(engine_waiting_saturated=5),
+        node="me",
+        loads={},
+        local_ids=set(),
+        own_sample=engine.stats,
+        own_sample_every_s=0.005,
+    )
+    assert placer.own_now(10.0).waiting_requests == 0  # type: ignore[union-attr]
     engine.waiting = 9
-    assert load.read().waiting_requests == 0 and load.reads == 1  # the same burst
-    clock.advance(0.006)
-    assert load.read().waiting_requests == 9 and load.reads == 2
+    assert not placer.own_engine_saturated(10.004)  # the same burst: the same reading
+    assert placer.own_reads == 1
+    assert placer.own_engine_saturated(10.006) and placer.own_reads == 2

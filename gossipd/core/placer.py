@@ -6,9 +6,9 @@ The pure rules are ``core/placement.py`` (bounded loads), ``core/ring.py`` and
   serving members, their weights, models, rpc addresses, engine saturation and prefixes;
 - members' load records (``on_load``: owners' replies, load gossip);
 - our own state: serving or drained (``set_draining``), our engine's latest sample (read
-  through ``own_sample``, a value the shell keeps), our weight and model (constructor);
+  through ``own_sample``, at most every ``own_sample_every_s``), our weight and model (constructor);
 - the loads this entry point has put on each member (``loads``/``local_ids``, kept by the
-  forwarder, and their sum from ``in_flight``);
+  forwarder, and their sum kept as they change when ``loads`` is a ``LoadCounts``);
 - ``now``, passed to every decision (the age of a load record decides the owner check).
 The daemon (``fanout/placement_feed.py`` feeds it) and the simulator drive this same class.
 The forwarding itself (sending, acks, retries, migration) is ``core/forwarder.py``.
@@ -17,8 +17,8 @@ Costs per task do not grow with the cluster (issue 17; ``gossipd bench place``):
 - the view is kept up to date member by member from membership events: a member's new GPU
   state (Meta) costs O(its own size); the ring is rebuilt only when the serving set or a
   weight changes, never for a load;
-- the sums bounded loads need are O(1): in-flight tasks from the forwarder's own sizes
-  (``Forwarder.in_flight``: live flights plus ledger entries), serving weight a running total;
+- the sums bounded loads need are O(1): in-flight tasks kept as the forwarder counts them
+  (``LoadCounts.total``: no call back into the forwarder), serving weight a running total;
 - a new key is scored against every member in one pass (``Ring``: compiled kernels from 64
   members on, once ``kernels(n)`` says they are loaded; NumPy before), a repeated key is a
   cache hit; ``order()`` (retries, migration, hand-off) is a partial selection of the first
@@ -158,8 +158,8 @@ class Placer:
         local_ids: set[str],
         weight: float = 1.0,
         model: str = "",
-        in_flight: Callable[[], int] | None = None,
         own_sample: Callable[[], EngineSample | None] | None = None,
+        own_sample_every_s: float = 0.0,
         kernels: Callable[[int], bool] = _numpy_only,
     ) -> None:
         self.config = config
@@ -173,9 +173,6 @@ class Placer:
         # tasks not done yet; and the tasks from our intake that run here, unfinished.
         self.outstanding = loads
         self.local_ids = local_ids
-        # The sum of ``loads`` where its keeper can tell it at once (Forwarder.in_flight);
-        # else a LoadCounts' kept sum, or a plain dict summed.
-        self.in_flight = in_flight
         self.draining = False  # set_draining: while drained or stopping, no task stays here
         self.prefix_hits = 0  # keyless tasks placed on a member that holds their prefix
         # Prefix affinity (policy "prefix"): what we ran, and who holds which prefix.
@@ -193,9 +190,16 @@ class Placer:
         self._weight = float(weight)
         self._model = model
         self._own: tuple[bool, bool] | None = None  # (serving, saturated) as last set
-        # Our engine's latest sample, judged once per sample (a new object each time): read
-        # on every decision, so that one on ourselves uses our current load.  None: none.
+        # Our engine's own figures (``Engine.stats``: vLLM's change with each scheduler
+        # step), read at most every ``own_sample_every_s`` by the decisions' ``now`` (5 ms
+        # in the daemon: a burst of Forwards costs one reading), and judged once per
+        # sample (a new object each time), so that a decision on ourselves uses our
+        # current load, not gossip's 1 s sample.  None: none.
         self.own_sample = own_sample
+        self.own_sample_every_s = own_sample_every_s
+        self.own_reads = 0
+        self._own_read_at = float("-inf")
+        self._own_latest: EngineSample | None = None
         self._own_gpu: EngineSample | None = None
         self._own_gpu_saturated = False
         # The oldest record (or our own reading: 0) a member was passed over on as saturated
@@ -292,11 +296,21 @@ class Placer:
             or gpu.kv_cache_usage_ratio >= cfg.engine_kv_cache_saturated_ratio
         )
 
-    def own_engine_saturated(self) -> bool:
-        """Is our engine saturated as its latest sample reads now (the owner check of a
-        Forward that asks if_free)?  Never, without ``own_sample``."""
+    def own_engine_saturated(self, now: float) -> bool:
+        """Is our engine saturated as it reads ``now`` (the owner check of a Forward that
+        asks if_free)?  Never, without ``own_sample``."""
+        return self.own_sample is not None and self._judge_own(self.own_now(now))
+
+    def own_now(self, now: float) -> EngineSample | None:
+        """Our engine's figures, read at most ``own_sample_every_s`` before ``now``."""
         own_sample = self.own_sample
-        return own_sample is not None and self._judge_own(own_sample())
+        if own_sample is None:
+            return None
+        if self._own_latest is None or now - self._own_read_at >= self.own_sample_every_s:
+            self._own_latest = own_sample()
+            self._own_read_at = now
+            self.own_reads += 1
+        return self._own_latest
 
     def _judge_own(self, gpu: EngineSample | None) -> bool:
         """Is our engine saturated by this sample?  Judged once per sample (a new object
@@ -313,9 +327,8 @@ class Placer:
         kept as its events come, the ring rebuilt when the serving set or a weight changes;
         nothing is rebuilt per task or for a load."""
         # Our own entry, read on every call (up to twice a task).
-        own_sample = self.own_sample
-        if own_sample is not None:
-            self._judge_own(own_sample())
+        if self.own_sample is not None:
+            self._judge_own(self.own_now(self._now))
         own = (not self.draining, self._own_gpu_saturated)
         if own != self._own:
             self._own = own
@@ -399,9 +412,6 @@ class Placer:
 
     def total_load(self) -> int:
         """In-flight tasks this entry point counts against all members (bounded loads)."""
-        in_flight = self.in_flight
-        if in_flight is not None:
-            return in_flight() + len(self.local_ids)
         loads = self.outstanding
         total = loads.total if isinstance(loads, LoadCounts) else sum(loads.values())
         return total + len(self.local_ids)
@@ -532,9 +542,9 @@ class Placer:
             owner = ring.owner(task.key or task.id)
             # free(owner, view, total_load()), inlined (the common case: once a task)
             local = len(self.local_ids)
-            in_flight = self.in_flight
-            total = in_flight() + local if in_flight is not None else self.total_load()
-            load = local if owner == self.node else self.outstanding.get(owner, 0)
+            loads = self.outstanding
+            total = loads.total + local if type(loads) is LoadCounts else self.total_load()
+            load = local if owner == self.node else loads.get(owner, 0)
             cfg = self.config
             if (
                 owner in view.saturated and self._passed_over(owner, view.saturated)

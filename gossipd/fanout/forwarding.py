@@ -32,6 +32,7 @@ from gossipd.core.forwarder import (
     Route,
     RunHere,
 )
+from gossipd.core.lifecycle import Owned
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Drain, Task
 from gossipd.core.peer_messages import Confirm, ConfirmReply, Forward, Relay, TaskDone
@@ -204,8 +205,12 @@ class Dispatcher:
         return outcome
 
     def task_finished(self, task: Task, *_: object) -> None:
-        """A task admitted here ended (finished, or released without a result)."""
+        """A task admitted here ended (released without a result, or refused)."""
         self.forwarder.local_finished(task.id)
+
+    def local_finished(self, owned: Owned, _result: object) -> None:
+        """A task admitted here finished (the runner's on_finished listener)."""
+        self.forwarder.local_finished(owned.task.id)
 
     async def hand_off(self, task: Task, received_at: float) -> bool:
         """Give an admitted task to another member (never us): at drain, or when our engine

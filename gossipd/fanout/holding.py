@@ -26,9 +26,9 @@ import asyncio
 from collections.abc import Callable
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
-from gossipd.core.heldresults import Decision, HeldResults
+from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
 from gossipd.core.lifecycle import Owned
-from gossipd.core.membership import MemberEvent
+from gossipd.core.membership import Member, MemberEvent
 from gossipd.core.messages import Result
 from gossipd.core.peer_messages import Confirm, ConfirmReply
 from gossipd.ingress.service import Ingress
@@ -43,7 +43,7 @@ class ResultHolder:
         ingress: Ingress,
         forwarders_of: Callable[[Owned], list[str]],
         member_alive: Callable[[str], bool],
-        member_view: Callable[[str], str],
+        member_of: Callable[[str], Member | None],
         send_confirm: Callable[[str, Confirm], None],
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -52,7 +52,7 @@ class ResultHolder:
         self._ingress = ingress
         self._forwarders_of = forwarders_of  # the member names that forwarded it to us
         self._member_alive = member_alive  # alive (not suspect, dead or unknown) in our view
-        self._member_view = member_view  # heldresults.forwarder_view of its table entry
+        self._member_of = member_of  # its entry in our member table
         self._send_confirm = send_confirm
         self._clock = clock
         self._entries: dict[str, tuple[Owned, Result]] = {}
@@ -76,7 +76,7 @@ class ResultHolder:
             received_at=owned.received_at,
             deadline=owned.received_at + task.timeout_ms / 1000.0,
             now=self._clock.monotonic(),
-            view=self._member_view(member),
+            view=forwarder_view(self._member_of(member)),
         ):
             return False
         self._entries[task.id] = (owned, result)

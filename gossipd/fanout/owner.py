@@ -144,7 +144,7 @@ class OwnerEndpoint:
         task_bytes_max: int = 1 << 62,
         load_record: Callable[[], LoadRecord | None] = lambda: None,
         peer_allowed: Callable[[str, str, str], bool] | None = None,
-        saturated: Callable[[], bool] = lambda: False,
+        saturated: Callable[[float], bool] = lambda now: False,
         on_drain: Callable[[Drain], None] = lambda msg: None,
         on_confirm: Callable[[Confirm], ConfirmReply] | None = None,
         on_withdraw_held: Callable[[str, str], None] | None = None,
@@ -252,7 +252,9 @@ class OwnerEndpoint:
             return
         assert isinstance(msg, Forward)
         now = self._clock.monotonic()
-        decision = self.core.forward(identity, msg, now, saturated=msg.if_free and self.saturated())
+        decision = self.core.forward(
+            identity, msg, now, saturated=msg.if_free and self.saturated(now)
+        )
         if type(decision) is not Admit:
             assert isinstance(decision, Refused)
             self._refused(identity, msg, decision)

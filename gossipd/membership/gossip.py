@@ -27,7 +27,7 @@ import msgspec
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
 from gossipd.core.gossip_messages import Directive, GpuState, LoadRecord, Term
-from gossipd.core.membership import LIVE_STATES, MemberEvent
+from gossipd.core.membership import LIVE_STATES, Member, MemberEvent, State
 from gossipd.core.refusal import PortCheck
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
@@ -147,6 +147,16 @@ class GossipService:
         except (msgspec.DecodeError, RecursionError):
             src = sender
         return self._security.peer_allowed(sender, src, "gossip")
+
+    def member(self, name: str) -> Member | None:
+        """``name``'s entry in our member table, if we know it."""
+        core = self.core
+        return None if core is None else core.table.members.get(name)
+
+    def alive(self, name: str) -> bool:
+        """Is ``name`` alive in our view (not suspect, dead, left or unknown)?"""
+        member = self.member(name)
+        return member is not None and member.state is State.ALIVE
 
     def node_at(self, addr: str) -> str | None:
         """The member serving ``addr`` (its gossip or rpc address), or the seed named there."""

@@ -1,0 +1,188 @@
+"""Which files a forwarded task's path runs through, and which calls go back up, measured.
+
+Two daemons in this process (real sockets, real gossip and fan-out, as tests/test_tracing.py
+builds them); a Client sends tasks to daemon ``a`` whose keys daemon ``b`` owns, so each is
+forwarded a -> b and answered back.  A profile hook on the loop's thread records every call
+into gossipd's own modules (``gossipd/tools``, the Client, left out) while N such tasks go
+through, and again over an idle window as long: the path is the modules seen with tasks and
+not idle.  A call "goes back up" when it enters a module that is already on the stack below
+another module (A -> B -> A): the stacks where that happens are counted by pattern.
+
+    .venv/bin/python scripts/path_files.py [--tasks 200] [--json]
+
+Works on older trees too (it needs only Daemon, load_config, Client and Task), so the same
+count can run at a base commit: ``cd BASE_TREE && python /path/to/scripts/path_files.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+sys.path.insert(0, os.getcwd())
+
+from gossipd.config import load_config
+from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task
+from gossipd.daemon import Daemon
+from gossipd.tools.client import Client
+from gossipd.tools.launcher import free_tcp_port
+
+# A module on the path is called at least this often per task, net of its idle calls.
+PER_TASK_MIN = 0.5
+ROOT = os.path.join(os.getcwd(), "gossipd") + os.sep
+
+
+def _config(name: str, ports: dict[str, dict[str, int]], peer: str) -> Any:
+    p, q = ports[name], ports[peer]
+    return load_config(
+        environ={},
+        overrides=[
+            f'node.id="{name}"',
+            f'ingress.bind="tcp://127.0.0.1:{p["ingress"]}"',
+            f'gossip.bind="tcp://127.0.0.1:{p["gossip"]}"',
+            f'gossip.seeds=["tcp://127.0.0.1:{q["gossip"]}"]',
+            'gossip.preset="local"',
+            f'fanout.rpc_bind="tcp://127.0.0.1:{p["rpc"]}"',
+            'journal.path=""',
+        ],
+    )
+
+
+def _module(filename: str) -> str | None:
+    if not filename.startswith(ROOT):
+        return None
+    rel = filename[len(ROOT) :]
+    if rel.startswith("tools" + os.sep):
+        return None
+    return rel.removesuffix(".py")
+
+
+class Recorder:
+    """The profile hook: modules called, and call stacks that re-enter a module."""
+
+    def __init__(self) -> None:
+        self.modules: Counter[str] = Counter()
+        self.back_up: Counter[str] = Counter()
+        self.on = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if not self.on or event != "call":
+            return
+        module = _module(frame.f_code.co_filename)
+        if module is None:
+            return
+        self.modules[module] += 1
+        chain = [module]
+        f = frame.f_back
+        while f is not None:
+            m = _module(f.f_code.co_filename)
+            if m is not None and m != chain[-1]:
+                chain.append(m)
+            f = f.f_back
+        # chain[0] is the callee, then its callers outwards: back up when the callee's
+        # module appears again further out, past another module.
+        if module in chain[2:]:
+            cut = chain.index(module, 2)
+            pattern = " -> ".join(reversed(chain[: cut + 1]))
+            self.back_up[pattern] += 1
+
+
+async def _owned_by_b_keys(a: Daemon, count: int) -> list[str]:
+    from gossipd.core.ring import Ring
+
+    ring = Ring({"a": 1.0, "b": 1.0})
+    keys = (f"k{i}" for i in range(100_000))
+    return [k for k in keys if ring.owner(k) == "b"][:count]
+
+
+async def _send(client: Client, keys: list[str]) -> int:
+    tasks = [
+        Task(
+            v=PROTOCOL_VERSION,
+            id=client.new_id(),
+            key=key,
+            prompt="where does it go",
+            params=SamplingParams(max_tokens=3),
+            reply_to=client.reply_to,
+        )
+        for key in keys
+    ]
+    handles = [await client.submit_task(t) for t in tasks]
+    results = await asyncio.gather(*(h.result() for h in handles))
+    return sum(1 for r in results if r.ok and r.node == "b")
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    ports = {n: {k: free_tcp_port() for k in ("ingress", "gossip", "rpc")} for n in "ab"}
+    a = Daemon(_config("a", ports, "b"))
+    b = Daemon(_config("b", ports, "a"))
+    runs = [asyncio.create_task(d.run()) for d in (a, b)]
+    recorder = Recorder()
+    try:
+        endpoint = f"tcp://127.0.0.1:{ports['a']['ingress']}"
+        async with Client([endpoint]) as client:
+            deadline = time.monotonic() + 30
+            warm = await _owned_by_b_keys(a, 5)
+            # Until both daemons gossip and place on each other: b answers its keys.
+            while await _send(client, warm) < len(warm):
+                if time.monotonic() > deadline:
+                    raise SystemExit("daemon a never forwarded to b in 30 s")
+                await asyncio.sleep(0.2)
+            await _send(client, await _owned_by_b_keys(a, 50))  # warm caches
+            keys = await _owned_by_b_keys(a, args.tasks)
+            sys.setprofile(recorder)
+            started = time.monotonic()
+            recorder.on = True
+            ok = await _send(client, keys)
+            recorder.on = False
+            loaded_s = time.monotonic() - started
+            loaded, loaded_back = Counter(recorder.modules), Counter(recorder.back_up)
+            recorder.modules.clear()
+            recorder.back_up.clear()
+            await asyncio.sleep(0.5)  # the tasks' tail (TaskDones, load gossip) settles
+            recorder.on = True
+            idle_s = max(loaded_s, 1.0)
+            await asyncio.sleep(idle_s)
+            recorder.on = False
+            sys.setprofile(None)
+            idle = Counter(recorder.modules)
+    finally:
+        for d in (a, b):
+            d.request_stop()
+        await asyncio.gather(*runs, return_exceptions=True)
+    # Per task, what the idle daemons would have called in as long anyway taken off.
+    per_task = {m: (n - idle[m] * loaded_s / idle_s) / args.tasks for m, n in loaded.items()}
+    path = sorted(m for m, n in per_task.items() if n >= PER_TASK_MIN)
+    back_up = {p: n for p, n in loaded_back.most_common() if n >= args.tasks // 4}
+    return {
+        "tasks": args.tasks,
+        "ok": ok,
+        "path_files": len(path),
+        "path": path,
+        "calls_per_task": {m: round(per_task[m], 1) for m in path},
+        "seen_less_than_once_a_task": sorted(m for m in loaded if m not in path),
+        "calls_back_up_per_task": {p: round(n / args.tasks, 2) for p, n in back_up.items()},
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--json", action="store_true")
+    out = asyncio.run(main(parser.parse_args()))
+    if "--json" in sys.argv:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{out['ok']}/{out['tasks']} ok; the path runs through {out['path_files']} files:")
+        for m in out["path"]:
+            print(f"  {out['calls_per_task'][m]:7.1f} calls a task  {m}")
+        print("seen less than once a task:", ", ".join(out["seen_less_than_once_a_task"]))
+        print("calls that go back up (per task):")
+        for p, n in out["calls_back_up_per_task"].items():
+            print(f"  {n:6.2f}  {p}")
