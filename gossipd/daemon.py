@@ -36,8 +36,8 @@ from gossipd.core.heldresults import HeldResults
 from gossipd.core.loadstate import LoadSampler
 from gossipd.core.messages import ErrorCode, error_result
 from gossipd.core.peer_messages import TaskDone
-from gossipd.core.placement import LoadCounts
 from gossipd.core.placer import Placer
+from gossipd.core.ring import LoadCounts
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError

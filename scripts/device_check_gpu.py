@@ -30,7 +30,10 @@ from gossipd.ops.topology import normalize_bus_id, read_gpus
 def nvidia_smi(fields: str) -> list[list[str]]:
     out = subprocess.run(
         ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, check=True, timeout=30,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
     ).stdout
     return [[c.strip() for c in line.split(",")] for line in out.strip().splitlines()]
 
@@ -84,15 +87,22 @@ def main() -> int:
     via_sysfs = [g.pci_bus_id for g in read_gpus(use_nvml=False)]
     smi_ids = [normalize_bus_id(row[3]) for row in smi]
     report["topology"] = {
-        "nvml": via_nvml, "sysfs": via_sysfs, "nvidia_smi": smi_ids,
+        "nvml": via_nvml,
+        "sysfs": via_sysfs,
+        "nvidia_smi": smi_ids,
         "gpus": [dataclasses.asdict(g) for g in read_gpus()],
     }
     checks["topology_nvml_matches_smi"] = via_nvml == smi_ids
     checks["topology_sysfs_same_set"] = sorted(via_sysfs) == sorted(smi_ids)
 
-    devices = Path("/proc/devices").read_text().split("\n") if Path("/proc/devices").exists() else []
-    names = {line.split()[1]: int(line.split()[0]) for line in devices if len(line.split()) == 2
-             and line.split()[0].isdigit()}
+    devices = (
+        Path("/proc/devices").read_text().split("\n") if Path("/proc/devices").exists() else []
+    )
+    names = {
+        line.split()[1]: int(line.split()[0])
+        for line in devices
+        if len(line.split()) == 2 and line.split()[0].isdigit()
+    }
     report["proc_devices_nvidia"] = {k: v for k, v in names.items() if "nvidia" in k}
     nodes = {}
     for path in sorted(Path("/dev").glob("nvidia*")):
@@ -102,8 +112,9 @@ def main() -> int:
         except OSError as exc:
             nodes[path.name] = str(exc)
     report["dev_nodes"] = nodes
-    checks["frontend_major_195"] = names.get("nvidia-frontend") == 195 or nodes.get(
-        "nvidiactl", [0])[0] == 195
+    checks["frontend_major_195"] = (
+        names.get("nvidia-frontend") == 195 or nodes.get("nvidiactl", [0])[0] == 195
+    )
     report["checks"] = checks
     report["ok"] = all(checks.values())
     text = json.dumps(report, indent=2, default=str)

@@ -5,8 +5,9 @@ builds them); a Client sends tasks to daemon ``a`` whose keys daemon ``b`` owns,
 forwarded a -> b and answered back.  A profile hook on the loop's thread records every call
 into gossipd's own modules (``gossipd/tools``, the Client, left out) while N such tasks go
 through, and again over an idle window as long: the path is the modules seen with tasks and
-not idle.  A call "goes back up" when it enters a module that is already on the stack below
-another module (A -> B -> A): the stacks where that happens are counted by pattern.
+not idle.  A call "goes back up" when it enters a part (a class, or a module-level function)
+that is already on the stack below another part (A -> B -> A): a part calling into one that
+called it.  The stacks where that happens are counted by pattern.
 
     .venv/bin/python scripts/path_files.py [--tasks 200] [--json]
 
@@ -63,8 +64,15 @@ def _module(filename: str) -> str | None:
     return rel.removesuffix(".py")
 
 
+def _part(frame: Any, module: str) -> str:
+    """The part a frame runs in: its module and the class (or module-level function) its
+    code belongs to, ``zmqloop.SocketReader``."""
+    return f"{module}.{frame.f_code.co_qualname.split('.')[0]}"
+
+
 class Recorder:
-    """The profile hook: modules called, and call stacks that re-enter a module."""
+    """The profile hook: modules called, and call stacks that re-enter a part (a class, or
+    a module-level function) with another part between: A -> B -> A."""
 
     def __init__(self) -> None:
         self.modules: Counter[str] = Counter()
@@ -78,19 +86,21 @@ class Recorder:
         if module is None:
             return
         self.modules[module] += 1
-        chain = [module]
+        part = _part(frame, module)
+        chain = [part]
         f = frame.f_back
         while f is not None:
             m = _module(f.f_code.co_filename)
-            if m is not None and m != chain[-1]:
-                chain.append(m)
+            if m is not None:
+                p = _part(f, m)
+                if p != chain[-1]:
+                    chain.append(p)
             f = f.f_back
-        # chain[0] is the callee, then its callers outwards: back up when the callee's
-        # module appears again further out, past another module.
-        if module in chain[2:]:
-            cut = chain.index(module, 2)
-            pattern = " -> ".join(reversed(chain[: cut + 1]))
-            self.back_up[pattern] += 1
+        # chain[0] is the callee's part, then its callers' outwards: back up when the
+        # callee's part appears again further out, past another part.
+        if part in chain[2:]:
+            cut = chain.index(part, 2)
+            self.back_up[" -> ".join(reversed(chain[: cut + 1]))] += 1
 
 
 async def _owned_by_b_keys(a: Daemon, count: int) -> list[str]:

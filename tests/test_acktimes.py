@@ -1,4 +1,4 @@
-"""The ack-time window that hedging waits on (gossipd/core/acktimes.py)."""
+"""The ack-time window that hedging waits on (gossipd/core/breaker.py, AckTimes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossipd.core.acktimes import AckTimes
+from gossipd.core.breaker import AckTimes
 
 samples = st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=1, max_size=600)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossipd.core.deadlines import DeadlineWheel
+from gossipd.core.queueing import DeadlineWheel
 
 RES = 0.01
 

@@ -92,9 +92,7 @@ def test_relays_go_on_the_members_own_connection_before_the_taskdone_and_nowhere
         pull = ctx.socket(zmq.PULL)  # the entry's door's reply socket
         door = f"ipc://{tmp_path}/door"
         pull.bind(door)
-        replies = ReplySender(
-            SocketPool(ctx), sockets_max=4, idle_s=60, timeout_s=2, queue_max=100
-        )
+        replies = ReplySender(SocketPool(ctx), sockets_max=4, idle_s=60, timeout_s=2, queue_max=100)
         ingress = _Ingress(replies)
         config = FanoutConfig(
             rpc_bind=f"ipc://{tmp_path}/rpc", ack_delay_s=0.0, message_bytes_max=64 * 1024

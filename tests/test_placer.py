@@ -12,9 +12,9 @@ from gossipd.config import FanoutConfig
 from gossipd.core.gossip_messages import Alive, Dead, GpuState, Left, LoadRecord, Meta, Suspect
 from gossipd.core.membership import MemberTable
 from gossipd.core.messages import Task
-from gossipd.core.placement import Candidate, LoadCounts, place
 from gossipd.core.placer import Placer
 from gossipd.core.prefix import prefix_hashes
+from gossipd.core.ring import Candidate, LoadCounts, place
 from gossipd.fanout.placement_feed import KernelLoader
 from gossipd.tools.bench.place import memory_mb
 

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossipd.core.placement import Candidate, LoadCounts, bound, place
-from gossipd.core.ring import Ring, key_hash, mix64
+from gossipd.core.ring import Candidate, LoadCounts, Ring, bound, key_hash, mix64, place
 
 KEYS = [f"key-{i}" for i in range(20_000)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gossipd.ingress.runqueue import RunQueue
+from gossipd.ingress.runner import RunQueue
 
 
 async def _run_workers(

@@ -131,7 +131,9 @@ def test_submit_file_does_not_send_lines_whose_id_the_daemon_would_refuse(
     assert elapsed_s < 10, elapsed_s
     rows = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows[1]["error"]["code"] == "bad_request" and "128" in rows[1]["error"]["message"]
-    assert rows[2]["error"]["code"] == "bad_request" and "length >= 1" in rows[2]["error"]["message"]
+    assert (
+        rows[2]["error"]["code"] == "bad_request" and "length >= 1" in rows[2]["error"]["message"]
+    )
     assert rows[3]["ok"] and rows[3]["id"] == "y" * 128
     assert "2 tasks" not in proc.stdout and "failed: bad_request=2" in proc.stdout
     from gossipd.ops.scrape import scrape

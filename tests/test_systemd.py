@@ -449,8 +449,13 @@ def test_two_instances_started_from_rendered_files_both_serve(tmp_path: Path) ->
 # machine by scripts/device_check_gpu.py, 2026-11-30); older drivers name major 195
 # "nvidia-frontend" instead.
 PROC_DEVICES_DRIVER_580 = {
-    "nvidia": 195, "nvidiactl": 195, "nvidia-uvm": 238, "nvidia-nvswitch": 239,
-    "nvidia-nvlink": 240, "nvidia-caps": 241, "nvidia-caps-imex-channels": 242,
+    "nvidia": 195,
+    "nvidiactl": 195,
+    "nvidia-uvm": 238,
+    "nvidia-nvswitch": 239,
+    "nvidia-nvlink": 240,
+    "nvidia-caps": 241,
+    "nvidia-caps-imex-channels": 242,
 }
 
 
@@ -471,6 +476,9 @@ def test_the_unit_allows_the_gpu_and_uvm_majors_whatever_the_driver_names_them(
         for line in systemd.render_service().splitlines()
         if line.startswith("DeviceAllow=char-")
     ]
-    allowed = {major for name, major in devices.items()
-               if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+    allowed = {
+        major
+        for name, major in devices.items()
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    }
     assert {195, 238} <= allowed

@@ -61,9 +61,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gossipd.core.acktimes import AckTimes
 from gossipd.core.admission import Verdict
-from gossipd.core.breaker import Breaker
+from gossipd.core.breaker import AckTimes, Breaker
 from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw

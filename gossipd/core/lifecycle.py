@@ -73,7 +73,15 @@ class Owned:
     """One task this daemon holds.  Hashed by identity (a key in the deadline wheel).  A
     plain slots class, not a dataclass: one is made per task on the hot path."""
 
-    __slots__ = ("forwarders", "from_producer", "phase", "received_at", "replayed_src", "stop", "task")
+    __slots__ = (
+        "forwarders",
+        "from_producer",
+        "phase",
+        "received_at",
+        "replayed_src",
+        "stop",
+        "task",
+    )
 
     def __init__(self, task: Task, received_at: float, from_producer: bool) -> None:
         self.task = task
@@ -99,7 +107,9 @@ class Owned:
         return self.replayed_src if ANY in self.forwarders else ""
 
     def __repr__(self) -> str:
-        return f"Owned({self.task.id!r}, {self.phase.value}, stop={self.stop}, from={self.forwarders})"
+        return (
+            f"Owned({self.task.id!r}, {self.phase.value}, stop={self.stop}, from={self.forwarders})"
+        )
 
 
 _NONE: list[Hashable] = []  # never appended to: add_forwarder replaces it

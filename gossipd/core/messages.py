@@ -162,11 +162,11 @@ class SamplingParams(
             raise ValueError("top_k must be -1 (disabled) or >= 1, not 0")
 
 
-
 def reply_route(reply_to: str, producer_key: str) -> str:
     """Where replies go: ``reply_to``, with the producer's key when it has one ("ENDPOINT
     KEY": the reply sender connects to ENDPOINT and checks that its server holds KEY)."""
     return f"{reply_to} {producer_key}" if producer_key else reply_to
+
 
 class Task(
     msgspec.Struct,

@@ -1,6 +1,6 @@
 """Placement as one entry point sees the cluster: which member should run a task (sans-IO).
 
-The pure rules are ``core/placement.py`` (bounded loads), ``core/ring.py`` and
+The pure rules are ``core/ring.py`` (the ring and bounded loads) and
 ``core/prefix.py``; this is the state they are applied to, kept from this daemon's inputs:
 - membership events, each with the member's entry as it now stands (``member_event``): the
   serving members, their weights, models, rpc addresses, engine saturation and prefixes;
@@ -39,9 +39,8 @@ from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, Member, MemberEvent
 from gossipd.core.messages import Task
-from gossipd.core.placement import Candidate, LoadCounts, bound
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
-from gossipd.core.ring import Ring, key_hash
+from gossipd.core.ring import Candidate, LoadCounts, Ring, bound, key_hash
 
 
 class PlacerConfig(Protocol):
@@ -418,7 +417,7 @@ class Placer:
 
     def free(self, member: str, view: View, total: int) -> bool:
         """May ``member`` take one more task: its engine is not saturated and it is under its
-        bounded-load ceiling for ``total`` (see core/placement.py)."""
+        bounded-load ceiling for ``total`` (see core/ring.py, placement)."""
         if self._passed_over(member, view.saturated):
             return False
         cfg = self.config
@@ -434,7 +433,7 @@ class Placer:
         unsaturated one first), then the others in ring order; at most ``attempts_max`` of
         them (the forwarder never tries more: the forwarder's ``tried`` filter leaves at
         least as many as it has attempts left), found by partial selection.  The same
-        members as ``core/placement.place`` over every serving, eligible, not excluded
+        members as ``core/ring.place`` over every serving, eligible, not excluded
         candidate, with one difference: the total load the bounds scale with counts every
         task in flight from here, also on members that stopped serving (as ``owner_for``'s
         first check always did), where place() sums the pool's alone (a pass over N)."""

@@ -225,7 +225,9 @@ class EtcdElection:
                     self._keepalive_error_log.cleared()
                     if reply is not None and lease_id == core.lease_id:
                         was_valid = core.lease_valid(self._clock.monotonic())
-                        self._apply(core.keepalive_answered(self._clock.monotonic(), sent_at, reply.TTL))
+                        self._apply(
+                            core.keepalive_answered(self._clock.monotonic(), sent_at, reply.TTL)
+                        )
                         if not was_valid or core.phase is Phase.NO_SESSION:
                             self._changed.set()
             # Every TTL/3; while the lease is unconfirmed, sooner (to lead again quickly).

@@ -466,8 +466,7 @@ def _http_metrics(door: Any) -> Iterator[Metric]:
     yield _one(
         C,
         "gossipd_http_connections_idle_closed",
-        "HTTP connections closed idle, or with a request not read whole, after "
-        "http.idle_timeout_s",
+        "HTTP connections closed idle, or with a request not read whole, after http.idle_timeout_s",
         c.idle_closed,
     )
     yield _one(G, "gossipd_http_connections_open", "HTTP connections open now", c.open_now)
@@ -501,7 +500,9 @@ def _http_metrics(door: Any) -> Iterator[Metric]:
             ("deadline", a.deadline_answers),
         ],
     )
-    yield _one(G, "gossipd_http_pending", "Requests waiting for their task's answer", len(door.answers))
+    yield _one(
+        G, "gossipd_http_pending", "Requests waiting for their task's answer", len(door.answers)
+    )
     yield _one(
         C,
         "gossipd_http_replies_unknown",

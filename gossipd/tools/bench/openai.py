@@ -52,9 +52,7 @@ def _engine_overrides(model: Path) -> list[str]:
 class _Server:
     """One variant: its base URL and the pids of its front processes."""
 
-    def __init__(
-        self, name: str, url: str, pids: list[int], stop: Any, exited: Any = None
-    ) -> None:
+    def __init__(self, name: str, url: str, pids: list[int], stop: Any, exited: Any = None) -> None:
         self.name = name
         self.url = url
         self.pids = pids

@@ -40,7 +40,7 @@ from gossipd.core.swim_config import SwimConfig
 from gossipd.fanout.placement_feed import KernelLoader
 
 try:  # running totals (this change); a plain dict before it
-    from gossipd.core.placement import LoadCounts
+    from gossipd.core.ring import LoadCounts
 
     def _loads() -> dict[str, int]:
         return LoadCounts()
