@@ -167,13 +167,14 @@ class SimDaemon:
                 return
             verdict = self.admit(decision.task, decision.received_at, forwarder=src)
             answer = self.owner.admitted(msg, verdict, self.retry_after_ms())
-            if answer.done_now:
-                self.world.send_peer(self, src, TaskDone(id=msg.task.id, node=self.name))
+            if answer.done_now and self.owner.done_after(msg.task, (src,), ""):
+                for dst, done in self.owner.results_left(msg.task.route, None)[0]:
+                    self.world.send_peer(self, str(dst), done)  # its cached Result went
             self.world.send_peer(self, src, answer.reply)
         elif isinstance(msg, Withdraw):
-            self.withdraw(src, msg.id)
-            if msg.id in self.held:
-                self.held.withdrawn(msg.id, src)
+            member = self.owner.withdrawn(src, self.withdraw(src, msg.id))
+            if member is not None and msg.id in self.held:  # ended here: its Result held
+                self.held.withdrawn(msg.id, member)
                 self.flush_held()
         elif isinstance(msg, Confirm):
             still, migrated, unknown = self.forwarder.ledger.confirm(msg.ids, msg.node)
@@ -194,10 +195,11 @@ class SimDaemon:
         refusal = self.admission.refusal
         return refusal.retry_after_ms if refusal is not None else RETRY_AFTER_MS
 
-    def withdraw(self, src: str, task_id: str) -> None:
+    def withdraw(self, src: str, task_id: str) -> bool:
+        """True: the task book dropped ``src``'s copy (queued or running here)."""
         abort = self.book.withdraw(task_id, src)
         if abort is Abort.NOTHING:
-            return
+            return False
         if abort is Abort.MARKED:  # queued: it never runs
             self.withdrawn_before_run.add(task_id)
         else:  # running: the engine request is aborted
@@ -208,6 +210,7 @@ class SimDaemon:
         self.world.journal_done(self, task_id)
         self.world.trace(task_id, self.name, f"withdrawn by {src}")
         self.start_jobs()
+        return True
 
     # -- the engine ---------------------------------------------------------------------------
 
@@ -252,10 +255,11 @@ class SimDaemon:
         world = self.world
         task_id = ended.task.id
         world.journal_done(self, task_id)
-        # TaskDone after the Result (rule 5 of core/lifecycle.py).
-        for dst in (*ended.notify(), ended.notify_member()):
-            if dst:
-                done = TaskDone(id=task_id, node=self.name)
+        # TaskDone after the Result (rule 5 of core/lifecycle.py), as the daemon's owner
+        # core says; the simulated Result has left at once.
+        if self.owner.task_finished(ended):
+            to_links, to_members = self.owner.results_left(ended.task.route, None)
+            for dst, done in (*to_links, *to_members):
                 world.send_peer(self, str(dst), done, delay=world.run.taskdone_delay_s)
 
     # -- held Results (fanout/holding.py) ------------------------------------------------------

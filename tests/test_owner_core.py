@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from gossipd.core.admission import Verdict
 from gossipd.core.gossip_messages import LoadRecord
+from gossipd.core.lifecycle import ANY, Owned
 from gossipd.core.messages import ErrorCode, Task
 from gossipd.core.owner import MEMBER_OF_MAX, Admit, Owner, Refused
 from gossipd.core.peer_messages import Forward
@@ -94,3 +95,92 @@ def test_connection_identities_are_bounded() -> None:
     for i in range(MEMBER_OF_MAX + 10):
         owner.forward(i, _forward(src=f"m{i}"), 0.0)
     assert len(owner.member_of) == MEMBER_OF_MAX and 0 not in owner.member_of
+
+
+# -- after the task: TaskDones behind their Results, the load they carry, Withdraws --------
+
+
+def _owned(task_id: str, route: str, *forwarders: object, replayed_src: str = "") -> Owned:
+    owned = Owned(Task(v=1, id=task_id, prompt="p", reply_to=route), 0.0, not forwarders)
+    for f in forwarders:
+        owned.add_forwarder(f)  # type: ignore[arg-type]
+    owned.replayed_src = replayed_src
+    return owned
+
+
+LOAD = LoadRecord(node="o", seq=1)
+
+
+def test_a_taskdone_waits_for_its_route_and_carries_the_load_once_a_forwarder() -> None:
+    owner = Owner(node="o")
+    assert not owner.task_finished(_owned("p1", "tcp://r:1"))  # a producer's: nobody to tell
+    assert owner.task_finished(_owned("t1", "tcp://r:1", b"a"))  # the route's first: ask
+    assert not owner.task_finished(_owned("t2", "tcp://r:1", b"a", b"b"))  # waits with it
+    assert owner.results_left("tcp://r:2", LOAD) == ([], [])  # another route: nothing
+    to_links, to_members = owner.results_left("tcp://r:1", LOAD)
+    assert [(i, d.id, d.load is not None) for i, d in to_links] == [
+        (b"a", "t1", True),  # the first for a carries the load...
+        (b"a", "t2", False),  # ...not the next in the same message
+        (b"b", "t2", True),
+    ]
+    assert to_members == [] and owner.results_left("tcp://r:1", LOAD) == ([], [])
+    assert not owner.wants_load(b"a")  # a's message carries it already
+    owner.flushed()
+    assert owner.wants_load(b"a") and not owner.wants_load(b"a")
+
+
+def test_a_task_rerun_from_the_journal_tells_its_forwarder_by_name() -> None:
+    owner = Owner(node="o")
+    assert owner.task_finished(_owned("t1", "tcp://r:1", ANY, replayed_src="m2"))
+    to_links, to_members = owner.results_left("tcp://r:1", LOAD)
+    assert to_links == [] and [(m, d.id, d.load) for m, d in to_members] == [("m2", "t1", LOAD)]
+
+
+def test_a_withdraw_counts_a_copy_dropped_else_names_the_member_of_a_held_result() -> None:
+    owner = Owner(node="o")
+    owner.forward(b"id-a", _forward(src="a"), 0.0)
+    assert owner.withdrawn(b"id-a", aborted=True) is None
+    assert owner.counters.withdrawn_by_peers == 1
+    assert owner.withdrawn(b"id-a", aborted=False) == "a"  # ended here: its Result may be held
+    assert owner.withdrawn(b"unknown", aborted=False) == ""
+    assert owner.counters.withdrawn_by_peers == 1
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["finish", "left", "flush"]),
+            st.integers(0, 2),  # route
+            st.lists(st.sampled_from([b"a", b"b", b"c"]), min_size=0, max_size=2, unique=True),
+        ),
+        max_size=40,
+    )
+)
+def test_every_taskdone_leaves_once_after_its_route_left_with_one_load_a_message(
+    steps: list[tuple[str, int, list[bytes]]],
+) -> None:
+    owner = Owner(node="o")
+    waiting: dict[str, set[tuple[str, bytes]]] = {}  # route -> (task, forwarder) owed
+    sent: list[tuple[str, bytes]] = []
+    loaded: set[bytes] = set()  # identities whose current message has the load
+    for n, (step, r, forwarders) in enumerate(steps):
+        route = f"tcp://r:{r + 1}"
+        if step == "finish":
+            first = not waiting.get(route)
+            asked = owner.task_finished(_owned(f"t{n}", route, *forwarders))
+            assert asked == (bool(forwarders) and first)
+            if forwarders:
+                waiting.setdefault(route, set()).update((f"t{n}", f) for f in forwarders)
+        elif step == "left":
+            to_links, to_members = owner.results_left(route, LOAD)
+            assert to_members == []
+            got = [(d.id, i) for i, d in to_links]
+            assert sorted(got) == sorted(waiting.pop(route, set()))  # all owed, once each
+            for identity, done in to_links:
+                assert (done.load is not None) == (identity not in loaded)
+                loaded.add(identity)  # type: ignore[arg-type]
+            sent.extend(got)  # type: ignore[arg-type]
+        else:
+            owner.flushed()
+            loaded.clear()
+    assert len(sent) == len(set(sent))

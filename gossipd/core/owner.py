@@ -20,20 +20,31 @@ cached answers) stays outside and nothing here calls back into the shell:
    gets at once (``Reply.done_now``).  Every other verdict is a refusal with its code and
    the retry hint.
 
+3. After the task ends, its forwarders hear a TaskDone, never before its Result has left
+   (``task_finished`` says who, by connection identity or, for a task re-run from our
+   journal, by member name; ``results_left(route, load)`` gives the TaskDones once every
+   reply to that route so far has left: the shell asks its reply sender to say when).
+   The load rule: the first reply queued for a forwarder between two flushes carries our
+   load record (``wants_load``; ``flushed`` starts the next message), one record a message.
+4. A Withdraw (``withdrawn``): the task book drops that forwarder's copy (core/lifecycle.py
+   rule 3); when it had ended here already, its Result may be held for that forwarder
+   (core/heldresults.py): the member to tell them is returned.
+
 It also keeps which member forwarded on each connection identity (``member_of``): whose a
 held Result is (``core/heldresults.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from gossipd.core.admission import Verdict
 from gossipd.core.gossip_messages import LoadRecord
+from gossipd.core.lifecycle import ANY, Owned
 from gossipd.core.messages import PROTOCOL_VERSION, ErrorCode, Task, check_forwarded_task
-from gossipd.core.peer_messages import Forward, ForwardReply
+from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone
 from gossipd.errors import RemoteProtocolError
 
 # Connection identities (and senders' boots) remembered: bounded, the oldest forgotten first.
@@ -99,6 +110,11 @@ class Owner:
         self.member_of: dict[Hashable, str] = {}
         # The latest Forward.boot heard from each member (a stale Forward's is older).
         self._boots: dict[str, int] = {}
+        # TaskDones waiting for their Results to leave, by the Results' route:
+        # (task id, forwarder identities, member by name).
+        self._done_waiting: dict[str, list[tuple[str, Sequence[Hashable], str]]] = {}
+        # Forwarders whose message being queued carries our load already.
+        self._loaded: set[Hashable] = set()
 
     def forward(
         self, identity: Hashable, msg: Forward, now: float, *, saturated: bool = False
@@ -144,6 +160,77 @@ class Owner:
             load=load,
         )
         return Reply(reply, accepted, verdict is _DUPLICATE_DONE)
+
+    # -- after the task: TaskDones, the load they carry, Withdraws -------------------------
+
+    def task_finished(self, owned: Owned) -> bool:
+        """``owned`` ended here with its final Result just handed to the reply sender: its
+        forwarders hear a TaskDone once that Result has left.  True: the first TaskDone
+        waiting on its route (the shell asks to be told when the route's replies leave)."""
+        if not owned.forwarders:
+            return False  # a producer's task: nobody else to tell
+        # Re-run from the journal (ANY): its forwarder is told by name.
+        return self.done_after(owned.task, owned.notify(), owned.notify_member())
+
+    def done_after(self, task: Task, identities: Sequence[Hashable], member: str) -> bool:
+        """Queue ``task``'s TaskDone for ``identities`` (and ``member`` by name) behind every
+        reply to its route so far.  True: the first for that route."""
+        route = task.route
+        waiting = self._done_waiting.get(route)
+        if waiting is not None:
+            waiting.append((task.id, identities, member))
+            return False
+        self._done_waiting[route] = [(task.id, identities, member)]
+        return True
+
+    def results_left(
+        self, route: str, load: LoadRecord | None
+    ) -> tuple[list[tuple[Hashable, TaskDone]], list[tuple[str, TaskDone]]]:
+        """Every reply to ``route`` so far has left: the TaskDones now, to connection
+        identities (``load`` on the first for each, by the load rule) and to members by
+        name (each with ``load``: it goes alone)."""
+        to_links: list[tuple[Hashable, TaskDone]] = []
+        to_members: list[tuple[str, TaskDone]] = []
+        node, loaded = self.node, self._loaded
+        for task_id, identities, member in self._done_waiting.pop(route, ()):
+            for identity in identities:
+                if identity in loaded:
+                    to_links.append((identity, TaskDone(id=task_id, node=node)))
+                else:
+                    loaded.add(identity)
+                    to_links.append((identity, TaskDone(id=task_id, node=node, load=load)))
+            if member:
+                to_members.append((member, TaskDone(id=task_id, node=node, load=load)))
+        return to_links, to_members
+
+    def wants_load(self, identity: Hashable) -> bool:
+        """Should the reply being queued for ``identity`` carry our load (the first since
+        the last flush)?"""
+        if identity in self._loaded:
+            return False
+        self._loaded.add(identity)
+        return True
+
+    def flushed(self) -> None:
+        """The queued replies left: the next message to each forwarder carries our load."""
+        self._loaded.clear()
+
+    def withdrawn(self, identity: Hashable, aborted: bool) -> str | None:
+        """A Withdraw from ``identity``: ``aborted`` says the task book dropped its copy
+        (queued or running here).  None: done; else the member whose held Result (if
+        any) is to be dropped: the task had ended here."""
+        if aborted:
+            self.counters.withdrawn_by_peers += 1
+            return None
+        return self.member_of.get(identity, "")
+
+    def forwarders_of(self, owned: Owned) -> list[str]:
+        """The members that forwarded ``owned`` to us, by name ("" for one not known)."""
+        member_of = self.member_of
+        return [
+            owned.replayed_src if f == ANY else member_of.get(f, "")  # type: ignore[call-overload]
+            for f in owned.forwarders
+        ]
 
     def latest_boot(self, member: str) -> int:
         return self._boots.get(member, 0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -31,7 +31,7 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
 from gossipd.core.gossip_messages import LoadRecord
-from gossipd.core.lifecycle import ANY, Owned
+from gossipd.core.lifecycle import Owned
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -164,9 +164,6 @@ class OwnerEndpoint:
         self.counters = self.core.counters
         self._router_out: dict[bytes, list[ForwardReply | TaskDone | ConfirmReply | Relay]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
-        # TaskDones waiting for their Results to leave, by the Results' reply_to
-        # (ReplySender.when_sent tells when): (task id, forwarder identities, member by name).
-        self._done_waiting: dict[str, list[tuple[str, Sequence[Hashable], str]]] = {}
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._on_accepted = on_accepted  # (task, forwarder): the journal marks it
         # Send a TaskDone to a member's ROUTER by name; and a TaskDone that a member sent us as
@@ -205,8 +202,6 @@ class OwnerEndpoint:
         self._relays: dict[str, str] = {}
         self._message_max = min(config.message_bytes_max, ROUTER_MESSAGE_BYTES_MAX)
         self._link_of: dict[str, bytes] = {}
-        # Forwarders whose queued message carries our load already (one record a message).
-        self._loaded: set[bytes] = set()
 
     def bind(self) -> str:
         endpoint = self._server.bind(self.config.rpc_bind)
@@ -268,15 +263,13 @@ class OwnerEndpoint:
         )
         # Our load on the first reply queued for this forwarder only: one record a message,
         # not one per task in a batch.
-        load = None if identity in self._loaded else self.load_record()
-        if load is not None:
-            self._loaded.add(identity)
+        load = self.load_record() if self.core.wants_load(identity) else None
         answer = self.core.admitted(msg, verdict, self._ingress.intake.retry_after_ms, load)
         if answer.accepted:
             if verdict is _ADMIT and self._on_accepted is not None:
                 self._on_accepted(msg.task, msg.src)
-            if answer.done_now:  # admit() has just sent the cached Result
-                self._done_after_result(msg.task, (identity,), "")
+            if answer.done_now and self.core.done_after(msg.task, (identity,), ""):
+                self._when_replies_sent(msg.task.route)  # admit() has just sent the Result
         self._to_forwarder(identity, answer.reply, urgent=not answer.accepted)
 
     def _relay_to(self, member: str, task: Task) -> None:
@@ -363,10 +356,9 @@ class OwnerEndpoint:
     def _withdraw(self, identity: bytes, task_id: str) -> None:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder
         (or its producer directly) still counts on it (core/lifecycle.py, rule 3)."""
-        if self._ingress.runner.withdraw(task_id, identity):
-            self.counters.withdrawn_by_peers += 1
-        elif self.on_withdraw_held is not None:  # ended here: its Result may be held
-            self.on_withdraw_held(task_id, self.member_of.get(identity, ""))
+        member = self.core.withdrawn(identity, self._ingress.runner.withdraw(task_id, identity))
+        if member is not None and self.on_withdraw_held is not None:  # its Result may be held
+            self.on_withdraw_held(task_id, member)
 
     def _to_forwarder(
         self, identity: bytes, msg: ForwardReply | TaskDone | ConfirmReply, *, urgent: bool = False
@@ -404,7 +396,7 @@ class OwnerEndpoint:
             self._router_flush_timer.cancel()
             self._router_flush_timer = None
         out, self._router_out = self._router_out, {}
-        self._loaded.clear()
+        self.core.flushed()
         if not self._bound or not out:
             return
         send = self._server.send
@@ -439,61 +431,32 @@ class OwnerEndpoint:
 
     def forwarders_of(self, owned: Owned) -> list[str]:
         """The members that forwarded ``owned`` to us, by name ("" for one not known)."""
-        member_of = self.member_of
-        return [
-            owned.replayed_src if f == ANY else member_of.get(f, "")  # type: ignore[call-overload]
-            for f in owned.forwarders
-        ]
+        return self.core.forwarders_of(owned)
 
     def task_finished(self, owned: Owned, result: Result) -> None:
         """A task's final Result has just been handed to the reply sender (an ingress
-        on_finished listener): tell its forwarders, right after that Result leaves."""
-        forwarders = owned.forwarders
-        if not forwarders:
-            return  # a producer's task: nobody else to tell
-        if owned.replayed_src:  # re-run from the journal: one forwarder is told by name
-            self._done_after_result(owned.task, owned.notify(), owned.notify_member())
-        else:
-            self._done_after_result(owned.task, forwarders, "")
+        on_finished listener): its forwarders hear a TaskDone right after it leaves."""
+        if self.core.task_finished(owned):
+            self._when_replies_sent(owned.task.route)
 
-    def _done_after_result(self, task: Task, identities: Sequence[Hashable], member: str) -> None:
-        """Send ``task``'s TaskDone to ``identities`` right after every reply to its
-        ``reply_to`` so far (its Result among them) has left: at once when the Result went
-        out at once, else in the callback that sends the reply sender's batch for that
-        address at the end of the turn (or drains its queue).  One wait per address: the
-        TaskDones of the Results that leave together leave together."""
-        route = task.route
-        waiting = self._done_waiting.get(route)
-        if waiting is not None:
-            waiting.append((task.id, identities, member))
-            return
-        self._done_waiting[route] = [(task.id, identities, member)]
+    def _when_replies_sent(self, route: str) -> None:
+        """Told when every reply to ``route`` so far has left (handed to ZeroMQ at once, or
+        in the callback that sends the reply sender's batch for that address at the end of
+        the turn, or drains its queue): the TaskDones waiting on it go then."""
         self._ingress.runner.when_replies_sent(route, partial(self._results_left, route))
 
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
+        to_links, to_members = self.core.results_left(reply_to, self.load_record())
         router_out = self._router_out  # (no flush before the end of this turn)
-        node = self.node
-        for task_id, identities, member in self._done_waiting.pop(reply_to, ()):
-            for identity in identities:
-                assert isinstance(identity, bytes)
-                # Queued here rather than through _to_forwarder (once a forwarded task): a
-                # TaskDone only queues; the load rides on the first message queued for this
-                # forwarder, as in _on_forward.
-                if identity in self._loaded:
-                    done = TaskDone(id=task_id, node=node)
-                else:
-                    self._loaded.add(identity)
-                    done = TaskDone(id=task_id, node=node, load=self.load_record())
-                queue = router_out.get(identity)
-                if queue is None:
-                    router_out[identity] = [done]
-                else:
-                    queue.append(done)
-            if member:  # a task re-run from the journal: its forwarder, by name
-                self._send_to_member(
-                    member, TaskDone(id=task_id, node=self.node, load=self.load_record())
-                )
+        for identity, done in to_links:
+            queue = router_out.get(identity)  # type: ignore[call-overload]
+            if queue is None:
+                router_out[identity] = [done]  # type: ignore[index]
+            else:
+                queue.append(done)
+        for member, done in to_members:  # a task re-run from the journal: by name
+            self._send_to_member(member, done)
         # Their Results are with ZeroMQ: the TaskDones leave at the start of the next loop
         # turn, together with those of the other producers' Results of this turn and any
         # accepts waiting for the forwarder (one message per forwarder, not one per producer).
