@@ -117,6 +117,7 @@ def test_a_taskdone_waits_for_its_route_and_carries_the_load_once_a_forwarder() 
     assert owner.task_finished(_owned("t1", "tcp://r:1", b"a"))  # the route's first: ask
     assert not owner.task_finished(_owned("t2", "tcp://r:1", b"a", b"b"))  # waits with it
     assert owner.results_left("tcp://r:2", LOAD) == ([], [])  # another route: nothing
+    assert owner.needs_load("tcp://r:1") and not owner.needs_load("tcp://r:2")
     to_links, to_members = owner.results_left("tcp://r:1", LOAD)
     assert [(i, d.id, d.load is not None) for i, d in to_links] == [
         (b"a", "t1", True),  # the first for a carries the load...
@@ -172,7 +173,9 @@ def test_every_taskdone_leaves_once_after_its_route_left_with_one_load_a_message
             if forwarders:
                 waiting.setdefault(route, set()).update((f"t{n}", f) for f in forwarders)
         elif step == "left":
+            needs = owner.needs_load(route)
             to_links, to_members = owner.results_left(route, LOAD)
+            assert needs == any(d.load is not None for _, d in to_links)
             assert to_members == []
             got = [(d.id, i) for i, d in to_links]
             assert sorted(got) == sorted(waiting.pop(route, set()))  # all owed, once each

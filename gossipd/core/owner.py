@@ -203,6 +203,15 @@ class Owner:
                 to_members.append((member, TaskDone(id=task_id, node=node, load=load)))
         return to_links, to_members
 
+    def needs_load(self, route: str) -> bool:
+        """Will ``results_left(route, ...)`` put our load on a TaskDone (so the shell reads
+        it only then)?"""
+        loaded = self._loaded
+        return any(
+            member or any(i not in loaded for i in identities)
+            for _, identities, member in self._done_waiting.get(route, ())
+        )
+
     def wants_load(self, identity: Hashable) -> bool:
         """Should the reply being queued for ``identity`` carry our load (the first since
         the last flush)?"""
