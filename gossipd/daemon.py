@@ -727,7 +727,7 @@ class Daemon:
             ),
             node=self.node,
             ingress=ingress,
-            forwarders_of=owner.forwarders_of,
+            forwarders_of=owner.core.forwarders_of,
             member_alive=gossip.alive,
             member_of=gossip.member,
             send_confirm=dispatcher.send_to_member,

@@ -24,6 +24,7 @@ from gossipd.core.budgets import (
 from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.lifecycle import TaskBook
 from gossipd.core.messages import Result, Task, decode_task
+from gossipd.core.ring import LoadCounts
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
 from gossipd.zmqloop import ReplySender, SocketReader
@@ -181,7 +182,7 @@ def test_budgets_fixed_parts_are_close_to_what_tracemalloc_measures() -> None:
 
 
 def test_ForwardedLedger_forgets_oldest_by_bytes_and_keeps_outstanding_right() -> None:
-    outstanding: dict[str, int] = {}
+    outstanding = LoadCounts()
     size = task_bytes(task("a", "x" * 5000))
     ledger = ForwardedLedger(outstanding, entries_max=100, bytes_max=3 * size)
     for i in range(5):
@@ -191,7 +192,7 @@ def test_ForwardedLedger_forgets_oldest_by_bytes_and_keeps_outstanding_right() -
     assert outstanding == {"m1": 1, "m2": 2}
     ledger.done("t4", "m2")
     assert ledger.bytes == 2 * size and outstanding == {"m1": 1, "m2": 1}
-    small = ForwardedLedger({}, entries_max=2)
+    small = ForwardedLedger(LoadCounts(), entries_max=2)
     for i in range(3):
         small.accepted(task(f"t{i}"), "m", 0.0)
     assert small.evicted_count == 1 and small.evicted_bytes == 0

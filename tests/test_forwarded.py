@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.messages import PROTOCOL_VERSION, Task
+from gossipd.core.ring import LoadCounts
 
 MEMBERS = ["a", "b", "c"]
 
@@ -31,7 +32,7 @@ def test_accept_and_TaskDone_in_either_order_leave_nothing_behind(
     events += [("done", n, m) for n, m in enumerate(owners)]
     events += data.draw(st.lists(st.sampled_from(events[len(owners) :]), max_size=4))
     events = data.draw(st.permutations(events))
-    outstanding: dict[str, int] = {}
+    outstanding = LoadCounts()
     ledger = ForwardedLedger(outstanding, entries_max=100)
     for kind, n, member in events:
         if kind == "accept":
@@ -56,7 +57,7 @@ def test_accept_and_TaskDone_in_either_order_leave_nothing_behind(
 def test_ledger_keeps_counts_and_rules_under_any_sequence(
     ops: list[tuple[str, int, str]], entries_max: int
 ) -> None:
-    outstanding: dict[str, int] = {}
+    outstanding = LoadCounts()
     ledger = ForwardedLedger(outstanding, entries_max=entries_max)
     early: set[str] = set()  # TaskDones seen while the task was not ledgered
     for kind, n, member in ops:
@@ -85,4 +86,5 @@ def test_ledger_keeps_counts_and_rules_under_any_sequence(
         assert len(ledger) <= entries_max
         held = Counter(f.owner for m in MEMBERS for f in ledger.owned_by(m))
         assert {m: c for m, c in outstanding.items() if c} == dict(held)
+        assert outstanding.total == sum(outstanding.values())  # kept without a pass
         assert all(c >= 0 for c in outstanding.values())

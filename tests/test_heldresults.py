@@ -11,6 +11,7 @@ from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
 from gossipd.core.membership import Member, State
 from gossipd.core.messages import PROTOCOL_VERSION, Task
 from gossipd.core.peer_messages import CONFIRM_IDS_MAX
+from gossipd.core.ring import LoadCounts
 
 ALIVE = {"f": True}
 
@@ -114,7 +115,7 @@ def _task(task_id: str) -> Task:
 
 
 def test_the_ledger_answers_a_confirm() -> None:
-    ledger = ForwardedLedger({}, entries_max=100)
+    ledger = ForwardedLedger(LoadCounts(), entries_max=100)
     ledger.accepted(_task("mine"), "o", 0.0)
     ledger.accepted(_task("moved"), "o2", 0.0)  # migrated off o, now with o2
     ledger.moved_off("moved", "o")
@@ -215,7 +216,7 @@ def test_at_shutdown_everything_held_is_sent() -> None:
 
 def test_the_ledger_remembers_the_latest_migrations(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr("gossipd.core.forwarded.MOVED_MAX", 2)
-    ledger = ForwardedLedger({}, entries_max=100)
+    ledger = ForwardedLedger(LoadCounts(), entries_max=100)
     for task_id in ("a", "b", "c"):
         ledger.moved_off(task_id, "o")
     assert ledger.confirm(["a", "b", "c"], "o") == ([], ["b", "c"], ["a"])
@@ -226,7 +227,7 @@ def test_a_task_moved_twice_is_migrated_for_every_member_it_left() -> None:
     off while its Result waited for the Confirm, asks after the heal and must hear
     "migrated" (it heard "unknown" when only the last member moved off was remembered, and
     answered a second time)."""
-    ledger = ForwardedLedger({}, entries_max=100)
+    ledger = ForwardedLedger(LoadCounts(), entries_max=100)
     ledger.moved_off("t", "o")
     ledger.moved_off("t", "o2")
     ledger.moved_off("t", "o2")  # remembered once

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import Task
+from gossipd.core.ring import LoadCounts
 
 EARLY_DONE_MAX = 10_000  # TaskDones remembered from before their accept
 MOVED_MAX = 100_000  # migrations remembered for confirm() (~150 bytes each)
@@ -46,7 +47,7 @@ class Forwarded:
 
 class ForwardedLedger:
     def __init__(
-        self, outstanding: dict[str, int], *, entries_max: int, bytes_max: int = 1 << 62
+        self, outstanding: LoadCounts, *, entries_max: int, bytes_max: int = 1 << 62
     ) -> None:
         self.outstanding = outstanding
         self.entries_max = entries_max
@@ -80,7 +81,9 @@ class ForwardedLedger:
         size = task_bytes(task)
         self.entries[task_id] = Forwarded(owner, task, received_at, size)
         self.bytes += size
-        self.outstanding[owner] = self.outstanding.get(owner, 0) + 1
+        outstanding = self.outstanding  # its total kept here: no Python call a task
+        dict.__setitem__(outstanding, owner, outstanding.get(owner, 0) + 1)
+        outstanding.total += 1
         while len(self.entries) > self.entries_max:
             self.forget(next(iter(self.entries)))
             self.evicted_count += 1
@@ -104,7 +107,9 @@ class ForwardedLedger:
         """Stop answering for ``task_id``; the entry, if there was one."""
         entry = self.entries.pop(task_id, None)
         if entry is not None:
-            self.outstanding[entry.owner] -= 1
+            outstanding = self.outstanding  # as in accepted()
+            dict.__setitem__(outstanding, entry.owner, outstanding[entry.owner] - 1)
+            outstanding.total -= 1
             self.bytes -= entry.size_bytes
         return entry
 

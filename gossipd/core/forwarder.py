@@ -66,6 +66,7 @@ from gossipd.core.breaker import AckTimes, Breaker
 from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
+from gossipd.core.ring import LoadCounts
 
 _INF = float("inf")
 HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits them
@@ -242,7 +243,7 @@ class Forwarder:
         node: str,
         placement: Placement,
         rng: random.Random,
-        loads: dict[str, int] | None = None,
+        loads: LoadCounts | None = None,
         local_ids: set[str] | None = None,
         boot: int = 0,
         relay_routes: Collection[str] = (),
@@ -256,7 +257,7 @@ class Forwarder:
         self._placement = placement
         self._here: dict[str, Journey] = {}  # task id -> its journey, awaiting local_verdict
         self._rng = rng
-        self.loads: dict[str, int] = {} if loads is None else loads
+        self.loads = LoadCounts() if loads is None else loads
         self.ledger = ForwardedLedger(
             self.loads,
             entries_max=settings.forwarded_max,
@@ -518,7 +519,9 @@ class Forwarder:
         j.live += 1
         self._flying[j.task.id] = j
         # Counted against the member at once: the tasks routed next must see it.
-        self.loads[member] = self.loads.get(member, 0) + 1
+        loads = self.loads  # LoadCounts, its total kept here: no Python call a task
+        dict.__setitem__(loads, member, loads.get(member, 0) + 1)
+        loads.total += 1
         ack_timeout_s = self.settings.ack_timeout_s
         if remaining_s >= ack_timeout_s:
             timeout_s = ack_timeout_s
@@ -665,7 +668,9 @@ class Forwarder:
         flight.live = False
         flight.hedge_armed = False
         del self._flights[flight.req]
-        self.loads[flight.member] -= 1
+        loads = self.loads  # as in _attempt
+        dict.__setitem__(loads, flight.member, loads[flight.member] - 1)
+        loads.total -= 1
         j = flight.journey
         j.live -= 1
         if not j.live and self._flying.get(j.task.id) is j:

@@ -83,10 +83,13 @@ class Refused:
 # ~0.5 us to build here, a plain one ~0.2 us).
 @dataclass(slots=True)
 class Admit:
-    """Offer ``task`` to admission as received at ``received_at`` from ``forwarder``."""
+    """Offer ``task`` to admission as received at ``received_at``; ``with_load``: its reply
+    is the first queued for its forwarder since the last flush, and carries our load (the
+    load rule, ``wants_load``)."""
 
     task: Task
     received_at: float
+    with_load: bool
 
 
 @dataclass(slots=True)
@@ -139,7 +142,11 @@ class Owner:
             member_of[identity] = msg.src
             if len(member_of) > MEMBER_OF_MAX:
                 del member_of[next(iter(member_of))]
-        return Admit(msg.task, now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0)
+        loaded = self._loaded  # wants_load(identity), inline: once a forwarded task
+        with_load = identity not in loaded
+        if with_load:
+            loaded.add(identity)
+        return Admit(msg.task, now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0, with_load)
 
     def admitted(
         self, msg: Forward, verdict: Verdict, retry_after_ms: int, load: LoadRecord | None = None
@@ -167,10 +174,19 @@ class Owner:
         """``owned`` ended here with its final Result just handed to the reply sender: its
         forwarders hear a TaskDone once that Result has left.  True: the first TaskDone
         waiting on its route (the shell asks to be told when the route's replies leave)."""
-        if not owned.forwarders:
+        forwarders = owned.forwarders
+        if not forwarders:
             return False  # a producer's task: nobody else to tell
-        # Re-run from the journal (ANY): its forwarder is told by name.
-        return self.done_after(owned.task, owned.notify(), owned.notify_member())
+        if ANY in forwarders:  # re-run from the journal: its forwarder is told by name
+            return self.done_after(owned.task, owned.notify(), owned.notify_member())
+        # done_after(), inline: once a forwarded task
+        task = owned.task
+        waiting = self._done_waiting.get(task.route)
+        if waiting is not None:
+            waiting.append((task.id, tuple(forwarders), ""))
+            return False
+        self._done_waiting[task.route] = [(task.id, tuple(forwarders), "")]
+        return True
 
     def done_after(self, task: Task, identities: Sequence[Hashable], member: str) -> bool:
         """Queue ``task``'s TaskDone for ``identities`` (and ``member`` by name) behind every

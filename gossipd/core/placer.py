@@ -298,7 +298,19 @@ class Placer:
     def own_engine_saturated(self, now: float) -> bool:
         """Is our engine saturated as it reads ``now`` (the owner check of a Forward that
         asks if_free)?  Never, without ``own_sample``."""
-        return self.own_sample is not None and self._judge_own(self.own_now(now))
+        # own_now() and the judgement once a sample, inline: up to twice a task (view()).
+        own_sample = self.own_sample
+        if own_sample is None:
+            return False
+        gpu = self._own_latest
+        if gpu is None or now - self._own_read_at >= self.own_sample_every_s:
+            gpu = self._own_latest = own_sample()
+            self._own_read_at = now
+            self.own_reads += 1
+        if gpu is not self._own_gpu:  # a new object each sample: judged once, not per task
+            self._own_gpu = gpu
+            self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
+        return self._own_gpu_saturated
 
     def own_now(self, now: float) -> EngineSample | None:
         """Our engine's figures, read at most ``own_sample_every_s`` before ``now``."""
@@ -311,14 +323,6 @@ class Placer:
             self.own_reads += 1
         return self._own_latest
 
-    def _judge_own(self, gpu: EngineSample | None) -> bool:
-        """Is our engine saturated by this sample?  Judged once per sample (a new object
-        each time), not per decision or per Forward."""
-        if gpu is not self._own_gpu:
-            self._own_gpu = gpu
-            self._own_gpu_saturated = gpu is not None and self.engine_saturated(gpu)
-        return self._own_gpu_saturated
-
     # -- the view, member by member --------------------------------------------------------
 
     def view(self) -> View:
@@ -327,7 +331,7 @@ class Placer:
         nothing is rebuilt per task or for a load."""
         # Our own entry, read on every call (up to twice a task).
         if self.own_sample is not None:
-            self._judge_own(self.own_now(self._now))
+            self.own_engine_saturated(self._now)
         own = (not self.draining, self._own_gpu_saturated)
         if own != self._own:
             self._own = own

@@ -392,14 +392,17 @@ def place(
 
 class LoadCounts(dict[str, int]):
     """Per member in-flight counts with their sum kept as they change (``total``): bounded
-    loads read the sum on every task, which must not cost a pass over every member."""
+    loads read the sum on every task, which must not cost a pass over every member.
+
+    The forwarder and its ledger change a count four times a forwarded task: they set it
+    with ``dict.__setitem__`` and change ``total`` themselves, sparing a Python call each
+    time; every other write goes through the methods below, which keep ``total``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
 
     def __setitem__(self, member: str, count: int) -> None:
-        # Twice a forwarded task: dict's own method, not super() (a lookup and an object).
         self.total += count - self.get(member, 0)
         dict.__setitem__(self, member, count)
 

@@ -263,7 +263,7 @@ class OwnerEndpoint:
         )
         # Our load on the first reply queued for this forwarder only: one record a message,
         # not one per task in a batch.
-        load = self.load_record() if self.core.wants_load(identity) else None
+        load = self.load_record() if decision.with_load else None
         answer = self.core.admitted(msg, verdict, self._ingress.intake.retry_after_ms, load)
         if answer.accepted:
             if verdict is _ADMIT and self._on_accepted is not None:
@@ -428,10 +428,6 @@ class OwnerEndpoint:
         for relay in relays:
             assert isinstance(relay, Relay)
             self._replies.send_direct(relay.to, relay.frame)  # type: ignore[union-attr]
-
-    def forwarders_of(self, owned: Owned) -> list[str]:
-        """The members that forwarded ``owned`` to us, by name ("" for one not known)."""
-        return self.core.forwarders_of(owned)
 
     def task_finished(self, owned: Owned, result: Result) -> None:
         """A task's final Result has just been handed to the reply sender (an ingress
