@@ -142,11 +142,11 @@ class Owner:
             member_of[identity] = msg.src
             if len(member_of) > MEMBER_OF_MAX:
                 del member_of[next(iter(member_of))]
-        loaded = self._loaded  # wants_load(identity), inline: once a forwarded task
-        with_load = identity not in loaded
-        if with_load:
-            loaded.add(identity)
-        return Admit(msg.task, now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0, with_load)
+        return Admit(
+            msg.task,
+            now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0,
+            self.wants_load(identity),
+        )
 
     def admitted(
         self, msg: Forward, verdict: Verdict, retry_after_ms: int, load: LoadRecord | None = None
@@ -179,14 +179,7 @@ class Owner:
             return False  # a producer's task: nobody else to tell
         if ANY in forwarders:  # re-run from the journal: its forwarder is told by name
             return self.done_after(owned.task, owned.notify(), owned.notify_member())
-        # done_after(), inline: once a forwarded task
-        task = owned.task
-        waiting = self._done_waiting.get(task.route)
-        if waiting is not None:
-            waiting.append((task.id, tuple(forwarders), ""))
-            return False
-        self._done_waiting[task.route] = [(task.id, tuple(forwarders), "")]
-        return True
+        return self.done_after(owned.task, tuple(forwarders), "")
 
     def done_after(self, task: Task, identities: Sequence[Hashable], member: str) -> bool:
         """Queue ``task``'s TaskDone for ``identities`` (and ``member`` by name) behind every

@@ -298,7 +298,7 @@ class Placer:
     def own_engine_saturated(self, now: float) -> bool:
         """Is our engine saturated as it reads ``now`` (the owner check of a Forward that
         asks if_free)?  Never, without ``own_sample``."""
-        # own_now() and the judgement once a sample, inline: up to twice a task (view()).
+        # Read and judged here, in one call: up to twice a task (view()); own_now() too.
         own_sample = self.own_sample
         if own_sample is None:
             return False
@@ -314,13 +314,7 @@ class Placer:
 
     def own_now(self, now: float) -> EngineSample | None:
         """Our engine's figures, read at most ``own_sample_every_s`` before ``now``."""
-        own_sample = self.own_sample
-        if own_sample is None:
-            return None
-        if self._own_latest is None or now - self._own_read_at >= self.own_sample_every_s:
-            self._own_latest = own_sample()
-            self._own_read_at = now
-            self.own_reads += 1
+        self.own_engine_saturated(now)  # reads them when older, judged once a sample
         return self._own_latest
 
     # -- the view, member by member --------------------------------------------------------
