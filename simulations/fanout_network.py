@@ -1,15 +1,22 @@
 """The simulated network, mixed into the world (simulations/fanout_world.py): one-way latency
 (lognormal), per-link FIFO order (one ZeroMQ connection over TCP), loss of daemon-to-daemon
 messages during a loss fault, partitions (groups that do not hear each other) and what a
-killed daemon sent just before it died."""
+killed daemon sent just before it died.
+
+What travels is the wire's bytes, as on ZeroMQ: a fan-out message is encoded by the
+production codec (``encode_peer``) when sent and decoded by it (``decode_peer``, with the
+daemon's size limit) when it arrives; a reply to the producer likewise (``encode`` /
+``decode_reply``), and a producer's task (fanout_producers.py). A frame the codec cannot
+read back is an invariant violation (``undecodable``)."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
 
-from gossipd.core.messages import Chunk, Result
-from gossipd.core.peer_messages import TaskDone
+from gossipd.core.messages import Chunk, Result, Task, decode_intake, decode_reply, encode
+from gossipd.core.peer_messages import PeerBatch, PeerMessage, TaskDone, decode_peer, encode_peer
+from gossipd.errors import RemoteProtocolError
 from simulations.fanout_run import PEER_MSG, TO_PRODUCER
 
 if TYPE_CHECKING:
@@ -45,7 +52,31 @@ class Network:
             self.violation("taskdone_before_result", msg.id, d.name)
         dst = self.by_name.get(member)
         if dst is not None:
-            self.deliver(d.index, dst, PEER_MSG, msg, lossy=True, delay=delay)
+            frame = encode_peer(msg)  # type: ignore[arg-type]
+            self.deliver(d.index, dst, PEER_MSG, frame, lossy=True, delay=delay)
+
+    def peer_items(self, frame: bytes, at: str) -> tuple[PeerMessage, ...]:
+        """The fan-out messages in a frame that arrived at ``at``, decoded as the daemon
+        decodes them; none (and a violation) when the codec cannot read its own frame."""
+        try:
+            msg = decode_peer(frame, bytes_max=self.fanout_config.message_bytes_max)
+        except RemoteProtocolError as exc:
+            self.violation("undecodable", exc.hint[:80], at)
+            return ()
+        return tuple(msg.items) if type(msg) is PeerBatch else (msg,)
+
+    def task_of(self, frame: bytes, at: str) -> Task | None:
+        """A producer's frame as the ingress decodes it (``decode_intake``, the ingress's
+        size limit); None, and a violation, for anything but a readable Task."""
+        try:
+            msg = decode_intake(frame, bytes_max=self.ingress_bytes_max)
+        except RemoteProtocolError as exc:
+            self.violation("undecodable", exc.hint[:80], at)
+            return None
+        if type(msg) is not Task:
+            self.violation("undecodable", f"a {type(msg).__name__}, not a Task", at)
+            return None
+        return msg
 
     def to_producer(self, d: SimDaemon, msg: Chunk | Result) -> None:
         if type(msg) is Result:
@@ -54,7 +85,15 @@ class Network:
         link = (d.index, -1)
         at = max(self.now + latency, self.link_last.get(link, 0.0) + 1e-7)
         self.link_last[link] = at
-        self.push(at, TO_PRODUCER, d.index, (d.index, d.epoch, self.now, msg))
+        self.push(at, TO_PRODUCER, d.index, (d.index, d.epoch, self.now, encode(msg)))
+
+    def reply_of(self, frame: bytes) -> Chunk | Result | None:
+        """A reply frame as the producer decodes it (None, and a violation, if it cannot)."""
+        try:
+            return decode_reply(frame)
+        except RemoteProtocolError as exc:
+            self.violation("undecodable", exc.hint[:80], "producer")
+            return None
 
     def lost_in_kill(self, src: int, epoch: int, sent_at: float) -> bool:
         crashed = self.crashed_at.get((src, epoch))

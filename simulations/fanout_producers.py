@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gossipd.core.messages import Chunk, Result, Task
+from gossipd.core.messages import Chunk, Result, Task, encode
 from simulations.fanout_run import ARRIVAL, PEER_MSG, PRODUCER, RESUBMIT, RETRYABLE
 
 
@@ -57,7 +57,7 @@ class Producers:
         self.tasks[task.id].last_sent = self.now
         self.trace(task.id, PRODUCER, f"sends attempt {task.attempt} to d{entry:04d}")
         latency = self.latency()
-        self.push(self.now + latency, PEER_MSG, entry, (-1, 0, self.now, task))
+        self.push(self.now + latency, PEER_MSG, entry, (-1, 0, self.now, encode(task)))
         self.push(self.now + self.run.resubmit_s, RESUBMIT, -1, (task.id, task.attempt))
 
     def resubmit_if_silent(self, payload: tuple[str, int | None]) -> None:

@@ -15,7 +15,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from gossipd.config import FanoutConfig
+from gossipd.config import FanoutConfig, IngressConfig
 from gossipd.core.forwarder import ForwarderSettings, Refuse, RunHere
 from gossipd.core.gossip_messages import Meta
 from gossipd.core.messages import Result, Task, error_result
@@ -55,6 +55,7 @@ class World(Producers, Faults, Network, Checks):
         self.rng = random.Random(run.seed)
         self.swim_config = SwimConfig.sim()
         self.fanout_config = FanoutConfig(hedge=run.hedge)
+        self.ingress_bytes_max = IngressConfig().message_bytes_max
         self.forwarder_settings = ForwarderSettings.of(self.fanout_config, retry_after_ms=200)
         self.heap: list[tuple[float, float, int, int, int, object]] = []
         self.seq = 0
@@ -231,9 +232,13 @@ class World(Producers, Faults, Network, Checks):
         elif kind == PEER_MSG:
             assert d is not None
             if payload[0] < 0:  # type: ignore[index]
-                d.on_task(payload[3])  # type: ignore[index]
+                task = self.task_of(payload[3], d.name)  # type: ignore[index]
+                if task is not None:
+                    d.on_task(task)
             else:
-                d.on_peer(self.daemons[payload[0]].name, payload[3])  # type: ignore[index]
+                src = self.daemons[payload[0]].name  # type: ignore[index]
+                for msg in self.peer_items(payload[3], d.name):  # type: ignore[index]
+                    d.on_peer(src, msg)
             self.flush_forwarder(d)
         elif kind == FW_TICK:
             assert d is not None
@@ -251,7 +256,9 @@ class World(Producers, Faults, Network, Checks):
             if epoch == d.epoch:
                 d.finish(owned)
         elif kind == TO_PRODUCER:
-            self.producer_receives(payload[3])  # type: ignore[index]
+            reply = self.reply_of(payload[3])  # type: ignore[index]
+            if reply is not None:
+                self.producer_receives(reply)
         elif kind == ARRIVAL:
             self.arrival()
         elif kind == RESUBMIT:

@@ -15,6 +15,7 @@ from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.owner import Owner, Reply
 from gossipd.core.peer_messages import Forward
 from simulations.fanout import FanoutRun, run_fanout, swarm, trace_for
+from simulations.fanout_run import PEER_MSG, TO_PRODUCER
 
 
 def _digest(**kw: object) -> str:
@@ -116,6 +117,41 @@ def test_swarm_catches_an_owner_that_says_done_before_its_result() -> None:
     assert bad["failing"] >= 1
     failure = bad["failures"][0]  # type: ignore[index]
     assert failure["violations"][0]["invariant"] == "taskdone_before_result"
+
+
+def test_what_travels_is_the_wire_bytes_of_the_production_codec(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Between daemons and to and from the producer, the simulated network carries frames
+    (encoded and decoded by the daemon's codec), never the message objects themselves."""
+    import simulations.fanout_world as world_module
+
+    kinds: dict[int, set[type]] = {}
+    push = world_module.World.push
+
+    def recording(self, at, kind, node, payload=None):  # type: ignore[no-untyped-def]
+        if kind in (PEER_MSG, TO_PRODUCER):
+            kinds.setdefault(kind, set()).add(type(payload[3]))
+        push(self, at, kind, node, payload)
+
+    monkeypatch.setattr(world_module.World, "push", recording)
+    report = run_fanout(FanoutRun(nodes=6, tasks=300, seed=4, fault_events=2))
+    assert report["lost"] == 0 and report["invariant_violations"] == 0, report["violations"]
+    assert kinds == {PEER_MSG: {bytes}, TO_PRODUCER: {bytes}}
+
+
+def test_a_frame_the_codec_cannot_read_back_is_a_violation(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A broken encoder (a TaskDone's frame cut short) fails the run on the rule it breaks:
+    the receiving daemon's decoder refuses it."""
+    import simulations.fanout_network as network_module
+    from gossipd.core.peer_messages import TaskDone, encode_peer
+
+    def cuts_taskdones(msg):  # type: ignore[no-untyped-def]
+        frame = encode_peer(msg)
+        return frame[:-1] if type(msg) is TaskDone else frame
+
+    monkeypatch.setattr(network_module, "encode_peer", cuts_taskdones)
+    report = run_fanout(FanoutRun(nodes=6, tasks=300, seed=4, faults=()))
+    assert report["invariant_violations"] > 0
+    assert {v["invariant"] for v in report["violations"]} == {"undecodable"}  # type: ignore[union-attr]
 
 
 def test_trace_replays_one_tasks_story() -> None:
