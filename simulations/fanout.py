@@ -13,9 +13,13 @@ and deduplicate final Results by id.
 
 Faults: crash (SIGKILL; the node restarts later and replays its journal), stall (SIGSTOP for
 a while), partition (a few members cut off), loss (a share of daemon-to-daemon messages lost).
+Cancels: every ``cancel_every``-th task is cancelled by its producer and by an intruder (another
+producer key), through the daemons' own task book and forwarder (the Cancel passed on to the
+member running the task).  What travels is encoded and decoded by the daemon's own codec.
 
 Invariants (simulations/fanout_checks.py lists them), checked as the run goes and at the end:
-lost, duplicate_results_accepted, two_runs, answer_after_withdraw, chunk_gap, loads.  A
+lost, duplicate_results_accepted, two_runs, answer_after_withdraw, taskdone_before_result,
+chunk_gap, cancelled_by_another_key, undecodable, loads.  A
 violation prints the seed; ``trace_for`` replays the seed recording the events of one task,
 the shortest trace that shows it.
 
@@ -33,6 +37,7 @@ import random
 from collections.abc import Callable
 
 from gossipd.core.forwarder import Forwarder
+from gossipd.core.lifecycle import TaskBook
 from gossipd.core.owner import Owner
 from simulations.fanout_run import ARRIVAL, FAULT_KINDS, FanoutRun
 from simulations.fanout_world import World
@@ -68,6 +73,8 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "sent": world.sent,
         "ok": len(world.served_at),
         "errors": world.errors,
+        "cancels_sent": world.cancels_sent,
+        "cancels": dict(world.cancels),
         "lost": len(lost),
         "lost_ids": lost[:10],
         "duplicate_results_accepted": world.duplicates_accepted,
@@ -114,6 +121,7 @@ def swarm(
     seed: int = 1,
     forwarder_class: type[Forwarder] = Forwarder,
     owner_class: type[Owner] = Owner,
+    book_class: type[TaskBook] = TaskBook,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, object]:
     """Run ``count`` short simulations, each with its own seed and a random mix of faults
@@ -131,8 +139,10 @@ def swarm(
             fault_events=rng.randint(1, 4),
             load=rng.uniform(0.3, 0.9),
             hedge=rng.random() < 0.3,
+            cancel_every=rng.choice([10, 50]),
             forwarder_class=forwarder_class,
             owner_class=owner_class,
+            book_class=book_class,
         )
         report = run_fanout(run)
         broken = (
@@ -148,6 +158,7 @@ def swarm(
                     "fault_events": run.fault_events,
                     "load": run.load,
                     "hedge": run.hedge,
+                    "cancel_every": run.cancel_every,
                     "lost": report["lost"],
                     "violations": report["violations"][:3],  # type: ignore[index]
                 }

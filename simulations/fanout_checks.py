@@ -16,6 +16,10 @@
   not sent (docs/PROTOCOL.md: a TaskDone never leaves before its Result; a forwarder that
   forgets a task its owner then loses cannot migrate it);
 - chunk_gap: a final Result arrives while the producer misses some of its chunks;
+- cancelled_by_another_key: a task ends ``cancelled`` though its own producer sent no Cancel
+  (only an intruder's key did: docs/PROTOCOL.md, only the task's key cancels it);
+- undecodable: a frame (fan-out message, producer task or Cancel, reply) the daemon's codec
+  cannot read back (simulations/fanout_network.py);
 - loads: each forwarder's load counts equal its pending forwards plus its ledger.
 A violation prints the seed; ``trace`` records the events of one task (``trace_for`` in
 simulations/fanout.py replays a seed with it), the shortest trace that shows it."""

@@ -75,6 +75,13 @@ def main(argv: list[str]) -> int:
         help="which forwarded Results wait for their forwarder's Confirm (fanout.confirm_results)",
     )
     p.add_argument(
+        "--cancel-every",
+        type=int,
+        default=50,
+        metavar="N",
+        help="every N-th task is cancelled by its producer and by an intruder (0: none)",
+    )
+    p.add_argument(
         "--swarm",
         type=int,
         default=0,
@@ -100,7 +107,8 @@ def main(argv: list[str]) -> int:
             show(
                 f"FAILED: replay with --seed {f['seed']} --nodes {f['nodes']} --tasks {f['tasks']} "
                 f"--faults {','.join(f['faults'])} --fault-events {f['fault_events']} "
-                f"--load {f['load']!r}" + (" --hedge" if f["hedge"] else "")
+                f"--load {f['load']!r} --cancel-every {f['cancel_every']}"
+                + (" --hedge" if f["hedge"] else "")
             )
         print(
             json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items())
@@ -123,6 +131,7 @@ def main(argv: list[str]) -> int:
         resubmit_s=args.resubmit_s,
         hold_results=not args.no_hold_results,
         confirm_results=args.confirm_results,
+        cancel_every=args.cancel_every,
     )
     if args.degrade:
         run.faults = ()

@@ -15,9 +15,9 @@ from gossipd.core.admission import Admission, Verdict, refused
 from gossipd.core.forwarder import Route
 from gossipd.core.gossip_messages import GpuState
 from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
-from gossipd.core.lifecycle import ANY, Abort, Owned, TaskBook
+from gossipd.core.lifecycle import ANY, Abort, Owned
 from gossipd.core.membership import State
-from gossipd.core.messages import Chunk, ErrorCode, Result, Task, error_result
+from gossipd.core.messages import Cancel, Chunk, ErrorCode, Result, Task, error_result
 from gossipd.core.owner import Refused
 from gossipd.core.peer_messages import (
     Confirm,
@@ -98,7 +98,7 @@ class SimDaemon:
             pending_bytes_max=PENDING_BYTES_MAX,
         )
         # The owner's tasks, admission to TaskDone (core/lifecycle.py, as the ingress uses it).
-        self.book = TaskBook(self.admission)
+        self.book = run.book_class(self.admission)
         self.started_at: dict[str, float] = {}
         self.queue: deque[str] = deque()
         self.running = 0
@@ -130,6 +130,46 @@ class SimDaemon:
                     task.id, no.code, no.message, retry_after_ms=no.retry_after_ms
                 )
                 self.world.answer(self, task, answer)
+
+    def on_cancel(self, task_id: str, producer_key: str) -> str:
+        """A Cancel, from a producer or passed on by a peer, as the daemon's intake handles
+        it (``Intake.handle_cancel``): the task book decides here (core/lifecycle.py rule 4:
+        only the task's own key), else the forwarder passes it on to the member running it
+        (core/forwarder.py rule 7).  Returns the outcome the intake counts."""
+        outcome = self.cancel_here(task_id, producer_key)
+        if outcome is None:
+            outcome = self.forwarder.cancel(task_id, producer_key)
+        self.world.trace(task_id, self.name, f"cancel from {producer_key!r}: {outcome}")
+        return outcome or "unknown"
+
+    def cancel_here(self, task_id: str, producer_key: str) -> str | None:
+        """As the runner's ``cancel``: a running task is aborted in the engine and answered
+        ``cancelled`` now, a queued one when a slot takes it."""
+        owned = self.book.get(task_id)
+        if owned is None:
+            return None
+        abort = self.book.cancel(task_id, producer_key)
+        if abort is Abort.REFUSED:
+            return "refused"
+        if abort is Abort.ABORT:
+            self.started_at.pop(task_id, None)
+            self.running -= 1
+            self.world.stopped_running(self, task_id)
+            self._answer_stopped(owned)
+            self.start_jobs()
+        return "here"
+
+    def _answer_stopped(self, owned: Owned) -> None:
+        """A task its producer cancelled ends with ``cancelled``, as a finished one ends."""
+        task_id = owned.task.id
+        result = error_result(
+            task_id, ErrorCode.CANCELLED, "cancelled by the producer", node=self.name
+        )
+        ended = self.book.finish(task_id, result)
+        if not self._hold(ended, result):
+            self.world.answer(self, owned.task, result)
+            self._ended(ended)
+        self.forwarder.local_finished(task_id)
 
     def admit(self, task: Task, received_at: float, *, forwarder: str) -> Verdict:
         verdict, entry = self.book.offer(
@@ -185,6 +225,9 @@ class SimDaemon:
         elif isinstance(msg, ConfirmReply):
             self.held.on_reply(msg.node, msg.still_mine, msg.migrated, msg.unknown)
             self.flush_held()
+        elif isinstance(msg, Cancel):
+            # A producer's Cancel an entry passed on, with the key the entry read.
+            self.world.cancels[self.on_cancel(msg.id, msg.producer_key)] += 1
         elif isinstance(msg, (ForwardReply, TaskDone)):
             if isinstance(msg, TaskDone):
                 self.world.trace(msg.id, self.name, f"gets TaskDone from {src}")
@@ -220,6 +263,9 @@ class SimDaemon:
             task_id = self.queue.popleft()
             owned = self.book.get(task_id)
             if owned is None or not self.book.start(owned):
+                continue
+            if owned.stop is not None:  # cancelled while it waited: answered, never run
+                self._answer_stopped(owned)
                 continue
             self.started_at[task_id] = world.now
             self.running += 1

@@ -14,7 +14,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from gossipd.core.messages import Chunk, Result, Task, decode_intake, decode_reply, encode
+import msgspec
+
+from gossipd.core.messages import (
+    Cancel,
+    Chunk,
+    Result,
+    Task,
+    decode_intake,
+    decode_reply,
+    encode,
+)
 from gossipd.core.peer_messages import PeerBatch, PeerMessage, TaskDone, decode_peer, encode_peer
 from gossipd.errors import RemoteProtocolError
 from simulations.fanout_run import PEER_MSG, TO_PRODUCER
@@ -65,18 +75,19 @@ class Network:
             return ()
         return tuple(msg.items) if type(msg) is PeerBatch else (msg,)
 
-    def task_of(self, frame: bytes, at: str) -> Task | None:
+    def intake_of(self, frame: bytes, key: str, at: str) -> Task | Cancel | None:
         """A producer's frame as the ingress decodes it (``decode_intake``, the ingress's
-        size limit); None, and a violation, for anything but a readable Task."""
+        size limit), stamped with its connection's ``key`` as the ingress stamps a CURVE
+        key; None, and a violation, for anything but a readable Task or Cancel."""
         try:
             msg = decode_intake(frame, bytes_max=self.ingress_bytes_max)
         except RemoteProtocolError as exc:
             self.violation("undecodable", exc.hint[:80], at)
             return None
-        if type(msg) is not Task:
+        if type(msg) is not Task and type(msg) is not Cancel:
             self.violation("undecodable", f"a {type(msg).__name__}, not a Task", at)
             return None
-        return msg
+        return msgspec.structs.replace(msg, producer_key=key)
 
     def to_producer(self, d: SimDaemon, msg: Chunk | Result) -> None:
         if type(msg) is Result:

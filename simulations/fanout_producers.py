@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gossipd.core.messages import Chunk, Result, Task, encode
-from simulations.fanout_run import ARRIVAL, PEER_MSG, PRODUCER, RESUBMIT, RETRYABLE
+from gossipd.core.messages import Cancel, Chunk, ErrorCode, Result, Task, encode
+from simulations.fanout_run import (
+    ARRIVAL,
+    CANCEL,
+    INTRUDER_SRC,
+    PEER_MSG,
+    PRODUCER,
+    PRODUCER_SRC,
+    RESUBMIT,
+    RETRYABLE,
+)
 
 
 @dataclass
@@ -21,6 +30,7 @@ class TaskState:
     final_at: float = 0.0
     chunks_next: int = 0
     last_sent: float = 0.0
+    cancelled_by_producer: bool = False
 
 
 class Producers:
@@ -42,6 +52,10 @@ class Producers:
         )
         self.tasks[task.id] = TaskState(task, self.now)
         self.send_task(task)
+        if run.cancel_every and i % run.cancel_every == run.cancel_every // 2:
+            for src in (INTRUDER_SRC, PRODUCER_SRC):
+                at = self.now + self.rng.uniform(0.0, 3 * run.service_s)
+                self.push(at, CANCEL, -1, (task.id, src))
         if self.sent < run.tasks:
             self.push(self.now + self.rng.expovariate(self.rate), ARRIVAL, -1)
 
@@ -57,8 +71,27 @@ class Producers:
         self.tasks[task.id].last_sent = self.now
         self.trace(task.id, PRODUCER, f"sends attempt {task.attempt} to d{entry:04d}")
         latency = self.latency()
-        self.push(self.now + latency, PEER_MSG, entry, (-1, 0, self.now, encode(task)))
+        frame = encode(task)
+        self.push(self.now + latency, PEER_MSG, entry, (PRODUCER_SRC, 0, self.now, frame))
         self.push(self.now + self.run.resubmit_s, RESUBMIT, -1, (task.id, task.attempt))
+
+    def send_cancel(self, payload: tuple[str, int]) -> None:
+        """A Cancel for a task not answered yet, to the daemon its latest attempt went to,
+        from ``src`` (the producer, or the intruder: another key)."""
+        task_id, src = payload
+        state = self.tasks[task_id]
+        if state.final is not None:
+            return
+        if src == PRODUCER_SRC:
+            state.cancelled_by_producer = True
+        self.cancels_sent += 1
+        self.trace(
+            task_id,
+            PRODUCER,
+            f"cancel from {'the producer' if src == PRODUCER_SRC else 'an intruder'} to d{state.entry:04d}",
+        )
+        frame = encode(Cancel(v=1, id=task_id))
+        self.push(self.now + self.latency(), PEER_MSG, state.entry, (src, 0, self.now, frame))
 
     def resubmit_if_silent(self, payload: tuple[str, int | None]) -> None:
         """Resend a task still without a final Result: after a silence of resubmit_s since
@@ -98,6 +131,9 @@ class Producers:
             return
         if msg.ok and msg.chunks and state.chunks_next < msg.chunks:
             self.violation("chunk_gap", msg.id, msg.node)
+        cancelled = msg.error is not None and msg.error.code == ErrorCode.CANCELLED
+        if cancelled and not state.cancelled_by_producer:
+            self.violation("cancelled_by_another_key", msg.id, msg.node)
         state.final = msg
         state.final_at = self.now
         if msg.ok:

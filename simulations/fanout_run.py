@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gossipd.core.forwarder import Forwarder
+from gossipd.core.lifecycle import TaskBook
 from gossipd.core.messages import ErrorCode
 from gossipd.core.owner import Owner
 
@@ -15,7 +16,15 @@ FAULT_KINDS = ("crash", "stall", "partition", "loss")
 RETRYABLE = (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
 
 # Event kinds (the heap holds (at, tie-break, seq, kind, node, payload)).
-SWIM_TICK, SWIM_MSG, PEER_MSG, FW_TICK, FINISH, TO_PRODUCER, ARRIVAL, RESUBMIT, FAULT = range(9)
+SWIM_TICK, SWIM_MSG, PEER_MSG, FW_TICK, FINISH, TO_PRODUCER, ARRIVAL, RESUBMIT, FAULT, CANCEL = (
+    range(10)
+)
+
+# Who sends to a daemon's ingress (the source of a PEER_MSG below 0), and the producer key
+# its connection gives what it sends, as the ingress stamps a CURVE key: the producer, and
+# an intruder whose Cancels name the producer's tasks.
+PRODUCER_SRC, INTRUDER_SRC = -1, -2
+KEY_OF_SRC = {PRODUCER_SRC: "P" * 40, INTRUDER_SRC: "X" * 40}  # Z85 public keys
 
 
 @dataclass
@@ -30,6 +39,9 @@ class FanoutRun:
     service_s: float = 0.05  # mean engine time of a task
     keys: int = 0  # distinct task keys (0: tasks / 20)
     stream_every: int = 10  # every n-th task streams chunks
+    # Every n-th task is cancelled by its producer, and by an intruder (another key: never
+    # obeyed), a random time within 3 service times of being sent; 0: none.
+    cancel_every: int = 50
     latency_s: float = 0.0003  # median one-way latency
     loss: float = 0.05  # share of daemon-to-daemon messages lost during a loss fault
     timeout_ms: int = 30_000
@@ -53,6 +65,8 @@ class FanoutRun:
     forwarder_class: type[Forwarder] = Forwarder
     # The owner's core (core/owner.py); a test swaps in a broken one to see the swarm catch it.
     owner_class: type[Owner] = Owner
+    # The task book (core/lifecycle.py): a test swaps in one that obeys any key's Cancel.
+    book_class: type[TaskBook] = TaskBook
     # The owner check (issue 17): an owner with this many tasks waiting for a slot takes its
     # engine as saturated and refuses Forwards asking if_free ("saturated"); 0: never.
     saturated_waiting: int = 0

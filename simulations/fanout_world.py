@@ -13,6 +13,7 @@ import hashlib
 import heapq
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 from gossipd.config import FanoutConfig, IngressConfig
@@ -28,10 +29,12 @@ from simulations.fanout_network import Network
 from simulations.fanout_producers import Producers, TaskState
 from simulations.fanout_run import (
     ARRIVAL,
+    CANCEL,
     FAULT,
     FAULT_KINDS,
     FINISH,
     FW_TICK,
+    KEY_OF_SRC,
     PEER_MSG,
     RESUBMIT,
     SWIM_MSG,
@@ -113,6 +116,10 @@ class World(Producers, Faults, Network, Checks):
         self.latencies: list[float] = []  # first send to ok (what the producer waits)
         self.attempt_latencies: list[float] = []  # the send that was served to its ok
         self.errors: dict[str, int] = {}
+        self.cancels_sent = 0
+        # Cancels by what the daemon that got one did (as the intake counts them): "here",
+        # "forwarded" (passed on to the member running it), "refused" (another key's), "unknown".
+        self.cancels: Counter[str] = Counter()
         self.trace_lines: list[str] = []
 
     # -- the event loop -------------------------------------------------------------------
@@ -194,7 +201,7 @@ class World(Producers, Faults, Network, Checks):
         if not self.heap:
             return False
         at, _, _, kind, node, payload = heapq.heappop(self.heap)
-        if node >= 0 and kind not in (ARRIVAL, RESUBMIT, FAULT):
+        if node >= 0 and kind not in (ARRIVAL, RESUBMIT, FAULT, CANCEL):
             if kind in (SWIM_MSG, PEER_MSG, TO_PRODUCER):
                 src, epoch, sent_at, _ = payload  # type: ignore[misc]
                 if self.lost_in_kill(src, epoch, sent_at):
@@ -232,9 +239,12 @@ class World(Producers, Faults, Network, Checks):
         elif kind == PEER_MSG:
             assert d is not None
             if payload[0] < 0:  # type: ignore[index]
-                task = self.task_of(payload[3], d.name)  # type: ignore[index]
-                if task is not None:
-                    d.on_task(task)
+                # From a producer's connection: what it sends carries that connection's key.
+                msg = self.intake_of(payload[3], KEY_OF_SRC[payload[0]], d.name)  # type: ignore[index]
+                if type(msg) is Task:
+                    d.on_task(msg)
+                elif msg is not None:
+                    self.cancels[d.on_cancel(msg.id, msg.producer_key)] += 1
             else:
                 src = self.daemons[payload[0]].name  # type: ignore[index]
                 for msg in self.peer_items(payload[3], d.name):  # type: ignore[index]
@@ -265,6 +275,8 @@ class World(Producers, Faults, Network, Checks):
             self.resubmit_if_silent(payload)  # type: ignore[arg-type]
         elif kind == FAULT:
             self.fault(payload)  # type: ignore[arg-type]
+        elif kind == CANCEL:
+            self.send_cancel(payload)  # type: ignore[arg-type]
         if self.events % self.run.check_every == 0:
             self.check_loads()
         return True

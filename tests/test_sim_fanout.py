@@ -12,6 +12,7 @@ import sys
 from gossipd.core.admission import Verdict
 from gossipd.core.forwarder import Forwarder
 from gossipd.core.gossip_messages import LoadRecord
+from gossipd.core.lifecycle import Abort, TaskBook
 from gossipd.core.owner import Owner, Reply
 from gossipd.core.peer_messages import Forward
 from simulations.fanout import FanoutRun, run_fanout, swarm, trace_for
@@ -64,7 +65,7 @@ def test_every_fault_kind_together_loses_nothing_and_breaks_no_invariant() -> No
     assert report["lost"] == 0, report["lost_ids"]
     assert report["invariant_violations"] == 0, report["violations"]
     assert report["duplicate_results_accepted"] == 0
-    assert report["ok"] == 6000
+    assert report["ok"] + report["errors"].get("cancelled", 0) == 6000  # type: ignore[attr-defined]
 
 
 def test_the_owner_check_under_every_fault_kind_loses_nothing() -> None:
@@ -77,7 +78,7 @@ def test_the_owner_check_under_every_fault_kind_loses_nothing() -> None:
     assert report["lost"] == 0, report["lost_ids"]
     assert report["invariant_violations"] == 0, report["violations"]
     assert report["duplicate_results_accepted"] == 0
-    assert report["ok"] == 6000
+    assert report["ok"] + report["errors"].get("cancelled", 0) == 6000  # type: ignore[attr-defined]
 
 
 class ForgetsToWithdraw(Forwarder):
@@ -152,6 +153,36 @@ def test_a_frame_the_codec_cannot_read_back_is_a_violation(monkeypatch) -> None:
     report = run_fanout(FanoutRun(nodes=6, tasks=300, seed=4, faults=()))
     assert report["invariant_violations"] > 0
     assert {v["invariant"] for v in report["violations"]} == {"undecodable"}  # type: ignore[union-attr]
+
+
+def test_cancels_from_the_producer_end_tasks_and_an_intruders_do_not() -> None:
+    """Every 10th task is cancelled by its producer and by an intruder (another key), under
+    every fault kind: each task still gets one final Result (ok, or cancelled when the
+    producer's Cancel came first), the intruder's Cancels are refused, none is lost."""
+    run = FanoutRun(nodes=12, tasks=4000, seed=2, fault_events=8, cancel_every=10)
+    report = run_fanout(run)
+    assert report["lost"] == 0, report["lost_ids"]
+    assert report["invariant_violations"] == 0, report["violations"]
+    assert report["duplicate_results_accepted"] == 0
+    cancelled = report["errors"].get("cancelled", 0)  # type: ignore[attr-defined]
+    assert cancelled > 50 and report["ok"] + cancelled == 4000
+    cancels = report["cancels"]
+    assert cancels["here"] >= cancelled and cancels["forwarded"] > 0 and cancels["refused"] > 0  # type: ignore[index]
+
+
+class ObeysAnyKey(TaskBook):
+    """A broken task book: a Cancel from any key stops the task (rule 4 skipped)."""
+
+    def cancel(self, task_id: str, producer_key: str = "") -> Abort:
+        owned = self.get(task_id)
+        return super().cancel(task_id, "" if owned is None else owned.task.producer_key)
+
+
+def test_swarm_catches_a_task_book_that_obeys_anothers_cancel() -> None:
+    bad = swarm(10, seed=3, book_class=ObeysAnyKey)
+    assert bad["failing"] >= 1
+    failure = bad["failures"][0]  # type: ignore[index]
+    assert failure["violations"][0]["invariant"] == "cancelled_by_another_key"
 
 
 def test_trace_replays_one_tasks_story() -> None:
