@@ -343,7 +343,7 @@ class EngineConfig(Section):
     # vLLM: a model directory in Hugging Face format (`gossipd model make-tiny DIR` makes one).
     model: str = ""
     # The model name gossiped to peers and matched against a task's `model`; empty: the
-    # directory's name.
+    # directory's name (vllm), "echo" (echo).
     served_model_name: Annotated[str, msgspec.Meta(max_length=64)] = ""
     # The weights' and activations' type (vLLM's --dtype); "auto": the model's own.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"

@@ -88,7 +88,10 @@ FORWARDS_SETTLE_S = 2.0
 
 def build_engine(config: Config) -> Engine:
     if config.engine.kind == "echo":
-        return EchoEngine(token_delay_s=config.engine.token_delay_s)
+        return EchoEngine(
+            token_delay_s=config.engine.token_delay_s,
+            model=config.engine.served_model_name or EchoEngine.name,
+        )
     if config.engine.kind == "vllm":
         from gossipd.engines.vllm import VllmEngine
 
@@ -180,7 +183,6 @@ class Daemon:
             self.door = build_door(
                 config,
                 intake=self.ingress.intake,
-                engine=self.engine,
                 node=self.node,
                 model=self.ingress.intake.model,
                 links=DoorLinks(
@@ -277,12 +279,29 @@ class Daemon:
 
     # -- what the HTTP door reads ------------------------------------------------------
 
-    def _cluster_models(self) -> set[str]:
-        """The models served here and by live members (GET /v1/models, a request's model)."""
-        models = {self.ingress.intake.model}
+    def _cluster_models(self) -> dict[str, int | None]:
+        """The models served here and by live members (GET /v1/models, a request's model),
+        each with the longest prompt + output every member serving it takes (the least of
+        theirs; None while one serving it has not said)."""
+        models: dict[str, int | None] = {self.ingress.intake.model: self._max_model_len()}
         if self.gossip is not None:
-            models.update(m.gpu.model for m in self.gossip.live_members() if m.gpu and m.gpu.model)
+            for m in self.gossip.live_members():
+                if m.gpu is None or not m.gpu.model or m.node == self.node:
+                    continue
+                theirs = m.gpu.max_model_len or None
+                if m.gpu.model not in models:
+                    models[m.gpu.model] = theirs
+                else:
+                    ours = models[m.gpu.model]
+                    models[m.gpu.model] = (
+                        None if ours is None or theirs is None else min(ours, theirs)
+                    )
         return models
+
+    def _max_model_len(self) -> int | None:
+        return (
+            getattr(self.engine, "max_model_len", None) or self.config.engine.max_model_len or None
+        )
 
     def _not_ready(self) -> str:
         """Readiness: "" when a request can be served through this daemon, else why not."""

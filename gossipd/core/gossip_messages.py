@@ -39,8 +39,26 @@ SmallText = Annotated[str, msgspec.Meta(max_length=128)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
-class GpuState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a daemon tells the cluster about its GPU and load (bounded, versioned by Meta)."""
+# GpuState's protocol step (docs/PROTOCOL.md "Adding a field to GpuState"): daemons before
+# 0.2.0 refuse a GpuState with a field they do not know (and with it the whole gossip message
+# that carries it).  From 0.2.0 a GpuState's unknown fields are ignored, and the fields added
+# since (``max_model_len``) are sent only while every live member runs 0.2.0 or later.
+GPU_STATE_EXTRAS_SINCE = (0, 2, 0)
+
+
+def reads_gpu_extras(software_version: str) -> bool:
+    """Does a member of ``software_version`` (its GpuState's) read GpuState fields it does
+    not know (0.2.0 or later)?  An empty or unreadable version: no."""
+    try:
+        parts = tuple(int(p) for p in software_version.split("+")[0].split(".")[:3])
+    except ValueError:
+        return False
+    return len(parts) == 3 and parts >= GPU_STATE_EXTRAS_SINCE
+
+
+class GpuState(msgspec.Struct, frozen=True, kw_only=True):
+    """What a daemon tells the cluster about its GPU and load (bounded, versioned by Meta).
+    Fields it does not know are ignored (a later version's), as docs/PROTOCOL.md says."""
 
     gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
     ingress: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
@@ -63,6 +81,9 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         list[Annotated[int, msgspec.Meta(ge=0, lt=2**32)]], msgspec.Meta(max_length=256)
     ] = msgspec.field(default_factory=list)
     queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Longest prompt + output, in tokens, of the model served (GET /v1/models at every
+    # member).  Absent (unset) while a live member is older than GPU_STATE_EXTRAS_SINCE.
+    max_model_len: Annotated[int, msgspec.Meta(ge=1, le=2**31)] | msgspec.UnsetType = msgspec.UNSET
 
 
 class LoadRecord(msgspec.Struct, frozen=True, array_like=True):

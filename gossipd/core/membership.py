@@ -48,7 +48,7 @@ import enum
 import functools
 import hashlib
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -63,6 +63,7 @@ from gossipd.core.gossip_messages import (
     Meta,
     Suspect,
     Update,
+    reads_gpu_extras,
 )
 from gossipd.core.messages import UpdateKind
 from gossipd.core.sharedtable import Overlay, SharedBase
@@ -116,6 +117,17 @@ class Member:
         else:
             self.prefixes = ()
         self.gpu = gpu
+
+
+def all_read_gpu_extras(members: Iterable[Member], node: str) -> bool:
+    """GpuState's protocol step (gossip_messages.GPU_STATE_EXTRAS_SINCE): does every live
+    member but ``node`` run a version that ignores GpuState fields it does not know?  A
+    member whose GpuState we have not heard: not known, so no."""
+    return all(
+        m.gpu is not None and reads_gpu_extras(m.gpu.software_version)
+        for m in members
+        if m.state in LIVE_STATES and m.node != node
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,9 @@ def echo_tokens(prompt: str, max_tokens: int) -> list[str]:
 class EchoEngine:
     name = "echo"
 
-    def __init__(self, *, token_delay_s: float = 0.0) -> None:
+    def __init__(self, *, token_delay_s: float = 0.0, model: str = "echo") -> None:
         self._token_delay_s = token_delay_s
+        self.model = model  # the name it serves (engine.served_model_name, else "echo")
         self._running = 0
         self._tokens_total = 0
 

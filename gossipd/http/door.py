@@ -74,8 +74,9 @@ def _wire_error(message: str) -> bytes:
 class DoorLinks:
     """What the door reads from the rest of the daemon (built before it)."""
 
-    # The models members serve, with our own (GET /v1/models).
-    cluster_models: Callable[[], set[str]]
+    # The models members serve, with our own (GET /v1/models), each with the longest
+    # prompt + output every member serving it takes (None: one has not said).
+    cluster_models: Callable[[], dict[str, int | None]]
     # "" when a request can be served, else why not (readiness, 503).
     not_ready: Callable[[], str]
     # Prometheus text for GET /metrics; None: not served here.
@@ -92,7 +93,6 @@ class HttpDoor:
         intake: Intake,
         node: str,
         model: str,
-        max_model_len: int | None,
         chat: ChatTemplate,
         links: DoorLinks,
         prompt_bytes_max: int,
@@ -104,7 +104,6 @@ class HttpDoor:
         self._intake = intake
         self._node = node
         self.model = model
-        self._max_model_len = max_model_len
         self._chat = chat
         self._links = links
         self.keys = keys
@@ -132,7 +131,7 @@ class HttpDoor:
             clock=clock,
         )
         self._ids = RandomIds()
-        self._models_cache: set[str] = set()
+        self._models_cache: dict[str, int | None] = {}
         self._models_until = float("-inf")
         self.server: asyncio.Server | None = None
         self.unauthorized = 0  # requests without a valid API key (401)
@@ -285,7 +284,7 @@ class HttpDoor:
 
     # -- small answers -------------------------------------------------------------------
 
-    def _models_now(self) -> set[str]:
+    def _models_now(self) -> dict[str, int | None]:
         """The cluster's models, read again at most every MODELS_TTL_S (a member table walk
         per request would cost as much as the rest of the door)."""
         now = self._clock.monotonic()
@@ -304,10 +303,9 @@ class HttpDoor:
                 "owned_by": "gossipd",
                 "root": name,
                 "parent": None,
-                # Known for the model this daemon serves; members do not gossip theirs.
-                "max_model_len": self._max_model_len if name == self.model else None,
+                "max_model_len": max_model_len,
             }
-            for name in sorted(self._models_now())
+            for name, max_model_len in sorted(self._models_now().items())
         ]
         return msgspec.json.encode({"object": "list", "data": data})
 

@@ -10,7 +10,6 @@ import zmq
 
 from gossipd.clock import Clock
 from gossipd.config import Config
-from gossipd.engines.base import Engine
 from gossipd.http.chat import chat_template_for
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.keys import ApiKeys
@@ -25,7 +24,6 @@ def build_door(
     config: Config,
     *,
     intake: Intake,
-    engine: Engine,
     node: str,
     model: str,
     links: DoorLinks,
@@ -36,13 +34,11 @@ def build_door(
     for its other fields (at the ingress and between daemons)."""
     http = config.http
     model_dir = config.engine.model if config.engine.kind == "vllm" else ""
-    max_model_len = getattr(engine, "max_model_len", None) or config.engine.max_model_len or None
     return HttpDoor(
         http,
         intake=intake,
         node=node,
         model=model,
-        max_model_len=max_model_len,
         chat=chat_template_for(model_dir),
         links=links,
         prompt_bytes_max=min(config.ingress.message_bytes_max, config.fanout.message_bytes_max)

@@ -26,8 +26,19 @@ import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
-from gossipd.core.gossip_messages import Directive, GpuState, LoadRecord, Term
-from gossipd.core.membership import LIVE_STATES, Member, MemberEvent, State
+from gossipd.core.gossip_messages import (
+    Directive,
+    GpuState,
+    LoadRecord,
+    Term,
+)
+from gossipd.core.membership import (
+    LIVE_STATES,
+    Member,
+    MemberEvent,
+    State,
+    all_read_gpu_extras,
+)
 from gossipd.core.refusal import PortCheck
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
@@ -213,7 +224,16 @@ class GossipService:
             inflight=self.load(),
             prefixes=self.prefixes(),
             queued_tokens=stats.queued_tokens,
+            max_model_len=self._max_model_len(),
         )
+
+    def _max_model_len(self) -> int | msgspec.UnsetType:
+        """The model's longest prompt + output (the engine's, once it knows, else
+        engine.max_model_len), when every live member can read it; else unset."""
+        known = getattr(self._engine, "max_model_len", None) or self.config.engine.max_model_len
+        assert self.core is not None
+        readable = all_read_gpu_extras(self.core.table.members.values(), self.node)
+        return known if known and readable else msgspec.UNSET
 
     def _publish_meta(self, *, force: bool) -> None:
         """Publish GPU state when it changed, at most every meta_publish_min_s (status changes

@@ -1,0 +1,88 @@
+"""GpuState's protocol step (docs/PROTOCOL.md "Adding a field to GpuState"): daemons before
+0.2.0 refuse a GpuState with a field they do not know, so a field added since
+(``max_model_len``) is sent only while every live member reads unknown fields; from 0.2.0 a
+GpuState's unknown fields are ignored."""
+
+from __future__ import annotations
+
+import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gossipd.core.gossip_messages import Alive, GpuState, Meta, reads_gpu_extras
+from gossipd.core.membership import MemberTable, all_read_gpu_extras
+
+# The reader of daemons before 0.2.0: GpuState's fields then, unknown ones refused.
+GpuStateBefore020 = msgspec.defstruct(
+    "GpuStateBefore020",
+    [
+        (f.name, f.type, f.default if f.default is not msgspec.NODEFAULT else f.default_factory())
+        for f in msgspec.structs.fields(GpuState)
+        if f.name != "max_model_len"
+    ],
+    kw_only=True,
+    forbid_unknown_fields=True,
+)
+
+
+def _fields(gpu: GpuState) -> dict[str, object]:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(gpu))  # type: ignore[no-any-return]
+
+
+def test_an_unset_max_model_len_is_not_on_the_wire_and_older_readers_take_it() -> None:
+    gpu = GpuState(model="m", rpc="tcp://10.0.0.1:5558")
+    assert "max_model_len" not in _fields(gpu)
+    older = msgspec.msgpack.decode(msgspec.msgpack.encode(gpu), type=GpuStateBefore020)
+    assert older.model == "m"  # type: ignore[attr-defined]
+    with_len = msgspec.structs.replace(gpu, max_model_len=4096)
+    assert _fields(with_len)["max_model_len"] == 4096
+    try:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(with_len), type=GpuStateBefore020)
+    except msgspec.ValidationError as exc:
+        assert "max_model_len" in str(exc)  # why the step is needed
+    else:
+        raise AssertionError("a reader before 0.2.0 took a field it does not know")
+
+
+@given(
+    extra=st.dictionaries(
+        st.text(min_size=1, max_size=12).filter(lambda k: k not in GpuState.__struct_fields__),
+        st.one_of(st.integers(-(2**40), 2**40), st.text(max_size=20), st.booleans(), st.none()),
+        max_size=6,
+    ),
+    length=st.one_of(st.none(), st.integers(1, 2**31)),
+)
+def test_a_gpu_state_reads_fields_it_does_not_know_as_absent(
+    extra: dict[str, object], length: int | None
+) -> None:
+    gpu = GpuState(model="m", inflight=3, software_version="0.2.0")
+    if length is not None:
+        gpu = msgspec.structs.replace(gpu, max_model_len=length)
+    data = msgspec.msgpack.encode({**_fields(gpu), **extra})
+    assert msgspec.msgpack.decode(data, type=GpuState) == gpu
+
+
+def test_reads_gpu_extras_from_0_2_0() -> None:
+    assert reads_gpu_extras("0.2.0") and reads_gpu_extras("0.10.1") and reads_gpu_extras("1.0.0")
+    assert reads_gpu_extras("0.2.0+g1234")
+    for old in ("0.1.0", "0.1.9", "", "dev", "0.2", "x.y.z"):
+        assert not reads_gpu_extras(old), old
+
+
+def _table(*versions: str | None) -> MemberTable:
+    table = MemberTable(me="me", addr="tcp://10.0.0.1:7946", now=0.0)
+    for i, version in enumerate(versions):
+        node = f"n{i}"
+        table.apply(Alive(node=node, incarnation=1, addr=f"tcp://10.0.1.{i + 1}:7946"), 0.0)
+        if version is not None:
+            gpu = GpuState(software_version=version)
+            table.apply(Meta(node=node, version=1, gpu=gpu, incarnation=1), 0.0)
+    return table
+
+
+def test_the_field_goes_only_once_every_live_member_reads_it() -> None:
+    assert all_read_gpu_extras(_table().members.values(), "me")  # alone
+    assert all_read_gpu_extras(_table("0.2.0", "0.3.1").members.values(), "me")
+    assert not all_read_gpu_extras(_table("0.2.0", "0.1.0").members.values(), "me")
+    # A member whose GpuState has not reached us yet: its version is not known.
+    assert not all_read_gpu_extras(_table("0.2.0", None).members.values(), "me")
