@@ -33,6 +33,7 @@ invariants); this one runs them (``run_fanout``, ``swarm``, ``trace_for``) and r
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -41,6 +42,10 @@ from gossipd.core.lifecycle import TaskBook
 from gossipd.core.owner import Owner
 from simulations.fanout_run import ARRIVAL, FAULT_KINDS, FanoutRun
 from simulations.fanout_world import World
+
+# After the last answer, simulated seconds (beyond the last fault's end and a stall) in which
+# every copy still queued or running somewhere ends.
+SETTLE_S = 5.0
 
 __all__ = ["FAULT_KINDS", "FanoutRun", "World", "degradation", "run_fanout", "swarm", "trace_for"]
 
@@ -62,6 +67,13 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
             )
         if world.sent >= run.tasks and all_answered(world):
             break
+    # Every task answered: let the copies still queued or running elsewhere (hedges,
+    # migrations, stalled owners) end, then no live daemon may still hold one.
+    healed = max((b for _, (_, b) in world.fault_spans if b != math.inf), default=0.0)
+    settle = max(world.now, healed) + run.stall_s + SETTLE_S
+    while world.heap and world.heap[0][0] <= settle:
+        world.step()
+    world.check_stuck()
     world.check_two_runs()
     lost = [t for t, s in world.tasks.items() if s.final is None]
     latencies = sorted(world.latencies)

@@ -20,7 +20,10 @@
   (only an intruder's key did: docs/PROTOCOL.md, only the task's key cancels it);
 - undecodable: a frame (fan-out message, producer task or Cancel, reply) the daemon's codec
   cannot read back (simulations/fanout_network.py);
-- loads: each forwarder's load counts equal its pending forwards plus its ledger.
+- loads: each forwarder's load counts equal its pending forwards plus its ledger;
+- stuck: at the end, after every task was answered and every fault healed and the copies
+  still queued or running elsewhere had time to end, a live daemon still holds a task
+  (queued or running): it is never run, answered or released.
 A violation prints the seed; ``trace`` records the events of one task (``trace_for`` in
 simulations/fanout.py replays a seed with it), the shortest trace that shows it."""
 
@@ -71,6 +74,13 @@ class Checks:
     def trace(self, task_id: str, who: str, what: str) -> None:
         if task_id == self.run.trace_task:
             self.trace_lines.append(f"{self.now:12.6f}  {who:>9}  {what}")
+
+    def check_stuck(self) -> None:
+        """At the end, once every copy had time to end: no live daemon holds a task still."""
+        for i, d in enumerate(self.daemons):
+            if self.up[i]:
+                for owned in d.book:
+                    self.violation("stuck", owned.task.id, d.name)
 
     def check_two_runs(self) -> None:
         """At the end: two runs at once are excused when the earlier copy was withdrawn or its

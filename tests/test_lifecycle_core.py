@@ -86,9 +86,19 @@ def test_TaskBook_cancel_and_expiry_keep_the_first_reason_and_withdrawal_wins() 
     assert book.cancel("t0") is Abort.MARKED
     assert book.expire("t0") is Abort.NOTHING
     assert book.stop_reason("t0") is Stop.CANCELLED
-    assert book.withdraw("t0", b"A") is Abort.NOTHING, "being stopped already"
+    # Queued: no worker will take a withdrawn entry, so the shell releases it now.
+    assert book.withdraw("t0", b"A") is Abort.MARKED
     assert book.stop_reason("t0") is Stop.WITHDRAWN, "nobody waits for its answer now"
+    owned = book.get("t0")
+    assert owned is not None and not book.start(owned)
     assert book.cancel("unknown") is Abort.NOTHING
+    # Running: its worker is aborted by the Cancel; the Withdraw changes only the reason
+    # its end reads.
+    _, running = book.offer(_task(1), 0.0, 0.0, forwarder=b"A")
+    assert isinstance(running, Owned) and book.start(running)
+    assert book.cancel("t1") is Abort.ABORT
+    assert book.withdraw("t1", b"A") is Abort.NOTHING, "its worker is aborted already"
+    assert book.stop_reason("t1") is Stop.WITHDRAWN
 
 
 def test_TaskBook_refusals_create_nothing() -> None:
@@ -111,8 +121,9 @@ def test_TaskBook_refusals_create_nothing() -> None:
 )
 def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) -> None:  # type: ignore[type-arg]
     """Whatever happens: the book's entries are exactly admission's pending ids; a task
-    withdrawn before it ran never starts; an ended task is never aborted; every entry that
-    ends notifies only forwarders that sent it and did not withdraw it."""
+    withdrawn before it ran never starts, and never stays (the shell releases it on MARKED);
+    an ended task is never aborted; every entry that ends notifies only forwarders that sent
+    it and did not withdraw it."""
     book = _book(pending_max=3)
     sent: dict[str, set[bytes]] = {}
     for op, i, who in ops:
@@ -135,10 +146,14 @@ def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) ->
             book.expire(tid)
         elif op == "withdraw":
             before = owned.phase if owned else None
-            if book.withdraw(tid, who) is Abort.ABORT:
+            abort = book.withdraw(tid, who)
+            if abort is Abort.ABORT:
                 assert before is Phase.RUNNING
             if owned is not None and who not in owned.forwarders:
                 sent.get(tid, set()).discard(who)
+            if abort is Abort.MARKED:  # as the runner does: released now
+                book.release(tid, _ok(i))
+                sent.pop(tid, None)
         elif op == "end" and owned is not None:
             if owned.stop is Stop.WITHDRAWN:
                 book.release(tid, _ok(i))
@@ -147,6 +162,8 @@ def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) ->
                 assert set(ended.notify()) <= sent.get(tid, set())
             sent.pop(tid, None)
         assert book.admission.pending == len(book)
+        # No entry is left that nothing will ever take: a queued withdrawn one never starts.
+        assert not [o for o in book if o.phase is Phase.QUEUED and o.stop is Stop.WITHDRAWN]
 
 
 def test_TaskBook_cancel_only_from_the_key_that_submitted_the_task() -> None:

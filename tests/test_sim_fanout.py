@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Hashable
+from dataclasses import replace
 
 from gossipd.core.admission import Verdict
 from gossipd.core.forwarder import Forwarder
 from gossipd.core.gossip_messages import LoadRecord
-from gossipd.core.lifecycle import Abort, TaskBook
+from gossipd.core.lifecycle import Abort, Phase, TaskBook
 from gossipd.core.owner import Owner, Reply
 from gossipd.core.peer_messages import Forward
 from simulations.fanout import FanoutRun, run_fanout, swarm, trace_for
@@ -183,6 +185,27 @@ def test_swarm_catches_a_task_book_that_obeys_anothers_cancel() -> None:
     assert bad["failing"] >= 1
     failure = bad["failures"][0]  # type: ignore[index]
     assert failure["violations"][0]["invariant"] == "cancelled_by_another_key"
+
+
+class KeepsAStoppedQueuedCopy(TaskBook):
+    """The task book before a fix: a queued task cancelled (or expired) and then withdrawn
+    was marked withdrawn but not released, so no worker ever took it and it stayed."""
+
+    def withdraw(self, task_id: str, forwarder: Hashable) -> Abort:
+        owned = self.get(task_id)
+        stopped = owned is not None and owned.stop is not None and owned.phase is Phase.QUEUED
+        abort = super().withdraw(task_id, forwarder)
+        return Abort.NOTHING if stopped and abort is Abort.MARKED else abort
+
+
+def test_a_task_a_daemon_would_hold_forever_is_caught_at_the_end() -> None:
+    """After every answer and every fault, copies still held elsewhere get time to end;
+    one that never can (here: cancelled while queued, then withdrawn) is a violation."""
+    run = FanoutRun(nodes=12, tasks=3000, seed=2, fault_events=8, cancel_every=5, hedge=True)
+    good = run_fanout(run)
+    assert good["invariant_violations"] == 0, good["violations"]
+    bad = run_fanout(replace(run, book_class=KeepsAStoppedQueuedCopy))
+    assert {v["invariant"] for v in bad["violations"]} == {"stuck"}  # type: ignore[union-attr]
 
 
 def test_trace_replays_one_tasks_story() -> None:

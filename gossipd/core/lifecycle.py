@@ -36,7 +36,7 @@ handed off);
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.budgets import task_bytes
@@ -129,6 +129,10 @@ class TaskBook:
     def __len__(self) -> int:
         return len(self._owned)
 
+    def __iter__(self) -> Iterator[Owned]:
+        """The tasks held (admitted, not ended), oldest first."""
+        return iter(self._owned.values())
+
     def get(self, task_id: str) -> Owned | None:
         return self._owned.get(task_id)
 
@@ -212,11 +216,14 @@ class TaskBook:
             return Abort.NOTHING
         if owned.forwarders or owned.from_producer:
             return Abort.NOTHING  # someone else still waits for its answer
-        stopping = owned.stop is not None  # cancelled or expired: its worker is aborted already
+        stopping = owned.stop is not None  # cancelled or expired
         owned.stop = Stop.WITHDRAWN
-        if stopping:
-            return Abort.NOTHING
-        return Abort.ABORT if owned.phase is Phase.RUNNING else Abort.MARKED
+        if owned.phase is Phase.RUNNING:
+            # A stopping task's worker is aborted already: its end reads WITHDRAWN.
+            return Abort.NOTHING if stopping else Abort.ABORT
+        # Queued (stopping or not): no worker will take it (start() refuses a withdrawn
+        # entry), so the shell releases it now.
+        return Abort.MARKED
 
     def stop_reason(self, task_id: str) -> Stop | None:
         """Why the task's worker was stopped (None: not by us; a shutdown)."""
