@@ -348,7 +348,7 @@ class EngineConfig(Section):
     # The weights' and activations' type (vLLM's --dtype); "auto": the model's own.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # Longest prompt + output in tokens; 0: the model's own limit.
-    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_model_len: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     # Share of GPU memory vLLM may take (GPU nodes).
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     # GPUs one model is split over (vLLM's tensor parallelism).

@@ -65,7 +65,7 @@ def test_a_gpu_state_reads_fields_it_does_not_know_as_absent(
 def test_reads_gpu_extras_from_0_2_0() -> None:
     assert reads_gpu_extras("0.2.0") and reads_gpu_extras("0.10.1") and reads_gpu_extras("1.0.0")
     assert reads_gpu_extras("0.2.0+g1234")
-    for old in ("0.1.0", "0.1.9", "", "dev", "0.2", "x.y.z"):
+    for old in ("0.1.0", "0.1.9", "", "dev", "0.2", "x.y.z", "0.2.0.dev1", "0.2.0rc1", " 0.2.0"):
         assert not reads_gpu_extras(old), old
 
 
@@ -81,8 +81,25 @@ def _table(*versions: str | None) -> MemberTable:
 
 
 def test_the_field_goes_only_once_every_live_member_reads_it() -> None:
-    assert all_read_gpu_extras(_table().members.values(), "me")  # alone
+    # Alone (or not joined yet): no, so that a join to older members never carries it.
+    assert not all_read_gpu_extras(_table().members.values(), "me")
     assert all_read_gpu_extras(_table("0.2.0", "0.3.1").members.values(), "me")
     assert not all_read_gpu_extras(_table("0.2.0", "0.1.0").members.values(), "me")
     # A member whose GpuState has not reached us yet: its version is not known.
     assert not all_read_gpu_extras(_table("0.2.0", None).members.values(), "me")
+
+
+def test_our_meta_relayed_without_a_field_the_relay_does_not_know_is_still_ours() -> None:
+    """Rule 8b: our Meta heard at our own (incarnation, version) with other content is a
+    previous life's, but not when the only difference is a GPU_STATE_EXTRAS field that a
+    relay older than it dropped (it reads unknown fields as absent)."""
+    table = MemberTable(me="me", addr="tcp://10.0.0.1:7946", now=0.0)
+    ours = GpuState(model="m", software_version="0.2.0", max_model_len=4096)
+    table.publish_meta(ours)
+    inc, version = table.meta_incarnation, table.meta_version
+    dropped = msgspec.structs.replace(ours, max_model_len=msgspec.UNSET)
+    assert not table.is_previous_life(inc, version, ours)
+    assert not table.is_previous_life(inc, version, dropped)
+    assert table.is_previous_life(inc, version, msgspec.structs.replace(ours, model="other"))
+    assert table.is_previous_life(inc, version, msgspec.structs.replace(ours, max_model_len=8))
+    assert table.is_previous_life(inc, version + 1, ours)

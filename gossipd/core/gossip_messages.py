@@ -10,6 +10,7 @@ check) are in ``core/messages.py``.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -42,18 +43,31 @@ Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 # GpuState's protocol step (docs/PROTOCOL.md "Adding a field to GpuState"): daemons before
 # 0.2.0 refuse a GpuState with a field they do not know (and with it the whole gossip message
 # that carries it).  From 0.2.0 a GpuState's unknown fields are ignored, and the fields added
-# since (``max_model_len``) are sent only while every live member runs 0.2.0 or later.
+# since (GPU_STATE_EXTRAS: optional, unset when absent) are sent only while every other live
+# member runs 0.2.0 or later.
 GPU_STATE_EXTRAS_SINCE = (0, 2, 0)
+GPU_STATE_EXTRAS = ("max_model_len",)
+_RELEASE = re.compile(r"(\d{1,9})\.(\d{1,9})\.(\d{1,9})(\+[0-9A-Za-z.-]*)?")
 
 
 def reads_gpu_extras(software_version: str) -> bool:
-    """Does a member of ``software_version`` (its GpuState's) read GpuState fields it does
-    not know (0.2.0 or later)?  An empty or unreadable version: no."""
-    try:
-        parts = tuple(int(p) for p in software_version.split("+")[0].split(".")[:3])
-    except ValueError:
+    """Does a member of ``software_version`` (its GpuState's: MAJOR.MINOR.PATCH, an optional
+    ``+`` suffix) read GpuState fields it does not know (0.2.0 or later)?  Anything else
+    (empty, a pre-release such as 0.2.0.dev1 or 0.2.0rc1): no."""
+    m = _RELEASE.fullmatch(software_version)
+    return m is not None and tuple(int(g) for g in m.groups()[:3]) >= GPU_STATE_EXTRAS_SINCE
+
+
+def same_published(heard: GpuState, ours: GpuState | None) -> bool:
+    """Is ``heard`` (our Meta's GPU state as a member relayed it) what we published?  A
+    relay older than a field of GPU_STATE_EXTRAS drops it on the way (it reads unknown
+    fields as absent): the copy without it is still ours."""
+    if ours is None:
         return False
-    return len(parts) == 3 and parts >= GPU_STATE_EXTRAS_SINCE
+    if heard == ours:
+        return True
+    absent = {f: msgspec.UNSET for f in GPU_STATE_EXTRAS if getattr(heard, f) is msgspec.UNSET}
+    return bool(absent) and heard == msgspec.structs.replace(ours, **absent)
 
 
 class GpuState(msgspec.Struct, frozen=True, kw_only=True):

@@ -100,6 +100,7 @@ class VllmEngine:
         self._tokens_total = 0
         self._dead = False
         self.block_size = 0  # tokens per KV-cache block, known after start()
+        self.max_model_len = 0  # the longest prompt + output, known after start()
 
     async def start(self) -> None:
         c = self._config
@@ -137,6 +138,7 @@ class VllmEngine:
             args, stat_loggers=[_stat_logger_factory(self._figures)]
         )
         self.block_size = int(self._llm.vllm_config.cache_config.block_size or 0)
+        self.max_model_len = int(self._llm.vllm_config.model_config.max_model_len or 0)
         log.info(
             "vLLM engine started",
             extra={

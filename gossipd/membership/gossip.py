@@ -237,17 +237,24 @@ class GossipService:
 
     def _publish_meta(self, *, force: bool) -> None:
         """Publish GPU state when it changed, at most every meta_publish_min_s (status changes
-        go out at once: draining and unhealthy must not wait)."""
+        go out at once: draining and unhealthy must not wait; and a field of the GpuState
+        protocol step coming or going)."""
         assert self.core is not None
         gpu = self.last_gpu_state = self._gpu_state()
         now = self._clock.wall()
         last = self._last_published
         if not force and last == gpu:
             return
-        status_changed = last is None or last.status != gpu.status
+        # Status changes go out at once, and so does a field of the GpuState protocol step
+        # coming or going: an older member that joined must not wait for its removal.
+        urgent = (
+            last is None
+            or last.status != gpu.status
+            or (last.max_model_len is msgspec.UNSET) != (gpu.max_model_len is msgspec.UNSET)
+        )
         if (
             not force
-            and not status_changed
+            and not urgent
             and now - self._last_published_at < self.config.gossip.meta_publish_min_s
         ):
             return
