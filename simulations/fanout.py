@@ -14,12 +14,12 @@ and deduplicate final Results by id.
 Faults: crash (SIGKILL; the node restarts later and replays its journal), stall (SIGSTOP for
 a while), partition (a few members cut off), loss (a share of daemon-to-daemon messages lost).
 Cancels: every ``cancel_every``-th task is cancelled by its producer and by an intruder (another
-producer key), through the daemons' own task book and forwarder (the Cancel passed on to the
+producer key), as many others by the intruder alone, through the daemons' own task book and forwarder (the Cancel passed on to the
 member running the task).  What travels is encoded and decoded by the daemon's own codec.
 
 Invariants (simulations/fanout_checks.py lists them), checked as the run goes and at the end:
 lost, duplicate_results_accepted, two_runs, answer_after_withdraw, taskdone_before_result,
-chunk_gap, cancelled_by_another_key, undecodable, loads.  A
+chunk_gap, cancelled_by_another_key, undecodable, loads, stuck.  A
 violation prints the seed; ``trace_for`` replays the seed recording the events of one task,
 the shortest trace that shows it.
 

@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
         type=int,
         default=50,
         metavar="N",
-        help="every N-th task is cancelled by its producer and by an intruder (0: none)",
+        help="every N-th task is cancelled by its producer and an intruder, as many by the "
+        "intruder alone (0: none)",
     )
     p.add_argument(
         "--swarm",

@@ -66,8 +66,10 @@ class Network:
             self.deliver(d.index, dst, PEER_MSG, frame, lossy=True, delay=delay)
 
     def peer_items(self, frame: bytes, at: str) -> tuple[PeerMessage, ...]:
-        """The fan-out messages in a frame that arrived at ``at``, decoded as the daemon
-        decodes them; none (and a violation) when the codec cannot read its own frame."""
+        """The fan-out messages in a frame that arrived at ``at``, decoded by the daemon's
+        codec (``decode_peer``: size, schema, version); none (and a violation) when it cannot
+        read its own frame.  The owner endpoint's further checks (each batched item's
+        version, CURVE's sender against the message's source) are not simulated."""
         try:
             msg = decode_peer(frame, bytes_max=self.fanout_config.message_bytes_max)
         except RemoteProtocolError as exc:

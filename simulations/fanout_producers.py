@@ -52,8 +52,11 @@ class Producers:
         )
         self.tasks[task.id] = TaskState(task, self.now)
         self.send_task(task)
-        if run.cancel_every and i % run.cancel_every == run.cancel_every // 2:
-            for src in (INTRUDER_SRC, PRODUCER_SRC):
+        if run.cancel_every:
+            # Every n-th task: its producer and the intruder cancel it; as many others: the
+            # intruder alone (any of these that ends cancelled obeyed another key).
+            senders = {run.cancel_every // 2: (INTRUDER_SRC, PRODUCER_SRC), 0: (INTRUDER_SRC,)}
+            for src in senders.get(i % run.cancel_every, ()):
                 at = self.now + self.rng.uniform(0.0, 3 * run.service_s)
                 self.push(at, CANCEL, -1, (task.id, src))
         if self.sent < run.tasks:
@@ -70,10 +73,16 @@ class Producers:
         self.tasks[task.id].entry = entry
         self.tasks[task.id].last_sent = self.now
         self.trace(task.id, PRODUCER, f"sends attempt {task.attempt} to d{entry:04d}")
-        latency = self.latency()
-        frame = encode(task)
-        self.push(self.now + latency, PEER_MSG, entry, (PRODUCER_SRC, 0, self.now, frame))
+        self.to_entry(PRODUCER_SRC, entry, encode(task))
         self.push(self.now + self.run.resubmit_s, RESUBMIT, -1, (task.id, task.attempt))
+
+    def to_entry(self, src: int, entry: int, frame: bytes) -> None:
+        """A frame from a producer's connection (``src``) to daemon ``entry``: one ZeroMQ
+        connection keeps its order (a Cancel never overtakes its Task)."""
+        link = (src, entry)
+        at = max(self.now + self.latency(), self.link_last.get(link, 0.0) + 1e-7)
+        self.link_last[link] = at
+        self.push(at, PEER_MSG, entry, (src, 0, self.now, frame))
 
     def send_cancel(self, payload: tuple[str, int]) -> None:
         """A Cancel for a task not answered yet, to the daemon its latest attempt went to,
@@ -90,8 +99,7 @@ class Producers:
             PRODUCER,
             f"cancel from {'the producer' if src == PRODUCER_SRC else 'an intruder'} to d{state.entry:04d}",
         )
-        frame = encode(Cancel(v=1, id=task_id))
-        self.push(self.now + self.latency(), PEER_MSG, state.entry, (src, 0, self.now, frame))
+        self.to_entry(src, state.entry, encode(Cancel(v=1, id=task_id)))
 
     def resubmit_if_silent(self, payload: tuple[str, int | None]) -> None:
         """Resend a task still without a final Result: after a silence of resubmit_s since

@@ -39,8 +39,9 @@ class FanoutRun:
     service_s: float = 0.05  # mean engine time of a task
     keys: int = 0  # distinct task keys (0: tasks / 20)
     stream_every: int = 10  # every n-th task streams chunks
-    # Every n-th task is cancelled by its producer, and by an intruder (another key: never
-    # obeyed), a random time within 3 service times of being sent; 0: none.
+    # Every n-th task is cancelled by its producer and by an intruder (another key: never
+    # obeyed), as many others by the intruder alone, each a random time within 3 service
+    # times of being sent; 0: none.
     cancel_every: int = 50
     latency_s: float = 0.0003  # median one-way latency
     loss: float = 0.05  # share of daemon-to-daemon messages lost during a loss fault

@@ -158,7 +158,8 @@ def test_a_frame_the_codec_cannot_read_back_is_a_violation(monkeypatch) -> None:
 
 
 def test_cancels_from_the_producer_end_tasks_and_an_intruders_do_not() -> None:
-    """Every 10th task is cancelled by its producer and by an intruder (another key), under
+    """Every 10th task is cancelled by its producer and by an intruder (another key), as
+    many by the intruder alone, under
     every fault kind: each task still gets one final Result (ok, or cancelled when the
     producer's Cancel came first), the intruder's Cancels are refused, none is lost."""
     run = FanoutRun(nodes=12, tasks=4000, seed=2, fault_events=8, cancel_every=10)
