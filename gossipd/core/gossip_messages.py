@@ -286,3 +286,29 @@ def encode_update(update: Update) -> bytes:
 def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
     """Decode and validate one gossip message, or raise ``RemoteProtocolError``."""
     return decode_between_daemons(_gossip_decoder, data, bytes_max, "gossip")  # type: ignore[no-any-return]
+
+
+# -- GpuState's protocol step: what a member sends while an older one may hear it --------
+
+
+def has_extras(gpu: GpuState | None) -> bool:
+    """Does ``gpu`` carry a field of GPU_STATE_EXTRAS (one a member before 0.2.0 refuses)?"""
+    return gpu is not None and any(getattr(gpu, f) is not msgspec.UNSET for f in GPU_STATE_EXTRAS)
+
+
+def without_extras(gpu: GpuState) -> GpuState:
+    """``gpu`` as a member before GPU_STATE_EXTRAS_SINCE may read it: the extras unset."""
+    return msgspec.structs.replace(gpu, **dict.fromkeys(GPU_STATE_EXTRAS, msgspec.UNSET))
+
+
+def sendable(update: Update) -> Update:
+    """``update`` with no GPU_STATE_EXTRAS field (a Meta's unset; anything else as it is)."""
+    if type(update) is Meta and has_extras(update.gpu):
+        return msgspec.structs.replace(update, gpu=without_extras(update.gpu))
+    return update
+
+
+def sendable_record(record: MemberRecord) -> MemberRecord:
+    if has_extras(record.gpu):
+        return msgspec.structs.replace(record, gpu=without_extras(record.gpu))  # type: ignore[arg-type]
+    return record

@@ -448,7 +448,8 @@ class Prober:
             # from our ack, and refutes.
             updates.insert(0, Dead(node=msg.src, incarnation=pinger.incarnation, by=swim.node))
         swim.send(
-            msg.src_addr, Ack(**swim.header(updates), seq=msg.seq, checksum=swim.table.checksum())
+            msg.src_addr,
+            Ack(**swim.header(updates, to=msg.src), seq=msg.seq, checksum=swim.table.checksum()),
         )
 
     def on_ack(self, msg: Ack, now: float) -> None:
@@ -487,5 +488,9 @@ class Prober:
         )
         swim.send(
             msg.target_addr,
-            Ping(**swim.header(swim.dissemination.piggyback()), seq=self.seq, target=msg.target),
+            Ping(
+                **swim.header(swim.dissemination.piggyback(), to=msg.target),
+                seq=self.seq,
+                target=msg.target,
+            ),
         )

@@ -232,7 +232,9 @@ class GossipService:
         engine.max_model_len), when every live member can read it; else unset."""
         known = getattr(self._engine, "max_model_len", None) or self.config.engine.max_model_len
         assert self.core is not None
+        # What the core sends (others' Metas and records too) follows the same answer.
         readable = all_read_gpu_extras(self.core.table.members.values(), self.node)
+        self.core.send_gpu_extras = readable
         return known if known and readable else msgspec.UNSET
 
     def _publish_meta(self, *, force: bool) -> None:
