@@ -193,7 +193,7 @@ class AntiEntropy:
         """A member's encoded record, without GpuState's newer fields unless every member
         reads them (SwimNode.send_gpu_extras)."""
         record = member.record()
-        if not self._swim.send_gpu_extras:
+        if self._swim.strips_extras:
             record = sendable_record(record)
         return encode_record(record)
 
@@ -204,7 +204,7 @@ class AntiEntropy:
             return MemberRecord(
                 node=swim.node, addr=swim.addr, incarnation=table.incarnation, state="alive"
             )
-        gpu = swim.gpu if swim.send_gpu_extras else without_extras(swim.gpu)
+        gpu = without_extras(swim.gpu) if swim.strips_extras else swim.gpu
         return MemberRecord(
             node=swim.node,
             addr=swim.addr,
@@ -230,7 +230,7 @@ class AntiEntropy:
             return False
         raws = base.raws()
         mine = [own, *(m.record() for m in dict.values(members))]
-        if not swim.send_gpu_extras:
+        if swim.strips_extras:
             mine = [sendable_record(r) for r in mine]
         hidden = members.hidden
         size = base.raws_bytes - sum(len(raws[n]) for n in hidden)

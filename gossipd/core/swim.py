@@ -51,6 +51,7 @@ from gossipd.core.gossip_messages import (
     GpuState,
     Left,
     LoadRecord,
+    Meta,
     Nack,
     Ping,
     PingReq,
@@ -60,6 +61,7 @@ from gossipd.core.gossip_messages import (
     Update,
     decode_gossip,
     encode_gossip,
+    has_extras,
     reads_gpu_extras,
     sendable,
 )
@@ -129,6 +131,9 @@ class SwimNode:
         # (membership.all_read_gpu_extras); a member joining or coming back says no at once
         # (its version is not known yet), before anything is sent to it.
         self.send_gpu_extras = False
+        # Has any GpuState with those fields reached us (or been ours)?  Until one has, there
+        # is nothing to leave out (what a cluster without them pays: one test a message).
+        self._extras_seen = False
         self._next_reap_at = now + REAP_INTERVAL_S
         # Each mechanism draws its first timer's phase from rng here, in this order.
         self.dissemination = Dissemination(self, now)
@@ -234,6 +239,8 @@ class SwimNode:
 
     def set_gpu(self, now: float, gpu: GpuState) -> None:
         """Publish new GPU state (its own version counter, at our incarnation; rides piggyback)."""
+        if not self._extras_seen and has_extras(gpu):
+            self._extras_seen = True
         self.dissemination.push(self.table.publish_meta(gpu), urgent=False)
 
     def _republish_gpu(self) -> None:
@@ -328,6 +335,8 @@ class SwimNode:
         start a confirmation probe, tell the accuser we confirm."""
         if isinstance(update, Term | Directive):
             return self._apply_leadership(update, now)
+        if not self._extras_seen and type(update) is Meta and has_extras(update.gpu):
+            self._extras_seen = True
         outcome = self.table.apply(update, now)
         if outcome.event is not None:
             self._events.append(outcome.event)
@@ -393,7 +402,11 @@ class SwimNode:
         GpuState's newer fields unless every member reads them (``send_gpu_extras``) and
         the message goes to a live member we know (``to``, when it is known: a pinger or a
         relayed ping's target that we do not know yet may be older)."""
-        if updates and not (self.send_gpu_extras and (not to or self._live(to))):
+        if (
+            self._extras_seen
+            and updates
+            and not (self.send_gpu_extras and (not to or self._live(to)))
+        ):
             updates = [sendable(u) for u in updates]
         return {
             "cluster": self.config.cluster,
@@ -402,6 +415,11 @@ class SwimNode:
             "updates": updates,
             "term": self.fence.term,
         }
+
+    @property
+    def strips_extras(self) -> bool:
+        """Must what we send now leave GpuState's newer fields out (anywhere)?"""
+        return self._extras_seen and not self.send_gpu_extras
 
     def _live(self, node: str) -> bool:
         member = self.table.members.get(node)
