@@ -281,21 +281,14 @@ class Daemon:
 
     def _cluster_models(self) -> dict[str, int | None]:
         """The models served here and by live members (GET /v1/models, a request's model),
-        each with the longest prompt + output every member serving it takes (the least of
-        theirs; None while one serving it has not said)."""
-        models: dict[str, int | None] = {self.ingress.intake.model: self._max_model_len()}
+        each with its longest prompt + output where we know it: for the model we serve
+        (members do not gossip theirs, docs/PROTOCOL.md "Adding a field to GpuState")."""
+        models: dict[str, int | None] = {}
         if self.gossip is not None:
             for m in self.gossip.live_members():
-                if m.gpu is None or not m.gpu.model or m.node == self.node:
-                    continue
-                theirs = m.gpu.max_model_len or None
-                if m.gpu.model not in models:
-                    models[m.gpu.model] = theirs
-                else:
-                    ours = models[m.gpu.model]
-                    models[m.gpu.model] = (
-                        None if ours is None or theirs is None else min(ours, theirs)
-                    )
+                if m.gpu is not None and m.gpu.model:
+                    models[m.gpu.model] = None
+        models[self.ingress.intake.model] = self._max_model_len()
         return models
 
     def _max_model_len(self) -> int | None:

@@ -52,13 +52,10 @@ from gossipd.core.gossip_messages import (
     PushPullEncoded,
     encode_gossip,
     encode_record,
-    sendable_record,
-    without_extras,
 )
 from gossipd.core.sharedtable import Overlay, SharedRecords
 
 if TYPE_CHECKING:
-    from gossipd.core.membership import Member
     from gossipd.core.swim import SwimNode
 
 
@@ -189,14 +186,6 @@ class AntiEntropy:
         else:
             self._send_page(addr, page, reply=False, join=False, page=0, more=True)
 
-    def _record(self, member: Member) -> msgspec.Raw:
-        """A member's encoded record, without GpuState's newer fields unless every member
-        reads them (SwimNode.send_gpu_extras)."""
-        record = member.record()
-        if self._swim.strips_extras:
-            record = sendable_record(record)
-        return encode_record(record)
-
     def _own_record(self) -> MemberRecord:
         """Our record, with our current GPU metadata (rule 5)."""
         swim, table = self._swim, self._swim.table
@@ -204,14 +193,13 @@ class AntiEntropy:
             return MemberRecord(
                 node=swim.node, addr=swim.addr, incarnation=table.incarnation, state="alive"
             )
-        gpu = without_extras(swim.gpu) if swim.strips_extras else swim.gpu
         return MemberRecord(
             node=swim.node,
             addr=swim.addr,
             incarnation=table.incarnation,
             state="alive",
             meta_version=swim.meta_version,
-            gpu=gpu,
+            gpu=swim.gpu,
             meta_incarnation=table.meta_incarnation,
         )
 
@@ -230,8 +218,6 @@ class AntiEntropy:
             return False
         raws = base.raws()
         mine = [own, *(m.record() for m in dict.values(members))]
-        if swim.strips_extras:
-            mine = [sendable_record(r) for r in mine]
         hidden = members.hidden
         size = base.raws_bytes - sum(len(raws[n]) for n in hidden)
         size += sum(len(encode_record(r)) for r in mine)
@@ -253,10 +239,10 @@ class AntiEntropy:
         if isinstance(members, Overlay) and base is not None:
             hidden = members.hidden
             return itertools.chain(
-                (self._record(m) for m in dict.values(members)),
+                (encode_record(m.record()) for m in dict.values(members)),
                 (raw for node, raw in base.raws().items() if node not in hidden),
             )
-        return (self._record(m) for m in members.values())
+        return (encode_record(m.record()) for m in members.values())
 
     def _raw_of(self, node: str) -> msgspec.Raw | None:
         """One member's encoded record (None: no longer in our table)."""
@@ -267,7 +253,7 @@ class AntiEntropy:
             return None
         if base is not None and isinstance(members, Overlay) and members.shared(node):
             return base.raws()[node]
-        return self._record(member)
+        return encode_record(member.record())
 
     def _send_next_pages(self, now: float) -> None:
         """One more page of each exchange in progress (rule 1a)."""

@@ -10,7 +10,6 @@ check) are in ``core/messages.py``.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -40,39 +39,12 @@ SmallText = Annotated[str, msgspec.Meta(max_length=128)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
-# GpuState's protocol step (docs/PROTOCOL.md "Adding a field to GpuState"): daemons before
-# 0.2.0 refuse a GpuState with a field they do not know (and with it the whole gossip message
-# that carries it).  From 0.2.0 a GpuState's unknown fields are ignored, and the fields added
-# since (GPU_STATE_EXTRAS: optional, unset when absent) are sent only while every other live
-# member runs 0.2.0 or later.
-GPU_STATE_EXTRAS_SINCE = (0, 2, 0)
-GPU_STATE_EXTRAS = ("max_model_len",)
-_RELEASE = re.compile(r"(\d{1,9})\.(\d{1,9})\.(\d{1,9})(\+[0-9A-Za-z.-]*)?")
-
-
-def reads_gpu_extras(software_version: str) -> bool:
-    """Does a member of ``software_version`` (its GpuState's: MAJOR.MINOR.PATCH, an optional
-    ``+`` suffix) read GpuState fields it does not know (0.2.0 or later)?  Anything else
-    (empty, a pre-release such as 0.2.0.dev1 or 0.2.0rc1): no."""
-    m = _RELEASE.fullmatch(software_version)
-    return m is not None and tuple(int(g) for g in m.groups()[:3]) >= GPU_STATE_EXTRAS_SINCE
-
-
-def same_published(heard: GpuState, ours: GpuState | None) -> bool:
-    """Is ``heard`` (our Meta's GPU state as a member relayed it) what we published?  A
-    relay older than a field of GPU_STATE_EXTRAS drops it on the way (it reads unknown
-    fields as absent): the copy without it is still ours."""
-    if ours is None:
-        return False
-    if heard == ours:
-        return True
-    absent = {f: msgspec.UNSET for f in GPU_STATE_EXTRAS if getattr(heard, f) is msgspec.UNSET}
-    return bool(absent) and heard == msgspec.structs.replace(ours, **absent)
-
-
 class GpuState(msgspec.Struct, frozen=True, kw_only=True):
     """What a daemon tells the cluster about its GPU and load (bounded, versioned by Meta).
-    Fields it does not know are ignored (a later version's), as docs/PROTOCOL.md says."""
+
+    Keys it does not know are ignored (docs/PROTOCOL.md "Adding a field to GpuState"):
+    daemons before 0.2.0 refused them, and with them the whole gossip message, so a field
+    can be added only in a release that every member of a cluster runs after 0.2.0."""
 
     gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
     ingress: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
@@ -95,9 +67,6 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True):
         list[Annotated[int, msgspec.Meta(ge=0, lt=2**32)]], msgspec.Meta(max_length=256)
     ] = msgspec.field(default_factory=list)
     queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # Longest prompt + output, in tokens, of the model served (GET /v1/models at every
-    # member).  Absent (unset) while a live member is older than GPU_STATE_EXTRAS_SINCE.
-    max_model_len: Annotated[int, msgspec.Meta(ge=1, le=2**31)] | msgspec.UnsetType = msgspec.UNSET
 
 
 class LoadRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -286,29 +255,3 @@ def encode_update(update: Update) -> bytes:
 def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
     """Decode and validate one gossip message, or raise ``RemoteProtocolError``."""
     return decode_between_daemons(_gossip_decoder, data, bytes_max, "gossip")  # type: ignore[no-any-return]
-
-
-# -- GpuState's protocol step: what a member sends while an older one may hear it --------
-
-
-def has_extras(gpu: GpuState | None) -> bool:
-    """Does ``gpu`` carry a field of GPU_STATE_EXTRAS (one a member before 0.2.0 refuses)?"""
-    return gpu is not None and any(getattr(gpu, f) is not msgspec.UNSET for f in GPU_STATE_EXTRAS)
-
-
-def without_extras(gpu: GpuState) -> GpuState:
-    """``gpu`` as a member before GPU_STATE_EXTRAS_SINCE may read it: the extras unset."""
-    return msgspec.structs.replace(gpu, **dict.fromkeys(GPU_STATE_EXTRAS, msgspec.UNSET))
-
-
-def sendable(update: Update) -> Update:
-    """``update`` with no GPU_STATE_EXTRAS field (a Meta's unset; anything else as it is)."""
-    if type(update) is Meta and has_extras(update.gpu):
-        return msgspec.structs.replace(update, gpu=without_extras(update.gpu))
-    return update
-
-
-def sendable_record(record: MemberRecord) -> MemberRecord:
-    if has_extras(record.gpu):
-        return msgspec.structs.replace(record, gpu=without_extras(record.gpu))  # type: ignore[arg-type]
-    return record

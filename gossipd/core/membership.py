@@ -25,9 +25,7 @@ Rules (an update is about one member and carries that member's incarnation):
       state here (placement passes it over) until it publishes at its new incarnation, and
       metadata of older incarnations stays ignored.
    b. A member that hears metadata about itself that it did not publish (a higher pair than
-      its own latest, or the same pair with other content: its previous life's; content
-      that differs only by a GPU_STATE_EXTRAS field the copy lacks is its own, dropped by a
-      relay older than the field, gossip_messages.same_published) takes
+      its own latest, or the same pair with other content: its previous life's) takes
       incarnation max(own, heard) + 1, announces itself alive and publishes again, as for a
       refutation.  (News that it left or died, rule 3, does the same.)
 9. Forgetting (the leader's ``forget`` directive, core/reaping.py): a member held suspect,
@@ -50,7 +48,7 @@ import enum
 import functools
 import hashlib
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -65,8 +63,6 @@ from gossipd.core.gossip_messages import (
     Meta,
     Suspect,
     Update,
-    reads_gpu_extras,
-    same_published,
 )
 from gossipd.core.messages import UpdateKind
 from gossipd.core.sharedtable import Overlay, SharedBase
@@ -120,18 +116,6 @@ class Member:
         else:
             self.prefixes = ()
         self.gpu = gpu
-
-
-def all_read_gpu_extras(members: Iterable[Member], node: str) -> bool:
-    """GpuState's protocol step (gossip_messages.GPU_STATE_EXTRAS_SINCE): is there another
-    live member, and does every live member but ``node`` run a version that ignores GpuState
-    fields it does not know?  A member whose GpuState we have not heard: not known, so no;
-    none (we have not joined yet, or are alone): no, so that what we send to join a cluster
-    of older members never carries a field they refuse."""
-    others = [m for m in members if m.state in LIVE_STATES and m.node != node]
-    return bool(others) and all(
-        m.gpu is not None and reads_gpu_extras(m.gpu.software_version) for m in others
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +242,7 @@ class MemberTable:
         if gpu is None or version <= 0:
             return False
         heard, own = (incarnation, version), (self.meta_incarnation, self.meta_version)
-        return heard > own or (heard == own and not same_published(gpu, self.gpu))
+        return heard > own or (heard == own and gpu != self.gpu)
 
     def records(self) -> list[MemberRecord]:
         """Our whole table as push-pull records, built on each call and kept by nobody (a

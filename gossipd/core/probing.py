@@ -448,8 +448,7 @@ class Prober:
             # from our ack, and refutes.
             updates.insert(0, Dead(node=msg.src, incarnation=pinger.incarnation, by=swim.node))
         swim.send(
-            msg.src_addr,
-            Ack(**swim.header(updates, to=msg.src), seq=msg.seq, checksum=swim.table.checksum()),
+            msg.src_addr, Ack(**swim.header(updates), seq=msg.seq, checksum=swim.table.checksum())
         )
 
     def on_ack(self, msg: Ack, now: float) -> None:
@@ -488,9 +487,5 @@ class Prober:
         )
         swim.send(
             msg.target_addr,
-            Ping(
-                **swim.header(swim.dissemination.piggyback(), to=msg.target),
-                seq=self.seq,
-                target=msg.target,
-            ),
+            Ping(**swim.header(swim.dissemination.piggyback()), seq=self.seq, target=msg.target),
         )

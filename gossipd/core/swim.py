@@ -51,7 +51,6 @@ from gossipd.core.gossip_messages import (
     GpuState,
     Left,
     LoadRecord,
-    Meta,
     Nack,
     Ping,
     PingReq,
@@ -61,11 +60,8 @@ from gossipd.core.gossip_messages import (
     Update,
     decode_gossip,
     encode_gossip,
-    has_extras,
-    reads_gpu_extras,
-    sendable,
 )
-from gossipd.core.membership import LIVE_STATES, MemberEvent, MemberTable, Outcome
+from gossipd.core.membership import MemberEvent, MemberTable, Outcome
 from gossipd.core.probing import Prober
 from gossipd.core.refusal import PortCheck, RefusalDetector
 from gossipd.core.sharedtable import SharedBase
@@ -126,14 +122,6 @@ class SwimNode:
         self.fence = Fence()
         self._leadership: list[Term | Directive] = []
         self._current_src = ""  # while applying a message's updates: who carried them
-        # GpuState's protocol step (gossip_messages.GPU_STATE_EXTRAS_SINCE): may what we send
-        # carry GpuState's newer fields (every live member reads them)?  The shell says yes
-        # (membership.all_read_gpu_extras); a member joining or coming back says no at once
-        # (its version is not known yet), before anything is sent to it.
-        self.send_gpu_extras = False
-        # Has any GpuState with those fields reached us (or been ours)?  Until one has, there
-        # is nothing to leave out (what a cluster without them pays: one test a message).
-        self._extras_seen = False
         self._next_reap_at = now + REAP_INTERVAL_S
         # Each mechanism draws its first timer's phase from rng here, in this order.
         self.dissemination = Dissemination(self, now)
@@ -239,8 +227,6 @@ class SwimNode:
 
     def set_gpu(self, now: float, gpu: GpuState) -> None:
         """Publish new GPU state (its own version counter, at our incarnation; rides piggyback)."""
-        if not self._extras_seen and has_extras(gpu):
-            self._extras_seen = True
         self.dissemination.push(self.table.publish_meta(gpu), urgent=False)
 
     def _republish_gpu(self) -> None:
@@ -335,16 +321,9 @@ class SwimNode:
         start a confirmation probe, tell the accuser we confirm."""
         if isinstance(update, Term | Directive):
             return self._apply_leadership(update, now)
-        if not self._extras_seen and type(update) is Meta and has_extras(update.gpu):
-            self._extras_seen = True
         outcome = self.table.apply(update, now)
         if outcome.event is not None:
             self._events.append(outcome.event)
-            if outcome.event.kind in ("joined", "alive") and self.send_gpu_extras:
-                member = self.table.members.get(outcome.event.node)
-                gpu = None if member is None else member.gpu
-                if gpu is None or not reads_gpu_extras(gpu.software_version):
-                    self.send_gpu_extras = False  # a member back or new, of no known version
         contain = self.config.contain_suspicions
         if outcome.refuted or outcome.stale_about_me:
             # A refutation of a (contained) suspicion is quiet: those who know of the
@@ -397,17 +376,8 @@ class SwimNode:
         for addr in [member.addr, *(self.table.members[n].addr for n in confirmers)]:
             self.send(addr, GossipOnly(**self.header([suspect])))
 
-    def header(self, updates: list[Update], to: str = "") -> dict[str, object]:
-        """The fields every gossip message starts with, carrying ``updates``: without
-        GpuState's newer fields unless every member reads them (``send_gpu_extras``) and
-        the message goes to a live member we know (``to``, when it is known: a pinger or a
-        relayed ping's target that we do not know yet may be older)."""
-        if (
-            self._extras_seen
-            and updates
-            and not (self.send_gpu_extras and (not to or self._live(to)))
-        ):
-            updates = [sendable(u) for u in updates]
+    def header(self, updates: list[Update]) -> dict[str, object]:
+        """The fields every gossip message starts with, carrying ``updates``."""
         return {
             "cluster": self.config.cluster,
             "src": self.node,
@@ -415,15 +385,6 @@ class SwimNode:
             "updates": updates,
             "term": self.fence.term,
         }
-
-    @property
-    def strips_extras(self) -> bool:
-        """Must what we send now leave GpuState's newer fields out (anywhere)?"""
-        return self._extras_seen and not self.send_gpu_extras
-
-    def _live(self, node: str) -> bool:
-        member = self.table.members.get(node)
-        return member is not None and member.state in LIVE_STATES
 
     def send(self, addr: str, msg: GossipMessage) -> None:
         data = encode_gossip(msg)

@@ -74,8 +74,8 @@ def _wire_error(message: str) -> bytes:
 class DoorLinks:
     """What the door reads from the rest of the daemon (built before it)."""
 
-    # The models members serve, with our own (GET /v1/models), each with the longest
-    # prompt + output every member serving it takes (None: one has not said).
+    # The models members serve, with our own (GET /v1/models), each with its longest
+    # prompt + output where known (ours; None for the others').
     cluster_models: Callable[[], dict[str, int | None]]
     # "" when a request can be served, else why not (readiness, 503).
     not_ready: Callable[[], str]

@@ -369,6 +369,11 @@ class Runner:
         owned = self.book.get(task.id)
         if owned is None or owned.phase is not Phase.RUNNING or task.id in self._workers:
             return False
+        if owned.stop is _WITHDRAWN:
+            # Withdrawn while it was away (nobody waits for its answer): no worker would
+            # take it back (TaskBook.start), so it leaves now.
+            self._withdrawn(task.id)
+            return False
         owned.phase = Phase.QUEUED
         self._queue.put_nowait(owned)
         return True

@@ -26,19 +26,8 @@ import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
-from gossipd.core.gossip_messages import (
-    Directive,
-    GpuState,
-    LoadRecord,
-    Term,
-)
-from gossipd.core.membership import (
-    LIVE_STATES,
-    Member,
-    MemberEvent,
-    State,
-    all_read_gpu_extras,
-)
+from gossipd.core.gossip_messages import Directive, GpuState, LoadRecord, Term
+from gossipd.core.membership import LIVE_STATES, Member, MemberEvent, State
 from gossipd.core.refusal import PortCheck
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
@@ -224,39 +213,21 @@ class GossipService:
             inflight=self.load(),
             prefixes=self.prefixes(),
             queued_tokens=stats.queued_tokens,
-            max_model_len=self._max_model_len(),
         )
-
-    def _max_model_len(self) -> int | msgspec.UnsetType:
-        """The model's longest prompt + output (the engine's, once it knows, else
-        engine.max_model_len), when every live member can read it; else unset."""
-        known = getattr(self._engine, "max_model_len", None) or self.config.engine.max_model_len
-        assert self.core is not None
-        # What the core sends (others' Metas and records too) follows the same answer.
-        readable = all_read_gpu_extras(self.core.table.members.values(), self.node)
-        self.core.send_gpu_extras = readable
-        return known if known and readable else msgspec.UNSET
 
     def _publish_meta(self, *, force: bool) -> None:
         """Publish GPU state when it changed, at most every meta_publish_min_s (status changes
-        go out at once: draining and unhealthy must not wait; and a field of the GpuState
-        protocol step coming or going)."""
+        go out at once: draining and unhealthy must not wait)."""
         assert self.core is not None
         gpu = self.last_gpu_state = self._gpu_state()
         now = self._clock.wall()
         last = self._last_published
         if not force and last == gpu:
             return
-        # Status changes go out at once, and so does a field of the GpuState protocol step
-        # coming or going: an older member that joined must not wait for its removal.
-        urgent = (
-            last is None
-            or last.status != gpu.status
-            or (last.max_model_len is msgspec.UNSET) != (gpu.max_model_len is msgspec.UNSET)
-        )
+        status_changed = last is None or last.status != gpu.status
         if (
             not force
-            and not urgent
+            and not status_changed
             and now - self._last_published_at < self.config.gossip.meta_publish_min_s
         ):
             return
