@@ -155,6 +155,10 @@ class Admin:
     async def _hand_off(self, queued: list[tuple[object, float]]) -> None:
         assert self.dispatcher is not None
         for task, received_at in queued:
+            # Stopped while earlier ones were offered: answered (or dropped) here, not run
+            # elsewhere.
+            if self._ingress.runner.settle_stopped(task):  # type: ignore[arg-type]
+                continue
             if await self.dispatcher.hand_off(task, received_at):  # type: ignore[arg-type]
                 self._ingress.runner.release(
                     task,  # type: ignore[arg-type]

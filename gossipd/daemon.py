@@ -826,6 +826,8 @@ class Daemon:
         if self.dispatcher is not None:
             self.dispatcher.set_draining(True)
             for task, received_at in self.ingress.runner.take_queued():
+                if self.ingress.runner.settle_stopped(task):
+                    continue  # stopped while earlier ones were offered: not run elsewhere
                 if await self.dispatcher.hand_off(task, received_at):
                     handed_off += 1
                     self.ingress.runner.release(

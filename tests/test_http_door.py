@@ -279,14 +279,14 @@ def test_models_lists_every_members_model_and_requests_go_where_it_is_served(
 ) -> None:
     """GET /v1/models at one member lists the other's model too (its max_model_len null:
     members do not gossip it yet), and a request naming it is served there."""
-    names = {0: ("echo", 1024), 1: ("echo-b", 2048)}
+    served = {0: ("echo", 1024), 1: ("echo-b", 2048)}  # (model, max_model_len) a member
     c = Cluster(
         2,
         log_dir=str(tmp_path),
         extra_overrides=[HTTP, METRICS],
         overrides_for=lambda i: [
-            f'engine.served_model_name="{names[i][0]}"',
-            f"engine.max_model_len={names[i][1]}",
+            f'engine.served_model_name="{served[i][0]}"',
+            f"engine.max_model_len={served[i][1]}",
         ],
     )
     with running(c):

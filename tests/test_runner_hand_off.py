@@ -1,8 +1,10 @@
-"""The runner's drain hand-off (gossipd/ingress/runner.py take_queued / requeue) against
-withdrawals and cancels that land while a queued task is away being offered elsewhere."""
+"""The runner's drain hand-off (gossipd/ingress/runner.py take_queued, settle_stopped,
+requeue) against withdrawals and cancels that land while a queued task is away being
+offered elsewhere (gossipd/admin.py's drain and the daemon's shutdown offer them one by one)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -50,11 +52,25 @@ def test_a_task_withdrawn_while_offered_elsewhere_leaves_when_no_member_took_it(
     assert runner.results["withdrawn"] == 1
 
 
-def test_a_task_cancelled_while_offered_elsewhere_runs_here_to_its_cancelled_answer(
+def test_a_task_cancelled_while_offered_elsewhere_is_answered_here_not_run_elsewhere(
     runner: Runner,
 ) -> None:
-    task = _taken(runner, "t2")
-    assert runner.book.cancel("t2") is Abort.ABORT
+    async def drain_asks() -> None:  # (its answer goes out through the reply sender)
+        task = _taken(runner, "t2")
+        assert runner.book.cancel("t2") is Abort.ABORT  # no worker runs it: nothing to stop
+        assert runner.settle_stopped(task)  # what the drain asks before offering it
+        assert runner.book.get("t2") is None and runner.admission.pending == 0
+        assert runner.results["cancelled"] == 1
+        assert not runner.requeue(task)
+
+    asyncio.run(drain_asks())
+
+
+def test_a_task_not_stopped_is_offered_and_put_back_when_no_member_took_it(
+    runner: Runner,
+) -> None:
+    task = _taken(runner, "t3")
+    assert not runner.settle_stopped(task)
     assert runner.requeue(task)
-    owned = runner.book.get("t2")
-    assert owned is not None and runner.book.start(owned)  # a worker takes it, and answers it
+    owned = runner.book.get("t3")
+    assert owned is not None and runner.book.start(owned)  # a worker takes it here

@@ -44,7 +44,7 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True):
 
     Keys it does not know are ignored (docs/PROTOCOL.md "Adding a field to GpuState"):
     daemons before 0.2.0 refused them, and with them the whole gossip message, so a field
-    can be added only in a release that every member of a cluster runs after 0.2.0."""
+    can be added only by a later release, in clusters whose members all run 0.2.0 or later."""
 
     gpu_index: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
     ingress: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""

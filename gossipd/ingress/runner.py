@@ -369,13 +369,30 @@ class Runner:
         owned = self.book.get(task.id)
         if owned is None or owned.phase is not Phase.RUNNING or task.id in self._workers:
             return False
-        if owned.stop is _WITHDRAWN:
-            # Withdrawn while it was away (nobody waits for its answer): no worker would
-            # take it back (TaskBook.start), so it leaves now.
-            self._withdrawn(task.id)
+        if self.settle_stopped(task):
             return False
         owned.phase = Phase.QUEUED
         self._queue.put_nowait(owned)
+        return True
+
+    def settle_stopped(self, task: Task) -> bool:
+        """A task ``take_queued`` took that was stopped while it waited to be handed off:
+        withdrawn (nobody waits for its answer: it leaves, as no worker would take it back),
+        cancelled or past its deadline (answered so now, rather than run elsewhere).  False:
+        not stopped, hand it off (or requeue it)."""
+        why = self.book.stop_reason(task.id)
+        if why is None:
+            return False
+        if why is _WITHDRAWN:
+            self._withdrawn(task.id)
+        elif why is Stop.EXPIRED:
+            self._finish(task, self._deadline_result(task, 0))
+        else:
+            self._finish(
+                task,
+                error_result(task.id, ErrorCode.CANCELLED, "cancelled by the producer (0 chunks "
+                             "done)", node=self._node),
+            )  # fmt: skip
         return True
 
     def release(self, task: Task, result: Result) -> None:
