@@ -131,16 +131,16 @@ class SimDaemon:
                 )
                 self.world.answer(self, task, answer)
 
-    def on_cancel(self, task_id: str, producer_key: str) -> str:
+    def on_cancel(self, task_id: str, producer_key: str) -> None:
         """A Cancel, from a producer or passed on by a peer, as the daemon's intake handles
         it (``Intake.handle_cancel``): the task book decides here (core/lifecycle.py rule 4:
         only the task's own key), else the forwarder passes it on to the member running it
-        (core/forwarder.py rule 7).  Returns the outcome the intake counts."""
+        (core/forwarder.py rule 7).  Counted by outcome, as the intake counts it."""
         outcome = self.cancel_here(task_id, producer_key)
         if outcome is None:
             outcome = self.forwarder.cancel(task_id, producer_key)
         self.world.trace(task_id, self.name, f"cancel from {producer_key!r}: {outcome}")
-        return outcome or "unknown"
+        self.world.cancels[outcome or "unknown"] += 1
 
     def cancel_here(self, task_id: str, producer_key: str) -> str | None:
         """As the runner's ``cancel``: a running task is aborted in the engine and answered
@@ -227,7 +227,7 @@ class SimDaemon:
             self.flush_held()
         elif isinstance(msg, Cancel):
             # A producer's Cancel an entry passed on, with the key the entry read.
-            self.world.cancels[self.on_cancel(msg.id, msg.producer_key)] += 1
+            self.on_cancel(msg.id, msg.producer_key)
         elif isinstance(msg, (ForwardReply, TaskDone)):
             if isinstance(msg, TaskDone):
                 self.world.trace(msg.id, self.name, f"gets TaskDone from {src}")

@@ -244,7 +244,7 @@ class World(Producers, Faults, Network, Checks):
                 if type(msg) is Task:
                     d.on_task(msg)
                 elif msg is not None:
-                    self.cancels[d.on_cancel(msg.id, msg.producer_key)] += 1
+                    d.on_cancel(msg.id, msg.producer_key)
             else:
                 src = self.daemons[payload[0]].name  # type: ignore[index]
                 for msg in self.peer_items(payload[3], d.name):  # type: ignore[index]

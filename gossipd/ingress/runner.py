@@ -284,17 +284,7 @@ class Runner:
                 if why is Stop.WITHDRAWN:
                     self._withdrawn(task.id)
                     return
-                result = (
-                    self._deadline_result(task, len(parts))
-                    if why is Stop.EXPIRED
-                    else error_result(
-                        task.id,
-                        ErrorCode.CANCELLED,
-                        f"cancelled by the producer ({len(parts)} chunks done)",
-                        node=self._node,
-                    )
-                )
-                self._finish(task, result)
+                self._finish(task, self._stopped_result(task, why, len(parts)))
                 return
             # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
             self._finish_shutting_down(task, "finished")
@@ -317,6 +307,17 @@ class Runner:
             self._withdrawn(task.id)
             return
         self._finish(task, result)
+
+    def _stopped_result(self, task: Task, why: Stop, chunks: int) -> Result:
+        """The answer of a task stopped by its deadline or its producer's Cancel."""
+        if why is Stop.EXPIRED:
+            return self._deadline_result(task, chunks)
+        return error_result(
+            task.id,
+            ErrorCode.CANCELLED,
+            f"cancelled by the producer ({chunks} chunks done)",
+            node=self._node,
+        )
 
     def _deadline_result(self, task: Task, tokens: int) -> Result:
         return error_result(
@@ -385,14 +386,8 @@ class Runner:
             return False
         if why is _WITHDRAWN:
             self._withdrawn(task.id)
-        elif why is Stop.EXPIRED:
-            self._finish(task, self._deadline_result(task, 0))
         else:
-            self._finish(
-                task,
-                error_result(task.id, ErrorCode.CANCELLED, "cancelled by the producer (0 chunks "
-                             "done)", node=self._node),
-            )  # fmt: skip
+            self._finish(task, self._stopped_result(task, why, 0))
         return True
 
     def release(self, task: Task, result: Result) -> None:
