@@ -5,14 +5,18 @@ the same small JSON answer to the same POST, on uvloop, measured with wrk.
 
 Candidates: gossipd's own door server (gossipd/http/server.py: httptools under an asyncio
 Protocol), uvicorn's ``Server.serve()`` with a bare ASGI app (httptools inside too, plus the
-ASGI layer), aiohttp's ``web`` (its C parser).  granian's embedded mode is not measured yet.  Each server runs in its own
-process on one loop; wrk (2 threads, 16 connections) sends the request; CPU is the server
+ASGI layer), aiohttp's ``web`` (its C parser), and granian's embedded mode
+(``granian.server.embed.Server``: its Rust HTTP stack on its own runtime thread, the handler on
+this loop) with its own RSGI interface and with ASGI.  granian is not a dependency of gossipd:
+``.venv/bin/pip install granian`` to measure it (skipped, and said so, without it).  Each
+server runs in its own process on one loop; wrk (2 threads, 16 connections) sends the request; CPU is the server
 process's utime+stime over the window.  Rounds interleave the candidates; medians printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -68,6 +72,40 @@ async def main():
     await asyncio.Event().wait()
 uvloop.run(main())
 """,
+    "granian-rsgi-embed": """
+import asyncio, uvloop
+from granian.constants import HTTPModes, Interfaces
+from granian.log import LogLevels
+from granian.server.embed import Server
+BODY = %r
+HEADERS = [("content-type", "application/json")]
+async def app(scope, protocol):
+    await protocol()
+    protocol.response_bytes(200, HEADERS, BODY)
+async def main():
+    await Server(app, address="127.0.0.1", port=PORT, interface=Interfaces.RSGI, http=HTTPModes.http1,
+                 runtime_threads=1, log_enabled=False, log_level=LogLevels.error).serve()
+uvloop.run(main())
+""",
+    "granian-asgi-embed": """
+import asyncio, uvloop
+from granian.constants import HTTPModes, Interfaces
+from granian.log import LogLevels
+from granian.server.embed import Server
+BODY = %r
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": BODY})
+async def main():
+    await Server(app, address="127.0.0.1", port=PORT, interface=Interfaces.ASGINL, http=HTTPModes.http1,
+                 runtime_threads=1, log_enabled=False, log_level=LogLevels.error).serve()
+uvloop.run(main())
+""",
 }
 
 LUA = f"""
@@ -110,9 +148,14 @@ def main() -> int:
     lua = os.path.join(workdir, "post.lua")
     with open(lua, "w") as f:
         f.write(LUA)
+    servers = dict(SERVERS)
+    if importlib.util.find_spec("granian") is None:
+        print("granian is not installed: its candidates are skipped (.venv/bin/pip install "
+              "granian)", file=sys.stderr)  # fmt: skip
+        servers = {k: v for k, v in servers.items() if not k.startswith("granian")}
     procs = {}
     ports = {}
-    for name, source in SERVERS.items():
+    for name, source in servers.items():
         port = _free_port()
         code = (source % BODY).replace("PORT", str(port))
         procs[name] = subprocess.Popen([sys.executable, "-c", code], cwd=os.getcwd())
@@ -120,7 +163,7 @@ def main() -> int:
     try:
         for port in ports.values():
             _wait_port(port)
-        figures: dict[str, list[dict[str, float]]] = {name: [] for name in SERVERS}
+        figures: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
         for r in range(args.rounds):
             for name, port in ports.items():
                 print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
