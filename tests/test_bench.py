@@ -87,6 +87,10 @@ def test_bench_route_json_reports_hops_and_throughput_and_plots_the_cdfs(tmp_pat
         assert report[hops]["p99"] >= report[hops]["p50"] > 0
     p50 = report["latency_1_hop_ms"]["p50"] - report["latency_0_hop_ms"]["p50"]
     assert abs(report["hop_overhead_ms"]["p50"] - p50) < 0.002
+    # The floor from the same rounds: a relay adds a hop, so its latency is above none.
+    assert report["raw_zmq_hop_ms"]["p50"] > 0
+    over = report["hop_overhead_ms"]["p50"] - report["raw_zmq_hop_ms"]["p50"]
+    assert abs(report["hop_over_raw_p50_ms"] - over) < 0.002
     assert report["cluster_tasks_per_s"] > 0 and report["raw_zmq_tasks_per_s"] > 0
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000

@@ -27,10 +27,12 @@ from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import Steps
 
 
-def _raw_server() -> tuple[subprocess.Popen[str], str]:
+def _raw_server(relay_to: str = "") -> tuple[subprocess.Popen[str], str]:
+    """The raw echo server, or with ``relay_to`` a raw relay to one (raw_echo.py)."""
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    relay = ["--relay-to", relay_to] if relay_to else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gossipd.tools.bench.raw_echo", endpoint],
+        [sys.executable, "-m", "gossipd.tools.bench.raw_echo", endpoint, *relay],
         stdout=subprocess.PIPE,
         text=True,
     )

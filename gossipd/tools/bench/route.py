@@ -4,6 +4,9 @@ Tasks enter at a random daemon, so about 2/3 enter at a non-owner and take one f
 Added latency per hop = latency of 1-hop tasks minus latency of 0-hop tasks, both measured in
 the same rounds at window 1 (no queueing), p50 and p99.  Throughput at a window of 300 is
 compared with raw pyzmq PUSH/PULL + MessagePack (one raw echo server) measured in the same run.
+The floor under the added latency per hop is measured in the same rounds too: the same tasks
+at window 1 through a raw pyzmq relay to the raw echo server, minus straight to it (one
+ZeroMQ hop through one Python process that reads the task, and nothing else: raw_echo.py).
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ def main(
     # The journal's fsync costs the same with or without a hop; off by default here so that
     # the figures isolate forwarding (--journal to include it).
     journal_overrides = [] if journal else ['journal.path=""']
-    steps.start(f"starting {nodes} daemons and a raw pyzmq echo server")
+    steps.start(f"starting {nodes} daemons, a raw pyzmq echo server and a raw relay to it")
     raw_proc, raw_endpoint = _raw_server()
+    relay_proc, relay_endpoint = _raw_server(relay_to=raw_endpoint)
     cluster = Cluster(nodes, extra_overrides=journal_overrides)
     cluster.start()
     try:
@@ -79,6 +83,8 @@ def main(
         entry = [rng.randrange(nodes) for _ in range(tasks)]
         hops = [0 if names[entry[i]] == ring.owner(keys[i]) else 1 for i in range(tasks)]
         zero, one, tput_raw, tput_cluster = [], [], [], []
+        raw_zero: list[float] = []  # window 1, straight to the raw echo server
+        raw_one: list[float] = []  # window 1, through the raw relay
         warm = min(1000, tasks)  # (--tasks below 1,000 used to index past the keys)
         drive_many(
             endpoints,
@@ -95,6 +101,8 @@ def main(
             assert lat.by_task_ms is not None
             zero += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 0]
             one += [lat.by_task_ms[i] for i in range(tasks) if hops[i] == 1]
+            raw_zero += drive(raw_endpoint, tasks, 1, run=f"rawlat{r}").latencies_ms
+            raw_one += drive(relay_endpoint, tasks, 1, run=f"relaylat{r}").latencies_ms
             tput_raw.append(drive(raw_endpoint, tasks * 4, 300, run=f"raw{r}").tasks_per_s)
             tput_cluster.append(
                 drive_many(
@@ -112,12 +120,16 @@ def main(
             )
     finally:
         cluster.stop()
-        raw_proc.terminate()
-        raw_proc.wait()
+        for proc in (relay_proc, raw_proc):
+            proc.terminate()
+            proc.wait()
         steps.close()
     zero.sort()
     one.sort()
+    raw_zero.sort()
+    raw_one.sort()
     p = {q: round(percentile(one, q) - percentile(zero, q), 3) for q in (50, 99)}
+    raw_hop = {q: round(percentile(raw_one, q) - percentile(raw_zero, q), 3) for q in (50, 99)}
     raw_tps, cl_tps = statistics.median(tput_raw), statistics.median(tput_cluster)
     report = {
         "benchmark": "route",
@@ -134,6 +146,9 @@ def main(
             "p99": round(percentile(one, 99), 3),
         },
         "hop_overhead_ms": {"p50": p[50], "p99": p[99]},
+        # The floor from the same rounds: one raw ZeroMQ hop through a Python relay.
+        "raw_zmq_hop_ms": {"p50": raw_hop[50], "p99": raw_hop[99]},
+        "hop_over_raw_p50_ms": round(p[50] - raw_hop[50], 3),
         "raw_zmq_tasks_per_s": round(raw_tps, 1),
         "cluster_tasks_per_s": round(cl_tps, 1),
         "ratio_vs_raw_zmq": round(cl_tps / raw_tps, 3),
@@ -172,7 +187,8 @@ def plot_latency(zero: list[float], one: list[float], report: dict[str, Any], pa
     ax.set_ylabel("tasks (%)")
     title = (
         f"gossipd bench route: {report['nodes']} daemons, echo engine, zero delay\n"
-        f"added per hop p50 {hop['p50']:.3f} ms, p99 {hop['p99']:.3f} ms; "
+        f"added per hop p50 {hop['p50']:.3f} ms, p99 {hop['p99']:.3f} ms "
+        f"(raw ZeroMQ relay p50 {report['raw_zmq_hop_ms']['p50']:.3f}); "
         f"throughput {report['ratio_vs_raw_zmq']:.2f}x raw pyzmq"
     )
     save_percent_figure(fig, ax, title, path)
