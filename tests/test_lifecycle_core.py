@@ -101,6 +101,46 @@ def test_TaskBook_cancel_and_expiry_keep_the_first_reason_and_withdrawal_wins() 
     assert book.stop_reason("t1") is Stop.WITHDRAWN
 
 
+def test_TaskBook_a_copy_that_comes_while_a_withdrawn_task_is_aborted_restarts_it() -> None:
+    """Rule 3b: withdrawn while it ran, then forwarded here again (or resubmitted) before its
+    aborted worker ended: that worker's end must not drop it silently (the new holder would
+    wait for an answer that never comes): it runs again for the new holder."""
+    book = _book()
+    _, owned = book.offer(_task(), 0.0, 0.0, forwarder=b"A")
+    assert isinstance(owned, Owned) and book.start(owned)
+    assert book.withdraw("t0", b"A") is Abort.ABORT
+    verdict, same = book.offer(_task(), 0.0, 0.1, forwarder=b"B")
+    assert verdict is Verdict.DUPLICATE_PENDING and same is owned
+    assert book.stop_reason("t0") is Stop.RESTART and owned.notify() == [b"B"]
+    assert not book.restart("t9")
+    assert book.restart("t0"), "its worker ended: it goes back to the queue"
+    assert book.stop_reason("t0") is None and not book.restart("t0")
+    owned.phase = Phase.QUEUED  # (the runner queues it again)
+    assert book.start(owned)
+    assert book.finish("t0", _ok()).notify() == [b"B"]
+
+
+def test_TaskBook_a_restarting_task_can_still_be_cancelled_expired_or_withdrawn() -> None:
+    book = _book()
+    for i, stop in enumerate(("cancel", "expire", "withdraw")):
+        _, owned = book.offer(_task(i), 0.0, 0.0, forwarder=b"A")
+        assert isinstance(owned, Owned) and book.start(owned)
+        book.withdraw(f"t{i}", b"A")
+        book.offer(_task(i), 0.0, 0.1)  # its producer's retry, straight to us
+        assert book.stop_reason(f"t{i}") is Stop.RESTART
+        if stop == "cancel":
+            # Its worker is being aborted already: its end answers cancelled.
+            assert book.cancel(f"t{i}") is Abort.MARKED
+            assert book.stop_reason(f"t{i}") is Stop.CANCELLED
+        elif stop == "expire":
+            assert book.expire(f"t{i}") is Abort.MARKED
+            assert book.stop_reason(f"t{i}") is Stop.EXPIRED
+        else:  # a producer's copy is never withdrawn; a forwarder's is
+            book.offer(_task(i), 0.0, 0.2, forwarder=b"C")
+            assert book.withdraw(f"t{i}", b"C") is Abort.NOTHING
+            assert book.stop_reason(f"t{i}") is Stop.RESTART
+
+
 def test_TaskBook_refusals_create_nothing() -> None:
     book = _book(pending_max=1)
     book.offer(_task(1), 0.0, 0.0)
@@ -123,7 +163,8 @@ def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) ->
     """Whatever happens: the book's entries are exactly admission's pending ids; a task
     withdrawn before it ran never starts, and never stays (the shell releases it on MARKED);
     an ended task is never aborted; every entry that ends notifies only forwarders that sent
-    it and did not withdraw it."""
+    it and did not withdraw it; an entry dropped without an answer has nobody waiting for one
+    (rule 3b)."""
     book = _book(pending_max=3)
     sent: dict[str, set[bytes]] = {}
     for op, i, who in ops:
@@ -156,7 +197,10 @@ def test_TaskBook_any_sequence_keeps_admission_and_entries_in_step(ops: list) ->
                 sent.pop(tid, None)
         elif op == "end" and owned is not None:
             if owned.stop is Stop.WITHDRAWN:
+                assert not owned.forwarders and not owned.from_producer, "someone waits"
                 book.release(tid, _ok(i))
+            elif owned.phase is Phase.RUNNING and book.restart(tid):  # its aborted worker
+                owned.phase = Phase.QUEUED  # ended: queued again, as the runner does
             else:
                 ended = book.finish(tid, _ok(i))
                 assert set(ended.notify()) <= sent.get(tid, set())

@@ -5,6 +5,7 @@ offered elsewhere (gossipd/admin.py's drain and the daemon's shutdown offer them
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -74,3 +75,56 @@ def test_a_task_not_stopped_is_offered_and_put_back_when_no_member_took_it(
     assert runner.requeue(task)
     owned = runner.book.get("t3")
     assert owned is not None and runner.book.start(owned)  # a worker takes it here
+
+
+def test_a_task_forwarded_again_while_its_withdrawn_run_is_aborted_runs_for_the_new_forwarder() -> (
+    None
+):
+    """core/lifecycle.py rule 3b with a real worker: withdrawn while it ran, forwarded here
+    again before the aborted worker ended.  The worker's end queues it again and it runs to a
+    Result whose TaskDone goes to the new forwarder (before: dropped silently, the new
+    forwarder waited for its deadline)."""
+    config = load_config(
+        environ={},
+        overrides=[
+            'ingress.bind="tcp://127.0.0.1:0"',
+            'gossip.bind=""',
+            'journal.path=""',
+            'metrics.bind=""',
+            'engine.kind="echo"',
+            "engine.token_delay_s=0.01",
+        ],
+    )
+    daemon = Daemon(config)
+    runner = daemon.ingress.runner
+    ended: list[tuple[list[object], bool]] = []
+    runner.on_finished.append(lambda owned, result: ended.append((owned.notify(), result.ok)))
+
+    async def race() -> None:
+        worker = asyncio.create_task(runner.work_forever())
+        try:
+            task = Task(
+                v=1, id="t4", prompt="a b c", reply_to="tcp://127.0.0.1:9", timeout_ms=10_000
+            )
+            now = time.monotonic()  # (the runner's clock: deadlines count from it)
+            _, owned = runner.book.offer(task, now, now, forwarder=b"A")
+            runner.enqueue(owned)  # type: ignore[arg-type]
+            async with asyncio.timeout(5):
+                while runner.running == 0:  # its worker has it in the engine
+                    await asyncio.sleep(0.001)
+                assert runner.withdraw("t4", b"A")  # aborted: its worker is cancelled...
+                runner.book.offer(task, now, now, forwarder=b"B")  # ...and it comes back first
+                while not ended:
+                    await asyncio.sleep(0.005)
+        finally:
+            runner.admission.begin_shutdown()  # (an idle worker outlives a cancel otherwise)
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+
+    try:
+        asyncio.run(race())
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert ended == [([b"B"], True)]
+    assert runner.results["restarted"] == 1 and runner.results["ok"] == 1
+    assert runner.book.get("t4") is None and runner.admission.pending == 0

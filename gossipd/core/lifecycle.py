@@ -18,6 +18,11 @@ Rules:
 3. A Withdraw removes its sender from the task's forwarders; when none is left and the task
    came from no producer directly, it is dropped without an answer (queued: never runs;
    running: aborted).  A Withdraw from a member that did not send the task is ignored.
+   3b. A copy of a withdrawn task that arrives while its aborted worker has not yet ended
+   (a forwarder's migration back here, a producer's retry through another entry) is not
+   left to that worker's silent end: the task is ``RESTART``ed, run again from the queue
+   when the worker ends (or finished with the Result the worker had got first), and
+   answered to whoever holds it now.  Its engine request id is free again only then.
 4. A producer's Cancel (only from the key that submitted the task: ``Task.producer_key``,
    "" for all without CURVE; from another key it is ``REFUSED`` and changes nothing) and the
    deadline stop a task (queued or running) with an answer:
@@ -58,6 +63,9 @@ class Stop(enum.Enum):
     CANCELLED = "cancelled"  # its producer's Cancel: answered cancelled
     EXPIRED = "expired"  # its deadline passed: answered deadline_exceeded
     WITHDRAWN = "withdrawn"  # its forwarders had it run elsewhere: no answer from here
+    # Withdrawn while running, then wanted again (rule 3b): when its aborted worker ends,
+    # it goes back to the queue and runs for its new holders.
+    RESTART = "restart"
 
 
 class Abort(enum.Enum):
@@ -118,7 +126,7 @@ _NONE: list[Hashable] = []  # never appended to: add_forwarder replaces it
 # enum class on the slow path), a global ~10 ns.
 _ADMIT = Verdict.ADMIT
 _QUEUED, _RUNNING, _ENDED = Phase.QUEUED, Phase.RUNNING, Phase.ENDED
-_WITHDRAWN = Stop.WITHDRAWN
+_WITHDRAWN, _RESTART = Stop.WITHDRAWN, Stop.RESTART
 
 
 class TaskBook:
@@ -171,6 +179,8 @@ class TaskBook:
                     pending.from_producer = True
                 else:
                     pending.add_forwarder(forwarder)
+                if pending.stop is _WITHDRAWN:  # rule 3b: wanted again
+                    pending.stop = _RESTART if pending.phase is _RUNNING else None
             return verdict, pending
         return verdict, cached
 
@@ -190,6 +200,16 @@ class TaskBook:
         if owned.stop is _WITHDRAWN:
             return False
         owned.phase = _RUNNING
+        return True
+
+    def restart(self, task_id: str) -> bool:
+        """Rule 3b: the aborted worker of a ``RESTART`` entry has ended (or a hand-off that
+        took it looks at it): it is not stopped any more, and runs (the shell queues it
+        again).  False: no RESTART entry of that id."""
+        owned = self._owned.get(task_id)
+        if owned is None or owned.stop is not _RESTART:
+            return False
+        owned.stop = None
         return True
 
     def cancel(self, task_id: str, producer_key: str = "") -> Abort:
@@ -216,7 +236,7 @@ class TaskBook:
             return Abort.NOTHING
         if owned.forwarders or owned.from_producer:
             return Abort.NOTHING  # someone else still waits for its answer
-        stopping = owned.stop is not None  # cancelled or expired
+        stopping = owned.stop is not None  # cancelled, expired, or aborted to restart
         owned.stop = Stop.WITHDRAWN
         if owned.phase is Phase.RUNNING:
             # A stopping task's worker is aborted already: its end reads WITHDRAWN.
@@ -252,7 +272,13 @@ class TaskBook:
     def _stop(self, task_id: str, why: Stop) -> Abort:
         """Rule 4."""
         owned = self._owned.get(task_id)
-        if owned is None or owned.stop is not None:
+        if owned is None:
+            return Abort.NOTHING
+        if owned.stop is _RESTART:
+            # Its worker is being aborted already: its end answers ``why`` instead.
+            owned.stop = why
+            return Abort.MARKED
+        if owned.stop is not None:
             return Abort.NOTHING
         owned.stop = why
         return Abort.ABORT if owned.phase is Phase.RUNNING else Abort.MARKED

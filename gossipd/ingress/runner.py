@@ -284,6 +284,11 @@ class Runner:
                 if why is Stop.WITHDRAWN:
                     self._withdrawn(task.id)
                     return
+                if self.book.restart(task.id):  # withdrawn, then wanted again: run it again
+                    self.results["restarted"] += 1
+                    job.phase = Phase.QUEUED
+                    self._queue.put_nowait(job)
+                    return
                 self._finish(task, self._stopped_result(task, why, len(parts)))
                 return
             # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
@@ -381,6 +386,8 @@ class Runner:
         withdrawn (nobody waits for its answer: it leaves, as no worker would take it back),
         cancelled or past its deadline (answered so now, rather than run elsewhere).  False:
         not stopped, hand it off (or requeue it)."""
+        if self.book.restart(task.id):
+            return False  # withdrawn, then wanted again, while it waited: as if never stopped
         why = self.book.stop_reason(task.id)
         if why is None:
             return False
