@@ -87,6 +87,7 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "errors": world.errors,
         "cancels_sent": world.cancels_sent,
         "cancels": dict(world.cancels),
+        "restarted_after_abort": world.restarted,
         "lost": len(lost),
         "lost_ids": lost[:10],
         "duplicate_results_accepted": world.duplicates_accepted,
@@ -152,6 +153,7 @@ def swarm(
             load=rng.uniform(0.3, 0.9),
             hedge=rng.random() < 0.3,
             cancel_every=rng.choice([10, 50]),
+            abort_s=rng.choice([0.0, 0.005, 0.05]),
             forwarder_class=forwarder_class,
             owner_class=owner_class,
             book_class=book_class,
@@ -171,6 +173,7 @@ def swarm(
                     "load": run.load,
                     "hedge": run.hedge,
                     "cancel_every": run.cancel_every,
+                    "abort_s": run.abort_s,
                     "lost": report["lost"],
                     "violations": report["violations"][:3],  # type: ignore[index]
                 }

@@ -83,6 +83,13 @@ def main(argv: list[str]) -> int:
         "intruder alone (0: none)",
     )
     p.add_argument(
+        "--abort-s",
+        type=float,
+        default=FanoutRun.abort_s,
+        metavar="S",
+        help="an aborted engine request holds its slot and task this long (0: instant)",
+    )
+    p.add_argument(
         "--swarm",
         type=int,
         default=0,
@@ -108,8 +115,8 @@ def main(argv: list[str]) -> int:
             show(
                 f"FAILED: replay with --seed {f['seed']} --nodes {f['nodes']} --tasks {f['tasks']} "
                 f"--faults {','.join(f['faults'])} --fault-events {f['fault_events']} "
-                f"--load {f['load']!r} --cancel-every {f['cancel_every']}"
-                + (" --hedge" if f["hedge"] else "")
+                f"--load {f['load']!r} --cancel-every {f['cancel_every']} "
+                f"--abort-s {f['abort_s']!r}" + (" --hedge" if f["hedge"] else "")
             )
         print(
             json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items())
@@ -133,6 +140,7 @@ def main(argv: list[str]) -> int:
         hold_results=not args.no_hold_results,
         confirm_results=args.confirm_results,
         cancel_every=args.cancel_every,
+        abort_s=args.abort_s,
     )
     if args.degrade:
         run.faults = ()

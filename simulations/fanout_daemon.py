@@ -15,7 +15,7 @@ from gossipd.core.admission import Admission, Verdict, refused
 from gossipd.core.forwarder import Route
 from gossipd.core.gossip_messages import GpuState
 from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
-from gossipd.core.lifecycle import ANY, Abort, Owned
+from gossipd.core.lifecycle import ANY, Abort, Owned, Phase, Stop
 from gossipd.core.membership import State
 from gossipd.core.messages import Cancel, Chunk, ErrorCode, Result, Task, error_result
 from gossipd.core.owner import Refused
@@ -30,7 +30,7 @@ from gossipd.core.peer_messages import (
 from gossipd.core.placer import LoadCounts, Placer
 from gossipd.core.queueing import QueueWait
 from gossipd.core.swim import SwimNode
-from simulations.fanout_run import FINISH
+from simulations.fanout_run import ABORTED, FINISH
 
 if TYPE_CHECKING:
     from simulations.fanout_world import World
@@ -103,6 +103,9 @@ class SimDaemon:
         self.queue: deque[str] = deque()
         self.running = 0
         self.withdrawn_before_run: set[str] = set()
+        # Running tasks whose engine request is being aborted (FanoutRun.abort_s): their
+        # slot and book entry are held until ABORTED, as a worker holds them until its end.
+        self.aborting: set[str] = set()
         self.swim_tick_at = math.inf
         self.fw_tick_at = math.inf
         # Results held while their forwarder is not alive in our view (fanout/holding.py).
@@ -152,12 +155,48 @@ class SimDaemon:
         if abort is Abort.REFUSED:
             return "refused"
         if abort is Abort.ABORT:
+            if self._abort_later(owned):
+                return "here"  # answered when its worker ends (aborted)
             self.started_at.pop(task_id, None)
             self.running -= 1
             self.world.stopped_running(self, task_id)
             self._answer_stopped(owned)
             self.start_jobs()
         return "here"
+
+    def _abort_later(self, owned: Owned) -> bool:
+        """With ``abort_s``: the engine request of running ``owned`` ends ``abort_s`` from
+        now (ABORTED), as the runner's worker ends after its engine's abort; False: at once."""
+        world = self.world
+        if world.run.abort_s <= 0:
+            return False
+        self.aborting.add(owned.task.id)
+        world.push(world.now + world.run.abort_s, ABORTED, self.index, (self.epoch, owned))
+        world.trace(owned.task.id, self.name, "aborting its engine request")
+        return True
+
+    def aborted(self, owned: Owned) -> None:
+        """The aborted worker of ``owned`` ends, as ``Runner._run_job``'s end: run again
+        (wanted again meanwhile: core/lifecycle.py rule 3b), dropped (withdrawn) or
+        answered (cancelled, expired)."""
+        task_id = owned.task.id
+        self.aborting.discard(task_id)
+        if self.book.get(task_id) is not owned:
+            return
+        world = self.world
+        self.started_at.pop(task_id, None)
+        self.running -= 1
+        world.stopped_running(self, task_id)
+        if self.book.restart(task_id):
+            owned.phase = Phase.QUEUED
+            self.queue.append(task_id)
+            world.restarted += 1
+            world.trace(task_id, self.name, "runs it again (wanted again while aborted)")
+        elif owned.stop is Stop.WITHDRAWN:
+            self._release_withdrawn(task_id)
+        else:
+            self._answer_stopped(owned)
+        self.start_jobs()
 
     def _answer_stopped(self, owned: Owned) -> None:
         """A task its producer cancelled ends with ``cancelled``, as a finished one ends."""
@@ -243,17 +282,24 @@ class SimDaemon:
         abort = self.book.withdraw(task_id, src)
         if abort is Abort.NOTHING:
             return False
+        self.world.trace(task_id, self.name, f"withdrawn by {src}")
         if abort is Abort.MARKED:  # queued: it never runs
             self.withdrawn_before_run.add(task_id)
         else:  # running: the engine request is aborted
+            owned = self.book.get(task_id)
+            assert owned is not None
+            if self._abort_later(owned):
+                return True  # dropped when its worker ends, unless wanted again
             self.started_at.pop(task_id, None)
             self.running -= 1
             self.world.stopped_running(self, task_id)
-        self.book.release(task_id, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
-        self.world.journal_done(self, task_id)
-        self.world.trace(task_id, self.name, f"withdrawn by {src}")
+        self._release_withdrawn(task_id)
         self.start_jobs()
         return True
+
+    def _release_withdrawn(self, task_id: str) -> None:
+        self.book.release(task_id, error_result(task_id, ErrorCode.CANCELLED, "withdrawn"))
+        self.world.journal_done(self, task_id)
 
     # -- the engine ---------------------------------------------------------------------------
 
@@ -271,12 +317,15 @@ class SimDaemon:
             self.running += 1
             world.started_running(self, owned.task)
             service = world.rng.expovariate(1.0 / world.run.service_s)
-            world.push(world.now + service, FINISH, self.index, (self.epoch, owned))
+            # (its start time tells this run's end from an aborted earlier run's)
+            world.push(world.now + service, FINISH, self.index, (self.epoch, owned, world.now))
 
-    def finish(self, owned: Owned) -> None:
+    def finish(self, owned: Owned, started: float) -> None:
         task_id = owned.task.id
-        if self.book.get(task_id) is not owned:
+        if self.book.get(task_id) is not owned or task_id in self.aborting:
             return  # withdrawn while it ran (and maybe admitted again since: another run)
+        if self.started_at.get(task_id) != started:
+            return  # the end of a run aborted since (it runs again: rule 3b)
         world = self.world
         self.running -= 1
         world.stopped_running(self, task_id)

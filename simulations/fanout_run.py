@@ -16,9 +16,19 @@ FAULT_KINDS = ("crash", "stall", "partition", "loss")
 RETRYABLE = (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
 
 # Event kinds (the heap holds (at, tie-break, seq, kind, node, payload)).
-SWIM_TICK, SWIM_MSG, PEER_MSG, FW_TICK, FINISH, TO_PRODUCER, ARRIVAL, RESUBMIT, FAULT, CANCEL = (
-    range(10)
-)
+(
+    SWIM_TICK,
+    SWIM_MSG,
+    PEER_MSG,
+    FW_TICK,
+    FINISH,
+    TO_PRODUCER,
+    ARRIVAL,
+    RESUBMIT,
+    FAULT,
+    CANCEL,
+    ABORTED,
+) = range(11)
 
 # Who sends to a daemon's ingress (the source of a PEER_MSG below 0), and the producer key
 # its connection gives what it sends, as the ingress stamps a CURVE key: the producer, and
@@ -37,6 +47,11 @@ class FanoutRun:
     load: float = 0.7  # offered load, a share of the cluster's engine capacity
     slots: int = 4  # engine requests each daemon runs at once
     service_s: float = 0.05  # mean engine time of a task
+    # An aborted engine request (a Cancel, a Withdraw) holds its slot and its task's entry
+    # this long before its worker ends, as a real engine's abort does: a copy of the task
+    # that comes meanwhile meets the entry still stopping (core/lifecycle.py rule 3b);
+    # 0: aborts are instant.
+    abort_s: float = 0.005
     keys: int = 0  # distinct task keys (0: tasks / 20)
     stream_every: int = 10  # every n-th task streams chunks
     # Every n-th task is cancelled by its producer and by an intruder (another key: never

@@ -28,6 +28,7 @@ from simulations.fanout_faults import Faults
 from simulations.fanout_network import Network
 from simulations.fanout_producers import Producers, TaskState
 from simulations.fanout_run import (
+    ABORTED,
     ARRIVAL,
     CANCEL,
     FAULT,
@@ -120,6 +121,7 @@ class World(Producers, Faults, Network, Checks):
         # Cancels by what the daemon that got one did (as the intake counts them): "here",
         # "forwarded" (passed on to the member running it), "refused" (another key's), "unknown".
         self.cancels: Counter[str] = Counter()
+        self.restarted = 0  # copies that came while their withdrawn run was aborted
         self.trace_lines: list[str] = []
 
     # -- the event loop -------------------------------------------------------------------
@@ -217,7 +219,7 @@ class World(Producers, Faults, Network, Checks):
                         d.swim_tick_at = later
                     elif kind == FW_TICK and at == d.fw_tick_at:
                         d.fw_tick_at = later
-                    elif kind not in (SWIM_TICK, FW_TICK, FINISH):
+                    elif kind not in (SWIM_TICK, FW_TICK, FINISH, ABORTED):
                         later += 1e-6 + at * 1e-9  # messages keep their order (one connection)
                     self.push(later, kind, node, payload)
                     return True
@@ -262,9 +264,14 @@ class World(Producers, Faults, Network, Checks):
             self.flush_forwarder(d)
         elif kind == FINISH:
             assert d is not None
+            epoch, owned, started = payload  # type: ignore[misc]
+            if epoch == d.epoch:
+                d.finish(owned, started)
+        elif kind == ABORTED:
+            assert d is not None
             epoch, owned = payload  # type: ignore[misc]
             if epoch == d.epoch:
-                d.finish(owned)
+                d.aborted(owned)
         elif kind == TO_PRODUCER:
             reply = self.reply_of(payload[3])  # type: ignore[index]
             if reply is not None:

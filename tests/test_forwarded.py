@@ -59,27 +59,27 @@ def test_ledger_keeps_counts_and_rules_under_any_sequence(
 ) -> None:
     outstanding = LoadCounts()
     ledger = ForwardedLedger(outstanding, entries_max=entries_max)
-    early: set[str] = set()  # TaskDones seen while the task was not ledgered
+    # TaskDones seen from a member while the id was not ledgered under it
+    early: set[tuple[str, str]] = set()
     for kind, n, member in ops:
         task_id = f"t{n}"
         before = ledger.get(task_id)
         if kind == "accept":
             ledger.accepted(_task(n), member, 0.0)
             after = ledger.get(task_id)
-            if task_id in early:
+            if (task_id, member) in early:
                 assert after is None, "finished before its accept: not ledgered"
-                early.discard(task_id)
+                early.discard((task_id, member))
             else:
                 assert after is not None and after.owner == member
         elif kind == "done":
             ledger.done(task_id, member)
             after = ledger.get(task_id)
-            if before is None:
-                early.add(task_id)
-            elif before.owner == member:
+            if before is not None and before.owner == member:
                 assert after is None
             else:
-                assert after is before, "a withdrawn copy's TaskDone leaves the entry"
+                assert after is before, "another copy's TaskDone leaves the entry"
+                early.add((task_id, member))
         else:
             assert ledger.forget(task_id) is before
             assert ledger.get(task_id) is None
@@ -88,3 +88,40 @@ def test_ledger_keeps_counts_and_rules_under_any_sequence(
         assert {m: c for m, c in outstanding.items() if c} == dict(held)
         assert outstanding.total == sum(outstanding.values())  # kept without a pass
         assert all(c >= 0 for c in outstanding.values())
+
+
+@given(
+    copies=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(MEMBERS)), min_size=1, max_size=8),
+    data=st.data(),
+)
+def test_several_copies_of_an_id_accepted_and_done_in_any_order_leave_nothing_behind(
+    copies: list[tuple[int, str]], data: st.DataObject
+) -> None:
+    """Copies of one id (a producer resubmitted it through this member, a migration) each
+    accepted by a member that then reports it done, in any interleaving: nothing stays
+    ledgered.  Before the fix, a TaskDone that came while another member's copy was
+    ledgered was dropped, and its own accept after it stayed ledgered for ever."""
+    copies = list(dict.fromkeys(copies))  # one copy per (id, member)
+    events = [("accept", n, m) for n, m in copies] + [("done", n, m) for n, m in copies]
+    events = data.draw(st.permutations(events))
+    outstanding = LoadCounts()
+    ledger = ForwardedLedger(outstanding, entries_max=100)
+    for kind, n, member in events:
+        if kind == "accept":
+            ledger.accepted(_task(n), member, 0.0)
+        else:
+            ledger.done(f"t{n}", member)
+    assert len(ledger) == 0, ledger.entries
+    assert all(count == 0 for count in outstanding.values())
+
+
+def test_a_copy_done_while_another_is_ledgered_is_not_ledgered_by_its_late_accept() -> None:
+    """The simulator's case: a accepted the first copy; b ran the second, and b's TaskDone
+    came before b's accept."""
+    ledger = ForwardedLedger(LoadCounts(), entries_max=100)
+    ledger.accepted(_task(0), "a", 0.0)
+    ledger.done("t0", "b")
+    entry = ledger.get("t0")
+    assert entry is not None and entry.owner == "a"
+    ledger.accepted(_task(0), "b", 0.0)
+    assert ledger.get("t0") is None and len(ledger) == 0

@@ -11,9 +11,13 @@ Rules, whatever order acks and TaskDones arrive in:
 - ``outstanding[m]`` rises by one for each task ledgered under ``m`` and falls by one when it
   leaves, so it equals the number of ledger entries under ``m`` plus what the dispatcher adds;
 - a TaskDone that comes before the accept (the owner's ack was delayed, its TaskDone was not)
-  is remembered, and the accept that follows adds nothing;
+  is remembered with the member that sent it, and that member's accept that follows adds
+  nothing;
 - a TaskDone from a member other than the one ledgered (a withdrawn hedged copy finished
-  before the withdrawal landed) leaves the entry alone;
+  before the withdrawal landed, or a second copy of the id that a producer's resubmission
+  brought here, which that member accepts next) leaves the entry alone, and is remembered
+  too: before, that member's late accept replaced the entry and stayed ledgered for ever
+  (found by the simulator with producers resubmitting while tasks ran);
 - at most ``entries_max`` tasks and ``bytes_max`` bytes of them (``budgets.task_bytes``: the
   prompt and a fixed part): the oldest goes first (it can no longer migrate), counted by the
   bound that forced it (``evicted_count`` / ``evicted_bytes``);
@@ -33,7 +37,7 @@ from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import Task
 from gossipd.core.ring import LoadCounts
 
-EARLY_DONE_MAX = 10_000  # TaskDones remembered from before their accept
+EARLY_DONE_MAX = 10_000  # ids whose TaskDones are remembered from before their accept
 MOVED_MAX = 100_000  # migrations remembered for confirm() (~150 bytes each)
 
 
@@ -57,7 +61,8 @@ class ForwardedLedger:
         self.evicted_bytes = 0  # ...bytes_max
         # Read-only to others: its size is the forwarder's in-flight count's part (per task).
         self.entries: OrderedDict[str, Forwarded] = OrderedDict()
-        self._early_done: OrderedDict[str, None] = OrderedDict()
+        # task id -> the members whose TaskDone came before their accept
+        self._early_done: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         # task id -> every member it moved off (a task can move more than once, and each of
         # those members may ask)
         self._moved: OrderedDict[str, tuple[str, ...]] = OrderedDict()
@@ -76,8 +81,15 @@ class ForwardedLedger:
         task_id = task.id
         if task_id in self.entries:  # accepted again (a retry, a hedge): ledgered once
             self.forget(task_id)
-        if self._early_done.pop(task_id, 0) is None:
-            return  # its TaskDone came first: it has finished already
+        early = self._early_done.get(task_id)
+        if early is not None and owner in early:
+            # Its TaskDone came first: this copy has finished already.
+            rest = tuple(m for m in early if m != owner)
+            if rest:
+                self._early_done[task_id] = rest
+            else:
+                del self._early_done[task_id]
+            return
         size = task_bytes(task)
         self.entries[task_id] = Forwarded(owner, task, received_at, size)
         self.bytes += size
@@ -94,12 +106,14 @@ class ForwardedLedger:
     def done(self, task_id: str, node: str) -> None:
         """``node`` reports ``task_id`` finished."""
         entry = self.entries.get(task_id)
-        if entry is not None:
-            if entry.owner == node:
-                self.forget(task_id)
-            return  # else: a withdrawn copy finished before the withdrawal landed
-        # Done before the accept reached us: remember that for accepted().
-        self._early_done[task_id] = None
+        if entry is not None and entry.owner == node:
+            self.forget(task_id)
+            return
+        # Done before its accept reached us (or a copy other than the ledgered one: a
+        # withdrawn one, or one whose accept is still to come): remember it for accepted().
+        before = self._early_done.get(task_id, ())
+        if node not in before:
+            self._early_done[task_id] = (*before, node)
         if len(self._early_done) > EARLY_DONE_MAX:
             self._early_done.popitem(last=False)
 

@@ -31,7 +31,10 @@ Rules (one code path for each decision):
    first copy to accept wins; every other copy is withdrawn, also one accepted later.
 4. Accepted tasks sit in the ledger (``ForwardedLedger``) until their TaskDone.  When their
    member is declared dead each is withdrawn from it and dispatched again, same id, to the
-   others (migration): the producer's deduplication by id makes the re-run safe.
+   others (migration): the producer's deduplication by id makes the re-run safe.  One past
+   its deadline is withdrawn and forgotten, not dispatched again: its producer has its
+   answer or has given up, and a re-run or an error then would reach it as a second answer
+   long after the first (a TaskDone lost to a partition leaves such an entry ledgered).
 5. When no member takes a task, the producer gets one error: ``overloaded`` with the largest
    retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
@@ -165,6 +168,9 @@ class ForwarderCounters:
     attempts_failed: int = 0  # forwards that got no answer in time
     unavailable: int = 0  # tasks no member took
     migrated: int = 0  # accepted tasks dispatched again off a dead member
+    # ...not dispatched again: past their deadline (its owner answered, or its producer has
+    # given up on it; its TaskDone may have been lost to a partition)
+    expired_not_migrated: int = 0
     handed_off: int = 0  # hand-offs another member accepted
     hedged: int = 0  # forwards also sent to a second member
     hedge_wins: int = 0  # ...where the second member accepted first
@@ -340,22 +346,27 @@ class Forwarder:
                         break
 
     def member_dead(self, node: str, now: float) -> int:
-        """Migrate the tasks ``node`` held for us; how many."""
+        """Migrate the tasks ``node`` held for us; how many were dispatched again."""
         orphans = self.ledger.owned_by(node)
+        moved = 0
         for entry in orphans:
             self.ledger.forget(entry.task.id)
-            self.counters.migrated += 1
             # It may only have stalled: withdraw its copy, so that if it comes back it drops
             # the task instead of running it beside the migrated one.
             self._withdraw(node, entry.task.id)
             task = entry.task
+            if entry.received_at + task.timeout_ms / 1000.0 <= now:
+                self.counters.expired_not_migrated += 1  # rule 4: past its deadline
+                continue
+            self.counters.migrated += 1
+            moved += 1
             gone = frozenset({node})
             journey = Journey(
                 task, entry.received_at, entry.received_at + task.timeout_ms / 1000.0, False, gone
             )
             journey.order = self._placement.order(task, now, exclude=gone)
             self._next(journey, now)
-        return len(orphans)
+        return moved
 
     def cancel(self, task_id: str, producer_key: str = "") -> str | None:
         """Pass a producer's Cancel, from ``producer_key``, to the member running a task we

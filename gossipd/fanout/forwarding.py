@@ -58,6 +58,7 @@ class FanoutStatistics:
     attempts_failed: int
     unavailable: int
     migrated: int
+    expired_not_migrated: int
     handed_off: int
     bad_peer_messages: int
     replies_dropped: int
@@ -337,6 +338,7 @@ class Dispatcher:
             attempts_failed=fw.attempts_failed + links.sends_dropped,
             unavailable=fw.unavailable,
             migrated=fw.migrated,
+            expired_not_migrated=fw.expired_not_migrated,
             handed_off=fw.handed_off,
             bad_peer_messages=owner.bad_peer_messages + links.bad_messages,
             replies_dropped=owner.replies_dropped,

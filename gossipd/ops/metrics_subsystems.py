@@ -349,6 +349,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         ),
         ("gossipd_fanout_unavailable", "Tasks no member took", stats.unavailable),
         ("gossipd_fanout_migrated", "Tasks re-dispatched off a dead member", stats.migrated),
+        (
+            "gossipd_fanout_expired_not_migrated",
+            "Tasks held by a dead member past their deadline: forgotten, not re-dispatched",
+            stats.expired_not_migrated,
+        ),
         ("gossipd_fanout_handed_off", "Queued tasks handed to others at drain", stats.handed_off),
         ("gossipd_fanout_bad_peer_messages", "Undecodable peer messages", stats.bad_peer_messages),
         ("gossipd_fanout_hedged", "Forwards also sent to a second member", stats.hedged),
