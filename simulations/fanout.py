@@ -6,7 +6,10 @@ Each simulated daemon runs the real protocol cores: ``SwimNode`` (membership), `
 owner's Results held while their forwarder may have migrated the task; ``hold_results``).  Around them the
 simulator plays what the asyncio shell and the world do: the owner's handling of Forward /
 Withdraw / TaskDone (as ``gossipd/fanout/owner.py`` does), an engine with a few slots and
-random service times, a journal whose records survive a crash once fsynced, a network
+random service times whose aborts take ``abort_s`` (a task's slot and entry held until its
+worker ends), the runner's deadlines (a task that waited past its deadline is answered
+``deadline_exceeded`` and never runs; one still running at its deadline is aborted, through
+the task book's rule 4), a journal whose records survive a crash once fsynced, a network
 (latency, per-link FIFO order, loss, partitions), and producers that resubmit as
 docs/PROTOCOL.md says (same id after a silence, after ``retry_after_ms`` for a busy refusal)
 and deduplicate final Results by id.

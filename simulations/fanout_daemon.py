@@ -30,7 +30,7 @@ from gossipd.core.peer_messages import (
 from gossipd.core.placer import LoadCounts, Placer
 from gossipd.core.queueing import QueueWait
 from gossipd.core.swim import SwimNode
-from simulations.fanout_run import ABORTED, FINISH
+from simulations.fanout_run import ABORTED, EXPIRE, FINISH
 
 if TYPE_CHECKING:
     from simulations.fanout_world import World
@@ -198,12 +198,29 @@ class SimDaemon:
             self._answer_stopped(owned)
         self.start_jobs()
 
-    def _answer_stopped(self, owned: Owned) -> None:
-        """A task its producer cancelled ends with ``cancelled``, as a finished one ends."""
+    def expire(self, owned: Owned, started: float) -> None:
+        """Its deadline came while it ran (this run, started at ``started``): the task book
+        says whether to abort it (core/lifecycle.py rule 4), as the runner's sweeper asks."""
         task_id = owned.task.id
-        result = error_result(
-            task_id, ErrorCode.CANCELLED, "cancelled by the producer", node=self.name
-        )
+        if self.book.get(task_id) is not owned or self.started_at.get(task_id) != started:
+            return  # ended, or a run aborted since
+        if self.book.expire(task_id) is not Abort.ABORT or self._abort_later(owned):
+            return  # stopped already (its end answers), or answered when its worker ends
+        self.started_at.pop(task_id, None)
+        self.running -= 1
+        self.world.stopped_running(self, task_id)
+        self._answer_stopped(owned)
+        self.start_jobs()
+
+    def _answer_stopped(self, owned: Owned, code: ErrorCode | None = None) -> None:
+        """A task stopped by its producer's Cancel or its deadline (``owned.stop``, or
+        ``code``) ends with ``cancelled`` or ``deadline_exceeded``, as a finished one ends."""
+        task_id = owned.task.id
+        if code is None:
+            code = (
+                ErrorCode.DEADLINE_EXCEEDED if owned.stop is Stop.EXPIRED else ErrorCode.CANCELLED
+            )
+        result = error_result(task_id, code, f"stopped here: {code.value}", node=self.name)
         ended = self.book.finish(task_id, result)
         if not self._hold(ended, result):
             self.world.answer(self, owned.task, result)
@@ -313,12 +330,20 @@ class SimDaemon:
             if owned.stop is not None:  # cancelled while it waited: answered, never run
                 self._answer_stopped(owned)
                 continue
+            deadline = owned.received_at + owned.task.timeout_ms / 1000.0
+            if world.now >= deadline:  # its deadline passed while it waited: never run
+                self._answer_stopped(owned, ErrorCode.DEADLINE_EXCEEDED)
+                continue
             self.started_at[task_id] = world.now
             self.running += 1
             world.started_running(self, owned.task)
             service = world.rng.expovariate(1.0 / world.run.service_s)
             # (its start time tells this run's end from an aborted earlier run's)
-            world.push(world.now + service, FINISH, self.index, (self.epoch, owned, world.now))
+            run = (self.epoch, owned, world.now)
+            if world.now + service < deadline:
+                world.push(world.now + service, FINISH, self.index, run)
+            else:  # the runner's deadline sweeper aborts it (Runner.expire_forever)
+                world.push(deadline, EXPIRE, self.index, run)
 
     def finish(self, owned: Owned, started: float) -> None:
         task_id = owned.task.id

@@ -28,7 +28,8 @@ RETRYABLE = (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.UNAVAILABL
     FAULT,
     CANCEL,
     ABORTED,
-) = range(11)
+    EXPIRE,
+) = range(12)
 
 # Who sends to a daemon's ingress (the source of a PEER_MSG below 0), and the producer key
 # its connection gives what it sends, as the ingress stamps a CURVE key: the producer, and

@@ -31,6 +31,7 @@ from simulations.fanout_run import (
     ABORTED,
     ARRIVAL,
     CANCEL,
+    EXPIRE,
     FAULT,
     FAULT_KINDS,
     FINISH,
@@ -219,7 +220,7 @@ class World(Producers, Faults, Network, Checks):
                         d.swim_tick_at = later
                     elif kind == FW_TICK and at == d.fw_tick_at:
                         d.fw_tick_at = later
-                    elif kind not in (SWIM_TICK, FW_TICK, FINISH, ABORTED):
+                    elif kind not in (SWIM_TICK, FW_TICK, FINISH, ABORTED, EXPIRE):
                         later += 1e-6 + at * 1e-9  # messages keep their order (one connection)
                     self.push(later, kind, node, payload)
                     return True
@@ -272,6 +273,11 @@ class World(Producers, Faults, Network, Checks):
             epoch, owned = payload  # type: ignore[misc]
             if epoch == d.epoch:
                 d.aborted(owned)
+        elif kind == EXPIRE:
+            assert d is not None
+            epoch, owned, started = payload  # type: ignore[misc]
+            if epoch == d.epoch:
+                d.expire(owned, started)
         elif kind == TO_PRODUCER:
             reply = self.reply_of(payload[3])  # type: ignore[index]
             if reply is not None:
