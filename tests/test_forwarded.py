@@ -125,3 +125,16 @@ def test_a_copy_done_while_another_is_ledgered_is_not_ledgered_by_its_late_accep
     assert entry is not None and entry.owner == "a"
     ledger.accepted(_task(0), "b", 0.0)
     assert ledger.get("t0") is None and len(ledger) == 0
+
+
+def test_a_TaskDone_whose_accept_is_not_due_is_not_remembered() -> None:
+    """A hedge's loser (withdrawn) reports done: nothing of it is kept, so a later copy of the
+    id that the same member accepts (a resubmission through us) is ledgered and can migrate."""
+    ledger = ForwardedLedger(LoadCounts(), entries_max=100)
+    ledger.accepted(_task(0), "a", 0.0)
+    ledger.done("t0", "b", accept_due=False)  # the loser
+    ledger.done("t0", "a")
+    assert len(ledger) == 0
+    ledger.accepted(_task(0), "b", 1.0)  # a later copy, run by b
+    entry = ledger.get("t0")
+    assert entry is not None and entry.owner == "b"

@@ -674,16 +674,24 @@ def test_tasks_offered_to_us_count_as_our_load_before_admission_answers() -> Non
 
 
 def test_Forwarder_a_task_past_its_deadline_is_withdrawn_not_migrated_off_a_dead_member() -> None:
-    """Rule 4: its TaskDone was lost (a partition) and its producer has had its answer: when
-    its owner dies long after, the task is withdrawn and forgotten, neither run again nor
-    answered a second time (found by the simulator: an 'unavailable' 70 s after the 'ok')."""
-    fw, placement = _forwarder(["a", "b"])
-    fw.route(_task(timeout_ms=1000), 0.0)
-    [(_, fwd)] = _forwards(fw.take_outbox())
-    fw.on_reply(_reply(fwd, "a", True), 0.001)
-    placement.members.remove("a")
-    assert fw.member_dead("a", 5.0) == 0
-    assert fw.take_outbox() == [("addr-a", Withdraw(id="t0", node="me"))]
-    assert fw.take_events() == ()
-    assert fw.ledger.get("t0") is None and fw.loads == {"a": 0}
-    assert fw.counters.expired_not_migrated == 1 and fw.counters.migrated == 0
+    """Rule 4: its TaskDone was lost (a partition) and its producer has had its answer, or
+    its owner died mid-run: when the owner is declared dead after the deadline, the task is
+    withdrawn and not run again; the producer hears deadline_exceeded while it may still
+    wait, and nothing once twice the timeout has passed (found by the simulator: an
+    'unavailable' 70 s after the 'ok')."""
+    for dead_at, answered in ((1.5, True), (5.0, False)):
+        fw, placement = _forwarder(["a", "b"])
+        fw.route(_task(timeout_ms=1000), 0.0)
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        fw.on_reply(_reply(fwd, "a", True), 0.001)
+        placement.members.remove("a")
+        assert fw.member_dead("a", dead_at) == 0
+        assert fw.take_outbox() == [("addr-a", Withdraw(id="t0", node="me"))]
+        events = fw.take_events()
+        if answered:
+            [event] = events
+            assert isinstance(event, Refuse) and event.code is ErrorCode.DEADLINE_EXCEEDED
+        else:
+            assert events == ()
+        assert fw.ledger.get("t0") is None and fw.loads == {"a": 0}
+        assert fw.counters.expired_not_migrated == 1 and fw.counters.migrated == 0

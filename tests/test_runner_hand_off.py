@@ -126,5 +126,47 @@ def test_a_task_forwarded_again_while_its_withdrawn_run_is_aborted_runs_for_the_
     finally:
         daemon._ctx.destroy(linger=0)
     assert ended == [([b"B"], True)]
-    assert runner.results["restarted"] == 1 and runner.results["ok"] == 1
+    assert runner.restarts == 1 and runner.results["ok"] == 1
     assert runner.book.get("t4") is None and runner.admission.pending == 0
+
+
+def test_a_shutdown_that_lands_while_a_restarting_task_is_aborted_ends_its_worker() -> None:
+    """The shutdown's cancel and the withdrawal's abort reach the worker as one
+    CancelledError: the worker answers the task shutting_down and ends, instead of running
+    it again past the grace and then waiting for work for ever (a review found the hang)."""
+    config = load_config(
+        environ={},
+        overrides=[
+            'ingress.bind="tcp://127.0.0.1:0"',
+            'gossip.bind=""',
+            'journal.path=""',
+            'metrics.bind=""',
+            'engine.kind="echo"',
+            "engine.token_delay_s=0.01",
+        ],
+    )
+    daemon = Daemon(config)
+    runner = daemon.ingress.runner
+
+    async def race() -> None:
+        worker = asyncio.create_task(runner.work_forever())
+        task = Task(v=1, id="t5", prompt="a b c", reply_to="tcp://127.0.0.1:9", timeout_ms=10_000)
+        now = time.monotonic()
+        _, owned = runner.book.offer(task, now, now, forwarder=b"A")
+        runner.enqueue(owned)  # type: ignore[arg-type]
+        async with asyncio.timeout(5):
+            while runner.running == 0:
+                await asyncio.sleep(0.001)
+            assert runner.withdraw("t5", b"A")
+            runner.book.offer(task, now, now, forwarder=b"B")  # wanted again...
+            runner.admission.begin_shutdown()  # ...as the daemon stops, as the daemon does
+            runner.refuse_queued()
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)  # it ends
+
+    try:
+        asyncio.run(race())
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert runner.results["shutting_down"] == 1 and runner.restarts == 0
+    assert runner.book.get("t5") is None and runner.admission.pending == 0

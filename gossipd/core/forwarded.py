@@ -12,12 +12,15 @@ Rules, whatever order acks and TaskDones arrive in:
   leaves, so it equals the number of ledger entries under ``m`` plus what the dispatcher adds;
 - a TaskDone that comes before the accept (the owner's ack was delayed, its TaskDone was not)
   is remembered with the member that sent it, and that member's accept that follows adds
-  nothing;
+  nothing (and forgets the entry of another member's copy of the id: the task is done);
 - a TaskDone from a member other than the one ledgered (a withdrawn hedged copy finished
   before the withdrawal landed, or a second copy of the id that a producer's resubmission
   brought here, which that member accepts next) leaves the entry alone, and is remembered
-  too: before, that member's late accept replaced the entry and stayed ledgered for ever
-  (found by the simulator with producers resubmitting while tasks ran);
+  too when that member's accept is still due: before, that accept replaced the entry and
+  stayed ledgered for ever (found by the simulator with producers resubmitting while tasks
+  ran).  One whose accept is not due (``accept_due=False``: no Forward to that member
+  awaits its answer) is not remembered: nothing would take it back, and it would keep
+  a later copy that member accepts out of the ledger;
 - at most ``entries_max`` tasks and ``bytes_max`` bytes of them (``budgets.task_bytes``: the
   prompt and a fixed part): the oldest goes first (it can no longer migrate), counted by the
   bound that forced it (``evicted_count`` / ``evicted_bytes``);
@@ -103,11 +106,14 @@ class ForwardedLedger:
             self.forget(next(iter(self.entries)))
             self.evicted_bytes += 1
 
-    def done(self, task_id: str, node: str) -> None:
-        """``node`` reports ``task_id`` finished."""
+    def done(self, task_id: str, node: str, *, accept_due: bool = True) -> None:
+        """``node`` reports ``task_id`` finished; ``accept_due``: its accept of the id may
+        still come (the forwarder awaits it)."""
         entry = self.entries.get(task_id)
         if entry is not None and entry.owner == node:
             self.forget(task_id)
+            return
+        if not accept_due:
             return
         # Done before its accept reached us (or a copy other than the ledgered one: a
         # withdrawn one, or one whose accept is still to come): remember it for accepted().

@@ -32,9 +32,11 @@ Rules (one code path for each decision):
 4. Accepted tasks sit in the ledger (``ForwardedLedger``) until their TaskDone.  When their
    member is declared dead each is withdrawn from it and dispatched again, same id, to the
    others (migration): the producer's deduplication by id makes the re-run safe.  One past
-   its deadline is withdrawn and forgotten, not dispatched again: its producer has its
-   answer or has given up, and a re-run or an error then would reach it as a second answer
-   long after the first (a TaskDone lost to a partition leaves such an entry ledgered).
+   its deadline is withdrawn, not dispatched again: its producer gets ``deadline_exceeded``
+   (a second answer if the owner had answered: a producer keeps ids resolved for a
+   ``timeout_ms`` after their deadline, docs/PROTOCOL.md), or nothing once that window too
+   has passed (a TaskDone lost to a partition leaves such an entry ledgered until its owner
+   dies, maybe long after: an answer then would reach a producer that forgot the id).
 5. When no member takes a task, the producer gets one error: ``overloaded`` with the largest
    retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
@@ -332,18 +334,21 @@ class Forwarder:
             if flight is not None:
                 self._answered(flight, msg, now)
         elif isinstance(msg, TaskDone):
-            self.ledger.done(msg.id, msg.node)
             # A TaskDone while the forward still awaits its accept: the accept was lost or is
             # late, but the member ran the task.  Take it as accepted (the ledger remembers
             # the TaskDone, so nothing stays ledgered), instead of timing out and running the
             # task a second time elsewhere.
             j = self._flying.get(msg.id)
+            due = None
             if j is not None:
                 for flight in j.flights:
                     if flight.live and flight.member == msg.node:
-                        accept = ForwardReply(req=flight.req, node=msg.node, accepted=True)
-                        self._answered(flight, accept, now)
+                        due = flight
                         break
+            self.ledger.done(msg.id, msg.node, accept_due=due is not None)
+            if due is not None:
+                accept = ForwardReply(req=due.req, node=msg.node, accepted=True)
+                self._answered(due, accept, now)
 
     def member_dead(self, node: str, now: float) -> int:
         """Migrate the tasks ``node`` held for us; how many were dispatched again."""
@@ -355,8 +360,12 @@ class Forwarder:
             # the task instead of running it beside the migrated one.
             self._withdraw(node, entry.task.id)
             task = entry.task
-            if entry.received_at + task.timeout_ms / 1000.0 <= now:
-                self.counters.expired_not_migrated += 1  # rule 4: past its deadline
+            timeout_s = task.timeout_ms / 1000.0
+            if entry.received_at + timeout_s <= now:  # rule 4: past its deadline
+                self.counters.expired_not_migrated += 1
+                if now < entry.received_at + 2 * timeout_s:
+                    message = f"its owner {node} died after the deadline of {task.timeout_ms} ms"
+                    self._events.append(Refuse(task, ErrorCode.DEADLINE_EXCEEDED, message, 0))
                 continue
             self.counters.migrated += 1
             moved += 1

@@ -33,8 +33,8 @@ Rules:
 
 Theory of operation: the ingress shell calls ``offer`` for each task (from a producer or a
 peer), ``start`` when a worker takes it, ``stop_reason`` when its worker was cancelled,
-``finish`` with its final Result and ``release`` when it leaves without one (withdrawn,
-handed off);
+``finish`` with its final Result, ``release`` when it leaves without one (withdrawn,
+handed off) and ``restart`` when an aborted worker ends (rule 3b: run it again if so);
 ``cancel``, ``withdraw`` and ``expire`` say whether a running task's worker must be aborted.
 """
 
@@ -72,7 +72,9 @@ class Abort(enum.Enum):
     """What the shell must do after cancel / withdraw / expire."""
 
     NOTHING = "nothing"  # unknown, ended, or stopped already
-    MARKED = "marked"  # queued: the worker that takes it answers (or drops) it at once
+    # Queued: the worker that takes it answers (or drops) it at once; or running and being
+    # aborted already (RESTART): its worker's end answers it.
+    MARKED = "marked"
     ABORT = "abort"  # running: abort its engine request (cancel its worker)
     REFUSED = "refused"  # a Cancel from a key other than the task's producer's (rule 4)
 

@@ -87,6 +87,8 @@ class Runner:
         self._deadlines_armed = asyncio.Event()
         self._workers: dict[str, asyncio.Task[None]] = {}  # running task id -> its worker
         self.results: Counter[str] = Counter()
+        # Tasks run again: withdrawn while running, then wanted again (lifecycle rule 3b).
+        self.restarts = 0
         self.latency = LatencyHistogram()
         # Listeners, called synchronously in order (journal, fan-out bookkeeping, tracing):
         # a task answered from here (the Result has just been handed to the reply sender;
@@ -281,15 +283,24 @@ class Runner:
                 worker = self._workers[task.id]
                 if worker.cancelling():
                     worker.uncancel()
+                # A shutdown's cancel that landed with ours is delivered once: still counted
+                # here, and this worker must end with it rather than wait for work for ever.
+                shutdown_too = worker.cancelling() > 0
                 if why is Stop.WITHDRAWN:
                     self._withdrawn(task.id)
-                    return
-                if self.book.restart(task.id):  # withdrawn, then wanted again: run it again
-                    self.results["restarted"] += 1
-                    job.phase = Phase.QUEUED
-                    self._queue.put_nowait(job)
-                    return
-                self._finish(task, self._stopped_result(task, why, len(parts)))
+                elif self.book.restart(task.id):  # withdrawn, then wanted again
+                    if shutdown_too:
+                        self._finish_shutting_down(task, "finished")
+                    else:  # run it again
+                        self.restarts += 1
+                        log.info("a withdrawn task came again while it was being aborted: "
+                                 "it runs again", extra={"task_id": task.id})  # fmt: skip
+                        job.phase = Phase.QUEUED
+                        self._queue.put_nowait(job)
+                else:
+                    self._finish(task, self._stopped_result(task, why, len(parts)))
+                if shutdown_too:
+                    raise
                 return
             # Shutdown grace ran out: answer, forget (so a resubmission runs it elsewhere).
             self._finish_shutting_down(task, "finished")
