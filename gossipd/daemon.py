@@ -56,6 +56,7 @@ from gossipd.ingress.budgets import (
 )
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.links import IngressLinks
+from gossipd.ingress.runner import stop_workers
 from gossipd.ingress.service import Ingress, IngressCurve
 from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService
@@ -840,9 +841,7 @@ class Daemon:
         if self.door is not None:  # answers from other members, within what is left
             http_cut = await self.door.settle(max(0.0, grace_ends - self.clock.monotonic()))
         refused = self.ingress.runner.refuse_queued()
-        for worker in workers:
-            worker.cancel()  # a running task answers shutting_down as it is cancelled
-        await asyncio.gather(*workers, return_exceptions=True)
+        await stop_workers(workers)  # (a running task answers shutting_down)
         # Results still held for forwarders not alive in our view: sent (a duplicate beats a
         # loss; docs/PROTOCOL.md "Duplicate final Results").
         held_sent = self.holder.send_all() if self.holder is not None else 0

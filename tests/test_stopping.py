@@ -4,6 +4,7 @@ way the third-party soak did: simulations/stopping.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgpack
@@ -84,3 +85,31 @@ def test_a_lone_daemon_answers_shutting_down_until_its_ingress_closes(daemon_fac
     # Only a task on the wire as the connection dropped may go unanswered.
     assert all(sent[t] > drained["ts"] - 0.1 for t in unanswered), unanswered
     assert set(answers.values()) <= {"ok", "shutting_down"}
+
+
+def test_stopping_workers_cancels_again_a_worker_that_swallowed_its_cancel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cancel reaches a task once: a worker that took it for something else (as a runner
+    worker does for its own task's abort) would wait for ever; the shutdown cancels it
+    again rather than hang."""
+    from gossipd.ingress import runner
+
+    monkeypatch.setattr(runner, "WORKER_STOP_S", 0.05)
+    swallowed = []
+
+    async def worker() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.append(True)
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        await asyncio.Event().wait()  # waits for work for ever, unless cancelled again
+
+    async def stop() -> None:
+        tasks = [asyncio.create_task(worker()) for _ in range(3)]
+        await asyncio.sleep(0)
+        async with asyncio.timeout(5):
+            await runner.stop_workers(tasks)
+        assert all(t.done() for t in tasks)
+
+    asyncio.run(stop())
+    assert swallowed == [True, True, True]

@@ -443,6 +443,25 @@ class Runner:
         return ok, sum(self.results.values()) - ok - not_answered
 
 
+WORKER_STOP_S = 5.0  # how long stopping workers may take before they are cancelled again
+
+
+async def stop_workers(workers: list[asyncio.Task[None]]) -> None:
+    """Cancel the runner's workers and wait for them (a running task answers shutting_down
+    as it is cancelled).  A cancel reaches a task once, however often it was asked: one that
+    a worker took for its own task's abort (Runner._run_job) would leave it waiting for work for
+    ever, and the shutdown with it.  So whatever is still there after WORKER_STOP_S is
+    cancelled again, and said so."""
+    pending: set[asyncio.Task[None]] = set(workers)
+    while pending:
+        for worker in pending:
+            worker.cancel()
+        _, pending = await asyncio.wait(pending, timeout=WORKER_STOP_S)
+        if pending:
+            log.error("runner workers did not stop when cancelled: cancelling them again",
+                      extra={"workers": len(pending)})  # fmt: skip
+
+
 # -- the run queue: wakes as few workers as the work needs -------------------------------
 # A run queue for worker coroutines that wakes as few of them as the work needs.
 #
