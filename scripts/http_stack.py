@@ -29,6 +29,29 @@ import time
 BODY = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"ok"}]}'
 REQUEST = '{"model":"echo","prompt":"hello there world","max_tokens":4}'
 
+# The same bare ASGI app for uvicorn and granian, and granian's embedded server for either of
+# its interfaces (INTERFACE: RSGI or ASGINL, ASGI without lifespan).
+_ASGI_APP = """
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": BODY})
+"""
+_GRANIAN_EMBED = """
+from granian.constants import HTTPModes, Interfaces
+from granian.log import LogLevels
+from granian.server.embed import Server
+async def main():
+    await Server(app, address="127.0.0.1", port=PORT, interface=Interfaces.INTERFACE,
+                 http=HTTPModes.http1, runtime_threads=1, log_enabled=False,
+                 log_level=LogLevels.error).serve()
+uvloop.run(main())
+"""
+
 SERVERS = {
     "gossipd-httptools": """
 import asyncio, uvloop
@@ -44,14 +67,9 @@ uvloop.run(main())
     "uvicorn-asgi": """
 import asyncio, uvicorn, uvloop
 BODY = %r
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    while (await receive()).get("more_body"):
-        pass
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": BODY})
+"""
+    + _ASGI_APP
+    + """
 config = uvicorn.Config(app, host="127.0.0.1", port=PORT, log_level="error",
                         access_log=False, http="httptools", loop="none", lifespan="off")
 uvloop.run(uvicorn.Server(config).serve())
@@ -74,38 +92,19 @@ uvloop.run(main())
 """,
     "granian-rsgi-embed": """
 import asyncio, uvloop
-from granian.constants import HTTPModes, Interfaces
-from granian.log import LogLevels
-from granian.server.embed import Server
 BODY = %r
 HEADERS = [("content-type", "application/json")]
 async def app(scope, protocol):
     await protocol()
     protocol.response_bytes(200, HEADERS, BODY)
-async def main():
-    await Server(app, address="127.0.0.1", port=PORT, interface=Interfaces.RSGI, http=HTTPModes.http1,
-                 runtime_threads=1, log_enabled=False, log_level=LogLevels.error).serve()
-uvloop.run(main())
-""",
+"""
+    + _GRANIAN_EMBED.replace("INTERFACE", "RSGI"),
     "granian-asgi-embed": """
 import asyncio, uvloop
-from granian.constants import HTTPModes, Interfaces
-from granian.log import LogLevels
-from granian.server.embed import Server
 BODY = %r
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    while (await receive()).get("more_body"):
-        pass
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": BODY})
-async def main():
-    await Server(app, address="127.0.0.1", port=PORT, interface=Interfaces.ASGINL, http=HTTPModes.http1,
-                 runtime_threads=1, log_enabled=False, log_level=LogLevels.error).serve()
-uvloop.run(main())
-""",
+"""
+    + _ASGI_APP
+    + _GRANIAN_EMBED.replace("INTERFACE", "ASGINL"),
 }
 
 LUA = f"""

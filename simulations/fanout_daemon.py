@@ -155,25 +155,27 @@ class SimDaemon:
         if abort is Abort.REFUSED:
             return "refused"
         if abort is Abort.ABORT:
-            if self._abort_later(owned):
-                return "here"  # answered when its worker ends (aborted)
-            self.started_at.pop(task_id, None)
-            self.running -= 1
-            self.world.stopped_running(self, task_id)
-            self._answer_stopped(owned)
-            self.start_jobs()
+            self._abort(owned)  # answered when its worker ends
         return "here"
 
-    def _abort_later(self, owned: Owned) -> bool:
-        """With ``abort_s``: the engine request of running ``owned`` ends ``abort_s`` from
-        now (ABORTED), as the runner's worker ends after its engine's abort; False: at once."""
+    def _abort(self, owned: Owned) -> None:
+        """Abort the engine request of running ``owned``: its worker ends (``aborted``)
+        ``abort_s`` from now (ABORTED), as the runner's worker ends after its engine's
+        abort, or at once without ``abort_s``."""
         world = self.world
         if world.run.abort_s <= 0:
-            return False
+            self.aborted(owned)
+            return
         self.aborting.add(owned.task.id)
         world.push(world.now + world.run.abort_s, ABORTED, self.index, (self.epoch, owned))
         world.trace(owned.task.id, self.name, "aborting its engine request")
-        return True
+
+    def _free_slot(self, task_id: str) -> float | None:
+        """A running task's engine slot is free (it finished, or its abort ended); when it
+        started."""
+        self.running -= 1
+        self.world.stopped_running(self, task_id)
+        return self.started_at.pop(task_id, None)
 
     def aborted(self, owned: Owned) -> None:
         """The aborted worker of ``owned`` ends, as ``Runner._run_job``'s end: run again
@@ -184,9 +186,7 @@ class SimDaemon:
         if self.book.get(task_id) is not owned:
             return
         world = self.world
-        self.started_at.pop(task_id, None)
-        self.running -= 1
-        world.stopped_running(self, task_id)
+        self._free_slot(task_id)
         if self.book.restart(task_id):
             owned.phase = Phase.QUEUED
             self.queue.append(task_id)
@@ -204,13 +204,8 @@ class SimDaemon:
         task_id = owned.task.id
         if self.book.get(task_id) is not owned or self.started_at.get(task_id) != started:
             return  # ended, or a run aborted since
-        if self.book.expire(task_id) is not Abort.ABORT or self._abort_later(owned):
-            return  # stopped already (its end answers), or answered when its worker ends
-        self.started_at.pop(task_id, None)
-        self.running -= 1
-        self.world.stopped_running(self, task_id)
-        self._answer_stopped(owned)
-        self.start_jobs()
+        if self.book.expire(task_id) is Abort.ABORT:  # (else stopped already: its end answers)
+            self._abort(owned)  # answered when its worker ends
 
     def _answer_stopped(self, owned: Owned, code: ErrorCode | None = None) -> None:
         """A task stopped by its producer's Cancel or its deadline (``owned.stop``, or
@@ -302,16 +297,12 @@ class SimDaemon:
         self.world.trace(task_id, self.name, f"withdrawn by {src}")
         if abort is Abort.MARKED:  # queued: it never runs
             self.withdrawn_before_run.add(task_id)
+            self._release_withdrawn(task_id)
+            self.start_jobs()
         else:  # running: the engine request is aborted
             owned = self.book.get(task_id)
             assert owned is not None
-            if self._abort_later(owned):
-                return True  # dropped when its worker ends, unless wanted again
-            self.started_at.pop(task_id, None)
-            self.running -= 1
-            self.world.stopped_running(self, task_id)
-        self._release_withdrawn(task_id)
-        self.start_jobs()
+            self._abort(owned)  # dropped when its worker ends, unless wanted again
         return True
 
     def _release_withdrawn(self, task_id: str) -> None:
@@ -352,10 +343,9 @@ class SimDaemon:
         if self.started_at.get(task_id) != started:
             return  # the end of a run aborted since (it runs again: rule 3b)
         world = self.world
-        self.running -= 1
-        world.stopped_running(self, task_id)
+        self._free_slot(task_id)
         if self.admission.queue is not None:
-            self.admission.queue.observe(world.now - self.started_at.pop(task_id))
+            self.admission.queue.observe(world.now - started)
         task = owned.task
         chunks = 3 if task.stream else 0
         for seq in range(chunks):

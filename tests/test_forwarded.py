@@ -19,6 +19,18 @@ def _task(n: int) -> Task:
     return Task(v=PROTOCOL_VERSION, id=f"t{n}", prompt="p", reply_to="tcp://127.0.0.1:5555")
 
 
+def _replay(events: list[tuple[str, int, str]]) -> tuple[ForwardedLedger, LoadCounts]:
+    """A fresh ledger after ``events``: ("accept" or "done", task number, member)."""
+    outstanding = LoadCounts()
+    ledger = ForwardedLedger(outstanding, entries_max=100)
+    for kind, n, member in events:
+        if kind == "accept":
+            ledger.accepted(_task(n), member, 0.0)
+        else:
+            ledger.done(f"t{n}", member)
+    return ledger, outstanding
+
+
 @given(
     owners=st.lists(st.sampled_from(MEMBERS), min_size=1, max_size=12),
     data=st.data(),
@@ -32,13 +44,7 @@ def test_accept_and_TaskDone_in_either_order_leave_nothing_behind(
     events += [("done", n, m) for n, m in enumerate(owners)]
     events += data.draw(st.lists(st.sampled_from(events[len(owners) :]), max_size=4))
     events = data.draw(st.permutations(events))
-    outstanding = LoadCounts()
-    ledger = ForwardedLedger(outstanding, entries_max=100)
-    for kind, n, member in events:
-        if kind == "accept":
-            ledger.accepted(_task(n), member, 0.0)
-        else:
-            ledger.done(f"t{n}", member)
+    ledger, outstanding = _replay(events)
     assert len(ledger) == 0
     assert all(count == 0 for count in outstanding.values())
 
@@ -104,13 +110,7 @@ def test_several_copies_of_an_id_accepted_and_done_in_any_order_leave_nothing_be
     copies = list(dict.fromkeys(copies))  # one copy per (id, member)
     events = [("accept", n, m) for n, m in copies] + [("done", n, m) for n, m in copies]
     events = data.draw(st.permutations(events))
-    outstanding = LoadCounts()
-    ledger = ForwardedLedger(outstanding, entries_max=100)
-    for kind, n, member in events:
-        if kind == "accept":
-            ledger.accepted(_task(n), member, 0.0)
-        else:
-            ledger.done(f"t{n}", member)
+    ledger, outstanding = _replay(events)
     assert len(ledger) == 0, ledger.entries
     assert all(count == 0 for count in outstanding.values())
 

@@ -1,6 +1,8 @@
 """The runner's drain hand-off (gossipd/ingress/runner.py take_queued, settle_stopped,
 requeue) against withdrawals and cancels that land while a queued task is away being
-offered elsewhere (gossipd/admin.py's drain and the daemon's shutdown offer them one by one)."""
+offered elsewhere (gossipd/admin.py's drain and the daemon's shutdown offer them one by one);
+and a running task withdrawn, then wanted again before its aborted worker ended
+(core/lifecycle.py rule 3b), also as the daemon stops."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from gossipd.daemon import Daemon
 from gossipd.ingress.runner import Runner
 
 
-@pytest.fixture
-def runner() -> Iterator[Runner]:
+def _runner_of(*overrides: str) -> Iterator[Runner]:
+    """The runner of a daemon that is built, not run (its workers are the test's)."""
     config = load_config(
         environ={},
         overrides=[
@@ -26,6 +28,7 @@ def runner() -> Iterator[Runner]:
             'gossip.bind=""',
             'journal.path=""',
             'metrics.bind=""',
+            *overrides,
         ],
     )
     daemon = Daemon(config)
@@ -33,6 +36,30 @@ def runner() -> Iterator[Runner]:
         yield daemon.ingress.runner
     finally:
         daemon._ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def runner() -> Iterator[Runner]:
+    yield from _runner_of()
+
+
+@pytest.fixture
+def echo_runner() -> Iterator[Runner]:
+    """With the echo engine at 10 ms a token: a task stays in the engine a while."""
+    yield from _runner_of('engine.kind="echo"', "engine.token_delay_s=0.01")
+
+
+async def _withdrawn_then_wanted_again(runner: Runner, task_id: str) -> None:
+    """Forwarder A's task runs in a worker; A withdraws it (its worker is cancelled) and B
+    forwards it again before that worker has ended."""
+    task = Task(v=1, id=task_id, prompt="a b c", reply_to="tcp://127.0.0.1:9", timeout_ms=10_000)
+    now = time.monotonic()  # (the runner's clock: deadlines count from it)
+    _, owned = runner.book.offer(task, now, now, forwarder=b"A")
+    runner.enqueue(owned)  # type: ignore[arg-type]
+    while runner.running == 0:  # its worker has it in the engine
+        await asyncio.sleep(0.001)
+    assert runner.withdraw(task_id, b"A")  # aborted: its worker is cancelled...
+    runner.book.offer(task, now, now, forwarder=b"B")  # ...and it comes back first
 
 
 def _taken(runner: Runner, task_id: str) -> Task:
@@ -77,43 +104,22 @@ def test_a_task_not_stopped_is_offered_and_put_back_when_no_member_took_it(
     assert owned is not None and runner.book.start(owned)  # a worker takes it here
 
 
-def test_a_task_forwarded_again_while_its_withdrawn_run_is_aborted_runs_for_the_new_forwarder() -> (
-    None
-):
+def test_a_task_forwarded_again_while_its_withdrawn_run_is_aborted_runs_for_the_new_forwarder(
+    echo_runner: Runner,
+) -> None:
     """core/lifecycle.py rule 3b with a real worker: withdrawn while it ran, forwarded here
     again before the aborted worker ended.  The worker's end queues it again and it runs to a
     Result whose TaskDone goes to the new forwarder (before: dropped silently, the new
     forwarder waited for its deadline)."""
-    config = load_config(
-        environ={},
-        overrides=[
-            'ingress.bind="tcp://127.0.0.1:0"',
-            'gossip.bind=""',
-            'journal.path=""',
-            'metrics.bind=""',
-            'engine.kind="echo"',
-            "engine.token_delay_s=0.01",
-        ],
-    )
-    daemon = Daemon(config)
-    runner = daemon.ingress.runner
+    runner = echo_runner
     ended: list[tuple[list[object], bool]] = []
     runner.on_finished.append(lambda owned, result: ended.append((owned.notify(), result.ok)))
 
     async def race() -> None:
         worker = asyncio.create_task(runner.work_forever())
         try:
-            task = Task(
-                v=1, id="t4", prompt="a b c", reply_to="tcp://127.0.0.1:9", timeout_ms=10_000
-            )
-            now = time.monotonic()  # (the runner's clock: deadlines count from it)
-            _, owned = runner.book.offer(task, now, now, forwarder=b"A")
-            runner.enqueue(owned)  # type: ignore[arg-type]
             async with asyncio.timeout(5):
-                while runner.running == 0:  # its worker has it in the engine
-                    await asyncio.sleep(0.001)
-                assert runner.withdraw("t4", b"A")  # aborted: its worker is cancelled...
-                runner.book.offer(task, now, now, forwarder=b"B")  # ...and it comes back first
+                await _withdrawn_then_wanted_again(runner, "t4")
                 while not ended:
                     await asyncio.sleep(0.005)
         finally:
@@ -121,52 +127,29 @@ def test_a_task_forwarded_again_while_its_withdrawn_run_is_aborted_runs_for_the_
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
 
-    try:
-        asyncio.run(race())
-    finally:
-        daemon._ctx.destroy(linger=0)
+    asyncio.run(race())
     assert ended == [([b"B"], True)]
     assert runner.restarts == 1 and runner.results["ok"] == 1
     assert runner.book.get("t4") is None and runner.admission.pending == 0
 
 
-def test_a_shutdown_that_lands_while_a_restarting_task_is_aborted_ends_its_worker() -> None:
+def test_a_shutdown_that_lands_while_a_restarting_task_is_aborted_ends_its_worker(
+    echo_runner: Runner,
+) -> None:
     """The shutdown's cancel and the withdrawal's abort reach the worker as one
     CancelledError: the worker answers the task shutting_down and ends, instead of running
     it again past the grace and then waiting for work for ever (a review found the hang)."""
-    config = load_config(
-        environ={},
-        overrides=[
-            'ingress.bind="tcp://127.0.0.1:0"',
-            'gossip.bind=""',
-            'journal.path=""',
-            'metrics.bind=""',
-            'engine.kind="echo"',
-            "engine.token_delay_s=0.01",
-        ],
-    )
-    daemon = Daemon(config)
-    runner = daemon.ingress.runner
+    runner = echo_runner
 
     async def race() -> None:
         worker = asyncio.create_task(runner.work_forever())
-        task = Task(v=1, id="t5", prompt="a b c", reply_to="tcp://127.0.0.1:9", timeout_ms=10_000)
-        now = time.monotonic()
-        _, owned = runner.book.offer(task, now, now, forwarder=b"A")
-        runner.enqueue(owned)  # type: ignore[arg-type]
         async with asyncio.timeout(5):
-            while runner.running == 0:
-                await asyncio.sleep(0.001)
-            assert runner.withdraw("t5", b"A")
-            runner.book.offer(task, now, now, forwarder=b"B")  # wanted again...
+            await _withdrawn_then_wanted_again(runner, "t5")
             runner.admission.begin_shutdown()  # ...as the daemon stops, as the daemon does
             runner.refuse_queued()
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)  # it ends
 
-    try:
-        asyncio.run(race())
-    finally:
-        daemon._ctx.destroy(linger=0)
+    asyncio.run(race())
     assert runner.results["shutting_down"] == 1 and runner.restarts == 0
     assert runner.book.get("t5") is None and runner.admission.pending == 0

@@ -361,18 +361,17 @@ class Forwarder:
             self._withdraw(node, entry.task.id)
             task = entry.task
             timeout_s = task.timeout_ms / 1000.0
-            if entry.received_at + timeout_s <= now:  # rule 4: past its deadline
+            deadline = entry.received_at + timeout_s
+            if deadline <= now:  # rule 4: past its deadline
                 self.counters.expired_not_migrated += 1
-                if now < entry.received_at + 2 * timeout_s:
+                if now < deadline + timeout_s:
                     message = f"its owner {node} died after the deadline of {task.timeout_ms} ms"
                     self._events.append(Refuse(task, ErrorCode.DEADLINE_EXCEEDED, message, 0))
                 continue
             self.counters.migrated += 1
             moved += 1
             gone = frozenset({node})
-            journey = Journey(
-                task, entry.received_at, entry.received_at + task.timeout_ms / 1000.0, False, gone
-            )
+            journey = Journey(task, entry.received_at, deadline, False, gone)
             journey.order = self._placement.order(task, now, exclude=gone)
             self._next(journey, now)
         return moved
