@@ -319,7 +319,8 @@ class FanoutConfig(Section):
 
 class JournalConfig(Section):
     # The journal of accepted tasks (see gossipd/ingress/journal.py); empty: no journal, so a task
-    # accepted here is lost with a crash unless its producer resubmits it.
+    # accepted here is lost with a crash unless its producer resubmits it.  After a crash the
+    # daemon runs its unfinished tasks again, each by the deadline it was accepted with.
     path: str = ""
     # Batched durability: accepted tasks reach the disk within this long.
     fsync_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.01

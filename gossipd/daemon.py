@@ -30,11 +30,12 @@ from gossipd import __version__
 from gossipd.admin import Admin
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
+from gossipd.core.admission import Verdict
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.gossip_messages import GpuState, LoadRecord
 from gossipd.core.heldresults import HeldResults
 from gossipd.core.loadstate import LoadSampler
-from gossipd.core.messages import ErrorCode, error_result
+from gossipd.core.messages import ErrorCode, Task, error_result
 from gossipd.core.peer_messages import TaskDone
 from gossipd.core.placer import Placer
 from gossipd.core.ring import LoadCounts
@@ -213,7 +214,7 @@ class Daemon:
                 raise StartupError(
                     f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"
                 ) from None
-            self.ingress.intake.on_admitted.append(self.journal.accept)
+            self.ingress.intake.on_admitted.append(self._journal_accept)
             self.ingress.runner.on_finished.append(
                 lambda owned, result: self.journal.done(owned.task.id)
             )  # type: ignore[union-attr]
@@ -793,19 +794,40 @@ class Daemon:
             self.gossip.set_status("unhealthy")
         self.request_stop()
 
+    def _journal_accept(self, task: Task) -> None:
+        """Journal an admitted task with its deadline by the wall clock (kept by a restart)."""
+        assert self.journal is not None
+        owned = self.ingress.intake.book.get(task.id)
+        left_s = task.timeout_ms / 1000.0
+        if owned is not None:
+            left_s += owned.received_at - self.clock.monotonic()
+        self.journal.accept(task, int((self.clock.wall() + left_s) * 1000))
+
     def _replay_journal(self) -> None:
-        """Run again what we accepted before a crash and never finished."""
+        """Run again what we accepted before a crash and never finished, each by its own
+        deadline (one that passed while we were down is answered deadline_exceeded without
+        running); what admission refuses now (answered to its producer) leaves the journal."""
         assert self.journal is not None
         unfinished = self.journal.replay()
-        now = self.clock.monotonic()
+        now, wall = self.clock.monotonic(), self.clock.wall()
+        refused = expired = 0
         for task in unfinished:
-            self.ingress.intake.admit(task, now, answer=True)
+            received_at = now
+            deadline_ms = self.journal.deadlines.get(task.id)
+            if deadline_ms is not None:  # as if received timeout_ms before that deadline
+                received_at = now + deadline_ms / 1000.0 - wall - task.timeout_ms / 1000.0
+                expired += deadline_ms / 1000.0 <= wall
+            if self.ingress.intake.admit(task, received_at, answer=True) is not Verdict.ADMIT:
+                refused += 1
+                self.journal.done(task.id)
+                continue
             src = self.journal.forwarded.get(task.id)
             if src is not None and self.dispatcher is not None:
                 self.ingress.intake.book.expect_withdraw(task.id, src)
         if unfinished:
             log.info(
-                "re-running unfinished tasks from the journal", extra={"tasks": len(unfinished)}
+                "re-running unfinished tasks from the journal",
+                extra={"tasks": len(unfinished), "past_deadline": expired, "refused": refused},
             )
 
     async def _shut_down(self, workers: list[asyncio.Task[None]]) -> dict[str, int]:

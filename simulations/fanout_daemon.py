@@ -121,18 +121,19 @@ class SimDaemon:
             if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING):
                 self.forwarder.local_finished(task.id)  # nothing of ours runs here
             if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
-                # Answered as the daemon's intake answers it (core/admission.refused).
-                no = refused(
-                    verdict,
-                    self.admission,
-                    pending_max=PENDING_MAX,
-                    pending_bytes_max=PENDING_BYTES_MAX,
-                    retry_after_ms=RETRY_AFTER_MS,
-                )
-                answer = error_result(
-                    task.id, no.code, no.message, retry_after_ms=no.retry_after_ms
-                )
-                self.world.answer(self, task, answer)
+                self.answer_refusal(task, verdict)
+
+    def answer_refusal(self, task: Task, verdict: Verdict) -> None:
+        """Answered as the daemon's intake answers a refused task (core/admission.refused)."""
+        no = refused(
+            verdict,
+            self.admission,
+            pending_max=PENDING_MAX,
+            pending_bytes_max=PENDING_BYTES_MAX,
+            retry_after_ms=RETRY_AFTER_MS,
+        )
+        answer = error_result(task.id, no.code, no.message, retry_after_ms=no.retry_after_ms)
+        self.world.answer(self, task, answer)
 
     def on_cancel(self, task_id: str, producer_key: str) -> None:
         """A Cancel, from a producer or passed on by a peer, as the daemon's intake handles
@@ -170,12 +171,11 @@ class SimDaemon:
         world.push(world.now + world.run.abort_s, ABORTED, self.index, (self.epoch, owned))
         world.trace(owned.task.id, self.name, "aborting its engine request")
 
-    def _free_slot(self, task_id: str) -> float | None:
-        """A running task's engine slot is free (it finished, or its abort ended); when it
-        started."""
+    def _free_slot(self, task_id: str) -> None:
+        """A running task's engine slot is free (it finished, or its abort ended)."""
         self.running -= 1
         self.world.stopped_running(self, task_id)
-        return self.started_at.pop(task_id, None)
+        self.started_at.pop(task_id, None)
 
     def aborted(self, owned: Owned) -> None:
         """The aborted worker of ``owned`` ends, as ``Runner._run_job``'s end: run again
@@ -228,7 +228,7 @@ class SimDaemon:
         )
         if verdict is Verdict.ADMIT:
             self.withdrawn_before_run.discard(task.id)
-            self.world.journal_accept(self, task, forwarder)
+            self.world.journal_accept(self, task, forwarder, received_at)
             self.queue.append(task.id)
             self.world.trace(task.id, self.name, f"admitted (from {forwarder or 'intake'})")
             self.start_jobs()

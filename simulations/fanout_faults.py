@@ -19,8 +19,9 @@ from simulations.fanout_run import FAULT, FAULT_KINDS
 class Faults:
     """Injects the run's faults at random times and undoes them; keeps each daemon's journal."""
 
-    def journal_accept(self, d: SimDaemon, task: Task, forwarder: str) -> None:
-        self.journals[d.index][task.id] = (task, forwarder, self.now)
+    def journal_accept(self, d: SimDaemon, task: Task, forwarder: str, received_at: float) -> None:
+        # received_at: the deadline's base, kept by a restart (the daemon journals the deadline)
+        self.journals[d.index][task.id] = (task, forwarder, self.now, received_at)
         self.journal_done_at[d.index].pop(task.id, None)
 
     def journal_done(self, d: SimDaemon, task_id: str) -> None:
@@ -117,7 +118,7 @@ class Faults:
         journal, done_at = self.journals[index], self.journal_done_at[index]
         # What reached the disk: accepts and dones fsynced before the crash.
         for task_id in list(journal):
-            task, src, accepted_at = journal[task_id]
+            task, src, accepted_at, _ = journal[task_id]
             done = done_at.get(task_id)
             if accepted_at > durable:
                 del journal[task_id]
@@ -125,8 +126,15 @@ class Faults:
                 del journal[task_id]
                 del done_at[task_id]
         done_at.clear()
-        for task, src, _ in list(journal.values()):
-            if d.admit(task, self.now, forwarder="") is Verdict.ADMIT and src:
-                journal[task.id] = (task, src, self.now)  # still marked as forwarded by src
+        # Each by its own deadline; one refused now is answered so and leaves the journal
+        # (Daemon._replay_journal).
+        for task, src, _, received_at in list(journal.values()):
+            verdict = d.admit(task, received_at, forwarder="")
+            if verdict is not Verdict.ADMIT:
+                del journal[task.id]
+                if verdict not in (Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
+                    d.answer_refusal(task, verdict)
+            elif src:
+                journal[task.id] = (task, src, self.now, received_at)  # still forwarded by src
                 d.book.expect_withdraw(task.id, src)
         self.schedule(d)

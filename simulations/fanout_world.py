@@ -79,7 +79,8 @@ class World(Producers, Faults, Network, Checks):
         self.crashed_at: dict[tuple[int, int], float] = {}
         self.loss = 0.0
         self.link_last: dict[tuple[int, int], float] = {}
-        self.journals: list[dict[str, tuple[Task, str, float]]] = [{} for _ in names]
+        # task id -> (task, forwarder, accepted at, received at: its deadline's base)
+        self.journals: list[dict[str, tuple[Task, str, float, float]]] = [{} for _ in names]
         self.journal_done_at: list[dict[str, float]] = [{} for _ in names]
         for i in range(run.nodes):
             d = SimDaemon(self, i, 0, [])

@@ -176,6 +176,87 @@ def test_journal_reruns_unfinished_tasks_after_a_crash(make_cluster) -> None:  #
     )
 
 
+def test_a_restart_keeps_each_journaled_tasks_deadline(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """A task whose deadline passed while its daemon was down is answered deadline_exceeded
+    after the restart without running; one with time left runs, timed from its first
+    receipt (the journal keeps deadlines by the wall clock, not a fresh timeout)."""
+    cluster = make_cluster(
+        1, "engine.token_delay_s=0.05", "ingress.concurrency_max=1", 'metrics.bind="127.0.0.1:0"'
+    )
+    daemon = cluster.daemons[0]
+    producer = RawProducer(daemon.endpoint)
+    try:
+        sent_at = time.monotonic()
+        producer.send_task("long", params={"max_tokens": 10}, timeout_ms=60_000)  # 0.5 s
+        producer.send_task("short", params={"max_tokens": 2}, timeout_ms=1_500)  # behind it
+        wait_until(
+            lambda: scrape(daemon.metrics_port).get("gossipd_tasks_pending", 0) == 2,
+            10,
+            "both admitted",
+        )
+        time.sleep(0.05)  # deliberate: past the journal's 10 ms fsync batch
+        daemon.kill()
+        daemon.wait(5)
+        time.sleep(max(0.0, sent_at + 1.6 - time.monotonic()))  # "short" is past its deadline
+        restarted_after_s = time.monotonic() - sent_at
+        restarted = cluster.restart(0)
+        results = {r["id"]: r for r in producer.results(2, timeout_s=20)}
+    finally:
+        producer.close()
+    # With a fresh 1.5 s from the restart, "short" would have run after "long" and been ok.
+    assert not results["short"]["ok"]
+    assert results["short"]["error"]["code"] == "deadline_exceeded"
+    assert "(0 tokens done)" in results["short"]["error"]["message"]
+    assert results["long"]["ok"]
+    assert results["long"]["timings"]["queued_ms"] >= restarted_after_s * 1000 - 100
+    replayed = [
+        e
+        for e in restarted.events()
+        if e.get("msg") == "re-running unfinished tasks from the journal"
+    ]
+    assert replayed and replayed[0]["tasks"] == 2 and replayed[0]["past_deadline"] == 1
+
+
+def test_journaled_tasks_that_admission_refuses_on_restart_leave_the_journal(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """More unfinished tasks in the journal than ingress.pending_max: the ones refused at
+    the restart are answered overloaded (their producers send them again) and leave the
+    journal, instead of staying there to be replayed at every later start."""
+    from gossipd.core.messages import Task
+    from gossipd.ingress.journal import Journal
+
+    producer = RawProducer("tcp://127.0.0.1:9")  # only its reply address is used here
+    path = tmp_path / "d00.journal"
+    journal = Journal(path)
+    for i in range(6):
+        task = Task(v=1, id=f"j{i}", prompt="p q", reply_to=producer.reply_to)
+        journal.accept(task, int(time.time() * 1000) + 60_000)
+    journal.close()
+    cluster = Cluster(
+        1,
+        log_dir=str(tmp_path),
+        extra_overrides=[
+            f'journal.path="{path}"',
+            "ingress.pending_max=4",
+            "ingress.concurrency_max=1",
+            "engine.token_delay_s=0.05",
+        ],
+    )
+    try:
+        cluster.start()
+        answers = {r["id"]: r for r in producer.results(6, timeout_s=20)}
+        refused = sorted(
+            i for i, r in answers.items() if r["error"] and r["error"]["code"] == "overloaded"
+        )
+        assert len(refused) == 2 and all(answers[f"j{i}"]["ok"] for i in range(4))
+        cluster.daemons[0].stop()
+    finally:
+        cluster.stop()
+        producer.close()
+    assert Journal(path).replay() == [], "nothing left to run again"
+
+
 def test_a_task_for_a_model_nobody_serves_is_refused_as_unavailable(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(2)
 

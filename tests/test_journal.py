@@ -77,6 +77,24 @@ def test_compaction_keeps_only_unfinished_tasks(tmp_path: Path) -> None:
     assert [t.id for t in Journal(tmp_path / "j").replay()] == [f"t{i}" for i in range(195, 200)]
 
 
+def test_deadlines_survive_replay_and_compaction_and_leave_with_done(tmp_path: Path) -> None:
+    """From 0.3.0 each task's deadline (ms since the epoch) is journaled beside it; a task
+    journaled without one (before 0.3.0) replays with none."""
+    j = Journal(tmp_path / "j")
+    j.accept(task(1), 1_000)
+    j.accept(task(2))  # as before 0.3.0
+    j.accept(task(3), 3_000)
+    j.done("t3")
+    j.close()
+    again = Journal(tmp_path / "j")
+    assert [t.id for t in again.replay()] == ["t1", "t2"]
+    assert again.deadlines == {"t1": 1_000}
+    again.compact()
+    again.close()
+    third = Journal(tmp_path / "j")
+    assert [t.id for t in third.replay()] == ["t1", "t2"] and third.deadlines == {"t1": 1_000}
+
+
 def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
     async def main() -> tuple[int, int]:
         j = Journal(tmp_path / "j", fsync_interval_s=0.01)
@@ -100,7 +118,9 @@ def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["accept", "forwarded", "done"]), st.integers(0, 20)),
+        st.tuples(
+            st.sampled_from(["accept", "accept_by", "forwarded", "done"]), st.integers(0, 20)
+        ),
         max_size=60,
     ),
     st.integers(0, 40),
@@ -109,8 +129,8 @@ def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
 def test_replay_matches_a_model_whatever_the_history_and_cut(
     ops: list[tuple[str, int]], cut: int, compact: bool
 ) -> None:
-    """Unfinished tasks in acceptance order, and which of them a peer forwarded, whatever the
-    history, after a compaction too; any cut of the file replays without raising."""
+    """Unfinished tasks in acceptance order, which of them a peer forwarded, and their
+    deadlines, whatever the history, after a compaction too; any cut of the file replays without raising."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -118,10 +138,14 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
         j = Journal(path)
         model: dict[str, None] = {}
         forwarded: dict[str, str] = {}
+        deadlines: dict[str, int] = {}
         for kind, i in ops:
-            if kind == "accept":
-                j.accept(task(i))
+            if kind in ("accept", "accept_by"):
+                deadline = 1000 + i if kind == "accept_by" else None
+                j.accept(task(i), deadline)
                 model.setdefault(f"t{i}", None)  # a re-accepted pending task keeps its place
+                if deadline is not None:  # the latest acceptance's deadline
+                    deadlines[f"t{i}"] = deadline
             elif kind == "forwarded":
                 j.mark_forwarded(f"t{i}", f"d{i % 3}")
                 if f"t{i}" in model:  # only an unfinished task is marked, once
@@ -130,6 +154,7 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
                 j.done(f"t{i}")
                 model.pop(f"t{i}", None)
                 forwarded.pop(f"t{i}", None)
+                deadlines.pop(f"t{i}", None)
         if compact:
             j.compact()
         j.close()
@@ -137,6 +162,7 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
         again = Journal(path)
         assert [t.id for t in again.replay()] == list(model)
         assert again.forwarded == forwarded
+        assert again.deadlines == deadlines
         # Any cut of the file replays to a prefix-consistent state without raising.
         path.write_bytes(data[: max(0, len(data) - cut)])
         Journal(path).replay()

@@ -1,9 +1,12 @@
 """The local journal of accepted tasks: the only durable state a daemon keeps.
 
 Append-only records, one MessagePack array each: [1, task bytes] when a task is accepted,
-[3, MessagePack [task id, forwarder]] after it when a peer forwarded it (after a restart that
-forwarder's Withdraw is honoured, since it may have migrated the task while we were down, and
-it gets the TaskDone), [2, task id] when its final result was sent.  Writes are buffered and
+[4, MessagePack [task id, deadline]] right after it (from 0.3.0: its deadline in
+milliseconds since the epoch, by this host's clock, so that a restart keeps it instead of
+giving the task its whole timeout again), [3, MessagePack [task id, forwarder]] after them
+when a peer forwarded it (after a restart that forwarder's Withdraw is honoured, since it may
+have migrated the task while we were down, and it gets the TaskDone), [2, task id] when its
+final result was sent.  Writes are buffered and
 made durable in batches (flush + fsync every ``fsync_interval_s``, off the event loop), so a
 crash loses at most that window of acceptances; the producer's resubmission covers that
 window.  When the file passes ``compact_bytes`` it is rewritten with only the unfinished
@@ -27,14 +30,19 @@ from gossipd.core.messages import Task, encode
 
 log = logging.getLogger("gossipd.ingress.journal")
 
-ACCEPT, DONE, FORWARDED = 1, 2, 3
+ACCEPT, DONE, FORWARDED, DEADLINE = 1, 2, 3, 4
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
 _forwarded_decoder = msgspec.msgpack.Decoder(tuple[str, str])
+_deadline_decoder = msgspec.msgpack.Decoder(tuple[str, int])
 
 
 def _forwarded_record(task_id: str, src: str) -> bytes:
     return _encoder.encode([FORWARDED, _encoder.encode([task_id, src])])
+
+
+def _deadline_record(task_id: str, deadline_ms: int) -> bytes:
+    return _encoder.encode([DEADLINE, _encoder.encode([task_id, deadline_ms])])
 
 
 class Journal:
@@ -47,6 +55,8 @@ class Journal:
         self._compact_bytes = compact_bytes
         self._open: OrderedDict[str, bytes] = OrderedDict()  # unfinished: id -> task bytes
         self.forwarded: dict[str, str] = {}  # unfinished ids a peer forwarded -> that peer
+        # Unfinished ids -> their deadline (ms since the epoch); absent: written before 0.3.0.
+        self.deadlines: dict[str, int] = {}
         self._file = self.path.open("ab")
         self._size = self.path.stat().st_size
         self._dirty = False
@@ -59,6 +69,12 @@ class Journal:
         """Tasks accepted and not finished, oldest first (also kept as open here)."""
         self._open.clear()
         self.forwarded.clear()
+        self.deadlines.clear()
+        # Records about an accepted task: its kind -> how to read it, where it is kept.
+        about: dict[int, tuple[msgspec.msgpack.Decoder, dict]] = {  # type: ignore[type-arg]
+            FORWARDED: (_forwarded_decoder, self.forwarded),
+            DEADLINE: (_deadline_decoder, self.deadlines),
+        }
         data = self.path.read_bytes()
         decoder = msgspec.msgpack.Decoder()
         # Records are concatenated MessagePack values; decode them one by one.
@@ -89,13 +105,15 @@ class Journal:
                 elif kind == DONE and isinstance(body, str):
                     self._open.pop(body, None)
                     self.forwarded.pop(body, None)
-                elif kind == FORWARDED and isinstance(body, bytes):
+                    self.deadlines.pop(body, None)
+                elif kind in about and isinstance(body, bytes):  # [task id, value]
+                    read, values = about[kind]
                     try:
-                        task_id, src = _forwarded_decoder.decode(body)
+                        task_id, value = read.decode(body)
                     except msgspec.DecodeError:
                         continue
                     if task_id in self._open:
-                        self.forwarded[task_id] = src
+                        values[task_id] = value
         if torn:
             log.warning(
                 "journal ends in a torn record; ignored",
@@ -103,10 +121,15 @@ class Journal:
             )
         return [_task_decoder.decode(b) for b in self._open.values()]
 
-    def accept(self, task: Task) -> None:
+    def accept(self, task: Task, deadline_ms: int | None = None) -> None:
+        """``deadline_ms``: when the task's deadline passes, in ms since the epoch."""
         body = encode(task)
         self._open[task.id] = body
-        self._write(_encoder.encode([ACCEPT, body]))
+        record = _encoder.encode([ACCEPT, body])
+        if deadline_ms is not None:
+            self.deadlines[task.id] = deadline_ms
+            record += _deadline_record(task.id, deadline_ms)
+        self._write(record)
 
     def mark_forwarded(self, task_id: str, src: str) -> None:
         """The accepted ``task_id`` came from member ``src``'s Forward."""
@@ -117,6 +140,7 @@ class Journal:
     def done(self, task_id: str) -> None:
         if self._open.pop(task_id, None) is not None:
             self.forwarded.pop(task_id, None)
+            self.deadlines.pop(task_id, None)
             self._write(_encoder.encode([DONE, task_id]))
 
     @property
@@ -152,6 +176,8 @@ class Journal:
         with tmp.open("wb") as out:
             for task_id, body in self._open.items():
                 out.write(_encoder.encode([ACCEPT, body]))
+                if task_id in self.deadlines:
+                    out.write(_deadline_record(task_id, self.deadlines[task_id]))
                 if task_id in self.forwarded:
                     out.write(_forwarded_record(task_id, self.forwarded[task_id]))
             out.flush()
