@@ -42,6 +42,20 @@ def _knows(daemon: DaemonProcess, leader: str, token: int) -> dict[str, Any] | N
     return seen[0] if seen and seen[0]["leader"] == leader else None
 
 
+def _story(daemons: list[DaemonProcess]) -> str:
+    """Every daemon's election events in order: what a failed wait shows (a rare flake in CI,
+    "the new term known" not within 5 s, left no trace of its cause)."""
+    kinds = ("leader_elected", "leader_stepped_down", "term_observed")
+    lines = [
+        f"{e.get('t_wall', 0):.3f} {d.name}: {e['msg']} "
+        f"{ {k: e[k] for k in ('leader', 'token', 'reason') if k in e} }"
+        for d in daemons
+        for e in d.events()
+        if e.get("msg") in kinds
+    ]
+    return "\n".join(sorted(lines))
+
+
 def _cluster(n: int, etcd: EtcdCluster, tmp_path: Any) -> Cluster:
     return Cluster(
         n,
@@ -95,14 +109,17 @@ def test_one_leader_known_to_all_then_kill_and_resign_failovers(
         print(f"failover after SIGKILL of the leader: {failover_kill_s:.3f} s (TTL {TTL_S} s)")
         assert token2 > token
         assert failover_kill_s <= TTL_S + 1.0
-        known2 = wait_until(
-            lambda: (
-                all(_knows(d, leader2, token2) for d in survivors)
-                and [_knows(d, leader2, token2) for d in survivors]
-            ),
-            5,
-            "the new term known",
-        )
+        try:
+            known2 = wait_until(
+                lambda: (
+                    all(_knows(d, leader2, token2) for d in survivors)
+                    and [_knows(d, leader2, token2) for d in survivors]
+                ),
+                5,
+                "the new term known",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the election events:\n{_story(daemons)}") from None
         elected2 = _events(by_name[leader2], "leader_elected")[-1]["t_wall"]
         spread2_s = max(k["t_wall"] for k in known2) - elected2  # type: ignore[union-attr]
         print(f"new term known by both survivors {spread2_s * 1000:.0f} ms after the election")
