@@ -47,6 +47,7 @@ from gossipd.fanout.holding import ResultHolder
 from gossipd.fanout.owner import OwnerEndpoint, zmq_peer_server
 from gossipd.fanout.peerlinks import PeerLinks, zmq_peer_client
 from gossipd.fanout.placement_feed import KernelLoader, PlacementFeed
+from gossipd.http.clustermodels import ClusterModels
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.wiring import build_door, open_door
 from gossipd.ingress.budgets import (
@@ -60,7 +61,7 @@ from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.runner import stop_workers
 from gossipd.ingress.service import Ingress, IngressCurve
 from gossipd.leader import build_leadership
-from gossipd.membership.gossip import GossipService
+from gossipd.membership.gossip import GossipService, MemberView
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
 from gossipd.ops.metrics import DaemonCollector
@@ -178,6 +179,13 @@ class Daemon:
                     secret=pair.secret,
                     route=lambda addr: (addr, security.peer_server_key(addr)),
                 )
+        # The models members serve, with their max_model_len (GET /v1/models; ModelCards).
+        self.cluster_models = ClusterModels(
+            node=self.node,
+            model=self.ingress.intake.model,
+            own_max_model_len=self._max_model_len,
+            clock=clock,
+        )
         # The OpenAI-compatible HTTP door (http.bind): the same intake as the ingress.
         self.door: HttpDoor | None = None
         self._metrics_token = preflight.read_token(config.metrics.bearer_token_file)
@@ -189,6 +197,7 @@ class Daemon:
                 model=self.ingress.intake.model,
                 links=DoorLinks(
                     cluster_models=self._cluster_models,
+                    models_pending=self.cluster_models.pending,
                     not_ready=self._not_ready,
                     metrics=self._metrics_text,
                     metrics_token=self._metrics_token,
@@ -277,20 +286,21 @@ class Daemon:
             "leadership": self.leadership,
             "leader_duties": self.leader_duties,
             "http": self.door,
+            "model_cards": self.cluster_models.cards,
         }
 
     # -- what the HTTP door reads ------------------------------------------------------
 
+    def _live(self) -> list[MemberView]:
+        return self.gossip.live_members() if self.gossip is not None else []
+
     def _cluster_models(self) -> dict[str, int | None]:
         """The models served here and by live members (GET /v1/models, a request's model),
-        each with its longest prompt + output where we know it: for the model we serve
-        (members do not gossip theirs, docs/PROTOCOL.md "Adding a field to GpuState")."""
-        models: dict[str, int | None] = {}
-        if self.gossip is not None:
-            for m in self.gossip.live_members():
-                if m.gpu is not None and m.gpu.model:
-                    models[m.gpu.model] = None
-        models[self.ingress.intake.model] = self._max_model_len()
+        each with its longest prompt + output where known; asks members for their cards."""
+        models, ask = self.cluster_models.models(self._live())
+        if self.dispatcher is not None:
+            for member in ask:
+                self.dispatcher.ask_model_card(member)
         return models
 
     def _max_model_len(self) -> int | None:
@@ -629,8 +639,8 @@ class Daemon:
                 kv_ratio=stats.kv_cache_usage_ratio,
             )
 
-        def peer_replies(msgs: list[object]) -> None:
-            dispatcher.on_peer_replies(msgs)
+        def peer_replies(msgs: list[object], addr: str = "") -> None:
+            dispatcher.on_peer_replies(msgs, addr)
 
         def send_to_member(member: str, msg: TaskDone) -> None:
             dispatcher.send_to_member(member, msg)
@@ -665,6 +675,7 @@ class Daemon:
             # Under CURVE a member may only ask us to relay its own door's replies (routes
             # with its own key): else any member could draw another's replies to itself.
             relay_allowed=security.is_peers_key if security.curve else lambda src, key: True,
+            model_card=self.cluster_models.card,
         )
         rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
         gossip = GossipService(
@@ -718,6 +729,7 @@ class Daemon:
             tracer=self.tracer,
             on_confirm_reply=lambda msg: self._held().on_reply(msg),
             deliver_relayed=self.replies.deliver_here,
+            on_model_card=self.cluster_models.on_card,
         )
         # Subscriptions, and the ingress's links to fan-out (IngressLinks).
         gossip.listeners.append(dispatcher.member_event)
@@ -934,7 +946,7 @@ def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stats in snapshot.items():
-        if name in ("gossip", "dispatcher", "admin", "held_results", "http"):
+        if name in ("gossip", "dispatcher", "admin", "held_results", "http", "model_cards"):
             continue
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}

@@ -30,7 +30,15 @@ from gossipd.core.gossip_messages import (
     encode_gossip,
 )
 from gossipd.core.messages import Task
-from gossipd.core.peer_messages import Forward, ForwardReply, PeerBatch, decode_peer, encode_peer
+from gossipd.core.peer_messages import (
+    Forward,
+    ForwardReply,
+    ModelCard,
+    ModelQuery,
+    PeerBatch,
+    decode_peer,
+    encode_peer,
+)
 from gossipd.ops.scrape import scrape
 from gossipd.security import KeyDir, is_loopback, write_key_pair
 from gossipd.sockets import SocketKind, SocketPool
@@ -491,6 +499,24 @@ def test_a_member_cannot_speak_for_another(daemon_factory: Any, tmp_path: Path) 
         reply = decode_peer(dealer.recv(), bytes_max=1 << 20)
         items = reply.items if isinstance(reply, PeerBatch) else [reply]
         assert any(isinstance(i, ForwardReply) and i.accepted for i in items)
+        # A ModelQuery naming another member is refused as the Forward was; as itself it is
+        # answered with s1's ModelCard on the same connection.
+        dealer.send(encode_peer(ModelQuery(node="s0")))
+        wait_until(
+            lambda: metric(s1, "gossipd_peer_src_mismatch_total{channel=rpc}") >= 2,
+            5,
+            "forged ModelQuery refused",
+        )
+        dealer.send(encode_peer(ModelQuery(node="m2")))
+        cards: list[ModelCard] = []
+        deadline = time.monotonic() + 5
+        while not cards and time.monotonic() < deadline:
+            if dealer.poll(200):
+                got = decode_peer(dealer.recv(), bytes_max=1 << 20)
+                for item in got.items if isinstance(got, PeerBatch) else [got]:
+                    if isinstance(item, ModelCard):
+                        cards.append(item)
+        assert [(c.node, c.model) for c in cards] == [("s1", "echo")]
         assert not {"dead", "left"} & set(member_events(s1, "s0"))
     finally:
         ctx.destroy(linger=0)

@@ -215,7 +215,7 @@ gossip_map = fields(
 peer_item_map = fields(
     {
         "v": version,
-        "t": st.sampled_from([20, 20, 21, 22, 4, 24, 23]),
+        "t": st.sampled_from([20, 20, 21, 22, 4, 24, 23, 28, 29]),
         "req": nat,
         "src": ident,
         "node": ident,
@@ -228,6 +228,8 @@ peer_item_map = fields(
         "message": st.text(max_size=10),
         "retry_after_ms": nat,
         "id": ident,
+        "model": st.text(max_size=130),  # ModelCard (at most 128)
+        "max_model_len": st.integers(-1, 2**31 + 1),
     }
 )
 peer_map = peer_item_map | fields(

@@ -277,8 +277,9 @@ def test_models_health_and_readiness(daemon_factory: Any) -> None:
 def test_models_lists_every_members_model_and_requests_go_where_it_is_served(
     tmp_path: Path,
 ) -> None:
-    """GET /v1/models at one member lists the other's model too (its max_model_len null:
-    members do not gossip it yet), and a request naming it is served there."""
+    """GET /v1/models at either member lists both models, each with the max_model_len of
+    the member that serves it (asked of it by a ModelQuery), and a request naming the other
+    member's model is served there."""
     served = {0: ("echo", 1024), 1: ("echo-b", 2048)}  # (model, max_model_len) a member
     c = Cluster(
         2,
@@ -289,17 +290,21 @@ def test_models_lists_every_members_model_and_requests_go_where_it_is_served(
             f"engine.max_model_len={served[i][1]}",
         ],
     )
+    want = {"echo": 1024, "echo-b": 2048}
     with running(c):
         entry = c.daemons[0]
+        for d in c.daemons:
 
-        def cards() -> dict[str, Any] | None:
-            with urllib.request.urlopen(f"{entry.http_url}/v1/models", timeout=10) as response:
-                data = json.loads(response.read())["data"]
-            found = {m["id"]: m["max_model_len"] for m in data}
-            return found if "echo-b" in found else None
+            def cards(d: Any = d) -> dict[str, Any] | None:
+                with urllib.request.urlopen(f"{d.http_url}/v1/models", timeout=10) as response:
+                    data = json.loads(response.read())["data"]
+                found = {m["id"]: m["max_model_len"] for m in data}
+                return found if found == want else None
 
-        found = wait_until(cards, 30, "the other member's model")
-        assert found == {"echo": 1024, "echo-b": None}
+            wait_until(cards, 30, f"both models' max_model_len at {d.name}")
+            counted = scrape(d.metrics_port)
+            assert counted["gossipd_model_cards_total{outcome=answered}"] >= 1
+            assert counted["gossipd_model_cards_total{outcome=refused}"] == 0
         client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
         raw = client.completions.with_raw_response.create(
             model="echo-b", prompt="served there", max_tokens=2

@@ -10,6 +10,7 @@ import socket
 import ssl
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -121,6 +122,17 @@ def test_under_curve_a_forwarded_requests_answer_reaches_the_door(tmp_path: Path
         metrics = scrape(entry.metrics_port)
         assert metrics["gossipd_http_replies_unknown_total"] == 0
         assert metrics["gossipd_http_replies_invalid_total"] == 0
+        # The other member's max_model_len comes over the CURVE connection too (ModelCard).
+        with urllib.request.urlopen(f"{entry.http_url}/v1/models", timeout=10) as response:
+            listed = {m["id"]: m["max_model_len"] for m in json.loads(response.read())["data"]}
+        assert list(listed) == ["echo"]
+        wait_until(
+            lambda: (
+                scrape(entry.metrics_port).get("gossipd_model_cards_total{outcome=answered}") == 1
+            ),
+            5,
+            "the owner's ModelCard",
+        )
 
 
 def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

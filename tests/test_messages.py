@@ -31,6 +31,8 @@ from gossipd.core.messages import (
 from gossipd.core.peer_messages import (
     Forward,
     ForwardReply,
+    ModelCard,
+    ModelQuery,
     PeerBatch,
     TaskDone,
     Withdraw,
@@ -336,6 +338,10 @@ peer_items = st.one_of(
     st.builds(TaskDone, id=ids, node=node_ids),
     st.builds(Cancel, v=st.just(PROTOCOL_VERSION), id=ids),
     st.builds(Withdraw, id=ids, node=node_ids),
+    st.builds(ModelQuery, node=node_ids),
+    st.builds(
+        ModelCard, node=node_ids, model=st.text(max_size=128), max_model_len=st.integers(0, 2**31)
+    ),
 )
 
 

@@ -26,7 +26,7 @@ def _forward(req: int) -> Forward:
 
 
 def _links(config: FanoutConfig, pool: SocketPool) -> PeerLinks:
-    return PeerLinks(config, channel=zmq_peer_client(config, pool), on_reply=lambda m: None)
+    return PeerLinks(config, channel=zmq_peer_client(config, pool), on_reply=lambda m, addr: None)
 
 
 def test_PeerLinks_sends_a_turns_first_forward_at_once_under_light_load() -> None:

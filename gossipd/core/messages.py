@@ -63,6 +63,8 @@ class MsgType(enum.IntEnum):
     CONFIRM = 25  # an owner holding Results asks their forwarder: still routed to me?
     CONFIRM_REPLY = 26
     RELAY = 27  # an owner's reply for a task whose forwarder holds the client (Forward.relay)
+    MODEL_QUERY = 28  # what is your model's max_model_len? (from 0.3.0)
+    MODEL_CARD = 29
     # Admin: an operator's tool to any daemon's ingress; the answer goes to reply_to.
     STATUS_QUERY = 30
     STATUS_REPORT = 31

@@ -3,7 +3,8 @@
 A task forwarded to the member that runs it (Forward, answered by ForwardReply), its end
 (TaskDone), its withdrawal (Withdraw), an owner's question whether tasks whose Results it
 holds are still routed to it (Confirm, answered ConfirmReply), a producer's Cancel passed on, an operator's Drain
-relayed to the member it names, and PeerBatch (several of
+relayed to the member it names, a question for another member's model card (ModelQuery,
+answered ModelCard), and PeerBatch (several of
 them in one ZeroMQ message).  ``docs/PROTOCOL.md``, "Between daemons" / "Fan-out", documents
 the fields.
 """
@@ -14,7 +15,7 @@ from typing import Annotated
 
 import msgspec
 
-from gossipd.core.gossip_messages import LoadRecord, NodeId, Seq
+from gossipd.core.gossip_messages import LoadRecord, NodeId, Seq, SmallText
 from gossipd.core.messages import (
     ENDPOINT_CHARS_MAX,
     PROTOCOL_VERSION,
@@ -147,11 +148,44 @@ class Relay(
     frame: bytes
 
 
+class ModelQuery(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.MODEL_QUERY)
+):
+    """Which model do you serve, and its longest prompt + output?  (GET /v1/models; from
+    0.3.0: sent alone, only to members whose GpuState says 0.3.0 or later.)  Answered by a
+    ModelCard on the same connection."""
+
+    v: int = PROTOCOL_VERSION
+    node: NodeId  # the asker
+
+
+class ModelCard(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.MODEL_CARD)
+):
+    """A member's answer to a ModelQuery: its model and that model's max_model_len (0: its
+    engine does not know it yet)."""
+
+    v: int = PROTOCOL_VERSION
+    node: NodeId  # the member that serves ``model``
+    model: SmallText
+    max_model_len: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+
+
 # One fan-out message (a PeerBatch holds several).  A Cancel between daemons: the entry
 # point passes a producer's cancel on to the task's owner; a Drain: an operator's drain of
 # another member, relayed to it (gossipd/admin.py).
 PeerItem = (
-    Forward | ForwardReply | TaskDone | Cancel | Withdraw | Drain | Confirm | ConfirmReply | Relay
+    Forward
+    | ForwardReply
+    | TaskDone
+    | Cancel
+    | Withdraw
+    | Drain
+    | Confirm
+    | ConfirmReply
+    | Relay
+    | ModelQuery
+    | ModelCard
 )
 
 

@@ -35,7 +35,15 @@ from gossipd.core.forwarder import (
 from gossipd.core.lifecycle import Owned
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Drain, Task
-from gossipd.core.peer_messages import Confirm, ConfirmReply, Forward, Relay, TaskDone
+from gossipd.core.peer_messages import (
+    Confirm,
+    ConfirmReply,
+    Forward,
+    ModelCard,
+    ModelQuery,
+    Relay,
+    TaskDone,
+)
 from gossipd.core.placer import Placer
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
@@ -97,6 +105,7 @@ class Dispatcher:
         tracer: Any = None,
         on_confirm_reply: Callable[[ConfirmReply], None] = lambda msg: None,
         deliver_relayed: Callable[[str, bytes], bool] = lambda route, frame: False,
+        on_model_card: Callable[[ModelCard, bool], None] = lambda msg, its_own: None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -122,6 +131,8 @@ class Dispatcher:
         # (ReplySender.deliver_here: the HTTP door's); False: no such route here.
         self._deliver_relayed = deliver_relayed
         self.relayed_unroutable = 0  # Relays for a route not served here (counted, dropped)
+        # Members' answers to our ModelQuerys (GET /v1/models: core/modelcards.py).
+        self.on_model_card = on_model_card
 
     def set_draining(self, draining: bool) -> None:
         """Drained or stopping: the placer sends every task elsewhere (False: back to serving)."""
@@ -160,9 +171,9 @@ class Dispatcher:
         self._flush()
         return True
 
-    def on_peer_replies(self, msgs: list[object]) -> None:
-        """ForwardReplies, TaskDones and Relays read from the peer links (one read's
-        worth)."""
+    def on_peer_replies(self, msgs: list[object], addr: str = "") -> None:
+        """ForwardReplies, TaskDones, Relays, ConfirmReplies and ModelCards read from the
+        peer links (one read's worth), from the member at ``addr``."""
         now = self._clock.monotonic()
         on_reply = self.forwarder.on_reply
         tracer = self.tracer
@@ -174,6 +185,10 @@ class Dispatcher:
                 continue
             if type(msg) is ConfirmReply:
                 self.on_confirm_reply(msg)
+                continue
+            if type(msg) is ModelCard:
+                # Only a member's own card counts: it came on our connection to its address.
+                self.on_model_card(msg, bool(addr) and self.placer.addr(msg.node) == addr)
                 continue
             if tracer is not None and type(msg) is TaskDone:
                 tracer.forward_done(msg.id)
@@ -235,6 +250,15 @@ class Dispatcher:
         """An owner asks whether we still route these tasks to it: our ledger answers."""
         still, migrated, unknown = self.forwarder.ledger.confirm(msg.ids, msg.node)
         return ConfirmReply(node=self.node, still_mine=still, migrated=migrated, unknown=unknown)
+
+    def ask_model_card(self, member: str) -> bool:
+        """Send ``member`` a ModelQuery, alone in its message (a member before 0.3.0 would
+        refuse a batch that held one); False when it is no live member we know."""
+        addr = self.placer.addr(member)
+        if addr is None:
+            return False
+        self._links.send_alone(addr, ModelQuery(node=self.node))
+        return True
 
     def send_to_member(self, member: str, msg: TaskDone | Confirm) -> None:
         """The owner's TaskDone for a task re-run from its journal, or its Confirm about

@@ -45,6 +45,8 @@ from gossipd.core.peer_messages import (
     ConfirmReply,
     Forward,
     ForwardReply,
+    ModelCard,
+    ModelQuery,
     PeerBatch,
     Relay,
     TaskDone,
@@ -56,6 +58,9 @@ from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter
 from gossipd.peerchannel import PeerServer, ZmqPeerServer
+
+# What an owner sends back on a forwarder's connection.
+_ToForwarder = ForwardReply | TaskDone | ConfirmReply | Relay | ModelCard
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
@@ -124,7 +129,7 @@ def _source(item: object, sender: str) -> str:
     """The node a fan-out message says it comes from (a Cancel names none: its sender)."""
     if type(item) is Forward:
         return item.src
-    if type(item) in (Withdraw, TaskDone, Confirm):
+    if type(item) in (Withdraw, TaskDone, Confirm, ModelQuery):
         return item.node  # type: ignore[attr-defined, no-any-return]
     return sender
 
@@ -150,6 +155,7 @@ class OwnerEndpoint:
         on_withdraw_held: Callable[[str, str], None] | None = None,
         replies: ReplyRoutes | None = None,
         relay_allowed: Callable[[str, str], bool] = lambda src, producer_key: True,
+        model_card: Callable[[], ModelCard] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -162,7 +168,7 @@ class OwnerEndpoint:
         # The owner's decisions on Forwards (core/owner.py); its counters are ours.
         self.core = Owner(node=node, task_bytes_max=task_bytes_max)
         self.counters = self.core.counters
-        self._router_out: dict[bytes, list[ForwardReply | TaskDone | ConfirmReply | Relay]] = {}
+        self._router_out: dict[bytes, list[_ToForwarder]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._on_accepted = on_accepted  # (task, forwarder): the journal marks it
@@ -202,6 +208,8 @@ class OwnerEndpoint:
         self._relays: dict[str, str] = {}
         self._message_max = min(config.message_bytes_max, ROUTER_MESSAGE_BYTES_MAX)
         self._link_of: dict[str, bytes] = {}
+        # Our model and its max_model_len, for a member's ModelQuery (GET /v1/models there).
+        self._model_card = model_card
 
     def bind(self) -> str:
         endpoint = self._server.bind(self.config.rpc_bind)
@@ -350,6 +358,8 @@ class OwnerEndpoint:
             self._on_drain(msg)
         elif isinstance(msg, Confirm) and self._on_confirm is not None:
             self._to_forwarder(identity, self._on_confirm(msg), urgent=True)
+        elif isinstance(msg, ModelQuery) and self._model_card is not None:
+            self._to_forwarder(identity, self._model_card(), urgent=True)
         else:
             self.counters.bad_peer_messages += 1
 
@@ -360,9 +370,7 @@ class OwnerEndpoint:
         if member is not None and self.on_withdraw_held is not None:  # its Result may be held
             self.on_withdraw_held(task_id, member)
 
-    def _to_forwarder(
-        self, identity: bytes, msg: ForwardReply | TaskDone | ConfirmReply, *, urgent: bool = False
-    ) -> None:
+    def _to_forwarder(self, identity: bytes, msg: _ToForwarder, *, urgent: bool = False) -> None:
         """Queue for one forwarder; everything queued until the flush goes as one message.
 
         Accepts wait up to ``fanout.ack_delay_s`` (like TCP's delayed ACK): the forwarder

@@ -20,14 +20,14 @@ import zmq
 
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Drain
-from gossipd.core.peer_messages import Confirm, Forward, TaskDone, Withdraw
+from gossipd.core.peer_messages import Confirm, Forward, ModelQuery, TaskDone, Withdraw
 from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.peerchannel import PeerClient, ZmqPeerClient
 from gossipd.sockets import SocketPool
 from gossipd.zmqloop import TurnBatching
 
-Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm
+Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm | ModelQuery
 
 
 def zmq_peer_client(config: FanoutConfig, sockets: SocketPool) -> ZmqPeerClient:
@@ -55,12 +55,13 @@ class PeerLinks:
         config: FanoutConfig,
         *,
         channel: PeerClient,
-        on_reply: Callable[[list[object]], None],
+        on_reply: Callable[[list[object], str], None],
     ) -> None:
         self._config = config
         self._channel = channel
         self.counters = PeerLinkCounters()
-        self._on_reply = on_reply  # the decoded items a peer sent back, in order, per read
+        # The decoded items a peer sent back, in order, per read, with the peer's address.
+        self._on_reply = on_reply
         # What waits for the end of this turn, per peer address (a new dict per busy turn).
         self._outbox: dict[str, list[Outgoing]] = {}
         self._turn = TurnBatching(self._flush)
@@ -85,6 +86,10 @@ class PeerLinks:
             self._outbox[addr] = [msg]
         else:
             queued.append(msg)
+
+    def send_alone(self, addr: str, msg: Outgoing) -> None:
+        """Send ``msg`` now, in a message of its own (never batched with others)."""
+        self._send(addr, [msg])
 
     def _flush(self) -> None:
         """Send what each peer has queued since the turn's first message."""
@@ -131,4 +136,4 @@ class PeerLinks:
             except RemoteProtocolError:
                 self.counters.bad_messages += 1
         if replies:
-            self._on_reply(replies)
+            self._on_reply(replies, addr)

@@ -41,6 +41,10 @@ log = logging.getLogger("gossipd.http.door")
 # before the door answers 504 itself (a Result lost with a dead owner and no migration).
 DEADLINE_GRACE_S = 2.0
 MODELS_TTL_S = 1.0  # how stale the door's list of the cluster's models may be
+# GET /v1/models waits this long at most for members' cards asked for (core/modelcards.py)
+# before it answers with max_model_len null for those that have not come.
+MODELS_WAIT_S = 0.5
+_MODELS_POLL_S = 0.01
 _OK_JSON = b"application/json"
 _TASK_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -79,6 +83,9 @@ class DoorLinks:
     cluster_models: Callable[[], dict[str, int | None]]
     # "" when a request can be served, else why not (readiness, 503).
     not_ready: Callable[[], str]
+    # True while a member's max_model_len was asked for and has not come (GET /v1/models
+    # waits for it up to MODELS_WAIT_S).
+    models_pending: Callable[[], bool] = lambda: False
     # Prometheus text for GET /metrics; None: not served here.
     metrics: Callable[[], bytes] | None = None
     # With metrics.bearer_token_file: the token GET /metrics needs (API keys do not serve).
@@ -135,6 +142,7 @@ class HttpDoor:
         self._models_until = float("-inf")
         self.server: asyncio.Server | None = None
         self.unauthorized = 0  # requests without a valid API key (401)
+        self._background: set[asyncio.Task[None]] = set()  # GET /v1/models waiting for cards
 
     # -- the reply address ---------------------------------------------------------------
 
@@ -191,7 +199,13 @@ class HttpDoor:
                 return
             self._take(request, exchange, path == "/v1/chat/completions", identity, request_id)
         elif path == "/v1/models" and method in ("GET", "HEAD"):
-            self._json(exchange, 200, self._models(), echo)
+            self._models_now()  # asks members for the cards it lacks (a walk a second at most)
+            if self._links.models_pending():
+                waiting = asyncio.get_running_loop().create_task(self._models_soon(exchange, echo))
+                self._background.add(waiting)
+                waiting.add_done_callback(self._background.discard)
+            else:
+                self._json(exchange, 200, self._models(), echo)
         elif path == "/metrics" and method in ("GET", "HEAD") and self._links.metrics:
             exchange.respond(
                 200, self._links.metrics(), content_type=b"text/plain; version=0.0.4",
@@ -284,11 +298,20 @@ class HttpDoor:
 
     # -- small answers -------------------------------------------------------------------
 
-    def _models_now(self) -> dict[str, int | None]:
+    async def _models_soon(self, exchange: Exchange, echo: list[tuple[str, str]] | None) -> None:
+        """GET /v1/models once the members' cards asked for have come, or after
+        MODELS_WAIT_S with what is known (null for the rest)."""
+        until = self._clock.monotonic() + MODELS_WAIT_S
+        while self._links.models_pending() and self._clock.monotonic() < until:
+            await asyncio.sleep(_MODELS_POLL_S)
+        self._models_now(fresh=True)
+        self._json(exchange, 200, self._models(), echo)
+
+    def _models_now(self, *, fresh: bool = False) -> dict[str, int | None]:
         """The cluster's models, read again at most every MODELS_TTL_S (a member table walk
-        per request would cost as much as the rest of the door)."""
+        per request would cost as much as the rest of the door), or now (``fresh``)."""
         now = self._clock.monotonic()
-        if now >= self._models_until:
+        if fresh or now >= self._models_until:
             self._models_cache = self._links.cluster_models()
             self._models_until = now + MODELS_TTL_S
         return self._models_cache
@@ -339,6 +362,8 @@ class HttpDoor:
         self.answers.counters.count(status)
 
     def close(self) -> None:
+        for waiting in self._background:
+            waiting.cancel()
         self.answers.close()
         if self.server is not None:
             self.server.close()

@@ -189,7 +189,7 @@ class DaemonCollector:
             yield from _held_metrics(holder.core)
         door = s.get("http")
         if door is not None:
-            yield from _http_metrics(door)
+            yield from _http_metrics(door, s.get("model_cards"))
         load_gossip = s.get("load_gossip")
         if load_gossip is not None:
             yield from _load_gossip_metrics(load_gossip, dispatcher)

@@ -458,8 +458,9 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
     )
 
 
-def _http_metrics(door: Any) -> Iterator[Metric]:
-    """The OpenAI-compatible HTTP door (gossipd/http/), when http.bind is set."""
+def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
+    """The OpenAI-compatible HTTP door (gossipd/http/), when http.bind is set; ``cards``:
+    the members' model cards it lists (core/modelcards.py's ModelCards)."""
     c, a = door.limits.counters, door.answers.counters
     yield _one(C, "gossipd_http_connections", "HTTP connections opened", c.connections)
     yield _one(
@@ -528,3 +529,12 @@ def _http_metrics(door: Any) -> Iterator[Metric]:
     )
     if door.keys is not None:
         yield _one(G, "gossipd_http_api_keys", "API keys loaded", len(door.keys))
+    if cards is not None:
+        yield _by(
+            C,
+            "gossipd_model_cards",
+            "Members asked for their model's max_model_len (ModelQuery, asked), their answers "
+            "taken (answered), and answers nobody asked for (refused)",
+            "outcome",
+            [("asked", cards.asked), ("answered", cards.answered), ("refused", cards.refused)],
+        )
