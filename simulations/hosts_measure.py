@@ -12,6 +12,7 @@ took to see the other side gone comes from the daemons' own logged member events
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import threading
@@ -91,8 +92,10 @@ class Watcher:
                     self.rss_max_kib[unit.name] = max(self.rss_max_kib.get(unit.name, 0), hwm)
                 try:
                     counts = read_members(hd.host.addr, metrics_port(int(unit.instance)))
-                except (OSError, ValueError):
-                    continue  # starting, or stopped
+                except (OSError, ValueError, http.client.HTTPException):
+                    # Starting, or stopped (a daemon that stops mid-answer cuts it short:
+                    # IncompleteRead, which once ended this thread in a rolling drain).
+                    continue
                 with self._lock:
                     self.samples.append(
                         Sample(
