@@ -23,6 +23,7 @@ its address (10.213.47.11:2379), one member.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -372,7 +373,7 @@ class Deployment:
                 with urllib.request.urlopen(f"{client}/health", timeout=1) as answer:
                     if b'"health":"true"' in answer.read():
                         return
-            except OSError:
+            except (OSError, http.client.HTTPException):  # (a cut answer: still starting)
                 time.sleep(0.1)
         raise RuntimeError(
             f"etcd not healthy within 20 s: {(self.root / 'etcd.log').read_text()[-1500:]}"
