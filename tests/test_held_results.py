@@ -102,7 +102,9 @@ def test_a_stalled_forwarder_confirms_and_the_producer_gets_one_result(cluster: 
     sent = _metric(owner, "gossipd_fanout_results_held_sent_total{why=confirmed}")
     dropped = _metric(owner, "gossipd_fanout_results_dropped_migrated_total")
     assert (sent, dropped) in ((1, 0), (0, 1)), (sent, dropped)
-    assert _metric(owner, "gossipd_fanout_confirms_sent_total") >= 1
+    # Sent as confirmed: a Confirm went and was answered.  Dropped: d00's Withdraw may have
+    # come before the Confirm was due (a flake of this assertion in a loaded run: 0 sent).
+    assert _metric(owner, "gossipd_fanout_confirms_sent_total") >= sent
     assert _metric(owner, "gossipd_fanout_results_held") == 0
     assert _metric(owner, "gossipd_fanout_results_held_bytes") == 0
 
