@@ -30,7 +30,6 @@ from gossipd import __version__
 from gossipd.admin import Admin
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
-from gossipd.core.admission import Verdict
 from gossipd.core.forwarder import Forwarder, Refuse
 from gossipd.core.gossip_messages import GpuState, LoadRecord
 from gossipd.core.heldresults import HeldResults
@@ -58,6 +57,7 @@ from gossipd.ingress.budgets import (
 )
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.links import IngressLinks
+from gossipd.ingress.replay import JournalReplay, expects_members
 from gossipd.ingress.runner import stop_workers
 from gossipd.ingress.service import Ingress, IngressCurve
 from gossipd.leader import build_leadership
@@ -212,6 +212,7 @@ class Daemon:
         # in run() once membership and fan-out exist (it reports on them).
         self.admin: Admin | None = None
         self.journal: Journal | None = None
+        self.replay: JournalReplay | None = None
         if config.journal.path:
             try:
                 self.journal = Journal(
@@ -223,6 +224,13 @@ class Daemon:
                 raise StartupError(
                     f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"
                 ) from None
+            self.replay = JournalReplay(
+                self.journal,
+                self.ingress.intake,
+                node=self.node,
+                clock=clock,
+                expect_members=expects_members(config, self.node),
+            )
             self.ingress.intake.on_admitted.append(self._journal_accept)
             self.ingress.runner.on_finished.append(
                 lambda owned, result: self.journal.done(owned.task.id)
@@ -287,6 +295,7 @@ class Daemon:
             "leader_duties": self.leader_duties,
             "http": self.door,
             "model_cards": self.cluster_models.cards,
+            "journal_replay": self.replay,
         }
 
     # -- what the HTTP door reads ------------------------------------------------------
@@ -461,7 +470,7 @@ class Daemon:
                     )
                 if self.journal is not None:
                     background.append(tg.create_task(self.journal.sync_forever(), name="journal"))
-                    self._replay_journal()
+                    background += self._replay_journal(tg)
                 if self.security.curve:
                     background.append(
                         tg.create_task(
@@ -730,6 +739,7 @@ class Daemon:
             on_confirm_reply=lambda msg: self._held().on_reply(msg),
             deliver_relayed=self.replies.deliver_here,
             on_model_card=self.cluster_models.on_card,
+            on_replay_known=self.replay.on_known if self.replay else lambda msg, its_own: None,
         )
         # Subscriptions, and the ingress's links to fan-out (IngressLinks).
         gossip.listeners.append(dispatcher.member_event)
@@ -815,32 +825,19 @@ class Daemon:
             left_s += owned.received_at - self.clock.monotonic()
         self.journal.accept(task, int((self.clock.wall() + left_s) * 1000))
 
-    def _replay_journal(self) -> None:
-        """Run again what we accepted before a crash and never finished, each by its own
-        deadline (one that passed while we were down is answered deadline_exceeded without
-        running); what admission refuses now (answered to its producer) leaves the journal."""
-        assert self.journal is not None
-        unfinished = self.journal.replay()
-        now, wall = self.clock.monotonic(), self.clock.wall()
-        refused = expired = 0
-        for task in unfinished:
-            received_at = now
-            deadline_ms = self.journal.deadlines.get(task.id)
-            if deadline_ms is not None:  # as if received timeout_ms before that deadline
-                received_at = now + deadline_ms / 1000.0 - wall - task.timeout_ms / 1000.0
-                expired += deadline_ms / 1000.0 <= wall
-            if self.ingress.intake.admit(task, received_at, answer=True) is not Verdict.ADMIT:
-                refused += 1
-                self.journal.done(task.id)
-                continue
-            src = self.journal.forwarded.get(task.id)
-            if src is not None and self.dispatcher is not None:
-                self.ingress.intake.book.expect_withdraw(task.id, src)
-        if unfinished:
-            log.info(
-                "re-running unfinished tasks from the journal",
-                extra={"tasks": len(unfinished), "past_deadline": expired, "refused": refused},
-            )
+    def _replay_journal(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
+        """Read the journal's unfinished tasks now (before a new one is journaled), and run
+        them again in a task of their own once members say which they hold."""
+        assert self.replay is not None
+        if not self.replay.read():
+            return []
+        dispatcher = self.dispatcher
+        replay = self.replay.run(
+            self._live,
+            dispatcher.ask_replays if dispatcher is not None else None,
+            self.ingress.intake.book.expect_withdraw if dispatcher is not None else None,
+        )
+        return [tg.create_task(replay, name="journal-replay")]
 
     async def _shut_down(self, workers: list[asyncio.Task[None]]) -> dict[str, int]:
         """Drain: status draining, hand queued tasks to peers, let running ones finish within
@@ -943,10 +940,22 @@ def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:
         raise StartupError(f"cannot bind {key} = {endpoint!r}: {exc.strerror}") from None
 
 
+# Snapshot entries that are not plain statistics (the metrics read them as they are).
+_NOT_PLAIN = (
+    "gossip",
+    "dispatcher",
+    "admin",
+    "held_results",
+    "http",
+    "model_cards",
+    "journal_replay",
+)
+
+
 def _plain(snapshot: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stats in snapshot.items():
-        if name in ("gossip", "dispatcher", "admin", "held_results", "http", "model_cards"):
+        if name in _NOT_PLAIN:
             continue
         fields = getattr(stats, "__dataclass_fields__", {})
         out[name] = {k: getattr(stats, k) for k in fields if k != "latency"}

@@ -91,6 +91,7 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "cancels_sent": world.cancels_sent,
         "cancels": dict(world.cancels),
         "restarted_after_abort": world.restarted,
+        "replays_known_elsewhere": world.replays_known_elsewhere,
         "lost": len(lost),
         "lost_ids": lost[:10],
         "duplicate_results_accepted": world.duplicates_accepted,

@@ -24,11 +24,14 @@ from gossipd.core.peer_messages import (
     ConfirmReply,
     Forward,
     ForwardReply,
+    ReplayKnown,
+    ReplayQuery,
     TaskDone,
     Withdraw,
 )
 from gossipd.core.placer import LoadCounts, Placer
 from gossipd.core.queueing import QueueWait
+from gossipd.core.replaycheck import ReplayCheck
 from gossipd.core.swim import SwimNode
 from simulations.fanout_run import ABORTED, EXPIRE, FINISH
 
@@ -111,6 +114,9 @@ class SimDaemon:
         # Results held while their forwarder is not alive in our view (fanout/holding.py).
         self.held = HeldResults(bytes_max=1 << 30, always=world.run.confirm_results == "always")
         self.held_entries: dict[str, tuple[Owned, Result]] = {}
+        # A restart's journaled tasks, waiting for the members' answers (ingress/replay.py).
+        self.replay_check: ReplayCheck | None = None
+        self.replay_tasks: list[tuple[Task, str, float]] = []
 
     # -- producer intake and local admission ------------------------------------------------
 
@@ -240,6 +246,52 @@ class SimDaemon:
                 self._ended(owned)
         return verdict
 
+    # -- a restart's journal (ingress/replay.py) -----------------------------------------------
+
+    def begin_replay(self, tasks: list[tuple[Task, str, float]], *, expect_members: bool) -> None:
+        """``tasks``: (task, forwarder or "", received_at) read from the journal."""
+        self.replay_tasks = tasks
+        self.replay_check = ReplayCheck(
+            [(task.id, task.producer_key) for task, _, _ in tasks],
+            started=self.world.now,
+            expect_members=expect_members,
+        )
+        self.replay_step()
+
+    def replay_deadline(self) -> float:
+        return self.replay_check.next_deadline() if self.replay_check is not None else math.inf
+
+    def replay_step(self) -> None:
+        """Ask the live members once, then (every answer in, or the waits over) run again
+        what none of them holds, as JournalReplay does."""
+        check, world = self.replay_check, self.world
+        if check is None:
+            return
+        members = [m for m in self.swim.live_ring() if m != self.name]
+        for member, tasks in check.queries(members, world.now):
+            world.send_peer(self, member, ReplayQuery(node=self.name, tasks=tasks))
+        if not check.done(world.now):
+            world.schedule_forwarder(self)  # (its timer: replay_deadline)
+            return
+        self.replay_check = None
+        known = check.outcome().known
+        for task, src, received_at in self.replay_tasks:
+            if self.admission.holds(task.id, task.producer_key):
+                continue  # sent again meanwhile: that copy has its own journal record
+            if task.id in known:
+                world.trace(task.id, self.name, f"not run again: {known[task.id]} holds it")
+                world.replays_known_elsewhere += 1
+                world.journal_replayed(self, task, None, src)
+                continue
+            verdict = self.admit(task, received_at, forwarder="")
+            world.journal_replayed(self, task, verdict, src)
+            if verdict is Verdict.ADMIT:
+                if src:
+                    self.book.expect_withdraw(task.id, src)
+            elif verdict not in (Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
+                self.answer_refusal(task, verdict)
+        self.replay_tasks = []
+
     # -- the owner's side (rpc.py) ----------------------------------------------------------
 
     def on_peer(self, src: str, msg: object) -> None:
@@ -276,6 +328,13 @@ class SimDaemon:
         elif isinstance(msg, ConfirmReply):
             self.held.on_reply(msg.node, msg.still_mine, msg.migrated, msg.unknown)
             self.flush_held()
+        elif isinstance(msg, ReplayQuery):
+            known = [i for i, key in msg.tasks if self.admission.holds(i, key)]
+            self.world.send_peer(self, src, ReplayKnown(node=self.name, known=known))
+        elif isinstance(msg, ReplayKnown):
+            if self.replay_check is not None:
+                self.replay_check.on_known(msg.node, msg.known, its_own=msg.node == src)
+                self.replay_step()
         elif isinstance(msg, Cancel):
             # A producer's Cancel an entry passed on, with the key the entry read.
             self.on_cancel(msg.id, msg.producer_key)

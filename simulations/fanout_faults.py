@@ -27,6 +27,15 @@ class Faults:
     def journal_done(self, d: SimDaemon, task_id: str) -> None:
         self.journal_done_at[d.index][task_id] = self.now
 
+    def journal_replayed(self, d: SimDaemon, task: Task, verdict: Verdict | None, src: str) -> None:
+        """What a restart's replay did with a journaled task (None: a member holds it)."""
+        journal = self.journals[d.index]
+        if verdict is None or verdict is not Verdict.ADMIT:
+            journal.pop(task.id, None)
+        elif src:
+            _, _, _, received_at = journal[task.id]
+            journal[task.id] = (task, src, self.now, received_at)  # still forwarded by src
+
     # -- faults ----------------------------------------------------------------------------------
 
     def schedule_faults(self, duration_s: float) -> None:
@@ -118,7 +127,7 @@ class Faults:
         journal, done_at = self.journals[index], self.journal_done_at[index]
         # What reached the disk: accepts and dones fsynced before the crash.
         for task_id in list(journal):
-            task, src, accepted_at, _ = journal[task_id]
+            _, _, accepted_at, _ = journal[task_id]
             done = done_at.get(task_id)
             if accepted_at > durable:
                 del journal[task_id]
@@ -126,15 +135,10 @@ class Faults:
                 del journal[task_id]
                 del done_at[task_id]
         done_at.clear()
-        # Each by its own deadline; one refused now is answered so and leaves the journal
-        # (Daemon._replay_journal).
-        for task, src, _, received_at in list(journal.values()):
-            verdict = d.admit(task, received_at, forwarder="")
-            if verdict is not Verdict.ADMIT:
-                del journal[task.id]
-                if verdict not in (Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
-                    d.answer_refusal(task, verdict)
-            elif src:
-                journal[task.id] = (task, src, self.now, received_at)  # still forwarded by src
-                d.book.expect_withdraw(task.id, src)
+        # Asked of the live members first, then each by its own deadline (ingress/replay.py,
+        # SimDaemon.replay_step).
+        d.begin_replay(
+            [(task, src, received_at) for task, src, _, received_at in journal.values()],
+            expect_members=bool(seeds),
+        )
         self.schedule(d)

@@ -124,6 +124,7 @@ class World(Producers, Faults, Network, Checks):
         # "forwarded" (passed on to the member running it), "refused" (another key's), "unknown".
         self.cancels: Counter[str] = Counter()
         self.restarted = 0  # copies that came while their withdrawn run was aborted
+        self.replays_known_elsewhere = 0  # journaled tasks a restart left to a member
         self.trace_lines: list[str] = []
 
     # -- the event loop -------------------------------------------------------------------
@@ -170,8 +171,12 @@ class World(Producers, Faults, Network, Checks):
         self.schedule_forwarder(d)
 
     def schedule_forwarder(self, d: SimDaemon) -> None:
-        """One timer for the forwarder's and the held Results' deadlines (FW_TICK)."""
-        at = max(min(d.forwarder.next_deadline(), d.held.next_deadline()), self.now)
+        """One timer for the forwarder's, the held Results' and a restart's replay
+        deadlines (FW_TICK)."""
+        at = max(
+            min(d.forwarder.next_deadline(), d.held.next_deadline(), d.replay_deadline()),
+            self.now,
+        )
         if at < d.fw_tick_at:
             d.fw_tick_at = at
             self.push(at, FW_TICK, d.index, d.epoch)
@@ -181,7 +186,10 @@ class World(Producers, Faults, Network, Checks):
             dst = self.by_addr.get(addr)
             if dst is not None:
                 self.deliver(d.index, dst, SWIM_MSG, data, lossy=True)
-        for event in d.swim.take_events():
+        events = d.swim.take_events()
+        if events and d.replay_check is not None:
+            d.replay_step()  # a first member: a restart asks it
+        for event in events:
             d.placement.member_event(event, d.swim.table.members.get(event.node))
             d.held.member_event(event.kind, event.node, self.now)
             if len(d.held) or event.kind == "left":
@@ -263,6 +271,7 @@ class World(Producers, Faults, Network, Checks):
             if len(d.held):
                 d.held.tick(at, d.member_alive)
                 d.flush_held()
+            d.replay_step()
             self.flush_forwarder(d)
         elif kind == FINISH:
             assert d is not None

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import pytest
@@ -36,6 +36,8 @@ from gossipd.core.peer_messages import (
     ModelCard,
     ModelQuery,
     PeerBatch,
+    ReplayKnown,
+    ReplayQuery,
     decode_peer,
     encode_peer,
 )
@@ -462,6 +464,25 @@ def test_a_daemon_with_an_unknown_key_cannot_join_forge_or_forward(
         ctx.destroy(linger=0)
 
 
+T = TypeVar("T")
+
+
+def _first_of(dealer: zmq.Socket, kind: type[T]) -> list[T]:  # type: ignore[type-arg]
+    """The items of type ``kind`` in the first message from ``dealer`` that holds any
+    (within 5 s)."""
+    found: list[T] = []
+    deadline = time.monotonic() + 5
+    while not found and time.monotonic() < deadline:
+        if dealer.poll(200):
+            got = decode_peer(dealer.recv(), bytes_max=1 << 20)
+            found = [
+                i
+                for i in (got.items if isinstance(got, PeerBatch) else [got])
+                if isinstance(i, kind)
+            ]
+    return found
+
+
 def test_a_member_cannot_speak_for_another(daemon_factory: Any, tmp_path: Path) -> None:
     """m2 holds an authorised peer key (it is a member) but claims to be s0: refused and
     counted on both channels.  As itself, its Forward is taken."""
@@ -508,15 +529,19 @@ def test_a_member_cannot_speak_for_another(daemon_factory: Any, tmp_path: Path) 
             "forged ModelQuery refused",
         )
         dealer.send(encode_peer(ModelQuery(node="m2")))
-        cards: list[ModelCard] = []
-        deadline = time.monotonic() + 5
-        while not cards and time.monotonic() < deadline:
-            if dealer.poll(200):
-                got = decode_peer(dealer.recv(), bytes_max=1 << 20)
-                for item in got.items if isinstance(got, PeerBatch) else [got]:
-                    if isinstance(item, ModelCard):
-                        cards.append(item)
+        cards = _first_of(dealer, ModelCard)
         assert [(c.node, c.model) for c in cards] == [("s1", "echo")]
+        # So is a ReplayQuery (a restarted member's question which tasks s1 holds): naming
+        # another member it is refused; as itself it learns that s1 holds "as-m2".
+        dealer.send(encode_peer(ReplayQuery(node="s0", tasks=[("as-m2", "")])))
+        wait_until(
+            lambda: metric(s1, "gossipd_peer_src_mismatch_total{channel=rpc}") >= 3,
+            5,
+            "forged ReplayQuery refused",
+        )
+        dealer.send(encode_peer(ReplayQuery(node="m2", tasks=[("as-m2", ""), ("nobody", "")])))
+        known = _first_of(dealer, ReplayKnown)
+        assert [(k.node, k.known) for k in known] == [("s1", ["as-m2"])]
         assert not {"dead", "left"} & set(member_events(s1, "s0"))
     finally:
         ctx.destroy(linger=0)

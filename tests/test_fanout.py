@@ -217,6 +217,57 @@ def test_a_restart_keeps_each_journaled_tasks_deadline(make_cluster) -> None:  #
     assert replayed and replayed[0]["tasks"] == 2 and replayed[0]["past_deadline"] == 1
 
 
+def test_a_restarted_daemon_leaves_a_task_its_producer_sent_elsewhere_to_that_member(
+    make_cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    """d00 accepts a task and dies; its producer sends the task again to d01, which runs and
+    answers it.  d00, restarted from its journal, asks d01 which of its unfinished tasks it
+    holds before it runs them, and leaves that one out: the producer gets one answer, not
+    two (before the question, d00 ran it again and answered a second time)."""
+    cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
+    a, b = cluster.daemons
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    key = next(f"k{i}" for i in range(100) if ring.owner(f"k{i}") == a.name)
+    to_a, to_b = RawProducer(a.endpoint), RawProducer(b.endpoint)
+    try:
+        task = {"key": key, "params": {"max_tokens": 10}, "timeout_ms": 60_000}  # 0.5 s
+        to_a.send_task("again", **task)
+        wait_until(
+            lambda: scrape(a.metrics_port).get("gossipd_tasks_pending", 0) == 1,
+            10,
+            "accepted by d00",
+        )
+        time.sleep(0.05)  # deliberate: past the journal's 10 ms fsync batch
+        a.kill()
+        a.wait(5)
+        to_b.send_task("again", reply_to=to_a.reply_to, **task)  # the producer's resubmission
+        first = to_a.results(1, timeout_s=20)
+        assert first and first[0]["ok"] and first[0]["node"] == b.name
+        restarted = cluster.restart(0)
+
+        def replayed() -> dict | None:  # type: ignore[type-arg]
+            return next(
+                (
+                    e
+                    for e in restarted.events()
+                    if e.get("msg") == "re-running unfinished tasks from the journal"
+                ),
+                None,
+            )
+
+        event = wait_until(replayed, 20, "the journal read again")
+        # Deliberate: an absence is waited for, 1 s past the replay (a re-run is 0.5 s).
+        later = [x for x in to_a.replies(timeout_s=1.5, quiet_s=1.0) if x["t"] == 3]
+        metrics = scrape(restarted.metrics_port)
+    finally:
+        to_a.close()
+        to_b.close()
+    assert later == [], "answered once, by d01"
+    assert event["tasks"] == 1 and event["known_elsewhere"] == 1
+    assert metrics["gossipd_journal_replayed_tasks_total{outcome=known_elsewhere}"] == 1
+    assert metrics["gossipd_journal_replayed_tasks_total{outcome=run}"] == 0
+
+
 def test_journaled_tasks_that_admission_refuses_on_restart_leave_the_journal(
     tmp_path,  # type: ignore[no-untyped-def]
 ) -> None:
@@ -354,13 +405,16 @@ def _wait_for_migration(entry) -> None:  # type: ignore[no-untyped-def]
 
 def _assert_one_result_each_from(entry, replies: list[dict], owner) -> None:  # type: ignore[no-untyped-def, type-arg]
     """Every task answered once, by the entry that took the migrated copies; the owner
-    withdrew every copy it held and holds nothing."""
+    dropped every copy it held (withdrawn by the forwarder, or, restarted, left out of its
+    journal's re-run because the entry said it holds them) and holds nothing."""
     results = [r for r in replies if r["t"] == 3]
     assert sorted(r["id"] for r in results) == sorted(f"t{i}" for i in range(LONG_TASKS))
     assert all(r["ok"] and r["node"] == entry.name for r in results), results[:3]
     metrics = scrape(owner.metrics_port)
-    assert metrics.get("gossipd_fanout_withdrawn_by_peers_total") == LONG_TASKS
-    assert metrics.get("gossipd_task_results_total{outcome=withdrawn}") == LONG_TASKS
+    withdrawn = metrics.get("gossipd_fanout_withdrawn_by_peers_total")
+    left = metrics.get("gossipd_journal_replayed_tasks_total{outcome=known_elsewhere}", 0)
+    assert withdrawn + left == LONG_TASKS, (withdrawn, left)
+    assert metrics.get("gossipd_task_results_total{outcome=withdrawn}", 0) == withdrawn
     assert metrics.get("gossipd_tasks_pending") == 0
 
 
@@ -388,8 +442,9 @@ def test_a_falsely_dead_owner_drops_the_tasks_that_migrated_off_it(make_cluster)
 def test_a_restarted_owner_drops_the_journaled_tasks_that_migrated_off_it(make_cluster) -> None:  # type: ignore[no-untyped-def]
     """An owner killed with forwarded tasks running: the forwarder migrates them when it
     declares the owner dead.  Restarted, the owner finds them unfinished in its journal; the
-    forwarder's Withdraws (queued for the owner's address) make it drop them instead of
-    running them a second time and answering too."""
+    forwarder's answer to its ReplayQuery (it runs them now), or failing that its Withdraws
+    (queued for the owner's address), make it drop them instead of running them a second
+    time and answering too."""
     cluster = make_cluster(2, "engine.token_delay_s=0.05", 'metrics.bind="127.0.0.1:0"')
     entry, owner = cluster.daemons
     producer = RawProducer(entry.endpoint)

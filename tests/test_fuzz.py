@@ -215,7 +215,7 @@ gossip_map = fields(
 peer_item_map = fields(
     {
         "v": version,
-        "t": st.sampled_from([20, 20, 21, 22, 4, 24, 23, 28, 29]),
+        "t": st.sampled_from([20, 20, 21, 22, 4, 24, 23, 28, 29, 34, 35]),
         "req": nat,
         "src": ident,
         "node": ident,
@@ -230,6 +230,9 @@ peer_item_map = fields(
         "id": ident,
         "model": st.text(max_size=130),  # ModelCard (at most 128)
         "max_model_len": st.integers(-1, 2**31 + 1),
+        # ReplayQuery / ReplayKnown
+        "tasks": st.lists(st.lists(ident | st.text(max_size=42), max_size=3), max_size=3),
+        "known": st.lists(ident, max_size=3),
     }
 )
 peer_map = peer_item_map | fields(

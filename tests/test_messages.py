@@ -34,6 +34,8 @@ from gossipd.core.peer_messages import (
     ModelCard,
     ModelQuery,
     PeerBatch,
+    ReplayKnown,
+    ReplayQuery,
     TaskDone,
     Withdraw,
     decode_peer,
@@ -342,6 +344,12 @@ peer_items = st.one_of(
     st.builds(
         ModelCard, node=node_ids, model=st.text(max_size=128), max_model_len=st.integers(0, 2**31)
     ),
+    st.builds(
+        ReplayQuery,
+        node=node_ids,
+        tasks=st.lists(st.tuples(ids, st.sampled_from(["", "K" * 40])), max_size=5),
+    ),
+    st.builds(ReplayKnown, node=node_ids, known=st.lists(ids, max_size=5)),
 )
 
 
@@ -511,3 +519,18 @@ def test_an_empty_Tasks_frame_is_refused() -> None:
 
     with pytest.raises(RemoteProtocolError):
         decode_intake(msgpack.packb({"v": 1, "t": 6, "items": []}), bytes_max=LIMIT)
+
+
+def test_a_replay_query_of_more_than_a_thousand_tasks_or_with_a_bad_key_is_refused() -> None:
+    from gossipd.core.peer_messages import CONFIRM_IDS_MAX
+
+    at_most = ReplayQuery(node="a", tasks=[(f"t{i}", "") for i in range(CONFIRM_IDS_MAX)])
+    assert decode_peer(encode_peer(at_most), bytes_max=1 << 22) == at_most
+    too_many = msgpack.packb(
+        {"t": 34, "v": 1, "node": "a", "tasks": [[f"t{i}", ""] for i in range(1001)]}
+    )
+    long_key = msgpack.packb({"t": 34, "v": 1, "node": "a", "tasks": [["t", "K" * 41]]})
+    for frame in (too_many, long_key):
+        with pytest.raises(RemoteProtocolError) as refused:
+            decode_peer(frame, bytes_max=1 << 22)
+        assert refused.value.code == "bad_request"

@@ -192,6 +192,12 @@ class Admission:
         cached = self._done.get(task_id)
         return cached is not None and cached[2] != producer
 
+    def holds(self, task_id: str, producer: str) -> bool:
+        """``task_id`` of ``producer`` is pending or cached here (a restarted member asks
+        before it runs its journal's tasks again: core/replaycheck.py)."""
+        entry = self._pending.get(task_id) or self._done.get(task_id)
+        return entry is not None and entry[-1] == producer
+
     def count_conflict(self) -> None:
         """An id_in_use refused before ``offer`` (``held_by_other``, or an id forwarded from
         here for another key): counted with the ones ``offer`` refuses."""

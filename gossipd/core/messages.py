@@ -70,6 +70,10 @@ class MsgType(enum.IntEnum):
     STATUS_REPORT = 31
     DRAIN = 32
     ADMIN_REPLY = 33
+    # Fan-out again (from 0.3.0; 20-29 were taken): a restarted daemon asks members before
+    # it runs its journal's unfinished tasks again.
+    REPLAY_QUERY = 34
+    REPLAY_KNOWN = 35
 
 
 class UpdateKind(enum.IntEnum):

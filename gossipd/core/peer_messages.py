@@ -4,7 +4,8 @@ A task forwarded to the member that runs it (Forward, answered by ForwardReply),
 (TaskDone), its withdrawal (Withdraw), an owner's question whether tasks whose Results it
 holds are still routed to it (Confirm, answered ConfirmReply), a producer's Cancel passed on, an operator's Drain
 relayed to the member it names, a question for another member's model card (ModelQuery,
-answered ModelCard), and PeerBatch (several of
+answered ModelCard), a restarted daemon's question which of its journal's unfinished tasks a
+member holds (ReplayQuery, answered ReplayKnown), and PeerBatch (several of
 them in one ZeroMQ message).  ``docs/PROTOCOL.md``, "Between daemons" / "Fan-out", documents
 the fields.
 """
@@ -171,6 +172,44 @@ class ModelCard(
     max_model_len: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
 
 
+# A task as a ReplayQuery names it: its id and its producer's key ("" without CURVE).
+ReplayId = tuple[TaskId, Annotated[str, msgspec.Meta(max_length=40)]]
+
+
+class ReplayQuery(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    gc=False,
+    tag_field="t",
+    tag=int(MsgType.REPLAY_QUERY),
+):
+    """A daemon restarted with unfinished tasks in its journal asks a member which of them it
+    holds (pending or answered, for the same producer key) before it runs them again: a
+    producer that resubmitted one elsewhere while the daemon was down has its answer there.
+    (From 0.3.0: sent alone, only to members whose GpuState says 0.3.0 or later.)  Answered
+    by a ReplayKnown on the same connection."""
+
+    v: int = PROTOCOL_VERSION
+    node: NodeId  # the asker
+    tasks: Annotated[list[ReplayId], msgspec.Meta(max_length=CONFIRM_IDS_MAX)]
+
+
+class ReplayKnown(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    gc=False,
+    tag_field="t",
+    tag=int(MsgType.REPLAY_KNOWN),
+):
+    """A member's answer to one ReplayQuery: the ids of it that it holds."""
+
+    v: int = PROTOCOL_VERSION
+    node: NodeId  # the member that holds ``known``
+    known: _Ids = []
+
+
 # One fan-out message (a PeerBatch holds several).  A Cancel between daemons: the entry
 # point passes a producer's cancel on to the task's owner; a Drain: an operator's drain of
 # another member, relayed to it (gossipd/admin.py).
@@ -186,6 +225,8 @@ PeerItem = (
     | Relay
     | ModelQuery
     | ModelCard
+    | ReplayQuery
+    | ReplayKnown
 )
 
 

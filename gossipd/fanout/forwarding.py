@@ -42,6 +42,8 @@ from gossipd.core.peer_messages import (
     ModelCard,
     ModelQuery,
     Relay,
+    ReplayKnown,
+    ReplayQuery,
     TaskDone,
 )
 from gossipd.core.placer import Placer
@@ -106,6 +108,7 @@ class Dispatcher:
         on_confirm_reply: Callable[[ConfirmReply], None] = lambda msg: None,
         deliver_relayed: Callable[[str, bytes], bool] = lambda route, frame: False,
         on_model_card: Callable[[ModelCard, bool], None] = lambda msg, its_own: None,
+        on_replay_known: Callable[[ReplayKnown, bool], None] = lambda msg, its_own: None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -133,6 +136,8 @@ class Dispatcher:
         self.relayed_unroutable = 0  # Relays for a route not served here (counted, dropped)
         # Members' answers to our ModelQuerys (GET /v1/models: core/modelcards.py).
         self.on_model_card = on_model_card
+        # Members' answers to our ReplayQuerys (a restart: core/replaycheck.py).
+        self.on_replay_known = on_replay_known
 
     def set_draining(self, draining: bool) -> None:
         """Drained or stopping: the placer sends every task elsewhere (False: back to serving)."""
@@ -172,8 +177,8 @@ class Dispatcher:
         return True
 
     def on_peer_replies(self, msgs: list[object], addr: str = "") -> None:
-        """ForwardReplies, TaskDones, Relays, ConfirmReplies and ModelCards read from the
-        peer links (one read's worth), from the member at ``addr``."""
+        """ForwardReplies, TaskDones, Relays, ConfirmReplies, ModelCards and ReplayKnowns
+        read from the peer links (one read's worth), from the member at ``addr``."""
         now = self._clock.monotonic()
         on_reply = self.forwarder.on_reply
         tracer = self.tracer
@@ -189,6 +194,9 @@ class Dispatcher:
             if type(msg) is ModelCard:
                 # Only a member's own card counts: it came on our connection to its address.
                 self.on_model_card(msg, bool(addr) and self.placer.addr(msg.node) == addr)
+                continue
+            if type(msg) is ReplayKnown:  # (the same rule)
+                self.on_replay_known(msg, bool(addr) and self.placer.addr(msg.node) == addr)
                 continue
             if tracer is not None and type(msg) is TaskDone:
                 tracer.forward_done(msg.id)
@@ -258,6 +266,15 @@ class Dispatcher:
         if addr is None:
             return False
         self._links.send_alone(addr, ModelQuery(node=self.node))
+        return True
+
+    def ask_replays(self, member: str, tasks: list[tuple[str, str]]) -> bool:
+        """Send ``member`` a ReplayQuery for ``tasks`` ((id, producer key) pairs), alone in
+        its message; False when it is no live member we know."""
+        addr = self.placer.addr(member)
+        if addr is None:
+            return False
+        self._links.send_alone(addr, ReplayQuery(node=self.node, tasks=tasks))
         return True
 
     def send_to_member(self, member: str, msg: TaskDone | Confirm) -> None:

@@ -49,6 +49,8 @@ from gossipd.core.peer_messages import (
     ModelQuery,
     PeerBatch,
     Relay,
+    ReplayKnown,
+    ReplayQuery,
     TaskDone,
     Withdraw,
     decode_peer,
@@ -60,7 +62,7 @@ from gossipd.ops.logs import RateLimiter
 from gossipd.peerchannel import PeerServer, ZmqPeerServer
 
 # What an owner sends back on a forwarder's connection.
-_ToForwarder = ForwardReply | TaskDone | ConfirmReply | Relay | ModelCard
+_ToForwarder = ForwardReply | TaskDone | ConfirmReply | Relay | ModelCard | ReplayKnown
 
 # Messages read from a peer socket before the loop runs anything else.
 PEER_READ_MAX = 256
@@ -129,7 +131,7 @@ def _source(item: object, sender: str) -> str:
     """The node a fan-out message says it comes from (a Cancel names none: its sender)."""
     if type(item) is Forward:
         return item.src
-    if type(item) in (Withdraw, TaskDone, Confirm, ModelQuery):
+    if type(item) in (Withdraw, TaskDone, Confirm, ModelQuery, ReplayQuery):
         return item.node  # type: ignore[attr-defined, no-any-return]
     return sender
 
@@ -342,8 +344,9 @@ class OwnerEndpoint:
         self._to_forwarder(identity, reply, urgent=True)
 
     def _on_other(self, identity: bytes, msg: object) -> None:
-        """A peer's Cancel, Withdraw, TaskDone, relayed Drain, or Confirm (answered from our
-        ledger when ``on_confirm`` is set); anything else is counted as bad."""
+        """A peer's Cancel, Withdraw, TaskDone, relayed Drain, Confirm (answered from our
+        ledger when ``on_confirm`` is set), ModelQuery or ReplayQuery (answered from our task
+        book); anything else is counted as bad."""
         if getattr(msg, "v", 0) != PROTOCOL_VERSION:
             self.counters.bad_peer_messages += 1  # an item of a PeerBatch in another version
             return
@@ -360,6 +363,9 @@ class OwnerEndpoint:
             self._to_forwarder(identity, self._on_confirm(msg), urgent=True)
         elif isinstance(msg, ModelQuery) and self._model_card is not None:
             self._to_forwarder(identity, self._model_card(), urgent=True)
+        elif isinstance(msg, ReplayQuery):
+            known = self._ingress.intake.held_here(msg.tasks)
+            self._to_forwarder(identity, ReplayKnown(node=self.node, known=known), urgent=True)
         else:
             self.counters.bad_peer_messages += 1
 

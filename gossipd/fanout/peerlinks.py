@@ -20,14 +20,21 @@ import zmq
 
 from gossipd.config import FanoutConfig
 from gossipd.core.messages import Cancel, Drain
-from gossipd.core.peer_messages import Confirm, Forward, ModelQuery, TaskDone, Withdraw
+from gossipd.core.peer_messages import (
+    Confirm,
+    Forward,
+    ModelQuery,
+    ReplayQuery,
+    TaskDone,
+    Withdraw,
+)
 from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.peerchannel import PeerClient, ZmqPeerClient
 from gossipd.sockets import SocketPool
 from gossipd.zmqloop import TurnBatching
 
-Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm | ModelQuery
+Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm | ModelQuery | ReplayQuery
 
 
 def zmq_peer_client(config: FanoutConfig, sockets: SocketPool) -> ZmqPeerClient:

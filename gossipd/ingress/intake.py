@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import IngressConfig
@@ -122,6 +122,12 @@ class Intake:
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
+
+    def held_here(self, tasks: Iterable[tuple[str, str]]) -> list[str]:
+        """The ids of ``tasks`` ((id, producer key) pairs) pending or answered here, for
+        that key: what a restarted member must not run again (a ReplayQuery's answer)."""
+        holds = self.admission.holds
+        return [task_id for task_id, producer in tasks if holds(task_id, producer)]
 
     def _id_held_by_other(self, task: Task) -> bool:
         """The task's id is another producer key's here: pending or cached, or forwarded

@@ -190,6 +190,22 @@ class DaemonCollector:
         door = s.get("http")
         if door is not None:
             yield from _http_metrics(door, s.get("model_cards"))
+        replay = s.get("journal_replay")  # ingress/replay.py's JournalReplay
+        if replay is not None:
+            yield _by(
+                C,
+                "gossipd_journal_replayed_tasks",
+                "Unfinished tasks read from the journal at start (journal.path set), by what "
+                "became of them: run, "
+                "past_deadline (answered deadline_exceeded), refused (answered), "
+                "known_elsewhere (a member holds it: left to that copy), held_here (sent "
+                "again meanwhile)",
+                "outcome",
+                [
+                    (o, replay.outcomes[o])
+                    for o in ("run", "past_deadline", "refused", "known_elsewhere", "held_here")
+                ],
+            )
         load_gossip = s.get("load_gossip")
         if load_gossip is not None:
             yield from _load_gossip_metrics(load_gossip, dispatcher)
