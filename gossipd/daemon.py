@@ -826,16 +826,16 @@ class Daemon:
         self.journal.accept(task, int((self.clock.wall() + left_s) * 1000))
 
     def _replay_journal(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
-        """Read the journal's unfinished tasks now (before a new one is journaled), and run
-        them again in a task of their own once members say which they hold."""
+        """Read the journal's unfinished tasks now (before a new one is journaled): the
+        forwarded ones run again at once, the producers' own once members say which they
+        hold (in a task of their own)."""
         assert self.replay is not None
-        if not self.replay.read():
-            return []
         dispatcher = self.dispatcher
+        book = self.ingress.intake.book
+        if not self.replay.read(book.expect_withdraw if dispatcher is not None else None):
+            return []
         replay = self.replay.run(
-            self._live,
-            dispatcher.ask_replays if dispatcher is not None else None,
-            self.ingress.intake.book.expect_withdraw if dispatcher is not None else None,
+            self._live, dispatcher.ask_replays if dispatcher is not None else None
         )
         return [tg.create_task(replay, name="journal-replay")]
 

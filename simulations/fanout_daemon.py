@@ -275,22 +275,29 @@ class SimDaemon:
             return
         self.replay_check = None
         known = check.outcome().known
+        admission = self.admission
         for task, src, received_at in self.replay_tasks:
-            if self.admission.holds(task.id, task.producer_key):
+            if admission.holds(task.id, task.producer_key) or admission.held_by_other(
+                task.id, task.producer_key
+            ):
                 continue  # sent again meanwhile: that copy has its own journal record
             if task.id in known:
                 world.trace(task.id, self.name, f"not run again: {known[task.id]} holds it")
                 world.replays_known_elsewhere += 1
                 world.journal_replayed(self, task, None, src)
                 continue
-            verdict = self.admit(task, received_at, forwarder="")
-            world.journal_replayed(self, task, verdict, src)
-            if verdict is Verdict.ADMIT:
-                if src:
-                    self.book.expect_withdraw(task.id, src)
-            elif verdict not in (Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
-                self.answer_refusal(task, verdict)
+            self.replay_one(task, src, received_at)
         self.replay_tasks = []
+
+    def replay_one(self, task: Task, src: str, received_at: float) -> None:
+        """Run a journaled task again (forwarded by ``src``, or ""), by its deadline."""
+        verdict = self.admit(task, received_at, forwarder="")
+        self.world.journal_replayed(self, task, verdict, src)
+        if verdict is Verdict.ADMIT:
+            if src:
+                self.book.expect_withdraw(task.id, src)
+        elif verdict not in (Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
+            self.answer_refusal(task, verdict)
 
     # -- the owner's side (rpc.py) ----------------------------------------------------------
 

@@ -135,10 +135,14 @@ class Faults:
                 del journal[task_id]
                 del done_at[task_id]
         done_at.clear()
-        # Asked of the live members first, then each by its own deadline (ingress/replay.py,
-        # SimDaemon.replay_step).
-        d.begin_replay(
-            [(task, src, received_at) for task, src, _, received_at in journal.values()],
-            expect_members=bool(seeds),
-        )
+        # Each by its own deadline: forwarded ones at once (their forwarder's Withdraw drops
+        # what it migrated), the producers' own once the live members were asked
+        # (ingress/replay.py, SimDaemon.replay_step).
+        waiting = []
+        for task, src, _, received_at in list(journal.values()):
+            if src:
+                d.replay_one(task, src, received_at)
+            else:
+                waiting.append((task, src, received_at))
+        d.begin_replay(waiting, expect_members=bool(seeds))
         self.schedule(d)

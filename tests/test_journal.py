@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossipd.config import load_config
 from gossipd.core.messages import Task
+from gossipd.daemon import Daemon
 from gossipd.ingress.journal import Journal
 from tests.helpers import wait_until_async
 
@@ -166,3 +170,58 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
         # Any cut of the file replays to a prefix-consistent state without raising.
         path.write_bytes(data[: max(0, len(data) - cut)])
         Journal(path).replay()
+
+
+# -- a restart's replay (gossipd/ingress/replay.py) on a daemon that is built, not run -------
+
+
+def _daemon_with_journal(path: Path, tasks: list[Task]) -> Daemon:
+    journal = Journal(path)
+    for t in tasks:
+        journal.accept(t, int(time.time() * 1000) + 60_000)
+    journal.close()
+    config = load_config(
+        environ={},
+        overrides=[
+            'ingress.bind="tcp://127.0.0.1:0"',
+            'gossip.bind=""',
+            f"journal.path={json.dumps(str(path))}",
+            'metrics.bind=""',
+        ],
+    )
+    return Daemon(config)
+
+
+def test_a_replay_whose_daemon_began_to_stop_while_it_asked_leaves_the_tasks_for_next_start(
+    tmp_path: Path,
+) -> None:
+    daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
+    try:
+        assert daemon.replay is not None and daemon.journal is not None
+        assert daemon.replay.read(None) == 2
+        daemon.ingress.intake.begin_shutdown()  # a stop while the members were asked
+        asyncio.run(daemon.replay.run(lambda: [], None))
+        assert daemon.replay.outcomes == {"left_for_next_start": 2}
+        assert daemon.ingress.intake.admission.pending == 0  # neither answered nor run
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t0", "t1"]
+
+
+def test_a_task_sent_again_while_the_restart_asked_is_left_to_that_copy_and_its_record(
+    tmp_path: Path,
+) -> None:
+    daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
+    try:
+        assert daemon.replay is not None and daemon.journal is not None
+        assert daemon.replay.read(None) == 2
+        intake = daemon.ingress.intake
+        intake.admit(task(0), time.monotonic(), answer=True)  # its producer's resubmission
+        asyncio.run(daemon.replay.run(lambda: [], None))
+        assert daemon.replay.outcomes == {"held_here": 1, "run": 1}
+        assert intake.admission.pending == 2  # one copy of each, both queued
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert sorted(t.id for t in Journal(tmp_path / "j").replay()) == ["t0", "t1"]

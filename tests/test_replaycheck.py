@@ -40,17 +40,33 @@ def test_every_member_gets_every_piece_once_and_what_they_hold_is_not_run() -> N
         ("b", [("t1", ""), ("t2", "K" * 40)]),
         ("b", [("t3", "")]),
     ]
-    assert check.queries(["a", "b", "c"], 0.2) == []  # asked once only
+    # A member learnt of meanwhile (a seed's later push-pull page) is asked too; a and b
+    # are not asked again.
+    assert [m for m, _ in check.queries(["a", "b", "c"], 0.2)] == ["c", "c"]
     check.on_known("a", ["t2"])
     check.on_known("a", [])
+    check.on_known("c", [])
+    check.on_known("c", [])
     assert not check.done(0.2)  # b owes two answers
     check.on_known("b", ["t2", "t3"])
     check.on_known("b", [])
     assert check.done(0.2)
+    assert check.queries(["a", "b", "c", "d"], 0.3) == []  # done: nobody else is asked
     outcome = check.outcome()
     assert outcome.run == ["t1"]
     assert outcome.known == {"t2": "a", "t3": "b"}
-    assert (outcome.asked, outcome.answered) == (2, 2)
+    assert (outcome.asked, outcome.answered) == (3, 3)
+
+
+def test_a_member_the_shell_cannot_reach_is_not_waited_for() -> None:
+    check = ReplayCheck(TASKS, started=0.0, expect_members=True)
+    check.queries(["a", "b"], 0.0)
+    check.unreachable("b")
+    check.unreachable("b")  # (once is enough)
+    check.on_known("a", ["t1"])
+    assert check.done(0.0)
+    outcome = check.outcome()
+    assert outcome.run == ["t2", "t3"] and (outcome.asked, outcome.answered) == (2, 1)
 
 
 def test_a_silent_member_is_waited_for_until_the_answer_wait_then_counts_as_holding_nothing() -> (

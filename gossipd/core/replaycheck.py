@@ -62,23 +62,39 @@ class ReplayCheck:
         self._owed: dict[str, int] = {}  # member -> answers still owed (one per piece)
         self._asked = 0
         self._known: dict[str, str] = {}  # task id -> the member that holds it
+        self._unreachable = 0
         self.refused = 0  # answers not from the member they name, or not asked for
 
     def queries(self, members: list[str], now: float) -> list[tuple[str, list[tuple[str, str]]]]:
-        """The queries to send now, as (member, tasks) pieces: once, when a member is live
-        or the join wait has passed; [] before that and after."""
-        if self._asked_at is not None or not self._tasks:
+        """The queries to send now, as (member, tasks) pieces: to each of ``members`` not
+        asked yet (at most ``members_max`` in all), from when a member is live or the join
+        wait has passed until ``done`` (members learnt of meanwhile, e.g. from a seed's
+        later push-pull pages, are asked too)."""
+        if not self._tasks or self.done(now):
             return []
-        if not members and now < self._join_by:
-            return []
-        self._asked_at = now
-        chosen = members[: self._members_max]
-        self._asked = len(chosen)
+        if self._asked_at is None:
+            if not members and now < self._join_by:
+                return []
+            self._asked_at = now
         step = self._ids_per_query
         pieces = [self._tasks[i : i + step] for i in range(0, len(self._tasks), step)]
-        for member in chosen:
+        out: list[tuple[str, list[tuple[str, str]]]] = []
+        for member in members:
+            if self._asked >= self._members_max:
+                break
+            if member in self._owed:
+                continue
+            self._asked += 1
             self._owed[member] = len(pieces)
-        return [(member, piece) for member in chosen for piece in pieces]
+            out += [(member, piece) for piece in pieces]
+        return out
+
+    def unreachable(self, member: str) -> None:
+        """A member the shell could not send its query to (no address known): not waited
+        for; it counts as holding nothing."""
+        if self._owed.get(member, 0) > 0:
+            self._owed[member] = 0
+            self._unreachable += 1
 
     def on_known(self, member: str, known: Iterable[str], its_own: bool = True) -> None:
         """A member's answer to one piece; ``its_own``: it came on our connection to the
@@ -109,7 +125,7 @@ class ReplayCheck:
         return self._asked_at + self._answer_wait_s
 
     def outcome(self) -> ReplayOutcome:
-        answered = sum(1 for owed in self._owed.values() if owed == 0)
+        answered = sum(1 for owed in self._owed.values() if owed == 0) - self._unreachable
         return ReplayOutcome(
             run=[task_id for task_id, _ in self._tasks if task_id not in self._known],
             known=dict(self._known),

@@ -2,11 +2,13 @@
 
 Each runs by the deadline it was accepted with (one that passed while the daemon was down is
 answered deadline_exceeded without running); what admission refuses now is answered to its
-producer and leaves the journal.  Before any of it, live members are asked which of these
-tasks they hold (core/replaycheck.py: a producer resubmits elsewhere while we are down), and
-those leave the journal unanswered here: their producer has, or will have, the answer from
-that member.  The journal is read at once (before any new task can be journaled); the
-question and the re-run take at most a few seconds after it, while the daemon serves.
+producer and leaves the journal.  The journal is read at once, before any new task can be
+journaled.  A task a peer forwarded is admitted then too: its forwarder's Withdraw drops it
+if the forwarder migrated it while we were down, and its TaskDone goes to that forwarder by
+name.  A producer's own task first waits while the live members are asked which of them
+they hold (core/replaycheck.py: its producer resubmitted it elsewhere while we were down);
+those leave the journal unanswered here, since that member answers.  The question takes at
+most about 3 s, while the daemon serves.
 """
 
 from __future__ import annotations
@@ -57,13 +59,20 @@ class JournalReplay:
         self._check: ReplayCheck | None = None
         self._unfinished: list[Task] = []
         # Tasks by what became of them: run, past_deadline (answered deadline_exceeded),
-        # refused (answered), known_elsewhere, held_here (both left to that copy).
+        # refused (answered), known_elsewhere, held_here (both left to that copy),
+        # left_for_next_start (the daemon began to stop while it asked).
         self.outcomes: Counter[str] = Counter()
 
-    def read(self) -> int:
-        """Read the journal's unfinished tasks (call before the first new task can be
-        journaled); how many."""
-        self._unfinished = self._journal.replay()
+    def read(self, expect_withdraw: Callable[[str, str], None] | None) -> int:
+        """Read the journal's unfinished tasks (before the first new task can be
+        journaled) and admit the forwarded ones (``expect_withdraw(task id, forwarder)``;
+        None: no fan-out here, every task waits for ``run``); how many wait for ``run``."""
+        unfinished = self._journal.replay()
+        forwarded = self._journal.forwarded if expect_withdraw is not None else {}
+        self._unfinished = [task for task in unfinished if task.id not in forwarded]
+        now_ones = [task for task in unfinished if task.id in forwarded]
+        if now_ones:
+            self._admit(now_ones, {}, expect_withdraw)
         return len(self._unfinished)
 
     def on_known(self, msg: ReplayKnown, its_own: bool) -> None:
@@ -75,18 +84,16 @@ class JournalReplay:
         self,
         live: Callable[[], list[MemberView]],
         ask: Callable[[str, list[tuple[str, str]]], bool] | None,
-        expect_withdraw: Callable[[str, str], None] | None,
     ) -> None:
-        """Ask the members (``ask``: send one ReplayQuery; None: no fan-out, nobody to ask),
-        then admit what nobody else holds; ``expect_withdraw(task id, forwarder)`` for a
-        task a peer forwarded (its Withdraw is honoured after the restart)."""
+        """Ask the members (``ask``: send one ReplayQuery, False when the member has no
+        address; None: no fan-out, nobody to ask), then admit what nobody else holds."""
         unfinished, self._unfinished = self._unfinished, []
         if not unfinished:
             return
         known: dict[str, str] = {}
         if ask is not None:
             known = await self._ask(unfinished, live, ask)
-        self._admit(unfinished, known, expect_withdraw)
+        self._admit(unfinished, known, None)
 
     async def _ask(
         self,
@@ -110,7 +117,8 @@ class JournalReplay:
                     and answers_queries(m.gpu.software_version)
                 ]
                 for member, tasks in check.queries(members, now):
-                    ask(member, tasks)
+                    if not ask(member, tasks):
+                        check.unreachable(member)
                 await asyncio.sleep(POLL_S)
         finally:
             self._check = None
@@ -134,12 +142,18 @@ class JournalReplay:
         expect_withdraw: Callable[[str, str], None] | None,
     ) -> None:
         journal, intake = self._journal, self._intake
-        now, wall = self._clock.monotonic(), self._clock.wall()
+        admission = intake.admission
         counts: Counter[str] = Counter()
+        if admission.shutting_down:  # stopping while we asked: they stay in the journal
+            counts["left_for_next_start"] = len(unfinished)
+            unfinished = []
+        now, wall = self._clock.monotonic(), self._clock.wall()
         for task in unfinished:
-            if intake.admission.holds(task.id, task.producer_key):
-                # Its producer sent it again while we asked: that copy runs (or ran) here,
-                # under its own journal record.
+            if admission.holds(task.id, task.producer_key) or admission.held_by_other(
+                task.id, task.producer_key
+            ):
+                # Sent again while we asked (by its producer, or the same id by another):
+                # that copy runs (or ran) here, under its own journal record.
                 counts["held_here"] += 1
                 continue
             if task.id in known:  # its producer's answer comes from that member
@@ -163,10 +177,12 @@ class JournalReplay:
         log.info(
             "re-running unfinished tasks from the journal",
             extra={
-                "tasks": len(unfinished),
+                "tasks": sum(counts.values()),
+                "forwarded": expect_withdraw is not None,
                 "past_deadline": counts["past_deadline"],
                 "refused": counts["refused"],
                 "known_elsewhere": counts["known_elsewhere"],
                 "held_here": counts["held_here"],
+                "left_for_next_start": counts["left_for_next_start"],
             },
         )

@@ -199,11 +199,18 @@ class DaemonCollector:
                 "became of them: run, "
                 "past_deadline (answered deadline_exceeded), refused (answered), "
                 "known_elsewhere (a member holds it: left to that copy), held_here (sent "
-                "again meanwhile)",
+                "again meanwhile), left_for_next_start (the daemon began to stop first)",
                 "outcome",
                 [
                     (o, replay.outcomes[o])
-                    for o in ("run", "past_deadline", "refused", "known_elsewhere", "held_here")
+                    for o in (
+                        "run",
+                        "past_deadline",
+                        "refused",
+                        "known_elsewhere",
+                        "held_here",
+                        "left_for_next_start",
+                    )
                 ],
             )
         load_gossip = s.get("load_gossip")
