@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 # A simulated daemon's admission bounds and retry hint (ingress.pending_max,
 # pending_bytes_max, retry_after_ms): wide, so that refusals come from expected waits.
+# Who withdraws a replayed forwarded task that another member holds (Daemon._REPLAY).
+REPLAY = "(replay)"
 PENDING_MAX = 10_000
 PENDING_BYTES_MAX = 1 << 40
 RETRY_AFTER_MS = 200
@@ -117,6 +119,7 @@ class SimDaemon:
         # A restart's journaled tasks, waiting for the members' answers (ingress/replay.py).
         self.replay_check: ReplayCheck | None = None
         self.replay_tasks: list[tuple[Task, str, float]] = []
+        self.replay_running: dict[str, tuple[Task, str]] = {}
 
     # -- producer intake and local admission ------------------------------------------------
 
@@ -248,11 +251,21 @@ class SimDaemon:
 
     # -- a restart's journal (ingress/replay.py) -----------------------------------------------
 
-    def begin_replay(self, tasks: list[tuple[Task, str, float]], *, expect_members: bool) -> None:
-        """``tasks``: (task, forwarder or "", received_at) read from the journal."""
+    def begin_replay(
+        self,
+        tasks: list[tuple[Task, str, float]],
+        running: dict[str, tuple[Task, str]],
+        *,
+        expect_members: bool,
+    ) -> None:
+        """``tasks``: producers' own (task, "", received_at) read from the journal, to run
+        after the answers; ``running``: forwarded ones already run again, id -> (task,
+        forwarder), dropped if a member holds them."""
         self.replay_tasks = tasks
+        self.replay_running = running
         self.replay_check = ReplayCheck(
-            [(task.id, task.producer_key) for task, _, _ in tasks],
+            [(task.id, task.producer_key) for task, _, _ in tasks]
+            + [(task.id, task.producer_key) for task, _ in running.values()],
             started=self.world.now,
             expect_members=expect_members,
         )
@@ -262,8 +275,8 @@ class SimDaemon:
         return self.replay_check.next_deadline() if self.replay_check is not None else math.inf
 
     def replay_step(self) -> None:
-        """Ask the live members once, then (every answer in, or the waits over) run again
-        what none of them holds, as JournalReplay does."""
+        """Ask the live members, then (every answer in, or the waits over) run again what
+        none of them holds and drop the forwarded copies one holds, as JournalReplay does."""
         check, world = self.replay_check, self.world
         if check is None:
             return
@@ -275,6 +288,11 @@ class SimDaemon:
             return
         self.replay_check = None
         known = check.outcome().known
+        for task, _ in self.replay_running.values():
+            # As Daemon._drop_replayed: withdrawn as by its forwarder (no TaskDone).
+            if task.id in known and self.withdraw(REPLAY, task.id):
+                world.trace(task.id, self.name, f"dropped: {known[task.id]} holds it")
+                world.replays_known_elsewhere += 1
         admission = self.admission
         for task, src, received_at in self.replay_tasks:
             if admission.holds(task.id, task.producer_key) or admission.held_by_other(
@@ -287,7 +305,7 @@ class SimDaemon:
                 world.journal_replayed(self, task, None, src)
                 continue
             self.replay_one(task, src, received_at)
-        self.replay_tasks = []
+        self.replay_tasks, self.replay_running = [], {}
 
     def replay_one(self, task: Task, src: str, received_at: float) -> None:
         """Run a journaled task again (forwarded by ``src``, or ""), by its deadline."""

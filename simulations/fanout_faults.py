@@ -136,13 +136,15 @@ class Faults:
                 del done_at[task_id]
         done_at.clear()
         # Each by its own deadline: forwarded ones at once (their forwarder's Withdraw drops
-        # what it migrated), the producers' own once the live members were asked
-        # (ingress/replay.py, SimDaemon.replay_step).
-        waiting = []
+        # what it migrated; so does a member's answer that it holds one), the producers' own
+        # once the live members were asked (ingress/replay.py, SimDaemon.replay_step).
+        waiting, running = [], {}
         for task, src, _, received_at in list(journal.values()):
             if src:
                 d.replay_one(task, src, received_at)
+                if d.book.get(task.id) is not None:
+                    running[task.id] = (task, src)
             else:
                 waiting.append((task, src, received_at))
-        d.begin_replay(waiting, expect_members=bool(seeds))
+        d.begin_replay(waiting, running, expect_members=bool(seeds))
         self.schedule(d)

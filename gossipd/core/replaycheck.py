@@ -24,6 +24,16 @@ from gossipd.core.peer_messages import CONFIRM_IDS_MAX
 JOIN_WAIT_S = 2.0  # how long a restarted daemon waits for its first live member
 ANSWER_WAIT_S = 1.0  # how long it waits for the members' answers once asked
 MEMBERS_MAX = 64  # members asked (a restart in a larger cluster asks this many)
+# What became of a journaled task (ingress/replay.py; gossipd_journal_replayed_tasks_total's
+# label values).
+OUTCOMES = (
+    "run",
+    "past_deadline",
+    "refused",
+    "known_elsewhere",
+    "held_here",
+    "left_for_next_start",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,12 @@ answered deadline_exceeded without running); what admission refuses now is answe
 producer and leaves the journal.  The journal is read at once, before any new task can be
 journaled.  A task a peer forwarded is admitted then too: its forwarder's Withdraw drops it
 if the forwarder migrated it while we were down, and its TaskDone goes to that forwarder by
-name.  A producer's own task first waits while the live members are asked which of them
-they hold (core/replaycheck.py: its producer resubmitted it elsewhere while we were down);
-those leave the journal unanswered here, since that member answers.  The question takes at
-most about 3 s, while the daemon serves.
+name.  Then the live members are asked which of these tasks they hold (core/replaycheck.py:
+a producer resubmitted it, or a forwarder migrated it, elsewhere while we were down).  A
+producer's own task waits for the answers and, held elsewhere, leaves the journal unanswered
+here, since that member answers; a forwarded one held elsewhere is dropped as its
+forwarder's Withdraw would drop it, if it has not ended yet.  The question takes at most
+about 3 s, while the daemon serves.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gossipd.core.admission import Verdict
 from gossipd.core.messages import Task
 from gossipd.core.modelcards import answers_queries
 from gossipd.core.peer_messages import ReplayKnown
-from gossipd.core.replaycheck import ReplayCheck
+from gossipd.core.replaycheck import OUTCOMES, ReplayCheck
 from gossipd.ingress.intake import Intake
 from gossipd.ingress.journal import Journal
 from gossipd.membership.gossip import MemberView
@@ -57,23 +59,32 @@ class JournalReplay:
         self._clock = clock
         self._expect_members = expect_members
         self._check: ReplayCheck | None = None
-        self._unfinished: list[Task] = []
+        self._waiting: list[Task] = []  # producers' own tasks: admitted after the answers
+        self._running: dict[str, tuple[Task, str, str]] = {}  # forwarded: id -> (task,
+        # forwarder, outcome once it is not dropped)
         # Tasks by what became of them: run, past_deadline (answered deadline_exceeded),
-        # refused (answered), known_elsewhere, held_here (both left to that copy),
-        # left_for_next_start (the daemon began to stop while it asked).
+        # refused (answered), known_elsewhere (a member holds it: left or dropped),
+        # held_here (sent again meanwhile), left_for_next_start (a stop while it asked).
         self.outcomes: Counter[str] = Counter()
 
     def read(self, expect_withdraw: Callable[[str, str], None] | None) -> int:
         """Read the journal's unfinished tasks (before the first new task can be
-        journaled) and admit the forwarded ones (``expect_withdraw(task id, forwarder)``;
-        None: no fan-out here, every task waits for ``run``); how many wait for ``run``."""
+        journaled) and admit the forwarded ones now (``expect_withdraw(task id,
+        forwarder)``; None: no fan-out here, none counts as forwarded); how many to ask
+        about (``run``)."""
         unfinished = self._journal.replay()
         forwarded = self._journal.forwarded if expect_withdraw is not None else {}
-        self._unfinished = [task for task in unfinished if task.id not in forwarded]
+        self._waiting = [task for task in unfinished if task.id not in forwarded]
         now_ones = [task for task in unfinished if task.id in forwarded]
-        if now_ones:
-            self._admit(now_ones, {}, expect_withdraw)
-        return len(self._unfinished)
+        for task, outcome in self._admit(now_ones, {}):
+            if outcome in ("run", "past_deadline"):
+                src = forwarded[task.id]
+                expect_withdraw(task.id, src)  # type: ignore[misc]
+                self._running[task.id] = (task, src, outcome)
+            else:
+                self.outcomes[outcome] += 1
+        self._log(now_ones, forwarded=True)
+        return len(self._waiting) + len(self._running)
 
     def on_known(self, msg: ReplayKnown, its_own: bool) -> None:
         """A member's answer to our ReplayQuery (Dispatcher.on_replay_known)."""
@@ -84,16 +95,24 @@ class JournalReplay:
         self,
         live: Callable[[], list[MemberView]],
         ask: Callable[[str, list[tuple[str, str]]], bool] | None,
+        drop: Callable[[Task, str], bool] | None = None,
     ) -> None:
         """Ask the members (``ask``: send one ReplayQuery, False when the member has no
-        address; None: no fan-out, nobody to ask), then admit what nobody else holds."""
-        unfinished, self._unfinished = self._unfinished, []
-        if not unfinished:
-            return
+        address; None: no fan-out, nobody to ask), then admit the producers' own tasks
+        that nobody else holds, and ``drop(task, forwarder)`` the forwarded ones that a
+        member holds (True: dropped; False: it had ended, or was withdrawn, already)."""
+        waiting, self._waiting = self._waiting, []
+        running, self._running = self._running, {}
         known: dict[str, str] = {}
-        if ask is not None:
-            known = await self._ask(unfinished, live, ask)
-        self._admit(unfinished, known, None)
+        if ask is not None and (waiting or running):
+            asked = [*waiting, *(task for task, _, _ in running.values())]
+            known = await self._ask(asked, live, ask)
+        for task, src, outcome in running.values():
+            dropped = task.id in known and drop is not None and drop(task, src)
+            self.outcomes["known_elsewhere" if dropped else outcome] += 1
+        for _, outcome in self._admit(waiting, known):
+            self.outcomes[outcome] += 1
+        self._log(waiting, forwarded=False)
 
     async def _ask(
         self,
@@ -135,30 +154,26 @@ class JournalReplay:
         )
         return outcome.known
 
-    def _admit(
-        self,
-        unfinished: list[Task],
-        known: dict[str, str],
-        expect_withdraw: Callable[[str, str], None] | None,
-    ) -> None:
+    def _admit(self, unfinished: list[Task], known: dict[str, str]) -> list[tuple[Task, str]]:
+        """Admit each task by its deadline unless ``known`` elsewhere or held here; each
+        task with what became of it (an ``outcomes`` key)."""
         journal, intake = self._journal, self._intake
         admission = intake.admission
-        counts: Counter[str] = Counter()
         if admission.shutting_down:  # stopping while we asked: they stay in the journal
-            counts["left_for_next_start"] = len(unfinished)
-            unfinished = []
+            return [(task, "left_for_next_start") for task in unfinished]
         now, wall = self._clock.monotonic(), self._clock.wall()
+        out: list[tuple[Task, str]] = []
         for task in unfinished:
             if admission.holds(task.id, task.producer_key) or admission.held_by_other(
                 task.id, task.producer_key
             ):
                 # Sent again while we asked (by its producer, or the same id by another):
                 # that copy runs (or ran) here, under its own journal record.
-                counts["held_here"] += 1
+                out.append((task, "held_here"))
                 continue
             if task.id in known:  # its producer's answer comes from that member
-                counts["known_elsewhere"] += 1
                 journal.done(task.id)
+                out.append((task, "known_elsewhere"))
                 continue
             received_at, past = now, False
             deadline_ms = journal.deadlines.get(task.id)
@@ -166,23 +181,16 @@ class JournalReplay:
                 received_at = now + deadline_ms / 1000.0 - wall - task.timeout_ms / 1000.0
                 past = deadline_ms / 1000.0 <= wall
             if intake.admit(task, received_at, answer=True) is not Verdict.ADMIT:
-                counts["refused"] += 1
                 journal.done(task.id)
+                out.append((task, "refused"))
                 continue
-            counts["past_deadline" if past else "run"] += 1  # (answered deadline_exceeded)
-            src = journal.forwarded.get(task.id)
-            if src is not None and expect_withdraw is not None:
-                expect_withdraw(task.id, src)
-        self.outcomes.update(counts)
-        log.info(
-            "re-running unfinished tasks from the journal",
-            extra={
-                "tasks": sum(counts.values()),
-                "forwarded": expect_withdraw is not None,
-                "past_deadline": counts["past_deadline"],
-                "refused": counts["refused"],
-                "known_elsewhere": counts["known_elsewhere"],
-                "held_here": counts["held_here"],
-                "left_for_next_start": counts["left_for_next_start"],
-            },
-        )
+            out.append((task, "past_deadline" if past else "run"))  # (deadline_exceeded)
+        return out
+
+    def _log(self, tasks: list[Task], *, forwarded: bool) -> None:
+        """What became of ``tasks`` (the forwarded ones: at their admission; outcomes so
+        far, summed)."""
+        if tasks:
+            extra: dict[str, object] = {"tasks": len(tasks), "forwarded": forwarded}
+            extra.update((k, self.outcomes[k]) for k in OUTCOMES)
+            log.info("re-running unfinished tasks from the journal", extra=extra)

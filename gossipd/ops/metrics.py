@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
+from gossipd.core.replaycheck import OUTCOMES
 from gossipd.ops.metric_families import C, G, _by, _one
 from gossipd.ops.metrics_subsystems import (
     _budget_metrics,
@@ -201,17 +202,7 @@ class DaemonCollector:
                 "known_elsewhere (a member holds it: left to that copy), held_here (sent "
                 "again meanwhile), left_for_next_start (the daemon began to stop first)",
                 "outcome",
-                [
-                    (o, replay.outcomes[o])
-                    for o in (
-                        "run",
-                        "past_deadline",
-                        "refused",
-                        "known_elsewhere",
-                        "held_here",
-                        "left_for_next_start",
-                    )
-                ],
+                [(o, replay.outcomes[o]) for o in OUTCOMES],
             )
         load_gossip = s.get("load_gossip")
         if load_gossip is not None:
