@@ -231,16 +231,20 @@ class SimDaemon:
             self._ended(ended)
         self.forwarder.local_finished(task_id)
 
-    def admit(self, task: Task, received_at: float, *, forwarder: str) -> Verdict:
+    def admit(
+        self, task: Task, received_at: float, *, forwarder: str, enqueue: bool = True
+    ) -> Verdict:
+        """``enqueue=False``: held from the engine until ``replay_step`` queues it."""
         verdict, entry = self.book.offer(
             task, received_at, self.world.now, forwarder=forwarder or None
         )
         if verdict is Verdict.ADMIT:
             self.withdrawn_before_run.discard(task.id)
             self.world.journal_accept(self, task, forwarder, received_at)
-            self.queue.append(task.id)
             self.world.trace(task.id, self.name, f"admitted (from {forwarder or 'intake'})")
-            self.start_jobs()
+            if enqueue:
+                self.queue.append(task.id)
+                self.start_jobs()
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
             self.world.answer(self, task, entry)
@@ -259,8 +263,8 @@ class SimDaemon:
         expect_members: bool,
     ) -> None:
         """``tasks``: producers' own (task, "", received_at) read from the journal, to run
-        after the answers; ``running``: forwarded ones already run again, id -> (task,
-        forwarder), dropped if a member holds them."""
+        after the answers; ``running``: forwarded ones admitted again (held from the
+        engine), id -> (task, forwarder): dropped if a member holds them, else queued."""
         self.replay_tasks = tasks
         self.replay_running = running
         self.replay_check = ReplayCheck(
@@ -293,6 +297,9 @@ class SimDaemon:
             if task.id in known and self.withdraw(REPLAY, task.id):
                 world.trace(task.id, self.name, f"dropped: {known[task.id]} holds it")
                 world.replays_known_elsewhere += 1
+            elif self.book.get(task.id) is not None:  # (withdrawn meanwhile: released)
+                self.queue.append(task.id)
+        self.start_jobs()
         admission = self.admission
         for task, src, received_at in self.replay_tasks:
             if admission.holds(task.id, task.producer_key) or admission.held_by_other(
@@ -308,8 +315,9 @@ class SimDaemon:
         self.replay_tasks, self.replay_running = [], {}
 
     def replay_one(self, task: Task, src: str, received_at: float) -> None:
-        """Run a journaled task again (forwarded by ``src``, or ""), by its deadline."""
-        verdict = self.admit(task, received_at, forwarder="")
+        """Run a journaled task again (forwarded by ``src``: held from the engine until the
+        members' answers; or ""), by its deadline."""
+        verdict = self.admit(task, received_at, forwarder="", enqueue=not src)
         self.world.journal_replayed(self, task, verdict, src)
         if verdict is Verdict.ADMIT:
             if src:

@@ -33,6 +33,7 @@ OUTCOMES = (
     "known_elsewhere",
     "held_here",
     "left_for_next_start",
+    "withdrawn",
 )
 
 

@@ -152,11 +152,14 @@ class Intake:
         answer: bool,
         now: float | None = None,
         forwarder: Hashable | None = None,
+        enqueue: bool = True,
     ) -> Verdict:
         """Run ``task`` here if admission allows.  ``answer=False`` (a forwarded task): a
         refusal is the forwarder's to handle, not sent to the producer, with the hint
         ``retry_after_ms`` (read it right after this call).  ``forwarder``: the peer that
-        forwarded it (told TaskDone when it ends).  ``now``: the clock's monotonic()."""
+        forwarded it (told TaskDone when it ends).  ``now``: the clock's monotonic().
+        ``enqueue=False``: admitted but held from the workers until the caller hands its
+        entry to ``runner.enqueue`` (a restart's replay while members are asked)."""
         now = self._clock.monotonic() if now is None else now
         verdict, entry = self.book.offer(task, received_at, now, forwarder=forwarder)
         self._retry_after_ms = self._config.retry_after_ms
@@ -164,7 +167,8 @@ class Intake:
             for listener in self.on_admitted:
                 listener(task)
             assert isinstance(entry, Owned)
-            self.runner.enqueue(entry)
+            if enqueue:
+                self.runner.enqueue(entry)
         elif verdict is Verdict.DUPLICATE_DONE:
             assert isinstance(entry, Result)
             self._replies.send(task.route, encode(entry), task.batch_replies)

@@ -3,14 +3,14 @@
 Each runs by the deadline it was accepted with (one that passed while the daemon was down is
 answered deadline_exceeded without running); what admission refuses now is answered to its
 producer and leaves the journal.  The journal is read at once, before any new task can be
-journaled.  A task a peer forwarded is admitted then too: its forwarder's Withdraw drops it
-if the forwarder migrated it while we were down, and its TaskDone goes to that forwarder by
-name.  Then the live members are asked which of these tasks they hold (core/replaycheck.py:
-a producer resubmitted it, or a forwarder migrated it, elsewhere while we were down).  A
-producer's own task waits for the answers and, held elsewhere, leaves the journal unanswered
-here, since that member answers; a forwarded one held elsewhere is dropped as its
-forwarder's Withdraw would drop it, if it has not ended yet.  The question takes at most
-about 3 s, while the daemon serves.
+journaled.  A task a peer forwarded is admitted then too, but held from the workers: its
+forwarder's Withdraw drops it if the forwarder migrated it while we were down, and its
+TaskDone goes to that forwarder by name.  Then the live members are asked which of these
+tasks they hold (core/replaycheck.py: a producer resubmitted it, or a forwarder migrated it,
+elsewhere while we were down).  A producer's own task waits for the answers and, held
+elsewhere, leaves the journal unanswered here, since that member answers; a forwarded one
+held elsewhere is dropped as its forwarder's Withdraw would drop it, and the rest go to the
+workers.  The question takes at most about 3 s, while the daemon serves.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from gossipd.membership.gossip import MemberView
 
 log = logging.getLogger("gossipd.ingress.replay")
 
+_ADMIT = Verdict.ADMIT
 POLL_S = 0.01  # how often the wait for members and their answers looks (a restart only)
 
 
@@ -64,7 +65,8 @@ class JournalReplay:
         # forwarder, outcome once it is not dropped)
         # Tasks by what became of them: run, past_deadline (answered deadline_exceeded),
         # refused (answered), known_elsewhere (a member holds it: left or dropped),
-        # held_here (sent again meanwhile), left_for_next_start (a stop while it asked).
+        # held_here (sent again meanwhile), left_for_next_start (a stop while it asked),
+        # withdrawn (a forwarded one its forwarder withdrew while we asked).
         self.outcomes: Counter[str] = Counter()
 
     def read(self, expect_withdraw: Callable[[str, str], None] | None) -> int:
@@ -76,7 +78,7 @@ class JournalReplay:
         forwarded = self._journal.forwarded if expect_withdraw is not None else {}
         self._waiting = [task for task in unfinished if task.id not in forwarded]
         now_ones = [task for task in unfinished if task.id in forwarded]
-        for task, outcome in self._admit(now_ones, {}):
+        for task, outcome in self._admit(now_ones, {}, enqueue=False):
             if outcome in ("run", "past_deadline"):
                 src = forwarded[task.id]
                 expect_withdraw(task.id, src)  # type: ignore[misc]
@@ -107,12 +109,19 @@ class JournalReplay:
         if ask is not None and (waiting or running):
             asked = [*waiting, *(task for task, _, _ in running.values())]
             known = await self._ask(asked, live, ask)
+        book, runner = self._intake.book, self._intake.runner
         for task, src, outcome in running.values():
-            dropped = task.id in known and drop is not None and drop(task, src)
-            self.outcomes["known_elsewhere" if dropped else outcome] += 1
+            owned = book.get(task.id)
+            if owned is None:  # its forwarder withdrew it meanwhile: released
+                self.outcomes["withdrawn"] += 1
+            elif task.id in known and drop is not None and drop(task, src):
+                self.outcomes["known_elsewhere"] += 1
+            else:
+                self.outcomes[outcome] += 1
+                runner.enqueue(owned)  # a worker runs it, or answers its Cancel
         for _, outcome in self._admit(waiting, known):
             self.outcomes[outcome] += 1
-        self._log(waiting, forwarded=False)
+        self._log([*waiting, *(task for task, _, _ in running.values())], forwarded=False)
 
     async def _ask(
         self,
@@ -154,9 +163,12 @@ class JournalReplay:
         )
         return outcome.known
 
-    def _admit(self, unfinished: list[Task], known: dict[str, str]) -> list[tuple[Task, str]]:
-        """Admit each task by its deadline unless ``known`` elsewhere or held here; each
-        task with what became of it (an ``outcomes`` key)."""
+    def _admit(
+        self, unfinished: list[Task], known: dict[str, str], *, enqueue: bool = True
+    ) -> list[tuple[Task, str]]:
+        """Admit each task by its deadline unless ``known`` elsewhere or held here
+        (``enqueue=False``: held from the workers); each task with what became of it (an
+        ``outcomes`` key)."""
         journal, intake = self._journal, self._intake
         admission = intake.admission
         if admission.shutting_down:  # stopping while we asked: they stay in the journal
@@ -180,7 +192,7 @@ class JournalReplay:
             if deadline_ms is not None:  # as if received timeout_ms before that deadline
                 received_at = now + deadline_ms / 1000.0 - wall - task.timeout_ms / 1000.0
                 past = deadline_ms / 1000.0 <= wall
-            if intake.admit(task, received_at, answer=True) is not Verdict.ADMIT:
+            if intake.admit(task, received_at, answer=True, enqueue=enqueue) is not _ADMIT:
                 journal.done(task.id)
                 out.append((task, "refused"))
                 continue
@@ -188,9 +200,9 @@ class JournalReplay:
         return out
 
     def _log(self, tasks: list[Task], *, forwarded: bool) -> None:
-        """What became of ``tasks`` (the forwarded ones: at their admission; outcomes so
-        far, summed)."""
+        """What became of the journal's tasks so far (``forwarded``: the forwarded ones
+        just admitted, held from the workers; else: ``tasks`` after the answers)."""
         if tasks:
-            extra: dict[str, object] = {"tasks": len(tasks), "forwarded": forwarded}
+            extra: dict[str, object] = {"tasks": len(tasks), "forwarded_only": forwarded}
             extra.update((k, self.outcomes[k]) for k in OUTCOMES)
             log.info("re-running unfinished tasks from the journal", extra=extra)

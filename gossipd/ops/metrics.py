@@ -200,7 +200,8 @@ class DaemonCollector:
                 "became of them: run, "
                 "past_deadline (answered deadline_exceeded), refused (answered), "
                 "known_elsewhere (a member holds it: left to that copy), held_here (sent "
-                "again meanwhile), left_for_next_start (the daemon began to stop first)",
+                "again meanwhile), left_for_next_start (the daemon began to stop first), "
+                "withdrawn (a forwarded one its forwarder withdrew meanwhile)",
                 "outcome",
                 [(o, replay.outcomes[o]) for o in OUTCOMES],
             )
