@@ -77,8 +77,6 @@ from gossipd.sockets import SocketKind, SocketPool, split_reply_route
 from gossipd.zmqloop import ReplySender
 
 log = logging.getLogger("gossipd.daemon")
-# Who withdraws a replayed forwarded task that another member holds (any forwarder may).
-_REPLAY = object()
 
 
 # Exit status when the engine died: non-zero, so systemd (Restart=on-failure) restarts us.
@@ -833,21 +831,12 @@ class Daemon:
         hold (in a task of their own)."""
         assert self.replay is not None
         dispatcher = self.dispatcher
-        book = self.ingress.intake.book
-        if not self.replay.read(book.expect_withdraw if dispatcher is not None else None):
+        if not self.replay.read(fanout=dispatcher is not None):
             return []
         replay = self.replay.run(
-            self._live,
-            dispatcher.ask_replays if dispatcher is not None else None,
-            self._drop_replayed,
+            self._live, dispatcher.ask_replays if dispatcher is not None else None
         )
         return [tg.create_task(replay, name="journal-replay")]
-
-    def _drop_replayed(self, task: Task, src: str) -> bool:
-        """A forwarded task re-run from the journal that another member holds: dropped as
-        its forwarder's Withdraw would drop it, if it has not ended (no TaskDone: that
-        says a Result went from here; docs/PROTOCOL.md "A restart asks")."""
-        return self.ingress.runner.withdraw(task.id, _REPLAY)
 
     async def _shut_down(self, workers: list[asyncio.Task[None]]) -> dict[str, int]:
         """Drain: status draining, hand queued tasks to peers, let running ones finish within

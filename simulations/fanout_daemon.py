@@ -300,11 +300,8 @@ class SimDaemon:
             elif self.book.get(task.id) is not None:  # (withdrawn meanwhile: released)
                 self.queue.append(task.id)
         self.start_jobs()
-        admission = self.admission
         for task, src, received_at in self.replay_tasks:
-            if admission.holds(task.id, task.producer_key) or admission.held_by_other(
-                task.id, task.producer_key
-            ):
+            if self.admission.knows(task.id):
                 continue  # sent again meanwhile: that copy has its own journal record
             if task.id in known:
                 world.trace(task.id, self.name, f"not run again: {known[task.id]} holds it")
@@ -362,7 +359,7 @@ class SimDaemon:
             self.held.on_reply(msg.node, msg.still_mine, msg.migrated, msg.unknown)
             self.flush_held()
         elif isinstance(msg, ReplayQuery):
-            known = [i for i, key in msg.tasks if self.admission.holds(i, key)]
+            known = self.book.held(msg.tasks)
             self.world.send_peer(self, src, ReplayKnown(node=self.name, known=known))
         elif isinstance(msg, ReplayKnown):
             if self.replay_check is not None:

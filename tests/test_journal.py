@@ -198,7 +198,7 @@ def test_a_replay_whose_daemon_began_to_stop_while_it_asked_leaves_the_tasks_for
     daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
     try:
         assert daemon.replay is not None and daemon.journal is not None
-        assert daemon.replay.read(None) == 2
+        assert daemon.replay.read(fanout=False) == 2
         daemon.ingress.intake.begin_shutdown()  # a stop while the members were asked
         asyncio.run(daemon.replay.run(lambda: [], None))
         assert daemon.replay.outcomes == {"left_for_next_start": 2}
@@ -215,7 +215,7 @@ def test_a_task_sent_again_while_the_restart_asked_is_left_to_that_copy_and_its_
     daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
     try:
         assert daemon.replay is not None and daemon.journal is not None
-        assert daemon.replay.read(None) == 2
+        assert daemon.replay.read(fanout=False) == 2
         intake = daemon.ingress.intake
         intake.admit(task(0), time.monotonic(), answer=True)  # its producer's resubmission
         asyncio.run(daemon.replay.run(lambda: [], None))

@@ -220,3 +220,19 @@ def test_TaskBook_cancel_only_from_the_key_that_submitted_the_task() -> None:
     assert book.stop_reason("t0") is None
     assert book.cancel("t0", "A" * 40) is Abort.MARKED
     assert book.stop_reason("t0") is Stop.CANCELLED
+
+
+def test_TaskBook_held_names_what_runs_or_ran_here_for_that_key_and_is_not_being_withdrawn() -> (
+    None
+):
+    book = _book()
+    _, running = book.offer(_task(0), 0.0, 0.0, forwarder=b"A")
+    book.start(running)  # type: ignore[arg-type]
+    book.offer(_task(1), 0.0, 0.0)
+    book.finish("t1", _ok(1))  # answered: cached
+    _, withdrawn = book.offer(_task(2), 0.0, 0.0, forwarder=b"A")
+    book.start(withdrawn)  # type: ignore[arg-type]
+    assert book.withdraw("t2", b"A") is Abort.ABORT  # being aborted: ends unanswered
+    asked = [("t0", ""), ("t1", ""), ("t2", ""), ("t3", ""), ("t1", "K" * 40)]
+    assert book.held(asked) == ["t0", "t1"]
+    assert [book.admission.knows(f"t{i}") for i in range(4)] == [True, True, True, False]

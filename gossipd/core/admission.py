@@ -198,6 +198,10 @@ class Admission:
         entry = self._pending.get(task_id) or self._done.get(task_id)
         return entry is not None and entry[-1] == producer
 
+    def knows(self, task_id: str) -> bool:
+        """``task_id`` is pending or cached here, for any producer key."""
+        return task_id in self._pending or task_id in self._done
+
     def count_conflict(self) -> None:
         """An id_in_use refused before ``offer`` (``held_by_other``, or an id forwarded from
         here for another key): counted with the ones ``offer`` refuses."""

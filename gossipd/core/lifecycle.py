@@ -41,7 +41,7 @@ handed off) and ``restart`` when an aborted worker ends (rule 3b: run it again i
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 from gossipd.core.admission import Admission, Verdict
 from gossipd.core.budgets import task_bytes
@@ -185,6 +185,18 @@ class TaskBook:
                     pending.stop = _RESTART if pending.phase is _RUNNING else None
             return verdict, pending
         return verdict, cached
+
+    def held(self, tasks: Iterable[tuple[str, str]]) -> list[str]:
+        """The ids of ``tasks`` ((id, producer key) pairs) pending or answered here, for
+        that key, and not being withdrawn (that copy ends unanswered): what a restarted
+        member must not run again (a ReplayQuery's answer)."""
+        holds, owned = self.admission.holds, self._owned
+        return [
+            task_id
+            for task_id, producer in tasks
+            if holds(task_id, producer)
+            and getattr(owned.get(task_id), "stop", None) is not Stop.WITHDRAWN
+        ]
 
     def expect_withdraw(self, task_id: str, src: str) -> None:
         """Rule 2: ``task_id``, re-run from the journal, came from member ``src``."""

@@ -11,7 +11,7 @@ task runs, as before this check (a second answer beats a lost task).  What a mem
 holds is dropped here.
 
 Pure: the caller passes the members it sees, their answers and the time; the shell sends
-the queries and admits what ``to_run`` returns.
+the queries and acts on ``outcome()``.
 """
 
 from __future__ import annotations

@@ -260,21 +260,21 @@ class Dispatcher:
         return ConfirmReply(node=self.node, still_mine=still, migrated=migrated, unknown=unknown)
 
     def ask_model_card(self, member: str) -> bool:
-        """Send ``member`` a ModelQuery, alone in its message (a member before 0.3.0 would
-        refuse a batch that held one); False when it is no live member we know."""
-        addr = self.placer.addr(member)
-        if addr is None:
-            return False
-        self._links.send_alone(addr, ModelQuery(node=self.node))
-        return True
+        """Send ``member`` a ModelQuery; False when it is no live member we know."""
+        return self._ask(member, ModelQuery(node=self.node))
 
     def ask_replays(self, member: str, tasks: list[tuple[str, str]]) -> bool:
-        """Send ``member`` a ReplayQuery for ``tasks`` ((id, producer key) pairs), alone in
-        its message; False when it is no live member we know."""
+        """Send ``member`` a ReplayQuery for ``tasks`` ((id, producer key) pairs); False
+        when it is no live member we know."""
+        return self._ask(member, ReplayQuery(node=self.node, tasks=tasks))
+
+    def _ask(self, member: str, question: ModelQuery | ReplayQuery) -> bool:
+        """A question alone in its message (a member before 0.3.0 would refuse a batch
+        that held one), to a live member by name."""
         addr = self.placer.addr(member)
         if addr is None:
             return False
-        self._links.send_alone(addr, ReplayQuery(node=self.node, tasks=tasks))
+        self._links.send_alone(addr, question)
         return True
 
     def send_to_member(self, member: str, msg: TaskDone | Confirm) -> None:

@@ -364,7 +364,7 @@ class OwnerEndpoint:
         elif isinstance(msg, ModelQuery) and self._model_card is not None:
             self._to_forwarder(identity, self._model_card(), urgent=True)
         elif isinstance(msg, ReplayQuery):
-            known = self._ingress.intake.held_here(msg.tasks)
+            known = self._ingress.intake.book.held(msg.tasks)
             self._to_forwarder(identity, ReplayKnown(node=self.node, known=known), urgent=True)
         else:
             self.counters.bad_peer_messages += 1

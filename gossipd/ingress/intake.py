@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import IngressConfig
 from gossipd.core.admission import Admission, Verdict, refused
-from gossipd.core.lifecycle import Owned, Stop, TaskBook
+from gossipd.core.lifecycle import Owned, TaskBook
 from gossipd.core.messages import ErrorCode, Result, Task, encode, error_result
 from gossipd.core.queueing import QueueWait
 from gossipd.ingress.budgets import BudgetGate
@@ -122,19 +122,6 @@ class Intake:
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
-
-    def held_here(self, tasks: Iterable[tuple[str, str]]) -> list[str]:
-        """The ids of ``tasks`` ((id, producer key) pairs) pending or answered here, for
-        that key, and not being withdrawn (that copy ends unanswered): what a restarted
-        member must not run again (a ReplayQuery's answer)."""
-        holds, book = self.admission.holds, self.book
-        held = []
-        for task_id, producer in tasks:
-            if holds(task_id, producer):
-                owned = book.get(task_id)
-                if owned is None or owned.stop is not Stop.WITHDRAWN:
-                    held.append(task_id)
-        return held
 
     def _id_held_by_other(self, task: Task) -> bool:
         """The task's id is another producer key's here: pending or cached, or forwarded

@@ -34,6 +34,8 @@ from gossipd.membership.gossip import MemberView
 log = logging.getLogger("gossipd.ingress.replay")
 
 _ADMIT = Verdict.ADMIT
+# Who withdraws a replayed forwarded task that another member holds (as any forwarder may).
+_BY_REPLAY = object()
 POLL_S = 0.01  # how often the wait for members and their answers looks (a restart only)
 
 
@@ -61,32 +63,31 @@ class JournalReplay:
         self._expect_members = expect_members
         self._check: ReplayCheck | None = None
         self._waiting: list[Task] = []  # producers' own tasks: admitted after the answers
-        self._running: dict[str, tuple[Task, str, str]] = {}  # forwarded: id -> (task,
-        # forwarder, outcome once it is not dropped)
+        # Forwarded ones, admitted and held from the workers: (task, outcome if not dropped).
+        self._held: list[tuple[Task, str]] = []
         # Tasks by what became of them: run, past_deadline (answered deadline_exceeded),
         # refused (answered), known_elsewhere (a member holds it: left or dropped),
         # held_here (sent again meanwhile), left_for_next_start (a stop while it asked),
         # withdrawn (a forwarded one its forwarder withdrew while we asked).
         self.outcomes: Counter[str] = Counter()
 
-    def read(self, expect_withdraw: Callable[[str, str], None] | None) -> int:
+    def read(self, *, fanout: bool) -> int:
         """Read the journal's unfinished tasks (before the first new task can be
-        journaled) and admit the forwarded ones now (``expect_withdraw(task id,
-        forwarder)``; None: no fan-out here, none counts as forwarded); how many to ask
-        about (``run``)."""
+        journaled) and admit the forwarded ones now, held from the workers (``fanout``
+        False: none counts as forwarded); how many to ask about (``run``)."""
         unfinished = self._journal.replay()
-        forwarded = self._journal.forwarded if expect_withdraw is not None else {}
+        forwarded = self._journal.forwarded if fanout else {}
         self._waiting = [task for task in unfinished if task.id not in forwarded]
         now_ones = [task for task in unfinished if task.id in forwarded]
         for task, outcome in self._admit(now_ones, {}, enqueue=False):
             if outcome in ("run", "past_deadline"):
-                src = forwarded[task.id]
-                expect_withdraw(task.id, src)  # type: ignore[misc]
-                self._running[task.id] = (task, src, outcome)
+                # Its forwarder's Withdraw is honoured from any connection (rule 2).
+                self._intake.book.expect_withdraw(task.id, forwarded[task.id])
+                self._held.append((task, outcome))
             else:
                 self.outcomes[outcome] += 1
         self._log(now_ones, forwarded=True)
-        return len(self._waiting) + len(self._running)
+        return len(self._waiting) + len(self._held)
 
     def on_known(self, msg: ReplayKnown, its_own: bool) -> None:
         """A member's answer to our ReplayQuery (Dispatcher.on_replay_known)."""
@@ -97,31 +98,31 @@ class JournalReplay:
         self,
         live: Callable[[], list[MemberView]],
         ask: Callable[[str, list[tuple[str, str]]], bool] | None,
-        drop: Callable[[Task, str], bool] | None = None,
     ) -> None:
         """Ask the members (``ask``: send one ReplayQuery, False when the member has no
         address; None: no fan-out, nobody to ask), then admit the producers' own tasks
-        that nobody else holds, and ``drop(task, forwarder)`` the forwarded ones that a
-        member holds (True: dropped; False: it had ended, or was withdrawn, already)."""
+        that nobody else holds, drop the forwarded ones that a member holds as their
+        forwarder's Withdraw would (no TaskDone: that says a Result went from here), and
+        hand the rest to the workers."""
         waiting, self._waiting = self._waiting, []
-        running, self._running = self._running, {}
+        held, self._held = self._held, []
+        tasks = [*waiting, *(task for task, _ in held)]
         known: dict[str, str] = {}
-        if ask is not None and (waiting or running):
-            asked = [*waiting, *(task for task, _, _ in running.values())]
-            known = await self._ask(asked, live, ask)
+        if ask is not None and tasks:
+            known = await self._ask(tasks, live, ask)
         book, runner = self._intake.book, self._intake.runner
-        for task, src, outcome in running.values():
+        for task, outcome in held:
             owned = book.get(task.id)
             if owned is None:  # its forwarder withdrew it meanwhile: released
                 self.outcomes["withdrawn"] += 1
-            elif task.id in known and drop is not None and drop(task, src):
+            elif task.id in known and runner.withdraw(task.id, _BY_REPLAY):
                 self.outcomes["known_elsewhere"] += 1
             else:
                 self.outcomes[outcome] += 1
                 runner.enqueue(owned)  # a worker runs it, or answers its Cancel
         for _, outcome in self._admit(waiting, known):
             self.outcomes[outcome] += 1
-        self._log([*waiting, *(task for task, _, _ in running.values())], forwarded=False)
+        self._log(tasks, forwarded=False)
 
     async def _ask(
         self,
@@ -176,9 +177,7 @@ class JournalReplay:
         now, wall = self._clock.monotonic(), self._clock.wall()
         out: list[tuple[Task, str]] = []
         for task in unfinished:
-            if admission.holds(task.id, task.producer_key) or admission.held_by_other(
-                task.id, task.producer_key
-            ):
+            if admission.knows(task.id):
                 # Sent again while we asked (by its producer, or the same id by another):
                 # that copy runs (or ran) here, under its own journal record.
                 out.append((task, "held_here"))
