@@ -573,9 +573,17 @@ def test_keyless_prompts_sharing_a_prefix_meet_on_one_member(make_cluster) -> No
 
 
 def test_key_hashing_and_round_robin_scatter_a_shared_prefix(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    # Not "every group on all three": round robin counts per entry point, and the client's
+    # choice of entry can fall in step with the 6 groups, so a group may alternate between two
+    # members (CI saw 22/17/1).  What the policies promise is that a prefix does not gather.
     for policy in ("key", "round_robin"):
-        spread = _group_spread(make_cluster(3, f"fanout.policy={policy}"))
-        assert all(len(c) == 3 for c in spread.values()), (policy, spread)
+        cluster = make_cluster(3, f"fanout.policy={policy}")
+        spread = _group_spread(cluster)
+        assert all(len(c) >= 2 for c in spread.values()), (policy, spread)
+        on_one = sum(c.most_common(1)[0][1] for c in spread.values())
+        assert on_one / 240 <= 0.6, (policy, spread)  # "prefix" puts >= 0.95 on one
+        ran = sum(spread.values(), Counter())
+        assert set(ran) == {d.name for d in cluster.daemons}, (policy, ran)
 
 
 def test_a_cancel_reaches_the_owner_of_a_forwarded_task(make_cluster) -> None:  # type: ignore[no-untyped-def]
