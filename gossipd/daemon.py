@@ -20,7 +20,6 @@ import signal
 import socket
 import ssl
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any
 
 import zmq
@@ -30,31 +29,18 @@ from gossipd import __version__
 from gossipd.admin import Admin
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
-from gossipd.core.forwarder import Forwarder, Refuse
-from gossipd.core.gossip_messages import GpuState, LoadRecord
-from gossipd.core.heldresults import HeldResults
-from gossipd.core.loadstate import LoadSampler
-from gossipd.core.messages import ErrorCode, Task, error_result
-from gossipd.core.peer_messages import TaskDone
-from gossipd.core.placer import Placer
-from gossipd.core.ring import LoadCounts
+from gossipd.core.forwarder import Refuse
+from gossipd.core.messages import Drain, ErrorCode, Task, error_result
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
 from gossipd.errors import StartupError
+from gossipd.fanout.assembly import Fanout, build_fanout
 from gossipd.fanout.forwarding import Dispatcher
 from gossipd.fanout.holding import ResultHolder
-from gossipd.fanout.owner import OwnerEndpoint, zmq_peer_server
-from gossipd.fanout.peerlinks import PeerLinks, zmq_peer_client
-from gossipd.fanout.placement_feed import KernelLoader, PlacementFeed
 from gossipd.http.clustermodels import ClusterModels
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.wiring import build_door, open_door
-from gossipd.ingress.budgets import (
-    DIRECTIVE_KIND,
-    BudgetGate,
-    publish_budgets,
-    recompute_forever,
-)
+from gossipd.ingress.budgets import BudgetGate, start_budgets
 from gossipd.ingress.journal import Journal
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.replay import JournalReplay, expects_members
@@ -81,8 +67,6 @@ log = logging.getLogger("gossipd.daemon")
 
 # Exit status when the engine died: non-zero, so systemd (Restart=on-failure) restarts us.
 EXIT_ENGINE_DEAD = 3
-# Our engine's own figures (the owner check, our load records) at most this old.
-OWN_SAMPLE_EVERY_S = 0.005
 # At shutdown, after the ingress endpoint is unbound: how long the reader goes on taking what
 # ZeroMQ's I/O thread had already read, and the longest wait for forwards' answers.
 INTAKE_SETTLE_S = 0.02
@@ -146,7 +130,7 @@ class Daemon:
                 retry_after_max_ms=ic.retry_after_max_ms,
             )
         # What the ingress calls in parts built after it (fan-out, admin): connected below
-        # and in _build_membership_and_fanout, before the first message is read.
+        # and in fanout/assembly.py, before the first message is read.
         self.links = IngressLinks()
         self.ingress = Ingress(
             ic,
@@ -377,7 +361,9 @@ class Daemon:
             ) from None
         endpoint = _bind("ingress.bind", self.config.ingress.bind, self.ingress.bind)
         if self.config.gossip.bind:
-            self.gossip, self.dispatcher = self._build_membership_and_fanout(endpoint)
+            fanout = self._build_fanout(endpoint)
+            self.gossip, self.dispatcher = fanout.gossip, fanout.dispatcher
+            self.load_gossip, self.holder = fanout.load_gossip, fanout.holder
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         self.admin = admin = Admin(
@@ -480,7 +466,18 @@ class Daemon:
                             name="keys",
                         )
                     )
-                background += self._start_budgets(tg)
+                if self.budget_gate is not None:
+                    background += start_budgets(
+                        tg,
+                        self.budget_gate,
+                        self.config.budgets,
+                        node=self.node,
+                        capacity_weight=self.config.gpu.capacity_weight,
+                        gossip=self.gossip,
+                        leadership=self.leadership,
+                    )
+                else:
+                    log.info("token budgets: off (budgets.enabled = false)")
                 if self.door is not None:
                     background.append(
                         tg.create_task(self.door.answers.sweep_forever(), name="http")
@@ -556,229 +553,35 @@ class Daemon:
         log.info("stopped", extra={"statistics": stats})
         return EXIT_ENGINE_DEAD if self.engine_dead else self.exit_status
 
-    def _start_budgets(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
-        """Say once how token budgets are set, and start what keeps them current: the
-        leader's duty and subscription with etcd, a local recomputation until the leader's
-        first budgets arrive (or always, without etcd)."""
-        gate, bc = self.budget_gate, self.config.budgets
-        if gate is None:
-            log.info("token budgets: off (budgets.enabled = false)")
-            return []
-        leadership = self.leadership
-        if leadership is None:
-            log.info(
-                "token budgets: computed here from the configuration and the gossiped "
-                "capacity every budgets.interval_s (no etcd: no leader)",
-                extra={"interval_s": bc.interval_s},
-            )
-        else:
-            log.info(
-                "token budgets: set by the leader (etcd) and gossiped; until its first "
-                "budgets arrive, computed here; while etcd is away, the last ones stay",
-                extra={"interval_s": bc.interval_s},
-            )
-        gossip = self.gossip
-        if gossip is None:
-            return []  # alone: the budgets of our own capacity, set at construction
-        me, weight = self.node, self.config.gpu.capacity_weight
-
-        def members() -> list[GpuState | None]:
-            # Ourselves always (our own Meta may not be back from gossip yet), then the others.
-            return [
-                GpuState(capacity_weight=weight),
-                *(m.gpu for m in gossip.live_members() if m.node != me),
-            ]
-
-        if leadership is not None:
-            leadership.directives.subscribe(DIRECTIVE_KIND, gate.on_directive)
-            leadership.duties.register(
-                DIRECTIVE_KIND, lambda ctx: publish_budgets(ctx, gate, members, bc.interval_s)
-            )
-        return [
-            tg.create_task(
-                recompute_forever(
-                    gate, members, bc.interval_s, local=lambda: gate.source == "local"
-                ),
-                name="budgets",
-            )
-        ]
-
-    def _build_membership_and_fanout(self, endpoint: str) -> tuple[GossipService, Dispatcher]:
-        """Membership and fan-out, built in dependency order and wired here, the one place
-        that knows them all (no part sets another's attributes)."""
-        config, ingress = self.config, self.ingress
-        # Cycles of calls that remain, all closed before any message is read: by this
-        # name, bound below (tests/test_composition.py holds the list), the owner endpoint
-        # hands what peers send us as a forwarder (TaskDones of tasks re-run from a
-        # journal, Confirms) to the dispatcher, which is built on the owner endpoint; through methods of ours, the owner endpoint
-        # and the dispatcher reach the ResultHolder (self._held(), built last here) and a
-        # relayed Drain reaches admin (self.admin, built in run()); and IngressLinks.
-        dispatcher: Dispatcher
-        # Our load on every ForwardReply and TaskDone (issue 17): in-flight counted live, the
-        # engine's figures from its latest sample; seq from the wall clock (a restart orders on).
-        own_load = LoadSampler(self.node, int(self.clock.wall() * 1000))
-
-        # Per member: our forwards not yet done (bounded loads), counted by the forwarder;
-        # the placer reads their sum as LoadCounts keeps it (no call back into the forwarder).
-        loads = LoadCounts()
-        local_ids: set[str] = set()  # our intake's tasks running here
-        placer = Placer(
-            config.fanout,
+    def _build_fanout(self, endpoint: str) -> Fanout:
+        """Membership and fan-out (fanout/assembly.py), on the parts built before them."""
+        return build_fanout(
+            self.config,
             node=self.node,
-            loads=loads,
-            local_ids=local_ids,
-            weight=config.gpu.capacity_weight,
-            model=ingress.intake.model,
-            # Our own decisions, the owner check and our load records: the engine's own
-            # figures, read at most every 5 ms (a burst of Forwards costs one reading).
-            own_sample=self.engine.stats,
-            own_sample_every_s=OWN_SAMPLE_EVERY_S,
-            kernels=KernelLoader(),
-        )
-
-        def load_record() -> LoadRecord:
-            now = self.clock.monotonic()
-            stats = placer.own_now(now)  # the engine's own figures, at most 5 ms old
-            assert stats is not None
-            return own_load.current(
-                now,
-                inflight=ingress.intake.admission.pending,
-                waiting=stats.waiting_requests,
-                queued_tokens=stats.queued_tokens,
-                kv_ratio=stats.kv_cache_usage_ratio,
-            )
-
-        def peer_replies(msgs: list[object], addr: str = "") -> None:
-            dispatcher.on_peer_replies(msgs, addr)
-
-        def send_to_member(member: str, msg: TaskDone) -> None:
-            dispatcher.send_to_member(member, msg)
-
-        security, journal = self.security, self.journal
-        owner = OwnerEndpoint(
-            config.fanout,
-            server=zmq_peer_server(
-                config.fanout,
-                self._ctx,
-                serve_curve=(lambda sock: security.serve(sock, DOMAIN_PEERS))
-                if security.curve
-                else None,
-            ),
-            node=self.node,
-            ingress=ingress,
-            send_to_member=send_to_member,
-            on_peer_done=lambda msg: peer_replies([msg]),
-            on_accepted=None
-            if journal is None
-            else (lambda task, src: journal.mark_forwarded(task.id, src)),
-            clock=self.clock,
-            task_bytes_max=config.ingress.message_bytes_max,  # as the ingress validates
-            load_record=load_record,
-            peer_allowed=security.peer_allowed if security.curve else None,
-            saturated=placer.own_engine_saturated,
-            # built in run() after membership; a relayed Drain before that waits for none
-            on_withdraw_held=lambda task_id, node: self._held().withdrawn(task_id, node),
-            on_drain=lambda msg: self.admin.handle_drain(msg) if self.admin else None,
-            on_confirm=lambda msg: dispatcher.confirm(msg),
-            replies=self.replies,
-            # Under CURVE a member may only ask us to relay its own door's replies (routes
-            # with its own key): else any member could draw another's replies to itself.
-            relay_allowed=security.is_peers_key if security.curve else lambda src, key: True,
-            model_card=self.cluster_models.card,
-        )
-        rpc_endpoint = _bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
-        gossip = GossipService(
-            config,
-            node=self.node,
+            ingress_endpoint=endpoint,
+            ctx=self._ctx,
             sockets=self.sockets,
             engine=self.engine,
-            ingress_endpoint=endpoint,
-            rng=self.rng("membership"),
-            version=__version__,
-            security=security,
-            clock=self.clock,
-            rpc_endpoint=rpc_endpoint,
-            model=ingress.intake.model,
-            load=lambda: ingress.intake.admission.pending,
-            prefixes=placer.prefix_summary,
-        )
-        PlacementFeed(placer, gossip)
-        forwarder = Forwarder(
-            Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
-            node=self.node,
-            placement=placer,
-            rng=self.rng("fanout"),
-            loads=loads,
-            local_ids=local_ids,
-            boot=int(self.clock.wall() * 1000),
-            relay_routes=self.replies.local_routes,  # the HTTP door's, once it opens
-        )
-        self.load_gossip = load_gossip = LoadGossip(
-            gossip,
-            view=placer.load_view,
-            on_load=placer.on_load,
-            own=load_record,
-            rng=self.rng("load-gossip"),
-            clock=self.clock,
-        )
-        dispatcher = Dispatcher(
-            config.fanout,
-            node=self.node,
-            forwarder=forwarder,
-            placer=placer,
-            links=PeerLinks(
-                config.fanout,
-                channel=zmq_peer_client(config.fanout, self.sockets),
-                on_reply=peer_replies,
-            ),
-            owner=owner,
-            send_error=lambda e: self._refuse_forward(e),
-            admit_here=partial(ingress.intake.admit, answer=False),
-            clock=self.clock,
+            ingress=self.ingress,
+            links=self.links,
+            replies=self.replies,
+            security=self.security,
+            journal=self.journal,
+            replay=self.replay,
+            cluster_models=self.cluster_models,
             tracer=self.tracer,
-            on_confirm_reply=lambda msg: self._held().on_reply(msg),
-            deliver_relayed=self.replies.deliver_here,
-            on_model_card=self.cluster_models.on_card,
-            on_replay_known=self.replay.on_known if self.replay else lambda msg, its_own: None,
-        )
-        # Subscriptions, and the ingress's links to fan-out (IngressLinks).
-        gossip.listeners.append(dispatcher.member_event)
-        self.links.router = dispatcher.route
-        self.links.cancel_elsewhere = dispatcher.cancel_forwarded
-        self.links.forwarded_for_other = forwarder.forwarded_for_other
-        self.links.rescue = dispatcher.hand_off
-        ingress.intake.on_admitted.append(placer.record_prefix)
-        # Our load changes as tasks come and go: load gossip reads it at its next round.
-        ingress.intake.on_admitted.append(load_gossip.poke)
-        ingress.runner.on_finished.append(load_gossip.poke)
-        ingress.runner.on_released.append(load_gossip.poke)
-        ingress.runner.on_released.append(dispatcher.task_finished)
-        ingress.intake.on_refused.append(dispatcher.task_finished)
-        ingress.runner.on_finished.append(dispatcher.local_finished)
-        ingress.runner.on_finished.append(owner.task_finished)
-        self.holder = holder = ResultHolder(
-            HeldResults(
-                bytes_max=config.fanout.held_results_bytes_max,
-                always=config.fanout.confirm_results == "always",
-            ),
-            node=self.node,
-            ingress=ingress,
-            forwarders_of=owner.core.forwarders_of,
-            member_alive=gossip.alive,
-            member_of=gossip.member,
-            send_confirm=dispatcher.send_to_member,
             clock=self.clock,
+            rng=self.rng,
+            bind=_bind,
+            refuse_forward=self._refuse_forward,
+            on_drain=self._relayed_drain,
         )
-        gossip.listeners.append(holder.member_event)
-        self.links.hold = holder.hold
-        self.links.answered_cached = holder.answered
-        return gossip, dispatcher
 
-    def _held(self) -> ResultHolder:
-        """The ResultHolder, built after the dispatcher and the owner that call it (a Withdraw
-        or ConfirmReply for it arrives only once messages flow, after _build)."""
-        assert self.holder is not None
-        return self.holder
+    def _relayed_drain(self, msg: Drain) -> None:
+        """A Drain a member relayed to us: admin's (built in run() after fan-out; one
+        before that waits for none)."""
+        if self.admin is not None:
+            self.admin.handle_drain(msg)
 
     def _refuse_forward(self, refusal: Refuse) -> None:
         """No member took a task from our intake.  While we shut down, the producer hears

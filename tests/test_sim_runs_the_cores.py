@@ -1,6 +1,6 @@
 """The simulator runs the daemon's own cores (issue 25): the classes a simulated daemon drives
 for placement, forwarding, the owner's decisions and admission are the ones the daemon
-composes (gossipd/daemon.py), and simulations/ defines none of that logic itself."""
+composes (gossipd/daemon.py, gossipd/fanout/assembly.py), and simulations/ defines none of that logic itself."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_a_simulated_daemon_drives_the_classes_the_daemon_composes() -> None:
         ]
     )
     daemon = Daemon(config)
-    _gossip, dispatcher = daemon._build_membership_and_fanout("tcp://127.0.0.1:1")
+    dispatcher = daemon._build_fanout("tcp://127.0.0.1:1").dispatcher
     try:
         world = World(FanoutRun(nodes=3, tasks=10, seed=1, faults=()))
         sim = world.daemons[0]

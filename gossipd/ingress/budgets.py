@@ -22,7 +22,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -39,6 +39,9 @@ from gossipd.core.tokenbudgets import (
     producer_identity,
     task_cost_tokens,
 )
+
+if TYPE_CHECKING:
+    from gossipd.membership.gossip import GossipService
 
 log = logging.getLogger("gossipd.ingress.budgets")
 
@@ -211,3 +214,53 @@ async def publish_budgets(
         else:
             quiet += 1
         await asyncio.sleep(interval_s)
+
+
+def start_budgets(
+    tg: asyncio.TaskGroup,
+    gate: BudgetGate,
+    config: BudgetsConfig,
+    *,
+    node: str,
+    capacity_weight: float,
+    gossip: GossipService | None,
+    leadership: Any,
+) -> list[asyncio.Task[None]]:
+    """Say once how token budgets are set, and start what keeps them current: the leader's
+    duty and subscription with etcd (``leadership``, gossipd.leader.Leadership), a local
+    recomputation until the leader's first budgets arrive (or always, without etcd)."""
+    if leadership is None:
+        log.info(
+            "token budgets: computed here from the configuration and the gossiped "
+            "capacity every budgets.interval_s (no etcd: no leader)",
+            extra={"interval_s": config.interval_s},
+        )
+    else:
+        log.info(
+            "token budgets: set by the leader (etcd) and gossiped; until its first "
+            "budgets arrive, computed here; while etcd is away, the last ones stay",
+            extra={"interval_s": config.interval_s},
+        )
+    if gossip is None:
+        return []  # alone: the budgets of our own capacity, set at construction
+
+    def members() -> list[GpuState | None]:
+        # Ourselves always (our own Meta may not be back from gossip yet), then the others.
+        return [
+            GpuState(capacity_weight=capacity_weight),
+            *(m.gpu for m in gossip.live_members() if m.node != node),
+        ]
+
+    if leadership is not None:
+        leadership.directives.subscribe(DIRECTIVE_KIND, gate.on_directive)
+        leadership.duties.register(
+            DIRECTIVE_KIND, lambda ctx: publish_budgets(ctx, gate, members, config.interval_s)
+        )
+    return [
+        tg.create_task(
+            recompute_forever(
+                gate, members, config.interval_s, local=lambda: gate.source == "local"
+            ),
+            name="budgets",
+        )
+    ]
