@@ -431,3 +431,46 @@ def test_a_client_that_does_not_read_its_answers_gets_no_more_taken_until_it_doe
         body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
         assert body["usage"]["completion_tokens"] == 32768
         assert len(body["choices"][0]["text"]) > 900_000
+
+
+def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None:
+    """What the wire answers itself (a malformed request, a handler that raised) is OpenAI's
+    error shape with the type PROTOCOL.md's table gives its status; a handler's bug is
+    counted and the server keeps serving."""
+    import asyncio
+
+    from gossipd.http.door import _wire_error
+    from gossipd.http.server import HttpLimits, serve
+
+    def handler(request: Any, exchange: Any) -> None:
+        if request.path == "/bug":
+            raise RuntimeError("a bug in the handler")
+        exchange.respond(200, b"{}")
+
+    limits = HttpLimits(body_bytes_max=1024, connections_max=8, error_body=_wire_error)
+
+    async def main() -> list[bytes]:
+        server = await serve("127.0.0.1", 0, handler, limits)
+        port = server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        close = b"host: x\r\nconnection: close\r\n\r\n"
+        try:
+            return [
+                await loop.run_in_executor(None, _raw, port, b"GET /bug HTTP/1.1\r\n" + close),
+                await loop.run_in_executor(None, _raw, port, b"GET / HTTP/1.1\r\n" + close),
+                await loop.run_in_executor(None, _raw, port, b"\x00\x01 nonsense\r\n\r\n"),
+            ]
+        finally:
+            server.close()
+
+    bug, fine, malformed = asyncio.run(main())
+    assert bug.startswith(b"HTTP/1.1 500 ")
+    error = json.loads(bug.partition(b"\r\n\r\n")[2])["error"]
+    assert error["type"] == "server_error" and error["message"] == "internal error"
+    assert fine.startswith(b"HTTP/1.1 200 ")  # still serving
+    assert malformed.startswith(b"HTTP/1.1 400 ")
+    assert json.loads(malformed.partition(b"\r\n\r\n")[2])["error"]["type"] == (
+        "invalid_request_error"
+    )
+    assert limits.counters.handler_errors == 1 and limits.counters.bad_requests == 1
+    assert json.loads(_wire_error("too many", 429))["error"]["type"] == "rate_limit_error"

@@ -70,8 +70,12 @@ class RandomIds:
         return self._hex[at : at + 24]
 
 
-def _wire_error(message: str) -> bytes:
-    return error_body(message, "invalid_request_error")
+# The OpenAI error type of what the wire itself answers (docs/PROTOCOL.md's table).
+_WIRE_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error"}
+
+
+def _wire_error(message: str, status: int) -> bytes:
+    return error_body(message, _WIRE_ERROR_TYPES.get(status, "invalid_request_error"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ _REASONS = {
 WANTED_HEADERS = frozenset({b"authorization", b"x-request-id", b"expect"})
 
 
-def _plain_error(message: str) -> bytes:
+def _plain_error(message: str, status: int) -> bytes:
     return message.encode("utf-8", "replace")
 
 
@@ -77,6 +77,7 @@ class HttpCounters:
     connections_refused: int = 0  # over connections_max: closed at once
     requests: int = 0
     bad_requests: int = 0  # unparseable, or over a bound: answered and closed
+    handler_errors: int = 0  # the handler raised (a bug): answered 500, logged
     idle_closed: int = 0  # idle, or a request not read whole, for idle_timeout_s
     open_now: int = 0
 
@@ -87,8 +88,9 @@ class HttpLimits:
     connections_max: int
     idle_timeout_s: float = 30.0
     wanted_headers: frozenset[bytes] = WANTED_HEADERS
-    # The body of an error the wire itself answers (the door gives OpenAI's shape).
-    error_body: Callable[[str], bytes] = _plain_error
+    # The body of an error the wire itself answers, from its message and status (the door
+    # gives OpenAI's shape).
+    error_body: Callable[[str, int], bytes] = _plain_error
     counters: HttpCounters = field(default_factory=HttpCounters)
 
 
@@ -373,8 +375,9 @@ class HttpConnection(asyncio.Protocol):
             self._handler(request, exchange)
         except Exception:  # a handler bug answers 500, the daemon keeps serving
             log.exception("the HTTP handler raised", extra={"path": request.path[:200]})
+            self._limits.counters.handler_errors += 1
             if not exchange.done and not exchange.streaming:
-                exchange.respond(500, self._limits.error_body("internal error"))
+                exchange.respond(500, self._limits.error_body("internal error", 500))
             elif not exchange.done:
                 exchange.abort()
 
@@ -447,7 +450,7 @@ class HttpConnection(asyncio.Protocol):
             # A response is under way on this connection: it cannot be interleaved.
             transport.close()
             return
-        body = self._limits.error_body(message)
+        body = self._limits.error_body(message, status)
         transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"

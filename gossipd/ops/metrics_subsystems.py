@@ -484,6 +484,13 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         "connection closed",
         c.bad_requests,
     )
+    yield _one(
+        C,
+        "gossipd_http_handler_errors",
+        "HTTP requests whose handler raised (a bug: answered 500 server_error, logged with "
+        "its traceback)",
+        c.handler_errors,
+    )
     yield _by(
         C,
         "gossipd_http_responses",
