@@ -216,6 +216,7 @@ class Daemon:
                 expect_members=expects_members(config, self.node),
             )
             self.ingress.intake.on_admitted.append(self._journal_accept)
+            self.links.cancel_waiting = self.replay.cancel
             self.ingress.runner.on_finished.append(
                 lambda owned, result: self.journal.done(owned.task.id)
             )  # type: ignore[union-attr]

@@ -120,6 +120,7 @@ class SimDaemon:
         self.replay_check: ReplayCheck | None = None
         self.replay_tasks: list[tuple[Task, str, float]] = []
         self.replay_running: dict[str, tuple[Task, str]] = {}
+        self.replay_cancelled: set[str] = set()  # waiting ones their producer cancelled
 
     # -- producer intake and local admission ------------------------------------------------
 
@@ -152,6 +153,8 @@ class SimDaemon:
         outcome = self.cancel_here(task_id, producer_key)
         if outcome is None:
             outcome = self.forwarder.cancel(task_id, producer_key)
+        if outcome is None:
+            outcome = self.cancel_waiting(task_id, producer_key)
         self.world.trace(task_id, self.name, f"cancel from {producer_key!r}: {outcome}")
         self.world.cancels[outcome or "unknown"] += 1
 
@@ -267,6 +270,7 @@ class SimDaemon:
         engine), id -> (task, forwarder): dropped if a member holds them, else queued."""
         self.replay_tasks = tasks
         self.replay_running = running
+        self.replay_cancelled = set()
         self.replay_check = ReplayCheck(
             [(task.id, task.producer_key) for task, _, _ in tasks]
             + [(task.id, task.producer_key) for task, _ in running.values()],
@@ -274,6 +278,17 @@ class SimDaemon:
             expect_members=expect_members,
         )
         self.replay_step()
+
+    def cancel_waiting(self, task_id: str, producer_key: str) -> str | None:
+        """As JournalReplay.cancel: a producer's own journaled task waiting for the
+        members' answers is answered cancelled instead of run (unless a member holds it)."""
+        for task, _, _ in self.replay_tasks:
+            if task.id == task_id:
+                if producer_key != task.producer_key:
+                    return "refused"
+                self.replay_cancelled.add(task_id)
+                return "here"
+        return None
 
     def replay_deadline(self) -> float:
         return self.replay_check.next_deadline() if self.replay_check is not None else math.inf
@@ -308,8 +323,15 @@ class SimDaemon:
                 world.replays_known_elsewhere += 1
                 world.journal_replayed(self, task, None, src)
                 continue
+            if task.id in self.replay_cancelled:
+                world.trace(task.id, self.name, "not run again: cancelled while it asked")
+                reply = error_result(task.id, ErrorCode.CANCELLED, "cancelled before it ran again")
+                world.answer(self, task, reply)
+                world.journal_replayed(self, task, None, src)
+                continue
             self.replay_one(task, src, received_at)
         self.replay_tasks, self.replay_running = [], {}
+        self.replay_cancelled.clear()
 
     def replay_one(self, task: Task, src: str, received_at: float) -> None:
         """Run a journaled task again (forwarded by ``src``: held from the engine until the

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.config import load_config
-from gossipd.core.messages import Task
+from gossipd.core.messages import ErrorCode, Result, Task, decode_reply
 from gossipd.daemon import Daemon
 from gossipd.ingress.journal import Journal
 from tests.helpers import wait_until_async
@@ -225,3 +225,32 @@ def test_a_task_sent_again_while_the_restart_asked_is_left_to_that_copy_and_its_
     finally:
         daemon._ctx.destroy(linger=0)
     assert sorted(t.id for t in Journal(tmp_path / "j").replay()) == ["t0", "t1"]
+
+
+def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_running_it(
+    tmp_path: Path,
+) -> None:
+    daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
+    frames: list[bytes] = []
+    try:
+        assert daemon.replay is not None and daemon.journal is not None
+        # The tasks' reply address, served in-process (as the HTTP door's is): what they get.
+        daemon.replies.deliver_locally("tcp://127.0.0.1:9", frames.append)
+        assert daemon.replay.read(fanout=False) == 2
+        intake = daemon.ingress.intake
+        intake.handle_cancel("t0", "another-key")  # not its producer: changes nothing
+        intake.handle_cancel("t0", "")  # its producer, while the members are asked
+        asyncio.run(daemon.replay.run(lambda: [], None))
+        assert daemon.replay.outcomes == {"cancelled": 1, "run": 1}
+        assert intake.cancels == {"refused": 1, "here": 1}
+        answers = [decode_reply(f) for f in frames]
+        assert [(r.id, r.error.code) for r in answers if isinstance(r, Result) and r.error] == [
+            ("t0", ErrorCode.CANCELLED)
+        ]
+        assert intake.admission.pending == 1  # t1 alone runs
+        intake.handle_cancel("t9", "")  # after the replay: no task, as before
+        assert intake.cancels["unknown"] == 1
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t1"]

@@ -34,6 +34,7 @@ OUTCOMES = (
     "held_here",
     "left_for_next_start",
     "withdrawn",
+    "cancelled",
 )
 
 

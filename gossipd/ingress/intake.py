@@ -196,6 +196,9 @@ class Intake:
         cancel_elsewhere = self.links.cancel_elsewhere
         if outcome is None and cancel_elsewhere is not None:
             outcome = cancel_elsewhere(task_id, producer_key)
+        cancel_waiting = self.links.cancel_waiting
+        if outcome is None and cancel_waiting is not None:
+            outcome = cancel_waiting(task_id, producer_key)
         if outcome is None:
             outcome = "unknown"  # finished already, or never seen here
         self.cancels[outcome] += 1

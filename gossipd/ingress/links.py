@@ -21,6 +21,9 @@ class IngressLinks:
       if one took it);
     - ``cancel_elsewhere(task_id, producer_key)``: passes a Cancel on to the member running a
       forwarded task: "forwarded", "refused" (another key's task) or None (not known);
+    - ``cancel_waiting(task_id, producer_key)``: cancels a task a restart read from the
+      journal and has not admitted yet (it asks the members first, ingress/replay.py):
+      "here", "refused" or None;
     - ``forwarded_for_other(task)``: True if a task with its id that another key submitted
       is being forwarded from here, or ran elsewhere and is not reported done;
     - ``hold(owned, result, size)``: True when a forwarded task's final Result is held back
@@ -34,6 +37,7 @@ class IngressLinks:
     router: Callable[[Task, float], bool] | None = None
     rescue: Callable[[Task, float], Awaitable[bool]] | None = None
     cancel_elsewhere: Callable[[str, str], str | None] | None = None
+    cancel_waiting: Callable[[str, str], str | None] | None = None
     forwarded_for_other: Callable[[Task], bool] | None = None
     admin: Callable[[StatusQuery | Drain, float, str], None] | None = None
     hold: Callable[[Owned, Result, int], bool] | None = None

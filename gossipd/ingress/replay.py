@@ -10,7 +10,9 @@ tasks they hold (core/replaycheck.py: a producer resubmitted it, or a forwarder 
 elsewhere while we were down).  A producer's own task waits for the answers and, held
 elsewhere, leaves the journal unanswered here, since that member answers; a forwarded one
 held elsewhere is dropped as its forwarder's Withdraw would drop it, and the rest go to the
-workers.  The question takes at most about 3 s, while the daemon serves.
+workers.  The question takes at most about 3 s, while the daemon serves; a producer's Cancel
+for one of its own tasks that waits meanwhile is kept, and the task, unless a member holds
+it, is answered cancelled instead of run (``cancel``, through IngressLinks).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from gossipd.clock import Clock
 from gossipd.config import Config, split_seed
 from gossipd.core.admission import Verdict
-from gossipd.core.messages import Task
+from gossipd.core.messages import ErrorCode, Task
 from gossipd.core.modelcards import answers_queries
 from gossipd.core.peer_messages import ReplayKnown
 from gossipd.core.replaycheck import OUTCOMES, ReplayCheck
@@ -63,12 +65,14 @@ class JournalReplay:
         self._expect_members = expect_members
         self._check: ReplayCheck | None = None
         self._waiting: list[Task] = []  # producers' own tasks: admitted after the answers
+        self._cancelled: set[str] = set()  # ids of waiting ones their producer cancelled
         # Forwarded ones, admitted and held from the workers: (task, outcome if not dropped).
         self._held: list[tuple[Task, str]] = []
         # Tasks by what became of them: run, past_deadline (answered deadline_exceeded),
         # refused (answered), known_elsewhere (a member holds it: left or dropped),
         # held_here (sent again meanwhile), left_for_next_start (a stop while it asked),
-        # withdrawn (a forwarded one its forwarder withdrew while we asked).
+        # withdrawn (a forwarded one its forwarder withdrew while we asked), cancelled (its
+        # producer cancelled it while we asked: answered cancelled).
         self.outcomes: Counter[str] = Counter()
 
     def read(self, *, fanout: bool) -> int:
@@ -89,6 +93,19 @@ class JournalReplay:
         self._log(now_ones, forwarded=True)
         return len(self._waiting) + len(self._held)
 
+    def cancel(self, task_id: str, producer_key: str) -> str | None:
+        """A producer's Cancel for a task that no part holds (IngressLinks.cancel_waiting):
+        "here" when it is one of the producers' tasks waiting for the members' answers (it
+        will be answered cancelled, not run), "refused" when another key submitted it, None
+        when it is not waiting."""
+        for task in self._waiting:
+            if task.id == task_id:
+                if producer_key != task.producer_key:
+                    return "refused"
+                self._cancelled.add(task_id)
+                return "here"
+        return None
+
     def on_known(self, msg: ReplayKnown, its_own: bool) -> None:
         """A member's answer to our ReplayQuery (Dispatcher.on_replay_known)."""
         if self._check is not None:
@@ -104,12 +121,13 @@ class JournalReplay:
         that nobody else holds, drop the forwarded ones that a member holds as their
         forwarder's Withdraw would (no TaskDone: that says a Result went from here), and
         hand the rest to the workers."""
-        waiting, self._waiting = self._waiting, []
         held, self._held = self._held, []
+        waiting = self._waiting  # (still cancellable while we ask)
         tasks = [*waiting, *(task for task, _ in held)]
         known: dict[str, str] = {}
         if ask is not None and tasks:
             known = await self._ask(tasks, live, ask)
+        self._waiting = []
         book, runner = self._intake.book, self._intake.runner
         for task, outcome in held:
             owned = book.get(task.id)
@@ -122,6 +140,7 @@ class JournalReplay:
                 runner.enqueue(owned)  # a worker runs it, or answers its Cancel
         for _, outcome in self._admit(waiting, known):
             self.outcomes[outcome] += 1
+        self._cancelled.clear()
         self._log(tasks, forwarded=False)
 
     async def _ask(
@@ -172,8 +191,6 @@ class JournalReplay:
         ``outcomes`` key)."""
         journal, intake = self._journal, self._intake
         admission = intake.admission
-        if admission.shutting_down:  # stopping while we asked: they stay in the journal
-            return [(task, "left_for_next_start") for task in unfinished]
         now, wall = self._clock.monotonic(), self._clock.wall()
         out: list[tuple[Task, str]] = []
         for task in unfinished:
@@ -185,6 +202,14 @@ class JournalReplay:
             if task.id in known:  # its producer's answer comes from that member
                 journal.done(task.id)
                 out.append((task, "known_elsewhere"))
+                continue
+            if task.id in self._cancelled:  # cancelled while we asked: as a Cancel answers
+                intake.send_error(task, ErrorCode.CANCELLED, "cancelled before it ran again")
+                journal.done(task.id)
+                out.append((task, "cancelled"))
+                continue
+            if admission.shutting_down:  # stopping while we asked: it stays in the journal
+                out.append((task, "left_for_next_start"))
                 continue
             received_at, past = now, False
             deadline_ms = journal.deadlines.get(task.id)

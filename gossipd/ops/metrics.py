@@ -201,7 +201,8 @@ class DaemonCollector:
                 "past_deadline (answered deadline_exceeded), refused (answered), "
                 "known_elsewhere (a member holds it: left to that copy), held_here (sent "
                 "again meanwhile), left_for_next_start (the daemon began to stop first), "
-                "withdrawn (a forwarded one its forwarder withdrew meanwhile)",
+                "withdrawn (a forwarded one its forwarder withdrew meanwhile), cancelled "
+                "(its producer cancelled it meanwhile: answered cancelled)",
                 "outcome",
                 [(o, replay.outcomes[o]) for o in OUTCOMES],
             )
