@@ -22,7 +22,7 @@ member running the task).  What travels is encoded and decoded by the daemon's o
 
 Invariants (simulations/fanout_checks.py lists them), checked as the run goes and at the end:
 lost, duplicate_results_accepted, two_runs, answer_after_withdraw, taskdone_before_result,
-chunk_gap, cancelled_by_another_key, undecodable, loads, stuck.  A
+chunk_gap, cancelled_by_another_key, undecodable, loads, stuck, ledger_kept.  A
 violation prints the seed; ``trace_for`` replays the seed recording the events of one task,
 the shortest trace that shows it.
 
@@ -41,7 +41,7 @@ import random
 from collections.abc import Callable
 
 from gossipd.core.forwarder import Forwarder
-from gossipd.core.lifecycle import TaskBook
+from gossipd.core.lifecycle import Phase, TaskBook
 from gossipd.core.owner import Owner
 from simulations.fanout_run import ARRIVAL, FAULT_KINDS, FanoutRun
 from simulations.fanout_world import World
@@ -49,6 +49,7 @@ from simulations.fanout_world import World
 # After the last answer, simulated seconds (beyond the last fault's end and a stall) in which
 # every copy still queued or running somewhere ends.
 SETTLE_S = 5.0
+SETTLE_SERVICE_TIMES = 20  # e^-20: no exponential engine time outlasts it in practice
 
 __all__ = ["FAULT_KINDS", "FanoutRun", "World", "degradation", "run_fanout", "swarm", "trace_for"]
 
@@ -76,8 +77,14 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
     settle = max(world.now, healed) + run.stall_s + SETTLE_S
     while world.heap and world.heap[0][0] <= settle:
         world.step()
+    # A copy still running then ends in its own time (engine time is exponential: a long
+    # one outlasts any fixed settle): at most SETTLE_SERVICE_TIMES mean service times more.
+    limit = settle + SETTLE_SERVICE_TIMES * run.service_s
+    while world.heap and world.heap[0][0] <= limit and _running_somewhere(world):
+        world.step()
     world.check_stuck()
     world.check_two_runs()
+    lost_taskdones = world.check_ledgers()
     lost = [t for t, s in world.tasks.items() if s.final is None]
     latencies = sorted(world.latencies)
     return {
@@ -92,6 +99,8 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "cancels": dict(world.cancels),
         "restarted_after_abort": world.restarted,
         "replays_known_elsewhere": world.replays_known_elsewhere,
+        # Forwarded tasks whose TaskDone never came, forgotten past their window (rule 4).
+        "ledger_expired_at_end": lost_taskdones,
         "lost": len(lost),
         "lost_ids": lost[:10],
         "duplicate_results_accepted": world.duplicates_accepted,
@@ -109,6 +118,15 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "trace_digest": world.digest.hexdigest(),
         "_world": world,
     }
+
+
+def _running_somewhere(world: World) -> bool:
+    return any(
+        owned.phase is Phase.RUNNING
+        for up, d in zip(world.up, world.daemons, strict=True)
+        if up
+        for owned in d.book
+    )
 
 
 def all_answered(world: World) -> bool:

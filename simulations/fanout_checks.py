@@ -23,7 +23,11 @@
 - loads: each forwarder's load counts equal its pending forwards plus its ledger;
 - stuck: at the end, after every task was answered and every fault healed and the copies
   still queued or running elsewhere had time to end, a live daemon still holds a task
-  (queued or running): it is never run, answered or released.
+  (queued or running): it is never run, answered or released;
+- ledger_kept: at the end, once every ledgered task's deadline and its producer's window
+  after it have passed (each forwarder's clock moved on to then: it is pure), a forwarder
+  still answers for a task (its TaskDone never came, and it would count against its
+  member's load for ever: core/forwarder.py rule 4).
 A violation prints the seed; ``trace`` records the events of one task (``trace_for`` in
 simulations/fanout.py replays a seed with it), the shortest trace that shows it."""
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gossipd.core.forwarder import LEDGER_SWEEP_S, LEDGER_SWEEP_SLICE
 from gossipd.core.messages import Task
 
 if TYPE_CHECKING:
@@ -81,6 +86,26 @@ class Checks:
             if self.up[i]:
                 for owned in d.book:
                     self.violation("stuck", owned.task.id, d.name)
+
+    def check_ledgers(self) -> int:
+        """At the end: each live forwarder, its clock moved past every ledgered task's
+        window, answers for none; how many it forgot then (their TaskDone never came)."""
+        forgotten = 0
+        for i, d in enumerate(self.daemons):
+            fw = d.forwarder
+            if not self.up[i] or not fw.ledger.entries:
+                continue
+            later = max(
+                e.received_at + e.task.timeout_ms / 500.0 for e in fw.ledger.entries.values()
+            )
+            later += LEDGER_SWEEP_S
+            before = fw.ledger.expired
+            for _ in range(len(fw.ledger.entries) // LEDGER_SWEEP_SLICE + 2):
+                fw.tick(later)
+            forgotten += fw.ledger.expired - before
+            for task_id in fw.ledger.entries:
+                self.violation("ledger_kept", task_id, d.name)
+        return forgotten
 
     def check_two_runs(self) -> None:
         """At the end: two runs at once are excused when the earlier copy was withdrawn or its

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from gossipd.core.admission import Verdict
 from gossipd.core.forwarder import (
+    LEDGER_SWEEP_S,
+    LEDGER_SWEEP_SLICE,
     Forwarder,
     ForwarderSettings,
     HandedOff,
@@ -438,15 +440,20 @@ def test_Forwarder_any_interleaving_ends_each_task_once_and_counts_match(
         assert sum(fw.loads.values()) == fw.pending() + ledgered == fw.in_flight()
         assert fw.loads.total == fw.in_flight()  # kept as the counts change, not summed
         assert all(fw.ledger.get(t) is None for t in refused)
+    # Every timer runs out: the forwards left unanswered end refused, and the ledgered tasks
+    # whose TaskDone never came are forgotten once their producer's window passes (rule 4).
+    ledgered_before = {t for t in routed if fw.ledger.get(t) is not None}
     while fw.next_deadline() != float("inf"):
         now = fw.next_deadline()
         fw.tick(now)
         drain()
-    assert fw.pending() == 0
+    assert fw.pending() == 0 and len(fw.ledger) == 0 and fw.loads.total == 0
+    expired = {t for t in ledgered_before if fw.ledger.get(t) is None}
+    assert fw.ledger.expired == len(expired)
     for task_id in routed:
         ways = [
             task_id in refused,
-            fw.ledger.get(task_id) is not None,
+            task_id in expired,
             task_id in completed,
             task_id in fw.local_ids,
         ]
@@ -573,7 +580,8 @@ def test_Forwarder_saturated_everywhere_asks_the_first_that_refused_plainly() ->
     assert addr == "addr-a" and not plain.if_free and plain.attempt == 4
     fw.on_reply(_reply(plain, "a", True), now + 0.001)
     assert fw.ledger.get("t0").owner == "a"  # type: ignore[union-attr]
-    assert not fw.take_events() and fw.next_deadline() == float("inf")
+    # No timer left but the ledger's next look for tasks past their window (rule 4).
+    assert not fw.take_events() and fw.next_deadline() == now + 0.001 + LEDGER_SWEEP_S
 
 
 def test_Forwarder_saturated_then_overloaded_answers_overloaded() -> None:
@@ -695,3 +703,40 @@ def test_Forwarder_a_task_past_its_deadline_is_withdrawn_not_migrated_off_a_dead
             assert events == ()
         assert fw.ledger.get("t0") is None and fw.loads == {"a": 0}
         assert fw.counters.expired_not_migrated == 1 and fw.counters.migrated == 0
+
+
+def test_Forwarder_forgets_a_ledgered_task_whose_TaskDone_never_comes_after_its_window() -> None:
+    """Rule 4: a TaskDone lost (a partition; an owner that restarted and left the task to a
+    member that held it) no longer keeps the task ledgered, and counted against its member's
+    load, for ever: once its deadline and the producer's window after it (timeout_ms again)
+    have passed, it is forgotten; not a moment before."""
+    fw, _ = _forwarder(["a"])
+    fw.route(_task(timeout_ms=30_000), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", True), 0.001)
+    assert fw.loads == {"a": 1}
+    while (due := fw.next_deadline()) < 60.0:  # the looks before its window ends
+        fw.tick(due)
+        assert fw.ledger.get("t0") is not None and fw.loads == {"a": 1}, due
+    fw.tick(60.0 + LEDGER_SWEEP_S)
+    assert fw.ledger.get("t0") is None and fw.loads == {"a": 0} and fw.ledger.expired == 1
+    assert fw.next_deadline() == float("inf"), "an empty ledger is not looked through"
+    # Nothing is said to anyone: its owner answered it or forgot it.
+    assert not fw.take_outbox() and not fw.take_events()
+
+
+def test_Forwarder_looks_through_a_long_ledger_in_slices() -> None:
+    count = LEDGER_SWEEP_SLICE * 2 + 10
+    fw, _ = _forwarder(["a"])
+    for i in range(count):
+        fw.route(_task(i, timeout_ms=1_000), 0.0)
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        fw.on_reply(_reply(fwd, "a", True), 0.0)
+    assert len(fw.ledger) == count
+    now = LEDGER_SWEEP_S  # every window over (2 s); the first look is due
+    sizes = []
+    while fw.next_deadline() <= now:
+        fw.tick(now)
+        sizes.append(len(fw.ledger))
+    assert sizes == [count - LEDGER_SWEEP_SLICE, 10, 0]  # one slice a tick, the loop between
+    assert fw.loads.total == 0 and fw.ledger.expired == count

@@ -205,7 +205,12 @@ def test_a_task_a_daemon_would_hold_forever_is_caught_at_the_end() -> None:
     run = FanoutRun(nodes=12, tasks=3000, seed=2, fault_events=8, cancel_every=5, hedge=True)
     good = run_fanout(run)
     assert good["invariant_violations"] == 0, good["violations"]
-    bad = run_fanout(replace(run, book_class=KeepsAStoppedQueuedCopy))
+    # The break shows only where a Cancel meets a queued copy that is then withdrawn, which
+    # some seeds' event orders bring about and others not: the first seed that does.
+    for seed in range(1, 13):
+        bad = run_fanout(replace(run, seed=seed, book_class=KeepsAStoppedQueuedCopy))
+        if bad["invariant_violations"]:
+            break
     assert {v["invariant"] for v in bad["violations"]} == {"stuck"}  # type: ignore[union-attr]
 
 

@@ -24,6 +24,11 @@ Rules, whatever order acks and TaskDones arrive in:
 - at most ``entries_max`` tasks and ``bytes_max`` bytes of them (``budgets.task_bytes``: the
   prompt and a fixed part): the oldest goes first (it can no longer migrate), counted by the
   bound that forced it (``evicted_count`` / ``evicted_bytes``);
+- an entry whose task's deadline, and its producer's window after it (``timeout_ms`` again),
+  have passed is forgotten by ``expire`` (``expired``): its TaskDone was lost (a partition,
+  or its owner restarted and left the task to a member that held it), and nothing it could
+  still do (a migration, a Cancel, an answer) would reach a producer that remembers the id;
+  before, it stayed ledgered until its owner died, counting against that member's load;
 - a task migrated off a member is remembered as moved off it (the last ``MOVED_MAX`` tasks,
   with every member each moved off), so that the member, asking later whether it still runs
   the task for us (``confirm``), hears "migrated" even after the new owner's TaskDone and
@@ -62,6 +67,7 @@ class ForwardedLedger:
         self.bytes = 0  # budgets.task_bytes of the entries
         self.evicted_count = 0  # forgotten for room: entries_max
         self.evicted_bytes = 0  # ...bytes_max
+        self.expired = 0  # forgotten past their deadline and the window after it (expire)
         # Read-only to others: its size is the forwarder's in-flight count's part (per task).
         self.entries: OrderedDict[str, Forwarded] = OrderedDict()
         # task id -> the members whose TaskDone came before their accept
@@ -132,6 +138,19 @@ class ForwardedLedger:
             outstanding.total -= 1
             self.bytes -= entry.size_bytes
         return entry
+
+    def expire(self, task_ids: list[str], now: float) -> int:
+        """Forget those of ``task_ids`` still ledgered whose deadline and the producer's
+        window after it have passed by ``now``; how many."""
+        entries = self.entries
+        gone = 0
+        for task_id in task_ids:
+            entry = entries.get(task_id)
+            if entry is not None and entry.received_at + entry.task.timeout_ms / 500.0 <= now:
+                self.forget(task_id)
+                gone += 1
+        self.expired += gone
+        return gone
 
     def moved_off(self, task_id: str, member: str) -> None:
         """``task_id`` was withdrawn from ``member`` (declared dead, no accept in time, a

@@ -35,8 +35,11 @@ Rules (one code path for each decision):
    its deadline is withdrawn, not dispatched again: its producer gets ``deadline_exceeded``
    (a second answer if the owner had answered: a producer keeps ids resolved for a
    ``timeout_ms`` after their deadline, docs/PROTOCOL.md), or nothing once that window too
-   has passed (a TaskDone lost to a partition leaves such an entry ledgered until its owner
-   dies, maybe long after: an answer then would reach a producer that forgot the id).
+   has passed.  An entry whose TaskDone never comes (lost to a partition, or its owner
+   restarted and left the task to a member that held it) is forgotten once that window too
+   has passed: the ledger is looked through every LEDGER_SWEEP_S while it holds tasks, in
+   slices of LEDGER_SWEEP_SLICE (``ForwardedLedger.expire``), so that it does not count
+   against its member's load for ever.
 5. When no member takes a task, the producer gets one error: ``overloaded`` with the largest
    retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
@@ -75,6 +78,11 @@ from gossipd.core.ring import LoadCounts
 
 _INF = float("inf")
 HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits them
+# Rule 4: how often the ledger is looked through for entries past their producer's window
+# (only while it holds tasks), and how many ids one tick looks at (a long ledger is looked
+# through in pieces, not in one pause of the loop).
+LEDGER_SWEEP_S = 10.0
+LEDGER_SWEEP_SLICE = 2048
 
 # What a local attempt's verdict means for the journey.
 _TAKEN_HERE = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
@@ -290,6 +298,8 @@ class Forwarder:
         self._hedge_credit = HEDGE_BURST
         self._outbox: list[tuple[str, Forward | Withdraw | Cancel]] = []
         self._events: list[Refuse | HandedOff | RunHere] = []
+        self._sweep_at = _INF  # the ledger's next look (rule 4); inf while it is empty
+        self._sweeping: list[str] = []  # ids still to look at in this look
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -417,6 +427,8 @@ class Forwarder:
                 if obj.waiting:
                     obj.waiting = False
                     self._next(obj, now, backed_off=True)
+        if now >= self._sweep_at:
+            self._sweep(now)
 
     # -- outputs ---------------------------------------------------------------------------
 
@@ -442,6 +454,8 @@ class Forwarder:
         while acks and not acks[0][1].live:
             acks.popleft()
         at = timers[0][0] if timers else _INF
+        if self._sweep_at < at and self.ledger.entries:  # (an empty ledger: no look)
+            at = self._sweep_at
         return min(at, acks[0][0]) if acks else at
 
     def in_flight(self) -> int:
@@ -598,6 +612,8 @@ class Forwarder:
         if not j.quiet:
             self.counters.forwarded += 1
         self.ledger.accepted(j.task, flight.member, j.received_at)
+        if self._sweep_at == _INF:
+            self._sweep_at = now + LEDGER_SWEEP_S
         self._end(j, ok=True)
 
     def _timed_out(self, flight: Flight, now: float) -> None:
@@ -750,6 +766,19 @@ class Forwarder:
                 failures_max=s.breaker_failures, open_s=s.breaker_open_s
             )
         return breaker
+
+    def _sweep(self, now: float) -> None:
+        """Rule 4: forget ledgered tasks past their producer's window, a slice at a time."""
+        ids = self._sweeping
+        if not ids:
+            ids = self._sweeping = list(self.ledger.entries)
+        piece = ids[-LEDGER_SWEEP_SLICE:]
+        del ids[-LEDGER_SWEEP_SLICE:]
+        self.ledger.expire(piece, now)
+        if ids:
+            self._sweep_at = now  # the next slice at the next tick
+        else:
+            self._sweep_at = now + LEDGER_SWEEP_S if self.ledger.entries else _INF
 
     def _timer(self, at: float, kind: int, obj: Flight | Journey) -> None:
         self._seq += 1

@@ -82,6 +82,7 @@ class FanoutStatistics:
     forwarded_bytes: int = 0  # tasks remembered for migration (budgets.task_bytes)
     forwarded_evicted_count: int = 0  # ...forgotten for room: fanout.forwarded_max
     forwarded_evicted_bytes: int = 0  # ...fanout.forwarded_bytes_max
+    forwarded_expired: int = 0  # ...past their deadline and the window after it (no TaskDone)
     invalid_from_peers: int = 0  # Forwards refused as ingress would refuse their task
     refused_saturated: int = 0  # Forwards with if_free refused: our engine was saturated
     refused_stale: int = 0  # Forwards from an earlier process of their sender (Forward.boot)
@@ -393,6 +394,7 @@ class Dispatcher:
             forwarded_bytes=self.forwarder.ledger.bytes,
             forwarded_evicted_count=self.forwarder.ledger.evicted_count,
             forwarded_evicted_bytes=self.forwarder.ledger.evicted_bytes,
+            forwarded_expired=self.forwarder.ledger.expired,
             invalid_from_peers=owner.invalid_from_peers,
             refused_saturated=owner.refused_saturated,
             refused_stale=owner.refused_stale,

@@ -414,9 +414,15 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
     yield _by(
         C,
         "gossipd_fanout_forgotten",
-        "Forwarded tasks forgotten for room before their TaskDone, by the bound that forced it",
+        "Forwarded tasks forgotten before their TaskDone, by why: the bound that made room "
+        "(count: fanout.forwarded_max, bytes: fanout.forwarded_bytes_max), or expired (no "
+        "TaskDone by the task's deadline and the producer's window after it)",
         "reason",
-        [("count", stats.forwarded_evicted_count), ("bytes", stats.forwarded_evicted_bytes)],
+        [
+            ("count", stats.forwarded_evicted_count),
+            ("bytes", stats.forwarded_evicted_bytes),
+            ("expired", stats.forwarded_expired),
+        ],
     )
     yield _one(
         G,
