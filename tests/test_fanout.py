@@ -572,18 +572,32 @@ def test_keyless_prompts_sharing_a_prefix_meet_on_one_member(make_cluster) -> No
     assert len({c.most_common(1)[0][0] for c in spread.values()}) >= 2, "groups spread out"
 
 
-def test_key_hashing_and_round_robin_scatter_a_shared_prefix(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    # Not "every group on all three": round robin counts per entry point, and the client's
-    # choice of entry can fall in step with the 6 groups, so a group may alternate between two
-    # members (CI saw 22/17/1).  What the policies promise is that a prefix does not gather.
-    for policy in ("key", "round_robin"):
-        cluster = make_cluster(3, f"fanout.policy={policy}")
-        spread = _group_spread(cluster)
-        assert all(len(c) >= 2 for c in spread.values()), (policy, spread)
-        on_one = sum(c.most_common(1)[0][1] for c in spread.values())
-        assert on_one / 240 <= 0.6, (policy, spread)  # "prefix" puts >= 0.95 on one
-        ran = sum(spread.values(), Counter())
-        assert set(ran) == {d.name for d in cluster.daemons}, (policy, ran)
+def test_key_hashing_scatters_a_shared_prefix(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    spread = _group_spread(make_cluster(3, "fanout.policy=key"))
+    # Keyless tasks hashed by id: each group over the members at random ("prefix" puts
+    # >= 0.95 of each on one member; a 40-task group keeps 0.75 on one by chance ~1e-5).
+    assert all(len(c) >= 2 for c in spread.values()), spread
+    on_one = sum(c.most_common(1)[0][1] for c in spread.values())
+    assert on_one / 240 <= 0.75, spread
+
+
+def test_round_robin_sends_an_entrys_tasks_to_every_member_in_turn(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """The n-th keyless task an entry daemon takes goes to member n mod N, whatever its
+    prompt.  (Not "every prefix group scattered": with several entries, which entry the
+    client picks can fall in step with the groups, so a group may gather; CI saw 22/17/1.)"""
+    cluster = make_cluster(3, "fanout.policy=round_robin")
+    prompt = "system prompt: " + "you are a careful assistant " * 12
+
+    async def main() -> list[str]:
+        nodes = []
+        async with Client([cluster.daemons[0].endpoint]) as client:
+            for i in range(12):  # one at a time: the entry takes them in this order
+                handle = await client.submit(prompt + f" question {i}", max_tokens=1)
+                nodes.append((await handle.result()).node)  # type: ignore[attr-defined]
+        return nodes
+
+    nodes = run(main())
+    assert all(len(set(nodes[i : i + 3])) == 3 for i in range(len(nodes) - 2)), nodes
 
 
 def test_a_cancel_reaches_the_owner_of_a_forwarded_task(make_cluster) -> None:  # type: ignore[no-untyped-def]
