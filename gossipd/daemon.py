@@ -71,6 +71,8 @@ EXIT_ENGINE_DEAD = 3
 # ZeroMQ's I/O thread had already read, and the longest wait for forwards' answers.
 INTAKE_SETTLE_S = 0.02
 FORWARDS_SETTLE_S = 2.0
+# At shutdown, the longest wait for a restart's question to the members to settle its tasks.
+REPLAY_SETTLE_S = 1.0
 
 
 def build_engine(config: Config) -> Engine:
@@ -222,6 +224,7 @@ class Daemon:
             )  # type: ignore[union-attr]
             # Handed to another member: that member answers it, so a restart must not re-run it.
             self.ingress.runner.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
+        self._replay_task: asyncio.Task[None] | None = None  # a restart's question, while it asks
         self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
         self._stop = asyncio.Event()
         self.engine_dead = False
@@ -638,9 +641,12 @@ class Daemon:
         if not self.replay.read(fanout=dispatcher is not None):
             return []
         replay = self.replay.run(
-            self._live, dispatcher.ask_replays if dispatcher is not None else None
+            self._live,
+            dispatcher.ask_replays if dispatcher is not None else None,
+            pass_cancel=dispatcher.send_to_member if dispatcher is not None else None,
         )
-        return [tg.create_task(replay, name="journal-replay")]
+        self._replay_task = tg.create_task(replay, name="journal-replay")
+        return [self._replay_task]
 
     async def _shut_down(self, workers: list[asyncio.Task[None]]) -> dict[str, int]:
         """Drain: status draining, hand queued tasks to peers, let running ones finish within
@@ -655,6 +661,10 @@ class Daemon:
         pending = self.ingress.intake.admission.pending
         log.info("shutting down", extra={"pending": pending, "grace_s": grace_s})
         self.ingress.intake.begin_shutdown()  # tasks for us now go elsewhere or get shutting_down
+        if self._replay_task is not None and not self._replay_task.done():
+            # A restart still asking members: it stops asking now and settles its tasks
+            # (the held forwarded ones join the queue handed off below).
+            await asyncio.wait({self._replay_task}, timeout=REPLAY_SETTLE_S)
         if self.door is not None:
             self.door.stop_listening()  # no new HTTP client; those waiting are answered
         handed_off = 0

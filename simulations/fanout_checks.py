@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gossipd.core.forwarder import LEDGER_SWEEP_S, LEDGER_SWEEP_SLICE
+from gossipd.core.forwarder import LEDGER_SWEEP_S
 from gossipd.core.messages import Task
 
 if TYPE_CHECKING:
@@ -100,7 +100,10 @@ class Checks:
             )
             later += LEDGER_SWEEP_S
             before = fw.ledger.expired
-            for _ in range(len(fw.ledger.entries) // LEDGER_SWEEP_SLICE + 2):
+            # Every look due by then, slice by slice (one left half done counts too).
+            for _ in range(10_000):
+                if fw.next_deadline() > later:
+                    break
                 fw.tick(later)
             forgotten += fw.ledger.expired - before
             for task_id in fw.ledger.entries:

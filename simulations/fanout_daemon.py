@@ -318,18 +318,19 @@ class SimDaemon:
         for task, src, received_at in self.replay_tasks:
             if self.admission.knows(task.id):
                 continue  # sent again meanwhile: that copy has its own journal record
+            cancelled = task.id in self.replay_cancelled
             if task.id in known:
                 world.trace(task.id, self.name, f"not run again: {known[task.id]} holds it")
                 world.replays_known_elsewhere += 1
                 world.journal_replayed(self, task, None, src)
-                continue
-            if task.id in self.replay_cancelled:
-                world.trace(task.id, self.name, "not run again: cancelled while it asked")
-                reply = error_result(task.id, ErrorCode.CANCELLED, "cancelled before it ran again")
-                world.answer(self, task, reply)
-                world.journal_replayed(self, task, None, src)
+                if cancelled:  # as JournalReplay: the Cancel goes on to that member
+                    cancel = Cancel(v=1, id=task.id, producer_key=task.producer_key)
+                    world.send_peer(self, known[task.id], cancel)
                 continue
             self.replay_one(task, src, received_at)
+            if cancelled:  # admitted, then cancelled as a queued task is
+                world.trace(task.id, self.name, "cancelled while it asked")
+                self.cancel_here(task.id, task.producer_key)
         self.replay_tasks, self.replay_running = [], {}
         self.replay_cancelled.clear()
 

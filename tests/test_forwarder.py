@@ -713,8 +713,11 @@ def test_Forwarder_forgets_a_ledgered_task_whose_TaskDone_never_comes_after_its_
     fw, _ = _forwarder(["a"])
     fw.route(_task(timeout_ms=30_000), 0.0)
     [(_, fwd)] = _forwards(fw.take_outbox())
+    assert not fw.settled()  # its Forward awaits the answer
     fw.on_reply(_reply(fwd, "a", True), 0.001)
     assert fw.loads == {"a": 1}
+    # A stop waits for answers and retries, not for the ledger's looks (Dispatcher.wait_settled).
+    assert fw.settled() and fw.next_deadline() == 0.001 + LEDGER_SWEEP_S
     while (due := fw.next_deadline()) < 60.0:  # the looks before its window ends
         fw.tick(due)
         assert fw.ledger.get("t0") is not None and fw.loads == {"a": 1}, due

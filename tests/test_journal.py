@@ -14,6 +14,7 @@ from gossipd.config import load_config
 from gossipd.core.messages import ErrorCode, Result, Task, decode_reply
 from gossipd.daemon import Daemon
 from gossipd.ingress.journal import Journal
+from gossipd.ingress.runner import stop_workers
 from tests.helpers import wait_until_async
 
 
@@ -232,6 +233,23 @@ def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_
 ) -> None:
     daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
     frames: list[bytes] = []
+
+    def results() -> dict[str, str]:
+        answers = [decode_reply(f) for f in frames]
+        return {r.id: (r.error.code if r.error else "ok") for r in answers if isinstance(r, Result)}
+
+    async def restart() -> None:
+        assert daemon.replay is not None
+        await daemon.engine.start()
+        worker = asyncio.create_task(daemon.ingress.runner.work_forever())
+        try:
+            await daemon.replay.run(lambda: [], None)
+            await wait_until_async(lambda: len(results()) == 2, 10, "both answers")
+        finally:  # as the daemon stops its workers
+            daemon.ingress.intake.begin_shutdown()
+            await stop_workers([worker])
+            await daemon.engine.stop()
+
     try:
         assert daemon.replay is not None and daemon.journal is not None
         # The tasks' reply address, served in-process (as the HTTP door's is): what they get.
@@ -240,17 +258,85 @@ def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_
         intake = daemon.ingress.intake
         intake.handle_cancel("t0", "another-key")  # not its producer: changes nothing
         intake.handle_cancel("t0", "")  # its producer, while the members are asked
-        asyncio.run(daemon.replay.run(lambda: [], None))
+        asyncio.run(restart())
         assert daemon.replay.outcomes == {"cancelled": 1, "run": 1}
         assert intake.cancels == {"refused": 1, "here": 1}
-        answers = [decode_reply(f) for f in frames]
-        assert [(r.id, r.error.code) for r in answers if isinstance(r, Result) and r.error] == [
-            ("t0", ErrorCode.CANCELLED)
-        ]
-        assert intake.admission.pending == 1  # t1 alone runs
+        assert results() == {"t0": ErrorCode.CANCELLED, "t1": "ok"}
+        # Answered as a queued task's Cancel is: from the results cache to a resubmission.
+        assert intake.admit(task(0), time.monotonic(), answer=True).name == "DUPLICATE_DONE"
         intake.handle_cancel("t9", "")  # after the replay: no task, as before
         assert intake.cancels["unknown"] == 1
         daemon.journal.close()
     finally:
         daemon._ctx.destroy(linger=0)
-    assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t1"]
+    assert Journal(tmp_path / "j").replay() == []  # both ended: neither runs again
+
+
+def test_a_stop_ends_the_restarts_question_at_once(tmp_path: Path) -> None:
+    """The question waits up to 2 s for a first member (3 s in all): a stop meanwhile ends it
+    at once, so the daemon's stop can wait for it to settle its tasks before it hands its
+    queue off and flushes its replies."""
+    from gossipd.ingress.replay import JournalReplay
+
+    daemon = _daemon_with_journal(tmp_path / "j", [task(0)])
+    try:
+        assert daemon.journal is not None
+        replay = JournalReplay(
+            daemon.journal,
+            daemon.ingress.intake,
+            node=daemon.node,
+            clock=daemon.clock,
+            expect_members=True,  # seeds to join: it waits for a first member
+        )
+        assert replay.read(fanout=False) == 1
+
+        async def restart() -> float:
+            asyncio.get_running_loop().call_later(0.1, daemon.ingress.intake.begin_shutdown)
+            started = time.monotonic()
+            await replay.run(lambda: [], lambda member, tasks: True)
+            return time.monotonic() - started
+
+        assert asyncio.run(restart()) < 1.0
+        assert replay.outcomes == {"left_for_next_start": 1}
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t0"]
+
+
+def test_a_cancel_while_the_restart_asked_goes_on_to_the_member_that_holds_the_task(
+    tmp_path: Path,
+) -> None:
+    from gossipd import __version__
+    from gossipd.core.gossip_messages import GpuState
+    from gossipd.core.messages import Cancel
+    from gossipd.core.peer_messages import ReplayKnown
+    from gossipd.membership.gossip import MemberView
+
+    daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
+    member = MemberView(
+        "m1", "alive", 1, "tcp://127.0.0.1:1", GpuState(software_version=__version__)
+    )
+    passed: list[tuple[str, object]] = []
+    try:
+        replay = daemon.replay
+        assert replay is not None and daemon.journal is not None
+        assert replay.read(fanout=True) == 2
+        daemon.ingress.intake.handle_cancel("t0", "")
+
+        def ask(to: str, tasks: list[tuple[str, str]]) -> bool:
+            # m1 holds t0 (its producer resubmitted it there while we were down)
+            known = ReplayKnown(node=to, known=[i for i, _ in tasks if i == "t0"])
+            asyncio.get_running_loop().call_soon(replay.on_known, known, True)
+            return True
+
+        async def restart() -> None:
+            await replay.run(lambda: [member], ask, pass_cancel=lambda m, c: passed.append((m, c)))
+
+        asyncio.run(restart())
+        assert replay.outcomes == {"known_elsewhere": 1, "run": 1}
+        assert passed == [("m1", Cancel(v=1, id="t0", producer_key=""))]
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t1"]  # t0: m1 answers it

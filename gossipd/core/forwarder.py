@@ -447,6 +447,18 @@ class Forwarder:
 
     def next_deadline(self) -> float:
         """When tick() next has work (inf: none).  Skips timers that no longer matter."""
+        at = self._flights_deadline()
+        if self._sweep_at < at and self.ledger.entries:  # (an empty ledger: no look)
+            return self._sweep_at
+        return at
+
+    def settled(self) -> bool:
+        """Every forward has its answer and no retry or hedge is pending (what a stop waits
+        for; the ledger's looks do not count: its tasks run at their members)."""
+        return self._flights_deadline() == _INF
+
+    def _flights_deadline(self) -> float:
+        """When the next ack timeout, hedge or retry is due (inf: none)."""
         timers = self._timers
         while timers and not _matters(timers[0]):
             heapq.heappop(timers)
@@ -454,8 +466,6 @@ class Forwarder:
         while acks and not acks[0][1].live:
             acks.popleft()
         at = timers[0][0] if timers else _INF
-        if self._sweep_at < at and self.ledger.entries:  # (an empty ledger: no look)
-            at = self._sweep_at
         return min(at, acks[0][0]) if acks else at
 
     def in_flight(self) -> int:

@@ -34,7 +34,7 @@ from gossipd.core.forwarder import (
 )
 from gossipd.core.lifecycle import Owned
 from gossipd.core.membership import MemberEvent
-from gossipd.core.messages import Drain, Task
+from gossipd.core.messages import Cancel, Drain, Task
 from gossipd.core.peer_messages import (
     Confirm,
     ConfirmReply,
@@ -278,9 +278,10 @@ class Dispatcher:
         self._links.send_alone(addr, question)
         return True
 
-    def send_to_member(self, member: str, msg: TaskDone | Confirm) -> None:
+    def send_to_member(self, member: str, msg: TaskDone | Confirm | Cancel) -> None:
         """The owner's TaskDone for a task re-run from its journal, or its Confirm about
-        Results it holds, to the forwarder by name."""
+        Results it holds, to the forwarder by name; a restart's Cancel for a task a member
+        said it holds (ingress/replay.py), to that member."""
         addr = self.placer.addr(member) or self.forwarder.last_addr(member)
         if addr is not None:
             self._links.send(addr, msg)
@@ -355,7 +356,7 @@ class Dispatcher:
         passed first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.forwarder.next_deadline() != float("inf"):
+        while not self.forwarder.settled():
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(0.01)

@@ -10,9 +10,10 @@ tasks they hold (core/replaycheck.py: a producer resubmitted it, or a forwarder 
 elsewhere while we were down).  A producer's own task waits for the answers and, held
 elsewhere, leaves the journal unanswered here, since that member answers; a forwarded one
 held elsewhere is dropped as its forwarder's Withdraw would drop it, and the rest go to the
-workers.  The question takes at most about 3 s, while the daemon serves; a producer's Cancel
-for one of its own tasks that waits meanwhile is kept, and the task, unless a member holds
-it, is answered cancelled instead of run (``cancel``, through IngressLinks).
+workers.  The question takes at most about 3 s, while the daemon serves, and ends at once
+when it begins to stop.  A producer's Cancel for one of its own tasks that waits meanwhile
+is kept (``cancel``, through IngressLinks): the task is then admitted and cancelled as a
+queued one is, or the Cancel goes on to the member that holds it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from gossipd.clock import Clock
 from gossipd.config import Config, split_seed
 from gossipd.core.admission import Verdict
-from gossipd.core.messages import ErrorCode, Task
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.modelcards import answers_queries
 from gossipd.core.peer_messages import ReplayKnown
 from gossipd.core.replaycheck import OUTCOMES, ReplayCheck
@@ -115,12 +116,16 @@ class JournalReplay:
         self,
         live: Callable[[], list[MemberView]],
         ask: Callable[[str, list[tuple[str, str]]], bool] | None,
+        *,
+        pass_cancel: Callable[[str, Cancel], None] | None = None,
     ) -> None:
         """Ask the members (``ask``: send one ReplayQuery, False when the member has no
         address; None: no fan-out, nobody to ask), then admit the producers' own tasks
         that nobody else holds, drop the forwarded ones that a member holds as their
         forwarder's Withdraw would (no TaskDone: that says a Result went from here), and
-        hand the rest to the workers."""
+        hand the rest to the workers.  ``pass_cancel(member, cancel)``: a Cancel taken
+        while we asked, for a task that member holds, goes on to it.  A stop ends the
+        question at once (the daemon waits for this to settle its tasks)."""
         held, self._held = self._held, []
         waiting = self._waiting  # (still cancellable while we ask)
         tasks = [*waiting, *(task for task, _ in held)]
@@ -138,8 +143,12 @@ class JournalReplay:
             else:
                 self.outcomes[outcome] += 1
                 runner.enqueue(owned)  # a worker runs it, or answers its Cancel
-        for _, outcome in self._admit(waiting, known):
+        for task, outcome in self._admit(waiting, known):
             self.outcomes[outcome] += 1
+            if outcome == "known_elsewhere" and task.id in self._cancelled and pass_cancel:
+                # Its producer cancelled it here: the member that holds it hears so.
+                cancel = Cancel(v=PROTOCOL_VERSION, id=task.id, producer_key=task.producer_key)
+                pass_cancel(known[task.id], cancel)
         self._cancelled.clear()
         self._log(tasks, forwarded=False)
 
@@ -155,8 +164,9 @@ class JournalReplay:
             started=clock.monotonic(),
             expect_members=self._expect_members,
         )
+        admission = self._intake.admission
         try:
-            while not check.done(now := clock.monotonic()):
+            while not check.done(now := clock.monotonic()) and not admission.shutting_down:
                 members = [
                     m.node
                     for m in live()
@@ -203,7 +213,7 @@ class JournalReplay:
                 journal.done(task.id)
                 out.append((task, "known_elsewhere"))
                 continue
-            if task.id in self._cancelled:  # cancelled while we asked: as a Cancel answers
+            if task.id in self._cancelled and admission.shutting_down:
                 intake.send_error(task, ErrorCode.CANCELLED, "cancelled before it ran again")
                 journal.done(task.id)
                 out.append((task, "cancelled"))
@@ -219,6 +229,12 @@ class JournalReplay:
             if intake.admit(task, received_at, answer=True, enqueue=enqueue) is not _ADMIT:
                 journal.done(task.id)
                 out.append((task, "refused"))
+                continue
+            if task.id in self._cancelled:
+                # Cancelled while we asked: admitted and cancelled as a queued task is, so
+                # its answer is the results cache's too (a late resubmission gets it).
+                intake.runner.cancel(task.id, task.producer_key)
+                out.append((task, "cancelled"))
                 continue
             out.append((task, "past_deadline" if past else "run"))  # (deadline_exceeded)
         return out
