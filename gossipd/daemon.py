@@ -470,18 +470,15 @@ class Daemon:
                             name="keys",
                         )
                     )
-                if self.budget_gate is not None:
-                    background += start_budgets(
-                        tg,
-                        self.budget_gate,
-                        self.config.budgets,
-                        node=self.node,
-                        capacity_weight=self.config.gpu.capacity_weight,
-                        gossip=self.gossip,
-                        leadership=self.leadership,
-                    )
-                else:
-                    log.info("token budgets: off (budgets.enabled = false)")
+                background += start_budgets(
+                    tg,
+                    self.budget_gate,
+                    self.config.budgets,
+                    node=self.node,
+                    capacity_weight=self.config.gpu.capacity_weight,
+                    gossip=self.gossip,
+                    leadership=self.leadership,
+                )
                 if self.door is not None:
                     background.append(
                         tg.create_task(self.door.answers.sweep_forever(), name="http")

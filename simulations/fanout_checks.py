@@ -95,10 +95,7 @@ class Checks:
             fw = d.forwarder
             if not self.up[i] or not fw.ledger.entries:
                 continue
-            later = max(
-                e.received_at + e.task.timeout_ms / 500.0 for e in fw.ledger.entries.values()
-            )
-            later += LEDGER_SWEEP_S
+            later = max(e.window_ends() for e in fw.ledger.entries.values()) + LEDGER_SWEEP_S
             before = fw.ledger.expired
             # Every look due by then, slice by slice (one left half done counts too).
             for _ in range(10_000):

@@ -17,7 +17,15 @@ from gossipd.core.gossip_messages import GpuState
 from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
 from gossipd.core.lifecycle import ANY, Abort, Owned, Phase, Stop
 from gossipd.core.membership import State
-from gossipd.core.messages import Cancel, Chunk, ErrorCode, Result, Task, error_result
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Chunk,
+    ErrorCode,
+    Result,
+    Task,
+    error_result,
+)
 from gossipd.core.owner import Refused
 from gossipd.core.peer_messages import (
     Confirm,
@@ -31,7 +39,7 @@ from gossipd.core.peer_messages import (
 )
 from gossipd.core.placer import LoadCounts, Placer
 from gossipd.core.queueing import QueueWait
-from gossipd.core.replaycheck import ReplayCheck
+from gossipd.core.replaycheck import ReplayCheck, cancel_waiting
 from gossipd.core.swim import SwimNode
 from simulations.fanout_run import ABORTED, EXPIRE, FINISH
 
@@ -280,15 +288,11 @@ class SimDaemon:
         self.replay_step()
 
     def cancel_waiting(self, task_id: str, producer_key: str) -> str | None:
-        """As JournalReplay.cancel: a producer's own journaled task waiting for the
-        members' answers is answered cancelled instead of run (unless a member holds it)."""
-        for task, _, _ in self.replay_tasks:
-            if task.id == task_id:
-                if producer_key != task.producer_key:
-                    return "refused"
-                self.replay_cancelled.add(task_id)
-                return "here"
-        return None
+        """As JournalReplay.cancel, by the same rule (core/replaycheck.py): a producer's own
+        journaled task waiting for the members' answers is cancelled once admitted, or the
+        Cancel goes on to the member that holds it."""
+        waiting = ((task.id, task.producer_key) for task, _, _ in self.replay_tasks)
+        return cancel_waiting(waiting, self.replay_cancelled, task_id, producer_key)
 
     def replay_deadline(self) -> float:
         return self.replay_check.next_deadline() if self.replay_check is not None else math.inf
@@ -324,7 +328,7 @@ class SimDaemon:
                 world.replays_known_elsewhere += 1
                 world.journal_replayed(self, task, None, src)
                 if cancelled:  # as JournalReplay: the Cancel goes on to that member
-                    cancel = Cancel(v=1, id=task.id, producer_key=task.producer_key)
+                    cancel = Cancel(v=PROTOCOL_VERSION, id=task.id, producer_key=task.producer_key)
                     world.send_peer(self, known[task.id], cancel)
                 continue
             self.replay_one(task, src, received_at)

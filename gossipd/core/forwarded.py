@@ -56,6 +56,11 @@ class Forwarded:
     received_at: float  # time.monotonic() at the entry point: the task's deadline counts from it
     size_bytes: int  # budgets.task_bytes(task), worked out once when it is ledgered
 
+    def window_ends(self) -> float:
+        """When its deadline and the producer's window after it (timeout_ms again) have
+        passed: past this, no answer for it reaches a producer that remembers the id."""
+        return self.received_at + self.task.timeout_ms / 500.0
+
 
 class ForwardedLedger:
     def __init__(
@@ -146,7 +151,7 @@ class ForwardedLedger:
         gone = 0
         for task_id in task_ids:
             entry = entries.get(task_id)
-            if entry is not None and entry.received_at + entry.task.timeout_ms / 500.0 <= now:
+            if entry is not None and entry.window_ends() <= now:
                 self.forget(task_id)
                 gone += 1
         self.expired += gone

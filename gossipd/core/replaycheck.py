@@ -24,8 +24,26 @@ from gossipd.core.peer_messages import CONFIRM_IDS_MAX
 JOIN_WAIT_S = 2.0  # how long a restarted daemon waits for its first live member
 ANSWER_WAIT_S = 1.0  # how long it waits for the members' answers once asked
 MEMBERS_MAX = 64  # members asked (a restart in a larger cluster asks this many)
+
+
 # What became of a journaled task (ingress/replay.py; gossipd_journal_replayed_tasks_total's
 # label values).
+def cancel_waiting(
+    waiting: Iterable[tuple[str, str]], cancelled: set[str], task_id: str, producer_key: str
+) -> str | None:
+    """A producer's Cancel for one of ``waiting`` ((id, producer key) pairs: a restart's own
+    tasks, not yet run again while it asks): "here", and the id added to ``cancelled``;
+    "refused" when another key submitted it (only the task's key cancels it); None when it
+    is not waiting."""
+    for waiting_id, key in waiting:
+        if waiting_id == task_id:
+            if producer_key != key:
+                return "refused"
+            cancelled.add(task_id)
+            return "here"
+    return None
+
+
 OUTCOMES = (
     "run",
     "past_deadline",

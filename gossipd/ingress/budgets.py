@@ -218,7 +218,7 @@ async def publish_budgets(
 
 def start_budgets(
     tg: asyncio.TaskGroup,
-    gate: BudgetGate,
+    gate: BudgetGate | None,
     config: BudgetsConfig,
     *,
     node: str,
@@ -228,7 +228,11 @@ def start_budgets(
 ) -> list[asyncio.Task[None]]:
     """Say once how token budgets are set, and start what keeps them current: the leader's
     duty and subscription with etcd (``leadership``, gossipd.leader.Leadership), a local
-    recomputation until the leader's first budgets arrive (or always, without etcd)."""
+    recomputation until the leader's first budgets arrive (or always, without etcd);
+    ``gate`` None: budgets are off."""
+    if gate is None:
+        log.info("token budgets: off (budgets.enabled = false)")
+        return []
     if leadership is None:
         log.info(
             "token budgets: computed here from the configuration and the gossiped "

@@ -29,7 +29,7 @@ from gossipd.core.admission import Verdict
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.modelcards import answers_queries
 from gossipd.core.peer_messages import ReplayKnown
-from gossipd.core.replaycheck import OUTCOMES, ReplayCheck
+from gossipd.core.replaycheck import OUTCOMES, ReplayCheck, cancel_waiting
 from gossipd.ingress.intake import Intake
 from gossipd.ingress.journal import Journal
 from gossipd.membership.gossip import MemberView
@@ -99,13 +99,8 @@ class JournalReplay:
         "here" when it is one of the producers' tasks waiting for the members' answers (it
         will be answered cancelled, not run), "refused" when another key submitted it, None
         when it is not waiting."""
-        for task in self._waiting:
-            if task.id == task_id:
-                if producer_key != task.producer_key:
-                    return "refused"
-                self._cancelled.add(task_id)
-                return "here"
-        return None
+        waiting = ((task.id, task.producer_key) for task in self._waiting)
+        return cancel_waiting(waiting, self._cancelled, task_id, producer_key)
 
     def on_known(self, msg: ReplayKnown, its_own: bool) -> None:
         """A member's answer to our ReplayQuery (Dispatcher.on_replay_known)."""
