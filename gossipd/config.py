@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gossipd.core.replaycheck import ANSWER_WAIT_S, JOIN_WAIT_S
 from gossipd.core.swim_config import PRESETS, SwimConfig, field_types
 from gossipd.errors import ConfigError
 
@@ -326,6 +327,12 @@ class JournalConfig(Section):
     fsync_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.01
     # Rewrite the file with only unfinished tasks once it grows past this.
     compact_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 * 1024 * 1024
+    # A restart with unfinished tasks asks live members which of them they hold before it
+    # runs them again (docs/PROTOCOL.md, "A restart asks before it runs again"): how long
+    # it waits for a first live member (when it has seeds), then for their answers.  A task
+    # whose answer did not come in time runs here (a second answer beats a lost task).
+    replay_join_wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=60.0)] = JOIN_WAIT_S
+    replay_answer_wait_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = ANSWER_WAIT_S
 
 
 class GpuConfig(Section):

@@ -216,6 +216,8 @@ class Daemon:
                 node=self.node,
                 clock=clock,
                 expect_members=expects_members(config, self.node),
+                join_wait_s=config.journal.replay_join_wait_s,
+                answer_wait_s=config.journal.replay_answer_wait_s,
             )
             self.ingress.intake.on_admitted.append(self._journal_accept)
             self.links.cancel_waiting = self.replay.cancel

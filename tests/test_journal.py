@@ -176,7 +176,7 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
 # -- a restart's replay (gossipd/ingress/replay.py) on a daemon that is built, not run -------
 
 
-def _daemon_with_journal(path: Path, tasks: list[Task]) -> Daemon:
+def _daemon_with_journal(path: Path, tasks: list[Task], *overrides: str) -> Daemon:
     journal = Journal(path)
     for t in tasks:
         journal.accept(t, int(time.time() * 1000) + 60_000)
@@ -188,9 +188,35 @@ def _daemon_with_journal(path: Path, tasks: list[Task]) -> Daemon:
             'gossip.bind=""',
             f"journal.path={json.dumps(str(path))}",
             'metrics.bind=""',
+            *overrides,
         ],
     )
     return Daemon(config)
+
+
+def test_a_restart_with_seeds_waits_journal_replay_join_wait_s_for_a_first_member(
+    tmp_path: Path,
+) -> None:
+    """Nobody live: the question waits the configured join wait (not the default 2 s), then
+    runs the tasks."""
+    daemon = _daemon_with_journal(
+        tmp_path / "j",
+        [task(0), task(1)],
+        'gossip.seeds=["tcp://127.0.0.1:9"]',  # a seed other than itself: members expected
+        "journal.replay_join_wait_s=0.3",
+    )
+    try:
+        assert daemon.replay is not None and daemon.journal is not None
+        assert daemon.replay.read(fanout=False) == 2
+        began = time.monotonic()
+        asyncio.run(daemon.replay.run(lambda: [], lambda member, tasks: True))
+        waited = time.monotonic() - began
+        assert daemon.replay.outcomes == {"run": 2}
+        assert 0.3 <= waited < 1.5, waited  # the default would be 2 s
+        daemon.ingress.intake.begin_shutdown()
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
 
 
 def test_a_replay_whose_daemon_began_to_stop_while_it_asked_leaves_the_tasks_for_next_start(

@@ -29,7 +29,13 @@ from gossipd.core.admission import Verdict
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.modelcards import answers_queries
 from gossipd.core.peer_messages import ReplayKnown
-from gossipd.core.replaycheck import OUTCOMES, ReplayCheck, cancel_waiting
+from gossipd.core.replaycheck import (
+    ANSWER_WAIT_S,
+    JOIN_WAIT_S,
+    OUTCOMES,
+    ReplayCheck,
+    cancel_waiting,
+)
 from gossipd.ingress.intake import Intake
 from gossipd.ingress.journal import Journal
 from gossipd.membership.gossip import MemberView
@@ -55,15 +61,26 @@ def expects_members(config: Config, node: str) -> bool:
 
 class JournalReplay:
     def __init__(
-        self, journal: Journal, intake: Intake, *, node: str, clock: Clock, expect_members: bool
+        self,
+        journal: Journal,
+        intake: Intake,
+        *,
+        node: str,
+        clock: Clock,
+        expect_members: bool,
+        join_wait_s: float = JOIN_WAIT_S,
+        answer_wait_s: float = ANSWER_WAIT_S,
     ) -> None:
-        """``expect_members``: this daemon has seeds to join (so a restart waits a moment
-        for its first member before it asks)."""
+        """``expect_members``: this daemon has seeds to join (so a restart waits up to
+        ``join_wait_s`` for its first member before it asks); ``answer_wait_s``: how long it
+        waits for the members' answers."""
         self._journal = journal
         self._intake = intake
         self._node = node
         self._clock = clock
         self._expect_members = expect_members
+        self._join_wait_s = join_wait_s
+        self._answer_wait_s = answer_wait_s
         self._check: ReplayCheck | None = None
         self._waiting: list[Task] = []  # producers' own tasks: admitted after the answers
         self._cancelled: set[str] = set()  # ids of waiting ones their producer cancelled
@@ -158,6 +175,8 @@ class JournalReplay:
             [(task.id, task.producer_key) for task in unfinished],
             started=clock.monotonic(),
             expect_members=self._expect_members,
+            join_wait_s=self._join_wait_s,
+            answer_wait_s=self._answer_wait_s,
         )
         admission = self._intake.admission
         try:
