@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.config import load_config
+from gossipd.config import Config, load_config
 from gossipd.core.messages import ErrorCode, Result, Task, decode_reply
 from gossipd.daemon import Daemon
 from gossipd.ingress.journal import Journal
@@ -366,3 +366,28 @@ def test_a_cancel_while_the_restart_asked_goes_on_to_the_member_that_holds_the_t
     finally:
         daemon._ctx.destroy(linger=0)
     assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t1"]  # t0: m1 answers it
+
+
+def test_a_restart_expects_members_only_from_a_seed_that_is_not_itself() -> None:
+    """A lone daemon bound to every interface that lists itself as a seed by the address it
+    advertises does not wait for members at a restart (it compared the seed with the bind
+    only, and waited 2 s); a seed elsewhere, by name or by address, is waited for."""
+    from gossipd.ingress.replay import expects_members
+
+    def config(bind: str, advertise: str, *seeds: str) -> Config:
+        return load_config(
+            environ={},
+            overrides=[
+                f"gossip.bind={json.dumps(bind)}",
+                f"gossip.advertise={json.dumps(advertise)}",
+                f"gossip.seeds={json.dumps(seeds)}",
+            ],
+        )
+
+    wild, mine = "tcp://0.0.0.0:7946", "tcp://10.0.0.5:7946"
+    assert not expects_members(config(wild, mine, mine), "d0")
+    assert not expects_members(config(mine, "", mine), "d0")
+    assert not expects_members(config(wild, mine, "d0@tcp://10.9.9.9:7946"), "d0")
+    assert expects_members(config(wild, mine, "tcp://10.0.0.6:7946"), "d0")
+    assert expects_members(config(wild, mine, mine, "tcp://10.0.0.5:7947"), "d0")
+    assert expects_members(config(wild, mine, "d1@" + mine), "d0")

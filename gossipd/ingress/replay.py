@@ -54,7 +54,9 @@ def expects_members(config: Config, node: str) -> bool:
         return True
     for seed in config.gossip.seeds:
         name, addr = split_seed(seed)
-        if (name or addr) != (node if name else config.gossip.bind):
+        # By address: where we listen, or the address we give peers (a wildcard bind's).
+        ours = name == node if name else addr in (config.gossip.bind, config.gossip.advertise)
+        if not ours:
             return True
     return False
 
