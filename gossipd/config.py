@@ -363,6 +363,13 @@ class EngineConfig(Section):
     tensor_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     # CPU builds: GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE); 0: vLLM's default.
     cpu_kvcache_space_gb: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    # CPU builds: the cores this daemon's engine computes on (VLLM_CPU_OMP_THREADS_BIND:
+    # "0-3", "4,6-7", "nobind", "auto"; "|" between the lists of tensor-parallel ranks).
+    # Empty: the environment's, else vLLM's "auto", which binds every engine on a host to
+    # the same cores: give each daemon of a CPU host its own (`gossipd up` does).
+    cpu_threads_bind: Annotated[
+        str, msgspec.Meta(max_length=256, pattern=r"^(|auto|nobind|[0-9,|-]+)$")
+    ] = ""
     # KV-cache blocks to allocate instead of sizing by memory; 0: sized by memory.  Small
     # values make prefix-cache pressure visible in tests and benchmarks.
     kv_cache_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -15,6 +15,7 @@ import pytest
 
 from gossipd.core.messages import SamplingParams
 from gossipd.tools.client import Client
+from gossipd.tools.tinymodel import cpu_threads_binds
 from simulations.cluster import Cluster
 from tests.helpers import RawProducer, engine_overrides, running, scrape
 
@@ -25,10 +26,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    binds = cpu_threads_binds(2)  # each engine on its own cores, as `gossipd up` sets them
     c = Cluster(
         2,
         log_dir=str(tmp_path_factory.mktemp("vllm-cluster")),
         extra_overrides=engine_overrides(tiny_model),
+        overrides_for=lambda i: [f'engine.cpu_threads_bind="{binds[i]}"'],
     )
     with running(c, start_timeout_s=240):
         yield c
@@ -48,6 +51,19 @@ def wait_engines_idle(cluster: Cluster, timeout_s: float = 10.0) -> dict[str, fl
         if all(v == 0 for v in readings.values()) or time.monotonic() > deadline:
             return readings
         time.sleep(0.1)
+
+
+def test_each_engine_computes_on_the_cores_its_daemon_was_given(cluster: Cluster) -> None:
+    """engine.cpu_threads_bind reaches the engine process: vLLM reports each engine bound
+    to its daemon's share (vLLM's "auto" would bind both to the same cores)."""
+    binds = cpu_threads_binds(2)
+    for daemon, bind in zip(cluster.daemons, binds, strict=True):
+        lines = [
+            e["msg"] for e in daemon.events() if "OpenMP thread binding" in str(e.get("msg"))
+        ]
+        want = [int(c) for c in bind.split(",")]
+        assert lines and f"VLLM_CPU_OMP_THREADS_BIND={bind!r}" in lines[-1], lines
+        assert f"core ids={want}" in lines[-1], lines
 
 
 def test_two_daemons_stream_200_tasks_through_vllm(cluster: Cluster) -> None:

@@ -112,6 +112,8 @@ class VllmEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model directory needs no hub
         if c.cpu_kvcache_space_gb:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(c.cpu_kvcache_space_gb)
+        if c.cpu_threads_bind:  # (read by its engine process, which inherits it)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = c.cpu_threads_bind
         # vLLM's own log records through our formatter, here and in its engine process.
         route_vllm_logs()
         from vllm.engine.arg_utils import AsyncEngineArgs

