@@ -329,8 +329,10 @@ class JournalConfig(Section):
     compact_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 * 1024 * 1024
     # A restart with unfinished tasks asks live members which of them they hold before it
     # runs them again (docs/PROTOCOL.md, "A restart asks before it runs again"): how long
-    # it waits for a first live member (when it has seeds), then for their answers.  A task
-    # whose answer did not come in time runs here (a second answer beats a lost task).
+    # it waits for a first live member (when it has a seed other than itself, or etcd),
+    # then for their answers.  A task whose answer did not come in time runs here (a second
+    # answer beats a lost task).  Producers' own tasks wait for the answers while their
+    # deadlines run: a long wait can leave them deadline_exceeded.
     replay_join_wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=60.0)] = JOIN_WAIT_S
     replay_answer_wait_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = ANSWER_WAIT_S
 
@@ -344,7 +346,7 @@ class GpuConfig(Section):
 
 # A core list as vLLM reads it ("0-3,5"), one per tensor-parallel rank, "|" between them.
 _CPU_LIST = r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*"
-_CPU_LISTS = rf"^(|auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*)$"
+_CPU_LISTS = rf"\A(|auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*)\Z"
 
 
 class EngineConfig(Section):
@@ -369,7 +371,7 @@ class EngineConfig(Section):
     # CPU builds: GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE); 0: vLLM's default.
     cpu_kvcache_space_gb: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     # CPU builds: the cores this daemon's engine computes on (VLLM_CPU_OMP_THREADS_BIND:
-    # "0-3", "4,6-7", "nobind", "auto"; "|" between the lists of tensor-parallel ranks).
+    # "0-3", "4,6-7", "nobind", "auto"; one list per tensor-parallel rank, "|" between).
     # Empty: the environment's, else vLLM's "auto", which binds every engine on a host to
     # the same cores: give each daemon of a CPU host its own (`gossipd up` does).
     cpu_threads_bind: Annotated[str, msgspec.Meta(max_length=256, pattern=_CPU_LISTS)] = ""
@@ -390,6 +392,18 @@ class EngineConfig(Section):
     def __post_init__(self) -> None:
         if self.kind == "vllm" and not self.model:
             raise ValueError('model: required when kind = "vllm" (a model directory)')
+        bind = self.cpu_threads_bind
+        if bind and bind not in ("auto", "nobind"):
+            lists = bind.split("|")
+            if len(lists) != self.tensor_parallel_size:
+                raise ValueError(
+                    f"cpu_threads_bind: {len(lists)} core lists for tensor_parallel_size "
+                    f"{self.tensor_parallel_size} (one per rank, '|' between them)"
+                )
+            for part in bind.replace("|", ",").split(","):
+                first, _, last = part.partition("-")
+                if last and int(last) < int(first):
+                    raise ValueError(f"cpu_threads_bind: the range {part!r} ends before it starts")
 
 
 class LifecycleConfig(Section):

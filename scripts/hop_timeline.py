@@ -29,13 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root
 
 import zmq
 
 from gossipd.core.ring import Ring
 from gossipd.tools.bench.loadgen import make_frames
 from simulations.cluster import Cluster
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Loaded by each daemon process (PYTHONPATH) before gossipd: wraps the points measured.
 SITE = """
@@ -93,7 +95,7 @@ if OUT:
 
 
 def _cluster(site: Path, out: Path, delay: bool) -> Cluster:
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), os.getcwd()])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
     os.environ["HOP_TIMELINE_DIR"] = str(out)
     os.environ.pop("HOP_DELAY_OWNER_REPLIES", None)
     if delay:

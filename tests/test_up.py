@@ -10,14 +10,8 @@ from subprocess import CompletedProcess
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from gossipd.config import load_config
-from gossipd.errors import ConfigError
 from gossipd.tools.launcher import processes_in_group
-from gossipd.tools.tinymodel import cpu_threads_binds
-from gossipd.tools.up import cpu_shares
 from tests.helpers import gossipd_cli
 
 pytestmark = pytest.mark.slow
@@ -163,39 +157,3 @@ def test_up_says_which_daemons_are_still_starting_while_it_waits(tmp_path: Path)
         cluster.stop(timeout_s=15)
     notes = [x for x in out.getvalue().splitlines() if "gpu0 still starting" in x]
     assert len(notes) >= 2, out.getvalue()
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    daemons=st.integers(min_value=1, max_value=40),
-    cores=st.lists(st.integers(min_value=0, max_value=255), min_size=1, max_size=64, unique=True),
-)
-def test_cpu_shares_give_each_engine_its_own_cores_while_there_are_enough(
-    daemons: int, cores: list[int]
-) -> None:
-    """Every daemon gets cores; with at least one core each, no core is given twice and
-    every core is given (contiguous, even shares); with fewer, one core each, round robin."""
-    binds = cpu_threads_binds(daemons, cores)
-    shares = [[int(c) for c in bind.split(",")] for bind in binds]
-    assert len(shares) == daemons and all(shares)
-    given_cores = [c for share in shares for c in share]
-    assert set(given_cores) <= set(cores)
-    if daemons <= len(cores):
-        assert sorted(given_cores) == sorted(cores)  # each once, none left out
-        assert max(map(len, shares)) - min(map(len, shares)) <= 1
-    else:
-        assert all(len(s) == 1 for s in shares)
-        assert set(given_cores) == set(cores)
-    # What `gossipd up` sets: only for several vLLM daemons on a CPU host.
-    assert cpu_shares("echo", daemons, gpus=0) == []
-    assert cpu_shares("vllm", daemons, gpus=1) == []
-    assert cpu_shares("vllm", 1, gpus=0) == []
-
-
-def test_cpu_threads_bind_takes_vllms_forms_and_refuses_others() -> None:
-    for good in ("", "auto", "nobind", "0", "0-3", "4,6-7", "0-1|2-3"):
-        config = load_config(environ={}, overrides=[f'engine.cpu_threads_bind="{good}"'])
-        assert config.engine.cpu_threads_bind == good
-    for bad in ("cores 1", "-", "0-", "1,,2", "0|", "|||", "0-3|"):
-        with pytest.raises(ConfigError, match=r"engine\.cpu_threads_bind"):
-            load_config(environ={}, overrides=[f'engine.cpu_threads_bind="{bad}"'])

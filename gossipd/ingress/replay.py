@@ -10,8 +10,9 @@ tasks they hold (core/replaycheck.py: a producer resubmitted it, or a forwarder 
 elsewhere while we were down).  A producer's own task waits for the answers and, held
 elsewhere, leaves the journal unanswered here, since that member answers; a forwarded one
 held elsewhere is dropped as its forwarder's Withdraw would drop it, and the rest go to the
-workers.  The question takes at most about 3 s, while the daemon serves, and ends at once
-when it begins to stop.  A producer's Cancel for one of its own tasks that waits meanwhile
+workers.  The question takes at most ``journal.replay_join_wait_s`` +
+``journal.replay_answer_wait_s`` (2 s + 1 s), while the daemon serves, and ends at once when
+it begins to stop.  A producer's Cancel for one of its own tasks that waits meanwhile
 is kept (``cancel``, through IngressLinks): the task is then admitted and cancelled as a
 queued one is, or the Cancel goes on to the member that holds it.
 """

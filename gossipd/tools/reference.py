@@ -123,8 +123,12 @@ def _default_text(value: Any) -> str:
     return _number(value)
 
 
+_BARE_PIPE = re.compile(r"(?<!\\)\|")
+
+
 def _row(*cells: str) -> str:
-    return "| " + " | ".join(c.replace("\n", " ") for c in cells) + " |"
+    # (a bare "|" in a cell would end it: escaped, as GitHub's tables take it)
+    return "| " + " | ".join(_BARE_PIPE.sub(r"\\|", c.replace("\n", " ")) for c in cells) + " |"
 
 
 def config_reference() -> str:

@@ -11,8 +11,6 @@ The result depends only on ``seed``: the same seed writes the same weights and t
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Sequence
 from pathlib import Path
 
 from gossipd.http.chat import PLAIN_TEMPLATE
@@ -90,26 +88,6 @@ CPU_ENGINE_SETTINGS: dict[str, str | int | bool] = {
     "cpu_kvcache_space_gb": 1,
     "enforce_eager": True,
 }
-
-
-def cpu_threads_binds(daemons: int, cpus: Sequence[int] | None = None) -> list[str]:
-    """``engine.cpu_threads_bind`` for each of ``daemons`` vLLM daemons on one CPU host: the
-    host's cores (``cpus``, default: those this process may run on) in contiguous shares,
-    one each when there are fewer cores than daemons (shared round robin).  vLLM's own
-    "auto" binds every engine of a host to the same cores, where one starves the others:
-    2 daemons on 2 cores, the first tasks of one waited 6 s behind the other's."""
-    cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    if daemons <= 0 or not cores:
-        return []
-    if daemons >= len(cores):
-        return [str(cores[i % len(cores)]) for i in range(daemons)]
-    shares, extra = divmod(len(cores), daemons)
-    binds, at = [], 0
-    for i in range(daemons):
-        size = shares + (1 if i < extra else 0)
-        binds.append(",".join(str(c) for c in cores[at : at + size]))
-        at += size
-    return binds
 
 
 def engine_overrides(model_dir: str | Path, **extra: str | int | bool) -> list[str]:

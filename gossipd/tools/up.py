@@ -35,6 +35,7 @@ from typing import Any, TextIO
 from gossipd.core.messages import Result, SamplingParams
 from gossipd.tools.admin import AdminError, cluster_status, format_status
 from gossipd.tools.client import Client, TaskHandle
+from gossipd.tools.cpushares import cpu_share_overrides
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import percentile
 
@@ -281,16 +282,6 @@ def choose_engine(
     return "vllm", engine_overrides(model.resolve())
 
 
-def cpu_shares(kind: str, nodes: int, gpus: int) -> list[list[str]]:
-    """vLLM engines on a CPU host: each daemon's engine on its own cores (vLLM's "auto"
-    would put them all on the same ones); one daemon keeps vLLM's choice."""
-    if kind != "vllm" or gpus or nodes < 2:
-        return []
-    from gossipd.tools.tinymodel import cpu_threads_binds
-
-    return [[f'engine.cpu_threads_bind="{bind}"'] for bind in cpu_threads_binds(nodes)]
-
-
 def run_up(opts: UpOptions) -> int:
     say = Say(sys.stderr if opts.as_json else sys.stdout)
     if opts.nodes < 1:
@@ -318,7 +309,7 @@ def run_up(opts: UpOptions) -> int:
         log_dir=log_dir,
         gpus=gpus,
         extra_overrides=extra,
-        own_overrides=cpu_shares(kind, opts.nodes, gpus),
+        own_overrides=cpu_share_overrides(kind, opts.nodes, gpus),
     )
     start_timeout_s = 120.0 + 60.0 * opts.nodes if kind == "vllm" else 30.0
     say(

@@ -129,9 +129,9 @@ def _start_vllm_serve(model: Path, log_dir: Path) -> _Server:
 
 
 def _start_gossipd(name: str, n: int, model: Path, log_dir: Path) -> tuple[_Server, Cluster]:
-    from gossipd.tools.up import cpu_shares
+    from gossipd.tools.cpushares import cpu_share_overrides
 
-    shares = cpu_shares("vllm", n, gpus=0)  # several engines: each on its own cores
+    shares = cpu_share_overrides("vllm", n, gpus=0)  # several engines: each on its own cores
     cluster = Cluster(
         n,
         log_dir=str(log_dir / name),
