@@ -315,7 +315,7 @@ def run_up(opts: UpOptions) -> int:
     say(
         f"starting {opts.nodes} daemons ({kind} engine"
         + (f", {gpus} GPUs" if gpus else "")
-        + (", about a minute to load on 2 cores" if kind == "vllm" and not gpus else "")
+        + (", 20-35 s to load on 2 cores" if kind == "vllm" and not gpus else "")
         + f"); logs in {log_dir}"
     )
 
