@@ -16,7 +16,7 @@ import msgpack
 import zmq
 
 from gossipd.ops.scrape import scrape  # noqa: F401  (re-exported for the tests)
-from gossipd.tools.cpushares import cpu_threads_binds
+from gossipd.tools.cpushares import cpu_share_overrides
 from gossipd.tools.tinymodel import engine_overrides as tiny_engine_overrides
 
 if TYPE_CHECKING:
@@ -123,8 +123,8 @@ def engine_overrides(model_dir: Path) -> list[str]:
 def own_cores(daemons: int) -> Callable[[int], list[str]]:
     """``Cluster(overrides_for=...)`` for ``daemons`` vLLM daemons: each engine on its own
     cores, as `gossipd up` sets them (vLLM's "auto" puts them all on the same ones)."""
-    binds = cpu_threads_binds(daemons)
-    return lambda i: [f'engine.cpu_threads_bind="{binds[i]}"']
+    overrides = cpu_share_overrides("vllm", daemons, gpus=0, environ={})
+    return lambda i: overrides[i]
 
 
 def gossipd_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:

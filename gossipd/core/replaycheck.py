@@ -26,8 +26,6 @@ ANSWER_WAIT_S = 1.0  # how long it waits for the members' answers once asked
 MEMBERS_MAX = 64  # members asked (a restart in a larger cluster asks this many)
 
 
-# What became of a journaled task (ingress/replay.py; gossipd_journal_replayed_tasks_total's
-# label values).
 def cancel_waiting(
     waiting: Iterable[tuple[str, str]], cancelled: set[str], task_id: str, producer_key: str
 ) -> str | None:
@@ -44,6 +42,8 @@ def cancel_waiting(
     return None
 
 
+# What became of a journaled task (ingress/replay.py; gossipd_journal_replayed_tasks_total's
+# label values).
 OUTCOMES = (
     "run",
     "past_deadline",
