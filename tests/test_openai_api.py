@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 
 from gossipd.core.messages import ErrorCode, ErrorInfo, TokenUsage
-from gossipd.http.openai_api import BadRequest, StreamWriter, decode_call, error_of
+from gossipd.http.openai_api import (
+    BadRequest,
+    StreamWriter,
+    _decode_call,
+    decode_call,
+    error_of,
+)
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -56,6 +62,70 @@ def test_any_body_is_a_call_or_a_bad_request_naming_its_field(
     assert call.model == doc["model"] and call.chat is chat
     assert 1 <= call.params.max_tokens <= 32768
     assert call.include_usage <= call.stream
+
+
+# Values near what clients send per field, (valid, not): the typed first pass must take a
+# body exactly as the full rules do (the same Call, or the same refusal).
+NEAR: dict[str, tuple[list[Any], list[Any]]] = {
+    "model": (["m", "echo"], ["", 3, None]),
+    "prompt": (["p", ""], [["p"], [1, 2], None, 5]),
+    "messages": (
+        [[{"role": "user", "content": "hi"}], [{"role": "u", "content": "", "name": "x"}]],
+        [
+            [{"role": "user", "content": None}],
+            [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            [{"role": 3, "content": "hi"}],
+            [],
+            "hi",
+            None,
+        ],
+    ),
+    "max_tokens": ([1, 16, 32768], [0, -1, 40000, True, 2.0, None, "8"]),
+    "max_completion_tokens": ([1, 8], [0, None, False]),
+    "temperature": ([0, 0.5, 1, 2.5], [11.0, -1, None, "0.5", True]),
+    "top_p": ([0.5, 1], [0, None, 2]),
+    "top_k": ([-1, 5], [0, None, True]),
+    "seed": ([0, 7], [-3, None, 1.5]),
+    "n": ([1], [2, None, True]),
+    "stream": ([True, False], [None, 1]),
+    "stream_options": ([{"include_usage": True}, {}], [{"include_usage": 1}, {"x": 1}, None, 3]),
+    "ignore_eos": ([True, False], [None, 1]),
+    "user": (["u", ""], [None, 0, 3]),
+    "stop": (["s", ["a", "b"]], [None, [""]]),
+    "logprobs": ([None, False], [2]),
+}
+
+
+@st.composite
+def near_bodies(draw: st.DrawFn) -> tuple[dict[str, Any], bool]:
+    """A body and whether it goes to chat: each field present 1 time in 3 (the model and the
+    prompt or messages that the path takes 9 in 10), a valid value 6 times in 7."""
+    chat = draw(st.booleans())
+    usual = {"model", "messages" if chat else "prompt"}
+    doc = {}
+    for name, (valid, invalid) in NEAR.items():
+        if draw(st.integers(0, 9)) < (9 if name in usual else 3):
+            good = draw(st.integers(0, 6)) < 6
+            doc[name] = draw(st.sampled_from(valid if good else invalid))
+    return doc, chat
+
+
+@settings(max_examples=800, deadline=None)
+@given(near_bodies())
+def test_the_typed_first_pass_takes_a_body_as_the_full_rules_do(
+    case: tuple[dict[str, Any], bool],
+) -> None:
+    doc, chat = case
+    body = json.dumps(doc).encode()
+    try:
+        expected: Any = _decode_call(body, chat=chat)
+    except BadRequest as exc:
+        expected = (exc.message, exc.param, exc.status)
+    try:
+        got: Any = decode_call(body, chat=chat)
+    except BadRequest as exc:
+        got = (exc.message, exc.param, exc.status)
+    assert got == expected
 
 
 @given(st.binary(max_size=64))

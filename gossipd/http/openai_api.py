@@ -8,7 +8,6 @@ documents every rule here; a request that breaks one is a ``BadRequest`` naming 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -58,9 +57,9 @@ class BadRequest(Exception):
         self.code = code
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
-    """What one request asks, decoded: the task's fields and how to answer."""
+class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What one request asks, decoded: the task's fields and how to answer.  (A struct: made
+    per request, and a frozen dataclass's constructor costs 0.8 us.)"""
 
     chat: bool
     model: str
@@ -92,8 +91,98 @@ def error_of(error: ErrorInfo) -> tuple[int, bytes, list[tuple[str, str]]]:
     return status, error_body(error.message, err_type, code=error.code), headers
 
 
+# The usual request, decoded straight into typed fields (one pass in C: 0.7 us against 2.7
+# for the dict walk below).  Only what the full rules accept unchanged is taken here: any
+# other field, type or value falls through to ``_decode_call``, which says what is wrong.
+class _Message(msgspec.Struct, gc=False):
+    role: str
+    content: str
+
+
+class _StreamOptions(msgspec.Struct, gc=False, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Usual(msgspec.Struct, gc=False, forbid_unknown_fields=True):
+    model: str
+    prompt: str | None = None
+    messages: list[_Message] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    ignore_eos: bool | None = None
+    user: str | None = None
+
+
+_usual_decode = msgspec.json.Decoder(_Usual).decode
+
+
 def decode_call(body: bytes, *, chat: bool) -> Call:
     """A /v1/completions (``chat`` false) or /v1/chat/completions body."""
+    try:
+        usual = _usual_decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return _decode_call(body, chat=chat)
+    call = _usual_call(usual, chat)
+    return call if call is not None else _decode_call(body, chat=chat)
+
+
+def _usual_call(doc: _Usual, chat: bool) -> Call | None:
+    """``doc`` as the full rules would take it, or None where they may say otherwise."""
+    if not doc.model or doc.n not in (None, 1):
+        return None
+    messages: list[dict[str, str]] | None = None
+    prompt = ""
+    if chat:
+        if doc.prompt is not None or not doc.messages or len(doc.messages) > MESSAGES_MAX:
+            return None
+        messages = [{"role": m.role, "content": m.content} for m in doc.messages]
+        max_tokens = doc.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = doc.max_tokens
+        default_max = CHAT_MAX_TOKENS_DEFAULT
+    else:
+        if doc.prompt is None or doc.messages is not None:
+            return None
+        prompt = doc.prompt
+        max_tokens = doc.max_tokens
+        default_max = COMPLETIONS_MAX_TOKENS_DEFAULT
+    fields: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens}
+    if doc.temperature is not None:
+        fields["temperature"] = doc.temperature
+    if doc.top_p is not None:
+        fields["top_p"] = doc.top_p
+    if doc.seed is not None:
+        fields["seed"] = doc.seed
+    if doc.top_k is not None:
+        fields["top_k"] = doc.top_k
+    if doc.ignore_eos is not None:
+        fields["ignore_eos"] = doc.ignore_eos
+    try:
+        params = msgspec.convert(fields, SamplingParams)
+    except (msgspec.ValidationError, ValueError):
+        return None  # the full rules name the parameter
+    options = doc.stream_options
+    return Call(
+        chat=chat,
+        model=doc.model,
+        prompt=prompt,
+        messages=messages,
+        params=params,
+        stream=doc.stream,
+        include_usage=options is not None and options.include_usage and doc.stream,
+        user=doc.user or "",
+    )
+
+
+def _decode_call(body: bytes, *, chat: bool) -> Call:
+    """Every rule, walked field by field: what ``decode_call``'s typed pass did not take."""
     try:
         doc = _json_decode(body)
     except msgspec.DecodeError as exc:

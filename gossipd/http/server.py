@@ -53,6 +53,7 @@ _REASONS = {
     503: "Service Unavailable",
     504: "Gateway Timeout",
 }
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, r.encode()) for code, r in _REASONS.items()}
 # The headers every door reads; the others are skipped as they are parsed (no dict entry).
 WANTED_HEADERS = frozenset({b"authorization", b"x-request-id", b"expect"})
 
@@ -116,16 +117,10 @@ class Exchange:
         self.on_close: Callable[[], None] | None = None
 
     def _head(self, status: int, fields: bytes, headers: list[tuple[str, str]] | None) -> bytes:
-        parts = [
-            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Error").encode()),
-            fields,
-        ]
-        if headers:
-            parts.extend(_latin1(f"{k}: {v}\r\n") for k, v in headers)
-        if not self.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
-        return b"".join(parts)
+        line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Error\r\n" % status
+        extra = _latin1("".join([f"{k}: {v}\r\n" for k, v in headers])) if headers else b""
+        close = b"" if self.keep_alive else b"connection: close\r\n"
+        return b"%s%s%s%s\r\n" % (line, fields, extra, close)
 
     def respond(
         self,
@@ -203,6 +198,7 @@ class HttpConnection(asyncio.Protocol):
     def __init__(self, handler: Handler, limits: HttpLimits) -> None:
         self._handler = handler
         self._limits = limits
+        self._wanted = limits.wanted_headers
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
@@ -297,9 +293,12 @@ class HttpConnection(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
+        # (_count_head inlined: four headers a request)
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > HEADER_BYTES_MAX:
+            raise _Refused(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
         name = name.lower()
-        if name in self._limits.wanted_headers:
+        if name in self._wanted:
             self._headers[name.decode("latin-1")] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
