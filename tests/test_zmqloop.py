@@ -8,7 +8,7 @@ from collections.abc import Callable
 import zmq
 
 import gossipd.zmqloop as zmqloop
-from gossipd.core.messages import Result, decode_replies, encode
+from gossipd.core.messages import Chunk, Result, decode_replies, encode
 from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
@@ -457,6 +457,44 @@ def test_ReplySender_relays_a_forwarders_route_and_never_a_route_served_here() -
             sender.relay(endpoint, None)
             sender.send(endpoint, b"s")
             assert await asyncio.wait_for(recv_batch(pull, 10), 5) == [b"s"]
+            sender.stop()
+        sender.close()
+        pull.close(linger=0)
+        ctx.term()
+
+    asyncio.run(main())
+
+
+def test_ReplySender_hands_a_message_to_a_route_served_here_unencoded() -> None:
+    """send_message: a route served here with a message taker gets the Chunk or Result
+    itself, in order with the frames sent to it; one served here with frames only gets the
+    message encoded; any other route gets its frame by socket."""
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        sender = _sender(ctx)
+        frames: list[bytes] = []
+        messages: list[object] = []
+        frames_only: list[bytes] = []
+        chunk = Chunk(id="t1", seq=0, delta="a", node="n")
+        result = Result(id="t1", ok=True, text="a", node="n")
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            sender.deliver_locally("tcp://127.0.0.1:1", frames.append, messages.append)
+            sender.deliver_locally("tcp://127.0.0.1:2", frames_only.append)
+            sender.send_message("tcp://127.0.0.1:1", chunk)
+            sender.send("tcp://127.0.0.1:1", b"f")
+            sender.send_message("tcp://127.0.0.1:1", result)
+            assert messages == [chunk, result] and frames == [b"f"]
+            assert messages[1] is result  # the object itself: nothing encoded
+            sender.send_message("tcp://127.0.0.1:2", result)
+            assert [decode_replies(f) for f in frames_only] == [[result]]
+            sender.send_message(endpoint, result)
+            assert [decode_replies(f) for f in await asyncio.wait_for(recv_batch(pull, 1), 5)] == [
+                [result]
+            ]
             sender.stop()
         sender.close()
         pull.close(linger=0)

@@ -123,14 +123,18 @@ class Answers:
             log.warning("undecodable answer on the HTTP reply socket", extra={"error": str(exc)})
             return
         for message in messages:
-            try:
-                self._on_reply(message)
-            except Exception:  # one request's answer must not stop the others (or the runner)
-                self.counters.answer_failures += 1
-                log.exception("answering an HTTP request failed", extra={"task_id": message.id})
-                waiting = self._waiting.pop(message.id, None)
-                if waiting is not None:
-                    waiting.exchange.abort()
+            self.deliver_message(message)
+
+    def deliver_message(self, message: Chunk | Result) -> None:
+        """One reply, decoded (or, of a task run in this daemon, never encoded)."""
+        try:
+            self._on_reply(message)
+        except Exception:  # one request's answer must not stop the others (or the runner)
+            self.counters.answer_failures += 1
+            log.exception("answering an HTTP request failed", extra={"task_id": message.id})
+            waiting = self._waiting.pop(message.id, None)
+            if waiting is not None:
+                waiting.exchange.abort()
 
     # -- waiting requests ----------------------------------------------------------------
 

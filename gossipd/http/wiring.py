@@ -70,7 +70,8 @@ async def open_door(
 ) -> int:
     """Bind the reply socket and the HTTP listener; returns the HTTP port."""
     door.answers.bind(ctx, reply_endpoint(config), serve_curve)
-    replies.deliver_locally(door.route, door.answers.deliver)  # tasks run here: no socket
+    # Tasks run here: no socket, and the runner's replies not even encoded.
+    replies.deliver_locally(door.route, door.answers.deliver, door.answers.deliver_message)
     door.answers.start_receiving()
     host, _, port = config.http.bind.rpartition(":")
     context = None

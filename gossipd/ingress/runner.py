@@ -243,7 +243,7 @@ class Runner:
                 parts.append(delta)
                 if task.stream:
                     chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
-                    self._replies.send(task.route, encode(chunk), task.batch_replies)
+                    self._replies.send_message(task.route, chunk, task.batch_replies)
                     seq += 1
             end = clock()
             result = Result(
@@ -346,17 +346,14 @@ class Runner:
     def _finish(self, task: Task, result: Result, *, remember: bool = True) -> None:
         self.results["ok" if result.ok else result.error.code] += 1  # type: ignore[union-attr]
         owned = self.book.finish(task.id, result, remember=remember)
-        data = encode(result)
         hold = self._links.hold
-        if (
-            hold is not None
-            and remember
-            and owned.forwarders
-            and not owned.from_producer
-            and hold(owned, result, len(data))
-        ):
-            return  # held: end_held sends it (or not) and tells the listeners
-        self._replies.send(task.route, data, task.batch_replies)
+        if hold is not None and remember and owned.forwarders and not owned.from_producer:
+            data = encode(result)
+            if hold(owned, result, len(data)):
+                return  # held: end_held sends it (or not) and tells the listeners
+            self._replies.send(task.route, data, task.batch_replies)
+        else:
+            self._replies.send_message(task.route, result, task.batch_replies)
         for listener in self.on_finished:
             listener(owned, result)
 
