@@ -3,10 +3,11 @@
 Every request the door turned into a task waits here by task id until its Result: Chunks
 become server-sent events (in ``seq`` order: one that comes early is held until the gap
 fills, a copy is dropped), the Result becomes the one JSON answer or the stream's last
-events.  Answers arrive two ways, both through ``deliver``: from an owner on another member
-at this door's own ZeroMQ PULL socket (the task's ``reply_to``, bound here), or in-process
-from this daemon's runner (ReplySender.deliver_locally).  A failure to answer one request
-never reaches the runner or the socket reader (logged, counted).
+events.  Answers arrive two ways: as frames (``deliver``) from an owner on another member, at
+this door's own ZeroMQ PULL socket (the task's ``reply_to``, bound here) or relayed on the
+fan-out connection, or in-process from this daemon's runner as the messages themselves,
+never encoded (``deliver_message``; ReplySender.deliver_locally, send_message).  A failure
+to answer one request never reaches the runner or the socket reader (logged, counted).
 
 Cancels: a client gone, a stream past its byte bound, a request past its deadline are
 cancelled through the intake, wherever the task runs.
