@@ -404,7 +404,9 @@ class ReplySender:
         given to ``send_message`` go to ``deliver_message`` unencoded, when it is given."""
         self._local[endpoint] = deliver
         self._divert[endpoint] = deliver
-        if deliver_message is not None:
+        if deliver_message is None:
+            self._local_messages.pop(endpoint, None)
+        else:
             self._local_messages[endpoint] = deliver_message
 
     def relay(self, endpoint: str, deliver: Callable[[bytes], None] | None) -> None:

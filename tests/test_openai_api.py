@@ -128,6 +128,46 @@ def test_the_typed_first_pass_takes_a_body_as_the_full_rules_do(
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","prompt":"p","max_tokens":2,"max_tokens":3}',  # the last one counts
+        b'{"model":"m","model":"","prompt":"p"}',
+        b'{"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":false,'
+        b'"include_usage":true}}',
+        b'{"model":"m","messages":[{"role":"user","content":"a","content":"b"}]}',
+        b'{"model":"m","prompt":"p","max_tokens":1.0}',
+        b'{"model":"m","prompt":"p","max_tokens":1e2}',
+        b'{"model":"m","prompt":"p","seed":9223372036854775807}',
+        b'{"model":"m","prompt":"p","seed":9223372036854775808}',
+        b'{"model":"m","prompt":"p","seed":1' + b"0" * 40 + b"}",
+        b'{"model":"m","prompt":"p","temperature":1e400}',
+        b'{"model":"m","prompt":"p","top_p":1e-400}',
+        b'{"model":"m","prompt":"p","temperature":-0.0}',
+        b'{"model":"m","prompt":"\\ud800"}',
+        b'{"model":"m","prompt":"p","user":false}',
+        b'{"model":"m","prompt":"p","stream":false,"stream_options":{"include_usage":true}}',
+        b'{"model":"m","prompt":"p","stream_options":{"include_usage":null}}',
+        b'{"model":"m","prompt":"p","messages":[{"role":"user","content":"a"}]}',
+        b'{"model":"m","messages":[{"role":"user","content":"a"}],"max_completion_tokens":2,'
+        b'"max_tokens":"x"}',
+    ],
+)
+def test_raw_json_edges_take_the_same_answer_on_both_passes(body: bytes) -> None:
+    """What json.dumps never writes (duplicate keys, other spellings of numbers, lone
+    surrogates): the typed pass and the full rules still agree, for both paths."""
+    for chat in (False, True):
+        try:
+            expected: Any = _decode_call(body, chat=chat)
+        except BadRequest as exc:
+            expected = (exc.message, exc.param, exc.status)
+        try:
+            got: Any = decode_call(body, chat=chat)
+        except BadRequest as exc:
+            got = (exc.message, exc.param, exc.status)
+        assert got == expected
+
+
 @given(st.binary(max_size=64))
 def test_bytes_that_are_not_a_json_object_are_a_bad_request(body: bytes) -> None:
     try:

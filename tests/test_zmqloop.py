@@ -467,28 +467,29 @@ def test_ReplySender_relays_a_forwarders_route_and_never_a_route_served_here() -
 
 def test_ReplySender_hands_a_message_to_a_route_served_here_unencoded() -> None:
     """send_message: a route served here with a message taker gets the Chunk or Result
-    itself, in order with the frames sent to it; one served here with frames only gets the
-    message encoded; any other route gets its frame by socket."""
+    itself, in order with the frames sent to it; one served here with frames only (also
+    after a taker is taken back) gets the message encoded; any other route gets its frame by
+    socket."""
 
     async def main() -> None:
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
         sender = _sender(ctx)
-        frames: list[bytes] = []
-        messages: list[object] = []
+        door: list[object] = []  # frames and messages, in the order they came
         frames_only: list[bytes] = []
         chunk = Chunk(id="t1", seq=0, delta="a", node="n")
         result = Result(id="t1", ok=True, text="a", node="n")
         async with asyncio.TaskGroup() as tg:
             sender.start(tg)
-            sender.deliver_locally("tcp://127.0.0.1:1", frames.append, messages.append)
-            sender.deliver_locally("tcp://127.0.0.1:2", frames_only.append)
+            sender.deliver_locally("tcp://127.0.0.1:1", door.append, door.append)
+            sender.deliver_locally("tcp://127.0.0.1:2", frames_only.append, door.append)
+            sender.deliver_locally("tcp://127.0.0.1:2", frames_only.append)  # frames only now
             sender.send_message("tcp://127.0.0.1:1", chunk)
             sender.send("tcp://127.0.0.1:1", b"f")
             sender.send_message("tcp://127.0.0.1:1", result)
-            assert messages == [chunk, result] and frames == [b"f"]
-            assert messages[1] is result  # the object itself: nothing encoded
+            assert door == [chunk, b"f", result]
+            assert door[2] is result  # the object itself: nothing encoded
             sender.send_message("tcp://127.0.0.1:2", result)
             assert [decode_replies(f) for f in frames_only] == [[result]]
             sender.send_message(endpoint, result)
