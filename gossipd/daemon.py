@@ -46,6 +46,7 @@ from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.replay import JournalReplay, expects_members
 from gossipd.ingress.runner import stop_workers
 from gossipd.ingress.service import Ingress, IngressCurve
+from gossipd.iothreads import batch_io_threads
 from gossipd.leader import build_leadership
 from gossipd.membership.gossip import GossipService, MemberView
 from gossipd.membership.loadgossip import LoadGossip
@@ -102,6 +103,11 @@ class Daemon:
         self.clock = clock  # every part reads the time from it (gossipd/clock.py)
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
+        if config.node.zmq_io_batch and not batch_io_threads(self._ctx):
+            log.warning(
+                "node.zmq_io_batch: this host refuses SCHED_BATCH, so ZeroMQ's I/O threads "
+                "keep the default policy; set node.zmq_io_batch = false to say so"
+            )
         # Membership (built in run()) tells which node an address is.
         self.gossip: GossipService | None = None
         self.security = _build_security(

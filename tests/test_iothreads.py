@@ -1,0 +1,70 @@
+"""ZeroMQ's I/O threads under SCHED_BATCH (node.zmq_io_batch): asked of libzmq only where
+the kernel grants it, and what a running daemon's threads then have."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from gossipd import iothreads
+
+
+def _io_threads(pid: int) -> dict[int, int]:
+    """ZeroMQ's I/O threads of process pid: thread id -> scheduling policy."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("ZMQbg/IO"):
+            out[int(tid)] = os.sched_getscheduler(int(tid))
+    return out
+
+
+def test_a_context_asked_for_batch_starts_its_io_thread_under_it() -> None:
+    before = set(_io_threads(os.getpid()))
+    ctx = zmq.Context()
+    try:
+        assert iothreads.batch_io_threads(ctx)
+        sock = ctx.socket(zmq.PUSH)  # the first socket starts the I/O thread
+        started = {t: p for t, p in _io_threads(os.getpid()).items() if t not in before}
+        assert started and set(started.values()) == {os.SCHED_BATCH}
+        sock.close(0)
+    finally:
+        ctx.term()
+
+
+def test_where_the_kernel_refuses_batch_libzmq_is_not_asked(monkeypatch: Any) -> None:
+    def refuse(pid: int, policy: int, param: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(iothreads.os, "sched_setscheduler", refuse)
+    before = set(_io_threads(os.getpid()))
+    ctx = zmq.Context()
+    try:
+        assert not iothreads.batch_io_threads(ctx)
+        # not asked: libzmq would have aborted the process on the kernel's refusal
+        sock = ctx.socket(zmq.PUSH)
+        started = {t: p for t, p in _io_threads(os.getpid()).items() if t not in before}
+        assert started and set(started.values()) == {os.SCHED_OTHER}
+        sock.close(0)
+    finally:
+        ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "policy"),
+    [((), os.SCHED_BATCH), (("node.zmq_io_batch=false",), os.SCHED_OTHER)],
+)
+def test_a_daemons_io_thread_runs_under_the_policy_its_setting_says(
+    daemon_factory: Any, overrides: tuple[str, ...], policy: int
+) -> None:
+    d = daemon_factory(*overrides)
+    assert d.proc is not None
+    threads = _io_threads(d.proc.pid)
+    assert threads and set(threads.values()) == {policy}
