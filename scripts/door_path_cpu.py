@@ -39,6 +39,7 @@ from gossipd.config import load_config
 from gossipd.core.ring import Ring
 from gossipd.daemon import Daemon
 from gossipd.http.server import HttpConnection
+from gossipd.http.turnwrites import TurnWrites
 from gossipd.tools.launcher import free_tcp_port
 
 BODY = b'{"model":"echo","prompt":"hello world","max_tokens":1}'
@@ -130,8 +131,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     ring = Ring({"a": 1.0, "b": 1.0})
     transport = CountingTransport()
     conns = []
+    writes = TurnWrites()  # one for all, as the door's server has
     for _ in range(max(AT_ONCE)):
-        conn = HttpConnection(door.handle, door.limits)
+        conn = HttpConnection(door.handle, door.limits, writes)
         conn.connection_made(transport)  # type: ignore[arg-type]
         conns.append(conn)
     report: dict[str, Any] = {

@@ -21,6 +21,7 @@ Bounds a hostile client meets (each answered, counted and the connection closed)
 Requests on one connection are answered in order: a request with nothing before it is
 handled as it is read; a pipelined one waits until the one before it has ended its response
 and is then taken on the next loop turn (never by recursion).  HTTP/1.0 clients are served whole answers only (no chunked streams).
+Under load a turn's answers are written at its end (gossipd/http/turnwrites.py says why).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httptools
+
+from gossipd.http.turnwrites import TurnWrites
 
 log = logging.getLogger("gossipd.http.server")
 
@@ -138,9 +141,7 @@ class Exchange:
             headers,
         )
         self.done = True
-        transport = self._conn.transport
-        if transport is not None:
-            transport.write(head if self.head_only else head + body)
+        self._conn.send(head if self.head_only else head + body)
         self._conn.ended(self)
 
     def start_stream(
@@ -159,34 +160,29 @@ class Exchange:
             fields += b"transfer-encoding: chunked\r\n"
         head = self._head(status, fields, headers)
         self.streaming = True
-        transport = self._conn.transport
-        if transport is not None:
-            transport.write(head)
+        self._conn.send(head)
 
     def write(self, data: bytes) -> int:
         """One chunk of the stream; returns the bytes now waiting for the client (the
         caller bounds them)."""
-        transport = self._conn.transport
-        if transport is None or self.done or not data:
+        conn = self._conn
+        if conn.transport is None or self.done or not data:
             return 0
-        transport.write(data if self.http10 else b"%x\r\n%s\r\n" % (len(data), data))
-        return transport.get_write_buffer_size()  # type: ignore[no-any-return]
+        conn.send(data if self.http10 else b"%x\r\n%s\r\n" % (len(data), data))
+        return conn.unsent_bytes()
 
     def end_stream(self) -> None:
         if self.done:
             return
         self.done = True
-        transport = self._conn.transport
-        if transport is not None and not self.http10:
-            transport.write(b"0\r\n\r\n")
+        if not self.http10:
+            self._conn.send(b"0\r\n\r\n")
         self._conn.ended(self)
 
     def abort(self) -> None:
         """Give up on the client (a stream it does not read): close the connection."""
         self.done = True
-        transport = self._conn.transport
-        if transport is not None:
-            transport.abort()
+        self._conn.abort()
 
 
 Handler = Callable[[Request, Exchange], None]
@@ -195,9 +191,15 @@ Handler = Callable[[Request, Exchange], None]
 class HttpConnection(asyncio.Protocol):
     """One client connection: parse, hand each request to ``handler``, in order."""
 
-    def __init__(self, handler: Handler, limits: HttpLimits) -> None:
+    def __init__(
+        self, handler: Handler, limits: HttpLimits, writes: TurnWrites | None = None
+    ) -> None:
         self._handler = handler
         self._limits = limits
+        # the server's (one for all its connections); a connection alone gets its own
+        self._writes = writes if writes is not None else TurnWrites()
+        self._held: list[bytes] | None = None  # bytes for the turn's end (turnwrites.py)
+        self._held_bytes = 0
         self._wanted = limits.wanted_headers
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -237,6 +239,7 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is None:
             return
         self.transport = None
+        self._held = None
         self._limits.counters.open_now -= 1
         self._waiting.clear()
         current, self._current = self._current, None
@@ -304,7 +307,7 @@ class HttpConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         if self._headers.get("expect", "").lower() == "100-continue" and self.transport:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without
+            self.send(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -343,6 +346,51 @@ class HttpConnection(asyncio.Protocol):
         if len(self._waiting) >= PIPELINED_MAX // 2:
             self._pause_reading()
         self._schedule_next()
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        """Bytes for the client: now, or at the loop turn's end (turnwrites.py)."""
+        if self.transport is not None:
+            self._writes.write(self, data)
+
+    def write_now(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def hold(self, data: bytes) -> bool:
+        """Keep ``data`` for the turn's end; True when it is the first held."""
+        self._held_bytes += len(data)
+        if self._held is None:
+            self._held = [data]
+            return True
+        self._held.append(data)
+        return False
+
+    def write_held(self) -> None:
+        held, self._held = self._held, None
+        self._held_bytes = 0
+        if held and self.transport is not None:
+            self.transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def unsent_bytes(self) -> int:
+        """Bytes not yet taken by the client: held here or in the transport's buffer."""
+        transport = self.transport
+        buffered = transport.get_write_buffer_size() if transport is not None else 0
+        return self._held_bytes + buffered  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Close after what is held and buffered has been written."""
+        if self.transport is not None:
+            self.write_held()
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Close at once, what is held or buffered dropped."""
+        self._held = None
+        self._held_bytes = 0
+        if self.transport is not None:
+            self.transport.abort()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -386,8 +434,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self._current = None
         if not exchange.keep_alive:
-            if self.transport is not None:
-                self.transport.close()
+            self.close()
             return
         if self._waiting:
             self._schedule_next()
@@ -437,25 +484,24 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.transport is not None and self._current is None:
             self._limits.counters.idle_closed += 1
-            self.transport.close()
+            self.close()
 
     def _fail(self, status: int, message: str) -> None:
         self._broken = True
         self._limits.counters.bad_requests += 1
-        transport = self.transport
-        if transport is None:
+        if self.transport is None:
             return
         if self._current is not None and not self._current.done:
             # A response is under way on this connection: it cannot be interleaved.
-            transport.close()
+            self.close()
             return
         body = self._limits.error_body(message, status)
-        transport.write(
+        self.send(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"
             % (status, _REASONS.get(status, "Error").encode(), len(body), body)
         )
-        transport.close()
+        self.close()
 
 
 class _Refused(Exception):
@@ -476,8 +522,9 @@ async def serve(
 ) -> asyncio.Server:
     """Listen on ``host:port`` (port 0: any free one) on the running loop."""
     loop = asyncio.get_running_loop()
+    writes = TurnWrites()  # one for all connections: a turn's answers leave together
     return await loop.create_server(
-        lambda: HttpConnection(handler, limits),
+        lambda: HttpConnection(handler, limits, writes),
         host,
         port,
         ssl=ssl,  # type: ignore[arg-type]

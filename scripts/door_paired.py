@@ -1,9 +1,13 @@
-"""``node.zmq_io_batch`` on and off, paired: ``gossipd bench http``'s gossipd variant (2
-daemons, echo engine, both doors, about half the requests forwarded) started once per setting
-per round, the two alternating, the bench's wrk at each concurrency; medians over rounds of
-req/s, CPU microseconds a request of both daemons, p50 and p99.
+"""Two versions of the HTTP door, paired: ``gossipd bench http``'s gossipd variant (2
+daemons, echo engine, both doors, about half the requests forwarded) started once per side
+per round, the sides alternating, the bench's wrk at each concurrency; medians over rounds of
+req/s, CPU microseconds a request of both daemons, p50 and p99.  The sides:
 
-    .venv/bin/python scripts/io_batch_paired.py [--rounds 3] [--seconds 4]
+- ``--base-tree DIR``: the daemons' code from DIR (a checkout of another commit: ``git
+  worktree add /tmp/base HEAD~1``) against this tree's;
+- otherwise ``node.zmq_io_batch`` false against true (this tree).
+
+    .venv/bin/python scripts/door_paired.py [--base-tree DIR] [--rounds 3] [--seconds 4]
         [--concurrency 1,16,64] [--json]
 """
 
@@ -23,10 +27,22 @@ from gossipd.tools.bench.http import _gossipd
 from gossipd.tools.bench.http_peers import Wrk, new_workdir
 
 SETTING = "GOSSIPD_NODE__ZMQ_IO_BATCH"  # an environment variable beats the config's default
+HERE = Path(__file__).resolve().parents[1]
 
 
-def one_setting(batch: bool, levels: list[int], seconds: int) -> dict[int, dict[str, float]]:
-    os.environ[SETTING] = "true" if batch else "false"
+def _side(new: bool, base_tree: Path | None) -> None:
+    """The environment the daemons start with: which setting, or which tree's code (they
+    run ``python -m gossipd`` from this process's working directory, set to / in main)."""
+    if base_tree is None:
+        os.environ[SETTING] = "true" if new else "false"
+    else:
+        os.environ["PYTHONPATH"] = str(HERE if new else base_tree)
+
+
+def one_side(
+    new: bool, base_tree: Path | None, levels: list[int], seconds: int
+) -> dict[int, dict[str, float]]:
+    _side(new, base_tree)
     workdir = new_workdir()
     cluster, urls, pids = _gossipd(workdir)
     try:
@@ -45,41 +61,55 @@ def one_setting(batch: bool, levels: list[int], seconds: int) -> dict[int, dict[
     finally:
         cluster.stop()
         os.environ.pop(SETTING, None)
+        os.environ.pop("PYTHONPATH", None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-tree", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=4)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    base_tree = args.base_tree.resolve() if args.base_tree else None
+    if base_tree is not None and not (base_tree / "gossipd" / "__main__.py").exists():
+        raise SystemExit(f"--base-tree {base_tree}: no gossipd package there")
+    os.chdir("/")  # `python -m gossipd` takes the package from PYTHONPATH, not from here
+    names = ("base", "head") if base_tree is not None else ("default", "batch")
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = [False, True] if r % 2 == 0 else [True, False]
         row: dict[str, Any] = {}
-        for batch in order:
-            print(f"round {r + 1}/{args.rounds}: zmq_io_batch={batch}", file=sys.stderr)
-            row["batch" if batch else "default"] = one_setting(batch, levels, args.seconds)
+        for new in order:
+            print(f"round {r + 1}/{args.rounds}: {names[new]}", file=sys.stderr)
+            row[names[new]] = one_side(new, base_tree, levels, args.seconds)
         rounds.append(row)
     medians: dict[str, Any] = {}
     for c in levels:
         m = {}
-        for side in ("default", "batch"):
+        for side in names:
             m[side] = {
                 k: round(statistics.median(r[side][c][k] for r in rounds), 1)
                 for k in ("req_per_s", "cpu_us_per_req", "p50_us", "p99_us")
             }
-        m["cpu_ratio"] = round(m["batch"]["cpu_us_per_req"] / m["default"]["cpu_us_per_req"], 3)
-        m["req_per_s_ratio"] = round(m["batch"]["req_per_s"] / m["default"]["req_per_s"], 3)
+        old, new = m[names[0]], m[names[1]]
+        m["cpu_ratio"] = round(new["cpu_us_per_req"] / old["cpu_us_per_req"], 3)
+        m["req_per_s_ratio"] = round(new["req_per_s"] / old["req_per_s"], 3)
         medians[str(c)] = m
-    report = {"rounds": rounds, "medians": medians, "load": os.getloadavg()}
+    report = {
+        "sides": list(names),
+        "base_tree": str(base_tree) if base_tree else None,
+        "rounds": rounds,
+        "medians": medians,
+        "load": os.getloadavg(),
+    }
     if args.json:
         print(json.dumps(report, indent=1))
         return
     for c, m in medians.items():
-        d, b = m["default"], m["batch"]
+        d, b = m[names[0]], m[names[1]]
         print(
             f"c={c}: req/s {d['req_per_s']:,.0f} -> {b['req_per_s']:,.0f} "
             f"(x{m['req_per_s_ratio']}), CPU us/req {d['cpu_us_per_req']} -> "
