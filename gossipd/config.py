@@ -62,10 +62,11 @@ class NodeConfig(Section):
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     # ZeroMQ's I/O thread under SCHED_BATCH: woken by this daemon's event loop (every send
     # wakes it), it takes an idle core or waits for the loop's next pause instead of
-    # preempting the loop on its own core.  Measured (bench/README, "The ZeroMQ I/O thread's
-    # scheduling"): the HTTP door's bench at 16 connections -11% CPU a request, +9% req/s.
-    # Its cost: on a host whose every core is busy, a message may wait for the scheduler's
-    # next slice (milliseconds); false: the default policy, a woken I/O thread preempts.
+    # preempting the loop on its own core (libzmq's reaper thread too).  Measured
+    # (bench/README, "The ZeroMQ I/O thread's scheduling"): the HTTP door's bench at 16
+    # connections -9.5% CPU a request, +4.8% req/s.  Its cost: on a host whose every core is
+    # busy, a message may wait for the scheduler's next slice (milliseconds); false: the
+    # default policy, a woken I/O thread preempts.
     zmq_io_batch: bool = True
 
 

@@ -105,8 +105,9 @@ class Daemon:
         self._ctx = zmq.Context()
         if config.node.zmq_io_batch and not batch_io_threads(self._ctx):
             log.warning(
-                "node.zmq_io_batch: this host refuses SCHED_BATCH, so ZeroMQ's I/O threads "
-                "keep the default policy; set node.zmq_io_batch = false to say so"
+                "node.zmq_io_batch: SCHED_BATCH is not granted here (a seccomp filter, a "
+                "real-time daemon, or not Linux), so ZeroMQ's I/O threads keep the default "
+                "policy; set node.zmq_io_batch = false to say so"
             )
         # Membership (built in run()) tells which node an address is.
         self.gossip: GossipService | None = None

@@ -1,4 +1,5 @@
-"""ZeroMQ's I/O threads under SCHED_BATCH (``node.zmq_io_batch``; config.py says why).
+"""ZeroMQ's I/O threads (and its reaper) under SCHED_BATCH (``node.zmq_io_batch``;
+config.py says why).
 
 libzmq sets the policy as each I/O thread starts and aborts the whole process when the
 kernel refuses it (a seccomp filter, a platform without the policy), so a throwaway thread
@@ -15,6 +16,10 @@ import zmq
 
 def _batch_allowed() -> bool:
     if not hasattr(os, "SCHED_BATCH"):
+        return False
+    if os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
+        # a real-time daemon: a libzmq that keeps the inherited priority would ask BATCH at
+        # that priority, which the kernel refuses (and libzmq aborts); the probe asks at 0
         return False
     outcome: list[bool] = []
 

@@ -304,9 +304,9 @@ class TurnBatching:
         if self._armed:
             self._count += 1
             return False
-        self._armed = True
-        self._count = 1
         asyncio.get_running_loop().call_soon(self._end_turn)
+        self._armed = True  # (after: without a running loop nothing would ever end the turn)
+        self._count = 1
         return self._quiet
 
     def _end_turn(self) -> None:

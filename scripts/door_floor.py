@@ -11,14 +11,14 @@ in turn, and for each window:
   kind, among them ``epoll_pwait``, the event loop's turns;
 - with ``py-spy`` and ``perf record`` (``--sample``, a separate window: sampling slows the
   daemons): the daemons' CPU samples by thread and binary (libpython, the kernel, uvloop,
-  msgspec, libzmq...), and the main threads' Python samples by the frame they were in: ``respond`` (the answer's head and its
-  ``transport.write``: uvloop writes at once, so the loopback TCP send and the client's
-  wake-up count here), the event loop's own C code (``Runner.run`` on top: epoll, socket
+  msgspec, libzmq...), and the main threads' Python samples by the frame they were in: the writes to clients
+  (``respond`` and the turn end's writes, CLIENT_WRITES: uvloop writes at once, so the
+  loopback TCP send and the client's wake-up count here), the event loop's own C code (``Runner.run`` on top: epoll, socket
   reads, callback dispatch), ZeroMQ's calls (``zmq/*`` on top: the mailbox signal that wakes
   the I/O thread), and gossipd's Python (the rest).  py-spy samples a thread that is not
   idle by the wall clock, so a thread preempted right after a call (runnable, waiting for a
   core) counts under that call: a write that wakes wrk, which then takes the core, counts
-  under ``respond``; perf's samples are CPU time only.
+  under the write; perf's samples are CPU time only.
 
 What it is for: how much of a request's CPU is Python that a change to gossipd could remove,
 and how much is the kernel, the loop and ZeroMQ, which it cannot.  A measurement of this
@@ -50,6 +50,9 @@ from gossipd.tools.bench.http_peers import Window, Wrk, new_workdir
 SYSCALLS = ("epoll_pwait", "epoll_wait", "read", "write", "recvfrom", "sendto", "poll",
             "getpid", "epoll_ctl", "futex")  # fmt: skip
 TICK_US = 1e6 / os.sysconf("SC_CLK_TCK")
+# The frames that write to the client's socket (uvloop writes at once, in the call):
+# gossipd/http/server.py's Exchange and HttpConnection, gossipd/http/turnwrites.py.
+CLIENT_WRITES = frozenset({"respond", "write_now", "write_held", "_end_turn"})
 
 
 def _kind(pid: int, tid: str) -> str:
@@ -137,8 +140,8 @@ def spy_layers(paths: list[Path]) -> dict[str, float]:
             # a frame reads "Class.function (path:line)"
             name, _, where = stack.split(";")[-1].partition(" (")
             function = name.rsplit(".", 1)[-1]
-            if function == "respond" and "gossipd/http/server.py" in where:
-                layer = "respond_write"
+            if function in CLIENT_WRITES and "gossipd/http/" in where:
+                layer = "client_write"
             elif function == "run" and "asyncio/runners.py" in where:
                 layer = "event_loop_c"
             elif where.startswith("zmq/") or "/zmq/" in where:
@@ -163,8 +166,8 @@ def window(wrk: Wrk, urls: list[str], pids: list[int], c: int, seconds: int) -> 
         "threads": per_thread(before, after, w.requests),
     }
     if perf is not None:
-        # perf counts over its whole window: requests over that window by the rate measured
-        out["syscalls_per_req"] = read_perf(perf, pids, round(w.req_per_s * (seconds + 1)))
+        # perf's window holds wrk's (0.3 s before it, about 0.7 after, the daemons idle then)
+        out["syscalls_per_req"] = read_perf(perf, pids, w.requests)
     return out
 
 

@@ -57,6 +57,16 @@ def test_where_the_kernel_refuses_batch_libzmq_is_not_asked(monkeypatch: Any) ->
         ctx.term()
 
 
+def test_a_real_time_daemon_does_not_ask_for_batch(monkeypatch: Any) -> None:
+    # libzmq would ask BATCH at the inherited real-time priority, which the kernel refuses
+    monkeypatch.setattr(iothreads.os, "sched_getscheduler", lambda pid: os.SCHED_FIFO)
+    ctx = zmq.Context()
+    try:
+        assert not iothreads.batch_io_threads(ctx)
+    finally:
+        ctx.term()
+
+
 @pytest.mark.parametrize(
     ("overrides", "policy"),
     [((), os.SCHED_BATCH), (("node.zmq_io_batch=false",), os.SCHED_OTHER)],

@@ -368,7 +368,7 @@ class HttpConnection(asyncio.Protocol):
         return False
 
     def write_held(self) -> None:
-        held, self._held = self._held, None
+        held, self._held = self._held, None  # cleared first: a failed write holds nothing
         self._held_bytes = 0
         if held and self.transport is not None:
             self.transport.write(held[0] if len(held) == 1 else b"".join(held))

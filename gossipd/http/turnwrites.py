@@ -4,9 +4,10 @@ Each write to a client's socket wakes the client, and on a busy host the woken c
 takes the core from the event loop that wrote (the kernel preempts the waker), which then
 goes on cold with the rest of its turn: about one preemption a request at 16 connections
 (scripts/door_floor.py).  Written at the turn's end instead, a turn's answers cost one such
-switch.  When the previous turn wrote one answer at most (light load), a turn's first
-answer leaves at once, as ZeroMQ replies do (``zmqloop.TurnBatching``): a lone answer does
-not wait for the rest of its turn.  Measured in bench/README ("Answers at the turn's end").
+switch.  When the previous turn made one write at most (light load), a turn's first write
+leaves at once, as ZeroMQ replies do (``zmqloop.TurnBatching``): a lone answer does not wait
+for the rest of its turn.  Writes are counted, not answers: a stream's head, each piece and
+its end are one each, so a lone stream's pieces often wait for their turn's end.  Measured in bench/README ("Answers at the turn's end").
 
 A connection's bytes stay in order: once a turn holds any answer, every later write of that
 turn waits too (the turn's first one left at once only when nothing was waiting anywhere),
@@ -15,9 +16,12 @@ and a connection that closes writes what it holds first.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from gossipd.zmqloop import TurnBatching
+
+log = logging.getLogger("gossipd.http")
 
 
 class Writer(Protocol):
@@ -46,4 +50,7 @@ class TurnWrites:
     def _end_turn(self) -> None:
         holding, self._holding = self._holding, []
         for conn in holding:
-            conn.write_held()
+            try:
+                conn.write_held()
+            except Exception:  # one connection's failure leaves the others' answers going
+                log.exception("writing a held HTTP answer failed")
