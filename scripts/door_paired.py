@@ -1,7 +1,7 @@
 """Two versions of the HTTP door, paired: ``gossipd bench http``'s gossipd variant (2
 daemons, echo engine, both doors, about half the requests forwarded) started once per side
 per round, the sides alternating, the bench's wrk at each concurrency; medians over rounds of
-req/s, CPU microseconds a request of both daemons, p50 and p99.  The sides:
+req/s, CPU microseconds a request of both daemons and of wrk (the clients), p50 and p99.  The sides:
 
 - ``--base-tree DIR``: the daemons' code from DIR (a checkout of another commit: ``git
   worktree add /tmp/base HEAD~1``) against this tree's;
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 from pathlib import Path
@@ -28,6 +29,12 @@ from gossipd.tools.bench.http_peers import Wrk, new_workdir
 
 SETTING = "GOSSIPD_NODE__ZMQ_IO_BATCH"  # an environment variable beats the config's default
 HERE = Path(__file__).resolve().parents[1]
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended and waited-for children: wrk's, once it ends."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _side(new: bool, base_tree: Path | None) -> None:
@@ -50,12 +57,15 @@ def one_side(
         wrk.run(urls, 16, 2, pids)  # warm
         out = {}
         for c in levels:
+            before = _children_cpu_s()
             w = wrk.run(urls, c, seconds, pids)
+            client_s = _children_cpu_s() - before  # wrk's (the daemons have not ended)
             out[c] = {
                 "req_per_s": w.req_per_s,
                 "cpu_us_per_req": w.cpu_us_per_req or 0.0,
                 "p50_us": w.p50_us,
                 "p99_us": w.p99_us,
+                "client_cpu_us_per_req": client_s * 1e6 / max(1, w.requests),
             }
         return out
     finally:
@@ -92,7 +102,13 @@ def main() -> None:
         for side in names:
             m[side] = {
                 k: round(statistics.median(r[side][c][k] for r in rounds), 1)
-                for k in ("req_per_s", "cpu_us_per_req", "p50_us", "p99_us")
+                for k in (
+                    "req_per_s",
+                    "cpu_us_per_req",
+                    "client_cpu_us_per_req",
+                    "p50_us",
+                    "p99_us",
+                )
             }
         old, new = m[names[0]], m[names[1]]
         m["cpu_ratio"] = round(new["cpu_us_per_req"] / old["cpu_us_per_req"], 3)
@@ -113,7 +129,8 @@ def main() -> None:
         print(
             f"c={c}: req/s {d['req_per_s']:,.0f} -> {b['req_per_s']:,.0f} "
             f"(x{m['req_per_s_ratio']}), CPU us/req {d['cpu_us_per_req']} -> "
-            f"{b['cpu_us_per_req']} (x{m['cpu_ratio']}), p50 {d['p50_us']:.0f} -> "
+            f"{b['cpu_us_per_req']} (x{m['cpu_ratio']}), wrk's CPU us/req "
+            f"{d['client_cpu_us_per_req']} -> {b['client_cpu_us_per_req']}, p50 {d['p50_us']:.0f} -> "
             f"{b['p50_us']:.0f} us, p99 {d['p99_us']:.0f} -> {b['p99_us']:.0f} us"
         )
 

@@ -1,13 +1,14 @@
 """The HTTP door's answers of one loop turn written together at its end.
 
-Each write to a client's socket wakes the client, and on a busy host the woken client
-takes the core from the event loop that wrote (the kernel preempts the waker), which then
-goes on cold with the rest of its turn: about one preemption a request at 16 connections
-(scripts/door_floor.py).  Written at the turn's end instead, a turn's answers cost one such
-switch.  When the previous turn made one write at most (light load), a turn's first write
-leaves at once, as ZeroMQ replies do (``zmqloop.TurnBatching``): a lone answer does not wait
-for the rest of its turn.  Writes are counted, not answers: a stream's head, each piece and
-its end are one each, so a lone stream's pieces often wait for their turn's end.  Measured in bench/README ("Answers at the turn's end").
+Each write to a client's socket wakes the client.  Under load, written at the turn's end, a
+turn's answers reach the clients together: a client wakes once for several and sends its
+next requests together, so the loop's turns carry more requests (5-9% more requests a
+second at 16 and 64 connections here, p99 7-17% lower, the daemons' CPU a request the same:
+bench/README, "Answers at the turn's end").  When the previous turn made one write at most
+(light load), a turn's first write leaves at once, as ZeroMQ replies do
+(``zmqloop.TurnBatching``): a lone answer does not wait for the rest of its turn.  Writes are
+counted, not answers: a stream's head, each piece and its end are one each, so a lone
+stream's pieces often wait for their turn's end (the loop's next pass: microseconds).
 
 A connection's bytes stay in order: once a turn holds any answer, every later write of that
 turn waits too (the turn's first one left at once only when nothing was waiting anywhere),
