@@ -289,6 +289,13 @@ class FanoutConfig(Section):
     breaker_open_s: Seconds = 2.0
     # Largest message between daemons accepted (ZMQ_MAXMSGSIZE); batches are split below it.
     message_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
+    # How forwards and their replies travel between daemons (fanout.rpc_bind): "loop" (ZMTP
+    # 3.0, with CURVE when security is on, spoken by the event loop itself: gossipd/zmtp.py)
+    # or "zmq" (libzmq's DEALER/ROUTER, whose I/O thread every message wakes).  The same bytes
+    # on the wire, so the two interoperate (a rolling upgrade mixes them).  "loop" costs a
+    # forward about 100 us less CPU and latency on a 2-vCPU VM (bench/README, "The peer
+    # channel on the loop").
+    peer_transport: Literal["loop", "zmq"] = "loop"
     # Where a task goes: "prefix" (its key; without one, the member holding the longest known
     # prefix of its prompt, see gossipd/core/prefix.py), "key" (its key, else its id), or
     # "round_robin" (the next member in turn; for comparison).  Bounded loads apply to the

@@ -243,6 +243,8 @@ class Daemon:
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
         self.holder: ResultHolder | None = None  # Results held for forwarders not alive
+        # The loop peer channel's connections whose member's key changed close (fan-out's).
+        self._close_rekeyed_peers: Callable[..., int] = lambda unknown_only=False: 0
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         self.leader_duties: Any = None  # gossipd.leader.builtin.BuiltinDuties; idem
         self.exit_status = 0  # what run() returns after a clean stop (see request_stop)
@@ -377,6 +379,7 @@ class Daemon:
             fanout = self._build_fanout(endpoint)
             self.gossip, self.dispatcher = fanout.gossip, fanout.dispatcher
             self.load_gossip, self.holder = fanout.load_gossip, fanout.holder
+            self._close_rekeyed_peers = fanout.close_rekeyed
             gossip_endpoint = _bind("gossip.bind", self.config.gossip.bind, self.gossip.bind)
             loop.add_signal_handler(signal.SIGUSR1, self.gossip.announce)
         self.admin = admin = Admin(
@@ -610,6 +613,7 @@ class Daemon:
         they opened) reconnect with the right server key."""
         for kind in (SocketKind.GOSSIP, SocketKind.PEER):
             self.sockets.close_rekeyed(kind, unknown_only=not peers_changed)
+        self._close_rekeyed_peers(unknown_only=not peers_changed)
 
     def rng(self, purpose: str) -> random.Random:
         """The RNG of one part, derived from node.seed (so a run can be replayed)."""

@@ -48,6 +48,9 @@ class PeerClient(Protocol):
     in ``simulations/peerchannel.py``; ``tests/test_peerchannel_contract.py`` holds both to this."""
 
     dropped: int  # frames ``send`` refused (it returned False)
+    # Connections closed because the peer broke ZMTP (a bad handshake, box, nonce or size):
+    # the loop channel counts them; libzmq closes such connections without telling us (0).
+    protocol_errors: int
 
     def start(self, on_replies: OnReplies) -> None:
         """Hand what peers send back to ``on_replies(addr, frames)`` from now on (call once,
@@ -98,6 +101,7 @@ class PeerServer(Protocol):
     ``simulations/peerchannel.py``."""
 
     dropped: int  # replies ``send`` refused (it returned False)
+    protocol_errors: int  # as PeerClient's
 
     def bind(self, addr: str) -> str:
         """Accept connections at ``addr``; the address clients should use (the ZeroMQ
@@ -140,6 +144,8 @@ class PeerServer(Protocol):
 class ZmqPeerClient:
     """``PeerClient`` over ZeroMQ: one pooled DEALER per address (the socket pool's PEER kind:
     SNDHWM 10 000, LINGER 0, plus ``options``), each read in its fd callback."""
+
+    protocol_errors = 0  # libzmq does not say
 
     def __init__(
         self,
@@ -217,6 +223,8 @@ class ZmqPeerServer:
     CurveZMQ (``serve_curve(sock)`` makes the ROUTER a CURVE server before it binds), each
     message is read as zmq.Frame (copy=False) for its User-Id property: the node its sender's
     key belongs to (gossipd/security.py's ZAP handler), the ``sender`` of ``on_request``."""
+
+    protocol_errors = 0  # libzmq does not say
 
     def __init__(
         self,

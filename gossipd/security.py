@@ -38,6 +38,7 @@ from zmq.utils import z85
 from gossipd.errors import StartupError
 from gossipd.ops.logs import RateLimiter
 from gossipd.zmqloop import NOBLOCK, SocketReader, kick
+from gossipd.zmtp import PeerCurve
 
 log = logging.getLogger("gossipd.security")
 
@@ -180,19 +181,28 @@ class ZapHandler:
     def _answer(self, parts: list[bytes]) -> list[bytes]:
         domain = parts[4].decode("utf-8", "replace")
         address = parts[5].decode("utf-8", "replace")
+        mechanism = parts[7] if len(parts) >= 9 else b""
+        user = self.decide(domain, mechanism, parts[8] if len(parts) > 8 else b"", address)
+        head = [parts[0], b"", b"1.0", parts[3]]
+        if user is not None:
+            return [*head, b"200", b"OK", user.encode(), b""]
+        return [*head, b"400", b"unknown key", b"", b""]
+
+    def decide(self, domain: str, mechanism: bytes, key: bytes, address: str) -> str | None:
+        """The user a client with ``key`` (32 raw bytes) is in ``domain``, or None (refused,
+        counted and logged): ZAP's answer, and the loop peer channel's (looppeer.py)."""
         keys = self._domains.get(domain)
         user: str | None = None
-        if parts[7] != b"CURVE" or len(parts) < 9:
+        if mechanism != b"CURVE" or len(key) != 32:
             reason = "mechanism"
         elif keys is None:
             reason = "domain"
         else:
-            user = keys.user_id(z85.encode(parts[8]))
+            user = keys.user_id(z85.encode(key))
             reason = "unknown_key"
-        head = [parts[0], b"", b"1.0", parts[3]]
         if user is not None:
             self.admitted[domain] += 1
-            return [*head, b"200", b"OK", user.encode(), b""]
+            return user
         self.refused[(domain, reason)] += 1
         if self._log.allow():
             log.warning(
@@ -201,12 +211,12 @@ class ZapHandler:
                     "domain": domain,
                     "reason": reason,
                     "address": address,
-                    "key": z85.encode(parts[8]).decode() if len(parts) > 8 else "",
+                    "key": z85.encode(key).decode() if len(key) == 32 else "",
                     "suppressed_since_last": self._log.suppressed,
                 },
             )
             self._log.suppressed = 0
-        return [*head, b"400", b"unknown key", b"", b""]
+        return None
 
     def close(self) -> None:
         if self._reader is not None:
@@ -284,6 +294,26 @@ class Security:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.key_pair.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.key_pair.secret)
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+    def loop_peer_curve(self) -> PeerCurve | None:
+        """CURVE for the loop peer channel (looppeer.py), as ``serve``/the socket pool set it
+        up for ZeroMQ: this daemon's keys, the member at an address's key, and ZAP's
+        decision (counted with ZAP's) on a client's key; None without CURVE."""
+        if not self.curve:
+            return None
+        assert self.key_pair is not None and self.zap is not None
+        zap = self.zap
+
+        def server_key(addr: str) -> bytes | None:
+            key = self.peer_server_key(addr)
+            return None if key is None else z85.decode(key)
+
+        return PeerCurve(
+            z85.decode(self.key_pair.public),
+            z85.decode(self.key_pair.secret),
+            server_key=server_key,
+            authorize=lambda key, address: zap.decide(DOMAIN_PEERS, b"CURVE", key, address),
+        )
 
     def peer_server_key(self, addr: str) -> bytes | None:
         """The key the member serving ``addr`` must prove it holds (None: no member we know

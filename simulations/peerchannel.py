@@ -51,6 +51,7 @@ class SimPeerClient:
         self._stopped = False
         self._closed = False
         self.dropped = 0
+        self.protocol_errors = 0  # the simulated network carries no bytes to get wrong
 
     def start(self, on_replies: OnReplies) -> None:
         self._on_replies = on_replies
@@ -120,6 +121,7 @@ class SimPeerServer:
         self._bound = False
         self._closed = False
         self.dropped = 0
+        self.protocol_errors = 0  # the simulated network carries no bytes to get wrong
 
     def bind(self, addr: str) -> str:
         """Accept at ``sim://NAME/rpc`` (``addr`` is ignored: one server a node)."""

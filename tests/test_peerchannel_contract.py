@@ -1,6 +1,7 @@
 """The peer channel contract (gossipd/peerchannel.py), one suite run against both
 implementations: ``ZmqPeerClient`` / ``ZmqPeerServer`` on real loopback sockets under an
-asyncio loop, and ``SimPeerClient`` / ``SimPeerServer`` (simulations/peerchannel.py) on the
+asyncio loop, ``LoopPeerClient`` / ``LoopPeerServer`` (gossipd/looppeer.py) on loopback with
+and without CURVE, and ``SimPeerClient`` / ``SimPeerServer`` (simulations/peerchannel.py) on the
 simulator's virtual-time network.
 
 Invariants: a frame sent arrives once, with an identity that is the same for every frame of
@@ -22,13 +23,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+import uvloop
 import zmq
+from nacl.bindings import crypto_box_keypair
 
 from gossipd.errors import TransportClosed
+from gossipd.looppeer import LoopPeerClient, LoopPeerServer
 from gossipd.peerchannel import PeerClient, PeerServer, ZmqPeerClient, ZmqPeerServer
 from gossipd.security import DOMAIN_PEERS, Security, load_key_pair, write_key_pair
 from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import free_tcp_port
+from gossipd.zmtp import PeerCurve
 from simulations.netsim import NetworkModel, SimNetwork
 from simulations.peerchannel import SimPeerClient, SimPeerServer
 from tests.helpers import run_with_context, wait_until_async
@@ -130,6 +135,58 @@ class ZmqNet:
             pool.close_all()
 
 
+class LoopNet:
+    """The loop's channel (gossipd/looppeer.py) on loopback, NULL or CURVE: under CURVE each
+    client has a key pair of its own and the server knows each client's key by its name."""
+
+    def __init__(self, curve: bool) -> None:
+        self.curve = curve
+        self.closing: list[PeerClient | PeerServer] = []
+        self.server_public, self.server_secret = crypto_box_keypair()
+        self.names: dict[bytes, str] = {}  # client key -> name
+
+    def new_client(self, name: str) -> PeerClient:
+        curve = None
+        if self.curve:
+            public, secret = crypto_box_keypair()
+            self.names[public] = name
+            curve = PeerCurve(public, secret, server_key=lambda addr: self.server_public)
+        client = LoopPeerClient(message_bytes_max=BYTES_MAX, curve=curve)
+        self.closing.append(client)
+        return client
+
+    def new_server(self, name: str) -> PeerServer:
+        curve = None
+        if self.curve:
+            curve = PeerCurve(
+                self.server_public,
+                self.server_secret,
+                authorize=lambda key, address: self.names.get(key),
+            )
+        server = LoopPeerServer(message_bytes_max=BYTES_MAX, curve=curve)
+        self.closing.append(server)
+        return server
+
+    def bind_addr(self) -> str:
+        return "tcp://127.0.0.1:0"
+
+    def nowhere(self) -> str:
+        return f"tcp://127.0.0.1:{free_tcp_port()}"
+
+    def sender_of(self, name: str) -> str:
+        return name if self.curve else ""
+
+    def now(self) -> float:
+        return time.monotonic()  # the client's clock
+
+    async def wait_for(self, done: Callable[[], bool], what: str) -> None:
+        await wait_until_async(done, 5.0, what)
+
+    def close(self) -> None:
+        for part in self.closing:
+            part.close()
+
+
 class SimNet:
     """Latency spread wide (sigma 1.5), so that frames on one path would overtake each other
     if the network did not keep them in order."""
@@ -196,11 +253,21 @@ def _run(kind: str, body: Body) -> None:
                 net.close()
 
         run_with_context(main)
+    elif kind.startswith("loop"):
+
+        async def on_loop() -> None:
+            net = LoopNet(curve=kind == "loop_curve")
+            try:
+                await body(net)
+            finally:
+                net.close()
+
+        uvloop.run(on_loop())
     else:
         asyncio.run(body(SimNet()))
 
 
-KINDS = ["zmq", "sim"]
+KINDS = ["zmq", "sim", "loop", "loop_curve"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

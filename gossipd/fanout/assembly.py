@@ -38,6 +38,7 @@ from gossipd.ingress.journal import Journal
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.replay import JournalReplay
 from gossipd.ingress.service import Ingress
+from gossipd.looppeer import LoopPeerClient, LoopPeerServer
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.security import DOMAIN_PEERS, Security
@@ -57,6 +58,9 @@ class Fanout:
     load_gossip: LoadGossip
     holder: ResultHolder  # Results held for forwarders not alive
     rpc_endpoint: str  # where the owner endpoint is bound
+    # Closes the peer connections whose member's key changed (or was unknown when they were
+    # made): the loop channel's own; the socket pool does it for ZeroMQ's.
+    close_rekeyed: Callable[..., int]
 
 
 def build_fanout(
@@ -133,9 +137,25 @@ def build_fanout(
     def send_to_member(member: str, msg: TaskDone) -> None:
         dispatcher.send_to_member(member, msg)
 
+    # The peer channel (fanout.peer_transport): the loop's own ZMTP, or libzmq's sockets.
+    loop_channel = config.fanout.peer_transport == "loop"
+    peer_client = (
+        LoopPeerClient(
+            message_bytes_max=config.fanout.message_bytes_max,
+            curve=security.loop_peer_curve(),
+            reconnect_max_s=config.fanout.peer_reconnect_max_s,
+        )
+        if loop_channel
+        else zmq_peer_client(config.fanout, sockets)
+    )
     owner = OwnerEndpoint(
         config.fanout,
-        server=zmq_peer_server(
+        server=LoopPeerServer(
+            message_bytes_max=config.fanout.message_bytes_max,
+            curve=security.loop_peer_curve(),
+        )
+        if loop_channel
+        else zmq_peer_server(
             config.fanout,
             ctx,
             serve_curve=(lambda sock: security.serve(sock, DOMAIN_PEERS))
@@ -205,7 +225,7 @@ def build_fanout(
         placer=placer,
         links=PeerLinks(
             config.fanout,
-            channel=zmq_peer_client(config.fanout, sockets),
+            channel=peer_client,
             on_reply=peer_replies,
         ),
         owner=owner,
@@ -249,4 +269,9 @@ def build_fanout(
     gossip.listeners.append(holder.member_event)
     links.hold = holder.hold
     links.answered_cached = holder.answered
-    return Fanout(gossip, dispatcher, load_gossip, holder, rpc_endpoint)
+    close_rekeyed = (
+        peer_client.close_rekeyed
+        if isinstance(peer_client, LoopPeerClient)
+        else (lambda unknown_only=False: 0)
+    )
+    return Fanout(gossip, dispatcher, load_gossip, holder, rpc_endpoint, close_rekeyed)

@@ -78,6 +78,7 @@ class FanoutStatistics:
     hedges_over_budget: int
     withdrawn: int
     peer_links_closed: int
+    peer_protocol_errors: int  # peer connections closed for breaking ZMTP (loop channel)
     withdrawn_by_peers: int
     forwarded_bytes: int = 0  # tasks remembered for migration (budgets.task_bytes)
     forwarded_evicted_count: int = 0  # ...forgotten for room: fanout.forwarded_max
@@ -391,6 +392,8 @@ class Dispatcher:
             hedges_over_budget=fw.hedges_over_budget,
             withdrawn=fw.withdrawn,
             peer_links_closed=links.links_closed,
+            peer_protocol_errors=self.owner.server_protocol_errors
+            + self._links.channel_protocol_errors,
             withdrawn_by_peers=owner.withdrawn_by_peers,
             forwarded_bytes=self.forwarder.ledger.bytes,
             forwarded_evicted_count=self.forwarder.ledger.evicted_count,

@@ -223,6 +223,10 @@ class OwnerEndpoint:
         callback: a forward is admitted in the callback that sees it arrive)."""
         self._server.start(self._on_peer_frame, self._on_malformed)
 
+    @property
+    def server_protocol_errors(self) -> int:
+        return self._server.protocol_errors
+
     def stop(self) -> None:
         self._server.stop()
 

@@ -74,6 +74,10 @@ class PeerLinks:
         self._turn = TurnBatching(self._flush)
         channel.start(self._on_frames)
 
+    @property
+    def channel_protocol_errors(self) -> int:
+        return self._channel.protocol_errors
+
     def stop(self) -> None:
         """Stop reading what peers send back (before the connections close)."""
         self._channel.stop()

@@ -409,6 +409,12 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             "Connections to addresses of no live member closed after fanout.peer_idle_close_s",
             stats.peer_links_closed,
         ),
+        (
+            "gossipd_fanout_peer_protocol_errors",
+            "Peer connections closed for breaking ZMTP: greeting, handshake, box, nonce or "
+            "frame size (fanout.peer_transport loop; refused keys count in auth_refused)",
+            stats.peer_protocol_errors,
+        ),
     ):
         yield _one(C, name, doc, value)
     yield _by(

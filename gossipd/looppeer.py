@@ -1,0 +1,513 @@
+"""The peer channel on the event loop: ``LoopPeerClient`` / ``LoopPeerServer``, the
+``PeerClient`` / ``PeerServer`` contract (gossipd/peerchannel.py) over asyncio TCP
+connections that speak ZMTP 3.0 (gossipd/zmtp.py), NULL or CURVE as the daemon's security
+says.  ``fanout.peer_transport = "loop"`` (the default) picks these; ``"zmq"`` the libzmq
+DEALER/ROUTER pair.
+
+The wire is libzmq's, so either side may be a libzmq socket (a daemon of an older release
+still forwards to this one).  What differs is where the bytes move: here the loop's own
+thread writes a frame to the socket in the call that sends it and reads replies in the
+callback that sees them, with no I/O thread to wake on either side.
+
+Bounds, as the ZeroMQ pair's: a client holds at most ``queue_max`` frames (and
+``queue_bytes_max`` bytes) for a connection not yet up; a connection's unsent bytes past
+``write_bytes_max`` make ``send`` refuse (counted in ``dropped``), which is what a full
+SNDHWM does; a frame larger than ``message_bytes_max`` ends the connection that sent it, as
+MAXMSGSIZE does.  A client reconnects after ``reconnect_s``, doubling to
+``reconnect_max_s``; frames queued meanwhile wait for the new connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from itertools import count
+
+from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.peerchannel import OnReplies, OnRequest
+from gossipd.zmtp import CurveKeys, PeerCurve, ZmtpConnection, ZmtpError
+
+log = logging.getLogger("gossipd.looppeer")
+
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection still shaking hands after this is closed
+WRITE_BYTES_MAX = 64 * 1024 * 1024  # a connection's unsent bytes before sends are refused
+
+
+def parse_endpoint(addr: str) -> tuple[str, int]:
+    """``tcp://host:port`` (host ``*`` for every address, ``[v6]`` bracketed) -> (host, port)."""
+    if not addr.startswith("tcp://"):
+        raise ValueError(f"{addr!r}: the peer channel speaks tcp:// only")
+    host, sep, port = addr[len("tcp://") :].rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{addr!r}: expected tcp://HOST:PORT")
+    host = host.strip("[]")
+    return ("0.0.0.0" if host == "*" else host), int(port)
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class _Link(asyncio.Protocol):
+    """One TCP connection and its ZMTP state; the owner's callbacks see its messages."""
+
+    def __init__(
+        self,
+        zmtp: ZmtpConnection,
+        on_messages: Callable[[_Link, list[list[bytes]]], None],
+        on_ready: Callable[[_Link], None],
+        on_lost: Callable[[_Link, str], None],
+    ) -> None:
+        self.zmtp = zmtp
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.identity = b""  # a server's name for this connection
+        self._on_messages = on_messages
+        self._on_ready = on_ready
+        self._on_lost = on_lost
+        self._timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        transport.write(self.zmtp.data_to_send())
+        self._timer = asyncio.get_running_loop().call_later(
+            HANDSHAKE_TIMEOUT_S, self._handshake_late
+        )
+
+    def _handshake_late(self) -> None:
+        if not self.zmtp.ready:
+            self.fail("handshake_timeout", "no handshake within 5 s")
+
+    def data_received(self, data: bytes) -> None:
+        zmtp = self.zmtp
+        was_ready = zmtp.ready
+        try:
+            messages = zmtp.receive(data)
+        except ZmtpError as exc:
+            self.fail(exc.reason, str(exc))
+            return
+        if not was_ready:
+            out = zmtp.data_to_send()
+            if out and self.transport is not None:
+                self.transport.write(out)
+            if zmtp.ready:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._on_ready(self)
+        elif zmtp._out:  # a PONG to a PING
+            assert self.transport is not None
+            self.transport.write(zmtp.data_to_send())
+        if messages:
+            self._on_messages(self, messages)
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def unsent(self) -> int:
+        return 0 if self.transport is None else self.transport.get_write_buffer_size()
+
+    def fail(self, reason: str, message: str) -> None:
+        """The peer broke the protocol (or was refused): say what it is owed, then close."""
+        if self.transport is not None and not self.closed:
+            out = self.zmtp.data_to_send()  # an ERROR for a refused client
+            if out:
+                self.transport.write(out)
+            log.warning(
+                "closed a peer connection", extra={"peer": self.peer, "reason": reason,
+                                                   "detail": message}
+            )  # fmt: skip
+            self.transport.close()
+        self._lost(reason)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        self._lost("closed")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost("lost")
+
+    def _lost(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._on_lost(self, reason)
+
+
+class LoopPeerServer:
+    """``PeerServer`` on the loop: a listening socket; each connection gets an identity (5
+    bytes, as libzmq's ROUTER makes them), and ``sender`` is the node its CURVE key
+    belongs to ("" without CURVE)."""
+
+    def __init__(
+        self,
+        *,
+        message_bytes_max: int,
+        curve: PeerCurve | None = None,
+        write_bytes_max: int = WRITE_BYTES_MAX,
+    ) -> None:
+        self._message_bytes_max = message_bytes_max
+        self._curve = curve
+        self._write_bytes_max = write_bytes_max
+        self._sock: socket.socket | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._links: dict[bytes, _Link] = {}
+        self._ids = count(1)
+        self._on_request: OnRequest | None = None
+        self._on_malformed: Callable[[], None] | None = None
+        self._stopped = False
+        self._closed = False
+        self.dropped = 0
+        self.refused: dict[str, int] = {}  # connections ended, by reason
+
+    @property
+    def protocol_errors(self) -> int:
+        return sum(n for reason, n in self.refused.items() if reason != "refused")
+
+    def bind(self, addr: str) -> str:
+        if self._closed:
+            raise TransportClosed("bind on a closed peer server")
+        if self._sock is not None:
+            raise LocalProtocolError("this peer server is already bound")
+        host, port = parse_endpoint(addr)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        return format_endpoint(host, sock.getsockname()[1])
+
+    def start(self, on_request: OnRequest, on_malformed: Callable[[], None]) -> None:
+        """Accept from the next loop turn on (connections wait in the listen backlog)."""
+        if self._sock is None:
+            raise LocalProtocolError("bind() the peer server first")
+        self._on_request, self._on_malformed = on_request, on_malformed
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.create_server(self._new_link, sock=self._sock))
+        task.add_done_callback(self._served)
+
+    def _served(self, task: asyncio.Task[asyncio.AbstractServer]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            log.error("the peer server did not start", exc_info=task.exception())
+            return
+        self._server = task.result()
+        if self._closed:
+            self._server.close()
+
+    def _new_link(self) -> _Link:
+        curve = self._curve
+        keys = None if curve is None else CurveKeys(curve.public, curve.secret)
+        link: _Link
+
+        def authorize(key: bytes) -> str | None:
+            assert curve is not None
+            return curve.authorize(key, link.peer.rpartition(":")[0])
+
+        link = _Link(
+            ZmtpConnection(
+                as_server=True,
+                socket_type=b"ROUTER",
+                peer_types=(b"DEALER", b"ROUTER"),
+                frame_bytes_max=self._message_bytes_max,
+                curve=keys,
+                authorize=authorize if curve is not None else None,
+            ),
+            self._on_messages,
+            self._on_ready,
+            self._on_lost,
+        )
+        link.identity = b"\x00" + next(self._ids).to_bytes(4, "big")
+        if self._closed:
+            self._links_closing(link)
+        return link
+
+    def _links_closing(self, link: _Link) -> None:
+        asyncio.get_running_loop().call_soon(link.close)
+
+    def _on_ready(self, link: _Link) -> None:
+        self._links[link.identity] = link
+
+    def _on_lost(self, link: _Link, reason: str) -> None:
+        self._links.pop(link.identity, None)
+        if reason not in ("lost", "closed"):
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    def _on_messages(self, link: _Link, messages: list[list[bytes]]) -> None:
+        if self._stopped:
+            return
+        on_request = self._on_request
+        assert on_request is not None and self._on_malformed is not None
+        identity = link.identity
+        user = link.zmtp.peer_user
+        for parts in messages:
+            if len(parts) != 1:
+                self._on_malformed()
+                continue
+            on_request(identity, parts[0], user)
+
+    def send(self, identity: bytes, frame: bytes) -> bool:
+        if self._closed:
+            raise TransportClosed("send on a closed peer server")
+        link = self._links.get(identity)
+        if link is None or link.closed or link.unsent() > self._write_bytes_max:
+            self.dropped += 1
+            return False
+        link.write(link.zmtp.encode(frame))
+        return True
+
+    def flush(self) -> None:
+        """Nothing waits: ``send`` wrote already."""
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        if self._server is not None:
+            self._server.close()
+        elif self._sock is not None:
+            self._sock.close()
+        for link in list(self._links.values()):
+            link.close()
+        self._links.clear()
+
+
+class _Conn:
+    """A client's connection to one address: the link when up, the frames waiting for it."""
+
+    __slots__ = (
+        "addr",
+        "connecting",
+        "delay_s",
+        "link",
+        "queue",
+        "queued_bytes",
+        "retry",
+        "server_key",
+        "used_at",
+    )  # fmt: skip
+
+    def __init__(self, addr: str, now: float, delay_s: float) -> None:
+        self.addr = addr
+        self.link: _Link | None = None  # set once its handshake is done
+        self.queue: deque[bytes] = deque()
+        self.queued_bytes = 0
+        self.used_at = now
+        self.retry: asyncio.TimerHandle | None = None
+        self.delay_s = delay_s
+        self.server_key: bytes | None = None
+        self.connecting: asyncio.Task[object] | _Link | None = None
+
+
+class LoopPeerClient:
+    """``PeerClient`` on the loop: one connection per address, made on first use,
+    reconnected when lost."""
+
+    def __init__(
+        self,
+        *,
+        message_bytes_max: int,
+        curve: PeerCurve | None = None,
+        reconnect_s: float = 0.1,
+        reconnect_max_s: float = 1.0,
+        queue_max: int = 10_000,
+        queue_bytes_max: int = WRITE_BYTES_MAX,
+        write_bytes_max: int = WRITE_BYTES_MAX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._message_bytes_max = message_bytes_max
+        self._curve = curve
+        self._reconnect_s = reconnect_s
+        self._reconnect_max_s = reconnect_max_s
+        self._queue_max = queue_max
+        self._queue_bytes_max = queue_bytes_max
+        self._write_bytes_max = write_bytes_max
+        self._clock = clock
+        self._conns: dict[str, _Conn] = {}
+        self._on_replies: OnReplies | None = None
+        self._stopped = False
+        self._closed = False
+        self.dropped = 0
+        self.unknown_keys = 0  # connections wanted to an address with no known key
+        self.failed: dict[str, int] = {}  # connections ended by a protocol error, by reason
+
+    @property
+    def protocol_errors(self) -> int:
+        return sum(n for reason, n in self.failed.items() if reason != "refused")
+
+    def start(self, on_replies: OnReplies) -> None:
+        self._on_replies = on_replies
+
+    def send(self, addr: str, frame: bytes) -> bool:
+        conn = self._conns.get(addr)
+        if conn is None:
+            conn = self._open(addr)
+        conn.used_at = self._clock()
+        link = conn.link
+        if link is not None:
+            if link.unsent() > self._write_bytes_max:
+                self.dropped += 1
+                return False
+            link.write(link.zmtp.encode(frame))
+            return True
+        if len(conn.queue) >= self._queue_max or conn.queued_bytes > self._queue_bytes_max:
+            self.dropped += 1
+            return False
+        conn.queue.append(frame)
+        conn.queued_bytes += len(frame)
+        return True
+
+    def _open(self, addr: str) -> _Conn:
+        if self._closed:
+            raise TransportClosed("send on a closed peer client")
+        if self._on_replies is None:
+            raise LocalProtocolError("start() the peer client before sending")
+        parse_endpoint(addr)  # a bad address fails here, in the caller's send
+        conn = self._conns[addr] = _Conn(addr, self._clock(), self._reconnect_s)
+        self._connect(conn)
+        return conn
+
+    def _connect(self, conn: _Conn) -> None:
+        conn.retry = None
+        if self._closed or self._conns.get(conn.addr) is not conn:
+            return
+        keys = None
+        if self._curve is not None:
+            conn.server_key = self._curve.server_key(conn.addr)
+            if conn.server_key is None:
+                self.unknown_keys += 1  # no connection until close_rekeyed finds a key
+                return
+            keys = CurveKeys(self._curve.public, self._curve.secret, conn.server_key)
+        link = _Link(
+            ZmtpConnection(
+                as_server=False,
+                socket_type=b"DEALER",
+                peer_types=(b"ROUTER",),
+                frame_bytes_max=self._message_bytes_max,
+                curve=keys,
+            ),
+            partial_messages(self, conn),
+            lambda link: self._on_ready(conn, link),
+            lambda link, reason: self._on_lost(conn, link, reason),
+        )
+        conn.connecting = link
+        host, port = parse_endpoint(conn.addr)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.create_connection(lambda: link, host, port))
+        task.add_done_callback(lambda t: self._connected(conn, link, t))
+
+    def _connected(self, conn: _Conn, link: _Link, task: asyncio.Task[object]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            link.closed = True
+            self._retry_later(conn, link)
+
+    def _retry_later(self, conn: _Conn, link: _Link) -> None:
+        if conn.connecting is not link or self._closed or self._conns.get(conn.addr) is not conn:
+            return
+        conn.connecting = None
+        conn.link = None
+        loop = asyncio.get_running_loop()
+        conn.retry = loop.call_later(conn.delay_s, self._connect, conn)
+        conn.delay_s = min(conn.delay_s * 2, self._reconnect_max_s)
+
+    def _on_ready(self, conn: _Conn, link: _Link) -> None:
+        if conn.connecting is not link:
+            link.close()
+            return
+        conn.link = link
+        conn.delay_s = self._reconnect_s
+        if conn.queue:
+            link.write(b"".join(link.zmtp.encode(f) for f in conn.queue))
+            conn.queue.clear()
+            conn.queued_bytes = 0
+
+    def _on_lost(self, conn: _Conn, link: _Link, reason: str) -> None:
+        if reason not in ("lost", "closed"):
+            self.failed[reason] = self.failed.get(reason, 0) + 1
+        self._retry_later(conn, link)
+
+    def _deliver(self, conn: _Conn, messages: list[list[bytes]]) -> None:
+        if self._stopped or self._conns.get(conn.addr) is not conn:
+            return
+        assert self._on_replies is not None
+        frames = [parts[0] for parts in messages if len(parts) == 1]
+        if frames:
+            self._on_replies(conn.addr, frames)
+
+    def close_idle(self, now: float, idle_s: float, keep: Callable[[str], bool]) -> int:
+        idle = [a for a, c in self._conns.items() if c.used_at < now - idle_s and not keep(a)]
+        for addr in idle:
+            self._drop(addr)
+        return len(idle)
+
+    def close_rekeyed(self, *, unknown_only: bool = False) -> int:
+        """CURVE: close the connections whose member's key is no longer the one they were
+        made with (or was unknown then), so that the next send reconnects with the right one;
+        how many."""
+        curve = self._curve
+        if curve is None:
+            return 0
+        stale = [
+            addr
+            for addr, conn in self._conns.items()
+            if (conn.server_key is None or not unknown_only)
+            and curve.server_key(addr) != conn.server_key
+        ]
+        for addr in stale:
+            self._drop(addr)
+        return len(stale)
+
+    def _drop(self, addr: str) -> None:
+        conn = self._conns.pop(addr, None)
+        if conn is None:
+            return
+        if conn.retry is not None:
+            conn.retry.cancel()
+        for link in (conn.link, conn.connecting):
+            if isinstance(link, _Link):
+                link.close()
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        for addr in list(self._conns):
+            self._drop(addr)
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+
+def partial_messages(
+    client: LoopPeerClient, conn: _Conn
+) -> Callable[[_Link, list[list[bytes]]], None]:
+    def on_messages(link: _Link, messages: list[list[bytes]]) -> None:
+        client._deliver(conn, messages)
+
+    return on_messages
