@@ -206,6 +206,8 @@ class LoopPeerServer:
         task.add_done_callback(self._served)
 
     def _served(self, task: asyncio.Task[asyncio.AbstractServer]) -> None:
+        if self._closed and (task.cancelled() or task.exception() is not None):
+            return  # closed before it served: its socket is closed already
         if task.cancelled() or task.exception() is not None:
             log.error("the peer server did not start", exc_info=task.exception())
             return

@@ -205,8 +205,10 @@ class ZmtpConnection:
             buf = buf[GREETING_BYTES:]
         messages: list[list[bytes]] = []
         p, n = 0, len(buf)
-        limit = self._frame_bytes_max
         while n - p >= 2:
+            # Before the handshake ends, only handshake commands: an unauthenticated peer
+            # makes us hold at most a few KiB, not a whole message's worth.
+            limit = self._frame_bytes_max if self.ready else HANDSHAKE_BYTES_MAX
             flags = buf[p]
             if flags & LONG:
                 if n - p < 9:
@@ -310,8 +312,6 @@ class ZmtpConnection:
     def _handshake(self, flags: int, body: bytes) -> None:
         if not flags & COMMAND or flags & MORE:
             raise ZmtpError("handshake", "a data frame before the handshake ended")
-        if len(body) > HANDSHAKE_BYTES_MAX:
-            raise ZmtpError("handshake", "a handshake command too large")
         if body[:6] == b"\x05ERROR":
             reason = body[7 : 7 + body[6]].decode("ascii", "replace") if len(body) > 6 else ""
             raise ZmtpError("refused", f"the peer refused the handshake ({reason or 'ERROR'})")

@@ -5,10 +5,12 @@ req/s, CPU microseconds a request of both daemons and of wrk (the clients), p50 
 
 - ``--base-tree DIR``: the daemons' code from DIR (a checkout of another commit: ``git
   worktree add /tmp/base HEAD~1``) against this tree's;
-- otherwise ``node.zmq_io_batch`` false against true (this tree).
+- otherwise one setting's two values in this tree, ``--setting KEY=OLD,NEW`` (default
+  ``node.zmq_io_batch=false,true``; ``fanout.peer_transport=zmq,loop`` compares the peer
+  channels), passed as the daemons' GOSSIPD_* environment variable.
 
-    .venv/bin/python scripts/door_paired.py [--base-tree DIR] [--rounds 3] [--seconds 4]
-        [--concurrency 1,16,64] [--json]
+    .venv/bin/python scripts/door_paired.py [--base-tree DIR | --setting KEY=OLD,NEW]
+        [--rounds 3] [--seconds 4] [--concurrency 1,16,64] [--json]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gossipd.tools.bench.http import _gossipd
 from gossipd.tools.bench.http_peers import Wrk, new_workdir
 
-SETTING = "GOSSIPD_NODE__ZMQ_IO_BATCH"  # an environment variable beats the config's default
+SETTING = "node.zmq_io_batch=false,true"  # the default --setting
 HERE = Path(__file__).resolve().parents[1]
 
 
@@ -37,19 +39,27 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _side(new: bool, base_tree: Path | None) -> None:
+def _env_name(key: str) -> str:
+    """``fanout.peer_transport`` -> GOSSIPD_FANOUT__PEER_TRANSPORT (gossipd/config.py's
+    rule; an environment variable beats the config's default)."""
+    return "GOSSIPD_" + key.upper().replace(".", "__")
+
+
+def _side(new: bool, base_tree: Path | None, setting: str) -> None:
     """The environment the daemons start with: which setting, or which tree's code (they
     run ``python -m gossipd`` from this process's working directory, set to / in main)."""
     if base_tree is None:
-        os.environ[SETTING] = "true" if new else "false"
+        key, _, values = setting.partition("=")
+        old, new_value = values.split(",")
+        os.environ[_env_name(key)] = new_value if new else old
     else:
         os.environ["PYTHONPATH"] = str(HERE if new else base_tree)
 
 
 def one_side(
-    new: bool, base_tree: Path | None, levels: list[int], seconds: int
+    new: bool, base_tree: Path | None, levels: list[int], seconds: int, setting: str
 ) -> dict[int, dict[str, float]]:
-    _side(new, base_tree)
+    _side(new, base_tree, setting)
     workdir = new_workdir()
     cluster, urls, pids = _gossipd(workdir)
     try:
@@ -70,13 +80,14 @@ def one_side(
         return out
     finally:
         cluster.stop()
-        os.environ.pop(SETTING, None)
+        os.environ.pop(_env_name(setting.partition("=")[0]), None)
         os.environ.pop("PYTHONPATH", None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-tree", type=Path, default=None)
+    parser.add_argument("--setting", default=SETTING, help="KEY=OLD,NEW")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=4)
     parser.add_argument("--concurrency", default="1,16,64")
@@ -87,14 +98,20 @@ def main() -> None:
     if base_tree is not None and not (base_tree / "gossipd" / "__main__.py").exists():
         raise SystemExit(f"--base-tree {base_tree}: no gossipd package there")
     os.chdir("/")  # `python -m gossipd` takes the package from PYTHONPATH, not from here
-    names = ("base", "head") if base_tree is not None else ("default", "batch")
+    if base_tree is not None:
+        names = ("base", "head")
+    else:
+        key, _, values = args.setting.partition("=")
+        if len(values.split(",")) != 2:
+            raise SystemExit(f"--setting {args.setting!r}: expected KEY=OLD,NEW")
+        names = tuple(f"{key}={v}" for v in values.split(","))
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = [False, True] if r % 2 == 0 else [True, False]
         row: dict[str, Any] = {}
         for new in order:
             print(f"round {r + 1}/{args.rounds}: {names[new]}", file=sys.stderr)
-            row[names[new]] = one_side(new, base_tree, levels, args.seconds)
+            row[names[new]] = one_side(new, base_tree, levels, args.seconds, args.setting)
         rounds.append(row)
     medians: dict[str, Any] = {}
     for c in levels:
@@ -117,6 +134,7 @@ def main() -> None:
     report = {
         "sides": list(names),
         "base_tree": str(base_tree) if base_tree else None,
+        "setting": None if base_tree else args.setting,
         "rounds": rounds,
         "medians": medians,
         "load": os.getloadavg(),

@@ -55,7 +55,7 @@ if OUT:
         setattr(cls, meth, wrapped)
 
     def _install():
-        from gossipd import peerchannel, zmqloop
+        from gossipd import looppeer, peerchannel, zmqloop
         from gossipd.fanout import owner, forwarding
         from gossipd.ingress import intake, runner
         orig_read = zmqloop.SocketReader._read
@@ -64,12 +64,15 @@ if OUT:
             return orig_read(self)
         zmqloop.SocketReader._read = _read
         _mark(peerchannel.ZmqPeerClient, "send", "entry: Forward to the owner's socket")
+        _mark(looppeer.LoopPeerClient, "send", "entry: Forward to the owner's socket")
+        _mark(looppeer.LoopPeerServer, "_on_messages", "read peer channel (loop)")
         _mark(forwarding.Dispatcher, "route", "entry: placement")
         _mark(owner.OwnerEndpoint, "_on_forward", "owner: Forward decoded")
         _mark(intake.Intake, "admit", "admission")
         _mark(runner.Runner, "_finish", "engine done")
         _mark(zmqloop.ReplySender, "_send_by_socket", "Result to the producer's socket")
         _mark(peerchannel.ZmqPeerServer, "send", "owner: accept + TaskDone to the forwarder")
+        _mark(looppeer.LoopPeerServer, "send", "owner: accept + TaskDone to the forwarder")
         if os.environ.get("HOP_DELAY_OWNER_REPLIES"):
             import asyncio
             flush = owner.OwnerEndpoint._flush_router

@@ -205,3 +205,13 @@ def test_metadata_decodes_to_what_was_encoded(props: dict[bytes, bytes]) -> None
 def test_metadata_decoder_raises_ZmtpError_or_decodes(data: bytes) -> None:
     with contextlib.suppress(ZmtpError):
         decode_metadata(data)
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_before_the_handshake_ends_a_frame_over_4_KiB_ends_the_connection(curve: bool) -> None:
+    """An unauthenticated peer cannot make the server hold a message's worth of bytes."""
+    client, server = pair(curve)
+    server.receive(client.data_to_send())  # the greeting
+    with pytest.raises(ZmtpError) as large:
+        server.receive(bytes((0x06,)) + (5000).to_bytes(8, "big") + b"\x05HELLO")
+    assert large.value.reason == "too_large" and not server.ready

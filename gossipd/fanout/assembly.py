@@ -144,6 +144,7 @@ def build_fanout(
             message_bytes_max=config.fanout.message_bytes_max,
             curve=security.loop_peer_curve(),
             reconnect_max_s=config.fanout.peer_reconnect_max_s,
+            clock=clock.monotonic,
         )
         if loop_channel
         else zmq_peer_client(config.fanout, sockets)
