@@ -104,7 +104,7 @@ class _Link(asyncio.Protocol):
                 if self._timer is not None:
                     self._timer.cancel()
                 self._on_ready(self)
-        elif zmtp._out:  # a PONG to a PING
+        elif zmtp.has_data_to_send:  # a PONG to a PING
             assert self.transport is not None
             self.transport.write(zmtp.data_to_send())
         if messages:

@@ -177,6 +177,10 @@ class ZmtpConnection:
 
     # -- bytes out -------------------------------------------------------------------------
 
+    @property
+    def has_data_to_send(self) -> bool:
+        return bool(self._out)
+
     def data_to_send(self) -> bytes:
         out = bytes(self._out)
         self._out.clear()
