@@ -1,11 +1,11 @@
 """ZMTP 3.0 with the NULL and CURVE mechanisms, sans I/O: one connection's greeting,
 handshake and frames, for the peer channel that runs on the event loop (looppeer.py).
 
-Why our own: libzmq moves every message through its I/O thread, and on these machines the
-two thread wake-ups a message costs are most of a forward's price (a request/reply between
-two processes: ~120 us and ~115 us of CPU through DEALER/ROUTER, ~8 us and ~9 us over a
-plain socket read in the loop; /tmp-free figures in bench/README, "The peer channel on the
-loop").  The wire stays ZeroMQ's: a libzmq DEALER or ROUTER with the same keys talks to this
+Why our own: libzmq moves every message through its I/O thread, two more thread wake-ups
+a hop on each side.  A request/reply between two processes: p50 113 -> 85 us and CPU 111 ->
+74 us a round trip (16 at a time: 23 -> 11 us); the HTTP door with half its requests
+forwarded passes 1.22x the requests at 16 connections (bench/README, "The peer channel on
+the loop").  The wire stays ZeroMQ's: a libzmq DEALER or ROUTER with the same keys talks to this
 one (tests/test_zmtp_interop.py), so CurveZMQ still guards every socket and a daemon of an
 older release still reaches a newer one.
 
