@@ -1,0 +1,169 @@
+"""``fanout.peer_transport`` in real daemons and the loop client's own rules.
+
+- Two daemons under CURVE, one on libzmq's channel ("zmq") and one on the loop's ("loop"),
+  forward to each other through their HTTP doors: the wire is the same, so a rolling
+  upgrade that mixes them loses nothing.
+- A connection to the rpc port that speaks no ZMTP is closed and counted
+  (``gossipd_fanout_peer_protocol_errors_total``) and the daemon goes on forwarding.
+- LoopPeerClient: no connection while the member's key is unknown; ``close_rekeyed``
+  reconnects once it is known or changed; a connection not yet up holds at most
+  ``queue_max`` frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.request
+
+from nacl.bindings import crypto_box_keypair
+
+from gossipd.core.ring import Ring
+from gossipd.looppeer import LoopPeerClient, LoopPeerServer
+from gossipd.ops.scrape import scrape
+from gossipd.tools.bench.http_peers import wait_serving
+from gossipd.tools.launcher import free_tcp_port
+from gossipd.zmtp import PeerCurve
+from simulations.cluster import Cluster
+from tests.helpers import wait_until, wait_until_async
+
+BODY = json.dumps({"model": "echo", "prompt": "hello world", "max_tokens": 2}).encode()
+
+
+def _complete(url: str, key: str) -> tuple[int, str]:
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=BODY,
+        headers={"Content-Type": "application/json", "x-session-id": key},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, resp.headers.get("x-gossipd-member", "")
+
+
+def test_a_zmq_daemon_and_a_loop_daemon_forward_to_each_other_under_CURVE(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ports = [free_tcp_port() for _ in range(2)]
+    transports = ["zmq", "loop"]
+    cluster = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        curve=True,
+        extra_overrides=['engine.kind="echo"', 'journal.path=""', 'metrics.bind="127.0.0.1:0"'],
+        overrides_for=lambda i: [
+            f'http.bind="127.0.0.1:{ports[i]}"',
+            f'fanout.peer_transport="{transports[i]}"',
+        ],
+    )
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    keys = [f"k{i}" for i in range(40)]
+    served: list[tuple[int, str, str]] = []  # (door, key's owner, member that ran it)
+    try:
+        cluster.start(timeout_s=60)
+        cluster.wait_converged(30)
+        cluster.wait_meta(30)
+        for url in urls:
+            wait_serving(url, 30, headers={"x-session-id": "warm"})
+        for door, url in enumerate(urls):
+            for key in keys:
+                status, member = _complete(url, key)
+                assert status == 200
+                served.append((door, ring.owner(key), member))
+        # Each door forwarded some of its requests, and each ran where its key said.
+        assert all(member == owner for _, owner, member in served), served
+        for door in (0, 1):
+            owners = {owner for d, owner, _ in served if d == door}
+            assert owners == {"d00", "d01"}, f"door {door} served keys of {owners} only"
+        forwarded = sum(
+            scrape(d.metrics_port).get("gossipd_fanout_forwarded_total", 0.0)
+            for d in cluster.daemons
+        )
+        assert forwarded >= sum(1 for d, owner, _ in served if owner != f"d{d:02d}")
+    finally:
+        cluster.stop()
+
+
+def test_a_connection_that_speaks_no_ZMTP_is_counted_and_the_daemon_keeps_forwarding(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    port = free_tcp_port()
+    cluster = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=['engine.kind="echo"', 'journal.path=""', 'metrics.bind="127.0.0.1:0"'],
+        overrides_for=lambda i: [f'http.bind="127.0.0.1:{port}"'] if i == 0 else [],
+    )
+    url = f"http://127.0.0.1:{port}"
+    ring = Ring({"d00": 1.0, "d01": 1.0})
+    key = next(k for k in (f"k{i}" for i in range(100)) if ring.owner(k) == "d01")
+    try:
+        cluster.start(timeout_s=60)
+        cluster.wait_converged(30)
+        cluster.wait_meta(30)
+        owner = cluster.daemons[1]
+        rpc_port = Cluster._port_of(owner, "fanout.rpc_bind")
+        with socket.create_connection(("127.0.0.1", rpc_port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
+            s.settimeout(5)
+            while s.recv(4096):  # until the daemon closes it
+                pass
+        metric = "gossipd_fanout_peer_protocol_errors_total"
+        wait_until(lambda: scrape(owner.metrics_port).get(metric, 0) >= 1, 10, metric)
+        wait_serving(url, 30, headers={"x-session-id": key})
+        assert _complete(url, key) == (200, "d01")
+    finally:
+        cluster.stop()
+
+
+def test_LoopPeerClient_waits_for_a_key_and_reconnects_when_close_rekeyed_finds_it() -> None:
+    server_public, server_secret = crypto_box_keypair()
+    client_public, client_secret = crypto_box_keypair()
+    known: dict[str, bytes] = {}
+
+    async def main() -> None:
+        got: list[bytes] = []
+        server = LoopPeerServer(
+            message_bytes_max=1 << 16,
+            curve=PeerCurve(server_public, server_secret, authorize=lambda key, a: "cli"),
+        )
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.start(lambda i, f, s: got.append(f), lambda: None)
+        client = LoopPeerClient(
+            message_bytes_max=1 << 16,
+            curve=PeerCurve(client_public, client_secret, server_key=known.get),
+        )
+        client.start(lambda a, frames: None)
+        try:
+            assert client.send(addr, b"before the key")  # queued: no key, no connection
+            await asyncio.sleep(0.3)
+            assert got == [] and client.unknown_keys == 1
+            assert client.close_rekeyed(unknown_only=True) == 0  # still unknown: kept
+            known[addr] = server_public
+            assert client.close_rekeyed(unknown_only=True) == 1  # found: closed (and what
+            assert client.send(addr, b"with the key")  # it held with it), a new one made
+            await wait_until_async(lambda: got == [b"with the key"], 5.0, "the frame")
+            assert client.close_rekeyed(unknown_only=True) == 0  # opened with a known key
+            known[addr] = crypto_box_keypair()[0]  # the member's key replaced
+            assert client.close_rekeyed() == 1
+            assert client.send(addr, b"to the old key")  # the server cannot open HELLO
+            await wait_until_async(lambda: server.refused.get("crypto"), 5.0, "a refusal")
+            assert got == [b"with the key"]
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_LoopPeerClient_holds_at_most_queue_max_frames_for_a_connection_not_up() -> None:
+    async def main() -> tuple[list[bool], int]:
+        client = LoopPeerClient(message_bytes_max=1 << 16, queue_max=5)
+        client.start(lambda a, frames: None)
+        try:
+            nowhere = f"tcp://127.0.0.1:{free_tcp_port()}"
+            return [client.send(nowhere, b"f%d" % i) for i in range(7)], client.dropped
+        finally:
+            client.close()
+
+    sent, dropped = asyncio.run(main())
+    assert sent == [True] * 5 + [False] * 2 and dropped == 2
