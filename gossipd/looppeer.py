@@ -25,7 +25,6 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import count
 
 from gossipd.errors import LocalProtocolError, TransportClosed
 from gossipd.peerchannel import OnReplies, OnRequest
@@ -34,6 +33,9 @@ from gossipd.zmtp import CurveKeys, PeerCurve, ZmtpConnection, ZmtpError
 log = logging.getLogger("gossipd.looppeer")
 
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection still shaking hands after this is closed
+# Connections a server lets shake hands at once; more are closed at accept (counted "busy")
+# and their clients retry: an unauthenticated flood costs the loop this many handshakes.
+HANDSHAKES_MAX = 256
 WRITE_BYTES_MAX = 64 * 1024 * 1024  # a connection's unsent bytes before sends are refused
 
 
@@ -73,6 +75,9 @@ class _Link(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.closed:  # closed while it connected (or refused at accept): nothing goes
+            transport.abort()
+            return
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -89,12 +94,18 @@ class _Link(asyncio.Protocol):
             self.fail("handshake_timeout", "no handshake within 5 s")
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
         zmtp = self.zmtp
         was_ready = zmtp.ready
         try:
             messages = zmtp.receive(data)
         except ZmtpError as exc:
             self.fail(exc.reason, str(exc))
+            return
+        except Exception as exc:  # ours (an authorize that failed): this connection only
+            log.exception("a peer connection's bytes could not be handled")
+            self.fail("internal", f"{type(exc).__name__}: {exc}")
             return
         if not was_ready:
             out = zmtp.data_to_send()
@@ -135,6 +146,11 @@ class _Link(asyncio.Protocol):
             self.transport.abort()
         self._lost("closed")
 
+    @property
+    def shaking(self) -> bool:
+        """Connected, handshake not done."""
+        return self.transport is not None and not self.closed and not self.zmtp.ready
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost("lost")
 
@@ -165,7 +181,9 @@ class LoopPeerServer:
         self._sock: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
         self._links: dict[bytes, _Link] = {}
-        self._ids = count(1)
+        self._shaking: set[_Link] = set()  # accepted, handshake not done
+        self._last_id = 0
+        self.handler_errors = 0  # on_request calls that raised (logged; the rest go on)
         self._on_request: OnRequest | None = None
         self._on_malformed: Callable[[], None] | None = None
         self._stopped = False
@@ -175,7 +193,7 @@ class LoopPeerServer:
 
     @property
     def protocol_errors(self) -> int:
-        return sum(n for reason, n in self.refused.items() if reason != "refused")
+        return sum(n for reason, n in self.refused.items() if reason not in ("refused", "busy"))
 
     def bind(self, addr: str) -> str:
         if self._closed:
@@ -237,19 +255,32 @@ class LoopPeerServer:
             self._on_ready,
             self._on_lost,
         )
-        link.identity = b"\x00" + next(self._ids).to_bytes(4, "big")
+        link.identity = self._new_identity()
+        self._shaking.add(link)
         if self._closed:
-            self._links_closing(link)
+            link.close()  # its connection_made aborts the connection
+        elif len(self._shaking) > HANDSHAKES_MAX:
+            link.close()
+            self.refused["busy"] = self.refused.get("busy", 0) + 1
         return link
 
-    def _links_closing(self, link: _Link) -> None:
-        asyncio.get_running_loop().call_soon(link.close)
+    def _new_identity(self) -> bytes:
+        """5 bytes as libzmq's ROUTER makes them: 0 and a 32-bit counter, wrapping around
+        past the identities of connections still open."""
+        while True:
+            self._last_id = self._last_id % 0xFFFFFFFF + 1
+            identity = b"\x00" + self._last_id.to_bytes(4, "big")
+            if identity not in self._links:
+                return identity
 
     def _on_ready(self, link: _Link) -> None:
+        self._shaking.discard(link)
         self._links[link.identity] = link
 
     def _on_lost(self, link: _Link, reason: str) -> None:
-        self._links.pop(link.identity, None)
+        self._shaking.discard(link)
+        if self._links.get(link.identity) is link:
+            del self._links[link.identity]
         if reason not in ("lost", "closed"):
             self.refused[reason] = self.refused.get(reason, 0) + 1
 
@@ -264,7 +295,11 @@ class LoopPeerServer:
             if len(parts) != 1:
                 self._on_malformed()
                 continue
-            on_request(identity, parts[0], user)
+            try:
+                on_request(identity, parts[0], user)
+            except Exception:  # one frame's failure leaves the connection and the rest
+                self.handler_errors += 1
+                log.exception("handling a peer's frame failed")
 
     def send(self, identity: bytes, frame: bytes) -> bool:
         if self._closed:
@@ -301,6 +336,7 @@ class _Conn:
 
     __slots__ = (
         "addr",
+        "connect_task",
         "connecting",
         "delay_s",
         "link",
@@ -320,7 +356,8 @@ class _Conn:
         self.retry: asyncio.TimerHandle | None = None
         self.delay_s = delay_s
         self.server_key: bytes | None = None
-        self.connecting: asyncio.Task[object] | _Link | None = None
+        self.connecting: _Link | None = None  # the link being made (or up)
+        self.connect_task: asyncio.Task[object] | None = None
 
 
 class LoopPeerClient:
@@ -354,6 +391,7 @@ class LoopPeerClient:
         self.dropped = 0
         self.unknown_keys = 0  # connections wanted to an address with no known key
         self.failed: dict[str, int] = {}  # connections ended by a protocol error, by reason
+        self.handler_errors = 0  # on_replies calls that raised (logged; the rest go on)
 
     @property
     def protocol_errors(self) -> int:
@@ -374,7 +412,10 @@ class LoopPeerClient:
                 return False
             link.write(link.zmtp.encode(frame))
             return True
-        if len(conn.queue) >= self._queue_max or conn.queued_bytes > self._queue_bytes_max:
+        if (
+            len(conn.queue) >= self._queue_max
+            or conn.queued_bytes + len(frame) > self._queue_bytes_max
+        ):
             self.dropped += 1
             return False
         conn.queue.append(frame)
@@ -419,8 +460,11 @@ class LoopPeerClient:
         loop = asyncio.get_running_loop()
         task = loop.create_task(loop.create_connection(lambda: link, host, port))
         task.add_done_callback(lambda t: self._connected(conn, link, t))
+        conn.connect_task = task
 
     def _connected(self, conn: _Conn, link: _Link, task: asyncio.Task[object]) -> None:
+        if conn.connect_task is task:
+            conn.connect_task = None
         if task.cancelled() or task.exception() is not None:
             link.closed = True
             self._retry_later(conn, link)
@@ -435,7 +479,7 @@ class LoopPeerClient:
         conn.delay_s = min(conn.delay_s * 2, self._reconnect_max_s)
 
     def _on_ready(self, conn: _Conn, link: _Link) -> None:
-        if conn.connecting is not link:
+        if conn.connecting is not link or self._conns.get(conn.addr) is not conn:
             link.close()
             return
         conn.link = link
@@ -456,7 +500,11 @@ class LoopPeerClient:
         assert self._on_replies is not None
         frames = [parts[0] for parts in messages if len(parts) == 1]
         if frames:
-            self._on_replies(conn.addr, frames)
+            try:
+                self._on_replies(conn.addr, frames)
+            except Exception:  # logged; the connection and the next reads go on
+                self.handler_errors += 1
+                log.exception("handling a peer's replies failed")
 
     def close_idle(self, now: float, idle_s: float, keep: Callable[[str], bool]) -> int:
         idle = [a for a, c in self._conns.items() if c.used_at < now - idle_s and not keep(a)]
@@ -487,9 +535,11 @@ class LoopPeerClient:
             return
         if conn.retry is not None:
             conn.retry.cancel()
+        if conn.connect_task is not None:
+            conn.connect_task.cancel()
         for link in (conn.link, conn.connecting):
-            if isinstance(link, _Link):
-                link.close()
+            if link is not None:
+                link.close()  # one still connecting aborts in its connection_made
 
     def stop(self) -> None:
         self._stopped = True

@@ -51,7 +51,6 @@ MORE, LONG, COMMAND = 0x01, 0x02, 0x04
 # the flags byte.
 CURVE_OVERHEAD = 8 + 8 + 16 + 1
 HANDSHAKE_BYTES_MAX = 4096  # no handshake command of ours or libzmq's comes near this
-METADATA_VALUE_MAX = 255
 
 
 class ZmtpError(Exception):
@@ -117,8 +116,8 @@ def decode_metadata(data: bytes) -> dict[bytes, bytes]:
         p += 1 + name_len
         value_len = int.from_bytes(data[p : p + 4], "big")
         p += 4
-        if value_len > METADATA_VALUE_MAX or p + value_len > n:
-            raise ZmtpError("metadata", "a metadata value is too long or runs past its command")
+        if p + value_len > n:
+            raise ZmtpError("metadata", "a metadata value runs past its command")
         props[name.lower()] = data[p : p + value_len]
         p += value_len
     return props
@@ -157,15 +156,23 @@ class ZmtpConnection:
         self.peer_metadata: dict[bytes, bytes] = {}
         self._socket_type = socket_type
         self._peer_types = peer_types
-        self._frame_bytes_max = frame_bytes_max + (CURVE_OVERHEAD if curve else 0)
+        # As libzmq's MAXMSGSIZE: the frame as it is on the wire (a CURVE MESSAGE's 33 bytes
+        # of overhead included; senders keep their messages that much under it).
+        self._frame_bytes_max = frame_bytes_max
         self._curve = curve
         self._authorize = authorize
         self._out = bytearray(greeting(b"CURVE" if curve else b"NULL", as_server))
-        self._in = b""
+        # Bytes read and not yet parsed: chunks joined only once a frame can be complete
+        # (``_need`` bytes), so a large frame read in small pieces is copied once, not once
+        # a piece.
+        self._in: list[bytes] = []
+        self._in_bytes = 0
+        self._need = 0
         self._greeted = False
-        self._parts: list[bytes] = []  # a multi-part message's frames so far
-        # CURVE state
-        self._cn_public, self._cn_secret = crypto_box_keypair() if curve else (b"", b"")
+        self._in_multipart = False  # inside a message of several frames: none are kept
+        # CURVE state; our transient key pair is made once the peer's greeting is in (an
+        # unauthenticated connection costs no key generation before that)
+        self._cn_public = self._cn_secret = b""
         self._cn_peer = b""  # the peer's transient key
         self._precom = b""  # crypto_box_beforenm(peer transient, our transient)
         self._cookie_key = b""
@@ -199,23 +206,48 @@ class ZmtpConnection:
     # -- bytes in --------------------------------------------------------------------------
 
     def receive(self, data: bytes) -> list[list[bytes]]:
-        buf = self._in + data if self._in else data
+        """The messages completed by ``data``, in order; a message of several frames comes
+        out as ``[]`` (this channel carries one-frame messages: its parts are not kept)."""
+        if self._in:
+            self._in.append(data)
+            self._in_bytes += len(data)
+            if self._in_bytes < self._need:
+                return []  # the frame that waits is not complete yet
+            buf = b"".join(self._in)
+            self._in.clear()
+        else:
+            buf = data
+        self._need = 0
+        try:
+            return self._parse(buf)
+        except CryptoError:  # a key libsodium refuses (a low-order point): not one to trust
+            raise ZmtpError("crypto", "a key or box libsodium refuses") from None
+
+    def _keep(self, rest: bytes, need: int) -> None:
+        self._in = [rest] if rest else []
+        self._in_bytes = len(rest)
+        self._need = need
+
+    def _parse(self, buf: bytes) -> list[list[bytes]]:
         if not self._greeted:
             if len(buf) < GREETING_BYTES:
                 self._check_signature(buf)
-                self._in = buf
+                self._keep(buf, GREETING_BYTES)
                 return []
             self._on_greeting(buf[:GREETING_BYTES])
             buf = buf[GREETING_BYTES:]
         messages: list[list[bytes]] = []
         p, n = 0, len(buf)
+        need = 2
         while n - p >= 2:
             # Before the handshake ends, only handshake commands: an unauthenticated peer
             # makes us hold at most a few KiB, not a whole message's worth.
             limit = self._frame_bytes_max if self.ready else HANDSHAKE_BYTES_MAX
             flags = buf[p]
+            need = 2
             if flags & LONG:
                 if n - p < 9:
+                    need = 9
                     break
                 size = int.from_bytes(buf[p + 1 : p + 9], "big")
                 start = p + 9
@@ -226,6 +258,7 @@ class ZmtpConnection:
                 raise ZmtpError("too_large", f"a frame of {size} bytes (at most {limit})")
             end = start + size
             if end > n:
+                need = end - p
                 break
             p = end
             body = buf[start:end]
@@ -238,17 +271,14 @@ class ZmtpConnection:
                 self._on_command(body)
                 continue
             if flags & MORE:
-                self._parts.append(body)
-                if len(self._parts) > 64:
-                    raise ZmtpError("parts", "a message of more than 64 parts")
+                self._in_multipart = True
                 continue
-            if self._parts:
-                self._parts.append(body)
-                messages.append(self._parts)
-                self._parts = []
+            if self._in_multipart:
+                self._in_multipart = False
+                messages.append([])
             else:
                 messages.append([body])
-        self._in = buf[p:] if p < n else b""
+        self._keep(buf[p:] if p < n else b"", need)
         return messages
 
     def _check_signature(self, head: bytes) -> None:
@@ -264,6 +294,8 @@ class ZmtpConnection:
         if mechanism != ours:
             raise ZmtpError("mechanism", f"the peer speaks {mechanism!r}, this side {ours!r}")
         self._greeted = True
+        if self._curve is not None:
+            self._cn_public, self._cn_secret = crypto_box_keypair()
         if self._curve is None:
             self._step = "ready"
             self._out += command(b"READY", self._metadata())
@@ -284,7 +316,8 @@ class ZmtpConnection:
         self.ready = True
 
     def _on_command(self, body: bytes) -> None:
-        if body[:5] == b"\x04PING" and len(body) >= 7:
+        # One PONG waits at most: a peer that PINGs and never reads grows nothing here.
+        if body[:5] == b"\x04PING" and len(body) >= 7 and not self._out:
             context = body[7:23]
             if self._curve is None:
                 self._out += command(b"PONG", context)

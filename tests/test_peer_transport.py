@@ -7,7 +7,8 @@
   (``gossipd_fanout_peer_protocol_errors_total``) and the daemon goes on forwarding.
 - LoopPeerClient: no connection while the member's key is unknown; ``close_rekeyed``
   reconnects once it is known or changed; a connection not yet up holds at most
-  ``queue_max`` frames.
+  ``queue_max`` frames; one closed while it connects sends nothing.
+- LoopPeerServer: at most HANDSHAKES_MAX connections shake hands at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import urllib.request
 
 from nacl.bindings import crypto_box_keypair
 
+from gossipd import looppeer
 from gossipd.core.ring import Ring
 from gossipd.looppeer import LoopPeerClient, LoopPeerServer
 from gossipd.ops.scrape import scrape
@@ -167,3 +169,53 @@ def test_LoopPeerClient_holds_at_most_queue_max_frames_for_a_connection_not_up()
 
     sent, dropped = asyncio.run(main())
     assert sent == [True] * 5 + [False] * 2 and dropped == 2
+
+
+def test_a_client_closed_while_it_connects_sends_nothing_and_leaves_no_connection() -> None:
+    async def main() -> tuple[list[bytes], int]:
+        got: list[bytes] = []
+        server = LoopPeerServer(message_bytes_max=1 << 16)
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.start(lambda i, f, s: got.append(f), lambda: None)
+        client = LoopPeerClient(message_bytes_max=1 << 16)
+        client.start(lambda a, frames: None)
+        try:
+            client.send(addr, b"queued before the close")
+            client.close()  # the connect is still in flight
+            probe = LoopPeerClient(message_bytes_max=1 << 16)
+            probe.start(lambda a, frames: None)
+            probe.send(addr, b"a later client's")  # a marker: it arrives after anything sent
+            await wait_until_async(lambda: got, 5.0, "the later client's frame")
+            probe.close()
+            await asyncio.sleep(0.1)
+            # Nothing left of the closed client: no connection up, none half made.
+            return got, len(server._links) + len(server._shaking)
+        finally:
+            server.close()
+
+    got, links = asyncio.run(main())
+    assert got == [b"a later client's"] and links == 0
+
+
+def test_a_server_lets_at_most_HANDSHAKES_MAX_connections_shake_hands_at_once(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    monkeypatch.setattr(looppeer, "HANDSHAKES_MAX", 2)
+
+    async def main() -> tuple[dict[str, int], bytes]:
+        server = LoopPeerServer(message_bytes_max=1 << 16)
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.start(lambda i, f, s: None, lambda: None)
+        port = int(addr.rsplit(":", 1)[1])
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            rest = await asyncio.wait_for(reader.read(), 5.0)  # closed at once: b""
+            return dict(server.refused), rest
+        finally:
+            for _, w in [*held, (reader, writer)]:
+                w.close()
+            server.close()
+
+    refused, rest = asyncio.run(main())
+    assert refused == {"busy": 1} and rest == b""

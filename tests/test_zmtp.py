@@ -10,14 +10,17 @@ import contextlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nacl.bindings import crypto_box_keypair
+from nacl.bindings import crypto_box_afternm, crypto_box_keypair
 
 from gossipd.zmtp import (
+    CURVE_OVERHEAD,
+    MORE,
     CurveKeys,
     ZmtpConnection,
     ZmtpError,
     decode_metadata,
     encode_metadata,
+    frame_header,
     greeting,
 )
 
@@ -112,13 +115,47 @@ def test_a_tampered_MESSAGE_ends_the_connection() -> None:
 
 
 @pytest.mark.parametrize("curve", [False, True])
-def test_a_frame_over_the_limit_ends_the_connection(curve: bool) -> None:
+def test_a_frame_over_the_limit_on_the_wire_ends_the_connection(curve: bool) -> None:
+    """As libzmq's MAXMSGSIZE: the frame as sent, a CURVE MESSAGE's 33 bytes included."""
     client, server = pair(curve)
     shake(client, server)
-    assert server.receive(client.encode(b"x" * LIMIT)) == [[b"x" * LIMIT]]
+    largest = LIMIT - (CURVE_OVERHEAD if curve else 0)
+    assert server.receive(client.encode(b"x" * largest)) == [[b"x" * largest]]
     with pytest.raises(ZmtpError) as large:
-        server.receive(client.encode(b"x" * (LIMIT + 1)))
+        server.receive(client.encode(b"x" * (largest + 1)))
     assert large.value.reason == "too_large"
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_a_message_of_several_frames_comes_out_empty_and_its_parts_are_not_kept(
+    curve: bool,
+) -> None:
+    client, server = pair(curve)
+    shake(client, server)
+    more = b"".join(_with_more(client, curve, b"y" * 1000) for _ in range(100))
+    assert server.receive(more) == []
+    assert server._in == []  # 100 parts read, none held
+    assert server.receive(client.encode(b"last part")) == [[]]
+    assert server.receive(client.encode(b"whole")) == [[b"whole"]]
+
+
+def _with_more(client: ZmtpConnection, curve: bool, part: bytes) -> bytes:
+    """``part`` as a frame with MORE set (NULL: the frame's flags; CURVE: the box's)."""
+    if not curve:
+        return frame_header(MORE, len(part)) + part
+    short = client._next_nonce()
+    nonce8 = short.to_bytes(8, "big")
+    box = crypto_box_afternm(bytes((MORE,)) + part, b"CurveZMQMESSAGEC" + nonce8, client._precom)
+    body = b"\x07MESSAGE" + nonce8 + box
+    return frame_header(0, len(body)) + body
+
+
+def test_one_PONG_waits_at_most_whatever_the_PINGs() -> None:
+    client, server = pair(False)
+    shake(client, server)
+    ping = b"\x04PING" + b"\x00\x10" + b"ctx"
+    server.receive((bytes((0x04, len(ping))) + ping) * 1000)
+    assert server.data_to_send() == bytes((0x04, 8)) + b"\x04PONGctx"
 
 
 def test_another_mechanism_or_no_ZMTP_greeting_is_refused() -> None:
@@ -190,11 +227,7 @@ def test_arbitrary_bytes_raise_ZmtpError_or_wait_for_more_never_anything_else(
     assert not side.ready
 
 
-@given(
-    st.dictionaries(
-        st.binary(min_size=1, max_size=255), st.binary(max_size=255), max_size=6
-    )
-)
+@given(st.dictionaries(st.binary(min_size=1, max_size=255), st.binary(max_size=255), max_size=6))
 def test_metadata_decodes_to_what_was_encoded(props: dict[bytes, bytes]) -> None:
     lowered = {k.lower(): v for k, v in props.items()}
     if len(lowered) == len(props):

@@ -60,6 +60,7 @@ from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter
 from gossipd.peerchannel import PeerServer, ZmqPeerServer
+from gossipd.zmtp import CURVE_OVERHEAD
 
 # What an owner sends back on a forwarder's connection.
 _ToForwarder = ForwardReply | TaskDone | ConfirmReply | Relay | ModelCard | ReplayKnown
@@ -420,7 +421,8 @@ class OwnerEndpoint:
         send = self._server.send
         for identity, items in out.items():
             start = 0
-            for frame, count in peer_frames(items, self._message_max):
+            # Under the receiver's limit on the wire, a CURVE MESSAGE's overhead included.
+            for frame, count in peer_frames(items, self._message_max - CURVE_OVERHEAD):
                 # Refused: its connection gone or full; the forwarder times out, tries the next.
                 try:
                     sent = send(identity, frame)
