@@ -28,139 +28,14 @@ from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
 from gossipd.peerchannel import OnReplies, OnRequest
-from gossipd.zmtp import CurveKeys, PeerCurve, ZmtpConnection, ZmtpError
+from gossipd.peerlink import WRITE_BYTES_MAX, PeerLink, format_endpoint, parse_endpoint
+from gossipd.zmtp import CurveKeys, PeerCurve, ZmtpConnection
 
 log = logging.getLogger("gossipd.looppeer")
 
-HANDSHAKE_TIMEOUT_S = 5.0  # a connection still shaking hands after this is closed
 # Connections a server lets shake hands at once; more are closed at accept (counted "busy")
 # and their clients retry: an unauthenticated flood costs the loop this many handshakes.
 HANDSHAKES_MAX = 256
-WRITE_BYTES_MAX = 64 * 1024 * 1024  # a connection's unsent bytes before sends are refused
-
-
-def parse_endpoint(addr: str) -> tuple[str, int]:
-    """``tcp://host:port`` (host ``*`` for every address, ``[v6]`` bracketed) -> (host, port)."""
-    if not addr.startswith("tcp://"):
-        raise ValueError(f"{addr!r}: the peer channel speaks tcp:// only")
-    host, sep, port = addr[len("tcp://") :].rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{addr!r}: expected tcp://HOST:PORT")
-    host = host.strip("[]")
-    return ("0.0.0.0" if host == "*" else host), int(port)
-
-
-def format_endpoint(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-class _Link(asyncio.Protocol):
-    """One TCP connection and its ZMTP state; the owner's callbacks see its messages."""
-
-    def __init__(
-        self,
-        zmtp: ZmtpConnection,
-        on_messages: Callable[[_Link, list[list[bytes]]], None],
-        on_ready: Callable[[_Link], None],
-        on_lost: Callable[[_Link, str], None],
-    ) -> None:
-        self.zmtp = zmtp
-        self.transport: asyncio.Transport | None = None
-        self.peer = ""
-        self.identity = b""  # a server's name for this connection
-        self._on_messages = on_messages
-        self._on_ready = on_ready
-        self._on_lost = on_lost
-        self._timer: asyncio.TimerHandle | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self.closed:  # closed while it connected (or refused at accept): nothing goes
-            transport.abort()
-            return
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        transport.write(self.zmtp.data_to_send())
-        self._timer = asyncio.get_running_loop().call_later(
-            HANDSHAKE_TIMEOUT_S, self._handshake_late
-        )
-
-    def _handshake_late(self) -> None:
-        if not self.zmtp.ready:
-            self.fail("handshake_timeout", "no handshake within 5 s")
-
-    def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return
-        zmtp = self.zmtp
-        was_ready = zmtp.ready
-        try:
-            messages = zmtp.receive(data)
-        except ZmtpError as exc:
-            self.fail(exc.reason, str(exc))
-            return
-        except Exception as exc:  # ours (an authorize that failed): this connection only
-            log.exception("a peer connection's bytes could not be handled")
-            self.fail("internal", f"{type(exc).__name__}: {exc}")
-            return
-        if not was_ready:
-            out = zmtp.data_to_send()
-            if out and self.transport is not None:
-                self.transport.write(out)
-            if zmtp.ready:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._on_ready(self)
-        elif zmtp.has_data_to_send:  # a PONG to a PING
-            assert self.transport is not None
-            self.transport.write(zmtp.data_to_send())
-        if messages:
-            self._on_messages(self, messages)
-
-    def write(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(data)
-
-    def unsent(self) -> int:
-        return 0 if self.transport is None else self.transport.get_write_buffer_size()
-
-    def fail(self, reason: str, message: str) -> None:
-        """The peer broke the protocol (or was refused): say what it is owed, then close."""
-        if self.transport is not None and not self.closed:
-            out = self.zmtp.data_to_send()  # an ERROR for a refused client
-            if out:
-                self.transport.write(out)
-            log.warning(
-                "closed a peer connection", extra={"peer": self.peer, "reason": reason,
-                                                   "detail": message}
-            )  # fmt: skip
-            self.transport.close()
-        self._lost(reason)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
-        self._lost("closed")
-
-    @property
-    def shaking(self) -> bool:
-        """Connected, handshake not done."""
-        return self.transport is not None and not self.closed and not self.zmtp.ready
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._lost("lost")
-
-    def _lost(self, reason: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-        self._on_lost(self, reason)
 
 
 class LoopPeerServer:
@@ -180,8 +55,8 @@ class LoopPeerServer:
         self._write_bytes_max = write_bytes_max
         self._sock: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._links: dict[bytes, _Link] = {}
-        self._shaking: set[_Link] = set()  # accepted, handshake not done
+        self._links: dict[bytes, PeerLink] = {}
+        self._shaking: set[PeerLink] = set()  # accepted, handshake not done
         self._last_id = 0
         self.handler_errors = 0  # on_request calls that raised (logged; the rest go on)
         self._on_request: OnRequest | None = None
@@ -233,16 +108,16 @@ class LoopPeerServer:
         if self._closed:
             self._server.close()
 
-    def _new_link(self) -> _Link:
+    def _new_link(self) -> PeerLink:
         curve = self._curve
         keys = None if curve is None else CurveKeys(curve.public, curve.secret)
-        link: _Link
+        link: PeerLink
 
         def authorize(key: bytes) -> str | None:
             assert curve is not None
             return curve.authorize(key, link.peer.rpartition(":")[0])
 
-        link = _Link(
+        link = PeerLink(
             ZmtpConnection(
                 as_server=True,
                 socket_type=b"ROUTER",
@@ -273,18 +148,18 @@ class LoopPeerServer:
             if identity not in self._links:
                 return identity
 
-    def _on_ready(self, link: _Link) -> None:
+    def _on_ready(self, link: PeerLink) -> None:
         self._shaking.discard(link)
         self._links[link.identity] = link
 
-    def _on_lost(self, link: _Link, reason: str) -> None:
+    def _on_lost(self, link: PeerLink, reason: str) -> None:
         self._shaking.discard(link)
         if self._links.get(link.identity) is link:
             del self._links[link.identity]
         if reason not in ("lost", "closed"):
             self.refused[reason] = self.refused.get(reason, 0) + 1
 
-    def _on_messages(self, link: _Link, messages: list[list[bytes]]) -> None:
+    def _on_messages(self, link: PeerLink, messages: list[list[bytes]]) -> None:
         if self._stopped:
             return
         on_request = self._on_request
@@ -349,14 +224,14 @@ class _Conn:
 
     def __init__(self, addr: str, now: float, delay_s: float) -> None:
         self.addr = addr
-        self.link: _Link | None = None  # set once its handshake is done
+        self.link: PeerLink | None = None  # set once its handshake is done
         self.queue: deque[bytes] = deque()
         self.queued_bytes = 0
         self.used_at = now
         self.retry: asyncio.TimerHandle | None = None
         self.delay_s = delay_s
         self.server_key: bytes | None = None
-        self.connecting: _Link | None = None  # the link being made (or up)
+        self.connecting: PeerLink | None = None  # the link being made (or up)
         self.connect_task: asyncio.Task[object] | None = None
 
 
@@ -443,7 +318,7 @@ class LoopPeerClient:
                 self.unknown_keys += 1  # no connection until close_rekeyed finds a key
                 return
             keys = CurveKeys(self._curve.public, self._curve.secret, conn.server_key)
-        link = _Link(
+        link = PeerLink(
             ZmtpConnection(
                 as_server=False,
                 socket_type=b"DEALER",
@@ -462,14 +337,14 @@ class LoopPeerClient:
         task.add_done_callback(lambda t: self._connected(conn, link, t))
         conn.connect_task = task
 
-    def _connected(self, conn: _Conn, link: _Link, task: asyncio.Task[object]) -> None:
+    def _connected(self, conn: _Conn, link: PeerLink, task: asyncio.Task[object]) -> None:
         if conn.connect_task is task:
             conn.connect_task = None
         if task.cancelled() or task.exception() is not None:
             link.closed = True
             self._retry_later(conn, link)
 
-    def _retry_later(self, conn: _Conn, link: _Link) -> None:
+    def _retry_later(self, conn: _Conn, link: PeerLink) -> None:
         if conn.connecting is not link or self._closed or self._conns.get(conn.addr) is not conn:
             return
         conn.connecting = None
@@ -478,7 +353,7 @@ class LoopPeerClient:
         conn.retry = loop.call_later(conn.delay_s, self._connect, conn)
         conn.delay_s = min(conn.delay_s * 2, self._reconnect_max_s)
 
-    def _on_ready(self, conn: _Conn, link: _Link) -> None:
+    def _on_ready(self, conn: _Conn, link: PeerLink) -> None:
         if conn.connecting is not link or self._conns.get(conn.addr) is not conn:
             link.close()
             return
@@ -489,7 +364,7 @@ class LoopPeerClient:
             conn.queue.clear()
             conn.queued_bytes = 0
 
-    def _on_lost(self, conn: _Conn, link: _Link, reason: str) -> None:
+    def _on_lost(self, conn: _Conn, link: PeerLink, reason: str) -> None:
         if reason not in ("lost", "closed"):
             self.failed[reason] = self.failed.get(reason, 0) + 1
         self._retry_later(conn, link)
@@ -558,8 +433,8 @@ class LoopPeerClient:
 
 def partial_messages(
     client: LoopPeerClient, conn: _Conn
-) -> Callable[[_Link, list[list[bytes]]], None]:
-    def on_messages(link: _Link, messages: list[list[bytes]]) -> None:
+) -> Callable[[PeerLink, list[list[bytes]]], None]:
+    def on_messages(link: PeerLink, messages: list[list[bytes]]) -> None:
         client._deliver(conn, messages)
 
     return on_messages

@@ -1,0 +1,143 @@
+"""One TCP connection of the loop peer channel (looppeer.py): the asyncio protocol that
+feeds a ``ZmtpConnection`` (zmtp.py) what the socket reads, writes what it has to say, ends
+a handshake that takes longer than 5 s, and closes the connection when the peer breaks the
+protocol, telling its owner (the server or client) by callbacks.  Also the ``tcp://``
+endpoint parsing both sides share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+
+from gossipd.zmtp import ZmtpConnection, ZmtpError
+
+log = logging.getLogger("gossipd.looppeer")
+
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection still shaking hands after this is closed
+WRITE_BYTES_MAX = 64 * 1024 * 1024  # a connection's unsent bytes before sends are refused
+
+
+def parse_endpoint(addr: str) -> tuple[str, int]:
+    """``tcp://host:port`` (host ``*`` for every address, ``[v6]`` bracketed) -> (host, port)."""
+    if not addr.startswith("tcp://"):
+        raise ValueError(f"{addr!r}: the peer channel speaks tcp:// only")
+    host, sep, port = addr[len("tcp://") :].rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{addr!r}: expected tcp://HOST:PORT")
+    host = host.strip("[]")
+    return ("0.0.0.0" if host == "*" else host), int(port)
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class PeerLink(asyncio.Protocol):
+    """One TCP connection and its ZMTP state; the owner's callbacks see its messages."""
+
+    def __init__(
+        self,
+        zmtp: ZmtpConnection,
+        on_messages: Callable[[PeerLink, list[list[bytes]]], None],
+        on_ready: Callable[[PeerLink], None],
+        on_lost: Callable[[PeerLink, str], None],
+    ) -> None:
+        self.zmtp = zmtp
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.identity = b""  # a server's name for this connection
+        self._on_messages = on_messages
+        self._on_ready = on_ready
+        self._on_lost = on_lost
+        self._timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.closed:  # closed while it connected (or refused at accept): nothing goes
+            transport.abort()
+            return
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        transport.write(self.zmtp.data_to_send())
+        self._timer = asyncio.get_running_loop().call_later(
+            HANDSHAKE_TIMEOUT_S, self._handshake_late
+        )
+
+    def _handshake_late(self) -> None:
+        if not self.zmtp.ready:
+            self.fail("handshake_timeout", "no handshake within 5 s")
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        zmtp = self.zmtp
+        was_ready = zmtp.ready
+        try:
+            messages = zmtp.receive(data)
+        except ZmtpError as exc:
+            self.fail(exc.reason, str(exc))
+            return
+        except Exception as exc:  # ours (an authorize that failed): this connection only
+            log.exception("a peer connection's bytes could not be handled")
+            self.fail("internal", f"{type(exc).__name__}: {exc}")
+            return
+        if not was_ready:
+            out = zmtp.data_to_send()
+            if out and self.transport is not None:
+                self.transport.write(out)
+            if zmtp.ready:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._on_ready(self)
+        elif zmtp.has_data_to_send:  # a PONG to a PING
+            assert self.transport is not None
+            self.transport.write(zmtp.data_to_send())
+        if messages:
+            self._on_messages(self, messages)
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def unsent(self) -> int:
+        return 0 if self.transport is None else self.transport.get_write_buffer_size()
+
+    def fail(self, reason: str, message: str) -> None:
+        """The peer broke the protocol (or was refused): say what it is owed, then close."""
+        if self.transport is not None and not self.closed:
+            out = self.zmtp.data_to_send()  # an ERROR for a refused client
+            if out:
+                self.transport.write(out)
+            log.warning(
+                "closed a peer connection", extra={"peer": self.peer, "reason": reason,
+                                                   "detail": message}
+            )  # fmt: skip
+            self.transport.close()
+        self._lost(reason)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        self._lost("closed")
+
+    @property
+    def shaking(self) -> bool:
+        """Connected, handshake not done."""
+        return self.transport is not None and not self.closed and not self.zmtp.ready
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost("lost")
+
+    def _lost(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._on_lost(self, reason)
