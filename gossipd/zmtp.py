@@ -13,8 +13,9 @@ What is implemented (RFC 23/ZMTP 3.0, 25/ZMTP-CURVE, 26/CurveZMQ, checked agains
 4.3's curve_client_tools.hpp, curve_server.cpp and curve_mechanism_base.cpp):
 
 - the 64-byte greeting, version 3.0, mechanism NULL or CURVE;
-- frames: short and long, MORE, COMMAND; a frame larger than ``frame_bytes_max`` (the
-  receiver's message limit plus CURVE's overhead) ends the connection, as MAXMSGSIZE does;
+- frames: short and long, MORE, COMMAND; a frame larger than ``frame_bytes_max`` as it is
+  on the wire (a CURVE MESSAGE's overhead included) ends the connection, as MAXMSGSIZE
+  does, and one larger than 4 KiB before the handshake ends;
 - NULL: READY both ways, with Socket-Type and Identity metadata;
 - CURVE: HELLO, WELCOME (with a cookie), INITIATE (with the vouch), READY; MESSAGE boxes
   whose short nonces must rise strictly (a replay or a reordering ends the connection); the
@@ -197,10 +198,15 @@ class ZmtpConnection:
         """``frame`` as one single-frame message (NULL: a data frame; CURVE: a MESSAGE)."""
         if self._curve is None:
             return frame_header(0, len(frame)) + frame
-        short = self._nonce
-        self._nonce = short + 1
-        nonce8 = short.to_bytes(8, "big")
-        box = crypto_box_afternm(b"\x00" + frame, self._send_prefix + nonce8, self._precom)
+        return self._message(0, frame)
+
+    def _message(self, flags: int, payload: bytes) -> bytes:
+        """A CURVE MESSAGE: ``flags`` (MORE, COMMAND) and ``payload`` in a box under our next
+        short nonce; the frame around it carries no flags (libzmq's encoding)."""
+        nonce8 = self._next_nonce().to_bytes(8, "big")
+        box = crypto_box_afternm(
+            bytes((flags,)) + payload, self._send_prefix + nonce8, self._precom
+        )
         return frame_header(0, 16 + len(box)) + b"\x07MESSAGE" + nonce8 + box
 
     # -- bytes in --------------------------------------------------------------------------
@@ -294,16 +300,16 @@ class ZmtpConnection:
         if mechanism != ours:
             raise ZmtpError("mechanism", f"the peer speaks {mechanism!r}, this side {ours!r}")
         self._greeted = True
-        if self._curve is not None:
-            self._cn_public, self._cn_secret = crypto_box_keypair()
         if self._curve is None:
             self._step = "ready"
             self._out += command(b"READY", self._metadata())
-        elif not self.as_server:
+            return
+        self._cn_public, self._cn_secret = crypto_box_keypair()
+        if self.as_server:
+            self._step = "hello"
+        else:
             self._step = "welcome"
             self._out += self._hello()
-        else:
-            self._step = "hello"
 
     def _metadata(self) -> bytes:
         return encode_metadata({b"Socket-Type": self._socket_type, b"Identity": b""})
@@ -322,14 +328,7 @@ class ZmtpConnection:
             if self._curve is None:
                 self._out += command(b"PONG", context)
             else:  # a command inside a MESSAGE box: the flags byte says so
-                self._out += self._boxed_command(b"\x04PONG" + context)
-
-    def _boxed_command(self, body: bytes) -> bytes:
-        short = self._nonce
-        self._nonce = short + 1
-        nonce8 = short.to_bytes(8, "big")
-        box = crypto_box_afternm(bytes((COMMAND,)) + body, self._send_prefix + nonce8, self._precom)
-        return frame_header(0, 16 + len(box)) + b"\x07MESSAGE" + nonce8 + box
+                self._out += self._message(COMMAND, b"\x04PONG" + context)
 
     def _open_message(self, body: bytes) -> tuple[int, bytes]:
         if body[:8] != b"\x07MESSAGE" or len(body) < CURVE_OVERHEAD:
