@@ -23,7 +23,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
@@ -52,6 +52,7 @@ class LoopPeerServer:
     ) -> None:
         self._message_bytes_max = message_bytes_max
         self._curve = curve
+        self._keys = None if curve is None else CurveKeys(curve.public, curve.secret)
         self._write_bytes_max = write_bytes_max
         self._sock: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -64,7 +65,7 @@ class LoopPeerServer:
         self._stopped = False
         self._closed = False
         self.dropped = 0
-        self.refused: dict[str, int] = {}  # connections ended, by reason
+        self.refused: Counter[str] = Counter()  # connections ended, by reason
 
     @property
     def protocol_errors(self) -> int:
@@ -110,7 +111,6 @@ class LoopPeerServer:
 
     def _new_link(self) -> PeerLink:
         curve = self._curve
-        keys = None if curve is None else CurveKeys(curve.public, curve.secret)
         link: PeerLink
 
         def authorize(key: bytes) -> str | None:
@@ -123,7 +123,7 @@ class LoopPeerServer:
                 socket_type=b"ROUTER",
                 peer_types=(b"DEALER", b"ROUTER"),
                 frame_bytes_max=self._message_bytes_max,
-                curve=keys,
+                curve=self._keys,
                 authorize=authorize if curve is not None else None,
             ),
             self._on_messages,
@@ -136,7 +136,7 @@ class LoopPeerServer:
             link.close()  # its connection_made aborts the connection
         elif len(self._shaking) > HANDSHAKES_MAX:
             link.close()
-            self.refused["busy"] = self.refused.get("busy", 0) + 1
+            self.refused["busy"] += 1
         return link
 
     def _new_identity(self) -> bytes:
@@ -157,7 +157,7 @@ class LoopPeerServer:
         if self._links.get(link.identity) is link:
             del self._links[link.identity]
         if reason not in ("lost", "closed"):
-            self.refused[reason] = self.refused.get(reason, 0) + 1
+            self.refused[reason] += 1
 
     def _on_messages(self, link: PeerLink, messages: list[list[bytes]]) -> None:
         if self._stopped:
@@ -265,7 +265,7 @@ class LoopPeerClient:
         self._closed = False
         self.dropped = 0
         self.unknown_keys = 0  # connections wanted to an address with no known key
-        self.failed: dict[str, int] = {}  # connections ended by a protocol error, by reason
+        self.failed: Counter[str] = Counter()  # connections ended by a protocol error, by reason
         self.handler_errors = 0  # on_replies calls that raised (logged; the rest go on)
 
     @property
@@ -326,7 +326,7 @@ class LoopPeerClient:
                 frame_bytes_max=self._message_bytes_max,
                 curve=keys,
             ),
-            partial_messages(self, conn),
+            lambda link, messages: self._deliver(conn, messages),
             lambda link: self._on_ready(conn, link),
             lambda link, reason: self._on_lost(conn, link, reason),
         )
@@ -366,7 +366,7 @@ class LoopPeerClient:
 
     def _on_lost(self, conn: _Conn, link: PeerLink, reason: str) -> None:
         if reason not in ("lost", "closed"):
-            self.failed[reason] = self.failed.get(reason, 0) + 1
+            self.failed[reason] += 1
         self._retry_later(conn, link)
 
     def _deliver(self, conn: _Conn, messages: list[list[bytes]]) -> None:
@@ -429,12 +429,3 @@ class LoopPeerClient:
 
     def __len__(self) -> int:
         return len(self._conns)
-
-
-def partial_messages(
-    client: LoopPeerClient, conn: _Conn
-) -> Callable[[PeerLink, list[list[bytes]]], None]:
-    def on_messages(link: PeerLink, messages: list[list[bytes]]) -> None:
-        client._deliver(conn, messages)
-
-    return on_messages

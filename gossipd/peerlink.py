@@ -126,11 +126,6 @@ class PeerLink(asyncio.Protocol):
             self.transport.abort()
         self._lost("closed")
 
-    @property
-    def shaking(self) -> bool:
-        """Connected, handshake not done."""
-        return self.transport is not None and not self.closed and not self.zmtp.ready
-
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost("lost")
 
