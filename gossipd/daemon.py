@@ -243,7 +243,7 @@ class Daemon:
         self.load_gossip: LoadGossip | None = None
         self.dispatcher: Dispatcher | None = None
         self.holder: ResultHolder | None = None  # Results held for forwarders not alive
-        # The loop peer channel's connections whose member's key changed close (fan-out's).
+        # Fan-out's peer channel closes its connections whose member's key changed.
         self._close_rekeyed_peers: Callable[..., int] = lambda unknown_only=False: 0
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         self.leader_duties: Any = None  # gossipd.leader.builtin.BuiltinDuties; idem
@@ -611,8 +611,7 @@ class Daemon:
     def _keys_looked_at(self, peers_changed: bool) -> None:
         """Outgoing gossip and rpc sockets whose member's key changed (or was unknown when
         they opened) reconnect with the right server key."""
-        for kind in (SocketKind.GOSSIP, SocketKind.PEER):
-            self.sockets.close_rekeyed(kind, unknown_only=not peers_changed)
+        self.sockets.close_rekeyed(SocketKind.GOSSIP, unknown_only=not peers_changed)
         self._close_rekeyed_peers(unknown_only=not peers_changed)
 
     def rng(self, purpose: str) -> random.Random:

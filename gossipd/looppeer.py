@@ -388,9 +388,6 @@ class LoopPeerClient:
         return len(idle)
 
     def close_rekeyed(self, *, unknown_only: bool = False) -> int:
-        """CURVE: close the connections whose member's key is no longer the one they were
-        made with (or was unknown then), so that the next send reconnects with the right one;
-        how many."""
         curve = self._curve
         if curve is None:
             return 0

@@ -74,6 +74,14 @@ class PeerClient(Protocol):
         server)."""
         ...
 
+    def close_rekeyed(self, *, unknown_only: bool = False) -> int:
+        """CURVE: close the connections whose member's key is no longer the one they were
+        made with (replaced, or found for an address that had none), so that the next send
+        reconnects with the right one; ``unknown_only``: look only at those made with no
+        known key (cheap enough to run every second).  How many closed; 0 where nothing is
+        keyed (no CURVE, the simulator)."""
+        ...
+
     def stop(self) -> None:
         """No ``on_replies`` call once this returns (sends still go); what arrives is lost."""
         ...
@@ -192,6 +200,9 @@ class ZmqPeerClient:
 
     def close_idle(self, now: float, idle_s: float, keep: Callable[[str], bool]) -> int:
         return self._pool.close_idle(now, _PEER, idle_s=idle_s, keep=keep)
+
+    def close_rekeyed(self, *, unknown_only: bool = False) -> int:
+        return self._pool.close_rekeyed(_PEER, unknown_only=unknown_only)
 
     def _on_socket_closed(self, addr: str, reason: CloseReason) -> None:
         """The pool closes ``addr``'s socket (idle, rekeyed, or ours closing): its reader

@@ -88,6 +88,9 @@ class SimPeerClient:
             self._disconnect(addr)
         return len(idle)
 
+    def close_rekeyed(self, *, unknown_only: bool = False) -> int:
+        return 0  # the simulated network has no keys
+
     def _disconnect(self, addr: str) -> None:
         conn = self._connections.pop(addr)
         del self.network._bound[conn.return_addr]  # replies in flight: undeliverable

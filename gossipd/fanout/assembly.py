@@ -41,6 +41,7 @@ from gossipd.ingress.service import Ingress
 from gossipd.looppeer import LoopPeerClient, LoopPeerServer
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
+from gossipd.peerchannel import PeerClient, PeerServer
 from gossipd.security import DOMAIN_PEERS, Security
 from gossipd.sockets import SocketPool
 from gossipd.zmqloop import ReplySender
@@ -59,7 +60,7 @@ class Fanout:
     holder: ResultHolder  # Results held for forwarders not alive
     rpc_endpoint: str  # where the owner endpoint is bound
     # Closes the peer connections whose member's key changed (or was unknown when they were
-    # made): the loop channel's own; the socket pool does it for ZeroMQ's.
+    # made): the peer channel's PeerClient.close_rekeyed.
     close_rekeyed: Callable[..., int]
 
 
@@ -138,31 +139,29 @@ def build_fanout(
         dispatcher.send_to_member(member, msg)
 
     # The peer channel (fanout.peer_transport): the loop's own ZMTP, or libzmq's sockets.
-    loop_channel = config.fanout.peer_transport == "loop"
-    peer_client = (
-        LoopPeerClient(
+    peer_client: PeerClient
+    peer_server: PeerServer
+    if config.fanout.peer_transport == "loop":
+        curve = security.loop_peer_curve()
+        peer_client = LoopPeerClient(
             message_bytes_max=config.fanout.message_bytes_max,
-            curve=security.loop_peer_curve(),
+            curve=curve,
             reconnect_max_s=config.fanout.peer_reconnect_max_s,
             clock=clock.monotonic,
         )
-        if loop_channel
-        else zmq_peer_client(config.fanout, sockets)
-    )
-    owner = OwnerEndpoint(
-        config.fanout,
-        server=LoopPeerServer(
-            message_bytes_max=config.fanout.message_bytes_max,
-            curve=security.loop_peer_curve(),
-        )
-        if loop_channel
-        else zmq_peer_server(
+        peer_server = LoopPeerServer(message_bytes_max=config.fanout.message_bytes_max, curve=curve)
+    else:
+        peer_client = zmq_peer_client(config.fanout, sockets)
+        peer_server = zmq_peer_server(
             config.fanout,
             ctx,
             serve_curve=(lambda sock: security.serve(sock, DOMAIN_PEERS))
             if security.curve
             else None,
-        ),
+        )
+    owner = OwnerEndpoint(
+        config.fanout,
+        server=peer_server,
         node=node,
         ingress=ingress,
         send_to_member=send_to_member,
@@ -270,9 +269,4 @@ def build_fanout(
     gossip.listeners.append(holder.member_event)
     links.hold = holder.hold
     links.answered_cached = holder.answered
-    close_rekeyed = (
-        peer_client.close_rekeyed
-        if isinstance(peer_client, LoopPeerClient)
-        else (lambda unknown_only=False: 0)
-    )
-    return Fanout(gossip, dispatcher, load_gossip, holder, rpc_endpoint, close_rekeyed)
+    return Fanout(gossip, dispatcher, load_gossip, holder, rpc_endpoint, peer_client.close_rekeyed)
