@@ -113,9 +113,11 @@ def zmq_peer_server(
 
 def peer_frames(items: list[Any], bytes_max: int) -> list[tuple[bytes, int]]:
     """Encode ``items`` as one message, or split it so that no message exceeds the receiver's
-    limit (a batch of large prompts).  Returns (frame, number of items in it)."""
+    limit ``bytes_max`` on the wire (a batch of large prompts): libzmq's MAXMSGSIZE, and the
+    loop channel's, count a CURVE MESSAGE's overhead too.  Returns (frame, number of items
+    in it)."""
     frame = encode_peer(items[0] if len(items) == 1 else PeerBatch(items=items))
-    if len(frame) <= bytes_max or len(items) == 1:
+    if len(frame) + CURVE_OVERHEAD <= bytes_max or len(items) == 1:
         return [(frame, len(items))]
     half = len(items) // 2
     return peer_frames(items[:half], bytes_max) + peer_frames(items[half:], bytes_max)
@@ -421,8 +423,7 @@ class OwnerEndpoint:
         send = self._server.send
         for identity, items in out.items():
             start = 0
-            # Under the receiver's limit on the wire, a CURVE MESSAGE's overhead included.
-            for frame, count in peer_frames(items, self._message_max - CURVE_OVERHEAD):
+            for frame, count in peer_frames(items, self._message_max):
                 # Refused: its connection gone or full; the forwarder times out, tries the next.
                 try:
                     sent = send(identity, frame)

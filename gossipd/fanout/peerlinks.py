@@ -33,7 +33,6 @@ from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.peerchannel import PeerClient, ZmqPeerClient
 from gossipd.sockets import SocketPool
 from gossipd.zmqloop import TurnBatching
-from gossipd.zmtp import CURVE_OVERHEAD
 
 Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm | ModelQuery | ReplayQuery
 
@@ -115,9 +114,7 @@ class PeerLinks:
         """A send that cannot go (the peer's queue is full) is left to the ack timeout, which
         tries the next member."""
         send = self._channel.send
-        # Under the receiver's limit on the wire (libzmq's MAXMSGSIZE counts a CURVE
-        # MESSAGE's overhead too).
-        for frame, count in peer_frames(items, self._config.message_bytes_max - CURVE_OVERHEAD):
+        for frame, count in peer_frames(items, self._config.message_bytes_max):
             try:
                 sent = send(addr, frame)
             except TransportClosed:  # stopping: what is left goes nowhere, as a dropped send
