@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.tools.bench.http import _figures, _goals
+from gossipd.tools.bench.http import _figures, _goals, round_ratios
 from gossipd.tools.bench.http_peers import ROUTERS, Window, routers_of, split_load
 from tests.helpers import gossipd_cli
 
@@ -47,6 +47,7 @@ def test_bench_http_measures_gossipd_through_its_doors_beside_a_stub_alone() -> 
     assert 0.25 <= report["gossipd_forwarded_fraction"] <= 0.75, report
     # No vllm-router measured: the headline ratio is null, not a crash.
     assert report["ratio_vs_vllm_router_c16"] is None
+    assert report["ratio_vs_vllm_router_c16_rounds"] == []
     assert report["fair"] and all(isinstance(line, str) for line in report["fair"])
 
 
@@ -139,3 +140,12 @@ def test_goals_compare_gossipd_with_every_peer_measured() -> None:
          "cpu_us_per_req": {"gossipd": {"c1": 1.0}}}
     )  # fmt: skip
     assert all(g["met"] is None for g in alone.values())
+
+
+def test_round_ratios_pair_each_round_of_two_variants() -> None:
+    mine = {"req_per_s_rounds": [13_000, 12_000, 12_900]}
+    ref = {"req_per_s_rounds": [14_800, 13_900, 9_900]}
+    # Round by round, not median over median: 0.878, 0.863, 1.303 (the medians give 0.928).
+    assert round_ratios(mine, ref) == [0.878, 0.863, 1.303]
+    assert round_ratios(mine, {"req_per_s_rounds": [0, 10_000]}) == [1.2]  # 0: no ratio
+    assert round_ratios(None, ref) == [] and round_ratios(mine, None) == []

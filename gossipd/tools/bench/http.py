@@ -153,6 +153,15 @@ def _figures(
     return out
 
 
+def round_ratios(mine: dict[str, Any] | None, ref: dict[str, Any] | None) -> list[float]:
+    """Each round's req/s ratio, ``mine`` over ``ref`` (two variants' figures at one
+    concurrency, from ``_figures``); [] when either is missing."""
+    if not mine or not ref:
+        return []
+    pairs = zip(mine["req_per_s_rounds"], ref["req_per_s_rounds"], strict=False)
+    return [round(a / b, 3) for a, b in pairs if b]
+
+
 def _goals(report: dict[str, Any]) -> dict[str, Any]:
     g: dict[str, Any] = {}
     ratio = report["ratio_vs_vllm_router_c16"]
@@ -281,6 +290,9 @@ def run(
     report["ratio_vs_vllm_router_c16"] = (
         round(mine["req_per_s"] / ref["req_per_s"], 3) if ref and mine else None
     )
+    # Round by round (the two ran in the same round, minutes apart at most): how far the
+    # median ratio can be trusted on a shared machine, where a router's rounds swing most.
+    report["ratio_vs_vllm_router_c16_rounds"] = round_ratios(mine, ref)
     report["added_p50_us_c1"] = {
         n: f["c1"]["added_p50_us"] for n, f in figures.items() if "added_p50_us" in f.get("c1", {})
     }
@@ -314,7 +326,10 @@ def _print(report: dict[str, Any]) -> None:
         print(f"{name}: not measured: {why}")
     if report["gossipd_forwarded_fraction"] is not None:
         print(f"gossipd: {report['gossipd_forwarded_fraction']:.0%} of requests forwarded")
-    print(f"ratio_vs_vllm_router_c16: {report['ratio_vs_vllm_router_c16']}")
+    print(
+        f"ratio_vs_vllm_router_c16: {report['ratio_vs_vllm_router_c16']} "
+        f"(round by round: {report['ratio_vs_vllm_router_c16_rounds']})"
+    )
     print(f"added_p50_us_c1: {report['added_p50_us_c1']}")
     print("goals (issue 26):")
     for name, goal in report["goals"].items():
