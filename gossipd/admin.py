@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gossipd.core.admin_messages import AdminReply, LoadReport, StatusReport, encode_admin
-from gossipd.core.messages import Drain, ErrorCode, StatusQuery, error_result, reply_route
+from gossipd.core.messages import (
+    Drain,
+    ErrorCode,
+    StatusQuery,
+    Task,
+    error_result,
+    reply_route,
+)
 from gossipd.engines.base import Engine
 from gossipd.ingress.service import Ingress
 from gossipd.zmqloop import ReplySender
@@ -152,20 +159,19 @@ class Admin:
         log.info("undrained by request")
         return True, "serving again"
 
-    async def _hand_off(self, queued: list[tuple[object, float]]) -> None:
+    async def _hand_off(self, queued: list[tuple[Task, float]]) -> None:
         assert self.dispatcher is not None
         for task, received_at in queued:
             # Stopped while earlier ones were offered: answered (or dropped) here, not run
             # elsewhere.
-            if self._ingress.runner.settle_stopped(task):  # type: ignore[arg-type]
+            if self._ingress.runner.settle_stopped(task):
                 continue
-            if await self.dispatcher.hand_off(task, received_at):  # type: ignore[arg-type]
+            if await self.dispatcher.hand_off(task, received_at):
                 self._ingress.runner.release(
-                    task,  # type: ignore[arg-type]
-                    error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off"),  # type: ignore[attr-defined]
+                    task, error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off")
                 )
             else:  # no member took it: it runs here after all
-                self._ingress.runner.requeue(task)  # type: ignore[arg-type]
+                self._ingress.runner.requeue(task)
 
     # -- status -------------------------------------------------------------------------------
 

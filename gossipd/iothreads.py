@@ -36,7 +36,7 @@ def _batch_allowed() -> bool:
     return outcome == [True]
 
 
-def batch_io_threads(ctx: zmq.Context) -> bool:  # type: ignore[type-arg]
+def batch_io_threads(ctx: zmq.Context) -> bool:
     """Have ``ctx`` start its I/O threads under SCHED_BATCH; False (and the default policy)
     when this process may not use it.  Call before the context's first socket."""
     if not _batch_allowed():

@@ -48,9 +48,11 @@ class PeerClient(Protocol):
     in ``simulations/peerchannel.py``; ``tests/test_peerchannel_contract.py`` holds both to this."""
 
     dropped: int  # frames ``send`` refused (it returned False)
+
     # Connections closed because the peer broke ZMTP (a bad handshake, box, nonce or size):
     # the loop channel counts them; libzmq closes such connections without telling us (0).
-    protocol_errors: int
+    @property
+    def protocol_errors(self) -> int: ...
 
     def start(self, on_replies: OnReplies) -> None:
         """Hand what peers send back to ``on_replies(addr, frames)`` from now on (call once,
@@ -109,7 +111,9 @@ class PeerServer(Protocol):
     ``simulations/peerchannel.py``."""
 
     dropped: int  # replies ``send`` refused (it returned False)
-    protocol_errors: int  # as PeerClient's
+
+    @property
+    def protocol_errors(self) -> int: ...  # as PeerClient's
 
     def bind(self, addr: str) -> str:
         """Accept connections at ``addr``; the address clients should use (the ZeroMQ

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
+from typing import cast
 
 from gossipd.zmtp import ZmtpConnection, ZmtpError
 
@@ -54,11 +55,12 @@ class PeerLink(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.closed = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, base)  # a stream's (uvloop's is no subclass)
         if self.closed:  # closed while it connected (or refused at accept): nothing goes
             transport.abort()
             return
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

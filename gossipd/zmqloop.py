@@ -18,7 +18,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -43,13 +43,20 @@ RECHECK_S = 0.05
 READER_RECHECK_S = 1.0
 
 
+def int_option(sock: zmq.Socket) -> Callable[[int], int]:
+    """``sock.getsockopt`` for the integer options read here (EVENTS, FD): pyzmq types it
+    as returning int or bytes."""
+    return cast(Callable[[int], int], sock.getsockopt)
+
+
 async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = None) -> bool:
     """Wait until ``sock``'s ZMQ_EVENTS has a bit of ``mask``; False on timeout."""
-    if sock.getsockopt(EVENTS) & mask:
+    option = int_option(sock)
+    if option(EVENTS) & mask:
         return True
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    fd = sock.getsockopt(zmq.FD)
+    fd = option(zmq.FD)
     while True:
         wait_s = RECHECK_S if deadline is None else min(RECHECK_S, deadline - loop.time())
         if wait_s <= 0:
@@ -68,7 +75,7 @@ async def wait_events(sock: zmq.Socket, mask: int, timeout_s: float | None = Non
             loop.remove_reader(fd)
             if _waiters.get(id(sock)) is wake:
                 del _waiters[id(sock)]
-        if sock.getsockopt(EVENTS) & mask:
+        if option(EVENTS) & mask:
             return True
 
 
@@ -84,7 +91,7 @@ def kick(sock: zmq.Socket) -> None:
         wake()
 
 
-def _resolver(fut: asyncio.Future[None]):  # type: ignore[no-untyped-def]
+def _resolver(fut: asyncio.Future[None]):
     def wake() -> None:
         if not fut.done():
             fut.set_result(None)
@@ -116,6 +123,7 @@ class SocketReader:
         batch_bytes_max: int = 0,
     ) -> None:
         self._sock = sock
+        self._option = option = int_option(sock)
         self._recv = recv
         self._batch_max = batch_max
         # With single-frame recv: also stop a batch once it holds this many bytes (0: no
@@ -123,7 +131,7 @@ class SocketReader:
         self._batch_bytes_max = batch_bytes_max
         self._on_messages = on_messages
         self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = option(zmq.FD)
         self._closed = False
         self._soon = False  # a read is queued with call_soon
         self.handler_failures = 0  # batches whose handler raised (a bug; logged)
@@ -151,13 +159,13 @@ class SocketReader:
         """Read soon if a message waits.  An EVENTS read (3.5 us), not a recv that would end
         in zmq.Again (7.9 us): this runs after every send on the socket (kick) and 20 times a
         second for an idle one; it also re-arms the fd."""
-        if not self._closed and self._sock.getsockopt(EVENTS) & POLLIN:
+        if not self._closed and self._option(EVENTS) & POLLIN:
             self._read_soon()
 
     def _read(self) -> None:
         if self._closed:
             return
-        sock, recv = self._sock, self._recv
+        option, recv = self._option, self._recv
         try:
             first = recv(NOBLOCK)
         except zmq.Again:
@@ -166,14 +174,14 @@ class SocketReader:
         # A lone message, the common case below saturation, ends with an EVENTS read (3.5 us)
         # that also re-arms the fd, not with a zmq.Again exception (7.9 us) and that read.
         more = False
-        if sock.getsockopt(EVENTS) & POLLIN:
+        if option(EVENTS) & POLLIN:
             if self._batch_bytes_max:
                 messages = _drain_bytes(recv, [first], self._batch_max, self._batch_bytes_max)
             else:
                 messages = _drain(recv, [first], self._batch_max)
             # A full batch may leave more behind; one that ended on zmq.Again needs the
             # EVENTS read to re-arm the fd (and it may show a message that came meanwhile).
-            more = len(messages) >= self._batch_max or bool(sock.getsockopt(EVENTS) & POLLIN)
+            more = len(messages) >= self._batch_max or bool(option(EVENTS) & POLLIN)
         else:
             messages = [first]
         try:

@@ -17,7 +17,8 @@ threads and the other daemon preempting it): compare figures of this script with
 before and after a change, not with ``gossipd bench http``'s.
 
     .venv/bin/python scripts/door_path_cpu.py [--requests 20000] [--json]
-        [--cprofile PATH]   # a profile of the forwarded path at 16 at once (pstats)
+        [--cprofile PATH]   # a profile of the forwarded path (pstats)
+        [--cprofile-at-once K]   # ... with K requests at once (16 unless told)
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
             profile = cProfile.Profile()
             profile.enable()
-            for _ in range(args.requests // 16):
-                await batch(16)
+            k = args.cprofile_at_once
+            for _ in range(args.requests // k):
+                await batch(k)
             profile.disable()
             profile.dump_stats(args.cprofile)
         # Bounded loads could run some elsewhere: the figure is the path's only if ~all ran
@@ -192,6 +194,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000, help="per window")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--cprofile", default="", help="write the forwarded path's profile")
+    parser.add_argument("--cprofile-at-once", type=int, default=16, choices=AT_ONCE)
     uvloop.run(_main(parser.parse_args()))
 
 

@@ -84,9 +84,7 @@ class StatusReport(
     election: bool = False  # this daemon campaigns through etcd (etcd.endpoints set)
 
 
-_admin_answer_decoder = msgspec.msgpack.Decoder(
-    Result | AdminReply | StatusReport  # type: ignore[arg-type]
-)
+_admin_answer_decoder = msgspec.msgpack.Decoder(Result | AdminReply | StatusReport)
 
 
 def encode_admin(message: StatusQuery | Drain | AdminReply | StatusReport) -> bytes:
@@ -97,6 +95,6 @@ def decode_admin_answer(data: bytes) -> Result | AdminReply | StatusReport:
     """An answer to a StatusQuery or Drain (a Result when the daemon refused the request).
     Raises ``RemoteProtocolError``."""
     try:
-        return _admin_answer_decoder.decode(data)  # type: ignore[no-any-return]
+        return _admin_answer_decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise RemoteProtocolError(f"invalid answer: {exc}", code=ErrorCode.BAD_REQUEST) from None

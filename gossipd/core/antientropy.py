@@ -299,7 +299,7 @@ class AntiEntropy:
     ) -> bytes:
         header = self._swim.header([])
         return encode_gossip(
-            PushPullEncoded(**header, reply=reply, join=join, members=raws, page=page, more=more)  # type: ignore[arg-type]
+            PushPullEncoded(**header, reply=reply, join=join, members=raws, page=page, more=more)
         )
 
     def _send_page(

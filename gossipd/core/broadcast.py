@@ -122,10 +122,10 @@ class BroadcastQueue:
             item.transmits = transmits = transmits + 1
             if transmits < limit * item.limit_mult:
                 by_key[key] = item
-                bucket = buckets.get(transmits)
-                if bucket is None:
-                    bucket = buckets[transmits] = {}
-                bucket[key] = item
+                later = buckets.get(transmits)
+                if later is None:
+                    later = buckets[transmits] = {}
+                later[key] = item
             else:
                 self._urgent -= item.urgent
         return [item.update for item in chosen]

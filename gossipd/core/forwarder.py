@@ -798,7 +798,7 @@ class Forwarder:
 def _matters(entry: tuple[float, int, int, Flight | Journey]) -> bool:
     _, _, kind, obj = entry
     if kind == _ACK:
-        return obj.live  # type: ignore[union-attr]
+        return bool(obj.live)
     if kind == _HEDGE:
         return obj.hedge_armed  # type: ignore[union-attr]
     return obj.waiting  # type: ignore[union-attr]

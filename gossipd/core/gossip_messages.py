@@ -10,7 +10,7 @@ check) are in ``core/messages.py``.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypedDict
 
 import msgspec
 
@@ -154,6 +154,8 @@ class Directive(
 
 
 Update = Alive | Suspect | Dead | Left | Meta | Term | Directive
+# What the member table applies (a Term or Directive goes to the fence: core/swim.py).
+MemberUpdate = Alive | Suspect | Dead | Left | Meta
 Updates = Annotated[list[Update], msgspec.Meta(max_length=4096)]
 
 
@@ -240,7 +242,19 @@ class GossipOnly(_Gossip, frozen=True, kw_only=True, tag_field="t", tag=int(MsgT
 
 
 GossipMessage = Ping | Ack | Nack | PingReq | PushPull | GossipOnly
-_gossip_decoder = msgspec.msgpack.Decoder(GossipMessage)  # type: ignore[arg-type]
+
+
+class GossipHeader(TypedDict):
+    """The fields every gossip message starts with (``SwimNode.header``), as keywords."""
+
+    cluster: str
+    src: str
+    src_addr: str
+    updates: list[Update]
+    term: Term | None
+
+
+_gossip_decoder = msgspec.msgpack.Decoder(GossipMessage)
 
 
 def encode_gossip(message: GossipMessage | PushPullEncoded) -> bytes:
@@ -254,4 +268,4 @@ def encode_update(update: Update) -> bytes:
 
 def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
     """Decode and validate one gossip message, or raise ``RemoteProtocolError``."""
-    return decode_between_daemons(_gossip_decoder, data, bytes_max, "gossip")  # type: ignore[no-any-return]
+    return decode_between_daemons(_gossip_decoder, data, bytes_max, "gossip")

@@ -18,6 +18,7 @@ largest, larger first, the lower index first among equal values (repeated ``argm
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import numpy as np
@@ -173,6 +174,6 @@ def _compile() -> Kernels | None:
         "top_size": jit(top_size),
         "kth_largest": jit(kth_largest),
     }
-    best_fn = type(best)(best.__code__, glob, "best")
-    top_fn = type(top)(top.__code__, glob, "top")
+    best_fn = FunctionType(best.__code__, glob, "best")
+    top_fn = FunctionType(top.__code__, glob, "top")
     return {"best": jit(best_fn), "top": jit(top_fn)}

@@ -60,9 +60,9 @@ from gossipd.core.gossip_messages import (
     GpuState,
     Left,
     MemberRecord,
+    MemberUpdate,
     Meta,
     Suspect,
-    Update,
 )
 from gossipd.core.messages import UpdateKind
 from gossipd.core.sharedtable import Overlay, SharedBase
@@ -264,7 +264,7 @@ class MemberTable:
 
     # -- the rules -------------------------------------------------------------------------
 
-    def apply(self, update: Update, now: float) -> Outcome:
+    def apply(self, update: MemberUpdate, now: float) -> Outcome:
         kind = _KIND[type(update)]
         if update.node == self.me:
             return self._about_me(update, now)
@@ -278,7 +278,7 @@ class MemberTable:
             member = members[update.node] = _copy(member)  # copy-on-write (sharedtable.py)
         return handler(self, member, update, now)
 
-    def _about_me(self, update: Update, now: float) -> Outcome:
+    def _about_me(self, update: MemberUpdate, now: float) -> Outcome:
         heard = update.incarnation
         if isinstance(update, Meta):
             # Rule 8b: metadata of ours we never published is our previous life's.
@@ -442,9 +442,9 @@ class MemberTable:
             return None
         return Dead(node=node, incarnation=member.incarnation, by=self.me)
 
-    def merge_record(self, record: MemberRecord, sender: str) -> list[Update]:
+    def merge_record(self, record: MemberRecord, sender: str) -> list[MemberUpdate]:
         """The updates a push-pull record stands for (rule 7: dead becomes suspect)."""
-        out: list[Update] = []
+        out: list[MemberUpdate] = []
         if record.state == "alive":
             out.append(Alive(node=record.node, incarnation=record.incarnation, addr=record.addr))
         elif record.state in ("suspect", "dead"):
@@ -526,7 +526,7 @@ _KIND: dict[type, UpdateKind] = {
 }
 
 
-_Handler = Callable[[MemberTable, Member | None, Update, float], Outcome]
+_Handler = Callable[[MemberTable, Member | None, MemberUpdate, float], Outcome]
 
 # (current state, or None for an unknown member; update kind) -> handler.  A missing pair means
 # "ignore": e.g. a suspicion of a member we never heard of, or anything but alive after dead.

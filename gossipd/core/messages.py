@@ -389,8 +389,8 @@ ADMIN_TYPES = frozenset({int(MsgType.STATUS_QUERY), int(MsgType.DRAIN)})
 
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
-_intake_decoder = msgspec.msgpack.Decoder(IntakeMessage)  # type: ignore[arg-type]
-_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)  # type: ignore[arg-type]
+_intake_decoder = msgspec.msgpack.Decoder(IntakeMessage)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 _any_decoder = msgspec.msgpack.Decoder()
 
 
@@ -466,7 +466,7 @@ def _peek(data: bytes, bytes_max: int) -> tuple[Any, str, str]:
 
 def decode_task(data: bytes, *, bytes_max: int, peer: str = "") -> Task:
     """Decode and validate one task, or raise ``RemoteProtocolError`` saying why not."""
-    return _decode_from_producer(_task_decoder, data, bytes_max, peer)  # type: ignore[no-any-return]
+    return _decode_from_producer(_task_decoder, data, bytes_max, peer)
 
 
 def decode_intake(
@@ -475,7 +475,7 @@ def decode_intake(
     """What a producer (or an operator's tool) may PUSH to the ingress: a Task, a Cancel, a
     StatusQuery, a Drain, or Tasks (several of them, undecoded).  Raises ``RemoteProtocolError`` saying why not: an unknown ``t``
     is counted as ``unknown_type``, a malformed admin message as ``bad_admin``."""
-    return _decode_from_producer(_intake_decoder, data, bytes_max, peer)  # type: ignore[no-any-return]
+    return _decode_from_producer(_intake_decoder, data, bytes_max, peer)
 
 
 def _decode_from_producer(

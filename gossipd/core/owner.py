@@ -245,10 +245,7 @@ class Owner:
     def forwarders_of(self, owned: Owned) -> list[str]:
         """The members that forwarded ``owned`` to us, by name ("" for one not known)."""
         member_of = self.member_of
-        return [
-            owned.replayed_src if f == ANY else member_of.get(f, "")  # type: ignore[call-overload]
-            for f in owned.forwarders
-        ]
+        return [owned.replayed_src if f == ANY else member_of.get(f, "") for f in owned.forwarders]
 
     def latest_boot(self, member: str) -> int:
         return self._boots.get(member, 0)

@@ -241,7 +241,7 @@ class PeerBatch(
 
 
 PeerMessage = PeerItem | PeerBatch
-_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)  # type: ignore[arg-type]
+_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
 
 
 def encode_peer(message: PeerMessage) -> bytes:
@@ -250,4 +250,4 @@ def encode_peer(message: PeerMessage) -> bytes:
 
 def decode_peer(data: bytes, *, bytes_max: int) -> PeerMessage:
     """Decode and validate one fan-out message, or raise ``RemoteProtocolError``."""
-    return decode_between_daemons(_peer_decoder, data, bytes_max, "peer")  # type: ignore[no-any-return]
+    return decode_between_daemons(_peer_decoder, data, bytes_max, "peer")

@@ -31,7 +31,7 @@ The expected wait grows with ``pending``, so refusals are monotone in queue leng
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from gossipd.errors import LocalProtocolError
@@ -148,7 +148,7 @@ class QueueWait:
             return QueueDecision(True, wait, bound, 0)
         self._refused += 1
         slot = retry_slot(now, wait, bound, self._next_slot, self._retry_min_ms, self._retry_max_ms)
-        self._next_slot = slot + self._service_s / self._concurrency
+        self._next_slot = slot + service_s / self._concurrency
         return QueueDecision(False, wait, bound, retry_after_ms(now, slot))
 
     def statistics(self) -> QueueStatistics:
@@ -203,6 +203,7 @@ class DeadlineWheel:
         last_full = math.floor(now / self._resolution_s)  # buckets <= this end at or before now
         if self._buckets:
             start = min(self._buckets) if self._swept_to is None else self._swept_to
+            indices: Iterable[int]
             if last_full - start > len(self._buckets):  # a long gap: walk the buckets instead
                 indices = sorted(i for i in self._buckets if i <= last_full)
             else:

@@ -424,11 +424,11 @@ class LoadCounts(dict[str, int]):
         super().clear()
         self.total = 0
 
-    def setdefault(self, member: str, count: int = 0) -> int:  # type: ignore[override]
+    def setdefault(self, member: str, count: int = 0) -> int:
         if member not in self:
             self[member] = count
         return self[member]
 
-    def update(self, *args: object, **kwargs: int) -> None:  # type: ignore[override]
-        for member, count in dict(*args, **kwargs).items():  # type: ignore[call-overload]
+    def update(self, *args: object, **kwargs: int) -> None:
+        for member, count in dict(*args, **kwargs).items():
             self[member] = count

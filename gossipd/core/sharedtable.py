@@ -23,12 +23,13 @@ a disjoint union.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from gossipd.core.gossip_messages import encode_record
 
 
-class Overlay(dict):  # type: ignore[type-arg]
+class Overlay(dict):
     """A dict of its own entries over a shared read-only ``base`` dict."""
 
     __slots__ = ("base", "hidden")
@@ -96,7 +97,7 @@ class Overlay(dict):  # type: ignore[type-arg]
 _ABSENT = object()
 
 
-class SharedRecords(list):  # type: ignore[type-arg]
+class SharedRecords(list):
     """A push-pull's records from an ``Overlay`` table: its first ``explicit`` records (the
     sender and its own entries), then the shared records of ``base`` whose keys are not in
     ``hidden`` (the sender's, frozen when sent), in the base's order.  To an encoder or any
@@ -119,7 +120,7 @@ class SharedRecords(list):  # type: ignore[type-arg]
         self.explicit = len(explicit)
         self.hidden = hidden
 
-    def differing(self, hidden: set[Any]) -> list[Any]:
+    def differing(self, hidden: AbstractSet[Any]) -> list[Any]:
         """The records, in this list's order, that a table showing own + (base - ``hidden``)
         may not already hold: the explicit ones, and the shared ones of keys it hides."""
         shared = self.base.record_map()

@@ -46,6 +46,7 @@ from gossipd.core.gossip_messages import (
     Alive,
     Dead,
     Directive,
+    GossipHeader,
     GossipMessage,
     GossipOnly,
     GpuState,
@@ -376,7 +377,7 @@ class SwimNode:
         for addr in [member.addr, *(self.table.members[n].addr for n in confirmers)]:
             self.send(addr, GossipOnly(**self.header([suspect])))
 
-    def header(self, updates: list[Update]) -> dict[str, object]:
+    def header(self, updates: list[Update]) -> GossipHeader:
         """The fields every gossip message starts with, carrying ``updates``."""
         return {
             "cluster": self.config.cluster,

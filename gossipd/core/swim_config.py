@@ -118,7 +118,7 @@ class SwimConfig:
     left_reap_s: Reap = 300.0
 
     def __post_init__(self) -> None:
-        for name, meta in field_bounds(type(self)).items():
+        for name, meta in field_bounds().items():
             _check_bound(name, getattr(self, name), meta)
         if not self.probe_timeout_s < self.probe_deadline_s:
             raise ValueError(
@@ -183,13 +183,13 @@ PRESETS: dict[str, Callable[..., SwimConfig]] = {
 
 
 @cache
-def field_types(cls: type[SwimConfig] = SwimConfig) -> dict[str, Any]:
+def field_types(cls: type = SwimConfig) -> dict[str, Any]:
     """Each field's type, with its bounds (``Annotated[..., Meta(...)]``)."""
     return get_type_hints(cls, include_extras=True)
 
 
 @cache
-def field_bounds(cls: type[SwimConfig] = SwimConfig) -> dict[str, Meta]:
+def field_bounds(cls: type = SwimConfig) -> dict[str, Meta]:
     out: dict[str, Meta] = {}
     for name, hint in field_types(cls).items():
         if get_origin(hint) is Annotated:

@@ -135,7 +135,7 @@ def _source(item: object, sender: str) -> str:
     if type(item) is Forward:
         return item.src
     if type(item) in (Withdraw, TaskDone, Confirm, ModelQuery, ReplayQuery):
-        return item.node  # type: ignore[attr-defined, no-any-return]
+        return item.node  # type: ignore[attr-defined]  # each of the five has one
     return sender
 
 
@@ -155,7 +155,7 @@ class OwnerEndpoint:
         load_record: Callable[[], LoadRecord | None] = lambda: None,
         peer_allowed: Callable[[str, str, str], bool] | None = None,
         saturated: Callable[[float], bool] = lambda now: False,
-        on_drain: Callable[[Drain], None] = lambda msg: None,
+        on_drain: Callable[[Drain], object] = lambda msg: None,
         on_confirm: Callable[[Confirm], ConfirmReply] | None = None,
         on_withdraw_held: Callable[[str, str], None] | None = None,
         replies: ReplyRoutes | None = None,
@@ -335,7 +335,11 @@ class OwnerEndpoint:
         else:
             limiter = self._invalid_log if refused.why == "invalid" else self._stale_log
             if limiter.allow():
-                extra = {"code": reply.code, "hint": refused.hint[:200], "src": msg.src}
+                extra: dict[str, object] = {
+                    "code": reply.code,
+                    "hint": refused.hint[:200],
+                    "src": msg.src,
+                }
                 if refused.why == "stale":
                     extra.update(
                         task=msg.task.id, boot=msg.boot, latest_boot=self.core.latest_boot(msg.src)

@@ -377,7 +377,7 @@ class HttpConnection(asyncio.Protocol):
         """Bytes not yet taken by the client: held here or in the transport's buffer."""
         transport = self.transport
         buffered = transport.get_write_buffer_size() if transport is not None else 0
-        return self._held_bytes + buffered  # type: ignore[no-any-return]
+        return self._held_bytes + buffered
 
     def close(self) -> None:
         """Close after what is held and buffered has been written."""

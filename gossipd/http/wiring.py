@@ -79,4 +79,4 @@ async def open_door(
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(config.http.tls_cert_file, config.http.tls_key_file)
     door.server = await serve(host.strip("[]"), int(port), door.handle, door.limits, ssl=context)
-    return door.server.sockets[0].getsockname()[1]  # type: ignore[no-any-return]
+    return door.server.sockets[0].getsockname()[1]

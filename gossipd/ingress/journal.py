@@ -71,7 +71,7 @@ class Journal:
         self.forwarded.clear()
         self.deadlines.clear()
         # Records about an accepted task: its kind -> how to read it, where it is kept.
-        about: dict[int, tuple[msgspec.msgpack.Decoder, dict]] = {  # type: ignore[type-arg]
+        about: dict[int, tuple[msgspec.msgpack.Decoder, dict]] = {
             FORWARDED: (_forwarded_decoder, self.forwarded),
             DEADLINE: (_deadline_decoder, self.deadlines),
         }

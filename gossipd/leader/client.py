@@ -46,7 +46,7 @@ def grpc_target(endpoints: list[str]) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
-class EtcdClient(aetcd.Client):  # type: ignore[misc]
+class EtcdClient(aetcd.Client):
     def __init__(self, config: EtcdConfig) -> None:
         super().__init__(timeout=config.request_timeout_s, options=GRPC_OPTIONS)
         self._target = grpc_target(config.endpoints)

@@ -280,7 +280,7 @@ class EtcdElection:
         self._changed.set()
 
     async def close(self) -> None:
-        with contextlib.suppress(ETCD_ERRORS):
+        with contextlib.suppress(*ETCD_ERRORS):
             await self.client.close()
 
     # -- helpers -----------------------------------------------------------------------------

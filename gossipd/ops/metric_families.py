@@ -13,7 +13,7 @@ def _one(family: type[Any], name: str, doc: str, value: float) -> Metric:
     """A family with one unlabelled sample."""
     metric = family(name, doc)
     metric.add_metric([], value)
-    return metric  # type: ignore[no-any-return]
+    return metric
 
 
 def _by(
@@ -23,7 +23,7 @@ def _by(
     metric = family(name, doc, labels=[label])
     for key, value in values:
         metric.add_metric([key], value)
-    return metric  # type: ignore[no-any-return]
+    return metric
 
 
 C, G = CounterMetricFamily, GaugeMetricFamily

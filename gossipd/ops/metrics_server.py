@@ -79,14 +79,14 @@ def serve_metrics(
             extra={"bind": bind},
         )
     registry = CollectorRegistry()
-    registry.register(collector)  # type: ignore[arg-type]
+    registry.register(collector)
     guard = MetricsGuard(token)
-    registry.register(guard)  # type: ignore[arg-type]
+    registry.register(guard)
     metrics_app = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if guard.allows(environ.get("HTTP_AUTHORIZATION", "")):
-            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            return metrics_app(environ, start_response)
         start_response(
             "401 Unauthorized",
             [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="gossipd"')],

@@ -79,7 +79,9 @@ def render_node(
         state_root=state_root,
     )
     write_files(out_dir, files)
-    rows = [("unit", "PCI", "NUMA", "CPUs", "ingress", "gossip", "rpc", "metrics")]
+    rows: list[tuple[str, ...]] = [
+        ("unit", "PCI", "NUMA", "CPUs", "ingress", "gossip", "rpc", "metrics")
+    ]
     for instance in instances:
         gpu, ports = instance.gpu, instance.ports
         rows.append(

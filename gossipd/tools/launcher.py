@@ -175,6 +175,10 @@ class DaemonProcess:
                 return self._metrics_port
         return 0
 
+    @metrics_port.setter
+    def metrics_port(self, port: int) -> None:
+        self._metrics_port = port
+
     @property
     def http_url(self) -> str:
         """http://HOST:PORT of its HTTP door (http.bind, port 0 included), "" if none."""
@@ -182,10 +186,6 @@ class DaemonProcess:
             if event.get("msg") == "serving" and event.get("http"):
                 return f"http://{event['http']}"
         return ""
-
-    @metrics_port.setter
-    def metrics_port(self, port: int) -> None:
-        self._metrics_port = port
 
     @property
     def pid(self) -> int:

@@ -149,7 +149,9 @@ def config_reference() -> str:
         "`gossipd check-config` prints the resolved configuration.",
         "",
     ]
-    for section in mi.type_info(Config).fields:
+    info = mi.type_info(Config)
+    assert isinstance(info, mi.StructType)
+    for section in info.fields:
         assert isinstance(section.type, mi.StructType)
         cls = section.type.cls
         comments = _comments(cls)
@@ -274,7 +276,7 @@ class _Snapshot(dict[str, Any]):
     def __missing__(self, key: str) -> Any:
         return _Zero()
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         if key in ("gossip", "dispatcher") and not self._with:
             return None
         if key in ("leadership", "leader_duties") and not self._with_etcd:

@@ -238,16 +238,16 @@ def run(
         fwd0 = _forwarded(cluster) if cluster is not None else (0.0, 0.0)
         windows: dict[str, dict[int, list[Window]]] = {n: {} for n in targets}
         names = list(targets)
-        for r in range(rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            steps.start(f"round {r + 1}/{rounds}: {', '.join(order)} at c={concurrency}")
+        for rnd in range(rounds):
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            steps.start(f"round {rnd + 1}/{rounds}: {', '.join(order)} at c={concurrency}")
             for c in concurrency:
                 for name in order:
                     urls, pids, engines = targets[name]
                     w = wrk.run(urls, c, seconds, pids, engines)
                     windows[name].setdefault(c, []).append(w)
             steps.note(
-                f"round {r + 1}: "
+                f"round {rnd + 1}: "
                 + ", ".join(
                     f"{n} {windows[n][concurrency[-1]][-1].req_per_s:,.0f}/s" for n in order
                 )

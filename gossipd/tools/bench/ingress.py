@@ -66,7 +66,7 @@ def main(
         return main_curve(
             tasks=tasks, window=window, repeats=repeats, as_json=as_json, producer=producer
         )
-    opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
+    opts: dict[str, Any] = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
     steps = Steps(repeats + 1, "bench ingress")  # on stderr: stdout is the report
     steps.start("starting a daemon and a raw pyzmq echo server; warming both")
     raw_proc, raw_endpoint = _raw_server()

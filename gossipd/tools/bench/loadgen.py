@@ -139,7 +139,7 @@ def drive_many(
     ``batch_tasks``: the tasks of one refill of the window go to each endpoint as Tasks
     frames, bounded as gossipd's Client bounds them (``packing.PACK_ITEMS_MAX`` tasks and
     ``PACK_BYTES_MAX`` bytes a frame)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
     if curve is not None:

@@ -172,10 +172,11 @@ class SerfAgents:
             if time.monotonic() > deadline:
                 i = pending[0]
                 seen = sorted(self.alive_seen_by(i))
+                proc = self.procs[i]
                 log = (self.dir / f"{self.names[i]}.log").read_text(errors="replace")[-600:]
                 raise TimeoutError(
                     f"Serf did not converge: {len(pending)} agents short; {self.names[i]} "
-                    f"(exit code {self.procs[i].poll() if self.procs[i] else None}) sees "
+                    f"(exit code {proc.poll() if proc else None}) sees "
                     f"{len(seen)} alive: {seen}; its log ends: {log!r}"
                 )
             pending = [i for i in pending if self.alive_seen_by(i) != want]

@@ -250,16 +250,16 @@ def run(
                 servers.append(server)
                 clusters[name] = cluster
         for server in servers:
-            cluster = clusters.get(server.name)
-            if cluster is None:
+            daemons = clusters.get(server.name)
+            if daemons is None:
                 _wait_models(server.url, 600, server.name, server.exited)
                 continue
-            for d in cluster.daemons:
+            for d in daemons.daemons:
                 d.wait_ready(600)
-            if len(cluster.daemons) > 1:
-                cluster.wait_converged(timeout_s=60)
-                cluster.wait_meta(timeout_s=60)
-            server.url = cluster.daemons[0].http_url
+            if len(daemons.daemons) > 1:
+                daemons.wait_converged(timeout_s=60)
+                daemons.wait_meta(timeout_s=60)
+            server.url = daemons.daemons[0].http_url
             server.pids = [d.pid for d in cluster.daemons]
             _wait_models(server.url, 60, server.name)
         windows: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}

@@ -186,7 +186,7 @@ def _meta_costs(cluster: _Cluster, task: Task, repeats: int) -> dict[str, float]
     placer, rng = cluster.placer, random.Random(2)
     name = cluster.names[len(cluster.names) // 2]
     member = cluster.table.members[name]
-    kept = list(getattr(member, "prefixes", ()) or member.gpu.prefixes)
+    kept = list(getattr(member, "prefixes", ()) or (member.gpu.prefixes if member.gpu else ()))
     load, prefix = [], []
     for i in range(max(3, repeats)):
         start = time.perf_counter()
@@ -229,7 +229,7 @@ def memory_mb(n: int, *, prefixes: int) -> dict[str, float]:
     try:
         ae.push_pull("tcp://10.9.9.9:7946", reply=True, now=0.0)
     except TypeError:  # pragma: no cover - an older checkout: one message, no pages
-        ae.push_pull("tcp://10.9.9.9:7946", reply=True)
+        ae.push_pull("tcp://10.9.9.9:7946", reply=True)  # type: ignore[call-arg]
     pages += len(cluster.swim.take_outbox())
     while getattr(ae, "next_page_at", float("inf")) < float("inf"):
         ae.tick(ae.next_page_at)
@@ -284,9 +284,9 @@ def main(
     }
     if memory:
         print(f"bench place: memory at N={memory_nodes}", file=sys.stderr)
-        memory = memory_mb(memory_nodes, prefixes=prefixes)
-        report[f"memory_mb_n{memory_nodes}"] = memory["state_mb"]
-        report[f"memory_n{memory_nodes}"] = memory
+        held = memory_mb(memory_nodes, prefixes=prefixes)
+        report[f"memory_mb_n{memory_nodes}"] = held["state_mb"]
+        report[f"memory_n{memory_nodes}"] = held
     if as_json:
         print(json.dumps(report))
     else:

@@ -53,7 +53,7 @@ def vnode_owners(key_hashes: np.ndarray, members: list[str], points: int) -> np.
     return names[idx]
 
 
-def evaluate(scheme: str, owners_of, members: list[str], keys: np.ndarray) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def evaluate(scheme: str, owners_of, members: list[str], keys: np.ndarray) -> dict[str, object]:
     n = len(members)
     before = owners_of(keys, members)
     _, counts = np.unique(before, return_counts=True)

@@ -61,7 +61,7 @@ def main(
             producer=producer,
             throughput_tasks=throughput_tasks,
         )
-    opts = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
+    opts: dict[str, Any] = {"batch_replies": batch_replies, "batch_tasks": batch_tasks}
     steps = Steps(repeats + 1, "bench route")  # on stderr: stdout is the report
     say = steps.note
     rng = random.Random(7)
