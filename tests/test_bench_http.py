@@ -49,6 +49,14 @@ def test_bench_http_measures_gossipd_through_its_doors_beside_a_stub_alone() -> 
     assert report["ratio_vs_vllm_router_c16"] is None
     assert report["ratio_vs_vllm_router_c16_rounds"] == []
     assert report["fair"] and all(isinstance(line, str) for line in report["fair"])
+    # At c=1 each path alone, through the first door: its own keys (probed) kept apart.
+    by_path = report["gossipd_c1_by_path"]
+    assert set(by_path) == {"local", "forwarded"}, by_path
+    for f in by_path.values():
+        assert f["req_per_s"] > 0 and f["cpu_us_per_req"] > 0, by_path
+        assert f["added_p50_us"] is not None, by_path
+    # A forwarded request makes one more hop (to the owner and back) than a local one.
+    assert by_path["forwarded"]["p50_us"] > by_path["local"]["p50_us"], by_path
 
 
 def test_bench_http_without_wrk_says_how_to_get_it_before_starting_anything() -> None:

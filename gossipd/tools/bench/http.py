@@ -34,6 +34,7 @@ from gossipd.tools.bench.http_peers import (
     Router,
     Window,
     Wrk,
+    keys_by_path,
     new_workdir,
     routers_of,
     start_stub,
@@ -45,6 +46,9 @@ from gossipd.tools.progress import Steps
 
 REFERENCE = "vllm-router:round_robin"
 GOALS = {"ratio_vs_vllm_router_c16_min": 1.5}
+# gossipd_c1_by_path: keys probed (about half run where they enter), and the figures kept.
+PATH_KEYS = 512
+PATH_FIGURES = ("req_per_s", "p50_us", "p99_us", "added_p50_us", "added_p99_us", "cpu_us_per_req")
 
 FAIR = [
     "Fair: one load generator for every variant (wrk, the same Lua script, body and "
@@ -235,6 +239,18 @@ def run(
         wrk = Wrk(workdir)
         for urls, pids, _ in targets.values():  # warm: connections, pools, caches
             wrk.run(urls, 16, 1, pids)
+        # At c=1 one connection enters at the first door, and about half its requests are
+        # forwarded: the p50 of such a mix lies where the two paths' latencies meet.  Each
+        # path alone, with keys sorted by where they ran, says what either costs.
+        path_keys: dict[str, Path] = {}
+        if cluster is not None and 1 in concurrency:
+            urls, pids, _ = targets["gossipd"]
+            paths = keys_by_path(urls[0], cluster.daemons[0].name, PATH_KEYS)
+            for path, keys in zip(("local", "forwarded"), paths, strict=True):
+                if keys:
+                    path_keys[path] = workdir / f"keys-{path}.txt"
+                    path_keys[path].write_text("".join(f"{k}\n" for k in keys))
+        path_windows: dict[str, dict[int, list[Window]]] = {p: {} for p in path_keys}
         fwd0 = _forwarded(cluster) if cluster is not None else (0.0, 0.0)
         windows: dict[str, dict[int, list[Window]]] = {n: {} for n in targets}
         names = list(targets)
@@ -246,6 +262,13 @@ def run(
                     urls, pids, engines = targets[name]
                     w = wrk.run(urls, c, seconds, pids, engines)
                     windows[name].setdefault(c, []).append(w)
+            for path, keys_file in path_keys.items():
+                urls, pids, _ = targets["gossipd"]
+                before = _forwarded(cluster)  # these are left out of the forwarded fraction
+                w = wrk.run(urls[:1], 1, seconds, pids, keys_file=keys_file)
+                path_windows[path].setdefault(1, []).append(w)
+                after = _forwarded(cluster)
+                fwd0 = (fwd0[0] + after[0] - before[0], fwd0[1] + after[1] - before[1])
             steps.note(
                 f"round {rnd + 1}: "
                 + ", ".join(
@@ -301,6 +324,13 @@ def run(
         for n, f in figures.items()
         if n != "direct"
     }
+    # The same daemons at c=1, one door, each path's keys alone (added: over direct's rounds).
+    by_path = _figures({"direct": windows.get("direct", {}), **path_windows}, [1])
+    report["gossipd_c1_by_path"] = {
+        path: {k: by_path[path]["c1"].get(k) for k in PATH_FIGURES}
+        for path in path_windows
+        if "c1" in by_path.get(path, {})
+    }
     report["fair"] = FAIR
     report["goals"] = _goals(report)
     return report
@@ -331,6 +361,12 @@ def _print(report: dict[str, Any]) -> None:
         f"(round by round: {report['ratio_vs_vllm_router_c16_rounds']})"
     )
     print(f"added_p50_us_c1: {report['added_p50_us_c1']}")
+    for path, f in report["gossipd_c1_by_path"].items():
+        print(
+            f"gossipd at c=1, {path} keys only: {f['req_per_s']:,.0f} req/s, "
+            f"+p50 {num(f.get('added_p50_us'))} us, +p99 {num(f.get('added_p99_us'))} us, "
+            f"CPU {num(f['cpu_us_per_req'])} us/req"
+        )
     print("goals (issue 26):")
     for name, goal in report["goals"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[goal["met"]]

@@ -42,13 +42,19 @@ WRK_LUA = """
 local body = '@BODY@'
 local prefix = "s"
 local n = 0
+local keys = nil
 function init(args)
   if args[1] then prefix = args[1] end
+  if args[2] then  -- a file of keys, one a line: these, in turn, instead of PREFIX..n
+    keys = {}
+    for line in io.lines(args[2]) do keys[#keys + 1] = line end
+  end
 end
 function request()
   n = n + 1
+  local key = keys and keys[(n % #keys) + 1] or prefix .. (n % 4096)
   return wrk.format("POST", "/v1/completions",
-    {["Content-Type"] = "application/json", ["x-session-id"] = prefix .. (n % 4096)}, body)
+    {["Content-Type"] = "application/json", ["x-session-id"] = key}, body)
 end
 function done(summary, latency, requests)
   local e = summary.errors
@@ -172,6 +178,29 @@ def start_stub(procs: Processes, name: str) -> tuple[str, int]:
     return f"http://127.0.0.1:{port}", procs.start(name, cmd)
 
 
+def keys_by_path(url: str, entry: str, n: int) -> tuple[list[str], list[str]]:
+    """``n`` session keys (p0, p1, ...) sorted by where gossipd ran them, each sent once through
+    ``url``, the door of member ``entry``: (those run there, those forwarded).  Where a key
+    runs is read from the answer's x-gossipd-member header, not computed: what the daemons
+    did, whatever the ring says."""
+    local: list[str] = []
+    forwarded: list[str] = []
+    for i in range(n):
+        key = f"p{i}"
+        req = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=BODY.encode(),
+            headers={"Content-Type": "application/json", "x-session-id": key},
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            member = resp.headers.get("x-gossipd-member", "")
+            resp.read()
+        if not member:
+            raise RuntimeError(f"{url} answered without an x-gossipd-member header")
+        (local if member == entry else forwarded).append(key)
+    return local, forwarded
+
+
 def wait_serving(url: str, timeout_s: float, *, headers: dict[str, str] | None = None) -> None:
     """Until one POST /v1/completions through ``url`` answers 200 (TimeoutError if not)."""
     deadline = time.monotonic() + timeout_s
@@ -281,7 +310,9 @@ class Wrk:
         seconds: int,
         cpu_pids: list[int],
         engine_pids: Sequence[int] = (),
+        keys_file: Path | None = None,
     ) -> Window:
+        """``keys_file``: the session keys to send, one a line, in turn (else w<i>-<n>)."""
         procs = []
         cpu0, eng0 = cpu_s(cpu_pids), cpu_s(list(engine_pids))
         for i, (threads, conns) in enumerate(split_load(len(urls), connections)):
@@ -289,6 +320,8 @@ class Wrk:
                 "wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s",
                 "-s", str(self.script), urls[i], "--", f"w{i}-",
             ]  # fmt: skip
+            if keys_file is not None:
+                cmd.append(str(keys_file))
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         try:
             outs = [p.communicate(timeout=seconds + 30) for p in procs]
