@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.tools.bench.http import _figures, _goals, round_ratios
+from gossipd.tools.bench.http import _figures, _goals, plot, round_ratios
 from gossipd.tools.bench.http_peers import ROUTERS, Window, routers_of, split_load
 from tests.helpers import gossipd_cli
 
@@ -157,3 +157,18 @@ def test_round_ratios_pair_each_round_of_two_variants() -> None:
     assert round_ratios(mine, ref) == [0.878, 0.863, 1.303]
     assert round_ratios(mine, {"req_per_s_rounds": [0, 10_000]}) == [1.2]  # 0: no ratio
     assert round_ratios(None, ref) == [] and round_ratios(mine, None) == []
+
+
+def test_the_plot_is_written_where_asked_with_each_paths_point(tmp_path: Path) -> None:
+    fig = {"req_per_s": 1000.0}
+    report = {
+        "concurrency": [1, 16],
+        "rounds": 1,
+        "seconds_per_window": 1,
+        "variants": {"direct": {"c1": fig, "c16": fig}, "gossipd": {"c1": fig, "c16": fig}},
+        "gossipd_c1_by_path": {"local": {"req_per_s": 1500.0}, "forwarded": {"req_per_s": 500.0}},
+    }
+    out = tmp_path / "bench-http.png"
+    plot(report, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "forwarded.png").exists() and sorted(tmp_path.iterdir()) == [out]

@@ -389,6 +389,10 @@ def plot(report: dict[str, Any], path: str) -> None:
     for name, by_c in report["variants"].items():
         xs = [c for c in cs if f"c{c}" in by_c]
         ax.plot(xs, [by_c[f"c{c}"]["req_per_s"] for c in xs], marker="o", label=name)
+    by_path = report.get("gossipd_c1_by_path", {})
+    for (which, f), marker in zip(by_path.items(), "^v", strict=False):
+        ax.scatter([1], [f["req_per_s"]], marker=marker, color="tab:purple", zorder=3,
+                   label=f"gossipd at c=1, {which} keys only")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xticks(cs, [str(c) for c in cs])
     # Log y: direct to a stub is 5-10x every layer at 16 and 64; linear, the layers overlap.
