@@ -39,7 +39,7 @@ from gossipd.core.peer_messages import (
 )
 from gossipd.core.placer import LoadCounts, Placer
 from gossipd.core.queueing import QueueWait
-from gossipd.core.replaycheck import ReplayCheck, cancel_waiting
+from gossipd.core.replaycheck import ReplayCheck, cancel_waiting, replay_known
 from gossipd.core.swim import SwimNode
 from simulations.fanout_run import ABORTED, EXPIRE, FINISH
 
@@ -386,8 +386,8 @@ class SimDaemon:
             self.held.on_reply(msg.node, msg.still_mine, msg.migrated, msg.unknown)
             self.flush_held()
         elif isinstance(msg, ReplayQuery):
-            known = self.book.held(msg.tasks)
-            self.world.send_peer(self, src, ReplayKnown(node=self.name, known=known))
+            answer = replay_known(msg, self.name, self.book.held, self.forwarder.ledger.finished_by)
+            self.world.send_peer(self, src, answer)
         elif isinstance(msg, ReplayKnown):
             if self.replay_check is not None:
                 self.replay_check.on_known(msg.node, msg.known, its_own=msg.node == src)

@@ -519,6 +519,62 @@ def test_an_owner_restarted_before_it_is_declared_dead_reports_its_replayed_task
     )
 
 
+def test_a_restarted_owner_does_not_run_again_the_tasks_it_answered_before_it_died(
+    make_cluster,  # type: ignore[no-untyped-def]
+) -> None:
+    """An owner killed after it answered its forwarded tasks, before its journal wrote their
+    DONE records (its batch, 3 s here instead of 10 ms to make the window plain), finds them
+    unfinished on restart.  Their forwarder had their TaskDones: its answer to the owner's
+    ReplayQuery names them, and the owner drops them instead of running them again and
+    answering each a second time."""
+    cluster = make_cluster(
+        2,
+        "engine.token_delay_s=0.05",
+        'metrics.bind="127.0.0.1:0"',
+        "journal.fsync_interval_s=3.0",
+    )
+    entry, owner = cluster.daemons
+    producer = RawProducer(entry.endpoint)
+    outstanding = "gossipd_fanout_outstanding{member=d01}"
+    try:
+        # Accepted at t0, their ACCEPT records written at t0 + 3 s; they end at t0 + 5 s
+        # and their DONE records would be written at t0 + 8 s.
+        _start_long_tasks_on_d01(cluster, producer)
+        got = producer.results(LONG_TASKS, timeout_s=30)
+        wait_for(
+            lambda: scrape(entry.metrics_port).get(outstanding, 0.0) == 0.0,
+            2,
+            "the forwarder to get the owner's TaskDones",
+        )
+        owner.kill()
+        owner.wait(5)
+        restarted = cluster.restart(1)
+        wait_for(
+            lambda: any(
+                e.get("msg") == "re-running unfinished tasks from the journal"
+                and e.get("forwarded_only") is False
+                for e in restarted.events()
+            ),
+            15,
+            "the restarted owner to ask about its journaled tasks",
+        )
+        late = producer.replies(timeout_s=3.0, quiet_s=1.5)
+    finally:
+        producer.close()
+    assert sorted(r["id"] for r in got) == sorted(f"t{i}" for i in range(LONG_TASKS))
+    assert [r for r in late if r["t"] == 3] == []  # no second answer
+    replayed = [
+        e
+        for e in restarted.events()
+        if e.get("msg") == "re-running unfinished tasks from the journal"
+        and e.get("forwarded_only") is False
+    ]
+    assert replayed[0]["tasks"] == LONG_TASKS, replayed  # the DONE records were lost
+    assert replayed[0]["known_elsewhere"] == LONG_TASKS and replayed[0]["run"] == 0, replayed
+    metrics = scrape(restarted.metrics_port)
+    assert metrics.get("gossipd_journal_replayed_tasks_total{outcome=run}") == 0
+
+
 def test_the_owner_reports_a_task_done_right_after_its_result(make_cluster) -> None:  # type: ignore[no-untyped-def]
     """The owner's TaskDone follows the task's Result at once, instead of waiting like an
     accept (``fanout.ack_delay_s``, 0.5 s here to make any hold-back plain) to share a

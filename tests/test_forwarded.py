@@ -138,3 +138,40 @@ def test_a_TaskDone_whose_accept_is_not_due_is_not_remembered() -> None:
     ledger.accepted(_task(0), "b", 1.0)  # a later copy, run by b
     entry = ledger.get("t0")
     assert entry is not None and entry.owner == "b"
+
+
+@given(
+    owners=st.lists(st.sampled_from(MEMBERS), min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_a_task_is_finished_by_the_member_whose_TaskDone_ended_it_whatever_the_order(
+    owners: list[str], data: st.DataObject
+) -> None:
+    """After each task's accept and its owner's TaskDone, in any interleaving, the ledger
+    says each task was finished by its owner and by no other member (what a restarted
+    member's ReplayQuery hears)."""
+    events = [("accept", n, m) for n, m in enumerate(owners)]
+    events += [("done", n, m) for n, m in enumerate(owners)]
+    ledger, _ = _replay(data.draw(st.permutations(events)))
+    for n, owner in enumerate(owners):
+        assert ledger.finished_by(owner, [f"t{n}"]) == [f"t{n}"]
+        for other in set(MEMBERS) - {owner}:
+            assert ledger.finished_by(other, [f"t{n}"]) == []
+    assert ledger.finished_by(owners[0], ["never-sent"]) == []
+
+
+def test_only_the_ledgered_copys_TaskDone_finishes_a_task_and_a_new_copy_is_unfinished() -> None:
+    ledger, _ = _replay([("accept", 1, "a"), ("done", 1, "b")])  # b's copy was withdrawn
+    assert ledger.finished_by("b", ["t1"]) == [] and ledger.finished_by("a", ["t1"]) == []
+    ledger.done("t1", "a")
+    assert ledger.finished_by("a", ["t1"]) == ["t1"]
+    ledger.accepted(_task(1), "a", 0.0)  # the same id again (a resubmission): running again
+    assert ledger.finished_by("a", ["t1"]) == []
+
+
+def test_finished_tasks_are_remembered_up_to_a_bound_oldest_first_out(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr("gossipd.core.forwarded.FINISHED_MAX", 3)
+    events = [(kind, n, "a") for n in range(5) for kind in ("accept", "done")]
+    ledger, _ = _replay(events)
+    ids = [f"t{n}" for n in range(5)]
+    assert ledger.finished_by("a", ids) == ["t2", "t3", "t4"]

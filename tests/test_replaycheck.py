@@ -6,7 +6,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossipd.core.replaycheck import ANSWER_WAIT_S, JOIN_WAIT_S, MEMBERS_MAX, ReplayCheck
+from gossipd.core.peer_messages import ReplayQuery
+from gossipd.core.replaycheck import (
+    ANSWER_WAIT_S,
+    JOIN_WAIT_S,
+    MEMBERS_MAX,
+    ReplayCheck,
+    replay_known,
+)
 
 TASKS = [("t1", ""), ("t2", "K" * 40), ("t3", "")]
 
@@ -145,3 +152,28 @@ def test_property_a_task_is_left_out_only_when_a_member_asked_says_it_holds_it(
             assert check.queries([], JOIN_WAIT_S) == []
         assert check.done(JOIN_WAIT_S if not members else 0.5 + ANSWER_WAIT_S)
         assert check.outcome().run == [t for t in tasks if t not in taken]
+
+
+def test_a_replay_query_hears_the_tasks_held_here_and_those_the_asker_finished() -> None:
+    """A member names the tasks it holds for the same key, and, as the forwarder, those it
+    had the asker's TaskDone for (answered before the asker's crash lost their DONE
+    records): the asker runs none of them again.  Each id once; nothing it was not asked."""
+    query = ReplayQuery(node="b", tasks=[("t1", "k"), ("t2", "k"), ("t3", "k")])
+    asked_held: list[list[tuple[str, str]]] = []
+    asked_finished: list[tuple[str, list[str]]] = []
+
+    def held(tasks: list[tuple[str, str]]) -> list[str]:
+        asked_held.append(tasks)
+        return ["t1"]
+
+    def finished_by(member: str, ids: list[str]) -> list[str]:
+        asked_finished.append((member, ids))
+        return ["t1", "t3"] if member == "b" else []
+
+    answer = replay_known(query, "a", held, finished_by)
+    assert answer.node == "a" and answer.known == ["t1", "t3"]
+    assert asked_held == [query.tasks] and asked_finished == [("b", ["t1", "t2", "t3"])]
+    nothing = replay_known(query, "a", lambda tasks: [], lambda member, ids: [])
+    assert nothing.known == []
+    only_held = replay_known(query, "a", lambda tasks: ["t2"], lambda member, ids: [])
+    assert only_held.known == ["t2"]

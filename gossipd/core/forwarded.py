@@ -33,7 +33,12 @@ Rules, whatever order acks and TaskDones arrive in:
   with every member each moved off), so that the member, asking later whether it still runs
   the task for us (``confirm``), hears "migrated" even after the new owner's TaskDone and
   after the task moved on again; a task neither ledgered nor remembered is
-  "unknown" (the owner then answers: a duplicate beats a loss).
+  "unknown" (the owner then answers: a duplicate beats a loss);
+- a task whose TaskDone came from the member it was ledgered under (or that member's accept
+  after its early TaskDone) is remembered as finished by that member (the last
+  ``FINISHED_MAX`` tasks), so that the member, restarted from a journal whose DONE record
+  the crash lost, hears that it answered the task (``finished_by``) and does not run it
+  again.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ from gossipd.core.ring import LoadCounts
 
 EARLY_DONE_MAX = 10_000  # ids whose TaskDones are remembered from before their accept
 MOVED_MAX = 100_000  # migrations remembered for confirm() (~150 bytes each)
+# TaskDones remembered for finished_by(): 3.9 MiB when full of 128-character ids (the most a
+# task id may have), 2.2 MiB with 20-character ones; a restart is answered for the tasks its
+# forwarder had the TaskDones of, among the last this many
+FINISHED_MAX = 16_384
 
 
 @dataclass(slots=True)
@@ -80,6 +89,8 @@ class ForwardedLedger:
         # task id -> every member it moved off (a task can move more than once, and each of
         # those members may ask)
         self._moved: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+        # task id -> the member whose TaskDone ended its entry (the last FINISHED_MAX)
+        self._finished: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -103,7 +114,9 @@ class ForwardedLedger:
                 self._early_done[task_id] = rest
             else:
                 del self._early_done[task_id]
+            self._finish(task_id, owner)
             return
+        self._finished.pop(task_id, None)  # this copy is not finished (a resubmission)
         size = task_bytes(task)
         self.entries[task_id] = Forwarded(owner, task, received_at, size)
         self.bytes += size
@@ -123,6 +136,7 @@ class ForwardedLedger:
         entry = self.entries.get(task_id)
         if entry is not None and entry.owner == node:
             self.forget(task_id)
+            self._finish(task_id, entry.owner)  # (the ledger's string: one for all)
             return
         if not accept_due:
             return
@@ -133,6 +147,20 @@ class ForwardedLedger:
             self._early_done[task_id] = (*before, node)
         if len(self._early_done) > EARLY_DONE_MAX:
             self._early_done.popitem(last=False)
+
+    def _finish(self, task_id: str, member: str) -> None:
+        finished = self._finished
+        finished[task_id] = member
+        finished.move_to_end(task_id)
+        if len(finished) > FINISHED_MAX:
+            finished.popitem(last=False)
+
+    def finished_by(self, member: str, task_ids: list[str]) -> list[str]:
+        """Those of ``task_ids`` whose TaskDone ``member`` sent us for the copy we had
+        ledgered under it (among the last FINISHED_MAX): tasks it answered, which it must not
+        run again after a restart (a ReplayQuery's answer)."""
+        finished = self._finished
+        return [task_id for task_id in task_ids if finished.get(task_id) == member]
 
     def forget(self, task_id: str) -> Forwarded | None:
         """Stop answering for ``task_id``; the entry, if there was one."""

@@ -16,14 +16,32 @@ the queries and acts on ``outcome()``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gossipd.core.peer_messages import CONFIRM_IDS_MAX
+from gossipd.core.peer_messages import CONFIRM_IDS_MAX, ReplayKnown, ReplayQuery
 
 JOIN_WAIT_S = 2.0  # how long a restarted daemon waits for its first live member
 ANSWER_WAIT_S = 1.0  # how long it waits for the members' answers once asked
 MEMBERS_MAX = 64  # members asked (a restart in a larger cluster asks this many)
+
+
+def replay_known(
+    query: ReplayQuery,
+    node: str,
+    held: Callable[[list[tuple[str, str]]], list[str]],
+    finished_by: Callable[[str, list[str]], list[str]],
+) -> ReplayKnown:
+    """Member ``node``'s answer to a restarted member's ``query``: the tasks it holds
+    (``held``: its task book, for the same producer key), and the tasks it forwarded to the
+    asker and had the asker's TaskDone for (``finished_by``: its forwarder's ledger), which the
+    asker answered before its crash took their journal's DONE records.  The asker must run
+    neither again."""
+    known = held(query.tasks)
+    finished = finished_by(query.node, [task_id for task_id, _ in query.tasks])
+    if finished:
+        known = list(dict.fromkeys([*known, *finished]))
+    return ReplayKnown(node=node, known=known)
 
 
 def cancel_waiting(

@@ -56,6 +56,7 @@ from gossipd.core.peer_messages import (
     decode_peer,
     encode_peer,
 )
+from gossipd.core.replaycheck import replay_known
 from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter
@@ -161,6 +162,7 @@ class OwnerEndpoint:
         replies: ReplyRoutes | None = None,
         relay_allowed: Callable[[str, str], bool] = lambda src, producer_key: True,
         model_card: Callable[[], ModelCard] | None = None,
+        replay_finished: Callable[[str, list[str]], list[str]] = lambda member, ids: [],
     ) -> None:
         self.config = config
         self._clock = clock
@@ -189,6 +191,9 @@ class OwnerEndpoint:
         self.member_of = self.core.member_of
         # A Withdraw for a task that ended here: (task id, forwarder) to the ResultHolder.
         self.on_withdraw_held = on_withdraw_held
+        # (member, ids): those of the ids we forwarded to that member and had its TaskDone
+        # for (our forwarder's ledger): a restarted member asking about them answered them.
+        self._replay_finished = replay_finished
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
         self._stale_log = RateLimiter(per_s=1.0, burst=5)
         # Under CURVE (gossipd/security.py): peer_allowed(key's node, claimed source, "rpc")
@@ -375,8 +380,9 @@ class OwnerEndpoint:
         elif isinstance(msg, ModelQuery) and self._model_card is not None:
             self._to_forwarder(identity, self._model_card(), urgent=True)
         elif isinstance(msg, ReplayQuery):
-            known = self._ingress.intake.book.held(msg.tasks)
-            self._to_forwarder(identity, ReplayKnown(node=self.node, known=known), urgent=True)
+            book = self._ingress.intake.book
+            answer = replay_known(msg, self.node, book.held, self._replay_finished)
+            self._to_forwarder(identity, answer, urgent=True)
         else:
             self.counters.bad_peer_messages += 1
 
