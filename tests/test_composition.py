@@ -64,7 +64,8 @@ def test_the_check_finds_a_hook_set_on_a_part() -> None:
 # gossip subscribing itself).  A new one fails here: build the part first, or subscribe.
 LATE_NAMES_ALLOWED = {
     # the owner endpoint hands the dispatcher what peers send us as a forwarder (TaskDones
-    # of tasks re-run from a journal, Confirms); the dispatcher is built on the endpoint
+    # of tasks re-run from a journal, Confirms, ReplayQuerys about tasks they finished); the
+    # dispatcher is built on the endpoint
     ("build_fanout", "dispatcher"),
     # the owner endpoint and the dispatcher hand the ResultHolder Withdraws and
     # ConfirmReplies of held Results; it asks the endpoint who forwarded what and sends its

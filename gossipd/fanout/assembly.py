@@ -182,7 +182,7 @@ def build_fanout(
         # with its own key): else any member could draw another's replies to itself.
         relay_allowed=security.is_peers_key if security.curve else lambda src, key: True,
         model_card=cluster_models.card,
-        replay_finished=lambda member, ids: forwarder.ledger.finished_by(member, ids),
+        replay_finished=lambda member, ids: dispatcher.finished_by(member, ids),
     )
     rpc_endpoint = bind("fanout.rpc_bind", config.fanout.rpc_bind, owner.bind)
     gossip = GossipService(

@@ -261,6 +261,11 @@ class Dispatcher:
         still, migrated, unknown = self.forwarder.ledger.confirm(msg.ids, msg.node)
         return ConfirmReply(node=self.node, still_mine=still, migrated=migrated, unknown=unknown)
 
+    def finished_by(self, member: str, task_ids: list[str]) -> list[str]:
+        """Those of ``task_ids`` we forwarded to ``member`` and had its TaskDone for: a
+        restarted member asking (ReplayQuery) answered them before it went down."""
+        return self.forwarder.ledger.finished_by(member, task_ids)
+
     def ask_model_card(self, member: str) -> bool:
         """Send ``member`` a ModelQuery; False when it is no live member we know."""
         return self._ask(member, ModelQuery(node=self.node))
