@@ -178,6 +178,15 @@ def start_stub(procs: Processes, name: str) -> tuple[str, int]:
     return f"http://127.0.0.1:{port}", procs.start(name, cmd)
 
 
+def completion_request(url: str, headers: dict[str, str] | None = None) -> urllib.request.Request:
+    """The bench's POST /v1/completions (``BODY``) through ``url``, with ``headers`` too."""
+    return urllib.request.Request(
+        f"{url}/v1/completions",
+        data=BODY.encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+
+
 def keys_by_path(url: str, entry: str, n: int) -> tuple[list[str], list[str]]:
     """``n`` session keys (p0, p1, ...) sorted by where gossipd ran them, each sent once through
     ``url``, the door of member ``entry``: (those run there, those forwarded).  Where a key
@@ -187,11 +196,7 @@ def keys_by_path(url: str, entry: str, n: int) -> tuple[list[str], list[str]]:
     forwarded: list[str] = []
     for i in range(n):
         key = f"p{i}"
-        req = urllib.request.Request(
-            f"{url}/v1/completions",
-            data=BODY.encode(),
-            headers={"Content-Type": "application/json", "x-session-id": key},
-        )
+        req = completion_request(url, {"x-session-id": key})
         with urllib.request.urlopen(req, timeout=5) as resp:
             member = resp.headers.get("x-gossipd-member", "")
             resp.read()
@@ -206,11 +211,7 @@ def wait_serving(url: str, timeout_s: float, *, headers: dict[str, str] | None =
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
-        req = urllib.request.Request(
-            f"{url}/v1/completions",
-            data=BODY.encode(),
-            headers={"Content-Type": "application/json", **(headers or {})},
-        )
+        req = completion_request(url, headers)
         try:
             with urllib.request.urlopen(req, timeout=2) as resp:
                 if resp.status == 200:
