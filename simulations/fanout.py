@@ -24,7 +24,9 @@ Invariants (simulations/fanout_checks.py lists them), checked as the run goes an
 lost, duplicate_results_accepted, two_runs, answer_after_withdraw, taskdone_before_result,
 chunk_gap, cancelled_by_another_key, undecodable, loads, stuck, ledger_kept.  A
 violation prints the seed; ``trace_for`` replays the seed recording the events of one task,
-the shortest trace that shows it.
+the shortest trace that shows it.  The report names the first lost and the first
+duplicated ids (``lost_ids``, ``duplicate_ids``: second final Results a producer dropped),
+for ``--trace``.
 
 The simulator's modules, one concern each: fanout_run.py (the parameters, ``FanoutRun``, and
 the names they share), fanout_daemon.py (a daemon: its cores and the shell around them),
@@ -108,6 +110,7 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "two_runs_withdrawn": len(world.two_runs),
         "two_runs_after_resubmission": world.resubmitted_two_runs,
         "duplicates_by_fault": world.duplicates_by_fault,
+        "duplicate_ids": world.duplicate_ids,
         "invariant_violations": len(world.violations),
         "violations": world.violations[:20],
         "refused_saturated": world.refused_saturated,

@@ -239,6 +239,7 @@ class SimDaemon:
         ended = self.book.finish(task_id, result)
         if not self._hold(ended, result):
             self.world.answer(self, owned.task, result)
+            self.book.answered(owned.task)
             self._ended(ended)
         self.forwarder.local_finished(task_id)
 
@@ -257,8 +258,12 @@ class SimDaemon:
                 self.queue.append(task.id)
                 self.start_jobs()
         elif verdict is Verdict.DUPLICATE_DONE:
+            if entry is None:  # admission's rule 5: an earlier send, answered at a later one
+                self.world.trace(task.id, self.name, "not answered again (a later send was)")
+                return verdict
             assert isinstance(entry, Result)
             self.world.answer(self, task, entry)
+            self.book.answered(task)
             if self.held.answered(task.id):  # the held copy ends: this answer was its
                 owned, _ = self.held_entries.pop(task.id)
                 self._ended(owned)
@@ -472,6 +477,7 @@ class SimDaemon:
         ended = self.book.finish(task_id, result)
         if not self._hold(ended, result):
             world.answer(self, task, result)
+            self.book.answered(task)
             self._ended(ended)
         self.forwarder.local_finished(task_id)
         self.start_jobs()
@@ -523,6 +529,7 @@ class SimDaemon:
             world.trace(task_id, self.name, f"held Result: {decision.value}")
             if decision is Decision.SEND:
                 world.answer(self, owned.task, result)
+                self.book.answered(owned.task)
                 self._ended(owned)
             else:
                 world.journal_done(self, task_id)  # no TaskDone: ledgered elsewhere

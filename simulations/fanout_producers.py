@@ -129,6 +129,8 @@ class Producers:
                 self.duplicates_accepted += 1
             else:
                 self.duplicates_dropped += 1
+            if len(self.duplicate_ids) < 10:
+                self.duplicate_ids.append(msg.id)
             for kind in self.faults_during(state.first_sent, self.now):
                 self.duplicates_by_fault[kind] = self.duplicates_by_fault.get(kind, 0) + 1
             return

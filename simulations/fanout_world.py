@@ -112,6 +112,7 @@ class World(Producers, Faults, Network, Checks):
         self.duplicates_dropped = 0
         self.duplicates_accepted = 0
         self.duplicates_by_fault: dict[str, int] = {}
+        self.duplicate_ids: list[str] = []  # the first few, for --trace
         self.active_faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self.faults_log: list[tuple[float, str]] = []
         self.fault_spans: list[tuple[str, tuple[float, float]]] = []

@@ -6,12 +6,14 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gossipd.core.admission import Admission, Verdict, refused
+from gossipd.core.admission import ANSWERED_ENTRY_BYTES, Admission, Verdict, refused
+from gossipd.core.budgets import result_bytes
 from gossipd.core.messages import ErrorCode, Result, error_result
 from gossipd.errors import LocalProtocolError
 
 IDS = st.sampled_from([f"t{i}" for i in range(12)])
 PRODUCERS = st.sampled_from(["", "A" * 40, "B" * 40])  # "" : no CURVE key
+ATTEMPTS = st.integers(0, 3)
 
 
 def ok(task_id: str) -> Result:
@@ -19,7 +21,8 @@ def ok(task_id: str) -> Result:
 
 
 class AdmissionMachine(RuleBasedStateMachine):
-    """Model: pending set, LRU of results, run counts per id, the producer of each id held."""
+    """Model: pending set, LRU of results, run counts per id, the producer of each id held,
+    the highest attempt above 0 whose cached Result was sent (rule 5)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,22 +32,27 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.done: list[str] = []  # LRU order, oldest first
         self.runs: dict[str, int] = {}
         self.producer: dict[str, str] = {}  # of each pending or cached id (rule 1a)
+        self.answered: dict[str, int] = {}  # of cached ids (rule 5)
         self.shutting_down = False
 
-    @rule(task_id=IDS, producer=PRODUCERS)
-    def offer(self, task_id: str, producer: str) -> None:
+    @rule(task_id=IDS, producer=PRODUCERS, attempt=ATTEMPTS)
+    def offer(self, task_id: str, producer: str, attempt: int) -> None:
         held = task_id in self.pending or task_id in self.done
         # What an entry daemon asks before forwarding: the same answer as offer's CONFLICT.
         assert self.adm.held_by_other(task_id, producer) == (
             held and self.producer[task_id] != producer
         )
-        verdict, cached = self.adm.offer(task_id, producer=producer)
+        verdict, cached = self.adm.offer(task_id, producer=producer, attempt=attempt)
         if held and self.producer[task_id] != producer:
             assert verdict is Verdict.CONFLICT and cached is None
         elif task_id in self.pending:
             assert verdict is Verdict.DUPLICATE_PENDING
         elif task_id in self.done:
-            assert verdict is Verdict.DUPLICATE_DONE and cached is not None and cached.id == task_id
+            assert verdict is Verdict.DUPLICATE_DONE
+            if attempt < self.answered.get(task_id, 0):  # rule 5: a later send was answered
+                assert cached is None
+            else:
+                assert cached is not None and cached.id == task_id
             self.done.remove(task_id)
             self.done.append(task_id)
         elif self.shutting_down:
@@ -57,6 +65,13 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.producer[task_id] = producer
             self.runs[task_id] = self.runs.get(task_id, 0) + 1
 
+    @precondition(lambda self: self.done)
+    @rule(data=st.data(), attempt=ATTEMPTS)
+    def send_again(self, data: st.DataObject, attempt: int) -> None:
+        """A cached id's own producer sends it again (rule 5's case), as ``offer`` checks."""
+        task_id = data.draw(st.sampled_from(self.done))
+        self.offer(task_id, self.producer[task_id], attempt)
+
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), remember=st.booleans())
     def finish(self, data: st.DataObject, remember: bool) -> None:
@@ -67,9 +82,20 @@ class AdmissionMachine(RuleBasedStateMachine):
         if remember:
             self.done.append(task_id)
             if len(self.done) > self.results_max:
-                self.producer.pop(self.done.pop(0))
+                gone = self.done.pop(0)
+                self.producer.pop(gone)
+                self.answered.pop(gone, None)
         else:
             self.producer.pop(task_id)
+
+    @rule(data=st.data(), attempt=ATTEMPTS)
+    def answered_at(self, data: st.DataObject, attempt: int) -> None:
+        """The shell handed a task's Result to its producer for send ``attempt`` (mostly a
+        cached one's: ``answered`` ignores the others)."""
+        task_id = data.draw(st.sampled_from(self.done) if self.done else IDS)
+        self.adm.answered(task_id, attempt)
+        if task_id in self.done and attempt > self.answered.get(task_id, 0):
+            self.answered[task_id] = attempt
 
     @rule()
     def shut_down(self) -> None:
@@ -89,6 +115,13 @@ class AdmissionMachine(RuleBasedStateMachine):
         held = {t: p for t, (_, p) in self.adm._pending.items()}
         held.update({t: p for t, (_, _, p) in self.adm._done.items()})
         assert held == self.producer
+
+    @invariant()
+    def the_cache_counts_its_bytes_with_rule_5s(self) -> None:
+        assert set(self.answered) <= set(self.done)
+        assert self.adm.statistics().cached_results_bytes == sum(
+            result_bytes(ok(t)) for t in self.done
+        ) + ANSWERED_ENTRY_BYTES * len(self.answered)
 
     @invariant()
     def an_id_runs_again_only_after_it_was_forgotten(self) -> None:

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from gossipd.tools.launcher import free_tcp_port
-from tests.helpers import RawProducer, scrape
+from tests.helpers import RawProducer, scrape, wait_until
 
 
 @pytest.fixture
@@ -223,6 +223,33 @@ def test_duplicate_ids_run_once_and_late_duplicates_get_the_cached_result(
     metrics = scrape(daemon.metrics_port)
     assert metrics["gossipd_task_duplicates_total"] == 5
     assert metrics["gossipd_engine_generated_tokens_total"] == 10, "the engine ran it once"
+
+
+def test_an_earlier_send_that_arrives_after_a_later_one_was_answered_is_not_answered_again(
+    daemon_factory, producer_for
+) -> None:
+    """Admission's rule 5 (docs/PROTOCOL.md "Duplicate final Results"): the producer has the
+    answer to its send 2, so its send 1 arriving late (as a forwarder's migration brings it)
+    gets none; a send 3 (the producer lost the answer and asks again) gets the cached one."""
+    daemon = start_with_metrics(daemon_factory)
+    producer = producer_for(daemon)
+    producer.send_task("late", prompt="x y", params={"max_tokens": 3}, attempt=2)
+    (first,) = producer.results(1)
+    assert first["ok"]
+    producer.send_task("late", prompt="x y", params={"max_tokens": 3}, attempt=1)
+    wait_until(
+        lambda: scrape(daemon.metrics_port).get("gossipd_task_duplicates_answered_later_total"),
+        10.0,
+        "the late send counted",
+    )
+    assert producer.replies(quiet_s=0.3) == [], "the late earlier send is not answered"
+    producer.send_task("late", prompt="x y", params={"max_tokens": 3}, attempt=3)
+    (again,) = producer.results(1)
+    assert again == first
+    metrics = scrape(daemon.metrics_port)
+    assert metrics["gossipd_task_duplicates_answered_later_total"] == 1
+    assert metrics["gossipd_task_duplicates_total"] == 2
+    assert metrics["gossipd_engine_generated_tokens_total"] == 3, "the engine ran it once"
 
 
 def test_overload_answers_overloaded_with_a_retry_after_hint(daemon_factory, producer_for) -> None:

@@ -1,5 +1,6 @@
 """The rpc channel validates a forwarded task as the ingress validates a producer's: a raw
-DEALER (plain pyzmq + msgpack) sends Forwards the ingress would refuse."""
+DEALER (plain pyzmq + msgpack) sends Forwards the ingress would refuse, and a late copy of an
+id that the owner has answered already."""
 
 from __future__ import annotations
 
@@ -107,3 +108,30 @@ def test_a_forward_from_an_earlier_process_of_its_sender_is_refused_and_not_run(
         assert sorted(r["id"] for r in results if r["t"] == 3) == ["new", "other", "unsaid"]
         metrics = scrape(port)
         assert metrics["gossipd_fanout_refused_stale_total"] == 1
+
+
+def test_a_migrated_earlier_send_of_an_id_answered_at_a_later_send_is_accepted_not_answered(
+    daemon_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """Admission's rule 5 on the owner's side: a forwarder migrates the producer's send 1 to
+    an owner that has answered its send 2.  The forwarder gets its accept and TaskDone (it can
+    forget the task); the producer gets no second Result."""
+    port = free_tcp_port()
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}")
+    with _forwarding(daemon) as (producer, dealer):
+        producer.send_task("mig", prompt="a b", attempt=2)
+        (first,) = producer.results(1)
+        assert first["ok"]
+        task = {"v": 1, "t": 1, "id": "mig", "prompt": "a b", "reply_to": producer.reply_to}
+        frame = {"v": 1, "t": 20, "req": 7, "src": "d-other", "task": {**task, "attempt": 1}}
+        dealer.send(msgpack.packb({**frame, "remaining_ms": 5000, "attempt": 1}))
+        kinds: dict[int, dict[str, Any]] = {}
+        while 21 not in kinds or 22 not in kinds:
+            assert dealer.poll(5000), f"no accept and TaskDone within 5 s: {kinds}"
+            msg = msgpack.unpackb(dealer.recv())
+            kinds.update((m["t"], m) for m in (msg["items"] if msg["t"] == 23 else [msg]))
+        assert kinds[21]["accepted"] is True and kinds[21]["req"] == 7
+        assert kinds[22]["id"] == "mig"
+        assert producer.replies(quiet_s=0.5) == [], "no second Result"
+        metrics = scrape(port)
+        assert metrics["gossipd_task_duplicates_answered_later_total"] == 1

@@ -22,6 +22,13 @@ Rules:
    (``budgets.result_bytes``) and forgets the oldest first; a result larger than the whole
    budget is not kept.  Every result forgotten for room is counted, by the bound that forced
    it (``evicted_count`` / ``evicted_bytes``).
+5. A duplicate of a finished task with a lower ``attempt`` than a send whose Result has gone
+   to its producer (``answered``) is not answered again (``DUPLICATE_DONE`` with no Result):
+   that producer sent the id again later and was answered, and it sends again, with a higher
+   attempt, if that answer was lost.  Such a copy is an earlier send that reached this daemon
+   late (a forwarder migrating it after its first owner died), and answering it would only
+   give the producer a second final Result.  Only attempts above 0 are remembered (an attempt
+   0 answered suppresses nothing), at ``ANSWERED_ENTRY_BYTES`` each on the cache's budget.
 
 Theory of operation: the asyncio shell calls ``offer`` for each decoded task, and ``finish``
 once with the task's final result.  Everything here is O(1) per call.
@@ -54,6 +61,10 @@ class Verdict(enum.Enum):
 # enum class on the slow path), a global ~10 ns.
 _ADMIT = Verdict.ADMIT
 
+# What rule 5 adds to the results cache for an id answered at an attempt above 0: a dict
+# slot (the id's string is the cache's own) and a small int, rounded up.
+ANSWERED_ENTRY_BYTES = 64
+
 
 @dataclass(frozen=True, slots=True)
 class AdmissionStatistics:
@@ -70,6 +81,7 @@ class AdmissionStatistics:
     overloaded_pending_bytes: int  # ...of which by pending_bytes_max (rule 2b)
     refused_shutting_down: int
     refused_id_in_use: int  # rule 1a
+    answered_later: int = 0  # rule 5: earlier sends of an id answered at a later attempt
 
 
 class Admission:
@@ -107,6 +119,10 @@ class Admission:
         # task id -> (its final Result, that Result's bytes, its producer key or "").
         self._done: OrderedDict[str, tuple[Result, int, str]] = OrderedDict()
         self._refused_id_in_use = 0
+        # Rule 5: task id -> the highest attempt above 0 whose Result went to its producer,
+        # for ids in ``_done`` only (most ids never get past attempt 0: no entry, no cost).
+        self._answered: dict[str, int] = {}
+        self._answered_later = 0
         self._done_bytes = 0
         self._evicted_count = 0
         self._evicted_bytes = 0
@@ -137,10 +153,12 @@ class Admission:
         remaining_s: float = math.inf,
         size_bytes: int = 0,
         producer: str = "",
+        attempt: int = 0,
     ) -> tuple[Verdict, Result | None]:
         """Decide what to do with a task id offered at ``now`` with ``remaining_s`` left of its
         deadline and ``size_bytes`` of memory (``budgets.task_bytes``), from ``producer`` (its
-        key, rule 1a); the Result is set for DUPLICATE_DONE only."""
+        key, rule 1a), sent for the ``attempt``-th time (rule 5); the Result is set for
+        DUPLICATE_DONE only, and then only if it is to be sent (rule 5)."""
         self.refusal = None
         self.refused_bytes = False
         pending = self._pending.get(task_id)
@@ -157,6 +175,10 @@ class Admission:
                 return Verdict.CONFLICT, None
             self._duplicates += 1
             self._done.move_to_end(task_id)
+            answered = self._answered
+            if answered and attempt < answered.get(task_id, 0):
+                self._answered_later += 1
+                return Verdict.DUPLICATE_DONE, None
             return Verdict.DUPLICATE_DONE, cached[0]
         if self._shutting_down:
             self._refused_shutting_down += 1
@@ -202,6 +224,23 @@ class Admission:
         """``task_id`` is pending or cached here, for any producer key."""
         return task_id in self._pending or task_id in self._done
 
+    def answered(self, task_id: str, attempt: int) -> None:
+        """Rule 5: the Result of ``task_id``'s send number ``attempt`` has gone to its
+        producer (the shell calls it where it hands a final Result to the reply sender, for
+        attempts above 0).  Nothing when the Result is not cached."""
+        if attempt <= 0 or task_id not in self._done:
+            return
+        answered = self._answered
+        before = answered.get(task_id)
+        if before is None:
+            self._done_bytes += ANSWERED_ENTRY_BYTES
+        elif before >= attempt:
+            return
+        answered[task_id] = attempt
+        while self._done_bytes > self.results_bytes_max:
+            self._evict_oldest()
+            self._evicted_bytes += 1
+
     def count_conflict(self) -> None:
         """An id_in_use refused before ``offer`` (``held_by_other``, or an id forwarded from
         here for another key): counted with the ones ``offer`` refuses."""
@@ -224,7 +263,7 @@ class Admission:
             self._evicted_bytes += 1  # it would push out everything else and still not fit
             return
         if task_id in self._done:  # never, while offer() answers DUPLICATE_DONE first
-            self._done_bytes -= self._done.pop(task_id)[1]
+            self._forget(task_id, self._done.pop(task_id)[1])
         self._done[task_id] = (result, size, producer)
         self._done_bytes += size
         while len(self._done) > self._results_max:
@@ -235,8 +274,15 @@ class Admission:
             self._evicted_bytes += 1
 
     def _evict_oldest(self) -> None:
-        _, (_, size, _) = self._done.popitem(last=False)
+        task_id, (_, size, _) = self._done.popitem(last=False)
+        self._forget(task_id, size)
+
+    def _forget(self, task_id: str, size: int) -> None:
+        """A cached Result of ``size`` bytes has left the cache: its bytes, and rule 5's."""
         self._done_bytes -= size
+        answered = self._answered
+        if answered and answered.pop(task_id, None) is not None:
+            self._done_bytes -= ANSWERED_ENTRY_BYTES
 
     def begin_shutdown(self) -> None:
         self._shutting_down = True
@@ -256,6 +302,7 @@ class Admission:
             overloaded_pending_bytes=self._overloaded_pending_bytes,
             refused_shutting_down=self._refused_shutting_down,
             refused_id_in_use=self._refused_id_in_use,
+            answered_later=self._answered_later,
         )
 
 

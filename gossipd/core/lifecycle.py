@@ -158,7 +158,8 @@ class TaskBook:
     ) -> tuple[Verdict, Owned | Result | None]:
         """Rule 1.  ``forwarder``: the peer that forwarded it (None: a producer, or a local
         retry).  Returns the verdict and the new entry (ADMIT), the pending entry
-        (DUPLICATE_PENDING) or the cached Result (DUPLICATE_DONE)."""
+        (DUPLICATE_PENDING) or the cached Result (DUPLICATE_DONE; None when it is not to be
+        sent again: admission's rule 5)."""
         task_id = task.id
         verdict, cached = self.admission.offer(
             task_id,
@@ -166,6 +167,7 @@ class TaskBook:
             received_at + task.timeout_ms / 1000.0 - now,
             task_bytes(task),
             task.producer_key,
+            task.attempt,
         )
         if verdict is _ADMIT:
             if forwarder is None:
@@ -272,6 +274,12 @@ class TaskBook:
         owned.phase = _ENDED
         self.admission.finish(task_id, result, remember=remember)
         return owned
+
+    def answered(self, task: Task) -> None:
+        """``task``'s final Result has just been handed to the reply sender (admission's
+        rule 5: a later copy of an earlier send of its id is not answered again)."""
+        if task.attempt:
+            self.admission.answered(task.id, task.attempt)
 
     def release(self, task_id: str, result: Result) -> Owned:
         """The task leaves without an answer from here (withdrawn, or handed to another

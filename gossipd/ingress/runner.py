@@ -354,6 +354,8 @@ class Runner:
             self._replies.send(task.route, data, task.batch_replies)
         else:
             self._replies.send_message(task.route, result, task.batch_replies)
+        if task.attempt:
+            self.book.answered(task)
         for listener in self.on_finished:
             listener(owned, result)
 
@@ -364,6 +366,7 @@ class Runner:
         if send:
             task = owned.task
             self._replies.send(task.route, encode(result), task.batch_replies)
+            self.book.answered(task)
         for listener in self.on_finished:
             listener(owned, result)
 

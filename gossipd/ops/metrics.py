@@ -61,6 +61,12 @@ class DaemonCollector:
             sorted(ing.results.items()),
         )
         yield _one(C, "gossipd_task_duplicates", "Task ids seen again (absorbed)", adm.duplicates)
+        yield _one(
+            C,
+            "gossipd_task_duplicates_answered_later",
+            "Earlier sends of ids whose later send was answered: not answered again",
+            adm.answered_later,
+        )
         yield _one(G, "gossipd_tasks_pending", "Tasks queued or running", adm.pending)
         yield _one(G, "gossipd_tasks_running", "Tasks on the engine", ing.running)
         yield _one(
