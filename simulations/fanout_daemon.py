@@ -239,7 +239,7 @@ class SimDaemon:
         ended = self.book.finish(task_id, result)
         if not self._hold(ended, result):
             self.world.answer(self, owned.task, result)
-            self.book.answered(owned.task)
+            self.book.answered(owned.task, self.world.now)
             self._ended(ended)
         self.forwarder.local_finished(task_id)
 
@@ -263,7 +263,7 @@ class SimDaemon:
                 return verdict
             assert isinstance(entry, Result)
             self.world.answer(self, task, entry)
-            self.book.answered(task)
+            self.book.answered(task, self.world.now)
             if self.held.answered(task.id):  # the held copy ends: this answer was its
                 owned, _ = self.held_entries.pop(task.id)
                 self._ended(owned)
@@ -477,7 +477,7 @@ class SimDaemon:
         ended = self.book.finish(task_id, result)
         if not self._hold(ended, result):
             world.answer(self, task, result)
-            self.book.answered(task)
+            self.book.answered(task, self.world.now)
             self._ended(ended)
         self.forwarder.local_finished(task_id)
         self.start_jobs()
@@ -529,7 +529,7 @@ class SimDaemon:
             world.trace(task_id, self.name, f"held Result: {decision.value}")
             if decision is Decision.SEND:
                 world.answer(self, owned.task, result)
-                self.book.answered(owned.task)
+                self.book.answered(owned.task, self.world.now)
                 self._ended(owned)
             else:
                 world.journal_done(self, task_id)  # no TaskDone: ledgered elsewhere

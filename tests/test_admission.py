@@ -14,6 +14,7 @@ from gossipd.errors import LocalProtocolError
 IDS = st.sampled_from([f"t{i}" for i in range(12)])
 PRODUCERS = st.sampled_from(["", "A" * 40, "B" * 40])  # "" : no CURVE key
 ATTEMPTS = st.integers(0, 3)
+AGES = st.integers(0, 3)  # how many steps before now a send entered the cluster
 
 
 def ok(task_id: str) -> Result:
@@ -22,7 +23,8 @@ def ok(task_id: str) -> Result:
 
 class AdmissionMachine(RuleBasedStateMachine):
     """Model: pending set, LRU of results, run counts per id, the producer of each id held,
-    the highest attempt above 0 whose cached Result was sent (rule 5)."""
+    the highest attempt above 0 whose cached Result was sent and when (rule 5); time moves
+    one step a rule."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,24 +34,30 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.done: list[str] = []  # LRU order, oldest first
         self.runs: dict[str, int] = {}
         self.producer: dict[str, str] = {}  # of each pending or cached id (rule 1a)
-        self.answered: dict[str, int] = {}  # of cached ids (rule 5)
+        self.answered: dict[str, tuple[int, int]] = {}  # of cached ids (rule 5)
+        self.now = 0
         self.shutting_down = False
 
-    @rule(task_id=IDS, producer=PRODUCERS, attempt=ATTEMPTS)
-    def offer(self, task_id: str, producer: str, attempt: int) -> None:
+    @rule(task_id=IDS, producer=PRODUCERS, attempt=ATTEMPTS, age=AGES)
+    def offer(self, task_id: str, producer: str, attempt: int, age: int) -> None:
+        self.now += 1
+        received_at = self.now - age
         held = task_id in self.pending or task_id in self.done
         # What an entry daemon asks before forwarding: the same answer as offer's CONFLICT.
         assert self.adm.held_by_other(task_id, producer) == (
             held and self.producer[task_id] != producer
         )
-        verdict, cached = self.adm.offer(task_id, producer=producer, attempt=attempt)
+        verdict, cached = self.adm.offer(
+            task_id, producer=producer, attempt=attempt, received_at=received_at
+        )
         if held and self.producer[task_id] != producer:
             assert verdict is Verdict.CONFLICT and cached is None
         elif task_id in self.pending:
             assert verdict is Verdict.DUPLICATE_PENDING
         elif task_id in self.done:
             assert verdict is Verdict.DUPLICATE_DONE
-            if attempt < self.answered.get(task_id, 0):  # rule 5: a later send was answered
+            later = self.answered.get(task_id, (0, 0))
+            if attempt < later[0] and received_at < later[1]:  # rule 5: an earlier send, late
                 assert cached is None
             else:
                 assert cached is not None and cached.id == task_id
@@ -66,11 +74,11 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.runs[task_id] = self.runs.get(task_id, 0) + 1
 
     @precondition(lambda self: self.done)
-    @rule(data=st.data(), attempt=ATTEMPTS)
-    def send_again(self, data: st.DataObject, attempt: int) -> None:
+    @rule(data=st.data(), attempt=ATTEMPTS, age=AGES)
+    def send_again(self, data: st.DataObject, attempt: int, age: int) -> None:
         """A cached id's own producer sends it again (rule 5's case), as ``offer`` checks."""
         task_id = data.draw(st.sampled_from(self.done))
-        self.offer(task_id, self.producer[task_id], attempt)
+        self.offer(task_id, self.producer[task_id], attempt, age)
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), remember=st.booleans())
@@ -93,9 +101,10 @@ class AdmissionMachine(RuleBasedStateMachine):
         """The shell handed a task's Result to its producer for send ``attempt`` (mostly a
         cached one's: ``answered`` ignores the others)."""
         task_id = data.draw(st.sampled_from(self.done) if self.done else IDS)
-        self.adm.answered(task_id, attempt)
-        if task_id in self.done and attempt > self.answered.get(task_id, 0):
-            self.answered[task_id] = attempt
+        self.now += 1
+        self.adm.answered(task_id, attempt, self.now)
+        if task_id in self.done and attempt > self.answered.get(task_id, (0, 0))[0]:
+            self.answered[task_id] = (attempt, self.now)
 
     @rule()
     def shut_down(self) -> None:
@@ -196,6 +205,27 @@ def test_Admission_a_result_too_large_to_cache_frees_its_id() -> None:
     adm.offer("a", producer="A" * 40)
     adm.finish("a", ok("a"))
     assert adm.offer("a", producer="B" * 40)[0] is Verdict.ADMIT
+
+
+def test_Admission_rule_5s_bytes_count_on_the_cache_budget_and_evict_the_oldest() -> None:
+    """What ``answered`` remembers is charged to results_bytes_max: past it the oldest
+    Result goes (counted by bytes), with what rule 5 remembered of it."""
+    size = result_bytes(ok("t1"))
+    adm = Admission(pending_max=4, results_max=10, results_bytes_max=2 * size + 100)
+    for task_id in ("t1", "t2"):
+        adm.offer(task_id)
+        adm.finish(task_id, ok(task_id))
+    adm.answered("t1", 2, now=5.0)  # 2 results + 128 bytes: over by 28, t1 is the oldest
+    stats = adm.statistics()
+    assert stats.cached_results == 1 and stats.results_evicted_bytes == 1
+    assert stats.cached_results_bytes == size <= adm.results_bytes_max
+    assert adm.offer("t1", attempt=1, received_at=0.0)[0] is Verdict.ADMIT, "t1 forgotten"
+    adm.answered("t2", 3, now=6.0)  # t2 alone + 128 bytes: fits
+    assert adm.statistics().cached_results_bytes == size + ANSWERED_ENTRY_BYTES
+    assert adm.offer("t2", attempt=1, received_at=5.5) == (Verdict.DUPLICATE_DONE, None)
+    assert adm.offer("t2", attempt=1, received_at=6.5)[1] == ok("t2"), "entered after"
+    assert adm.offer("t2", attempt=3, received_at=5.5)[1] == ok("t2"), "not an earlier send"
+    assert adm.statistics().answered_later == 1
 
 
 def test_each_refusal_is_answered_with_its_code_reason_and_hint() -> None:

@@ -113,25 +113,41 @@ def test_a_forward_from_an_earlier_process_of_its_sender_is_refused_and_not_run(
 def test_a_migrated_earlier_send_of_an_id_answered_at_a_later_send_is_accepted_not_answered(
     daemon_factory,  # type: ignore[no-untyped-def]
 ) -> None:
-    """Admission's rule 5 on the owner's side: a forwarder migrates the producer's send 1 to
-    an owner that has answered its send 2.  The forwarder gets its accept and TaskDone (it can
-    forget the task); the producer gets no second Result."""
+    """Admission's rule 5 on the owner's side: a forwarder migrates the producer's earlier
+    send to an owner that has answered a later one.  The forwarder gets its accept and
+    TaskDone (it can forget the task); the producer gets no second Result.  A send that
+    entered the cluster after the answer (its Forward's remaining_ms is its whole timeout)
+    gets the cached Result."""
     port = free_tcp_port()
     daemon = daemon_factory(f"metrics.bind=127.0.0.1:{port}")
     with _forwarding(daemon) as (producer, dealer):
-        producer.send_task("mig", prompt="a b", attempt=2)
+        task = {"v": 1, "t": 1, "id": "mig", "prompt": "a b", "reply_to": producer.reply_to}
+
+        def migrate(req: int, attempt: int, remaining_ms: int) -> dict[int, dict[str, Any]]:
+            """A Forward of send ``attempt`` (30 s timeout, ``remaining_ms`` of it left):
+            its accept and TaskDone, by type."""
+            body = {**task, "attempt": attempt, "timeout_ms": 30_000}
+            frame = {"v": 1, "t": 20, "req": req, "src": "d-other", "task": body}
+            dealer.send(msgpack.packb({**frame, "remaining_ms": remaining_ms, "attempt": 1}))
+            kinds: dict[int, dict[str, Any]] = {}
+            while 21 not in kinds or 22 not in kinds:
+                assert dealer.poll(5000), f"no accept and TaskDone within 5 s: {kinds}"
+                msg = msgpack.unpackb(dealer.recv())
+                kinds.update((m["t"], m) for m in (msg["items"] if msg["t"] == 23 else [msg]))
+            assert kinds[21]["accepted"] is True and kinds[21]["req"] == req
+            assert kinds[22]["id"] == "mig"
+            return kinds
+
+        producer.send_task("mig", prompt="a b", attempt=2)  # runs: its Result goes out
         (first,) = producer.results(1)
         assert first["ok"]
-        task = {"v": 1, "t": 1, "id": "mig", "prompt": "a b", "reply_to": producer.reply_to}
-        frame = {"v": 1, "t": 20, "req": 7, "src": "d-other", "task": {**task, "attempt": 1}}
-        dealer.send(msgpack.packb({**frame, "remaining_ms": 5000, "attempt": 1}))
-        kinds: dict[int, dict[str, Any]] = {}
-        while 21 not in kinds or 22 not in kinds:
-            assert dealer.poll(5000), f"no accept and TaskDone within 5 s: {kinds}"
-            msg = msgpack.unpackb(dealer.recv())
-            kinds.update((m["t"], m) for m in (msg["items"] if msg["t"] == 23 else [msg]))
-        assert kinds[21]["accepted"] is True and kinds[21]["req"] == 7
-        assert kinds[22]["id"] == "mig"
+        migrate(1, attempt=1, remaining_ms=5_000)  # entered 25 s ago: before the answer
         assert producer.replies(quiet_s=0.5) == [], "no second Result"
+        producer.send_task("mig", prompt="a b", attempt=3)  # answered from the cache
+        assert producer.results(1) == [first]
+        migrate(2, attempt=2, remaining_ms=5_000)  # below send 3, which the cache answered
+        assert producer.replies(quiet_s=0.5) == [], "no second Result"
+        migrate(3, attempt=1, remaining_ms=30_000)  # entered now, after the answers
+        assert producer.results(1) == [first]
         metrics = scrape(port)
-        assert metrics["gossipd_task_duplicates_answered_later_total"] == 1
+        assert metrics["gossipd_task_duplicates_answered_later_total"] == 2

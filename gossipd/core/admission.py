@@ -3,7 +3,8 @@
 Rules:
 1. A task id runs at most once while it is pending (queued or running) or its result is still
    in the bounded cache of recent results.  A duplicate of a pending task is absorbed (its one
-   result will be sent when it finishes); a duplicate of a finished task gets the cached result.
+   result will be sent when it finishes); a duplicate of a finished task gets the cached result
+   (unless rule 5 says it had it).
 2. At most ``pending_max`` tasks are pending.  Beyond that a new task is refused as overloaded;
    refusals are not remembered, so a retry can succeed later.
 2a. With a ``QueueWait`` (core/queueing.py), a new task whose expected queueing wait exceeds
@@ -22,13 +23,16 @@ Rules:
    (``budgets.result_bytes``) and forgets the oldest first; a result larger than the whole
    budget is not kept.  Every result forgotten for room is counted, by the bound that forced
    it (``evicted_count`` / ``evicted_bytes``).
-5. A duplicate of a finished task with a lower ``attempt`` than a send whose Result has gone
-   to its producer (``answered``) is not answered again (``DUPLICATE_DONE`` with no Result):
-   that producer sent the id again later and was answered, and it sends again, with a higher
-   attempt, if that answer was lost.  Such a copy is an earlier send that reached this daemon
-   late (a forwarder migrating it after its first owner died), and answering it would only
-   give the producer a second final Result.  Only attempts above 0 are remembered (an attempt
-   0 answered suppresses nothing), at ``ANSWERED_ENTRY_BYTES`` each on the cache's budget.
+5. A duplicate of a finished task is not answered again (``DUPLICATE_DONE`` with no Result)
+   when it is an earlier send that arrives late: its ``attempt`` is lower than that of a send
+   whose Result was handed to the reply sender here (``answered``), and it entered the
+   cluster (``received_at``: its receipt at its entry daemon) before that.  The producer sent
+   the id again later and was answered, and it sends again, with a higher attempt, if that
+   answer was lost.  Such a copy is a forwarder migrating the first send after its owner
+   died; answering it would only give the producer a second final Result.  A send that
+   entered after the answer (a producer that restarted and sends its ids again from attempt
+   0) gets the cached Result.  Only attempts above 0 are remembered (one at 0 suppresses
+   nothing), at ``ANSWERED_ENTRY_BYTES`` each on the cache's budget.
 
 Theory of operation: the asyncio shell calls ``offer`` for each decoded task, and ``finish``
 once with the task's final result.  Everything here is O(1) per call.
@@ -62,8 +66,8 @@ class Verdict(enum.Enum):
 _ADMIT = Verdict.ADMIT
 
 # What rule 5 adds to the results cache for an id answered at an attempt above 0: a dict
-# slot (the id's string is the cache's own) and a small int, rounded up.
-ANSWERED_ENTRY_BYTES = 64
+# slot (the id's string is the cache's own), a 2-tuple, a float and a small int, rounded up.
+ANSWERED_ENTRY_BYTES = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +123,10 @@ class Admission:
         # task id -> (its final Result, that Result's bytes, its producer key or "").
         self._done: OrderedDict[str, tuple[Result, int, str]] = OrderedDict()
         self._refused_id_in_use = 0
-        # Rule 5: task id -> the highest attempt above 0 whose Result went to its producer,
-        # for ids in ``_done`` only (most ids never get past attempt 0: no entry, no cost).
-        self._answered: dict[str, int] = {}
+        # Rule 5: task id -> (the highest attempt above 0 whose Result was handed to the
+        # reply sender, when: the clock of ``offer``'s ``received_at``), for ids in ``_done``
+        # only (most ids never get past attempt 0: no entry, no cost).
+        self._answered: dict[str, tuple[int, float]] = {}
         self._answered_later = 0
         self._done_bytes = 0
         self._evicted_count = 0
@@ -154,11 +159,13 @@ class Admission:
         size_bytes: int = 0,
         producer: str = "",
         attempt: int = 0,
+        received_at: float = math.inf,
     ) -> tuple[Verdict, Result | None]:
         """Decide what to do with a task id offered at ``now`` with ``remaining_s`` left of its
         deadline and ``size_bytes`` of memory (``budgets.task_bytes``), from ``producer`` (its
-        key, rule 1a), sent for the ``attempt``-th time (rule 5); the Result is set for
-        DUPLICATE_DONE only, and then only if it is to be sent (rule 5)."""
+        key, rule 1a), sent for the ``attempt``-th time and received at its entry daemon at
+        ``received_at`` (rule 5); the Result is set for DUPLICATE_DONE only, and then only if
+        it is to be sent (rule 5)."""
         self.refusal = None
         self.refused_bytes = False
         pending = self._pending.get(task_id)
@@ -175,8 +182,8 @@ class Admission:
                 return Verdict.CONFLICT, None
             self._duplicates += 1
             self._done.move_to_end(task_id)
-            answered = self._answered
-            if answered and attempt < answered.get(task_id, 0):
+            answered = self._answered.get(task_id) if self._answered else None
+            if answered is not None and attempt < answered[0] and received_at < answered[1]:
                 self._answered_later += 1
                 return Verdict.DUPLICATE_DONE, None
             return Verdict.DUPLICATE_DONE, cached[0]
@@ -224,19 +231,20 @@ class Admission:
         """``task_id`` is pending or cached here, for any producer key."""
         return task_id in self._pending or task_id in self._done
 
-    def answered(self, task_id: str, attempt: int) -> None:
-        """Rule 5: the Result of ``task_id``'s send number ``attempt`` has gone to its
-        producer (the shell calls it where it hands a final Result to the reply sender, for
-        attempts above 0).  Nothing when the Result is not cached."""
+    def answered(self, task_id: str, attempt: int, now: float) -> None:
+        """Rule 5: the Result of ``task_id``'s send number ``attempt`` was handed to the
+        reply sender at ``now`` (the shell calls it where it does so, for attempts above 0;
+        a Result the reply sender drops later counts too: the producer's next send has a
+        higher attempt).  Nothing when the Result is not cached."""
         if attempt <= 0 or task_id not in self._done:
             return
         answered = self._answered
         before = answered.get(task_id)
         if before is None:
             self._done_bytes += ANSWERED_ENTRY_BYTES
-        elif before >= attempt:
+        elif before[0] >= attempt:
             return
-        answered[task_id] = attempt
+        answered[task_id] = (attempt, now)
         while self._done_bytes > self.results_bytes_max:
             self._evict_oldest()
             self._evicted_bytes += 1

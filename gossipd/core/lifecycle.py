@@ -168,6 +168,7 @@ class TaskBook:
             task_bytes(task),
             task.producer_key,
             task.attempt,
+            received_at,
         )
         if verdict is _ADMIT:
             if forwarder is None:
@@ -275,11 +276,12 @@ class TaskBook:
         self.admission.finish(task_id, result, remember=remember)
         return owned
 
-    def answered(self, task: Task) -> None:
-        """``task``'s final Result has just been handed to the reply sender (admission's
-        rule 5: a later copy of an earlier send of its id is not answered again)."""
+    def answered(self, task: Task, now: float) -> None:
+        """``task``'s final Result has just been handed to the reply sender, at ``now``
+        (admission's rule 5: an earlier send of its id that arrives late is not answered
+        again)."""
         if task.attempt:
-            self.admission.answered(task.id, task.attempt)
+            self.admission.answered(task.id, task.attempt, now)
 
     def release(self, task_id: str, result: Result) -> Owned:
         """The task leaves without an answer from here (withdrawn, or handed to another

@@ -16,7 +16,7 @@ cached answers) stays outside and nothing here calls back into the shell:
      refused ``unavailable``, never run.
 2. ``admitted(msg, verdict, retry_after_ms, load)``: admission's verdict as the reply.
    A task admitted, or already here (running, or done: its cached Result was just sent
-   again), is accepted; the forwarder then waits for its TaskDone, which a task already done
+   again, or not, by admission's rule 5), is accepted; the forwarder then waits for its TaskDone, which a task already done
    gets at once (``Reply.done_now``).  Every other verdict is a refusal with its code and
    the retry hint.
 
@@ -95,7 +95,7 @@ class Admit:
 @dataclass(slots=True)
 class Reply:
     """Admission's verdict as the forwarder hears it; ``done_now``: the task was done already
-    (its cached Result sent again): its TaskDone follows that Result."""
+    (its cached Result sent again, or not: admission's rule 5): its TaskDone follows."""
 
     reply: ForwardReply
     accepted: bool

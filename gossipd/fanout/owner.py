@@ -291,7 +291,8 @@ class OwnerEndpoint:
             if verdict is _ADMIT and self._on_accepted is not None:
                 self._on_accepted(msg.task, msg.src)
             if answer.done_now and self.core.done_after(msg.task, (identity,), ""):
-                self._when_replies_sent(msg.task.route)  # admit() has just sent the Result
+                # admit() has just sent the cached Result (or, rule 5, had it sent before)
+                self._when_replies_sent(msg.task.route)
         self._to_forwarder(identity, answer.reply, urgent=not answer.accepted)
 
     def _relay_to(self, member: str, task: Task) -> None:

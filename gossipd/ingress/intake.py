@@ -161,7 +161,7 @@ class Intake:
                 return verdict  # an earlier send, its id answered at a later one: not again
             assert isinstance(entry, Result)
             self._replies.send(task.route, encode(entry), task.batch_replies)
-            self.book.answered(task)
+            self.book.answered(task, now)
             if self.links.answered_cached is not None:
                 self.links.answered_cached(task.id)  # a Result held for it is now sent
         elif verdict is not _DUPLICATE_PENDING:  # (its one result goes out when it finishes)

@@ -355,7 +355,7 @@ class Runner:
         else:
             self._replies.send_message(task.route, result, task.batch_replies)
         if task.attempt:
-            self.book.answered(task)
+            self.book.answered(task, self._clock.monotonic())
         for listener in self.on_finished:
             listener(owned, result)
 
@@ -366,7 +366,7 @@ class Runner:
         if send:
             task = owned.task
             self._replies.send(task.route, encode(result), task.batch_replies)
-            self.book.answered(task)
+            self.book.answered(task, self._clock.monotonic())
         for listener in self.on_finished:
             listener(owned, result)
 
