@@ -2,7 +2,8 @@
 requeue) against withdrawals and cancels that land while a queued task is away being
 offered elsewhere (gossipd/admin.py's drain and the daemon's shutdown offer them one by one);
 and a running task withdrawn, then wanted again before its aborted worker ended
-(core/lifecycle.py rule 3b), also as the daemon stops."""
+(core/lifecycle.py rule 3b), also as the daemon stops.  And what the release of a held Result
+(Runner.end_held) tells admission's rule 5."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import asyncio
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from gossipd.config import load_config
+from gossipd.core.admission import Verdict
 from gossipd.core.lifecycle import Abort
-from gossipd.core.messages import Task
+from gossipd.core.messages import Result, Task
 from gossipd.daemon import Daemon
 from gossipd.ingress.runner import Runner
 
@@ -153,3 +156,28 @@ def test_a_shutdown_that_lands_while_a_restarting_task_is_aborted_ends_its_worke
     asyncio.run(race())
     assert runner.results["shutting_down"] == 1 and runner.restarts == 0
     assert runner.book.get("t5") is None and runner.admission.pending == 0
+
+
+def test_a_held_result_sent_at_its_release_counts_for_rule_5_and_one_dropped_does_not(
+    runner: Runner,
+) -> None:
+    """A forwarded send 2 whose Result was held (fanout/holding.py): released and sent, it
+    counts as answered then, and send 1 migrated here afterwards (it entered before) is
+    not answered again; dropped (its forwarder had the task run elsewhere), nothing was
+    answered here and send 1 gets the cached Result."""
+
+    async def release() -> None:  # (a sent Result goes out through the reply sender)
+        for task_id, send in (("h1", True), ("h2", False)):
+            task = Task(v=1, id=task_id, prompt="p", reply_to="tcp://127.0.0.1:9", attempt=2)
+            entered = time.monotonic()
+            _, owned = runner.book.offer(task, entered, entered, forwarder=b"A")
+            result = Result(id=task_id, ok=True, text="t", node="n")
+            runner.book.finish(task_id, result)  # the runner's finish, before it holds it
+            runner.end_held(owned, result, send=send)  # type: ignore[arg-type]
+            late = msgspec.structs.replace(task, attempt=1)
+            verdict, cached = runner.book.offer(late, entered, time.monotonic(), forwarder=b"B")
+            assert verdict is Verdict.DUPLICATE_DONE
+            assert cached == (None if send else result), task_id
+
+    asyncio.run(release())
+    assert runner.admission.statistics().answered_later == 1
