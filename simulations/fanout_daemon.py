@@ -141,6 +141,12 @@ class SimDaemon:
             if verdict not in (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE):
                 self.answer_refusal(task, verdict)
 
+    def _answer_final(self, task: Task, result: Result) -> None:
+        """A task's final Result to its producer, and to admission's rule 5 (as the daemon's
+        runner and intake do where they hand one to the reply sender)."""
+        self.world.answer(self, task, result)
+        self.book.answered(task, self.world.now)
+
     def answer_refusal(self, task: Task, verdict: Verdict) -> None:
         """Answered as the daemon's intake answers a refused task (core/admission.refused)."""
         no = refused(
@@ -238,8 +244,7 @@ class SimDaemon:
         result = error_result(task_id, code, f"stopped here: {code.value}", node=self.name)
         ended = self.book.finish(task_id, result)
         if not self._hold(ended, result):
-            self.world.answer(self, owned.task, result)
-            self.book.answered(owned.task, self.world.now)
+            self._answer_final(owned.task, result)
             self._ended(ended)
         self.forwarder.local_finished(task_id)
 
@@ -262,8 +267,7 @@ class SimDaemon:
                 self.world.trace(task.id, self.name, "not answered again (a later send was)")
                 return verdict
             assert isinstance(entry, Result)
-            self.world.answer(self, task, entry)
-            self.book.answered(task, self.world.now)
+            self._answer_final(task, entry)
             if self.held.answered(task.id):  # the held copy ends: this answer was its
                 owned, _ = self.held_entries.pop(task.id)
                 self._ended(owned)
@@ -476,8 +480,7 @@ class SimDaemon:
         )
         ended = self.book.finish(task_id, result)
         if not self._hold(ended, result):
-            world.answer(self, task, result)
-            self.book.answered(task, self.world.now)
+            self._answer_final(task, result)
             self._ended(ended)
         self.forwarder.local_finished(task_id)
         self.start_jobs()
@@ -528,8 +531,7 @@ class SimDaemon:
             owned, result = self.held_entries.pop(task_id)
             world.trace(task_id, self.name, f"held Result: {decision.value}")
             if decision is Decision.SEND:
-                world.answer(self, owned.task, result)
-                self.book.answered(owned.task, self.world.now)
+                self._answer_final(owned.task, result)
                 self._ended(owned)
             else:
                 world.journal_done(self, task_id)  # no TaskDone: ledgered elsewhere

@@ -13,6 +13,8 @@ from gossipd.core.messages import PROTOCOL_VERSION, Task
 from gossipd.core.ring import LoadCounts
 
 MEMBERS = ["a", "b", "c"]
+# Tasks 0.. forwarded to these members in turn (the owners the property tests draw).
+OWNERS = st.lists(st.sampled_from(MEMBERS), min_size=1, max_size=12)
 
 
 def _task(n: int) -> Task:
@@ -31,17 +33,18 @@ def _replay(events: list[tuple[str, int, str]]) -> tuple[ForwardedLedger, LoadCo
     return ledger, outstanding
 
 
-@given(
-    owners=st.lists(st.sampled_from(MEMBERS), min_size=1, max_size=12),
-    data=st.data(),
-)
+def _accepts_and_dones(owners: list[str]) -> list[tuple[str, int, str]]:
+    """Task n's accept by ``owners[n]``, then each task's TaskDone from its owner."""
+    return [(kind, n, m) for kind in ("accept", "done") for n, m in enumerate(owners)]
+
+
+@given(owners=OWNERS, data=st.data())
 def test_accept_and_TaskDone_in_either_order_leave_nothing_behind(
     owners: list[str], data: st.DataObject
 ) -> None:
     """Each task's accept and its owner's TaskDone (sometimes delivered twice) arrive in any
     interleaving: at the end nothing is ledgered and every member's count is back to 0."""
-    events = [("accept", n, m) for n, m in enumerate(owners)]
-    events += [("done", n, m) for n, m in enumerate(owners)]
+    events = _accepts_and_dones(owners)
     events += data.draw(st.lists(st.sampled_from(events[len(owners) :]), max_size=4))
     events = data.draw(st.permutations(events))
     ledger, outstanding = _replay(events)
@@ -140,18 +143,14 @@ def test_a_TaskDone_whose_accept_is_not_due_is_not_remembered() -> None:
     assert entry is not None and entry.owner == "b"
 
 
-@given(
-    owners=st.lists(st.sampled_from(MEMBERS), min_size=1, max_size=12),
-    data=st.data(),
-)
+@given(owners=OWNERS, data=st.data())
 def test_a_task_is_finished_by_the_member_whose_TaskDone_ended_it_whatever_the_order(
     owners: list[str], data: st.DataObject
 ) -> None:
     """After each task's accept and its owner's TaskDone, in any interleaving, the ledger
     says each task was finished by its owner and by no other member (what a restarted
     member's ReplayQuery hears)."""
-    events = [("accept", n, m) for n, m in enumerate(owners)]
-    events += [("done", n, m) for n, m in enumerate(owners)]
+    events = _accepts_and_dones(owners)
     ledger, _ = _replay(data.draw(st.permutations(events)))
     for n, owner in enumerate(owners):
         assert ledger.finished_by(owner, [f"t{n}"]) == [f"t{n}"]

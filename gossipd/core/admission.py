@@ -245,9 +245,7 @@ class Admission:
         elif before[0] >= attempt:
             return
         answered[task_id] = (attempt, now)
-        while self._done_bytes > self.results_bytes_max:
-            self._evict_oldest()
-            self._evicted_bytes += 1
+        self._fit_bytes()
 
     def count_conflict(self) -> None:
         """An id_in_use refused before ``offer`` (``held_by_other``, or an id forwarded from
@@ -277,6 +275,10 @@ class Admission:
         while len(self._done) > self._results_max:
             self._evict_oldest()
             self._evicted_count += 1
+        self._fit_bytes()
+
+    def _fit_bytes(self) -> None:
+        """Rule 4's byte bound: the oldest Results go until the cache fits it."""
         while self._done_bytes > self.results_bytes_max:
             self._evict_oldest()
             self._evicted_bytes += 1

@@ -16,8 +16,8 @@ cached answers) stays outside and nothing here calls back into the shell:
      refused ``unavailable``, never run.
 2. ``admitted(msg, verdict, retry_after_ms, load)``: admission's verdict as the reply.
    A task admitted, or already here (running, or done: its cached Result was just sent
-   again, or not, by admission's rule 5), is accepted; the forwarder then waits for its TaskDone, which a task already done
-   gets at once (``Reply.done_now``).  Every other verdict is a refusal with its code and
+   again, or not, by admission's rule 5), is accepted; the forwarder then waits for its
+   TaskDone, which a task already done gets at once (``Reply.done_now``).  Every other verdict is a refusal with its code and
    the retry hint.
 
 3. After the task ends, its forwarders hear a TaskDone, never before its Result has left
