@@ -6,6 +6,7 @@ itself is tested on real daemons (tests/test_http_door.py)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import given
@@ -96,10 +97,19 @@ def test_chunks_are_written_in_seq_order_copies_dropped_one_answer(
 
 
 def test_a_gap_that_never_fills_is_passed_once_enough_chunks_wait() -> None:
+    """At most HELD_CHUNKS_MAX chunks wait for a gap (PROTOCOL.md: "at most 256 held"); the
+    one that would be the next goes on after the gap, and the Result adds nothing for the
+    gap (its place in the text is unknown): the stream ends as usual."""
     answers, exchange = _streaming()
-    for seq in range(1, HELD_CHUNKS_MAX + 2):  # seq 0 never comes
+    for seq in range(1, HELD_CHUNKS_MAX):  # seq 0 never comes
         answers.deliver(encode(Chunk(id="t1", seq=seq, delta=f"<{seq}>")))
-    assert _texts(exchange) == [f"<{i}>" for i in range(1, HELD_CHUNKS_MAX + 2)]
+    assert _texts(exchange) == []  # 255 held
+    answers.deliver(encode(Chunk(id="t1", seq=HELD_CHUNKS_MAX, delta=f"<{HELD_CHUNKS_MAX}>")))
+    assert _texts(exchange) == [f"<{i}>" for i in range(1, HELD_CHUNKS_MAX + 1)]
+    whole = "<0>" + "".join(f"<{i}>" for i in range(1, HELD_CHUNKS_MAX + 1))
+    answers.deliver(encode(Result(id="t1", ok=True, text=whole)))
+    assert _texts(exchange) == [f"<{i}>" for i in range(1, HELD_CHUNKS_MAX + 1)]
+    assert exchange.ended == 1 and len(answers) == 0
 
 
 @given(st.lists(st.integers(0, 11), max_size=20))
@@ -115,3 +125,56 @@ def test_a_stream_spells_the_whole_text_whatever_chunks_were_lost_or_late(
     answers.deliver(encode(Result(id="t1", ok=True, text="".join(deltas), chunks=12)))
     assert "".join(_texts(exchange)) == "".join(deltas)
     assert exchange.ended == 1
+
+
+def test_an_answer_that_fails_to_be_written_is_a_500_with_the_request_id_and_counted(
+    monkeypatch: Any,
+) -> None:
+    """A bug while a whole answer is made (docs/PROTOCOL.md: 500 "internal error", every
+    answer counted by status, x-request-id echoed) answers 500 rather than cutting the
+    connection; a Chunk that fails cancels its task (nobody waits for it now)."""
+    import gossipd.http.answers as answers_module
+
+    class Recording(RecordingExchange):
+        streaming = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.answered: list[tuple[int, bytes, Any]] = []
+            self.aborted = 0
+
+        def respond(self, status: int, body: bytes, **kw: Any) -> None:
+            self.done = True
+            self.answered.append((status, body, kw.get("headers")))
+
+        def abort(self) -> None:
+            self.aborted += 1
+
+    def broken(*_: object) -> bytes:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(answers_module, "whole_answer", broken)
+    cancelled: list[str] = []
+    answers = Answers(
+        node="n0", cancel=cancelled.append, stream_buffer_bytes_max=1 << 20,
+        request_timeout_s=60, clock=ManualClock(),
+    )  # fmt: skip
+    whole = decode_call(b'{"model": "m", "prompt": "p"}', chat=False)
+    exchange = Recording()
+    answers.wait("t1", Waiting(exchange=exchange, call=whole, response_id="c", created=1,  # type: ignore[arg-type]
+                               deadline=1e9, request_id="r-9"))  # fmt: skip
+    answers.deliver(encode(Result(id="t1", ok=True, text="x", node="n1")))
+    [(status, body, headers)] = exchange.answered
+    assert status == 500 and json.loads(body)["error"]["message"] == "internal error"
+    assert ("x-request-id", "r-9") in headers and ("x-gossipd-member", "n1") in headers
+    assert answers.counters.responses == {500: 1} and answers.counters.answer_failures == 1
+    assert exchange.aborted == 0 and len(answers) == 0 and cancelled == []
+    # A stream whose chunk fails: cut (its head went out), and its task cancelled.
+    streamed = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
+    cut = Recording()
+    answers.wait("t2", Waiting(exchange=cut, call=streamed, response_id="c", created=1,  # type: ignore[arg-type]
+                               deadline=1e9, request_id=""))  # fmt: skip
+    monkeypatch.setattr(answers_module.StreamWriter, "delta", broken)
+    cut.streaming = True  # (start_stream is a no-op in the recording)
+    answers.deliver(encode(Chunk(id="t2", seq=0, delta="a")))
+    assert cut.aborted == 1 and cut.answered == [] and cancelled == ["t2"]

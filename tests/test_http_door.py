@@ -272,6 +272,29 @@ def test_models_health_and_readiness(daemon_factory: Any) -> None:
             assert response.status == 200
     with urllib.request.urlopen(f"{d.http_url}/metrics", timeout=10) as response:
         assert b"gossipd_http_requests_total" in response.read()
+    # OpenAI's "retrieve model" (the official client's call): the card as listed, or 404.
+    client = openai.OpenAI(base_url=f"{d.http_url}/v1", api_key="none", max_retries=0)
+    card = client.models.retrieve("echo")
+    assert (
+        card.id == "echo"
+        and card.model_extra["max_model_len"] == (models["data"][0]["max_model_len"])
+    )
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/not-here")
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
+    # x-request-id on a task's answer and on a 405 (with allow: POST).
+    status, headers, _ = _post(
+        f"{d.http_url}/v1/completions",
+        {"model": "echo", "prompt": "a", "max_tokens": 1},
+        {"x-request-id": "r-200"},
+    )
+    assert status == 200 and headers["x-request-id"] == "r-200"
+    answer = _raw(
+        _port(d.http_url),
+        b"GET /v1/completions HTTP/1.1\r\nx-request-id: r-405\r\nconnection: close\r\n\r\n",
+    )
+    assert answer.startswith(b"HTTP/1.1 405 ") and b"allow: POST\r\n" in answer
+    assert b"x-request-id: r-405\r\n" in answer
 
 
 def test_models_lists_every_members_model_and_requests_go_where_it_is_served(
@@ -447,7 +470,13 @@ def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None
             raise RuntimeError("a bug in the handler")
         exchange.respond(200, b"{}")
 
-    limits = HttpLimits(body_bytes_max=1024, connections_max=8, error_body=_wire_error)
+    statuses: list[int] = []
+    limits = HttpLimits(
+        body_bytes_max=1024,
+        connections_max=8,
+        error_body=_wire_error,
+        count_status=statuses.append,
+    )
 
     async def main() -> list[bytes]:
         server = await serve("127.0.0.1", 0, handler, limits)
@@ -456,7 +485,9 @@ def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None
         close = b"host: x\r\nconnection: close\r\n\r\n"
         try:
             return [
-                await loop.run_in_executor(None, _raw, port, b"GET /bug HTTP/1.1\r\n" + close),
+                await loop.run_in_executor(
+                    None, _raw, port, b"GET /bug HTTP/1.1\r\nx-request-id: r-500\r\n" + close
+                ),
                 await loop.run_in_executor(None, _raw, port, b"GET / HTTP/1.1\r\n" + close),
                 await loop.run_in_executor(None, _raw, port, b"\x00\x01 nonsense\r\n\r\n"),
             ]
@@ -464,7 +495,8 @@ def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None
             server.close()
 
     bug, fine, malformed = asyncio.run(main())
-    assert bug.startswith(b"HTTP/1.1 500 ")
+    assert bug.startswith(b"HTTP/1.1 500 ") and b"x-request-id: r-500\r\n" in bug
+    assert statuses == [500]  # counted by status, as the door counts its own answers
     error = json.loads(bug.partition(b"\r\n\r\n")[2])["error"]
     assert error["type"] == "server_error" and error["message"] == "internal error"
     assert fine.startswith(b"HTTP/1.1 200 ")  # still serving
@@ -474,3 +506,180 @@ def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None
     )
     assert limits.counters.handler_errors == 1 and limits.counters.bad_requests == 1
     assert json.loads(_wire_error("too many", 429))["error"]["type"] == "rate_limit_error"
+
+
+def test_a_large_body_then_the_start_of_the_next_request_is_no_431() -> None:
+    """The header bound counts what a head holds, not the body before it: a request whose
+    body is over 64 KiB, followed in the same read by the first bytes of the next request's
+    head, and then the rest of that head, gets two answers; one endless header is still
+    refused (431)."""
+    import asyncio
+
+    import uvloop
+
+    from gossipd.http.server import HEADER_BYTES_MAX, HttpLimits, serve
+
+    def handler(request: Any, exchange: Any) -> None:
+        if request.path == "/block":
+            # Holds the loop while the client's next bytes pile up in the socket, so that
+            # the next read carries much of the body and the next head's start together.
+            time.sleep(0.5)
+        exchange.respond(200, b'{"n": %d}' % len(request.body))
+
+    limits = HttpLimits(body_bytes_max=1 << 20, connections_max=8)
+    block = b"GET /block HTTP/1.1\r\nhost: x\r\n\r\n"
+    # The body's size puts the next head's first 10 bytes at the end of a 64 KiB read,
+    # should the server read in 64 KiB pieces (in one read of it all, they are there too).
+    head = b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
+    big = b"x" * (3 * 65536 - 10 - len(head % 190000))
+    first = head % len(big) + big
+    assert len(first) + 10 == 3 * 65536
+    second = b"GET /b HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+
+    def client(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(block)
+            time.sleep(0.1)  # the loop is held in /block's handler
+            sock.sendall(first + second[:10])
+            time.sleep(0.8)  # the server has read the body and the head's first bytes
+            sock.sendall(second[10:])
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+    def endless(port: int) -> bytes:
+        # Just over the bound and never ended: the daemon reads it all, answers and closes.
+        return _raw(port, b"GET / HTTP/1.1\r\nx-long: " + b"y" * (HEADER_BYTES_MAX + 16384))
+
+    async def main() -> tuple[bytes, bytes]:
+        server = await serve("127.0.0.1", 0, handler, limits)
+        # Room for all of it while /block holds the loop (accepted sockets inherit it).
+        server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        port = server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        try:
+            return (
+                await loop.run_in_executor(None, client, port),
+                await loop.run_in_executor(None, endless, port),
+            )
+        finally:
+            server.close()
+
+    both, refused = uvloop.run(main())
+    assert both.count(b"HTTP/1.1 200 ") == 3, both[:300]
+    assert b'{"n": %d}' % len(big) in both and b'{"n": 0}' in both
+    assert refused.startswith(b"HTTP/1.1 431 ")
+    assert limits.counters.bad_requests == 1
+
+
+def test_a_request_on_an_open_connection_after_the_grace_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """A stopping daemon answers what it holds within its grace, then 503s the rest; a
+    keep-alive client's request that comes after that gets 503 shutting_down at once, with
+    the connection closed (docs/PROTOCOL.md "A stopping daemon"), instead of waiting for an
+    answer that no door would carry.  The window is held open by an owner SIGSTOPped with a
+    forwarded task, which the entry waits for (up to 2 s) before it closes its intake."""
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=[HTTP, METRICS, "engine.token_delay_s=0.05"],
+        overrides_for=lambda i: ["lifecycle.shutdown_grace_s=1"] if i == 0 else [],
+    )
+    with running(c):
+        entry, owner = c.daemons
+        port = _port(entry.http_url)
+        far = _key_owned_by(c, owner.name)
+        near = _key_owned_by(c, entry.name)
+
+        def request(key: str, tokens: int) -> bytes:
+            doc = json.dumps({"model": "echo", "prompt": "a b", "max_tokens": tokens}).encode()
+            return (
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-session-id: %s\r\n"
+                b"x-request-id: late\r\ncontent-length: %d\r\n\r\n%s"
+                % (key.encode(), len(doc), doc)
+            )
+
+        kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            kept.sendall(request(near, 1))
+            assert _read_response(kept.makefile("rb"))  # 200: the connection stays open
+            slow.sendall(request(far, 200))  # 10 s at the owner
+            wait_until(
+                lambda: (
+                    scrape(owner.metrics_port).get("gossipd_fanout_accepted_from_peers_total", 0)
+                    >= 1
+                ),
+                10,
+                "the owner runs the forwarded task",
+            )
+            owner.pause()
+            try:
+                entry.terminate()
+                # The grace (1 s) ends: the slow request is cut with 503.
+                assert _raw_status(slow) == 503
+                # Readiness says so (503 with the reason), on the same kept connection.
+                kept.sendall(b"GET /v1/health/ready HTTP/1.1\r\nhost: x\r\n\r\n")
+                ready = kept.recv(65536)
+                assert ready.startswith(b"HTTP/1.1 503 ") and b"shutting down" in ready
+                started = time.monotonic()
+                kept.sendall(request(near, 1))
+                answer = kept.recv(65536)
+                assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+                assert time.monotonic() - started < 1.0
+                assert b"connection: close\r\n" in answer and b"x-request-id: late\r\n" in answer
+                assert b'"code":"shutting_down"' in answer
+                assert f"x-gossipd-member: {entry.name}\r\n".encode() in answer
+            finally:
+                owner.resume()
+        finally:
+            kept.close()
+            slow.close()
+
+
+def _raw_status(sock: socket.socket) -> int:
+    """The status of the next response on ``sock`` (waits for it)."""
+    head = sock.recv(65536)
+    return int(head.split(b" ", 2)[1])
+
+
+def test_connections_past_connections_max_are_closed_at_once_and_counted() -> None:
+    import asyncio
+
+    from gossipd.http.server import HttpLimits, serve
+
+    def handler(request: Any, exchange: Any) -> None:
+        exchange.respond(200, b"{}")
+
+    limits = HttpLimits(body_bytes_max=1024, connections_max=2)
+
+    def clients(port: int) -> tuple[bytes, bytes]:
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        try:
+            wait_until(lambda: limits.counters.open_now == 2, 5, "two connections open")
+            over = socket.create_connection(("127.0.0.1", port), timeout=5)
+            over.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            try:
+                refused = over.recv(100)
+            except ConnectionResetError:
+                refused = b""
+            over.close()
+            held[0].sendall(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            return refused, held[0].recv(100)
+        finally:
+            for sock in held:
+                sock.close()
+
+    async def main() -> tuple[bytes, bytes]:
+        server = await serve("127.0.0.1", 0, handler, limits)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, clients, port)
+        finally:
+            server.close()
+
+    refused, served = asyncio.run(main())
+    assert refused == b"" and served.startswith(b"HTTP/1.1 200 ")
+    assert limits.counters.connections_refused == 1 and limits.counters.connections == 3

@@ -144,7 +144,11 @@ def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: 
         check=True, capture_output=True,
     )  # fmt: skip
     d = daemon_factory(
-        HTTP, f'http.tls_cert_file="{cert}"', f'http.tls_key_file="{key}"', 'log.level="info"'
+        HTTP,
+        f'http.tls_cert_file="{cert}"',
+        f'http.tls_key_file="{key}"',
+        'log.level="info"',
+        "http.idle_timeout_s=1",
     )
     url = d.http_url.replace("http://", "https://")
     client = openai.OpenAI(
@@ -163,6 +167,12 @@ def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: 
     plain.close()
     assert not answer.startswith(b"HTTP/1.1 200"), "plain HTTP is not served on a TLS door"
     assert time.monotonic() - started < 5
+    # A client that never shakes hands holds no connection past http.idle_timeout_s.
+    silent = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10)
+    started = time.monotonic()
+    assert silent.recv(100) == b""
+    silent.close()
+    assert 0.5 < time.monotonic() - started < 5
 
 
 def test_a_stopping_entry_answers_what_it_holds_and_cancels_the_rest(tmp_path: Path) -> None:

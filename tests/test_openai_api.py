@@ -200,6 +200,39 @@ def test_a_valid_body_maps_onto_the_task_fields() -> None:
     assert exc.value.param == "prompt" and "token ids" in exc.value.message
 
 
+@pytest.mark.parametrize(
+    ("fields", "stream", "include_usage"),
+    [
+        ({"stream": None}, False, False),  # null: as absent
+        ({"stream_options": "junk"}, False, False),  # ignored without a stream
+        ({"stream": False, "stream_options": {"include_usage": True}}, False, False),
+        ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, True, True),
+        ({"logprobs": False, "best_of": 1, "top_logprobs": None}, False, False),
+    ],
+)
+def test_fields_that_ask_nothing_are_taken(
+    fields: dict[str, Any], stream: bool, include_usage: bool
+) -> None:
+    call = decode_call(json.dumps({"model": "m", "prompt": "p", **fields}).encode(), chat=False)
+    assert call.stream is stream and call.include_usage is include_usage
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("logprobs", 0), ("logprobs", True), ("top_logprobs", 0), ("best_of", 2),
+     ("best_of", True), ("stream", 1), ("stream_options", "junk")],
+)  # fmt: skip
+def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
+    field: str, value: Any
+) -> None:
+    body = {"model": "m", "prompt": "p", field: value}
+    if field == "stream_options":
+        body["stream"] = True
+    with pytest.raises(BadRequest) as exc:
+        decode_call(json.dumps(body).encode(), chat=False)
+    assert exc.value.param == field
+
+
 @given(st.lists(st.text(max_size=6), min_size=1, max_size=5), st.booleans(), st.booleans())
 def test_a_stream_is_server_sent_events_in_openai_framing(
     deltas: list[str], chat: bool, include_usage: bool
@@ -265,3 +298,16 @@ def test_a_bos_the_template_writes_is_not_doubled_by_the_engine() -> None:
     broken = ChatTemplate("{{ raise_me() }}")
     with pytest.raises(TemplateFailed):
         broken.render([{"role": "user", "content": "hi"}])
+
+
+def test_a_session_header_is_the_same_key_as_the_same_text_sent_as_user() -> None:
+    """The wire reads header bytes as latin-1; the key is the client's UTF-8 text, as
+    `user` would give it, its length counted in code points (256 kept, longer hashed)."""
+    from gossipd.http.openai_api import header_text, placement_key
+
+    for text in ("s-1", "séance-ü", "é" * 256, "é" * 257, "日本" * 200):
+        on_the_wire = text.encode("utf-8").decode("latin-1")  # what server.py hands over
+        assert placement_key(header_text(on_the_wire)) == placement_key(text)
+    assert placement_key("é" * 256) == "é" * 256
+    assert placement_key("é" * 257).startswith("h:")
+    assert header_text("\xff\xfe") == "\ufffd\ufffd"  # not UTF-8: still one key

@@ -25,7 +25,7 @@ import zmq
 from gossipd.clock import Clock
 from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result, decode_replies
 from gossipd.errors import RemoteProtocolError
-from gossipd.http.openai_api import Call, StreamWriter, error_of, whole_answer
+from gossipd.http.openai_api import Call, StreamWriter, error_body, error_of, whole_answer
 from gossipd.http.server import Exchange
 from gossipd.zmqloop import SocketReader
 
@@ -128,14 +128,30 @@ class Answers:
 
     def deliver_message(self, message: Chunk | Result) -> None:
         """One reply, decoded (or, of a task run in this daemon, never encoded)."""
+        waiting = self._waiting.get(message.id)  # (a Result's leaves the table at once)
         try:
             self._on_reply(message)
         except Exception:  # one request's answer must not stop the others (or the runner)
             self.counters.answer_failures += 1
             log.exception("answering an HTTP request failed", extra={"task_id": message.id})
-            waiting = self._waiting.pop(message.id, None)
-            if waiting is not None:
-                waiting.exchange.abort()
+            self._waiting.pop(message.id, None)
+            if waiting is None:
+                return
+            exchange = waiting.exchange
+            try:
+                if not exchange.done and not exchange.streaming:  # nothing of it went out
+                    exchange.respond(
+                        500,
+                        error_body("internal error", "server_error"),
+                        headers=self.headers(waiting, message.node),
+                    )
+                    self.counters.count(500)
+                elif not exchange.done:  # a stream cut short: the client sees it end
+                    exchange.abort()
+            except Exception:  # the connection itself is broken
+                exchange.abort()
+            if type(message) is Chunk:  # the task still runs, for nobody now
+                self._cancel(message.id)
 
     # -- waiting requests ----------------------------------------------------------------
 
@@ -200,7 +216,7 @@ class Answers:
             return
         if chunk.seq > waiting.next_seq:
             waiting.held[chunk.seq] = chunk
-            if len(waiting.held) <= HELD_CHUNKS_MAX:
+            if len(waiting.held) < HELD_CHUNKS_MAX:
                 return
             waiting.next_seq = min(waiting.held)  # the gap will not fill: go on after it
             waiting.gap = True

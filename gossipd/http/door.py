@@ -18,20 +18,28 @@ runs (a Cancel through the intake, as a producer's).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import HttpConfig
 from gossipd.core.messages import PROTOCOL_VERSION, Task, reply_route
-from gossipd.http.answers import Answers, Waiting
+from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
 from gossipd.http.chat import ChatTemplate, TemplateFailed
 from gossipd.http.keys import ApiKeys
-from gossipd.http.openai_api import BadRequest, decode_call, error_body, placement_key
+from gossipd.http.openai_api import (
+    BadRequest,
+    decode_call,
+    error_body,
+    header_text,
+    placement_key,
+)
 from gossipd.http.server import WANTED_HEADERS, Exchange, HttpLimits, Request
 from gossipd.ingress.intake import Intake
 
@@ -68,6 +76,19 @@ class RandomIds:
             at = 0
         self._at = at + 24
         return self._hex[at : at + 24]
+
+
+def _model_card(name: str, max_model_len: int | None, created: int) -> dict[str, object]:
+    """One model as /v1/models lists it (vLLM's fields)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "gossipd",
+        "root": name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
 
 
 # The OpenAI error type of what the wire itself answers (docs/PROTOCOL.md's table).
@@ -126,13 +147,6 @@ class HttpDoor:
         self._producer_key = producer_key
         self._clock = clock
         self._session_header = config.session_header.lower()
-        self.limits = HttpLimits(
-            body_bytes_max=config.body_bytes_max,
-            connections_max=config.connections_max,
-            idle_timeout_s=config.idle_timeout_s,
-            wanted_headers=WANTED_HEADERS | {self._session_header.encode()},
-            error_body=_wire_error,
-        )
         self._timeout_ms = int(config.request_timeout_s * 1000)
         self.answers = Answers(
             node=node,
@@ -141,12 +155,21 @@ class HttpDoor:
             request_timeout_s=config.request_timeout_s,
             clock=clock,
         )
+        self.limits = HttpLimits(
+            body_bytes_max=config.body_bytes_max,
+            connections_max=config.connections_max,
+            idle_timeout_s=config.idle_timeout_s,
+            wanted_headers=WANTED_HEADERS | {self._session_header.encode()},
+            error_body=_wire_error,
+            count_status=self.answers.counters.count,
+        )
         self._ids = RandomIds()
         self._models_cache: dict[str, int | None] = {}
         self._models_until = float("-inf")
         self.server: asyncio.Server | None = None
         self.unauthorized = 0  # requests without a valid API key (401)
         self._background: set[asyncio.Task[None]] = set()  # GET /v1/models waiting for cards
+        self._settled = False  # stopping, past the grace (settle): requests get 503 at once
 
     # -- the reply address ---------------------------------------------------------------
 
@@ -178,7 +201,9 @@ class HttpDoor:
             return
         authorization = request.headers.get("authorization", "")
         if path == "/metrics" and self._links.metrics_token:
-            if authorization != f"Bearer {self._links.metrics_token}":
+            expected = f"Bearer {self._links.metrics_token}".encode("latin-1", "replace")
+            # In constant time, as the metrics port compares it (ops/metrics_server.py).
+            if not hmac.compare_digest(authorization.encode("latin-1", "replace"), expected):
                 self._unauthorized(exchange, "GET /metrics needs metrics.bearer_token_file's "
                                    "token", echo)  # fmt: skip
                 return
@@ -210,6 +235,8 @@ class HttpDoor:
                 waiting.add_done_callback(self._background.discard)
             else:
                 self._json(exchange, 200, self._models(), echo)
+        elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
+            self._one_model(exchange, unquote(path[len("/v1/models/") :]), echo)
         elif path == "/metrics" and method in ("GET", "HEAD") and self._links.metrics:
             exchange.respond(
                 200, self._links.metrics(), content_type=b"text/plain; version=0.0.4",
@@ -224,6 +251,14 @@ class HttpDoor:
         self, request: Request, exchange: Exchange, chat: bool, identity: str, request_id: str
     ) -> None:
         echo = [("x-request-id", request_id)] if request_id else None
+        if self._settled:
+            # A keep-alive client's request after the grace: its answer would find no door
+            # (the daemon is closing it), so it is refused now and the connection closed.
+            exchange.keep_alive = False
+            self._error(exchange, 503, "this daemon is stopping: send the request to another "
+                        "member", "server_error", code="shutting_down",
+                        headers=[(MEMBER_HEADER, self._node), *(echo or [])])  # fmt: skip
+            return
         try:
             call = decode_call(request.body, chat=chat)
             if call.model not in self._models_now():
@@ -256,7 +291,7 @@ class HttpDoor:
         # "": a guessable id could be cancelled or read from the results cache by it), and a
         # response id that is not the task id.
         task_id = "http-" + self._ids.next()
-        session = request.headers.get(self._session_header) or call.user
+        session = header_text(request.headers.get(self._session_header, "")) or call.user
         now = self._clock.monotonic()
         task = Task(
             v=PROTOCOL_VERSION,
@@ -298,6 +333,7 @@ class HttpDoor:
         deadline = self._clock.monotonic() + timeout_s
         while len(self.answers) and self._clock.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self._settled = True  # from now on nothing carries an answer back: _take refuses
         return self.answers.give_up_all("this daemon stopped before the answer came")
 
     # -- small answers -------------------------------------------------------------------
@@ -323,18 +359,22 @@ class HttpDoor:
     def _models(self) -> bytes:
         created = int(self._clock.wall())
         data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "gossipd",
-                "root": name,
-                "parent": None,
-                "max_model_len": max_model_len,
-            }
+            _model_card(name, max_model_len, created)
             for name, max_model_len in sorted(self._models_now().items())
         ]
         return msgspec.json.encode({"object": "list", "data": data})
+
+    def _one_model(self, exchange: Exchange, name: str, echo: list[tuple[str, str]] | None) -> None:
+        """GET /v1/models/{model} (OpenAI's "retrieve model"; the id may hold slashes):
+        its card, as in the list, or 404 ``model_not_found``."""
+        models = self._models_now(fresh=True)
+        if name not in models:
+            self._error(exchange, 404, f"the model {name[:200]!r} is not served in this "
+                        "cluster (GET /v1/models)", "not_found_error", param="model",
+                        code="model_not_found", headers=echo)  # fmt: skip
+            return
+        card = _model_card(name, models[name], int(self._clock.wall()))
+        self._json(exchange, 200, msgspec.json.encode(card), echo)
 
     def _json(
         self, exchange: Exchange, status: int, body: bytes, headers: list[tuple[str, str]] | None

@@ -208,7 +208,10 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     if n not in (None, 1):
         raise BadRequest("n: only 1 choice per request is served here", param="n")
     for name in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "logit_bias"):
-        if doc.get(name) not in (None, False, 1 if name == "best_of" else None):
+        value = doc.get(name)
+        # Absent, null or false asks nothing (best_of: also 1).  By identity: 0 == False,
+        # and logprobs 0 asks for the chosen token's log probability.
+        if not (value is None or value is False or (name == "best_of" and _is_int(value, 1))):
             raise BadRequest(f"{name}: not supported by this server", param=name)
     if doc.get("echo"):
         raise BadRequest("echo: not supported by this server", param="echo")
@@ -244,12 +247,14 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         raise BadRequest(
             f"{param or 'parameters'}: {text.split(' - at ')[0]}", param=param
         ) from None
-    stream = doc.get("stream", False)
+    stream = doc.get("stream")
+    if stream is None:  # null: as absent (some clients send every field)
+        stream = False
     if not isinstance(stream, bool):
         raise BadRequest("stream: true or false", param="stream")
     options = doc.get("stream_options")
     include_usage = False
-    if options is not None:
+    if options is not None and stream:  # without a stream: ignored (PROTOCOL.md)
         if not isinstance(options, dict):
             raise BadRequest("stream_options: an object", param="stream_options")
         include_usage = bool(options.get("include_usage", False))
@@ -266,6 +271,20 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         include_usage=include_usage and stream,
         user=user,
     )
+
+
+def _is_int(value: object, n: int) -> bool:
+    """``value`` is the JSON integer ``n`` (not true, not n.0)."""
+    return type(value) is int and value == n
+
+
+def header_text(value: str) -> str:
+    """A header value as its client wrote it: HTTP carries bytes, which the wire reads as
+    latin-1; a session id is the client's UTF-8 (so that it is the same key as the same
+    text sent as ``user``, and its length is counted in code points)."""
+    if value.isascii():
+        return value
+    return value.encode("latin-1").decode("utf-8", "replace")
 
 
 def placement_key(session: str) -> str:

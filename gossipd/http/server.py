@@ -65,6 +65,10 @@ def _plain_error(message: str, status: int) -> bytes:
     return message.encode("utf-8", "replace")
 
 
+def _count_nothing(status: int) -> None:
+    pass
+
+
 @dataclass(slots=True)
 class Request:
     method: str
@@ -95,6 +99,9 @@ class HttpLimits:
     # The body of an error the wire itself answers, from its message and status (the door
     # gives OpenAI's shape).
     error_body: Callable[[str, int], bytes] = _plain_error
+    # Told the status of each answer the wire gives itself to a request it read whole (a
+    # handler's bug: 500), as the door counts its own answers.
+    count_status: Callable[[int], None] = _count_nothing
     counters: HttpCounters = field(default_factory=HttpCounters)
 
 
@@ -209,6 +216,7 @@ class HttpConnection(asyncio.Protocol):
         self._in_head = False  # between a request's first byte and its headers' end
         self._head_bytes = 0
         self._buffered_head = 0
+        self._read_body = 0  # body bytes in the read being parsed
         self._last_seen = False  # a request without keep-alive came: nothing after it is read
         self._body: list[bytes] = []
         self._body_bytes = 0
@@ -259,6 +267,7 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken or self._last_seen:
             return  # (still read: a client that goes away is seen)
+        self._read_body = 0  # body bytes of this read (on_body)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -274,8 +283,10 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._in_head:
             # httptools holds a header until it ends: count what it holds, so one endless
-            # header is refused at the bound, not when it ends.
-            self._buffered_head += len(data)
+            # header is refused at the bound, not when it ends.  Not the bodies this read
+            # also carried (of requests before this head): a large body followed by the
+            # start of the next request is no 431.
+            self._buffered_head += len(data) - self._read_body
             if self._buffered_head > HEADER_BYTES_MAX:
                 self._fail(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
 
@@ -310,6 +321,7 @@ class HttpConnection(asyncio.Protocol):
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without
 
     def on_body(self, body: bytes) -> None:
+        self._read_body += len(body)
         self._body_bytes += len(body)
         if self._body_bytes > self._limits.body_bytes_max:
             raise _Refused(
@@ -424,7 +436,13 @@ class HttpConnection(asyncio.Protocol):
             log.exception("the HTTP handler raised", extra={"path": request.path[:200]})
             self._limits.counters.handler_errors += 1
             if not exchange.done and not exchange.streaming:
-                exchange.respond(500, self._limits.error_body("internal error", 500))
+                request_id = request.headers.get("x-request-id", "")[:256]
+                exchange.respond(
+                    500,
+                    self._limits.error_body("internal error", 500),
+                    headers=[("x-request-id", request_id)] if request_id else None,
+                )
+                self._limits.count_status(500)
             elif not exchange.done:
                 exchange.abort()
 
@@ -528,6 +546,9 @@ async def serve(
         host,
         port,
         ssl=ssl,  # type: ignore[arg-type]
+        # A handshake counts against no bound of the connection's (it is made before
+        # connection_made): one not done within the idle timeout is dropped.
+        ssl_handshake_timeout=limits.idle_timeout_s if ssl is not None else None,
         reuse_address=True,
         backlog=1024,
     )

@@ -543,7 +543,7 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
     yield _one(
         C,
         "gossipd_http_answer_failures",
-        "Answers that raised as they were written (a bug: logged; the connection closed)",
+        "Answers that raised as they were written (a bug: logged; answered 500, or a stream cut)",
         a.answer_failures,
     )
     if door.keys is not None:
