@@ -213,20 +213,24 @@ class SocketPool:
             k.evicted += 1
             self._close(k, oldest, CloseReason.EVICTED, k.linger_ms)
         sock = self.ctx.socket(k.socket_type)
-        for option, value in k.options.items():
-            sock.setsockopt(option, value)
-        endpoint = addr.partition(" ")[0]  # a reply route names a key only under CURVE
-        curve = self._curve.get(kind)
-        server_key: bytes | None = None
-        if curve is not None:
-            endpoint, server_key = curve.route(addr)
-            if server_key is None:
-                curve.unknown_keys[0] += 1
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
-            # No known key: a throwaway one, whose secret nobody holds (never connects).
-            sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or zmq.curve_keypair()[0])
-        sock.connect(endpoint)
+        try:
+            for option, value in k.options.items():
+                sock.setsockopt(option, value)
+            endpoint = addr.partition(" ")[0]  # a reply route names a key only under CURVE
+            curve = self._curve.get(kind)
+            server_key: bytes | None = None
+            if curve is not None:
+                endpoint, server_key = curve.route(addr)
+                if server_key is None:
+                    curve.unknown_keys[0] += 1
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+                # No known key: a throwaway one, whose secret nobody holds (never connects).
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or zmq.curve_keypair()[0])
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)  # not kept, not leaked: the caller is told
+            raise
         k.sockets[addr] = _Entry(sock, self._clock.monotonic(), server_key)
         k.opened += 1
         return sock

@@ -482,7 +482,17 @@ class ReplySender:
     def _send_by_socket(self, endpoint: str, frame: bytes, pack: bool) -> None:
         peer = self._peers.get(endpoint)
         if peer is None:
-            peer = self._open(endpoint)
+            try:
+                peer = self._open(endpoint)
+            except zmq.ZMQError as exc:
+                # ZeroMQ refused the address (messages.endpoint_problem lets through only
+                # what it takes; a refusal here is a gap in that check): the reply is
+                # dropped and counted, and the daemon goes on.
+                self._dropped_undeliverable += 1
+                if _failure_log.allow():
+                    log.warning("a reply address could not be connected to: reply dropped",
+                                extra={"endpoint": endpoint[:200], "error": str(exc)})  # fmt: skip
+                return
         if peer.queue:
             # Behind what waits: into the turn's batch, queued at the turn's end with its
             # packed runs kept (a slow reader is when packing saves the most).

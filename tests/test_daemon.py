@@ -343,3 +343,28 @@ def test_cancel_stops_a_running_and_a_queued_task_and_ignores_unknown_ids(
     producer.send_task("running", params={"max_tokens": 2})
     again = {r["id"]: r for r in producer.results(2)}
     assert again["after"]["ok"] and again["running"]["error"]["code"] == "cancelled"
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_daemon_alone_refuses_a_model_it_does_not_serve(daemon_factory, alone: bool) -> None:  # type: ignore[no-untyped-def]
+    """PROTOCOL.md's Task.model: the model to run. A daemon without membership
+    (gossip.bind empty: no members to route to) answers a task for another model
+    `unavailable`, as a cluster where no member serves it does (placement, the other
+    case here); it ran it on its own engine before. Its own model's and model-less run."""
+    port = free_tcp_port()
+    overrides = [f"metrics.bind=127.0.0.1:{port}"] + (['gossip.bind=""'] if alone else [])
+    daemon = daemon_factory(*overrides)
+    producer = RawProducer(daemon.endpoint)
+    try:
+        producer.send_task("other", model="llama-70b")
+        producer.send_task("mine", model="echo")
+        producer.send_task("any")
+        results = {r["id"]: r for r in producer.results(3)}
+    finally:
+        producer.close()
+    assert not results["other"]["ok"]
+    assert results["other"]["error"]["code"] == "unavailable"
+    assert "llama-70b" in results["other"]["error"]["message"]
+    assert results["mine"]["ok"] and results["any"]["ok"]
+    if alone:
+        assert scrape(port)["gossipd_messages_refused_total{reason=unavailable}"] == 1

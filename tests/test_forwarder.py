@@ -130,6 +130,25 @@ def test_Forwarder_accepted_forward_is_ledgered_until_TaskDone() -> None:
     assert fw.next_deadline() == float("inf"), "no timer left behind"
 
 
+def test_Forwarder_knows_a_resend_of_what_it_forwards_by_id_and_key() -> None:
+    """forwarded_here (token budgets charge a resend once) and forwarded_for_other
+    (id_in_use): in flight, then ledgered until its TaskDone, for its own key only."""
+    import msgspec
+
+    fw, _ = _forwarder(["a", "b"])
+    task = _task()
+    other = msgspec.structs.replace(task, producer_key="K" * 40)
+    assert not fw.forwarded_here(task)
+    fw.route(task, 0.0)
+    assert fw.forwarded_here(task) and not fw.forwarded_here(other)  # in flight
+    assert fw.forwarded_for_other(other) and not fw.forwarded_for_other(task)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", True), 0.001)
+    assert fw.forwarded_here(task) and not fw.forwarded_here(other)  # ledgered
+    fw.on_reply(TaskDone(id="t0", node="a"), 0.5)
+    assert not fw.forwarded_here(task) and not fw.forwarded_for_other(other)
+
+
 def test_Forwarder_refusal_moves_on_after_a_backoff() -> None:
     fw, _ = _forwarder(["a", "b"], backoff_base_s=0.01)
     fw.route(_task(), 0.0)

@@ -72,6 +72,10 @@ def plain_task(**fields: object) -> dict[str, object]:
         ("http://127.0.0.1:80", False),
         ("", False),
         ("ipc://", False),
+        ("tcp://127.0.0.1:5\n", False),  # $ would take it; ZeroMQ's connect would not
+        ("ipc:///tmp/gossipd.sock\n", False),
+        ("ipc:///tmp/my dir/r.sock", False),  # a route splits at its first space
+        ("ipc:///tmp/tab\there", False),
     ],
 )
 def test_endpoint_problem_table(endpoint: str, ok: bool) -> None:
@@ -136,6 +140,55 @@ def test_unknown_top_level_keys_are_ignored_for_compatibility() -> None:
         (msgpack.packb(plain_task(id="")), ErrorCode.BAD_REQUEST, "$.id", True),
         (msgpack.packb(plain_task(id="x" * 129)), ErrorCode.BAD_REQUEST, "$.id", True),
         (msgpack.packb(plain_task(timeout_ms=0)), ErrorCode.BAD_REQUEST, "timeout_ms", True),
+        # Every bound PROTOCOL.md's Task table gives, one past it.
+        (
+            msgpack.packb(plain_task(timeout_ms=3_600_001)),
+            ErrorCode.BAD_REQUEST,
+            "timeout_ms",
+            True,
+        ),
+        (msgpack.packb(plain_task(attempt=-1)), ErrorCode.BAD_REQUEST, "attempt", True),
+        (msgpack.packb(plain_task(attempt=1001)), ErrorCode.BAD_REQUEST, "attempt", True),
+        (
+            msgpack.packb(plain_task(params={"max_tokens": 32769})),
+            ErrorCode.BAD_REQUEST,
+            "max_tokens",
+            True,
+        ),
+        (
+            msgpack.packb(plain_task(params={"temperature": 10.5})),
+            ErrorCode.BAD_REQUEST,
+            "temperature",
+            True,
+        ),
+        (msgpack.packb(plain_task(params={"top_p": 0.0})), ErrorCode.BAD_REQUEST, "top_p", True),
+        (
+            msgpack.packb(plain_task(params={"top_k": 100_001})),
+            ErrorCode.BAD_REQUEST,
+            "top_k",
+            True,
+        ),
+        (msgpack.packb(plain_task(params={"top_k": -2})), ErrorCode.BAD_REQUEST, "top_k", True),
+        (msgpack.packb(plain_task(params={"seed": -1})), ErrorCode.BAD_REQUEST, "seed", True),
+        (
+            msgpack.packb(plain_task(params={"stop": ["s"] * 9})),
+            ErrorCode.BAD_REQUEST,
+            "stop",
+            True,
+        ),
+        (msgpack.packb(plain_task(params={"stop": [""]})), ErrorCode.BAD_REQUEST, "stop", True),
+        (
+            msgpack.packb(plain_task(params={"stop": ["x" * 65]})),
+            ErrorCode.BAD_REQUEST,
+            "stop",
+            True,
+        ),
+        (
+            msgpack.packb(plain_task(reply_to="tcp://127.0.0.1:5\n")),
+            ErrorCode.BAD_REQUEST,
+            "reply_to",
+            False,
+        ),
         (msgpack.packb(plain_task(t=3)), ErrorCode.BAD_REQUEST, "", True),
         (
             msgpack.packb(plain_task(producer_key="k" * 39)),
@@ -534,3 +587,17 @@ def test_a_replay_query_of_more_than_a_thousand_tasks_or_with_a_bad_key_is_refus
         with pytest.raises(RemoteProtocolError) as refused:
             decode_peer(frame, bytes_max=1 << 22)
         assert refused.value.code == "bad_request"
+
+
+def test_a_tasks_frame_of_another_version_is_answered_at_its_reply_to() -> None:
+    """PROTOCOL.md "Bad input": a refusal goes to the reply_to it can read; a Tasks frame's
+    own id and reply_to are there for that (the version check came after the decode, which
+    had no such fields to give)."""
+    from gossipd.core.messages import MsgType, decode_intake
+
+    frame = {"t": int(MsgType.TASKS), "v": 2, "id": "batch-1", "reply_to": "tcp://h:1",
+             "items": [msgpack.packb(plain_task())]}  # fmt: skip
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_intake(msgpack.packb(frame), bytes_max=LIMIT)
+    assert info.value.code == ErrorCode.UNSUPPORTED_VERSION
+    assert info.value.task_id == "batch-1" and info.value.reply_to == "tcp://h:1"

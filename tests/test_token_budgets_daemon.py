@@ -62,6 +62,30 @@ def test_runaway_producer_gets_over_budget_while_the_other_is_served(daemon_fact
     assert any("token budgets: computed here" in e.get("msg", "") for e in daemon.events())
 
 
+def test_a_resend_of_a_task_is_charged_once(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """PROTOCOL.md: a task is charged once when its entry point takes it, and a duplicate of
+    a pending or finished task is never refused: resends of an id this daemon holds (here
+    answered and cached) are answered from its cache and charged nothing, so a producer
+    that resends does not spend its budget on them."""
+    daemon = daemon_factory(*BUDGETS)
+    producer = RawProducer(daemon.endpoint)
+    try:
+        # 12 tokens each against prefix:bad's burst of 50: four new tasks at most.
+        producer.send_task("r1", prompt="x y z", key="bad:1", params={"max_tokens": 10})
+        [first] = producer.results(1)
+        assert first["ok"]
+        for attempt in range(1, 21):
+            producer.send_task("r1", prompt="x y z", key="bad:1", params={"max_tokens": 10},
+                               attempt=attempt)  # fmt: skip
+        resent = producer.results(20)
+        producer.send_task("r2", prompt="x y z", key="bad:2", params={"max_tokens": 10})
+        [fresh] = producer.results(1)
+    finally:
+        producer.close()
+    assert len(resent) == 20 and all(r["ok"] and r["text"] == first["text"] for r in resent)
+    assert fresh["ok"], fresh  # the budget was not spent on the resends
+
+
 def test_budgets_off_by_default_and_said_at_start_up(daemon_factory) -> None:
     daemon = daemon_factory()
     wait_until(

@@ -502,3 +502,30 @@ def test_ReplySender_hands_a_message_to_a_route_served_here_unencoded() -> None:
         ctx.term()
 
     asyncio.run(main())
+
+
+def test_an_address_zeromq_refuses_drops_the_reply_counted_and_the_sender_goes_on() -> None:
+    """Defence behind messages.endpoint_problem: an address that passed it but that
+    ZeroMQ's connect refuses (as "...:5\\n" did, when the check ended in $) costs that reply,
+    counted, and neither raises into the runner (which would end the daemon) nor leaks a
+    socket; the next reply to a good address goes."""
+
+    async def main() -> tuple[int, int, list[bytes]]:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        sender = _sender(ctx)
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            sender.send("tcp://127.0.0.1:5\n", b"lost")
+            sender.send(f"tcp://127.0.0.1:{port}", b"kept")
+            got = await asyncio.wait_for(recv_batch(pull, 10), 5)
+            sender.stop()
+        stats = sender.statistics()
+        sender.close()
+        pull.close(linger=0)
+        ctx.term()  # returns: no socket of the refused address left open
+        return stats.dropped_undeliverable, stats.sockets_open, got
+
+    dropped, sockets_open, got = asyncio.run(main())
+    assert dropped == 1 and got == [b"kept"] and sockets_open == 1

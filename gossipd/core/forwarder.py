@@ -331,6 +331,15 @@ class Forwarder:
         entry = self.ledger.get(task.id)
         return entry is not None and entry.task.producer_key != task.producer_key
 
+    def forwarded_here(self, task: Task) -> bool:
+        """This member is forwarding ``task``'s id for the same producer key, or answers for
+        it until its TaskDone: a resend (token budgets do not charge it again)."""
+        j = self._flying.get(task.id)
+        if j is not None:
+            return j.task.producer_key == task.producer_key
+        entry = self.ledger.get(task.id)
+        return entry is not None and entry.task.producer_key == task.producer_key
+
     def hand_off(self, task: Task, received_at: float, now: float) -> None:
         """Give an admitted task to another member; a HandedOff event tells the outcome."""
         me = frozenset({self.node})

@@ -107,10 +107,13 @@ class ErrorCode(enum.StrEnum):
 
 
 # An endpoint that we may connect a socket to: tcp://host:port (host name, IPv4, or [IPv6])
-# or ipc://path.  Wildcards are for binding, never for a reply address.
+# or ipc://path.  Wildcards are for binding, never for a reply address.  \Z, not $ (which
+# also matches before a last newline: ZeroMQ's connect refuses "...:5\n", and an answer's
+# send must not be where that is found out); no whitespace in a path (a route is the
+# address, a space, and the producer key: sockets.py splits at the first space).
 _ENDPOINT_RE = re.compile(
     r"^(?:tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):(\d{1,5})"
-    r"|ipc://[^\x00*]{1,200})$"
+    r"|ipc://[^\x00*\s]{1,200})\Z"
 )
 
 
@@ -515,12 +518,16 @@ def _decode_from_producer(
             hint, code=code, peer=peer, task_id=task_id, reply_to=reply_to, reason=reason
         ) from None
     if task.v != PROTOCOL_VERSION:
+        if isinstance(task, Task):
+            answer_id, answer_to = task.id, task.reply_to
+        else:  # (Tasks: a producer's id and reply_to there, which the struct does not keep)
+            _, answer_id, answer_to = _peek(data, bytes_max)
         raise RemoteProtocolError(
             f"protocol version {task.v} is not supported; this daemon speaks {PROTOCOL_VERSION}",
             code=ErrorCode.UNSUPPORTED_VERSION,
             peer=peer,
-            task_id=getattr(task, "id", ""),
-            reply_to=getattr(task, "reply_to", ""),
+            task_id=answer_id,
+            reply_to=answer_to,
         )
     return task
 

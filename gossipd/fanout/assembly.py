@@ -244,6 +244,7 @@ def build_fanout(
     links.router = dispatcher.route
     links.cancel_elsewhere = dispatcher.cancel_forwarded
     links.forwarded_for_other = forwarder.forwarded_for_other
+    links.forwarded_here = forwarder.forwarded_here
     links.rescue = dispatcher.hand_off
     intake.on_admitted.append(placer.record_prefix)
     # Our load changes as tasks come and go: load gossip reads it at its next round.

@@ -105,23 +105,42 @@ class Intake:
         ``identity``: whose token budget it is charged to when the door knows better than
         the task (the HTTP door: "http:NAME" of its API key, "" without keys: by the task's
         key as if without CURVE); None: from the task (tokenbudgets' rule 1)."""
+        router = self.links.router
+        if router is not None and self._id_held_by_other(task):  # (before the budget: a
+            self.admission.count_conflict()  # refused task takes nothing)
+            self._refuse(task, Verdict.CONFLICT, answer=True)
+            return
         gate = self.budget_gate
-        if gate is not None and (retry_after_ms := gate.check(task, now, identity)):
+        if (
+            gate is not None
+            and not self._resent(task)
+            and (retry_after_ms := gate.check(task, now, identity))
+        ):
             self.refused[ErrorCode.OVER_BUDGET.value] += 1
             message = gate.refusal(task, identity)
             self.send_error(task, ErrorCode.OVER_BUDGET, message, retry_after_ms)
             return
-        router = self.links.router
-        if router is not None and self._id_held_by_other(task):
-            self.admission.count_conflict()
-            self._refuse(task, Verdict.CONFLICT, answer=True)
-            return
         if router is not None and router(task, now):
             return  # another member owns it: the dispatcher forwards it
+        if router is None and task.model and self.model and task.model != self.model:
+            # A daemon alone (no fan-out, whose placement checks it): as a cluster would say.
+            self.refused[ErrorCode.UNAVAILABLE.value] += 1
+            message = (f"no live member serves model {task.model!r} (this daemon, alone, "
+                       f"serves {self.model!r})")  # fmt: skip
+            self.send_error(task, ErrorCode.UNAVAILABLE, message, self._config.retry_after_ms)
+            return
         verdict = self.admit(task, now, answer=True, now=now)
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
+
+    def _resent(self, task: Task) -> bool:
+        """A resend of a task this entry point holds (pending or answered and cached here,
+        or forwarded from here and not reported done): charged once, when it first came."""
+        if self.admission.holds(task.id, task.producer_key):
+            return True
+        forwarded_here = self.links.forwarded_here
+        return forwarded_here is not None and forwarded_here(task)
 
     def _id_held_by_other(self, task: Task) -> bool:
         """The task's id is another producer key's here: pending or cached, or forwarded

@@ -26,6 +26,8 @@ class IngressLinks:
       "here", "refused" or None;
     - ``forwarded_for_other(task)``: True if a task with its id that another key submitted
       is being forwarded from here, or ran elsewhere and is not reported done;
+    - ``forwarded_here(task)``: True if a task with its id and key is being forwarded from
+      here, or ran elsewhere and is not reported done (a resend: not charged again);
     - ``hold(owned, result, size)``: True when a forwarded task's final Result is held back
       (its forwarder is not alive in our view, fanout/holding.py); it is sent later by
       ``end_held``, or never when the forwarder migrated the task;
@@ -39,6 +41,7 @@ class IngressLinks:
     cancel_elsewhere: Callable[[str, str], str | None] | None = None
     cancel_waiting: Callable[[str, str], str | None] | None = None
     forwarded_for_other: Callable[[Task], bool] | None = None
+    forwarded_here: Callable[[Task], bool] | None = None
     admin: Callable[[StatusQuery | Drain, float, str], None] | None = None
     hold: Callable[[Owned, Result, int], bool] | None = None
     answered_cached: Callable[[str], None] | None = None
