@@ -20,7 +20,7 @@ import pytest
 
 from gossipd.core import rollout
 from gossipd.tools.admin import ask_status
-from gossipd.tools.launcher import DaemonProcess
+from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from simulations.cluster import Cluster
 from simulations.stopping import SoakProducer
 from tests.etcd_cluster import EtcdCluster
@@ -364,3 +364,43 @@ def test_cluster_drain_without_a_usable_etcd_says_what_to_do(args: list[str], sa
         timeout=30,
     )
     assert done.returncode == 1 and says in done.stderr, done.stderr
+
+
+def test_a_daemon_whose_configured_seeds_are_all_down_joins_through_the_seeds_in_etcd(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    """docs/OPERATIONS.md: gossip.seeds and etcd's seeds work together; a daemon that knows
+    no live member joins through etcd's.  Its only configured seed never answers (as a
+    seed that died before its gossip introduced the members that had joined through it):
+    it finds the cluster through etcd (with gossip.seeds set, it never read them before)."""
+    cluster = Cluster(2, log_dir=str(tmp_path), extra_overrides=etcd_overrides(etcd))
+    cluster.start()
+    nobody = f"tcp://127.0.0.1:{free_tcp_port()}"  # no member there, ever
+    joiner = DaemonProcess(
+        name="d02",
+        log_dir=tmp_path,
+        overrides=[
+            "node.id=d02",
+            "gossip.preset=local",
+            f'gossip.seeds=["{nobody}"]',
+            *etcd_overrides(etcd),
+        ],
+    )
+    try:
+        cluster.wait_converged(timeout_s=20)
+        wait_until(
+            lambda: (
+                len(json.loads(etcd_get(etcd, "/gossipd/default/seeds") or b"{}").get("seeds", []))
+                == 2
+            ),
+            15,
+            "both in the seeds",
+        )
+        joiner.start()
+        everyone = {"d00", "d01", "d02"}
+        for d in [*cluster.daemons, joiner]:
+            wait_until(lambda d=d: live_in(d) == everyone - {d.name}, 15, f"{d.name} sees all")
+        assert any(e.get("msg") == "joining through seeds from etcd" for e in joiner.events())
+    finally:
+        joiner.stop(timeout_s=10)
+        cluster.stop()

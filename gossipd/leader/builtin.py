@@ -53,11 +53,17 @@ class BuiltinDuties:
         leadership.directives.subscribe(DRAIN, self.rollout.on_order)
 
     async def run_forever(self) -> None:
-        """Join through the seeds in etcd when no gossip.seeds are configured."""
-        if self._config.gossip.seeds:
-            return
+        """Join through the seeds in etcd whenever we know no live member: with no
+        gossip.seeds, and also beside them when none of them answers (docs/OPERATIONS.md:
+        both work together)."""
         client = self._leadership.election.client
-        await join_through_etcd(client.get, self._leadership.prefix, self._gossip, self._wall)
+        await join_through_etcd(
+            client.get,
+            self._leadership.prefix,
+            self._gossip,
+            self._wall,
+            configured=list(self._config.gossip.seeds),
+        )
 
     def statistics(self) -> dict[str, Any]:
         orders = self.rollout.orders

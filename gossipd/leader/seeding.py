@@ -1,5 +1,6 @@
 """The seed registry: the leader keeps ``<prefix>/seeds`` in etcd pointing at a few live
-members, and a daemon configured with etcd but no gossip.seeds joins through them.
+members, and a daemon configured with etcd that knows no live member (no gossip.seeds, or
+none of them answers) joins through them.
 
 The value is JSON: ``{"seeds": ["NODE@tcp://HOST:PORT", ...], "leader": NODE, "token": N,
 "updated_wall_s": T}``; seeds are chosen by core/reaping.py ``choose_seeds``.  The duty
@@ -110,9 +111,15 @@ async def join_through_etcd(
     prefix: str,
     gossip: GossipService,
     wall: Callable[[], float],
+    *,
+    configured: list[str] | None = None,
 ) -> None:
     """While we know no live member, take the seeds from etcd (runs for the daemon's life:
-    a daemon cut off from every member later finds its way back the same way)."""
+    a daemon cut off from every member later finds its way back the same way), beside the
+    ``configured`` ones (gossip.seeds), which are kept: a member whose configured seeds are
+    all down, or that joined through one seed that died before it met the others, finds the
+    cluster through etcd."""
+    configured = configured or []
     said = False
     last: list[str] = []
     while True:
@@ -125,10 +132,12 @@ async def join_through_etcd(
                 if not said:
                     log.warning("cannot read the seeds from etcd yet", extra={"error": str(exc)})
                     said = True
-            seeds = [s for s in seeds if not s.startswith(f"{gossip.node}@")]
+            seeds = [
+                s for s in seeds if not s.startswith(f"{gossip.node}@") and s not in configured
+            ]
             if seeds:
                 if seeds != last:
                     log.info("joining through seeds from etcd", extra={"seeds": seeds})
                     last = seeds
-                gossip.set_seeds(seeds, wall())  # a push-pull with each, now
+                gossip.set_seeds(configured + seeds, wall())  # a push-pull with each, now
         await asyncio.sleep(JOIN_RETRY_S)
