@@ -68,6 +68,7 @@ log = logging.getLogger("gossipd.daemon")
 
 # Exit status when the engine died: non-zero, so systemd (Restart=on-failure) restarts us.
 EXIT_ENGINE_DEAD = 3
+EXIT_PART_FAILED = 1  # a background task raised: its bug ended the daemon
 # At shutdown, after the ingress endpoint is unbound: how long the reader goes on taking what
 # ZeroMQ's I/O thread had already read, and the longest wait for forwards' answers.
 INTAKE_SETTLE_S = 0.02
@@ -537,6 +538,12 @@ class Daemon:
                 health.cancel()
                 self.replies.stop()
                 self.sockets.stop()
+        except ExceptionGroup as failed:
+            # A part's bug ended the task group: said in the log operators read, and the
+            # exit status makes systemd restart the daemon (Restart=on-failure).
+            log.critical("a part of the daemon failed: it stops (exit 1) for systemd to "
+                         "restart it", exc_info=failed)  # fmt: skip
+            self.exit_status = EXIT_PART_FAILED
         finally:
             if self.dispatcher is not None:
                 self.dispatcher.stop()  # (again) its timer: a task group that failed skipped it

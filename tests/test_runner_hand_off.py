@@ -8,6 +8,7 @@ and a running task withdrawn, then wanted again before its aborted worker ended
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -181,3 +182,76 @@ def test_a_held_result_sent_at_its_release_counts_for_rule_5_and_one_dropped_doe
 
     asyncio.run(release())
     assert runner.admission.statistics().answered_later == 1
+
+
+def test_idle_workers_end_when_their_task_group_ends_because_a_sibling_failed(
+    runner: Runner,
+) -> None:
+    """A daemon's background task that fails ends its task group, and the daemon exits
+    (systemd restarts it).  Idle workers took the group's cancel for a stray abort of a task
+    they had finished and waited for work again: the group never ended, and the process
+    stayed up serving nothing (a gossip send's ZMQError did that) until SIGKILL."""
+
+    async def fail_soon() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("a sibling's bug")
+
+    async def group() -> None:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(4):
+                tg.create_task(runner.work_forever())
+            tg.create_task(fail_soon())
+
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(group())
+        except BaseException as exc:  # what ended it is the test's answer
+            ended.append(exc)
+
+    # In a thread of its own: the old workers swallowed even a timeout's cancel.
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    assert ended, "the task group did not end within 5 s of its sibling's failure"
+    assert isinstance(ended[0], ExceptionGroup)
+    assert [type(e) for e in ended[0].exceptions] == [RuntimeError]
+
+
+def test_an_abort_that_lands_after_its_task_finished_is_dropped_and_the_worker_goes_on(
+    echo_runner: Runner,
+) -> None:
+    """The cancel that aborts a running task lands where its worker next waits: after the
+    task finished, that is the wait for the next task.  It is the abort's, not the worker's
+    end: the worker drops it and runs what comes next."""
+    runner = echo_runner
+    done: list[str] = []
+
+    def finished(owned: object, result: Result) -> None:
+        done.append(result.id)
+        if result.id == "first":
+            runner._abort("first")  # its worker still holds it: the cancel lands later
+
+    runner.on_finished.append(finished)
+
+    async def two_tasks() -> None:
+        worker = asyncio.create_task(runner.work_forever())
+        try:
+            async with asyncio.timeout(5):
+                for task_id in ("first", "second"):
+                    task = Task(v=1, id=task_id, prompt="a b", reply_to="tcp://127.0.0.1:9")
+                    now = time.monotonic()
+                    _, owned = runner.book.offer(task, now, now)
+                    runner.enqueue(owned)  # type: ignore[arg-type]
+                    while task_id not in done:
+                        await asyncio.sleep(0.005)
+                    await asyncio.sleep(0.02)  # the abort's cancel has landed by now
+                    assert not worker.done()
+        finally:
+            runner.admission.begin_shutdown()
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+
+    asyncio.run(two_tasks())
+    assert done == ["first", "second"] and runner.results["ok"] == 2

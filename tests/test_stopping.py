@@ -113,3 +113,40 @@ def test_stopping_workers_cancels_again_a_worker_that_swallowed_its_cancel(monke
 
     asyncio.run(stop())
     assert swallowed == [True, True, True]
+
+
+def test_a_part_that_raises_stops_the_daemon_with_exit_1_and_a_critical_line(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A background task's bug ends the daemon's task group: the daemon cleans up, says so
+    at critical level and returns 1 (systemd's Restart=on-failure restarts it), instead of
+    staying up serving nothing."""
+    from gossipd.config import load_config
+    from gossipd.daemon import Daemon
+    from gossipd.tools.launcher import free_tcp_port
+
+    config = load_config(
+        environ={},
+        overrides=[
+            f'ingress.bind="tcp://127.0.0.1:{free_tcp_port()}"',
+            f'gossip.bind="tcp://127.0.0.1:{free_tcp_port()}"',
+            f'fanout.rpc_bind="tcp://127.0.0.1:{free_tcp_port()}"',
+            'journal.path=""',
+            'metrics.bind=""',
+            'engine.kind="echo"',
+        ],
+    )
+    daemon = Daemon(config)
+
+    async def broken() -> None:
+        await asyncio.sleep(0.2)
+        raise RuntimeError("a part's bug")
+
+    daemon.notifier.watchdog_forever = broken  # type: ignore[method-assign]
+
+    async def run() -> int:
+        async with asyncio.timeout(20):
+            return await daemon.run()
+
+    assert asyncio.run(run()) == 1
+    (line,) = [r for r in caplog.records if r.levelname == "CRITICAL"]
+    assert "a part of the daemon failed" in line.getMessage()
+    assert line.exc_info is not None and "a part's bug" in repr(line.exc_info[1])

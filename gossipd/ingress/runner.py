@@ -86,6 +86,10 @@ class Runner:
         # while none is (an idle daemon does not wake 100 times a second for nothing).
         self._deadlines_armed = asyncio.Event()
         self._workers: dict[str, asyncio.Task[None]] = {}  # running task id -> its worker
+        # Workers cancelled to abort their task whose cancel has not landed yet: one that
+        # lands after the task finished is theirs to drop; any other cancel (the task group's,
+        # a shutdown's) ends the worker.
+        self._aborting: set[asyncio.Task[None]] = set()
         self.results: Counter[str] = Counter()
         # Tasks run again: withdrawn while running, then wanted again (lifecycle rule 3b).
         self.restarts = 0
@@ -149,6 +153,7 @@ class Runner:
         hand-off's end looks at its stop reason)."""
         worker = self._workers.get(task_id)
         if worker is not None:
+            self._aborting.add(worker)
             worker.cancel()
 
     def _withdrawn(self, task_id: str) -> None:
@@ -187,9 +192,13 @@ class Runner:
             try:
                 owned = await self._queue.get()
             except asyncio.CancelledError:
-                # A cancel aimed at a task that finished before the cancel landed arrives here.
-                if self.admission.shutting_down or not me.cancelling():
+                # A cancel aimed at a task that finished before the cancel landed arrives here:
+                # dropped.  Any other is the worker's own end (a shutdown, or the daemon's task
+                # group ending because a sibling failed: a worker that swallowed that cancel
+                # kept the process up, serving nothing, until SIGKILL).
+                if me not in self._aborting or self.admission.shutting_down:
                     raise
+                self._aborting.discard(me)
                 me.uncancel()
                 continue
             if self.book.start(owned):  # else withdrawn while it was queued
@@ -281,6 +290,7 @@ class Runner:
             why = job.stop  # our deadline sweeper, a Cancel or a Withdraw; None: a shutdown
             if why is not None:
                 worker = self._workers[task.id]
+                self._aborting.discard(worker)  # our cancel landed here
                 if worker.cancelling():
                     worker.uncancel()
                 # A shutdown's cancel that landed with ours is delivered once: still counted
