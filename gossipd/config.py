@@ -20,12 +20,13 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gossipd.core.messages import endpoint_problem
 from gossipd.core.replaycheck import ANSWER_WAIT_S, JOIN_WAIT_S
 from gossipd.core.swim_config import PRESETS, SwimConfig, field_types
 from gossipd.errors import ConfigError
 
 _BIND_RE = re.compile(
-    r"^(?:tcp://(?:\*|[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\]):(?:\*|\d{1,5})|ipc://.+)$"
+    r"^(?:tcp://(?:\*|[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\]):(?:\*|\d{1,5})|ipc://.+)\Z"
 )
 _HOSTPORT_RE = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\]):\d{1,5}$")
 
@@ -36,6 +37,20 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 def _check_bind(field: str, value: str) -> None:
     if not _BIND_RE.match(value):
         raise ValueError(f"{field}: expected tcp://HOST:PORT or ipc://PATH, found {value!r}")
+
+
+def _check_advertised(field: str, value: str, *, bind: bool = False) -> None:
+    """An address members are told to connect to (an advertise, a seed, or a bind that is
+    its own advertise): peers refuse gossip naming one that endpoint_problem refuses, so it
+    is refused here, at start-up.  A bind's port 0 or * becomes the bound port."""
+    if bind and "*" in value.partition("://")[2].rpartition(":")[0]:
+        return  # a wildcard host: an advertise is required and checked instead
+    head, colon, port = value.rpartition(":")
+    if bind and value.startswith("tcp://") and colon and port in ("0", "*"):
+        value = f"{head}:1"
+    problem = endpoint_problem(value)
+    if problem is not None:
+        raise ValueError(f"{field}: members could not connect to it: {problem}")
 
 
 def split_seed(seed: str) -> tuple[str, str]:
@@ -209,10 +224,14 @@ class GossipConfig(Section, frozen=True):
             _check_bind("bind", self.bind)
         if self.advertise:
             _check_bind("advertise", self.advertise)
-        elif self.bind and "*" in self.bind:
+            _check_advertised("advertise", self.advertise)
+        elif self.bind:
+            _check_advertised("bind", self.bind, bind=True)
+        if not self.advertise and self.bind and "*" in self.bind:
             raise ValueError(f"advertise: required when bind is a wildcard ({self.bind!r})")
         for seed in self.seeds:
             _check_bind("seeds", split_seed(seed)[1])
+            _check_advertised("seeds", split_seed(seed)[1])
         try:  # the rules between fields, over the preset's values
             self.swim_config()
         except ValueError as exc:
@@ -327,7 +346,10 @@ class FanoutConfig(Section, frozen=True):
         _check_bind("rpc_bind", self.rpc_bind)
         if self.rpc_advertise:
             _check_bind("rpc_advertise", self.rpc_advertise)
-        elif "*" in self.rpc_bind:
+            _check_advertised("rpc_advertise", self.rpc_advertise)
+        else:
+            _check_advertised("rpc_bind", self.rpc_bind, bind=True)
+        if not self.rpc_advertise and "*" in self.rpc_bind:
             raise ValueError(
                 f"rpc_advertise: required when rpc_bind is a wildcard ({self.rpc_bind!r})"
             )

@@ -97,7 +97,7 @@ class ZmqTransport:
         self._monitors: dict[str, tuple[zmq.Socket, zmq.Socket, SocketReader]] = {}
         self._closed = False
         self.sent = 0
-        self.dropped = 0  # sends refused by a full queue (send returned False)
+        self.dropped = 0  # sends refused by a full queue or a refused address (False)
         pool.register(
             kind,
             on_close=self._on_socket_closed,
@@ -151,7 +151,11 @@ class ZmqTransport:
             raise TransportClosed("send on a closed transport")
         sock = self._pool.touch(self._kind, addr)
         if sock is None:
-            sock = self._open(addr)
+            try:
+                sock = self._open(addr)
+            except zmq.ZMQError:  # an address ZeroMQ refuses (gossip checks them: a backstop)
+                self.dropped += 1
+                return False
         try:
             sock.send(frame, NOBLOCK)
         except zmq.Again:

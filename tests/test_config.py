@@ -295,3 +295,33 @@ def test_a_vllm_engine_without_a_model_directory_stops_start_up_with_status_2(
     assert last.startswith("gossipd: cannot start: the vllm engine failed to start")
     assert "not a model directory" in last and "make-tiny" in last
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ('gossip.advertise="ipc:///tmp/my dir/g.sock"', "gossip.advertise: members could not"),
+        ('gossip.advertise="tcp://10.0.0.1:0"', "port 0 is outside 1..65535"),
+        ('gossip.bind="tcp://10.0.0.1:70000"', "gossip.bind: members could not"),
+        ('gossip.seeds=["tcp://10.0.0.2:99999"]', "gossip.seeds: members could not"),
+        ('fanout.rpc_advertise="ipc:///tmp/a\tb"', "fanout.rpc_advertise: members could not"),
+        ('fanout.rpc_bind="tcp://10.0.0.1:5558\n"', "expected tcp://HOST:PORT"),  # (\Z, not $)
+    ],
+)
+def test_an_address_members_would_refuse_in_gossip_stops_start_up(
+    override: str, expected: str
+) -> None:
+    """Members refuse gossip that names an address no socket connects to: a daemon that
+    advertised one would stay out of the cluster, so its config is refused instead."""
+    with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
+        load_config(environ={}, overrides=[override])
+
+
+@pytest.mark.parametrize(
+    "override",
+    ['gossip.bind="tcp://127.0.0.1:0"', 'gossip.bind="tcp://*:7946"',
+     'gossip.advertise="tcp://node-1.example:7946"', 'fanout.rpc_bind="tcp://[::1]:0"'],
+)  # fmt: skip
+def test_binds_to_port_0_or_every_address_still_start(override: str) -> None:
+    extra = ['gossip.advertise="tcp://10.0.0.1:7946"'] if "*" in override else []
+    load_config(environ={}, overrides=[override, *extra])

@@ -601,3 +601,62 @@ def test_a_tasks_frame_of_another_version_is_answered_at_its_reply_to() -> None:
         decode_intake(msgpack.packb(frame), bytes_max=LIMIT)
     assert info.value.code == ErrorCode.UNSUPPORTED_VERSION
     assert info.value.task_id == "batch-1" and info.value.reply_to == "tcp://h:1"
+
+
+# -- addresses in gossip: what a member learns it may connect to ----------------------------
+
+_GOOD_ADDR = "tcp://10.0.0.1:7946"
+_BAD_ADDRS = ["tcp://127.0.0.1:5\n", "garbage-addr", "tcp://127.0.0.1:99999", "ipc:///tmp/a b"]
+
+
+def _gossip_with(where: str, addr: str) -> object:
+    from gossipd.core.gossip_messages import (
+        Alive,
+        GossipOnly,
+        GpuState,
+        MemberRecord,
+        Meta,
+        PingReq,
+        PushPull,
+    )
+
+    header = {"cluster": "c", "src": "a", "src_addr": addr if where == "src_addr" else _GOOD_ADDR}
+    if where == "target_addr":
+        return PingReq(**header, seq=1, target="b", target_addr=addr)
+    if where == "alive":
+        return GossipOnly(**header, updates=[Alive(node="b", incarnation=1, addr=addr)])
+    if where in ("meta.rpc", "meta.ingress"):
+        gpu = GpuState(**{where.partition(".")[2]: addr})
+        return GossipOnly(**header, updates=[Meta(node="b", version=1, gpu=gpu)])
+    record = {"node": "b", "addr": _GOOD_ADDR, "incarnation": 1, "state": "alive"}
+    if where == "record.addr":
+        record["addr"] = addr
+    elif where == "record.rpc":
+        record["gpu"] = GpuState(rpc=addr)
+    if where.startswith("record."):
+        return PushPull(**header, reply=False, members=[MemberRecord(**record)])  # type: ignore[arg-type]
+    return GossipOnly(**header)
+
+
+_WHERE = ["src_addr", "target_addr", "alive", "meta.rpc", "meta.ingress", "record.addr",
+          "record.rpc"]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", _WHERE)
+@pytest.mark.parametrize("addr", _BAD_ADDRS)
+def test_gossip_naming_an_address_no_socket_connects_to_is_refused(where: str, addr: str) -> None:
+    """One such frame (no key needed without CURVE; any member's under it) left a daemon
+    up and serving nothing: the ack or probe's connect raised inside its task group."""
+    from gossipd.core.gossip_messages import decode_gossip, encode_gossip
+
+    with pytest.raises(RemoteProtocolError, match="invalid gossip message") as refused:
+        decode_gossip(encode_gossip(_gossip_with(where, addr)), bytes_max=1 << 16)  # type: ignore[arg-type]
+    assert refused.value.code == ErrorCode.BAD_REQUEST.value
+
+
+@pytest.mark.parametrize("where", _WHERE)
+def test_gossip_naming_connectable_addresses_decodes(where: str) -> None:
+    from gossipd.core.gossip_messages import decode_gossip, encode_gossip
+
+    message = _gossip_with(where, "ipc:///run/gossipd/peer.sock")
+    assert decode_gossip(encode_gossip(message), bytes_max=1 << 16) == message  # type: ignore[arg-type]

@@ -144,3 +144,29 @@ def test_idle_connections_to_non_members_are_closed() -> None:
 
     early, late, left, closed = run_with_context(main)
     assert (early, late, left, closed) == (0, 1, 1, 1)
+
+
+def test_a_send_to_an_address_the_channel_cannot_connect_to_is_a_dropped_send() -> None:
+    """The loop's channel speaks tcp:// only and ZeroMQ refuses malformed endpoints; a
+    member's advertised rpc address is checked as gossip is decoded, and this is the backstop:
+    the send is counted as dropped (the ack timeout tries the next member) instead of raising
+    out of the turn's flush, which lost every forward that turn carried."""
+    from gossipd.looppeer import LoopPeerClient
+
+    config = FanoutConfig()
+
+    async def main(ctx: zmq.Context) -> list[int]:
+        dropped = []
+        for channel in (
+            LoopPeerClient(message_bytes_max=config.message_bytes_max),
+            zmq_peer_client(config, SocketPool(ctx)),
+        ):
+            links = PeerLinks(config, channel=channel, on_reply=lambda m, addr: None)
+            channel.start(lambda addr, frames: None)
+            links.send_alone("ipc:///tmp/gossipd-no-such.sock", _forward(1))
+            links.send_alone("tcp://127.0.0.1:5\n", _forward(2))
+            dropped.append(links.counters.sends_dropped)
+            channel.close()
+        return dropped
+
+    assert run_with_context(main) == [2, 1]  # (ZeroMQ connects ipc:// lazily: not dropped)

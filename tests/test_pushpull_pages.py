@@ -267,25 +267,26 @@ def test_a_small_table_is_one_page_and_pages_encode_as_push_pull() -> None:
 def test_a_record_larger_than_a_page_goes_alone() -> None:
     config = SwimConfig(cluster="c", push_pull_page_bytes=4096, message_bytes_max=16384)
     wide = "\U0001d11e"  # 4 bytes in UTF-8
-    huge = GpuState(
+    huge = GpuState(  # (addresses as long as a receiver takes them: endpoint_problem)
         model=wide * 128,
         software_version=wide * 128,
-        ingress=wide * 256,
-        rpc=wide * 256,
+        ingress="ipc://" + wide * 200,
+        rpc="ipc://" + wide * 200,
         prefixes=list(range(2**31, 2**31 + 256)),
     )
+    names = [wide * 120 + suffix for suffix in ("x1", "x2", "x3")]  # long names: 482 bytes
     updates: list[Update] = []
-    for name in ("x1", "x2", "x3"):
+    for name in names:
         updates += [
-            Alive(node=name, incarnation=0, addr=addr_of(name)),
+            Alive(node=name, incarnation=0, addr=addr_of("x")),
             Meta(node=name, version=1, gpu=huge),
         ]
     a, b = make("a", updates, config), make("b", [], config)
     sent = [(size, p) for s, _, size, p in exchange(a, b) if s == "a"]
     assert all(size > 4096 for size, p in sent[1:])  # over the page, alone, still received
     assert [len(p.members) for _, p in sent] == [1, 1, 1, 1]
-    assert view(b).keys() == {"a", "x1", "x2", "x3"}
-    assert b.table.members["x2"].gpu is not None
+    assert view(b).keys() == {"a", *names}
+    assert b.table.members[names[1]].gpu is not None
 
 
 # -- memory ------------------------------------------------------------------------------------

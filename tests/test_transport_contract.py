@@ -332,3 +332,20 @@ def test_ZmqTransport_reports_a_dropped_connection_and_counts_full_queue_drops()
     lost, addr, accepted, dropped = run_with_context(main)
     assert lost[0] == addr
     assert accepted == 64 and dropped == 36
+
+
+def test_ZmqTransport_send_to_an_address_ZeroMQ_refuses_is_a_dropped_send() -> None:
+    """Gossip refuses such addresses as it decodes them; behind that, a send to one returns
+    False and counts it (it raised ZMQError inside the daemon's task group)."""
+
+    async def main(ctx: zmq.Context) -> tuple[list[bool], int, int]:
+        pool = SocketPool(ctx)
+        a = ZmqTransport(pool, on_disconnect=lambda addr: None)
+        try:
+            sent = [a.send(addr, b"x") for addr in ("tcp://127.0.0.1:5\n", "garbage-addr")]
+            return sent, a.dropped, a.sent
+        finally:
+            a.close()
+            pool.close_all()
+
+    assert run_with_context(main) == ([False, False], 2, 0)

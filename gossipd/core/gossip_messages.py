@@ -18,10 +18,13 @@ from gossipd.core.messages import (
     ENDPOINT_CHARS_MAX,
     PROTOCOL_VERSION,
     Endpoint,
+    ErrorCode,
     MsgType,
     UpdateKind,
     decode_between_daemons,
+    endpoint_problem,
 )
+from gossipd.errors import RemoteProtocolError
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -268,4 +271,45 @@ def encode_update(update: Update) -> bytes:
 
 def decode_gossip(data: bytes, *, bytes_max: int) -> GossipMessage:
     """Decode and validate one gossip message, or raise ``RemoteProtocolError``."""
-    return decode_between_daemons(_gossip_decoder, data, bytes_max, "gossip")
+    message: GossipMessage = decode_between_daemons(_gossip_decoder, data, bytes_max, "gossip")
+    problem = addresses_problem(message)
+    if problem is not None:
+        raise RemoteProtocolError(f"invalid gossip message: {problem}", code=ErrorCode.BAD_REQUEST)
+    return message
+
+
+def addresses_problem(message: GossipMessage) -> str | None:
+    """Why an address in ``message`` is not one a socket may connect to, or None.  Every
+    address a member learns it may send to (a probe, an ack, a forward): one ZeroMQ refuses
+    ("tcp://h:5\\n", "garbage") would fail that send, far from where it came in.  Checked
+    here (endpoint_problem, cached) rather than in the structs, which our own code builds."""
+    problem = endpoint_problem(message.src_addr)
+    if problem is not None:
+        return f"src_addr: {problem}"
+    if type(message) is PingReq and (problem := endpoint_problem(message.target_addr)):
+        return f"target_addr: {problem}"
+    for update in message.updates:
+        kind = type(update)
+        if kind is Alive:
+            assert isinstance(update, Alive)
+            if problem := endpoint_problem(update.addr):
+                return f"Alive of {update.node!r}: addr: {problem}"
+        elif kind is Meta:
+            assert isinstance(update, Meta)
+            if problem := _gpu_problem(update.gpu):
+                return f"Meta of {update.node!r}: {problem}"
+    if type(message) is PushPull:
+        for record in message.members:
+            if problem := endpoint_problem(record.addr):
+                return f"member {record.node!r}: addr: {problem}"
+            if record.gpu is not None and (problem := _gpu_problem(record.gpu)):
+                return f"member {record.node!r}: {problem}"
+    return None
+
+
+def _gpu_problem(gpu: GpuState) -> str | None:
+    """The rpc and ingress addresses of a GpuState, each empty (none) or connectable."""
+    for field, value in (("rpc", gpu.rpc), ("ingress", gpu.ingress)):
+        if value and (problem := endpoint_problem(value)):
+            return f"gpu.{field}: {problem}"
+    return None

@@ -111,13 +111,15 @@ class PeerLinks:
             self._send(addr, items)
 
     def _send(self, addr: str, items: list[Outgoing]) -> None:
-        """A send that cannot go (the peer's queue is full) is left to the ack timeout, which
-        tries the next member."""
+        """A send that cannot go (the peer's queue is full, or its address is one no socket
+        connects to) is left to the ack timeout, which tries the next member."""
         send = self._channel.send
         for frame, count in peer_frames(items, self._config.message_bytes_max):
             try:
                 sent = send(addr, frame)
             except TransportClosed:  # stopping: what is left goes nowhere, as a dropped send
+                sent = False
+            except (ValueError, zmq.ZMQError):  # the address (gossip checks it: a backstop)
                 sent = False
             if not sent:
                 self.counters.sends_dropped += count

@@ -1,0 +1,101 @@
+"""Gossip that names addresses no socket connects to, sent to a real daemon from outside.
+
+Without CURVE anyone who reaches gossip.bind can send it; under CURVE any member can (a
+misconfigured one).  One frame whose src_addr was "tcp://127.0.0.1:5\\n" or "garbage" made the
+daemon's ack raise ZeroMQ's EINVAL inside its task group: the group ended, yet idle runner
+workers swallowed its cancel, so the process stayed up answering nothing until SIGKILL.  Now
+such gossip is refused at decode (counted in gossipd_gossip_refused_total), and the daemon
+goes on serving and stops cleanly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from gossipd.core.gossip_messages import (
+    Alive,
+    GossipOnly,
+    GpuState,
+    MemberRecord,
+    Meta,
+    Ping,
+    PingReq,
+    PushPull,
+    encode_gossip,
+)
+from gossipd.ops.scrape import scrape
+from gossipd.tools.launcher import free_tcp_port
+from tests.helpers import RawProducer, wait_until
+
+BAD_ADDRS = ["tcp://127.0.0.1:5\n", "garbage-addr", "tcp://127.0.0.1:99999", "ipc:///tmp/a b"]
+GOOD = "tcp://127.0.0.1:1"
+
+
+def forged(node: str, bad: str) -> list[bytes]:
+    """Every place a gossip message names an address, each with ``bad``."""
+    gpu = GpuState(rpc=bad, ingress=bad, model="echo")
+    record = MemberRecord(node="r", addr=bad, incarnation=1, state="alive")
+    messages: list[Any] = [
+        Ping(cluster="default", src="p", src_addr=bad, seq=1, target=node),
+        GossipOnly(
+            cluster="default",
+            src="g",
+            src_addr=GOOD,
+            updates=[Alive(node="g", incarnation=1, addr=bad)],
+        ),
+        GossipOnly(
+            cluster="default",
+            src="m",
+            src_addr=GOOD,
+            updates=[Alive(node="m", incarnation=1, addr=GOOD), Meta(node="m", version=1, gpu=gpu)],
+        ),
+        PingReq(cluster="default", src="q", src_addr=GOOD, seq=2, target="x", target_addr=bad),
+        PushPull(cluster="default", src="s", src_addr=GOOD, reply=True, members=[record]),
+    ]
+    return [encode_gossip(m) for m in messages]
+
+
+def test_gossip_naming_unconnectable_addresses_is_refused_and_the_daemon_serves_on(
+    daemon_factory: Any,
+) -> None:
+    metrics_port = free_tcp_port()
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{metrics_port}", name="victim")
+    node = next(e["node"] for e in daemon.events() if e.get("msg") == "serving")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.gossip_endpoint)
+    producer = RawProducer(daemon.endpoint)
+    try:
+        frames = [frame for bad in BAD_ADDRS for frame in forged(node, bad)]
+        for frame in frames:
+            sock.send(frame)
+        refused = wait_until(
+            lambda: (
+                scrape(metrics_port).get("gossipd_gossip_refused_total", 0) >= len(frames) or None
+            ),
+            10,
+            "the forged gossip refused",
+        )
+        assert refused
+        metrics = scrape(metrics_port)
+        assert metrics["gossipd_gossip_refused_total"] == len(frames)
+        assert (
+            metrics["gossipd_members{state=alive}"] == 0
+        )  # none of them joined (self not counted)
+        # Tasks after it are answered, through the probes and acks that follow.
+        for i in range(20):
+            producer.send_task(f"after-{i}", key=f"k{i}")
+        results = producer.results(20, timeout_s=10)
+        assert sorted(r["id"] for r in results if r["ok"]) == sorted(
+            f"after-{i}" for i in range(20)
+        )
+        assert daemon.proc.poll() is None
+        assert not [e for e in daemon.events() if e.get("level") == "error"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        producer.close()
+    assert daemon.stop(timeout_s=15) == 0  # SIGTERM ends it: no SIGKILL needed
