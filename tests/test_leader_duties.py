@@ -198,3 +198,23 @@ def test_etcd_config_is_checked_with_clear_errors() -> None:
         with pytest.raises(ConfigError, match=expected):
             load_config(None, environ={}, overrides=overrides)
     assert build_leadership(Config(), node="n", gossip=None) is None, "no etcd: no leadership"
+
+
+def test_seeds_read_from_etcd_keep_only_addresses_a_socket_connects_to() -> None:
+    """A seed value in etcd is written by the leader (from gossip, whose addresses are
+    checked), but etcd is not gossip: what is read is checked again, so a bad value costs
+    those seeds, never a send that raises."""
+    from types import SimpleNamespace
+
+    from gossipd.leader.seeding import read_seeds
+
+    value = (
+        b'{"seeds": ["n1@tcp://10.0.0.1:7946", "tcp://10.0.0.2:7946", "n3@garbage",'
+        b' "tcp://10.0.0.4:7946\\n", "n5@tcp://10.0.0.5:99999"]}'
+    )
+
+    async def get(key: bytes) -> object:
+        return SimpleNamespace(value=value)
+
+    seeds = asyncio.run(read_seeds(get, "/gossipd/default/"))
+    assert seeds == ["n1@tcp://10.0.0.1:7946", "tcp://10.0.0.2:7946"]

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gossipd.config import split_seed
+from gossipd.core.messages import endpoint_problem
 from gossipd.core.reaping import SEEDS_MAX, SeedCandidate, choose_seeds
 
 if TYPE_CHECKING:
@@ -100,10 +102,16 @@ async def read_seeds(get: Callable[[bytes], Awaitable[Any]], prefix: str) -> lis
     if got is None:
         return []
     try:
-        return msgspec.json.decode(got.value, type=SeedsValue).seeds[: 4 * SEEDS_MAX]
+        seeds = msgspec.json.decode(got.value, type=SeedsValue).seeds[: 4 * SEEDS_MAX]
     except (msgspec.DecodeError, msgspec.ValidationError):
         log.warning("seeds in etcd unreadable; ignored")
         return []
+    # Only addresses a socket connects to (as gossip requires of every address it names).
+    usable = [seed for seed in seeds if endpoint_problem(split_seed(seed)[1]) is None]
+    if len(usable) < len(seeds):
+        log.warning("seeds in etcd that are no address were ignored",
+                    extra={"ignored": len(seeds) - len(usable)})  # fmt: skip
+    return usable
 
 
 async def join_through_etcd(
