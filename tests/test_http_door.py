@@ -295,6 +295,20 @@ def test_models_health_and_readiness(daemon_factory: Any) -> None:
     )
     assert answer.startswith(b"HTTP/1.1 405 ") and b"allow: POST\r\n" in answer
     assert b"x-request-id: r-405\r\n" in answer
+    # The read paths take GET and HEAD only: 405 with allow: GET, HEAD (the health checks
+    # answered 200 to any method); a path that is none of them stays 404.
+    for path in (b"/health", b"/v1/health/ready", b"/v1/models", b"/v1/models/echo", b"/metrics"):
+        answer = _raw(
+            _port(d.http_url),
+            b"POST %s HTTP/1.1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n" % path,
+        )
+        assert answer.startswith(b"HTTP/1.1 405 "), (path, answer[:200])
+        assert b"allow: GET, HEAD\r\n" in answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["type"] == (
+            "invalid_request_error"
+        )
+    answer = _raw(_port(d.http_url), b"DELETE /nowhere HTTP/1.1\r\nconnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 404 ")
 
 
 def test_models_lists_every_members_model_and_requests_go_where_it_is_served(

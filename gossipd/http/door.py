@@ -55,6 +55,7 @@ MODELS_WAIT_S = 0.5
 _MODELS_POLL_S = 0.01
 _OK_JSON = b"application/json"
 _TASK_PATHS = ("/v1/completions", "/v1/chat/completions")
+_READ_METHODS = ("GET", "HEAD")
 
 
 class RandomIds:
@@ -189,12 +190,12 @@ class HttpDoor:
         method = request.method
         request_id = request.headers.get("x-request-id", "")[:256]
         echo = [("x-request-id", request_id)] if request_id else None
-        if path == "/health":
-            self._json(exchange, 200, b'{"status":"ok"}', echo)
-            return
-        if path == "/v1/health/ready":
-            why = self._links.not_ready()
-            if why:
+        if path == "/health" or path == "/v1/health/ready":  # (no key asked)
+            if method not in _READ_METHODS:
+                self._not_allowed(exchange, path, echo)
+            elif path == "/health":
+                self._json(exchange, 200, b'{"status":"ok"}', echo)
+            elif why := self._links.not_ready():
                 self._error(exchange, 503, why, "server_error", code="unavailable", headers=echo)
             else:
                 self._json(exchange, 200, b'{"status":"ready"}', echo)
@@ -227,7 +228,7 @@ class HttpDoor:
                             headers=allow)  # fmt: skip
                 return
             self._take(request, exchange, path == "/v1/chat/completions", identity, request_id)
-        elif path == "/v1/models" and method in ("GET", "HEAD"):
+        elif path == "/v1/models" and method in _READ_METHODS:
             self._models_now()  # asks members for the cards it lacks (a walk a second at most)
             if self._links.models_pending():
                 waiting = asyncio.get_running_loop().create_task(self._models_soon(exchange, echo))
@@ -235,14 +236,20 @@ class HttpDoor:
                 waiting.add_done_callback(self._background.discard)
             else:
                 self._json(exchange, 200, self._models(), echo)
-        elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
+        elif path.startswith("/v1/models/") and method in _READ_METHODS:
             self._one_model(exchange, unquote(path[len("/v1/models/") :]), echo)
-        elif path == "/metrics" and method in ("GET", "HEAD") and self._links.metrics:
+        elif path == "/metrics" and self._links.metrics and method in _READ_METHODS:
             exchange.respond(
                 200, self._links.metrics(), content_type=b"text/plain; version=0.0.4",
                 headers=echo,
             )  # fmt: skip
             self.answers.counters.count(200)
+        elif (
+            path == "/v1/models"
+            or path.startswith("/v1/models/")
+            or (path == "/metrics" and self._links.metrics)
+        ):
+            self._not_allowed(exchange, path, echo)
         else:
             self._error(exchange, 404, f"no route {method} {path[:200]}", "not_found_error",
                         headers=echo)  # fmt: skip
@@ -381,6 +388,12 @@ class HttpDoor:
     ) -> None:
         exchange.respond(status, body, content_type=_OK_JSON, headers=headers)
         self.answers.counters.count(status)
+
+    def _not_allowed(
+        self, exchange: Exchange, path: str, echo: list[tuple[str, str]] | None
+    ) -> None:
+        self._error(exchange, 405, f"{path[:200]} takes GET or HEAD", "invalid_request_error",
+                    headers=[("allow", "GET, HEAD"), *(echo or [])])  # fmt: skip
 
     def _unauthorized(
         self, exchange: Exchange, message: str, echo: list[tuple[str, str]] | None
