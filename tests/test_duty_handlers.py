@@ -33,7 +33,9 @@ class FakeLeadership:
         self.names: list[str] = []
         self.handlers: dict[str, Any] = {}
         self.duties = SimpleNamespace(register=lambda name, duty: self.names.append(name))
-        self.directives = SimpleNamespace(subscribe=self.handlers.__setitem__)
+        self.directives = SimpleNamespace(
+            subscribe=self.handlers.__setitem__, bad_body=0, handler_errors=0
+        )
 
 
 def build() -> tuple[BuiltinDuties, FakeLeadership, FakeAdmin, list[int], MemberTable]:
@@ -104,3 +106,21 @@ def test_a_forget_directive_drops_the_named_dead_and_counts_bad_bodies() -> None
     on(None, None)
     st = duties.statistics()
     assert st["forgotten"] == 1 and st["refused"]["bad_body"] == 2
+    leadership.directives.bad_body = 3  # bodies that were no msgpack: the same label
+    assert duties.statistics()["refused"]["bad_body"] == 5
+
+
+def test_a_directive_body_nested_deeper_than_the_stack_is_a_bad_body_not_a_crash() -> None:
+    """A body within the 64 KiB bound can nest 65,000 arrays deep: msgspec raises
+    RecursionError, not DecodeError, and it escaped the gossip task (the daemon exited)."""
+    from gossipd.core.gossip_messages import Directive
+    from gossipd.leader.directives import Directives
+
+    directives = Directives()
+    handled: list[object] = []
+    directives.subscribe("forget", lambda directive, body: handled.append(body))
+    deep = Directive(leader="x", token=2**63 - 1, seq=0, kind="forget",
+                     body=b"\x91" * 65_000 + b"\xc0")  # fmt: skip
+    directives.deliver(deep)
+    directives.deliver(Directive(leader="x", token=1, seq=1, kind="forget", body=b"\x90"))
+    assert directives.bad_body == 1 and handled == [[]]

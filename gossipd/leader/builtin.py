@@ -67,7 +67,12 @@ class BuiltinDuties:
 
     def statistics(self) -> dict[str, Any]:
         orders = self.rollout.orders
-        refused = {"bad_body": self.reaping.refused + orders.get("bad:refused", 0)}
+        directives = self._leadership.directives  # (bodies that did not decode; handler bugs)
+        refused = {
+            "bad_body": self.reaping.refused + orders.get("bad:refused", 0) + directives.bad_body
+        }
+        if directives.handler_errors:
+            refused["handler_error"] = directives.handler_errors
         done: dict[str, int] = {}
         for key, count in orders.items():
             action, _, outcome = key.partition(":")

@@ -36,7 +36,7 @@ class Directives:
             return
         try:
             body = msgspec.msgpack.decode(directive.body) if directive.body else None
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # (nesting deeper than the stack)
             self.bad_body += 1
             log.warning(
                 "directive %s from %s: body is not msgpack", directive.kind, directive.leader

@@ -72,7 +72,8 @@ def _duty_metrics(st: Any) -> Iterator[Metric]:
     yield _by(
         C,
         "gossipd_duty_directives_refused",
-        "forget and drain directives not acted on (bad_body; before_start: a drain order older "
+        "forget and drain directives not acted on (bad_body, also a body that is no msgpack; "
+        "handler_error: a handler raised, logged; before_start: a drain order older "
         "than this process; not_drained: leave or restart for a member not drained; refused: "
         "the drain itself was refused, e.g. while shutting down)",
         "reason",
