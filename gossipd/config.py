@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gossipd.core.gossip_messages import CAPACITY_WEIGHT_MAX, CAPACITY_WEIGHT_MIN
 from gossipd.core.messages import endpoint_problem
 from gossipd.core.replaycheck import ANSWER_WAIT_S, JOIN_WAIT_S
 from gossipd.core.swim_config import PRESETS, SwimConfig, field_types
@@ -378,7 +379,9 @@ class GpuConfig(Section, frozen=True):
     # On a machine without a GPU (or without NVML/torch): the memory to report, in MiB.
     memory_total_mb: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Relative capacity of this daemon on the ring (a bigger GPU takes more keys).
-    capacity_weight: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
+    capacity_weight: Annotated[
+        float, msgspec.Meta(ge=CAPACITY_WEIGHT_MIN, le=CAPACITY_WEIGHT_MAX)
+    ] = 1.0
 
 
 # A core list as vLLM reads it ("0-3,5"), one per tensor-parallel rank, "|" between them.

@@ -388,3 +388,23 @@ def test_a_task_naming_a_model_goes_to_a_member_serving_it_and_else_as_any_task(
         assert owner == plain.owner_for(Task(**fields), NOW)
     else:
         assert owner in serving
+
+
+def test_a_capacity_weight_near_zero_counts_as_the_floor_and_placement_never_divides_by_0() -> None:
+    """The wire takes any capacity_weight in 0..1e6; 1e-300 beside a weight of 1.0 summed to
+    1.0 and, that member gone, to 0.0: the load bound divided by it (ZeroDivisionError in
+    the gossip task, from one Meta).  Placement reads such a weight as CAPACITY_WEIGHT_MIN."""
+    from gossipd.core.gossip_messages import CAPACITY_WEIGHT_MIN
+
+    h = Harness()
+    placer = h.placer()
+    for name, weight in (("m0", 1.0), ("m1", 1e-300), ("m2", 5e-324)):
+        h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
+        gpu = GpuState(rpc=f"tcp://{name}:5558", capacity_weight=weight, model="evil")
+        h.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0))
+    assert placer.view().weights["m1"] == placer.view().weights["m2"] == CAPACITY_WEIGHT_MIN
+    h.apply(Dead(node="m0", incarnation=0, by=ME))
+    task = Task(v=1, id="t", key="k", prompt="p", reply_to="tcp://1.2.3.4:5", model="evil")
+    # Without this daemon (a drain's hand-off orders so): only the two tiny weights count.
+    assert set(placer.order(task, NOW, frozenset({ME}))) == {"m1", "m2"}
+    assert placer.order(task, NOW, frozenset({ME, "m1"})) == ["m2"]

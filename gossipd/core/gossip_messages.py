@@ -40,6 +40,11 @@ Incarnation = Annotated[int, msgspec.Meta(ge=0, le=INCARNATION_MAX)]
 ClusterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 SmallText = Annotated[str, msgspec.Meta(max_length=128)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+# A member's relative capacity on the ring.  The floor keeps every weight, and the running
+# sum of them that placement's bound divides by, away from 0: 1e-300 beside 1.0 summed to
+# 1.0 and, that 1.0 removed, to 0.0 (a ZeroDivisionError in placement from one Meta).
+CAPACITY_WEIGHT_MIN = 1e-3
+CAPACITY_WEIGHT_MAX = 1e6
 
 
 class GpuState(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,7 +63,8 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True):
     running_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
     waiting_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_cache_usage_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    capacity_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
+    # 0: the default, 1.0.  Placement reads a weight below CAPACITY_WEIGHT_MIN as that.
+    capacity_weight: Annotated[float, msgspec.Meta(ge=0.0, le=CAPACITY_WEIGHT_MAX)] = 1.0
     # Where peers forward tasks to this daemon (its ROUTER socket).
     rpc: Annotated[str, msgspec.Meta(max_length=ENDPOINT_CHARS_MAX)] = ""
     # In-flight tasks (queued + running) here: the load that bounded-load placement uses.

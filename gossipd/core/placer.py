@@ -35,7 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from gossipd.core import ring as rings
-from gossipd.core.gossip_messages import LoadRecord
+from gossipd.core.gossip_messages import CAPACITY_WEIGHT_MIN, LoadRecord
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, Member, MemberEvent
 from gossipd.core.messages import Task
@@ -357,7 +357,7 @@ class Placer:
             return
         known = self.load_view.get(name)
         info = _Info(
-            gpu.capacity_weight or 1.0,
+            max(gpu.capacity_weight, CAPACITY_WEIGHT_MIN) if gpu.capacity_weight else 1.0,
             gpu.status == "serving",
             gpu.model,
             self.engine_saturated(gpu) if known is None else self._record_saturated(known.record),
