@@ -76,6 +76,10 @@ def plain_task(**fields: object) -> dict[str, object]:
         ("ipc:///tmp/gossipd.sock\n", False),
         ("ipc:///tmp/my dir/r.sock", False),  # a route splits at its first space
         ("ipc:///tmp/tab\there", False),
+        ("ipc:///" + "a" * 106, True),  # 107 bytes: a Unix socket path's most
+        ("ipc:///" + "a" * 107, False),  # ZeroMQ: "File name too long"
+        ("ipc:///" + "\u00e9" * 53, True),  # 107 bytes in UTF-8
+        ("ipc:///" + "\u00e9" * 54, False),  # 54 characters, 109 bytes
     ],
 )
 def test_endpoint_problem_table(endpoint: str, ok: bool) -> None:

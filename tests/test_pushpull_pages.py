@@ -20,6 +20,7 @@ from gossipd.core.antientropy import STREAMS_MAX
 from gossipd.core.gossip_messages import (
     Alive,
     Dead,
+    GossipMessage,
     GpuState,
     Left,
     Meta,
@@ -32,6 +33,7 @@ from gossipd.core.gossip_messages import (
     encode_record,
 )
 from gossipd.core.membership import shared_base
+from gossipd.core.messages import ENDPOINT_CHARS_MAX
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 
@@ -264,29 +266,66 @@ def test_a_small_table_is_one_page_and_pages_encode_as_push_pull() -> None:
     assert encode_gossip(encoded) == encode_gossip(plain)
 
 
-def test_a_record_larger_than_a_page_goes_alone() -> None:
+def test_the_largest_record_gossip_takes_fits_the_smallest_page_one_a_page() -> None:
+    """Every field at its bound, addresses as long as a receiver takes them
+    (endpoint_problem): a record and its page's header fit the smallest page (4,096
+    bytes), one record a page, each received."""
     config = SwimConfig(cluster="c", push_pull_page_bytes=4096, message_bytes_max=16384)
-    wide = "\U0001d11e"  # 4 bytes in UTF-8
-    huge = GpuState(  # (addresses as long as a receiver takes them: endpoint_problem)
-        model=wide * 128,
-        software_version=wide * 128,
-        ingress="ipc://" + wide * 200,
-        rpc="ipc://" + wide * 200,
-        prefixes=list(range(2**31, 2**31 + 256)),
-    )
-    names = [wide * 120 + suffix for suffix in ("x1", "x2", "x3")]  # long names: 482 bytes
-    updates: list[Update] = []
-    for name in names:
-        updates += [
-            Alive(node=name, incarnation=0, addr=addr_of("x")),
-            Meta(node=name, version=1, gpu=huge),
-        ]
-    a, b = make("a", updates, config), make("b", [], config)
+    far = "tcp://" + "h" * (ENDPOINT_CHARS_MAX - len("tcp://:65535")) + ":65535"
+    names = [WIDE * 126 + suffix for suffix in ("x1", "x2", "x3")]  # 506 bytes each
+    a, b = make("a", _huge_members(names, far, far), config), make("b", [], config)
     sent = [(size, p) for s, _, size, p in exchange(a, b) if s == "a"]
-    assert all(size > 4096 for size, p in sent[1:])  # over the page, alone, still received
+    assert all(4000 < size <= 4096 for size, p in sent[1:])
     assert [len(p.members) for _, p in sent] == [1, 1, 1, 1]
     assert view(b).keys() == {"a", *names}
     assert b.table.members[names[1]].gpu is not None
+
+
+def test_a_record_larger_than_a_page_goes_alone() -> None:
+    """The sender's side: a record over the page (here with addresses no receiver would
+    take, the one way past the bound) still leaves, in a page of its own."""
+    config = SwimConfig(cluster="c", push_pull_page_bytes=4096, message_bytes_max=16384)
+    wide_ipc = "ipc://" + WIDE * 250  # 256 characters, 1,006 bytes
+    names = [WIDE * 126 + suffix for suffix in ("x1", "x2", "x3")]
+    a = make("a", _huge_members(names, wide_ipc, wide_ipc), config)
+    a.antientropy.push_pull(addr_of("b"), reply=False, now=0.0)
+    sizes, members = [], []
+    for _ in range(10):
+        for _, data in a.take_outbox():
+            page = msgspec.msgpack.decode(data, type=GossipMessage)  # (no address check)
+            if isinstance(page, PushPull):
+                sizes.append(len(data))
+                members.append(len(page.members))
+        if a.antientropy.next_page_at == math.inf:
+            break
+        a.antientropy.tick(a.antientropy.next_page_at)
+    assert all(size > 4096 for size in sizes[1:]) and members == [1, 1, 1, 1]
+
+
+WIDE = "\U0001d11e"  # 4 bytes in UTF-8
+
+
+def _huge_members(names: list[str], addr: str, rpc: str) -> list[Update]:
+    huge = GpuState(
+        model=WIDE * 128,
+        software_version=WIDE * 128,
+        ingress=rpc,
+        rpc=rpc,
+        prefixes=list(range(2**31, 2**31 + 256)),
+        memory_free_mb=2**62,
+        memory_total_mb=2**62,
+        running_requests=2**62,
+        waiting_requests=2**62,
+        inflight=2**62,
+        queued_tokens=2**62,
+    )
+    updates: list[Update] = []
+    for name in names:
+        updates += [
+            Alive(node=name, incarnation=2**53 - 1, addr=addr),
+            Meta(node=name, version=2**62, gpu=huge, incarnation=2**53 - 1),
+        ]
+    return updates
 
 
 # -- memory ------------------------------------------------------------------------------------

@@ -113,8 +113,11 @@ class ErrorCode(enum.StrEnum):
 # address, a space, and the producer key: sockets.py splits at the first space).
 _ENDPOINT_RE = re.compile(
     r"^(?:tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):(\d{1,5})"
-    r"|ipc://[^\x00*\s]{1,200})\Z"
+    r"|ipc://[^\x00*\s]{1,107})\Z"
 )
+# A Unix socket's path: 108 bytes with its NUL (sun_path); ZeroMQ's connect refuses longer
+# ("File name too long"), counted in bytes, not characters.
+IPC_PATH_BYTES_MAX = 107
 
 
 # Every task is checked, and most come from a few reply addresses (the HTTP door's: every
@@ -128,6 +131,8 @@ def endpoint_problem(endpoint: str) -> str | None:
     port = match.group(1)
     if port is not None and not 1 <= int(port) <= 65535:
         return f"port {port} is outside 1..65535"
+    if port is None and len(endpoint.encode()) - len("ipc://") > IPC_PATH_BYTES_MAX:
+        return f"an ipc path is at most {IPC_PATH_BYTES_MAX} bytes in UTF-8"
     return None
 
 
