@@ -48,9 +48,10 @@ from gossipd.ingress.runner import stop_workers
 from gossipd.ingress.service import Ingress, IngressCurve
 from gossipd.iothreads import batch_io_threads
 from gossipd.leader import build_leadership
-from gossipd.membership.gossip import GossipService, MemberView
+from gossipd.membership.gossip import PEER_SOCKETS_MAX, GossipService, MemberView
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
+from gossipd.ops.fdlimits import FDS_PER_SOCKET, raise_open_files, size_context, sockets_wanted
 from gossipd.ops.metrics import DaemonCollector
 from gossipd.ops.metrics_server import serve_metrics
 from gossipd.ops.notify import Notifier
@@ -104,6 +105,12 @@ class Daemon:
         self.clock = clock  # every part reads the time from it (gossipd/clock.py)
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
+        # Sized for the socket pool's bounds before any socket is made (ops/fdlimits.py).
+        sockets = sockets_wanted(
+            gossip_sockets_max=PEER_SOCKETS_MAX, reply_sockets_max=config.ingress.reply_sockets_max
+        )
+        size_context(self._ctx, sockets)
+        raise_open_files(sockets * FDS_PER_SOCKET, at_least=sockets)
         if config.node.zmq_io_batch and not batch_io_threads(self._ctx):
             log.warning(
                 "node.zmq_io_batch: SCHED_BATCH is not granted here (a seccomp filter, a "
