@@ -762,3 +762,18 @@ def test_Forwarder_looks_through_a_long_ledger_in_slices() -> None:
         sizes.append(len(fw.ledger))
     assert sizes == [count - LEDGER_SWEEP_SLICE, 10, 0]  # one slice a tick, the loop between
     assert fw.loads.total == 0 and fw.ledger.expired == count
+
+
+def test_Forwarder_takes_a_forwards_answer_only_from_the_member_it_went_to() -> None:
+    """ForwardReplies are matched by req, which counts up: member b answering a's req (its
+    own name on it, as the forwarding layer checks against the connection) must not ledger
+    a's task under a unrun, nor refuse it with a's code."""
+    fw, _ = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "b", True), 0.001)  # b speaks for a's forward
+    assert fw.ledger.get("t0") is None and fw.pending() == 1
+    fw.on_reply(_reply(fwd, "b", False, code="id_in_use"), 0.002)
+    assert fw.pending() == 1 and not fw.take_events()
+    fw.on_reply(_reply(fwd, "a", True), 0.003)
+    assert fw.ledger.get("t0") is not None and fw.pending() == 0

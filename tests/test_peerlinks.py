@@ -170,3 +170,43 @@ def test_a_send_to_an_address_the_channel_cannot_connect_to_is_a_dropped_send() 
         return dropped
 
     assert run_with_context(main) == [2, 1]  # (ZeroMQ connects ipc:// lazily: not dropped)
+
+
+def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped() -> None:
+    """On our connection to member a's address, a TaskDone, ForwardReply or ConfirmReply
+    that names b is b's to send, not a's: dropped and counted (bad_peer_messages), as the
+    rpc server drops a Forward whose src is not its key's node."""
+    from gossipd.config import load_config
+    from gossipd.core.gossip_messages import Alive, GpuState, Meta
+    from gossipd.core.membership import MemberTable
+    from gossipd.core.peer_messages import ConfirmReply, ForwardReply
+    from gossipd.daemon import Daemon
+
+    config = load_config(
+        environ={},
+        overrides=[f'gossip.bind="tcp://127.0.0.1:{free_tcp_port()}"',
+                   f'fanout.rpc_bind="tcp://127.0.0.1:{free_tcp_port()}"',
+                   'ingress.bind="tcp://127.0.0.1:0"', 'journal.path=""', 'metrics.bind=""'],
+    )  # fmt: skip
+    daemon = Daemon(config)
+    dispatcher = daemon._build_fanout("tcp://127.0.0.1:1").dispatcher
+    try:
+        table = MemberTable(me=daemon.node, addr="tcp://10.0.0.9:1", now=0.0)
+        for name in ("a", "b"):
+            table.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:7946"), 0.0)
+            gpu = GpuState(rpc=f"tcp://{name}:5558")
+            table.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0), 0.0)
+        dispatcher.placer.rebuild(table.members.values())
+        spoken_for_b = [
+            TaskDone(id="t1", node="b"),
+            ForwardReply(req=1, node="b", accepted=True),
+            ConfirmReply(node="b", migrated=["t1"]),
+        ]
+        dispatcher.on_peer_replies(spoken_for_b, "tcp://a:5558")
+        assert dispatcher.replies_for_another == 3
+        dispatcher.on_peer_replies(spoken_for_b, "tcp://b:5558")  # b's own: taken
+        assert dispatcher.replies_for_another == 3
+        assert dispatcher.statistics().bad_peer_messages == 3
+    finally:
+        dispatcher.close()
+        daemon._ctx.destroy(linger=0)

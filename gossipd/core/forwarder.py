@@ -350,7 +350,7 @@ class Forwarder:
     def on_reply(self, msg: object, now: float) -> None:
         if isinstance(msg, ForwardReply):
             flight = self._flights.get(msg.req)
-            if flight is not None:
+            if flight is not None and flight.member == msg.node:  # (its own forward's only)
                 self._answered(flight, msg, now)
         elif isinstance(msg, TaskDone):
             # A TaskDone while the forward still awaits its accept: the accept was lost or is

@@ -39,6 +39,7 @@ from gossipd.core.peer_messages import (
     Confirm,
     ConfirmReply,
     Forward,
+    ForwardReply,
     ModelCard,
     ModelQuery,
     Relay,
@@ -55,6 +56,9 @@ log = logging.getLogger("gossipd.fanout.forwarding")
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
 # core/admission.py).
 _LOCAL = Route.LOCAL
+# Replies in which a member speaks of its own tasks: taken only from the member at the
+# address they came from (docs/PROTOCOL.md, "A member cannot speak for another").
+_SPOKEN_FOR = frozenset((ForwardReply, TaskDone, ConfirmReply))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,9 @@ class Dispatcher:
         # (ReplySender.deliver_here: the HTTP door's); False: no such route here.
         self._deliver_relayed = deliver_relayed
         self.relayed_unroutable = 0  # Relays for a route not served here (counted, dropped)
+        # ForwardReplies, TaskDones and ConfirmReplies naming a member other than the one at
+        # the address they came from (dropped: a member cannot speak for another).
+        self.replies_for_another = 0
         # Members' answers to our ModelQuerys (GET /v1/models: core/modelcards.py).
         self.on_model_card = on_model_card
         # Members' answers to our ReplayQuerys (a restart: core/replaycheck.py).
@@ -190,6 +197,11 @@ class Dispatcher:
                 if not self._deliver_relayed(msg.to, msg.frame):
                     self.relayed_unroutable += 1
                 continue
+            if addr and type(msg) in _SPOKEN_FOR:
+                assert isinstance(msg, (ForwardReply, TaskDone, ConfirmReply))
+                if not self._from(msg.node, addr):
+                    self.replies_for_another += 1
+                    continue
             if type(msg) is ConfirmReply:
                 self.on_confirm_reply(msg)
                 continue
@@ -211,6 +223,11 @@ class Dispatcher:
                     self.loads_refused += 1
             on_reply(msg, now)
         self._flush()
+
+    def _from(self, node: str, addr: str) -> bool:
+        """``node`` is the member at ``addr``, our connection the message came on (as its
+        address is now, or was when we last forwarded to it: a reply may outlive a move)."""
+        return self.placer.addr(node) == addr or self.forwarder.last_addr(node) == addr
 
     def member_event(self, event: MemberEvent) -> None:
         if event.kind != "dead":
@@ -389,7 +406,9 @@ class Dispatcher:
             migrated=fw.migrated,
             expired_not_migrated=fw.expired_not_migrated,
             handed_off=fw.handed_off,
-            bad_peer_messages=owner.bad_peer_messages + links.bad_messages,
+            bad_peer_messages=owner.bad_peer_messages
+            + links.bad_messages
+            + self.replies_for_another,
             replies_dropped=owner.replies_dropped,
             prefix_hits=self.placer.prefix_hits,
             hedged=fw.hedged,
