@@ -34,6 +34,7 @@ from gossipd.core.messages import (
     ErrorCode,
     StatusQuery,
     Task,
+    encode,
     error_result,
     reply_route,
 )
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
     from gossipd.membership.gossip import GossipService
 
 log = logging.getLogger("gossipd.admin")
+
+# Admin requests a daemon answers a second at its ingress, and the burst above that (an
+# operator's tool asks a few; `gossipd up` asks each daemon once a second).
+ADMIN_REQUESTS_PER_S = 50
+ADMIN_REQUESTS_BURST = 100
 
 
 class Admin:
@@ -77,7 +83,21 @@ class Admin:
         self.drained = False
         self.on_drain: list[Callable[[bool], None]] = []  # the leader resigns when drained
         self.requests: Counter[str] = Counter()  # "kind:outcome"
+        # Admin requests bypass admission: a 1 MiB Tasks frame of StatusQueries asked for
+        # 26,900 reports (~1 GB) in one loop turn.  A token bucket bounds them.
+        self._tokens = float(ADMIN_REQUESTS_BURST)
+        self._tokens_at = float("-inf")
         self._tg: asyncio.TaskGroup | None = None
+
+    def _allowance(self, now: float) -> bool:
+        """One admin request's token, if the bucket has one."""
+        elapsed = now - self._tokens_at
+        self._tokens = min(ADMIN_REQUESTS_BURST, self._tokens + elapsed * ADMIN_REQUESTS_PER_S)
+        self._tokens_at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         self._tg = tg
@@ -87,6 +107,17 @@ class Admin:
     def handle(self, msg: StatusQuery | Drain, now: float, producer_key: str = "") -> None:
         """A request from a producer at our ingress; ``producer_key``: the key it came with
         under CURVE (the answer goes only to a server holding it)."""
+        if not self._allowance(now):
+            kind = "status" if isinstance(msg, StatusQuery) else "drain" if msg.drain else "undrain"
+            self.requests[f"{kind}:overloaded"] += 1
+            wait_ms = max(1, int(1000 / ADMIN_REQUESTS_PER_S))
+            why = (f"more than {ADMIN_REQUESTS_PER_S} admin requests a second "
+                   f"(burst {ADMIN_REQUESTS_BURST}): ask again later")  # fmt: skip
+            refusal = error_result(
+                msg.id, ErrorCode.OVERLOADED, why, node=self.node, retry_after_ms=wait_ms
+            )
+            self._replies.send(reply_route(msg.reply_to, producer_key), encode(refusal))
+            return
         if type(msg) is StatusQuery:
             self.requests["status:ok"] += 1
             route = reply_route(msg.reply_to, producer_key)

@@ -207,3 +207,32 @@ def test_status_fails_fast_naming_the_endpoint_when_nothing_listens() -> None:
 def test_version() -> None:
     done = gossipd_cli("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"gossipd {__version__}"
+
+
+def test_a_flood_of_status_queries_in_one_frame_is_answered_up_to_the_burst(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Admin requests bypass admission: one 1 MiB Tasks frame of StatusQueries asked for
+    some 26,900 reports (about 1 GB built in one loop turn).  Past the burst each is answered
+    overloaded with retry_after_ms, counted; the daemon answers tasks and status after."""
+    from gossipd.admin import ADMIN_REQUESTS_BURST
+
+    daemon = daemon_factory(f"metrics.bind=127.0.0.1:{free_tcp_port()}")
+    producer = RawProducer(daemon.endpoint)
+    flood = 2_000
+    try:
+        rt = producer.reply_to
+        items = [{"v": 1, "t": 30, "id": f"q{i}", "reply_to": rt} for i in range(flood)]
+        producer.send_raw(msgpack.packb({"v": 1, "t": 6, "items": items}))
+        got = producer.replies(until=lambda r: len(r) >= flood, timeout_s=20)
+        reports = [r for r in got if r["t"] == 31]
+        refused = [r for r in got if r["t"] == 3]
+        assert len(got) == flood
+        assert ADMIN_REQUESTS_BURST <= len(reports) < ADMIN_REQUESTS_BURST + 20
+        assert {r["error"]["code"] for r in refused} == {"overloaded"}
+        assert all(r["error"]["retry_after_ms"] > 0 for r in refused)
+        producer.send_task("after")
+        assert [r["ok"] for r in producer.results(1)] == [True]
+    finally:
+        producer.close()
+    metrics = scrape(daemon.metrics_port)
+    assert metrics["gossipd_admin_requests_total{kind=status,outcome=overloaded}"] == len(refused)
+    assert status_json(daemon.endpoint)["members"]  # the tool's next ask is answered

@@ -178,7 +178,7 @@ class DaemonCollector:
         if admin is not None:
             admin_family = CounterMetricFamily(
                 "gossipd_admin_requests",
-                "Admin requests (StatusQuery, Drain) by kind and outcome (ok, refused, relayed)",
+                "Admin requests (StatusQuery, Drain) by kind and outcome (ok, refused, relayed, overloaded: over 50 a second)",
                 labels=["kind", "outcome"],
             )
             for label, count in sorted(admin.items()):
