@@ -121,6 +121,19 @@ def test_suspicion_confirmations_count_distinct_members_and_go_to_the_accuser() 
     assert t.members["x"].suspicion.confirmers == {"y", "a", "me"}
 
 
+def test_a_suspicion_counts_at_most_k_confirmers_however_many_suspects_name_others() -> None:
+    """A message may carry 4,096 Suspects, each with another confirmer: past K they change
+    no timer, and the set stays at K + 1 names (the accuser and K)."""
+    t = table_with(State.SUSPECT)
+    t.apply(Suspect(node="x", incarnation=5, by="y"), 1.0)
+    suspicion = t.members["x"].suspicion
+    assert suspicion is not None
+    k = suspicion.k
+    for i in range(50):
+        t.apply(Suspect(node="x", incarnation=5, by=f"m{i}"), 1.0)
+    assert len(suspicion.confirmers) == k + 1 < 50
+
+
 def test_metadata_has_its_own_version_and_never_changes_state() -> None:
     t = table_with(State.SUSPECT)
     gpu = GpuState(model="m", running_requests=3)

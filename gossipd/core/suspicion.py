@@ -71,8 +71,10 @@ class Suspicion:
         self.confirmers: set[str] = {by}
 
     def confirm(self, by: str) -> bool:
-        """Count ``by`` as a confirmer; False if it already was one."""
-        if by in self.confirmers:
+        """Count ``by`` as a confirmer; False if it already was one, or if K confirmers
+        are already counted (more change no timer: the set stays at K + 1 names, whatever
+        a message's 4,096 Suspects name)."""
+        if by in self.confirmers or len(self.confirmers) > self.k:
             return False
         self.confirmers.add(by)
         return True
