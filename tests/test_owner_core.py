@@ -30,6 +30,16 @@ def test_a_forward_is_admitted_as_received_when_its_entry_point_took_it() -> Non
     assert owner.member_of == {b"id-a": "a"}
 
 
+def test_a_forward_that_claims_more_time_left_than_its_task_has_gets_no_more() -> None:
+    """remaining_ms is the sender's word: one over timeout_ms (up to an hour) put the task's
+    start in the future and its deadline that much later; it counts as all of timeout_ms."""
+    owner = Owner(node="o")
+    t = _forward().task
+    generous = Forward(req=2, src="a", task=t, remaining_ms=3_600_000)
+    decision = owner.forward(b"id-a", generous, 100.0)
+    assert isinstance(decision, Admit) and decision.received_at == 100.0
+
+
 def test_invalid_forwards_are_refused_with_the_code_and_counted() -> None:
     owner = Owner(node="o", task_bytes_max=64)
     refused = owner.forward(b"i", _forward(prompt="x" * 100_000), 0.0)

@@ -142,11 +142,10 @@ class Owner:
             member_of[identity] = msg.src
             if len(member_of) > MEMBER_OF_MAX:
                 del member_of[next(iter(member_of))]
-        return Admit(
-            msg.task,
-            now - (msg.task.timeout_ms - msg.remaining_ms) / 1000.0,
-            self.wants_load(identity),
-        )
+        # What is left of the task's time is never more than all of it: a remaining_ms past
+        # timeout_ms put the task's start in the future and its deadline that much later.
+        spent_ms = msg.task.timeout_ms - min(msg.remaining_ms, msg.task.timeout_ms)
+        return Admit(msg.task, now - spent_ms / 1000.0, self.wants_load(identity))
 
     def admitted(
         self, msg: Forward, verdict: Verdict, retry_after_ms: int, load: LoadRecord | None = None
