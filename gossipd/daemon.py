@@ -22,6 +22,7 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -610,7 +611,8 @@ class Daemon:
         """A Drain a member relayed to us: admin's (built in run() after fan-out; one
         before that waits for none)."""
         if self.admin is not None:
-            self.admin.handle_drain(msg)
+            # Relayed, whatever its field says: from here it goes nowhere else (relayed once).
+            self.admin.handle_drain(msgspec.structs.replace(msg, relayed=True))
 
     def _refuse_forward(self, refusal: Refuse) -> None:
         """No member took a task from our intake.  While we shut down, the producer hears

@@ -236,3 +236,31 @@ def test_a_flood_of_status_queries_in_one_frame_is_answered_up_to_the_burst(daem
     metrics = scrape(daemon.metrics_port)
     assert metrics["gossipd_admin_requests_total{kind=status,outcome=overloaded}"] == len(refused)
     assert status_json(daemon.endpoint)["members"]  # the tool's next ask is answered
+
+
+def test_a_drain_from_the_peer_channel_is_never_relayed_again(cluster: Cluster) -> None:
+    """A Drain that reaches a member on the rpc channel was relayed once already, whatever
+    its relayed field says (docs/PROTOCOL.md: relayed once): naming a third member, it is
+    refused with the reason, not passed on (it was, and that member drained)."""
+    import zmq
+
+    from gossipd.core.messages import Drain
+    from gossipd.core.peer_messages import encode_peer
+
+    d0, d1, d2 = cluster.daemons
+    producer = RawProducer(d0.endpoint)  # (for its reply socket)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{d1.rpc_port}")
+    try:
+        drain = Drain(v=1, id="again", reply_to=producer.reply_to, node="d02", relayed=False)
+        dealer.send(encode_peer(drain))
+        (reply,) = producer.replies(until=lambda r: len(r) >= 1, timeout_s=10)
+        assert reply["t"] == 33 and reply["ok"] is False
+        assert "not relayed again" in reply["message"] and reply["node"] == "d01"
+        assert rows(status_json(d2.endpoint))["d02"]["status"] == "serving"
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        producer.close()

@@ -63,6 +63,20 @@ def free_tcp_port() -> int:
             return port
 
 
+def _port_set(overrides: Sequence[str], key: str) -> int | None:
+    """The tcp port an override ``key=tcp://HOST:PORT`` sets; 0 when it sets another kind of
+    address (or none); None when no override sets ``key``."""
+    for item in overrides:
+        if item.startswith(key):
+            port = item[len(key) :].strip("\"'").rpartition(":")[2]
+            return (
+                int(port)
+                if item[len(key) :].strip("\"'").startswith("tcp://") and port.isdigit()
+                else 0
+            )
+    return None
+
+
 def json_lines(text: str) -> list[dict[str, Any]]:
     """The JSON lines of a daemon's log (other lines, and a line cut short, skipped)."""
     out = []
@@ -93,11 +107,19 @@ class DaemonProcess:
         self.gossip_port = free_tcp_port()
         self.gossip_endpoint = f"tcp://127.0.0.1:{self.gossip_port}"
         defaults = [f"ingress.bind={self.endpoint}"]
-        if not any(o.startswith("gossip.bind=") for o in overrides):
-            defaults.append(f"gossip.bind={self.gossip_endpoint}")
         self.rpc_port = free_tcp_port()
-        if not any(o.startswith("fanout.rpc_bind=") for o in overrides):
+        # An override's own address is the one the daemon binds: its port is the one kept.
+        gossip_set = _port_set(overrides, "gossip.bind=")
+        rpc_set = _port_set(overrides, "fanout.rpc_bind=")
+        if gossip_set is None:
+            defaults.append(f"gossip.bind={self.gossip_endpoint}")
+        elif gossip_set:
+            self.gossip_port = gossip_set
+            self.gossip_endpoint = f"tcp://127.0.0.1:{gossip_set}"
+        if rpc_set is None:
             defaults.append(f"fanout.rpc_bind=tcp://127.0.0.1:{self.rpc_port}")
+        elif rpc_set:
+            self.rpc_port = rpc_set
         self._overrides = [*defaults, *overrides]
         self._config = config
         self._env = {**os.environ, **(env or {})}
