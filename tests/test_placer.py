@@ -408,3 +408,18 @@ def test_a_capacity_weight_near_zero_counts_as_the_floor_and_placement_never_div
     # Without this daemon (a drain's hand-off orders so): only the two tiny weights count.
     assert set(placer.order(task, NOW, frozenset({ME}))) == {"m1", "m2"}
     assert placer.order(task, NOW, frozenset({ME, "m1"})) == ["m2"]
+
+
+def test_load_records_of_names_placement_does_not_know_are_not_kept() -> None:
+    """Load records come by gossip (anyone's, without CURVE): kept for any name, 100,000
+    made-up names filled the view's bound for good and a real new member's records were then
+    refused.  Only a member placement knows has its record kept."""
+    h = Harness()
+    placer = h.placer()
+    h.apply(Alive(node="m0", incarnation=0, addr="tcp://m0:1"))
+    h.apply(Meta(node="m0", version=1, gpu=GpuState(rpc="tcp://m0:5558"), incarnation=0))
+    for i in range(1000):
+        assert not placer.on_load(LoadRecord(node=f"ghost{i}", seq=1, waiting=5), NOW)
+    assert len(placer.load_view) == 0
+    assert placer.on_load(LoadRecord(node="m0", seq=1, waiting=1_000_000), NOW)
+    assert len(placer.load_view) == 1 and "m0" in placer.view().saturated

@@ -234,15 +234,17 @@ class Placer:
 
     def on_load(self, record: LoadRecord, now: float) -> bool:
         """A member's load record (an owner's reply, load gossip): kept if newer than what
-        we hold; the member's saturation follows it at once.  True if it was newer."""
-        if record.node == self.node or self.load_view.offer(record, now) is None:
+        we hold; the member's saturation follows it at once.  True if it was newer.  Only a
+        member placement knows: records of other names (anyone's, without CURVE) would fill
+        the view's bound for good, and a new member's next record comes within a load
+        interval of its joining."""
+        node = record.node
+        if node == self.node or node not in self._info or self.load_view.offer(record, now) is None:
             return False
-        saturated = self._view.saturated
-        if record.node in self._info:
-            if self._record_saturated(record):
-                saturated.add(record.node)
-            else:
-                saturated.discard(record.node)
+        if self._record_saturated(record):
+            self._view.saturated.add(node)
+        else:
+            self._view.saturated.discard(node)
         return True
 
     def _record_saturated(self, record: LoadRecord) -> bool:

@@ -196,7 +196,16 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
     for name, doc, value in (
         ("gossipd_gossip_bytes_sent", "Membership bytes sent", stats.sent_bytes),
         ("gossipd_gossip_bytes_received", "Membership bytes received", stats.received_bytes),
-        ("gossipd_gossip_refused", "Undecodable membership messages", stats.refused),
+        (
+            "gossipd_gossip_refused",
+            "Membership messages refused: undecodable, or naming an address no socket connects to",
+            stats.refused,
+        ),
+        (
+            "gossipd_gossip_members_refused_full",
+            "New members not taken: the member table holds its bound (10,000)",
+            core.table.refused_full,
+        ),
         (
             "gossipd_gossip_foreign_cluster",
             "Messages of another cluster, ignored",
