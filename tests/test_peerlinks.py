@@ -210,3 +210,40 @@ def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped
     finally:
         dispatcher.close()
         daemon._ctx.destroy(linger=0)
+
+
+def test_the_owner_remembers_a_bounded_number_of_forwarders_connections() -> None:
+    """A Forward's src is its sender's word without CURVE: one src per Forward grew the
+    owner's map of members' latest connections without end.  It holds LINKS_MAX at most,
+    the newest kept."""
+    from gossipd.config import load_config
+    from gossipd.daemon import Daemon
+    from gossipd.fanout.owner import LINKS_MAX
+
+    config = load_config(
+        environ={},
+        overrides=[f'gossip.bind="tcp://127.0.0.1:{free_tcp_port()}"',
+                   f'fanout.rpc_bind="tcp://127.0.0.1:{free_tcp_port()}"',
+                   'ingress.bind="tcp://127.0.0.1:0"', 'journal.path=""', 'metrics.bind=""'],
+    )  # fmt: skip
+    daemon = Daemon(config)
+    dispatcher = daemon._build_fanout("tcp://127.0.0.1:1").dispatcher
+    owner = dispatcher.owner
+
+    async def forwards() -> dict[str, bytes]:
+        for i in range(LINKS_MAX + 500):
+            task = Task(v=1, id=f"t{i}", prompt="p", reply_to="tcp://127.0.0.1:1")
+            forward = Forward(req=i, src=f"src-{i}", task=task, remaining_ms=1000)
+            owner._on_forward(f"conn-{i}".encode(), forward)
+        # Read within the turn: its replies leave at the turn's end, and a reply to an
+        # identity with no connection (these) drops that member's entry.
+        return dict(owner._link_of)
+
+    try:
+        links = asyncio.run(forwards())
+        assert len(links) == LINKS_MAX
+        assert links[f"src-{LINKS_MAX + 499}"] == f"conn-{LINKS_MAX + 499}".encode()
+        assert "src-0" not in links
+    finally:
+        dispatcher.close()
+        daemon._ctx.destroy(linger=0)

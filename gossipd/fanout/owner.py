@@ -71,6 +71,8 @@ PEER_READ_MAX = 256
 # Forwarders' routes whose replies we relay (one per door of a member; a restarted door's
 # new route replaces the least recently asked beyond this).
 RELAY_ROUTES_MAX = 1024
+# Members whose latest connection is remembered (for relays): more than a cluster has.
+LINKS_MAX = 4096
 # A Relay's fields beside its frame and route, with room to spare: a reply that would not
 # fit one peer message with them goes by socket.
 RELAY_ROOM = 256
@@ -217,7 +219,7 @@ class OwnerEndpoint:
         self._relay_allowed = relay_allowed
         self._relays: dict[str, str] = {}
         self._message_max = min(config.message_bytes_max, ROUTER_MESSAGE_BYTES_MAX)
-        self._link_of: dict[str, bytes] = {}
+        self._link_of: dict[str, bytes] = {}  # a member: its latest connection (bounded)
         # Our model and its max_model_len, for a member's ModelQuery (GET /v1/models there).
         self._model_card = model_card
 
@@ -276,7 +278,12 @@ class OwnerEndpoint:
             assert isinstance(decision, Refused)
             self._refused(identity, msg, decision)
             return
-        self._link_of[msg.src] = identity
+        link_of = self._link_of
+        if msg.src not in link_of and len(link_of) >= LINKS_MAX:
+            # A src per Forward (anyone's word without CURVE) must not grow it without end:
+            # the oldest goes (a member's relays then go by socket until its next Forward).
+            del link_of[next(iter(link_of))]
+        link_of[msg.src] = identity
         if msg.relay and self._replies is not None:
             # Before admission: a Result it sends at once (the results cache) is relayed too.
             self._relay_to(msg.src, msg.task)
