@@ -28,7 +28,13 @@ from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
 from gossipd.peerchannel import OnReplies, OnRequest
-from gossipd.peerlink import WRITE_BYTES_MAX, PeerLink, format_endpoint, parse_endpoint
+from gossipd.peerlink import (
+    WRITE_BYTES_MAX,
+    PeerLink,
+    ReadBudget,
+    format_endpoint,
+    parse_endpoint,
+)
 from gossipd.zmtp import CurveKeys, PeerCurve, ZmtpConnection
 
 log = logging.getLogger("gossipd.looppeer")
@@ -36,6 +42,12 @@ log = logging.getLogger("gossipd.looppeer")
 # Connections a server lets shake hands at once; more are closed at accept (counted "busy")
 # and their clients retry: an unauthenticated flood costs the loop this many handshakes.
 HANDSHAKES_MAX = 256
+
+
+# A server's connections hold at most this many frames' bound of unfinished frames together
+# (16 x fanout.message_bytes_max: 64 MiB at its default); the connection that goes over is
+# closed ("busy"), and its sender reconnects and sends again.
+READ_FRAMES_MAX = 16
 
 
 class LoopPeerServer:
@@ -49,11 +61,14 @@ class LoopPeerServer:
         message_bytes_max: int,
         curve: PeerCurve | None = None,
         write_bytes_max: int = WRITE_BYTES_MAX,
+        read_bytes_max: int = 0,
     ) -> None:
         self._message_bytes_max = message_bytes_max
         self._curve = curve
         self._keys = None if curve is None else CurveKeys(curve.public, curve.secret)
         self._write_bytes_max = write_bytes_max
+        # Partial frames held by all connections together: a few frames' worth.
+        self.read_budget = ReadBudget(read_bytes_max or READ_FRAMES_MAX * message_bytes_max)
         self._sock: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
         self._links: dict[bytes, PeerLink] = {}
@@ -129,6 +144,7 @@ class LoopPeerServer:
             self._on_messages,
             self._on_ready,
             self._on_lost,
+            self.read_budget,
         )
         link.identity = self._new_identity()
         self._shaking.add(link)

@@ -35,6 +35,19 @@ def format_endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+class ReadBudget:
+    """The bytes of frames not complete yet that all of a server's connections hold
+    together: each may hold up to a frame's bound, and without this, connections times
+    that bound (4 MiB) was memory anyone who could connect could take."""
+
+    __slots__ = ("bytes_max", "held", "over")
+
+    def __init__(self, bytes_max: int) -> None:
+        self.bytes_max = bytes_max
+        self.held = 0
+        self.over = 0  # connections closed for going over it
+
+
 class PeerLink(asyncio.Protocol):
     """One TCP connection and its ZMTP state; the owner's callbacks see its messages."""
 
@@ -44,8 +57,11 @@ class PeerLink(asyncio.Protocol):
         on_messages: Callable[[PeerLink, list[list[bytes]]], None],
         on_ready: Callable[[PeerLink], None],
         on_lost: Callable[[PeerLink, str], None],
+        budget: ReadBudget | None = None,
     ) -> None:
         self.zmtp = zmtp
+        self._budget = budget
+        self._held = 0  # of the budget: this connection's bytes of unfinished frames
         self.transport: asyncio.Transport | None = None
         self.peer = ""
         self.identity = b""  # a server's name for this connection
@@ -102,6 +118,15 @@ class PeerLink(asyncio.Protocol):
             self.transport.write(zmtp.data_to_send())
         if messages:
             self._on_messages(self, messages)
+        budget = self._budget
+        if budget is not None and not self.closed:
+            held = zmtp.buffered
+            budget.held += held - self._held
+            self._held = held
+            if budget.held > budget.bytes_max:
+                budget.over += 1
+                self.fail("busy", f"peer connections hold over {budget.bytes_max} bytes of "
+                          "frames not complete yet")  # fmt: skip
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
@@ -137,4 +162,7 @@ class PeerLink(asyncio.Protocol):
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._budget is not None:
+            self._budget.held -= self._held
+            self._held = 0
         self._on_lost(self, reason)

@@ -211,6 +211,11 @@ class ZmtpConnection:
 
     # -- bytes in --------------------------------------------------------------------------
 
+    @property
+    def buffered(self) -> int:
+        """Bytes received and held for a frame not complete yet."""
+        return self._in_bytes
+
     def receive(self, data: bytes) -> list[list[bytes]]:
         """The messages completed by ``data``, in order; a message of several frames comes
         out as ``[]`` (this channel carries one-frame messages: its parts are not kept)."""

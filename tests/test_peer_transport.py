@@ -219,3 +219,56 @@ def test_a_server_lets_at_most_HANDSHAKES_MAX_connections_shake_hands_at_once(
 
     refused, rest = asyncio.run(main())
     assert refused == {"busy": 1} and rest == b""
+
+
+async def _null_handshake(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A DEALER's ZMTP NULL handshake with the server, over a raw connection."""
+    from gossipd.zmtp import ZmtpConnection
+
+    zmtp = ZmtpConnection(
+        as_server=False, socket_type=b"DEALER", peer_types=(b"ROUTER",), frame_bytes_max=1 << 20
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(zmtp.data_to_send())
+    while not zmtp.ready:
+        zmtp.receive(await asyncio.wait_for(reader.read(4096), 5.0))
+        writer.write(zmtp.data_to_send())
+    await writer.drain()
+    return reader, writer
+
+
+def test_a_servers_connections_hold_a_bounded_number_of_bytes_of_unfinished_frames() -> None:
+    """Each connection may hold up to a frame's bound of a frame not complete yet; together
+    they hold at most the server's read budget.  The connection that goes over is closed
+    (busy), and the budget comes back as connections close or finish their frames."""
+    from gossipd.zmtp import frame_header
+
+    async def main() -> tuple[list[bytes], int, int, dict[str, int], int]:
+        got: list[bytes] = []
+        server = LoopPeerServer(message_bytes_max=1 << 20, read_bytes_max=100_000)
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.start(lambda i, f, s: got.append(f), lambda: None)
+        port = int(addr.rsplit(":", 1)[1])
+        conns = [await _null_handshake(port) for _ in range(3)]
+        budget = server.read_budget
+        try:
+            first, second, third = conns
+            first[1].write(frame_header(0, 60_000) + b"a" * 50_000)  # 50,009 bytes held
+            await wait_until_async(lambda: budget.held > 50_000, 5.0, "the first held")
+            for _, writer in (second, third):  # each would take the total over 100,000
+                writer.write(frame_header(0, 60_000) + b"b" * 50_000)
+            for reader, _ in (second, third):
+                assert await asyncio.wait_for(reader.read(), 5.0) == b""  # closed
+            held_after = budget.held
+            first[1].write(b"a" * 10_000)  # the first's frame completes: delivered
+            await wait_until_async(lambda: got, 5.0, "the first's frame")
+            return got, held_after, budget.held, dict(server.refused), budget.over
+        finally:
+            for _, writer in conns:
+                writer.close()
+            server.close()
+
+    got, held_after, held_end, refused, over = asyncio.run(main())
+    assert [len(f) for f in got] == [60_000]
+    assert held_after == 50_009 and held_end == 0
+    assert refused == {"busy": 2} and over == 2
