@@ -46,6 +46,70 @@ def test_a_torn_tail_is_cut_and_later_records_stay_readable(tmp_path: Path) -> N
     assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t1", "t2"]
 
 
+def test_damage_mid_file_is_skipped_and_counted_and_the_records_after_it_are_read(
+    tmp_path: Path,
+) -> None:
+    """A stray byte between records was taken for a torn tail: the file was cut there, the
+    records after it lost for good (t2) and a finished task run again (t1).  Now the bytes
+    that are no record are skipped, counted and left in the file."""
+    import msgspec
+
+    j = Journal(tmp_path / "j")
+    j.accept(task(1))
+    j.close()
+    with (tmp_path / "j").open("ab") as fh:
+        fh.write(b"\x00")  # damage
+    j = Journal(tmp_path / "j")  # (appended to as it is: records follow the damage)
+    j.accept(task(2))
+    j._write(msgspec.msgpack.encode([2, "t1"]))  # t1's DONE (this object never held t1)
+    j.close()
+    size = (tmp_path / "j").stat().st_size
+    again = Journal(tmp_path / "j")
+    assert [t.id for t in again.replay()] == ["t2"]
+    assert again.damaged_bytes == 1 and (tmp_path / "j").stat().st_size == size
+
+
+def test_an_accepted_task_that_does_not_decode_is_counted_and_the_rest_replayed(
+    tmp_path: Path,
+) -> None:
+    """Deep nesting in a task's body raised RecursionError out of replay (the daemon exited
+    at every start, and systemd started it into the same file); a body that is no Task was
+    skipped without a word."""
+    import msgspec
+
+    deep = b"\x81\xa1x" + b"\x91" * 200_000 + b"\xc0"  # {"x": [[[...]]]}
+    j = Journal(tmp_path / "j")
+    j.accept(task(1))
+    j._write(msgspec.msgpack.encode([1, deep]))
+    j._write(msgspec.msgpack.encode([1, b"\x01"]))  # no Task
+    j.accept(task(2))
+    j.close()
+    again = Journal(tmp_path / "j")
+    assert [t.id for t in again.replay()] == ["t1", "t2"]
+    assert again.unreadable_tasks == 2
+
+
+def test_a_full_disk_is_counted_and_the_journal_goes_on_without_raising() -> None:
+    """/dev/full refuses every write with ENOSPC: a large record's write, the sync and the
+    close each raised (inside the intake: an admitted task never queued; in sync_forever:
+    the daemon exited; at close: the rest of the stop skipped)."""
+
+    async def run() -> Journal:
+        j = Journal("/dev/full", fsync_interval_s=0.001)
+        j.accept(task(1, prompt="x" * 100_000))  # larger than the buffer: written at once
+        j.accept(task(2))  # buffered: the sync's flush fails
+        sync = asyncio.create_task(j.sync_forever())
+        await wait_until_async(lambda: j.write_errors >= 2, 5.0, "the sync's failure")
+        sync.cancel()
+        await asyncio.gather(sync, return_exceptions=True)
+        j.close()
+        return j
+
+    j = asyncio.run(run())
+    assert j.write_errors >= 3 and j.syncs == 0
+    assert j.unfinished == 2  # the tasks themselves go on (not durable)
+
+
 def test_a_record_of_an_unknown_kind_is_skipped_not_taken_for_a_torn_tail(
     tmp_path: Path,
 ) -> None:

@@ -19,6 +19,7 @@ know (written by a later one) is skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from gossipd.core.messages import Task, encode
 log = logging.getLogger("gossipd.ingress.journal")
 
 ACCEPT, DONE, FORWARDED, DEADLINE = 1, 2, 3, 4
+SYNC_RETRY_S = 1.0  # after a sync the file system refused
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
 _forwarded_decoder = msgspec.msgpack.Decoder(tuple[str, str])
@@ -64,6 +66,12 @@ class Journal:
         self.appended = 0
         self.syncs = 0
         self.compactions = 0
+        self.damaged_bytes = 0  # at replay: bytes mid-file that were no record (skipped)
+        self.unreadable_tasks = 0  # at replay: accepted tasks that did not decode
+        # Writes, syncs and compactions the file system refused (a full disk): the daemon
+        # serves on, those tasks not durable, and says so (logged, counted).
+        self.write_errors = 0
+        self._compact_again_at = 0  # appended count before compaction is tried again
 
     def replay(self) -> list[Task]:
         """Tasks accepted and not finished, oldest first (also kept as open here)."""
@@ -81,12 +89,21 @@ class Journal:
         offset = 0
         records = 0
         torn = False
+        damaged: list[tuple[int, int]] = []  # (offset, bytes) of damage skipped mid-file
         while offset < len(data):
             try:
                 value, offset = _decode_one(decoder, data, offset)
             except ValueError:
+                resume = _next_record(decoder, data, offset + 1)
+                if resume is not None:
+                    # Damage with records after it (a stray byte, a flipped length): those
+                    # bytes are skipped, counted, and left in the file; what follows is read.
+                    damaged.append((offset, resume - offset))
+                    offset = resume
+                    continue
                 torn = True
-                # Cut the torn tail, so that records appended from now on stay readable.
+                # A torn tail (a crash mid-write: nothing readable after it): cut it, so that
+                # records appended from now on stay readable.
                 self._file.close()
                 with self.path.open("r+b") as fh:
                     fh.truncate(offset)
@@ -99,7 +116,8 @@ class Journal:
                 if kind == ACCEPT and isinstance(body, bytes):
                     try:
                         task = _task_decoder.decode(body)
-                    except msgspec.DecodeError:
+                    except (msgspec.DecodeError, RecursionError):
+                        self.unreadable_tasks += 1  # (its task is lost: said below)
                         continue
                     self._open[task.id] = body
                 elif kind == DONE and isinstance(body, str):
@@ -110,7 +128,7 @@ class Journal:
                     read, values = about[kind]
                     try:
                         task_id, value = read.decode(body)
-                    except msgspec.DecodeError:
+                    except (msgspec.DecodeError, RecursionError):
                         continue
                     if task_id in self._open:
                         values[task_id] = value
@@ -118,6 +136,18 @@ class Journal:
             log.warning(
                 "journal ends in a torn record; ignored",
                 extra={"path": str(self.path), "records": records},
+            )
+        if damaged or self.unreadable_tasks:
+            self.damaged_bytes = sum(n for _, n in damaged)
+            log.error(
+                "journal damaged: bytes that are no record were skipped, and accepted tasks "
+                "that do not decode were not replayed (the file is kept as it is)",
+                extra={
+                    "path": str(self.path),
+                    "damaged_at": [at for at, _ in damaged[:10]],
+                    "damaged_bytes": self.damaged_bytes,
+                    "unreadable_tasks": self.unreadable_tasks,
+                },
             )
         return [_task_decoder.decode(b) for b in self._open.values()]
 
@@ -148,7 +178,11 @@ class Journal:
         return len(self._open)
 
     def _write(self, record: bytes) -> None:
-        self._file.write(record)
+        try:
+            self._file.write(record)
+        except OSError as exc:  # (a full disk: the task runs, not durable)
+            self._failed("write", exc)
+            return
         self._size += len(record)
         if not self._dirty:
             self._dirty = True
@@ -164,15 +198,38 @@ class Journal:
             await asyncio.sleep(self._fsync_interval_s)
             if self._dirty:
                 self._dirty = False
-                self._file.flush()
-                await loop.run_in_executor(None, os.fsync, self._file.fileno())
-                self.syncs += 1
-            if self._size > self._compact_bytes and len(self._open) * 4 < self.appended:
+                try:
+                    self._file.flush()
+                    await loop.run_in_executor(None, os.fsync, self._file.fileno())
+                    self.syncs += 1
+                except OSError as exc:
+                    self._failed("sync", exc)
+                    self._dirty = True  # tried again after a pause
+                    await asyncio.sleep(SYNC_RETRY_S)
+            if (
+                self._size > self._compact_bytes
+                and len(self._open) * 4 < self.appended
+                and self.appended >= self._compact_again_at
+            ):
                 self.compact()
 
     def compact(self) -> None:
-        """Rewrite the file with only the unfinished tasks."""
+        """Rewrite the file with only the unfinished tasks (the file system refusing: the
+        old file is kept, and compaction waits for as many records again)."""
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        try:
+            self._rewrite(tmp)
+        except OSError as exc:
+            self._failed("compact", exc)
+            tmp.unlink(missing_ok=True)
+            self._compact_again_at = 2 * self.appended
+            return
+        self._size = self.path.stat().st_size
+        self.appended = len(self._open)
+        self._compact_again_at = 0
+        self.compactions += 1
+
+    def _rewrite(self, tmp: Path) -> None:
         with tmp.open("wb") as out:
             for task_id, body in self._open.items():
                 out.write(_encoder.encode([ACCEPT, body]))
@@ -182,17 +239,30 @@ class Journal:
                     out.write(_forwarded_record(task_id, self.forwarded[task_id]))
             out.flush()
             os.fsync(out.fileno())
-        self._file.close()
         os.replace(tmp, self.path)
-        self._file = self.path.open("ab")
-        self._size = self.path.stat().st_size
-        self.appended = len(self._open)
-        self.compactions += 1
+        old, self._file = self._file, self.path.open("ab")
+        with contextlib.suppress(OSError):  # (its buffer is superseded by the new file)
+            old.close()
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1 or self.write_errors % 1000 == 0:  # (not a line a task)
+            log.error(
+                "the journal cannot be written: tasks accepted now are not durable (free "
+                "space on its file system)",
+                extra={"path": str(self.path), "what": what, "error": str(exc),
+                       "errors": self.write_errors},
+            )  # fmt: skip
 
     def close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:  # what was not written is lost; the rest of the stop goes on
+            self._failed("close", exc)
+        finally:
+            with contextlib.suppress(OSError):
+                self._file.close()
 
 
 def _decode_one(decoder: msgspec.msgpack.Decoder, data: bytes, offset: int) -> tuple[object, int]:
@@ -202,8 +272,20 @@ def _decode_one(decoder: msgspec.msgpack.Decoder, data: bytes, offset: int) -> t
     end = _record_end(data, offset)
     try:
         return decoder.decode(data[offset:end]), end
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ValueError(str(exc)) from None
+
+
+def _next_record(decoder: msgspec.msgpack.Decoder, data: bytes, start: int) -> int | None:
+    """Where the first whole record at or after ``start`` begins; None if there is none."""
+    at = data.find(b"\x92", start)
+    while at != -1:
+        try:
+            _decode_one(decoder, data, at)
+            return at
+        except ValueError:
+            at = data.find(b"\x92", at + 1)
+    return None
 
 
 def _record_end(data: bytes, offset: int) -> int:
