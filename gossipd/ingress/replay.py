@@ -78,6 +78,7 @@ class JournalReplay:
         ``join_wait_s`` for its first member before it asks); ``answer_wait_s``: how long it
         waits for the members' answers."""
         self._journal = journal
+        self.journal = journal  # (its counters: metrics)
         self._intake = intake
         self._node = node
         self._clock = clock

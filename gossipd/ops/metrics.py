@@ -212,6 +212,21 @@ class DaemonCollector:
                 "outcome",
                 [(o, replay.outcomes[o]) for o in OUTCOMES],
             )
+            journal = replay.journal
+            yield _by(
+                C,
+                "gossipd_journal_errors",
+                "Journal trouble, by kind: write (writes, syncs, compactions and closes the "
+                "file system refused, e.g. a full disk: those tasks not durable), "
+                "damaged_bytes (bytes mid-file that were no record, skipped at replay), "
+                "unreadable_tasks (accepted tasks whose record did not decode at replay)",
+                "kind",
+                [
+                    ("write", journal.write_errors),
+                    ("damaged_bytes", journal.damaged_bytes),
+                    ("unreadable_tasks", journal.unreadable_tasks),
+                ],
+            )
         load_gossip = s.get("load_gossip")
         if load_gossip is not None:
             yield from _load_gossip_metrics(load_gossip, dispatcher)
