@@ -455,3 +455,26 @@ def test_a_restart_expects_members_only_from_a_seed_that_is_not_itself() -> None
     assert expects_members(config(wild, mine, "tcp://10.0.0.6:7946"), "d0")
     assert expects_members(config(wild, mine, mine, "tcp://10.0.0.5:7947"), "d0")
     assert expects_members(config(wild, mine, "d1@" + mine), "d0")
+
+
+def test_the_journals_damage_is_in_the_metrics(tmp_path: Path) -> None:
+    """The damage replay skipped, as Prometheus sees it (gossipd_journal_errors_total)."""
+    import msgspec
+
+    path = tmp_path / "j"
+    daemon = _daemon_with_journal(path, [task(1)])
+    daemon._ctx.destroy(linger=0)
+    with path.open("ab") as fh:
+        fh.write(b"\x00\x00" + msgspec.msgpack.encode([1, b"\x01"]))  # damage, a bad task
+    after = Journal(path)
+    after.accept(task(2))  # (a record after them: the damage is mid-file)
+    after.close()
+    daemon = _daemon_with_journal(path, [])
+    try:
+        assert daemon.replay is not None and daemon.replay.read(fanout=False)
+        text = daemon._metrics_text().decode()
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert 'gossipd_journal_errors_total{kind="damaged_bytes"} 2.0' in text
+    assert 'gossipd_journal_errors_total{kind="unreadable_tasks"} 1.0' in text
+    assert 'gossipd_journal_errors_total{kind="write"} 0.0' in text
