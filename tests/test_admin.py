@@ -264,3 +264,36 @@ def test_a_drain_from_the_peer_channel_is_never_relayed_again(cluster: Cluster) 
         dealer.close(linger=0)
         ctx.term()
         producer.close()
+
+
+def test_status_output_writes_what_daemons_report_as_escapes_not_terminal_codes() -> None:
+    """Node names are any 128 characters and, without CURVE, anyone gossips them: a member
+    named to clear the screen and forge a row did so in `gossipd status`'s table."""
+    from gossipd.tools.admin import format_status, printable
+
+    evil = "\x1b[2J\x1b[31mowned\nFAKE-ROW alive"
+    row = {
+        "node": evil, "state": "alive", "status": "serving", "engine": "echo", "model": "m",
+        "gpu_index": 0, "seen_as": {"d00": "serving"}, "load": {}, "engine_load": {},
+    }  # fmt: skip
+    status = {"members": [row], "members_live": 1, "checksums": ["1"], "checksums_agree": True,
+              "leader": None, "election": "off"}  # fmt: skip
+    text = format_status(status)
+    assert "\x1b" not in text and len(text.splitlines()) == 3  # header, the row, checksum
+    assert "\\x1b[2J\\x1b[31mowned\\nFAKE-ROW alive" in text
+    assert printable("héllo d01") == "héllo d01"  # printable text as it is
+
+
+def test_the_status_tools_context_holds_a_socket_for_every_member_of_a_large_cluster() -> None:
+    """`gossipd status` asks every live member at once, a PUSH each: libzmq's default of
+    1,023 sockets ended it in a traceback at about 1,020 members."""
+    import zmq
+
+    from gossipd.ops.fdlimits import MEMBERS_MAX
+    from gossipd.tools.admin import _Asker
+
+    asker = _Asker(reply_bind="tcp://127.0.0.1:*")
+    try:
+        assert asker._ctx.get(zmq.MAX_SOCKETS) > MEMBERS_MAX
+    finally:
+        asker.close()

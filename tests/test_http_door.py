@@ -698,3 +698,29 @@ def test_connections_past_connections_max_are_closed_at_once_and_counted() -> No
     refused, served = asyncio.run(main())
     assert refused == b"" and served.startswith(b"HTTP/1.1 200 ")
     assert limits.counters.connections_refused == 1 and limits.counters.connections == 3
+
+
+def test_api_keys_whose_directory_goes_away_are_all_refused_until_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """Removing http.keys_dir revokes every key (it kept them all), and a SIGHUP's forced
+    read of a directory that cannot be read no longer raises in the signal handler."""
+    import shutil
+
+    from gossipd.http.keys import ApiKeys
+
+    keys_dir = tmp_path / "keys"
+    keys_dir.mkdir()
+    (keys_dir / "alice.key").write_text("k" * 32 + "\n")
+    keys = ApiKeys(str(keys_dir))
+    bearer = "Bearer " + "k" * 32
+    assert keys.name_of(bearer) == "alice"
+    shutil.rmtree(keys_dir)
+    assert not keys.reload(force=True)  # SIGHUP's read: no exception
+    assert keys.name_of(bearer) is None and keys.unreadable
+    assert not keys.reload()  # the periodic read, still gone: still none
+    keys_dir.mkdir()
+    (keys_dir / "alice.key").write_text("k" * 32 + "\n")
+    assert keys.reload() and keys.name_of(bearer) == "alice" and not keys.unreadable
+    with pytest.raises(OSError, match=r"http\.keys_dir"):
+        ApiKeys(str(tmp_path / "never-there"))  # at start-up: it stops the daemon

@@ -26,7 +26,8 @@ class ApiKeys:
         self._by_digest: dict[bytes, str] = {}
         self._seen: tuple[tuple[str, int, int], ...] = ()
         self.reloads = 0
-        self.reload(force=True)
+        self.unreadable = False  # the directory could not be read at the latest look
+        self.reload(force=True, initial=True)
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -38,16 +39,28 @@ class ApiKeys:
             return None
         return self._by_digest.get(hashlib.sha256(token.strip().encode()).digest())
 
-    def reload(self, *, force: bool = False) -> bool:
-        """Read the directory again if it changed; True when the keys were read."""
+    def reload(self, *, force: bool = False, initial: bool = False) -> bool:
+        """Read the directory again if it changed (``force``: whether it did or not); True
+        when the keys were read.  ``initial``: at start-up, where a directory that cannot be
+        read stops it (OSError).  Later one that cannot be read (removed, its permissions
+        taken away) leaves no key valid until it can be read again: revoking by removing the
+        directory works, and nothing raises in the SIGHUP handler."""
         try:
             files = sorted(p for p in self.directory.iterdir() if p.suffix == ".key")
             seen = tuple((p.name, *_stamp(p)) for p in files)
         except OSError as exc:
-            if force:
+            if initial:
                 raise OSError(f"http.keys_dir {str(self.directory)!r}: {exc.strerror}") from None
-            log.warning("cannot read http.keys_dir", extra={"error": exc.strerror})
+            if not self.unreadable:
+                log.error(
+                    "cannot read http.keys_dir: no API key is accepted until it can be read",
+                    extra={"dir": str(self.directory), "error": exc.strerror},
+                )
+            self.unreadable = True
+            self._by_digest = {}
+            self._seen = ()
             return False
+        self.unreadable = False
         if seen == self._seen and not force:
             return False
         keys: dict[bytes, str] = {}

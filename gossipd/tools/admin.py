@@ -31,8 +31,9 @@ from gossipd.core.admin_messages import AdminReply, StatusReport, decode_admin_a
 from gossipd.core.gossip_messages import MemberRecord
 from gossipd.core.messages import PROTOCOL_VERSION, Drain, Result, StatusQuery, endpoint_problem
 from gossipd.errors import RemoteProtocolError
+from gossipd.ops.fdlimits import FIXED_SOCKETS, MEMBERS_MAX, raise_open_files, size_context
 from gossipd.security import is_wildcard_host
-from gossipd.tools.client import DEFAULT_REPLY_BIND, ProducerKeys
+from gossipd.tools.client import DEFAULT_REPLY_BIND, REPLY_BYTES_MAX, ProducerKeys
 
 DEFAULT_TIMEOUT_S = 2.0
 MemberKey = Callable[[str], bytes | None]
@@ -53,10 +54,17 @@ class _Asker:
         curve: ProducerKeys | None = None,
     ) -> None:
         self._own = ctx is None
-        self._ctx = ctx or zmq.Context()
+        if ctx is None:
+            # One PUSH a member, all at once: sized for the largest cluster (libzmq's default
+            # of 1,023 sockets made `status` on ~1,020 members end in a traceback).
+            ctx = zmq.Context()
+            size_context(ctx, MEMBERS_MAX + FIXED_SOCKETS)
+            raise_open_files(2 * (MEMBERS_MAX + FIXED_SOCKETS), at_least=0)
+        self._ctx = ctx
         self.curve = curve
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, REPLY_BYTES_MAX)  # a daemon's answer, bounded
         self._pushes: list[zmq.Socket] = []
         if curve is not None:  # daemons answer only a server holding our key
             self._pull.setsockopt(zmq.CURVE_SERVER, 1)
@@ -376,7 +384,16 @@ def format_status(status: dict[str, Any]) -> str:
         else f"DISAGREE or incomplete: {', '.join(status['checksums']) or 'none'}"
     )
     lines.append(f"member-set checksum: {agree}; leader: {_leader_text(status)}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
+
+
+def printable(text: str) -> str:
+    """``text`` with control and format characters written as escapes: what daemons report
+    (node names are any 128 characters, gossiped by anyone without CURVE) must not move the
+    operator's cursor, clear the screen or start a line of its own."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _leader_text(status: dict[str, Any]) -> str:
@@ -404,7 +421,7 @@ def status_main(
                 endpoint, timeout_s, reply_bind=reply_bind, curve=curve, member_key=member_key
             )
         except AdminError as exc:
-            print(f"gossipd status: {exc}", file=sys.stderr)
+            print(printable(f"gossipd status: {exc}"), file=sys.stderr)
             if not watch:
                 return 1
             time.sleep(interval_s)
@@ -414,7 +431,7 @@ def status_main(
         else:
             if watch and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")
-            print(f"{time.strftime('%H:%M:%S')} asked {endpoint} ({status['node']})")
+            print(printable(f"{time.strftime('%H:%M:%S')} asked {endpoint} ({status['node']})"))
             print(format_status(status), flush=True)
         if not watch:
             return 0
@@ -450,8 +467,9 @@ def drain(
         asker.close()
     if answer is None:
         raise AdminError(_no_answer(repr(node), endpoint, timeout_s, reply_to))
-    if isinstance(answer, Result):
-        assert answer.error is not None
+    if isinstance(answer, Result):  # (a daemon answers a Drain with a Result only to refuse)
+        if answer.error is None:
+            raise AdminError(f"{endpoint} answered the Drain with a task's Result: not a daemon?")
         raise AdminError(f"{endpoint} refused: {answer.error.code}: {answer.error.message}")
     if not isinstance(answer, AdminReply) or not answer.ok:
         raise AdminError(getattr(answer, "message", "unexpected answer"))
@@ -473,7 +491,7 @@ def drain_main(
             endpoint, node, drain=drain_it, timeout_s=timeout_s, reply_bind=reply_bind, curve=curve
         )
     except AdminError as exc:
-        print(f"gossipd {verb}: {exc}", file=sys.stderr)
+        print(printable(f"gossipd {verb}: {exc}"), file=sys.stderr)
         return 1
-    print(f"{reply.node}: {reply.status} ({reply.message})")
+    print(printable(f"{reply.node}: {reply.status} ({reply.message})"))
     return 0
