@@ -287,6 +287,33 @@ class Daemon:
             self.exit_status = exit_status
         self._stop.set()
 
+    async def _engine_started(self) -> bool:
+        """Start the engine; False when a stop was asked first (SIGTERM while vLLM loads:
+        minutes on a large model, past systemd's TimeoutStopSec, after which it would have
+        bound, said READY and served only to drain at once).  Its exception is raised."""
+        starting = asyncio.ensure_future(self.engine.start())
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if starting.done():
+            starting.result()  # (raises what the start raised)
+            return True
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return False
+
+    async def _stopped_before_serving(self) -> int:
+        log.info("stopped while its engine started: nothing was served")
+        await self.engine.stop()
+        if self.journal is not None:
+            self.journal.close()
+        self.notifier.close()
+        self.security.close()
+        self._ctx.destroy(linger=0)
+        return self.exit_status
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "ingress": self.ingress.statistics(),
@@ -374,7 +401,8 @@ class Daemon:
                 + (" (security.insecure = true)" if self.config.security.insecure else "")
             )
         try:
-            await self.engine.start()
+            if not await self._engine_started():
+                return await self._stopped_before_serving()
         except ImportError as exc:
             raise StartupError(
                 f"engine.kind = {self.config.engine.kind!r} needs its package ({exc.name}): "

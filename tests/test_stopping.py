@@ -150,3 +150,50 @@ def test_a_part_that_raises_stops_the_daemon_with_exit_1_and_a_critical_line(cap
     (line,) = [r for r in caplog.records if r.levelname == "CRITICAL"]
     assert "a part of the daemon failed" in line.getMessage()
     assert line.exc_info is not None and "a part's bug" in repr(line.exc_info[1])
+
+
+def test_a_stop_while_the_engine_starts_ends_the_daemon_without_serving(caplog) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM while vLLM loads (minutes on a large model): the daemon waited for the load,
+    then bound, said READY and drained, past systemd's TimeoutStopSec (SIGKILL).  Now the
+    start is abandoned, the engine stopped, and run() returns at once."""
+    import logging
+
+    from gossipd.config import load_config
+    from gossipd.daemon import Daemon
+    from gossipd.tools.launcher import free_tcp_port
+
+    config = load_config(
+        environ={},
+        overrides=[
+            f'ingress.bind="tcp://127.0.0.1:{free_tcp_port()}"',
+            'gossip.bind=""',
+            'journal.path=""',
+            'metrics.bind=""',
+            'engine.kind="echo"',
+        ],
+    )
+    daemon = Daemon(config)
+    stopped: list[bool] = []
+
+    async def slow_start() -> None:
+        await asyncio.sleep(60)
+
+    async def stop() -> None:
+        stopped.append(True)
+
+    daemon.engine.start = slow_start  # type: ignore[method-assign]
+    daemon.engine.stop = stop  # type: ignore[method-assign]
+
+    async def run() -> tuple[int, float]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, daemon.request_stop)
+        started = time.monotonic()
+        async with asyncio.timeout(10):
+            return await daemon.run(), time.monotonic() - started
+
+    with caplog.at_level(logging.INFO, logger="gossipd.daemon"):
+        status, took = asyncio.run(run())
+    assert status == 0 and took < 5 and stopped == [True]
+    messages = [r.getMessage() for r in caplog.records]
+    assert "stopped while its engine started: nothing was served" in messages
+    assert "serving" not in messages
