@@ -240,6 +240,7 @@ class Journal:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, self.path)
+        _fsync_directory(self.path.parent)  # the rename itself durable, not only the data
         old, self._file = self._file, self.path.open("ab")
         with contextlib.suppress(OSError):  # (its buffer is superseded by the new file)
             old.close()
@@ -263,6 +264,14 @@ class Journal:
         finally:
             with contextlib.suppress(OSError):
                 self._file.close()
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _decode_one(decoder: msgspec.msgpack.Decoder, data: bytes, offset: int) -> tuple[object, int]:
