@@ -297,3 +297,18 @@ def test_the_status_tools_context_holds_a_socket_for_every_member_of_a_large_clu
         assert asker._ctx.get(zmq.MAX_SOCKETS) > MEMBERS_MAX
     finally:
         asker.close()
+
+
+def test_one_member_address_no_socket_connects_to_does_not_sink_the_whole_status(
+    daemon_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """ask_status refused the whole list for one bad address (the status printed nothing
+    but that); now that endpoint gets its reason and the others are asked."""
+    from gossipd.core.admin_messages import StatusReport
+    from gossipd.tools.admin import ask_status
+
+    daemon = daemon_factory()
+    bad = "tcp://bad host:1"
+    got = ask_status([bad, daemon.endpoint], 5.0)
+    assert isinstance(got[daemon.endpoint], StatusReport)
+    assert isinstance(got[bad], str) and "is not tcp://HOST:PORT" in got[bad]

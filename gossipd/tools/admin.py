@@ -177,15 +177,21 @@ def ask_status(
     server_keys: Sequence[bytes | None] = (),
 ) -> dict[str, StatusReport | str]:
     """Each endpoint's StatusReport, or a string saying why there is none.  ``server_keys``:
-    with CURVE, each endpoint's daemon key (default: the first --server-key)."""
+    with CURVE, each endpoint's daemon key (default: the first --server-key).  An endpoint
+    no socket connects to gets its reason, and the others are still asked (one member's
+    odd address does not sink the whole status)."""
+    out: dict[str, StatusReport | str] = {}
     for e in endpoints:
-        _check(e)
+        problem = endpoint_problem(e)
+        if problem is not None:
+            out[e] = f"endpoint {problem}"
     asker = _Asker(reply_bind=reply_bind, curve=curve)
     try:
         ids: dict[str, str] = {}
-        out: dict[str, StatusReport | str] = {}
         started = time.monotonic()
         for i, endpoint in enumerate(endpoints):
+            if endpoint in out:
+                continue
             query_id = f"status-{secrets.token_hex(6)}"
             query = StatusQuery(v=PROTOCOL_VERSION, id=query_id, reply_to=asker.reply_to)
             left_s = max(0.05, timeout_s - (time.monotonic() - started))
