@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from gossipd import iothreads
+from tests.helpers import wait_until
 
 
 def _io_threads(pid: int) -> dict[int, int]:
@@ -34,7 +35,11 @@ def test_a_context_asked_for_batch_starts_its_io_thread_under_it() -> None:
     try:
         assert iothreads.batch_io_threads(ctx)
         sock = ctx.socket(zmq.PUSH)  # the first socket starts the I/O thread
-        started = {t: p for t, p in _io_threads(os.getpid()).items() if t not in before}
+        started = wait_until(  # (it names itself once it runs: not at once on a busy host)
+            lambda: {t: p for t, p in _io_threads(os.getpid()).items() if t not in before},
+            10,
+            "the I/O thread",
+        )
         sock.close(0)  # (before asserting: term() waits for every socket)
         assert started and set(started.values()) == {os.SCHED_BATCH}
     finally:
@@ -52,10 +57,14 @@ from gossipd import iothreads
 ctx = zmq.Context()
 asked = iothreads.batch_io_threads(ctx)
 sock = ctx.socket(zmq.PUSH)  # the first socket starts the I/O thread
+import time
 policies = set()
-for tid in os.listdir("/proc/self/task"):
-    if Path(f"/proc/self/task/{tid}/comm").read_text().startswith("ZMQbg/IO"):
-        policies.add(os.sched_getscheduler(int(tid)))
+deadline = time.monotonic() + 10
+while not policies and time.monotonic() < deadline:  # (it names itself once it runs)
+    for tid in os.listdir("/proc/self/task"):
+        if Path(f"/proc/self/task/{tid}/comm").read_text().startswith("ZMQbg/IO"):
+            policies.add(os.sched_getscheduler(int(tid)))
+    time.sleep(0.01)
 sock.close(0)
 ctx.term()
 print(asked, sorted(policies))
