@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import zmq
 from hypothesis import given
@@ -176,22 +179,12 @@ def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped
     """On our connection to member a's address, a TaskDone, ForwardReply or ConfirmReply
     that names b is b's to send, not a's: dropped and counted (bad_peer_messages), as the
     rpc server drops a Forward whose src is not its key's node."""
-    from gossipd.config import load_config
     from gossipd.core.gossip_messages import Alive, GpuState, Meta
     from gossipd.core.membership import MemberTable
     from gossipd.core.peer_messages import ConfirmReply, ForwardReply
-    from gossipd.daemon import Daemon
 
-    config = load_config(
-        environ={},
-        overrides=[f'gossip.bind="tcp://127.0.0.1:{free_tcp_port()}"',
-                   f'fanout.rpc_bind="tcp://127.0.0.1:{free_tcp_port()}"',
-                   'ingress.bind="tcp://127.0.0.1:0"', 'journal.path=""', 'metrics.bind=""'],
-    )  # fmt: skip
-    daemon = Daemon(config)
-    dispatcher = daemon._build_fanout("tcp://127.0.0.1:1").dispatcher
-    try:
-        table = MemberTable(me=daemon.node, addr="tcp://10.0.0.9:1", now=0.0)
+    with _built_dispatcher() as dispatcher:
+        table = MemberTable(me=dispatcher.node, addr="tcp://10.0.0.9:1", now=0.0)
         for name in ("a", "b"):
             table.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:7946"), 0.0)
             gpu = GpuState(rpc=f"tcp://{name}:5558")
@@ -207,18 +200,35 @@ def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped
         dispatcher.on_peer_replies(spoken_for_b, "tcp://b:5558")  # b's own: taken
         assert dispatcher.replies_for_another == 3
         assert dispatcher.statistics().bad_peer_messages == 3
-    finally:
-        dispatcher.close()
-        daemon._ctx.destroy(linger=0)
 
 
 def test_the_owner_remembers_a_bounded_number_of_forwarders_connections() -> None:
     """A Forward's src is its sender's word without CURVE: one src per Forward grew the
     owner's map of members' latest connections without end.  It holds LINKS_MAX at most,
     the newest kept."""
+    from gossipd.fanout.owner import LINKS_MAX
+
+    async def forwards(owner: Any) -> dict[str, bytes]:
+        for i in range(LINKS_MAX + 500):
+            task = Task(v=1, id=f"t{i}", prompt="p", reply_to="tcp://127.0.0.1:1")
+            forward = Forward(req=i, src=f"src-{i}", task=task, remaining_ms=1000)
+            owner._on_forward(f"conn-{i}".encode(), forward)
+        # Read within the turn: its replies leave at the turn's end, and a reply to an
+        # identity with no connection (these) drops that member's entry.
+        return dict(owner._link_of)
+
+    with _built_dispatcher() as dispatcher:
+        links = asyncio.run(forwards(dispatcher.owner))
+    assert len(links) == LINKS_MAX
+    assert links[f"src-{LINKS_MAX + 499}"] == f"conn-{LINKS_MAX + 499}".encode()
+    assert "src-0" not in links
+
+
+@contextlib.contextmanager
+def _built_dispatcher() -> Iterator[Any]:
+    """The fan-out dispatcher of a daemon that is built, not run (no socket bound)."""
     from gossipd.config import load_config
     from gossipd.daemon import Daemon
-    from gossipd.fanout.owner import LINKS_MAX
 
     config = load_config(
         environ={},
@@ -228,22 +238,8 @@ def test_the_owner_remembers_a_bounded_number_of_forwarders_connections() -> Non
     )  # fmt: skip
     daemon = Daemon(config)
     dispatcher = daemon._build_fanout("tcp://127.0.0.1:1").dispatcher
-    owner = dispatcher.owner
-
-    async def forwards() -> dict[str, bytes]:
-        for i in range(LINKS_MAX + 500):
-            task = Task(v=1, id=f"t{i}", prompt="p", reply_to="tcp://127.0.0.1:1")
-            forward = Forward(req=i, src=f"src-{i}", task=task, remaining_ms=1000)
-            owner._on_forward(f"conn-{i}".encode(), forward)
-        # Read within the turn: its replies leave at the turn's end, and a reply to an
-        # identity with no connection (these) drops that member's entry.
-        return dict(owner._link_of)
-
     try:
-        links = asyncio.run(forwards())
-        assert len(links) == LINKS_MAX
-        assert links[f"src-{LINKS_MAX + 499}"] == f"conn-{LINKS_MAX + 499}".encode()
-        assert "src-0" not in links
+        yield dispatcher
     finally:
         dispatcher.close()
         daemon._ctx.destroy(linger=0)

@@ -77,8 +77,7 @@ class JournalReplay:
         """``expect_members``: this daemon has seeds to join (so a restart waits up to
         ``join_wait_s`` for its first member before it asks); ``answer_wait_s``: how long it
         waits for the members' answers."""
-        self._journal = journal
-        self.journal = journal  # (its counters: metrics)
+        self.journal = journal  # (its counters are read by the metrics too)
         self._intake = intake
         self._node = node
         self._clock = clock
@@ -101,8 +100,8 @@ class JournalReplay:
         """Read the journal's unfinished tasks (before the first new task can be
         journaled) and admit the forwarded ones now, held from the workers (``fanout``
         False: none counts as forwarded); how many to ask about (``run``)."""
-        unfinished = self._journal.replay()
-        forwarded = self._journal.forwarded if fanout else {}
+        unfinished = self.journal.replay()
+        forwarded = self.journal.forwarded if fanout else {}
         self._waiting = [task for task in unfinished if task.id not in forwarded]
         now_ones = [task for task in unfinished if task.id in forwarded]
         for task, outcome in self._admit(now_ones, {}, enqueue=False):
@@ -217,7 +216,7 @@ class JournalReplay:
         """Admit each task by its deadline unless ``known`` elsewhere or held here
         (``enqueue=False``: held from the workers); each task with what became of it (an
         ``outcomes`` key)."""
-        journal, intake = self._journal, self._intake
+        journal, intake = self.journal, self._intake
         admission = intake.admission
         now, wall = self._clock.monotonic(), self._clock.wall()
         out: list[tuple[Task, str]] = []

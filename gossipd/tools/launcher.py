@@ -68,12 +68,9 @@ def _port_set(overrides: Sequence[str], key: str) -> int | None:
     address (or none); None when no override sets ``key``."""
     for item in overrides:
         if item.startswith(key):
-            port = item[len(key) :].strip("\"'").rpartition(":")[2]
-            return (
-                int(port)
-                if item[len(key) :].strip("\"'").startswith("tcp://") and port.isdigit()
-                else 0
-            )
+            address = item[len(key) :].strip("\"'")
+            port = address.rpartition(":")[2]
+            return int(port) if address.startswith("tcp://") and port.isdigit() else 0
     return None
 
 
