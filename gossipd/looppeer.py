@@ -27,6 +27,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.ops.logs import HANDLER_FAILURES, handler_name
 from gossipd.peerchannel import OnReplies, OnRequest
 from gossipd.peerlink import (
     WRITE_BYTES_MAX,
@@ -190,6 +191,7 @@ class LoopPeerServer:
                 on_request(identity, parts[0], user)
             except Exception:  # one frame's failure leaves the connection and the rest
                 self.handler_errors += 1
+                HANDLER_FAILURES[handler_name(on_request)] += 1
                 log.exception("handling a peer's frame failed")
 
     def send(self, identity: bytes, frame: bytes) -> bool:
@@ -395,6 +397,7 @@ class LoopPeerClient:
                 self._on_replies(conn.addr, frames)
             except Exception:  # logged; the connection and the next reads go on
                 self.handler_errors += 1
+                HANDLER_FAILURES[handler_name(self._on_replies)] += 1
                 log.exception("handling a peer's replies failed")
 
     def close_idle(self, now: float, idle_s: float, keep: Callable[[str], bool]) -> int:

@@ -12,6 +12,7 @@ callers'.
 from __future__ import annotations
 
 import errno
+import logging
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Protocol
@@ -19,8 +20,11 @@ from typing import Protocol
 import zmq
 
 from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.ops.logs import handler_name, note_handler_failure
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.zmqloop import NOBLOCK, SocketReader, kick
+
+log = logging.getLogger("gossipd.peerchannel")
 
 # A client's frames back from one peer: (the peer's address, one read's frames, in order).
 OnReplies = Callable[[str, list[bytes]], None]
@@ -304,7 +308,10 @@ class ZmqPeerServer:
             if len(parts) != 2:  # a ROUTER gives [identity, frame]; a peer sent more
                 self._malformed()
                 continue
-            on_request(parts[0], parts[1], "")
+            try:
+                on_request(parts[0], parts[1], "")
+            except Exception:  # one frame's bug: the frames read with it go on
+                note_handler_failure(handler_name(on_request), log, "handling a peer's frame")
 
     def _on_curve_messages(self, messages: list[list[zmq.Frame]]) -> None:
         on_request = self._on_request
@@ -313,7 +320,10 @@ class ZmqPeerServer:
             if len(parts) != 2:
                 self._malformed()
                 continue
-            on_request(parts[0].bytes, parts[1].bytes, parts[1].get(b"User-Id"))
+            try:
+                on_request(parts[0].bytes, parts[1].bytes, parts[1].get(b"User-Id"))
+            except Exception:  # one frame's bug: the frames read with it go on
+                note_handler_failure(handler_name(on_request), log, "handling a peer's frame")
 
     def _malformed(self) -> None:
         assert self._on_malformed is not None

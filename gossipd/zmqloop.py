@@ -23,7 +23,7 @@ from typing import Any, cast
 import zmq
 
 from gossipd.core.messages import Chunk, Result, encode, replies_frame, replies_groups
-from gossipd.ops.logs import RateLimiter
+from gossipd.ops.logs import HANDLER_FAILURES, RateLimiter, handler_name
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
 log = logging.getLogger("gossipd.zmqloop")
@@ -130,6 +130,7 @@ class SocketReader:
         # limit), so that a burst of large messages is not all held at once while handled.
         self._batch_bytes_max = batch_bytes_max
         self._on_messages = on_messages
+        self._handler = handler_name(on_messages)
         self._loop = asyncio.get_running_loop()
         self._fd = option(zmq.FD)
         self._closed = False
@@ -188,6 +189,7 @@ class SocketReader:
             self._on_messages(messages)
         except Exception:
             self.handler_failures += 1
+            HANDLER_FAILURES[self._handler] += 1
             if _failure_log.allow():
                 log.exception(
                     "a socket reader's handler failed; reading on",

@@ -272,3 +272,66 @@ def test_a_servers_connections_hold_a_bounded_number_of_bytes_of_unfinished_fram
     assert [len(f) for f in got] == [60_000]
     assert held_after == 50_009 and held_end == 0
     assert refused == {"busy": 2} and over == 2
+
+
+def test_a_peer_handler_that_raises_is_counted_by_name_and_exported_and_the_rest_go_on() -> None:
+    """A bug in the handler of one frame (either side) is logged and counted in
+    ``gossipd_handler_failures_total{handler}``; the connection and the frames after it go on."""
+    from gossipd.ops.logs import HANDLER_FAILURES
+    from gossipd.ops.metrics import handler_failures_metric
+
+    class Owner:
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+
+        def on_request(self, identity: bytes, frame: bytes, sender: str) -> None:
+            if frame == b"bad":
+                raise RuntimeError("an owner's bug")
+            self.got.append(frame)
+            server.send(identity, b"re:" + frame)
+
+    class Forwarder:
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+
+        def on_replies(self, addr: str, frames: list[bytes]) -> None:
+            for frame in frames:
+                if frame == b"re:also-bad":
+                    raise RuntimeError("a forwarder's bug")
+                self.got.append(frame)
+
+    owner, forwarder = Owner(), Forwarder()
+    server = LoopPeerServer(message_bytes_max=1 << 16)
+    before = HANDLER_FAILURES.copy()
+
+    async def main() -> None:
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.start(owner.on_request, lambda: None)
+        client = LoopPeerClient(message_bytes_max=1 << 16)
+        client.start(forwarder.on_replies)
+        try:
+            for frame in (b"one", b"bad", b"two"):
+                assert client.send(addr, frame)
+            await wait_until_async(lambda: forwarder.got == [b"re:one", b"re:two"], 5.0, "two")
+            assert client.send(addr, b"also-bad")
+            # (a reply read is handed over whole: what came in the same read is the
+            # handler's to lose, so the next frame goes once the failure is counted)
+            await wait_until_async(
+                lambda: HANDLER_FAILURES["Forwarder.on_replies"] > before["Forwarder.on_replies"],
+                5.0,
+                "the forwarder's failure",
+            )
+            assert client.send(addr, b"three")
+            await wait_until_async(lambda: b"re:three" in forwarder.got, 5.0, "the third")
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+    assert owner.got == [b"one", b"two", b"also-bad", b"three"]
+    assert forwarder.got == [b"re:one", b"re:two", b"re:three"]
+    grown = HANDLER_FAILURES - before
+    assert grown == {"Owner.on_request": 1, "Forwarder.on_replies": 1}
+    samples = {s.labels["handler"]: s.value for s in handler_failures_metric().samples
+               if s.name.endswith("_total")}  # fmt: skip
+    assert samples["Owner.on_request"] >= 1 and samples["Forwarder.on_replies"] >= 1

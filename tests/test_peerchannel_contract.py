@@ -575,3 +575,37 @@ def test_ZmqPeerServer_under_CURVE_gives_the_senders_key_node_and_refuses_unknow
     got, replies = run_with_context(main)
     assert [(frame, sender) for _, frame, sender in got] == [(b"from cli", "cli")]
     assert replies == [b"to cli"]
+
+
+class _Buggy(Served):
+    def on_request(self, identity: bytes, frame: bytes, sender: str) -> None:
+        if frame.startswith(b"bug"):
+            raise RuntimeError("the server's handler has a bug")
+        super().on_request(identity, frame, sender)
+
+
+@pytest.mark.parametrize("kind", ["zmq", "loop", "loop_curve"])
+def test_PeerServer_a_frame_whose_handler_raises_leaves_the_frames_read_with_it_handled(
+    kind: str,
+) -> None:
+    """A bug in the handler of one frame is counted (gossipd_handler_failures_total) and the
+    frames after it, in the same burst, still reach the handler (the simulator raises: it
+    is there to find such bugs)."""
+    from gossipd.ops.logs import HANDLER_FAILURES
+
+    before = sum(HANDLER_FAILURES.values())
+
+    async def body(net: Net) -> None:
+        server = net.new_server("s")
+        served = _Buggy(server, server.bind(net.bind_addr()))
+        server.start(served.on_request, lambda: served.malformed.append(None))
+        a = connect(net, "a")
+        assert a.client.send(served.addr, b"connect")
+        await net.wait_for(lambda: served.frames() == [b"connect"], "the first frame")
+        frames = [b"bug" if i % 10 == 3 else b"f%03d" % i for i in range(100)]
+        assert all([a.client.send(served.addr, frame) for frame in frames])  # one turn
+        await net.wait_for(lambda: len(served.got) >= 91, "the 90 good frames")
+        assert served.frames()[1:] == [f for f in frames if f != b"bug"]
+
+    _run(kind, body)
+    assert sum(HANDLER_FAILURES.values()) - before == 10

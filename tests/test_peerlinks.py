@@ -202,6 +202,27 @@ def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped
         assert dispatcher.statistics().bad_peer_messages == 3
 
 
+def test_a_reply_whose_handling_raises_leaves_its_batch_mates_handled_and_is_counted() -> None:
+    """One read's replies are handled one by one: a bug in one (here the forwarder raising
+    for t1) is logged and counted (gossipd_handler_failures_total), and the replies read with
+    it are still handled (they lost their producers' answers before)."""
+    from gossipd.ops.logs import HANDLER_FAILURES
+
+    handled: list[str] = []
+
+    def on_reply(msg: Any, now: float) -> None:
+        if msg.id == "t1":
+            raise RuntimeError("a forwarder's bug")
+        handled.append(msg.id)
+
+    with _built_dispatcher() as dispatcher:
+        dispatcher.forwarder.on_reply = on_reply
+        before = HANDLER_FAILURES["Dispatcher.on_peer_replies"]
+        dispatcher.on_peer_replies([TaskDone(id=i, node="n") for i in ("t0", "t1", "t2")])
+    assert handled == ["t0", "t2"]
+    assert HANDLER_FAILURES["Dispatcher.on_peer_replies"] == before + 1
+
+
 def test_the_owner_remembers_a_bounded_number_of_forwarders_connections() -> None:
     """A Forward's src is its sender's word without CURVE: one src per Forward grew the
     owner's map of members' latest connections without end.  It holds LINKS_MAX at most,
@@ -243,3 +264,32 @@ def _built_dispatcher() -> Iterator[Any]:
     finally:
         dispatcher.close()
         daemon._ctx.destroy(linger=0)
+
+
+def test_a_task_frame_whose_handling_raises_leaves_the_frames_read_with_it_handled() -> None:
+    """The ingress reads a batch of task frames at once: a bug in one frame's handling is
+    counted (gossipd_handler_failures_total) and the others are still handled."""
+    from gossipd.config import load_config
+    from gossipd.daemon import Daemon
+    from gossipd.ops.logs import HANDLER_FAILURES
+
+    config = load_config(
+        environ={},
+        overrides=['ingress.bind="tcp://127.0.0.1:0"', 'journal.path=""', 'metrics.bind=""'],
+    )
+    daemon = Daemon(config)
+    handled: list[bytes] = []
+
+    def handle_frame(frame: bytes, now: float, producer_key: str = "") -> None:
+        if frame == b"bug":
+            raise RuntimeError("a bug in the ingress")
+        handled.append(frame)
+
+    try:
+        daemon.ingress.handle_frame = handle_frame  # type: ignore[method-assign]
+        before = HANDLER_FAILURES["Ingress.handle_frame"]
+        daemon.ingress._on_frames([b"one", b"bug", b"two"])
+    finally:
+        daemon._ctx.destroy(linger=0)
+    assert handled == [b"one", b"two"]
+    assert HANDLER_FAILURES["Ingress.handle_frame"] == before + 1

@@ -50,6 +50,7 @@ from gossipd.core.peer_messages import (
 from gossipd.core.placer import Placer
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
+from gossipd.ops.logs import note_handler_failure
 
 log = logging.getLogger("gossipd.fanout.forwarding")
 
@@ -193,35 +194,39 @@ class Dispatcher:
         tracer = self.tracer
         on_load = self.placer.on_load
         for msg in msgs:
-            if type(msg) is Relay:
-                if not self._deliver_relayed(msg.to, msg.frame):
-                    self.relayed_unroutable += 1
-                continue
-            if addr and type(msg) in _SPOKEN_FOR:
-                assert isinstance(msg, (ForwardReply, TaskDone, ConfirmReply))
-                if not self._from(msg.node, addr):
-                    self.replies_for_another += 1
+            # (a try costs nothing until it catches, in 3.11)
+            try:
+                if type(msg) is Relay:
+                    if not self._deliver_relayed(msg.to, msg.frame):
+                        self.relayed_unroutable += 1
                     continue
-            if type(msg) is ConfirmReply:
-                self.on_confirm_reply(msg)
-                continue
-            if type(msg) is ModelCard:
-                # Only a member's own card counts: it came on our connection to its address.
-                self.on_model_card(msg, bool(addr) and self.placer.addr(msg.node) == addr)
-                continue
-            if type(msg) is ReplayKnown:  # (the same rule)
-                self.on_replay_known(msg, bool(addr) and self.placer.addr(msg.node) == addr)
-                continue
-            if tracer is not None and type(msg) is TaskDone:
-                tracer.forward_done(msg.id)
-            load = getattr(msg, "load", None)
-            if load is not None:
-                # An owner speaks for its own load only (docs/PROTOCOL.md, "Load").
-                if load.node == getattr(msg, "node", None):
-                    on_load(load, now)
-                else:
-                    self.loads_refused += 1
-            on_reply(msg, now)
+                if addr and type(msg) in _SPOKEN_FOR:
+                    assert isinstance(msg, (ForwardReply, TaskDone, ConfirmReply))
+                    if not self._from(msg.node, addr):
+                        self.replies_for_another += 1
+                        continue
+                if type(msg) is ConfirmReply:
+                    self.on_confirm_reply(msg)
+                    continue
+                if type(msg) is ModelCard:
+                    # Only a member's own card counts: it came on our connection to its address.
+                    self.on_model_card(msg, bool(addr) and self.placer.addr(msg.node) == addr)
+                    continue
+                if type(msg) is ReplayKnown:  # (the same rule)
+                    self.on_replay_known(msg, bool(addr) and self.placer.addr(msg.node) == addr)
+                    continue
+                if tracer is not None and type(msg) is TaskDone:
+                    tracer.forward_done(msg.id)
+                load = getattr(msg, "load", None)
+                if load is not None:
+                    # An owner speaks for its own load only (docs/PROTOCOL.md, "Load").
+                    if load.node == getattr(msg, "node", None):
+                        on_load(load, now)
+                    else:
+                        self.loads_refused += 1
+                on_reply(msg, now)
+            except Exception:  # one message's bug: its batch-mates and the flush go on
+                note_handler_failure("Dispatcher.on_peer_replies", log, "handling a peer's reply")
         self._flush()
 
     def _from(self, node: str, addr: str) -> bool:

@@ -46,7 +46,7 @@ from gossipd.ingress.intake import Intake, admission_for
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.runner import Runner
 from gossipd.ops.histogram import LatencyHistogram
-from gossipd.ops.logs import RateLimiter
+from gossipd.ops.logs import RateLimiter, note_handler_failure
 from gossipd.zmqloop import NOBLOCK, ReplySender, SocketReader
 
 log = logging.getLogger("gossipd.ingress.service")
@@ -204,7 +204,10 @@ class Ingress:
     def _on_frames(self, frames: list[bytes]) -> None:
         now = self._clock.monotonic()
         for frame in frames:
-            self.handle_frame(frame, now)
+            try:  # (free until it catches)
+                self.handle_frame(frame, now)
+            except Exception:  # one frame's bug: the frames read with it go on
+                note_handler_failure("Ingress.handle_frame", log, "handling a task frame")
 
     def _on_curve_frames(self, frames: list[zmq.Frame]) -> None:
         """With CURVE: each frame's User-Id is its producer's key (the ZAP handler set it); a
@@ -224,7 +227,11 @@ class Ingress:
             # its ``buffer`` (a memoryview) and decoding from it cost more than the copy
             # saves (0.5 us more per 200-byte task, measured here).  A large one is decoded
             # from its buffer, without a copy.
-            handle(frame.bytes if len(frame) <= COPY_BYTES_MAX else frame.buffer, now, producer_key)
+            try:
+                data = frame.bytes if len(frame) <= COPY_BYTES_MAX else frame.buffer
+                handle(data, now, producer_key)
+            except Exception:  # one frame's bug: the frames read with it go on
+                note_handler_failure("Ingress.handle_frame", log, "handling a task frame")
 
     def drain_socket(self, now: float) -> int:
         """Read what is already queued on the socket (at shutdown, to answer it)."""

@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
@@ -139,6 +140,27 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+# Handlers of incoming messages that raised (a bug in this process: each is logged, rate
+# limited, and the reader goes on), by handler; exported as gossipd_handler_failures_total.
+# Per process, as the log is: one daemon a process in production.
+HANDLER_FAILURES: Counter[str] = Counter()
+
+
+def handler_name(handler: object) -> str:
+    """What HANDLER_FAILURES calls ``handler``: its qualified name (a partial's function's)."""
+    func = getattr(handler, "func", handler)
+    name = str(getattr(func, "__qualname__", type(handler).__name__))
+    return name.rpartition("<locals>.")[2]  # (a function's own classes and closures)
+
+
+def note_handler_failure(where: str, logger: logging.Logger, what: str) -> None:
+    """Count a failure of handler ``where`` and log it with its traceback (call it in the
+    ``except``), at most a few a second for all handlers together."""
+    HANDLER_FAILURES[where] += 1
+    if _HANDLER_LOG.allow():
+        logger.exception("%s failed; the rest go on", what, extra={"handler": where})
+
+
 class RateLimiter:
     """Token bucket: ``allow()`` is true at most ``per_s`` times a second (burst ``burst``).
     ``suppressed`` counts the denials since the last allowed call, to report them then."""
@@ -160,3 +182,6 @@ class RateLimiter:
             return True
         self.suppressed += 1
         return False
+
+
+_HANDLER_LOG = RateLimiter(per_s=1.0, burst=5)  # note_handler_failure's log lines

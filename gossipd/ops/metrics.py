@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from gossipd.core.replaycheck import OUTCOMES
+from gossipd.ops.logs import HANDLER_FAILURES
 from gossipd.ops.metric_families import C, G, _by, _one
 from gossipd.ops.metrics_subsystems import (
     _budget_metrics,
@@ -25,6 +26,17 @@ from gossipd.ops.metrics_subsystems import (
     _load_gossip_metrics,
     _security_metrics,
 )
+
+
+def handler_failures_metric() -> Metric:
+    return _by(
+        C,
+        "gossipd_handler_failures",
+        "Incoming messages whose handler raised (a bug: logged, rate limited; the reader "
+        "goes on), by handler (this process)",
+        "handler",
+        sorted(HANDLER_FAILURES.items()),
+    )
 
 
 class DaemonCollector:
@@ -242,6 +254,7 @@ class DaemonCollector:
         security = s.get("security")
         if security is not None and security.curve:
             yield from _security_metrics(security)
+        yield handler_failures_metric()
         hist = ing.latency
         latency = HistogramMetricFamily("gossipd_task_latency_seconds", "Receipt to final result")
         latency.add_metric([], hist.cumulative(), sum_value=hist.sum_s)
