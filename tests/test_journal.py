@@ -478,3 +478,33 @@ def test_the_journals_damage_is_in_the_metrics(tmp_path: Path) -> None:
     assert 'gossipd_journal_errors_total{kind="damaged_bytes"} 2.0' in text
     assert 'gossipd_journal_errors_total{kind="unreadable_tasks"} 1.0' in text
     assert 'gossipd_journal_errors_total{kind="write"} 0.0' in text
+
+
+def test_replay_holds_the_unfinished_tasks_in_memory_not_the_whole_file(tmp_path: Path) -> None:
+    """A 16 MiB journal of tasks that all finished but one: replay's Python allocations stay
+    far under the file's size (the file is mapped: its pages are the page cache's, not the
+    daemon's heap; it was read whole into one bytes object before)."""
+    import tracemalloc
+
+    path = tmp_path / "j"
+
+    async def write() -> None:
+        journal = Journal(path, compact_bytes=1 << 40)
+        for i in range(4_000):
+            journal.accept(task(i, prompt="x" * 4_000))
+            if i != 1_234:
+                journal.done(f"t{i}")
+        journal.close()
+
+    asyncio.run(write())
+    assert path.stat().st_size > 16 * 2**20
+    journal = Journal(path)
+    tracemalloc.start()
+    try:
+        replayed = journal.replay()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        journal.close()
+    assert [t.id for t in replayed] == ["t1234"]
+    assert peak < 2 * 2**20, peak
