@@ -392,8 +392,8 @@ def test_only_a_suspect_is_declared_dead_by_its_timer(state: State, declared: bo
 GPU = GpuState(model="m", running_requests=1)
 
 
-# A push-pull record -> the updates it stands for (rule 7: suspect and dead are only suspected,
-# by the sender; metadata only with a version).
+# A push-pull record about a member we know -> the updates it stands for (rule 7: suspect and
+# dead are only suspected, by the sender; metadata only with a version).
 MERGE_ROWS = [
     ("alive", 0, None, [Alive(node="x", incarnation=4, addr=ADDR)]),
     ("suspect", 0, None, [Alive(node="x", incarnation=4, addr=ADDR),
@@ -420,7 +420,19 @@ def test_merge_record_table(
         meta_version=meta_version,
         gpu=gpu,
     )
-    assert MemberTable(me="me", addr=ADDR, now=0.0).merge_record(record, sender="s") == updates
+    table = MemberTable(me="me", addr=ADDR, now=0.0)
+    table.apply(Alive(node="x", incarnation=0, addr=ADDR), 0.0)  # known (below: unknown)
+    assert table.merge_record(record, sender="s") == updates
+
+
+@pytest.mark.parametrize("state", ["suspect", "dead"])
+def test_merge_record_of_a_suspect_or_dead_member_we_do_not_know_stands_for_nothing(
+    state: str,
+) -> None:
+    """(memberlist's rule: a member we reaped must not come back through a record of it.)"""
+    record = MemberRecord(node="x", addr=ADDR, incarnation=4, state=state, meta_version=3,  # type: ignore[arg-type]
+                          gpu=GPU)  # fmt: skip
+    assert MemberTable(me="me", addr=ADDR, now=0.0).merge_record(record, sender="s") == []
 
 
 def test_reap_forgets_dead_and_left_members_after_their_ages_and_never_live_ones() -> None:

@@ -12,9 +12,12 @@ from collections.abc import Callable
 import pytest
 
 from gossipd.core.gossip_messages import (
+    Alive,
+    Dead,
     GossipMessage,
     GossipOnly,
     GpuState,
+    Meta,
     Nack,
     Ping,
     PingReq,
@@ -376,3 +379,61 @@ def test_a_restarted_member_is_serving_again_in_every_view(stop: str) -> None:
     }
     assert wire.now - restarted_at < 2.0, "within a few gossip rounds"
     assert new.table.incarnation >= 1 and new.table.meta_incarnation == new.table.incarnation
+
+
+@pytest.mark.parametrize("queued", ["meta", "quiet_alive"])
+def test_every_ping_to_a_suspect_carries_the_suspicion_whatever_else_is_queued_about_it(
+    queued: str,
+) -> None:
+    """Buddy system (MEMBERSHIP.md): every ping to a suspect carries the Suspect.  Another
+    update about the suspect waiting to be piggybacked (its Meta, which a busy member
+    republishes every 2 s, or an older quiet Alive) used to take its place: the suspect
+    answered every ping and never heard it was suspected, and was declared dead."""
+    wire = Wire(["a", "b", "c", "d", "x"])
+    a = wire.nodes["a"]
+    if queued == "meta":
+        a.apply(Meta(node="x", version=1, gpu=GpuState(), incarnation=0), 0.0)
+        incarnation = 0
+    else:
+        a.apply(Alive(node="x", incarnation=1, addr=addr_of("x"), quiet=True), 0.0)
+        incarnation = 1
+    a.apply(Suspect(node="x", incarnation=incarnation, by="a"), 0.0)
+    assert a.table.members["x"].state is State.SUSPECT
+    a.take_outbox()
+    for _ in range(10):
+        a.prober.seq += 1
+        a.prober.ping("x", a.prober.seq)
+    pings = [decode_gossip(data, bytes_max=1 << 20) for _, data in a.take_outbox()]
+    assert len(pings) == 10
+    for ping in pings:
+        assert isinstance(ping, Ping)
+        told = [u for u in ping.updates if isinstance(u, Suspect) and u.node == "x"]
+        assert told == [Suspect(node="x", incarnation=incarnation, by="a")]
+
+
+def test_a_push_pull_does_not_bring_back_a_dead_member_that_others_reaped() -> None:
+    """A dead record for a member we do not know is ignored (memberlist's rule): it used to
+    become an Alive and a Suspect, so a member reaped everywhere but at one came back as
+    alive with its old GPU state (a placement candidate), was gossiped so to the others, and
+    its reap clock started over."""
+    wire = Wire(["a", "b", "c", "d", "x"])
+    gpu = GpuState(status="serving", rpc="tcp://x:9000")
+    for name in "abcd":
+        node = wire.nodes[name]
+        node.apply(Meta(node="x", version=5, gpu=gpu, incarnation=0), 0.0)
+        node.apply(Dead(node="x", incarnation=0, by="a"), 0.0)
+        node.dissemination.forget()
+        node.take_outbox()
+        node.take_events()
+    wire.down.add("x")
+    for name in "acd":  # reaped x; b has not yet
+        wire.nodes[name].table.reap(10**6, dead_after_s=0, left_after_s=0)
+        assert "x" not in wire.nodes[name].table.members
+    wire.nodes["b"].antientropy.push_pull(addr_of("a"), reply=True, now=wire.now)
+    wire.flush_all()
+    for until in (0.05, 1.0, 3.0, 6.0):
+        wire.run_until(until)
+        assert all("x" not in wire.nodes[name].table.members for name in "acd"), until
+    assert wire.nodes["b"].table.members["x"].state is State.DEAD
+    # (b's table, x dead in it, did reach a)
+    assert any(src == "b" and isinstance(msg, PushPull) for _, src, _, msg in wire.sent)

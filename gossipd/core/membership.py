@@ -443,8 +443,13 @@ class MemberTable:
         return Dead(node=node, incarnation=member.incarnation, by=self.me)
 
     def merge_record(self, record: MemberRecord, sender: str) -> list[MemberUpdate]:
-        """The updates a push-pull record stands for (rule 7: dead becomes suspect)."""
+        """The updates a push-pull record stands for (rule 7: dead becomes suspect).  None
+        for a suspect or dead member we do not know (memberlist's rule): one we reaped would
+        otherwise join again as alive, with its old GPU state, and be gossiped so to members
+        that had reaped it too, its reap clock started over."""
         out: list[MemberUpdate] = []
+        if record.state in ("suspect", "dead") and record.node not in self.members:
+            return out
         if record.state == "alive":
             out.append(Alive(node=record.node, incarnation=record.incarnation, addr=record.addr))
         elif record.state in ("suspect", "dead"):

@@ -343,15 +343,19 @@ class Prober:
         swim = self._swim
         member = swim.table.members[target]
         updates = swim.dissemination.piggyback(first=[(target, MEMBER), (swim.node, MEMBER)])
+        # (Another update about the target, its Meta or an older Alive, does not count: the
+        # suspect must hear the suspicion itself, or it never refutes.)
         if member.state is State.SUSPECT and not any(
-            getattr(u, "node", None) == target for u in updates
+            type(u) in (Suspect, Dead) and u.node == target  # type: ignore[union-attr]
+            for u in updates
         ):
             # Buddy system: a suspect always learns it is suspected when we ping it, and by
             # whom first (so that its refutation goes straight to the accuser too).
             accuser = swim.node if member.suspicion is None else member.suspicion.accuser
             updates.insert(0, Suspect(node=target, incarnation=member.incarnation, by=accuser))
         elif member.state is State.DEAD and not any(
-            getattr(u, "node", None) == target for u in updates
+            type(u) is Dead and u.node == target
+            for u in updates
         ):
             # Rule 11: a member we hold dead learns it, and refutes if it is alive.
             updates.insert(0, Dead(node=target, incarnation=member.incarnation, by=swim.node))
