@@ -74,6 +74,9 @@ DEAD_PING_S = 30.0
 # it was (320 crashes: p50 2.73 -> 2.80 s, p99 3.80 -> 3.86 s); 2 would spare the suspicions
 # but lose the cut for the side beyond which only two members lie.
 SILENT_HELPERS_MIN = 1
+# probe_soon's memory of whom it probed early: past this many, those probed more than a probe
+# interval ago are forgotten (it held every name ever probed early).
+EARLY_PROBED_MAX = 64
 
 
 @dataclass(slots=True)
@@ -221,6 +224,10 @@ class Prober:
         contain = swim.config.contain_suspicions
         for node in [n for n in self.repinging if n not in swim.table.suspects]:
             del self.repinging[node]
+        # (a suspicion refuted, or a member gone, leaves nothing behind: these held every
+        # name ever suspected or probed early)
+        for node in [n for n in self.verifying if n not in swim.table.suspects]:
+            del self.verifying[node]
         can_confirm = self.can_confirm()
         for node in sorted(swim.table.suspects):
             member = swim.table.members[node]
@@ -266,7 +273,12 @@ class Prober:
             return
         if now - self._early_probed.get(node, -math.inf) < self._swim.config.probe_interval_s:
             return
-        self._early_probed[node] = now
+        early = self._early_probed
+        if len(early) >= EARLY_PROBED_MAX:  # forget those past their interval
+            interval = self._swim.config.probe_interval_s
+            for name in [n for n, at in early.items() if now - at >= interval]:
+                del early[name]
+        early[node] = now
         self._early_target = node
         if self.probe is None:
             self.next_probe_at = min(self.next_probe_at, now)
@@ -354,8 +366,7 @@ class Prober:
             accuser = swim.node if member.suspicion is None else member.suspicion.accuser
             updates.insert(0, Suspect(node=target, incarnation=member.incarnation, by=accuser))
         elif member.state is State.DEAD and not any(
-            type(u) is Dead and u.node == target
-            for u in updates
+            type(u) is Dead and u.node == target for u in updates
         ):
             # Rule 11: a member we hold dead learns it, and refutes if it is alive.
             updates.insert(0, Dead(node=target, incarnation=member.incarnation, by=swim.node))
@@ -486,9 +497,11 @@ class Prober:
         if len(self.relays) >= swim.config.relays_max:
             return
         self.seq += 1
-        self.relays[self.seq] = Relay(
-            msg.src_addr, msg.seq, now + swim.awareness.scale(swim.config.probe_timeout_s)
-        )
+        # The nack leaves after the requester's own probe timeout, not ours scaled by our
+        # health (memberlist's rule): scaled, a helper with a score of 1 or more nacked after
+        # the requester's deadline and was suspected for it (rule 10), the more so just
+        # after it refuted a suspicion (which raises the score).
+        self.relays[self.seq] = Relay(msg.src_addr, msg.seq, now + swim.config.probe_timeout_s)
         swim.send(
             msg.target_addr,
             Ping(**swim.header(swim.dissemination.piggyback()), seq=self.seq, target=msg.target),
