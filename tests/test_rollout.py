@@ -189,3 +189,28 @@ def test_advance_invariants_and_resume_after_a_leader_change(
             assert new.index == len(new.order)
         progress = new
         stored = msgspec.json.encode(new)
+
+
+@pytest.mark.parametrize("index", [-1, -4, 4])
+def test_a_stored_progress_whose_index_is_out_of_range_does_not_decode(index: int) -> None:
+    """(-1 took the last member, the leader, first; -4 raised IndexError in advance every
+    tick; past len(order) is no member.)  An unreadable progress starts the plan over."""
+    stored = msgspec.json.encode(
+        {"plan": "p", "order": ["a", "b", "c"], "index": index, "phase": "drain"}
+    )
+    with pytest.raises(msgspec.ValidationError):
+        rollout.progress_decoder.decode(stored)
+    done = rollout.progress_decoder.decode(
+        msgspec.json.encode({"plan": "p", "order": ["a", "b", "c"], "index": 3})
+    )
+    assert done.node is None
+
+
+def test_a_stored_progress_with_a_field_of_a_later_version_is_read() -> None:
+    """A rolling upgrade mixes versions: a newer leader's progress with a field this version
+    lacks is read (it was refused, and the plan started over: done members drained again)."""
+    stored = msgspec.json.encode(
+        {"plan": "p", "order": ["a", "b", "c"], "index": 2, "phase": "drain", "later": 1}
+    )
+    progress = rollout.progress_decoder.decode(stored)
+    assert progress.index == 2 and progress.node == "c"

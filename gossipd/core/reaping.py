@@ -74,9 +74,9 @@ class Reaper:
                 del self._named[node]
         excess = len(self._named) - FORGET_MAX
         if excess > 0:  # one sort (a min per name was quadratic: 10,000 due took 3.2 s)
-            named = self._named
-            for node in sorted(named, key=lambda n: (named[n][1], n))[:excess]:
-                del named[node]
+            first = {node: at for node, (_, at) in self._named.items()}
+            for node in sorted(first, key=lambda n: (first[n], n))[:excess]:
+                del self._named[node]
         if not self._named:
             return None
         if not new and now - self._sent_at < self.repeat_every_s:

@@ -68,12 +68,16 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
             raise ValueError("nodes: a member is named twice")
 
 
-class Progress(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where the plan stands (``/gossipd/<cluster>/drain/progress``)."""
+class Progress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the plan stands (``/gossipd/<cluster>/drain/progress``).  Fields a later version
+    adds are ignored, not refused: an unreadable progress starts the plan over, which in a
+    rolling upgrade of mixed versions would drain the members already done again."""
 
     plan: str
     order: list[str]
-    index: int = 0  # the member in hand: order[index]; len(order) when done
+    # The member in hand: order[index]; len(order) when done.  Bounded: -1 would take the
+    # last (the leader) first, and -len - 1 raised in ``advance`` every tick.
+    index: Annotated[int, msgspec.Meta(ge=0)] = 0
     phase: Phase = Phase.DRAIN
     incarnation: int = 0  # the member's, when LEAVE began
     phase_since_s: float = 0.0
@@ -81,6 +85,10 @@ class Progress(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     message: str = ""
     steps: list[str] = msgspec.field(default_factory=list)  # one line per finished member
     leader: str = ""  # who wrote this
+
+    def __post_init__(self) -> None:
+        if self.index > len(self.order):
+            raise ValueError(f"index: at most len(order) ({len(self.order)}), found {self.index}")
 
     @property
     def node(self) -> str | None:
