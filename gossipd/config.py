@@ -632,7 +632,8 @@ class EtcdConfig(Section, frozen=True):
     # Rounded up to whole seconds (etcd's leases are); etcd's smallest lease is 2 s with its
     # default settings (it makes 1 s into 2 s).
     ttl_s: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)] = 2.0
-    # Each etcd request (grant, put, range, keepalive) gives up after this long.
+    # Each etcd request (grant, put, range, keepalive) gives up after this long: at most
+    # ttl_s / 2 (a keepalive answered later leaves the lease too little time).
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 1.0
     # TLS to etcd: the CA that signed etcd's certificate; with cert_file and key_file, this
     # daemon's client certificate (etcd --client-cert-auth).  Empty: plain TCP.
@@ -648,6 +649,13 @@ class EtcdConfig(Section, frozen=True):
             raise ValueError("cert_file and key_file: set both (a client certificate) or neither")
         if self.cert_file and not self.ca_file:
             raise ValueError("ca_file: required with cert_file (the CA that signed etcd's)")
+        if self.request_timeout_s > self.ttl_s / 2:
+            # A keepalive answered that late leaves the lease too little time: the leader
+            # would step down while etcd was only slow.
+            raise ValueError(
+                f"request_timeout_s: at most half of ttl_s ({self.ttl_s / 2:g}), "
+                f"found {self.request_timeout_s:g}"
+            )
 
 
 class Config(Section, frozen=True):

@@ -212,8 +212,9 @@ class EtcdElection:
     async def _keepalive_forever(self) -> None:
         core = self.core
         while True:
+            sent_at = self._clock.monotonic()
             if core.phase in (Phase.NO_KEY, Phase.CANDIDATE):
-                lease_id, sent_at = core.lease_id, self._clock.monotonic()
+                lease_id = core.lease_id
                 try:
                     reply = await asyncio.wait_for(
                         self.client.refresh_lease(lease_id), self.config.request_timeout_s
@@ -230,11 +231,16 @@ class EtcdElection:
                         )
                         if not was_valid or core.phase is Phase.NO_SESSION:
                             self._changed.set()
-            # Every TTL/3; while the lease is unconfirmed, sooner (to lead again quickly).
+            # Every TTL/3 from the last send, not from its answer: counted from the answer, a
+            # slow etcd (answers in 0.6 s, inside request_timeout_s) stretched the cycle past
+            # what the lease's validity (counted from the send) allows, and a healthy leader
+            # stepped down again and again.  While the lease is unconfirmed, sooner (to lead
+            # again quickly).
             interval = core.keepalive_interval_s()
-            if not core.lease_valid(self._clock.monotonic()):
+            now = self._clock.monotonic()
+            if not core.lease_valid(now):
                 interval = min(interval, RETRY_S)
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(0.0, sent_at + interval - now))
 
     async def _timer_forever(self) -> None:
         core = self.core
