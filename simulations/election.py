@@ -161,7 +161,13 @@ class ElectionHarness:
 
     def _overrides(self, i: int) -> list[str]:
         endpoints = json.dumps([p.endpoint for p in self.proxies[i]])
-        return [f"etcd.endpoints={endpoints}", f"etcd.ttl_s={self.run.ttl_s}"]
+        # (etcd.request_timeout_s is at most half the TTL: 1 s by default, less below 2 s)
+        timeout_s = min(1.0, self.run.ttl_s / 2)
+        return [
+            f"etcd.endpoints={endpoints}",
+            f"etcd.ttl_s={self.run.ttl_s}",
+            f"etcd.request_timeout_s={timeout_s}",
+        ]
 
     async def _start(self) -> None:
         await asyncio.to_thread(self._start_etcd)

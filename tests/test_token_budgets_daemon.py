@@ -111,6 +111,7 @@ def test_leader_sets_the_budgets_and_they_stay_while_etcd_is_down(etcd, tmp_path
         extra_overrides=[
             f"etcd.endpoints={json.dumps(etcd.endpoints)}",
             "etcd.ttl_s=1.0",
+            "etcd.request_timeout_s=0.5",
             'metrics.bind="127.0.0.1:0"',
             "budgets.interval_s=0.5",
             *BUDGETS,
