@@ -136,7 +136,11 @@ def host_config(net: Net, host: Host, opts: BedOptions) -> str:
     else:
         doc["security"] = {"curve": False, "insecure": True}
     if opts.etcd:
-        doc["etcd"] = {"endpoints": [f"{net.hosts[0].addr}:{ETCD_PORT}"], "ttl_s": opts.ttl_s}
+        doc["etcd"] = {
+            "endpoints": [f"{net.hosts[0].addr}:{ETCD_PORT}"],
+            "ttl_s": opts.ttl_s,
+            "request_timeout_s": min(1.0, opts.ttl_s / 2),  # (at most half the TTL)
+        }
     apply_settings(doc, opts.settings)
     return toml_text(doc)
 

@@ -164,3 +164,25 @@ def test_a_request_timeout_over_half_the_lease_is_refused() -> None:
     with pytest.raises(ValueError, match="request_timeout_s: at most half of ttl_s"):
         EtcdConfig(endpoints=["127.0.0.1:2379"], ttl_s=2.0, request_timeout_s=1.5)
     assert EtcdConfig(endpoints=["127.0.0.1:2379"], ttl_s=2.0, request_timeout_s=1.0)
+
+
+def test_a_key_without_a_lease_under_the_election_prefix_does_not_stop_the_election(
+    etcd: EtcdCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key put there by hand (no lease: no daemon's) was the lowest candidate for ever and
+    nobody led; it is ignored, and said once."""
+    caplog.set_level(logging.WARNING, logger="gossipd.leader.election")
+    elected: list[int] = []
+    election = _election(etcd.endpoints, elected)
+
+    async def main() -> None:
+        await election.client.connect()
+        await election.client.put(election.election_prefix + b"zz-by-hand", b"x")
+        task = asyncio.ensure_future(election.run_forever())
+        await _until(lambda: len(elected) == 1, 10.0, "elected beside the stray key")
+        await asyncio.sleep(1.0)  # (it looks again every TTL: said once)
+        await _stop(task, election)
+
+    asyncio.run(main())
+    assert election.stray_keys == 1
+    assert len(_lines(caplog, "a key without a lease under the election prefix")) == 1

@@ -76,6 +76,8 @@ class EtcdElection:
         self._error_log = EtcdErrorLog(log, clock.monotonic)
         self._keepalive_error_log = EtcdErrorLog(log, clock.monotonic)
         self.errors = 0
+        self.stray_keys = 0  # keys without a lease under the election prefix (ignored)
+        self._strays_said: set[bytes] = set()
         self.resigned = False
 
     @property
@@ -168,7 +170,21 @@ class EtcdElection:
             timeout=self.config.request_timeout_s,
         )
         self._error_cleared()
-        return [(kv.create_revision, kv.key) for kv in reply.kvs], reply.header.revision
+        # A key without a lease is no candidate's (every candidate's key is put with its
+        # lease): one put there by hand would otherwise be the lowest for ever, and no
+        # daemon would lead.  Said once per key.
+        stray = [kv.key for kv in reply.kvs if kv.lease == 0]
+        for key in stray:
+            if key not in self._strays_said:
+                self._strays_said.add(key)
+                log.warning(
+                    "a key without a lease under the election prefix is ignored: delete it "
+                    "(etcdctl del KEY); no gossipd daemon writes one",
+                    extra={"key": key.decode("utf-8", "replace")},
+                )
+        self.stray_keys = len(stray)
+        candidates = [(kv.create_revision, kv.key) for kv in reply.kvs if kv.lease != 0]
+        return candidates, reply.header.revision
 
     async def _look(self) -> None:
         """Read the candidates and act: lead, or wait on our predecessor; a leader looks
