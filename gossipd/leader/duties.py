@@ -22,9 +22,13 @@ from typing import Any
 
 from aetcd import rpc
 
+from gossipd.leader.backoff import Backoff
+from gossipd.leader.election import ETCD_ERRORS
+
 log = logging.getLogger("gossipd.leader.duties")
 
-RESTART_S = 1.0
+RESTART_S = 1.0  # a failed duty's first restart (then doubling, with jitter: backoff.py)
+RESTART_MAX_S = 30.0
 
 Duty = Callable[["LeaderContext"], Awaitable[None]]
 
@@ -129,13 +133,22 @@ class LeaderDuties:
         )
 
     async def _run(self, name: str, ctx: LeaderContext) -> None:
+        backoff = Backoff(RESTART_S, RESTART_MAX_S)
         while self._context is ctx:
             try:
                 await self._duties[name](ctx)
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 self.failures[name] = self.failures.get(name, 0) + 1
-                log.exception("leader duty %s failed; starting it again in %s s", name, RESTART_S)
-                await asyncio.sleep(RESTART_S)
+                pause_s = backoff.next_s()
+                if isinstance(exc, ETCD_ERRORS):
+                    # etcd's trouble, which the election's error log already reports once
+                    # per outage: one line, no traceback (it was one a second while it lasted)
+                    log.warning("leader duty %s: etcd failed (%s: %s); again in %.1f s", name,
+                                type(exc).__name__, str(exc)[:200], pause_s)  # fmt: skip
+                else:
+                    log.exception("leader duty %s failed; starting it again in %.1f s", name,
+                                  pause_s)  # fmt: skip
+                await asyncio.sleep(pause_s)

@@ -35,6 +35,7 @@ from gossipd.core.election import (
     SteppedDown,
     Watch,
 )
+from gossipd.leader.backoff import Backoff
 from gossipd.leader.client import EtcdClient
 from gossipd.leader.errorlog import EtcdErrorLog
 
@@ -42,7 +43,8 @@ log = logging.getLogger("gossipd.leader.election")
 
 # What an etcd call raises when etcd is down, slow or refuses: retried, never fatal.
 ETCD_ERRORS = (ClientError, grpc.aio.AioRpcError, TimeoutError, OSError, ValueError)
-RETRY_S = 0.1  # the campaign's pause after an etcd error
+RETRY_S = 0.1  # the campaign's first pause after an etcd error (then doubling: backoff.py)
+RETRY_MAX_S = 2.0  # the longest: etcd back, a daemon campaigns again within it
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -75,6 +77,8 @@ class EtcdElection:
         # failing (a permission error, say), so each loop's outage ends with its own answer.
         self._error_log = EtcdErrorLog(log, clock.monotonic)
         self._keepalive_error_log = EtcdErrorLog(log, clock.monotonic)
+        self._retry = Backoff(RETRY_S, RETRY_MAX_S)  # the campaign's, after etcd errors
+        self._keepalive_retry = Backoff(RETRY_S, RETRY_MAX_S)
         self.errors = 0
         self.stray_keys = 0  # keys without a lease under the election prefix (ignored)
         self._strays_said: set[bytes] = set()
@@ -121,7 +125,7 @@ class EtcdElection:
                     await self._look()
             except ETCD_ERRORS as exc:
                 self._error(exc)
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(self._retry.next_s())
 
     async def _grant(self) -> None:
         sent_at = self._clock.monotonic()
@@ -229,6 +233,7 @@ class EtcdElection:
         core = self.core
         while True:
             sent_at = self._clock.monotonic()
+            failed = False
             if core.phase in (Phase.NO_KEY, Phase.CANDIDATE):
                 lease_id = core.lease_id
                 try:
@@ -238,8 +243,10 @@ class EtcdElection:
                 except ETCD_ERRORS as exc:
                     self.errors += 1
                     self._keepalive_error_log.failed(exc)
+                    failed = True
                 else:
                     self._keepalive_error_log.cleared()
+                    self._keepalive_retry.reset()
                     if reply is not None and lease_id == core.lease_id:
                         was_valid = core.lease_valid(self._clock.monotonic())
                         self._apply(
@@ -254,7 +261,9 @@ class EtcdElection:
             # again quickly).
             interval = core.keepalive_interval_s()
             now = self._clock.monotonic()
-            if not core.lease_valid(now):
+            if failed:  # etcd down or overloaded: less and less often, each daemon apart
+                interval = min(interval, self._keepalive_retry.next_s())
+            elif not core.lease_valid(now):
                 interval = min(interval, RETRY_S)
             await asyncio.sleep(max(0.0, sent_at + interval - now))
 
@@ -338,4 +347,5 @@ class EtcdElection:
     def _error_cleared(self) -> None:
         """etcd answered a call: an outage (if any) is over (only an answer clears it: a
         campaign step that made no call, e.g. a wait woken up, says nothing about etcd)."""
+        self._retry.reset()
         self._error_log.cleared()

@@ -1,8 +1,8 @@
 """The election's etcd error log: once per kind of error per outage, a summary while it lasts,
 and one line with the count when etcd answers again (docs/OPERATIONS.md, "Leader election").
 
-While etcd is unreachable the election retries every 0.1 s and its keepalive every TTL/3, and
-the two loops fail with different errors (a gRPC UNAVAILABLE, a timeout), whose texts also
+While etcd is unreachable the election retries after 0.1 s doubling to 2 s (backoff.py) and
+its keepalive as often or every TTL/3, and the two loops fail with different errors (a gRPC UNAVAILABLE, a timeout), whose texts also
 vary (addresses, the last connect error).  Logging each change of text logged ~260 lines in
 15 s (issue 24).  A kind is the exception's type and, for gRPC, its status code; its first
 text is the one logged.  ``gossipd_etcd_errors_total`` still counts every failed call.
