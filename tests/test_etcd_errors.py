@@ -216,3 +216,30 @@ def test_Backoff_doubles_to_its_cap_with_jitter_and_starts_over_after_a_success(
     assert len(set(pauses[6:])) == 4  # at the cap, still spread
     backoff.reset()
     assert 0.05 <= backoff.next_s() <= 0.1
+
+
+def test_several_endpoints_one_not_resolving_still_elect_and_IPv6_literals_are_taken(
+    etcd: EtcdCluster,
+) -> None:
+    """Several endpoints were resolved when the daemon was built, IPv4 only: one name that
+    did not resolve (a DNS hiccup at boot) stopped the daemon (StartupError), and two IPv6
+    literals always did.  Now they are resolved when the client connects, a name that does
+    not resolve is left out while another does, and IPv6 gets an ipv6: target."""
+    import socket as sockets
+
+    from gossipd.leader.client import grpc_target, resolve
+
+    elected: list[int] = []
+    election = _election(["etcd-gone.invalid:2379", *etcd.endpoints], elected)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(election.run_forever())
+        await _until(lambda: len(elected) == 1, 15.0, "elected through the endpoint that resolves")
+        await _stop(task, election)
+        six = await resolve(["[::1]:2379", "[::1]:2380"])
+        assert grpc_target(six) == "ipv6:[::1]:2379,[::1]:2380"
+        assert [f for f, _, _ in six] == [sockets.AF_INET6] * 2
+        with pytest.raises(OSError, match="none resolves"):
+            await resolve(["a.invalid:1", "b.invalid:2"])
+
+    asyncio.run(main())

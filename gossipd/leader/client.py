@@ -4,13 +4,15 @@ a client certificate.
 
 aetcd's Client opens an insecure channel to one host:port; ``EtcdClient`` overrides only the
 channel: several endpoints become one gRPC target ("ipv4:A:P,B:P", pick_first: the next one
-is tried when the current one fails), and ``ca_file``/``cert_file``/``key_file`` make it a
+is tried when the current one fails; their names resolved when it connects, IPv4 or IPv6), and ``ca_file``/``cert_file``/``key_file`` make it a
 secure channel.  gRPC's default reconnect backoff (1 s growing to 120 s) adds seconds after
 an etcd restart (measured 2.4 to 4.8 s); 100 to 500 ms brings it to 0.02 to 0.2 s.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from aetcd import rpc
 
 from gossipd.config import EtcdConfig
 from gossipd.errors import StartupError
+
+log = logging.getLogger("gossipd.leader.client")
 
 GRPC_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
@@ -31,35 +35,65 @@ GRPC_OPTIONS: dict[str, Any] = {
 }
 
 
-def grpc_target(endpoints: list[str]) -> str:
-    """One endpoint: "host:port".  Several: "ipv4:A:P,B:P,..." (names resolved now, IPv4)."""
-    if len(endpoints) == 1:
-        return endpoints[0]
-    addresses = []
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def grpc_target(resolved: list[tuple[str, int, int]]) -> str:
+    """One gRPC target for the endpoints' addresses, (family, ip, port) each: "ipv4:A:P,..."
+    (pick_first: the next one is tried when the current one fails), or "ipv6:[A]:P,..." when
+    none is IPv4 (one target holds one family)."""
+    v4 = [f"{ip}:{port}" for family, ip, port in resolved if family == socket.AF_INET]
+    if v4:
+        return "ipv4:" + ",".join(v4)
+    return "ipv6:" + ",".join(f"[{ip}]:{port}" for _, ip, port in resolved)
+
+
+async def resolve(endpoints: list[str]) -> list[tuple[str, int, int]]:
+    """The endpoints' addresses, (family, ip, port), looked up without blocking the loop.
+    A name that does not resolve is left out (logged) while another does; OSError when none
+    does (the election retries it: a DNS hiccup at boot must not stop the daemon)."""
+    loop = asyncio.get_running_loop()
+    out: list[tuple[str, int, int]] = []
+    failed: list[str] = []
     for endpoint in endpoints:
-        host, _, port = endpoint.rpartition(":")
+        host, port = _split(endpoint)
         try:
-            ip = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
-            raise StartupError(f"etcd.endpoints: cannot resolve {endpoint!r}: {exc}") from None
-        addresses.append(f"{ip}:{port}")
-    return "ipv4:" + ",".join(addresses)
+            failed.append(f"{endpoint} ({exc})")
+            continue
+        family, _, _, _, sockaddr = infos[0]
+        out.append((family, str(sockaddr[0]), port))  # type: ignore[arg-type]
+    if not out:
+        raise OSError(f"etcd.endpoints: none resolves: {'; '.join(failed)}")
+    if failed:
+        log.warning("etcd endpoints that do not resolve are left out until the next connect",
+                    extra={"endpoints": failed})  # fmt: skip
+    return out
 
 
 class EtcdClient(aetcd.Client):
     def __init__(self, config: EtcdConfig) -> None:
         super().__init__(timeout=config.request_timeout_s, options=GRPC_OPTIONS)
-        self._target = grpc_target(config.endpoints)
+        self._endpoints = list(config.endpoints)
         self._credentials = _credentials(config)
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
+        # One endpoint: gRPC resolves the name itself (and again on reconnects).  Several:
+        # resolved here, now (a name's later changes need a restart: OPERATIONS.md).
+        if len(self._endpoints) == 1:
+            target = self._endpoints[0]
+        else:
+            target = grpc_target(await resolve(self._endpoints))
         options = list(self._options.items())
         if self._credentials is None:
-            self.channel = rpc.insecure_channel(self._target, options=options)
+            self.channel = rpc.insecure_channel(target, options=options)
         else:
-            self.channel = rpc.secure_channel(self._target, self._credentials, options=options)
+            self.channel = rpc.secure_channel(target, self._credentials, options=options)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
