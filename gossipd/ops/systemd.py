@@ -56,7 +56,9 @@ SERVICE_TEMPLATE = """\
 # WATCHDOG=1 stops (a wedged event loop) or that exits non-zero (its engine died).
 [Unit]
 Description=gossipd agent daemon for GPU %i
-After=network-online.target
+# time-sync.target: membership's probe schedule and timers run on the wall clock, and a
+# clock stepped back by the first sync would stall them for the step (MEMBERSHIP.md).
+After=network-online.target time-sync.target
 Wants=network-online.target
 PartOf=gossipd.target
 # A daemon that cannot start (a port taken, a bad setting: exit status 2) is retried 5 times

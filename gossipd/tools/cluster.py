@@ -73,8 +73,9 @@ async def connect(settings: EtcdConfig) -> Any:
         await client.get(b"/gossipd/")  # any request: is etcd there?
     except Exception as exc:  # unreachable, refused, TLS: say which, and stop
         await client.close()
+        why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else type(exc).__name__
         raise ClusterError(
-            f"etcd at {', '.join(settings.endpoints)} did not answer ({type(exc).__name__})"
+            f"etcd at {', '.join(settings.endpoints)} did not answer ({why[:300]})"
         ) from None
     return client
 
