@@ -482,3 +482,37 @@ def test_the_prober_forgets_refuted_suspects_and_old_early_probes() -> None:
     a.apply(Alive(node="m1", incarnation=1, addr=addr_of("m1")), later)  # refuted
     a.tick(later + 0.01)
     assert "m1" not in a.prober.verifying
+
+
+def test_a_gpu_state_too_large_to_ride_piggyback_is_published_with_fewer_prefixes() -> None:
+    """256 prefix hashes (prefix_summary_max's bound) made a 1,663-byte Meta: over
+    piggyback_bytes_max it never rode a message, and being not urgent no gossip round carried
+    it, so a drain reached the others by push-pull only (tens of seconds).  Now the least
+    seen prefixes are left out until it fits, and the cut is counted."""
+    import random as rand
+
+    from gossipd.core.gossip_messages import encode_update
+
+    wire = Wire(["a", "b", "c"])
+    a = wire.nodes["a"]
+    rng = rand.Random(1)
+    prefixes = [rng.getrandbits(32) | 1 << 31 for _ in range(256)]  # (5 bytes each)
+    gpu = GpuState(ingress="tcp://10.0.0.12:5555", rpc="tcp://10.0.0.12:5556", status="draining",
+                   model="meta-llama/Llama-3.1-8B-Instruct", prefixes=prefixes)  # fmt: skip
+    a.set_gpu(0.0, gpu)
+    published = a.table.gpu
+    assert published is not None and published.status == "draining"
+    assert 0 < len(published.prefixes) < 256
+    assert published.prefixes == prefixes[: len(published.prefixes)]  # the most seen kept
+    meta = Meta(node="a", version=a.table.meta_version, gpu=published, incarnation=0)
+    assert len(encode_update(meta)) <= wire.config.piggyback_bytes_max
+    assert a.stats.prefixes_cut == 256 - len(published.prefixes)
+    a.take_outbox()
+    a.prober.seq += 1
+    a.prober.ping("b", a.prober.seq)
+    (ping,) = [decode_gossip(data, bytes_max=1 << 20) for _, data in a.take_outbox()]
+    assert isinstance(ping, Ping)
+    assert any(isinstance(u, Meta) and u.gpu.status == "draining" for u in ping.updates)
+    small = GpuState(status="serving", prefixes=prefixes[:8])
+    a.set_gpu(1.0, small)
+    assert a.table.gpu == small  # one that fits is left whole

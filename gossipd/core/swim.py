@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from gossipd.core.antientropy import AntiEntropy
 from gossipd.core.awareness import Awareness
 from gossipd.core.dissemination import Dissemination
@@ -52,6 +54,7 @@ from gossipd.core.gossip_messages import (
     GpuState,
     Left,
     LoadRecord,
+    Meta,
     Nack,
     Ping,
     PingReq,
@@ -61,6 +64,7 @@ from gossipd.core.gossip_messages import (
     Update,
     decode_gossip,
     encode_gossip,
+    encode_update,
 )
 from gossipd.core.membership import MemberEvent, MemberTable, Outcome
 from gossipd.core.probing import Prober
@@ -94,6 +98,9 @@ class SwimStatistics:
     # antientropy.STREAMS_MAX were.
     push_pulls: int = 0
     push_pulls_refused: int = 0
+    # Prefix hashes left out of our published GPU state so that its Meta fits piggyback
+    # (``SwimNode._fitting``): a prefix_summary_max too large for the names and addresses.
+    prefixes_cut: int = 0
 
 
 class SwimNode:
@@ -228,7 +235,25 @@ class SwimNode:
 
     def set_gpu(self, now: float, gpu: GpuState) -> None:
         """Publish new GPU state (its own version counter, at our incarnation; rides piggyback)."""
-        self.dissemination.push(self.table.publish_meta(gpu), urgent=False)
+        self.dissemination.push(self.table.publish_meta(self._fitting(gpu)), urgent=False)
+
+    def _fitting(self, gpu: GpuState) -> GpuState:
+        """``gpu`` with its prefix summary cut (least seen last: cut first) until its Meta
+        fits ``piggyback_bytes_max``: a larger Meta never rides piggyback and, being not
+        urgent, no gossip round carries it, so its news (a drain, a new rpc address) waited
+        for push-pull (tens of seconds: 256 prefixes made a 1,663-byte Meta)."""
+        budget = self.config.piggyback_bytes_max
+        table = self.table
+        while True:
+            meta = Meta(node=self.node, version=table.meta_version + 1, gpu=gpu,
+                        incarnation=table.incarnation)  # fmt: skip
+            excess = len(encode_update(meta)) - budget
+            if excess <= 0 or not gpu.prefixes:
+                return gpu
+            self.stats.prefixes_cut += min(len(gpu.prefixes), excess // 5 + 1)
+            gpu = msgspec.structs.replace(
+                gpu, prefixes=gpu.prefixes[: max(0, len(gpu.prefixes) - (excess // 5 + 1))]
+            )
 
     def _republish_gpu(self) -> None:
         """Our incarnation rose: publish our GPU state again at the new one (membership rule 6),

@@ -234,6 +234,12 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
             "Sends dropped at a full peer queue",
             gossip.dropped_sends,
         ),
+        (
+            "gossipd_gossip_prefixes_cut",
+            "Prefix hashes left out of our published GPU state so that it fits one message's "
+            "piggyback (gossip.swim.piggyback_bytes_max): lower fanout.prefix_summary_max",
+            stats.prefixes_cut,
+        ),
     ):
         yield _one(C, name, doc, value)
     yield _by(
