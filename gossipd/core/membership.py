@@ -444,11 +444,12 @@ class MemberTable:
 
     def merge_record(self, record: MemberRecord, sender: str) -> list[MemberUpdate]:
         """The updates a push-pull record stands for (rule 7: dead becomes suspect).  None
-        for a suspect or dead member we do not know (memberlist's rule): one we reaped would
+        for a dead member we do not know (memberlist ignores it): one we reaped would
         otherwise join again as alive, with its old GPU state, and be gossiped so to members
-        that had reaped it too, its reap clock started over."""
+        that had reaped it too, its reap clock started over.  (A suspect one is live, not
+        reaped: learned, as suspect.)"""
         out: list[MemberUpdate] = []
-        if record.state in ("suspect", "dead") and record.node not in self.members:
+        if record.state == "dead" and record.node not in self.members:
             return out
         if record.state == "alive":
             out.append(Alive(node=record.node, incarnation=record.incarnation, addr=record.addr))
