@@ -121,7 +121,7 @@ def test_breaker_transitions(failures_max: int, script: list[Step]) -> None:
 
 _calls = st.lists(
     st.tuples(
-        st.sampled_from(["allow", "success", "failure"]),
+        st.sampled_from(["allow", "success", "failure", "end_trial", "end_stale"]),
         st.floats(min_value=0.0, max_value=3.0, allow_nan=False),  # time passing before it
     ),
     max_size=60,
@@ -157,6 +157,16 @@ def test_breaker_invariants_over_any_sequence(
             breaker.success()
             trials, in_a_row = 0, 0
             assert breaker.state is CLOSED
+        elif call == "end_trial":  # the trial out ended without a verdict: another may go
+            breaker.end_trial(breaker.trials)
+            if was is HALF:
+                trials = 0
+                assert not breaker.trial_out
+            assert breaker.state is was
+        elif call == "end_stale":  # an earlier trial's end changes nothing
+            out = breaker.trial_out
+            breaker.end_trial(breaker.trials - 1)
+            assert breaker.state is was and breaker.trial_out is out
         else:
             breaker.failure(now)
             trials = 0

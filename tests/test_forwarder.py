@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -303,6 +304,36 @@ def test_Forwarder_hedges_a_slow_ack_and_withdraws_the_loser() -> None:
     assert fw.ledger.get("t0").owner == "b" and fw.loads["a"] == 0  # type: ignore[union-attr]
     assert fw.ledger.confirm(["t0"], "a") == ([], ["t0"], [])  # the loser drops its Result
     assert fw.ledger.confirm(["t0"], "b") == (["t0"], [], [])
+
+
+@pytest.mark.parametrize("how", ["hedge_lost", "refused_id_in_use"])
+def test_Forwarder_a_half_open_trial_that_ends_without_a_verdict_lets_the_next_try(
+    how: str,
+) -> None:
+    """A member's breaker half-open gives one trial; a trial that ended without an answer on
+    the member's health (its hedge copy lost the race; refused id_in_use) left the trial out
+    for ever, and every later forward or hedge to that member was circuit_open."""
+    fw, _ = _forwarder(["a", "b", "c"], hedge=True, hedge_min_s=0.01, hedge_budget=1.0,
+                       breaker_failures=3, breaker_open_s=2.0)  # fmt: skip
+    now = _warm_ack_times(fw, "a", 40, 0.001)
+    b = fw._breaker("b")
+    for _ in range(3):
+        b.failure(now)
+    now += 5.0  # past open_s: the next call to b is the trial
+    if how == "hedge_lost":
+        fw.route(_task(), now)
+        [(_, first)] = _forwards(fw.take_outbox())
+        fw.tick(now + 0.02)  # the hedge: the trial, to b
+        [(addr, _copy)] = _forwards(fw.take_outbox())
+        assert addr == "addr-b" and b.trial_out
+        fw.on_reply(_reply(first, "a", True), now + 0.021)  # a wins: b's copy withdrawn
+    else:
+        fw._placement.members = ["b", "a", "c"]  # type: ignore[attr-defined]
+        fw.route(_task(), now)
+        [(addr, first)] = _forwards(fw.take_outbox())
+        assert addr == "addr-b" and b.trial_out
+        fw.on_reply(_reply(first, "b", False, code=ErrorCode.ID_IN_USE), now + 0.001)
+    assert b.allow(now + 10.0)  # the next call is a trial again (it was refused for ever)
 
 
 def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:

@@ -18,7 +18,7 @@ class BreakerState(enum.Enum):
 
 
 class Breaker:
-    __slots__ = ("failures", "failures_max", "open_s", "opened_at", "state", "trial_out")
+    __slots__ = ("failures", "failures_max", "open_s", "opened_at", "state", "trial_out", "trials")
 
     def __init__(self, *, failures_max: int = 3, open_s: float = 2.0) -> None:
         self.failures_max = failures_max
@@ -27,6 +27,7 @@ class Breaker:
         self.failures = 0
         self.opened_at = 0.0
         self.trial_out = False
+        self.trials = 0  # trials given: names the one out (end_trial)
 
     def allow(self, now: float) -> bool:
         if self.state is BreakerState.OPEN and now - self.opened_at >= self.open_s:
@@ -36,8 +37,17 @@ class Breaker:
             return True
         if self.state is BreakerState.HALF_OPEN and not self.trial_out:
             self.trial_out = True
+            self.trials += 1
             return True
         return False
+
+    def end_trial(self, trial: int) -> None:
+        """The half-open trial's call ended without a verdict (it lost a hedge race, was
+        refused for a reason that says nothing of the peer's health, or was withdrawn): the
+        next call may be the trial.  Without this the breaker stayed half-open with its trial
+        out for ever, and refused every call to the peer."""
+        if self.state is BreakerState.HALF_OPEN and trial == self.trials:
+            self.trial_out = False
 
     def success(self) -> None:
         self.state = BreakerState.CLOSED

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gossipd.core.admission import Verdict
-from gossipd.core.breaker import AckTimes, Breaker
+from gossipd.core.breaker import AckTimes, Breaker, BreakerState
 from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
@@ -245,6 +245,7 @@ class Flight:
     hedge_armed: bool = False
     live: bool = True
     hedge: bool = False  # sent by _hedge, racing the first copy
+    trial: int = 0  # its member's breaker was half-open: the trial call it is (Breaker.trials)
 
 
 # Timer kinds, in the heap as (at, seq, kind, object); stale entries are skipped.
@@ -566,6 +567,8 @@ class Forwarder:
         )
         self._outbox.append((addr, forward))
         flight = Flight(req, member, j, breaker, now)
+        if breaker.state is BreakerState.HALF_OPEN:  # (allowed: the trial)
+            flight.trial = breaker.trials
         self._flights[req] = flight
         j.flights.append(flight)
         j.live += 1
@@ -721,6 +724,8 @@ class Forwarder:
         """A flight's wait is over (answered, timed out or withdrawn)."""
         flight.live = False
         flight.hedge_armed = False
+        if flight.trial:  # (a verdict, if any, comes after this, from the caller)
+            flight.breaker.end_trial(flight.trial)
         del self._flights[flight.req]
         loads = self.loads  # as in _attempt
         dict.__setitem__(loads, flight.member, loads[flight.member] - 1)
