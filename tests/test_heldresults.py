@@ -35,6 +35,23 @@ def test_held_until_the_forwarder_says_migrated_then_dropped() -> None:
     assert held.next_deadline() == float("inf")
 
 
+def test_the_deadline_heap_stays_near_what_is_held_behind_an_early_deadline() -> None:
+    """One Result held with an early deadline kept every ended one behind it in the heap
+    (only the head's stale entries were popped): 200,001 entries for 1 held in the helper
+    audit's run.  Now the heap is rebuilt from what is held when it passes 2x of it."""
+    held = HeldResults(bytes_max=1 << 20)
+    assert held.hold("early", "f-down", 10, deadline=30.0, now=0.0)
+    for i in range(10_000):
+        assert held.hold(f"t{i}", "f", 10, deadline=600.0, now=0.0)
+        held.on_reply("f", still_mine=[f"t{i}"], migrated=[], unknown=[])
+        assert held.take_decisions() == [(f"t{i}", Decision.SEND)]
+        assert held.next_deadline() <= 30.0
+    assert len(held) == 1
+    assert len(held._deadlines) <= 2 * len(held) + 64
+    held.tick(30.0, _alive)  # the early one still leaves at its deadline
+    assert held.take_decisions() == [("early", Decision.SEND)]
+
+
 def test_unknown_is_sent_and_a_reply_from_another_member_changes_nothing() -> None:
     held = HeldResults(bytes_max=1000)
     held.hold("a", "f", 10, deadline=30.0, now=0.0)

@@ -162,7 +162,15 @@ class HeldResults:
         self.bytes += size
         self.counters.held += 1
         self._poll_at = min(self._poll_at, now + self.confirm_every_s)
-        heapq.heappush(self._deadlines, (deadline, task_id))
+        heap = self._deadlines
+        if len(heap) >= 2 * len(self._held) + 64:
+            # Mostly ended ones behind one held with an early deadline (only the head's are
+            # popped): rebuilt from what is held, so the heap stays within 2x of it (it grew
+            # with throughput x the longest timeout, outside held_results_bytes_max).
+            heap[:] = [(h.deadline, tid) for tid, h in self._held.items()]
+            heapq.heapify(heap)
+        else:
+            heapq.heappush(heap, (deadline, task_id))
         return True
 
     def member_alive(self, member: str, now: float) -> None:
