@@ -336,6 +336,27 @@ def test_Forwarder_a_half_open_trial_that_ends_without_a_verdict_lets_the_next_t
     assert b.allow(now + 10.0)  # the next call is a trial again (it was refused for ever)
 
 
+def test_Forwarder_a_forward_awaiting_its_accept_when_its_member_dies_goes_to_the_next() -> None:
+    """The member is declared dead between our Forward and its accept (accepts leave after
+    ack_delay_s): the accept, arriving late, ledgered the task under a dead member, which no
+    later death event migrates.  Now the forward fails at the death, is withdrawn, and goes
+    to the next member; the late accept changes nothing."""
+    fw, placement = _forwarder(["o", "n"])
+    fw.route(_task(), 0.0)
+    [(_, first)] = _forwards(fw.take_outbox())
+    placement.members.remove("o")
+    fw.member_dead("o", 0.1)
+    out = fw.take_outbox()
+    assert ("addr-o", Withdraw(id="t0", node="me")) in out
+    fw.tick(fw.next_deadline())  # (after the retry backoff)
+    [(addr, second)] = _forwards(out + fw.take_outbox())
+    assert addr == "addr-n"
+    fw.on_reply(_reply(first, "o", True), 0.105)  # o's late accept: its wait is over
+    assert fw.ledger.get("t0") is None and fw.loads["o"] == 0
+    fw.on_reply(_reply(second, "n", True), 0.11)
+    assert fw.ledger.get("t0").owner == "n"  # type: ignore[union-attr]
+
+
 def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:
     fw, _ = _forwarder(["a", "b", "c"], hedge=True, hedge_budget=1.0)
     now = _warm_ack_times(fw, "a", 64, 0.001)

@@ -107,6 +107,7 @@ class AttemptFailure(enum.StrEnum):
     NO_REPLY = "no reply"
     CIRCUIT_OPEN = "circuit_open"
     NOT_A_MEMBER = "not_a_member"
+    DIED = "declared dead"  # before its ForwardReply came
     DEADLINE = "deadline reached"
 
 
@@ -371,7 +372,16 @@ class Forwarder:
                 self._answered(due, accept, now)
 
     def member_dead(self, node: str, now: float) -> int:
-        """Migrate the tasks ``node`` held for us; how many were dispatched again."""
+        """Migrate the tasks ``node`` held for us; how many were dispatched again.  Forwards
+        to it still awaiting their ForwardReply fail now, as a timeout would (and are
+        withdrawn): an accept of one arriving after this (accepts leave after ack_delay_s)
+        would otherwise ledger the task under a dead member, which no later death event
+        migrates (it was forgotten at twice its timeout, unanswered)."""
+        for flight in [f for f in self._flights.values() if f.member == node]:
+            self._land(flight)
+            self.counters.attempts_failed += 1
+            self._withdraw(node, flight.journey.task.id)
+            self._failed(flight.journey, node, AttemptFailure.DIED, now)
         orphans = self.ledger.owned_by(node)
         moved = 0
         for entry in orphans:
