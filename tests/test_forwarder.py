@@ -357,6 +357,27 @@ def test_Forwarder_a_forward_awaiting_its_accept_when_its_member_dies_goes_to_th
     assert fw.ledger.get("t0").owner == "n"  # type: ignore[union-attr]
 
 
+def test_Forwarder_a_cancel_before_any_member_took_the_task_is_not_lost() -> None:
+    """A producer's Cancel for a task whose Forward awaits its accept followed the Forward
+    (read after it: the owner aborts it); one during a retry's backoff ends the task here,
+    answered cancelled.  Both were dropped ("unknown"): the task ran to its end."""
+    fw, _ = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    [(_, first)] = _forwards(fw.take_outbox())
+    assert fw.cancel("t0", "someone else") == "refused"
+    assert fw.cancel("t0") == "forwarded"
+    cancel = Cancel(v=first.task.v, id="t0", producer_key="")
+    assert fw.take_outbox() == [("addr-a", cancel)]  # behind the Forward, on a's connection
+    fw.on_reply(_reply(first, "a", False, code=ErrorCode.OVERLOADED, hint=100), 0.001)
+    assert not _forwards(fw.take_outbox())  # a retry waits out its backoff
+    assert fw.cancel("t0") == "forwarded"
+    [refused] = fw.take_events()
+    assert isinstance(refused, Refuse) and refused.code == ErrorCode.CANCELLED
+    fw.tick(fw.next_deadline() if fw.next_deadline() < float("inf") else 5.0)
+    assert not _forwards(fw.take_outbox())  # the retry does not go
+    assert fw.cancel("t0") is None  # ended
+
+
 def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:
     fw, _ = _forwarder(["a", "b", "c"], hedge=True, hedge_budget=1.0)
     now = _warm_ack_times(fw, "a", 64, 0.001)

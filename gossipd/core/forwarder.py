@@ -286,6 +286,7 @@ class Forwarder:
         self.local_ids: set[str] = set() if local_ids is None else local_ids
         self._flights: dict[int, Flight] = {}
         self._flying: dict[str, Journey] = {}  # task id -> its journey, while forwards fly
+        self._backing_off: dict[str, Journey] = {}  # ...while none flies: a retry waits
         self._req = 0
         self._breakers: dict[str, Breaker] = {}
         # Each member's rpc address when we last forwarded to it: still known once the member
@@ -411,14 +412,41 @@ class Forwarder:
         forwarded: "forwarded"; "refused" when the task is another key's (rule 7); None when
         we hold no such task."""
         entry = self.ledger.get(task_id)
-        addr = None if entry is None else self._placement.addr(entry.owner)
-        if entry is None or addr is None:
+        if entry is None:
+            return self._cancel_in_flight(task_id, producer_key)
+        addr = self._placement.addr(entry.owner)
+        if addr is None:
             return None
         if entry.task.producer_key != producer_key:
             return "refused"
         self._outbox.append(
             (addr, Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key))
         )
+        return "forwarded"
+
+    def _cancel_in_flight(self, task_id: str, producer_key: str) -> str | None:
+        """A Cancel for a task no member has accepted yet (its Forward awaits the accept, or
+        a retry waits out its backoff): each copy in the air is followed by the Cancel, on
+        the same connection (read after it: the owner aborts what it admitted); with none in
+        the air the task ends here, answered cancelled.  It was dropped ("unknown") and the
+        task ran to its end."""
+        j = self._flying.get(task_id) or self._backing_off.get(task_id)
+        if j is None or j.ended or j.quiet or j.winner:
+            return None
+        if j.task.producer_key != producer_key:
+            return "refused"
+        cancel = Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key)
+        live = [f for f in j.flights if f.live]
+        for flight in live:
+            addr = self._last_addr.get(flight.member)
+            if addr is not None:
+                self._outbox.append((addr, cancel))
+        if not live:
+            j.waiting = False  # (its retry timer finds it so: skipped)
+            self._backing_off.pop(task_id, None)
+            why = "cancelled by the producer before a member took it"
+            self._events.append(Refuse(j.task, ErrorCode.CANCELLED, why, 0))
+            self._end(j, ok=False)
         return "forwarded"
 
     def local_finished(self, task_id: str) -> None:
@@ -446,6 +474,7 @@ class Forwarder:
                 assert isinstance(obj, Journey)
                 if obj.waiting:
                     obj.waiting = False
+                    self._backing_off.pop(obj.task.id, None)
                     self._next(obj, now, backed_off=True)
         if now >= self._sweep_at:
             self._sweep(now)
@@ -687,6 +716,7 @@ class Forwarder:
             backoff = min(s.backoff_max_s, s.backoff_base_s * 2 ** (n - 1))
             wait = min(backoff * (0.5 + self._rng.random()), j.deadline - now)
             j.waiting = True
+            self._backing_off[j.task.id] = j
             self._timer(now + wait, _RETRY, j)
             return
         self._attempt(j, j.order.pop(0), now)
