@@ -223,6 +223,29 @@ def test_a_reply_whose_handling_raises_leaves_its_batch_mates_handled_and_is_cou
     assert HANDLER_FAILURES["Dispatcher.on_peer_replies"] == before + 1
 
 
+def test_a_withdraw_on_a_new_connection_of_the_same_member_drops_its_copy() -> None:
+    """A forwarder whose first connection dropped (its accept lost with it) withdraws, at
+    its ack timeout, on a new connection: the copy was matched by connection, not by member,
+    so the stalled owner kept running it beside the migrated one.  Another member's
+    Withdraw still changes nothing."""
+    from gossipd.core.peer_messages import Withdraw
+
+    async def forwarded_then_withdrawn(owner: Any) -> tuple[bool, bool, bool]:
+        task = Task(v=1, id="t0", prompt="p", reply_to="tcp://127.0.0.1:1")
+        owner._on_forward(b"conn-1", Forward(req=1, src="f", task=task, remaining_ms=10_000))
+        book = owner._ingress.intake.book
+        held = book.get("t0") is not None
+        owner._on_forward(b"conn-9", Withdraw(id="t0", node="other"))  # not its forwarder
+        kept = book.get("t0") is not None and book.get("t0").stop is None
+        owner._on_forward(b"conn-2", Withdraw(id="t0", node="f"))  # f, reconnected
+        entry = book.get("t0")
+        return held, kept, entry is None or entry.stop is not None
+
+    with _built_dispatcher() as dispatcher:
+        held, kept, dropped = asyncio.run(forwarded_then_withdrawn(dispatcher.owner))
+    assert held and kept and dropped
+
+
 def test_the_owner_remembers_a_bounded_number_of_forwarders_connections() -> None:
     """A Forward's src is its sender's word without CURVE: one src per Forward grew the
     owner's map of members' latest connections without end.  It holds LINKS_MAX at most,

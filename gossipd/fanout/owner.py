@@ -378,7 +378,7 @@ class OwnerEndpoint:
             # The producer key the entry daemon read: only the task's own key cancels it.
             self._ingress.intake.handle_cancel(msg.id, msg.producer_key)
         elif isinstance(msg, Withdraw):
-            self._withdraw(identity, msg.id)
+            self._withdraw(self._connection_of(identity, msg), msg.id)
         elif isinstance(msg, TaskDone):
             self._on_peer_done(msg)
         elif isinstance(msg, Drain):
@@ -393,6 +393,20 @@ class OwnerEndpoint:
             self._to_forwarder(identity, answer, urgent=True)
         else:
             self.counters.bad_peer_messages += 1
+
+    def _connection_of(self, identity: bytes, msg: Withdraw) -> bytes:
+        """The connection the withdrawing member forwarded the task on: a member that
+        reconnected since (its first connection dropped, re-keyed, or closed by us as busy)
+        withdraws on a new one, which the task does not know; matched by member, a stalled
+        owner now drops such a copy (it ran beside the migrated one)."""
+        owned = self._ingress.intake.book.get(msg.id)
+        if owned is None or identity in owned.forwarders:
+            return identity
+        member_of = self.core.member_of
+        for forwarder in owned.forwarders:
+            if isinstance(forwarder, bytes) and member_of.get(forwarder) == msg.node:
+                return forwarder
+        return identity
 
     def _withdraw(self, identity: bytes, task_id: str) -> None:
         """Drop the copy of ``task_id`` that this forwarder gave us, unless another forwarder
