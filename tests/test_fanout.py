@@ -146,6 +146,52 @@ def test_sigterm_hands_queued_tasks_to_other_members(make_cluster) -> None:  # t
     )
 
 
+def test_a_task_handed_over_by_a_stopping_owner_is_migrated_when_its_new_owner_dies(  # type: ignore[no-untyped-def]
+    make_cluster,
+) -> None:
+    """Tasks entering at d00 are owned by d01; d01 stops (SIGTERM), hands its queued ones
+    over, some to d02, and exits; then d02 is SIGKILLed before they finish.  d01 told d00
+    where each went (Moved), so d00 migrates those off d02 when it dies.  Before, d00 still
+    held them under d01, which had left (not died: nothing to migrate), and nobody else
+    knew them: never answered."""
+    cluster = make_cluster(
+        3,
+        "engine.token_delay_s=0.03",
+        "ingress.concurrency_max=2",
+        "lifecycle.shutdown_grace_s=5",
+        'metrics.bind="127.0.0.1:0"',
+    )
+    entry, owner, taker = cluster.daemons
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    after = Ring({entry.name: 1.0, taker.name: 1.0})
+    keys = [k for k in (f"k{i}" for i in range(2000)) if ring.owner(k) == owner.name]
+    keys = [k for k in keys if after.owner(k) == taker.name][:16] + [
+        k for k in keys if after.owner(k) == entry.name
+    ][:8]
+
+    def moved() -> float:
+        return scrape(entry.metrics_port).get("gossipd_fanout_moved_total", 0.0)
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with Client([entry.endpoint], resubmit_after_s=120) as client:
+            handles = [await client.submit("x", key=k, max_tokens=30, timeout_s=25) for k in keys]
+            await wait_until_async(
+                lambda: scrape(owner.metrics_port).get("gossipd_tasks_pending", 0) >= 20,
+                10,
+                "the owner to hold the tasks, most of them queued",
+            )
+            owner.terminate()
+            assert await asyncio.to_thread(owner.wait, 15) == 0  # gone: it migrates nothing
+            taker.kill()  # (16 queued tasks of 0.9 s, 2 at a time: most not yet run)
+            results = [await h.result() for h in handles]
+            return results, client.statistics()
+
+    results, stats = run(main())
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert stats.resubmitted == 0  # the migration, not the producer, saved them
+    assert moved() >= 8  # (those handed to d02, and to d00 itself)
+
+
 def test_journal_reruns_unfinished_tasks_after_a_crash(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(
         1, "engine.token_delay_s=0.05", "ingress.concurrency_max=4", 'metrics.bind="127.0.0.1:0"'

@@ -269,7 +269,7 @@ def test_Forwarder_hand_off_reports_its_outcome_and_never_picks_us() -> None:
     [(addr, fwd)] = _forwards(fw.take_outbox())
     assert addr == "addr-a"
     fw.on_reply(_reply(fwd, "a", True), 0.01)
-    assert fw.take_events() == [HandedOff(_task(), True)]
+    assert fw.take_events() == [HandedOff(_task(), True, "a")]
     alone, _ = _forwarder(["me"])
     alone.hand_off(_task(), 0.0, 0.0)
     assert alone.take_events() == [HandedOff(_task(), False)]
@@ -376,6 +376,23 @@ def test_Forwarder_a_cancel_before_any_member_took_the_task_is_not_lost() -> Non
     fw.tick(fw.next_deadline() if fw.next_deadline() < float("inf") else 5.0)
     assert not _forwards(fw.take_outbox())  # the retry does not go
     assert fw.cancel("t0") is None  # ended
+
+
+def test_Forwarder_a_task_its_owner_moved_is_answered_for_at_the_new_member() -> None:
+    """A Moved from the task's owner re-ledgers it under the member that took it (its death
+    migrates it); one from another member changes nothing; one to us forgets it (it runs
+    here)."""
+    fw, _ = _forwarder(["b", "c", "me"])
+    fw.route(_task(0), 0.0)
+    fw.route(_task(1), 0.0)
+    for _, fwd in _forwards(fw.take_outbox()):
+        fw.on_reply(_reply(fwd, "b", True), 0.01)
+    assert not fw.moved("t0", "c", "me")  # not c's to move
+    assert fw.moved("t0", "b", "c") and fw.ledger.get("t0").owner == "c"  # type: ignore[union-attr]
+    assert fw.moved("t1", "b", "me") and fw.ledger.get("t1") is None
+    assert fw.counters.moved == 2
+    assert fw.member_dead("b", 1.0) == 0  # b holds nothing of ours now
+    assert fw.member_dead("c", 1.0) == 1  # t0 goes on from c
 
 
 def test_Forwarder_a_refused_copy_waits_while_its_hedge_races() -> None:

@@ -157,10 +157,11 @@ class Refuse:
 
 @dataclass(frozen=True, slots=True)
 class HandedOff:
-    """A hand-off ended: another member took the task (ok) or none did."""
+    """A hand-off ended: another member took the task (ok: ``to``) or none did."""
 
     task: Task
     ok: bool
+    to: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +188,7 @@ class ForwarderCounters:
     hedge_wins: int = 0  # ...where the second member accepted first
     hedges_over_budget: int = 0  # slow acks not hedged: hedge_budget was spent
     withdrawn: int = 0  # Withdraws sent
+    moved: int = 0  # tasks an owner handed over to another member (Moved): ledgered there
 
 
 class Journey:
@@ -423,6 +425,19 @@ class Forwarder:
             (addr, Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key))
         )
         return "forwarded"
+
+    def moved(self, task_id: str, owner: str, to: str) -> bool:
+        """``owner`` handed ``task_id``, which we forwarded to it, over to ``to`` (a Moved):
+        we answer for it there now, so that ``to``'s death migrates it (``owner``, drained
+        and gone, would not).  False: not ours at ``owner`` (ignored)."""
+        entry = self.ledger.get(task_id)
+        if entry is None or entry.owner != owner:
+            return False
+        self.ledger.forget(task_id)
+        if to != self.node:  # (handed back to us: it runs here, nothing to answer for)
+            self.ledger.accepted(entry.task, to, entry.received_at)
+        self.counters.moved += 1
+        return True
 
     def _cancel_in_flight(self, task_id: str, producer_key: str) -> str | None:
         """A Cancel for a task no member has accepted yet (its Forward awaits the accept, or
@@ -758,7 +773,7 @@ class Forwarder:
         if j.quiet:
             if ok:
                 self.counters.handed_off += 1
-            self._events.append(HandedOff(j.task, ok))
+            self._events.append(HandedOff(j.task, ok, j.winner if ok else ""))
 
     def _land(self, flight: Flight) -> None:
         """A flight's wait is over (answered, timed out or withdrawn)."""

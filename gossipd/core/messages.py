@@ -74,6 +74,7 @@ class MsgType(enum.IntEnum):
     # it runs its journal's unfinished tasks again.
     REPLAY_QUERY = 34
     REPLAY_KNOWN = 35
+    MOVED = 36  # an owner handed a forwarded task over to another member (from 0.3.1)
 
 
 class UpdateKind(enum.IntEnum):

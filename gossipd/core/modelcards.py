@@ -24,12 +24,18 @@ CARD_TTL_S = 60.0  # an answered card is asked for again after this
 def answers_queries(software_version: str) -> bool:
     """True when a member of this release answers a ModelQuery ("0.3.0" or later; an empty
     or unreadable version: no)."""
+    return release_at_least(software_version, CARDS_FROM_VERSION)
+
+
+def release_at_least(software_version: str, first: tuple[int, int, int]) -> bool:
+    """True when ``software_version``'s first three dot-separated parts are integers at least
+    ``first`` (an empty or unreadable version: no)."""
     parts = software_version.split(".")[:3]
     try:
         numbers = tuple(int(p) for p in parts)
     except ValueError:
         return False
-    return len(numbers) == 3 and numbers >= CARDS_FROM_VERSION
+    return len(numbers) == 3 and numbers >= first
 
 
 @dataclass(frozen=True, slots=True)

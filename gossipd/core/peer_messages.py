@@ -5,7 +5,8 @@ A task forwarded to the member that runs it (Forward, answered by ForwardReply),
 holds are still routed to it (Confirm, answered ConfirmReply), a producer's Cancel passed on, an operator's Drain
 relayed to the member it names, a question for another member's model card (ModelQuery,
 answered ModelCard), a restarted daemon's question which of its journal's unfinished tasks a
-member holds (ReplayQuery, answered ReplayKnown), and PeerBatch (several of
+member holds (ReplayQuery, answered ReplayKnown), an owner's word that it handed a task over
+to another member (Moved), and PeerBatch (several of
 them in one ZeroMQ message).  ``docs/PROTOCOL.md``, "Between daemons" / "Fan-out", documents
 the fields.
 """
@@ -98,6 +99,24 @@ class Withdraw(
     v: int = PROTOCOL_VERSION
     id: TaskId
     node: NodeId  # the forwarder
+
+
+MOVED_FROM_VERSION = (0, 3, 1)  # the first release that understands a Moved
+
+
+class Moved(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="t", tag=int(MsgType.MOVED)
+):
+    """The owner handed a task this forwarder gave it over to another member (it drains or
+    stops, or its engine died): the task runs at ``to`` now, so the forwarder answers for it
+    there (and migrates it if ``to`` dies).  Sent alone in its message: a member before
+    0.3.1 refuses the frame (counted), and then forgets the task at its window's end, as
+    before."""
+
+    v: int = PROTOCOL_VERSION
+    id: TaskId
+    node: NodeId  # the owner that handed it over
+    to: NodeId  # the member that took it
 
 
 # Task ids in one Confirm / ConfirmReply list (an owner asks in pieces of this size).
@@ -227,6 +246,7 @@ PeerItem = (
     | ModelCard
     | ReplayQuery
     | ReplayKnown
+    | Moved
 )
 
 

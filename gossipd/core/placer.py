@@ -115,6 +115,7 @@ class _Info:
     model: str
     saturated: bool
     rpc: str
+    release: str = ""  # its software_version (which peer messages it understands)
 
 
 STATE_AGE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -275,6 +276,11 @@ class Placer:
         """The member's rpc address, if it is a live member."""
         return self._view.addrs.get(member)
 
+    def release(self, member: str) -> str:
+        """The member's gossiped software_version ("" when unknown)."""
+        info = self._info.get(member)
+        return info.release if info is not None else ""
+
     def candidates(self) -> dict[str, Candidate]:
         """Every live member as a Candidate (O(N): for inspection and tests, not per task)."""
         view = self.view()
@@ -364,6 +370,7 @@ class Placer:
             gpu.model,
             self.engine_saturated(gpu) if known is None else self._record_saturated(known.record),
             gpu.rpc,
+            gpu.software_version,
         )
         self._set(name, info)
         prefixes = getattr(m, "prefixes", None)

@@ -35,13 +35,16 @@ from gossipd.core.forwarder import (
 from gossipd.core.lifecycle import Owned
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Cancel, Drain, Task
+from gossipd.core.modelcards import release_at_least
 from gossipd.core.peer_messages import (
+    MOVED_FROM_VERSION,
     Confirm,
     ConfirmReply,
     Forward,
     ForwardReply,
     ModelCard,
     ModelQuery,
+    Moved,
     Relay,
     ReplayKnown,
     ReplayQuery,
@@ -96,6 +99,7 @@ class FanoutStatistics:
     relays_by_socket: int = 0  # ...that could not go on it: sent to the route's socket
     relays_refused: int = 0  # Forward.relay for a route not its sender's own (CURVE)
     relayed_unroutable: int = 0  # Relays to us for a route not served here (dropped)
+    moved: int = 0  # tasks we forwarded that their owner handed over to another (Moved)
 
 
 class Dispatcher:
@@ -130,7 +134,7 @@ class Dispatcher:
         self._admit_here = admit_here
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        self._hand_offs: dict[str, list[asyncio.Future[bool]]] = {}
+        self._hand_offs: dict[str, list[asyncio.Future[str]]] = {}
         self._idle_links: asyncio.Task[None] | None = None
         # When tracing is on (gossipd/ops/tracing.py); None costs nothing.
         self.tracer = tracer
@@ -212,6 +216,9 @@ class Dispatcher:
                     # Only a member's own card counts: it came on our connection to its address.
                     self.on_model_card(msg, bool(addr) and self.placer.addr(msg.node) == addr)
                     continue
+                if type(msg) is Moved:  # (from our owner server: its source checked there)
+                    self.forwarder.moved(msg.id, msg.node, msg.to)
+                    continue
                 if type(msg) is ReplayKnown:  # (the same rule)
                     self.on_replay_known(msg, bool(addr) and self.placer.addr(msg.node) == addr)
                     continue
@@ -263,11 +270,30 @@ class Dispatcher:
     async def hand_off(self, task: Task, received_at: float) -> bool:
         """Give an admitted task to another member (never us): at drain, or when our engine
         died.  True when one accepted it."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._hand_offs.setdefault(task.id, []).append(future)
         self.forwarder.hand_off(task, received_at, self._clock.monotonic())
         self._flush()
-        return await future
+        to = await future
+        if to:
+            self._tell_moved(task, to)
+        return bool(to)
+
+    def _tell_moved(self, task: Task, to: str) -> None:
+        """The members that forwarded ``task`` to us (still admitted here: the caller
+        releases it after) hear that it runs at ``to`` now (Moved), so that they answer for
+        it there: drained and gone, we would migrate nothing, and our death after ``to``
+        answered would have them run it again."""
+        owned = self.owner.intake_entry(task.id)
+        if owned is None:
+            return
+        for member in set(self.owner.core.forwarders_of(owned)) - {"", self.node}:
+            addr = self.placer.addr(member)
+            # (an earlier release refuses the message, logged and counted: not sent)
+            if addr is not None and release_at_least(
+                self.placer.release(member), MOVED_FROM_VERSION
+            ):
+                self._links.send_alone(addr, Moved(id=task.id, node=self.node, to=to))
 
     def relay_drain(self, member: str, msg: Drain) -> bool:
         """An operator's Drain for ``member``, to its rpc address; False when it is no live
@@ -364,7 +390,7 @@ class Dispatcher:
         if not waiters:
             del self._hand_offs[event.task.id]
         if not future.done():
-            future.set_result(event.ok)
+            future.set_result(event.to if event.ok else "")
 
     # -- upkeep ----------------------------------------------------------------------------
 
@@ -411,6 +437,7 @@ class Dispatcher:
             migrated=fw.migrated,
             expired_not_migrated=fw.expired_not_migrated,
             handed_off=fw.handed_off,
+            moved=fw.moved,
             bad_peer_messages=owner.bad_peer_messages
             + links.bad_messages
             + self.replies_for_another,

@@ -47,6 +47,7 @@ from gossipd.core.peer_messages import (
     ForwardReply,
     ModelCard,
     ModelQuery,
+    Moved,
     PeerBatch,
     Relay,
     ReplayKnown,
@@ -137,8 +138,8 @@ def _source(item: object, sender: str) -> str:
     """The node a fan-out message says it comes from (a Cancel names none: its sender)."""
     if type(item) is Forward:
         return item.src
-    if type(item) in (Withdraw, TaskDone, Confirm, ModelQuery, ReplayQuery):
-        return item.node  # type: ignore[attr-defined]  # each of the five has one
+    if type(item) in (Withdraw, TaskDone, Confirm, ModelQuery, ReplayQuery, Moved):
+        return item.node  # type: ignore[attr-defined]  # each of the six has one
     return sender
 
 
@@ -151,7 +152,7 @@ class OwnerEndpoint:
         node: str,
         ingress: Ingress,
         send_to_member: Callable[[str, TaskDone], None],
-        on_peer_done: Callable[[TaskDone], None],
+        on_peer_done: Callable[[TaskDone | Moved], None],
         on_accepted: Callable[[Task, str], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
         task_bytes_max: int = 1 << 62,
@@ -379,7 +380,7 @@ class OwnerEndpoint:
             self._ingress.intake.handle_cancel(msg.id, msg.producer_key)
         elif isinstance(msg, Withdraw):
             self._withdraw(self._connection_of(identity, msg), msg.id)
-        elif isinstance(msg, TaskDone):
+        elif isinstance(msg, (TaskDone, Moved)):  # (to the forwarder's side, as replies)
             self._on_peer_done(msg)
         elif isinstance(msg, Drain):
             self._on_drain(msg)
@@ -393,6 +394,10 @@ class OwnerEndpoint:
             self._to_forwarder(identity, answer, urgent=True)
         else:
             self.counters.bad_peer_messages += 1
+
+    def intake_entry(self, task_id: str) -> Owned | None:
+        """The task book's entry of ``task_id`` (admitted here, not yet released)."""
+        return self._ingress.intake.book.get(task_id)
 
     def _connection_of(self, identity: bytes, msg: Withdraw) -> bytes:
         """The connection the withdrawing member forwarded the task on: a member that

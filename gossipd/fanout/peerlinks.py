@@ -24,6 +24,7 @@ from gossipd.core.peer_messages import (
     Confirm,
     Forward,
     ModelQuery,
+    Moved,
     ReplayQuery,
     TaskDone,
     Withdraw,
@@ -34,7 +35,9 @@ from gossipd.peerchannel import PeerClient, ZmqPeerClient
 from gossipd.sockets import SocketPool
 from gossipd.zmqloop import TurnBatching
 
-Outgoing = Forward | Cancel | Withdraw | TaskDone | Drain | Confirm | ModelQuery | ReplayQuery
+Outgoing = (
+    Forward | Cancel | Withdraw | TaskDone | Drain | Confirm | ModelQuery | ReplayQuery | Moved
+)
 
 
 def zmq_peer_client(config: FanoutConfig, sockets: SocketPool) -> ZmqPeerClient:

@@ -371,6 +371,12 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             stats.expired_not_migrated,
         ),
         ("gossipd_fanout_handed_off", "Queued tasks handed to others at drain", stats.handed_off),
+        (
+            "gossipd_fanout_moved",
+            "Tasks we forwarded whose owner handed them over to another member (Moved): "
+            "answered for there",
+            stats.moved,
+        ),
         ("gossipd_fanout_bad_peer_messages", "Undecodable peer messages", stats.bad_peer_messages),
         ("gossipd_fanout_hedged", "Forwards also sent to a second member", stats.hedged),
         ("gossipd_fanout_hedge_wins", "Hedged tasks the second member won", stats.hedge_wins),
