@@ -100,11 +100,18 @@ def test_admission_verdicts_become_replies() -> None:
     assert (owner.counters.accepted_from_peers, owner.counters.refused_to_peers) == (3, 3)
 
 
-def test_connection_identities_are_bounded() -> None:
+def test_connection_identities_are_bounded_and_the_one_idle_longest_goes_first() -> None:
+    """(The oldest by first Forward went first: a long-lived forwarder's connection lost its
+    name once 4,096 others had come and gone.)"""
     owner = Owner(node="o")
+    named = 0  # forwards of others after which the long-lived connection still had its name
     for i in range(MEMBER_OF_MAX + 10):
+        if i % 100 == 0:
+            owner.forward("long-lived", _forward(src="steady"), 0.0)
         owner.forward(i, _forward(src=f"m{i}"), 0.0)
+        named += owner.member_of.get("long-lived") == "steady"
     assert len(owner.member_of) == MEMBER_OF_MAX and 0 not in owner.member_of
+    assert named == MEMBER_OF_MAX + 10
 
 
 # -- after the task: TaskDones behind their Results, the load they carry, Withdraws --------

@@ -138,10 +138,12 @@ class Owner:
             hint = "a Forward from an earlier process of its sender (Forward.boot)"
             return Refused(self._refusal(msg, ErrorCode.UNAVAILABLE.value, hint), "stale", hint)
         member_of = self.member_of
-        if identity not in member_of:
-            member_of[identity] = msg.src
-            if len(member_of) > MEMBER_OF_MAX:
-                del member_of[next(iter(member_of))]
+        # Most recently used last: the bound forgets the connection idle longest, not a
+        # long-lived one that was merely opened first (its Results then went unheld and its
+        # Withdraws unmatched once 4,096 others had come and gone).
+        if member_of.pop(identity, None) is None and len(member_of) >= MEMBER_OF_MAX:
+            del member_of[next(iter(member_of))]
+        member_of[identity] = msg.src
         # What is left of the task's time is never more than all of it: a remaining_ms past
         # timeout_ms put the task's start in the future and its deadline that much later.
         spent_ms = msg.task.timeout_ms - min(msg.remaining_ms, msg.task.timeout_ms)
