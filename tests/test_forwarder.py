@@ -336,46 +336,51 @@ def test_Forwarder_a_half_open_trial_that_ends_without_a_verdict_lets_the_next_t
     assert b.allow(now + 10.0)  # the next call is a trial again (it was refused for ever)
 
 
-def test_Forwarder_a_forward_awaiting_its_accept_when_its_member_dies_goes_to_the_next() -> None:
+def test_Forwarder_an_accept_arriving_after_its_member_was_declared_dead_is_migrated() -> None:
     """The member is declared dead between our Forward and its accept (accepts leave after
-    ack_delay_s): the accept, arriving late, ledgered the task under a dead member, which no
-    later death event migrates.  Now the forward fails at the death, is withdrawn, and goes
-    to the next member; the late accept changes nothing."""
+    ack_delay_s): the accept ledgered the task under a dead member, which no later death
+    event migrates (forgotten at twice its timeout, unanswered).  Now it is migrated on
+    arrival: withdrawn from the dead member, sent to the next."""
     fw, placement = _forwarder(["o", "n"])
     fw.route(_task(), 0.0)
     [(_, first)] = _forwards(fw.take_outbox())
     placement.members.remove("o")
-    fw.member_dead("o", 0.1)
+    assert fw.member_dead("o", 0.1) == 0  # nothing ledgered under o yet
+    fw.on_reply(_reply(first, "o", True), 0.105)  # o's late accept
     out = fw.take_outbox()
     assert ("addr-o", Withdraw(id="t0", node="me")) in out
-    fw.tick(fw.next_deadline())  # (after the retry backoff)
-    [(addr, second)] = _forwards(out + fw.take_outbox())
+    assert fw.counters.migrated == 1 and fw.ledger.get("t0") is None
+    [(addr, second)] = _forwards(out)
     assert addr == "addr-n"
-    fw.on_reply(_reply(first, "o", True), 0.105)  # o's late accept: its wait is over
-    assert fw.ledger.get("t0") is None and fw.loads["o"] == 0
     fw.on_reply(_reply(second, "n", True), 0.11)
     assert fw.ledger.get("t0").owner == "n"  # type: ignore[union-attr]
 
 
 def test_Forwarder_a_cancel_before_any_member_took_the_task_is_not_lost() -> None:
-    """A producer's Cancel for a task whose Forward awaits its accept followed the Forward
-    (read after it: the owner aborts it); one during a retry's backoff ends the task here,
-    answered cancelled.  Both were dropped ("unknown"): the task ran to its end."""
+    """A producer's Cancel for a task whose Forward awaits its accept follows the Forward
+    (read after it: the owner aborts it), and the task goes to no other member if that copy
+    fails; one during a retry's backoff ends the task here, answered cancelled.  Both were
+    dropped ("unknown"): the task ran to its end."""
     fw, _ = _forwarder(["a", "b"])
-    fw.route(_task(), 0.0)
+    fw.route(_task(0), 0.0)
     [(_, first)] = _forwards(fw.take_outbox())
     assert fw.cancel("t0", "someone else") == "refused"
     assert fw.cancel("t0") == "forwarded"
-    cancel = Cancel(v=first.task.v, id="t0", producer_key="")
-    assert fw.take_outbox() == [("addr-a", cancel)]  # behind the Forward, on a's connection
+    assert fw.take_outbox() == [("addr-a", Cancel(v=first.task.v, id="t0", producer_key=""))]
     fw.on_reply(_reply(first, "a", False, code=ErrorCode.OVERLOADED, hint=100), 0.001)
+    [refused] = fw.take_events()  # a refused it: the cancelled task ends here, not at b
+    assert isinstance(refused, Refuse) and refused.code == ErrorCode.CANCELLED
+    fw.tick(5.0)
+    assert not _forwards(fw.take_outbox()) and fw.cancel("t0") is None
+    fw.route(_task(1), 10.0)
+    [(_, second)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(second, "a", False, code=ErrorCode.OVERLOADED, hint=100), 10.001)
     assert not _forwards(fw.take_outbox())  # a retry waits out its backoff
-    assert fw.cancel("t0") == "forwarded"
+    assert fw.cancel("t1") == "forwarded"
     [refused] = fw.take_events()
     assert isinstance(refused, Refuse) and refused.code == ErrorCode.CANCELLED
-    fw.tick(fw.next_deadline() if fw.next_deadline() < float("inf") else 5.0)
+    fw.tick(15.0)
     assert not _forwards(fw.take_outbox())  # the retry does not go
-    assert fw.cancel("t0") is None  # ended
 
 
 def test_Forwarder_a_task_its_owner_moved_is_answered_for_at_the_new_member() -> None:

@@ -439,28 +439,6 @@ def test_a_push_pull_does_not_bring_back_a_dead_member_that_others_reaped() -> N
     assert any(src == "b" and isinstance(msg, PushPull) for _, src, _, msg in wire.sent)
 
 
-@pytest.mark.parametrize("helper_score", [0, 1, 2])
-def test_a_helper_in_poor_health_nacks_in_time_and_is_not_suspected(helper_score: int) -> None:
-    """A helper nacks after the probe timeout itself, not after its own health-scaled one:
-    scaled, a helper whose awareness score was 1 or more nacked after the requester's
-    deadline and was suspected by rule 10 (a helper that had just refuted a suspicion, whose
-    score rises for it, most of all)."""
-    wire = Wire(["a", "b", "c", "d", "x"])
-    wire.down.add("x")
-    wire.nodes["b"].awareness.score = helper_score
-    a = wire.nodes["a"]
-    a.prober.probe_soon(0.0, "x")
-    a.prober.next_probe_at = 0.0
-    a.tick(0.0)
-    wire.flush_all()
-    wire.run_until(1.0)
-    helpers = {dst for _, src, dst, msg in wire.sent if src == "a" and isinstance(msg, PingReq)}
-    assert addr_of("b") in helpers
-    suspected = [(e.kind, e.node) for e in a.take_events() if e.kind == "suspect"]
-    assert suspected == [("suspect", "x")]
-    assert wire.nodes["b"].stats.refutations == 0
-
-
 def test_the_prober_forgets_refuted_suspects_and_old_early_probes() -> None:
     """Its last-chance and early-probe records held every name ever suspected or probed
     early; they now end with the suspicion, and with the probe interval."""

@@ -71,7 +71,7 @@ from typing import Protocol
 
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import AckTimes, Breaker, BreakerState
-from gossipd.core.forwarded import ForwardedLedger
+from gossipd.core.forwarded import Forwarded, ForwardedLedger
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 from gossipd.core.ring import LoadCounts
@@ -107,7 +107,6 @@ class AttemptFailure(enum.StrEnum):
     NO_REPLY = "no reply"
     CIRCUIT_OPEN = "circuit_open"
     NOT_A_MEMBER = "not_a_member"
-    DIED = "declared dead"  # before its ForwardReply came
     DEADLINE = "deadline reached"
 
 
@@ -199,6 +198,7 @@ class Journey:
     __slots__ = (
         "attempts",
         "busy_hint_ms",
+        "cancelled",
         "deadline",
         "ended",
         "exclude",
@@ -234,6 +234,7 @@ class Journey:
         self.ended = False
         self.saturated = ""  # the first member that refused as saturated (rule 6)
         self.plain = False  # ...asked again without if_free
+        self.cancelled = False  # its producer cancelled it before any member took it
 
 
 @dataclass(slots=True, eq=False)
@@ -253,6 +254,7 @@ class Flight:
 
 # Timer kinds, in the heap as (at, seq, kind, object); stale entries are skipped.
 _ACK, _HEDGE, _RETRY = 0, 1, 2
+_HALF_OPEN = BreakerState.HALF_OPEN
 
 
 class Forwarder:
@@ -375,39 +377,36 @@ class Forwarder:
                 self._answered(due, accept, now)
 
     def member_dead(self, node: str, now: float) -> int:
-        """Migrate the tasks ``node`` held for us; how many were dispatched again.  Forwards
-        to it still awaiting their ForwardReply fail now, as a timeout would (and are
-        withdrawn): an accept of one arriving after this (accepts leave after ack_delay_s)
-        would otherwise ledger the task under a dead member, which no later death event
-        migrates (it was forgotten at twice its timeout, unanswered)."""
-        for flight in [f for f in self._flights.values() if f.member == node]:
-            self._land(flight)
-            self.counters.attempts_failed += 1
-            self._withdraw(node, flight.journey.task.id)
-            self._failed(flight.journey, node, AttemptFailure.DIED, now)
-        orphans = self.ledger.owned_by(node)
+        """Migrate the tasks ``node`` held for us; how many were dispatched again.  (A
+        Forward to it still awaiting its ForwardReply waits on: an accept arriving after this
+        migrates its task at once, in ``_accepted``.)"""
         moved = 0
-        for entry in orphans:
-            self.ledger.forget(entry.task.id)
-            # It may only have stalled: withdraw its copy, so that if it comes back it drops
-            # the task instead of running it beside the migrated one.
-            self._withdraw(node, entry.task.id)
-            task = entry.task
-            timeout_s = task.timeout_ms / 1000.0
-            deadline = entry.received_at + timeout_s
-            if deadline <= now:  # rule 4: past its deadline
-                self.counters.expired_not_migrated += 1
-                if now < deadline + timeout_s:
-                    message = f"its owner {node} died after the deadline of {task.timeout_ms} ms"
-                    self._events.append(Refuse(task, ErrorCode.DEADLINE_EXCEEDED, message, 0))
-                continue
-            self.counters.migrated += 1
-            moved += 1
-            gone = frozenset({node})
-            journey = Journey(task, entry.received_at, deadline, False, gone)
-            journey.order = self._placement.order(task, now, exclude=gone)
-            self._next(journey, now)
+        for entry in self.ledger.owned_by(node):
+            moved += self._migrate(entry, node, now)
         return moved
+
+    def _migrate(self, entry: Forwarded, node: str, now: float) -> int:
+        """Dispatch ``entry``'s task again, off ``node``, which is dead in our view; 1 when it
+        went, 0 when it was past its deadline."""
+        self.ledger.forget(entry.task.id)
+        # It may only have stalled: withdraw its copy, so that if it comes back it drops
+        # the task instead of running it beside the migrated one.
+        self._withdraw(node, entry.task.id)
+        task = entry.task
+        timeout_s = task.timeout_ms / 1000.0
+        deadline = entry.received_at + timeout_s
+        if deadline <= now:  # rule 4: past its deadline
+            self.counters.expired_not_migrated += 1
+            if now < deadline + timeout_s:
+                message = f"its owner {node} died after the deadline of {task.timeout_ms} ms"
+                self._events.append(Refuse(task, ErrorCode.DEADLINE_EXCEEDED, message, 0))
+            return 0
+        self.counters.migrated += 1
+        gone = frozenset({node})
+        journey = Journey(task, entry.received_at, deadline, False, gone)
+        journey.order = self._placement.order(task, now, exclude=gone)
+        self._next(journey, now)
+        return 1
 
     def cancel(self, task_id: str, producer_key: str = "") -> str | None:
         """Pass a producer's Cancel, from ``producer_key``, to the member running a task we
@@ -451,6 +450,7 @@ class Forwarder:
         if j.task.producer_key != producer_key:
             return "refused"
         cancel = Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key)
+        j.cancelled = True  # no retry, no hedge: if the copies in the air fail, it ends
         live = [f for f in j.flights if f.live]
         for flight in live:
             addr = self._last_addr.get(flight.member)
@@ -459,10 +459,13 @@ class Forwarder:
         if not live:
             j.waiting = False  # (its retry timer finds it so: skipped)
             self._backing_off.pop(task_id, None)
-            why = "cancelled by the producer before a member took it"
-            self._events.append(Refuse(j.task, ErrorCode.CANCELLED, why, 0))
-            self._end(j, ok=False)
+            self._end_cancelled(j)
         return "forwarded"
+
+    def _end_cancelled(self, j: Journey) -> None:
+        why = "cancelled by the producer before a member took it"
+        self._events.append(Refuse(j.task, ErrorCode.CANCELLED, why, 0))
+        self._end(j, ok=False)
 
     def local_finished(self, task_id: str) -> None:
         """A task we kept (route() said LOCAL, or a retry admitted it here) has ended."""
@@ -572,13 +575,15 @@ class Forwarder:
             self._here[j.task.id] = j
             self._events.append(RunHere(j.task, j.received_at))
             return
-        breaker = self._breaker(member)
-        if not breaker.allow(now):
-            self._failed(j, member, AttemptFailure.CIRCUIT_OPEN, now)
-            return
         addr = self._placement.addr(member)
         if addr is None:
             self._failed(j, member, AttemptFailure.NOT_A_MEMBER, now)
+            return
+        # (after the address: a half-open breaker's allow() hands out its one trial, which
+        # only a Forward sent gives back)
+        breaker = self._breaker(member)
+        if not breaker.allow(now):
+            self._failed(j, member, AttemptFailure.CIRCUIT_OPEN, now)
             return
         self._send_forward(j, member, addr, breaker, now)
 
@@ -621,7 +626,7 @@ class Forwarder:
         )
         self._outbox.append((addr, forward))
         flight = Flight(req, member, j, breaker, now)
-        if breaker.state is BreakerState.HALF_OPEN:  # (allowed: the trial)
+        if breaker.state is _HALF_OPEN:  # (allowed: the trial)
             flight.trial = breaker.trials
         self._flights[req] = flight
         j.flights.append(flight)
@@ -691,6 +696,13 @@ class Forwarder:
         if self._sweep_at == _INF:
             self._sweep_at = now + LEDGER_SWEEP_S
         self._end(j, ok=True)
+        if self._placement.addr(flight.member) is None and not j.quiet:
+            # Accepted after the member left our view (declared dead: accepts leave after
+            # ack_delay_s): no later death event would migrate it (it was forgotten at
+            # twice its timeout, unanswered), so it is migrated now.
+            entry = self.ledger.get(j.task.id)
+            if entry is not None:
+                self._migrate(entry, flight.member, now)
 
     def _timed_out(self, flight: Flight, now: float) -> None:
         self._land(flight)
@@ -708,6 +720,9 @@ class Forwarder:
     def _next(self, j: Journey, now: float, *, backed_off: bool = False) -> None:
         """Try the next member (after a backoff), or give up."""
         if j.ended:
+            return
+        if j.cancelled:  # the copies in the air when its producer cancelled it all failed
+            self._end_cancelled(j)
             return
         if j.order is None:
             tried = set(j.tried) | j.exclude
@@ -817,6 +832,8 @@ class Forwarder:
     def _hedge(self, flight: Flight, now: float) -> None:
         """The first member is slower to ack than usual: send the task to the next one too."""
         flight.hedge_armed = False
+        if flight.journey.cancelled:
+            return
         if self._hedge_credit < 1.0:
             self.counters.hedges_over_budget += 1
             return
