@@ -246,6 +246,51 @@ def test_a_withdraw_on_a_new_connection_of_the_same_member_drops_its_copy() -> N
     assert held and kept and dropped
 
 
+def test_a_moved_is_taken_only_from_the_owner_server_and_the_handing_owner_forgets_its_own() -> (
+    None
+):
+    """A Moved counts only as it comes to our owner server (its source checked against the
+    sender's key there); one back on our own connection to a member is dropped and counted.
+    The owner that handed a forwarded task over tells its forwarder and, every forwarder
+    told, forgets its own ledger entry of the hand-off (else it would migrate the task a
+    second time if the taker died while it is still up)."""
+    from gossipd.core.gossip_messages import Alive, GpuState, Meta
+    from gossipd.core.membership import MemberTable
+    from gossipd.core.peer_messages import Moved
+
+    async def scenario(dispatcher: Any) -> tuple[list[tuple[str, object]], bool]:
+        table = MemberTable(me=dispatcher.node, addr="tcp://10.0.0.9:1", now=0.0)
+        for name in ("f", "c"):
+            table.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:7946"), 0.0)
+            gpu = GpuState(rpc=f"tcp://127.0.0.1:{free_tcp_port()}", software_version="0.3.1")
+            table.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0), 0.0)
+        dispatcher.placer.rebuild(table.members.values())
+        task = Task(v=1, id="t0", prompt="p", reply_to="tcp://127.0.0.1:1")
+        dispatcher.owner._on_forward(
+            b"conn-f", Forward(req=1, src="f", task=task, remaining_ms=9000)
+        )
+        dispatcher.forwarder.ledger.accepted(task, "c", 0.0)  # (our hand-off, taken by c)
+        sent: list[tuple[str, object]] = []
+        dispatcher._links.send_alone = lambda addr, msg: sent.append((addr, msg))
+        dispatcher._tell_moved(task, "c")
+        return sent, dispatcher.forwarder.ledger.get("t0") is None
+
+    with _built_dispatcher() as dispatcher:
+        sent, forgotten = asyncio.run(scenario(dispatcher))
+        assert [m for _, m in sent] == [Moved(id="t0", node=dispatcher.node, to="c")]
+        assert forgotten
+        # As the forwarder: our entry for t1 under "o"; a Moved on our connection to a
+        # member is no owner's word; one through our server is.
+        t1 = Task(v=1, id="t1", prompt="p", reply_to="tcp://127.0.0.1:1")
+        dispatcher.forwarder.ledger.accepted(t1, "o", 0.0)
+        before = dispatcher.replies_for_another
+        dispatcher.on_peer_replies([Moved(id="t1", node="o", to="nobody")], "tcp://m:5558")
+        assert dispatcher.forwarder.ledger.get("t1").owner == "o"  # type: ignore[union-attr]
+        assert dispatcher.replies_for_another == before + 1
+        dispatcher.on_peer_replies([Moved(id="t1", node="o", to="c")], "")
+        assert dispatcher.forwarder.ledger.get("t1").owner == "c"  # type: ignore[union-attr]
+
+
 def test_the_owner_remembers_a_bounded_number_of_forwarders_connections() -> None:
     """A Forward's src is its sender's word without CURVE: one src per Forward grew the
     owner's map of members' latest connections without end.  It holds LINKS_MAX at most,

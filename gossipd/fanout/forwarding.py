@@ -216,10 +216,17 @@ class Dispatcher:
                     # Only a member's own card counts: it came on our connection to its address.
                     self.on_model_card(msg, bool(addr) and self.placer.addr(msg.node) == addr)
                     continue
-                if type(msg) is Moved:  # (from our owner server: its source checked there)
-                    self.forwarder.moved(msg.id, msg.node, msg.to)
+                if type(msg) is Moved:
+                    # Only from our owner server (addr ""), whose source check binds `node` to
+                    # the sender's key: one back on our own connection to a member is no
+                    # owner's word (any member could move another's tasks to a name that
+                    # never dies).
+                    if addr:
+                        self.replies_for_another += 1
+                    else:
+                        self.forwarder.moved(msg.id, msg.node, msg.to)
                     continue
-                if type(msg) is ReplayKnown:  # (the same rule)
+                if type(msg) is ReplayKnown:  # (ModelCard's rule)
                     self.on_replay_known(msg, bool(addr) and self.placer.addr(msg.node) == addr)
                     continue
                 if tracer is not None and type(msg) is TaskDone:
@@ -287,13 +294,20 @@ class Dispatcher:
         owned = self.owner.intake_entry(task.id)
         if owned is None:
             return
-        for member in set(self.owner.core.forwarders_of(owned)) - {"", self.node}:
-            addr = self.placer.addr(member)
+        told = not owned.from_producer  # (a producer's own task: ours to answer for)
+        for member in set(self.owner.core.forwarders_of(owned)) - {self.node}:
+            addr = self.placer.addr(member) if member else None
             # (an earlier release refuses the message, logged and counted: not sent)
             if addr is not None and release_at_least(
                 self.placer.release(member), MOVED_FROM_VERSION
             ):
                 self._links.send_alone(addr, Moved(id=task.id, node=self.node, to=to))
+            else:
+                told = False
+        if told:
+            # Every forwarder answers for it at ``to`` now: ours would migrate it a second
+            # time if ``to`` died while we are still up (a drain, our engine dead).
+            self.forwarder.ledger.forget(task.id)
 
     def relay_drain(self, member: str, msg: Drain) -> bool:
         """An operator's Drain for ``member``, to its rpc address; False when it is no live
