@@ -239,6 +239,27 @@ def test_several_endpoints_one_not_resolving_still_elect_and_IPv6_literals_are_t
         six = await resolve(["[::1]:2379", "[::1]:2380"])
         assert grpc_target(six) == "ipv6:[::1]:2379,[::1]:2380"
         assert [f for f, _, _ in six] == [sockets.AF_INET6] * 2
+        # A name with both families takes its IPv4 address (as the daemon did before).
+        both = await resolve(["localhost:2379", "127.0.0.1:2380"])
+        assert grpc_target(both) == "ipv4:127.0.0.1:2379,127.0.0.1:2380"
+        # Two connects at once build one channel.
+        from gossipd.leader import client as etcd_client
+
+        made: list[str] = []
+        real = etcd_client.rpc.insecure_channel
+
+        def counted(target: str, **kw: object) -> object:
+            made.append(target)
+            return real(target, **kw)
+
+        etcd_client.rpc.insecure_channel = counted  # type: ignore[assignment]
+        try:
+            two = etcd_client.EtcdClient(EtcdConfig(endpoints=["localhost:1", "localhost:2"]))
+            await asyncio.gather(two.connect(), two.connect())
+            await two.close()
+        finally:
+            etcd_client.rpc.insecure_channel = real  # type: ignore[assignment]
+        assert made == ["ipv4:127.0.0.1:1,127.0.0.1:2"]
         with pytest.raises(OSError, match="none resolves"):
             await resolve(["a.invalid:1", "b.invalid:2"])
 

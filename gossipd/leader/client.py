@@ -40,22 +40,28 @@ def _split(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def grpc_target(resolved: list[tuple[str, int, int]]) -> str:
+def grpc_target(resolved: list[tuple[int, str, int]]) -> str:
     """One gRPC target for the endpoints' addresses, (family, ip, port) each: "ipv4:A:P,..."
     (pick_first: the next one is tried when the current one fails), or "ipv6:[A]:P,..." when
-    none is IPv4 (one target holds one family)."""
+    none is IPv4 (one target holds one family: the IPv6 ones beside IPv4 ones are left out,
+    logged)."""
     v4 = [f"{ip}:{port}" for family, ip, port in resolved if family == socket.AF_INET]
     if v4:
+        v6 = [f"[{ip}]:{port}" for family, ip, port in resolved if family != socket.AF_INET]
+        if v6:
+            log.warning("etcd endpoints of IPv6 beside IPv4 ones are left out (one gRPC "
+                        "target holds one family)", extra={"endpoints": v6})  # fmt: skip
         return "ipv4:" + ",".join(v4)
     return "ipv6:" + ",".join(f"[{ip}]:{port}" for _, ip, port in resolved)
 
 
-async def resolve(endpoints: list[str]) -> list[tuple[str, int, int]]:
-    """The endpoints' addresses, (family, ip, port), looked up without blocking the loop.
+async def resolve(endpoints: list[str]) -> list[tuple[int, str, int]]:
+    """The endpoints' addresses, (family, ip, port), looked up without blocking the loop; a
+    name's IPv4 address when it has one (as before: an etcd listening on 0.0.0.0 only).
     A name that does not resolve is left out (logged) while another does; OSError when none
     does (the election retries it: a DNS hiccup at boot must not stop the daemon)."""
     loop = asyncio.get_running_loop()
-    out: list[tuple[str, int, int]] = []
+    out: list[tuple[int, str, int]] = []
     failed: list[str] = []
     for endpoint in endpoints:
         host, port = _split(endpoint)
@@ -64,8 +70,8 @@ async def resolve(endpoints: list[str]) -> list[tuple[str, int, int]]:
         except OSError as exc:
             failed.append(f"{endpoint} ({exc})")
             continue
-        family, _, _, _, sockaddr = infos[0]
-        out.append((family, str(sockaddr[0]), port))  # type: ignore[arg-type]
+        best = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+        out.append((int(best[0]), str(best[4][0]), port))
     if not out:
         raise OSError(f"etcd.endpoints: none resolves: {'; '.join(failed)}")
     if failed:
@@ -79,8 +85,15 @@ class EtcdClient(aetcd.Client):
         super().__init__(timeout=config.request_timeout_s, options=GRPC_OPTIONS)
         self._endpoints = list(config.endpoints)
         self._credentials = _credentials(config)
+        self._connecting = asyncio.Lock()
 
     async def connect(self) -> None:
+        # One connect at a time: resolving awaits, and two callers at boot (the seeds' read,
+        # the election's grant) would each build a channel, the first never closed.
+        async with self._connecting:
+            await self._connect()
+
+    async def _connect(self) -> None:
         if self._connected.is_set():
             return
         # One endpoint: gRPC resolves the name itself (and again on reconnects).  Several:
