@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from typing import Any
@@ -218,3 +219,51 @@ def test_seeds_read_from_etcd_keep_only_addresses_a_socket_connects_to() -> None
 
     seeds = asyncio.run(read_seeds(get, "/gossipd/default/"))
     assert seeds == ["n1@tcp://10.0.0.1:7946", "tcp://10.0.0.2:7946"]
+
+
+def test_a_failing_duty_restarts_later_and_later_and_only_a_bug_logs_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd's failures (a timeout, a refused connection) are one warning line each, with no
+    traceback (the election already reports the outage once); any other exception is a bug
+    and logged with its traceback.  The pause before a restart doubles (with jitter)."""
+    from gossipd.leader import duties as duties_module
+    from gossipd.leader.duties import LeaderContext, LeaderDuties
+
+    monkeypatch.setattr(duties_module, "RESTART_S", 0.02)
+    monkeypatch.setattr(duties_module, "RESTART_MAX_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="gossipd.leader.duties")
+    calls: dict[str, list[float]] = {"etcd": [], "bug": []}
+
+    def failing(name: str, exc: Exception) -> Any:
+        async def duty(ctx: LeaderContext) -> None:
+            calls[name].append(asyncio.get_running_loop().time())
+            if len(calls[name]) < 4:
+                raise exc
+            await asyncio.sleep(10)
+
+        return duty
+
+    async def main() -> None:
+        duties = LeaderDuties()
+        duties.register("etcd", failing("etcd", TimeoutError("etcd slow")))
+        duties.register("bug", failing("bug", ValueError("a bug of ours")))
+        ctx = LeaderContext(token=1, node="n", client=None, prefix="/gossipd/t",
+                            leader_key=b"k", request_timeout_s=1.0, _publish=lambda k, v: True,
+                            _members=lambda: [])  # fmt: skip
+        duties.start(ctx)
+        for _ in range(200):
+            if len(calls["etcd"]) >= 4 and len(calls["bug"]) >= 4:
+                break
+            await asyncio.sleep(0.02)
+        duties.stop()
+
+    asyncio.run(main())
+    assert len(calls["etcd"]) == len(calls["bug"]) == 4
+    gaps = [b - a for a, b in zip(calls["etcd"], calls["etcd"][1:], strict=False)]
+    assert gaps[-1] > gaps[0]  # 0.01-0.02, 0.02-0.04, 0.04-0.08 s
+    etcd_lines = [r for r in caplog.records if "duty etcd" in r.getMessage()]
+    bug_lines = [r for r in caplog.records if "duty bug" in r.getMessage()]
+    assert len(etcd_lines) == len(bug_lines) == 3
+    assert all(r.exc_info is None for r in etcd_lines)
+    assert all(r.exc_info is not None for r in bug_lines)

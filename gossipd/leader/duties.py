@@ -23,7 +23,7 @@ from typing import Any
 from aetcd import rpc
 
 from gossipd.leader.backoff import Backoff
-from gossipd.leader.election import ETCD_ERRORS
+from gossipd.leader.election import ETCD_FAILURES
 
 log = logging.getLogger("gossipd.leader.duties")
 
@@ -134,7 +134,9 @@ class LeaderDuties:
 
     async def _run(self, name: str, ctx: LeaderContext) -> None:
         backoff = Backoff(RESTART_S, RESTART_MAX_S)
+        loop = asyncio.get_running_loop()
         while self._context is ctx:
+            began = loop.time()
             try:
                 await self._duties[name](ctx)
                 return
@@ -142,8 +144,10 @@ class LeaderDuties:
                 raise
             except Exception as exc:
                 self.failures[name] = self.failures.get(name, 0) + 1
+                if loop.time() - began > RESTART_MAX_S:
+                    backoff.reset()  # it ran well for a while: this failure is a new one
                 pause_s = backoff.next_s()
-                if isinstance(exc, ETCD_ERRORS):
+                if isinstance(exc, ETCD_FAILURES):
                     # etcd's trouble, which the election's error log already reports once
                     # per outage: one line, no traceback (it was one a second while it lasted)
                     log.warning("leader duty %s: etcd failed (%s: %s); again in %.1f s", name,

@@ -43,6 +43,8 @@ log = logging.getLogger("gossipd.leader.election")
 
 # What an etcd call raises when etcd is down, slow or refuses: retried, never fatal.
 ETCD_ERRORS = (ClientError, grpc.aio.AioRpcError, TimeoutError, OSError, ValueError)
+# ...those that are surely etcd's, not a bug of ours (a duty logs them without a traceback).
+ETCD_FAILURES = (ClientError, grpc.aio.AioRpcError, TimeoutError, ConnectionError)
 RETRY_S = 0.1  # the campaign's first pause after an etcd error (then doubling: backoff.py)
 RETRY_MAX_S = 2.0  # the longest: etcd back, a daemon campaigns again within it
 
