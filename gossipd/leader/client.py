@@ -58,8 +58,8 @@ def grpc_target(resolved: list[tuple[int, str, int]]) -> str:
 async def resolve(endpoints: list[str]) -> list[tuple[int, str, int]]:
     """The endpoints' addresses, (family, ip, port), looked up without blocking the loop; a
     name's IPv4 address when it has one (as before: an etcd listening on 0.0.0.0 only).
-    A name that does not resolve is left out (logged) while another does; OSError when none
-    does (the election retries it: a DNS hiccup at boot must not stop the daemon)."""
+    A name that does not resolve is left out (logged) while another does; an error when none
+    does (a ConnectionError, retried: a DNS hiccup at boot must not stop the daemon)."""
     loop = asyncio.get_running_loop()
     out: list[tuple[int, str, int]] = []
     failed: list[str] = []
@@ -73,7 +73,8 @@ async def resolve(endpoints: list[str]) -> list[tuple[int, str, int]]:
         best = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
         out.append((int(best[0]), str(best[4][0]), port))
     if not out:
-        raise OSError(f"etcd.endpoints: none resolves: {'; '.join(failed)}")
+        # (a ConnectionError: the duties log it as etcd's trouble, not as a bug of ours)
+        raise ConnectionError(f"etcd.endpoints: none resolves: {'; '.join(failed)}")
     if failed:
         log.warning("etcd endpoints that do not resolve are left out until the next connect",
                     extra={"endpoints": failed})  # fmt: skip
