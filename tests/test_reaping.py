@@ -121,14 +121,24 @@ def test_Reaper_names_a_member_again_at_its_new_incarnation() -> None:
     assert r.tick(t.members.values(), 3.0) == [("x", 3)]
 
 
-def test_Reaper_list_is_bounded_oldest_first() -> None:
-    t = dead_table({f"n{i:04d}": (0, float(i)) for i in range(FORGET_MAX + 5)})
-    r = Reaper(dead_after_s=0.0, repeat_s=1e9, repeat_every_s=0.0)
-    for i in range(FORGET_MAX + 5):  # each named at its own time
-        r.tick([t.members[f"n{i:04d}"]], float(i))
-    names = r.tick([], 1e6)
-    assert names is not None and len(names) == FORGET_MAX
-    assert names[0] == ("n0005", 0)
+def test_Reaper_list_is_bounded_and_more_due_wait_for_room_each_name_repeated_whole() -> None:
+    """(Trimmed oldest first, a backlog evicted each batch after one send, re-added the
+    trimmed names as new every tick, and counted them forgotten each time.)"""
+    t = dead_table({f"n{i:04d}": (0, 0.0) for i in range(FORGET_MAX + 5)})
+    r = Reaper(dead_after_s=0.0, repeat_s=10.0, repeat_every_s=2.0)
+    first = r.tick(t.members.values(), 1.0)
+    assert first is not None and len(first) == FORGET_MAX
+    assert r.forgotten == FORGET_MAX
+    for node, inc in first:  # the leader's own table applies its directive
+        assert t.forget(node, inc, 1.0)
+    for now in (3.0, 5.0, 7.0, 9.0, 11.0):  # the same names, repeated for repeat_s
+        assert r.tick(t.members.values(), now) == first
+    assert r.forgotten == FORGET_MAX
+    rest = r.tick(t.members.values(), 11.5)  # past repeat_s: room, for the 5 that waited
+    assert rest is not None and r.forgotten == FORGET_MAX + 5
+    assert {n for n, _ in rest} == {f"n{i:04d}" for i in range(FORGET_MAX + 5)} - {
+        n for n, _ in first
+    }
 
 
 @settings(max_examples=200, deadline=None)

@@ -7,7 +7,7 @@ Rules:
    incarnation it died at; every member (the leader too) drops it from its table
    (core/membership.py rule 9).
 2. Each forgotten member stays in the directive's list for ``repeat_s`` after it was first
-   named (at most ``FORGET_MAX`` names, the oldest dropped first): a member that missed one
+   named (at most ``FORGET_MAX`` names; more due wait for room): a member that missed one
    directive, or had the forgotten member brought back by a stale push-pull meanwhile,
    forgets it with the next one.  The directive is sent again every ``repeat_every_s`` while
    its list is not empty; never when it is.
@@ -58,6 +58,9 @@ class Reaper:
 
     def tick(self, members: Iterable[Member], now: float) -> list[tuple[str, int]] | None:
         """The (node, incarnation) list to send in a forget directive now, or None."""
+        for node, (_, at) in list(self._named.items()):
+            if now - at > self.repeat_s:
+                del self._named[node]
         new = False
         for m in members:
             if m.state not in (State.DEAD, State.LEFT):
@@ -65,18 +68,15 @@ class Reaper:
             if now - m.state_since < self.dead_after_s:
                 continue
             named = self._named.get(m.node)
+            if named is None and len(self._named) >= FORGET_MAX:
+                # Full: it waits for room (a name leaves repeat_s after it was first named),
+                # so that each name is repeated its whole period; one taking the place of a
+                # name sent once would be sent once itself, and the next tick's the same.
+                continue
             if named is None or named[0] < m.incarnation:
                 self._named[m.node] = (m.incarnation, now)
                 self.forgotten += 1
                 new = True
-        for node, (_, at) in list(self._named.items()):
-            if now - at > self.repeat_s:
-                del self._named[node]
-        excess = len(self._named) - FORGET_MAX
-        if excess > 0:  # one sort (a min per name was quadratic: 10,000 due took 3.2 s)
-            first = {node: at for node, (_, at) in self._named.items()}
-            for node in sorted(first, key=lambda n: (first[n], n))[:excess]:
-                del self._named[node]
         if not self._named:
             return None
         if not new and now - self._sent_at < self.repeat_every_s:
