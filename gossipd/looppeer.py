@@ -27,7 +27,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
-from gossipd.ops.logs import HANDLER_FAILURES, handler_name
+from gossipd.ops.logs import handler_name, note_handler_failure
 from gossipd.peerchannel import OnReplies, OnRequest
 from gossipd.peerlink import (
     WRITE_BYTES_MAX,
@@ -191,8 +191,7 @@ class LoopPeerServer:
                 on_request(identity, parts[0], user)
             except Exception:  # one frame's failure leaves the connection and the rest
                 self.handler_errors += 1
-                HANDLER_FAILURES[handler_name(on_request)] += 1
-                log.exception("handling a peer's frame failed")
+                note_handler_failure(handler_name(on_request), log, "handling a peer's frame")
 
     def send(self, identity: bytes, frame: bytes) -> bool:
         if self._closed:
@@ -397,8 +396,9 @@ class LoopPeerClient:
                 self._on_replies(conn.addr, frames)
             except Exception:  # logged; the connection and the next reads go on
                 self.handler_errors += 1
-                HANDLER_FAILURES[handler_name(self._on_replies)] += 1
-                log.exception("handling a peer's replies failed")
+                note_handler_failure(
+                    handler_name(self._on_replies), log, "handling a peer's replies"
+                )
 
     def close_idle(self, now: float, idle_s: float, keep: Callable[[str], bool]) -> int:
         idle = [a for a, c in self._conns.items() if c.used_at < now - idle_s and not keep(a)]

@@ -291,6 +291,29 @@ def test_a_moved_is_taken_only_from_the_owner_server_and_the_handing_owner_forge
         assert dispatcher.forwarder.ledger.get("t1").owner == "c"  # type: ignore[union-attr]
 
 
+def test_an_item_whose_handling_raises_leaves_the_rest_of_its_batch_handled() -> None:
+    """The owner's server reads a PeerBatch item by item: one item's bug is counted
+    (gossipd_handler_failures_total) and the items after it are still handled."""
+    from gossipd.core.peer_messages import PeerBatch, Withdraw, encode_peer
+    from gossipd.ops.logs import HANDLER_FAILURES
+
+    seen: list[str] = []
+
+    def on_forward(identity: bytes, msg: Any) -> None:
+        if msg.id == "bad":
+            raise RuntimeError("a bug in the owner")
+        seen.append(msg.id)
+
+    with _built_dispatcher() as dispatcher:
+        owner = dispatcher.owner
+        owner._on_forward = on_forward
+        before = HANDLER_FAILURES["OwnerEndpoint.on_peer_item"]
+        items = [Withdraw(id=i, node="f") for i in ("a", "bad", "b")]
+        owner._on_peer_frame(b"conn", encode_peer(PeerBatch(items=items)), "")
+    assert seen == ["a", "b"]
+    assert HANDLER_FAILURES["OwnerEndpoint.on_peer_item"] == before + 1
+
+
 def test_the_owner_remembers_a_bounded_number_of_forwarders_connections() -> None:
     """A Forward's src is its sender's word without CURVE: one src per Forward grew the
     owner's map of members' latest connections without end.  It holds LINKS_MAX at most,

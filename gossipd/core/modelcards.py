@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gossipd.core.releases import release_at_least
+
 CARDS_FROM_VERSION = (0, 3, 0)  # the first release that answers a ModelQuery
 ASK_AGAIN_S = 2.0  # an unanswered query is sent again after this
 CARD_TTL_S = 60.0  # an answered card is asked for again after this
@@ -25,17 +27,6 @@ def answers_queries(software_version: str) -> bool:
     """True when a member of this release answers a ModelQuery ("0.3.0" or later; an empty
     or unreadable version: no)."""
     return release_at_least(software_version, CARDS_FROM_VERSION)
-
-
-def release_at_least(software_version: str, first: tuple[int, int, int]) -> bool:
-    """True when ``software_version``'s first three dot-separated parts are integers at least
-    ``first`` (an empty or unreadable version: no)."""
-    parts = software_version.split(".")[:3]
-    try:
-        numbers = tuple(int(p) for p in parts)
-    except ValueError:
-        return False
-    return len(numbers) == 3 and numbers >= first
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,6 @@ from gossipd.core.forwarder import (
 from gossipd.core.lifecycle import Owned
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import Cancel, Drain, Task
-from gossipd.core.modelcards import release_at_least
 from gossipd.core.peer_messages import (
     MOVED_FROM_VERSION,
     Confirm,
@@ -51,6 +50,7 @@ from gossipd.core.peer_messages import (
     TaskDone,
 )
 from gossipd.core.placer import Placer
+from gossipd.core.releases import release_at_least
 from gossipd.fanout.owner import OwnerEndpoint
 from gossipd.fanout.peerlinks import PeerLinks
 from gossipd.ops.logs import note_handler_failure

@@ -60,7 +60,7 @@ from gossipd.core.peer_messages import (
 from gossipd.core.replaycheck import replay_known
 from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.ingress.service import Ingress
-from gossipd.ops.logs import RateLimiter
+from gossipd.ops.logs import RateLimiter, note_handler_failure
 from gossipd.peerchannel import PeerServer, ZmqPeerServer
 from gossipd.zmtp import CURVE_OVERHEAD
 
@@ -264,7 +264,10 @@ class OwnerEndpoint:
             if allowed is not None and not allowed(sender, _source(item, sender), "rpc"):
                 self.counters.refused_unauthorised += 1
                 continue
-            self._on_forward(identity, item)
+            try:  # (free until it catches)
+                self._on_forward(identity, item)
+            except Exception:  # one item's bug: the rest of its batch go on
+                note_handler_failure("OwnerEndpoint.on_peer_item", log, "handling a peer's item")
 
     def _on_forward(self, identity: bytes, msg: object) -> None:
         if type(msg) is not Forward:  # the rarer kinds first tested here, not per Forward

@@ -1,0 +1,16 @@
+"""Which release a member runs (its gossiped GpuState ``software_version``), and so which peer
+messages it understands: a message a member's release does not know makes it refuse the
+whole message it travels in, so it is sent only to members of a release that knows it."""
+
+from __future__ import annotations
+
+
+def release_at_least(software_version: str, first: tuple[int, int, int]) -> bool:
+    """True when ``software_version``'s first three dot-separated parts are integers at least
+    ``first`` ("0.3.0.dev1" counts as 0.3.0; "0.3.0rc1", "", or unreadable: no)."""
+    parts = software_version.split(".")[:3]
+    try:
+        numbers = tuple(int(p) for p in parts)
+    except ValueError:
+        return False
+    return len(numbers) == 3 and numbers >= first
