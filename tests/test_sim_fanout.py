@@ -170,7 +170,10 @@ def test_cancels_from_the_producer_end_tasks_and_an_intruders_do_not() -> None:
     cancelled = report["errors"].get("cancelled", 0)  # type: ignore[attr-defined]
     assert cancelled > 50 and report["ok"] + cancelled == 4000
     cancels = report["cancels"]
-    assert cancels["here"] >= cancelled and cancels["forwarded"] > 0 and cancels["refused"] > 0  # type: ignore[index]
+    # (a task cancelled while no member had it is answered cancelled by its entry member:
+    # outcome "forwarded", not "here")
+    handled = cancels["here"] + cancels["forwarded"]  # type: ignore[index]
+    assert handled >= cancelled and cancels["forwarded"] > 0 and cancels["refused"] > 0  # type: ignore[index]
 
 
 class ObeysAnyKey(TaskBook):

@@ -198,7 +198,6 @@ class Journey:
     __slots__ = (
         "attempts",
         "busy_hint_ms",
-        "cancelled",
         "deadline",
         "ended",
         "exclude",
@@ -234,7 +233,6 @@ class Journey:
         self.ended = False
         self.saturated = ""  # the first member that refused as saturated (rule 6)
         self.plain = False  # ...asked again without if_free
-        self.cancelled = False  # its producer cancelled it before any member took it
 
 
 @dataclass(slots=True, eq=False)
@@ -443,14 +441,16 @@ class Forwarder:
         a retry waits out its backoff): each copy in the air is followed by the Cancel, on
         the same connection (read after it: the owner aborts what it admitted); with none in
         the air the task ends here, answered cancelled.  It was dropped ("unknown") and the
-        task ran to its end."""
+        task ran to its end.  A copy that then fails (refused, silent, its member dead) sends
+        the task on uncancelled, as before: ending it here instead, or following each copy
+        sent on with the Cancel, made the fan-out simulator's partition+crash runs answer
+        more tasks twice (a member's journal re-ran copies no forwarder knew any more)."""
         j = self._flying.get(task_id) or self._backing_off.get(task_id)
         if j is None or j.ended or j.quiet or j.winner:
             return None
         if j.task.producer_key != producer_key:
             return "refused"
         cancel = Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key)
-        j.cancelled = True  # no retry, no hedge: if the copies in the air fail, it ends
         live = [f for f in j.flights if f.live]
         for flight in live:
             addr = self._last_addr.get(flight.member)
@@ -459,13 +459,10 @@ class Forwarder:
         if not live:
             j.waiting = False  # (its retry timer finds it so: skipped)
             self._backing_off.pop(task_id, None)
-            self._end_cancelled(j)
+            why = "cancelled by the producer before a member took it"
+            self._events.append(Refuse(j.task, ErrorCode.CANCELLED, why, 0))
+            self._end(j, ok=False)
         return "forwarded"
-
-    def _end_cancelled(self, j: Journey) -> None:
-        why = "cancelled by the producer before a member took it"
-        self._events.append(Refuse(j.task, ErrorCode.CANCELLED, why, 0))
-        self._end(j, ok=False)
 
     def local_finished(self, task_id: str) -> None:
         """A task we kept (route() said LOCAL, or a retry admitted it here) has ended."""
@@ -721,9 +718,7 @@ class Forwarder:
         """Try the next member (after a backoff), or give up."""
         if j.ended:
             return
-        if j.cancelled:  # the copies in the air when its producer cancelled it all failed
-            self._end_cancelled(j)
-            return
+
         if j.order is None:
             tried = set(j.tried) | j.exclude
             j.order = [
@@ -832,8 +827,6 @@ class Forwarder:
     def _hedge(self, flight: Flight, now: float) -> None:
         """The first member is slower to ack than usual: send the task to the next one too."""
         flight.hedge_armed = False
-        if flight.journey.cancelled:
-            return
         if self._hedge_credit < 1.0:
             self.counters.hedges_over_budget += 1
             return
