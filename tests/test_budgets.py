@@ -295,10 +295,10 @@ def test_a_daemon_fed_large_prompts_and_results_stays_within_its_byte_budgets(
         elapsed_s = time.monotonic() - started
         assert len(results) == TASKS
         # Settled: read until it is within the bound, for up to 5 s.  What stays beyond the
-        # results cache varies from run to run, before this stop's changes as after them
-        # (2026-12-05, 18 runs on this machine: 77-78 MiB in 11, 94-116 in 7, from a baseline
-        # of 54; glibc's per-thread arenas keep some freed buffers): slack of 48 MiB.  Without
-        # the budgets the daemon kept 289 MiB from 36, and its peak here is about 210.
+        # results cache varies from run to run, at 81811a7 as after it (2026-12-05, 25 runs on
+        # this machine: 77-78 MiB in 17, 94-116 in 8, from a baseline of 53-54; why, not
+        # found: the allocator keeping some freed buffers, we think): slack of 48 MiB.
+        # Without the budgets the daemon kept 289 MiB from 36; its peak here is about 210.
         bound = baseline + BUDGET_MIB + 48
         settled = _rss_mib(daemon.pid)
         until = time.monotonic() + 5.0
