@@ -718,7 +718,6 @@ class Forwarder:
         """Try the next member (after a backoff), or give up."""
         if j.ended:
             return
-
         if j.order is None:
             tried = set(j.tried) | j.exclude
             j.order = [

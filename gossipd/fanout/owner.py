@@ -407,7 +407,7 @@ class OwnerEndpoint:
         reconnected since (its first connection dropped, re-keyed, or closed by us as busy)
         withdraws on a new one, which the task does not know; matched by member, a stalled
         owner now drops such a copy (it ran beside the migrated one)."""
-        owned = self._ingress.intake.book.get(msg.id)
+        owned = self.intake_entry(msg.id)
         if owned is None or identity in owned.forwarders:
             return identity
         member_of = self.core.member_of
