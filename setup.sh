@@ -4,9 +4,14 @@
 # run again.  GOSSIPD_VLLM=none skips vLLM (the echo engine still works; vLLM tests skip).
 set -euo pipefail
 cd "$(dirname "$0")"
-PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
+    # PYTHON=... picks the interpreter; else the fastest of python3 and the distribution's
+    # (scripts/pick_python.sh says why it matters: 10% of the daemon's CPU).
+    PYTHON="${PYTHON:-$(scripts/pick_python.sh || echo python3)}"
+    echo "making .venv with $PYTHON ($("$PYTHON" --version 2>&1))"
     "$PYTHON" -m venv .venv
+else
+    echo ".venv exists (made with $(.venv/bin/python -c 'import sys; print(sys._base_executable, sys.version.split()[0])')); remove it to choose the interpreter again"
 fi
 VLLM="${GOSSIPD_VLLM:-auto}"
 if [ "$VLLM" = auto ]; then
