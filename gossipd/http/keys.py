@@ -37,7 +37,10 @@ class ApiKeys:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
-        return self._by_digest.get(hashlib.sha256(token.strip().encode()).digest())
+        # The header as it came (read as latin-1, byte for byte): a key file's non-ASCII key,
+        # UTF-8 there, is the same bytes on the wire.
+        raw = token.strip().encode("latin-1", "replace")
+        return self._by_digest.get(hashlib.sha256(raw).digest())
 
     def reload(self, *, force: bool = False, initial: bool = False) -> bool:
         """Read the directory again if it changed (``force``: whether it did or not); True

@@ -257,7 +257,12 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     if options is not None and stream:  # without a stream: ignored (PROTOCOL.md)
         if not isinstance(options, dict):
             raise BadRequest("stream_options: an object", param="stream_options")
-        include_usage = bool(options.get("include_usage", False))
+        asked = options.get("include_usage")
+        if asked is not None and not isinstance(asked, bool):  # "false" is not false
+            raise BadRequest(
+                "stream_options.include_usage: true or false", param="stream_options.include_usage"
+            )
+        include_usage = asked is True  # null: as absent
     user = doc.get("user") or ""
     if not isinstance(user, str):
         raise BadRequest("user: a string", param="user")

@@ -58,7 +58,10 @@ _REASONS = {
 }
 _STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, r.encode()) for code, r in _REASONS.items()}
 # The headers every door reads; the others are skipped as they are parsed (no dict entry).
-WANTED_HEADERS = frozenset({b"authorization", b"x-request-id", b"expect"})
+# content-length and transfer-encoding: whether a request that asks for an upgrade has a body.
+WANTED_HEADERS = frozenset(
+    {b"authorization", b"x-request-id", b"expect", b"content-length", b"transfer-encoding"}
+)
 
 
 def _plain_error(message: str, status: int) -> bytes:
@@ -218,8 +221,11 @@ class HttpConnection(asyncio.Protocol):
         self._buffered_head = 0
         self._read_body = 0  # body bytes in the read being parsed
         self._last_seen = False  # a request without keep-alive came: nothing after it is read
-        self._body: list[bytes] = []
+        # One piece as it came (the usual body); more pieces grow one bytearray: a chunked
+        # body of 2-byte chunks kept as a list took 28 times its bytes.
+        self._body: bytes | bytearray = b""
         self._body_bytes = 0
+        self._upgrade_refused = False  # an Upgrade request with a body: refused, not answered
         self._waiting: deque[Request] = deque()
         self._current: Exchange | None = None
         self._reading_paused = False
@@ -228,6 +234,7 @@ class HttpConnection(asyncio.Protocol):
         self._broken = False  # answered an error and closing: ignore the rest
         self._idle: asyncio.TimerHandle | None = None
         self._idle_at: float | None = None  # when the connection is idle too long
+        self._linger: asyncio.TimerHandle | None = None  # closing: aborted if still open then
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -244,6 +251,9 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_idle()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         if self.transport is None:
             return
         self.transport = None
@@ -261,6 +271,8 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writing_paused = False
+        if self._idle_at is not None:
+            self._arm_idle()  # it reads: its idle deadline starts again
         self._maybe_resume_reading()
         self._schedule_next()
 
@@ -270,8 +282,22 @@ class HttpConnection(asyncio.Protocol):
         self._read_body = 0  # body bytes of this read (on_body)
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrades are not served here")
+        except httptools.HttpParserUpgrade as exc:
+            # llhttp ends a request that asks for an upgrade (h2c: `curl --http2`) at its
+            # head and stops.  The upgrade is ignored (RFC 9110 7.8): a request without a body
+            # was answered as any other, and what follows it is the next request, for a new
+            # parser.  One with a body cannot be read here: refused, alone.
+            if self._upgrade_refused:
+                self._fail(
+                    400,
+                    "protocol upgrades are not served here: send the request without "
+                    "'Connection: Upgrade'",
+                )
+                return
+            self._parser = httptools.HttpRequestParser(self)
+            rest = data[exc.args[0] :] if exc.args else b""
+            if rest:
+                self.data_received(rest)
             return
         except httptools.HttpParserError as exc:
             # A callback's exception comes wrapped (HttpParserCallbackError): ours says why.
@@ -298,7 +324,7 @@ class HttpConnection(asyncio.Protocol):
         self._in_head = True
         self._head_bytes = 0  # the request line and headers parsed so far
         self._buffered_head = 0  # bytes read while the head had not ended
-        self._body = []
+        self._body = b""
         self._body_bytes = 0
         self._arm_idle()  # the whole request must arrive within idle_timeout_s
 
@@ -317,8 +343,22 @@ class HttpConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._headers.get("expect", "").lower() == "100-continue" and self.transport:
+        headers = self._headers
+        if (
+            headers.get("expect", "").lower() == "100-continue"
+            and self.transport is not None
+            # Not inside another response under way (it would break that one's framing), nor
+            # to HTTP/1.0 (RFC 9110 15.2): the client then sends its body after a wait.
+            and self._current is None
+            and not self._waiting
+            and self._parser.get_http_version() != "1.0"
+        ):
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without
+        if self._parser.should_upgrade() and (
+            headers.get("content-length", "0").strip() not in ("", "0")
+            or "transfer-encoding" in headers
+        ):
+            self._upgrade_refused = True
 
     def on_body(self, body: bytes) -> None:
         self._read_body += len(body)
@@ -329,23 +369,34 @@ class HttpConnection(asyncio.Protocol):
                 f"the request body is over {self._limits.body_bytes_max} bytes "
                 "(http.body_bytes_max)",
             )
-        self._body.append(body)
+        held = self._body
+        if not held:
+            self._body = body
+        elif type(held) is bytearray:
+            held += body
+        else:
+            self._body = bytearray(held) + body
 
     def on_message_complete(self) -> None:
-        if self._last_seen:
+        if self._last_seen or self._upgrade_refused:
             return  # pipelined after a request that closes the connection
         parser = self._parser
+        body = self._body
         request = Request(
             method=parser.get_method().decode("latin-1"),
             path=self._url.decode("latin-1"),
             headers=self._headers,
-            body=b"".join(self._body),
+            body=body if type(body) is bytes else bytes(body),
             keep_alive=parser.should_keep_alive(),
             http10=parser.get_http_version() == "1.0",
         )
-        self._body = []
+        self._body = b""
         self._limits.counters.requests += 1
-        self._disarm_idle()
+        if self._writing_paused:
+            # queued behind answers its client does not take: it has idle_timeout_s to read
+            self._arm_idle()
+        else:
+            self._disarm_idle()
         if not request.keep_alive:
             self._last_seen = True  # the client's last request: what follows is ignored
         if self._current is None and not self._waiting and not self._writing_paused:
@@ -392,10 +443,14 @@ class HttpConnection(asyncio.Protocol):
         return self._held_bytes + buffered
 
     def close(self) -> None:
-        """Close after what is held and buffered has been written."""
+        """Close after what is held and buffered has been written: within idle_timeout_s,
+        else at once (a client that does not read would keep its connection, and its place
+        under connections_max, for ever)."""
         if self.transport is not None:
             self.write_held()
             self.transport.close()
+            if self._linger is None and self.transport is not None:
+                self._linger = self._loop.call_later(self._limits.idle_timeout_s, self.abort)
 
     def abort(self) -> None:
         """Close at once, what is held or buffered dropped."""
@@ -502,7 +557,10 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.transport is not None and self._current is None:
             self._limits.counters.idle_closed += 1
-            self.close()
+            if self.unsent_bytes():
+                self.abort()  # silent and not reading what it was sent: no wait for it
+            else:
+                self.close()
 
     def _fail(self, status: int, message: str) -> None:
         self._broken = True

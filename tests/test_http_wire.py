@@ -1,0 +1,236 @@
+"""The HTTP door's wire alone (gossipd/http/server.py on a real loopback socket, a small
+handler instead of the door): upgrades, `Expect: 100-continue`, clients that do not read,
+bodies in tiny chunks.  Each case came from an audit of the door (a second response after an
+upgrade, a 100 Continue inside another response's chunks, a silent client keeping its place
+for ever, a chunked body taking 28 times its bytes)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from gossipd.http.keys import ApiKeys
+from gossipd.http.openai_api import BadRequest, decode_call
+from gossipd.http.server import Exchange, HttpLimits, Request, serve
+
+BIG = 8 * 1024 * 1024  # an answer no socket buffer takes whole
+
+
+class Handler:
+    """/big: an answer of BIG bytes; /stream: a stream left open until ``end_streams``;
+    anything else: one answer naming the path and the body's length."""
+
+    def __init__(self) -> None:
+        self.seen: list[Request] = []
+        self.streams: list[Exchange] = []
+
+    def __call__(self, request: Request, exchange: Exchange) -> None:
+        self.seen.append(request)
+        if request.path == "/big":
+            exchange.respond(200, b"x" * BIG, content_type=b"text/plain")
+        elif request.path == "/stream":
+            exchange.start_stream()
+            exchange.write(b"data: one\n\n")
+            self.streams.append(exchange)
+        else:
+            answer = b"%s %d" % (request.path.encode(), len(request.body))
+            exchange.respond(200, answer, content_type=b"text/plain")
+
+    def end_streams(self) -> None:
+        for exchange in self.streams:
+            exchange.write(b"data: two\n\n")
+            exchange.end_stream()
+
+
+@asynccontextmanager
+async def _server(limits: HttpLimits) -> AsyncIterator[tuple[int, Handler]]:
+    handler = Handler()
+    server = await serve("127.0.0.1", 0, handler, limits)
+    try:
+        yield server.sockets[0].getsockname()[1], handler
+    finally:
+        server.close()
+
+
+async def _exchange(port: int, data: bytes, *, until: Callable[[bytes], bool]) -> bytes:
+    """Send ``data``, read until ``until(what was read)`` or the connection ends (5 s)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    got = b""
+    try:
+        async with asyncio.timeout(5):
+            while not until(got):
+                piece = await reader.read(65536)
+                if not piece:
+                    break
+                got += piece
+    finally:
+        writer.close()
+    return got
+
+
+def _limits(**kw: Any) -> HttpLimits:
+    return HttpLimits(**{"body_bytes_max": 1 << 20, "connections_max": 64, **kw})
+
+
+def test_an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered() -> None:
+    asyncio.run(_an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered())
+
+
+async def _an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered() -> None:
+    async with _server(_limits()) as (port, handler):
+        got = await _exchange(
+            port,
+            b"GET /a HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+            b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"
+            b"GET /b HTTP/1.1\r\nhost: x\r\n\r\n",
+            until=lambda got: got.count(b"HTTP/1.1 ") >= 2 and got.endswith(b"/b 0"),
+        )
+    # two answers, in order, each its own request's; no third
+    assert got.count(b"HTTP/1.1 ") == 2, got
+    assert got.index(b"/a 0") < got.index(b"/b 0")
+    assert [r.path for r in handler.seen] == ["/a", "/b"]
+
+
+def test_an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty() -> None:
+    asyncio.run(_an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty())
+
+
+async def _an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty() -> None:
+    async with _server(_limits()) as (port, handler):
+        got = await _exchange(
+            port,
+            b"POST /a HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+            b"upgrade: h2c\r\ncontent-length: 5\r\n\r\nhello",
+            until=lambda got: False,  # to the connection's end
+        )
+    assert got.count(b"HTTP/1.1 ") == 1, got
+    assert got.startswith(b"HTTP/1.1 400 ") and b"without 'Connection: Upgrade'" in got
+    assert handler.seen == []  # not handed over with an empty body
+
+
+def test_100_continue_never_lands_inside_another_answer_nor_goes_to_http10() -> None:
+    asyncio.run(_100_continue_never_lands_inside_another_answer_nor_goes_to_http10())
+
+
+async def _100_continue_never_lands_inside_another_answer_nor_goes_to_http10() -> None:
+    async with _server(_limits()) as (port, handler):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n"
+            b"POST /p HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 3\r\n\r\n"
+        )
+        got = b""
+        async with asyncio.timeout(5):
+            while b"data: one" not in got:
+                got += await reader.read(65536)
+            await asyncio.sleep(0.05)  # what the pipelined head might have sent
+            writer.write(b"abc")
+            handler.end_streams()
+            while not got.endswith(b"/p 3"):
+                got += await reader.read(65536)
+        writer.close()
+        assert b"100 Continue" not in got, got
+        assert got.count(b"HTTP/1.1 200 ") == 2
+        http10 = await _exchange(
+            port,
+            b"POST /q HTTP/1.0\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\nab",
+            until=lambda got: got.endswith(b"/q 2"),
+        )
+        assert http10.startswith(b"HTTP/1.1 200 ") and b"100 Continue" not in http10
+        lone = await _exchange(
+            port,
+            b"POST /r HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n",
+            until=lambda got: b"\r\n\r\n" in got,
+        )
+        assert lone == b"HTTP/1.1 100 Continue\r\n\r\n"  # the usual case still told at once
+
+
+def test_clients_that_do_not_read_lose_their_connections_and_their_places() -> None:
+    asyncio.run(_clients_that_do_not_read_lose_their_connections_and_their_places())
+
+
+async def _clients_that_do_not_read_lose_their_connections_and_their_places() -> None:
+    limits = _limits(connections_max=2, idle_timeout_s=0.5)
+    async with _server(limits) as (port, _):
+        silent = []
+        for _ in range(2):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            # one answer too large to be taken, then one that closes: never read
+            sock.sendall(
+                b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n"
+                b"GET /big HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+            )
+            silent.append(sock)
+        async with asyncio.timeout(10):
+            while limits.counters.open_now < 2:
+                await asyncio.sleep(0.02)
+            while limits.counters.open_now > 0:  # dropped, though the clients never read
+                await asyncio.sleep(0.05)
+        got = await _exchange(
+            port, b"GET /h HTTP/1.1\r\nhost: x\r\n\r\n", until=lambda got: got.endswith(b"/h 0")
+        )
+        assert got.startswith(b"HTTP/1.1 200 ")
+        assert limits.counters.connections_refused == 0
+        for sock in silent:
+            sock.close()
+
+
+def test_a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes() -> None:
+    asyncio.run(_a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes())
+
+
+async def _a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes() -> None:
+    payload = bytes(range(256)) * 1024  # 256 KiB
+    chunked = b"".join(b"2\r\n%s\r\n" % payload[i : i + 2] for i in range(0, len(payload), 2))
+    async with _server(_limits()) as (port, handler):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+        tracemalloc.start()
+        try:
+            half = len(chunked) // 2
+            writer.write(chunked[:half])
+            await writer.drain()
+            await asyncio.sleep(0.3)  # read and held, not yet whole
+            held_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        writer.write(chunked[half:] + b"0\r\n\r\n")
+        got = b""
+        async with asyncio.timeout(5):
+            while not got.endswith(b"/c %d" % len(payload)):
+                got += await reader.read(65536)
+        writer.close()
+    assert handler.seen[0].body == payload
+    # half the body held: about its bytes (a bytearray's slack), not a list of 2-byte pieces
+    assert held_peak < 4 * len(payload), held_peak
+
+
+def test_include_usage_must_be_a_boolean() -> None:
+    for value in ("false", 0, 1, "true"):
+        body = b'{"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":%s}}'
+        try:
+            decode_call(body % repr(value).replace("'", '"').encode(), chat=False)
+        except BadRequest as exc:
+            assert exc.param == "stream_options.include_usage"
+        else:
+            raise AssertionError(f"include_usage={value!r} was taken")
+    call = decode_call(
+        b'{"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":null}}',
+        chat=False,
+    )
+    assert call.include_usage is False
+
+
+def test_a_non_ascii_key_matches_the_bytes_a_client_sends(tmp_path: Any) -> None:
+    key = "sk-clé-0123456789abcdef"
+    (tmp_path / "alice.key").write_text(key + "\n", encoding="utf-8")
+    keys = ApiKeys(str(tmp_path))
+    on_the_wire = ("Bearer " + key).encode("utf-8").decode("latin-1")  # as the door reads it
+    assert keys.name_of(on_the_wire) == "alice"
+    assert keys.name_of("Bearer sk-cle-0123456789abcdef") is None
