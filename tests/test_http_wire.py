@@ -227,6 +227,20 @@ def test_include_usage_must_be_a_boolean() -> None:
     assert call.include_usage is False
 
 
+def test_a_bad_sampling_field_is_named_as_openai_names_it() -> None:
+    for body, param in (
+        (b'{"model":"m","prompt":"p","top_k":0}', "top_k"),
+        (b'{"model":"m","prompt":"p","stop":["%s"]}' % (b"x" * 65), "stop"),
+        (b'{"model":"m","prompt":"p","stop":["a",""]}', "stop"),
+    ):
+        try:
+            decode_call(body, chat=False)
+        except BadRequest as exc:
+            assert exc.param == param, (body, exc.param, exc.message)
+        else:
+            raise AssertionError(f"{body!r} was taken")
+
+
 def test_a_non_ascii_key_matches_the_bytes_a_client_sends(tmp_path: Any) -> None:
     key = "sk-clé-0123456789abcdef"
     (tmp_path / "alice.key").write_text(key + "\n", encoding="utf-8")

@@ -242,6 +242,11 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     except (msgspec.ValidationError, ValueError) as exc:
         text = str(exc)
         param = text.split("`$.", 1)[1].split("`", 1)[0] if "`$." in text else None
+        if param is None:  # a rule of __post_init__: its message starts with the field
+            first = text.split(" ", 1)[0]
+            param = first if first in SamplingParams.__struct_fields__ else None
+        else:
+            param = param.split("[", 1)[0]  # the field, as OpenAI names it: "stop", not "stop[0]"
         if param == "max_tokens" and chat:
             param = "max_completion_tokens" if "max_completion_tokens" in doc else "max_tokens"
         raise BadRequest(
