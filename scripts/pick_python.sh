@@ -52,7 +52,7 @@ PY
 )" || continue
     echo "pick_python: $real $seconds s" >&2
     if [ -z "$best" ] || awk -v a="$seconds" -v b="$best_s" 'BEGIN { exit !(a < b) }'; then
-        best="$path"
+        best="$real"  # the interpreter itself: a shim (pyenv's) may resolve elsewhere later
         best_s="$seconds"
     fi
 done

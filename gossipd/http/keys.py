@@ -18,6 +18,7 @@ log = logging.getLogger("gossipd.http.keys")
 
 KEY_CHARS_MIN = 16  # shorter keys are refused at load: guessable
 KEY_FILE_BYTES_MAX = 4096
+_BLANKS = b" \t\r\n"  # trimmed around a key, in its file and in the header
 
 
 class ApiKeys:
@@ -39,7 +40,9 @@ class ApiKeys:
             return None
         # The header as it came (read as latin-1, byte for byte): a key file's non-ASCII key,
         # UTF-8 there, is the same bytes on the wire.
-        raw = token.strip().encode("latin-1", "replace")
+        # Only ASCII blanks trimmed, on both sides: a str strip would take \xa0, the last
+        # byte of a UTF-8 "à".
+        raw = token.encode("latin-1", "replace").strip(_BLANKS)
         return self._by_digest.get(hashlib.sha256(raw).digest())
 
     def reload(self, *, force: bool = False, initial: bool = False) -> bool:
@@ -69,7 +72,8 @@ class ApiKeys:
         keys: dict[bytes, str] = {}
         for path in files:
             try:
-                token = path.read_bytes()[:KEY_FILE_BYTES_MAX].decode().strip()
+                raw = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
+                token = raw.decode()  # UTF-8, or skipped
             except (OSError, UnicodeDecodeError) as exc:
                 log.warning(
                     "skipped an unreadable API key file",
@@ -82,7 +86,7 @@ class ApiKeys:
                     extra={"file": str(path)},
                 )
                 continue
-            keys[hashlib.sha256(token.encode()).digest()] = path.stem
+            keys[hashlib.sha256(raw).digest()] = path.stem
         self._by_digest = keys
         self._seen = seen
         self.reloads += 1

@@ -132,7 +132,10 @@ class Exchange:
     def _head(self, status: int, fields: bytes, headers: list[tuple[str, str]] | None) -> bytes:
         line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Error\r\n" % status
         extra = _latin1("".join([f"{k}: {v}\r\n" for k, v in headers])) if headers else b""
-        close = b"" if self.keep_alive else b"connection: close\r\n"
+        if not self.keep_alive:
+            close = b"connection: close\r\n"
+        else:  # an HTTP/1.0 client closes unless told the connection stays
+            close = b"connection: keep-alive\r\n" if self.http10 else b""
         return b"%s%s%s%s\r\n" % (line, fields, extra, close)
 
     def respond(
@@ -279,40 +282,44 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken or self._last_seen:
             return  # (still read: a client that goes away is seen)
-        self._read_body = 0  # body bytes of this read (on_body)
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            # llhttp ends a request that asks for an upgrade (h2c: `curl --http2`) at its
-            # head and stops.  The upgrade is ignored (RFC 9110 7.8): a request without a body
-            # was answered as any other, and what follows it is the next request, for a new
-            # parser.  One with a body cannot be read here: refused, alone.
-            if self._upgrade_refused:
-                self._fail(
-                    400,
-                    "protocol upgrades are not served here: send the request without "
-                    "'Connection: Upgrade'",
-                )
+        view: bytes | memoryview = data
+        while True:
+            self._read_body = 0  # body bytes of this read (on_body)
+            try:
+                self._parser.feed_data(view)
+                break
+            except httptools.HttpParserUpgrade as exc:
+                # llhttp ends a request that asks for an upgrade (h2c: `curl --http2`) at its
+                # head and stops.  The upgrade is ignored (RFC 9110 7.8): a request without a
+                # body was answered as any other, and what follows it is the next request, for
+                # a new parser (a loop, not a call: a read may hold thousands).  One with a
+                # body cannot be read here, nor a CONNECT served: refused, alone.
+                if self._upgrade_refused:
+                    self._fail(
+                        400,
+                        "protocol upgrades and CONNECT are not served here: send the request "
+                        "without 'Connection: Upgrade'",
+                    )
+                    return
+                self._parser = httptools.HttpRequestParser(self)
+                offset = exc.args[0] if exc.args else len(view)
+                if offset >= len(view) or self._broken or self._last_seen:
+                    return
+                view = memoryview(view)[offset:]
+            except httptools.HttpParserError as exc:
+                # A callback's exception comes wrapped (HttpParserCallbackError): ours says why.
+                cause = exc.__context__
+                if isinstance(cause, _Refused):
+                    self._fail(cause.status, str(cause))
+                else:
+                    self._fail(400, f"malformed HTTP request: {exc}")
                 return
-            self._parser = httptools.HttpRequestParser(self)
-            rest = data[exc.args[0] :] if exc.args else b""
-            if rest:
-                self.data_received(rest)
-            return
-        except httptools.HttpParserError as exc:
-            # A callback's exception comes wrapped (HttpParserCallbackError): ours says why.
-            cause = exc.__context__
-            if isinstance(cause, _Refused):
-                self._fail(cause.status, str(cause))
-            else:
-                self._fail(400, f"malformed HTTP request: {exc}")
-            return
         if self._in_head:
             # httptools holds a header until it ends: count what it holds, so one endless
             # header is refused at the bound, not when it ends.  Not the bodies this read
             # also carried (of requests before this head): a large body followed by the
             # start of the next request is no 431.
-            self._buffered_head += len(data) - self._read_body
+            self._buffered_head += len(view) - self._read_body
             if self._buffered_head > HEADER_BYTES_MAX:
                 self._fail(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
 
@@ -344,6 +351,14 @@ class HttpConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         headers = self._headers
+        parser = self._parser
+        if parser.should_upgrade() and (
+            parser.get_method() == b"CONNECT"
+            or headers.get("content-length", "0").strip() not in ("", "0")
+            or "transfer-encoding" in headers
+        ):
+            self._upgrade_refused = True  # (data_received answers it, alone)
+            return
         if (
             headers.get("expect", "").lower() == "100-continue"
             and self.transport is not None
@@ -351,14 +366,9 @@ class HttpConnection(asyncio.Protocol):
             # to HTTP/1.0 (RFC 9110 15.2): the client then sends its body after a wait.
             and self._current is None
             and not self._waiting
-            and self._parser.get_http_version() != "1.0"
+            and parser.get_http_version() != "1.0"
         ):
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without
-        if self._parser.should_upgrade() and (
-            headers.get("content-length", "0").strip() not in ("", "0")
-            or "transfer-encoding" in headers
-        ):
-            self._upgrade_refused = True
 
     def on_body(self, body: bytes) -> None:
         self._read_body += len(body)
@@ -478,7 +488,9 @@ class HttpConnection(asyncio.Protocol):
         if self._current is not None or not self._waiting or self.transport is None:
             return
         if self._writing_paused:
-            return  # resume_writing takes it
+            # resume_writing takes it; meanwhile its client has idle_timeout_s to read
+            self._arm_idle()
+            return
         self._dispatch(self._waiting.popleft())
         self._maybe_resume_reading()
 
