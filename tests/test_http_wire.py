@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import tracemalloc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -51,6 +51,16 @@ class Handler:
             exchange.end_stream()
 
 
+def _on_a_loop(case: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """An async test run on a fresh event loop (no async plugin here)."""
+
+    def test() -> None:
+        asyncio.run(case())
+
+    test.__name__ = case.__name__
+    return test
+
+
 @asynccontextmanager
 async def _server(limits: HttpLimits) -> AsyncIterator[tuple[int, Handler]]:
     handler = Handler()
@@ -82,11 +92,8 @@ def _limits(**kw: Any) -> HttpLimits:
     return HttpLimits(**{"body_bytes_max": 1 << 20, "connections_max": 64, **kw})
 
 
-def test_an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered() -> None:
-    asyncio.run(_an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered())
-
-
-async def _an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered() -> None:
+@_on_a_loop
+async def test_an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered() -> None:
     async with _server(_limits()) as (port, handler):
         got = await _exchange(
             port,
@@ -110,11 +117,8 @@ async def _an_upgrade_without_a_body_is_ignored_and_what_follows_is_answered() -
     assert got.count(b"HTTP/1.1 200 ") == n and len(handler.seen) == n
 
 
-def test_an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty() -> None:
-    asyncio.run(_an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty())
-
-
-async def _an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty() -> None:
+@_on_a_loop
+async def test_an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty() -> None:
     async with _server(_limits()) as (port, handler):
         got = await _exchange(
             port,
@@ -135,11 +139,8 @@ async def _an_upgrade_with_a_body_is_refused_alone_and_never_answered_empty() ->
     assert handler.seen == []  # neither handed over (the first with an empty body)
 
 
-def test_100_continue_never_lands_inside_another_answer_nor_goes_to_http10() -> None:
-    asyncio.run(_100_continue_never_lands_inside_another_answer_nor_goes_to_http10())
-
-
-async def _100_continue_never_lands_inside_another_answer_nor_goes_to_http10() -> None:
+@_on_a_loop
+async def test_100_continue_never_lands_inside_another_answer_nor_goes_to_http10() -> None:
     async with _server(_limits()) as (port, handler):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(
@@ -172,11 +173,8 @@ async def _100_continue_never_lands_inside_another_answer_nor_goes_to_http10() -
         assert lone == b"HTTP/1.1 100 Continue\r\n\r\n"  # the usual case still told at once
 
 
-def test_clients_that_do_not_read_lose_their_connections_and_their_places() -> None:
-    asyncio.run(_clients_that_do_not_read_lose_their_connections_and_their_places())
-
-
-async def _clients_that_do_not_read_lose_their_connections_and_their_places() -> None:
+@_on_a_loop
+async def test_clients_that_do_not_read_lose_their_connections_and_their_places() -> None:
     limits = _limits(connections_max=3, idle_timeout_s=0.5)
     async with _server(limits) as (port, _):
         silent = []
@@ -207,11 +205,8 @@ async def _clients_that_do_not_read_lose_their_connections_and_their_places() ->
             sock.close()
 
 
-def test_a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes() -> None:
-    asyncio.run(_a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes())
-
-
-async def _a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes() -> None:
+@_on_a_loop
+async def test_a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes() -> None:
     payload = bytes(range(256)) * 1024  # 256 KiB
     chunked = b"".join(b"2\r\n%s\r\n" % payload[i : i + 2] for i in range(0, len(payload), 2))
     half = len(chunked) // 2
@@ -244,11 +239,8 @@ async def _a_body_in_tiny_chunks_is_whole_and_costs_about_its_bytes() -> None:
     assert held < len(payload), held
 
 
-def test_an_http10_client_that_asks_keep_alive_is_told_it_and_kept() -> None:
-    asyncio.run(_http10_keep_alive())
-
-
-async def _http10_keep_alive() -> None:
+@_on_a_loop
+async def test_an_http10_client_that_asks_keep_alive_is_told_it_and_kept() -> None:
     async with _server(_limits()) as (port, handler):
         got = await _exchange(
             port,

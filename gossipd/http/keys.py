@@ -38,10 +38,9 @@ class ApiKeys:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return None
-        # The header as it came (read as latin-1, byte for byte): a key file's non-ASCII key,
-        # UTF-8 there, is the same bytes on the wire.
-        # Only ASCII blanks trimmed, on both sides: a str strip would take \xa0, the last
-        # byte of a UTF-8 "à".
+        # The header's bytes as they came (it was read as latin-1): a key file's non-ASCII
+        # key, UTF-8 there, is the same bytes on the wire.  ASCII blanks alone are trimmed,
+        # as in the file: a str strip would take \xa0, the last byte of a UTF-8 "à".
         raw = token.encode("latin-1", "replace").strip(_BLANKS)
         return self._by_digest.get(hashlib.sha256(raw).digest())
 

@@ -228,7 +228,7 @@ class HttpConnection(asyncio.Protocol):
         # body of 2-byte chunks kept as a list took 28 times its bytes.
         self._body: bytes | bytearray = b""
         self._body_bytes = 0
-        self._upgrade_refused = False  # an Upgrade request with a body: refused, not answered
+        self._upgrade_refused = False  # an Upgrade with a body, or a CONNECT: refused, alone
         self._waiting: deque[Request] = deque()
         self._current: Exchange | None = None
         self._reading_paused = False
@@ -402,11 +402,7 @@ class HttpConnection(asyncio.Protocol):
         )
         self._body = b""
         self._limits.counters.requests += 1
-        if self._writing_paused:
-            # queued behind answers its client does not take: it has idle_timeout_s to read
-            self._arm_idle()
-        else:
-            self._disarm_idle()
+        self._disarm_idle()  # (queued behind unread answers: _next arms it again)
         if not request.keep_alive:
             self._last_seen = True  # the client's last request: what follows is ignored
         if self._current is None and not self._waiting and not self._writing_paused:
@@ -459,7 +455,7 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None:
             self.write_held()
             self.transport.close()
-            if self._linger is None and self.transport is not None:
+            if self._linger is None:
                 self._linger = self._loop.call_later(self._limits.idle_timeout_s, self.abort)
 
     def abort(self) -> None:
