@@ -55,7 +55,8 @@ uvloop.run(main())
 SERVERS = {
     "gossipd-httptools": """
 import asyncio, uvloop
-from gossipd.http.server import HttpLimits, serve
+from gossipd.http.exchange import HttpLimits
+from gossipd.http.server import serve
 BODY = %r
 def handle(request, exchange):
     exchange.respond(200, BODY)

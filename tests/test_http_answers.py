@@ -178,3 +178,39 @@ def test_an_answer_that_fails_to_be_written_is_a_500_with_the_request_id_and_cou
     cut.streaming = True  # (start_stream is a no-op in the recording)
     answers.deliver(encode(Chunk(id="t2", seq=0, delta="a")))
     assert cut.aborted == 1 and cut.answered == [] and cancelled == ["t2"]
+
+
+def test_a_request_whose_intake_raised_leaves_nothing_waiting() -> None:
+    """A bug in the intake (it raised inside take) is answered 500 by the wire; the door
+    keeps no Waiting for it, so no sweep later answers it or cancels a task never taken."""
+    import pytest
+
+    from gossipd.config import HttpConfig
+    from gossipd.http.chat import ChatTemplate
+    from gossipd.http.door import DoorLinks, HttpDoor
+    from gossipd.http.exchange import Request
+
+    cancelled: list[str] = []
+
+    class BrokenIntake:
+        def take(self, task: object, now: float, identity: str) -> None:
+            raise RuntimeError("a bug in the intake")
+
+        def handle_cancel(self, task_id: str, producer_key: str) -> None:
+            cancelled.append(task_id)
+
+    door = HttpDoor(
+        HttpConfig(), intake=BrokenIntake(), node="n0", model="echo",  # type: ignore[arg-type]
+        chat=ChatTemplate("{{ messages }}"), prompt_bytes_max=1 << 20, clock=ManualClock(),
+        links=DoorLinks(cluster_models=lambda: {"echo": None}, not_ready=lambda: ""),
+    )  # fmt: skip
+    door.answers.reply_to = "tcp://127.0.0.1:9"  # (as bind sets it; nothing is sent)
+    exchange = RecordingExchange()
+    request = Request(
+        method="POST", path="/v1/completions", headers={}, keep_alive=True,
+        body=b'{"model": "echo", "prompt": "p"}',
+    )  # fmt: skip
+    with pytest.raises(RuntimeError):
+        door.handle(request, exchange)  # type: ignore[arg-type]
+    assert len(door.answers) == 0 and exchange.on_close is None
+    assert door.answers.sweep(1e12) == 0 and cancelled == []

@@ -85,7 +85,7 @@ def test_the_wire_refuses_bad_input_and_keeps_serving(daemon_factory: Any) -> No
     head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(big)
     answer = _raw(port, head + big)
     assert answer.startswith(b"HTTP/1.1 413 ") and b"http.body_bytes_max" in answer
-    huge_header = b"GET /health HTTP/1.1\r\nx-a: " + b"y" * 70_000 + b"\r\n\r\n"
+    huge_header = b"GET /health HTTP/1.1\r\nhost: t\r\nx-a: " + b"y" * 70_000 + b"\r\n\r\n"
     assert _raw(port, huge_header).startswith(b"HTTP/1.1 431 ")
     status, _, body = _post(f"{url}/v1/completions", {"model": "echo"})
     assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
@@ -291,7 +291,7 @@ def test_models_health_and_readiness(daemon_factory: Any) -> None:
     assert status == 200 and headers["x-request-id"] == "r-200"
     answer = _raw(
         _port(d.http_url),
-        b"GET /v1/completions HTTP/1.1\r\nx-request-id: r-405\r\nconnection: close\r\n\r\n",
+        b"GET /v1/completions HTTP/1.1\r\nhost: t\r\nx-request-id: r-405\r\nconnection: close\r\n\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 405 ") and b"allow: POST\r\n" in answer
     assert b"x-request-id: r-405\r\n" in answer
@@ -300,14 +300,16 @@ def test_models_health_and_readiness(daemon_factory: Any) -> None:
     for path in (b"/health", b"/v1/health/ready", b"/v1/models", b"/v1/models/echo", b"/metrics"):
         answer = _raw(
             _port(d.http_url),
-            b"POST %s HTTP/1.1\r\ncontent-length: 0\r\nconnection: close\r\n\r\n" % path,
+            b"POST %s HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\nconnection: close\r\n\r\n" % path,
         )
         assert answer.startswith(b"HTTP/1.1 405 "), (path, answer[:200])
         assert b"allow: GET, HEAD\r\n" in answer
         assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["type"] == (
             "invalid_request_error"
         )
-    answer = _raw(_port(d.http_url), b"DELETE /nowhere HTTP/1.1\r\nconnection: close\r\n\r\n")
+    answer = _raw(
+        _port(d.http_url), b"DELETE /nowhere HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"
+    )
     assert answer.startswith(b"HTTP/1.1 404 ")
 
 
@@ -362,11 +364,11 @@ def test_the_wire_bounds_pipelining_idle_clients_and_answers_head_and_expect(
     health = _raw(
         port,
         b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 39
-        + b"GET /health HTTP/1.1\r\nconnection: close\r\n\r\n",
+        + b"GET /health HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n",
     )
     assert health.count(b"HTTP/1.1 200 ") == 40
     # A request never finished, and an idle connection: closed after idle_timeout_s.
-    for partial in (b"POST /v1/completions HTTP/1.1\r\ncontent-len", b""):
+    for partial in (b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-len", b""):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             started = time.monotonic()
             sock.sendall(partial)
@@ -375,7 +377,9 @@ def test_the_wire_bounds_pipelining_idle_clients_and_answers_head_and_expect(
     # HEAD: the head only; x-request-id echoed on every answer, a 404 too.
     answer = _raw(port, b"HEAD /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\n")
-    answer = _raw(port, b"GET /nope HTTP/1.1\r\nx-request-id: r-7\r\nconnection: close\r\n\r\n")
+    answer = _raw(
+        port, b"GET /nope HTTP/1.1\r\nhost: t\r\nx-request-id: r-7\r\nconnection: close\r\n\r\n"
+    )
     assert answer.startswith(b"HTTP/1.1 404 ") and b"x-request-id: r-7\r\n" in answer
     # Expect: 100-continue (curl, for bodies over 1 KiB): told to go on at once.
     body = json.dumps({"model": "echo", "prompt": "x " * 800, "max_tokens": 1}).encode()
@@ -454,9 +458,9 @@ def test_a_client_that_does_not_read_its_answers_gets_no_more_taken_until_it_doe
         time.sleep(1.0)  # a window in which nothing more may be taken
         taken = scrape(d.metrics_port).get(answered, 0)
         assert taken < requests, "the door kept answering a client that does not read"
-        assert _raw(port, b"GET /health HTTP/1.1\r\nconnection: close\r\n\r\n").startswith(
-            b"HTTP/1.1 200 "
-        )
+        assert _raw(
+            port, b"GET /health HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"
+        ).startswith(b"HTTP/1.1 200 ")
         got = b""
         while got.count(b"HTTP/1.1 200 ") < requests or not got.endswith(b"}"):
             chunk = sock.recv(1 << 20)
@@ -477,7 +481,8 @@ def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None
     import asyncio
 
     from gossipd.http.door import _wire_error
-    from gossipd.http.server import HttpLimits, serve
+    from gossipd.http.exchange import HttpLimits
+    from gossipd.http.server import serve
 
     def handler(request: Any, exchange: Any) -> None:
         if request.path == "/bug":
@@ -500,7 +505,10 @@ def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None
         try:
             return [
                 await loop.run_in_executor(
-                    None, _raw, port, b"GET /bug HTTP/1.1\r\nx-request-id: r-500\r\n" + close
+                    None,
+                    _raw,
+                    port,
+                    b"GET /bug HTTP/1.1\r\nx-request-id: r-500\r\n" + close,
                 ),
                 await loop.run_in_executor(None, _raw, port, b"GET / HTTP/1.1\r\n" + close),
                 await loop.run_in_executor(None, _raw, port, b"\x00\x01 nonsense\r\n\r\n"),
@@ -531,7 +539,8 @@ def test_a_large_body_then_the_start_of_the_next_request_is_no_431() -> None:
 
     import uvloop
 
-    from gossipd.http.server import HEADER_BYTES_MAX, HttpLimits, serve
+    from gossipd.http.exchange import HttpLimits
+    from gossipd.http.server import HEADER_BYTES_MAX, serve
 
     def handler(request: Any, exchange: Any) -> None:
         if request.path == "/block":
@@ -564,7 +573,9 @@ def test_a_large_body_then_the_start_of_the_next_request_is_no_431() -> None:
 
     def endless(port: int) -> bytes:
         # Just over the bound and never ended: the daemon reads it all, answers and closes.
-        return _raw(port, b"GET / HTTP/1.1\r\nx-long: " + b"y" * (HEADER_BYTES_MAX + 16384))
+        return _raw(
+            port, b"GET / HTTP/1.1\r\nhost: t\r\nx-long: " + b"y" * (HEADER_BYTES_MAX + 16384)
+        )
 
     async def main() -> tuple[bytes, bytes]:
         server = await serve("127.0.0.1", 0, handler, limits)
@@ -663,7 +674,8 @@ def test_a_request_on_an_open_connection_after_the_grace_is_refused_at_once(
 def test_connections_past_connections_max_are_closed_at_once_and_counted() -> None:
     import asyncio
 
-    from gossipd.http.server import HttpLimits, serve
+    from gossipd.http.exchange import HttpLimits
+    from gossipd.http.server import serve
 
     def handler(request: Any, exchange: Any) -> None:
         exchange.respond(200, b"{}")

@@ -12,7 +12,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.http.server import Exchange, HttpConnection, HttpLimits, Request
+from gossipd.http.exchange import Exchange, HttpLimits, Request
+from gossipd.http.server import HttpConnection
 from gossipd.http.turnwrites import TurnWrites
 
 Log = list[tuple[str, int, bytes]]

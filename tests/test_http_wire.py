@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from gossipd.http.exchange import Exchange, HttpLimits, Request
 from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_api import BadRequest, decode_call
-from gossipd.http.server import Exchange, HttpLimits, Request, serve
+from gossipd.http.server import serve
 
 BIG = 8 * 1024 * 1024  # an answer no socket buffer takes whole
 
@@ -292,3 +293,51 @@ def test_a_non_ascii_key_matches_the_bytes_a_client_sends(tmp_path: Any) -> None
         assert keys.name_of(on_the_wire) == name
         assert keys.name_of(on_the_wire + " ") == name  # blanks around it trimmed
     assert keys.name_of("Bearer sk-cle-0123456789abcdef") is None
+
+
+@_on_a_loop
+async def test_host_is_required_of_http11_once_and_absolute_targets_are_served() -> None:
+    async with _server(_limits()) as (port, handler):
+        # RFC 9112 3.2: an HTTP/1.1 request without Host, or with two, is a 400
+        for head in (b"GET /a HTTP/1.1\r\n", b"GET /a HTTP/1.1\r\nhost: x\r\nHost: y\r\n"):
+            got = await _exchange(port, head + b"\r\n", until=lambda got: False)
+            assert got.startswith(b"HTTP/1.1 400 ") and b"Host" in got, got
+        assert handler.seen == []
+        # HTTP/1.0 has no Host rule
+        old = await _exchange(port, b"GET /b HTTP/1.0\r\n\r\n", until=lambda got: False)
+        assert old.startswith(b"HTTP/1.1 200 ") and old.endswith(b"/b 0"), old
+        # RFC 9112 3.2.2: an absolute-form target is served by its path and query
+        got = await _exchange(
+            port,
+            b"GET http://x:1/v1/models?q=1 HTTP/1.1\r\nhost: x:1\r\nconnection: close\r\n\r\n",
+            until=lambda got: False,
+        )
+        assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"/v1/models?q=1 0"), got
+    assert [r.path for r in handler.seen] == ["/b", "/v1/models?q=1"]
+
+
+@_on_a_loop
+async def test_a_transfer_coding_other_than_chunked_alone_is_a_501() -> None:
+    zipped = b"5\r\n\x1f\x8b\x08\x00\x00\r\n0\r\n\r\n"
+    async with _server(_limits()) as (port, handler):
+        for codings in (
+            b"transfer-encoding: gzip, chunked\r\n",
+            # several lines are one list (RFC 9110 5.3): the same request
+            b"transfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n",
+        ):
+            got = await _exchange(
+                port,
+                b"POST /z HTTP/1.1\r\nhost: x\r\n" + codings + b"\r\n" + zipped,
+                until=lambda got: False,
+            )
+            assert got.startswith(b"HTTP/1.1 501 ") and b"gzip" in got, got
+            assert got.count(b"HTTP/1.1 ") == 1
+        assert handler.seen == []  # the gzip bytes were never taken as a body
+        # chunked alone, in any case and with blanks, is read as before
+        got = await _exchange(
+            port,
+            b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding:  Chunked \r\n\r\n"
+            b"2\r\nab\r\n0\r\n\r\n",
+            until=lambda got: got.endswith(b"/c 2"),
+        )
+        assert got.startswith(b"HTTP/1.1 200 "), got

@@ -25,8 +25,8 @@ import zmq
 from gossipd.clock import Clock
 from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result, decode_replies
 from gossipd.errors import RemoteProtocolError
+from gossipd.http.exchange import Exchange
 from gossipd.http.openai_api import Call, StreamWriter, error_body, error_of, whole_answer
-from gossipd.http.server import Exchange
 from gossipd.zmqloop import SocketReader
 
 log = logging.getLogger("gossipd.http.answers")
@@ -160,6 +160,13 @@ class Answers:
         a task run here at once answers within that call)."""
         self._waiting[task_id] = waiting
         waiting.exchange.on_close = lambda: self._client_gone(task_id)
+
+    def forget(self, task_id: str) -> None:
+        """``task_id`` was never taken (the intake raised: a bug): nothing to answer later,
+        nor to cancel."""
+        waiting = self._waiting.pop(task_id, None)
+        if waiting is not None:
+            waiting.exchange.on_close = None
 
     def _client_gone(self, task_id: str) -> None:
         if self._waiting.pop(task_id, None) is None:

@@ -32,6 +32,7 @@ from gossipd.config import HttpConfig
 from gossipd.core.messages import PROTOCOL_VERSION, Task, reply_route
 from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
 from gossipd.http.chat import ChatTemplate, TemplateFailed
+from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpLimits, Request
 from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_api import (
     BadRequest,
@@ -40,7 +41,6 @@ from gossipd.http.openai_api import (
     header_text,
     placement_key,
 )
-from gossipd.http.server import WANTED_HEADERS, Exchange, HttpLimits, Request
 from gossipd.ingress.intake import Intake
 
 log = logging.getLogger("gossipd.http.door")
@@ -325,7 +325,11 @@ class HttpDoor:
                 request_id=request_id,
             ),
         )
-        self._intake.take(task, now, identity)
+        try:
+            self._intake.take(task, now, identity)
+        except Exception:
+            self.answers.forget(task_id)  # (the wire answers it 500)
+            raise
 
     # -- stopping ------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ same answer from each stack: 8.4 us of CPU a request here, uvicorn with a bare A
 19.8, aiohttp 36.1; docs/results/http-stack-vm.json, bench/README.md "The HTTP door's
 stack").  This module is only the wire: requests in (method, path, a few headers, a bounded
 body), one response or one chunked stream out, keep-alive, and the client's going away.
-What a request means, and what an error says, is the door's (gossipd/http/door.py).
+What a request means, and what an error says, is the door's (gossipd/http/door.py); the
+request and its response's writer are gossipd/http/exchange.py's.
 
 Bounds a hostile client meets (each answered, counted and the connection closed):
 - a request line and header block over HEADER_BYTES_MAX (431), a body over
@@ -30,174 +31,17 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import httptools
 
+from gossipd.http.exchange import REASONS, Exchange, HttpLimits, Request
 from gossipd.http.turnwrites import TurnWrites
 
 log = logging.getLogger("gossipd.http.server")
 
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
 PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429 and close
-_REASONS = {
-    100: "Continue",
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    409: "Conflict",
-    413: "Content Too Large",
-    429: "Too Many Requests",
-    431: "Request Header Fields Too Large",
-    499: "Client Closed Request",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-    504: "Gateway Timeout",
-}
-_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, r.encode()) for code, r in _REASONS.items()}
-# The headers every door reads; the others are skipped as they are parsed (no dict entry).
-# content-length and transfer-encoding: whether a request that asks for an upgrade has a body.
-WANTED_HEADERS = frozenset(
-    {b"authorization", b"x-request-id", b"expect", b"content-length", b"transfer-encoding"}
-)
-
-
-def _plain_error(message: str, status: int) -> bytes:
-    return message.encode("utf-8", "replace")
-
-
-def _count_nothing(status: int) -> None:
-    pass
-
-
-@dataclass(slots=True)
-class Request:
-    method: str
-    path: str
-    headers: dict[str, str]  # lower-case names, only the wanted ones
-    body: bytes
-    keep_alive: bool
-    http10: bool = False  # an HTTP/1.0 client: no chunked answers
-
-
-@dataclass(slots=True)
-class HttpCounters:
-    connections: int = 0  # opened
-    connections_refused: int = 0  # over connections_max: closed at once
-    requests: int = 0
-    bad_requests: int = 0  # unparseable, or over a bound: answered and closed
-    handler_errors: int = 0  # the handler raised (a bug): answered 500, logged
-    idle_closed: int = 0  # idle, or a request not read whole, for idle_timeout_s
-    open_now: int = 0
-
-
-@dataclass(slots=True)
-class HttpLimits:
-    body_bytes_max: int
-    connections_max: int
-    idle_timeout_s: float = 30.0
-    wanted_headers: frozenset[bytes] = WANTED_HEADERS
-    # The body of an error the wire itself answers, from its message and status (the door
-    # gives OpenAI's shape).
-    error_body: Callable[[str, int], bytes] = _plain_error
-    # Told the status of each answer the wire gives itself to a request it read whole (a
-    # handler's bug: 500), as the door counts its own answers.
-    count_status: Callable[[int], None] = _count_nothing
-    counters: HttpCounters = field(default_factory=HttpCounters)
-
-
-def _latin1(text: str) -> bytes:
-    """A header value as HTTP carries it: what latin-1 cannot say becomes \\u escapes."""
-    return text.encode("latin-1", "backslashreplace")
-
-
-class Exchange:
-    """One request's response: ``respond`` once, or ``start_stream``, ``write``s and
-    ``end_stream``.  ``on_close`` (set by the handler) is called if the client goes away
-    before the response has ended."""
-
-    __slots__ = ("_conn", "done", "head_only", "http10", "keep_alive", "on_close", "streaming")
-
-    def __init__(self, conn: HttpConnection, request: Request) -> None:
-        self._conn = conn
-        self.keep_alive = request.keep_alive
-        self.http10 = request.http10
-        self.head_only = request.method == "HEAD"
-        self.done = False
-        self.streaming = False
-        self.on_close: Callable[[], None] | None = None
-
-    def _head(self, status: int, fields: bytes, headers: list[tuple[str, str]] | None) -> bytes:
-        line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Error\r\n" % status
-        extra = _latin1("".join([f"{k}: {v}\r\n" for k, v in headers])) if headers else b""
-        if not self.keep_alive:
-            close = b"connection: close\r\n"
-        else:  # an HTTP/1.0 client closes unless told the connection stays
-            close = b"connection: keep-alive\r\n" if self.http10 else b""
-        return b"%s%s%s%s\r\n" % (line, fields, extra, close)
-
-    def respond(
-        self,
-        status: int,
-        body: bytes,
-        *,
-        content_type: bytes = b"application/json",
-        headers: list[tuple[str, str]] | None = None,
-    ) -> None:
-        if self.done:
-            return
-        head = self._head(
-            status,
-            b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type, len(body)),
-            headers,
-        )
-        self.done = True
-        self._conn.send(head if self.head_only else head + body)
-        self._conn.ended(self)
-
-    def start_stream(
-        self,
-        status: int = 200,
-        *,
-        content_type: bytes = b"text/event-stream",
-        headers: list[tuple[str, str]] | None = None,
-    ) -> None:
-        """The head of a chunked response; ``write`` sends its pieces.  An HTTP/1.0 client
-        gets the pieces unframed and the connection closed at the end."""
-        if self.http10:
-            self.keep_alive = False
-        fields = b"content-type: %s\r\ncache-control: no-cache\r\n" % content_type
-        if not self.http10:
-            fields += b"transfer-encoding: chunked\r\n"
-        head = self._head(status, fields, headers)
-        self.streaming = True
-        self._conn.send(head)
-
-    def write(self, data: bytes) -> int:
-        """One chunk of the stream; returns the bytes now waiting for the client (the
-        caller bounds them)."""
-        conn = self._conn
-        if conn.transport is None or self.done or not data:
-            return 0
-        conn.send(data if self.http10 else b"%x\r\n%s\r\n" % (len(data), data))
-        return conn.unsent_bytes()
-
-    def end_stream(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        if not self.http10:
-            self._conn.send(b"0\r\n\r\n")
-        self._conn.ended(self)
-
-    def abort(self) -> None:
-        """Give up on the client (a stream it does not read): close the connection."""
-        self.done = True
-        self._conn.abort()
-
-
+_ONCE_ONLY = frozenset({"host", "transfer-encoding"})  # a second line: refused, or joined
 Handler = Callable[[Request, Exchange], None]
 
 
@@ -346,12 +190,30 @@ class HttpConnection(asyncio.Protocol):
             raise _Refused(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
         name = name.lower()
         if name in self._wanted:
-            self._headers[name.decode("latin-1")] = value.decode("latin-1")
+            key = name.decode("latin-1")
+            headers = self._headers
+            if key in headers and key in _ONCE_ONLY:
+                if key == "host":  # RFC 9112 3.2: which host was meant is not known
+                    raise _Refused(400, "more than one Host header")
+                # Transfer codings listed over several lines are one list (RFC 9110 5.3).
+                value = headers[key].encode("latin-1") + b", " + value
+            headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         headers = self._headers
         parser = self._parser
+        if "host" not in headers and parser.get_http_version() == "1.1":
+            raise _Refused(400, "an HTTP/1.1 request must carry a Host header (RFC 9112 3.2)")
+        coding = headers.get("transfer-encoding")
+        if coding is not None and coding.strip(" \t").lower() != "chunked":
+            # llhttp reads any list that ends in chunked as chunked: a body in gzip would be
+            # taken as JSON (RFC 9112 6.1: a coding not understood is a 501).
+            raise _Refused(
+                501,
+                f"Transfer-Encoding {coding[:100]!r} is not served: send the body whole "
+                "(Content-Length) or in chunks alone ('Transfer-Encoding: chunked')",
+            )
         if parser.should_upgrade() and (
             parser.get_method() == b"CONNECT"
             or headers.get("content-length", "0").strip() not in ("", "0")
@@ -392,9 +254,12 @@ class HttpConnection(asyncio.Protocol):
             return  # pipelined after a request that closes the connection
         parser = self._parser
         body = self._body
+        url = self._url
+        if url[:1] != b"/" and url[:4].lower() == b"http":
+            url = _origin_form(url)
         request = Request(
             method=parser.get_method().decode("latin-1"),
-            path=self._url.decode("latin-1"),
+            path=url.decode("latin-1"),
             headers=self._headers,
             body=body if type(body) is bytes else bytes(body),
             keep_alive=parser.should_keep_alive(),
@@ -583,9 +448,22 @@ class HttpConnection(asyncio.Protocol):
         self.send(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"
-            % (status, _REASONS.get(status, "Error").encode(), len(body), body)
+            % (status, REASONS.get(status, "Error").encode(), len(body), body)
         )
         self.close()
+
+
+def _origin_form(url: bytes) -> bytes:
+    """The path and query of an absolute-form target (``http://host/v1/models``), which a
+    server must accept (RFC 9112 3.2.2); the target as it came when it is not one."""
+    try:
+        parsed = httptools.parse_url(url)
+    except httptools.HttpParserInvalidURLError:
+        return url
+    if parsed.schema is None or parsed.schema.lower() not in (b"http", b"https"):
+        return url
+    path = parsed.path or b"/"
+    return path + b"?" + parsed.query if parsed.query else path
 
 
 class _Refused(Exception):
