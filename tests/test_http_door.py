@@ -254,6 +254,28 @@ def test_past_its_deadline_a_request_gets_504(daemon_factory: Any) -> None:
     assert json.loads(body)["error"]["code"] == "deadline_exceeded"
 
 
+def test_a_chat_without_max_tokens_runs_to_the_models_context(daemon_factory: Any) -> None:
+    """As OpenAI and `vllm serve`: a chat that names no max_tokens is bounded by the model's
+    context (here engine.max_model_len, which the echo engine does not stop at), or by
+    http.chat_max_tokens_default; completions keep OpenAI's 16."""
+    d = daemon_factory(HTTP, "engine.max_model_len=40")
+    chat = {"model": "echo", "messages": [{"role": "user", "content": "w"}]}
+    status, _, body = _post(f"{d.http_url}/v1/chat/completions", chat)
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 40
+    status, _, body = _post(f"{d.http_url}/v1/chat/completions", {**chat, "max_tokens": 3})
+    assert json.loads(body)["usage"]["completion_tokens"] == 3
+    status, _, body = _post(f"{d.http_url}/v1/completions", {"model": "echo", "prompt": "w"})
+    assert json.loads(body)["usage"]["completion_tokens"] == 16
+    # An unknown model: 404 with OpenAI's type for it
+    status, _, body = _post(f"{d.http_url}/v1/chat/completions", {**chat, "model": "gpt-9"})
+    error = json.loads(body)["error"]
+    assert status == 404 and error["type"] == "invalid_request_error"
+    assert error["code"] == "model_not_found"
+    capped = daemon_factory(HTTP, "engine.max_model_len=40", "http.chat_max_tokens_default=5")
+    status, _, body = _post(f"{capped.http_url}/v1/chat/completions", chat)
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 5
+
+
 def test_models_health_and_readiness(daemon_factory: Any) -> None:
     d = daemon_factory(HTTP, METRICS)
     with urllib.request.urlopen(f"{d.http_url}/v1/models", timeout=10) as response:

@@ -271,7 +271,7 @@ def test_include_usage_must_be_a_boolean() -> None:
 
 def test_a_bad_sampling_field_is_named_as_openai_names_it() -> None:
     for body, param in (
-        (b'{"model":"m","prompt":"p","top_k":0}', "top_k"),
+        (b'{"model":"m","prompt":"p","top_k":-2}', "top_k"),
         (b'{"model":"m","prompt":"p","stop":["%s"]}' % (b"x" * 65), "stop"),
         (b'{"model":"m","prompt":"p","stop":["a",""]}', "stop"),
     ):

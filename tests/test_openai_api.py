@@ -208,6 +208,34 @@ def test_a_valid_body_maps_onto_the_task_fields() -> None:
         ({"stream": False, "stream_options": {"include_usage": True}}, False, False),
         ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, True, True),
         ({"logprobs": False, "best_of": 1, "top_logprobs": None}, False, False),
+        # what LangChain's OpenAI (completions) sends on every call
+        (
+            {
+                "logit_bias": {},
+                "frequency_penalty": 0,
+                "presence_penalty": 0,
+                "n": 1,
+                "seed": None,
+                "logprobs": None,
+                "top_p": 1,
+            },
+            False,
+            False,
+        ),
+        # what `vllm bench serve` sends, and other defaults clients send
+        (
+            {
+                "repetition_penalty": 1.0,
+                "min_tokens": 0,
+                "min_p": 0.0,
+                "stop_token_ids": [],
+                "tools": [],
+                "top_logprobs": 0,
+                "response_format": {"type": "text"},
+            },
+            False,
+            False,
+        ),
     ],
 )
 def test_fields_that_ask_nothing_are_taken(
@@ -219,8 +247,12 @@ def test_fields_that_ask_nothing_are_taken(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("logprobs", 0), ("logprobs", True), ("top_logprobs", 0), ("best_of", 2),
-     ("best_of", True), ("stream", 1), ("stream_options", "junk")],
+    [("logprobs", 0), ("logprobs", True), ("top_logprobs", 2), ("best_of", 2),
+     ("best_of", True), ("stream", 1), ("stream_options", "junk"), ("logit_bias", {"1": 5}),
+     ("tools", [{"type": "function"}]), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+     ("repetition_penalty", 1.2), ("repetition_penalty", True), ("min_p", 0.1),
+     ("min_tokens", 3), ("stop_token_ids", [2]), ("response_format", {"type": "json_object"}),
+     ("response_format", {"type": "json_schema", "json_schema": {}})],
 )  # fmt: skip
 def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
     field: str, value: Any
@@ -311,3 +343,48 @@ def test_a_session_header_is_the_same_key_as_the_same_text_sent_as_user() -> Non
     assert placement_key("é" * 256) == "é" * 256
     assert placement_key("é" * 257).startswith("h:")
     assert header_text("\xff\xfe") == "\ufffd\ufffd"  # not UTF-8: still one key
+
+
+def test_values_vllm_reads_its_own_way_are_read_so() -> None:
+    """top_k 0 is off and seed -1 none, as vLLM reads them; a max_tokens over what a task
+    carries is cut to it, as vLLM cuts it to the context; the rest of their ranges stays a
+    400 naming the field."""
+    for fast in (True, False):  # the typed pass, and the full rules (an extra field)
+        extra = "" if fast else ', "min_tokens": 0'
+        body = '{"model": "m", "prompt": "p", "top_k": 0, "seed": -1, "max_tokens": 100000%s}'
+        call = decode_call((body % extra).encode(), chat=False)
+        assert call.params.top_k == -1 and call.params.seed is None
+        assert call.params.max_tokens == 32768 and not call.max_tokens_default
+    for field, value in (("seed", -2), ("max_tokens", 0), ("top_k", -2)):
+        with pytest.raises(BadRequest) as exc:
+            decode_call(
+                json.dumps({"model": "m", "prompt": "p", field: value}).encode(), chat=False
+            )
+        assert exc.value.param == field
+    assert decode_call(b'{"model": "m", "prompt": "p"}', chat=False).max_tokens_default
+
+
+def test_a_message_keeps_its_name_for_the_template() -> None:
+    for content in ('"hi"', "null"):  # the typed pass; the full rules (content null)
+        body = '{"model": "m", "messages": [{"role": "user", "content": %s, "name": "bo"}]}'
+        call = decode_call((body % content).encode(), chat=True)
+        assert call.messages is not None and call.messages[0]["name"] == "bo"
+
+
+def test_templates_render_as_hugging_face_renders_them() -> None:
+    from gossipd.http.chat import ChatTemplate, TemplateBroken, TemplateFailed
+
+    hi = [{"role": "user", "content": "<hi> é"}, {"role": "user", "content": "stop here"}]
+    looping = ChatTemplate(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m | tojson }}{% endfor %}{{ strftime_now('%Y') | length }}"
+    )
+    assert looping.render(hi) == '{"role": "user", "content": "<hi> é"}4'
+    refusing = ChatTemplate("{{ raise_exception('roles must alternate user/assistant') }}")
+    with pytest.raises(TemplateFailed) as failed:
+        refusing.render(hi)
+    assert "roles must alternate user/assistant" in str(failed.value)
+    broken = ChatTemplate("{% for m in messages %}")  # never closed: does not parse
+    assert "does not parse" in broken.broken
+    with pytest.raises(TemplateBroken):
+        broken.render(hi)

@@ -163,8 +163,11 @@ def test_bad_request_unknown_model_and_wrong_key(cluster: Cluster) -> None:
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
     # A prompt longer than the model's 512 tokens: the engine refuses it, the client hears 400.
-    with pytest.raises(openai.BadRequestError):
+    # In OpenAI's words and code, which clients match (LiteLLM's context-window fallbacks).
+    with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=_model(cluster), prompt="word " * 2000, max_tokens=4)
+    assert too_long.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert "maximum context length is 512 tokens" in too_long.value.message
     started = time.monotonic()
     ok = client.completions.create(model=_model(cluster), prompt="still fine", max_tokens=2)
     assert ok.choices[0].text is not None and time.monotonic() - started < 30

@@ -27,6 +27,20 @@ class InvalidRequest(Exception):
     """The engine refuses the request's parameters (answered with bad_request)."""
 
 
+# How an engine's refusal of a prompt longer than its context begins: OpenAI's words, which
+# clients match (LiteLLM's ContextWindowExceededError and its fallbacks); the HTTP door
+# answers it with code context_length_exceeded.
+CONTEXT_EXCEEDED_PREFIX = "This model's maximum context length is"
+
+
+def context_exceeded(max_model_len: int, prompt_tokens: int, detail: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{CONTEXT_EXCEEDED_PREFIX} {max_model_len} tokens. However, your prompt is "
+        f"{prompt_tokens} tokens, and at least 1 more is asked for the answer. Shorten the "
+        f"prompt. ({detail})"
+    )
+
+
 @dataclass(slots=True)
 class Usage:
     """What one request took, filled in by the engine as it generates (the OpenAI door's

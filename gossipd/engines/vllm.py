@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from gossipd.engines.base import (
     EngineStats,
     GenerateRequest,
     InvalidRequest,
+    context_exceeded,
 )
 from gossipd.ops.logs import log_format, route_vllm_logs
 
@@ -38,6 +40,12 @@ if TYPE_CHECKING:
     from gossipd.config import EngineConfig
 
 log = logging.getLogger("gossipd.engine.vllm")
+# vLLM's refusal of a prompt over the context (v1/engine/input_processor.py): its length
+# and the model's, for an answer in OpenAI's words (base.context_exceeded).
+_PROMPT_TOO_LONG = re.compile(
+    r"prompt \(length (\d+)\)(?: plus the number of requested output tokens \(at least 1\))?"
+    r" is longer than the maximum model length of (\d+)"
+)
 
 
 class _SchedulerFigures:
@@ -204,6 +212,10 @@ class VllmEngine:
             self._dead = True
             raise EngineDead(f"the vLLM engine died: {exc}") from None
         except (VLLMClientError, ValueError) as exc:  # e.g. a prompt longer than the model
+            too_long = _PROMPT_TOO_LONG.search(str(exc))
+            if too_long is not None:
+                prompt_len, max_len = int(too_long[1]), int(too_long[2])
+                raise context_exceeded(max_len, prompt_len, str(exc)) from None
             raise InvalidRequest(str(exc)) from None
         except Exception as exc:
             if not self.healthy():

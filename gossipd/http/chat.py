@@ -15,7 +15,12 @@ tokenizes without special tokens: the same tokens).
 from __future__ import annotations
 
 import json
+import logging
+from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("gossipd.http.chat")
 
 # Each message on its own lines, tagged with its role, then the assistant's turn.
 PLAIN_TEMPLATE = (
@@ -26,6 +31,11 @@ PLAIN_TEMPLATE = (
 
 class TemplateFailed(Exception):
     """The chat template could not render these messages (the request's fault: 400)."""
+
+
+class TemplateBroken(Exception):
+    """The model's chat template does not parse (the server's fault: 500 to each chat
+    request; completions are still served)."""
 
 
 def chat_template_for(model_dir: str) -> ChatTemplate:
@@ -64,8 +74,25 @@ class ChatTemplate:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(source)
+        # As Hugging Face's apply_chat_template renders (templates rely on these): loop
+        # controls, raise_exception, strftime_now, and its tojson (no HTML escapes).
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
+        self._template: Any = None
+        self.broken = ""  # why the template does not parse; "" when it does
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as exc:
+            self.broken = (
+                f"the model's chat template does not parse ({type(exc).__name__}: {exc}): "
+                "/v1/chat/completions cannot be served until it is fixed (chat_template.jinja "
+                "or tokenizer_config.json's chat_template); /v1/completions is"
+            )
+            log.error("chat template", extra={"problem": self.broken})
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
         self._bos = bos_token
         # What a template raises on messages it cannot render (jinja2 is imported only
@@ -73,6 +100,8 @@ class ChatTemplate:
         self._failures = (TemplateError, TypeError, ValueError, RecursionError)
 
     def render(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            raise TemplateBroken(self.broken)
         try:
             prompt = self._template.render(
                 messages=messages, add_generation_prompt=True, **self._special
@@ -82,3 +111,22 @@ class ChatTemplate:
         if self._bos and prompt.startswith(self._bos):
             prompt = prompt[len(self._bos) :]  # the engine adds it
         return prompt
+
+
+def _raise_exception(message: str) -> None:
+    """A template's own refusal (``raise_exception("...")``): the client's 400 says it."""
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: object, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )

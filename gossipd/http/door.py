@@ -29,12 +29,14 @@ import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import HttpConfig
-from gossipd.core.messages import PROTOCOL_VERSION, Task, reply_route
+from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task, reply_route
 from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
-from gossipd.http.chat import ChatTemplate, TemplateFailed
+from gossipd.http.chat import ChatTemplate, TemplateBroken, TemplateFailed
 from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpLimits, Request
 from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_api import (
+    CHAT_MAX_TOKENS_DEFAULT,
+    MAX_TOKENS_MAX,
     BadRequest,
     decode_call,
     error_body,
@@ -251,7 +253,7 @@ class HttpDoor:
         ):
             self._not_allowed(exchange, path, echo)
         else:
-            self._error(exchange, 404, f"no route {method} {path[:200]}", "not_found_error",
+            self._error(exchange, 404, f"no route {method} {path[:200]}", "invalid_request_error",
                         headers=echo)  # fmt: skip
 
     def _take(
@@ -268,7 +270,8 @@ class HttpDoor:
             return
         try:
             call = decode_call(request.body, chat=chat)
-            if call.model not in self._models_now():
+            models = self._models_now()
+            if call.model not in models:
                 raise BadRequest(
                     f"the model {call.model!r} is not served in this cluster (GET /v1/models)",
                     param="model",
@@ -286,14 +289,20 @@ class HttpDoor:
                     status=413,
                 )
         except BadRequest as exc:
-            err_type = "not_found_error" if exc.status == 404 else "invalid_request_error"
-            self._error(exchange, exc.status, exc.message, err_type, param=exc.param,
+            # (OpenAI's type for an unknown model too: the status says 404)
+            self._error(exchange, exc.status, exc.message, "invalid_request_error", param=exc.param,
                         code=exc.code, headers=echo)  # fmt: skip
             return
         except TemplateFailed as exc:
             self._error(exchange, 400, f"messages: the chat template failed: {exc}",
                         "invalid_request_error", param="messages", headers=echo)  # fmt: skip
             return
+        except TemplateBroken as exc:  # the model's, not the request's
+            self._error(exchange, 500, str(exc), "server_error", headers=echo)
+            return
+        params = call.params
+        if chat and call.max_tokens_default:
+            params = self._chat_max_tokens(params, models[call.model])
         # Ids no client can guess (a ZeroMQ producer without CURVE shares our producer key
         # "": a guessable id could be cancelled or read from the results cache by it), and a
         # response id that is not the task id.
@@ -305,7 +314,7 @@ class HttpDoor:
             id=task_id,
             key=placement_key(session) if session else "",
             prompt=prompt,
-            params=call.params,
+            params=params,
             reply_to=self.answers.reply_to,
             timeout_ms=self._timeout_ms,
             stream=call.stream,
@@ -330,6 +339,14 @@ class HttpDoor:
         except Exception:
             self.answers.forget(task_id)  # (the wire answers it 500)
             raise
+
+    def _chat_max_tokens(self, params: SamplingParams, context: int | None) -> SamplingParams:
+        """A chat that named no max_tokens: http.chat_max_tokens_default, else up to the
+        model's context (the engine stops at it: finish_reason "length")."""
+        n = self._config.chat_max_tokens_default or (
+            min(context, MAX_TOKENS_MAX) if context else CHAT_MAX_TOKENS_DEFAULT
+        )
+        return params if n == params.max_tokens else msgspec.structs.replace(params, max_tokens=n)
 
     # -- stopping ------------------------------------------------------------------------
 
@@ -381,7 +398,7 @@ class HttpDoor:
         models = self._models_now(fresh=True)
         if name not in models:
             self._error(exchange, 404, f"the model {name[:200]!r} is not served in this "
-                        "cluster (GET /v1/models)", "not_found_error", param="model",
+                        "cluster (GET /v1/models)", "invalid_request_error", param="model",
                         code="model_not_found", headers=echo)  # fmt: skip
             return
         card = _model_card(name, models[name], int(self._clock.wall()))

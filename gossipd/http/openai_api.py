@@ -19,13 +19,17 @@ from gossipd.core.messages import (
     SamplingParams,
     TokenUsage,
 )
+from gossipd.engines.base import CONTEXT_EXCEEDED_PREFIX
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 
 COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
-CHAT_MAX_TOKENS_DEFAULT = 256  # OpenAI's is "up to the context"; a bound that fits small models
+# Until the door sets it from the model's context (http.chat_max_tokens_default), or when
+# that is not known: OpenAI's is "up to the context".
+CHAT_MAX_TOKENS_DEFAULT = 256
 STOP_MAX = 8
+MAX_TOKENS_MAX = 32768  # what a task's params carry (messages.SamplingParams)
 MESSAGES_MAX = 1024
 
 # An error code to (HTTP status, OpenAI error type).
@@ -69,6 +73,9 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     stream: bool
     include_usage: bool
     user: str
+    # The request named no max_tokens: params carry the default, which the door may set
+    # from the model (chat: up to its context).
+    max_tokens_default: bool = False
 
 
 def error_body(
@@ -88,15 +95,19 @@ def error_of(error: ErrorInfo) -> tuple[int, bytes, list[tuple[str, str]]]:
             ("retry-after", str(max(1, math.ceil(error.retry_after_ms / 1000)))),
             ("retry-after-ms", str(error.retry_after_ms)),
         ]
-    return status, error_body(error.message, err_type, code=error.code), headers
+    code = error.code
+    if code == ErrorCode.BAD_REQUEST and error.message.startswith(CONTEXT_EXCEEDED_PREFIX):
+        code = "context_length_exceeded"  # OpenAI's code for it (param: messages / prompt)
+    return status, error_body(error.message, err_type, code=code), headers
 
 
 # The usual request, decoded straight into typed fields (one pass in C: 0.7 us against 2.7
 # for the dict walk below).  Only what the full rules accept unchanged is taken here: any
 # other field, type or value falls through to ``_decode_call``, which says what is wrong.
-class _Message(msgspec.Struct, gc=False):
+class _Message(msgspec.Struct, gc=False, forbid_unknown_fields=True):
     role: str
     content: str
+    name: str | None = None
 
 
 class _StreamOptions(msgspec.Struct, gc=False, forbid_unknown_fields=True):
@@ -142,7 +153,12 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
     if chat:
         if doc.prompt is not None or not doc.messages or len(doc.messages) > MESSAGES_MAX:
             return None
-        messages = [{"role": m.role, "content": m.content} for m in doc.messages]
+        messages = [
+            {"role": m.role, "content": m.content}
+            if m.name is None
+            else {"role": m.role, "content": m.content, "name": m.name}
+            for m in doc.messages
+        ]
         max_tokens = doc.max_completion_tokens
         if max_tokens is None:
             max_tokens = doc.max_tokens
@@ -153,15 +169,15 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         prompt = doc.prompt
         max_tokens = doc.max_tokens
         default_max = COMPLETIONS_MAX_TOKENS_DEFAULT
-    fields: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens}
+    fields: dict[str, Any] = {"max_tokens": _max_tokens(max_tokens, default_max)}
     if doc.temperature is not None:
         fields["temperature"] = doc.temperature
     if doc.top_p is not None:
         fields["top_p"] = doc.top_p
     if doc.seed is not None:
-        fields["seed"] = doc.seed
+        fields["seed"] = _as_vllm_reads("seed", doc.seed)
     if doc.top_k is not None:
-        fields["top_k"] = doc.top_k
+        fields["top_k"] = _as_vllm_reads("top_k", doc.top_k)
     if doc.ignore_eos is not None:
         fields["ignore_eos"] = doc.ignore_eos
     try:
@@ -178,6 +194,7 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         stream=doc.stream,
         include_usage=options is not None and options.include_usage and doc.stream,
         user=doc.user or "",
+        max_tokens_default=max_tokens is None,
     )
 
 
@@ -209,12 +226,20 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         raise BadRequest("n: only 1 choice per request is served here", param="n")
     for name in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "logit_bias"):
         value = doc.get(name)
-        # Absent, null or false asks nothing (best_of: also 1).  By identity: 0 == False,
-        # and logprobs 0 asks for the chosen token's log probability.
-        if not (value is None or value is False or (name == "best_of" and _is_int(value, 1))):
+        # Absent, null, false or empty asks nothing (LangChain sends logit_bias {} on every
+        # call); best_of also 1, top_logprobs 0.  By type: 0 == False, and logprobs 0 asks
+        # for the chosen token's log probability.
+        if not (
+            value is None
+            or value is False
+            or (type(value) in (dict, list, str) and not value)
+            or (name == "best_of" and _is_int(value, 1))
+            or (name == "top_logprobs" and _is_int(value, 0))
+        ):
             raise BadRequest(f"{name}: not supported by this server", param=name)
     if doc.get("echo"):
         raise BadRequest("echo: not supported by this server", param="echo")
+    _refuse_unserved_sampling(doc)
     stop = doc.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -222,7 +247,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
     ):
         raise BadRequest("stop: a string or a list of non-empty strings", param="stop")
-    fields: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens}
+    fields: dict[str, Any] = {"max_tokens": _max_tokens(max_tokens, default_max)}
     for name in ("temperature", "top_p"):
         value = doc.get(name)
         if value is not None:
@@ -230,7 +255,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     for name in ("seed", "top_k"):
         value = _int(doc, name)
         if value is not None:
-            fields[name] = value
+            fields[name] = _as_vllm_reads(name, value)
     if stop:
         if len(stop) > STOP_MAX:
             raise BadRequest(f"stop: at most {STOP_MAX} strings", param="stop")
@@ -280,7 +305,56 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         stream=stream,
         include_usage=include_usage and stream,
         user=user,
+        max_tokens_default=max_tokens is None,
     )
+
+
+# Sampling fields vLLM serves and a task cannot carry: their defaults are taken (clients
+# send them), any other value is refused rather than ignored (the answer would not be what
+# was asked).  Field -> (the value that asks nothing, what to say).
+_UNSERVED_SAMPLING: dict[str, tuple[object, str]] = {
+    "presence_penalty": (0, "a number other than 0"),
+    "frequency_penalty": (0, "a number other than 0"),
+    "repetition_penalty": (1, "a number other than 1"),
+    "min_p": (0, "a number other than 0"),
+    "min_tokens": (0, "a number other than 0"),
+}
+
+
+def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
+    for name, (neutral, other) in _UNSERVED_SAMPLING.items():
+        value = doc.get(name)
+        if value is None or (value == neutral and type(value) in (int, float)):
+            continue
+        raise BadRequest(f"{name}: {other} is not served by this server", param=name)
+    stop_ids = doc.get("stop_token_ids")
+    if stop_ids not in (None, []):
+        raise BadRequest("stop_token_ids: not served by this server; send stop strings "
+                         "(stop)", param="stop_token_ids")  # fmt: skip
+    response_format = doc.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise BadRequest(
+            'response_format: only {"type": "text"} is served by this server (no '
+            "structured output: json_object, json_schema)",
+            param="response_format",
+        )
+
+
+def _max_tokens(asked: int | None, default: int) -> int:
+    """What a task carries: the default when not asked; more than a task may carry is cut
+    to that (as vLLM cuts it to the context: the answer ends with finish_reason "length")."""
+    if asked is None:
+        return default
+    return min(asked, MAX_TOKENS_MAX) if asked > 0 else asked  # (0, negative: refused)
+
+
+def _as_vllm_reads(name: str, value: int) -> int | None:
+    """vLLM's readings a task cannot carry as they are: top_k 0 is off (-1), seed -1 none."""
+    if name == "top_k" and value == 0:
+        return -1
+    if name == "seed" and value == -1:
+        return None
+    return value
 
 
 def _is_int(value: object, n: int) -> bool:
@@ -332,7 +406,11 @@ def _prompt(value: Any) -> str:
     if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
         raise BadRequest("prompt: token ids are not taken here; send text", param="prompt")
     if isinstance(value, list) and len(value) > 1:
-        raise BadRequest("prompt: one prompt per request is served here", param="prompt")
+        raise BadRequest(
+            "prompt: one prompt per request is served here; send each as its own request "
+            "(LangChain's OpenAI: batch_size=1)",
+            param="prompt",
+        )
     raise BadRequest("prompt: a string is required", param="prompt")
 
 
@@ -360,7 +438,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content: a string", param="messages")
-        out.append({"role": message["role"], "content": content})
+        rendered = {"role": message["role"], "content": content}
+        name = message.get("name")
+        if isinstance(name, str):  # the template's to use (vLLM passes it on too)
+            rendered["name"] = name
+        out.append(rendered)
     return out
 
 
