@@ -311,6 +311,9 @@ def test_models_health_and_readiness(daemon_factory: Any) -> None:
         {"x-request-id": "r-200"},
     )
     assert status == 200 and headers["x-request-id"] == "r-200"
+    # without one: the response's id, which the openai client reads as _request_id
+    raw = client.completions.with_raw_response.create(model="echo", prompt="a", max_tokens=1)
+    assert raw.headers["x-request-id"] == raw.parse().id and raw.parse().id.startswith("cmpl-")
     answer = _raw(
         _port(d.http_url),
         b"GET /v1/completions HTTP/1.1\r\nhost: t\r\nx-request-id: r-405\r\nconnection: close\r\n\r\n",

@@ -323,15 +323,18 @@ class HttpDoor:
             # An owner's answers to this door that leave in one turn go as one frame.
             batch_replies=True,
         )
+        response_id = ("chatcmpl-" if chat else "cmpl-") + self._ids.next()
         self.answers.wait(
             task_id,
             Waiting(
                 exchange=exchange,
                 call=call,
-                response_id=("chatcmpl-" if chat else "cmpl-") + self._ids.next(),
+                response_id=response_id,
                 created=int(self._clock.wall()),
                 deadline=now + self._config.request_timeout_s + DEADLINE_GRACE_S,
-                request_id=request_id,
+                # As OpenAI, every answer to a task names a request id (the openai client's
+                # _request_id): the client's, else the response's.
+                request_id=request_id or response_id,
             ),
         )
         try:
