@@ -505,10 +505,12 @@ class HttpConfig(Section, frozen=True):
     # A connection idle this long, or a request not read whole within it, is closed
     # (slow or silent clients would otherwise hold connections_max for ever).
     idle_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
-    # max_tokens of a chat completion that names none (nor max_completion_tokens).  0: up
-    # to the model's context, as OpenAI and `vllm serve` (its max_model_len, at most 32768;
-    # 256 while it is not known).  A task's max_tokens is what token budgets charge.
-    chat_max_tokens_default: Annotated[int, msgspec.Meta(ge=0, le=32768)] = 0
+    # max_tokens of a chat completion that names none (nor max_completion_tokens), at most
+    # the model's context (its max_model_len).  0: the whole context, as OpenAI and `vllm
+    # serve` (at most 32768; 256 while it is not known).  Not 0 by default: an answer still
+    # running at request_timeout_s is lost to a 504, where one cut here ends with
+    # finish_reason "length"; and token budgets charge a task's max_tokens.
+    chat_max_tokens_default: Annotated[int, msgspec.Meta(ge=0, le=32768)] = 4096
 
     def __post_init__(self) -> None:
         if self.bind and not _HOSTPORT_RE.match(self.bind):

@@ -255,9 +255,9 @@ def test_past_its_deadline_a_request_gets_504(daemon_factory: Any) -> None:
 
 
 def test_a_chat_without_max_tokens_runs_to_the_models_context(daemon_factory: Any) -> None:
-    """As OpenAI and `vllm serve`: a chat that names no max_tokens is bounded by the model's
-    context (here engine.max_model_len, which the echo engine does not stop at), or by
-    http.chat_max_tokens_default; completions keep OpenAI's 16."""
+    """A chat that names no max_tokens gets http.chat_max_tokens_default within the model's
+    context (here engine.max_model_len, which the echo engine does not stop at), or with 0
+    the whole context, as OpenAI and `vllm serve`; completions keep OpenAI's 16."""
     d = daemon_factory(HTTP, "engine.max_model_len=40")
     chat = {"model": "echo", "messages": [{"role": "user", "content": "w"}]}
     status, _, body = _post(f"{d.http_url}/v1/chat/completions", chat)
@@ -271,9 +271,12 @@ def test_a_chat_without_max_tokens_runs_to_the_models_context(daemon_factory: An
     error = json.loads(body)["error"]
     assert status == 404 and error["type"] == "invalid_request_error"
     assert error["code"] == "model_not_found"
-    capped = daemon_factory(HTTP, "engine.max_model_len=40", "http.chat_max_tokens_default=5")
-    status, _, body = _post(f"{capped.http_url}/v1/chat/completions", chat)
-    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 5
+    # a long context: http.chat_max_tokens_default (4096); 0: the whole context (at most
+    # what a task carries)
+    for overrides, tokens in (((), 4096), (("http.chat_max_tokens_default=0",), 32768)):
+        long = daemon_factory(HTTP, "engine.max_model_len=100000", *overrides)
+        status, _, body = _post(f"{long.http_url}/v1/chat/completions", chat)
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == tokens
 
 
 def test_models_health_and_readiness(daemon_factory: Any) -> None:

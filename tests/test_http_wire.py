@@ -299,7 +299,11 @@ def test_a_non_ascii_key_matches_the_bytes_a_client_sends(tmp_path: Any) -> None
 async def test_host_is_required_of_http11_once_and_absolute_targets_are_served() -> None:
     async with _server(_limits()) as (port, handler):
         # RFC 9112 3.2: an HTTP/1.1 request without Host, or with two, is a 400
-        for head in (b"GET /a HTTP/1.1\r\n", b"GET /a HTTP/1.1\r\nhost: x\r\nHost: y\r\n"):
+        for head in (
+            b"GET /a HTTP/1.1\r\n",
+            b"GET /a HTTP/1.1\r\nhost: x\r\nHost: y\r\n",
+            b"GET /a HTTP/1.1\r\nhost: a, b\r\n",  # not a host[:port]
+        ):
             got = await _exchange(port, head + b"\r\n", until=lambda got: False)
             assert got.startswith(b"HTTP/1.1 400 ") and b"Host" in got, got
         assert handler.seen == []
@@ -341,3 +345,18 @@ async def test_a_transfer_coding_other_than_chunked_alone_is_a_501() -> None:
             until=lambda got: got.endswith(b"/c 2"),
         )
         assert got.startswith(b"HTTP/1.1 200 "), got
+
+
+@_on_a_loop
+async def test_an_http10_request_with_transfer_encoding_closes_its_connection() -> None:
+    # RFC 9112 6.1: faulty framing; what follows on that connection is not read
+    async with _server(_limits()) as (port, handler):
+        got = await _exchange(
+            port,
+            b"POST /c HTTP/1.0\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"2\r\nab\r\n0\r\n\r\nGET /after HTTP/1.0\r\n\r\n",
+            until=lambda got: False,  # to the connection's end
+        )
+    assert got.count(b"HTTP/1.1 ") == 1 and got.endswith(b"/c 2"), got
+    assert b"connection: keep-alive" not in got
+    assert [r.path for r in handler.seen] == ["/c"]

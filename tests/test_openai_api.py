@@ -232,6 +232,10 @@ def test_a_valid_body_maps_onto_the_task_fields() -> None:
                 "tools": [],
                 "top_logprobs": 0,
                 "response_format": {"type": "text"},
+                "tool_choice": "none",
+                "function_call": "auto",
+                "functions": [],
+                "guided_json": None,
             },
             False,
             False,
@@ -252,7 +256,11 @@ def test_fields_that_ask_nothing_are_taken(
      ("tools", [{"type": "function"}]), ("presence_penalty", 0.5), ("frequency_penalty", -1),
      ("repetition_penalty", 1.2), ("repetition_penalty", True), ("min_p", 0.1),
      ("min_tokens", 3), ("stop_token_ids", [2]), ("response_format", {"type": "json_object"}),
-     ("response_format", {"type": "json_schema", "json_schema": {}})],
+     ("response_format", {"type": "json_schema", "json_schema": {}}),
+     ("tool_choice", "required"), ("tool_choice", {"type": "function"}),
+     ("function_call", {"name": "f"}), ("functions", [{"name": "f"}]),
+     ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
+     ("structured_outputs", {"json": {}})],
 )  # fmt: skip
 def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
     field: str, value: Any
@@ -311,6 +319,17 @@ def test_errors_map_to_openai_statuses_with_retry_after() -> None:
     assert error_of(ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="late"))[0] == 504
     assert error_of(ErrorInfo(code=ErrorCode.ENGINE_ERROR, message="x"))[0] == 500
     assert error_of(ErrorInfo(code="something_new", message="x"))[0] == 500
+    # an engine's refusal of a prompt over the context: OpenAI's code and param
+    from gossipd.engines.base import context_exceeded
+
+    too_long = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(context_exceeded(512, 900, "")))
+    for chat, param in ((True, "messages"), (False, "prompt")):
+        status, body, _ = error_of(too_long, chat=chat)
+        error = json.loads(body)["error"]
+        assert status == 400 and error["code"] == "context_length_exceeded"
+        assert error["param"] == param and error["message"].startswith(
+            "This model's maximum context length is 512 tokens"
+        )
 
 
 def test_json_nested_deeper_than_the_decoder_goes_is_a_bad_request() -> None:
@@ -365,10 +384,51 @@ def test_values_vllm_reads_its_own_way_are_read_so() -> None:
 
 
 def test_a_message_keeps_its_name_for_the_template() -> None:
+    from gossipd.http.chat import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ m.name }}: {{ m.content }}{% endfor %}")
     for content in ('"hi"', "null"):  # the typed pass; the full rules (content null)
         body = '{"model": "m", "messages": [{"role": "user", "content": %s, "name": "bo"}]}'
         call = decode_call((body % content).encode(), chat=True)
-        assert call.messages is not None and call.messages[0]["name"] == "bo"
+        assert call.messages is not None
+        assert template.render(call.messages) == "bo: " + ("hi" if content == '"hi"' else "")
+    with pytest.raises(BadRequest) as exc:
+        decode_call(b'{"model": "m", "messages": [{"role": "u", "content": "", "name": 5}]}',
+                    chat=True)  # fmt: skip
+    assert exc.value.param == "messages" and "name" in exc.value.message
+
+
+_BODIES = [
+    b'{"model": "m", "prompt": "p"}',
+    b'{"model": "m", "prompt": "p", "max_tokens": 100000, "top_k": 0, "seed": -1}',
+    b'{"model": "m", "prompt": "p", "max_tokens": 0}',
+    b'{"model": "m", "prompt": "p", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "n": 1}',
+    b'{"model": "m", "prompt": "p", "top_k": -2}',
+    b'{"model": "m", "prompt": "p", "seed": -2}',
+    b'{"model": "m", "prompt": "p", "stream": true, "stream_options": {"include_usage": true}}',
+    b'{"model": "m", "prompt": "p", "ignore_eos": true, "user": "u"}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "x", "name": "n"}], '
+    b'"max_completion_tokens": 3, "max_tokens": 9}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 40000}',
+]
+
+
+@pytest.mark.parametrize("body", _BODIES)
+def test_the_typed_pass_takes_a_body_as_the_full_rules_take_it(body: bytes) -> None:
+    """decode_call's fast pass (_usual_call) must agree with the field-by-field rules: the
+    same Call, or both a 400 on the same field (the fast pass hands over: None)."""
+    from gossipd.http.openai_api import _decode_call, _usual_call, _usual_decode
+
+    chat = b"messages" in body
+    fast = _usual_call(_usual_decode(body), chat)
+    try:
+        full = _decode_call(body, chat=chat)
+    except BadRequest:
+        assert fast is None
+    else:
+        assert fast is not None, "the typed pass handed over a body it should take"
+        assert fast == full
 
 
 def test_templates_render_as_hugging_face_renders_them() -> None:
@@ -384,6 +444,12 @@ def test_templates_render_as_hugging_face_renders_them() -> None:
     with pytest.raises(TemplateFailed) as failed:
         refusing.render(hi)
     assert "roles must alternate user/assistant" in str(failed.value)
+    hf = ChatTemplate(
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+        "{% endfor %}{% if tools is not none %}TOOLS{% endif %}"
+        "{{ messages[0] | tojson(ensure_ascii=True) }}"
+    )
+    assert hf.render(hi[:1]) == '<hi> é{"role": "user", "content": "<hi> \\u00e9"}'
     broken = ChatTemplate("{% for m in messages %}")  # never closed: does not parse
     assert "does not parse" in broken.broken
     with pytest.raises(TemplateBroken):

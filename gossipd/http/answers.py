@@ -213,7 +213,7 @@ class Answers:
             self.counters.count(200)
             return
         assert message.error is not None
-        status, body, headers = error_of(message.error)
+        status, body, headers = error_of(message.error, chat=waiting.call.chat)
         exchange.respond(status, body, headers=headers + self.headers(waiting, message.node))
         self.counters.count(status)
 
@@ -289,7 +289,7 @@ class Answers:
             waiting.exchange.end_stream()
             self.counters.count(200)
         else:
-            status, body, headers = error_of(error)
+            status, body, headers = error_of(error, chat=waiting.call.chat)
             waiting.exchange.respond(status, body, headers=headers + self.headers(waiting, ""))
             self.counters.count(status)
         self._cancel(task_id)

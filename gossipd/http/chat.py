@@ -77,7 +77,9 @@ class ChatTemplate:
         # As Hugging Face's apply_chat_template renders (templates rely on these): loop
         # controls, raise_exception, strftime_now, and its tojson (no HTML escapes).
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _generation_tag()],
         )
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -104,7 +106,11 @@ class ChatTemplate:
             raise TemplateBroken(self.broken)
         try:
             prompt = self._template.render(
-                messages=messages, add_generation_prompt=True, **self._special
+                messages=messages,
+                add_generation_prompt=True,
+                tools=None,  # (as HF and vLLM pass them: a template may test "is not none")
+                documents=None,
+                **self._special,
             )
         except self._failures as exc:
             raise TemplateFailed(f"{type(exc).__name__}: {exc}") from None
@@ -125,8 +131,28 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _tojson(
-    value: object, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
 ) -> str:
     return json.dumps(
-        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+def _generation_tag() -> Any:
+    """``{% generation %}...{% endgeneration %}``, which Hugging Face's templates use to mark
+    the assistant's tokens (TRL's assistant-only loss): rendered as its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+    return GenerationTag

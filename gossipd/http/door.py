@@ -344,11 +344,13 @@ class HttpDoor:
             raise
 
     def _chat_max_tokens(self, params: SamplingParams, context: int | None) -> SamplingParams:
-        """A chat that named no max_tokens: http.chat_max_tokens_default, else up to the
-        model's context (the engine stops at it: finish_reason "length")."""
-        n = self._config.chat_max_tokens_default or (
-            min(context, MAX_TOKENS_MAX) if context else CHAT_MAX_TOKENS_DEFAULT
-        )
+        """A chat that named no max_tokens: http.chat_max_tokens_default within the model's
+        context, or (0) the whole context (the engine stops at it: finish_reason "length")."""
+        asked = self._config.chat_max_tokens_default
+        if context:
+            n = min(asked, context) if asked else min(context, MAX_TOKENS_MAX)
+        else:
+            n = asked or CHAT_MAX_TOKENS_DEFAULT
         return params if n == params.max_tokens else msgspec.structs.replace(params, max_tokens=n)
 
     # -- stopping ------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def error_body(
     )
 
 
-def error_of(error: ErrorInfo) -> tuple[int, bytes, list[tuple[str, str]]]:
+def error_of(error: ErrorInfo, *, chat: bool = False) -> tuple[int, bytes, list[tuple[str, str]]]:
     """A task's error as (status, body, headers): 429s and 503s with Retry-After."""
     status, err_type = STATUS_OF.get(error.code, (500, "server_error"))
     headers: list[tuple[str, str]] = []
@@ -95,10 +95,10 @@ def error_of(error: ErrorInfo) -> tuple[int, bytes, list[tuple[str, str]]]:
             ("retry-after", str(max(1, math.ceil(error.retry_after_ms / 1000)))),
             ("retry-after-ms", str(error.retry_after_ms)),
         ]
-    code = error.code
+    code, param = error.code, None
     if code == ErrorCode.BAD_REQUEST and error.message.startswith(CONTEXT_EXCEEDED_PREFIX):
-        code = "context_length_exceeded"  # OpenAI's code for it (param: messages / prompt)
-    return status, error_body(error.message, err_type, code=code), headers
+        code, param = "context_length_exceeded", "messages" if chat else "prompt"  # OpenAI's
+    return status, error_body(error.message, err_type, param=param, code=code), headers
 
 
 # The usual request, decoded straight into typed fields (one pass in C: 0.7 us against 2.7
@@ -321,6 +321,17 @@ _UNSERVED_SAMPLING: dict[str, tuple[object, str]] = {
 }
 
 
+# vLLM's structured-output fields: any value but null is refused.
+_GUIDED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+)
+
+
 def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
     for name, (neutral, other) in _UNSERVED_SAMPLING.items():
         value = doc.get(name)
@@ -331,6 +342,15 @@ def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
     if stop_ids not in (None, []):
         raise BadRequest("stop_token_ids: not served by this server; send stop strings "
                          "(stop)", param="stop_token_ids")  # fmt: skip
+    for name in ("tool_choice", "function_call"):  # with no tools, "auto" asks nothing
+        if doc.get(name) not in (None, "none", "auto"):
+            raise BadRequest(f"{name}: tools are not served by this server", param=name)
+    if doc.get("functions") not in (None, []):
+        raise BadRequest("functions: tools are not served by this server", param="functions")
+    for name in _GUIDED:
+        if doc.get(name) is not None:
+            raise BadRequest(f"{name}: structured output is not served by this server",
+                             param=name)  # fmt: skip
     response_format = doc.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise BadRequest(
@@ -440,7 +460,9 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}].content: a string", param="messages")
         rendered = {"role": message["role"], "content": content}
         name = message.get("name")
-        if isinstance(name, str):  # the template's to use (vLLM passes it on too)
+        if name is not None:  # the template's to use (vLLM passes it on too)
+            if not isinstance(name, str):
+                raise BadRequest(f"messages[{i}].name: a string", param="messages")
             rendered["name"] = name
         out.append(rendered)
     return out

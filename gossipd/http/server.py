@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import deque
 from collections.abc import Callable
 
@@ -42,6 +43,8 @@ log = logging.getLogger("gossipd.http.server")
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
 PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429 and close
 _ONCE_ONLY = frozenset({"host", "transfer-encoding"})  # a second line: refused, or joined
+# RFC 3986's host (a name or address, or an IP literal in brackets) and an optional port.
+_HOST = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=%-]*|\[[0-9A-Za-z:.]+\])(?::[0-9]*)?")
 Handler = Callable[[Request, Exchange], None]
 
 
@@ -203,8 +206,12 @@ class HttpConnection(asyncio.Protocol):
         self._in_head = False
         headers = self._headers
         parser = self._parser
-        if "host" not in headers and parser.get_http_version() == "1.1":
-            raise _Refused(400, "an HTTP/1.1 request must carry a Host header (RFC 9112 3.2)")
+        host = headers.get("host")
+        if host is None:
+            if parser.get_http_version() == "1.1":
+                raise _Refused(400, "an HTTP/1.1 request must carry a Host header (RFC 9112 3.2)")
+        elif _HOST.fullmatch(host) is None:
+            raise _Refused(400, f"the Host header {host[:100]!r} is not a host[:port]")
         coding = headers.get("transfer-encoding")
         if coding is not None and coding.strip(" \t").lower() != "chunked":
             # llhttp reads any list that ends in chunked as chunked: a body in gzip would be
@@ -265,6 +272,10 @@ class HttpConnection(asyncio.Protocol):
             keep_alive=parser.should_keep_alive(),
             http10=parser.get_http_version() == "1.0",
         )
+        if request.http10 and "transfer-encoding" in self._headers:
+            # An HTTP/1.0 message with Transfer-Encoding is faulty framing: its connection
+            # closes after it (RFC 9112 6.1).
+            request.keep_alive = False
         self._body = b""
         self._limits.counters.requests += 1
         self._disarm_idle()  # (queued behind unread answers: _next arms it again)
