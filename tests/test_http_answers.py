@@ -214,3 +214,49 @@ def test_a_request_whose_intake_raised_leaves_nothing_waiting() -> None:
         door.handle(request, exchange)  # type: ignore[arg-type]
     assert len(door.answers) == 0 and exchange.on_close is None
     assert door.answers.sweep(1e12) == 0 and cancelled == []
+
+
+def test_a_request_takes_its_models_own_sampling_defaults_for_what_it_leaves_out() -> None:
+    """As `vllm serve`: the model's generation config for the fields a request leaves out
+    (the door's own model only: it knows no other's); what the request names stands."""
+    from gossipd.config import HttpConfig
+    from gossipd.engines.vllm import sampling_defaults
+    from gossipd.http.chat import ChatTemplate
+    from gossipd.http.door import DoorLinks, HttpDoor
+    from gossipd.http.exchange import Request
+
+    defaults, unserved = sampling_defaults(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.05,
+         "max_tokens": 100, "min_p": 0.0}
+    )  # fmt: skip
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": -1}
+    assert unserved == ["min_p", "repetition_penalty"]
+    assert sampling_defaults({"temperature": 50.0, "top_k": 2.5}) == ({}, ["temperature", "top_k"])
+
+    taken: list[Any] = []
+
+    class RecordingIntake:
+        def take(self, task: Any, now: float, identity: str) -> None:
+            taken.append(task)
+
+        def handle_cancel(self, task_id: str, producer_key: str) -> None:
+            pass
+
+    door = HttpDoor(
+        HttpConfig(), intake=RecordingIntake(), node="n0", model="tiny",  # type: ignore[arg-type]
+        chat=ChatTemplate("{{ messages }}"), prompt_bytes_max=1 << 20, clock=ManualClock(),
+        links=DoorLinks(cluster_models=lambda: {"tiny": 512, "other": 512}, not_ready=lambda: "",
+                        sampling_defaults=lambda: {"temperature": 0.6, "top_k": 20}),
+    )  # fmt: skip
+    door.answers.reply_to = "tcp://127.0.0.1:9"  # (as bind sets it; nothing is sent)
+    for body in (
+        b'{"model": "tiny", "prompt": "p"}',
+        b'{"model": "tiny", "prompt": "p", "temperature": 0, "top_k": 0}',
+        b'{"model": "other", "prompt": "p"}',
+        b'{"model": "tiny", "prompt": "p", "min_p": 0}',  # (the full rules' pass)
+    ):
+        request = Request(method="POST", path="/v1/completions", headers={}, keep_alive=True,
+                          body=body)  # fmt: skip
+        door.handle(request, RecordingExchange())  # type: ignore[arg-type]
+    got = [(t.params.temperature, t.params.top_p, t.params.top_k) for t in taken]
+    assert got == [(0.6, 1.0, 20), (0.0, 1.0, -1), (1.0, 1.0, -1), (0.6, 1.0, 20)]

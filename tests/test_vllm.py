@@ -181,3 +181,7 @@ def test_vllm_log_records_are_json_lines_like_the_daemons(cluster: Cluster) -> N
         assert not [line for line in lines if VLLM_TEXT_LINE.match(line)], daemon.name
         loggers = {e.get("logger", "") for e in daemon.events()}
         assert any(name.startswith("vllm") for name in loggers), sorted(loggers)
+        # the tiny model's generation config, read as vLLM reads it (the HTTP door's
+        # defaults for what a request leaves out)
+        started = [e for e in daemon.events() if e.get("msg") == "vLLM engine started"]
+        assert started[-1]["sampling_defaults"] == {"temperature": 0.8, "top_p": 0.95}

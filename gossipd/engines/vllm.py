@@ -95,6 +95,35 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
     return GossipStatLogger
 
 
+# What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
+# carries, within a task's bounds (messages.SamplingParams).
+_DEFAULT_BOUNDS = {"temperature": (0.0, 10.0), "top_p": (1e-9, 1.0), "top_k": (-1, 100_000)}
+
+
+def sampling_defaults(diff: dict[str, Any]) -> tuple[dict[str, float | int], list[str]]:
+    """A model's sampling defaults that requests may take (temperature, top_p, top_k; top_k
+    0 is off, -1), and the names of those they cannot (penalties, min_p: a task does not
+    carry them; max_tokens: the door's own defaults stand; a value out of bounds)."""
+    taken: dict[str, float | int] = {}
+    unserved: list[str] = []
+    for name, value in diff.items():
+        if name == "max_tokens":
+            continue
+        bounds = _DEFAULT_BOUNDS.get(name)
+        if name == "top_k" and value == 0:
+            value = -1
+        if (
+            bounds is None
+            or type(value) not in (int, float)
+            or (name == "top_k" and type(value) is not int)
+            or not bounds[0] <= value <= bounds[1]
+        ):
+            unserved.append(name)
+            continue
+        taken[name] = value
+    return taken, sorted(unserved)
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -109,6 +138,9 @@ class VllmEngine:
         self._dead = False
         self.block_size = 0  # tokens per KV-cache block, known after start()
         self.max_model_len = 0  # the longest prompt + output, known after start()
+        # The model's own sampling defaults (generation_config.json), which the HTTP door
+        # applies to what a request leaves out, as `vllm serve` does; known after start().
+        self.sampling_defaults: dict[str, float | int] = {}
 
     async def start(self) -> None:
         c = self._config
@@ -149,6 +181,9 @@ class VllmEngine:
         )
         self.block_size = int(self._llm.vllm_config.cache_config.block_size or 0)
         self.max_model_len = int(self._llm.vllm_config.model_config.max_model_len or 0)
+        self.sampling_defaults, unserved = sampling_defaults(
+            self._llm.vllm_config.model_config.get_diff_sampling_param()
+        )
         log.info(
             "vLLM engine started",
             extra={
@@ -157,8 +192,14 @@ class VllmEngine:
                 "seconds": round(time.monotonic() - started, 1),
                 "kv_cache_blocks": self._llm.vllm_config.cache_config.num_gpu_blocks,
                 "block_size": self.block_size,
+                "sampling_defaults": self.sampling_defaults,
             },
         )
+        if unserved:
+            log.warning(
+                "the model's generation config asks sampling a task cannot carry: not applied",
+                extra={"fields": unserved},
+            )
 
     async def stop(self) -> None:
         if self._llm is not None:

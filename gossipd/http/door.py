@@ -37,6 +37,7 @@ from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_api import (
     CHAT_MAX_TOKENS_DEFAULT,
     MAX_TOKENS_MAX,
+    SAMPLING_FIELD_BITS,
     BadRequest,
     decode_call,
     error_body,
@@ -118,6 +119,9 @@ class DoorLinks:
     metrics: Callable[[], bytes] | None = None
     # With metrics.bearer_token_file: the token GET /metrics needs (API keys do not serve).
     metrics_token: str = ""
+    # Our engine's model's sampling defaults (its generation config), for the fields a
+    # request for that model leaves out, as `vllm serve` takes them.
+    sampling_defaults: Callable[[], dict[str, float | int]] = dict
 
 
 class HttpDoor:
@@ -303,6 +307,8 @@ class HttpDoor:
         params = call.params
         if chat and call.max_tokens_default:
             params = self._chat_max_tokens(params, models[call.model])
+        if call.unset_sampling and call.model == self.model:
+            params = self._model_defaults(params, call.unset_sampling)
         # Ids no client can guess (a ZeroMQ producer without CURVE shares our producer key
         # "": a guessable id could be cancelled or read from the results cache by it), and a
         # response id that is not the task id.
@@ -352,6 +358,18 @@ class HttpDoor:
         else:
             n = asked or CHAT_MAX_TOKENS_DEFAULT
         return params if n == params.max_tokens else msgspec.structs.replace(params, max_tokens=n)
+
+    def _model_defaults(self, params: SamplingParams, unset: int) -> SamplingParams:
+        """The model's own sampling defaults for the fields the request left out."""
+        defaults = self._links.sampling_defaults()
+        if not defaults:
+            return params
+        taken = {
+            name: defaults[name]
+            for name, bit in SAMPLING_FIELD_BITS.items()
+            if unset & bit and name in defaults
+        }
+        return msgspec.structs.replace(params, **taken) if taken else params
 
     # -- stopping ------------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 # that is not known: OpenAI's is "up to the context".
 CHAT_MAX_TOKENS_DEFAULT = 256
 STOP_MAX = 8
+# Sampling fields a model's generation config may set, as bits of Call.unset_sampling.
+SAMPLING_FIELD_BITS = {"temperature": 1, "top_p": 2, "top_k": 4}
 MAX_TOKENS_MAX = 32768  # what a task's params carry (messages.SamplingParams)
 MESSAGES_MAX = 1024
 
@@ -76,6 +78,9 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # The request named no max_tokens: params carry the default, which the door may set
     # from the model (chat: up to its context).
     max_tokens_default: bool = False
+    # The sampling fields the request left out (SAMPLING_FIELD_BITS): the door gives them
+    # the model's own defaults where it knows them.
+    unset_sampling: int = 0
 
 
 def error_body(
@@ -195,6 +200,9 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         include_usage=options is not None and options.include_usage and doc.stream,
         user=doc.user or "",
         max_tokens_default=max_tokens is None,
+        unset_sampling=(doc.temperature is None)
+        | (doc.top_p is None) << 1
+        | (doc.top_k is None) << 2,
     )
 
 
@@ -306,6 +314,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         include_usage=include_usage and stream,
         user=user,
         max_tokens_default=max_tokens is None,
+        unset_sampling=(doc.get("temperature") is None)
+        | (doc.get("top_p") is None) << 1
+        | (doc.get("top_k") is None) << 2,
     )
 
 

@@ -75,6 +75,11 @@ def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
+    # Sampling defaults in its generation config, as released models ship them: `vllm
+    # serve` and the HTTP door apply them to what a request leaves out.
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 0.8
+    model.generation_config.top_p = 0.95
     model.save_pretrained(out, safe_serialization=True)
     (out / "gossipd-tiny.json").write_text(json.dumps({"seed": seed, "maker": "gossipd"}) + "\n")
     return out
