@@ -124,6 +124,18 @@ class DoorLinks:
     sampling_defaults: Callable[[], dict[str, float | int]] = dict
 
 
+def _model_defaults(
+    params: SamplingParams, defaults: dict[str, float | int], unset: int
+) -> SamplingParams:
+    """The model's own sampling defaults for the fields the request left out."""
+    taken = {
+        name: defaults[name]
+        for name, bit in SAMPLING_FIELD_BITS.items()
+        if unset & bit and name in defaults
+    }
+    return msgspec.structs.replace(params, **taken) if taken else params
+
+
 class HttpDoor:
     def __init__(
         self,
@@ -177,6 +189,7 @@ class HttpDoor:
         self.unauthorized = 0  # requests without a valid API key (401)
         self._background: set[asyncio.Task[None]] = set()  # GET /v1/models waiting for cards
         self._settled = False  # stopping, past the grace (settle): requests get 503 at once
+        self._sampling_defaults: dict[str, float | int] | None = None  # links', read once
 
     # -- the reply address ---------------------------------------------------------------
 
@@ -307,8 +320,11 @@ class HttpDoor:
         params = call.params
         if chat and call.max_tokens_default:
             params = self._chat_max_tokens(params, models[call.model])
-        if call.unset_sampling and call.model == self.model:
-            params = self._model_defaults(params, call.unset_sampling)
+        defaults = self._sampling_defaults
+        if defaults is None:  # (read once: the engine has started before the door opens)
+            defaults = self._sampling_defaults = self._links.sampling_defaults()
+        if defaults and call.unset_sampling and call.model == self.model:
+            params = _model_defaults(params, defaults, call.unset_sampling)
         # Ids no client can guess (a ZeroMQ producer without CURVE shares our producer key
         # "": a guessable id could be cancelled or read from the results cache by it), and a
         # response id that is not the task id.
@@ -358,18 +374,6 @@ class HttpDoor:
         else:
             n = asked or CHAT_MAX_TOKENS_DEFAULT
         return params if n == params.max_tokens else msgspec.structs.replace(params, max_tokens=n)
-
-    def _model_defaults(self, params: SamplingParams, unset: int) -> SamplingParams:
-        """The model's own sampling defaults for the fields the request left out."""
-        defaults = self._links.sampling_defaults()
-        if not defaults:
-            return params
-        taken = {
-            name: defaults[name]
-            for name, bit in SAMPLING_FIELD_BITS.items()
-            if unset & bit and name in defaults
-        }
-        return msgspec.structs.replace(params, **taken) if taken else params
 
     # -- stopping ------------------------------------------------------------------------
 
