@@ -404,6 +404,11 @@ class EngineConfig(Section, frozen=True):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # Longest prompt + output in tokens; 0: the model's own limit.
     max_model_len: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    # vLLM's --generation-config: where the sampling defaults come from that tasks may take
+    # (Task.model_defaults; the HTTP door asks them for what a request leaves out). "auto":
+    # the model's generation_config.json; "vllm": none (Task's own defaults); else a
+    # directory holding a generation_config.json.
+    generation_config: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] = "auto"
     # Share of GPU memory vLLM may take (GPU nodes).
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     # GPUs one model is split over (vLLM's tensor parallelism).

@@ -203,7 +203,6 @@ class Daemon:
                     not_ready=self._not_ready,
                     metrics=self._metrics_text,
                     metrics_token=self._metrics_token,
-                    sampling_defaults=lambda: getattr(self.engine, "sampling_defaults", {}),
                 ),
                 producer_key=security.key_pair.public.decode()
                 if security.key_pair is not None

@@ -216,22 +216,18 @@ def test_a_request_whose_intake_raised_leaves_nothing_waiting() -> None:
     assert door.answers.sweep(1e12) == 0 and cancelled == []
 
 
-def test_a_request_takes_its_models_own_sampling_defaults_for_what_it_leaves_out() -> None:
-    """As `vllm serve`: the model's generation config for the fields a request leaves out
-    (the door's own model only: it knows no other's); what the request names stands."""
+def test_what_a_request_leaves_out_is_left_to_its_models_own_defaults() -> None:
+    """As `vllm serve` reads a request: the fields it leaves out take the model's own
+    defaults, wherever the task runs (Task.model_defaults, applied by the owner's engine);
+    what it names stands.  A chat without max_tokens is also bounded by the model's."""
     from gossipd.config import HttpConfig
-    from gossipd.engines.vllm import sampling_defaults
+    from gossipd.core.messages import MODEL_DEFAULT_MAX_TOKENS as MAX
+    from gossipd.core.messages import MODEL_DEFAULT_TEMPERATURE as TEMP
+    from gossipd.core.messages import MODEL_DEFAULT_TOP_K as TOP_K
+    from gossipd.core.messages import MODEL_DEFAULT_TOP_P as TOP_P
     from gossipd.http.chat import ChatTemplate
     from gossipd.http.door import DoorLinks, HttpDoor
     from gossipd.http.exchange import Request
-
-    defaults, unserved = sampling_defaults(
-        {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.05,
-         "max_tokens": 100, "min_p": 0.0}
-    )  # fmt: skip
-    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": -1}
-    assert unserved == ["min_p", "repetition_penalty"]
-    assert sampling_defaults({"temperature": 50.0, "top_k": 2.5}) == ({}, ["temperature", "top_k"])
 
     taken: list[Any] = []
 
@@ -243,20 +239,28 @@ def test_a_request_takes_its_models_own_sampling_defaults_for_what_it_leaves_out
             pass
 
     door = HttpDoor(
-        HttpConfig(), intake=RecordingIntake(), node="n0", model="tiny",  # type: ignore[arg-type]
+        HttpConfig(), intake=RecordingIntake(), node="n0", model="echo",  # type: ignore[arg-type]
         chat=ChatTemplate("{{ messages }}"), prompt_bytes_max=1 << 20, clock=ManualClock(),
-        links=DoorLinks(cluster_models=lambda: {"tiny": 512, "other": 512}, not_ready=lambda: "",
-                        sampling_defaults=lambda: {"temperature": 0.6, "top_k": 20}),
+        links=DoorLinks(cluster_models=lambda: {"echo": None, "other": 512},
+                        not_ready=lambda: ""),
     )  # fmt: skip
     door.answers.reply_to = "tcp://127.0.0.1:9"  # (as bind sets it; nothing is sent)
-    for body in (
-        b'{"model": "tiny", "prompt": "p"}',
-        b'{"model": "tiny", "prompt": "p", "temperature": 0, "top_k": 0}',
-        b'{"model": "other", "prompt": "p"}',
-        b'{"model": "tiny", "prompt": "p", "min_p": 0}',  # (the full rules' pass)
-    ):
-        request = Request(method="POST", path="/v1/completions", headers={}, keep_alive=True,
-                          body=body)  # fmt: skip
-        door.handle(request, RecordingExchange())  # type: ignore[arg-type]
-    got = [(t.params.temperature, t.params.top_p, t.params.top_k) for t in taken]
-    assert got == [(0.6, 1.0, 20), (0.0, 1.0, -1), (1.0, 1.0, -1), (0.6, 1.0, 20)]
+    chat = '{"model": "other", "messages": [{"role": "user", "content": "x"}], '
+    for path, body, bits in (
+        ("/v1/completions", '{"model": "other", "prompt": "p"}', TEMP | TOP_P | TOP_K),
+        ("/v1/completions", '{"model": "other", "prompt": "p", "temperature": 0}', TOP_P | TOP_K),
+        ("/v1/completions", '{"model": "echo", "prompt": "p", "top_k": null, "top_p": 1}',
+         TEMP | TOP_K),
+        # (the full rules' pass: an extra field)
+        ("/v1/completions", '{"model": "echo", "prompt": "p", "min_p": 0, "top_k": 0}',
+         TEMP | TOP_P),
+        ("/v1/chat/completions", chat + '"temperature": 1, "top_p": 1, "top_k": 5}', MAX),
+        ("/v1/chat/completions", chat + '"max_tokens": 9}', TEMP | TOP_P | TOP_K),
+    ):  # fmt: skip
+        request = Request(method="POST", path=path, headers={}, keep_alive=True,
+                          body=body.encode())  # fmt: skip
+        exchange = RecordingExchange()
+        door.handle(request, exchange)  # type: ignore[arg-type]
+        assert exchange.ended == 0, body  # taken, not refused
+        assert taken[-1].model_defaults == bits, body
+    assert taken[-2].params.max_tokens == 512  # (the door's default, within the context)

@@ -307,6 +307,15 @@ async def test_host_is_required_of_http11_once_and_absolute_targets_are_served()
             got = await _exchange(port, head + b"\r\n", until=lambda got: False)
             assert got.startswith(b"HTTP/1.1 400 ") and b"Host" in got, got
         assert handler.seen == []
+        # trailing blanks are not the value's (RFC 9110 5.5); an IPv6 zone, an IPvFuture
+        for host in (b"x \t", b"[fe80::1%25eth0]:8", b"[v7.a_b~c]"):
+            got = await _exchange(
+                port,
+                b"GET /h HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" % host,
+                until=lambda got: False,
+            )
+            assert got.startswith(b"HTTP/1.1 200 "), (host, got)
+        handler.seen.clear()
         # HTTP/1.0 has no Host rule
         old = await _exchange(port, b"GET /b HTTP/1.0\r\n\r\n", until=lambda got: False)
         assert old.startswith(b"HTTP/1.1 200 ") and old.endswith(b"/b 0"), old

@@ -185,3 +185,36 @@ def test_vllm_log_records_are_json_lines_like_the_daemons(cluster: Cluster) -> N
         # defaults for what a request leaves out)
         started = [e for e in daemon.events() if e.get("msg") == "vLLM engine started"]
         assert started[-1]["sampling_defaults"] == {"temperature": 0.8, "top_p": 0.95}
+
+
+def test_a_tasks_model_defaults_come_from_the_models_generation_config() -> None:
+    """The fields a task leaves to the model (Task.model_defaults) take its generation
+    config's values, as `vllm serve` reads a request; the others stand.  max_tokens: at most
+    the config's max_new_tokens.  What a task cannot carry (penalties, min_p) is named."""
+    from gossipd.config import EngineConfig
+    from gossipd.core.messages import (
+        MODEL_DEFAULT_MAX_TOKENS,
+        MODEL_DEFAULT_TEMPERATURE,
+        MODEL_DEFAULT_TOP_K,
+    )
+    from gossipd.engines.base import GenerateRequest
+    from gossipd.engines.vllm import VllmEngine, sampling_defaults
+
+    defaults, unserved = sampling_defaults(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.05,
+         "max_tokens": 100, "min_p": 0.0}
+    )  # fmt: skip
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": -1, "max_tokens": 100}
+    assert unserved == ["min_p", "repetition_penalty"]
+    assert sampling_defaults({"temperature": 50.0, "top_k": 2.5}) == ({}, ["temperature", "top_k"])
+
+    engine = VllmEngine(EngineConfig(kind="vllm", model="/nowhere"))  # (not started)
+    engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 100}
+    params = SamplingParams(max_tokens=512, temperature=1.0, top_p=1.0, top_k=-1)
+    asked = MODEL_DEFAULT_TEMPERATURE | MODEL_DEFAULT_TOP_K | MODEL_DEFAULT_MAX_TOKENS
+    taken = engine.sampling_params(
+        GenerateRequest(request_id="a", prompt="p", params=params, model_defaults=asked)
+    )
+    assert (taken.temperature, taken.top_p, taken.top_k, taken.max_tokens) == (0.6, 1.0, 20, 100)
+    plain = engine.sampling_params(GenerateRequest(request_id="b", prompt="p", params=params))
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, -1, 512)

@@ -177,6 +177,14 @@ class SamplingParams(
             raise ValueError("top_k must be -1 (disabled) or >= 1, not 0")
 
 
+# Task.model_defaults: which sampling fields take the model's own default.  MAX_TOKENS: at
+# most the model's max_new_tokens (vLLM's chat default: the smaller of it and the context).
+MODEL_DEFAULT_TEMPERATURE = 1
+MODEL_DEFAULT_TOP_P = 2
+MODEL_DEFAULT_TOP_K = 4
+MODEL_DEFAULT_MAX_TOKENS = 8
+
+
 def reply_route(reply_to: str, producer_key: str) -> str:
     """Where replies go: ``reply_to``, with the producer's key when it has one ("ENDPOINT
     KEY": the reply sender connects to ENDPOINT and checks that its server holds KEY)."""
@@ -218,6 +226,10 @@ class Task(
     # (Its pattern is checked in __post_init__: a Meta pattern runs its regex also on the ""
     # that every msgspec producer sends, 0.35 us of a 1.3 us decode, measured.)
     producer_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
+    # Sampling fields that take the model's own default (its generation config) where the
+    # owner's engine has one, params' value standing in where it has none: MODEL_DEFAULT_*
+    # bits.  The HTTP door sets those a request leaves out, as `vllm serve` reads them.
+    model_defaults: Annotated[int, msgspec.Meta(ge=0, le=15)] = 0
 
     def __post_init__(self) -> None:
         problem = endpoint_problem(self.reply_to)
@@ -364,6 +376,10 @@ class Drain(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(Ms
     # members' authenticated rpc channel) so that ``node`` answers over a connection to a
     # server holding that key, as it answers a Task.
     producer_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
+    # Sampling fields that take the model's own default (its generation config) where the
+    # owner's engine has one, params' value standing in where it has none: MODEL_DEFAULT_*
+    # bits.  The HTTP door sets those a request leaves out, as `vllm serve` reads them.
+    model_defaults: Annotated[int, msgspec.Meta(ge=0, le=15)] = 0
 
     def __post_init__(self) -> None:
         problem = endpoint_problem(self.reply_to)

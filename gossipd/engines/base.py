@@ -57,6 +57,7 @@ class GenerateRequest:
     prompt: str
     params: SamplingParams
     usage: Usage = field(default_factory=Usage)
+    model_defaults: int = 0  # Task.model_defaults: fields that take the model's own default
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gossipd.core.messages import (
+    MODEL_DEFAULT_MAX_TOKENS,
+    MODEL_DEFAULT_TEMPERATURE,
+    MODEL_DEFAULT_TOP_K,
+    MODEL_DEFAULT_TOP_P,
+)
 from gossipd.engines.base import (
     EngineDead,
     EngineError,
@@ -97,25 +103,28 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
 
 # What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
 # carries, within a task's bounds (messages.SamplingParams).
-_DEFAULT_BOUNDS = {"temperature": (0.0, 10.0), "top_p": (1e-9, 1.0), "top_k": (-1, 100_000)}
+_DEFAULT_BOUNDS = {
+    "temperature": (0.0, 10.0),
+    "top_p": (1e-9, 1.0),
+    "top_k": (-1, 100_000),
+    "max_tokens": (1, 32768),
+}
 
 
 def sampling_defaults(diff: dict[str, Any]) -> tuple[dict[str, float | int], list[str]]:
-    """A model's sampling defaults that requests may take (temperature, top_p, top_k; top_k
-    0 is off, -1), and the names of those they cannot (penalties, min_p: a task does not
-    carry them; max_tokens: the door's own defaults stand; a value out of bounds)."""
+    """A model's sampling defaults that tasks may take (temperature, top_p, top_k, top_k 0
+    being off, -1; max_tokens, from max_new_tokens), and the names of those they cannot
+    (penalties, min_p: a task does not carry them; a value out of bounds)."""
     taken: dict[str, float | int] = {}
     unserved: list[str] = []
     for name, value in diff.items():
-        if name == "max_tokens":
-            continue
         bounds = _DEFAULT_BOUNDS.get(name)
         if name == "top_k" and value == 0:
             value = -1
         if (
             bounds is None
             or type(value) not in (int, float)
-            or (name == "top_k" and type(value) is not int)
+            or (name in ("top_k", "max_tokens") and type(value) is not int)
             or not bounds[0] <= value <= bounds[1]
         ):
             unserved.append(name)
@@ -164,6 +173,7 @@ class VllmEngine:
             served_model_name=self.model,
             dtype=c.dtype,
             max_model_len=c.max_model_len or None,
+            generation_config=c.generation_config,
             gpu_memory_utilization=c.gpu_memory_utilization,
             tensor_parallel_size=c.tensor_parallel_size,
             enforce_eager=c.enforce_eager,
@@ -212,12 +222,23 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         p = request.params
+        max_tokens, temperature, top_p, top_k = p.max_tokens, p.temperature, p.top_p, p.top_k
+        if request.model_defaults and self.sampling_defaults:
+            asked, defaults = request.model_defaults, self.sampling_defaults
+            if asked & MODEL_DEFAULT_TEMPERATURE and "temperature" in defaults:
+                temperature = defaults["temperature"]
+            if asked & MODEL_DEFAULT_TOP_P and "top_p" in defaults:
+                top_p = defaults["top_p"]
+            if asked & MODEL_DEFAULT_TOP_K and "top_k" in defaults:
+                top_k = int(defaults["top_k"])
+            if asked & MODEL_DEFAULT_MAX_TOKENS and "max_tokens" in defaults:
+                max_tokens = min(max_tokens, int(defaults["max_tokens"]))
         try:
             return SamplingParams(
-                max_tokens=p.max_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
                 seed=p.seed,
                 stop=list(p.stop) or None,
                 ignore_eos=p.ignore_eos,

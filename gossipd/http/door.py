@@ -29,7 +29,13 @@ import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import HttpConfig
-from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task, reply_route
+from gossipd.core.messages import (
+    MODEL_DEFAULT_MAX_TOKENS,
+    PROTOCOL_VERSION,
+    SamplingParams,
+    Task,
+    reply_route,
+)
 from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
 from gossipd.http.chat import ChatTemplate, TemplateBroken, TemplateFailed
 from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpLimits, Request
@@ -37,7 +43,6 @@ from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_api import (
     CHAT_MAX_TOKENS_DEFAULT,
     MAX_TOKENS_MAX,
-    SAMPLING_FIELD_BITS,
     BadRequest,
     decode_call,
     error_body,
@@ -119,21 +124,6 @@ class DoorLinks:
     metrics: Callable[[], bytes] | None = None
     # With metrics.bearer_token_file: the token GET /metrics needs (API keys do not serve).
     metrics_token: str = ""
-    # Our engine's model's sampling defaults (its generation config), for the fields a
-    # request for that model leaves out, as `vllm serve` takes them.
-    sampling_defaults: Callable[[], dict[str, float | int]] = dict
-
-
-def _model_defaults(
-    params: SamplingParams, defaults: dict[str, float | int], unset: int
-) -> SamplingParams:
-    """The model's own sampling defaults for the fields the request left out."""
-    taken = {
-        name: defaults[name]
-        for name, bit in SAMPLING_FIELD_BITS.items()
-        if unset & bit and name in defaults
-    }
-    return msgspec.structs.replace(params, **taken) if taken else params
 
 
 class HttpDoor:
@@ -189,7 +179,6 @@ class HttpDoor:
         self.unauthorized = 0  # requests without a valid API key (401)
         self._background: set[asyncio.Task[None]] = set()  # GET /v1/models waiting for cards
         self._settled = False  # stopping, past the grace (settle): requests get 503 at once
-        self._sampling_defaults: dict[str, float | int] | None = None  # links', read once
 
     # -- the reply address ---------------------------------------------------------------
 
@@ -318,13 +307,12 @@ class HttpDoor:
             self._error(exchange, 500, str(exc), "server_error", headers=echo)
             return
         params = call.params
+        # What the request left out takes the model's own default where its owner's engine
+        # has one (its generation config), as `vllm serve` reads it.
+        model_defaults = call.unset_sampling
         if chat and call.max_tokens_default:
             params = self._chat_max_tokens(params, models[call.model])
-        defaults = self._sampling_defaults
-        if defaults is None:  # (read once: the engine has started before the door opens)
-            defaults = self._sampling_defaults = self._links.sampling_defaults()
-        if defaults and call.unset_sampling and call.model == self.model:
-            params = _model_defaults(params, defaults, call.unset_sampling)
+            model_defaults |= MODEL_DEFAULT_MAX_TOKENS
         # Ids no client can guess (a ZeroMQ producer without CURVE shares our producer key
         # "": a guessable id could be cancelled or read from the results cache by it), and a
         # response id that is not the task id.
@@ -344,6 +332,7 @@ class HttpDoor:
             producer_key=self._producer_key,
             # An owner's answers to this door that leave in one turn go as one frame.
             batch_replies=True,
+            model_defaults=model_defaults,
         )
         response_id = ("chatcmpl-" if chat else "cmpl-") + self._ids.next()
         self.answers.wait(

@@ -29,8 +29,6 @@ COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 # that is not known: OpenAI's is "up to the context".
 CHAT_MAX_TOKENS_DEFAULT = 256
 STOP_MAX = 8
-# Sampling fields a model's generation config may set, as bits of Call.unset_sampling.
-SAMPLING_FIELD_BITS = {"temperature": 1, "top_p": 2, "top_k": 4}
 MAX_TOKENS_MAX = 32768  # what a task's params carry (messages.SamplingParams)
 MESSAGES_MAX = 1024
 
@@ -78,8 +76,8 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # The request named no max_tokens: params carry the default, which the door may set
     # from the model (chat: up to its context).
     max_tokens_default: bool = False
-    # The sampling fields the request left out (SAMPLING_FIELD_BITS): the door gives them
-    # the model's own defaults where it knows them.
+    # The sampling fields the request left out, as Task.model_defaults bits (temperature 1,
+    # top_p 2, top_k 4): their model's own defaults, where its engine has them.
     unset_sampling: int = 0
 
 

@@ -44,7 +44,9 @@ HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
 PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429 and close
 _ONCE_ONLY = frozenset({"host", "transfer-encoding"})  # a second line: refused, or joined
 # RFC 3986's host (a name or address, or an IP literal in brackets) and an optional port.
-_HOST = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=%-]*|\[[0-9A-Za-z:.]+\])(?::[0-9]*)?")
+_HOST = re.compile(
+    r"(?:[A-Za-z0-9._~!$&'()*+,;=%-]*|\[[0-9A-Za-z:._~!$&'()*+,;=%-]+\])(?::[0-9]*)?"
+)
 Handler = Callable[[Request, Exchange], None]
 
 
@@ -210,7 +212,7 @@ class HttpConnection(asyncio.Protocol):
         if host is None:
             if parser.get_http_version() == "1.1":
                 raise _Refused(400, "an HTTP/1.1 request must carry a Host header (RFC 9112 3.2)")
-        elif _HOST.fullmatch(host) is None:
+        elif _HOST.fullmatch(host.strip(" \t")) is None:  # (llhttp keeps trailing blanks)
             raise _Refused(400, f"the Host header {host[:100]!r} is not a host[:port]")
         coding = headers.get("transfer-encoding")
         if coding is not None and coding.strip(" \t").lower() != "chunked":

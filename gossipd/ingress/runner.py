@@ -244,7 +244,12 @@ class Runner:
                 raise asyncio.CancelledError
             if started >= deadline:
                 raise TimeoutError
-            request = GenerateRequest(request_id=task.id, prompt=task.prompt, params=task.params)
+            request = GenerateRequest(
+                request_id=task.id,
+                prompt=task.prompt,
+                params=task.params,
+                model_defaults=task.model_defaults,
+            )
             usage = request.usage
             async for delta in self._engine.generate(request):
                 if not first_token_at:
