@@ -376,10 +376,6 @@ class Drain(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(Ms
     # members' authenticated rpc channel) so that ``node`` answers over a connection to a
     # server holding that key, as it answers a Task.
     producer_key: Annotated[str, msgspec.Meta(max_length=40)] = ""
-    # Sampling fields that take the model's own default (its generation config) where the
-    # owner's engine has one, params' value standing in where it has none: MODEL_DEFAULT_*
-    # bits.  The HTTP door sets those a request leaves out, as `vllm serve` reads them.
-    model_defaults: Annotated[int, msgspec.Meta(ge=0, le=15)] = 0
 
     def __post_init__(self) -> None:
         problem = endpoint_problem(self.reply_to)

@@ -26,11 +26,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from gossipd.core.messages import (
     MODEL_DEFAULT_MAX_TOKENS,
     MODEL_DEFAULT_TEMPERATURE,
     MODEL_DEFAULT_TOP_K,
     MODEL_DEFAULT_TOP_P,
+    SamplingParams,
 )
 from gossipd.engines.base import (
     EngineDead,
@@ -102,34 +105,26 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
 
 
 # What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
-# carries, within a task's bounds (messages.SamplingParams).
-_DEFAULT_BOUNDS = {
-    "temperature": (0.0, 10.0),
-    "top_p": (1e-9, 1.0),
-    "top_k": (-1, 100_000),
-    "max_tokens": (1, 32768),
-}
+# carries: each value is taken as Task's params take it (messages.SamplingParams' bounds).
+_FROM_CONFIG = ("temperature", "top_p", "top_k", "max_tokens")
 
 
 def sampling_defaults(diff: dict[str, Any]) -> tuple[dict[str, float | int], list[str]]:
     """A model's sampling defaults that tasks may take (temperature, top_p, top_k, top_k 0
     being off, -1; max_tokens, from max_new_tokens), and the names of those they cannot
-    (penalties, min_p: a task does not carry them; a value out of bounds)."""
+    (penalties, min_p: a task does not carry them; a value a task's params refuse)."""
     taken: dict[str, float | int] = {}
     unserved: list[str] = []
     for name, value in diff.items():
-        bounds = _DEFAULT_BOUNDS.get(name)
         if name == "top_k" and value == 0:
             value = -1
-        if (
-            bounds is None
-            or type(value) not in (int, float)
-            or (name in ("top_k", "max_tokens") and type(value) is not int)
-            or not bounds[0] <= value <= bounds[1]
-        ):
-            unserved.append(name)
-            continue
-        taken[name] = value
+        if name in _FROM_CONFIG:
+            try:
+                taken[name] = getattr(msgspec.convert({name: value}, SamplingParams), name)
+                continue
+            except (msgspec.ValidationError, ValueError):
+                pass
+        unserved.append(name)
     return taken, sorted(unserved)
 
 

@@ -13,6 +13,9 @@ from typing import Any
 import msgspec
 
 from gossipd.core.messages import (
+    MODEL_DEFAULT_TEMPERATURE,
+    MODEL_DEFAULT_TOP_K,
+    MODEL_DEFAULT_TOP_P,
     TASK_KEY_CHARS_MAX,
     ErrorCode,
     ErrorInfo,
@@ -76,8 +79,8 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # The request named no max_tokens: params carry the default, which the door may set
     # from the model (chat: up to its context).
     max_tokens_default: bool = False
-    # The sampling fields the request left out, as Task.model_defaults bits (temperature 1,
-    # top_p 2, top_k 4): their model's own defaults, where its engine has them.
+    # The sampling fields the request left out, as Task.model_defaults bits (MODEL_DEFAULT_*):
+    # their model's own defaults, where its engine has them.
     unset_sampling: int = 0
 
 
@@ -198,9 +201,7 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         include_usage=options is not None and options.include_usage and doc.stream,
         user=doc.user or "",
         max_tokens_default=max_tokens is None,
-        unset_sampling=(doc.temperature is None)
-        | (doc.top_p is None) << 1
-        | (doc.top_k is None) << 2,
+        unset_sampling=_left_out(doc.temperature, doc.top_p, doc.top_k),
     )
 
 
@@ -312,9 +313,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         include_usage=include_usage and stream,
         user=user,
         max_tokens_default=max_tokens is None,
-        unset_sampling=(doc.get("temperature") is None)
-        | (doc.get("top_p") is None) << 1
-        | (doc.get("top_k") is None) << 2,
+        unset_sampling=_left_out(doc.get("temperature"), doc.get("top_p"), doc.get("top_k")),
     )
 
 
@@ -367,6 +366,15 @@ def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
             "structured output: json_object, json_schema)",
             param="response_format",
         )
+
+
+def _left_out(temperature: object, top_p: object, top_k: object) -> int:
+    """Task.model_defaults for the sampling fields a request left out (or sent null)."""
+    return (
+        (MODEL_DEFAULT_TEMPERATURE if temperature is None else 0)
+        | (MODEL_DEFAULT_TOP_P if top_p is None else 0)
+        | (MODEL_DEFAULT_TOP_K if top_k is None else 0)
+    )
 
 
 def _max_tokens(asked: int | None, default: int) -> int:
