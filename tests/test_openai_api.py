@@ -11,12 +11,11 @@ import pytest
 from hypothesis import given, settings
 
 from gossipd.core.messages import ErrorCode, ErrorInfo, TokenUsage
+from gossipd.http.openai_answers import StreamWriter, error_of
 from gossipd.http.openai_api import (
     BadRequest,
-    StreamWriter,
     _decode_call,
     decode_call,
-    error_of,
 )
 
 JSON = st.recursive(
@@ -62,13 +61,14 @@ def test_any_body_is_a_call_or_a_bad_request_naming_its_field(
     assert call.model == doc["model"] and call.chat is chat
     assert 1 <= call.params.max_tokens <= 32768
     assert call.include_usage <= call.stream
+    assert call.choices == (len(call.prompts) or 1) * call.n >= 1
 
 
 # Values near what clients send per field, (valid, not): the typed first pass must take a
 # body exactly as the full rules do (the same Call, or the same refusal).
 NEAR: dict[str, tuple[list[Any], list[Any]]] = {
     "model": (["m", "echo"], ["", 3, None]),
-    "prompt": (["p", ""], [["p"], [1, 2], None, 5]),
+    "prompt": (["p", "", ["p", "q"]], [["p"], [1, 2], None, 5, ["p", 1], []]),
     "messages": (
         [[{"role": "user", "content": "hi"}], [{"role": "u", "content": "", "name": "x"}]],
         [
@@ -86,7 +86,7 @@ NEAR: dict[str, tuple[list[Any], list[Any]]] = {
     "top_p": ([0.5, 1], [0, None, 2]),
     "top_k": ([-1, 5], [0, None, True]),
     "seed": ([0, 7], [-3, None, 1.5]),
-    "n": ([1], [2, None, True]),
+    "n": ([1, 2], [0, None, True, 129]),
     "stream": ([True, False], [None, 1]),
     "stream_options": ([{"include_usage": True}, {}], [{"include_usage": 1}, {"x": 1}, None, 3]),
     "ignore_eos": ([True, False], [None, 1]),

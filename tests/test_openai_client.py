@@ -171,3 +171,27 @@ def test_bad_request_unknown_model_and_wrong_key(cluster: Cluster) -> None:
     started = time.monotonic()
     ok = client.completions.create(model=_model(cluster), prompt="still fine", max_tokens=2)
     assert ok.choices[0].text is not None and time.monotonic() - started < 30
+
+
+def test_several_prompts_and_n_are_choices_seeded_as_vllm_seeds_its_n(cluster: Cluster) -> None:
+    """A list of prompts (LangChain's batches) and n: one engine request a choice; choice j
+    of n with a seed is sampled with the request's seed + j, as `vllm serve` samples it."""
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    headers = {"x-session-id": _session_of(cluster, owner.name)}
+    asked = {"model": model, "max_tokens": 6, "extra_body": {"ignore_eos": True},
+             "extra_headers": headers}  # fmt: skip
+    prompts = ["the quick brown fox", "a b c"]
+    batch = client.completions.create(prompt=prompts, temperature=0.0, **asked)
+    alone = [client.completions.create(prompt=p, temperature=0.0, **asked) for p in prompts]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 12
+    seeded = client.completions.create(prompt=prompts[0], n=2, seed=41, **asked)
+    singles = [
+        client.completions.create(prompt=prompts[0], seed=seed, **asked).choices[0].text
+        for seed in (41, 42)
+    ]
+    assert [c.text for c in seeded.choices] == singles
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

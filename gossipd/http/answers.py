@@ -11,6 +11,11 @@ to answer one request never reaches the runner or the socket reader (logged, cou
 
 Cancels: a client gone, a stream past its byte bound, a request past its deadline are
 cancelled through the intake, wherever the task runs.
+
+A request of several choices (prompts x n) is one task a choice, each waiting here with its
+index and the ``Choices`` they share: a stream writes each choice's deltas with its index
+as they come, the answer (or ``[DONE]``) goes once every choice has its Result, and the
+first error answers the request and cancels the choices still running.
 """
 
 from __future__ import annotations
@@ -23,10 +28,25 @@ from dataclasses import dataclass, field
 import zmq
 
 from gossipd.clock import Clock
-from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result, decode_replies
+from gossipd.core.messages import (
+    Chunk,
+    ErrorCode,
+    ErrorInfo,
+    Result,
+    TokenUsage,
+    decode_replies,
+)
 from gossipd.errors import RemoteProtocolError
 from gossipd.http.exchange import Exchange
-from gossipd.http.openai_api import Call, StreamWriter, error_body, error_of, whole_answer
+from gossipd.http.openai_answers import (
+    StreamWriter,
+    choices_answer,
+    error_body,
+    error_of,
+    total_usage,
+    whole_answer,
+)
+from gossipd.http.openai_api import Call
 from gossipd.zmqloop import SocketReader
 
 log = logging.getLogger("gossipd.http.answers")
@@ -34,6 +54,27 @@ log = logging.getLogger("gossipd.http.answers")
 MEMBER_HEADER = "x-gossipd-member"  # the member that ran the task
 SWEEP_INTERVAL_S = 0.5
 HELD_CHUNKS_MAX = 256  # chunks held for a gap in seq; past it the gap is skipped
+
+
+@dataclass(slots=True, eq=False)
+class Choices:
+    """The tasks of a request of several choices: choice i is ``task_ids[i]``."""
+
+    task_ids: list[str]
+    taken: int = 0  # tasks handed to the intake so far (in order): those to cancel
+    texts: list[str] = field(default_factory=list)  # by choice, as Results come
+    usages: list[TokenUsage | None] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)  # the member that ran each ("": none yet)
+    left: int = 0  # choices without their Result
+    writer: StreamWriter | None = None  # the stream's, once it began
+    ended: bool = False  # answered (or abandoned): the others are cancelled
+
+    def __post_init__(self) -> None:
+        count = len(self.task_ids)
+        self.texts = [""] * count
+        self.usages = [None] * count
+        self.nodes = [""] * count
+        self.left = count
 
 
 @dataclass(slots=True)
@@ -51,6 +92,8 @@ class Waiting:
     held: dict[int, Chunk] = field(default_factory=dict)  # early chunks by seq
     streamed_chars: int = 0  # of the answer's text written as deltas so far, in order
     gap: bool = False  # a chunk was skipped (never came): the deltas are not a prefix
+    choices: Choices | None = None  # a request of several choices: this is choice ``index``
+    index: int = 0
 
 
 @dataclass(slots=True)
@@ -137,6 +180,8 @@ class Answers:
             self._waiting.pop(message.id, None)
             if waiting is None:
                 return
+            if waiting.choices is not None:
+                self._end_choices(waiting.choices)
             exchange = waiting.exchange
             try:
                 if not exchange.done and not exchange.streaming:  # nothing of it went out
@@ -168,16 +213,65 @@ class Answers:
         if waiting is not None:
             waiting.exchange.on_close = None
 
+    def wait_choices(self, task_ids: list[str], first: Waiting) -> Choices:
+        """A request of several choices: choice i's answer comes as ``task_ids[i]``'s.  The
+        door hands the tasks to the intake in order, counting ``taken``, and stops once the
+        request is ``ended`` (a refusal answers it within the take)."""
+        choices = Choices(task_ids)
+        for index, task_id in enumerate(task_ids):
+            self._waiting[task_id] = (
+                first
+                if index == 0
+                else Waiting(
+                    exchange=first.exchange,
+                    call=first.call,
+                    response_id=first.response_id,
+                    created=first.created,
+                    deadline=first.deadline,
+                    request_id=first.request_id,
+                )
+            )
+            self._waiting[task_id].choices = choices
+            self._waiting[task_id].index = index
+        first.exchange.on_close = lambda: self._choices_gone(choices)
+        return choices
+
+    def forget_choices(self, choices: Choices) -> None:
+        """The intake raised (a bug) on a take: the tasks taken are cancelled, the others
+        were never out."""
+        choices.taken -= 1  # (the one that raised: not taken)
+        first = self._waiting.get(choices.task_ids[0])
+        if first is not None:
+            first.exchange.on_close = None
+        self._end_choices(choices)
+
     def _client_gone(self, task_id: str) -> None:
         if self._waiting.pop(task_id, None) is None:
             return
         self.counters.disconnect_cancels += 1
         self._cancel(task_id)
 
+    def _choices_gone(self, choices: Choices) -> None:
+        if choices.ended:
+            return
+        self.counters.disconnect_cancels += 1
+        self._end_choices(choices)
+
+    def _end_choices(self, choices: Choices) -> None:
+        """The request is answered or abandoned: every choice leaves the table, and those
+        taken and still running are cancelled."""
+        choices.ended = True
+        for index, task_id in enumerate(choices.task_ids):
+            if self._waiting.pop(task_id, None) is not None and index < choices.taken:
+                self._cancel(task_id)
+
     def _on_reply(self, message: Chunk | Result) -> None:
         waiting = self._waiting.get(message.id)
         if waiting is None:
             self.counters.replies_unknown += 1
+            return
+        if waiting.choices is not None:
+            self._on_choice_reply(waiting, waiting.choices, message)
             return
         if type(message) is Chunk:
             if waiting.call.stream:
@@ -217,6 +311,60 @@ class Answers:
         exchange.respond(status, body, headers=headers + self.headers(waiting, message.node))
         self.counters.count(status)
 
+    def _on_choice_reply(self, waiting: Waiting, choices: Choices, message: Chunk | Result) -> None:
+        """One reply of a request of several choices (see the module's docstring)."""
+        if type(message) is Chunk:
+            if waiting.call.stream:
+                self._on_chunk(message.id, waiting, message)
+            return
+        assert isinstance(message, Result)
+        del self._waiting[message.id]
+        exchange = waiting.exchange
+        index = waiting.index
+        if not message.ok:
+            assert message.error is not None
+            self._end_choices(choices)
+            if choices.writer is not None:  # the stream began: its last event says it
+                exchange.write(choices.writer.error(message.error))
+                exchange.end_stream()
+                self.counters.count(200)
+            else:
+                status, body, headers = error_of(message.error, chat=waiting.call.chat)
+                headers += self.headers(waiting, message.node)
+                exchange.respond(status, body, headers=headers)
+                self.counters.count(status)
+            return
+        choices.texts[index] = message.text
+        choices.usages[index] = message.usage
+        choices.nodes[index] = message.node or self._node
+        choices.left -= 1
+        if waiting.call.stream:
+            writer = self._stream(waiting, message.node)
+            if not waiting.gap:
+                rest = message.text[waiting.streamed_chars :]
+                if rest:
+                    exchange.write(writer.delta(rest, index))
+            else:
+                for seq in sorted(waiting.held):
+                    exchange.write(writer.delta(waiting.held[seq].delta, index))
+            exchange.write(writer.finish_choice(message.usage, index))
+            if choices.left == 0:
+                choices.ended = True
+                exchange.write(writer.end(total_usage(choices.usages, waiting.call.n)))
+                exchange.end_stream()
+                self.counters.count(200)
+            return
+        if choices.left == 0:
+            choices.ended = True
+            call = waiting.call
+            body = choices_answer(
+                call, waiting.response_id, waiting.created, choices.texts, choices.usages
+            )
+            # Every member that ran a choice, in choice order, once each.
+            headers = self.headers(waiting, ",".join(dict.fromkeys(choices.nodes)))
+            exchange.respond(200, body, headers=headers)
+            self.counters.count(200)
+
     def _on_chunk(self, task_id: str, waiting: Waiting, chunk: Chunk) -> None:
         """In seq order: a copy dropped, an early one held until the gap fills (bounded)."""
         if chunk.seq < waiting.next_seq:
@@ -232,7 +380,7 @@ class Answers:
         waiting_bytes = 0
         while True:
             if chunk.seq == waiting.next_seq:
-                waiting_bytes = waiting.exchange.write(writer.delta(chunk.delta))
+                waiting_bytes = waiting.exchange.write(writer.delta(chunk.delta, waiting.index))
                 waiting.streamed_chars += len(chunk.delta)
                 waiting.next_seq += 1
             nxt = waiting.held.pop(waiting.next_seq, None)
@@ -241,17 +389,27 @@ class Answers:
             chunk = nxt
         if waiting_bytes > self._stream_bytes_max:
             # The client reads slower than the task writes: give up on it.
-            self._waiting.pop(task_id, None)
             self.counters.slow_client_cancels += 1
             waiting.exchange.abort()
+            if waiting.choices is not None:
+                self._end_choices(waiting.choices)
+                return
+            self._waiting.pop(task_id, None)
             self._cancel(task_id)
 
     def _stream(self, waiting: Waiting, node: str) -> StreamWriter:
         writer = waiting.writer
         if writer is None:
+            choices = waiting.choices
+            if choices is not None and choices.writer is not None:  # (another choice's)
+                writer = waiting.writer = choices.writer
+                return writer
             writer = waiting.writer = StreamWriter(
                 waiting.call, waiting.response_id, waiting.created
             )
+            if choices is not None:
+                choices.writer = writer
+            # (Of several choices: the member of the first to speak.)
             waiting.exchange.start_stream(headers=self.headers(waiting, node))
         return writer
 
@@ -268,21 +426,31 @@ class Answers:
         an owner that died with no member left to migrate to); returns how many."""
         late = [tid for tid, w in self._waiting.items() if w.deadline <= now]
         why = f"no answer within http.request_timeout_s ({self._timeout_s:g} s)"
+        answered = 0
         for task_id in late:
-            self.counters.deadline_answers += 1
-            self._give_up(task_id, ErrorCode.DEADLINE_EXCEEDED, why)
-        return len(late)
+            answered += self._give_up(task_id, ErrorCode.DEADLINE_EXCEEDED, why)
+        self.counters.deadline_answers += answered
+        return answered
 
     def give_up_all(self, why: str) -> int:
         """Answer every waiting request ``shutting_down`` (503) and cancel its task: the
         daemon stops and its answers could no longer reach the clients."""
-        ids = list(self._waiting)
-        for task_id in ids:
-            self._give_up(task_id, ErrorCode.SHUTTING_DOWN, why)
-        return len(ids)
+        return sum(
+            self._give_up(task_id, ErrorCode.SHUTTING_DOWN, why) for task_id in list(self._waiting)
+        )
 
-    def _give_up(self, task_id: str, code: ErrorCode, message: str) -> None:
-        waiting = self._waiting.pop(task_id)
+    def _give_up(self, task_id: str, code: ErrorCode, message: str) -> bool:
+        """Answer ``task_id``'s request with an error and cancel it; False where it was
+        answered already (a choice of a request given up before)."""
+        waiting = self._waiting.pop(task_id, None)
+        if waiting is None:
+            return False
+        choices = waiting.choices
+        if choices is not None:
+            self._waiting[task_id] = waiting  # (cancelled with the rest below)
+            self._end_choices(choices)
+            if choices.writer is not None and waiting.writer is None:
+                waiting.writer = choices.writer
         error = ErrorInfo(code=code, message=message)
         if waiting.writer is not None:
             waiting.exchange.write(StreamWriter.error(error))
@@ -292,7 +460,9 @@ class Answers:
             status, body, headers = error_of(error, chat=waiting.call.chat)
             waiting.exchange.respond(status, body, headers=headers + self.headers(waiting, ""))
             self.counters.count(status)
-        self._cancel(task_id)
+        if choices is None:
+            self._cancel(task_id)
+        return True
 
     async def sweep_forever(self) -> None:
         while True:

@@ -40,12 +40,14 @@ from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
 from gossipd.http.chat import ChatTemplate, TemplateBroken, TemplateFailed
 from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpLimits, Request
 from gossipd.http.keys import ApiKeys
+from gossipd.http.openai_answers import error_body
 from gossipd.http.openai_api import (
     CHAT_MAX_TOKENS_DEFAULT,
     MAX_TOKENS_MAX,
+    SEED_END,
     BadRequest,
+    Call,
     decode_call,
-    error_body,
     header_text,
     placement_key,
 )
@@ -285,15 +287,9 @@ class HttpDoor:
                     code="model_not_found",
                 )
             prompt = self._chat.render(call.messages) if call.messages is not None else call.prompt
-            if len(prompt) > self._prompt_bytes_max // 4 and (
-                len(prompt.encode()) > self._prompt_bytes_max
-            ):
-                raise BadRequest(
-                    f"the prompt is over {self._prompt_bytes_max} bytes (what a task may "
-                    "carry: ingress.message_bytes_max)",
-                    param="messages" if chat else "prompt",
-                    status=413,
-                )
+            self._check_size(prompt, chat)
+            if call.n > 1 or call.prompts:
+                self._check_choices(call)
         except BadRequest as exc:
             # (OpenAI's type for an unknown model too: the status says 404)
             self._error(exchange, exc.status, exc.message, "invalid_request_error", param=exc.param,
@@ -335,24 +331,76 @@ class HttpDoor:
             model_defaults=model_defaults,
         )
         response_id = ("chatcmpl-" if chat else "cmpl-") + self._ids.next()
-        self.answers.wait(
-            task_id,
-            Waiting(
-                exchange=exchange,
-                call=call,
-                response_id=response_id,
-                created=int(self._clock.wall()),
-                deadline=now + self._config.request_timeout_s + DEADLINE_GRACE_S,
-                # As OpenAI, every answer to a task names a request id (the openai client's
-                # _request_id): the client's, else the response's.
-                request_id=request_id or response_id,
-            ),
+        waiting = Waiting(
+            exchange=exchange,
+            call=call,
+            response_id=response_id,
+            created=int(self._clock.wall()),
+            deadline=now + self._config.request_timeout_s + DEADLINE_GRACE_S,
+            # As OpenAI, every answer to a task names a request id (the openai client's
+            # _request_id): the client's, else the response's.
+            request_id=request_id or response_id,
         )
+        if call.n > 1 or call.prompts:
+            self._take_choices(task, call, waiting, now, identity)
+            return
+        self.answers.wait(task_id, waiting)
         try:
             self._intake.take(task, now, identity)
         except Exception:
             self.answers.forget(task_id)  # (the wire answers it 500)
             raise
+
+    def _check_size(self, prompt: str, chat: bool) -> None:
+        if len(prompt) > self._prompt_bytes_max // 4 and (
+            len(prompt.encode()) > self._prompt_bytes_max
+        ):
+            raise BadRequest(
+                f"the prompt is over {self._prompt_bytes_max} bytes (what a task may "
+                "carry: ingress.message_bytes_max)",
+                param="messages" if chat else "prompt",
+                status=413,
+            )
+
+    def _check_choices(self, call: Call) -> None:
+        for prompt in call.prompts:
+            self._check_size(prompt, call.chat)
+        most = self._config.choices_max
+        if call.choices > most:
+            raise BadRequest(
+                f"{len(call.prompts) or 1} prompt(s) x n={call.n} is {call.choices} choices; "
+                f"at most {most} are served in one request (http.choices_max): send fewer "
+                "at once (LangChain's OpenAI: batch_size)",
+                param="n" if call.n > 1 else "prompt",
+            )
+
+    def _take_choices(
+        self, task: Task, call: Call, first: Waiting, now: float, identity: str
+    ) -> None:
+        """A request of several choices (prompts x n): one task each, placed and run as any
+        task, answered together (answers.Choices).  Choice ``i * n + j`` is prompt i's j-th,
+        its seed the request's + j as vLLM seeds its n (the same seed would give n copies)."""
+        seed = task.params.seed
+        tasks: list[Task] = []
+        for prompt in call.prompts or (task.prompt,):
+            for j in range(call.n):
+                params = task.params
+                if seed is not None and j:
+                    params = msgspec.structs.replace(params, seed=(seed + j) % SEED_END)
+                task_id = "http-" + self._ids.next() if tasks else task.id
+                tasks.append(
+                    msgspec.structs.replace(task, id=task_id, prompt=prompt, params=params)
+                )
+        choices = self.answers.wait_choices([t.id for t in tasks], first)
+        for each in tasks:
+            if choices.ended:  # refused within a take: the request has its answer
+                break
+            choices.taken += 1
+            try:
+                self._intake.take(each, now, identity)
+            except Exception:
+                self.answers.forget_choices(choices)  # (the wire answers it 500)
+                raise
 
     def _chat_max_tokens(self, params: SamplingParams, context: int | None) -> SamplingParams:
         """A chat that named no max_tokens: http.chat_max_tokens_default within the model's

@@ -1,5 +1,6 @@
-"""OpenAI's HTTP API in gossipd's terms: a request body to a task's fields, a Result or Chunk to
-the JSON (or server-sent event) an OpenAI client parses, an error to OpenAI's error shape.
+"""OpenAI's HTTP API in gossipd's terms: a request body to a task's fields (a Call: one
+prompt, or several choices).  The answers' side, a Result or Chunk to what an OpenAI client
+parses, is gossipd/http/openai_answers.py.
 
 Pure functions, no IO: the door (gossipd/http/door.py) calls them.  docs/PROTOCOL.md "HTTP"
 documents every rule here; a request that breaks one is a ``BadRequest`` naming the field.
@@ -7,7 +8,6 @@ documents every rule here; a request that breaks one is a ``BadRequest`` naming 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import msgspec
@@ -17,12 +17,8 @@ from gossipd.core.messages import (
     MODEL_DEFAULT_TOP_K,
     MODEL_DEFAULT_TOP_P,
     TASK_KEY_CHARS_MAX,
-    ErrorCode,
-    ErrorInfo,
     SamplingParams,
-    TokenUsage,
 )
-from gossipd.engines.base import CONTEXT_EXCEEDED_PREFIX
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
@@ -34,21 +30,9 @@ CHAT_MAX_TOKENS_DEFAULT = 256
 STOP_MAX = 8
 MAX_TOKENS_MAX = 32768  # what a task's params carry (messages.SamplingParams)
 MESSAGES_MAX = 1024
-
-# An error code to (HTTP status, OpenAI error type).
-STATUS_OF: dict[str, tuple[int, str]] = {
-    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
-    ErrorCode.UNSUPPORTED_VERSION: (400, "invalid_request_error"),
-    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
-    ErrorCode.OVER_BUDGET: (429, "rate_limit_error"),
-    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    ErrorCode.ENGINE_ERROR: (500, "server_error"),
-    ErrorCode.UNAVAILABLE: (503, "server_error"),
-    ErrorCode.SHUTTING_DOWN: (503, "server_error"),
-    ErrorCode.SATURATED: (503, "server_error"),
-    ErrorCode.CANCELLED: (499, "cancelled"),
-    ErrorCode.ID_IN_USE: (409, "invalid_request_error"),
-}
+N_MAX = 128  # choices per prompt (OpenAI's bound); the door's http.choices_max bounds them all
+PROMPTS_MAX = 2048  # prompts in one completions request (OpenAI's bound)
+SEED_END = 2**63  # a choice's seed is the request's + its index, modulo this (as vLLM's n)
 
 
 class BadRequest(Exception):
@@ -82,29 +66,14 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # The sampling fields the request left out, as Task.model_defaults bits (MODEL_DEFAULT_*):
     # their model's own defaults, where its engine has them.
     unset_sampling: int = 0
+    # Several prompts (completions: a list of strings), in order; () for one (``prompt``).
+    prompts: tuple[str, ...] = ()
+    # Choices per prompt: choice ``i * n + j`` is prompt i's j-th (as vLLM numbers them).
+    n: int = 1
 
-
-def error_body(
-    message: str, err_type: str, *, param: str | None = None, code: str | None = None
-) -> bytes:
-    return _json_encode(
-        {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    )
-
-
-def error_of(error: ErrorInfo, *, chat: bool = False) -> tuple[int, bytes, list[tuple[str, str]]]:
-    """A task's error as (status, body, headers): 429s and 503s with Retry-After."""
-    status, err_type = STATUS_OF.get(error.code, (500, "server_error"))
-    headers: list[tuple[str, str]] = []
-    if error.retry_after_ms and status in (429, 503):
-        headers = [
-            ("retry-after", str(max(1, math.ceil(error.retry_after_ms / 1000)))),
-            ("retry-after-ms", str(error.retry_after_ms)),
-        ]
-    code, param = error.code, None
-    if code == ErrorCode.BAD_REQUEST and error.message.startswith(CONTEXT_EXCEEDED_PREFIX):
-        code, param = "context_length_exceeded", "messages" if chat else "prompt"  # OpenAI's
-    return status, error_body(error.message, err_type, param=param, code=code), headers
+    @property
+    def choices(self) -> int:
+        return (len(self.prompts) or 1) * self.n
 
 
 # The usual request, decoded straight into typed fields (one pass in C: 0.7 us against 2.7
@@ -224,13 +193,20 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         if max_tokens is None:
             max_tokens = _int(doc, "max_tokens")
         default_max = CHAT_MAX_TOKENS_DEFAULT
-    else:
-        prompt = _prompt(doc.get("prompt"))
+    prompts: tuple[str, ...] = ()
+    if not chat:
+        taken = _prompt(doc.get("prompt"))
+        if isinstance(taken, str):
+            prompt = taken
+        else:
+            prompts = taken
         max_tokens = _int(doc, "max_tokens")
         default_max = COMPLETIONS_MAX_TOKENS_DEFAULT
     n = _int(doc, "n")
-    if n not in (None, 1):
-        raise BadRequest("n: only 1 choice per request is served here", param="n")
+    if n is None:
+        n = 1
+    if not 1 <= n <= N_MAX:
+        raise BadRequest(f"n: from 1 to {N_MAX} choices", param="n")
     for name in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "logit_bias"):
         value = doc.get(name)
         # Absent, null, false or empty asks nothing (LangChain sends logit_bias {} on every
@@ -314,6 +290,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         user=user,
         max_tokens_default=max_tokens is None,
         unset_sampling=_left_out(doc.get("temperature"), doc.get("top_p"), doc.get("top_k")),
+        prompts=prompts,
+        n=n,
     )
 
 
@@ -435,17 +413,21 @@ def _int(doc: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _prompt(value: Any) -> str:
+def _prompt(value: Any) -> str | tuple[str, ...]:
+    """One prompt, or several (a list of strings: one choice each, in order)."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+    if isinstance(value, list) and value and all(type(v) is int for v in value):
         raise BadRequest("prompt: token ids are not taken here; send text", param="prompt")
-    if isinstance(value, list) and len(value) > 1:
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        if len(value) > PROMPTS_MAX:
+            raise BadRequest(f"prompt: at most {PROMPTS_MAX} prompts", param="prompt")
+        return tuple(value)
+    if isinstance(value, list) and value:
         raise BadRequest(
-            "prompt: one prompt per request is served here; send each as its own request "
-            "(LangChain's OpenAI: batch_size=1)",
+            "prompt: a string or a list of strings (token ids are not taken here)",
             param="prompt",
         )
     raise BadRequest("prompt: a string is required", param="prompt")
@@ -483,114 +465,3 @@ def _messages(value: Any) -> list[dict[str, str]]:
             rendered["name"] = name
         out.append(rendered)
     return out
-
-
-# -- answers ---------------------------------------------------------------------------------
-
-
-def usage_of(usage: TokenUsage | None) -> dict[str, int]:
-    prompt = usage.prompt_tokens if usage is not None else 0
-    completion = usage.completion_tokens if usage is not None else 0
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def finish_reason(usage: TokenUsage | None) -> str:
-    return usage.finish_reason if usage is not None and usage.finish_reason else "stop"
-
-
-def whole_answer(
-    call: Call, response_id: str, created: int, text: str, usage: TokenUsage | None
-) -> bytes:
-    """A non-streamed answer."""
-    reason = finish_reason(usage)
-    if call.chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": reason,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        kind = "text_completion"
-    return _json_encode(
-        {
-            "id": response_id,
-            "object": kind,
-            "created": created,
-            "model": call.model,
-            "choices": [choice],
-            "usage": usage_of(usage),
-        }
-    )
-
-
-class StreamWriter:
-    """The server-sent events of one streamed answer, in OpenAI's exact framing: each event
-    ``data: {json}\\n\\n``, one ``id`` and ``created`` for all, a last chunk with the finish
-    reason, with include_usage a usage chunk with empty ``choices``, then ``data: [DONE]``."""
-
-    __slots__ = ("_chat", "_head", "_include_usage", "_role_sent")
-
-    def __init__(self, call: Call, response_id: str, created: int) -> None:
-        kind = "chat.completion.chunk" if call.chat else "text_completion"
-        # Every event starts with the same fields: encoded once.
-        self._head = b'data: {"id":%s,"object":"%s","created":%d,"model":%s,' % (
-            _json_encode(response_id),
-            kind.encode(),
-            created,
-            _json_encode(call.model),
-        )
-        self._chat = call.chat
-        self._include_usage = call.include_usage
-        self._role_sent = False
-
-    def _event(self, choices: bytes, usage: bytes = b"") -> bytes:
-        tail = (
-            b',"usage":%s' % usage if usage else (b',"usage":null' if self._include_usage else b"")
-        )
-        return b'%s"choices":%s%s}\n\n' % (self._head, choices, tail)
-
-    def delta(self, text: str) -> bytes:
-        body = _json_encode(text)
-        if self._chat:
-            if not self._role_sent:
-                self._role_sent = True
-                return self._event(
-                    b'[{"index":0,"delta":{"role":"assistant","content":%s},'
-                    b'"logprobs":null,"finish_reason":null}]' % body
-                )
-            return self._event(
-                b'[{"index":0,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]' % body
-            )
-        return self._event(b'[{"index":0,"text":%s,"logprobs":null,"finish_reason":null}]' % body)
-
-    def finish(self, usage: TokenUsage | None) -> bytes:
-        reason = _json_encode(finish_reason(usage))
-        if self._chat:
-            delta = b'{"role":"assistant","content":""}' if not self._role_sent else b"{}"
-            last = self._event(
-                b'[{"index":0,"delta":%s,"logprobs":null,"finish_reason":%s}]' % (delta, reason)
-            )
-        else:
-            last = self._event(
-                b'[{"index":0,"text":"","logprobs":null,"finish_reason":%s}]' % reason
-            )
-        if self._include_usage:
-            last += self._event(b"[]", _json_encode(usage_of(usage)))
-        return last + b"data: [DONE]\n\n"
-
-    @staticmethod
-    def error(error: ErrorInfo) -> bytes:
-        """An error after the stream began: a last event with an ``error`` object."""
-        _, err_type = STATUS_OF.get(error.code, (500, "server_error"))
-        return (
-            b"data: "
-            + error_body(error.message, err_type, code=error.code)
-            + b"\n\ndata: [DONE]\n\n"
-        )
