@@ -516,8 +516,8 @@ class HttpConfig(Section, frozen=True):
     # running at request_timeout_s is lost to a 504, where one cut here ends with
     # finish_reason "length"; and token budgets charge a task's max_tokens.
     chat_max_tokens_default: Annotated[int, msgspec.Meta(ge=0, le=32768)] = 4096
-    # Choices one request may ask (completions' prompts x n): one task each, every one
-    # charged its max_tokens by token budgets.  64 takes LangChain's batches (20 prompts).
+    # Choices one request may ask (completions' prompts x n): one task each, charged to
+    # token budgets together.  64 takes LangChain's batches (20 prompts).
     choices_max: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
 
     def __post_init__(self) -> None:

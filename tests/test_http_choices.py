@@ -23,6 +23,7 @@ from gossipd.http.answers import Answers, Choices, Waiting
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
 from tests.helpers import running, scrape, wait_until
+from tests.test_http_door import _post
 
 HTTP = 'http.bind="127.0.0.1:0"'
 METRICS = 'metrics.bind="127.0.0.1:0"'
@@ -175,6 +176,7 @@ def test_the_first_error_answers_the_request_and_cancels_the_choices_still_out(
 
 def test_a_client_gone_cancels_every_choice_taken_once() -> None:
     answers, exchange, choices, cancelled = _request({"prompt": ["a", "b"], "n": 2})
+    assert len(answers) == 4 and answers.requests() == 1  # (gossipd_http_pending: requests)
     choices.taken = 3  # the fourth never went out
     answers.deliver_message(Result(id="t0", ok=True, text="done", node="m"))
     exchange.on_close()
@@ -295,3 +297,33 @@ def test_several_prompts_and_n_run_a_task_a_choice_and_answer_as_one(pair: Clust
         lambda: scrape(owner.metrics_port)["gossipd_tasks_running"] == 0, 10, "the engine idle"
     )
     assert scrape(entry.metrics_port)["gossipd_http_cancels_total{why=disconnect}"] == 1
+
+
+def test_token_budgets_charge_a_request_of_several_choices_once_all_or_none(
+    daemon_factory: Any,
+) -> None:
+    """40 tokens/s and a 1 s burst: four choices of 2 + 30 tokens (128) are more than the
+    burst.  Charged one by one, the third was refused on every retry (the first two admitted
+    and cancelled each time, their charge kept); charged as one, the request runs whenever
+    the bucket is not in debt, and waits as its Retry-After says when it is."""
+    d = daemon_factory(
+        HTTP,
+        METRICS,
+        "budgets.enabled=true",
+        "budgets.tokens_per_s_per_capacity=40",
+        "budgets.default_share=1.0",
+    )
+    body = {"model": "echo", "prompt": "budget me", "max_tokens": 30, "n": 4}
+    status, _, answer = _post(f"{d.http_url}/v1/completions", body)
+    assert status == 200 and len(json.loads(answer)["choices"]) == 4
+    status, headers, answer = _post(f"{d.http_url}/v1/completions", body)
+    error = json.loads(answer)["error"]
+    assert status == 429 and error["code"] == "over_budget", answer
+    assert "4 tasks of one request cost 132 tokens" in error["message"]
+    assert int(headers["retry-after-ms"]) > 2000  # the whole debt: 92 tokens at 40/s
+    client = openai.OpenAI(base_url=f"{d.http_url}/v1", api_key="none", max_retries=3)
+    done = client.completions.create(model="echo", prompt="budget me", max_tokens=30, n=4)
+    assert len(done.choices) == 4
+    metrics = scrape(d.metrics_port)
+    assert metrics["gossipd_http_pending"] == 0
+    assert metrics.get("gossipd_cancels_total{outcome=here}", 0) == 0, "no choice ran for nobody"

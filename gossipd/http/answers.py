@@ -132,7 +132,14 @@ class Answers:
         self._reader: SocketReader | None = None
 
     def __len__(self) -> int:
+        """Tasks waiting for their answer (a request of several choices: one a choice)."""
         return len(self._waiting)
+
+    def requests(self) -> int:
+        """Requests waiting (a request of several choices once).  A walk: for metrics."""
+        waiting = self._waiting.values()
+        groups = {id(w.choices) for w in waiting if w.choices is not None}
+        return sum(1 for w in waiting if w.choices is None) + len(groups)
 
     # -- the reply address ---------------------------------------------------------------
 

@@ -363,8 +363,6 @@ class HttpDoor:
             )
 
     def _check_choices(self, call: Call) -> None:
-        for prompt in call.prompts:
-            self._check_size(prompt, call.chat)
         most = self._config.choices_max
         if call.choices > most:
             raise BadRequest(
@@ -373,6 +371,8 @@ class HttpDoor:
                 "at once (LangChain's OpenAI: batch_size)",
                 param="n" if call.n > 1 else "prompt",
             )
+        for prompt in call.prompts:
+            self._check_size(prompt, call.chat)
 
     def _take_choices(
         self, task: Task, call: Call, first: Waiting, now: float, identity: str
@@ -392,15 +392,17 @@ class HttpDoor:
                     msgspec.structs.replace(task, id=task_id, prompt=prompt, params=params)
                 )
         choices = self.answers.wait_choices([t.id for t in tasks], first)
-        for each in tasks:
-            if choices.ended:  # refused within a take: the request has its answer
-                break
-            choices.taken += 1
-            try:
-                self._intake.take(each, now, identity)
-            except Exception:
-                self.answers.forget_choices(choices)  # (the wire answers it 500)
-                raise
+        try:
+            if not self._intake.charge_together(tasks, now, identity):
+                return  # (answered over_budget as the first choice's)
+            for each in tasks:
+                if choices.ended:  # refused within a take: the request has its answer
+                    break
+                choices.taken += 1
+                self._intake.take(each, now, identity, charged=True)
+        except Exception:
+            self.answers.forget_choices(choices)  # (the wire answers it 500)
+            raise
 
     def _chat_max_tokens(self, params: SamplingParams, context: int | None) -> SamplingParams:
         """A chat that named no max_tokens: http.chat_max_tokens_default within the model's

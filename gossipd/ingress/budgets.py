@@ -125,6 +125,15 @@ class BudgetGate:
         cost = task_cost_tokens(len(task.prompt), task.params.max_tokens, c.chars_per_token)
         return self.buckets.charge(identity, cost, now)
 
+    def check_together(self, tasks: list[Task], now: float, identity: str | None = None) -> int:
+        """``check`` for the tasks of one request (one producer, one key) as one task of
+        their summed cost: 0 when admitted (every one charged), else the retry-after hint."""
+        return self.buckets.charge(self._identity(tasks[0], identity), self._cost(tasks), now)
+
+    def _cost(self, tasks: list[Task]) -> int:
+        per_token = self._config.chars_per_token
+        return sum(task_cost_tokens(len(t.prompt), t.params.max_tokens, per_token) for t in tasks)
+
     def _identity(self, task: Task, identity: str | None) -> str:
         """Whose budget: ``identity`` as the door says; "" (a door whose clients carry no
         identity): as a task without CURVE, by its key; None: tokenbudgets' rule 1."""
@@ -133,16 +142,18 @@ class BudgetGate:
         producer_key = task.producer_key if identity is None else ""
         return producer_identity(producer_key, task.key, self._config.key_separator)
 
-    def refusal(self, task: Task, identity: str | None = None) -> str:
-        """What an over_budget answer says."""
+    def refusal(
+        self, task: Task, identity: str | None = None, *, together: list[Task] | None = None
+    ) -> str:
+        """What an over_budget answer says (``together``: the tasks of one request)."""
         c = self._config
         identity = self._identity(task, identity)
         rate = self.buckets.rate(identity)
+        what = f"these {len(together)} tasks of one request cost" if together else "this task costs"
         return (
             f"producer {identity!r} is over its token budget here ({rate:.1f} tokens/s at this "
-            f"daemon, {self.share:.3f} of its cluster budget, burst {c.burst_s:g} s); this task "
-            f"costs {task_cost_tokens(len(task.prompt), task.params.max_tokens, c.chars_per_token)}"
-            " tokens: resend it after retry_after_ms"
+            f"daemon, {self.share:.3f} of its cluster budget, burst {c.burst_s:g} s); {what} "
+            f"{self._cost(together or [task])} tokens: resend it after retry_after_ms"
         )
 
     def statistics(self) -> BudgetStatistics:

@@ -100,11 +100,14 @@ class Intake:
         # before it is routed (ingress/budgets.py); past it: over_budget.
         self.budget_gate = budget_gate
 
-    def take(self, task: Task, now: float, identity: str | None = None) -> None:
+    def take(
+        self, task: Task, now: float, identity: str | None = None, *, charged: bool = False
+    ) -> None:
         """A producer's task from a door, its ``producer_key`` set by the door.
         ``identity``: whose token budget it is charged to when the door knows better than
         the task (the HTTP door: "http:NAME" of its API key, "" without keys: by the task's
-        key as if without CURVE); None: from the task (tokenbudgets' rule 1)."""
+        key as if without CURVE); None: from the task (tokenbudgets' rule 1).  ``charged``:
+        its budget was charged already (``charge_together``)."""
         router = self.links.router
         if router is not None and self._id_held_by_other(task):  # (before the budget: a
             self.admission.count_conflict()  # refused task takes nothing)
@@ -113,6 +116,7 @@ class Intake:
         gate = self.budget_gate
         if (
             gate is not None
+            and not charged
             and not self._resent(task)
             and (retry_after_ms := gate.check(task, now, identity))
         ):
@@ -133,6 +137,23 @@ class Intake:
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
                 listener(task)
+
+    def charge_together(self, tasks: list[Task], now: float, identity: str | None) -> bool:
+        """The tasks of one request (the HTTP door's choices) charged to their budget as
+        one, all or none, before any is taken (``take(..., charged=True)``): taken one by one,
+        a request larger than the bucket's burst would have its first tasks admitted and a
+        later one refused on every retry.  False: refused, the first task answered
+        over_budget (its Retry-After for the whole cost)."""
+        gate = self.budget_gate
+        if gate is None:
+            return True
+        retry_after_ms = gate.check_together(tasks, now, identity)
+        if not retry_after_ms:
+            return True
+        self.refused[ErrorCode.OVER_BUDGET.value] += 1
+        message = gate.refusal(tasks[0], identity, together=tasks)
+        self.send_error(tasks[0], ErrorCode.OVER_BUDGET, message, retry_after_ms)
+        return False
 
     def _resent(self, task: Task) -> bool:
         """A resend of a task this entry point holds (pending or answered and cached here,

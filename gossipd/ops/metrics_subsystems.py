@@ -548,7 +548,10 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         ],
     )
     yield _one(
-        G, "gossipd_http_pending", "Requests waiting for their task's answer", len(door.answers)
+        G,
+        "gossipd_http_pending",
+        "Requests waiting for their answer (one of several choices counted once)",
+        door.answers.requests(),
     )
     yield _one(
         C,
