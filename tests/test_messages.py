@@ -181,6 +181,21 @@ def test_unknown_top_level_keys_are_ignored_for_compatibility() -> None:
             True,
         ),
         (msgpack.packb(plain_task(params={"stop": [""]})), ErrorCode.BAD_REQUEST, "stop", True),
+        *(
+            (msgpack.packb(plain_task(params={name: value})), ErrorCode.BAD_REQUEST, name, True)
+            for name, value in (
+                ("presence_penalty", 2.01),
+                ("presence_penalty", -2.01),
+                ("frequency_penalty", 2.01),
+                ("frequency_penalty", -2.01),
+                ("repetition_penalty", 0.0),
+                ("repetition_penalty", 10.01),
+                ("min_p", -0.01),
+                ("min_p", 1.01),
+                ("min_tokens", -1),
+                ("min_tokens", 17),  # past max_tokens (16 by default)
+            )
+        ),
         (
             msgpack.packb(plain_task(params={"stop": ["x" * 65]})),
             ErrorCode.BAD_REQUEST,
@@ -260,6 +275,11 @@ params = st.builds(
     top_k=st.one_of(st.just(-1), st.integers(1, 100_000)),
     seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
     stop=st.lists(st.text(min_size=1, max_size=64), max_size=8),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.floats(0.01, 10),
+    min_p=st.floats(0, 1),
+    min_tokens=st.integers(0, 1),
 )
 tasks = st.builds(
     Task,

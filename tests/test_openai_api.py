@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import hypothesis.strategies as st
+import msgspec
 import pytest
 from hypothesis import given, settings
 
@@ -40,6 +41,8 @@ FIELDS = st.sampled_from(
         "stream_options",
         "user",
         "ignore_eos",
+        "presence_penalty",
+        "min_tokens",
         "logprobs",
         "echo",
         "best_of",
@@ -93,6 +96,10 @@ NEAR: dict[str, tuple[list[Any], list[Any]]] = {
     "user": (["u", ""], [None, 0, 3]),
     "stop": (["s", ["a", "b"]], [None, [""]]),
     "logprobs": ([None, False], [2]),
+    "frequency_penalty": ([0, 0.5, -2], [2.5, None, True]),
+    "repetition_penalty": ([1, 1.1], [0, None, "1"]),
+    "min_p": ([0, 0.2], [-0.1, None]),
+    "min_tokens": ([0, 2], [-1, None, 1.5, 40000]),
 }
 
 
@@ -253,9 +260,10 @@ def test_fields_that_ask_nothing_are_taken(
     ("field", "value"),
     [("logprobs", 0), ("logprobs", True), ("top_logprobs", 2), ("best_of", 2),
      ("best_of", True), ("stream", 1), ("stream_options", "junk"), ("logit_bias", {"1": 5}),
-     ("tools", [{"type": "function"}]), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-     ("repetition_penalty", 1.2), ("repetition_penalty", True), ("min_p", 0.1),
-     ("min_tokens", 3), ("stop_token_ids", [2]), ("response_format", {"type": "json_object"}),
+     ("tools", [{"type": "function"}]), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+     ("repetition_penalty", 0), ("repetition_penalty", True), ("min_p", 1.1),
+     ("min_tokens", 17), ("min_tokens", -1), ("stop_token_ids", [2]),
+     ("response_format", {"type": "json_object"}),
      ("response_format", {"type": "json_schema", "json_schema": {}}),
      ("tool_choice", "required"), ("tool_choice", {"type": "function"}),
      ("function_call", {"name": "f"}), ("functions", [{"name": "f"}]),
@@ -271,6 +279,20 @@ def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
     with pytest.raises(BadRequest) as exc:
         decode_call(json.dumps(body).encode(), chat=False)
     assert exc.value.param == field
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_penalties_min_p_and_min_tokens_reach_the_tasks_params(chat: bool) -> None:
+    asked = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+             "min_p": 0.1, "min_tokens": 3, "max_tokens": 8}  # fmt: skip
+    body = {"model": "m", **asked}
+    body |= {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    params = decode_call(json.dumps(body).encode(), chat=chat).params
+    assert {name: getattr(params, name) for name in asked} == asked
+    # Left out: none (vLLM's defaults), and not written on the wire at all.
+    plain = decode_call(b'{"model": "m", "prompt": "x"}', chat=False).params
+    assert (plain.presence_penalty, plain.repetition_penalty, plain.min_tokens) == (0, 1, 0)
+    assert b"penalty" not in msgspec.msgpack.encode(plain)
 
 
 @given(st.lists(st.text(max_size=6), min_size=1, max_size=5), st.booleans(), st.booleans())

@@ -195,3 +195,22 @@ def test_several_prompts_and_n_are_choices_seeded_as_vllm_seeds_its_n(cluster: C
     ]
     assert [c.text for c in seeded.choices] == singles
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")
+
+
+def test_penalties_min_p_and_min_tokens_are_served_across_members(cluster: Cluster) -> None:
+    """OpenAI's penalties and vLLM's repetition_penalty, min_p, min_tokens cross the fan-out
+    to the owner's engine (they were a 400); out of bounds, a 400 naming the field."""
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt="the quick brown fox", max_tokens=6, frequency_penalty=1.5,
+        presence_penalty=0.5, extra_body={"repetition_penalty": 1.2, "min_p": 0.05,
+                                          "min_tokens": 6},
+        extra_headers={"x-session-id": _session_of(cluster, owner.name)},
+    )  # fmt: skip
+    assert raw.headers["x-gossipd-member"] == owner.name
+    assert raw.parse().usage.completion_tokens == 6  # min_tokens 6: no end before 6
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="x", max_tokens=4, frequency_penalty=3)
+    assert refused.value.body["param"] == "frequency_penalty"  # type: ignore[index]

@@ -190,7 +190,8 @@ def test_vllm_log_records_are_json_lines_like_the_daemons(cluster: Cluster) -> N
 def test_a_tasks_model_defaults_come_from_the_models_generation_config() -> None:
     """The fields a task leaves to the model (Task.model_defaults) take its generation
     config's values, as `vllm serve` reads a request; the others stand.  max_tokens: at most
-    the config's max_new_tokens.  What a task cannot carry (penalties, min_p) is named."""
+    the config's max_new_tokens.  What a task cannot leave to it (repetition_penalty, min_p)
+    is named; asked in the task's params, penalties, min_p and min_tokens reach vLLM."""
     from gossipd.config import EngineConfig
     from gossipd.core.messages import (
         MODEL_DEFAULT_MAX_TOKENS,
@@ -218,3 +219,11 @@ def test_a_tasks_model_defaults_come_from_the_models_generation_config() -> None
     assert (taken.temperature, taken.top_p, taken.top_k, taken.max_tokens) == (0.6, 1.0, 20, 100)
     plain = engine.sampling_params(GenerateRequest(request_id="b", prompt="p", params=params))
     assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, -1, 512)
+    asked_params = {"presence_penalty": 0.5, "frequency_penalty": -0.25,
+                    "repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 4}  # fmt: skip
+    penalised = engine.sampling_params(
+        GenerateRequest(
+            request_id="c", prompt="p", params=SamplingParams(max_tokens=8, **asked_params)
+        )
+    )
+    assert {name: getattr(penalised, name) for name in asked_params} == asked_params

@@ -156,7 +156,14 @@ _KEYS_MATCHED_MAX = 1024
 # gc=False structs: they never hold a reference cycle, so the cyclic collector need not
 # track them (fewer objects on each young-generation pass, fewer passes).
 class SamplingParams(
-    msgspec.Struct, frozen=True, kw_only=True, gc=False, forbid_unknown_fields=True
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    gc=False,
+    forbid_unknown_fields=True,
+    # A field at its default is not written: a member from before a field was added reads
+    # every task that does not ask it (unknown params are refused: PROTOCOL.md).
+    omit_defaults=True,
 ):
     """How to sample.  The names and meanings follow vLLM's ``SamplingParams``."""
 
@@ -171,10 +178,20 @@ class SamplingParams(
     ] = msgspec.field(default_factory=list)
     # Generate max_tokens tokens even past the end-of-sequence token (benchmarks).
     ignore_eos: bool = False
+    # Penalties (OpenAI's two, vLLM's repetition_penalty: 1 is none), min_p, min_tokens.
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=32768)] = 0
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1, not 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
 
 
 # Task.model_defaults: which sampling fields take the model's own default.  MAX_TOKENS: at

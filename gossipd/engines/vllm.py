@@ -112,7 +112,8 @@ _FROM_CONFIG = ("temperature", "top_p", "top_k", "max_tokens")
 def sampling_defaults(diff: dict[str, Any]) -> tuple[dict[str, float | int], list[str]]:
     """A model's sampling defaults that tasks may take (temperature, top_p, top_k, top_k 0
     being off, -1; max_tokens, from max_new_tokens), and the names of those they cannot
-    (penalties, min_p: a task does not carry them; a value a task's params refuse)."""
+    (repetition_penalty, min_p: Task.model_defaults has no bit for them, and a new bit would
+    be refused by members before it; a value a task's params refuse)."""
     taken: dict[str, float | int] = {}
     unserved: list[str] = []
     for name, value in diff.items():
@@ -202,7 +203,8 @@ class VllmEngine:
         )
         if unserved:
             log.warning(
-                "the model's generation config asks sampling a task cannot carry: not applied",
+                "the model's generation config asks sampling that requests cannot leave to it "
+                "(Task.model_defaults has no bit for it): not applied; a request may ask it",
                 extra={"fields": unserved},
             )
 
@@ -237,6 +239,11 @@ class VllmEngine:
                 seed=p.seed,
                 stop=list(p.stop) or None,
                 ignore_eos=p.ignore_eos,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty,
+                min_p=p.min_p,
+                min_tokens=p.min_tokens,
                 output_kind=RequestOutputKind.DELTA,
             )
         except (VLLMClientError, ValueError, TypeError) as exc:

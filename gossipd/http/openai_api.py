@@ -104,9 +104,15 @@ class _Usual(msgspec.Struct, gc=False, forbid_unknown_fields=True):
     stream_options: _StreamOptions | None = None
     ignore_eos: bool | None = None
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
 
 
 _usual_decode = msgspec.json.Decoder(_Usual).decode
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
 
 
 def decode_call(body: bytes, *, chat: bool) -> Call:
@@ -155,6 +161,17 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         fields["top_k"] = _as_vllm_reads("top_k", doc.top_k)
     if doc.ignore_eos is not None:
         fields["ignore_eos"] = doc.ignore_eos
+    if not (
+        doc.presence_penalty is None
+        and doc.frequency_penalty is None
+        and doc.repetition_penalty is None
+        and doc.min_p is None
+        and doc.min_tokens is None
+    ):  # (rare: no loop for the usual request)
+        for name in _PENALTIES:
+            value = getattr(doc, name)
+            if value is not None:
+                fields[name] = value
     try:
         params = msgspec.convert(fields, SamplingParams)
     except (msgspec.ValidationError, ValueError):
@@ -231,7 +248,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     ):
         raise BadRequest("stop: a string or a list of non-empty strings", param="stop")
     fields: dict[str, Any] = {"max_tokens": _max_tokens(max_tokens, default_max)}
-    for name in ("temperature", "top_p"):
+    for name in _FLOATS:
         value = doc.get(name)
         if value is not None:
             fields[name] = value
@@ -239,6 +256,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         value = _int(doc, name)
         if value is not None:
             fields[name] = _as_vllm_reads(name, value)
+    min_tokens = _int(doc, "min_tokens")
+    if min_tokens is not None:
+        fields["min_tokens"] = min_tokens
     if stop:
         if len(stop) > STOP_MAX:
             raise BadRequest(f"stop: at most {STOP_MAX} strings", param="stop")
@@ -295,16 +315,15 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     )
 
 
-# Sampling fields vLLM serves and a task cannot carry: their defaults are taken (clients
-# send them), any other value is refused rather than ignored (the answer would not be what
-# was asked).  Field -> (the value that asks nothing, what to say).
-_UNSERVED_SAMPLING: dict[str, tuple[object, str]] = {
-    "presence_penalty": (0, "a number other than 0"),
-    "frequency_penalty": (0, "a number other than 0"),
-    "repetition_penalty": (1, "a number other than 1"),
-    "min_p": (0, "a number other than 0"),
-    "min_tokens": (0, "a number other than 0"),
-}
+# The float sampling fields, taken as the task's params bound them.
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+)
 
 
 # vLLM's structured-output fields: any value but null is refused.
@@ -319,11 +338,9 @@ _GUIDED = (
 
 
 def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
-    for name, (neutral, other) in _UNSERVED_SAMPLING.items():
-        value = doc.get(name)
-        if value is None or (value == neutral and type(value) in (int, float)):
-            continue
-        raise BadRequest(f"{name}: {other} is not served by this server", param=name)
+    """Fields vLLM serves and a task cannot carry: the values that ask nothing are taken
+    (clients send them), any other is refused rather than ignored (the answer would not be
+    what was asked)."""
     stop_ids = doc.get("stop_token_ids")
     if stop_ids not in (None, []):
         raise BadRequest("stop_token_ids: not served by this server; send stop strings "
