@@ -5,6 +5,7 @@ Fuzz invariant: any bytes decode to a Task or raise RemoteProtocolError (nothing
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from gossipd.core.messages import (
     ErrorInfo,
     Result,
     SamplingParams,
+    StructuredOutput,
     Task,
     Tasks,
     decode_replies,
@@ -194,6 +196,14 @@ def test_unknown_top_level_keys_are_ignored_for_compatibility() -> None:
                 ("min_p", 1.01),
                 ("min_tokens", -1),
                 ("min_tokens", 17),  # past max_tokens (16 by default)
+                ("structured", {}),  # none of the forms
+                ("structured", {"regex": "a", "json_object": True}),  # two
+                ("structured", {"json": "[1]"}),  # a schema is an object
+                ("structured", {"json": "{oops"}),
+                ("structured", {"regex": "a" * 4097}),
+                ("structured", {"choice": ["c"] * 257}),
+                ("structured", {"choice": [""]}),
+                ("structured", {"structural_tag": "t"}),
             )
         ),
         (
@@ -280,6 +290,13 @@ params = st.builds(
     repetition_penalty=st.floats(0.01, 10),
     min_p=st.floats(0, 1),
     min_tokens=st.integers(0, 1),
+    structured=st.one_of(
+        st.none(),
+        st.builds(StructuredOutput, json=st.just('{"type": "object"}')),
+        st.builds(StructuredOutput, json_object=st.just(True)),
+        st.builds(StructuredOutput, regex=st.text(min_size=1, max_size=20)),
+        st.builds(StructuredOutput, choice=st.lists(st.text(min_size=1, max_size=9), min_size=1)),
+    ),
 )
 tasks = st.builds(
     Task,
@@ -684,3 +701,13 @@ def test_gossip_naming_connectable_addresses_decodes(where: str) -> None:
 
     message = _gossip_with(where, "ipc:///run/gossipd/peer.sock")
     assert decode_gossip(encode_gossip(message), bytes_max=1 << 16) == message  # type: ignore[arg-type]
+
+
+def test_a_structured_outputs_schema_or_grammar_is_bounded_in_code_points() -> None:
+    # (Past the test decoder's frame limit, so checked on the struct itself.)
+    for key in ("grammar", "json"):
+        text = "é" * 65536 if key == "grammar" else '{"a": "' + "é" * 65527 + '"}'
+        assert len(text) == 65536
+        assert msgspec.convert({key: text}, StructuredOutput)
+        with pytest.raises(msgspec.ValidationError, match=key):
+            msgspec.convert({key: text + " "}, StructuredOutput)

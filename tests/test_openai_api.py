@@ -100,6 +100,8 @@ NEAR: dict[str, tuple[list[Any], list[Any]]] = {
     "repetition_penalty": ([1, 1.1], [0, None, "1"]),
     "min_p": ([0, 0.2], [-0.1, None]),
     "min_tokens": ([0, 2], [-1, None, 1.5, 40000]),
+    "response_format": ([{"type": "json_object"}, {"type": "text"}], [{"type": "x"}, None]),
+    "guided_regex": (["[a-z]+"], [3, None]),
 }
 
 
@@ -263,12 +265,15 @@ def test_fields_that_ask_nothing_are_taken(
      ("tools", [{"type": "function"}]), ("presence_penalty", 2.5), ("frequency_penalty", -3),
      ("repetition_penalty", 0), ("repetition_penalty", True), ("min_p", 1.1),
      ("min_tokens", 17), ("min_tokens", -1), ("stop_token_ids", [2]),
-     ("response_format", {"type": "json_object"}),
+     ("response_format", {"type": "xml"}), ("response_format", "json"),
      ("response_format", {"type": "json_schema", "json_schema": {}}),
      ("tool_choice", "required"), ("tool_choice", {"type": "function"}),
      ("function_call", {"name": "f"}), ("functions", [{"name": "f"}]),
-     ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
-     ("structured_outputs", {"json": {}})],
+     ("guided_json", "[1]"), ("guided_json", "{not json"), ("guided_choice", [""]),
+     ("guided_choice", "a"), ("guided_regex", 5), ("guided_grammar", "x" * 65537),
+     ("structured_outputs", {"structural_tag": "x"}), ("structured_outputs", {}),
+     ("structured_outputs", {"regex": "a", "choice": ["b"]}),
+     ("guided_whitespace_pattern", " ")],
 )  # fmt: skip
 def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
     field: str, value: Any
@@ -279,6 +284,40 @@ def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
     with pytest.raises(BadRequest) as exc:
         decode_call(json.dumps(body).encode(), chat=False)
     assert exc.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("fields", "form"),
+    [
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "p", "schema": {"type": "object"}}}},
+            {"json": '{"type":"object"}'},
+        ),
+        ({"guided_json": {"type": "object"}}, {"json": '{"type":"object"}'}),
+        ({"guided_json": '{"type": "object"}'}, {"json": '{"type": "object"}'}),
+        ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+        ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ({"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+        ({"structured_outputs": {"choice": ["a"], "json": None}}, {"choice": ["a"]}),
+        ({"response_format": {"type": "text"}, "guided_json": None}, None),
+    ],
+)  # fmt: skip
+def test_structured_output_asked_any_way_reaches_the_tasks_params(
+    fields: dict[str, Any], form: dict[str, Any] | None
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    structured = decode_call(json.dumps(body).encode(), chat=True).params.structured
+    assert (msgspec.to_builtins(structured) if structured else None) == form
+
+
+def test_two_structured_outputs_at_once_are_refused_naming_the_second() -> None:
+    body = {"model": "m", "prompt": "x", "response_format": {"type": "json_object"},
+            "guided_regex": "a"}  # fmt: skip
+    with pytest.raises(BadRequest) as refused:
+        decode_call(json.dumps(body).encode(), chat=False)
+    assert refused.value.param == "guided_regex" and "one structured output" in str(refused.value)
 
 
 @pytest.mark.parametrize("chat", [False, True])

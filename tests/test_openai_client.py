@@ -8,6 +8,7 @@ test leaves the engines idle.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -214,3 +215,62 @@ def test_penalties_min_p_and_min_tokens_are_served_across_members(cluster: Clust
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=model, prompt="x", max_tokens=4, frequency_penalty=3)
     assert refused.value.body["param"] == "frequency_penalty"  # type: ignore[index]
+
+
+def test_structured_output_holds_the_answer_to_its_form(cluster: Cluster) -> None:
+    """OpenAI's response_format json_schema and vLLM's guided_regex / guided_choice hold what
+    the random tiny model writes to their form (vLLM's structured outputs, on the owner's
+    engine across the fan-out); a regex or grammar that does not compile is a 400, and the
+    engine serves on."""
+    import re
+
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    headers = {"x-session-id": _session_of(cluster, owner.name)}
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["answer", "n"],
+        "additionalProperties": False,
+    }
+    ended = []
+    for seed in range(6):  # (JSON allows any whitespace: a sample may run to max_tokens)
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "yes or no?"}],
+            max_tokens=300, temperature=0.8, seed=seed, extra_headers=headers,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "verdict", "schema": schema}},
+        ).choices[0]  # fmt: skip
+        if answer.finish_reason == "stop":
+            doc = json.loads(answer.message.content or "")
+            assert set(doc) == {"answer", "n"} and doc["answer"] in ("yes", "no")
+            assert 0 <= doc["n"] <= 9
+            ended.append(seed)
+    assert ended, "no sample ended within 300 tokens"
+    regex = client.completions.create(
+        model=model, prompt="code:", max_tokens=20, extra_headers=headers,
+        extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"},
+    ).choices[0].text  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex), regex
+    choice = (
+        client.completions.create(
+            model=model,
+            prompt="pick:",
+            max_tokens=20,
+            extra_body={"guided_choice": ["red", "blue"]},
+        )
+        .choices[0]
+        .text
+    )
+    assert choice in ("red", "blue")
+    for bad in ({"guided_regex": "("}, {"guided_grammar": "root ::= ("}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body=bad,
+                                      extra_headers=headers)  # fmt: skip
+        assert "bad_request" in str(refused.value.body)
+    assert client.completions.create(model=model, prompt="x", max_tokens=2).choices[0].text
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

@@ -152,6 +152,41 @@ _KEYS_MATCHED: set[str] = set()
 _KEYS_MATCHED_MAX = 1024
 
 
+STRUCTURED_TEXT_MAX = 65536  # a JSON Schema's or a grammar's text, in code points
+
+
+class StructuredOutput(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    gc=False,
+    forbid_unknown_fields=True,
+    omit_defaults=True,
+):
+    """Output held to a form, as vLLM's structured outputs hold it: exactly one of these."""
+
+    json: Annotated[str, msgspec.Meta(max_length=STRUCTURED_TEXT_MAX)] = ""  # a JSON Schema
+    json_object: bool = False  # any JSON object
+    regex: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    choice: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]],
+        msgspec.Meta(max_length=256),
+    ] = msgspec.field(default_factory=list)
+    grammar: Annotated[str, msgspec.Meta(max_length=STRUCTURED_TEXT_MAX)] = ""  # EBNF
+
+    def __post_init__(self) -> None:
+        asked = bool(self.json) + self.json_object + bool(self.regex) + bool(self.choice)
+        if asked + bool(self.grammar) != 1:
+            raise ValueError("structured: exactly one of json, json_object, regex, choice, grammar")
+        if self.json:
+            try:
+                schema = msgspec.json.decode(self.json)
+            except msgspec.DecodeError:
+                schema = None
+            if not isinstance(schema, dict):
+                raise ValueError("structured: json must be a JSON Schema, an object as JSON text")
+
+
 # The messages made per task (a Task and its params, its Result, the fan-out messages) are
 # gc=False structs: they never hold a reference cycle, so the cyclic collector need not
 # track them (fewer objects on each young-generation pass, fewer passes).
@@ -184,6 +219,8 @@ class SamplingParams(
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=32768)] = 0
+    # Output held to a JSON Schema, any JSON object, a regex, a choice or a grammar.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == 0:

@@ -216,7 +216,11 @@ class VllmEngine:
     def sampling_params(self, request: GenerateRequest) -> Any:
         """vLLM's SamplingParams for a task; raises InvalidRequest for what vLLM refuses."""
         from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import (
+            RequestOutputKind,
+            SamplingParams,
+            StructuredOutputsParams,
+        )
 
         p = request.params
         max_tokens, temperature, top_p, top_k = p.max_tokens, p.temperature, p.top_p, p.top_k
@@ -231,6 +235,15 @@ class VllmEngine:
             if asked & MODEL_DEFAULT_MAX_TOKENS and "max_tokens" in defaults:
                 max_tokens = min(max_tokens, int(defaults["max_tokens"]))
         try:
+            structured = None
+            if (form := p.structured) is not None:  # (exactly one is set: messages.py)
+                structured = StructuredOutputsParams(
+                    json=form.json or None,
+                    json_object=form.json_object or None,
+                    regex=form.regex or None,
+                    choice=list(form.choice) or None,
+                    grammar=form.grammar or None,
+                )
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=temperature,
@@ -244,6 +257,7 @@ class VllmEngine:
                 repetition_penalty=p.repetition_penalty,
                 min_p=p.min_p,
                 min_tokens=p.min_tokens,
+                structured_outputs=structured,
                 output_kind=RequestOutputKind.DELTA,
             )
         except (VLLMClientError, ValueError, TypeError) as exc:

@@ -265,6 +265,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         fields["stop"] = stop
     if doc.get("ignore_eos") is not None:
         fields["ignore_eos"] = doc.get("ignore_eos")
+    structured_from = ""
+    if (structured := _structured(doc)) is not None:
+        structured_from, fields["structured"] = structured
     try:
         params = msgspec.convert(fields, SamplingParams)
     except (msgspec.ValidationError, ValueError) as exc:
@@ -275,6 +278,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
             param = first if first in SamplingParams.__struct_fields__ else None
         else:
             param = param.split("[", 1)[0]  # the field, as OpenAI names it: "stop", not "stop[0]"
+        if param is not None and param.startswith("structured"):
+            param = structured_from  # (the request's name for it)
         if param == "max_tokens" and chat:
             param = "max_completion_tokens" if "max_completion_tokens" in doc else "max_tokens"
         raise BadRequest(
@@ -326,15 +331,67 @@ _FLOATS = (
 )
 
 
-# vLLM's structured-output fields: any value but null is refused.
-_GUIDED = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_whitespace_pattern",
-    "structured_outputs",
-)
+# vLLM's older structured-output fields, to StructuredOutput's.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured(doc: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """What the output is held to, from OpenAI's ``response_format`` or vLLM's
+    ``structured_outputs`` / ``guided_*`` (one of them at most): (the request's field, a
+    StructuredOutput's fields), which the task's params check; None: free text."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    response_format = doc.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise BadRequest("response_format: json_schema.schema must be a JSON Schema "
+                                 "object", param="response_format")  # fmt: skip
+            asked.append(("response_format", {"json": _json_encode(schema).decode()}))
+        else:
+            raise BadRequest(
+                'response_format: {"type": "text"}, {"type": "json_object"} or {"type": '
+                '"json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format",
+            )
+    for name, key in _GUIDED.items():
+        value = doc.get(name)
+        if value is not None:
+            asked.append((name, {key: _schema_text(value) if key == "json" else value}))
+    form = doc.get("structured_outputs")
+    if form is not None:
+        if not isinstance(form, dict) or set(form) - set(_STRUCTURED_KEYS):
+            raise BadRequest(
+                f"structured_outputs: an object of one of {', '.join(_STRUCTURED_KEYS)} "
+                "(structural_tag and whitespace options are not served here)",
+                param="structured_outputs",
+            )
+        fields = {k: v for k, v in form.items() if v is not None}
+        if "json" in fields:
+            fields["json"] = _schema_text(fields["json"])
+        asked.append(("structured_outputs", fields))
+    if len(asked) > 1:
+        raise BadRequest(
+            f"{asked[0][0]} and {asked[1][0]}: one structured output at a time",
+            param=asked[1][0],
+        )
+    return asked[0] if asked else None
+
+
+def _schema_text(value: object) -> object:
+    """A JSON Schema given as an object or as its JSON text: the text (else as given, for
+    the params' check to refuse)."""
+    return _json_encode(value).decode() if isinstance(value, dict) else value
 
 
 def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
@@ -350,17 +407,9 @@ def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
             raise BadRequest(f"{name}: tools are not served by this server", param=name)
     if doc.get("functions") not in (None, []):
         raise BadRequest("functions: tools are not served by this server", param="functions")
-    for name in _GUIDED:
-        if doc.get(name) is not None:
-            raise BadRequest(f"{name}: structured output is not served by this server",
-                             param=name)  # fmt: skip
-    response_format = doc.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise BadRequest(
-            'response_format: only {"type": "text"} is served by this server (no '
-            "structured output: json_object, json_schema)",
-            param="response_format",
-        )
+    if doc.get("guided_whitespace_pattern") is not None:
+        raise BadRequest("guided_whitespace_pattern: not served by this server",
+                         param="guided_whitespace_pattern")  # fmt: skip
 
 
 def _left_out(temperature: object, top_p: object, top_k: object) -> int:
