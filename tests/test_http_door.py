@@ -764,3 +764,33 @@ def test_api_keys_whose_directory_goes_away_are_all_refused_until_it_is_back(
     assert keys.reload() and keys.name_of(bearer) == "alice" and not keys.unreadable
     with pytest.raises(OSError, match=r"http\.keys_dir"):
         ApiKeys(str(tmp_path / "never-there"))  # at start-up: it stops the daemon
+
+
+def test_a_chats_min_tokens_and_a_structured_forms_size_are_400_and_413_never_500(
+    daemon_factory: Any,
+) -> None:
+    """min_tokens against a chat's max_tokens default (http.chat_max_tokens_default) is the
+    client's 400, not the door's 500; a structured output's form rides in the task beside the
+    prompt, so together they are held to what a task may carry (413)."""
+    d = daemon_factory(
+        HTTP,
+        "http.chat_max_tokens_default=100",
+        "ingress.message_bytes_max=65536",  # a prompt's room: 48 KiB
+        "fanout.message_bytes_max=65536",
+    )
+    chat = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+    status, _, body = _post(f"{d.http_url}/v1/chat/completions", {**chat, "min_tokens": 50})
+    assert status == 200, body
+    status, _, body = _post(f"{d.http_url}/v1/chat/completions", {**chat, "min_tokens": 200})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "min_tokens", body
+    assert "http.chat_max_tokens_default" in error["message"]
+    prompt = "w " * 15_000  # 30 KB: fits alone
+    schema = {"type": "object", "description": "d" * 25_000}  # 25 KB more: not together
+    status, _, _ = _post(f"{d.http_url}/v1/completions", {"model": "echo", "prompt": prompt})
+    assert status == 200
+    status, _, body = _post(
+        f"{d.http_url}/v1/completions",
+        {"model": "echo", "prompt": prompt, "guided_json": schema},
+    )
+    assert status == 413 and "structured output" in json.loads(body)["error"]["message"]

@@ -711,3 +711,42 @@ def test_a_structured_outputs_schema_or_grammar_is_bounded_in_code_points() -> N
         assert msgspec.convert({key: text}, StructuredOutput)
         with pytest.raises(msgspec.ValidationError, match=key):
             msgspec.convert({key: text + " "}, StructuredOutput)
+
+
+def test_params_that_ask_nothing_are_written_as_nothing_whatever_their_spelling() -> None:
+    """A member from before the penalties, min_p, min_tokens and structured refuses those keys:
+    the neutral values clients send (LangChain's 0s, `vllm bench serve`'s repetition_penalty
+    1.0 and min_p 0.0, -0.0) must not be written on, here or when a task is forwarded."""
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "repetition_penalty": 1,
+               "min_p": -0.0, "min_tokens": 0, "structured": None}  # fmt: skip
+    task = decode_task(msgpack.packb(plain_task(params=neutral)), bytes_max=LIMIT)
+    assert msgspec.msgpack.encode(task.params) == msgspec.msgpack.encode(SamplingParams())
+    assert b"penalty" not in msgspec.msgpack.encode(task)
+    asked = SamplingParams(presence_penalty=0.5, repetition_penalty=1.5)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(asked)) == {
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.5,
+    }
+
+
+def test_a_json_schema_nests_at_most_64_deep_and_deeper_is_refused_not_raised() -> None:
+    def nested(depth: int) -> str:
+        return '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+    assert msgspec.convert({"json": nested(64)}, StructuredOutput)
+    for depth in (65, 3000):  # (3000: past what the decoder itself may recurse into)
+        with pytest.raises(msgspec.ValidationError, match=r"nests deeper|JSON Schema"):
+            msgspec.convert({"json": nested(depth)}, StructuredOutput)
+
+
+def test_a_forwarded_task_with_a_large_structured_form_is_measured_not_assumed_small() -> None:
+    from gossipd.core.messages import check_forwarded_task
+
+    form = StructuredOutput(json='{"d": "' + "é" * 65000 + '"}')  # ~130 KB in UTF-8
+    task = decode_task(msgpack.packb(plain_task()), bytes_max=LIMIT)
+    big = msgspec.structs.replace(
+        task, params=SamplingParams(structured=form), prompt="p" * 100_000
+    )
+    with pytest.raises(RemoteProtocolError, match="exceeds"):
+        check_forwarded_task(big, bytes_max=200_000)
+    check_forwarded_task(msgspec.structs.replace(big, prompt="p"), bytes_max=200_000)

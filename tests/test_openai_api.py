@@ -273,6 +273,8 @@ def test_fields_that_ask_nothing_are_taken(
      ("guided_choice", "a"), ("guided_regex", 5), ("guided_grammar", "x" * 65537),
      ("structured_outputs", {"structural_tag": "x"}), ("structured_outputs", {}),
      ("structured_outputs", {"regex": "a", "choice": ["b"]}),
+     ("structured_outputs", {"regex": "a", "disable_any_whitespace": True}),
+     ("guided_json", '{"a":' * 2999 + "{}" + "}" * 2999),
      ("guided_whitespace_pattern", " ")],
 )  # fmt: skip
 def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
@@ -302,6 +304,12 @@ def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
         ({"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
         ({"structured_outputs": {"choice": ["a"], "json": None}}, {"choice": ["a"]}),
         ({"response_format": {"type": "text"}, "guided_json": None}, None),
+        # keys that ask nothing, as clients send every key
+        (
+            {"structured_outputs": {"regex": "a+", "whitespace_pattern": None,
+                                    "structural_tag": None, "disable_any_whitespace": False}},
+            {"regex": "a+"},
+        ),
     ],
 )  # fmt: skip
 def test_structured_output_asked_any_way_reaches_the_tasks_params(
@@ -318,6 +326,15 @@ def test_two_structured_outputs_at_once_are_refused_naming_the_second() -> None:
     with pytest.raises(BadRequest) as refused:
         decode_call(json.dumps(body).encode(), chat=False)
     assert refused.value.param == "guided_regex" and "one structured output" in str(refused.value)
+
+
+def test_a_chat_asking_min_tokens_without_max_tokens_is_not_held_to_a_placeholder() -> None:
+    # (the door replaces a chat's max_tokens default with http.chat_max_tokens_default)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "min_tokens": 300}'
+    assert decode_call(body, chat=True).params.min_tokens == 300
+    with pytest.raises(BadRequest) as refused:  # completions: OpenAI's default 16 stands
+        decode_call(b'{"model": "m", "prompt": "x", "min_tokens": 300}', chat=False)
+    assert refused.value.param == "min_tokens"
 
 
 @pytest.mark.parametrize("chat", [False, True])

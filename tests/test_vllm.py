@@ -227,3 +227,36 @@ def test_a_tasks_model_defaults_come_from_the_models_generation_config() -> None
         )
     )
     assert {name: getattr(penalised, name) for name in asked_params} == asked_params
+
+
+def test_a_request_vllm_ends_with_an_error_is_an_engine_error_not_an_empty_answer() -> None:
+    """vLLM ends a request FINISHED_ERROR (finish_reason "error": e.g. a structured output's
+    grammar that rejected every token), for which `vllm serve` answers 500: the task's
+    answer is engine_error, not ok with the text so far.  (vLLM's AsyncLLM is stood in for by
+    an object giving the outputs it gives: such an end cannot be caused on purpose.)"""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gossipd.config import EngineConfig
+    from gossipd.engines.base import EngineError, GenerateRequest
+    from gossipd.engines.vllm import VllmEngine
+
+    class EndsInError:
+        errored = False
+
+        async def generate(self, prompt: str, params: object, request_id: str):  # type: ignore[no-untyped-def]
+            for text, reason in (("so far", None), ("", "error")):
+                yield SimpleNamespace(
+                    prompt_token_ids=[1, 2],
+                    outputs=[SimpleNamespace(text=text, token_ids=[3], finish_reason=reason)],
+                )
+
+    engine = VllmEngine(EngineConfig(kind="vllm", model="/nowhere"))
+    engine._llm = EndsInError()
+    request = GenerateRequest(request_id="e", prompt="p", params=SamplingParams(max_tokens=4))
+
+    async def run() -> list[str]:
+        return [delta async for delta in engine.generate(request)]
+
+    with pytest.raises(EngineError, match="finish_reason error"):
+        asyncio.run(run())

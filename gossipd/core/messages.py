@@ -153,6 +153,7 @@ _KEYS_MATCHED_MAX = 1024
 
 
 STRUCTURED_TEXT_MAX = 65536  # a JSON Schema's or a grammar's text, in code points
+STRUCTURED_JSON_DEPTH_MAX = 64  # a JSON Schema's nesting (vLLM's own bound)
 
 
 class StructuredOutput(
@@ -181,10 +182,32 @@ class StructuredOutput(
         if self.json:
             try:
                 schema = msgspec.json.decode(self.json)
-            except msgspec.DecodeError:
-                schema = None
+            except (msgspec.DecodeError, RecursionError):  # (how deep it may go depends on
+                schema = None  # the caller's stack: refused either way, below)
             if not isinstance(schema, dict):
                 raise ValueError("structured: json must be a JSON Schema, an object as JSON text")
+            if _nesting(schema) > STRUCTURED_JSON_DEPTH_MAX:
+                raise ValueError(f"structured: json nests deeper than {STRUCTURED_JSON_DEPTH_MAX}")
+
+
+def _nesting(doc: object) -> int:
+    """How deep objects and arrays nest in decoded JSON (a walk, not a recursion)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
+# The defaults of the params added after the first release: a value equal to one is replaced
+# by the object itself, because omit_defaults leaves out only the default object (not an
+# equal float decoded from a frame), and a member from before them refuses the key.
+_NO_PENALTY = 0.0
+_NO_REPETITION_PENALTY = 1.0
 
 
 # The messages made per task (a Task and its params, its Result, the fan-out messages) are
@@ -214,10 +237,10 @@ class SamplingParams(
     # Generate max_tokens tokens even past the end-of-sequence token (benchmarks).
     ignore_eos: bool = False
     # Penalties (OpenAI's two, vLLM's repetition_penalty: 1 is none), min_p, min_tokens.
-    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
-    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = _NO_PENALTY
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = _NO_PENALTY
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = _NO_REPETITION_PENALTY
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = _NO_PENALTY
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=32768)] = 0
     # Output held to a JSON Schema, any JSON object, a regex, a choice or a grammar.
     structured: StructuredOutput | None = None
@@ -229,6 +252,16 @@ class SamplingParams(
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
             )
+        # (Identity tests first, unrolled: the usual params carry the default objects, and
+        # this runs for every task decoded.)
+        if self.presence_penalty is not _NO_PENALTY and self.presence_penalty == 0.0:
+            msgspec.structs.force_setattr(self, "presence_penalty", _NO_PENALTY)  # 0, -0.0
+        if self.frequency_penalty is not _NO_PENALTY and self.frequency_penalty == 0.0:
+            msgspec.structs.force_setattr(self, "frequency_penalty", _NO_PENALTY)
+        if self.min_p is not _NO_PENALTY and self.min_p == 0.0:
+            msgspec.structs.force_setattr(self, "min_p", _NO_PENALTY)
+        if self.repetition_penalty is not _NO_REPETITION_PENALTY and self.repetition_penalty == 1.0:
+            msgspec.structs.force_setattr(self, "repetition_penalty", _NO_REPETITION_PENALTY)
 
 
 # Task.model_defaults: which sampling fields take the model's own default.  MAX_TOKENS: at
@@ -626,7 +659,9 @@ def check_forwarded_task(task: Task, *, bytes_max: int) -> None:
             reply_to=task.reply_to,
         )
     limit = bytes_max + FORWARD_REENCODE_SLACK_BYTES
-    if 4 * len(task.prompt) + _TASK_FIXED_BYTES_MAX > limit:  # UTF-8: at most 4 bytes a char
+    # UTF-8: at most 4 bytes a char.  A structured output's text is as unbounded as a
+    # prompt for this: such a (rare) task is encoded.
+    if 4 * len(task.prompt) + _TASK_FIXED_BYTES_MAX > limit or task.params.structured is not None:
         size = len(_encoder.encode(task))
         if size > limit:
             raise RemoteProtocolError(

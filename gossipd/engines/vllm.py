@@ -282,6 +282,8 @@ class VllmEngine:
                 usage.completion_tokens += len(completion.token_ids)  # DELTA: this step's
                 if completion.finish_reason is not None:
                     usage.finish_reason = str(completion.finish_reason)
+                    if usage.finish_reason == "error":  # (vLLM's FINISHED_ERROR: its server
+                        break  # answers 500; e.g. a grammar that rejected every token)
                 # Byte-level tokens may end mid-character: vLLM holds those bytes back and
                 # sends an empty delta, which is not worth a chunk.
                 if completion.text:
@@ -299,6 +301,11 @@ class VllmEngine:
             if not self.healthy():
                 raise EngineDead(f"the vLLM engine died: {type(exc).__name__}") from None
             raise EngineError(f"{type(exc).__name__}: {exc}") from None
+        if usage.finish_reason == "error":
+            raise EngineError(
+                "vLLM ended the request with an error (finish_reason error: for example a "
+                "structured output's grammar that rejected every token)"
+            )
 
     def healthy(self) -> bool:
         if self._dead:

@@ -66,6 +66,7 @@ _MODELS_POLL_S = 0.01
 _OK_JSON = b"application/json"
 _TASK_PATHS = ("/v1/completions", "/v1/chat/completions")
 _READ_METHODS = ("GET", "HEAD")
+_msgpack_encode = msgspec.msgpack.Encoder().encode
 
 
 class RandomIds:
@@ -287,9 +288,15 @@ class HttpDoor:
                     code="model_not_found",
                 )
             prompt = self._chat.render(call.messages) if call.messages is not None else call.prompt
-            self._check_size(prompt, chat)
+            room = self._prompt_bytes_max
+            if call.params.structured is not None:  # (it rides in the task beside the prompt)
+                room -= len(_msgpack_encode(call.params.structured))
+            self._check_size(prompt, chat, room)
             if call.n > 1 or call.prompts:
-                self._check_choices(call)
+                self._check_choices(call, room)
+            params = call.params
+            if chat and call.max_tokens_default:
+                params = self._chat_max_tokens(params, models[call.model])
         except BadRequest as exc:
             # (OpenAI's type for an unknown model too: the status says 404)
             self._error(exchange, exc.status, exc.message, "invalid_request_error", param=exc.param,
@@ -302,12 +309,10 @@ class HttpDoor:
         except TemplateBroken as exc:  # the model's, not the request's
             self._error(exchange, 500, str(exc), "server_error", headers=echo)
             return
-        params = call.params
         # What the request left out takes the model's own default where its owner's engine
         # has one (its generation config), as `vllm serve` reads it.
         model_defaults = call.unset_sampling
         if chat and call.max_tokens_default:
-            params = self._chat_max_tokens(params, models[call.model])
             model_defaults |= MODEL_DEFAULT_MAX_TOKENS
         # Ids no client can guess (a ZeroMQ producer without CURVE shares our producer key
         # "": a guessable id could be cancelled or read from the results cache by it), and a
@@ -351,18 +356,19 @@ class HttpDoor:
             self.answers.forget(task_id)  # (the wire answers it 500)
             raise
 
-    def _check_size(self, prompt: str, chat: bool) -> None:
-        if len(prompt) > self._prompt_bytes_max // 4 and (
-            len(prompt.encode()) > self._prompt_bytes_max
-        ):
+    def _check_size(self, prompt: str, chat: bool, room: int) -> None:
+        if len(prompt) > room // 4 and len(prompt.encode()) > room:
+            if room < self._prompt_bytes_max:
+                what = f"the prompt and the structured output's form are over {room} bytes"
+            else:
+                what = f"the prompt is over {room} bytes"
             raise BadRequest(
-                f"the prompt is over {self._prompt_bytes_max} bytes (what a task may "
-                "carry: ingress.message_bytes_max)",
+                f"{what} (what a task may carry: ingress.message_bytes_max)",
                 param="messages" if chat else "prompt",
                 status=413,
             )
 
-    def _check_choices(self, call: Call) -> None:
+    def _check_choices(self, call: Call, room: int) -> None:
         most = self._config.choices_max
         if call.choices > most:
             raise BadRequest(
@@ -372,7 +378,7 @@ class HttpDoor:
                 param="n" if call.n > 1 else "prompt",
             )
         for prompt in call.prompts:
-            self._check_size(prompt, call.chat)
+            self._check_size(prompt, call.chat, room)
 
     def _take_choices(
         self, task: Task, call: Call, first: Waiting, now: float, identity: str
@@ -412,6 +418,12 @@ class HttpDoor:
             n = min(asked, context) if asked else min(context, MAX_TOKENS_MAX)
         else:
             n = asked or CHAT_MAX_TOKENS_DEFAULT
+        if n < params.min_tokens:
+            raise BadRequest(
+                f"min_tokens ({params.min_tokens}) is more than this chat's max_tokens ({n}: "
+                "http.chat_max_tokens_default within the model's context): send max_tokens",
+                param="min_tokens",
+            )
         return params if n == params.max_tokens else msgspec.structs.replace(params, max_tokens=n)
 
     # -- stopping ------------------------------------------------------------------------

@@ -143,7 +143,8 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         max_tokens = doc.max_completion_tokens
         if max_tokens is None:
             max_tokens = doc.max_tokens
-        default_max = CHAT_MAX_TOKENS_DEFAULT
+        # (A placeholder the door replaces: not below what min_tokens asks.)
+        default_max = max(CHAT_MAX_TOKENS_DEFAULT, doc.min_tokens or 0)
     else:
         if doc.prompt is None or doc.messages is not None:
             return None
@@ -209,7 +210,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         max_tokens = _int(doc, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _int(doc, "max_tokens")
-        default_max = CHAT_MAX_TOKENS_DEFAULT
+        # (A placeholder the door replaces: not below what min_tokens asks.)
+        default_max = max(CHAT_MAX_TOKENS_DEFAULT, _int(doc, "min_tokens") or 0)
     prompts: tuple[str, ...] = ()
     if not chat:
         taken = _prompt(doc.get("prompt"))
@@ -339,6 +341,7 @@ _GUIDED = {
     "guided_grammar": "grammar",
 }
 _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_OFF = ("disable_any_whitespace", "disable_additional_properties")  # false: nothing asked
 
 
 def _structured(doc: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
@@ -370,13 +373,18 @@ def _structured(doc: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
             asked.append((name, {key: _schema_text(value) if key == "json" else value}))
     form = doc.get("structured_outputs")
     if form is not None:
-        if not isinstance(form, dict) or set(form) - set(_STRUCTURED_KEYS):
+        # null, and false for vLLM's two options, ask nothing (clients send every key)
+        fields = (
+            {k: v for k, v in form.items() if v is not None and (k not in _OFF or v is not False)}
+            if isinstance(form, dict)
+            else None
+        )
+        if fields is None or set(fields) - set(_STRUCTURED_KEYS):
             raise BadRequest(
                 f"structured_outputs: an object of one of {', '.join(_STRUCTURED_KEYS)} "
-                "(structural_tag and whitespace options are not served here)",
+                "(structural_tag and the whitespace options are not served here)",
                 param="structured_outputs",
             )
-        fields = {k: v for k, v in form.items() if v is not None}
         if "json" in fields:
             fields["json"] = _schema_text(fields["json"])
         asked.append(("structured_outputs", fields))
@@ -391,7 +399,12 @@ def _structured(doc: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
 def _schema_text(value: object) -> object:
     """A JSON Schema given as an object or as its JSON text: the text (else as given, for
     the params' check to refuse)."""
-    return _json_encode(value).decode() if isinstance(value, dict) else value
+    if isinstance(value, dict):
+        try:
+            return _json_encode(value).decode()
+        except RecursionError:
+            return None  # (refused by the params' check: a schema is JSON text)
+    return value
 
 
 def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
