@@ -750,3 +750,19 @@ def test_a_forwarded_task_with_a_large_structured_form_is_measured_not_assumed_s
     with pytest.raises(RemoteProtocolError, match="exceeds"):
         check_forwarded_task(big, bytes_max=200_000)
     check_forwarded_task(msgspec.structs.replace(big, prompt="p"), bytes_max=200_000)
+
+
+def test_asks_later_params_names_each_field_members_before_0_3_2_refuse() -> None:
+    from gossipd.core.messages import asks_later_params
+
+    assert not asks_later_params(SamplingParams())
+    assert not asks_later_params(SamplingParams(presence_penalty=0, repetition_penalty=1))
+    for asked in (
+        {"presence_penalty": 0.1},
+        {"frequency_penalty": -0.1},
+        {"repetition_penalty": 1.1},
+        {"min_p": 0.1},
+        {"min_tokens": 1},
+        {"structured": StructuredOutput(json_object=True)},
+    ):
+        assert asks_later_params(SamplingParams(**asked)), asked

@@ -272,6 +272,20 @@ MODEL_DEFAULT_TOP_K = 4
 MODEL_DEFAULT_MAX_TOKENS = 8
 
 
+def asks_later_params(params: SamplingParams) -> bool:
+    """Does ``params`` ask a field added after the first release (members before
+    releases.LATER_PARAMS_FROM_VERSION refuse it)?  Identity tests: the neutral values are
+    the default objects (SamplingParams.__post_init__)."""
+    return (
+        params.presence_penalty is not _NO_PENALTY
+        or params.frequency_penalty is not _NO_PENALTY
+        or params.min_p is not _NO_PENALTY
+        or params.repetition_penalty is not _NO_REPETITION_PENALTY
+        or params.min_tokens != 0
+        or params.structured is not None
+    )
+
+
 def reply_route(reply_to: str, producer_key: str) -> str:
     """Where replies go: ``reply_to``, with the producer's key when it has one ("ENDPOINT
     KEY": the reply sender connects to ENDPOINT and checks that its server holds KEY)."""

@@ -38,8 +38,9 @@ from gossipd.core import ring as rings
 from gossipd.core.gossip_messages import CAPACITY_WEIGHT_MIN, LoadRecord
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, Member, MemberEvent
-from gossipd.core.messages import Task
+from gossipd.core.messages import Task, asks_later_params
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
+from gossipd.core.releases import LATER_PARAMS_FROM_VERSION, release_at_least
 from gossipd.core.ring import Candidate, LoadCounts, Ring, bound, key_hash
 
 
@@ -209,6 +210,9 @@ class Placer:
         self._passed_age_s = -1.0
         self._now = 0.0  # the decision being made's ``now``
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
+        # Serving members of a release before LATER_PARAMS_FROM_VERSION (a rolling upgrade):
+        # a task asking those params is not placed on them while another serves.
+        self._older: set[str] = set()
         # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
         self._holder_rank: dict[tuple[str, frozenset[str]], list[str]] = {}
 
@@ -400,6 +404,14 @@ class Placer:
             self._by_model.get(old.model, set()).discard(name)
         if info.serving:
             self._by_model.setdefault(info.model, set()).add(name)
+        if (
+            info.serving
+            and name != self.node  # (we run this code)
+            and not release_at_least(info.release, LATER_PARAMS_FROM_VERSION)
+        ):
+            self._older.add(name)
+        else:
+            self._older.discard(name)
 
     def _drop(self, name: str) -> None:
         view = self._view
@@ -411,6 +423,7 @@ class Placer:
             self._ring_stale = True
         if old is not None:
             self._by_model.get(old.model, set()).discard(name)
+        self._older.discard(name)
         self.prefix_index.set_member(name, ())
 
     # -- decisions -------------------------------------------------------------------------
@@ -458,6 +471,12 @@ class Placer:
             # cluster pays for the set of the others (O(members), not per task otherwise).
             by_model = self._by_model
             ineligible = set(view.weights).difference(by_model.get(model, ()), by_model.get("", ()))
+        if self._older and asks_later_params(task.params):
+            # Members of an earlier release would refuse the task (and the frame it goes
+            # in): left out while one that reads it serves the model.
+            older = self._older & view.weights.keys()
+            if len(ineligible | older) < len(view.weights):
+                ineligible = ineligible | older
         skip = ineligible.union(exclude)
         pool_n = len(view.weights) - len(skip & view.weights.keys())
         if pool_n <= 0:
@@ -533,8 +552,11 @@ class Placer:
         check; the preference order is computed only when the owner is over its bound."""
         view = self.view()
         ring = view.ring
-        if task.model and not self._all_serve(task.model, view):
-            # Only members serving the named model qualify: the full placement, not the ring.
+        if (task.model and not self._all_serve(task.model, view)) or (
+            self._older and asks_later_params(task.params)
+        ):
+            # Only members serving the named model (and reading the task's params: a
+            # rolling upgrade) qualify: the full placement, not the ring.
             order = self.order(task, self._now)
             if not order:
                 return None

@@ -4,6 +4,11 @@ whole message it travels in, so it is sent only to members of a release that kno
 
 from __future__ import annotations
 
+# The release from which members read Task params' presence_penalty, frequency_penalty,
+# repetition_penalty, min_p, min_tokens and structured (messages.asks_later_params): a task
+# that asks one is placed only on such members while others remain (core/placer.py).
+LATER_PARAMS_FROM_VERSION = (0, 3, 2)
+
 
 def release_at_least(software_version: str, first: tuple[int, int, int]) -> bool:
     """True when ``software_version``'s first three dot-separated parts are integers at least
