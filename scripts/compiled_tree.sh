@@ -18,7 +18,7 @@ DEST="${1:?usage: scripts/compiled_tree.sh DIR (a new directory)}"
 # classes fail against the copy (bench/README: 36 of 231).
 MODULES=(
     gossipd/http/server.py gossipd/http/door.py gossipd/http/answers.py
-    gossipd/http/turnwrites.py gossipd/http/openai_api.py
+    gossipd/http/turnwrites.py gossipd/http/openai_api.py gossipd/http/openai_answers.py
     gossipd/ingress/runner.py gossipd/ingress/intake.py
     gossipd/core/admission.py gossipd/core/lifecycle.py gossipd/core/forwarded.py
     gossipd/core/placer.py gossipd/core/ring.py gossipd/core/owner.py gossipd/core/breaker.py

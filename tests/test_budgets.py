@@ -9,6 +9,7 @@ import time
 import tracemalloc
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 from hypothesis import strategies as st
@@ -353,3 +354,15 @@ def test_large_buffers_are_set_to_go_back_to_the_system_on_glibc() -> None:
     from gossipd.ops.memory import return_large_buffers
 
     assert return_large_buffers() is True
+
+
+def test_a_structured_forms_text_counts_in_a_tasks_bytes_as_its_prompt_does() -> None:
+    from gossipd.core.budgets import task_bytes
+    from gossipd.core.messages import SamplingParams, StructuredOutput, Task
+
+    plain = Task(v=1, id="t", prompt="p", reply_to="tcp://1.2.3.4:5")
+    schema = '{"description": "' + "d" * 60_000 + '"}'
+    for form in (StructuredOutput(json=schema), StructuredOutput(grammar="g" * 60_000),
+                 StructuredOutput(choice=["c" * 250] * 240)):  # fmt: skip
+        task = msgspec.structs.replace(plain, params=SamplingParams(structured=form))
+        assert task_bytes(task) >= task_bytes(plain) + 60_000

@@ -1,5 +1,6 @@
-"""gossipd/http/openai_api.py alone: any body is a Call or a BadRequest naming the field, never
-another exception; the stream framing is OpenAI's to the byte (properties, hypothesis)."""
+"""gossipd/http/openai_api.py and openai_answers.py alone: any body is a Call or a BadRequest
+naming the field, never another exception; the stream framing is OpenAI's to the byte
+(properties, hypothesis)."""
 
 from __future__ import annotations
 
@@ -334,6 +335,9 @@ def test_a_chat_asking_min_tokens_without_max_tokens_is_not_held_to_a_placeholde
     assert decode_call(body, chat=True).params.min_tokens == 300
     with pytest.raises(BadRequest) as refused:  # completions: OpenAI's default 16 stands
         decode_call(b'{"model": "m", "prompt": "x", "min_tokens": 300}', chat=False)
+    assert refused.value.param == "min_tokens"
+    with pytest.raises(BadRequest) as refused:  # past what any max_tokens may be
+        decode_call(body.replace(b"300", b"40000"), chat=True)
     assert refused.value.param == "min_tokens"
 
 

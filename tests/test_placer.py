@@ -470,3 +470,22 @@ def test_a_task_asking_later_params_goes_to_a_member_of_a_release_that_reads_the
             assert set(placer.order(task, NOW, exclude=tried)) <= readers - tried
         else:
             assert owner == reference.owner_for(task, NOW)
+
+
+def test_a_task_asking_later_params_that_no_reader_serves_is_refused_not_sent_to_an_older() -> None:
+    """Drained ourselves, and every other member before 0.3.2: an older member would refuse
+    the task and the whole frame it went in (other tasks' Cancels with it), so there is no
+    owner: the forwarder refuses it unavailable, saying why."""
+    from gossipd.core.messages import SamplingParams
+
+    h = Harness()
+    for name in NAMES[:3]:
+        h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
+        gpu = GpuState(rpc=f"tcp://{name}:5558", software_version="0.3.1")
+        h.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0))
+    placer = h.placer()
+    placer.set_draining(True)
+    fields = {"v": 1, "id": "t", "prompt": "p", "reply_to": "tcp://1.2.3.4:5"}
+    assert placer.owner_for(Task(**fields), NOW) in NAMES[:3]
+    asking = Task(**fields, params=SamplingParams(min_tokens=1))
+    assert placer.owner_for(asking, NOW) is None and placer.order(asking, NOW) == []

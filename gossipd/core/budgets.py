@@ -2,7 +2,8 @@
 
 The budgets (``ingress.pending_bytes_max``, ``ingress.results_cache_bytes_max``,
 ``ingress.reply_queue_bytes_max``, ``fanout.forwarded_bytes_max``) bound memory by what the
-big fields hold, not by message counts: a task is its prompt, a result its text.  Each figure
+big fields hold, not by message counts: a task is its prompt (and a structured output's
+form, as large), a result its text.  Each figure
 is O(1) to compute (``sys.getsizeof`` of a str reads its length and width; nothing is walked
 or encoded), so the accounting costs a few hundred nanoseconds per task.  The fixed part of
 each figure is what the rest of the object and its bookkeeping take (measured with
@@ -26,8 +27,14 @@ _sizeof = sys.getsizeof
 
 
 def task_bytes(task: Task) -> int:
-    """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character) and the rest."""
-    return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
+    """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character), a
+    structured output's form where it has one (rare: a schema or grammar may be as large),
+    and the rest."""
+    form = task.params.structured
+    if form is None:
+        return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
+    texts = _sizeof(form.json) + _sizeof(form.regex) + _sizeof(form.grammar)
+    return TASK_OVERHEAD_BYTES + _sizeof(task.prompt) + texts + sum(map(_sizeof, form.choice))
 
 
 def result_bytes(result: Result) -> int:

@@ -72,7 +72,7 @@ from typing import Protocol
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import AckTimes, Breaker, BreakerState
 from gossipd.core.forwarded import Forwarded, ForwardedLedger
-from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task, asks_later_params
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 from gossipd.core.ring import LoadCounts
 
@@ -314,6 +314,11 @@ class Forwarder:
         if owner is None:
             self.counters.unavailable += 1
             message = f"no live member serves model {task.model!r}"
+            if asks_later_params(task.params):
+                message += (
+                    " and reads this task's params (a penalty, min_p, min_tokens or "
+                    "structured output: members before release 0.3.2 refuse them)"
+                )
             self._events.append(
                 Refuse(task, ErrorCode.UNAVAILABLE, message, self.settings.retry_after_ms)
             )

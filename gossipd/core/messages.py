@@ -203,7 +203,7 @@ def _nesting(doc: object) -> int:
     return deepest
 
 
-# The defaults of the params added after the first release: a value equal to one is replaced
+# The defaults of the params added in release 0.3.2: a value equal to one is replaced
 # by the object itself, because omit_defaults leaves out only the default object (not an
 # equal float decoded from a frame), and a member from before them refuses the key.
 _NO_PENALTY = 0.0
@@ -273,7 +273,7 @@ MODEL_DEFAULT_MAX_TOKENS = 8
 
 
 def asks_later_params(params: SamplingParams) -> bool:
-    """Does ``params`` ask a field added after the first release (members before
+    """Does ``params`` ask a field added in release 0.3.2 (members before
     releases.LATER_PARAMS_FROM_VERSION refuse it)?  Identity tests: the neutral values are
     the default objects (SamplingParams.__post_init__)."""
     return (

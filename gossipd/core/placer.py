@@ -472,11 +472,10 @@ class Placer:
             by_model = self._by_model
             ineligible = set(view.weights).difference(by_model.get(model, ()), by_model.get("", ()))
         if self._older and asks_later_params(task.params):
-            # Members of an earlier release would refuse the task (and the frame it goes
-            # in): left out while one that reads it serves the model.
-            older = self._older & view.weights.keys()
-            if len(ineligible | older) < len(view.weights):
-                ineligible = ineligible | older
+            # Members of an earlier release would refuse the task, and the whole frame it
+            # goes in (other tasks' Cancels and Withdraws too): never theirs.  None left:
+            # the task is refused unavailable (the forwarder says why).
+            ineligible = ineligible | self._older
         skip = ineligible.union(exclude)
         pool_n = len(view.weights) - len(skip & view.weights.keys())
         if pool_n <= 0:

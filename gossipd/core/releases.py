@@ -6,7 +6,8 @@ from __future__ import annotations
 
 # The release from which members read Task params' presence_penalty, frequency_penalty,
 # repetition_penalty, min_p, min_tokens and structured (messages.asks_later_params): a task
-# that asks one is placed only on such members while others remain (core/placer.py).
+# that asks one is placed only on such members, and refused unavailable where none serves its
+# model (core/placer.py).
 LATER_PARAMS_FROM_VERSION = (0, 3, 2)
 
 

@@ -291,6 +291,12 @@ class HttpDoor:
             room = self._prompt_bytes_max
             if call.params.structured is not None:  # (it rides in the task beside the prompt)
                 room -= len(_msgpack_encode(call.params.structured))
+                if room <= 0:
+                    raise BadRequest(
+                        "the structured output's form alone is over what a task may carry "
+                        f"({self._prompt_bytes_max} bytes: ingress.message_bytes_max)",
+                        status=413,
+                    )
             self._check_size(prompt, chat, room)
             if call.n > 1 or call.prompts:
                 self._check_choices(call, room)

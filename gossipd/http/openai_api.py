@@ -144,7 +144,7 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         if max_tokens is None:
             max_tokens = doc.max_tokens
         # (A placeholder the door replaces: not below what min_tokens asks.)
-        default_max = max(CHAT_MAX_TOKENS_DEFAULT, doc.min_tokens or 0)
+        default_max = min(max(CHAT_MAX_TOKENS_DEFAULT, doc.min_tokens or 0), MAX_TOKENS_MAX)
     else:
         if doc.prompt is None or doc.messages is not None:
             return None
@@ -211,7 +211,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         if max_tokens is None:
             max_tokens = _int(doc, "max_tokens")
         # (A placeholder the door replaces: not below what min_tokens asks.)
-        default_max = max(CHAT_MAX_TOKENS_DEFAULT, _int(doc, "min_tokens") or 0)
+        default_max = min(
+            max(CHAT_MAX_TOKENS_DEFAULT, _int(doc, "min_tokens") or 0), MAX_TOKENS_MAX
+        )
     prompts: tuple[str, ...] = ()
     if not chat:
         taken = _prompt(doc.get("prompt"))
@@ -509,7 +511,7 @@ def _prompt(value: Any) -> str | tuple[str, ...]:
             "prompt: a string or a list of strings (token ids are not taken here)",
             param="prompt",
         )
-    raise BadRequest("prompt: a string is required", param="prompt")
+    raise BadRequest("prompt: a string or a list of strings is required", param="prompt")
 
 
 def _messages(value: Any) -> list[dict[str, str]]:

@@ -538,7 +538,7 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
     yield _by(
         C,
         "gossipd_http_cancels",
-        "Tasks the door cancelled: client gone (disconnect), stream unread "
+        "Requests whose tasks the door cancelled: client gone (disconnect), stream unread "
         "(slow_client: http.stream_buffer_bytes_max), no answer by the deadline (deadline)",
         "why",
         [
