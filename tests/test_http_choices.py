@@ -23,7 +23,7 @@ from gossipd.http.answers import Answers, Choices, Waiting
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
 from tests.helpers import running, scrape, wait_until
-from tests.test_http_door import _post
+from tests.test_http_door import BUDGET_40_TOKENS_PER_S, _post
 
 HTTP = 'http.bind="127.0.0.1:0"'
 METRICS = 'metrics.bind="127.0.0.1:0"'
@@ -302,17 +302,11 @@ def test_several_prompts_and_n_run_a_task_a_choice_and_answer_as_one(pair: Clust
 def test_token_budgets_charge_a_request_of_several_choices_once_all_or_none(
     daemon_factory: Any,
 ) -> None:
-    """40 tokens/s and a 1 s burst: four choices of 2 + 30 tokens (128) are more than the
+    """40 tokens/s and a 1 s burst: four choices of 3 + 30 tokens (132) are more than the
     burst.  Charged one by one, the third was refused on every retry (the first two admitted
     and cancelled each time, their charge kept); charged as one, the request runs whenever
     the bucket is not in debt, and waits as its Retry-After says when it is."""
-    d = daemon_factory(
-        HTTP,
-        METRICS,
-        "budgets.enabled=true",
-        "budgets.tokens_per_s_per_capacity=40",
-        "budgets.default_share=1.0",
-    )
+    d = daemon_factory(HTTP, METRICS, *BUDGET_40_TOKENS_PER_S)
     body = {"model": "echo", "prompt": "budget me", "max_tokens": 30, "n": 4}
     status, _, answer = _post(f"{d.http_url}/v1/completions", body)
     assert status == 200 and len(json.loads(answer)["choices"]) == 4

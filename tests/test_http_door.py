@@ -23,6 +23,12 @@ from tests.helpers import gossipd_cli, running, scrape, wait_until
 HTTP = 'http.bind="127.0.0.1:0"'
 METRICS = 'metrics.bind="127.0.0.1:0"'
 KEY = "sk-test-0123456789abcdef"
+# Token budgets of 40 tokens/s for the one producer, a burst of 1 s.
+BUDGET_40_TOKENS_PER_S = (
+    "budgets.enabled=true",
+    "budgets.tokens_per_s_per_capacity=40",
+    "budgets.default_share=1.0",
+)
 
 
 def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
@@ -221,13 +227,7 @@ def test_overload_is_429_with_retry_after_and_the_openai_client_retries(
     daemon_factory: Any,
 ) -> None:
     # A budget of 40 tokens/s with a 1 s burst: each request costs 2 + 30 tokens.
-    d = daemon_factory(
-        HTTP,
-        METRICS,
-        "budgets.enabled=true",
-        "budgets.tokens_per_s_per_capacity=40",
-        "budgets.default_share=1.0",
-    )
+    d = daemon_factory(HTTP, METRICS, *BUDGET_40_TOKENS_PER_S)
     body = {"model": "echo", "prompt": "budget me", "max_tokens": 30}
     # The bucket may go into debt by one task (core/tokenbudgets.py): a few go through.
     answers = [_post(f"{d.http_url}/v1/completions", body) for _ in range(4)]

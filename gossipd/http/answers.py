@@ -62,12 +62,13 @@ class Choices:
 
     task_ids: list[str]
     taken: int = 0  # tasks handed to the intake so far (in order): those to cancel
-    texts: list[str] = field(default_factory=list)  # by choice, as Results come
-    usages: list[TokenUsage | None] = field(default_factory=list)
-    nodes: list[str] = field(default_factory=list)  # the member that ran each ("": none yet)
-    left: int = 0  # choices without their Result
     writer: StreamWriter | None = None  # the stream's, once it began
     ended: bool = False  # answered (or abandoned): the others are cancelled
+    # Sized to the choices (__post_init__):
+    texts: list[str] = field(init=False)  # by choice, as Results come
+    usages: list[TokenUsage | None] = field(init=False)
+    nodes: list[str] = field(init=False)  # the member that ran each ("": none yet)
+    left: int = field(init=False)  # choices without their Result
 
     def __post_init__(self) -> None:
         count = len(self.task_ids)
