@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -273,4 +274,77 @@ def test_structured_output_holds_the_answer_to_its_form(cluster: Cluster) -> Non
                                       extra_headers=headers)  # fmt: skip
         assert "bad_request" in str(refused.value.body)
     assert client.completions.create(model=model, prompt="x", max_tokens=2).choices[0].text
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")
+
+
+def test_tool_choice_named_and_required_hold_the_calls_to_the_tools(cluster: Cluster) -> None:
+    """A chat with tools: a function named in tool_choice gets arguments held to its
+    parameters, "required" a list of calls held to the tools (vLLM's structured outputs, on
+    the owner's engine across the fan-out), streamed and not; the answer's tool calls go
+    back in the next turn's messages, through the template."""
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    headers = {"x-session-id": _session_of(cluster, owner.name)}
+    parameters = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
+        "required": ["unit", "days"],
+        "additionalProperties": False,
+    }
+    tools: Any = [
+        {"type": "function", "function": {"name": "forecast", "parameters": parameters}},
+        {"type": "function", "function": {"name": "now", "description": "the time"}},
+    ]
+    messages: Any = [{"role": "user", "content": "weather?"}]
+    named: Any = {"type": "function", "function": {"name": "forecast"}}
+    ended = []
+    for seed in range(6):  # (JSON allows any whitespace: a sample may run to max_tokens)
+        answer = client.chat.completions.create(
+            model=model, messages=messages, tools=tools, tool_choice=named, max_tokens=200,
+            temperature=0.8, seed=seed, extra_headers=headers,
+        ).choices[0]  # fmt: skip
+        (call,) = answer.message.tool_calls or []
+        assert call.function.name == "forecast" and call.id.startswith("chatcmpl-tool-")
+        if answer.finish_reason == "stop":  # (OpenAI's for a named function)
+            doc = json.loads(call.function.arguments)
+            assert doc["unit"] in ("c", "f") and doc["days"] in (1, 2, 3) and len(doc) == 2
+            ended.append(seed)
+    assert ended, "no named call ended within 200 tokens"
+    required = []
+    for seed in range(6):
+        answer = client.chat.completions.create(
+            model=model, messages=messages, tools=tools, tool_choice="required",
+            parallel_tool_calls=False, max_tokens=200, temperature=0.8, seed=seed,
+        ).choices[0]  # fmt: skip
+        if answer.finish_reason == "tool_calls":
+            (call,) = answer.message.tool_calls or []
+            doc = json.loads(call.function.arguments)
+            assert call.function.name in ("forecast", "now")
+            assert call.function.name == "now" or set(doc) == {"unit", "days"}
+            required.append((seed, call))
+    assert required, "no required call ended within 200 tokens"
+    # Streamed: the same call, its arguments whole in one delta (read at the answer's end).
+    seed, call = required[0]
+    stream = client.chat.completions.create(
+        model=model, messages=messages, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=200, temperature=0.8, seed=seed, stream=True,
+    )  # fmt: skip
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        (call.function.name, call.function.arguments)  # type: ignore[union-attr]
+    ]
+    assert deltas[-1].finish_reason == "tool_calls"
+    # The next turn: the call and its result go back; the template renders both.
+    back = client.chat.completions.create(
+        model=model, max_tokens=4, tools=tools, tool_choice="none", extra_headers=headers,
+        messages=[
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},  # type: ignore[union-attr]
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},  # type: ignore[union-attr]
+        ],
+    )  # fmt: skip
+    assert back.choices[0].message.tool_calls is None and back.usage is not None
+    assert back.usage.prompt_tokens > 20  # (the tools, the call and its result in the prompt)
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

@@ -44,6 +44,7 @@ from gossipd.http.openai_answers import (
     error_body,
     error_of,
     total_usage,
+    usage_of,
     whole_answer,
 )
 from gossipd.http.openai_api import Call
@@ -290,6 +291,12 @@ class Answers:
         exchange = waiting.exchange
         if waiting.writer is not None or (waiting.call.stream and message.ok):
             writer = self._stream(waiting, message.node)
+            if message.ok and writer.whole:  # read for tool calls: the choice at once
+                exchange.write(writer.whole_choice(message.text, message.usage))
+                exchange.write(writer.end(usage_of(message.usage)))
+                exchange.end_stream()
+                self.counters.count(200)
+                return
             if message.ok and not waiting.gap:
                 # The Result holds the whole text: what no chunk brought in order (chunks
                 # dropped or still on their way, by another path) goes as one last delta.
@@ -348,14 +355,17 @@ class Answers:
         choices.left -= 1
         if waiting.call.stream:
             writer = self._stream(waiting, message.node)
-            if not waiting.gap:
-                rest = message.text[waiting.streamed_chars :]
-                if rest:
-                    exchange.write(writer.delta(rest, index))
+            if writer.whole:  # read for tool calls: the choice at once
+                exchange.write(writer.whole_choice(message.text, message.usage, index))
             else:
-                for seq in sorted(waiting.held):
-                    exchange.write(writer.delta(waiting.held[seq].delta, index))
-            exchange.write(writer.finish_choice(message.usage, index))
+                if not waiting.gap:
+                    rest = message.text[waiting.streamed_chars :]
+                    if rest:
+                        exchange.write(writer.delta(rest, index))
+                else:
+                    for seq in sorted(waiting.held):
+                        exchange.write(writer.delta(waiting.held[seq].delta, index))
+                exchange.write(writer.finish_choice(message.usage, index))
             if choices.left == 0:
                 choices.ended = True
                 exchange.write(writer.end(total_usage(choices.usages, waiting.call.n)))

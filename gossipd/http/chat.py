@@ -22,9 +22,17 @@ from typing import Any
 
 log = logging.getLogger("gossipd.http.chat")
 
-# Each message on its own lines, tagged with its role, then the assistant's turn.
+# Each message on its own lines, tagged with its role, then the assistant's turn.  With
+# tools: first a system turn listing them; an assistant's calls in the Hermes form that the
+# door reads back from answers (gossipd/http/tools.py).  Without tools, as before them.
 PLAIN_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}<|system|>\nTools you may call (a call: its name and arguments as JSON "
+    "between tool_call tags):\n{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}"
+    "{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>\n{% endfor %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -101,14 +109,18 @@ class ChatTemplate:
         # when a door is built: the daemon without one never loads it).
         self._failures = (TemplateError, TypeError, ValueError, RecursionError)
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """``tools``: a chat's, as OpenAI sends them (None: none; a template may test "is
+        not none", as Hugging Face and vLLM pass them)."""
         if self._template is None:
             raise TemplateBroken(self.broken)
         try:
             prompt = self._template.render(
                 messages=messages,
                 add_generation_prompt=True,
-                tools=None,  # (as HF and vLLM pass them: a template may test "is not none")
+                tools=tools,
                 documents=None,
                 **self._special,
             )

@@ -287,7 +287,11 @@ class HttpDoor:
                     status=404,
                     code="model_not_found",
                 )
-            prompt = self._chat.render(call.messages) if call.messages is not None else call.prompt
+            prompt = (
+                self._chat.render(call.messages, call.tools.tools if call.tools else None)
+                if call.messages is not None
+                else call.prompt
+            )
             room = self._prompt_bytes_max
             if call.params.structured is not None:  # (it rides in the task beside the prompt)
                 room -= len(_msgpack_encode(call.params.structured))
@@ -334,7 +338,8 @@ class HttpDoor:
             params=params,
             reply_to=self.answers.reply_to,
             timeout_ms=self._timeout_ms,
-            stream=call.stream,
+            # A chat whose answer is read for tool calls streams at its end: no Chunks.
+            stream=call.stream and (call.tools is None or not call.tools.parses),
             model=call.model,
             producer_key=self._producer_key,
             # An owner's answers to this door that leave in one turn go as one frame.

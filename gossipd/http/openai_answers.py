@@ -14,6 +14,7 @@ import msgspec
 from gossipd.core.messages import ErrorCode, ErrorInfo, TokenUsage
 from gossipd.engines.base import CONTEXT_EXCEEDED_PREFIX
 from gossipd.http.openai_api import Call
+from gossipd.http.tools import read_answer
 
 _json_encode = msgspec.json.Encoder().encode
 
@@ -74,8 +75,7 @@ def whole_answer(
     call: Call, response_id: str, created: int, text: str, usage: TokenUsage | None
 ) -> bytes:
     """A non-streamed answer."""
-    return _answer(call, response_id, created, [_choice(call.chat, 0, text, usage)],
-                   usage_of(usage))  # fmt: skip
+    return _answer(call, response_id, created, [_choice(call, 0, text, usage)], usage_of(usage))
 
 
 def choices_answer(
@@ -87,7 +87,7 @@ def choices_answer(
 ) -> bytes:
     """A non-streamed answer of several choices (``texts[i]`` is choice i)."""
     choices = [
-        _choice(call.chat, i, text, usage)
+        _choice(call, i, text, usage)
         for i, (text, usage) in enumerate(zip(texts, usages, strict=True))
     ]
     return _answer(call, response_id, created, choices, total_usage(usages, call.n))
@@ -124,8 +124,15 @@ def total_usage(usages: list[TokenUsage | None], n: int) -> dict[str, int]:
     }
 
 
-def _choice(chat: bool, index: int, text: str, usage: TokenUsage | None) -> dict[str, Any]:
-    if chat:
+def _choice(call: Call, index: int, text: str, usage: TokenUsage | None) -> dict[str, Any]:
+    if call.chat:
+        if call.tools is not None and call.tools.parses:
+            read = read_answer(call.tools, text, finish_reason(usage))
+            message: dict[str, Any] = {"role": "assistant", "content": read.content}
+            if read.calls:
+                message["tool_calls"] = read.calls
+            return {"index": index, "message": message, "logprobs": None,
+                    "finish_reason": read.finish_reason}  # fmt: skip
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
@@ -140,7 +147,7 @@ class StreamWriter:
     ``data: {json}\\n\\n``, one ``id`` and ``created`` for all, a last chunk with the finish
     reason, with include_usage a usage chunk with empty ``choices``, then ``data: [DONE]``."""
 
-    __slots__ = ("_chat", "_head", "_include_usage", "_roles_sent")
+    __slots__ = ("_chat", "_head", "_include_usage", "_roles_sent", "_tools")
 
     def __init__(self, call: Call, response_id: str, created: int) -> None:
         kind = "chat.completion.chunk" if call.chat else "text_completion"
@@ -154,6 +161,29 @@ class StreamWriter:
         self._chat = call.chat
         self._include_usage = call.include_usage
         self._roles_sent: set[int] = set()  # the choices whose first delta went (chat)
+        self._tools = call.tools if call.tools is not None and call.tools.parses else None
+
+    @property
+    def whole(self) -> bool:
+        """Each choice goes whole at its Result (``whole_choice``): its text is read for tool
+        calls first."""
+        return self._tools is not None
+
+    def whole_choice(self, text: str, usage: TokenUsage | None, index: int = 0) -> bytes:
+        """Choice ``index`` at once, read for tool calls: its content (if any), its calls
+        (one delta, each call whole), its finish reason."""
+        assert self._tools is not None
+        read = read_answer(self._tools, text, finish_reason(usage))
+        out = self.delta(read.content, index) if read.content else b""
+        if read.calls:
+            role = b"" if index in self._roles_sent else b'"role":"assistant",'
+            self._roles_sent.add(index)
+            calls = _json_encode([{"index": k, **call} for k, call in enumerate(read.calls)])
+            out += self._event(
+                b'[{"index":%d,"delta":{%s"tool_calls":%s},"logprobs":null,'
+                b'"finish_reason":null}]' % (index, role, calls)
+            )
+        return out + self.finish_choice(usage, index, read.finish_reason)
 
     def _event(self, choices: bytes, usage: bytes = b"") -> bytes:
         tail = (
@@ -183,9 +213,12 @@ class StreamWriter:
         """The one choice's last event, then the stream's end."""
         return self.finish_choice(usage, 0) + self.end(usage_of(usage))
 
-    def finish_choice(self, usage: TokenUsage | None, index: int) -> bytes:
-        """Choice ``index``'s last event: its finish reason."""
-        reason = _json_encode(finish_reason(usage))
+    def finish_choice(
+        self, usage: TokenUsage | None, index: int, reason_read: str | None = None
+    ) -> bytes:
+        """Choice ``index``'s last event: its finish reason (``reason_read``: as tool calls
+        read it)."""
+        reason = _json_encode(reason_read or finish_reason(usage))
         if self._chat:
             delta = b'{"role":"assistant","content":""}' if index not in self._roles_sent else b"{}"
             return self._event(

@@ -19,6 +19,7 @@ from gossipd.core.messages import (
     TASK_KEY_CHARS_MAX,
     SamplingParams,
 )
+from gossipd.http.tools import ToolError, ToolUse, decode_tools, structured_for, tool_turn
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
@@ -55,7 +56,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     chat: bool
     model: str
     prompt: str
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -70,6 +71,8 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     prompts: tuple[str, ...] = ()
     # Choices per prompt: choice ``i * n + j`` is prompt i's j-th (as vLLM numbers them).
     n: int = 1
+    # A chat's tools (gossipd/http/tools.py); None: it gave none.
+    tools: ToolUse | None = None
 
     @property
     def choices(self) -> int:
@@ -129,7 +132,7 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
     """``doc`` as the full rules would take it, or None where they may say otherwise."""
     if not doc.model or doc.n not in (None, 1):
         return None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt = ""
     if chat:
         if doc.prompt is not None or not doc.messages or len(doc.messages) > MESSAGES_MAX:
@@ -203,10 +206,15 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     if not isinstance(doc, dict):
         raise BadRequest("the body must be a JSON object")
     model = _str(doc, "model", required=True)
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt = ""
+    tools: ToolUse | None = None
     if chat:
         messages = _messages(doc.get("messages"))
+        try:
+            tools = decode_tools(doc)
+        except ToolError as exc:
+            raise BadRequest(str(exc), param=exc.param) from None
         max_tokens = _int(doc, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _int(doc, "max_tokens")
@@ -229,6 +237,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     if not 1 <= n <= N_MAX:
         raise BadRequest(f"n: from 1 to {N_MAX} choices", param="n")
     for name in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "logit_bias"):
+        if name == "tools" and chat:
+            continue  # (decode_tools took them)
         value = doc.get(name)
         # Absent, null, false or empty asks nothing (LangChain sends logit_bias {} on every
         # call); best_of also 1, top_logprobs 0.  By type: 0 == False, and logprobs 0 asks
@@ -243,7 +253,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
             raise BadRequest(f"{name}: not supported by this server", param=name)
     if doc.get("echo"):
         raise BadRequest("echo: not supported by this server", param="echo")
-    _refuse_unserved_sampling(doc)
+    _refuse_unserved_sampling(doc, chat)
     stop = doc.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -272,6 +282,14 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     structured_from = ""
     if (structured := _structured(doc)) is not None:
         structured_from, fields["structured"] = structured
+    if tools is not None and (held := structured_for(tools)) is not None:
+        if structured is not None:
+            raise BadRequest(
+                f"{structured_from} and tool_choice (required, or a function named): both "
+                "hold the output to a form; send one",
+                param=structured_from,
+            )
+        structured_from, fields["structured"] = "tools", held
     try:
         params = msgspec.convert(fields, SamplingParams)
     except (msgspec.ValidationError, ValueError) as exc:
@@ -321,6 +339,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         unset_sampling=_left_out(doc.get("temperature"), doc.get("top_p"), doc.get("top_k")),
         prompts=prompts,
         n=n,
+        tools=tools,
     )
 
 
@@ -409,7 +428,7 @@ def _schema_text(value: object) -> object:
     return value
 
 
-def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
+def _refuse_unserved_sampling(doc: dict[str, Any], chat: bool) -> None:
     """Fields vLLM serves and a task cannot carry: the values that ask nothing are taken
     (clients send them), any other is refused rather than ignored (the answer would not be
     what was asked)."""
@@ -417,11 +436,14 @@ def _refuse_unserved_sampling(doc: dict[str, Any]) -> None:
     if stop_ids not in (None, []):
         raise BadRequest("stop_token_ids: not served by this server; send stop strings "
                          "(stop)", param="stop_token_ids")  # fmt: skip
-    for name in ("tool_choice", "function_call"):  # with no tools, "auto" asks nothing
+    # (A chat's tool_choice: decode_tools.)  With no tools, "auto" asks nothing.
+    for name in ("function_call",) if chat else ("tool_choice", "function_call"):
         if doc.get(name) not in (None, "none", "auto"):
-            raise BadRequest(f"{name}: tools are not served by this server", param=name)
+            where = "send tools and tool_choice" if chat else "tools are served on chats"
+            raise BadRequest(f"{name}: not served by this server ({where})", param=name)
     if doc.get("functions") not in (None, []):
-        raise BadRequest("functions: tools are not served by this server", param="functions")
+        raise BadRequest("functions: not served by this server (send tools: its successor)",
+                         param="functions")  # fmt: skip
     if doc.get("guided_whitespace_pattern") is not None:
         raise BadRequest("guided_whitespace_pattern: not served by this server",
                          param="guided_whitespace_pattern")  # fmt: skip
@@ -514,7 +536,7 @@ def _prompt(value: Any) -> str | tuple[str, ...]:
     raise BadRequest("prompt: a string or a list of strings is required", param="prompt")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise BadRequest("messages: a non-empty list is required", param="messages")
     if len(value) > MESSAGES_MAX:
@@ -538,7 +560,12 @@ def _messages(value: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content: a string", param="messages")
-        rendered = {"role": message["role"], "content": content}
+        rendered: dict[str, Any] = {"role": message["role"], "content": content}
+        if "tool_calls" in message or "tool_call_id" in message:
+            try:
+                tool_turn(i, message, rendered)
+            except ToolError as exc:
+                raise BadRequest(str(exc), param=exc.param) from None
         name = message.get("name")
         if name is not None:  # the template's to use (vLLM passes it on too)
             if not isinstance(name, str):

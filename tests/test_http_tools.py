@@ -1,0 +1,304 @@
+"""Tool calling at the HTTP door (gossipd/http/tools.py; docs/PROTOCOL.md "HTTP"): the rules
+a chat's tools, tool_choice and tool turns are held to, the Hermes calls read back from an
+answer (hypothesis: every call written is read back, no text makes the reader raise), the
+structured output that holds "required" and named calls, the answers whole and streamed.
+Then two real daemons with the echo engine, through the official openai client: the echo of
+a prompt that holds a call is an answer that makes one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import hypothesis.strategies as st
+import openai
+import pytest
+from hypothesis import given
+
+from gossipd.core.messages import StructuredOutput, TokenUsage
+from gossipd.core.ring import Ring
+from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate
+from gossipd.http.openai_answers import StreamWriter, whole_answer
+from gossipd.http.openai_api import BadRequest, decode_call
+from gossipd.http.tools import ToolUse, hermes_calls, read_answer, structured_for
+from simulations.cluster import Cluster
+from tests.helpers import running
+
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+USER = [{"role": "user", "content": "weather?"}]
+
+
+def _chat(**body: Any) -> Any:
+    return decode_call(json.dumps({"model": "m", "messages": USER, **body}).encode(), chat=True)
+
+
+# -- the rules -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"tools": {"a": 1}}, "tools", "a list"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", "functions only"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters"),
+        ({"tools": [{"function": {"name": "f", "parameters": []}}]}, "tools", "JSON Schema"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "given twice"),
+        ({"tools": [WEATHER] * 129}, "tools", "at most 128"),
+        ({"tool_choice": "required"}, "tool_choice", "no tools"),
+        ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", '"required"'),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+            "no tool named 'x'",
+        ),
+        ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+            "send one",
+        ),
+        ({"functions": [WEATHER["function"]]}, "functions", "send tools"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}],
+                    }
+                ]
+            },
+            "messages",
+            "JSON text",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
+            "messages",
+            "assistant",
+        ),
+    ],
+)
+def test_tools_that_break_a_rule_are_refused_naming_the_field(
+    body: dict[str, Any], param: str, says: str
+) -> None:
+    with pytest.raises(BadRequest) as refused:
+        _chat(**body)
+    assert refused.value.param == param and refused.value.status == 400
+    assert says in refused.value.message
+
+
+def test_completions_take_no_tools_and_empty_tools_ask_nothing() -> None:
+    with pytest.raises(BadRequest) as refused:
+        decode_call(b'{"model": "m", "prompt": "x", "tools": [{"type": "function"}]}', chat=False)
+    assert refused.value.param == "tools"
+    with pytest.raises(BadRequest) as refused:
+        decode_call(b'{"model": "m", "prompt": "x", "tool_choice": "required"}', chat=False)
+    assert refused.value.param == "tool_choice"
+    assert _chat(tools=[], tool_choice="auto").tools is None
+    assert _chat(tools=[WEATHER], tool_choice="none").tools == ToolUse([WEATHER], "none")
+
+
+def test_required_and_named_hold_the_output_to_the_tools_as_vllm_builds_it() -> None:
+    bare = {"type": "function", "function": {"name": "now"}}
+    call = _chat(tools=[WEATHER, bare], tool_choice="required", parallel_tool_calls=False)
+    assert call.tools.choice == "required" and not call.tools.parallel
+    form = call.params.structured
+    assert isinstance(form, StructuredOutput) and form.json is not None
+    schema = json.loads(form.json)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    first, second = schema["items"]["anyOf"]
+    assert first["properties"]["name"]["enum"] == ["get_weather"]
+    assert first["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    assert second["properties"]["parameters"] == {"type": "object", "properties": {}}
+    named = _chat(tools=[WEATHER, bare], tool_choice={"type": "function",
+                  "function": {"name": "get_weather"}})  # fmt: skip
+    assert json.loads(named.params.structured.json) == WEATHER["function"]["parameters"]
+    assert _chat(tools=[WEATHER]).params.structured is None  # auto: the model writes
+    assert structured_for(ToolUse([WEATHER], "none")) is None
+
+
+def test_a_past_call_goes_to_the_template_with_its_arguments_as_an_object() -> None:
+    call = _chat(
+        messages=[
+            *USER,
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type":
+             "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        ],
+        tools=[WEATHER],
+    )  # fmt: skip
+    assistant, tool = call.messages[1:]
+    assert assistant["content"] == "" and assistant["tool_calls"] == [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ]  # fmt: skip
+    assert tool == {"role": "tool", "content": "rain", "tool_call_id": "c1"}
+    prompt = ChatTemplate(PLAIN_TEMPLATE).render(call.messages, call.tools.tools)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in prompt
+    assert json.dumps(WEATHER["function"]) in prompt and "<|tool|>\nrain\n" in prompt
+
+
+_OLD_PLAIN = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                           "content": st.text(max_size=30)}),
+    min_size=1, max_size=4,
+)  # fmt: skip
+
+
+@given(_MESSAGES)
+def test_without_tools_the_plain_template_renders_as_before_tools(messages: list[Any]) -> None:
+    assert ChatTemplate(PLAIN_TEMPLATE).render(messages) == ChatTemplate(_OLD_PLAIN).render(
+        messages
+    )
+
+
+# -- reading an answer ---------------------------------------------------------------------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_CALLS = st.lists(
+    st.tuples(st.from_regex(r"[A-Za-z0-9_]{1,12}", fullmatch=True),
+              st.dictionaries(st.text(max_size=6), _JSON, max_size=3)),
+    min_size=1, max_size=3,
+)  # fmt: skip
+
+
+@given(st.text(max_size=40).filter(lambda t: "<tool_call>" not in t), _CALLS, st.booleans())
+def test_every_hermes_call_written_is_read_back(
+    before: str, calls: list[tuple[str, dict[str, Any]]], cut_last: bool
+) -> None:
+    text = before + "".join(
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>\n" for n, a in calls
+    )
+    if cut_last:  # a model cut at max_tokens after its last call's JSON: still read
+        text = text[: -len("</tool_call>\n")]
+    found = hermes_calls(text)
+    assert found is not None
+    content, read = found
+    assert content == (before or None)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in read)
+    assert len({c["id"] for c in read}) == len(read)
+
+
+@given(st.text(max_size=200) | st.builds(lambda a, b: a + "<tool_call>" + b, st.text(), st.text()))
+def test_no_text_makes_the_reader_raise_and_a_broken_call_leaves_the_text_as_content(
+    text: str,
+) -> None:
+    read = read_answer(ToolUse([WEATHER], "auto"), text, "stop")
+    if read.calls:
+        assert read.finish_reason == "tool_calls"
+    else:
+        assert read.content == text and read.finish_reason == "stop"
+    required = read_answer(ToolUse([WEATHER], "required"), text, "length")
+    assert required.calls or required.content == text
+
+
+def test_required_and_named_answers_become_calls() -> None:
+    use = ToolUse([WEATHER], "required")
+    read = read_answer(use, '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "stop")
+    assert read.content is None and read.finish_reason == "tool_calls"
+    assert json.loads(read.calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    cut = read_answer(use, '[{"name": "get_weather", "param', "length")
+    assert cut.calls == [] and cut.content == '[{"name": "get_weather", "param'
+    named = read_answer(ToolUse([WEATHER], "named", "get_weather"), '{"city": "x"}', "stop")
+    assert named.finish_reason == "stop"  # (OpenAI's, and vLLM's, for a named function)
+    assert named.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "x"}'}
+
+
+def test_the_answer_whole_and_streamed_carries_the_calls() -> None:
+    call = _chat(tools=[WEATHER], stream=True, stream_options={"include_usage": True})
+    text = (
+        'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    usage = TokenUsage(prompt_tokens=3, completion_tokens=9, finish_reason="stop")
+    body = json.loads(whole_answer(call, "chatcmpl-1", 1, text, usage))
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    writer = StreamWriter(call, "chatcmpl-1", 1)
+    assert writer.whole
+    raw = writer.whole_choice(text, usage) + writer.end({"total_tokens": 12})
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    first, calls = (e["choices"][0]["delta"] for e in events[:2])
+    assert first == {"role": "assistant", "content": "Let me look."}
+    (streamed,) = calls.pop("tool_calls")
+    assert calls == {} and streamed.pop("index") == 0 and streamed.pop("id").startswith("chatcmpl-")
+    assert streamed == {k: v for k, v in choice["message"]["tool_calls"][0].items() if k != "id"}
+    assert events[2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert events[3]["choices"] == [] and raw.endswith(b"data: [DONE]\n\n")
+    assert not StreamWriter(_chat(tools=[WEATHER], tool_choice="none"), "c", 1).whole
+
+
+# -- on real daemons, through the official openai client ---------------------------------
+
+
+@pytest.fixture
+def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
+    c = Cluster(2, log_dir=str(tmp_path), extra_overrides=['http.bind="127.0.0.1:0"'])
+    with running(c):
+        yield c
+
+
+def test_an_answer_that_writes_a_call_is_a_tool_call_local_and_forwarded(pair: Cluster) -> None:
+    """The echo engine answers the prompt's words: a user message that holds a Hermes call
+    makes an answer that writes one, read back as the tool call, whole and streamed, on the
+    entry and across the fan-out."""
+    entry, owner = pair.daemons
+    client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
+    messages: Any = [
+        {"role": "user", "content": '<tool_call>{"name":"get_weather","arguments":{"city":'
+                                    '"Oslo"}}</tool_call>'},
+    ]  # fmt: skip
+    words = len(ChatTemplate(PLAIN_TEMPLATE).render(messages, [WEATHER]).split())
+    ring = Ring({d.name: 1.0 for d in pair.daemons})
+    for where in (entry, owner):
+        session = next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == where.name)
+        raw = client.chat.completions.with_raw_response.create(
+            model="echo", messages=messages, tools=[WEATHER], max_tokens=words,
+            extra_headers={"x-session-id": session},
+        )  # fmt: skip
+        assert raw.headers["x-gossipd-member"] == where.name
+        (choice,) = raw.parse().choices
+        assert choice.finish_reason == "tool_calls"
+        assert (choice.message.content or "").startswith("<|system|> Tools you may call")
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Oslo"}
+        stream = client.chat.completions.create(
+            model="echo", messages=messages, tools=[WEATHER], max_tokens=words, stream=True,
+            extra_headers={"x-session-id": session},
+        )  # fmt: skip
+        deltas = [c.choices[0] for c in stream]
+        content = "".join(d.delta.content or "" for d in deltas)
+        assert content == choice.message.content
+        (streamed,) = [t for d in deltas for t in d.delta.tool_calls or []]
+        assert streamed.function.arguments == call.function.arguments
+        assert deltas[-1].finish_reason == "tool_calls"
+    # tool_choice "none": the same words are the answer's text, no call read from them.
+    plain = client.chat.completions.create(
+        model="echo", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=words
+    ).choices[0]
+    assert plain.message.tool_calls is None and "<tool_call>" in (plain.message.content or "")
+    assert plain.finish_reason == "length"
