@@ -21,7 +21,7 @@ from gossipd.core.ring import Ring
 from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate
 from gossipd.http.openai_answers import StreamWriter, whole_answer
 from gossipd.http.openai_api import BadRequest, decode_call
-from gossipd.http.tools import ToolUse, hermes_calls, read_answer, structured_for
+from gossipd.http.tools import ToolUse, content_part, hermes_calls, read_answer, structured_for
 from simulations.cluster import Cluster
 from tests.helpers import running
 
@@ -214,6 +214,33 @@ def test_no_text_makes_the_reader_raise_and_a_broken_call_leaves_the_text_as_con
     assert required.calls or required.content == text
 
 
+@given(
+    st.lists(st.sampled_from(["a", " ", "<", "<tool", "_call>", "<tool_call>", '{"name": "f"}',
+                              "</tool_call>", "tool_call>", "<tool_c"]), max_size=12),
+    st.randoms(use_true_random=False),
+)  # fmt: skip
+def test_what_streams_before_the_answer_is_read_is_a_prefix_of_its_content(
+    pieces: list[str], rnd: Any
+) -> None:
+    """ "auto", streamed: the parts sent as content while the answer runs, however its text
+    is cut into deltas, are a prefix of the content the whole answer reads as; the text
+    held back is never more than a tag's start; without a call, everything goes."""
+    text = "".join(pieces)
+    cuts = sorted(rnd.sample(range(len(text) + 1), min(4, len(text) + 1)))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    held, sent, calling = "", "", False
+    for delta in deltas:
+        if calling:
+            continue
+        part, held, calling = content_part(held, delta)
+        sent += part
+        assert len(held) < len("<tool_call>")
+    read = read_answer(ToolUse([WEATHER], "auto"), text, "stop")
+    assert (read.content or "").startswith(sent)
+    if "<tool_call>" not in text:
+        assert sent + held == text
+
+
 def test_required_and_named_answers_become_calls() -> None:
     use = ToolUse([WEATHER], "required")
     read = read_answer(use, '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]', "stop")
@@ -238,8 +265,8 @@ def test_the_answer_whole_and_streamed_carries_the_calls() -> None:
     assert choice["message"]["content"] == "Let me look."
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
     writer = StreamWriter(call, "chatcmpl-1", 1)
-    assert writer.whole
-    raw = writer.whole_choice(text, usage) + writer.end({"total_tokens": 12})
+    assert writer.reads_calls
+    raw = writer.read_choice(text, usage) + writer.end({"total_tokens": 12})
     events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
     first, calls = (e["choices"][0]["delta"] for e in events[:2])
     assert first == {"role": "assistant", "content": "Let me look."}
@@ -248,7 +275,10 @@ def test_the_answer_whole_and_streamed_carries_the_calls() -> None:
     assert streamed == {k: v for k, v in choice["message"]["tool_calls"][0].items() if k != "id"}
     assert events[2]["choices"][0]["finish_reason"] == "tool_calls"
     assert events[3]["choices"] == [] and raw.endswith(b"data: [DONE]\n\n")
-    assert not StreamWriter(_chat(tools=[WEATHER], tool_choice="none"), "c", 1).whole
+    assert not StreamWriter(_chat(tools=[WEATHER], tool_choice="none"), "c", 1).reads_calls
+    # Its first 4 characters streamed already: the rest of the content, then the calls.
+    again = StreamWriter(call, "chatcmpl-1", 1).read_choice(text, usage, 0, 4)
+    assert json.loads(again.split(b"\n\n")[0][6:])["choices"][0]["delta"]["content"] == "me look."
 
 
 # -- on real daemons, through the official openai client ---------------------------------
@@ -293,6 +323,7 @@ def test_an_answer_that_writes_a_call_is_a_tool_call_local_and_forwarded(pair: C
         deltas = [c.choices[0] for c in stream]
         content = "".join(d.delta.content or "" for d in deltas)
         assert content == choice.message.content
+        assert sum(1 for d in deltas if d.delta.content) > 3  # (streamed as the words came)
         (streamed,) = [t for d in deltas for t in d.delta.tool_calls or []]
         assert streamed.function.arguments == call.function.arguments
         assert deltas[-1].finish_reason == "tool_calls"

@@ -48,6 +48,7 @@ from gossipd.http.openai_answers import (
     whole_answer,
 )
 from gossipd.http.openai_api import Call
+from gossipd.http.tools import content_part
 from gossipd.zmqloop import SocketReader
 
 log = logging.getLogger("gossipd.http.answers")
@@ -93,6 +94,10 @@ class Waiting:
     next_seq: int = 0
     held: dict[int, Chunk] = field(default_factory=dict)  # early chunks by seq
     streamed_chars: int = 0  # of the answer's text written as deltas so far, in order
+    # An answer read for tool calls ("auto"): text held back (it may begin a call), and
+    # whether a call began (nothing more streams until the Result).
+    held_text: str = ""
+    calling: bool = False
     gap: bool = False  # a chunk was skipped (never came): the deltas are not a prefix
     choices: Choices | None = None  # a request of several choices: this is choice ``index``
     index: int = 0
@@ -291,8 +296,10 @@ class Answers:
         exchange = waiting.exchange
         if waiting.writer is not None or (waiting.call.stream and message.ok):
             writer = self._stream(waiting, message.node)
-            if message.ok and writer.whole:  # read for tool calls: the choice at once
-                exchange.write(writer.whole_choice(message.text, message.usage))
+            if message.ok and writer.reads_calls:
+                exchange.write(
+                    writer.read_choice(message.text, message.usage, 0, waiting.streamed_chars)
+                )
                 exchange.write(writer.end(usage_of(message.usage)))
                 exchange.end_stream()
                 self.counters.count(200)
@@ -355,8 +362,10 @@ class Answers:
         choices.left -= 1
         if waiting.call.stream:
             writer = self._stream(waiting, message.node)
-            if writer.whole:  # read for tool calls: the choice at once
-                exchange.write(writer.whole_choice(message.text, message.usage, index))
+            if writer.reads_calls:
+                exchange.write(
+                    writer.read_choice(message.text, message.usage, index, waiting.streamed_chars)
+                )
             else:
                 if not waiting.gap:
                     rest = message.text[waiting.streamed_chars :]
@@ -398,8 +407,12 @@ class Answers:
         waiting_bytes = 0
         while True:
             if chunk.seq == waiting.next_seq:
-                waiting_bytes = waiting.exchange.write(writer.delta(chunk.delta, waiting.index))
-                waiting.streamed_chars += len(chunk.delta)
+                delta = chunk.delta
+                if writer.reads_calls:  # only what cannot begin a tool call
+                    delta = self._content_part(waiting, delta)
+                if delta:
+                    waiting_bytes = waiting.exchange.write(writer.delta(delta, waiting.index))
+                    waiting.streamed_chars += len(delta)
                 waiting.next_seq += 1
             nxt = waiting.held.pop(waiting.next_seq, None)
             if nxt is None:
@@ -414,6 +427,13 @@ class Answers:
                 return
             self._waiting.pop(task_id, None)
             self._cancel(task_id)
+
+    @staticmethod
+    def _content_part(waiting: Waiting, delta: str) -> str:
+        if waiting.calling:
+            return ""
+        part, waiting.held_text, waiting.calling = content_part(waiting.held_text, delta)
+        return part
 
     def _stream(self, waiting: Waiting, node: str) -> StreamWriter:
         writer = waiting.writer

@@ -338,8 +338,9 @@ class HttpDoor:
             params=params,
             reply_to=self.answers.reply_to,
             timeout_ms=self._timeout_ms,
-            # A chat whose answer is read for tool calls streams at its end: no Chunks.
-            stream=call.stream and (call.tools is None or not call.tools.parses),
+            # A chat whose answer is held to tool calls ("required", named) streams them at
+            # its end: no Chunks.  "auto" streams what cannot begin a call (answers.py).
+            stream=call.stream and (call.tools is None or call.tools.choice in ("none", "auto")),
             model=call.model,
             producer_key=self._producer_key,
             # An owner's answers to this door that leave in one turn go as one frame.

@@ -164,17 +164,21 @@ class StreamWriter:
         self._tools = call.tools if call.tools is not None and call.tools.parses else None
 
     @property
-    def whole(self) -> bool:
-        """Each choice goes whole at its Result (``whole_choice``): its text is read for tool
-        calls first."""
+    def reads_calls(self) -> bool:
+        """Each choice's text is read for tool calls at its Result (``read_choice``); before
+        it, only what cannot begin a call is streamed (``content_part``: "auto")."""
         return self._tools is not None
 
-    def whole_choice(self, text: str, usage: TokenUsage | None, index: int = 0) -> bytes:
-        """Choice ``index`` at once, read for tool calls: its content (if any), its calls
-        (one delta, each call whole), its finish reason."""
+    def read_choice(
+        self, text: str, usage: TokenUsage | None, index: int = 0, streamed: int = 0
+    ) -> bytes:
+        """Choice ``index``'s end, read for tool calls: the rest of its content after the
+        ``streamed`` characters already sent (if any), its calls (one delta, each call
+        whole), its finish reason."""
         assert self._tools is not None
         read = read_answer(self._tools, text, finish_reason(usage))
-        out = self.delta(read.content, index) if read.content else b""
+        rest = read.content[streamed:] if read.content else ""
+        out = self.delta(rest, index) if rest else b""
         if read.calls:
             role = b"" if index in self._roles_sent else b'"role":"assistant",'
             self._roles_sent.add(index)

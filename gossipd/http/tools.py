@@ -238,6 +238,24 @@ def read_answer(use: ToolUse, text: str, finish_reason: str) -> ToolAnswer:
     return ToolAnswer(content, calls, "tool_calls")
 
 
+def content_part(held: str, delta: str) -> tuple[str, str, bool]:
+    """Streaming an "auto" answer: of the text ``held`` back so far and the next ``delta``,
+    (what may go now as content, what to hold back, whether a call began).  Nothing from
+    the first ``<tool_call>`` on goes before the answer is read; a tail that may begin one
+    (``<tool``) waits for the next delta.  What goes is always a prefix of the content the
+    whole answer reads as (``read_answer``)."""
+    text = held + delta
+    start = text.find(CALL_START)
+    if start >= 0:
+        return text[:start], "", True
+    keep = 0
+    for n in range(min(len(text), len(CALL_START) - 1), 0, -1):
+        if text.endswith(CALL_START[:n]):
+            keep = n
+            break
+    return text[: len(text) - keep], text[len(text) - keep :], False
+
+
 def _required_calls(text: str) -> list[dict[str, Any]] | None:
     try:
         doc = json.loads(text)
