@@ -48,9 +48,9 @@ def _chat(**body: Any) -> Any:
     [
         ({"tools": {"a": 1}}, "tools", "a list"),
         ({"tools": [{"type": "retrieval"}]}, "tools", "functions only"),
-        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "1 to 256"),
+        ({"tools": [{"function": {"name": "f", "strict": "yes"}}]}, "tools", "true or false"),
         ({"tools": [{"function": {"name": "f", "parameters": []}}]}, "tools", "JSON Schema"),
-        ({"tools": [WEATHER, WEATHER]}, "tools", "given twice"),
         ({"tools": [WEATHER] * 129}, "tools", "at most 128"),
         ({"tool_choice": "required"}, "tool_choice", "no tools"),
         ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", '"required"'),
@@ -72,15 +72,14 @@ def _chat(**body: Any) -> Any:
         ({"functions": [WEATHER["function"]]}, "functions", "send tools"),
         (
             {
-                "messages": [
-                    {
-                        "role": "assistant",
-                        "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}],
-                    }
-                ]
+                "tools": [
+                    {"function": {"name": "f", "parameters": {"$defs": {"City": {"type": t}}}}}
+                    for t in ("string", "integer")
+                ],
+                "tool_choice": "required",
             },
-            "messages",
-            "JSON text",
+            "tools",
+            "differs between tools",
         ),
         (
             {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
@@ -128,6 +127,24 @@ def test_required_and_named_hold_the_output_to_the_tools_as_vllm_builds_it() -> 
     assert structured_for(ToolUse([WEATHER], "none")) is None
 
 
+def test_a_required_call_holds_each_tools_definitions_at_the_root() -> None:
+    """A nested pydantic model's tool ($defs, "$ref": "#/$defs/X") under "required": its
+    $defs go to the root, where the $ref points (as vLLM builds it)."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}}}
+    nested = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+        "$defs": {"Address": address}}}}  # fmt: skip
+    schema = json.loads(
+        _chat(tools=[WEATHER, nested], tool_choice="required").params.structured.json
+    )
+    assert schema["$defs"] == {"Address": address}
+    assert "$defs" not in schema["items"]["anyOf"][1]["properties"]["parameters"]
+    # Names as vLLM takes them (MCP's "server:tool"), and a tool_choice without its type.
+    mcp = {"type": "function", "function": {"name": "files:search"}}
+    named = _chat(tools=[mcp], tool_choice={"function": {"name": "files:search"}})
+    assert named.tools.choice == "named" and named.tools.name == "files:search"
+
+
 def test_a_past_call_goes_to_the_template_with_its_arguments_as_an_object() -> None:
     call = _chat(
         messages=[
@@ -147,6 +164,12 @@ def test_a_past_call_goes_to_the_template_with_its_arguments_as_an_object() -> N
     prompt = ChatTemplate(PLAIN_TEMPLATE).render(call.messages, call.tools.tools)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in prompt
     assert json.dumps(WEATHER["function"]) in prompt and "<|tool|>\nrain\n" in prompt
+    # Arguments that are not an object's JSON (a call cut at max_tokens, sent back): {}, as
+    # vLLM reads them, so that the conversation goes on.
+    for cut in ('{"city": "Os', "[1, 2]", "42", ""):
+        again = _chat(messages=[{"role": "assistant", "tool_calls": [{"function": {
+            "name": "get_weather", "arguments": cut}}]}])  # fmt: skip
+        assert again.messages[0]["tool_calls"][0]["function"]["arguments"] == {}
 
 
 _OLD_PLAIN = (
@@ -215,7 +238,7 @@ def test_no_text_makes_the_reader_raise_and_a_broken_call_leaves_the_text_as_con
 
 
 @given(
-    st.lists(st.sampled_from(["a", " ", "<", "<tool", "_call>", "<tool_call>", '{"name": "f"}',
+    st.lists(st.sampled_from(["a", " ", "\n", "<", "<tool", "_call>", "<tool_call>", '{"name": "f"}',
                               "</tool_call>", "tool_call>", "<tool_c"]), max_size=12),
     st.randoms(use_true_random=False),
 )  # fmt: skip
@@ -232,9 +255,9 @@ def test_what_streams_before_the_answer_is_read_is_a_prefix_of_its_content(
     for delta in deltas:
         if calling:
             continue
-        part, held, calling = content_part(held, delta)
+        part, held, calling = content_part(held, delta, bool(sent))
         sent += part
-        assert len(held) < len("<tool_call>")
+        assert len(held) < len("<tool_call>") or not held.strip()
     read = read_answer(ToolUse([WEATHER], "auto"), text, "stop")
     assert (read.content or "").startswith(sent)
     if "<tool_call>" not in text:
@@ -248,6 +271,15 @@ def test_required_and_named_answers_become_calls() -> None:
     assert json.loads(read.calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     cut = read_answer(use, '[{"name": "get_weather", "param', "length")
     assert cut.calls == [] and cut.content == '[{"name": "get_weather", "param'
+    assert read_answer(ToolUse([WEATHER], "named", "get_weather"), "", "length").calls == []
+    two = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    )
+    both = read_answer(ToolUse([WEATHER], "auto"), two, "stop")
+    assert [c["function"]["name"] for c in both.calls] == ["a", "b"]
+    assert both.calls[1]["function"]["arguments"] == "{}"  # (no arguments: none)
+    one = read_answer(ToolUse([WEATHER], "auto", parallel=False), "\n " + two, "stop")
+    assert [c["function"]["name"] for c in one.calls] == ["a"] and one.content is None
     named = read_answer(ToolUse([WEATHER], "named", "get_weather"), '{"city": "x"}', "stop")
     assert named.finish_reason == "stop"  # (OpenAI's, and vLLM's, for a named function)
     assert named.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "x"}'}

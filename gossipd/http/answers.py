@@ -432,7 +432,9 @@ class Answers:
     def _content_part(waiting: Waiting, delta: str) -> str:
         if waiting.calling:
             return ""
-        part, waiting.held_text, waiting.calling = content_part(waiting.held_text, delta)
+        part, waiting.held_text, waiting.calling = content_part(
+            waiting.held_text, delta, waiting.streamed_chars > 0
+        )
         return part
 
     def _stream(self, waiting: Waiting, node: str) -> StreamWriter:

@@ -282,7 +282,11 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     structured_from = ""
     if (structured := _structured(doc)) is not None:
         structured_from, fields["structured"] = structured
-    if tools is not None and (held := structured_for(tools)) is not None:
+    try:
+        held = structured_for(tools) if tools is not None else None
+    except ToolError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+    if held is not None:
         if structured is not None:
             raise BadRequest(
                 f"{structured_from} and tool_choice (required, or a function named): both "

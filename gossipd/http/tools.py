@@ -29,7 +29,7 @@ import msgspec
 _json_encode = msgspec.json.Encoder().encode
 
 TOOLS_MAX = 128  # OpenAI's bound
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name (and .)
+NAME_CHARS_MAX = 256  # (OpenAI's names are 1-64 of [A-Za-z0-9_-]; vLLM takes any: MCP's "a:b")
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 # A call between tags, or an unclosed last one up to the end (a model cut at max_tokens).
@@ -75,21 +75,15 @@ def decode_tools(doc: dict[str, Any]) -> ToolUse | None:
         raise ToolError('tools: a list of {"type": "function", "function": {...}}', "tools")
     if len(tools) > TOOLS_MAX:
         raise ToolError(f"tools: at most {TOOLS_MAX}", "tools")
-    taken: list[dict[str, Any]] = []
-    names: set[str] = set()
-    for i, tool in enumerate(tools):
-        taken.append(_tool(i, tool))
-        name = taken[-1]["function"]["name"]
-        if name in names:
-            raise ToolError(f"tools[{i}].function.name: {name!r} is given twice", "tools")
-        names.add(name)
+    taken = [_tool(i, tool) for i, tool in enumerate(tools)]
+    names = {tool["function"]["name"] for tool in taken}
     if choice is None or choice in ("none", "auto", "required"):
         return ToolUse(taken, choice or "auto", parallel=parallel is not False)
     named = choice.get("function") if isinstance(choice, dict) else None
     name = named.get("name") if isinstance(named, dict) else None
     if (
         not isinstance(choice, dict)
-        or choice.get("type") != "function"
+        or choice.get("type", "function") != "function"  # (vLLM's default type)
         or not isinstance(name, str)
     ):
         raise ToolError(
@@ -111,8 +105,9 @@ def _tool(i: int, tool: object) -> dict[str, Any]:
     if not isinstance(function, dict):
         raise ToolError(f"{where}.function: an object with a name", "tools")
     name = function.get("name")
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ToolError(f"{where}.function.name: 1 to 64 letters, digits, _ . or -", "tools")
+    if not isinstance(name, str) or not 0 < len(name) <= NAME_CHARS_MAX:
+        raise ToolError(f"{where}.function.name: a string of 1 to {NAME_CHARS_MAX} characters",
+                        "tools")  # fmt: skip
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise ToolError(f"{where}.function.description: a string", "tools")
@@ -124,8 +119,11 @@ def _tool(i: int, tool: object) -> dict[str, Any]:
         out["description"] = description
     if parameters is not None:
         out["parameters"] = parameters
-    if function.get("strict") is not None:
-        out["strict"] = function.get("strict")
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolError(f"{where}.function.strict: true or false", "tools")
+    if strict is not None:
+        out["strict"] = strict
     return {"type": "function", "function": out}
 
 
@@ -137,25 +135,38 @@ def structured_for(use: ToolUse) -> dict[str, Any] | None:
             if tool["function"]["name"] == use.name:
                 return {"json": _json_text(_parameters(tool))}
     if use.choice == "required":
+        # Each tool's $defs go to the root, where its "$ref": "#/$defs/X" points (nested
+        # pydantic models: openai.pydantic_function_tool, the Agents SDK), as vLLM does.
+        defs: dict[str, Any] = {}
+        items = []
+        for tool in use.tools:
+            parameters = dict(_parameters(tool))
+            own = parameters.pop("$defs", {})
+            if not isinstance(own, dict):
+                raise ToolError(f"tools: $defs of {tool['function']['name']!r} must be an "
+                                "object", "tools")  # fmt: skip
+            for name, definition in own.items():
+                if defs.setdefault(name, definition) != definition:
+                    raise ToolError(f"tools: the definition {name!r} ($defs) differs between "
+                                    "tools; one schema a name", "tools")  # fmt: skip
+            items.append(
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": [tool["function"]["name"]]},
+                        "parameters": parameters,
+                    },
+                    "required": ["name", "parameters"],
+                }
+            )
         schema: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
-            "items": {
-                "type": "object",
-                "anyOf": [
-                    {
-                        "properties": {
-                            "name": {"type": "string", "enum": [tool["function"]["name"]]},
-                            "parameters": _parameters(tool),
-                        },
-                        "required": ["name", "parameters"],
-                    }
-                    for tool in use.tools
-                ],
-            },
+            "items": {"type": "object", "anyOf": items},
         }
         if not use.parallel:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return {"json": _json_text(schema)}
     return None
 
@@ -197,10 +208,12 @@ def _past_call(i: int, j: int, call: object) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):  # OpenAI's form: JSON text; templates expect the object
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = json.loads(arguments)
         except (ValueError, RecursionError):
-            raise ToolError(f"{where}.function.arguments: JSON text", "messages") from None
-    elif arguments is None:
+            arguments = None
+    # Not an object (a call cut at max_tokens, sent back): {} as vLLM reads it, so that the
+    # conversation goes on.
+    if not isinstance(arguments, dict):
         arguments = {}
     assert isinstance(call, dict)
     out: dict[str, Any] = {
@@ -224,6 +237,8 @@ class ToolAnswer(msgspec.Struct, frozen=True, gc=False):
 def read_answer(use: ToolUse, text: str, finish_reason: str) -> ToolAnswer:
     """What the model wrote, as the answer to a chat with tools (``use.parses``)."""
     if use.choice == "named":
+        if not text:  # (nothing written: no call, as vLLM answers it)
+            return ToolAnswer(None, [], finish_reason)
         return ToolAnswer(None, [_call(use.name, text)], finish_reason)
     if use.choice == "required":
         calls = _required_calls(text)
@@ -235,25 +250,33 @@ def read_answer(use: ToolUse, text: str, finish_reason: str) -> ToolAnswer:
     if found is None:
         return ToolAnswer(text, [], finish_reason)
     content, calls = found
+    if not use.parallel:
+        calls = calls[:1]  # (as vLLM keeps them)
     return ToolAnswer(content, calls, "tool_calls")
 
 
-def content_part(held: str, delta: str) -> tuple[str, str, bool]:
+def content_part(held: str, delta: str, started: bool) -> tuple[str, str, bool]:
     """Streaming an "auto" answer: of the text ``held`` back so far and the next ``delta``,
-    (what may go now as content, what to hold back, whether a call began).  Nothing from
-    the first ``<tool_call>`` on goes before the answer is read; a tail that may begin one
-    (``<tool``) waits for the next delta.  What goes is always a prefix of the content the
-    whole answer reads as (``read_answer``)."""
+    (what may go now as content, what to hold back, whether a call began); ``started``:
+    some content went already.  Nothing from the first ``<tool_call>`` on goes before the
+    answer is read; a tail that may begin one (``<tool``) waits for the next delta, and so
+    does blank text at the start (blank before a call is no content).  What goes is always
+    a prefix of the content the whole answer reads as (``read_answer``)."""
     text = held + delta
     start = text.find(CALL_START)
     if start >= 0:
-        return text[:start], "", True
+        return (
+            ("", "", True) if not started and not text[:start].strip() else (text[:start], "", True)
+        )
     keep = 0
     for n in range(min(len(text), len(CALL_START) - 1), 0, -1):
         if text.endswith(CALL_START[:n]):
             keep = n
             break
-    return text[: len(text) - keep], text[len(text) - keep :], False
+    part = text[: len(text) - keep]
+    if not started and not part.strip():
+        return "", text, False
+    return part, text[len(text) - keep :], False
 
 
 def _required_calls(text: str) -> list[dict[str, Any]] | None:
@@ -287,7 +310,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
             return None
         calls.append(_call(doc["name"], _arguments_text(doc.get("arguments", {}))))
     content = text[: text.find(CALL_START)]
-    return (content or None), calls
+    return (content if content.strip() else None), calls
 
 
 def _arguments_text(arguments: object) -> str:
