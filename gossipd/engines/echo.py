@@ -2,7 +2,8 @@
 
 For tests and benchmarks of everything around the engine.  The output for a prompt is its
 whitespace-separated words, cycled, one word per token, ``max_tokens`` tokens; the first token
-has no leading space and the others have one.  With a zero delay no await happens, so the
+has no leading space and the others have one.  A stop string ends it where it begins (left
+out of the text, finish reason "stop"), as vLLM stops.  With a zero delay no await happens, so the
 engine costs almost nothing and benchmarks measure the daemon itself.
 """
 
@@ -19,6 +20,17 @@ def echo_tokens(prompt: str, max_tokens: int) -> list[str]:
     return [
         words[i % len(words)] if i == 0 else " " + words[i % len(words)] for i in range(max_tokens)
     ]
+
+
+def _first_stop(text: str, stops: tuple[str, ...] | list[str], new_from: int) -> int | None:
+    """Where the earliest stop string in ``text`` begins, if one ends past ``new_from``
+    (the text before it was looked at already)."""
+    found = None
+    for stop in stops:
+        at = text.find(stop, max(0, new_from - len(stop) + 1))
+        if at >= 0 and (found is None or at < found):
+            found = at
+    return found
 
 
 class EchoEngine:
@@ -40,13 +52,33 @@ class EchoEngine:
         self._running += 1
         usage = request.usage
         usage.prompt_tokens = len(request.prompt.split())  # a word a token, as it answers
+        stop = request.params.stop
+        # With stop strings, as vLLM stops: at the first, which the text leaves out; the
+        # text's last characters that may begin one wait until they cannot.
+        hold = max((len(s) for s in stop), default=1) - 1
+        text, sent = "", 0
         try:
             for token in echo_tokens(request.prompt, request.params.max_tokens):
                 if self._token_delay_s > 0:
                     await asyncio.sleep(self._token_delay_s)
                 self._tokens_total += 1
                 usage.completion_tokens += 1
-                yield token
+                if not stop:
+                    yield token
+                    continue
+                looked = len(text)
+                text += token
+                cut = _first_stop(text, stop, looked)
+                if cut is not None:
+                    if cut > sent:
+                        yield text[sent:cut]
+                    usage.finish_reason = "stop"
+                    return
+                if len(text) - hold > sent:
+                    yield text[sent : len(text) - hold]
+                    sent = len(text) - hold
+            if len(text) > sent:
+                yield text[sent:]
             usage.finish_reason = "length"
         finally:
             self._running -= 1
