@@ -182,6 +182,33 @@ def test_budgets_fixed_parts_are_close_to_what_tracemalloc_measures() -> None:
     assert result_each / 2 <= RESULT_OVERHEAD_BYTES <= result_each * 2, result_each
 
 
+def test_logprob_bytes_are_close_to_what_decoded_log_probabilities_take() -> None:
+    """result_bytes' share for log probabilities is within 2x of what a Result's decoded
+    from a frame (as an entry holds it) takes: per token, and per top entry."""
+    from gossipd.core.budgets import LOGPROB_BYTES, LOGPROB_TOP_BYTES
+    from gossipd.core.messages import TokenLogprob, decode_reply, encode
+
+    def frame(top: int) -> bytes:
+        logprobs = [
+            TokenLogprob(f" w{i}", -1.5 - i, tuple((f" t{i}{j}", -2.0 - j) for j in range(top)))
+            for i in range(2000)
+        ]
+        return encode(Result(id="r", ok=True, text="", logprobs=logprobs))
+
+    each = []
+    for top in (0, 5):
+        data = frame(top)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        kept = decode_reply(data)
+        each.append((tracemalloc.get_traced_memory()[0] - before) / 2000)
+        tracemalloc.stop()
+        assert kept.logprobs is not None and result_bytes(kept) > 2000 * LOGPROB_BYTES
+    per_token, per_top = each[0], (each[1] - each[0]) / 5
+    assert per_token / 2 <= LOGPROB_BYTES <= per_token * 2, per_token
+    assert per_top / 2 <= LOGPROB_TOP_BYTES <= per_top * 2, per_top
+
+
 def test_ForwardedLedger_forgets_oldest_by_bytes_and_keeps_outstanding_right() -> None:
     outstanding = LoadCounts()
     size = task_bytes(task("a", "x" * 5000))

@@ -119,6 +119,7 @@ params_map = fields(
         "seed": st.none() | nat,
         "stop": st.lists(st.text(max_size=70), max_size=10),
         "ignore_eos": st.booleans(),
+        "logprobs": st.none() | st.integers(-1, 22),
     }
 )
 task_spec = {
@@ -138,6 +139,13 @@ task_spec = {
 task_map = fields(task_spec)
 cancel_map = fields({"v": version, "t": st.sampled_from([4, 4, 1]), "id": ident})
 timings_map = fields({"queued_ms": ratio, "first_token_ms": ratio, "total_ms": ratio})
+# A TokenLogprob: [token, logprob, [[token, logprob], ...]], sometimes broken.
+token_logprob = (
+    st.tuples(
+        st.text(max_size=6), ratio, st.lists(st.tuples(st.text(max_size=4), ratio), max_size=22)
+    ).map(list)
+    | msgpack_values
+)
 error_map = fields(
     {"code": st.sampled_from(sorted(CODES)), "message": st.text(), "retry_after_ms": nat}
 )
@@ -155,6 +163,7 @@ reply_map = fields(
         "attempts": nat,
         "chunks": nat,
         "timings": timings_map,
+        "logprobs": st.none() | st.lists(token_logprob, max_size=4),
     }
 )
 gpu_map = fields(

@@ -752,11 +752,11 @@ def test_a_forwarded_task_with_a_large_structured_form_is_measured_not_assumed_s
     check_forwarded_task(msgspec.structs.replace(big, prompt="p"), bytes_max=200_000)
 
 
-def test_asks_later_params_names_each_field_members_before_0_3_2_refuse() -> None:
-    from gossipd.core.messages import asks_later_params
+def test_release_asked_names_each_field_and_the_release_that_reads_it() -> None:
+    from gossipd.core.messages import release_asked
 
-    assert not asks_later_params(SamplingParams())
-    assert not asks_later_params(SamplingParams(presence_penalty=0, repetition_penalty=1))
+    assert release_asked(SamplingParams()) is None
+    assert release_asked(SamplingParams(presence_penalty=0, repetition_penalty=1)) is None
     for asked in (
         {"presence_penalty": 0.1},
         {"frequency_penalty": -0.1},
@@ -765,4 +765,17 @@ def test_asks_later_params_names_each_field_members_before_0_3_2_refuse() -> Non
         {"min_tokens": 1},
         {"structured": StructuredOutput(json_object=True)},
     ):
-        assert asks_later_params(SamplingParams(**asked)), asked
+        assert release_asked(SamplingParams(**asked)) == (0, 3, 2), asked
+    for asked in ({"logprobs": 0}, {"logprobs": 5, "min_p": 0.1}):
+        assert release_asked(SamplingParams(**asked)) == (0, 3, 3), asked
+
+
+def test_logprobs_are_bounded_by_what_a_result_may_carry() -> None:
+    assert SamplingParams(max_tokens=32768, logprobs=0).logprobs == 0
+    assert SamplingParams(max_tokens=1560, logprobs=20).logprobs == 20
+    with pytest.raises(ValueError, match=r"max_tokens x \(logprobs \+ 1\) must be at most 32768"):
+        SamplingParams(max_tokens=1561, logprobs=20)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"logprobs": 21}, SamplingParams)
+    # A task without logprobs writes no key for them: members before 0.3.3 read it.
+    assert b"logprobs" not in msgspec.msgpack.encode(SamplingParams(max_tokens=3))

@@ -261,7 +261,7 @@ def test_fields_that_ask_nothing_are_taken(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("logprobs", 0), ("logprobs", True), ("top_logprobs", 2), ("best_of", 2),
+    [("logprobs", True), ("logprobs", 21), ("logprobs", -1), ("top_logprobs", 2), ("best_of", 2),
      ("best_of", True), ("stream", 1), ("stream_options", "junk"), ("logit_bias", {"1": 5}),
      ("tools", [{"type": "function"}]), ("presence_penalty", 2.5), ("frequency_penalty", -3),
      ("repetition_penalty", 0), ("repetition_penalty", True), ("min_p", 1.1),

@@ -348,3 +348,44 @@ def test_tool_choice_named_and_required_hold_the_calls_to_the_tools(cluster: Clu
     assert back.choices[0].message.tool_calls is None and back.usage is not None
     assert back.usage.prompt_tokens > 20  # (the tools, the call and its result in the prompt)
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")
+
+
+def test_logprobs_come_from_the_engine_that_ran_the_task(cluster: Cluster) -> None:
+    """Completions' logprobs N and a chat's logprobs / top_logprobs, from the owner's vLLM
+    engine across the fan-out: one entry a generated token, their text the answer's, the
+    greedy choice the most likely one; streamed, the same tokens piece by piece."""
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    headers = {"x-session-id": _session_of(cluster, owner.name)}
+    asked: Any = {"model": model, "prompt": "the fox", "max_tokens": 12, "temperature": 0,
+                  "logprobs": 3, "extra_headers": headers}  # fmt: skip
+    answer = client.completions.create(**asked)
+    done = answer.choices[0]
+    lp = done.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert answer.usage is not None and len(lp.tokens) == answer.usage.completion_tokens
+    # (The tiny model writes byte-level tokens that end mid-character: alone each decodes
+    # to "", together to U+FFFD in the text, as vLLM's server gives them too.)
+    assert "".join(lp.tokens) == done.text.replace("\ufffd", "")
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and token in top and len(top) <= 4
+        # Greedy: the likeliest (a map by text: tokens that decode alike share an entry).
+        assert logprob >= max(top.values()) - 1e-4
+    streamed = [c.choices[0] for c in client.completions.create(**asked, stream=True)]
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens or []] == lp.tokens
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        logprobs=True, top_logprobs=2, extra_headers=headers,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and chat.usage is not None
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(t.token for t in content) == (chat.choices[0].message.content or "").replace(
+        "\ufffd", ""
+    )
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.logprob <= token.top_logprobs[0].logprob + 1e-4
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

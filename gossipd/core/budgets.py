@@ -37,9 +37,25 @@ def task_bytes(task: Task) -> int:
     return TASK_OVERHEAD_BYTES + _sizeof(task.prompt) + texts + sum(map(_sizeof, form.choice))
 
 
+# A token's log probability in a Result (TokenLogprob, its token and float, the list's slot)
+# and each of its top ones (a tuple, its str and float): measured in tests/test_budgets.py.
+LOGPROB_BYTES = 200
+LOGPROB_TOP_BYTES = 150
+
+
 def result_bytes(result: Result) -> int:
-    """Memory a final Result holds: its text (or error message) and the rest."""
+    """Memory a final Result holds: its text (or error message), its log probabilities
+    when the task asked them (counted by entries: O(1) a token), and the rest."""
     error = result.error
     if error is None:
+        logprobs = result.logprobs
+        if logprobs is not None and logprobs:
+            tops = len(logprobs[0].top) * len(logprobs)  # (each token has as many)
+            return (
+                RESULT_OVERHEAD_BYTES
+                + _sizeof(result.text)
+                + len(logprobs) * LOGPROB_BYTES
+                + tops * LOGPROB_TOP_BYTES
+            )
         return RESULT_OVERHEAD_BYTES + _sizeof(result.text)
     return RESULT_OVERHEAD_BYTES + _sizeof(result.text) + _sizeof(error.message)

@@ -72,7 +72,7 @@ from typing import Protocol
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import AckTimes, Breaker, BreakerState
 from gossipd.core.forwarded import Forwarded, ForwardedLedger
-from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task, asks_later_params
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task, release_asked
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 from gossipd.core.ring import LoadCounts
 
@@ -314,10 +314,12 @@ class Forwarder:
         if owner is None:
             self.counters.unavailable += 1
             message = f"no live member serves model {task.model!r}"
-            if asks_later_params(task.params):
+            if (needed := release_asked(task.params)) is not None:
+                release = ".".join(map(str, needed))
                 message += (
-                    " and reads this task's params (a penalty, min_p, min_tokens or "
-                    "structured output: members before release 0.3.2 refuse them)"
+                    f" and reads this task's params (members before release {release} refuse "
+                    "what it asks: logprobs from 0.3.3; a penalty, min_p, min_tokens or "
+                    "structured output from 0.3.2)"
                 )
             self._events.append(
                 Refuse(task, ErrorCode.UNAVAILABLE, message, self.settings.retry_after_ms)

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from gossipd.core.releases import LATER_PARAMS_FROM_VERSION, LOGPROBS_FROM_VERSION
 from gossipd.errors import RemoteProtocolError
 
 PROTOCOL_VERSION = 1
@@ -203,6 +204,24 @@ def _nesting(doc: object) -> int:
     return deepest
 
 
+LOGPROBS_TOP_MAX = 20  # (vLLM's max_logprobs, OpenAI's top_logprobs)
+# Log probabilities one task's Result carries at most (tokens x (1 + the top ones)): a
+# Result must fit a frame between daemons (fanout.message_bytes_max, 4 MiB by default).
+LOGPROB_ENTRIES_MAX = 32768
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A generated token, its log probability, and the most likely tokens at its place with
+    theirs, most likely first (OpenAI's logprobs; -9999 stands for minus infinity)."""
+
+    token: Annotated[str, msgspec.Meta(max_length=1024)]
+    logprob: float
+    top: Annotated[
+        tuple[tuple[Annotated[str, msgspec.Meta(max_length=1024)], float], ...],
+        msgspec.Meta(max_length=LOGPROBS_TOP_MAX + 1),
+    ] = ()
+
+
 # The defaults of the params added in release 0.3.2: a value equal to one is replaced
 # by the object itself, because omit_defaults leaves out only the default object (not an
 # equal float decoded from a frame), and a member from before them refuses the key.
@@ -244,10 +263,22 @@ class SamplingParams(
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=32768)] = 0
     # Output held to a JSON Schema, any JSON object, a regex, a choice or a grammar.
     structured: StructuredOutput | None = None
+    # Each generated token's log probability and the `logprobs` most likely tokens at its
+    # place, with theirs (Chunk's and Result's logprobs).  Release 0.3.3.
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=LOGPROBS_TOP_MAX)] | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1, not 0")
+        if (
+            self.logprobs is not None
+            and self.max_tokens * (self.logprobs + 1) > LOGPROB_ENTRIES_MAX
+        ):
+            raise ValueError(
+                f"logprobs ({self.logprobs}) with max_tokens ({self.max_tokens}): max_tokens x "
+                f"(logprobs + 1) must be at most {LOGPROB_ENTRIES_MAX} (a Result carries them "
+                "all); ask fewer"
+            )
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
@@ -272,18 +303,22 @@ MODEL_DEFAULT_TOP_K = 4
 MODEL_DEFAULT_MAX_TOKENS = 8
 
 
-def asks_later_params(params: SamplingParams) -> bool:
-    """Does ``params`` ask a field added in release 0.3.2 (members before
-    releases.LATER_PARAMS_FROM_VERSION refuse it)?  Identity tests: the neutral values are
-    the default objects (SamplingParams.__post_init__)."""
-    return (
+def release_asked(params: SamplingParams) -> tuple[int, int, int] | None:
+    """The release a member needs to read ``params`` where it asks a field added after
+    0.3.1 (members before it refuse the field: core/releases.py); None: any member reads it.
+    Identity tests: the neutral values are the default objects (SamplingParams.__post_init__)."""
+    if params.logprobs is not None:
+        return LOGPROBS_FROM_VERSION
+    if (
         params.presence_penalty is not _NO_PENALTY
         or params.frequency_penalty is not _NO_PENALTY
         or params.min_p is not _NO_PENALTY
         or params.repetition_penalty is not _NO_REPETITION_PENALTY
         or params.min_tokens != 0
         or params.structured is not None
-    )
+    ):
+        return LATER_PARAMS_FROM_VERSION
+    return None
 
 
 def reply_route(reply_to: str, producer_key: str) -> str:
@@ -367,6 +402,10 @@ class Chunk(
     seq: Annotated[int, msgspec.Meta(ge=0)]
     delta: str
     node: NodeName = ""
+    # The tokens this delta's text came from, when the task asked logprobs (release 0.3.3).
+    logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=LOGPROB_ENTRIES_MAX)] | None = (
+        None
+    )
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -416,6 +455,10 @@ class Result(
     timings: Timings = msgspec.field(default_factory=Timings)
     # Added in the HTTP door's release: absent (None) from older daemons and on errors.
     usage: TokenUsage | None = None
+    # Every generated token's, when the task asked logprobs (release 0.3.3); else None.
+    logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=LOGPROB_ENTRIES_MAX)] | None = (
+        None
+    )
 
     def __post_init__(self) -> None:
         if self.ok == (self.error is not None):

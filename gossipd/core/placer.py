@@ -38,9 +38,9 @@ from gossipd.core import ring as rings
 from gossipd.core.gossip_messages import CAPACITY_WEIGHT_MIN, LoadRecord
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, Member, MemberEvent
-from gossipd.core.messages import Task, asks_later_params
+from gossipd.core.messages import Task, release_asked
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
-from gossipd.core.releases import LATER_PARAMS_FROM_VERSION, release_at_least
+from gossipd.core.releases import NEWEST_PARAMS_VERSION, release_of
 from gossipd.core.ring import Candidate, LoadCounts, Ring, bound, key_hash
 
 
@@ -210,9 +210,10 @@ class Placer:
         self._passed_age_s = -1.0
         self._now = 0.0  # the decision being made's ``now``
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
-        # Serving members of a release before LATER_PARAMS_FROM_VERSION (a rolling upgrade):
-        # a task asking those params is not placed on them while another serves.
-        self._older: set[str] = set()
+        # Serving members of a release before NEWEST_PARAMS_VERSION (a rolling upgrade), and
+        # their release (None: unreadable): a task asking params a member's release does not
+        # read is not placed on it (messages.release_asked).
+        self._older: dict[str, tuple[int, int, int] | None] = {}
         # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
         self._holder_rank: dict[tuple[str, frozenset[str]], list[str]] = {}
 
@@ -404,14 +405,15 @@ class Placer:
             self._by_model.get(old.model, set()).discard(name)
         if info.serving:
             self._by_model.setdefault(info.model, set()).add(name)
+        release = release_of(info.release)
         if (
             info.serving
             and name != self.node  # (we run this code)
-            and not release_at_least(info.release, LATER_PARAMS_FROM_VERSION)
+            and (release is None or release < NEWEST_PARAMS_VERSION)
         ):
-            self._older.add(name)
+            self._older[name] = release
         else:
-            self._older.discard(name)
+            self._older.pop(name, None)
 
     def _drop(self, name: str) -> None:
         view = self._view
@@ -423,7 +425,7 @@ class Placer:
             self._ring_stale = True
         if old is not None:
             self._by_model.get(old.model, set()).discard(name)
-        self._older.discard(name)
+        self._older.pop(name, None)
         self.prefix_index.set_member(name, ())
 
     # -- decisions -------------------------------------------------------------------------
@@ -471,11 +473,13 @@ class Placer:
             # cluster pays for the set of the others (O(members), not per task otherwise).
             by_model = self._by_model
             ineligible = set(view.weights).difference(by_model.get(model, ()), by_model.get("", ()))
-        if self._older and asks_later_params(task.params):
+        if self._older and (needed := release_asked(task.params)) is not None:
             # Members of an earlier release would refuse the task, and the whole frame it
             # goes in (other tasks' Cancels and Withdraws too): never theirs.  None left:
             # the task is refused unavailable (the forwarder says why).
-            ineligible = ineligible | self._older
+            ineligible = ineligible | {
+                n for n, release in self._older.items() if release is None or release < needed
+            }
         skip = ineligible.union(exclude)
         pool_n = len(view.weights) - len(skip & view.weights.keys())
         if pool_n <= 0:
@@ -552,7 +556,7 @@ class Placer:
         view = self.view()
         ring = view.ring
         if (task.model and not self._all_serve(task.model, view)) or (
-            self._older and asks_later_params(task.params)
+            self._older and release_asked(task.params) is not None
         ):
             # Only members serving the named model (and reading the task's params: a
             # rolling upgrade) qualify: the full placement, not the ring.

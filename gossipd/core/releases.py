@@ -5,10 +5,25 @@ whole message it travels in, so it is sent only to members of a release that kno
 from __future__ import annotations
 
 # The release from which members read Task params' presence_penalty, frequency_penalty,
-# repetition_penalty, min_p, min_tokens and structured (messages.asks_later_params): a task
+# repetition_penalty, min_p, min_tokens and structured (messages.release_asked): a task
 # that asks one is placed only on such members, and refused unavailable where none serves its
 # model (core/placer.py).
 LATER_PARAMS_FROM_VERSION = (0, 3, 2)
+# The release from which members read Task params' logprobs (and write Chunk's and Result's).
+LOGPROBS_FROM_VERSION = (0, 3, 3)
+# The newest of these: members before it are the "older" ones a placer keeps apart.
+NEWEST_PARAMS_VERSION = LOGPROBS_FROM_VERSION
+
+
+def release_of(software_version: str) -> tuple[int, int, int] | None:
+    """``software_version``'s first three dot-separated parts ("0.3.0.dev1" is (0, 3, 0));
+    None where they are not three integers ("0.3.0rc1", "")."""
+    parts = software_version.split(".")[:3]
+    try:
+        numbers = tuple(int(p) for p in parts)
+    except ValueError:
+        return None
+    return (numbers[0], numbers[1], numbers[2]) if len(numbers) == 3 else None
 
 
 def release_at_least(software_version: str, first: tuple[int, int, int]) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gossipd.core.messages import SamplingParams
+from gossipd.core.messages import SamplingParams, TokenLogprob
 
 
 class EngineError(Exception):
@@ -58,6 +58,9 @@ class GenerateRequest:
     params: SamplingParams
     usage: Usage = field(default_factory=Usage)
     model_defaults: int = 0  # Task.model_defaults: fields that take the model's own default
+    # When the task asks params.logprobs: the engine appends each generated token's here
+    # as it goes, before the delta its text is in (the runner sends them with the delta).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

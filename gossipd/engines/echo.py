@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from gossipd.core.messages import TokenLogprob
 from gossipd.engines.base import EngineStats, GenerateRequest
 
 
@@ -57,12 +58,16 @@ class EchoEngine:
         # text's last characters that may begin one wait until they cannot.
         hold = max((len(s) for s in stop), default=1) - 1
         text, sent = "", 0
+        logprobs = request.logprobs  # (the engine is certain: each token's is 0, alone on top)
+        top = request.params.logprobs or 0
         try:
             for token in echo_tokens(request.prompt, request.params.max_tokens):
                 if self._token_delay_s > 0:
                     await asyncio.sleep(self._token_delay_s)
                 self._tokens_total += 1
                 usage.completion_tokens += 1
+                if logprobs is not None:
+                    logprobs.append(TokenLogprob(token, 0.0, ((token, 0.0),) if top else ()))
                 if not stop:
                     yield token
                     continue

@@ -34,6 +34,7 @@ from gossipd.core.messages import (
     MODEL_DEFAULT_TOP_K,
     MODEL_DEFAULT_TOP_P,
     SamplingParams,
+    TokenLogprob,
 )
 from gossipd.engines.base import (
     EngineDead,
@@ -258,6 +259,7 @@ class VllmEngine:
                 min_p=p.min_p,
                 min_tokens=p.min_tokens,
                 structured_outputs=structured,
+                logprobs=p.logprobs,
                 output_kind=RequestOutputKind.DELTA,
             )
         except (VLLMClientError, ValueError, TypeError) as exc:
@@ -280,6 +282,10 @@ class VllmEngine:
                     usage.prompt_tokens = len(output.prompt_token_ids)
                 self._tokens_total += len(completion.token_ids)
                 usage.completion_tokens += len(completion.token_ids)  # DELTA: this step's
+                if request.logprobs is not None and completion.logprobs:
+                    request.logprobs.extend(
+                        _token_logprobs(completion.token_ids, completion.logprobs, params.logprobs)
+                    )
                 if completion.finish_reason is not None:
                     usage.finish_reason = str(completion.finish_reason)
                     if usage.finish_reason == "error":  # (vLLM's FINISHED_ERROR: its server
@@ -331,3 +337,20 @@ class VllmEngine:
             prefix_cache_queries_total=f.prefix_queries,
             prefix_cache_hits_total=f.prefix_hits,
         )
+
+
+def _token_logprobs(token_ids: Any, steps: Any, top_n: int) -> list[TokenLogprob]:
+    """vLLM's logprobs of a step's tokens (a dict a token: id -> Logprob, the sampled one
+    and the ``top_n`` most likely) as TokenLogprobs: minus infinity as -9999, as its server."""
+    out = []
+    for token_id, step in zip(token_ids, steps, strict=False):
+        chosen = step.get(token_id)
+        ranked = sorted(step.values(), key=lambda lp: lp.rank)[:top_n]
+        out.append(
+            TokenLogprob(
+                (chosen.decoded_token or "") if chosen is not None else "",
+                max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
+                tuple((lp.decoded_token or "", max(lp.logprob, -9999.0)) for lp in ranked),
+            )
+        )
+    return out

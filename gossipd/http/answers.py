@@ -33,6 +33,7 @@ from gossipd.core.messages import (
     ErrorCode,
     ErrorInfo,
     Result,
+    TokenLogprob,
     TokenUsage,
     decode_replies,
 )
@@ -69,6 +70,7 @@ class Choices:
     # Sized to the choices (__post_init__):
     texts: list[str] = field(init=False)  # by choice, as Results come
     usages: list[TokenUsage | None] = field(init=False)
+    logprobs: list[list[TokenLogprob] | None] = field(init=False)  # (when asked)
     nodes: list[str] = field(init=False)  # the member that ran each ("": none yet)
     left: int = field(init=False)  # choices without their Result
 
@@ -76,6 +78,7 @@ class Choices:
         count = len(self.task_ids)
         self.texts = [""] * count
         self.usages = [None] * count
+        self.logprobs = [None] * count
         self.nodes = [""] * count
         self.left = count
 
@@ -94,6 +97,7 @@ class Waiting:
     next_seq: int = 0
     held: dict[int, Chunk] = field(default_factory=dict)  # early chunks by seq
     streamed_chars: int = 0  # of the answer's text written as deltas so far, in order
+    streamed_logprobs: int = 0  # of its tokens' log probabilities (when asked), in order
     # An answer read for tool calls ("auto"): text held back (it may begin a call), and
     # whether a call began (nothing more streams until the Result).
     held_text: str = ""
@@ -307,9 +311,7 @@ class Answers:
             if message.ok and not waiting.gap:
                 # The Result holds the whole text: what no chunk brought in order (chunks
                 # dropped or still on their way, by another path) goes as one last delta.
-                rest = message.text[waiting.streamed_chars :]
-                if rest:
-                    exchange.write(writer.delta(rest))
+                self._rest(writer, waiting, message)
             else:
                 for seq in sorted(waiting.held):  # a gap never filled: what came after it
                     exchange.write(writer.delta(waiting.held[seq].delta))
@@ -323,8 +325,9 @@ class Answers:
             return
         if message.ok:
             body = whole_answer(
-                waiting.call, waiting.response_id, waiting.created, message.text, message.usage
-            )
+                waiting.call, waiting.response_id, waiting.created, message.text, message.usage,
+                message.logprobs,
+            )  # fmt: skip
             exchange.respond(200, body, headers=self.headers(waiting, message.node))
             self.counters.count(200)
             return
@@ -358,6 +361,7 @@ class Answers:
             return
         choices.texts[index] = message.text
         choices.usages[index] = message.usage
+        choices.logprobs[index] = message.logprobs
         choices.nodes[index] = message.node or self._node
         choices.left -= 1
         if waiting.call.stream:
@@ -368,9 +372,7 @@ class Answers:
                 )
             else:
                 if not waiting.gap:
-                    rest = message.text[waiting.streamed_chars :]
-                    if rest:
-                        exchange.write(writer.delta(rest, index))
+                    self._rest(writer, waiting, message)
                 else:
                     for seq in sorted(waiting.held):
                         exchange.write(writer.delta(waiting.held[seq].delta, index))
@@ -385,8 +387,9 @@ class Answers:
             choices.ended = True
             call = waiting.call
             body = choices_answer(
-                call, waiting.response_id, waiting.created, choices.texts, choices.usages
-            )
+                call, waiting.response_id, waiting.created, choices.texts, choices.usages,
+                choices.logprobs,
+            )  # fmt: skip
             # Every member that ran a choice, in choice order, once each.
             headers = self.headers(waiting, ",".join(dict.fromkeys(choices.nodes)))
             exchange.respond(200, body, headers=headers)
@@ -411,8 +414,13 @@ class Answers:
                 if writer.reads_calls:  # only what cannot begin a tool call
                     delta = self._content_part(waiting, delta)
                 if delta:
-                    waiting_bytes = waiting.exchange.write(writer.delta(delta, waiting.index))
+                    logprobs = chunk.logprobs
+                    waiting_bytes = waiting.exchange.write(
+                        writer.delta(delta, waiting.index, logprobs)
+                    )
                     waiting.streamed_chars += len(delta)
+                    if logprobs is not None:
+                        waiting.streamed_logprobs += len(logprobs)
                 waiting.next_seq += 1
             nxt = waiting.held.pop(waiting.next_seq, None)
             if nxt is None:
@@ -427,6 +435,17 @@ class Answers:
                 return
             self._waiting.pop(task_id, None)
             self._cancel(task_id)
+
+    @staticmethod
+    def _rest(writer: StreamWriter, waiting: Waiting, result: Result) -> None:
+        """A stream's last delta: the Result's text (and log probabilities) no chunk
+        brought in order."""
+        rest = result.text[waiting.streamed_chars :]
+        logprobs = result.logprobs
+        if logprobs is not None:
+            logprobs = logprobs[waiting.streamed_logprobs :]
+        if rest or logprobs:
+            waiting.exchange.write(writer.delta(rest, waiting.index, logprobs))
 
     @staticmethod
     def _content_part(waiting: Waiting, delta: str) -> str:

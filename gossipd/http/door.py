@@ -30,6 +30,7 @@ import msgspec
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import HttpConfig
 from gossipd.core.messages import (
+    LOGPROB_ENTRIES_MAX,
     MODEL_DEFAULT_MAX_TOKENS,
     PROTOCOL_VERSION,
     SamplingParams,
@@ -430,6 +431,8 @@ class HttpDoor:
             n = min(asked, context) if asked else min(context, MAX_TOKENS_MAX)
         else:
             n = asked or CHAT_MAX_TOKENS_DEFAULT
+        if params.logprobs is not None:  # (what a Result may carry: messages.SamplingParams)
+            n = min(n, LOGPROB_ENTRIES_MAX // (params.logprobs + 1))
         if n < params.min_tokens:
             raise BadRequest(
                 f"min_tokens ({params.min_tokens}) is more than this chat's max_tokens ({n}: "

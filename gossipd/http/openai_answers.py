@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import ErrorCode, ErrorInfo, TokenUsage
+from gossipd.core.messages import ErrorCode, ErrorInfo, TokenLogprob, TokenUsage
 from gossipd.engines.base import CONTEXT_EXCEEDED_PREFIX
 from gossipd.http.openai_api import Call
 from gossipd.http.tools import read_answer
@@ -72,10 +72,16 @@ def finish_reason(usage: TokenUsage | None) -> str:
 
 
 def whole_answer(
-    call: Call, response_id: str, created: int, text: str, usage: TokenUsage | None
+    call: Call,
+    response_id: str,
+    created: int,
+    text: str,
+    usage: TokenUsage | None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> bytes:
     """A non-streamed answer."""
-    return _answer(call, response_id, created, [_choice(call, 0, text, usage)], usage_of(usage))
+    choice = _choice(call, 0, text, usage, logprobs)
+    return _answer(call, response_id, created, [choice], usage_of(usage))
 
 
 def choices_answer(
@@ -84,11 +90,12 @@ def choices_answer(
     created: int,
     texts: list[str],
     usages: list[TokenUsage | None],
+    logprobs: list[list[TokenLogprob] | None],
 ) -> bytes:
     """A non-streamed answer of several choices (``texts[i]`` is choice i)."""
     choices = [
-        _choice(call, i, text, usage)
-        for i, (text, usage) in enumerate(zip(texts, usages, strict=True))
+        _choice(call, i, text, usage, entries)
+        for i, (text, usage, entries) in enumerate(zip(texts, usages, logprobs, strict=True))
     ]
     return _answer(call, response_id, created, choices, total_usage(usages, call.n))
 
@@ -124,7 +131,18 @@ def total_usage(usages: list[TokenUsage | None], n: int) -> dict[str, int]:
     }
 
 
-def _choice(call: Call, index: int, text: str, usage: TokenUsage | None) -> dict[str, Any]:
+def _choice(
+    call: Call,
+    index: int,
+    text: str,
+    usage: TokenUsage | None,
+    logprobs: list[TokenLogprob] | None = None,
+) -> dict[str, Any]:
+    if logprobs is not None:
+        return {
+            **_choice(call, index, text, usage),
+            "logprobs": chat_logprobs(logprobs) if call.chat else completion_logprobs(logprobs),
+        }
     if call.chat:
         if call.tools is not None and call.tools.parses:
             read = read_answer(call.tools, text, finish_reason(usage))
@@ -142,12 +160,47 @@ def _choice(call: Call, index: int, text: str, usage: TokenUsage | None) -> dict
     return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(usage)}
 
 
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A completion's ``logprobs`` (OpenAI's legacy shape, as vLLM writes it): each token,
+    its log probability, the chosen and most likely tokens with theirs, and where each
+    token's text begins in the choice's text (from ``offset``)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat's ``logprobs``: ``content``, each token with its log probability, its UTF-8
+    bytes and ``top_logprobs`` (the most likely tokens with theirs)."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.token.encode("utf-8", "replace")),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+                    for t, lp in e.top
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
 class StreamWriter:
     """The server-sent events of one streamed answer, in OpenAI's exact framing: each event
     ``data: {json}\\n\\n``, one ``id`` and ``created`` for all, a last chunk with the finish
     reason, with include_usage a usage chunk with empty ``choices``, then ``data: [DONE]``."""
 
-    __slots__ = ("_chat", "_head", "_include_usage", "_roles_sent", "_tools")
+    __slots__ = ("_chat", "_head", "_include_usage", "_offsets", "_roles_sent", "_tools")
 
     def __init__(self, call: Call, response_id: str, created: int) -> None:
         kind = "chat.completion.chunk" if call.chat else "text_completion"
@@ -161,6 +214,7 @@ class StreamWriter:
         self._chat = call.chat
         self._include_usage = call.include_usage
         self._roles_sent: set[int] = set()  # the choices whose first delta went (chat)
+        self._offsets: dict[int, int] = {}  # completions' logprobs: each choice's text so far
         self._tools = call.tools if call.tools is not None and call.tools.parses else None
 
     @property
@@ -195,23 +249,31 @@ class StreamWriter:
         )
         return b'%s"choices":%s%s}\n\n' % (self._head, choices, tail)
 
-    def delta(self, text: str, index: int = 0) -> bytes:
-        """Choice ``index``'s next text."""
+    def delta(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """Choice ``index``'s next text (and its tokens' log probabilities, when asked)."""
         body = _json_encode(text)
+        lp = b"null" if logprobs is None else self._logprobs(logprobs, index)
         if self._chat:
             if index not in self._roles_sent:
                 self._roles_sent.add(index)
                 return self._event(
                     b'[{"index":%d,"delta":{"role":"assistant","content":%s},'
-                    b'"logprobs":null,"finish_reason":null}]' % (index, body)
+                    b'"logprobs":%s,"finish_reason":null}]' % (index, body, lp)
                 )
             return self._event(
-                b'[{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]'
-                % (index, body)
+                b'[{"index":%d,"delta":{"content":%s},"logprobs":%s,"finish_reason":null}]'
+                % (index, body, lp)
             )
         return self._event(
-            b'[{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}]' % (index, body)
+            b'[{"index":%d,"text":%s,"logprobs":%s,"finish_reason":null}]' % (index, body, lp)
         )
+
+    def _logprobs(self, entries: list[TokenLogprob], index: int) -> bytes:
+        if self._chat:
+            return _json_encode(chat_logprobs(entries))
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + sum(len(e.token) for e in entries)
+        return _json_encode(completion_logprobs(entries, offset))
 
     def finish(self, usage: TokenUsage | None) -> bytes:
         """The one choice's last event, then the stream's end."""

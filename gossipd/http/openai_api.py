@@ -236,23 +236,25 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         n = 1
     if not 1 <= n <= N_MAX:
         raise BadRequest(f"n: from 1 to {N_MAX} choices", param="n")
-    for name in ("logprobs", "top_logprobs", "best_of", "suffix", "tools", "logit_bias"):
+    for name in ("best_of", "suffix", "tools", "logit_bias"):
         if name == "tools" and chat:
             continue  # (decode_tools took them)
         value = doc.get(name)
         # Absent, null, false or empty asks nothing (LangChain sends logit_bias {} on every
-        # call); best_of also 1, top_logprobs 0.  By type: 0 == False, and logprobs 0 asks
-        # for the chosen token's log probability.
+        # call); best_of also 1.
         if not (
             value is None
             or value is False
             or (type(value) in (dict, list, str) and not value)
             or (name == "best_of" and _is_int(value, 1))
-            or (name == "top_logprobs" and _is_int(value, 0))
         ):
             raise BadRequest(f"{name}: not supported by this server", param=name)
     if doc.get("echo"):
         raise BadRequest("echo: not supported by this server", param="echo")
+    logprobs = _logprobs(doc, chat)
+    if logprobs is not None and tools is not None and tools.parses:
+        raise BadRequest("logprobs: not served with tools read for calls (tool_choice other "
+                         'than "none")', param="logprobs")  # fmt: skip
     _refuse_unserved_sampling(doc, chat)
     stop = doc.get("stop")
     if isinstance(stop, str):
@@ -279,6 +281,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         fields["stop"] = stop
     if doc.get("ignore_eos") is not None:
         fields["ignore_eos"] = doc.get("ignore_eos")
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
     structured_from = ""
     if (structured := _structured(doc)) is not None:
         structured_from, fields["structured"] = structured
@@ -308,6 +312,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
             param = structured_from  # (the request's name for it)
         if param == "max_tokens" and chat:
             param = "max_completion_tokens" if "max_completion_tokens" in doc else "max_tokens"
+        if param == "logprobs" and chat and doc.get("top_logprobs"):
+            param = "top_logprobs"
         raise BadRequest(
             f"{param or 'parameters'}: {text.split(' - at ')[0]}", param=param
         ) from None
@@ -451,6 +457,33 @@ def _refuse_unserved_sampling(doc: dict[str, Any], chat: bool) -> None:
     if doc.get("guided_whitespace_pattern") is not None:
         raise BadRequest("guided_whitespace_pattern: not served by this server",
                          param="guided_whitespace_pattern")  # fmt: skip
+
+
+def _logprobs(doc: dict[str, Any], chat: bool) -> int | None:
+    """The task's params.logprobs: completions' ``logprobs`` (an integer: the most likely
+    tokens a token, with the chosen one's), a chat's ``logprobs`` (true) and
+    ``top_logprobs``; None: not asked (absent, null, false; a chat's top_logprobs 0)."""
+    asked = doc.get("logprobs")
+    top = doc.get("top_logprobs")
+    if chat:
+        if asked is not None and not isinstance(asked, bool):
+            raise BadRequest("logprobs: true or false", param="logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+            raise BadRequest("top_logprobs: an integer", param="top_logprobs")
+        if not asked:
+            if top:  # (0 asks nothing: clients send it)
+                raise BadRequest("top_logprobs: needs logprobs true", param="top_logprobs")
+            return None
+        return top or 0
+    if top is not None and top != 0:
+        raise BadRequest("top_logprobs: chats only; completions ask logprobs N",
+                         param="top_logprobs")  # fmt: skip
+    if asked is None or asked is False:
+        return None
+    if not isinstance(asked, int) or isinstance(asked, bool):
+        raise BadRequest("logprobs: an integer (the most likely tokens a token)",
+                         param="logprobs")  # fmt: skip
+    return asked
 
 
 def _left_out(temperature: object, top_p: object, top_k: object) -> int:

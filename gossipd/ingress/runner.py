@@ -31,6 +31,7 @@ from gossipd.core.messages import (
     Result,
     Task,
     Timings,
+    TokenLogprob,
     TokenUsage,
     encode,
     error_result,
@@ -244,19 +245,27 @@ class Runner:
                 raise asyncio.CancelledError
             if started >= deadline:
                 raise TimeoutError
+            logprobs: list[TokenLogprob] | None = [] if task.params.logprobs is not None else None
             request = GenerateRequest(
                 request_id=task.id,
                 prompt=task.prompt,
                 params=task.params,
                 model_defaults=task.model_defaults,
+                logprobs=logprobs,
             )
             usage = request.usage
+            sent_logprobs = 0  # (of ``logprobs``, those a Chunk carried)
             async for delta in self._engine.generate(request):
                 if not first_token_at:
                     first_token_at = clock()
                 parts.append(delta)
                 if task.stream:
-                    chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
+                    if logprobs is None:
+                        chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
+                    else:
+                        chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node,
+                                      logprobs=logprobs[sent_logprobs:])  # fmt: skip
+                        sent_logprobs = len(logprobs)
                     self._replies.send_message(task.route, chunk, task.batch_replies)
                     seq += 1
             end = clock()
@@ -279,6 +288,7 @@ class Runner:
                     else 0.0,
                     total_ms=(end - job.received_at) * 1e3,
                 ),
+                logprobs=logprobs,
             )
             self.latency.observe(end - job.received_at)
             self.queue_wait.observe(end - started)
