@@ -228,3 +228,30 @@ def test_TokenBuckets_retry_after_the_hint_is_admitted(
         if hint:
             assert buckets.charge(identity, cost, now + hint / 1000.0) == 0
             now += hint / 1000.0
+
+
+def test_a_structured_outputs_form_is_charged_as_prompt() -> None:
+    """The engine compiles a task's form (the largest grammar the wire takes: about 2 s of
+    its CPU, bench/README): its characters count as the prompt's, so a producer's budget
+    bounds how much compiling it may ask."""
+    from gossipd.config import BudgetsConfig
+    from gossipd.core.messages import SamplingParams, StructuredOutput, Task
+    from gossipd.ingress.budgets import BudgetGate
+
+    config = BudgetsConfig(enabled=True, tokens_per_s_per_capacity=1000, default_share=1.0)
+    plain = Task(v=1, id="a", prompt="p" * 40, reply_to="tcp://h:1",
+                 params=SamplingParams(max_tokens=10))  # fmt: skip
+    forms = [
+        StructuredOutput(grammar="root ::= " + '"x" ' * 1000),
+        StructuredOutput(json='{"enum": [' + ",".join(['"a"'] * 1000) + "]}"),
+        StructuredOutput(regex="(" + "|".join(["ab"] * 1360) + ")"),  # (4081 of 4096)
+        StructuredOutput(choice=["x" * 250] * 16),
+    ]
+    for form in forms:
+        gate = BudgetGate(config, capacity_weight=1.0, retry_after_max_ms=60_000)
+        held = msgspec.structs.replace(plain, params=SamplingParams(max_tokens=10, structured=form))
+        assert gate.check(plain, 0.0) == 0 and gate.check(held, 0.0) == 0  # (into debt)
+        # 1000 tokens a second: 20 for the plain task, more than the rest for the form's.
+        assert gate.check(plain, 0.0) > 0, form
+        fresh = BudgetGate(config, capacity_weight=1.0, retry_after_max_ms=60_000)
+        assert all(fresh.check(plain, 0.0) == 0 for _ in range(40))

@@ -122,7 +122,7 @@ class BudgetGate:
         when admitted, else its retry-after hint in ms."""
         c = self._config
         identity = self._identity(task, identity)
-        cost = task_cost_tokens(len(task.prompt), task.params.max_tokens, c.chars_per_token)
+        cost = task_cost_tokens(_chars(task), task.params.max_tokens, c.chars_per_token)
         return self.buckets.charge(identity, cost, now)
 
     def check_together(self, tasks: list[Task], now: float, identity: str | None = None) -> int:
@@ -132,7 +132,7 @@ class BudgetGate:
 
     def _cost(self, tasks: list[Task]) -> int:
         per_token = self._config.chars_per_token
-        return sum(task_cost_tokens(len(t.prompt), t.params.max_tokens, per_token) for t in tasks)
+        return sum(task_cost_tokens(_chars(t), t.params.max_tokens, per_token) for t in tasks)
 
     def _identity(self, task: Task, identity: str | None) -> str:
         """Whose budget: ``identity`` as the door says; "" (a door whose clients carry no
@@ -279,3 +279,17 @@ def start_budgets(
             name="budgets",
         )
     ]
+
+
+def _chars(task: Task) -> int:
+    """The characters a task is charged for: its prompt's, and a structured output's form's
+    (the engine compiles it: the largest grammar the wire takes costs it about 2 s of CPU,
+    bench/README "Structured output's compile"; charged as prompt, a client's budget bounds
+    how much of that it may ask)."""
+    form = task.params.structured
+    if form is None:
+        return len(task.prompt)
+    return (
+        len(task.prompt) + len(form.json) + len(form.regex) + len(form.grammar)
+        + sum(map(len, form.choice))
+    )  # fmt: skip
