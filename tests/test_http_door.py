@@ -793,4 +793,5 @@ def test_a_chats_min_tokens_and_a_structured_forms_size_are_400_and_413_never_50
         f"{d.http_url}/v1/completions",
         {"model": "echo", "prompt": prompt, "guided_json": schema},
     )
-    assert status == 413 and "structured output" in json.loads(body)["error"]["message"]
+    message = json.loads(body)["error"]["message"]
+    assert status == 413 and "the prompt (30000 bytes) and the structured output's form" in message

@@ -370,9 +370,13 @@ class HttpDoor:
             raise
 
     def _check_size(self, prompt: str, chat: bool, room: int) -> None:
-        if len(prompt) > room // 4 and len(prompt.encode()) > room:
-            if room < self._prompt_bytes_max:
-                what = f"the prompt and the structured output's form are over {room} bytes"
+        if len(prompt) > room // 4 and (size := len(prompt.encode())) > room:
+            most = self._prompt_bytes_max
+            if room < most:
+                what = (
+                    f"the prompt ({size} bytes) and the structured output's form ({most - room} "
+                    f"bytes) are over {most} bytes together"
+                )
             else:
                 what = f"the prompt is over {room} bytes"
             raise BadRequest(
