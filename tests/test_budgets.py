@@ -209,6 +209,15 @@ def test_logprob_bytes_are_close_to_what_decoded_log_probabilities_take() -> Non
     assert per_top / 2 <= LOGPROB_TOP_BYTES <= per_top * 2, per_top
 
 
+def test_a_task_asking_logprobs_counts_the_entries_it_may_gather() -> None:
+    from gossipd.core.budgets import LOGPROB_BYTES, LOGPROB_TOP_BYTES
+    from gossipd.core.messages import SamplingParams
+
+    plain = task("a", "x" * 100)
+    asking = msgspec.structs.replace(plain, params=SamplingParams(max_tokens=100, logprobs=5))
+    assert task_bytes(asking) == task_bytes(plain) + 100 * (LOGPROB_BYTES + 5 * LOGPROB_TOP_BYTES)
+
+
 def test_ForwardedLedger_forgets_oldest_by_bytes_and_keeps_outstanding_right() -> None:
     outstanding = LoadCounts()
     size = task_bytes(task("a", "x" * 5000))

@@ -143,3 +143,44 @@ def test_logprobs_through_the_door_local_and_forwarded(pair: Cluster) -> None:
         top_logprobs=20,
     )  # fmt: skip
     assert long.usage is not None and long.usage.completion_tokens == 32768 // 21
+    # Over a request's choices too: the door holds every choice's to answer.
+    two = client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "a"}], logprobs=True,
+        top_logprobs=20, n=2,
+    )  # fmt: skip
+    assert two.usage is not None and two.usage.completion_tokens == 2 * (32768 // 42)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="echo", prompt="a", n=2, logprobs=20, max_tokens=1000)
+    assert refused.value.body["param"] == "n"  # type: ignore[index]
+
+
+def test_every_tokens_entry_streams_once_also_past_a_gap() -> None:
+    """Chunks out of order, a gap that never fills (HELD_CHUNKS_MAX waiting), chunks held at
+    the Result: each token's entry goes once, in order, with its text."""
+    from gossipd.clock import ManualClock
+    from gossipd.core.messages import Chunk, Result
+    from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
+    from tests.test_http_answers import RecordingExchange
+
+    answers = Answers(
+        node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
+        request_timeout_s=60, clock=ManualClock(),
+    )  # fmt: skip
+    exchange = RecordingExchange()
+    answers.wait("t", Waiting(exchange=exchange, call=_call(False, logprobs=0, stream=True),  # type: ignore[arg-type]
+                              response_id="c", created=1, deadline=1e9, request_id=""))  # fmt: skip
+
+    def chunk(seq: int) -> Chunk:
+        return Chunk(id="t", seq=seq, delta=f"<{seq}>", logprobs=[TokenLogprob(f"<{seq}>", -1.0)])
+
+    sent = [chunk(seq) for seq in range(1, HELD_CHUNKS_MAX + 1)]  # seq 0 never comes
+    sent.append(chunk(HELD_CHUNKS_MAX + 2))  # another gap: held when the Result comes
+    for each in sent:
+        answers.deliver_message(each)
+    text = "".join(c.delta for c in sent)
+    every = [e for c in sent for e in c.logprobs or []]
+    answers.deliver_message(Result(id="t", ok=True, text=text, logprobs=every))
+    events = [json.loads(raw[6:]) for raw in b"".join(exchange.events).split(b"\n\n")
+              if raw.startswith(b"data: {")]  # fmt: skip
+    pieces = [e["choices"][0] for e in events if e["choices"][0]["text"]]
+    assert [p["logprobs"]["tokens"] for p in pieces] == [[c.delta] for c in sent]

@@ -779,3 +779,16 @@ def test_logprobs_are_bounded_by_what_a_result_may_carry() -> None:
         msgspec.convert({"logprobs": 21}, SamplingParams)
     # A task without logprobs writes no key for them: members before 0.3.3 read it.
     assert b"logprobs" not in msgspec.msgpack.encode(SamplingParams(max_tokens=3))
+    # Nor does a Chunk or Result of a task that asked none; one that did carries them,
+    # bounded: entries (the top ones counted) at most LOGPROB_ENTRIES_MAX.
+    from gossipd.core.messages import TokenLogprob, logprobs_of
+
+    plain = Chunk(id="t", seq=0, delta="x")
+    assert b"logprobs" not in encode(plain) and logprobs_of(decode_reply(encode(plain))) is None
+    entries = [TokenLogprob("x", -1.0, (("x", -1.0),))] * 16384
+    full = Result(id="t", ok=True, text="x", logprobs=entries)
+    assert logprobs_of(decode_reply(encode(full))) == entries
+    entry = ["x", -1.0, [["x", -1.0]]]
+    over = msgpack.packb({"v": 1, "t": 3, "id": "t", "ok": True, "logprobs": [entry] * 16385})
+    with pytest.raises(RemoteProtocolError, match="logprobs"):
+        decode_reply(over)

@@ -475,7 +475,8 @@ def test_a_task_asking_later_params_goes_to_a_member_of_a_release_that_reads_the
             assert set(placer.order(task, NOW)) <= readers
             tried = frozenset({owner}) if owner is not None else frozenset()
             assert set(placer.order(task, NOW, exclude=tried)) <= readers - tried
-        else:
+        if not later or readers == set(releases) | {ME}:
+            # Every member reads it: placed as if all were upgraded (ring, prefixes).
             assert owner == reference.owner_for(task, NOW)
 
 
@@ -496,3 +497,30 @@ def test_a_task_asking_later_params_that_no_reader_serves_is_refused_not_sent_to
     assert placer.owner_for(Task(**fields), NOW) in NAMES[:3]
     asking = Task(**fields, params=SamplingParams(min_tokens=1))
     assert placer.owner_for(asking, NOW) is None and placer.order(asking, NOW) == []
+
+
+def test_a_task_every_older_member_reads_keeps_its_prefix_placement_mid_upgrade() -> None:
+    """Every other member at 0.3.2 (older than logprobs, not than penalties): a keyless task
+    asking a penalty is placed as in an upgraded cluster, by its prompt's prefix, not spread
+    by the full placement that leaving members out needs."""
+    from gossipd.core.messages import SamplingParams
+
+    def placer_at(release: str) -> Placer:
+        h = Harness()
+        for name in NAMES:
+            h.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
+            gpu = GpuState(rpc=f"tcp://{name}:5558", software_version=release)
+            h.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0))
+        return h.placer()
+
+    mid, upgraded = placer_at("0.3.2"), placer_at("0.3.3")
+    for params in (SamplingParams(frequency_penalty=0.5), SamplingParams(logprobs=1)):
+        owners = set()
+        for i in range(20):
+            task = Task(v=1, id=f"t{i}", prompt=PROMPT + str(i), params=params,
+                        reply_to="tcp://1.2.3.4:5")  # fmt: skip
+            owners.add(mid.owner_for(task, NOW))
+            if params.logprobs is None:
+                assert owners == {upgraded.owner_for(task, NOW)}
+        if params.logprobs is not None:  # (read by ourselves only: the rest are older)
+            assert owners == {ME}

@@ -23,24 +23,30 @@ TASK_OVERHEAD_BYTES = 700
 # with an ErrorInfo).
 RESULT_OVERHEAD_BYTES = 350
 
+# A token's log probability in a Result (TokenLogprob, its token and float, the list's slot)
+# and each of its top ones (a tuple, its str and float): measured in tests/test_budgets.py.
+LOGPROB_BYTES = 200
+LOGPROB_TOP_BYTES = 150
+
 _sizeof = sys.getsizeof
 
 
 def task_bytes(task: Task) -> int:
     """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character), a
     structured output's form where it has one (rare: a schema or grammar may be as large),
-    and the rest."""
-    form = task.params.structured
-    if form is None:
+    the log probabilities it may gather where it asks them (its max_tokens' worth: the
+    member running it keeps them until its Result), and the rest."""
+    params = task.params
+    form = params.structured
+    if form is None and params.logprobs is None:
         return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
-    texts = _sizeof(form.json) + _sizeof(form.regex) + _sizeof(form.grammar)
-    return TASK_OVERHEAD_BYTES + _sizeof(task.prompt) + texts + sum(map(_sizeof, form.choice))
-
-
-# A token's log probability in a Result (TokenLogprob, its token and float, the list's slot)
-# and each of its top ones (a tuple, its str and float): measured in tests/test_budgets.py.
-LOGPROB_BYTES = 200
-LOGPROB_TOP_BYTES = 150
+    held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
+    if form is not None:
+        held += _sizeof(form.json) + _sizeof(form.regex) + _sizeof(form.grammar)
+        held += sum(map(_sizeof, form.choice))
+    if params.logprobs is not None:
+        held += params.max_tokens * (LOGPROB_BYTES + params.logprobs * LOGPROB_TOP_BYTES)
+    return held
 
 
 def result_bytes(result: Result) -> int:
@@ -49,8 +55,8 @@ def result_bytes(result: Result) -> int:
     error = result.error
     if error is None:
         logprobs = result.logprobs
-        if logprobs is not None and logprobs:
-            tops = len(logprobs[0].top) * len(logprobs)  # (each token has as many)
+        if logprobs:  # (rare: a walk of its entries is affordable then)
+            tops = sum(len(entry.top) for entry in logprobs)
             return (
                 RESULT_OVERHEAD_BYTES
                 + _sizeof(result.text)

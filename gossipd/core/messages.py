@@ -25,6 +25,7 @@ import re
 from typing import Annotated, Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from gossipd.core.releases import LATER_PARAMS_FROM_VERSION, LOGPROBS_FROM_VERSION
 from gossipd.errors import RemoteProtocolError
@@ -222,6 +223,22 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
     ] = ()
 
 
+_Logprobs = Annotated[list[TokenLogprob], msgspec.Meta(max_length=LOGPROB_ENTRIES_MAX)]
+
+
+def _check_logprobs(logprobs: list[TokenLogprob]) -> None:
+    """At most LOGPROB_ENTRIES_MAX entries, the top ones counted: what a decoded list may
+    hold (a frame of tiny entries would take many times its bytes in memory)."""
+    if len(logprobs) + sum(len(entry.top) for entry in logprobs) > LOGPROB_ENTRIES_MAX:
+        raise ValueError(f"logprobs: more than {LOGPROB_ENTRIES_MAX} entries, the top ones counted")
+
+
+def logprobs_of(message: Chunk | Result) -> list[TokenLogprob] | None:
+    """A Chunk's or Result's log probabilities; None where its task asked none."""
+    logprobs = message.logprobs
+    return None if logprobs is None or logprobs is UNSET else logprobs
+
+
 # The defaults of the params added in release 0.3.2: a value equal to one is replaced
 # by the object itself, because omit_defaults leaves out only the default object (not an
 # equal float decoded from a frame), and a member from before them refuses the key.
@@ -402,10 +419,13 @@ class Chunk(
     seq: Annotated[int, msgspec.Meta(ge=0)]
     delta: str
     node: NodeName = ""
-    # The tokens this delta's text came from, when the task asked logprobs (release 0.3.3).
-    logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=LOGPROB_ENTRIES_MAX)] | None = (
-        None
-    )
+    # The tokens this delta's text came from, when the task asked logprobs (release 0.3.3);
+    # absent (not written) otherwise.
+    logprobs: _Logprobs | UnsetType | None = UNSET
+
+    def __post_init__(self) -> None:
+        if self.logprobs:
+            _check_logprobs(self.logprobs)
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -455,14 +475,15 @@ class Result(
     timings: Timings = msgspec.field(default_factory=Timings)
     # Added in the HTTP door's release: absent (None) from older daemons and on errors.
     usage: TokenUsage | None = None
-    # Every generated token's, when the task asked logprobs (release 0.3.3); else None.
-    logprobs: Annotated[list[TokenLogprob], msgspec.Meta(max_length=LOGPROB_ENTRIES_MAX)] | None = (
-        None
-    )
+    # Every generated token's, when the task asked logprobs (release 0.3.3); absent (not
+    # written) otherwise.
+    logprobs: _Logprobs | UnsetType | None = UNSET
 
     def __post_init__(self) -> None:
         if self.ok == (self.error is not None):
             raise ValueError("a Result has an error exactly when ok is false")
+        if self.logprobs:
+            _check_logprobs(self.logprobs)
 
 
 class Cancel(

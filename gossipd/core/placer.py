@@ -211,9 +211,11 @@ class Placer:
         self._now = 0.0  # the decision being made's ``now``
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
         # Serving members of a release before NEWEST_PARAMS_VERSION (a rolling upgrade), and
-        # their release (None: unreadable): a task asking params a member's release does not
-        # read is not placed on it (messages.release_asked).
-        self._older: dict[str, tuple[int, int, int] | None] = {}
+        # their release ((0, 0, 0): unreadable): a task asking params a member's release does
+        # not read is not placed on it (messages.release_asked).  The lowest of them: a task
+        # every one of them reads is placed as any (the ring, prefixes).
+        self._older: dict[str, tuple[int, int, int]] = {}
+        self._older_floor = NEWEST_PARAMS_VERSION
         # (prefix key, its holders) -> the serving holders in their order (place_by_prefix)
         self._holder_rank: dict[tuple[str, frozenset[str]], list[str]] = {}
 
@@ -405,15 +407,13 @@ class Placer:
             self._by_model.get(old.model, set()).discard(name)
         if info.serving:
             self._by_model.setdefault(info.model, set()).add(name)
-        release = release_of(info.release)
-        if (
-            info.serving
-            and name != self.node  # (we run this code)
-            and (release is None or release < NEWEST_PARAMS_VERSION)
-        ):
-            self._older[name] = release
-        else:
-            self._older.pop(name, None)
+        release = release_of(info.release) or (0, 0, 0)
+        if info.serving and name != self.node and release < NEWEST_PARAMS_VERSION:
+            if self._older.get(name) != release:
+                self._older[name] = release
+                self._older_floor = min(self._older.values())
+        elif self._older.pop(name, None) is not None:
+            self._older_floor = min(self._older.values(), default=NEWEST_PARAMS_VERSION)
 
     def _drop(self, name: str) -> None:
         view = self._view
@@ -425,7 +425,8 @@ class Placer:
             self._ring_stale = True
         if old is not None:
             self._by_model.get(old.model, set()).discard(name)
-        self._older.pop(name, None)
+        if self._older.pop(name, None) is not None:
+            self._older_floor = min(self._older.values(), default=NEWEST_PARAMS_VERSION)
         self.prefix_index.set_member(name, ())
 
     # -- decisions -------------------------------------------------------------------------
@@ -473,13 +474,11 @@ class Placer:
             # cluster pays for the set of the others (O(members), not per task otherwise).
             by_model = self._by_model
             ineligible = set(view.weights).difference(by_model.get(model, ()), by_model.get("", ()))
-        if self._older and (needed := release_asked(task.params)) is not None:
+        if self._older and (needed := self._unread(task)) is not None:
             # Members of an earlier release would refuse the task, and the whole frame it
             # goes in (other tasks' Cancels and Withdraws too): never theirs.  None left:
             # the task is refused unavailable (the forwarder says why).
-            ineligible = ineligible | {
-                n for n, release in self._older.items() if release is None or release < needed
-            }
+            ineligible = ineligible | {n for n, r in self._older.items() if r < needed}
         skip = ineligible.union(exclude)
         pool_n = len(view.weights) - len(skip & view.weights.keys())
         if pool_n <= 0:
@@ -550,13 +549,19 @@ class Placer:
                     ages.sum_s += age_s
         return owner
 
+    def _unread(self, task: Task) -> tuple[int, int, int] | None:
+        """The release ``task``'s params need, where some older member's is below it;
+        None: every member reads them."""
+        needed = release_asked(task.params)
+        return needed if needed is not None and self._older_floor < needed else None
+
     def _owner_for(self, task: Task) -> str | None:
         """The common case costs one ring lookup (cached for repeated keys) and one bound
         check; the preference order is computed only when the owner is over its bound."""
         view = self.view()
         ring = view.ring
         if (task.model and not self._all_serve(task.model, view)) or (
-            self._older and release_asked(task.params) is not None
+            self._older and self._unread(task) is not None
         ):
             # Only members serving the named model (and reading the task's params: a
             # rolling upgrade) qualify: the full placement, not the ring.

@@ -51,7 +51,9 @@ class Usage:
     finish_reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: made for every task, and a frozen dataclass's constructor sets each field
+# through object.__setattr__ (0.62-0.71 us here, against 0.29).  Nothing reassigns its fields.
+@dataclass(slots=True, eq=False)
 class GenerateRequest:
     request_id: str
     prompt: str

@@ -36,6 +36,7 @@ from gossipd.core.messages import (
     TokenLogprob,
     TokenUsage,
     decode_replies,
+    logprobs_of,
 )
 from gossipd.errors import RemoteProtocolError
 from gossipd.http.exchange import Exchange
@@ -314,7 +315,8 @@ class Answers:
                 self._rest(writer, waiting, message)
             else:
                 for seq in sorted(waiting.held):  # a gap never filled: what came after it
-                    exchange.write(writer.delta(waiting.held[seq].delta))
+                    held = waiting.held[seq]
+                    exchange.write(writer.delta(held.delta, 0, logprobs_of(held)))
             if message.ok:
                 exchange.write(writer.finish(message.usage))
             else:
@@ -326,7 +328,7 @@ class Answers:
         if message.ok:
             body = whole_answer(
                 waiting.call, waiting.response_id, waiting.created, message.text, message.usage,
-                message.logprobs,
+                logprobs_of(message),
             )  # fmt: skip
             exchange.respond(200, body, headers=self.headers(waiting, message.node))
             self.counters.count(200)
@@ -361,7 +363,8 @@ class Answers:
             return
         choices.texts[index] = message.text
         choices.usages[index] = message.usage
-        choices.logprobs[index] = message.logprobs
+        if not waiting.call.stream:  # (a stream sent them with its deltas)
+            choices.logprobs[index] = logprobs_of(message)
         choices.nodes[index] = message.node or self._node
         choices.left -= 1
         if waiting.call.stream:
@@ -375,7 +378,8 @@ class Answers:
                     self._rest(writer, waiting, message)
                 else:
                     for seq in sorted(waiting.held):
-                        exchange.write(writer.delta(waiting.held[seq].delta, index))
+                        held = waiting.held[seq]
+                        exchange.write(writer.delta(held.delta, index, logprobs_of(held)))
                 exchange.write(writer.finish_choice(message.usage, index))
             if choices.left == 0:
                 choices.ended = True
@@ -414,7 +418,7 @@ class Answers:
                 if writer.reads_calls:  # only what cannot begin a tool call
                     delta = self._content_part(waiting, delta)
                 if delta:
-                    logprobs = chunk.logprobs
+                    logprobs = logprobs_of(chunk)
                     waiting_bytes = waiting.exchange.write(
                         writer.delta(delta, waiting.index, logprobs)
                     )
@@ -441,7 +445,7 @@ class Answers:
         """A stream's last delta: the Result's text (and log probabilities) no chunk
         brought in order."""
         rest = result.text[waiting.streamed_chars :]
-        logprobs = result.logprobs
+        logprobs = logprobs_of(result)
         if logprobs is not None:
             logprobs = logprobs[waiting.streamed_logprobs :]
         if rest or logprobs:

@@ -307,7 +307,9 @@ class HttpDoor:
                 self._check_choices(call, room)
             params = call.params
             if chat and call.max_tokens_default:
-                params = self._chat_max_tokens(params, models[call.model])
+                params = self._chat_max_tokens(params, models[call.model], call.choices)
+            if params.logprobs is not None and call.choices > 1:
+                self._check_logprobs(params, call)
         except BadRequest as exc:
             # (OpenAI's type for an unknown model too: the status says 404)
             self._error(exchange, exc.status, exc.message, "invalid_request_error", param=exc.param,
@@ -427,16 +429,32 @@ class HttpDoor:
             self.answers.forget_choices(choices)  # (the wire answers it 500)
             raise
 
-    def _chat_max_tokens(self, params: SamplingParams, context: int | None) -> SamplingParams:
+    def _check_logprobs(self, params: SamplingParams, call: Call) -> None:
+        """A request's log probabilities, over all its choices, at most what one Result may
+        carry (the door holds every choice's to write the answer)."""
+        assert params.logprobs is not None
+        entries = call.choices * params.max_tokens * (params.logprobs + 1)
+        if entries > LOGPROB_ENTRIES_MAX:
+            raise BadRequest(
+                f"{call.choices} choices x max_tokens {params.max_tokens} x (logprobs "
+                f"{params.logprobs} + 1) is {entries} log probabilities; at most "
+                f"{LOGPROB_ENTRIES_MAX} in one request: ask fewer choices, tokens or top ones",
+                param="n" if call.n > 1 else "prompt",
+            )
+
+    def _chat_max_tokens(
+        self, params: SamplingParams, context: int | None, choices: int
+    ) -> SamplingParams:
         """A chat that named no max_tokens: http.chat_max_tokens_default within the model's
-        context, or (0) the whole context (the engine stops at it: finish_reason "length")."""
+        context, or (0) the whole context (the engine stops at it: finish_reason "length");
+        with log probabilities, at most what one request may carry (``_check_logprobs``)."""
         asked = self._config.chat_max_tokens_default
         if context:
             n = min(asked, context) if asked else min(context, MAX_TOKENS_MAX)
         else:
             n = asked or CHAT_MAX_TOKENS_DEFAULT
-        if params.logprobs is not None:  # (what a Result may carry: messages.SamplingParams)
-            n = min(n, LOGPROB_ENTRIES_MAX // (params.logprobs + 1))
+        if params.logprobs is not None:
+            n = max(1, min(n, LOGPROB_ENTRIES_MAX // ((params.logprobs + 1) * choices)))
         if n < params.min_tokens:
             raise BadRequest(
                 f"min_tokens ({params.min_tokens}) is more than this chat's max_tokens ({n}: "

@@ -22,6 +22,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from msgspec import UNSET
+
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.core.admission import Admission
 from gossipd.core.lifecycle import Abort, Owned, Phase, Stop, TaskBook
@@ -288,7 +290,7 @@ class Runner:
                     else 0.0,
                     total_ms=(end - job.received_at) * 1e3,
                 ),
-                logprobs=logprobs,
+                logprobs=UNSET if logprobs is None else logprobs,
             )
             self.latency.observe(end - job.received_at)
             self.queue_wait.observe(end - started)
