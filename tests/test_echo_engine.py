@@ -32,13 +32,14 @@ def test_the_answer_is_the_prompts_words_cut_at_the_earliest_stop(
     deltas = asyncio.run(run())
     tokens = echo_tokens(prompt, max_tokens)
     whole = "".join(tokens)
-    # As vLLM checks: after each token, the stop strings the text so far holds; the first
-    # token that completes one ends the answer, at the earliest of those it holds.
+    # As vLLM checks (check_stop_strings): after each token, the stop strings the text so
+    # far holds; the first token that completes one ends the answer, cut where the one that
+    # ends earliest begins (ties: the first in the list).
     for i in range(1, len(tokens) + 1):
         text = "".join(tokens[:i])
-        found = [at for at in (text.find(s) for s in stops) if at >= 0]
+        found = [(at + len(s), n, at) for n, s in enumerate(stops) if (at := text.find(s)) >= 0]
         if found:
-            assert "".join(deltas) == text[: min(found)]
+            assert "".join(deltas) == text[: min(found)[2]]
             assert request.usage.finish_reason == "stop"
             assert request.usage.completion_tokens == i
             break
@@ -46,3 +47,15 @@ def test_the_answer_is_the_prompts_words_cut_at_the_earliest_stop(
         assert "".join(deltas) == whole and request.usage.finish_reason == "length"
         assert request.usage.completion_tokens == max_tokens
     assert all(deltas)  # (no empty delta: none is worth a chunk)
+
+
+def test_of_stop_strings_completed_at_once_the_one_that_ends_first_wins() -> None:
+    """As vLLM's check_stop_strings: "bc" ends before "a bcd" does, though it begins later."""
+    request = GenerateRequest(
+        request_id="t", prompt="a bcd", params=SamplingParams(max_tokens=4, stop=["a bcd", "bc"])
+    )
+
+    async def run() -> str:
+        return "".join([delta async for delta in EchoEngine().generate(request)])
+
+    assert asyncio.run(run()) == "a "

@@ -794,4 +794,6 @@ def test_a_chats_min_tokens_and_a_structured_forms_size_are_400_and_413_never_50
         {"model": "echo", "prompt": prompt, "guided_json": schema},
     )
     message = json.loads(body)["error"]["message"]
-    assert status == 413 and "the prompt (30000 bytes) and the structured output's form" in message
+    assert (
+        status == 413 and "the prompt (30000 bytes) and the form the output is held to" in message
+    )

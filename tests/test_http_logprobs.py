@@ -16,7 +16,8 @@ import pytest
 
 from gossipd.core.messages import TokenLogprob, TokenUsage
 from gossipd.core.ring import Ring
-from gossipd.http.openai_answers import StreamWriter, chat_logprobs, completion_logprobs
+from gossipd.http.logprobs import chat_logprobs, completion_logprobs
+from gossipd.http.openai_answers import StreamWriter
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
 from tests.helpers import running

@@ -257,7 +257,7 @@ def test_what_streams_before_the_answer_is_read_is_a_prefix_of_its_content(
             continue
         part, held, calling = content_part(held, delta, bool(sent))
         sent += part
-        assert len(held) < len("<tool_call>") or not held.strip()
+        assert len(held.lstrip()) < len("<tool_call>")  # (a blank start, a tag's start)
     read = read_answer(ToolUse([WEATHER], "auto"), text, "stop")
     assert (read.content or "").startswith(sent)
     if "<tool_call>" not in text:
@@ -365,3 +365,30 @@ def test_an_answer_that_writes_a_call_is_a_tool_call_local_and_forwarded(pair: C
     ).choices[0]
     assert plain.message.tool_calls is None and "<tool_call>" in (plain.message.content or "")
     assert plain.finish_reason == "length"
+
+
+def test_auto_streamed_past_a_gap_sends_no_content_twice() -> None:
+    """A stream read for calls whose first chunk never came (HELD_CHUNKS_MAX waiting): what
+    streamed is no prefix of the content, so none of the content is sent again at the end."""
+    from gossipd.clock import ManualClock
+    from gossipd.core.messages import Chunk, Result
+    from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
+    from tests.test_http_answers import RecordingExchange
+
+    answers = Answers(
+        node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
+        request_timeout_s=60, clock=ManualClock(),
+    )  # fmt: skip
+    exchange = RecordingExchange()
+    waiting = Waiting(exchange=exchange, call=_chat(tools=[WEATHER], stream=True),  # type: ignore[arg-type]
+                      response_id="c", created=1, deadline=1e9, request_id="")  # fmt: skip
+    answers.wait("t", waiting)
+    deltas = [f"w{i} " for i in range(HELD_CHUNKS_MAX + 1)]  # seq 0 never comes
+    for seq in range(1, HELD_CHUNKS_MAX + 1):
+        answers.deliver_message(Chunk(id="t", seq=seq, delta=deltas[seq]))
+    usage = TokenUsage(completion_tokens=len(deltas), finish_reason="stop")
+    answers.deliver_message(Result(id="t", ok=True, text="".join(deltas), usage=usage))
+    events = [json.loads(raw[6:]) for raw in b"".join(exchange.events).split(b"\n\n")
+              if raw.startswith(b"data: {")]  # fmt: skip
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert content == "".join(deltas[1:])

@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from gossipd.core.releases import LATER_PARAMS_FROM_VERSION, LOGPROBS_FROM_VERSION
+from gossipd.core.releases import LOGPROBS_FROM_VERSION, PENALTIES_FROM_VERSION
 from gossipd.errors import RemoteProtocolError
 
 PROTOCOL_VERSION = 1
@@ -209,16 +209,17 @@ LOGPROBS_TOP_MAX = 20  # (vLLM's max_logprobs, OpenAI's top_logprobs)
 # Log probabilities one task's Result carries at most (tokens x (1 + the top ones)): a
 # Result must fit a frame between daemons (fanout.message_bytes_max, 4 MiB by default).
 LOGPROB_ENTRIES_MAX = 32768
+LOGPROB_TOKEN_CHARS_MAX = 1024  # a token's text in an entry (engines cut longer ones)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A generated token, its log probability, and the most likely tokens at its place with
     theirs, most likely first (OpenAI's logprobs; -9999 stands for minus infinity)."""
 
-    token: Annotated[str, msgspec.Meta(max_length=1024)]
+    token: Annotated[str, msgspec.Meta(max_length=LOGPROB_TOKEN_CHARS_MAX)]
     logprob: float
     top: Annotated[
-        tuple[tuple[Annotated[str, msgspec.Meta(max_length=1024)], float], ...],
+        tuple[tuple[Annotated[str, msgspec.Meta(max_length=LOGPROB_TOKEN_CHARS_MAX)], float], ...],
         msgspec.Meta(max_length=LOGPROBS_TOP_MAX + 1),
     ] = ()
 
@@ -334,7 +335,7 @@ def release_asked(params: SamplingParams) -> tuple[int, int, int] | None:
         or params.min_tokens != 0
         or params.structured is not None
     ):
-        return LATER_PARAMS_FROM_VERSION
+        return PENALTIES_FROM_VERSION
     return None
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 # repetition_penalty, min_p, min_tokens and structured (messages.release_asked): a task
 # that asks one is placed only on such members, and refused unavailable where none serves its
 # model (core/placer.py).
-LATER_PARAMS_FROM_VERSION = (0, 3, 2)
+PENALTIES_FROM_VERSION = (0, 3, 2)
 # The release from which members read Task params' logprobs (and write Chunk's and Result's).
 LOGPROBS_FROM_VERSION = (0, 3, 3)
 # The newest of these: members before it are the "older" ones a placer keeps apart.
@@ -29,9 +29,5 @@ def release_of(software_version: str) -> tuple[int, int, int] | None:
 def release_at_least(software_version: str, first: tuple[int, int, int]) -> bool:
     """True when ``software_version``'s first three dot-separated parts are integers at least
     ``first`` ("0.3.0.dev1" counts as 0.3.0; "0.3.0rc1", "", or unreadable: no)."""
-    parts = software_version.split(".")[:3]
-    try:
-        numbers = tuple(int(p) for p in parts)
-    except ValueError:
-        return False
-    return len(numbers) == 3 and numbers >= first
+    release = release_of(software_version)
+    return release is not None and release >= first

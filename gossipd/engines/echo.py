@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gossipd.core.messages import TokenLogprob
+from gossipd.core.messages import LOGPROB_TOKEN_CHARS_MAX, TokenLogprob
 from gossipd.engines.base import EngineStats, GenerateRequest
 
 
@@ -24,13 +24,14 @@ def echo_tokens(prompt: str, max_tokens: int) -> list[str]:
 
 
 def _first_stop(text: str, stops: tuple[str, ...] | list[str], new_from: int) -> int | None:
-    """Where the earliest stop string in ``text`` begins, if one ends past ``new_from``
-    (the text before it was looked at already)."""
-    found = None
+    """Where the stop string that ends earliest in ``text`` past ``new_from`` begins (the
+    text before it was looked at already; ties: the first in ``stops``), as vLLM's
+    check_stop_strings picks it."""
+    found, best_end = None, len(text) + 1
     for stop in stops:
         at = text.find(stop, max(0, new_from - len(stop) + 1))
-        if at >= 0 and (found is None or at < found):
-            found = at
+        if at >= 0 and at + len(stop) < best_end:
+            found, best_end = at, at + len(stop)
     return found
 
 
@@ -66,8 +67,9 @@ class EchoEngine:
                     await asyncio.sleep(self._token_delay_s)
                 self._tokens_total += 1
                 usage.completion_tokens += 1
-                if logprobs is not None:
-                    logprobs.append(TokenLogprob(token, 0.0, ((token, 0.0),) if top else ()))
+                if logprobs is not None:  # (a token's text in it at most so long: the wire's)
+                    text_of = token[:LOGPROB_TOKEN_CHARS_MAX]
+                    logprobs.append(TokenLogprob(text_of, 0.0, ((text_of, 0.0),) if top else ()))
                 if not stop:
                     yield token
                     continue

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gossipd.core.messages import (
+    LOGPROB_TOKEN_CHARS_MAX,
     MODEL_DEFAULT_MAX_TOKENS,
     MODEL_DEFAULT_TEMPERATURE,
     MODEL_DEFAULT_TOP_K,
@@ -346,11 +347,12 @@ def _token_logprobs(token_ids: Any, steps: Any, top_n: int) -> list[TokenLogprob
     for token_id, step in zip(token_ids, steps, strict=False):
         chosen = step.get(token_id)
         ranked = sorted(step.values(), key=lambda lp: lp.rank)[:top_n]
+        cut = LOGPROB_TOKEN_CHARS_MAX  # (what the wire carries of a token's text)
         out.append(
             TokenLogprob(
-                (chosen.decoded_token or "") if chosen is not None else "",
+                (chosen.decoded_token or "")[:cut] if chosen is not None else "",
                 max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
-                tuple((lp.decoded_token or "", max(lp.logprob, -9999.0)) for lp in ranked),
+                tuple(((lp.decoded_token or "")[:cut], max(lp.logprob, -9999.0)) for lp in ranked),
             )
         )
     return out

@@ -302,9 +302,9 @@ class Answers:
         if waiting.writer is not None or (waiting.call.stream and message.ok):
             writer = self._stream(waiting, message.node)
             if message.ok and writer.reads_calls:
-                exchange.write(
-                    writer.read_choice(message.text, message.usage, 0, waiting.streamed_chars)
-                )
+                # (After a gap what streamed is no prefix of the content: none of it again.)
+                streamed = None if waiting.gap else waiting.streamed_chars
+                exchange.write(writer.read_choice(message.text, message.usage, 0, streamed))
                 exchange.write(writer.end(usage_of(message.usage)))
                 exchange.end_stream()
                 self.counters.count(200)
@@ -313,7 +313,7 @@ class Answers:
                 # The Result holds the whole text: what no chunk brought in order (chunks
                 # dropped or still on their way, by another path) goes as one last delta.
                 self._rest(writer, waiting, message)
-            else:
+            elif not writer.reads_calls:  # (their text may hold a call's markup)
                 for seq in sorted(waiting.held):  # a gap never filled: what came after it
                     held = waiting.held[seq]
                     exchange.write(writer.delta(held.delta, 0, logprobs_of(held)))
@@ -370,9 +370,8 @@ class Answers:
         if waiting.call.stream:
             writer = self._stream(waiting, message.node)
             if writer.reads_calls:
-                exchange.write(
-                    writer.read_choice(message.text, message.usage, index, waiting.streamed_chars)
-                )
+                streamed = None if waiting.gap else waiting.streamed_chars
+                exchange.write(writer.read_choice(message.text, message.usage, index, streamed))
             else:
                 if not waiting.gap:
                     self._rest(writer, waiting, message)
@@ -418,13 +417,14 @@ class Answers:
                 if writer.reads_calls:  # only what cannot begin a tool call
                     delta = self._content_part(waiting, delta)
                 if delta:
-                    logprobs = logprobs_of(chunk)
-                    waiting_bytes = waiting.exchange.write(
-                        writer.delta(delta, waiting.index, logprobs)
-                    )
-                    waiting.streamed_chars += len(delta)
-                    if logprobs is not None:
+                    logprobs = chunk.logprobs
+                    if logprobs:  # (UNSET, None: none asked)
                         waiting.streamed_logprobs += len(logprobs)
+                        out = writer.delta(delta, waiting.index, logprobs)
+                    else:
+                        out = writer.delta(delta, waiting.index)
+                    waiting_bytes = waiting.exchange.write(out)
+                    waiting.streamed_chars += len(delta)
                 waiting.next_seq += 1
             nxt = waiting.held.pop(waiting.next_seq, None)
             if nxt is None:

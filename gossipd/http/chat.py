@@ -30,9 +30,9 @@ PLAIN_TEMPLATE = (
     "between tool_call tags):\n{% for t in tools %}{{ t['function'] | tojson }}\n{% endfor %}"
     "{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
-    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ {'name': c['function']['name'], "
-    "'arguments': c['function']['arguments']} | tojson }}</tool_call>\n{% endfor %}"
-    "{% endfor %}"
+    "{% if 'tool_calls' in m %}{% for c in m['tool_calls'] %}<tool_call>{{ {'name': "
+    "c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>\n"
+    "{% endfor %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -298,7 +298,8 @@ class HttpDoor:
                 room -= len(_msgpack_encode(call.params.structured))
                 if room <= 0:
                     raise BadRequest(
-                        "the structured output's form alone is over what a task may carry "
+                        "the form the output is held to (response_format, guided_*, "
+                        "structured_outputs or tool_choice) alone is over what a task may carry "
                         f"({self._prompt_bytes_max} bytes: ingress.message_bytes_max)",
                         status=413,
                     )
@@ -376,8 +377,9 @@ class HttpDoor:
             most = self._prompt_bytes_max
             if room < most:
                 what = (
-                    f"the prompt ({size} bytes) and the structured output's form ({most - room} "
-                    f"bytes) are over {most} bytes together"
+                    f"the prompt ({size} bytes) and the form the output is held to "
+                    f"({most - room} bytes: response_format, guided_*, structured_outputs or "
+                    f"tool_choice) are over {most} bytes together"
                 )
             else:
                 what = f"the prompt is over {room} bytes"
@@ -431,7 +433,7 @@ class HttpDoor:
 
     def _check_logprobs(self, params: SamplingParams, call: Call) -> None:
         """A request's log probabilities, over all its choices, at most what one Result may
-        carry (the door holds every choice's to write the answer)."""
+        carry (a whole answer holds every choice's)."""
         assert params.logprobs is not None
         entries = call.choices * params.max_tokens * (params.logprobs + 1)
         if entries > LOGPROB_ENTRIES_MAX:
@@ -456,9 +458,12 @@ class HttpDoor:
         if params.logprobs is not None:
             n = max(1, min(n, LOGPROB_ENTRIES_MAX // ((params.logprobs + 1) * choices)))
         if n < params.min_tokens:
+            bound = "http.chat_max_tokens_default within the model's context"
+            if params.logprobs is not None:
+                bound += " and what its log probabilities may take"
             raise BadRequest(
                 f"min_tokens ({params.min_tokens}) is more than this chat's max_tokens ({n}: "
-                "http.chat_max_tokens_default within the model's context): send max_tokens",
+                f"{bound}): send max_tokens",
                 param="min_tokens",
             )
         return params if n == params.max_tokens else msgspec.structs.replace(params, max_tokens=n)

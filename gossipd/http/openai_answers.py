@@ -13,6 +13,7 @@ import msgspec
 
 from gossipd.core.messages import ErrorCode, ErrorInfo, TokenLogprob, TokenUsage
 from gossipd.engines.base import CONTEXT_EXCEEDED_PREFIX
+from gossipd.http.logprobs import chat_logprobs, completion_logprobs
 from gossipd.http.openai_api import Call
 from gossipd.http.tools import read_answer
 
@@ -160,47 +161,13 @@ def _choice(
     return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(usage)}
 
 
-def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """A completion's ``logprobs`` (OpenAI's legacy shape, as vLLM writes it): each token,
-    its log probability, the chosen and most likely tokens with theirs, and where each
-    token's text begins in the choice's text (from ``offset``)."""
-    offsets = []
-    for entry in entries:
-        offsets.append(offset)
-        offset += len(entry.token)
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    """A chat's ``logprobs``: ``content``, each token with its log probability, its UTF-8
-    bytes and ``top_logprobs`` (the most likely tokens with theirs)."""
-    return {
-        "content": [
-            {
-                "token": e.token,
-                "logprob": e.logprob,
-                "bytes": list(e.token.encode("utf-8", "replace")),
-                "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
-                    for t, lp in e.top
-                ],
-            }
-            for e in entries
-        ]
-    }
-
-
 class StreamWriter:
     """The server-sent events of one streamed answer, in OpenAI's exact framing: each event
     ``data: {json}\\n\\n``, one ``id`` and ``created`` for all, a last chunk with the finish
     reason, with include_usage a usage chunk with empty ``choices``, then ``data: [DONE]``."""
 
-    __slots__ = ("_chat", "_head", "_include_usage", "_offsets", "_roles_sent", "_tools")
+    __slots__ = ("_chat", "_head", "_include_usage", "_offsets", "_roles_sent", "_tools",
+                 "reads_calls")  # fmt: skip
 
     def __init__(self, call: Call, response_id: str, created: int) -> None:
         kind = "chat.completion.chunk" if call.chat else "text_completion"
@@ -216,22 +183,19 @@ class StreamWriter:
         self._roles_sent: set[int] = set()  # the choices whose first delta went (chat)
         self._offsets: dict[int, int] = {}  # completions' logprobs: each choice's text so far
         self._tools = call.tools if call.tools is not None and call.tools.parses else None
-
-    @property
-    def reads_calls(self) -> bool:
-        """Each choice's text is read for tool calls at its Result (``read_choice``); before
-        it, only what cannot begin a call is streamed (``content_part``: "auto")."""
-        return self._tools is not None
+        # Each choice's text is read for tool calls at its Result (``read_choice``); before
+        # it, only what cannot begin a call is streamed (answers.py: tools.content_part).
+        self.reads_calls = self._tools is not None
 
     def read_choice(
-        self, text: str, usage: TokenUsage | None, index: int = 0, streamed: int = 0
+        self, text: str, usage: TokenUsage | None, index: int = 0, streamed: int | None = 0
     ) -> bytes:
         """Choice ``index``'s end, read for tool calls: the rest of its content after the
-        ``streamed`` characters already sent (if any), its calls (one delta, each call
-        whole), its finish reason."""
+        ``streamed`` characters already sent (None: none of it, what streamed was not its
+        start), its calls (one delta, each call whole), its finish reason."""
         assert self._tools is not None
         read = read_answer(self._tools, text, finish_reason(usage))
-        rest = read.content[streamed:] if read.content else ""
+        rest = read.content[streamed:] if read.content and streamed is not None else ""
         out = self.delta(rest, index) if rest else b""
         if read.calls:
             role = b"" if index in self._roles_sent else b'"role":"assistant",'

@@ -19,6 +19,8 @@ from gossipd.core.messages import (
     TASK_KEY_CHARS_MAX,
     SamplingParams,
 )
+from gossipd.http.badrequest import BadRequest
+from gossipd.http.logprobs import decode_logprobs
 from gossipd.http.tools import ToolError, ToolUse, decode_tools, structured_for, tool_turn
 
 _json_encode = msgspec.json.Encoder().encode
@@ -34,19 +36,6 @@ MESSAGES_MAX = 1024
 N_MAX = 128  # choices per prompt (OpenAI's bound); the door's http.choices_max bounds them all
 PROMPTS_MAX = 2048  # prompts in one completions request (OpenAI's bound)
 SEED_END = 2**63  # a choice's seed is the request's + its index, modulo this (as vLLM's n)
-
-
-class BadRequest(Exception):
-    """A request the door refuses before it becomes a task: ``status`` (400, 404, ...)."""
-
-    def __init__(
-        self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
 
 
 class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -251,7 +240,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
             raise BadRequest(f"{name}: not supported by this server", param=name)
     if doc.get("echo"):
         raise BadRequest("echo: not supported by this server", param="echo")
-    logprobs = _logprobs(doc, chat)
+    logprobs = decode_logprobs(doc, chat)
     if logprobs is not None and tools is not None and tools.parses:
         raise BadRequest("logprobs: not served with tools read for calls (tool_choice other "
                          'than "none")', param="logprobs")  # fmt: skip
@@ -457,33 +446,6 @@ def _refuse_unserved_sampling(doc: dict[str, Any], chat: bool) -> None:
     if doc.get("guided_whitespace_pattern") is not None:
         raise BadRequest("guided_whitespace_pattern: not served by this server",
                          param="guided_whitespace_pattern")  # fmt: skip
-
-
-def _logprobs(doc: dict[str, Any], chat: bool) -> int | None:
-    """The task's params.logprobs: completions' ``logprobs`` (an integer: the most likely
-    tokens a token, with the chosen one's), a chat's ``logprobs`` (true) and
-    ``top_logprobs``; None: not asked (absent, null, false; a chat's top_logprobs 0)."""
-    asked = doc.get("logprobs")
-    top = doc.get("top_logprobs")
-    if chat:
-        if asked is not None and not isinstance(asked, bool):
-            raise BadRequest("logprobs: true or false", param="logprobs")
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
-            raise BadRequest("top_logprobs: an integer", param="top_logprobs")
-        if not asked:
-            if top:  # (0 asks nothing: clients send it)
-                raise BadRequest("top_logprobs: needs logprobs true", param="top_logprobs")
-            return None
-        return top or 0
-    if top is not None and top != 0:
-        raise BadRequest("top_logprobs: chats only; completions ask logprobs N",
-                         param="top_logprobs")  # fmt: skip
-    if asked is None or asked is False:
-        return None
-    if not isinstance(asked, int) or isinstance(asked, bool):
-        raise BadRequest("logprobs: an integer (the most likely tokens a token)",
-                         param="logprobs")  # fmt: skip
-    return asked
 
 
 def _left_out(temperature: object, top_p: object, top_k: object) -> int:
