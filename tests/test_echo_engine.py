@@ -59,3 +59,24 @@ def test_of_stop_strings_completed_at_once_the_one_that_ends_first_wins() -> Non
         return "".join([delta async for delta in EchoEngine().generate(request)])
 
     assert asyncio.run(run()) == "a "
+
+
+def test_a_tokens_text_in_its_log_probability_is_cut_to_what_the_wire_takes() -> None:
+    """A word longer than LOGPROB_TOKEN_CHARS_MAX (a token to the echo engine): its entry's
+    text is cut, so the Result carrying it decodes wherever it goes."""
+    from gossipd.core.messages import LOGPROB_TOKEN_CHARS_MAX, Result, decode_reply, encode
+
+    request = GenerateRequest(
+        request_id="t", prompt="w" * 1100, params=SamplingParams(max_tokens=1, logprobs=1),
+        logprobs=[],
+    )  # fmt: skip
+
+    async def run() -> str:
+        return "".join([delta async for delta in EchoEngine().generate(request)])
+
+    text = asyncio.run(run())
+    assert text == "w" * 1100 and request.logprobs is not None
+    (entry,) = request.logprobs
+    assert entry.token == "w" * LOGPROB_TOKEN_CHARS_MAX == entry.top[0][0]
+    result = Result(id="t", ok=True, text=text, logprobs=request.logprobs)
+    assert decode_reply(encode(result)) == result
