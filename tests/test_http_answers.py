@@ -14,7 +14,7 @@ from hypothesis import given
 from gossipd.clock import ManualClock
 from gossipd.core.messages import Chunk, Result, TokenUsage, encode
 from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
-from gossipd.http.openai_api import decode_call
+from gossipd.http.openai_api import Call, decode_call
 
 
 class RecordingExchange:
@@ -48,16 +48,18 @@ def _texts(exchange: RecordingExchange) -> list[str]:
     return out
 
 
-def _streaming() -> tuple[Answers, RecordingExchange]:
-    """Answers with one streamed request waiting, task "t1"."""
+def streaming(call: Call | None = None, task_id: str = "t1") -> tuple[Answers, RecordingExchange]:
+    """Answers with one streamed request waiting (``call``, else a plain completion), task
+    ``task_id``."""
     answers = Answers(
         node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
         request_timeout_s=60, clock=ManualClock(),
     )  # fmt: skip
-    call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
+    if call is None:
+        call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
     exchange = RecordingExchange()
-    answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
-                               deadline=1e9, request_id=""))  # fmt: skip
+    answers.wait(task_id, Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
+                                  deadline=1e9, request_id=""))  # fmt: skip
     return answers, exchange
 
 
@@ -100,7 +102,7 @@ def test_a_gap_that_never_fills_is_passed_once_enough_chunks_wait() -> None:
     """At most HELD_CHUNKS_MAX chunks wait for a gap (PROTOCOL.md: "at most 256 held"); the
     one that would be the next goes on after the gap, and the Result adds nothing for the
     gap (its place in the text is unknown): the stream ends as usual."""
-    answers, exchange = _streaming()
+    answers, exchange = streaming()
     for seq in range(1, HELD_CHUNKS_MAX):  # seq 0 never comes
         answers.deliver(encode(Chunk(id="t1", seq=seq, delta=f"<{seq}>")))
     assert _texts(exchange) == []  # 255 held
@@ -118,7 +120,7 @@ def test_a_stream_spells_the_whole_text_whatever_chunks_were_lost_or_late(
 ) -> None:
     """Chunks dropped between members (a full queue) or still on their way by another path:
     the Result's text completes the stream, so the client reads exactly the answer."""
-    answers, exchange = _streaming()
+    answers, exchange = streaming()
     deltas = [f"<{i}>" for i in range(12)]
     for seq in delivered:  # some, in any order, some twice, some never
         answers.deliver(encode(Chunk(id="t1", seq=seq, delta=deltas[seq])))

@@ -158,18 +158,11 @@ def test_logprobs_through_the_door_local_and_forwarded(pair: Cluster) -> None:
 def test_every_tokens_entry_streams_once_also_past_a_gap() -> None:
     """Chunks out of order, a gap that never fills (HELD_CHUNKS_MAX waiting), chunks held at
     the Result: each token's entry goes once, in order, with its text."""
-    from gossipd.clock import ManualClock
     from gossipd.core.messages import Chunk, Result
-    from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
-    from tests.test_http_answers import RecordingExchange
+    from gossipd.http.answers import HELD_CHUNKS_MAX
+    from tests.test_http_answers import streaming
 
-    answers = Answers(
-        node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
-        request_timeout_s=60, clock=ManualClock(),
-    )  # fmt: skip
-    exchange = RecordingExchange()
-    answers.wait("t", Waiting(exchange=exchange, call=_call(False, logprobs=0, stream=True),  # type: ignore[arg-type]
-                              response_id="c", created=1, deadline=1e9, request_id=""))  # fmt: skip
+    answers, exchange = streaming(_call(False, logprobs=0, stream=True), "t")
 
     def chunk(seq: int) -> Chunk:
         return Chunk(id="t", seq=seq, delta=f"<{seq}>", logprobs=[TokenLogprob(f"<{seq}>", -1.0)])

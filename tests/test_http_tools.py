@@ -371,19 +371,11 @@ def test_an_answer_that_writes_a_call_is_a_tool_call_local_and_forwarded(pair: C
 def test_auto_streamed_past_a_gap_sends_no_content_twice() -> None:
     """A stream read for calls whose first chunk never came (HELD_CHUNKS_MAX waiting): what
     streamed is no prefix of the content, so none of the content is sent again at the end."""
-    from gossipd.clock import ManualClock
     from gossipd.core.messages import Chunk, Result
-    from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
-    from tests.test_http_answers import RecordingExchange
+    from gossipd.http.answers import HELD_CHUNKS_MAX
+    from tests.test_http_answers import streaming
 
-    answers = Answers(
-        node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
-        request_timeout_s=60, clock=ManualClock(),
-    )  # fmt: skip
-    exchange = RecordingExchange()
-    waiting = Waiting(exchange=exchange, call=_chat(tools=[WEATHER], stream=True),  # type: ignore[arg-type]
-                      response_id="c", created=1, deadline=1e9, request_id="")  # fmt: skip
-    answers.wait("t", waiting)
+    answers, exchange = streaming(_chat(tools=[WEATHER], stream=True), "t")
     deltas = [f"w{i} " for i in range(HELD_CHUNKS_MAX + 1)]  # seq 0 never comes
     for seq in range(1, HELD_CHUNKS_MAX + 1):
         answers.deliver_message(Chunk(id="t", seq=seq, delta=deltas[seq]))

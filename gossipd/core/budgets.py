@@ -42,8 +42,7 @@ def task_bytes(task: Task) -> int:
         return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
     held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
     if form is not None:
-        held += _sizeof(form.json) + _sizeof(form.regex) + _sizeof(form.grammar)
-        held += sum(map(_sizeof, form.choice))
+        held += sum(map(_sizeof, form.texts()))
     if params.logprobs is not None:
         held += params.max_tokens * (LOGPROB_BYTES + params.logprobs * LOGPROB_TOP_BYTES)
     return held

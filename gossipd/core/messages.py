@@ -191,6 +191,11 @@ class StructuredOutput(
             if _nesting(schema) > STRUCTURED_JSON_DEPTH_MAX:
                 raise ValueError(f"structured: json nests deeper than {STRUCTURED_JSON_DEPTH_MAX}")
 
+    def texts(self) -> tuple[str, ...]:
+        """Its strings (the unset ones empty): what it holds in memory, and what the engine
+        compiles (core/budgets.task_bytes, ingress/budgets: its token cost)."""
+        return (self.json, self.regex, self.grammar, *self.choice)
+
 
 def _nesting(doc: object) -> int:
     """How deep objects and arrays nest in decoded JSON (a walk, not a recursion)."""

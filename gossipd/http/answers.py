@@ -301,25 +301,11 @@ class Answers:
         exchange = waiting.exchange
         if waiting.writer is not None or (waiting.call.stream and message.ok):
             writer = self._stream(waiting, message.node)
-            if message.ok and writer.reads_calls:
-                # (After a gap what streamed is no prefix of the content: none of it again.)
-                streamed = None if waiting.gap else waiting.streamed_chars
-                exchange.write(writer.read_choice(message.text, message.usage, 0, streamed))
-                exchange.write(writer.end(usage_of(message.usage)))
-                exchange.end_stream()
-                self.counters.count(200)
-                return
-            if message.ok and not waiting.gap:
-                # The Result holds the whole text: what no chunk brought in order (chunks
-                # dropped or still on their way, by another path) goes as one last delta.
-                self._rest(writer, waiting, message)
-            elif not writer.reads_calls:  # (their text may hold a call's markup)
-                for seq in sorted(waiting.held):  # a gap never filled: what came after it
-                    held = waiting.held[seq]
-                    exchange.write(writer.delta(held.delta, 0, logprobs_of(held)))
             if message.ok:
-                exchange.write(writer.finish(message.usage))
+                self._end_choice(writer, waiting, message, writer.end(usage_of(message.usage)))
             else:
+                if not writer.reads_calls:  # (their text may hold a call's markup)
+                    self._write_held(writer, waiting)
                 assert message.error is not None
                 exchange.write(writer.error(message.error))
             exchange.end_stream()
@@ -369,17 +355,7 @@ class Answers:
         choices.left -= 1
         if waiting.call.stream:
             writer = self._stream(waiting, message.node)
-            if writer.reads_calls:
-                streamed = None if waiting.gap else waiting.streamed_chars
-                exchange.write(writer.read_choice(message.text, message.usage, index, streamed))
-            else:
-                if not waiting.gap:
-                    self._rest(writer, waiting, message)
-                else:
-                    for seq in sorted(waiting.held):
-                        held = waiting.held[seq]
-                        exchange.write(writer.delta(held.delta, index, logprobs_of(held)))
-                exchange.write(writer.finish_choice(message.usage, index))
+            self._end_choice(writer, waiting, message)
             if choices.left == 0:
                 choices.ended = True
                 exchange.write(writer.end(total_usage(choices.usages, waiting.call.n)))
@@ -439,6 +415,32 @@ class Answers:
                 return
             self._waiting.pop(task_id, None)
             self._cancel(task_id)
+
+    def _end_choice(
+        self, writer: StreamWriter, waiting: Waiting, result: Result, tail: bytes = b""
+    ) -> None:
+        """A streamed choice's end, its Result ok: the text (and log probabilities) no chunk
+        brought in order, or after a gap that never filled the chunks still held; then its
+        finish reason, in one write with ``tail`` (the stream's end, when this choice ends
+        it).  A choice read for tool calls: its content's rest and its calls (after a gap
+        none of its content: what streamed is no prefix of it)."""
+        if writer.reads_calls:
+            streamed = None if waiting.gap else waiting.streamed_chars
+            read = writer.read_choice(result.text, result.usage, waiting.index, streamed)
+            waiting.exchange.write(read + tail)
+            return
+        if waiting.gap:
+            self._write_held(writer, waiting)
+        else:
+            self._rest(writer, waiting, result)
+        waiting.exchange.write(writer.finish_choice(result.usage, waiting.index) + tail)
+
+    @staticmethod
+    def _write_held(writer: StreamWriter, waiting: Waiting) -> None:
+        """The chunks still held behind a gap that never filled, in seq order."""
+        for seq in sorted(waiting.held):
+            held = waiting.held[seq]
+            waiting.exchange.write(writer.delta(held.delta, waiting.index, logprobs_of(held)))
 
     @staticmethod
     def _rest(writer: StreamWriter, waiting: Waiting, result: Result) -> None:

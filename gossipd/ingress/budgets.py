@@ -289,7 +289,4 @@ def _chars(task: Task) -> int:
     form = task.params.structured
     if form is None:
         return len(task.prompt)
-    return (
-        len(task.prompt) + len(form.json) + len(form.regex) + len(form.grammar)
-        + sum(map(len, form.choice))
-    )  # fmt: skip
+    return len(task.prompt) + sum(map(len, form.texts()))
