@@ -266,3 +266,44 @@ def test_what_a_request_leaves_out_is_left_to_its_models_own_defaults() -> None:
         assert exchange.ended == 0, body  # taken, not refused
         assert taken[-1].model_defaults == bits, body
     assert taken[-2].params.max_tokens == 512  # (the door's default, within the context)
+
+
+def test_the_reply_socket_drops_a_frame_over_its_bound_and_keeps_reading() -> None:
+    """A reply over REPLY_FRAME_BYTES_MAX closes its sender's connection unread (ZMQ
+    MAXMSGSIZE): one message cannot take the door's memory.  What comes after, from that
+    sender reconnected or another, is read (here: garbage, counted as invalid)."""
+    import asyncio
+
+    import zmq
+
+    from gossipd.core.messages import REPLY_FRAME_BYTES_MAX
+
+    async def main() -> int:
+        ctx = zmq.Context()
+        answers = Answers(
+            node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 20,
+            request_timeout_s=60, clock=ManualClock(),
+        )  # fmt: skip
+        endpoint = answers.bind(ctx, "tcp://127.0.0.1:*", None)
+        answers.start_receiving()
+        big, other = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+        try:
+            for sock in (big, other):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)
+            big.send(b"\x00" * (REPLY_FRAME_BYTES_MAX + 1))
+            other.send(b"not a reply")
+
+            async def invalid(n: int) -> None:
+                while answers.counters.replies_invalid < n:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(invalid(1), 10)
+            big.send(b"not a reply either")  # after the drop, on its new connection
+            await asyncio.wait_for(invalid(2), 10)
+            return answers.counters.replies_invalid
+        finally:
+            answers.close()
+            ctx.destroy(linger=0)
+
+    assert asyncio.run(main()) == 2

@@ -771,6 +771,9 @@ _REPLIES_HEAD = b"\x83\xa1v" + bytes((PROTOCOL_VERSION,)) + b"\xa1t" + bytes((Ms
 _REPLIES_HEAD += b"\xa5items"
 # A Replies frame holds at most this many bytes of replies (one reply larger goes alone).
 REPLIES_BYTES_MAX = 256 * 1024
+# The largest reply frame a reply address takes (ZMQ_MAXMSGSIZE on a producer's PULL and the
+# door's): a Result carries the whole output text, so one reply may be large, but bounded.
+REPLY_FRAME_BYTES_MAX = 64 * 1024 * 1024
 
 
 class Replies(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.REPLIES)):

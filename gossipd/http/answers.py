@@ -29,6 +29,7 @@ import zmq
 
 from gossipd.clock import Clock
 from gossipd.core.messages import (
+    REPLY_FRAME_BYTES_MAX,
     Chunk,
     ErrorCode,
     ErrorInfo,
@@ -162,6 +163,9 @@ class Answers:
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        # A reply larger than any a daemon sends closes its sender's connection, unread
+        # (without it one message could take any amount of memory).
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_FRAME_BYTES_MAX)
         if serve_curve is not None:
             serve_curve(sock)
         sock.bind(endpoint)

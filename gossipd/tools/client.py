@@ -43,6 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
+    REPLY_FRAME_BYTES_MAX,
     TASK_ID_CHARS_MAX,
     Cancel,
     Chunk,
@@ -61,7 +62,7 @@ from gossipd.zmqloop import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
 log = logging.getLogger("gossipd.tools.client")
 
 # A Result carries the whole output text; bound what one reply may make us hold.
-REPLY_BYTES_MAX = 64 * 1024 * 1024
+REPLY_BYTES_MAX = REPLY_FRAME_BYTES_MAX
 # The codes that mean "not now": the same id again after retry_after_ms, while the deadline
 # allows (docs/PROTOCOL.md, "Error codes"); the last one is final at the deadline.
 RETRYABLE_CODES = frozenset(
