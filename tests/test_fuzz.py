@@ -120,6 +120,7 @@ params_map = fields(
         "stop": st.lists(st.text(max_size=70), max_size=10),
         "ignore_eos": st.booleans(),
         "logprobs": st.none() | st.integers(-1, 22),
+        "prompt_logprobs": st.none() | st.integers(-1, 22),
     }
 )
 task_spec = {
@@ -164,6 +165,7 @@ reply_map = fields(
         "chunks": nat,
         "timings": timings_map,
         "logprobs": st.none() | st.lists(token_logprob, max_size=4),
+        "prompt_logprobs": st.none() | st.lists(token_logprob, max_size=4),
     }
 )
 gpu_map = fields(

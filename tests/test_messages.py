@@ -792,3 +792,11 @@ def test_logprobs_are_bounded_by_what_a_result_may_carry() -> None:
     over = msgpack.packb({"v": 1, "t": 3, "id": "t", "ok": True, "logprobs": [entry] * 16385})
     with pytest.raises(RemoteProtocolError, match="logprobs"):
         decode_reply(over)
+    # The prompt's (an echo's, release 0.3.4): the same bound, apart; absent unless asked.
+    assert b"prompt_logprobs" not in encode(full)
+    echoed = Result(id="t", ok=True, text="x", logprobs=entries, prompt_logprobs=entries)
+    assert decode_reply(encode(echoed)) == echoed
+    over_prompt = msgpack.packb({"v": 1, "t": 2, "id": "t", "seq": 0, "delta": "x",
+                                 "prompt_logprobs": [entry] * 16385})  # fmt: skip
+    with pytest.raises(RemoteProtocolError, match="logprobs"):
+        decode_reply(over_prompt)

@@ -392,3 +392,38 @@ def test_logprobs_come_from_the_engine_that_ran_the_task(cluster: Cluster) -> No
         assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
         assert token.logprob <= token.top_logprobs[0].logprob + 1e-4
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")
+
+
+def test_echo_scores_the_prompt_with_the_engine_that_ran_it(cluster: Cluster) -> None:
+    """Completions' echo with logprobs (lm-evaluation-harness's loglikelihood request), from
+    the owner's vLLM engine across the fan-out: the text begins with the prompt, the tokens
+    with the prompt's (the first with no log probability, null; each other's at most its
+    top's), then the generated ones; max_tokens 0 scores the prompt alone, whole and
+    streamed alike."""
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    headers = {"x-session-id": _session_of(cluster, owner.name)}
+    prompt = "the quick brown fox"
+    asked: Any = {"model": model, "prompt": prompt, "echo": True, "temperature": 0,
+                  "logprobs": 1, "extra_headers": headers}  # fmt: skip
+    answer = client.completions.create(**asked, max_tokens=3)
+    done, usage = answer.choices[0], answer.usage
+    lp = done.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert usage is not None and done.text.startswith(prompt)
+    assert len(lp.tokens or []) == usage.prompt_tokens + usage.completion_tokens
+    shown = usage.prompt_tokens
+    assert "".join((lp.tokens or [])[:shown]) == prompt  # (an ASCII prompt: whole tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for logprob, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert logprob is not None and logprob <= max(top.values()) + 1e-4
+    alone = client.completions.create(**asked, max_tokens=0).choices[0]
+    assert alone.text == prompt and alone.logprobs is not None
+    assert alone.logprobs.tokens == (lp.tokens or [])[:shown]
+    # (The prompt's scores are the engine's, whatever it generates after.)
+    assert alone.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:shown], abs=1e-3)
+    events = [c.choices[0] for c in client.completions.create(**asked, max_tokens=0, stream=True)]
+    assert "".join(e.text for e in events) == prompt
+    assert [t for e in events if e.logprobs for t in e.logprobs.tokens or []] == lp.tokens[:shown]
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from gossipd.core.messages import Result, Task
+from gossipd.core.messages import LOGPROB_ENTRIES_MAX, Result, Task
 
 # The Task struct, its params, id, reply_to and the entries that point at it (admission, the
 # task book, the run queue): tracemalloc measured 610 bytes for a small task in a TaskBook.
@@ -34,17 +34,21 @@ _sizeof = sys.getsizeof
 def task_bytes(task: Task) -> int:
     """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character), a
     structured output's form where it has one (rare: a schema or grammar may be as large),
-    the log probabilities it may gather where it asks them (its max_tokens' worth: the
-    member running it keeps them until its Result), and the rest."""
+    the log probabilities it may gather where it asks them (its max_tokens' worth, and
+    with prompt_logprobs its prompt's, a token at most a byte of it: the member running it
+    keeps them until its Result), and the rest."""
     params = task.params
     form = params.structured
-    if form is None and params.logprobs is None:
+    if form is None and params.logprobs is None and params.prompt_logprobs is None:
         return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
     held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
     if form is not None:
         held += sum(map(_sizeof, form.texts()))
     if params.logprobs is not None:
         held += params.max_tokens * (LOGPROB_BYTES + params.logprobs * LOGPROB_TOP_BYTES)
+    if (top := params.prompt_logprobs) is not None:
+        tokens = min(len(task.prompt.encode()), LOGPROB_ENTRIES_MAX // (top + 1))
+        held += tokens * (LOGPROB_BYTES + top * LOGPROB_TOP_BYTES)
     return held
 
 
@@ -53,13 +57,14 @@ def result_bytes(result: Result) -> int:
     when the task asked them (counted by entries: O(1) a token), and the rest."""
     error = result.error
     if error is None:
-        logprobs = result.logprobs
-        if logprobs:  # (rare: a walk of its entries is affordable then)
-            tops = sum(len(entry.top) for entry in logprobs)
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
+        if logprobs or prompt_logprobs:  # (rare: a walk of their entries is affordable then)
+            entries = [*(logprobs or ()), *(prompt_logprobs or ())]
+            tops = sum(len(entry.top) for entry in entries)
             return (
                 RESULT_OVERHEAD_BYTES
                 + _sizeof(result.text)
-                + len(logprobs) * LOGPROB_BYTES
+                + len(entries) * LOGPROB_BYTES
                 + tops * LOGPROB_TOP_BYTES
             )
         return RESULT_OVERHEAD_BYTES + _sizeof(result.text)

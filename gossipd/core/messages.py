@@ -27,7 +27,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from gossipd.core.releases import LOGPROBS_FROM_VERSION, PENALTIES_FROM_VERSION
+from gossipd.core.releases import (
+    LOGPROBS_FROM_VERSION,
+    PENALTIES_FROM_VERSION,
+    PROMPT_LOGPROBS_FROM_VERSION,
+)
 from gossipd.errors import RemoteProtocolError
 
 PROTOCOL_VERSION = 1
@@ -245,6 +249,12 @@ def logprobs_of(message: Chunk | Result) -> list[TokenLogprob] | None:
     return None if logprobs is None or logprobs is UNSET else logprobs
 
 
+def prompt_logprobs_of(message: Chunk | Result) -> list[TokenLogprob] | None:
+    """A Result's (or a first Chunk's) prompt log probabilities; None where absent."""
+    entries = message.prompt_logprobs
+    return None if entries is None or entries is UNSET else entries
+
+
 # The defaults of the params added in release 0.3.2: a value equal to one is replaced
 # by the object itself, because omit_defaults leaves out only the default object (not an
 # equal float decoded from a frame), and a member from before them refuses the key.
@@ -289,6 +299,10 @@ class SamplingParams(
     # Each generated token's log probability and the `logprobs` most likely tokens at its
     # place, with theirs (Chunk's and Result's logprobs).  Release 0.3.3.
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=LOGPROBS_TOP_MAX)] | None = None
+    # Each prompt token's log probability and the `prompt_logprobs` most likely tokens at its
+    # place (Result's prompt_logprobs, and the first Chunk's): OpenAI's completions `echo`
+    # with `logprobs`.  Release 0.3.4.
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=LOGPROBS_TOP_MAX)] | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
@@ -330,6 +344,8 @@ def release_asked(params: SamplingParams) -> tuple[int, int, int] | None:
     """The release a member needs to read ``params`` where it asks a field added after
     0.3.1 (members before it refuse the field: core/releases.py); None: any member reads it.
     Identity tests: the neutral values are the default objects (SamplingParams.__post_init__)."""
+    if params.prompt_logprobs is not None:
+        return PROMPT_LOGPROBS_FROM_VERSION
     if params.logprobs is not None:
         return LOGPROBS_FROM_VERSION
     if (
@@ -428,10 +444,15 @@ class Chunk(
     # The tokens this delta's text came from, when the task asked logprobs (release 0.3.3);
     # absent (not written) otherwise.
     logprobs: _Logprobs | UnsetType | None = UNSET
+    # The prompt's tokens (as Result's prompt_logprobs), on a task's first Chunk when it
+    # asked prompt_logprobs (release 0.3.4); absent otherwise.
+    prompt_logprobs: _Logprobs | UnsetType | None = UNSET
 
     def __post_init__(self) -> None:
         if self.logprobs:
             _check_logprobs(self.logprobs)
+        if self.prompt_logprobs:
+            _check_logprobs(self.prompt_logprobs)
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -484,12 +505,18 @@ class Result(
     # Every generated token's, when the task asked logprobs (release 0.3.3); absent (not
     # written) otherwise.
     logprobs: _Logprobs | UnsetType | None = UNSET
+    # Every prompt token's, when the task asked prompt_logprobs (release 0.3.4): the first
+    # has no log probability (nothing comes before it: logprob 0, no top ones); absent
+    # (not written) otherwise.
+    prompt_logprobs: _Logprobs | UnsetType | None = UNSET
 
     def __post_init__(self) -> None:
         if self.ok == (self.error is not None):
             raise ValueError("a Result has an error exactly when ok is false")
         if self.logprobs:
             _check_logprobs(self.logprobs)
+        if self.prompt_logprobs:
+            _check_logprobs(self.prompt_logprobs)
 
 
 class Cancel(

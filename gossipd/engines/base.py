@@ -63,6 +63,9 @@ class GenerateRequest:
     # When the task asks params.logprobs: the engine appends each generated token's here
     # as it goes, before the delta its text is in (the runner sends them with the delta).
     logprobs: list[TokenLogprob] | None = None
+    # When the task asks params.prompt_logprobs: the engine appends each prompt token's
+    # here, the first with logprob 0 and no top ones, before its first delta.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

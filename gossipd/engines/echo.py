@@ -61,6 +61,12 @@ class EchoEngine:
         text, sent = "", 0
         logprobs = request.logprobs  # (the engine is certain: each token's is 0, alone on top)
         top = request.params.logprobs or 0
+        if request.prompt_logprobs is not None:  # the prompt's words, as tokens it is sure of
+            ranked = bool(request.params.prompt_logprobs)
+            for i, token in enumerate(echo_tokens(request.prompt, usage.prompt_tokens)):
+                text_of = token[:LOGPROB_TOKEN_CHARS_MAX]
+                tops = ((text_of, 0.0),) if ranked and i else ()
+                request.prompt_logprobs.append(TokenLogprob(text_of, 0.0, tops))
         try:
             for token in echo_tokens(request.prompt, request.params.max_tokens):
                 if self._token_delay_s > 0:

@@ -261,6 +261,7 @@ class VllmEngine:
                 min_tokens=p.min_tokens,
                 structured_outputs=structured,
                 logprobs=p.logprobs,
+                prompt_logprobs=p.prompt_logprobs,
                 output_kind=RequestOutputKind.DELTA,
             )
         except (VLLMClientError, ValueError, TypeError) as exc:
@@ -281,6 +282,15 @@ class VllmEngine:
                     continue
                 if output.prompt_token_ids is not None:
                     usage.prompt_tokens = len(output.prompt_token_ids)
+                if request.prompt_logprobs is not None and output.prompt_logprobs:
+                    # (In DELTA mode all of them come at once, at the end of the prefill.)
+                    request.prompt_logprobs.extend(
+                        self._prompt_logprobs(
+                            output.prompt_token_ids or (),
+                            output.prompt_logprobs,
+                            p_top=params.prompt_logprobs or 0,
+                        )
+                    )
                 self._tokens_total += len(completion.token_ids)
                 usage.completion_tokens += len(completion.token_ids)  # DELTA: this step's
                 if request.logprobs is not None and completion.logprobs:
@@ -313,6 +323,16 @@ class VllmEngine:
                 "vLLM ended the request with an error (finish_reason error: for example a "
                 "structured output's grammar that rejected every token)"
             )
+
+    def _prompt_logprobs(self, token_ids: Any, steps: Any, p_top: int) -> list[TokenLogprob]:
+        """vLLM's prompt logprobs as TokenLogprobs: the first position's is None (nothing
+        comes before it), so its token's text is decoded here, logprob 0, no top ones."""
+        out = _token_logprobs(token_ids[1:], steps[1:], p_top) if len(steps) > 1 else []
+        if steps and steps[0] is None and token_ids:
+            tokenizer = None if self._llm is None else self._llm.tokenizer
+            first = tokenizer.decode([token_ids[0]]) if tokenizer is not None else ""
+            out.insert(0, TokenLogprob(first[:LOGPROB_TOKEN_CHARS_MAX], 0.0, ()))
+        return out
 
     def healthy(self) -> bool:
         if self._dead:

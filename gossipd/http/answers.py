@@ -38,6 +38,7 @@ from gossipd.core.messages import (
     TokenUsage,
     decode_replies,
     logprobs_of,
+    prompt_logprobs_of,
 )
 from gossipd.errors import RemoteProtocolError
 from gossipd.http.exchange import Exchange
@@ -107,6 +108,27 @@ class Waiting:
     gap: bool = False  # a chunk was skipped (never came): the deltas are not a prefix
     choices: Choices | None = None  # a request of several choices: this is choice ``index``
     index: int = 0
+    echo_due: bool = False  # completions' echo: the prompt is still to be written first
+
+
+def _echoed(
+    waiting: Waiting,
+    text: str,
+    logprobs: list[TokenLogprob] | None,
+    prompt_entries: list[TokenLogprob] | None,
+) -> tuple[str, list[TokenLogprob] | None, bool]:
+    """Completions' echo, once a choice: its prompt before ``text`` (with max_tokens 0,
+    instead of it: the token generated is not shown), and with log probabilities the
+    prompt's tokens before ``logprobs``; and whether the first entry is the prompt's first
+    token, which has no log probability (written null)."""
+    waiting.echo_due = False
+    call = waiting.call
+    prompt = call.prompts[waiting.index // call.n] if call.prompts else call.prompt
+    if call.echo_only:
+        text, logprobs = "", None if logprobs is None else []
+    if logprobs is None or not prompt_entries:
+        return prompt + text, logprobs, False
+    return prompt + text, [*prompt_entries, *logprobs], True
 
 
 @dataclass(slots=True)
@@ -227,6 +249,7 @@ class Answers:
         """``task_id``'s answer goes to ``waiting`` (before the task is taken: a refusal or
         a task run here at once answers within that call)."""
         self._waiting[task_id] = waiting
+        waiting.echo_due = waiting.call.echo
         waiting.exchange.on_close = lambda: self._client_gone(task_id)
 
     def forget(self, task_id: str) -> None:
@@ -256,6 +279,7 @@ class Answers:
             )
             self._waiting[task_id].choices = choices
             self._waiting[task_id].index = index
+            self._waiting[task_id].echo_due = first.call.echo
         first.exchange.on_close = lambda: self._choices_gone(choices)
         return choices
 
@@ -316,10 +340,12 @@ class Answers:
             self.counters.count(200)
             return
         if message.ok:
+            text, logprobs = message.text, logprobs_of(message)
+            if waiting.echo_due:
+                text, logprobs, _ = _echoed(waiting, text, logprobs, prompt_logprobs_of(message))
             body = whole_answer(
-                waiting.call, waiting.response_id, waiting.created, message.text, message.usage,
-                logprobs_of(message),
-            )  # fmt: skip
+                waiting.call, waiting.response_id, waiting.created, text, message.usage, logprobs
+            )
             exchange.respond(200, body, headers=self.headers(waiting, message.node))
             self.counters.count(200)
             return
@@ -351,10 +377,12 @@ class Answers:
                 exchange.respond(status, body, headers=headers)
                 self.counters.count(status)
             return
-        choices.texts[index] = message.text
         choices.usages[index] = message.usage
         if not waiting.call.stream:  # (a stream sent them with its deltas)
-            choices.logprobs[index] = logprobs_of(message)
+            text, logprobs = message.text, logprobs_of(message)
+            if waiting.echo_due:
+                text, logprobs, _ = _echoed(waiting, text, logprobs, prompt_logprobs_of(message))
+            choices.texts[index], choices.logprobs[index] = text, logprobs
         choices.nodes[index] = message.node or self._node
         choices.left -= 1
         if waiting.call.stream:
@@ -398,12 +426,14 @@ class Answers:
                     delta = self._content_part(waiting, delta)
                 if delta:
                     logprobs = chunk.logprobs
-                    if logprobs:  # (UNSET, None: none asked)
+                    if waiting.echo_due:  # (the first delta: the prompt before it)
+                        waiting_bytes = self._echo_first(writer, waiting, chunk, delta)
+                    elif logprobs:  # (UNSET, None: none asked)
                         waiting.streamed_logprobs += len(logprobs)
                         out = writer.delta(delta, waiting.index, logprobs)
+                        waiting_bytes = waiting.exchange.write(out)
                     else:
-                        out = writer.delta(delta, waiting.index)
-                    waiting_bytes = waiting.exchange.write(out)
+                        waiting_bytes = waiting.exchange.write(writer.delta(delta, waiting.index))
                     waiting.streamed_chars += len(delta)
                 waiting.next_seq += 1
             nxt = waiting.held.pop(waiting.next_seq, None)
@@ -434,6 +464,12 @@ class Answers:
             waiting.exchange.write(read + tail)
             return
         if waiting.gap:
+            if waiting.echo_due:  # (the prompt, before the chunks held)
+                text, logprobs, first_none = _echoed(
+                    waiting, "", [] if logprobs_of(result) is not None else None,
+                    prompt_logprobs_of(result),
+                )  # fmt: skip
+                waiting.exchange.write(writer.delta(text, waiting.index, logprobs, first_none))
             self._write_held(writer, waiting)
         else:
             self._rest(writer, waiting, result)
@@ -454,8 +490,23 @@ class Answers:
         logprobs = logprobs_of(result)
         if logprobs is not None:
             logprobs = logprobs[waiting.streamed_logprobs :]
+        first_none = False
+        if waiting.echo_due:  # (no chunk came in order: the prompt goes first, here)
+            rest, logprobs, first_none = _echoed(
+                waiting, rest, logprobs, prompt_logprobs_of(result)
+            )
         if rest or logprobs:
-            waiting.exchange.write(writer.delta(rest, waiting.index, logprobs))
+            waiting.exchange.write(writer.delta(rest, waiting.index, logprobs, first_none))
+
+    @staticmethod
+    def _echo_first(writer: StreamWriter, waiting: Waiting, chunk: Chunk, delta: str) -> int:
+        """A stream's first delta with an echo: the prompt (and its tokens' log
+        probabilities, on this first Chunk) before it, in one event, as vLLM writes it."""
+        logprobs = logprobs_of(chunk)
+        if logprobs is not None:
+            waiting.streamed_logprobs += len(logprobs)
+        text, entries, first_none = _echoed(waiting, delta, logprobs, prompt_logprobs_of(chunk))
+        return waiting.exchange.write(writer.delta(text, waiting.index, entries, first_none))
 
     @staticmethod
     def _content_part(waiting: Waiting, delta: str) -> str:

@@ -64,6 +64,9 @@ MODELS_TTL_S = 1.0  # how stale the door's list of the cluster's models may be
 # before it answers with max_model_len null for those that have not come.
 MODELS_WAIT_S = 0.5
 _MODELS_POLL_S = 0.01
+# The echoed prompts' log probabilities one request of several choices may carry (its
+# generated ones: LOGPROB_ENTRIES_MAX): about 26 MB held at the door for a whole answer.
+ECHO_ENTRIES_MAX = 4 * LOGPROB_ENTRIES_MAX
 _OK_JSON = b"application/json"
 _TASK_PATHS = ("/v1/completions", "/v1/chat/completions")
 _READ_METHODS = ("GET", "HEAD")
@@ -344,7 +347,10 @@ class HttpDoor:
             timeout_ms=self._timeout_ms,
             # A chat whose answer is held to tool calls ("required", named) streams them at
             # its end: no Chunks.  "auto" streams what cannot begin a call (answers.py).
-            stream=call.stream and (call.tools is None or call.tools.choice in ("none", "auto")),
+            # An echo of the prompt alone (max_tokens 0) shows no generated text: no Chunks.
+            stream=call.stream
+            and not call.echo_only
+            and (call.tools is None or call.tools.choice in ("none", "auto")),
             model=call.model,
             producer_key=self._producer_key,
             # An owner's answers to this door that leave in one turn go as one frame.
@@ -435,6 +441,17 @@ class HttpDoor:
         """A request's log probabilities, over all its choices, at most what one Result may
         carry (a whole answer holds every choice's)."""
         assert params.logprobs is not None
+        if (top := params.prompt_logprobs) is not None:  # an echo's: a token a byte at most
+            per = LOGPROB_ENTRIES_MAX // (top + 1)  # (more in one choice: its owner refuses)
+            tokens = call.n * sum(min(len(p.encode()), per) for p in call.prompts or (call.prompt,))
+            if tokens * (top + 1) > ECHO_ENTRIES_MAX:
+                raise BadRequest(
+                    f"echo with logprobs: {call.choices} choices' prompts may have up to "
+                    f"{tokens} tokens (a token a byte at most) x (logprobs {top} + 1), over "
+                    f"{ECHO_ENTRIES_MAX} log probabilities in one request: send fewer or "
+                    "shorter prompts a request",
+                    param="prompt",
+                )
         entries = call.choices * params.max_tokens * (params.logprobs + 1)
         if entries > LOGPROB_ENTRIES_MAX:
             raise BadRequest(

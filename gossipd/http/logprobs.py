@@ -40,18 +40,27 @@ def decode_logprobs(doc: dict[str, Any], chat: bool) -> int | None:
     return asked
 
 
-def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[TokenLogprob], offset: int = 0, first_none: bool = False
+) -> dict[str, Any]:
     """A completion's ``logprobs`` (OpenAI's legacy shape, as vLLM writes it): each token,
     its log probability, the chosen and most likely tokens with theirs, and where each
-    token's text begins in the choice's text (from ``offset``)."""
+    token's text begins in the choice's text (from ``offset``).  ``first_none``: the first
+    entry is an echoed prompt's first token, which has no log probability (null, as vLLM)."""
     offsets = []
     for entry in entries:
         offsets.append(offset)
         offset += len(entry.token)
+    token_logprobs: list[float | None] = [e.logprob for e in entries]
+    top_logprobs: list[dict[str, float] | None] = [
+        {e.token: e.logprob, **dict(e.top)} for e in entries
+    ]
+    if first_none and entries:
+        token_logprobs[0] = top_logprobs[0] = None
     return {
         "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries],
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 

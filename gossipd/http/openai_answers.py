@@ -142,7 +142,9 @@ def _choice(
     if logprobs is not None:
         return {
             **_choice(call, index, text, usage),
-            "logprobs": chat_logprobs(logprobs) if call.chat else completion_logprobs(logprobs),
+            "logprobs": chat_logprobs(logprobs)
+            if call.chat
+            else completion_logprobs(logprobs, first_none=call.echo),
         }
     if call.chat:
         if call.tools is not None and call.tools.parses:
@@ -213,10 +215,17 @@ class StreamWriter:
         )
         return b'%s"choices":%s%s}\n\n' % (self._head, choices, tail)
 
-    def delta(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
-        """Choice ``index``'s next text (and its tokens' log probabilities, when asked)."""
+    def delta(
+        self,
+        text: str,
+        index: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
+        first_none: bool = False,
+    ) -> bytes:
+        """Choice ``index``'s next text (and its tokens' log probabilities, when asked;
+        ``first_none``: the first is an echoed prompt's first token, which has none)."""
         body = _json_encode(text)
-        lp = b"null" if logprobs is None else self._logprobs(logprobs, index)
+        lp = b"null" if logprobs is None else self._logprobs(logprobs, index, first_none)
         if self._chat:
             if index not in self._roles_sent:
                 self._roles_sent.add(index)
@@ -232,12 +241,12 @@ class StreamWriter:
             b'[{"index":%d,"text":%s,"logprobs":%s,"finish_reason":null}]' % (index, body, lp)
         )
 
-    def _logprobs(self, entries: list[TokenLogprob], index: int) -> bytes:
+    def _logprobs(self, entries: list[TokenLogprob], index: int, first_none: bool) -> bytes:
         if self._chat:
             return _json_encode(chat_logprobs(entries))
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + sum(len(e.token) for e in entries)
-        return _json_encode(completion_logprobs(entries, offset))
+        return _json_encode(completion_logprobs(entries, offset, first_none))
 
     def finish(self, usage: TokenUsage | None) -> bytes:
         """The one choice's last event, then the stream's end."""

@@ -62,6 +62,11 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     n: int = 1
     # A chat's tools (gossipd/http/tools.py); None: it gave none.
     tools: ToolUse | None = None
+    # Completions' ``echo``: each choice's text begins with its prompt (and with logprobs,
+    # its tokens begin with the prompt's: params.prompt_logprobs).  ``echo_only``: max_tokens
+    # 0, the prompt alone (the task generates 1 token, which is not shown: as vLLM).
+    echo: bool = False
+    echo_only: bool = False
 
     @property
     def choices(self) -> int:
@@ -238,8 +243,14 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
             or (name == "best_of" and _is_int(value, 1))
         ):
             raise BadRequest(f"{name}: not supported by this server", param=name)
-    if doc.get("echo"):
-        raise BadRequest("echo: not supported by this server", param="echo")
+    echo = doc.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest("echo: true or false", param="echo")
+    if echo and chat:
+        raise BadRequest("echo: completions only (POST /v1/completions)", param="echo")
+    echo_only = bool(echo) and max_tokens == 0
+    if echo_only:
+        max_tokens = 1  # (generated and not shown: vLLM's way to score a prompt alone)
     logprobs = decode_logprobs(doc, chat)
     if logprobs is not None and tools is not None and tools.parses:
         raise BadRequest("logprobs: not served with tools read for calls (tool_choice other "
@@ -272,6 +283,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         fields["ignore_eos"] = doc.get("ignore_eos")
     if logprobs is not None:
         fields["logprobs"] = logprobs
+        if echo:
+            fields["prompt_logprobs"] = logprobs
     structured_from = ""
     if (structured := _structured(doc)) is not None:
         structured_from, fields["structured"] = structured
@@ -338,6 +351,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         unset_sampling=_left_out(doc.get("temperature"), doc.get("top_p"), doc.get("top_k")),
         prompts=prompts,
         n=n,
+        echo=bool(echo),
+        echo_only=echo_only,
         tools=tools,
     )
 

@@ -28,6 +28,7 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.core.admission import Admission
 from gossipd.core.lifecycle import Abort, Owned, Phase, Stop, TaskBook
 from gossipd.core.messages import (
+    LOGPROB_ENTRIES_MAX,
     Chunk,
     ErrorCode,
     Result,
@@ -56,6 +57,23 @@ log = logging.getLogger("gossipd.ingress.runner")
 DEADLINE_RESOLUTION_S = 0.01
 
 _WITHDRAWN = Stop.WITHDRAWN
+
+
+class PromptLogprobsTooMany(Exception):
+    """A prompt whose tokens with their top ones are more entries than a message carries."""
+
+
+def _bounded(entries: list[TokenLogprob]) -> list[TokenLogprob]:
+    """``entries`` (a prompt's log probabilities) when a Chunk or Result may carry them
+    (messages.LOGPROB_ENTRIES_MAX, the top ones counted); else PromptLogprobsTooMany."""
+    total = len(entries) + sum(len(entry.top) for entry in entries)
+    if total > LOGPROB_ENTRIES_MAX:
+        raise PromptLogprobsTooMany(
+            f"prompt_logprobs: the prompt's {len(entries)} tokens with their most likely ones "
+            f"make {total} entries, more than {LOGPROB_ENTRIES_MAX}; ask fewer "
+            "(prompt tokens x (prompt_logprobs + 1) at most that) or send a shorter prompt"
+        )
+    return entries
 
 
 class Runner:
@@ -247,13 +265,18 @@ class Runner:
                 raise asyncio.CancelledError
             if started >= deadline:
                 raise TimeoutError
-            logprobs: list[TokenLogprob] | None = [] if task.params.logprobs is not None else None
+            params = task.params
+            logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+            prompt_logprobs: list[TokenLogprob] | None = (
+                None if params.prompt_logprobs is None else []
+            )
             request = GenerateRequest(
                 request_id=task.id,
                 prompt=task.prompt,
-                params=task.params,
+                params=params,
                 model_defaults=task.model_defaults,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
             usage = request.usage
             sent_logprobs = 0  # (of ``logprobs``, those a Chunk carried)
@@ -262,7 +285,12 @@ class Runner:
                     first_token_at = clock()
                 parts.append(delta)
                 if task.stream:
-                    if logprobs is None:
+                    if prompt_logprobs is not None and not seq:  # (on the first, once)
+                        chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node,
+                                      logprobs=UNSET if logprobs is None else logprobs[:],
+                                      prompt_logprobs=_bounded(prompt_logprobs))  # fmt: skip
+                        sent_logprobs = 0 if logprobs is None else len(logprobs)
+                    elif logprobs is None:
                         chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
                     else:
                         chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node,
@@ -291,12 +319,15 @@ class Runner:
                     total_ms=(end - job.received_at) * 1e3,
                 ),
                 logprobs=UNSET if logprobs is None else logprobs,
+                prompt_logprobs=UNSET if prompt_logprobs is None else _bounded(prompt_logprobs),
             )
             self.latency.observe(end - job.received_at)
             self.queue_wait.observe(end - started)
         except TimeoutError:
             result = self._deadline_result(task, len(parts))
         except InvalidRequest as exc:
+            result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
+        except PromptLogprobsTooMany as exc:
             result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
         except EngineDead as exc:
             engine_died = True
