@@ -13,30 +13,40 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import openai
 import pytest
 
 from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
+    Chunk,
+    ErrorCode,
+    Result,
     SamplingParams,
     Task,
+    TokenLogprob,
     encode,
+    error_result,
     release_asked,
 )
 from gossipd.core.releases import PROMPT_LOGPROBS_FROM_VERSION
 from gossipd.core.ring import Ring
 from gossipd.engines.base import GenerateRequest
 from gossipd.engines.echo import EchoEngine
+from gossipd.http.answers import HELD_CHUNKS_MAX
 from gossipd.http.logprobs import completion_logprobs
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
 from tests.helpers import running
+from tests.test_http_answers import streaming
 from tests.test_http_logprobs import ENTRIES
 
 
 def _call(chat: bool = False, **body: Any) -> Any:
     prompt = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    if "prompt" in body:
+        prompt = {"prompt": body.pop("prompt")}
     return decode_call(json.dumps({"model": "m", **prompt, **body}).encode(), chat=chat)
 
 
@@ -185,3 +195,94 @@ def test_a_prompt_too_long_to_score_is_refused_saying_why(pair: Cluster) -> None
                                      max_tokens=1)  # fmt: skip
     assert fine.choices[0].logprobs is not None
     assert len(fine.choices[0].logprobs.tokens) == 1501
+
+
+# -- a stream's edge cases, on the door's answers alone -----------------------------------
+
+
+def _events(exchange: Any) -> list[dict[str, Any]]:
+    return [json.loads(raw[6:]) for raw in b"".join(exchange.events).split(b"\n\n")
+            if raw.startswith(b"data: {")]  # fmt: skip
+
+
+def _streamed(exchange: Any) -> tuple[str, list[str], list[float | None]]:
+    """The text, tokens and token log probabilities a stream wrote, in order."""
+    text, tokens, values = "", [], []
+    for event in _events(exchange):
+        for choice in event.get("choices", ()):  # (an error event has none)
+            text += choice["text"]
+            if choice["logprobs"]:
+                tokens += choice["logprobs"]["tokens"]
+                values += choice["logprobs"]["token_logprobs"]
+    return text, tokens, values
+
+
+PROMPT_ENTRIES = [TokenLogprob("red", 0.0), TokenLogprob(" green", -1.0, ((" green", -1.0),)),
+                  TokenLogprob(" blue", -2.0, ((" blue", -2.0),))]  # fmt: skip
+
+
+def test_a_lost_first_chunk_holds_the_echo_until_the_result_which_has_it_all() -> None:
+    """Chunk 0 (the prompt's scores ride on it) never comes and the gap is skipped: nothing
+    streams without them; the Result writes the prompt, its tokens and every generated one."""
+    answers, exchange = streaming(_call(echo=True, logprobs=1, stream=True, prompt=PROMPT))
+    sent = [Chunk(id="t1", seq=s, delta=f" w{s}", logprobs=[TokenLogprob(f" w{s}", -0.5)])
+            for s in range(1, HELD_CHUNKS_MAX + 1)]  # fmt: skip
+    for chunk in sent:
+        answers.deliver_message(chunk)
+    assert _streamed(exchange)[0] == ""  # (the gap was skipped: still nothing written)
+    text = "w0" + "".join(c.delta for c in sent)
+    generated = [TokenLogprob("w0", -0.5), *(e for c in sent for e in c.logprobs or [])]
+    answers.deliver_message(Result(id="t1", ok=True, text=text, logprobs=generated,
+                                   prompt_logprobs=PROMPT_ENTRIES))  # fmt: skip
+    streamed, tokens, values = _streamed(exchange)
+    assert streamed == PROMPT + text
+    assert tokens == [e.token for e in PROMPT_ENTRIES] + [e.token for e in generated]
+    assert values[:3] == [None, -1.0, -2.0] and values[3:] == [-0.5] * len(generated)
+
+
+def test_a_streamed_echo_answered_without_chunks_and_an_error_before_it() -> None:
+    answers, exchange = streaming(_call(echo=True, logprobs=0, stream=True, prompt=PROMPT))
+    answers.deliver_message(Result(id="t1", ok=True, text="red", prompt_logprobs=PROMPT_ENTRIES,
+                                   logprobs=[TokenLogprob("red", 0.0)]))  # fmt: skip
+    assert _streamed(exchange) == (PROMPT + "red", [*TOKENS[:3], "red"], [None, -1.0, -2.0, 0.0])
+    # An error after chunks behind a gap that was skipped (the stream began, the echo not
+    # written): its last event says it, and no text that does not begin with the prompt.
+    answers, exchange = streaming(_call(echo=True, stream=True, prompt=PROMPT))
+    for seq in range(1, HELD_CHUNKS_MAX + 2):
+        answers.deliver_message(Chunk(id="t1", seq=seq, delta=" green"))
+    answers.deliver_message(error_result("t1", ErrorCode.ENGINE_ERROR, "it died"))
+    events = _events(exchange)
+    assert _streamed(exchange)[0] == "" and events and "error" in events[-1]
+
+
+def test_an_empty_prompt_scores_nothing_and_nulls_no_generated_token(pair: Cluster) -> None:
+    client = openai.OpenAI(base_url=f"{pair.daemons[0].http_url}/v1", api_key="none",
+                           max_retries=0)  # fmt: skip
+    whole = client.completions.create(model="echo", prompt="", echo=True, logprobs=0,
+                                      max_tokens=2).choices[0]  # fmt: skip
+    assert whole.logprobs is not None and whole.logprobs.token_logprobs == [0.0, 0.0]
+    events = list(client.completions.create(model="echo", prompt="", echo=True, logprobs=0,
+                                            max_tokens=2, stream=True))  # fmt: skip
+    values = [v for e in events if e.choices and e.choices[0].logprobs
+              for v in e.choices[0].logprobs.token_logprobs]  # fmt: skip
+    assert values == [0.0, 0.0]
+    # Several choices streamed, each its prompt first, its index kept.
+    texts: dict[int, str] = {}
+    for event in client.completions.create(
+        model="echo", prompt=["a b", "c"], echo=True, max_tokens=1, n=2, logprobs=0, stream=True
+    ):
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: "a ba", 1: "a ba", 2: "cc", 3: "cc"}
+
+
+def test_prompt_scores_ride_on_the_first_chunk_only() -> None:
+    from gossipd.core.messages import decode_reply
+    from gossipd.errors import RemoteProtocolError
+
+    first = Chunk(id="t", seq=0, delta="x", prompt_logprobs=PROMPT_ENTRIES)
+    assert decode_reply(encode(first)) == first
+    later = msgpack.packb({"v": 1, "t": 2, "id": "t", "seq": 1, "delta": "x",
+                           "prompt_logprobs": [["x", 0.0, []]]})  # fmt: skip
+    with pytest.raises(RemoteProtocolError, match="first Chunk"):
+        decode_reply(later)

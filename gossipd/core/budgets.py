@@ -35,7 +35,7 @@ def task_bytes(task: Task) -> int:
     """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character), a
     structured output's form where it has one (rare: a schema or grammar may be as large),
     the log probabilities it may gather where it asks them (its max_tokens' worth, and
-    with prompt_logprobs its prompt's, a token at most a byte of it: the member running it
+    with prompt_logprobs its prompt's, a token at most a byte of it and a BOS: the member running it
     keeps them until its Result), and the rest."""
     params = task.params
     form = params.structured
@@ -47,7 +47,7 @@ def task_bytes(task: Task) -> int:
     if params.logprobs is not None:
         held += params.max_tokens * (LOGPROB_BYTES + params.logprobs * LOGPROB_TOP_BYTES)
     if (top := params.prompt_logprobs) is not None:
-        tokens = min(len(task.prompt.encode()), LOGPROB_ENTRIES_MAX // (top + 1))
+        tokens = min(len(task.prompt.encode()) + 1, LOGPROB_ENTRIES_MAX // (top + 1))
         held += tokens * (LOGPROB_BYTES + top * LOGPROB_TOP_BYTES)
     return held
 

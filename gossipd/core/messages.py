@@ -452,6 +452,8 @@ class Chunk(
         if self.logprobs:
             _check_logprobs(self.logprobs)
         if self.prompt_logprobs:
+            if self.seq:
+                raise ValueError("prompt_logprobs: on a task's first Chunk (seq 0) only")
             _check_logprobs(self.prompt_logprobs)
 
 

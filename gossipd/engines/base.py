@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gossipd.core.messages import SamplingParams, TokenLogprob
+from gossipd.core.messages import LOGPROB_ENTRIES_MAX, SamplingParams, TokenLogprob
 
 
 class EngineError(Exception):
@@ -39,6 +39,18 @@ def context_exceeded(max_model_len: int, prompt_tokens: int, detail: str) -> Inv
         f"{prompt_tokens} tokens, and at least 1 more is asked for the answer. Shorten the "
         f"prompt. ({detail})"
     )
+
+
+def check_prompt_logprobs(prompt_tokens: int, top: int) -> None:
+    """Refuse (InvalidRequest) a prompt whose scores a Result cannot carry: prompt tokens x
+    (prompt_logprobs + 1) over LOGPROB_ENTRIES_MAX.  Engines check it before they build
+    them (a long context with 20 top ones would be millions of entries)."""
+    if prompt_tokens * (top + 1) > LOGPROB_ENTRIES_MAX:
+        raise InvalidRequest(
+            f"prompt_logprobs: the prompt's {prompt_tokens} tokens x (prompt_logprobs {top} "
+            f"+ 1) is more than the {LOGPROB_ENTRIES_MAX} log probabilities a Result carries; "
+            "ask fewer top ones or send a shorter prompt"
+        )
 
 
 @dataclass(slots=True)

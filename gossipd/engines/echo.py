@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from gossipd.core.messages import LOGPROB_TOKEN_CHARS_MAX, TokenLogprob
-from gossipd.engines.base import EngineStats, GenerateRequest
+from gossipd.engines.base import EngineStats, GenerateRequest, check_prompt_logprobs
 
 
 def echo_tokens(prompt: str, max_tokens: int) -> list[str]:
@@ -62,6 +62,7 @@ class EchoEngine:
         logprobs = request.logprobs  # (the engine is certain: each token's is 0, alone on top)
         top = request.params.logprobs or 0
         if request.prompt_logprobs is not None:  # the prompt's words, as tokens it is sure of
+            check_prompt_logprobs(usage.prompt_tokens, request.params.prompt_logprobs or 0)
             ranked = bool(request.params.prompt_logprobs)
             for i, token in enumerate(echo_tokens(request.prompt, usage.prompt_tokens)):
                 text_of = token[:LOGPROB_TOKEN_CHARS_MAX]

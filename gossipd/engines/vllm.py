@@ -43,6 +43,7 @@ from gossipd.engines.base import (
     EngineStats,
     GenerateRequest,
     InvalidRequest,
+    check_prompt_logprobs,
     context_exceeded,
 )
 from gossipd.ops.logs import log_format, route_vllm_logs
@@ -284,6 +285,7 @@ class VllmEngine:
                     usage.prompt_tokens = len(output.prompt_token_ids)
                 if request.prompt_logprobs is not None and output.prompt_logprobs:
                     # (In DELTA mode all of them come at once, at the end of the prefill.)
+                    check_prompt_logprobs(len(output.prompt_logprobs), params.prompt_logprobs or 0)
                     request.prompt_logprobs.extend(
                         self._prompt_logprobs(
                             output.prompt_token_ids or (),
@@ -305,6 +307,8 @@ class VllmEngine:
                 # sends an empty delta, which is not worth a chunk.
                 if completion.text:
                     yield completion.text
+        except InvalidRequest:  # (ours: check_prompt_logprobs)
+            raise
         except EngineDeadError as exc:
             self._dead = True
             raise EngineDead(f"the vLLM engine died: {exc}") from None

@@ -74,6 +74,7 @@ class Choices:
     texts: list[str] = field(init=False)  # by choice, as Results come
     usages: list[TokenUsage | None] = field(init=False)
     logprobs: list[list[TokenLogprob] | None] = field(init=False)  # (when asked)
+    scored: list[bool] = field(init=False)  # an echo's: the first entry is its prompt's first
     nodes: list[str] = field(init=False)  # the member that ran each ("": none yet)
     left: int = field(init=False)  # choices without their Result
 
@@ -82,6 +83,7 @@ class Choices:
         self.texts = [""] * count
         self.usages = [None] * count
         self.logprobs = [None] * count
+        self.scored = [False] * count
         self.nodes = [""] * count
         self.left = count
 
@@ -332,7 +334,9 @@ class Answers:
             if message.ok:
                 self._end_choice(writer, waiting, message, writer.end(usage_of(message.usage)))
             else:
-                if not writer.reads_calls:  # (their text may hold a call's markup)
+                # (Not a read for calls: their text may hold a call's markup; nor an echo
+                # not written yet: they would not begin with the prompt.)
+                if not writer.reads_calls and not waiting.echo_due:
                     self._write_held(writer, waiting)
                 assert message.error is not None
                 exchange.write(writer.error(message.error))
@@ -340,12 +344,15 @@ class Answers:
             self.counters.count(200)
             return
         if message.ok:
-            text, logprobs = message.text, logprobs_of(message)
+            text, logprobs, scored = message.text, logprobs_of(message), False
             if waiting.echo_due:
-                text, logprobs, _ = _echoed(waiting, text, logprobs, prompt_logprobs_of(message))
+                text, logprobs, scored = _echoed(
+                    waiting, text, logprobs, prompt_logprobs_of(message)
+                )
             body = whole_answer(
-                waiting.call, waiting.response_id, waiting.created, text, message.usage, logprobs
-            )
+                waiting.call, waiting.response_id, waiting.created, text, message.usage, logprobs,
+                scored,
+            )  # fmt: skip
             exchange.respond(200, body, headers=self.headers(waiting, message.node))
             self.counters.count(200)
             return
@@ -379,10 +386,13 @@ class Answers:
             return
         choices.usages[index] = message.usage
         if not waiting.call.stream:  # (a stream sent them with its deltas)
-            text, logprobs = message.text, logprobs_of(message)
+            text, logprobs, scored = message.text, logprobs_of(message), False
             if waiting.echo_due:
-                text, logprobs, _ = _echoed(waiting, text, logprobs, prompt_logprobs_of(message))
+                text, logprobs, scored = _echoed(
+                    waiting, text, logprobs, prompt_logprobs_of(message)
+                )
             choices.texts[index], choices.logprobs[index] = text, logprobs
+            choices.scored[index] = scored
         choices.nodes[index] = message.node or self._node
         choices.left -= 1
         if waiting.call.stream:
@@ -399,7 +409,7 @@ class Answers:
             call = waiting.call
             body = choices_answer(
                 call, waiting.response_id, waiting.created, choices.texts, choices.usages,
-                choices.logprobs,
+                choices.logprobs, choices.scored,
             )  # fmt: skip
             # Every member that ran a choice, in choice order, once each.
             headers = self.headers(waiting, ",".join(dict.fromkeys(choices.nodes)))
@@ -424,6 +434,10 @@ class Answers:
                 delta = chunk.delta
                 if writer.reads_calls:  # only what cannot begin a tool call
                     delta = self._content_part(waiting, delta)
+                if delta and waiting.echo_due and chunk.seq:
+                    # An echo's first chunk (the prompt's scores come on it) was skipped
+                    # (a gap): nothing streams until the Result, which has it all.
+                    delta = ""
                 if delta:
                     logprobs = chunk.logprobs
                     if waiting.echo_due:  # (the first delta: the prompt before it)
@@ -463,15 +477,9 @@ class Answers:
             read = writer.read_choice(result.text, result.usage, waiting.index, streamed)
             waiting.exchange.write(read + tail)
             return
-        if waiting.gap:
-            if waiting.echo_due:  # (the prompt, before the chunks held)
-                text, logprobs, first_none = _echoed(
-                    waiting, "", [] if logprobs_of(result) is not None else None,
-                    prompt_logprobs_of(result),
-                )  # fmt: skip
-                waiting.exchange.write(writer.delta(text, waiting.index, logprobs, first_none))
+        if waiting.gap and not waiting.echo_due:
             self._write_held(writer, waiting)
-        else:
+        else:  # (an echo not written yet: nothing was, the Result has it all)
             self._rest(writer, waiting, result)
         waiting.exchange.write(writer.finish_choice(result.usage, waiting.index) + tail)
 

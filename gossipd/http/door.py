@@ -67,6 +67,9 @@ _MODELS_POLL_S = 0.01
 # The echoed prompts' log probabilities one request of several choices may carry (its
 # generated ones: LOGPROB_ENTRIES_MAX): about 26 MB held at the door for a whole answer.
 ECHO_ENTRIES_MAX = 4 * LOGPROB_ENTRIES_MAX
+# ...streamed, at most http.stream_buffer_bytes_max / this: what one counted entry takes in
+# the stream's JSON at most, about (each choice's prompt goes in its first event, at once).
+ECHO_ENTRY_EVENT_BYTES = 64
 _OK_JSON = b"application/json"
 _TASK_PATHS = ("/v1/completions", "/v1/chat/completions")
 _READ_METHODS = ("GET", "HEAD")
@@ -441,15 +444,22 @@ class HttpDoor:
         """A request's log probabilities, over all its choices, at most what one Result may
         carry (a whole answer holds every choice's)."""
         assert params.logprobs is not None
-        if (top := params.prompt_logprobs) is not None:  # an echo's: a token a byte at most
-            per = LOGPROB_ENTRIES_MAX // (top + 1)  # (more in one choice: its owner refuses)
-            tokens = call.n * sum(min(len(p.encode()), per) for p in call.prompts or (call.prompt,))
-            if tokens * (top + 1) > ECHO_ENTRIES_MAX:
+        if (top := params.prompt_logprobs) is not None:
+            # An echo's: a token a byte at most, and one more (a BOS); more in one choice
+            # than a Result carries: its owner refuses it.
+            per = LOGPROB_ENTRIES_MAX // (top + 1)
+            prompts = call.prompts or (call.prompt,)
+            tokens = call.n * sum(min(len(p.encode()) + 1, per) for p in prompts)
+            bound = ECHO_ENTRIES_MAX
+            if call.stream:
+                bound = min(bound, self._config.stream_buffer_bytes_max // ECHO_ENTRY_EVENT_BYTES)
+            if tokens * (top + 1) > bound:
                 raise BadRequest(
                     f"echo with logprobs: {call.choices} choices' prompts may have up to "
                     f"{tokens} tokens (a token a byte at most) x (logprobs {top} + 1), over "
-                    f"{ECHO_ENTRIES_MAX} log probabilities in one request: send fewer or "
-                    "shorter prompts a request",
+                    f"{bound} log probabilities in one request"
+                    + (" streamed (http.stream_buffer_bytes_max)" if call.stream else "")
+                    + ": send fewer or shorter prompts a request",
                     param="prompt",
                 )
         entries = call.choices * params.max_tokens * (params.logprobs + 1)

@@ -79,9 +79,11 @@ def whole_answer(
     text: str,
     usage: TokenUsage | None,
     logprobs: list[TokenLogprob] | None = None,
+    first_none: bool = False,
 ) -> bytes:
-    """A non-streamed answer."""
-    choice = _choice(call, 0, text, usage, logprobs)
+    """A non-streamed answer (``first_none``: its first token is an echoed prompt's first,
+    which has no log probability)."""
+    choice = _choice(call, 0, text, usage, logprobs, first_none)
     return _answer(call, response_id, created, [choice], usage_of(usage))
 
 
@@ -92,11 +94,15 @@ def choices_answer(
     texts: list[str],
     usages: list[TokenUsage | None],
     logprobs: list[list[TokenLogprob] | None],
+    first_none: list[bool] | None = None,
 ) -> bytes:
     """A non-streamed answer of several choices (``texts[i]`` is choice i)."""
+    nones = first_none or [False] * len(texts)
     choices = [
-        _choice(call, i, text, usage, entries)
-        for i, (text, usage, entries) in enumerate(zip(texts, usages, logprobs, strict=True))
+        _choice(call, i, text, usage, entries, none)
+        for i, (text, usage, entries, none) in enumerate(
+            zip(texts, usages, logprobs, nones, strict=True)
+        )
     ]
     return _answer(call, response_id, created, choices, total_usage(usages, call.n))
 
@@ -138,13 +144,14 @@ def _choice(
     text: str,
     usage: TokenUsage | None,
     logprobs: list[TokenLogprob] | None = None,
+    first_none: bool = False,
 ) -> dict[str, Any]:
     if logprobs is not None:
         return {
             **_choice(call, index, text, usage),
             "logprobs": chat_logprobs(logprobs)
             if call.chat
-            else completion_logprobs(logprobs, first_none=call.echo),
+            else completion_logprobs(logprobs, first_none=first_none),
         }
     if call.chat:
         if call.tools is not None and call.tools.parses:

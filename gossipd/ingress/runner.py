@@ -59,16 +59,13 @@ DEADLINE_RESOLUTION_S = 0.01
 _WITHDRAWN = Stop.WITHDRAWN
 
 
-class PromptLogprobsTooMany(Exception):
-    """A prompt whose tokens with their top ones are more entries than a message carries."""
-
-
 def _bounded(entries: list[TokenLogprob]) -> list[TokenLogprob]:
     """``entries`` (a prompt's log probabilities) when a Chunk or Result may carry them
-    (messages.LOGPROB_ENTRIES_MAX, the top ones counted); else PromptLogprobsTooMany."""
+    (messages.LOGPROB_ENTRIES_MAX, the top ones counted); else InvalidRequest.  (Engines
+    refuse such a prompt before they score it: engines.base.check_prompt_logprobs.)"""
     total = len(entries) + sum(len(entry.top) for entry in entries)
     if total > LOGPROB_ENTRIES_MAX:
-        raise PromptLogprobsTooMany(
+        raise InvalidRequest(
             f"prompt_logprobs: the prompt's {len(entries)} tokens with their most likely ones "
             f"make {total} entries, more than {LOGPROB_ENTRIES_MAX}; ask fewer "
             "(prompt tokens x (prompt_logprobs + 1) at most that) or send a shorter prompt"
@@ -283,12 +280,14 @@ class Runner:
             async for delta in self._engine.generate(request):
                 if not first_token_at:
                     first_token_at = clock()
+                    if prompt_logprobs is not None:  # (complete before the first delta)
+                        _bounded(prompt_logprobs)
                 parts.append(delta)
                 if task.stream:
                     if prompt_logprobs is not None and not seq:  # (on the first, once)
                         chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node,
                                       logprobs=UNSET if logprobs is None else logprobs[:],
-                                      prompt_logprobs=_bounded(prompt_logprobs))  # fmt: skip
+                                      prompt_logprobs=prompt_logprobs)  # fmt: skip
                         sent_logprobs = 0 if logprobs is None else len(logprobs)
                     elif logprobs is None:
                         chunk = Chunk(id=task.id, seq=seq, delta=delta, node=self._node)
@@ -326,8 +325,6 @@ class Runner:
         except TimeoutError:
             result = self._deadline_result(task, len(parts))
         except InvalidRequest as exc:
-            result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
-        except PromptLogprobsTooMany as exc:
             result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
         except EngineDead as exc:
             engine_died = True
