@@ -18,8 +18,9 @@ lm-eval lives in a venv of its own (its pins are not ours):
     ~/.cache/gossipd/lmeval-venv/bin/pip install "lm-eval[api,hf]"
     .venv/bin/python scripts/lm_eval_check.py [--json] [--lm-eval PATH] [--limit N]
 
-Prompts go as text (`tokenized_requests=False`: gossipd takes no token-id prompts); lm-eval
-tokenizes them itself with the model's tokenizer to find each context's length.
+Prompts go as token ids (lm-eval's default, `tokenized_requests=True`), or as text with
+`--text-prompts`; either way lm-eval tokenizes them itself with the model's tokenizer to
+find each context's length.
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ def _write_task(root: Path, questions: int) -> None:
     )
 
 
-def _run_lm_eval(lm_eval: str, url: str, model: Path, tasks: Path, out: Path, limit: int) -> Any:
+def _run_lm_eval(
+    lm_eval: str, url: str, model: Path, tasks: Path, out: Path, limit: int, tokenized: bool
+) -> Any:
     args = ",".join([
         f"model={SERVED_NAME}", f"base_url={url}/v1/completions", f"tokenizer={model}",
-        "tokenizer_backend=huggingface", "tokenized_requests=False", "num_concurrent=1",
+        "tokenizer_backend=huggingface", f"tokenized_requests={tokenized}", "num_concurrent=1",
         "max_retries=1",
     ])  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -107,6 +110,11 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=40, help="questions (4 requests each)")
     parser.add_argument("--model", default="models/tiny")
     parser.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="send text (tokenized_requests=False), not lm-eval's default token ids",
+    )
+    parser.add_argument(
         "--lm-eval", default=str(Path.home() / ".cache/gossipd/lmeval-venv/bin/lm_eval")
     )
     args = parser.parse_args()
@@ -119,12 +127,17 @@ def main() -> None:
         root = Path(tmp)
         (root / "task").mkdir()
         _write_task(root / "task", args.limit)
-        report: dict[str, Any] = {"task": TASK, "questions": args.limit}
+        report: dict[str, Any] = {
+            "task": TASK,
+            "questions": args.limit,
+            "prompts": "text" if args.text_prompts else "token ids",
+        }
         vllm = _start_vllm_serve(model, root)
         try:
             _wait_models(vllm.url, 240, "vllm serve", vllm.exited)
             report["vllm-serve"] = _run_lm_eval(args.lm_eval, vllm.url, model, root / "task",
-                                                root / "out-vllm", args.limit)  # fmt: skip
+                                                root / "out-vllm", args.limit,
+                                                not args.text_prompts)  # fmt: skip
         finally:
             vllm.stop()
         server, cluster = _start_gossipd("gossipd-2", 2, model, root)
@@ -136,7 +149,8 @@ def main() -> None:
             url = cluster.daemons[0].http_url  # (known once it serves)
             _wait_models(url, 60, "gossipd")
             report["gossipd-2"] = _run_lm_eval(args.lm_eval, url, model, root / "task",
-                                               root / "out-gossipd", args.limit)  # fmt: skip
+                                               root / "out-gossipd", args.limit,
+                                               not args.text_prompts)  # fmt: skip
         finally:
             server.stop()
     ours, theirs = report["gossipd-2"]["scores"], report["vllm-serve"]["scores"]

@@ -136,6 +136,7 @@ task_spec = {
     "model": st.text(max_size=10),
     "traceparent": st.text(max_size=10),
     "attempt": nat,
+    "prompt_token_ids": st.none() | st.lists(st.integers(-2, 2**31 + 1), max_size=5),
 }
 task_map = fields(task_spec)
 cancel_map = fields({"v": version, "t": st.sampled_from([4, 4, 1]), "id": ident})

@@ -208,7 +208,8 @@ def test_an_intake_that_raises_mid_request_cancels_only_what_it_took() -> None:
         ({"prompt": "p", "n": 129}, "n"),
         ({"prompt": "p", "n": "2"}, "n"),
         ({"prompt": ["a", 1]}, "prompt"),
-        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": [[1, 2], ["a"]]}, "prompt"),  # (lists of token ids are prompts: ints only)
+        ({"prompt": [[1]] * 2049}, "prompt"),
         ({"prompt": ["x"] * 2049}, "prompt"),
         ({"prompt": []}, "prompt"),
     ],

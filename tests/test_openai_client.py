@@ -427,3 +427,38 @@ def test_echo_scores_the_prompt_with_the_engine_that_ran_it(cluster: Cluster) ->
     assert "".join(e.text for e in events) == prompt
     assert [t for e in events if e.logprobs for t in e.logprobs.tokens or []] == lp.tokens[:shown]
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")
+
+
+def test_a_prompt_of_token_ids_runs_as_its_text_does(cluster: Cluster, tiny_model: Path) -> None:
+    """A completions prompt of token ids (lm-eval's default) runs on the owner's vLLM engine
+    as those tokens: the same tokens as the text they encode, so the same greedy answer, the
+    same prompt length and, echoed, the same scores."""
+    from transformers import AutoTokenizer
+
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    model = _model(cluster)
+    headers = {"x-session-id": _session_of(cluster, owner.name)}
+    prompt = "the quick brown fox"
+    ids = AutoTokenizer.from_pretrained(str(tiny_model))(prompt)["input_ids"]
+    asked: Any = {"model": model, "temperature": 0, "max_tokens": 6, "echo": True,
+                  "logprobs": 1, "extra_headers": headers}  # fmt: skip
+    by_text = client.completions.create(prompt=prompt, **asked)
+    by_ids = client.completions.create(prompt=ids, **asked)
+    assert by_ids.usage is not None and by_text.usage is not None
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+    text_lp, ids_lp = by_text.choices[0].logprobs, by_ids.choices[0].logprobs
+    assert text_lp is not None and ids_lp is not None
+    assert ids_lp.tokens == text_lp.tokens and by_ids.choices[0].text == by_text.choices[0].text
+    assert ids_lp.token_logprobs == pytest.approx(text_lp.token_logprobs, abs=1e-3)
+    several = client.completions.create(model=model, prompt=[ids, ids[:2]], max_tokens=2,
+                                        temperature=0)  # fmt: skip
+    assert len(several.choices) == 2
+    # An id the model's vocabulary lacks: 400 from the engine that runs it, which serves on.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=[*ids, 10**6], max_tokens=2,
+                                  extra_headers=headers)  # fmt: skip
+    after = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                      extra_headers=headers)  # fmt: skip
+    assert after.usage is not None and after.usage.completion_tokens == 2
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

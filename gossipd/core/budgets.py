@@ -27,6 +27,8 @@ RESULT_OVERHEAD_BYTES = 350
 # and each of its top ones (a tuple, its str and float): measured in tests/test_budgets.py.
 LOGPROB_BYTES = 200
 LOGPROB_TOP_BYTES = 150
+# A prompt's token id beside its list slot: an int object (28 bytes) and its allocation.
+TOKEN_ID_BYTES = 32
 
 _sizeof = sys.getsizeof
 
@@ -39,15 +41,19 @@ def task_bytes(task: Task) -> int:
     keeps them until its Result), and the rest."""
     params = task.params
     form = params.structured
-    if form is None and params.logprobs is None and params.prompt_logprobs is None:
+    ids = params.prompt_token_ids
+    if form is None and params.logprobs is None and params.prompt_logprobs is None and not ids:
         return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
     held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
+    if ids:  # (a list's slots, and an int object each: the small ones are shared, few ids)
+        held += _sizeof(ids) + TOKEN_ID_BYTES * len(ids)
     if form is not None:
         held += sum(map(_sizeof, form.texts()))
     if params.logprobs is not None:
         held += params.max_tokens * (LOGPROB_BYTES + params.logprobs * LOGPROB_TOP_BYTES)
     if (top := params.prompt_logprobs) is not None:
-        tokens = min(len(task.prompt.encode()) + 1, LOGPROB_ENTRIES_MAX // (top + 1))
+        tokens = len(ids) if ids else len(task.prompt.encode()) + 1
+        tokens = min(tokens, LOGPROB_ENTRIES_MAX // (top + 1))
         held += tokens * (LOGPROB_BYTES + top * LOGPROB_TOP_BYTES)
     return held
 

@@ -318,7 +318,7 @@ class Forwarder:
                 release = ".".join(map(str, needed))
                 message += (
                     f" and reads this task's params (members before release {release} refuse "
-                    "what it asks: prompt_logprobs from 0.3.4; logprobs from 0.3.3; a penalty, min_p, min_tokens or "
+                    "what it asks: prompt_logprobs and token-id prompts from 0.3.4; logprobs from 0.3.3; a penalty, min_p, min_tokens or "
                     "structured output from 0.3.2)"
                 )
             self._events.append(

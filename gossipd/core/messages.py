@@ -31,6 +31,7 @@ from gossipd.core.releases import (
     LOGPROBS_FROM_VERSION,
     PENALTIES_FROM_VERSION,
     PROMPT_LOGPROBS_FROM_VERSION,
+    TOKEN_IDS_FROM_VERSION,
 )
 from gossipd.errors import RemoteProtocolError
 
@@ -255,6 +256,11 @@ def prompt_logprobs_of(message: Chunk | Result) -> list[TokenLogprob] | None:
     return None if entries is None or entries is UNSET else entries
 
 
+# A prompt given as token ids: at most this many (a long context's), each a vocabulary index.
+PROMPT_TOKEN_IDS_MAX = 131072
+TOKEN_ID_MAX = 2**31 - 1
+
+
 # The defaults of the params added in release 0.3.2: a value equal to one is replaced
 # by the object itself, because omit_defaults leaves out only the default object (not an
 # equal float decoded from a frame), and a member from before them refuses the key.
@@ -303,6 +309,17 @@ class SamplingParams(
     # place (Result's prompt_logprobs, and the first Chunk's): OpenAI's completions `echo`
     # with `logprobs`.  Release 0.3.4.
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=LOGPROBS_TOP_MAX)] | None = None
+    # The prompt as token ids of the model's tokenizer, instead of the Task's ``prompt``
+    # (then ""): OpenAI's completions prompt of integers.  Here, not on the Task, so that a
+    # member before release 0.3.4 refuses it (unknown params are refused; a Task's unknown
+    # keys are ignored: it would run an empty prompt).
+    prompt_token_ids: (
+        Annotated[
+            list[Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]],
+            msgspec.Meta(min_length=1, max_length=PROMPT_TOKEN_IDS_MAX),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
@@ -344,6 +361,8 @@ def release_asked(params: SamplingParams) -> tuple[int, int, int] | None:
     """The release a member needs to read ``params`` where it asks a field added after
     0.3.1 (members before it refuse the field: core/releases.py); None: any member reads it.
     Identity tests: the neutral values are the default objects (SamplingParams.__post_init__)."""
+    if params.prompt_token_ids is not None:
+        return TOKEN_IDS_FROM_VERSION
     if params.prompt_logprobs is not None:
         return PROMPT_LOGPROBS_FROM_VERSION
     if params.logprobs is not None:
@@ -358,6 +377,16 @@ def release_asked(params: SamplingParams) -> tuple[int, int, int] | None:
     ):
         return PENALTIES_FROM_VERSION
     return None
+
+
+def prefix_text(task: Task, chars_max: int) -> str:
+    """What prefix-aware placement hashes (core/prefix.py reads at most ``chars_max``
+    characters): the prompt, or its leading token ids as text (prompts that share leading
+    ids share a leading text; an id takes 2 characters at least)."""
+    ids = task.params.prompt_token_ids
+    if ids is None:
+        return task.prompt
+    return ",".join(map(str, ids[: chars_max // 2 + 1])) + ","
 
 
 def reply_route(reply_to: str, producer_key: str) -> str:
@@ -407,6 +436,10 @@ class Task(
     model_defaults: Annotated[int, msgspec.Meta(ge=0, le=15)] = 0
 
     def __post_init__(self) -> None:
+        if self.params.prompt_token_ids is not None and self.prompt:
+            raise ValueError(
+                "params.prompt_token_ids: with it, prompt must be empty (one or the other)"
+            )
         problem = endpoint_problem(self.reply_to)
         if problem is not None:
             raise ValueError(f"reply_to: {problem}")
@@ -774,7 +807,12 @@ def check_forwarded_task(task: Task, *, bytes_max: int) -> None:
     limit = bytes_max + FORWARD_REENCODE_SLACK_BYTES
     # UTF-8: at most 4 bytes a char.  A structured output's text is as unbounded as a
     # prompt for this: such a (rare) task is encoded.
-    if 4 * len(task.prompt) + _TASK_FIXED_BYTES_MAX > limit or task.params.structured is not None:
+    ids = task.params.prompt_token_ids
+    if (
+        4 * len(task.prompt) + _TASK_FIXED_BYTES_MAX > limit
+        or task.params.structured is not None
+        or (ids is not None and 5 * len(ids) + _TASK_FIXED_BYTES_MAX > limit)
+    ):
         size = len(_encoder.encode(task))
         if size > limit:
             raise RemoteProtocolError(

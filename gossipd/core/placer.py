@@ -38,7 +38,7 @@ from gossipd.core import ring as rings
 from gossipd.core.gossip_messages import CAPACITY_WEIGHT_MIN, LoadRecord
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, Member, MemberEvent
-from gossipd.core.messages import Task, release_asked
+from gossipd.core.messages import Task, prefix_text, release_asked
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.releases import NEWEST_PARAMS_VERSION, release_of
 from gossipd.core.ring import Candidate, LoadCounts, Ring, bound, key_hash
@@ -609,7 +609,10 @@ class Placer:
         are ranked among themselves (their rendezvous scores for the key), not in the order
         of the whole ring."""
         cfg = self.config
-        hashes = prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
+        chars = cfg.prefix_block_chars * cfg.prefix_blocks_max
+        hashes = prefix_hashes(
+            prefix_text(task, chars), cfg.prefix_block_chars, cfg.prefix_blocks_max
+        )
         key = prefix_key(hashes) if hashes else task.id  # shorter than a block: by its id
         total = self.total_load()
         owner = ""
@@ -650,7 +653,11 @@ class Placer:
         cfg = self.config
         if cfg.policy == "prefix" and not task.key:
             self.prefix_record.add(
-                prefix_hashes(task.prompt, cfg.prefix_block_chars, cfg.prefix_blocks_max)
+                prefix_hashes(
+                    prefix_text(task, cfg.prefix_block_chars * cfg.prefix_blocks_max),
+                    cfg.prefix_block_chars,
+                    cfg.prefix_blocks_max,
+                )
             )
 
     def prefix_summary(self) -> list[int]:

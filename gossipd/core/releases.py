@@ -14,8 +14,10 @@ LOGPROBS_FROM_VERSION = (0, 3, 3)
 # The release from which members read Task params' prompt_logprobs (and write Chunk's and
 # Result's).
 PROMPT_LOGPROBS_FROM_VERSION = (0, 3, 4)
+# The release from which members read Task params' prompt_token_ids (a prompt as token ids).
+TOKEN_IDS_FROM_VERSION = (0, 3, 4)
 # The newest of these: members before it are the "older" ones a placer keeps apart.
-NEWEST_PARAMS_VERSION = PROMPT_LOGPROBS_FROM_VERSION
+NEWEST_PARAMS_VERSION = max(PROMPT_LOGPROBS_FROM_VERSION, TOKEN_IDS_FROM_VERSION)
 
 
 def release_of(software_version: str) -> tuple[int, int, int] | None:

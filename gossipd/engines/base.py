@@ -78,6 +78,8 @@ class GenerateRequest:
     # When the task asks params.prompt_logprobs: the engine appends each prompt token's
     # here, the first with logprob 0 and no top ones, before its first delta.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # The prompt as token ids (params.prompt_token_ids; ``prompt`` is then "").
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

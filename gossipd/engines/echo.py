@@ -53,7 +53,10 @@ class EchoEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
         self._running += 1
         usage = request.usage
-        usage.prompt_tokens = len(request.prompt.split())  # a word a token, as it answers
+        prompt = request.prompt
+        if request.prompt_token_ids is not None:  # (its words: the ids, as decimal text)
+            prompt = " ".join(map(str, request.prompt_token_ids))
+        usage.prompt_tokens = len(prompt.split())  # a word a token, as it answers
         stop = request.params.stop
         # With stop strings, as vLLM stops: at the first, which the text leaves out; the
         # text's last characters that may begin one wait until they cannot.
@@ -64,12 +67,12 @@ class EchoEngine:
         if request.prompt_logprobs is not None:  # the prompt's words, as tokens it is sure of
             check_prompt_logprobs(usage.prompt_tokens, request.params.prompt_logprobs or 0)
             ranked = bool(request.params.prompt_logprobs)
-            for i, token in enumerate(echo_tokens(request.prompt, usage.prompt_tokens)):
+            for i, token in enumerate(echo_tokens(prompt, usage.prompt_tokens)):
                 text_of = token[:LOGPROB_TOKEN_CHARS_MAX]
                 tops = ((text_of, 0.0),) if ranked and i else ()
                 request.prompt_logprobs.append(TokenLogprob(text_of, 0.0, tops))
         try:
-            for token in echo_tokens(request.prompt, request.params.max_tokens):
+            for token in echo_tokens(prompt, request.params.max_tokens):
                 if self._token_delay_s > 0:
                     await asyncio.sleep(self._token_delay_s)
                 self._tokens_total += 1

@@ -277,7 +277,10 @@ class VllmEngine:
         params = self.sampling_params(request)
         try:
             usage = request.usage
-            async for output in self._llm.generate(request.prompt, params, request.request_id):
+            prompt: Any = request.prompt
+            if request.prompt_token_ids is not None:  # (vLLM's TokensPrompt: a TypedDict)
+                prompt = {"prompt_token_ids": request.prompt_token_ids}
+            async for output in self._llm.generate(prompt, params, request.request_id):
                 completion = output.outputs[0] if output.outputs else None
                 if completion is None:
                     continue

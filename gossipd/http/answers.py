@@ -125,7 +125,10 @@ def _echoed(
     token, which has no log probability (written null)."""
     waiting.echo_due = False
     call = waiting.call
-    prompt = call.prompts[waiting.index // call.n] if call.prompts else call.prompt
+    if call.token_prompts:  # (its text is its tokens': echo asks logprobs with token ids)
+        prompt = "".join(entry.token for entry in prompt_entries or ())
+    else:
+        prompt = call.prompts[waiting.index // call.n] if call.prompts else call.prompt
     if call.echo_only:
         text, logprobs = "", None if logprobs is None else []
     if logprobs is None or not prompt_entries:

@@ -310,7 +310,10 @@ class HttpDoor:
                         status=413,
                     )
             self._check_size(prompt, chat, room)
-            if call.n > 1 or call.prompts:
+            if call.token_prompts:
+                for ids in call.token_prompts:
+                    self._check_ids_size(ids, room)
+            if call.several:
                 self._check_choices(call, room)
             params = call.params
             if chat and call.max_tokens_default:
@@ -371,7 +374,7 @@ class HttpDoor:
             # _request_id): the client's, else the response's.
             request_id=request_id or response_id,
         )
-        if call.n > 1 or call.prompts:
+        if call.several:
             self._take_choices(task, call, waiting, now, identity)
             return
         self.answers.wait(task_id, waiting)
@@ -398,11 +401,22 @@ class HttpDoor:
                 status=413,
             )
 
+    def _check_ids_size(self, ids: list[int], room: int) -> None:
+        """A prompt of token ids a task may carry (up to 5 bytes an id on the wire)."""
+        if 5 * len(ids) > room and (size := len(_msgpack_encode(ids))) > room:
+            raise BadRequest(
+                f"the prompt's {len(ids)} token ids take {size} bytes, over the {room} a task "
+                "may carry (ingress.message_bytes_max)",
+                param="prompt",
+                status=413,
+            )
+
     def _check_choices(self, call: Call, room: int) -> None:
         most = self._config.choices_max
         if call.choices > most:
             raise BadRequest(
-                f"{len(call.prompts) or 1} prompt(s) x n={call.n} is {call.choices} choices; "
+                f"{len(call.prompts) or len(call.token_prompts) or 1} prompt(s) x n={call.n} is "
+                f"{call.choices} choices; "
                 f"at most {most} are served in one request (http.choices_max): send fewer "
                 "at once (LangChain's OpenAI: batch_size)",
                 param="n" if call.n > 1 else "prompt",
@@ -418,9 +432,15 @@ class HttpDoor:
         its seed the request's + j as vLLM seeds its n (the same seed would give n copies)."""
         seed = task.params.seed
         tasks: list[Task] = []
-        for prompt in call.prompts or (task.prompt,):
+        sources: list[tuple[str, list[int] | None]] = [(p, None) for p in call.prompts] or [
+            ("", ids) for ids in call.token_prompts
+        ]
+        for prompt, ids in sources or [(task.prompt, task.params.prompt_token_ids)]:
+            asked = task.params
+            if ids is not asked.prompt_token_ids:
+                asked = msgspec.structs.replace(asked, prompt_token_ids=ids)
             for j in range(call.n):
-                params = task.params
+                params = asked
                 if seed is not None and j:
                     params = msgspec.structs.replace(params, seed=(seed + j) % SEED_END)
                 task_id = "http-" + self._ids.next() if tasks else task.id
@@ -449,7 +469,10 @@ class HttpDoor:
             # than a Result carries: its owner refuses it.
             per = LOGPROB_ENTRIES_MAX // (top + 1)
             prompts = call.prompts or (call.prompt,)
-            tokens = call.n * sum(min(len(p.encode()) + 1, per) for p in prompts)
+            if call.token_prompts:
+                tokens = call.n * sum(min(len(ids), per) for ids in call.token_prompts)
+            else:
+                tokens = call.n * sum(min(len(p.encode()) + 1, per) for p in prompts)
             bound = ECHO_ENTRIES_MAX
             if call.stream:
                 bound = min(bound, self._config.stream_buffer_bytes_max // ECHO_ENTRY_EVENT_BYTES)

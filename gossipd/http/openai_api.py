@@ -16,7 +16,9 @@ from gossipd.core.messages import (
     MODEL_DEFAULT_TEMPERATURE,
     MODEL_DEFAULT_TOP_K,
     MODEL_DEFAULT_TOP_P,
+    PROMPT_TOKEN_IDS_MAX,
     TASK_KEY_CHARS_MAX,
+    TOKEN_ID_MAX,
     SamplingParams,
 )
 from gossipd.http.badrequest import BadRequest
@@ -67,10 +69,15 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # 0, the prompt alone (the task generates 1 token, which is not shown: as vLLM).
     echo: bool = False
     echo_only: bool = False
+    # Completions' prompts of token ids (a list of integers, or several such lists), in
+    # order, each a task's prompt_token_ids (``prompt`` is then ""); () for text prompts.
+    token_prompts: tuple[list[int], ...] = ()
+    # A request of several choices (several prompts, or n > 1): one task each.
+    several: bool = False
 
     @property
     def choices(self) -> int:
-        return (len(self.prompts) or 1) * self.n
+        return (len(self.prompts) or len(self.token_prompts) or 1) * self.n
 
 
 # The usual request, decoded straight into typed fields (one pass in C: 0.7 us against 2.7
@@ -217,10 +224,13 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
             max(CHAT_MAX_TOKENS_DEFAULT, _int(doc, "min_tokens") or 0), MAX_TOKENS_MAX
         )
     prompts: tuple[str, ...] = ()
+    token_prompts: tuple[list[int], ...] = ()
     if not chat:
         taken = _prompt(doc.get("prompt"))
         if isinstance(taken, str):
             prompt = taken
+        elif isinstance(taken[0], list):
+            token_prompts = taken
         else:
             prompts = taken
         max_tokens = _int(doc, "max_tokens")
@@ -252,6 +262,12 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     if echo_only:
         max_tokens = 1  # (generated and not shown: vLLM's way to score a prompt alone)
     logprobs = decode_logprobs(doc, chat)
+    if echo and token_prompts and logprobs is None:
+        raise BadRequest(
+            "echo: with a prompt of token ids, only with logprobs (the prompt's text is then "
+            "its tokens'; this server keeps no tokenizer to write it otherwise)",
+            param="echo",
+        )
     if logprobs is not None and tools is not None and tools.parses:
         raise BadRequest("logprobs: not served with tools read for calls (tool_choice other "
                          'than "none")', param="logprobs")  # fmt: skip
@@ -281,6 +297,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         fields["stop"] = stop
     if doc.get("ignore_eos") is not None:
         fields["ignore_eos"] = doc.get("ignore_eos")
+    if len(token_prompts) == 1:  # (several: each choice's task its own, at the door)
+        fields["prompt_token_ids"] = token_prompts[0]
     if logprobs is not None:
         fields["logprobs"] = logprobs
         if echo:
@@ -353,6 +371,8 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         n=n,
         echo=bool(echo),
         echo_only=echo_only,
+        token_prompts=token_prompts,
+        several=n > 1 or bool(prompts) or len(token_prompts) > 1,
         tools=tools,
     )
 
@@ -530,24 +550,42 @@ def _int(doc: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _prompt(value: Any) -> str | tuple[str, ...]:
-    """One prompt, or several (a list of strings: one choice each, in order)."""
+def _prompt(value: Any) -> str | tuple[str, ...] | tuple[list[int], ...]:
+    """One prompt, or several (a list of strings: one choice each, in order); or prompts of
+    token ids (a list of integers, or a list of such lists), as OpenAI's completions take
+    them."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(type(v) is int for v in value):
-        raise BadRequest("prompt: token ids are not taken here; send text", param="prompt")
+        return (_token_ids(value, ""),)
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        if len(value) > PROMPTS_MAX:
+            raise BadRequest(f"prompt: at most {PROMPTS_MAX} prompts", param="prompt")
+        return tuple(_token_ids(v, f"[{i}]") for i, v in enumerate(value))
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         if len(value) > PROMPTS_MAX:
             raise BadRequest(f"prompt: at most {PROMPTS_MAX} prompts", param="prompt")
         return tuple(value)
-    if isinstance(value, list) and value:
+    raise BadRequest(
+        "prompt: a string, a list of strings, a list of token ids (integers) or a list of such "
+        "lists is required",
+        param="prompt",
+    )
+
+
+def _token_ids(value: list[Any], where: str) -> list[int]:
+    """A prompt of token ids: 1 to PROMPT_TOKEN_IDS_MAX integers, each 0..TOKEN_ID_MAX (the
+    model's vocabulary bounds them further: its engine refuses an id it does not have)."""
+    if not value or not all(type(v) is int and 0 <= v <= TOKEN_ID_MAX for v in value):
         raise BadRequest(
-            "prompt: a string or a list of strings (token ids are not taken here)",
+            f"prompt{where}: token ids are integers from 0 to {TOKEN_ID_MAX}, at least one",
             param="prompt",
         )
-    raise BadRequest("prompt: a string or a list of strings is required", param="prompt")
+    if len(value) > PROMPT_TOKEN_IDS_MAX:
+        raise BadRequest(f"prompt{where}: at most {PROMPT_TOKEN_IDS_MAX} token ids", param="prompt")
+    return value
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -123,6 +123,7 @@ class BudgetGate:
         c = self._config
         identity = self._identity(task, identity)
         cost = task_cost_tokens(_chars(task), task.params.max_tokens, c.chars_per_token)
+        cost += _ids(task)
         return self.buckets.charge(identity, cost, now)
 
     def check_together(self, tasks: list[Task], now: float, identity: str | None = None) -> int:
@@ -132,7 +133,9 @@ class BudgetGate:
 
     def _cost(self, tasks: list[Task]) -> int:
         per_token = self._config.chars_per_token
-        return sum(task_cost_tokens(_chars(t), t.params.max_tokens, per_token) for t in tasks)
+        return sum(
+            task_cost_tokens(_chars(t), t.params.max_tokens, per_token) + _ids(t) for t in tasks
+        )
 
     def _identity(self, task: Task, identity: str | None) -> str:
         """Whose budget: ``identity`` as the door says; "" (a door whose clients carry no
@@ -279,6 +282,12 @@ def start_budgets(
             name="budgets",
         )
     ]
+
+
+def _ids(task: Task) -> int:
+    """A prompt given as token ids: that many tokens (its text prompt is then "")."""
+    ids = task.params.prompt_token_ids
+    return 0 if ids is None else len(ids)
 
 
 def _chars(task: Task) -> int:

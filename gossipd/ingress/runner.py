@@ -274,6 +274,7 @@ class Runner:
                 model_defaults=task.model_defaults,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                prompt_token_ids=params.prompt_token_ids,
             )
             usage = request.usage
             sent_logprobs = 0  # (of ``logprobs``, those a Chunk carried)
