@@ -65,14 +65,15 @@ def test_any_body_is_a_call_or_a_bad_request_naming_its_field(
     assert call.model == doc["model"] and call.chat is chat
     assert 1 <= call.params.max_tokens <= 32768
     assert call.include_usage <= call.stream
-    assert call.choices == (len(call.prompts) or 1) * call.n >= 1
+    assert call.choices == (len(call.prompts) or len(call.token_prompts) or 1) * call.n >= 1
+    assert call.params.prompt_token_ids is None or (call.prompt == "" and not call.prompts)
 
 
 # Values near what clients send per field, (valid, not): the typed first pass must take a
 # body exactly as the full rules do (the same Call, or the same refusal).
 NEAR: dict[str, tuple[list[Any], list[Any]]] = {
     "model": (["m", "echo"], ["", 3, None]),
-    "prompt": (["p", "", ["p", "q"]], [["p"], [1, 2], None, 5, ["p", 1], []]),
+    "prompt": (["p", "", ["p", "q"], [1, 2]], [["p"], [[1], [-1]], None, 5, ["p", 1], []]),
     "messages": (
         [[{"role": "user", "content": "hi"}], [{"role": "u", "content": "", "name": "x"}]],
         [
@@ -205,8 +206,11 @@ def test_a_valid_body_maps_onto_the_task_fields() -> None:
     assert call.params.max_tokens == 7 and call.params.temperature == 0.0
     assert call.params.stop == ["END"] and call.params.seed == 3
     assert call.stream and call.include_usage and call.user == "u1"
+    # A prompt of token ids is the task's params.prompt_token_ids; not integers, a 400.
+    ids = decode_call(b'{"model": "m", "prompt": [1, 2, 3]}', chat=False)
+    assert ids.params.prompt_token_ids == [1, 2, 3] and ids.prompt == ""
     with pytest.raises(BadRequest) as exc:
-        decode_call(b'{"model": "m", "prompt": [1, 2, 3]}', chat=False)
+        decode_call(b'{"model": "m", "prompt": [[1, 2], [3, "x"]]}', chat=False)
     assert exc.value.param == "prompt" and "token ids" in exc.value.message
 
 
