@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from gossipd.tools.launcher import DaemonProcess
+from simulations.cluster import Cluster
 
 settings.register_profile(
     "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -79,3 +80,13 @@ def etcd(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
         yield cluster.start_all()
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def echo_pair(tmp_path: Path) -> Iterator[Cluster]:
+    """Two daemons with the echo engine, each with its HTTP door on a free port."""
+    from tests.helpers import running
+
+    with running(Cluster(2, log_dir=str(tmp_path),
+                         extra_overrides=['http.bind="127.0.0.1:0"'])) as cluster:  # fmt: skip
+        yield cluster

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgpack
 import zmq
 
+from gossipd.core.ring import Ring
 from gossipd.ops.scrape import scrape  # noqa: F401  (re-exported for the tests)
 from gossipd.tools.cpushares import cpu_share_overrides
 from gossipd.tools.tinymodel import engine_overrides as tiny_engine_overrides
@@ -148,3 +149,10 @@ def running(cluster: Cluster, start_timeout_s: float = 60.0) -> Iterator[Cluster
         yield cluster
     finally:
         cluster.stop()
+
+
+def key_owned_by(cluster: Cluster, member: str, prefix: str = "s-") -> str:
+    """A placement key (``prefix`` and a number) that ``member`` owns on the cluster's ring
+    of equal weights: a session that runs there, wherever its request enters."""
+    ring = Ring({d.name: 1.0 for d in cluster.daemons})
+    return next(k for k in (f"{prefix}{i}" for i in range(1000)) if ring.owner(k) == member)

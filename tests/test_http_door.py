@@ -16,9 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
-from tests.helpers import gossipd_cli, running, scrape, wait_until
+from tests.helpers import gossipd_cli, key_owned_by, running, scrape, wait_until
 
 HTTP = 'http.bind="127.0.0.1:0"'
 METRICS = 'metrics.bind="127.0.0.1:0"'
@@ -163,17 +162,12 @@ def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
         yield c
 
 
-def _key_owned_by(cluster: Cluster, member: str) -> str:
-    ring = Ring({d.name: 1.0 for d in cluster.daemons})
-    return next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == member)
-
-
 def test_a_session_owned_elsewhere_is_forwarded_and_streams_back_through_the_entry(
     pair: Cluster,
 ) -> None:
     entry, owner = pair.daemons
     client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
-    session = _key_owned_by(pair, owner.name)
+    session = key_owned_by(pair, owner.name)
     raw = client.completions.with_raw_response.create(
         model="echo", prompt="far away", max_tokens=3, extra_headers={"x-session-id": session}
     )
@@ -208,7 +202,7 @@ def test_a_client_that_disconnects_cancels_its_task_where_it_runs(pair: Cluster)
         prompt="long",
         max_tokens=2000,  # 100 s at 0.05 s a token
         stream=True,
-        extra_headers={"x-session-id": _key_owned_by(pair, owner.name)},
+        extra_headers={"x-session-id": key_owned_by(pair, owner.name)},
     )
     next(iter(stream))
     stream.close()  # the client goes away mid-stream
@@ -644,8 +638,8 @@ def test_a_request_on_an_open_connection_after_the_grace_is_refused_at_once(
     with running(c):
         entry, owner = c.daemons
         port = _port(entry.http_url)
-        far = _key_owned_by(c, owner.name)
-        near = _key_owned_by(c, entry.name)
+        far = key_owned_by(c, owner.name)
+        near = key_owned_by(c, entry.name)
 
         def request(key: str, tokens: int, request_id: str = "r") -> bytes:
             doc = json.dumps({"model": "echo", "prompt": "a b", "max_tokens": tokens}).encode()

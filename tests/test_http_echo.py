@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -31,14 +30,13 @@ from gossipd.core.messages import (
     release_asked,
 )
 from gossipd.core.releases import PROMPT_LOGPROBS_FROM_VERSION
-from gossipd.core.ring import Ring
 from gossipd.engines.base import GenerateRequest
 from gossipd.engines.echo import EchoEngine
 from gossipd.http.answers import HELD_CHUNKS_MAX
 from gossipd.http.logprobs import completion_logprobs
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
-from tests.helpers import running
+from tests.helpers import key_owned_by
 from tests.test_http_answers import streaming
 from tests.test_http_logprobs import ENTRIES
 
@@ -117,23 +115,15 @@ def test_the_echo_engine_scores_the_prompt_word_by_word() -> None:
 # -- on real daemons, through the official openai client ---------------------------------
 
 
-@pytest.fixture
-def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
-    c = Cluster(2, log_dir=str(tmp_path), extra_overrides=['http.bind="127.0.0.1:0"'])
-    with running(c):
-        yield c
-
-
 PROMPT = "red green blue"
 TOKENS = ["red", " green", " blue", "red", " green"]  # the prompt's, then 2 generated
 
 
-def test_echo_through_the_door_local_and_forwarded(pair: Cluster) -> None:
-    entry, owner = pair.daemons
+def test_echo_through_the_door_local_and_forwarded(echo_pair: Cluster) -> None:
+    entry, owner = echo_pair.daemons
     client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
-    ring = Ring({d.name: 1.0 for d in pair.daemons})
     for where in (entry, owner):
-        session = next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == where.name)
+        session = key_owned_by(echo_pair, where.name)
         headers = {"x-session-id": session}
         ask: dict[str, Any] = {"model": "echo", "prompt": PROMPT, "echo": True,
                                "extra_headers": headers}  # fmt: skip
@@ -176,11 +166,11 @@ def test_echo_through_the_door_local_and_forwarded(pair: Cluster) -> None:
                for c in several.choices)  # fmt: skip
 
 
-def test_a_prompt_too_long_to_score_is_refused_saying_why(pair: Cluster) -> None:
+def test_a_prompt_too_long_to_score_is_refused_saying_why(echo_pair: Cluster) -> None:
     """A prompt's entries past what a Result carries (over 32768, the top ones counted):
     its owner refuses it, 400 naming the bound.  Several prompts whose entries may pass
     ECHO_ENTRIES_MAX (a token a byte at most): the door refuses them.  It then serves on."""
-    client = openai.OpenAI(base_url=f"{pair.daemons[0].http_url}/v1", api_key="none",
+    client = openai.OpenAI(base_url=f"{echo_pair.daemons[0].http_url}/v1", api_key="none",
                            max_retries=0)  # fmt: skip
     with pytest.raises(openai.BadRequestError) as refused:
         # (the echo engine is sure of each word: one top entry each, so 17,000 x 2)
@@ -255,8 +245,8 @@ def test_a_streamed_echo_answered_without_chunks_and_an_error_before_it() -> Non
     assert _streamed(exchange)[0] == "" and events and "error" in events[-1]
 
 
-def test_an_empty_prompt_scores_nothing_and_nulls_no_generated_token(pair: Cluster) -> None:
-    client = openai.OpenAI(base_url=f"{pair.daemons[0].http_url}/v1", api_key="none",
+def test_an_empty_prompt_scores_nothing_and_nulls_no_generated_token(echo_pair: Cluster) -> None:
+    client = openai.OpenAI(base_url=f"{echo_pair.daemons[0].http_url}/v1", api_key="none",
                            max_retries=0)  # fmt: skip
     whole = client.completions.create(model="echo", prompt="", echo=True, logprobs=0,
                                       max_tokens=2).choices[0]  # fmt: skip

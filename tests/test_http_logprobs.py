@@ -8,19 +8,17 @@ run on the entry and forwarded."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from gossipd.core.messages import TokenLogprob, TokenUsage
-from gossipd.core.ring import Ring
 from gossipd.http.logprobs import chat_logprobs, completion_logprobs
 from gossipd.http.openai_answers import StreamWriter
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
-from tests.helpers import running
+from tests.helpers import key_owned_by
 
 
 def _call(chat: bool, **body: Any) -> Any:
@@ -94,19 +92,11 @@ def test_streamed_deltas_carry_their_tokens_and_offsets_run_on() -> None:
 # -- on real daemons, through the official openai client ---------------------------------
 
 
-@pytest.fixture
-def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
-    c = Cluster(2, log_dir=str(tmp_path), extra_overrides=['http.bind="127.0.0.1:0"'])
-    with running(c):
-        yield c
-
-
-def test_logprobs_through_the_door_local_and_forwarded(pair: Cluster) -> None:
-    entry, owner = pair.daemons
+def test_logprobs_through_the_door_local_and_forwarded(echo_pair: Cluster) -> None:
+    entry, owner = echo_pair.daemons
     client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
-    ring = Ring({d.name: 1.0 for d in pair.daemons})
     for where in (entry, owner):
-        session = next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == where.name)
+        session = key_owned_by(echo_pair, where.name)
         headers = {"x-session-id": session}
         done = client.completions.create(
             model="echo", prompt="red green blue", max_tokens=5, logprobs=2,

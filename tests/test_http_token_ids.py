@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,12 +25,11 @@ from gossipd.core.messages import (
     prefix_text,
     release_asked,
 )
-from gossipd.core.ring import Ring
 from gossipd.engines.base import GenerateRequest
 from gossipd.engines.echo import EchoEngine
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
-from tests.helpers import running
+from tests.helpers import key_owned_by
 
 
 def _call(prompt: Any, **body: Any) -> Any:
@@ -110,19 +108,11 @@ def test_the_echo_engine_answers_ids_as_words() -> None:
     assert request.usage.prompt_tokens == 3
 
 
-@pytest.fixture
-def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
-    c = Cluster(2, log_dir=str(tmp_path), extra_overrides=['http.bind="127.0.0.1:0"'])
-    with running(c):
-        yield c
-
-
-def test_token_id_prompts_through_the_door_local_and_forwarded(pair: Cluster) -> None:
-    entry, owner = pair.daemons
+def test_token_id_prompts_through_the_door_local_and_forwarded(echo_pair: Cluster) -> None:
+    entry, owner = echo_pair.daemons
     client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
-    ring = Ring({d.name: 1.0 for d in pair.daemons})
     for where in (entry, owner):
-        session = next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == where.name)
+        session = key_owned_by(echo_pair, where.name)
         headers = {"x-session-id": session}
         raw = client.completions.with_raw_response.create(
             model="echo", prompt=[5, 6, 7], max_tokens=2, extra_headers=headers

