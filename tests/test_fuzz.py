@@ -121,6 +121,12 @@ params_map = fields(
         "ignore_eos": st.booleans(),
         "logprobs": st.none() | st.integers(-1, 22),
         "prompt_logprobs": st.none() | st.integers(-1, 22),
+        "prompt_token_ids": st.none() | st.lists(st.integers(-2, 2**31 + 1), max_size=5),
+        "logit_bias": st.none()
+        | st.dictionaries(
+            st.integers(-2, 2**31 + 1) | st.text(max_size=3), ratio | nat, max_size=4
+        ),
+        "stop_token_ids": st.none() | st.lists(st.integers(-2, 2**31 + 1), max_size=5),
     }
 )
 task_spec = {
@@ -136,7 +142,6 @@ task_spec = {
     "model": st.text(max_size=10),
     "traceparent": st.text(max_size=10),
     "attempt": nat,
-    "prompt_token_ids": st.none() | st.lists(st.integers(-2, 2**31 + 1), max_size=5),
 }
 task_map = fields(task_spec)
 cancel_map = fields({"v": version, "t": st.sampled_from([4, 4, 1]), "id": ident})

@@ -47,6 +47,8 @@ FIELDS = st.sampled_from(
         "logprobs",
         "echo",
         "best_of",
+        "logit_bias",
+        "stop_token_ids",
     ]
 )
 
@@ -266,10 +268,13 @@ def test_fields_that_ask_nothing_are_taken(
 @pytest.mark.parametrize(
     ("field", "value"),
     [("logprobs", True), ("logprobs", 21), ("logprobs", -1), ("top_logprobs", 2), ("best_of", 2),
-     ("best_of", True), ("stream", 1), ("stream_options", "junk"), ("logit_bias", {"1": 5}),
+     ("best_of", True), ("stream", 1), ("stream_options", "junk"), ("logit_bias", {"1": 101}),
+     ("logit_bias", {" 1": 5}), ("logit_bias", {"1": "5"}), ("logit_bias", [1]),
+     ("logit_bias", {str(i): 1 for i in range(301)}), ("logit_bias", {"4294967296": 1}),
      ("tools", [{"type": "function"}]), ("presence_penalty", 2.5), ("frequency_penalty", -3),
      ("repetition_penalty", 0), ("repetition_penalty", True), ("min_p", 1.1),
-     ("min_tokens", 17), ("min_tokens", -1), ("stop_token_ids", [2]),
+     ("min_tokens", 17), ("min_tokens", -1), ("stop_token_ids", [-1]),
+     ("stop_token_ids", 2), ("stop_token_ids", [True]), ("stop_token_ids", list(range(257))),
      ("response_format", {"type": "xml"}), ("response_format", "json"),
      ("response_format", {"type": "json_schema", "json_schema": {}}),
      ("tool_choice", "required"), ("tool_choice", {"type": "function"}),

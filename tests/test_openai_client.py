@@ -460,3 +460,41 @@ def test_a_prompt_of_token_ids_runs_as_its_text_does(cluster: Cluster, tiny_mode
                                       extra_headers=headers)  # fmt: skip
     assert after.usage is not None and after.usage.completion_tokens == 2
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")
+
+
+def test_logit_bias_and_stop_token_ids_steer_the_models_tokens(
+    cluster: Cluster, tiny_model: Path
+) -> None:
+    """On the owner's vLLM engine (the request forwarded there): a bias of 100 on a token
+    makes greedy decoding write it at every step, -100 on the greedy first token bans it,
+    and stop_token_ids end the answer at the first such token (not shown, finish_reason
+    stop). An id the vocabulary lacks is a 400 from the engine, which serves on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    fox = tokenizer(" fox", add_special_tokens=False)["input_ids"][-1]
+    entry, owner = cluster.daemons
+    client = _client(entry)
+    asked: Any = {"model": _model(cluster), "prompt": "the quick brown", "temperature": 0,
+                  "max_tokens": 4, "logprobs": 0,
+                  "extra_headers": {"x-session-id": _session_of(cluster, owner.name)}}  # fmt: skip
+    plain = client.completions.create(**asked)
+    first = plain.choices[0].logprobs.tokens[0]  # type: ignore[union-attr,index]
+    forced = client.completions.create(**asked, logit_bias={str(fox): 100})
+    assert forced.choices[0].text == tokenizer.decode([fox] * 4)
+    assert forced.choices[0].finish_reason == "length"
+    # Every id whose text is the greedy first token's, banned: another token comes first.
+    same = {str(i): -100 for i in range(len(tokenizer)) if tokenizer.decode([i]) == first}
+    banned = client.completions.create(**asked, logit_bias=same)
+    assert same and banned.choices[0].logprobs.tokens[0] != first  # type: ignore[union-attr,index]
+    stopped = client.completions.create(**asked, logit_bias={str(fox): 100},
+                                        extra_body={"stop_token_ids": [fox]})  # fmt: skip
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    for field, value in (("logit_bias", {"100000": 1}), ("stop_token_ids", [100000])):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**{**asked, "extra_body": {field: value}})
+        assert "out-of-vocab" in str(refused.value)
+    again = client.completions.create(**asked)
+    assert again.choices[0].text == plain.choices[0].text
+    wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

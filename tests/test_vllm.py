@@ -227,6 +227,12 @@ def test_a_tasks_model_defaults_come_from_the_models_generation_config() -> None
         )
     )
     assert {name: getattr(penalised, name) for name in asked_params} == asked_params
+    assert not plain.logit_bias and not plain.stop_token_ids  # (none asked: vLLM's defaults)
+    biased = engine.sampling_params(
+        GenerateRequest(request_id="d", prompt="p", params=SamplingParams(
+            logit_bias={5: -100.0, 9: 2.5}, stop_token_ids=[3, 4]))
+    )  # fmt: skip
+    assert biased.logit_bias == {5: -100.0, 9: 2.5} and biased.stop_token_ids == [3, 4]
 
 
 def test_a_request_vllm_ends_with_an_error_is_an_engine_error_not_an_empty_answer() -> None:

@@ -29,6 +29,8 @@ LOGPROB_BYTES = 200
 LOGPROB_TOP_BYTES = 150
 # A prompt's token id beside its list slot: an int object (28 bytes) and its allocation.
 TOKEN_ID_BYTES = 32
+# A logit_bias entry beside the dict's table: its int and float objects (32 + 24 bytes).
+LOGIT_BIAS_ENTRY_BYTES = 56
 
 _sizeof = sys.getsizeof
 
@@ -42,11 +44,22 @@ def task_bytes(task: Task) -> int:
     params = task.params
     form = params.structured
     ids = params.prompt_token_ids
-    if form is None and params.logprobs is None and params.prompt_logprobs is None and not ids:
+    if (
+        form is None
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and not ids
+        and params.logit_bias is None
+        and params.stop_token_ids is None
+    ):
         return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
     held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
     if ids:  # (a list's slots, and an int object each: the small ones are shared, few ids)
         held += _sizeof(ids) + TOKEN_ID_BYTES * len(ids)
+    if (bias := params.logit_bias) is not None:  # (a dict's table, an int and a float each)
+        held += _sizeof(bias) + LOGIT_BIAS_ENTRY_BYTES * len(bias)
+    if (stop_ids := params.stop_token_ids) is not None:
+        held += _sizeof(stop_ids) + TOKEN_ID_BYTES * len(stop_ids)
     if form is not None:
         held += sum(map(_sizeof, form.texts()))
     if params.logprobs is not None:

@@ -318,8 +318,9 @@ class Forwarder:
                 release = ".".join(map(str, needed))
                 message += (
                     f" and reads this task's params (members before release {release} refuse "
-                    "what it asks: prompt_logprobs and token-id prompts from 0.3.4; logprobs from 0.3.3; a penalty, min_p, min_tokens or "
-                    "structured output from 0.3.2)"
+                    "what it asks: logit_bias and stop_token_ids from 0.3.5; prompt_logprobs "
+                    "and token-id prompts from 0.3.4; logprobs from 0.3.3; a penalty, min_p, "
+                    "min_tokens or structured output from 0.3.2)"
                 )
             self._events.append(
                 Refuse(task, ErrorCode.UNAVAILABLE, message, self.settings.retry_after_ms)

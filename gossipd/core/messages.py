@@ -31,6 +31,7 @@ from gossipd.core.releases import (
     LOGPROBS_FROM_VERSION,
     PENALTIES_FROM_VERSION,
     PROMPT_LOGPROBS_FROM_VERSION,
+    TOKEN_BIAS_FROM_VERSION,
     TOKEN_IDS_FROM_VERSION,
 )
 from gossipd.errors import RemoteProtocolError
@@ -259,6 +260,13 @@ def prompt_logprobs_of(message: Chunk | Result) -> list[TokenLogprob] | None:
 # A prompt given as token ids: at most this many (a long context's), each a vocabulary index.
 PROMPT_TOKEN_IDS_MAX = 131072
 TOKEN_ID_MAX = 2**31 - 1
+# OpenAI's logit_bias: at most its 300 token ids, each biased by -100..100.
+LOGIT_BIAS_MAX = 300
+LOGIT_BIAS_BOUND = 100.0
+# vLLM's stop_token_ids: at most this many.
+STOP_TOKEN_IDS_MAX = 256
+
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]
 
 
 # The defaults of the params added in release 0.3.2: a value equal to one is replaced
@@ -314,11 +322,25 @@ class SamplingParams(
     # member before release 0.3.4 refuses it (unknown params are refused; a Task's unknown
     # keys are ignored: it would run an empty prompt).
     prompt_token_ids: (
+        Annotated[list[_TokenId], msgspec.Meta(min_length=1, max_length=PROMPT_TOKEN_IDS_MAX)]
+        | None
+    ) = None
+    # OpenAI's logit_bias: each token id's bias, added to its logit before sampling (-100
+    # bans it, 100 all but forces it).  Release 0.3.5.
+    logit_bias: (
         Annotated[
-            list[Annotated[int, msgspec.Meta(ge=0, le=TOKEN_ID_MAX)]],
-            msgspec.Meta(min_length=1, max_length=PROMPT_TOKEN_IDS_MAX),
+            dict[
+                _TokenId,
+                Annotated[float, msgspec.Meta(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND)],
+            ],
+            msgspec.Meta(min_length=1, max_length=LOGIT_BIAS_MAX),
         ]
         | None
+    ) = None
+    # vLLM's stop_token_ids: generation ends at any of these tokens (its text not shown),
+    # as at the end-of-sequence token.  Release 0.3.5.
+    stop_token_ids: (
+        Annotated[list[_TokenId], msgspec.Meta(min_length=1, max_length=STOP_TOKEN_IDS_MAX)] | None
     ) = None
 
     def __post_init__(self) -> None:
@@ -361,6 +383,8 @@ def release_asked(params: SamplingParams) -> tuple[int, int, int] | None:
     """The release a member needs to read ``params`` where it asks a field added after
     0.3.1 (members before it refuse the field: core/releases.py); None: any member reads it.
     Identity tests: the neutral values are the default objects (SamplingParams.__post_init__)."""
+    if params.logit_bias is not None or params.stop_token_ids is not None:
+        return TOKEN_BIAS_FROM_VERSION
     if params.prompt_token_ids is not None:
         return TOKEN_IDS_FROM_VERSION
     if params.prompt_logprobs is not None:

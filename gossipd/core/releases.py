@@ -16,8 +16,12 @@ LOGPROBS_FROM_VERSION = (0, 3, 3)
 PROMPT_LOGPROBS_FROM_VERSION = (0, 3, 4)
 # The release from which members read Task params' prompt_token_ids (a prompt as token ids).
 TOKEN_IDS_FROM_VERSION = (0, 3, 4)
+# The release from which members read Task params' logit_bias and stop_token_ids.
+TOKEN_BIAS_FROM_VERSION = (0, 3, 5)
 # The newest of these: members before it are the "older" ones a placer keeps apart.
-NEWEST_PARAMS_VERSION = max(PROMPT_LOGPROBS_FROM_VERSION, TOKEN_IDS_FROM_VERSION)
+NEWEST_PARAMS_VERSION = max(
+    PROMPT_LOGPROBS_FROM_VERSION, TOKEN_IDS_FROM_VERSION, TOKEN_BIAS_FROM_VERSION
+)
 
 
 def release_of(software_version: str) -> tuple[int, int, int] | None:

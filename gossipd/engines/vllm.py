@@ -254,6 +254,8 @@ class VllmEngine:
                 top_k=top_k,
                 seed=p.seed,
                 stop=list(p.stop) or None,
+                stop_token_ids=list(p.stop_token_ids) if p.stop_token_ids else None,
+                logit_bias=dict(p.logit_bias) if p.logit_bias else None,
                 ignore_eos=p.ignore_eos,
                 presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty,

@@ -240,12 +240,11 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         n = 1
     if not 1 <= n <= N_MAX:
         raise BadRequest(f"n: from 1 to {N_MAX} choices", param="n")
-    for name in ("best_of", "suffix", "tools", "logit_bias"):
+    for name in ("best_of", "suffix", "tools"):
         if name == "tools" and chat:
             continue  # (decode_tools took them)
         value = doc.get(name)
-        # Absent, null, false or empty asks nothing (LangChain sends logit_bias {} on every
-        # call); best_of also 1.
+        # Absent, null, false or empty asks nothing; best_of also 1.
         if not (
             value is None
             or value is False
@@ -297,6 +296,12 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         fields["stop"] = stop
     if doc.get("ignore_eos") is not None:
         fields["ignore_eos"] = doc.get("ignore_eos")
+    if (bias := _logit_bias(doc.get("logit_bias"))) is not None:
+        fields["logit_bias"] = bias
+    if (stop_ids := doc.get("stop_token_ids")) not in (None, []):
+        if not isinstance(stop_ids, list):
+            raise BadRequest("stop_token_ids: a list of token ids", param="stop_token_ids")
+        fields["stop_token_ids"] = stop_ids  # (each an id: the params' check)
     if len(token_prompts) == 1:  # (several: each choice's task its own, at the door)
         fields["prompt_token_ids"] = token_prompts[0]
     if logprobs is not None:
@@ -466,10 +471,6 @@ def _refuse_unserved_sampling(doc: dict[str, Any], chat: bool) -> None:
     """Fields vLLM serves and a task cannot carry: the values that ask nothing are taken
     (clients send them), any other is refused rather than ignored (the answer would not be
     what was asked)."""
-    stop_ids = doc.get("stop_token_ids")
-    if stop_ids not in (None, []):
-        raise BadRequest("stop_token_ids: not served by this server; send stop strings "
-                         "(stop)", param="stop_token_ids")  # fmt: skip
     # (A chat's tool_choice: decode_tools.)  With no tools, "auto" asks nothing.
     for name in ("function_call",) if chat else ("tool_choice", "function_call"):
         if doc.get(name) not in (None, "none", "auto"):
@@ -481,6 +482,25 @@ def _refuse_unserved_sampling(doc: dict[str, Any], chat: bool) -> None:
     if doc.get("guided_whitespace_pattern") is not None:
         raise BadRequest("guided_whitespace_pattern: not served by this server",
                          param="guided_whitespace_pattern")  # fmt: skip
+
+
+def _logit_bias(value: object) -> dict[int, object] | None:
+    """OpenAI's ``logit_bias``, its keys (token ids, as JSON writes them: decimal text) read
+    as integers; the biases are checked by the task's params (-100..100).  Absent, null,
+    false or empty asks nothing (LangChain sends ``{}`` on every call)."""
+    if value is None or value is False or (type(value) in (dict, list, str) and not value):
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest("logit_bias: an object of token ids (as strings) to biases from -100 "
+                         "to 100", param="logit_bias")  # fmt: skip
+    bias: dict[int, object] = {}
+    for key, amount in value.items():
+        # (ASCII digits only: int() would also take " 7", "+7", "7_0" and other scripts')
+        if not (key.isascii() and key.isdigit()) or len(key) > 20:
+            raise BadRequest(f"logit_bias: {key[:40]!r} is not a token id (a decimal "
+                             "integer, as a string)", param="logit_bias")  # fmt: skip
+        bias[int(key)] = amount
+    return bias
 
 
 def _left_out(temperature: object, top_p: object, top_k: object) -> int:
