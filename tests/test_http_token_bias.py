@@ -57,6 +57,7 @@ def test_logit_bias_and_stop_token_ids_become_the_tasks_params(chat: bool) -> No
         ("logit_bias", {"5": None}),
         ("logit_bias", {"-5": 1}),
         ("logit_bias", {"5.0": 1}),
+        ("logit_bias", {"05": 1}),  # ("5" and "05" would be one id given twice)
         ("logit_bias", {"\u0665": 1}),  # (an Arabic-Indic five: a digit, not ASCII)
         ("logit_bias", {"2147483648": 1}),
         ("logit_bias", {str(i): 1 for i in range(LOGIT_BIAS_MAX + 1)}),
@@ -116,20 +117,77 @@ def test_budgets_count_them_close_to_what_they_take() -> None:
     assert taken / 2 <= counted <= taken * 2, (counted, taken)
 
 
+def test_a_tasks_fields_beside_its_prompt_fit_the_bounds_that_assume_them() -> None:
+    """Every bounded field at its most (4-byte characters, a full logit_bias and
+    stop_token_ids) encodes within TASK_FIXED_BYTES_MAX, which the owner's check of a
+    forwarded task's size assumes, and within the room the HTTP door leaves beside a prompt."""
+    from gossipd.core.messages import TASK_FIXED_BYTES_MAX
+    from gossipd.http.wiring import PROMPT_ROOM_BYTES
+
+    wide = "\U0001f600"  # (4 bytes in UTF-8)
+    params = SamplingParams(
+        max_tokens=32768, temperature=0.123456789, top_p=0.987654321, top_k=99_999,
+        seed=2**63 - 1, stop=[wide * 64] * 8, ignore_eos=True, presence_penalty=-1.5,
+        frequency_penalty=1.5, repetition_penalty=9.5, min_p=0.5, min_tokens=1, logprobs=0,
+        prompt_logprobs=20,
+        logit_bias={2**31 - 1 - i: -99.123456789 for i in range(LOGIT_BIAS_MAX)},
+        stop_token_ids=[2**31 - 1 - i for i in range(STOP_TOKEN_IDS_MAX)],
+    )  # fmt: skip
+    task = Task(
+        v=PROTOCOL_VERSION, id=wide * 128, key=wide * 256, prompt="", params=params,
+        reply_to="ipc://" + "p" * 107, timeout_ms=3_600_000, stream=True, model=wide * 256,
+        traceparent=wide * 128, attempt=1000, batch_replies=True,
+        producer_key="Z" * 40, model_defaults=15,
+    )  # fmt: skip
+    size = len(encode(task))
+    assert 11_000 < size < TASK_FIXED_BYTES_MAX <= PROMPT_ROOM_BYTES, size
+
+
+def test_the_echo_engine_ends_an_id_prompt_at_a_stop_token() -> None:
+    import asyncio
+
+    from gossipd.engines.base import GenerateRequest
+    from gossipd.engines.echo import EchoEngine
+
+    def run(prompt: str, ids: list[int] | None, **asked: Any) -> tuple[str, Any]:
+        request = GenerateRequest(request_id="r", prompt=prompt, prompt_token_ids=ids,
+                                  params=SamplingParams(max_tokens=6, **asked))  # fmt: skip
+
+        async def answer() -> str:
+            return "".join([delta async for delta in EchoEngine().generate(request)])
+
+        return asyncio.run(answer()), request.usage
+
+    text, usage = run("", [5, 6, 7], stop_token_ids=[7])
+    assert text == "5 6" and usage.finish_reason == "stop" and usage.completion_tokens == 3
+    text, usage = run("", [5, 6, 7], stop_token_ids=[7], stop=[" 7"])  # (the id comes first)
+    assert text == "5 6" and usage.finish_reason == "stop"
+    text, usage = run("", [5, 6], stop_token_ids=[5])
+    assert text == "" and usage.completion_tokens == 1
+    text, usage = run("5 6 7", None, stop_token_ids=[7])  # (a text prompt's words: no ids)
+    assert text == "5 6 7 5 6 7" and usage.finish_reason == "length"
+
+
 def test_they_travel_through_the_door_local_and_forwarded(echo_pair: Cluster) -> None:
-    """The echo engine ignores both, so the answer is as without them; a member that did
-    not read them would have refused the task (unknown params), so a 200 from the owner the
-    member header names shows they arrived and were read there."""
+    """The echo engine ends an id prompt's answer at a stop id (its words are the ids), so
+    the answer shows stop_token_ids reached the engine, local and forwarded; it ignores
+    logit_bias, which a member that did not read it would have refused (unknown params)."""
     entry, owner = echo_pair.daemons
     client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
     for where in (entry, owner):
         headers = {"x-session-id": key_owned_by(echo_pair, where.name)}
         raw = client.completions.with_raw_response.create(
-            model="echo", prompt="a b c", max_tokens=2, logit_bias={"5": -100},
+            model="echo", prompt=[5, 6, 7], max_tokens=5, logit_bias={"5": -100},
             extra_body={"stop_token_ids": [7]}, extra_headers=headers,
         )  # fmt: skip
         assert raw.headers["x-gossipd-member"] == where.name  # (local, then forwarded)
-        assert raw.parse().choices[0].text == "a b"
+        done = raw.parse().choices[0]
+        assert done.text == "5 6" and done.finish_reason == "stop"
+        several = client.completions.create(
+            model="echo", prompt=[[5, 6, 7], [7, 8]], max_tokens=5, n=2,
+            extra_body={"stop_token_ids": [7]}, extra_headers=headers,
+        )  # fmt: skip
+        assert [c.text for c in several.choices] == ["5 6", "5 6", "", ""]
         chat = client.chat.completions.create(
             model="echo", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
             logit_bias={"5": 10}, extra_body={"stop_token_ids": [7]}, extra_headers=headers,

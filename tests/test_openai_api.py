@@ -256,6 +256,24 @@ def test_a_valid_body_maps_onto_the_task_fields() -> None:
             False,
             False,
         ),
+        # vLLM's defaults for fields a task does not carry (some clients send them all)
+        (
+            {
+                "use_beam_search": False,
+                "length_penalty": 1.0,
+                "include_stop_str_in_output": False,
+                "skip_special_tokens": True,
+                "spaces_between_special_tokens": True,
+                "truncate_prompt_tokens": None,
+                "allowed_token_ids": None,
+                "bad_words": [],
+                "prompt_logprobs": None,
+                "return_tokens_as_token_ids": False,
+                "add_special_tokens": True,
+            },
+            False,
+            False,
+        ),
     ],
 )
 def test_fields_that_ask_nothing_are_taken(
@@ -285,7 +303,12 @@ def test_fields_that_ask_nothing_are_taken(
      ("structured_outputs", {"regex": "a", "choice": ["b"]}),
      ("structured_outputs", {"regex": "a", "disable_any_whitespace": True}),
      ("guided_json", '{"a":' * 2999 + "{}" + "}" * 2999),
-     ("guided_whitespace_pattern", " ")],
+     ("guided_whitespace_pattern", " "), ("include_stop_str_in_output", True),
+     ("skip_special_tokens", False), ("skip_special_tokens", 1), ("use_beam_search", True),
+     ("length_penalty", 0.5), ("length_penalty", True), ("allowed_token_ids", [1]),
+     ("bad_words", ["x"]), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 5),
+     ("return_tokens_as_token_ids", True), ("add_special_tokens", False),
+     ("spaces_between_special_tokens", False), ("thinking_token_budget", 5)],
 )  # fmt: skip
 def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
     field: str, value: Any
@@ -545,3 +568,27 @@ def test_templates_render_as_hugging_face_renders_them() -> None:
     assert "does not parse" in broken.broken
     with pytest.raises(TemplateBroken):
         broken.render(hi)
+
+
+@pytest.mark.parametrize(
+    ("field", "taken", "refused"),
+    [
+        ("add_generation_prompt", True, False),
+        ("continue_final_message", False, True),
+        ("chat_template", None, "{{ messages }}"),
+        ("chat_template_kwargs", {}, {"enable_thinking": False}),
+        ("add_special_tokens", False, True),  # (a chat's template writes its special tokens)
+    ],
+)
+def test_a_chats_template_fields_are_taken_at_what_the_door_does_else_refused(
+    field: str, taken: Any, refused: Any
+) -> None:
+    def body(value: Any) -> bytes:
+        return json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+        ).encode()
+
+    assert decode_call(body(taken), chat=True).chat
+    with pytest.raises(BadRequest) as exc:
+        decode_call(body(refused), chat=True)
+    assert exc.value.param == field and field in exc.value.message

@@ -483,6 +483,9 @@ def test_logit_bias_and_stop_token_ids_steer_the_models_tokens(
     forced = client.completions.create(**asked, logit_bias={str(fox): 100})
     assert forced.choices[0].text == tokenizer.decode([fox] * 4)
     assert forced.choices[0].finish_reason == "length"
+    several = client.completions.create(**{**asked, "prompt": ["a", "b c"]}, n=2,
+                                        logit_bias={str(fox): 100})  # fmt: skip
+    assert [c.text for c in several.choices] == [tokenizer.decode([fox] * 4)] * 4
     # Every id whose text is the greedy first token's, banned: another token comes first.
     same = {str(i): -100 for i in range(len(tokenizer)) if tokenizer.decode([i]) == first}
     banned = client.completions.create(**asked, logit_bias=same)

@@ -811,8 +811,11 @@ def _decode_from_producer(
 # defaults (about 200 bytes of them), so a forwarded task may encode that much larger than
 # the frame the ingress accepted.
 FORWARD_REENCODE_SLACK_BYTES = 1024
-# Every field of a Task but its prompt encodes in less than this (bounded strings and lists).
-_TASK_FIXED_BYTES_MAX = 8192
+# Every field of a Task but its prompt (and a structured output's form, or prompt token ids,
+# which are checked apart) encodes in less than this: bounded strings and lists, at most
+# about 11.3 KB with every string of 4-byte characters and a full logit_bias and
+# stop_token_ids (tests/test_http_token_bias.py).
+TASK_FIXED_BYTES_MAX = 16384
 
 
 def check_forwarded_task(task: Task, *, bytes_max: int) -> None:
@@ -833,9 +836,9 @@ def check_forwarded_task(task: Task, *, bytes_max: int) -> None:
     # prompt for this: such a (rare) task is encoded.
     ids = task.params.prompt_token_ids
     if (
-        4 * len(task.prompt) + _TASK_FIXED_BYTES_MAX > limit
+        4 * len(task.prompt) + TASK_FIXED_BYTES_MAX > limit
         or task.params.structured is not None
-        or (ids is not None and 5 * len(ids) + _TASK_FIXED_BYTES_MAX > limit)
+        or (ids is not None and 5 * len(ids) + TASK_FIXED_BYTES_MAX > limit)
     ):
         size = len(_encoder.encode(task))
         if size > limit:

@@ -3,7 +3,9 @@
 For tests and benchmarks of everything around the engine.  The output for a prompt is its
 whitespace-separated words, cycled, one word per token, ``max_tokens`` tokens; the first token
 has no leading space and the others have one.  A stop string ends it where it begins (left
-out of the text, finish reason "stop"), as vLLM stops.  With a zero delay no await happens, so the
+out of the text, finish reason "stop"), as vLLM stops.  A prompt of token ids answers with
+the ids as its words, and then ``stop_token_ids`` end it at the first such id (counted,
+not shown, finish reason "stop"), as vLLM ends at a stop token.  With a zero delay no await happens, so the
 engine costs almost nothing and benchmarks measure the daemon itself.
 """
 
@@ -57,6 +59,12 @@ class EchoEngine:
         if request.prompt_token_ids is not None:  # (its words: the ids, as decimal text)
             prompt = " ".join(map(str, request.prompt_token_ids))
         usage.prompt_tokens = len(prompt.split())  # a word a token, as it answers
+        stop_ids = request.params.stop_token_ids  # (its words are ids only in an id prompt)
+        stop_words = (
+            frozenset(map(str, stop_ids))
+            if stop_ids is not None and request.prompt_token_ids is not None
+            else None
+        )
         stop = request.params.stop
         # With stop strings, as vLLM stops: at the first, which the text leaves out; the
         # text's last characters that may begin one wait until they cannot.
@@ -80,6 +88,11 @@ class EchoEngine:
                 if logprobs is not None:  # (a token's text in it at most so long: the wire's)
                     text_of = token[:LOGPROB_TOKEN_CHARS_MAX]
                     logprobs.append(TokenLogprob(text_of, 0.0, ((text_of, 0.0),) if top else ()))
+                if stop_words is not None and token.lstrip() in stop_words:
+                    if len(text) > sent:  # (what stop strings held back: none begins there)
+                        yield text[sent:]
+                    usage.finish_reason = "stop"
+                    return
                 if not stop:
                     yield token
                     continue

@@ -8,6 +8,7 @@ documents every rule here; a request that breaks one is a ``BadRequest`` naming 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -467,10 +468,54 @@ def _schema_text(value: object) -> object:
     return value
 
 
+# vLLM's request fields that would change the answer and that a task does not carry, with
+# the values that ask nothing beside null (vLLM's defaults, which clients send).  True is
+# not 1 here: a value must be of its default's type.
+_VLLM_UNSERVED: dict[str, tuple[object, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "truncation_side": (),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "logprob_token_ids": ([],),
+    "prompt_embeds": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "thinking_token_budget": (),
+    "repetition_detection": (),
+}
+# The same for chats' template (the door renders it as `vllm serve` does by default) and
+# for tokenization: completions' text is tokenized with the model's special tokens (a BOS),
+# a chat's rendered text without (its template writes them).
+_VLLM_UNSERVED_CHAT: dict[str, tuple[object, ...]] = {
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "add_special_tokens": (False,),
+}
+_VLLM_UNSERVED_COMPLETIONS: dict[str, tuple[object, ...]] = {"add_special_tokens": (True,)}
+
+
+def _asks_nothing(value: object, defaults: tuple[object, ...]) -> bool:
+    return value is None or any(type(value) is type(d) and value == d for d in defaults)
+
+
 def _refuse_unserved_sampling(doc: dict[str, Any], chat: bool) -> None:
     """Fields vLLM serves and a task cannot carry: the values that ask nothing are taken
     (clients send them), any other is refused rather than ignored (the answer would not be
     what was asked)."""
+    for table in (_VLLM_UNSERVED, _VLLM_UNSERVED_CHAT if chat else _VLLM_UNSERVED_COMPLETIONS):
+        for name, defaults in table.items():
+            if name in doc and not _asks_nothing(doc[name], defaults):
+                shown = " or ".join(json.dumps(d) for d in (None, *defaults))
+                raise BadRequest(f"{name}: not served by this server (only {shown}, which "
+                                 "ask nothing)", param=name)  # fmt: skip
     # (A chat's tool_choice: decode_tools.)  With no tools, "auto" asks nothing.
     for name in ("function_call",) if chat else ("tool_choice", "function_call"):
         if doc.get(name) not in (None, "none", "auto"):
@@ -495,10 +540,12 @@ def _logit_bias(value: object) -> dict[int, object] | None:
                          "to 100", param="logit_bias")  # fmt: skip
     bias: dict[int, object] = {}
     for key, amount in value.items():
-        # (ASCII digits only: int() would also take " 7", "+7", "7_0" and other scripts')
-        if not (key.isascii() and key.isdigit()) or len(key) > 20:
+        # ASCII digits only (int() would also take " 7", "+7", "7_0" and other scripts'),
+        # without leading zeros (so that "5" and "05" are not one id given twice).
+        if not (key.isascii() and key.isdigit()) or len(key) > 20 or key[0] == "0" != key:
             raise BadRequest(f"logit_bias: {key[:40]!r} is not a token id (a decimal "
-                             "integer, as a string)", param="logit_bias")  # fmt: skip
+                             "integer without leading zeros, as a string)",
+                             param="logit_bias")  # fmt: skip
         bias[int(key)] = amount
     return bias
 

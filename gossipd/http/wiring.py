@@ -17,7 +17,7 @@ from gossipd.http.server import serve
 from gossipd.ingress.intake import Intake
 from gossipd.zmqloop import ReplySender
 
-PROMPT_ROOM_BYTES = 16 * 1024  # a task's fields beside its prompt, with room to spare
+PROMPT_ROOM_BYTES = 16 * 1024  # a task's fields beside its prompt: messages.TASK_FIXED_BYTES_MAX
 
 
 def build_door(
