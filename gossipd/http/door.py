@@ -44,7 +44,6 @@ from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_answers import error_body
 from gossipd.http.openai_api import (
     CHAT_MAX_TOKENS_DEFAULT,
-    MAX_TOKENS_MAX,
     SEED_END,
     BadRequest,
     Call,
@@ -52,6 +51,7 @@ from gossipd.http.openai_api import (
     header_text,
     placement_key,
 )
+from gossipd.http.sampling_fields import MAX_TOKENS_MAX
 from gossipd.ingress.intake import Intake
 
 log = logging.getLogger("gossipd.http.door")

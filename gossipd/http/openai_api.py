@@ -1,6 +1,7 @@
 """OpenAI's HTTP API in gossipd's terms: a request body to a task's fields (a Call: one
 prompt, or several choices).  The answers' side, a Result or Chunk to what an OpenAI client
-parses, is gossipd/http/openai_answers.py.
+parses, is gossipd/http/openai_answers.py; the sampling fields' readers (structured
+output, logit_bias, vLLM's fields a task does not carry) are gossipd/http/sampling_fields.py.
 
 Pure functions, no IO: the door (gossipd/http/door.py) calls them.  docs/PROTOCOL.md "HTTP"
 documents every rule here; a request that breaks one is a ``BadRequest`` naming the field.
@@ -8,15 +9,11 @@ documents every rule here; a request that breaks one is a ``BadRequest`` naming 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 
 from gossipd.core.messages import (
-    MODEL_DEFAULT_TEMPERATURE,
-    MODEL_DEFAULT_TOP_K,
-    MODEL_DEFAULT_TOP_P,
     PROMPT_TOKEN_IDS_MAX,
     TASK_KEY_CHARS_MAX,
     TOKEN_ID_MAX,
@@ -24,9 +21,19 @@ from gossipd.core.messages import (
 )
 from gossipd.http.badrequest import BadRequest
 from gossipd.http.logprobs import decode_logprobs
+from gossipd.http.sampling_fields import (
+    FLOATS,
+    MAX_TOKENS_MAX,
+    as_vllm_reads,
+    is_int,
+    left_out,
+    max_tokens_taken,
+    read_logit_bias,
+    refuse_unserved,
+    structured_form,
+)
 from gossipd.http.tools import ToolError, ToolUse, decode_tools, structured_for, tool_turn
 
-_json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 
 COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
@@ -34,7 +41,6 @@ COMPLETIONS_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 # that is not known: OpenAI's is "up to the context".
 CHAT_MAX_TOKENS_DEFAULT = 256
 STOP_MAX = 8
-MAX_TOKENS_MAX = 32768  # what a task's params carry (messages.SamplingParams)
 MESSAGES_MAX = 1024
 N_MAX = 128  # choices per prompt (OpenAI's bound); the door's http.choices_max bounds them all
 PROMPTS_MAX = 2048  # prompts in one completions request (OpenAI's bound)
@@ -156,15 +162,15 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         prompt = doc.prompt
         max_tokens = doc.max_tokens
         default_max = COMPLETIONS_MAX_TOKENS_DEFAULT
-    fields: dict[str, Any] = {"max_tokens": _max_tokens(max_tokens, default_max)}
+    fields: dict[str, Any] = {"max_tokens": max_tokens_taken(max_tokens, default_max)}
     if doc.temperature is not None:
         fields["temperature"] = doc.temperature
     if doc.top_p is not None:
         fields["top_p"] = doc.top_p
     if doc.seed is not None:
-        fields["seed"] = _as_vllm_reads("seed", doc.seed)
+        fields["seed"] = as_vllm_reads("seed", doc.seed)
     if doc.top_k is not None:
-        fields["top_k"] = _as_vllm_reads("top_k", doc.top_k)
+        fields["top_k"] = as_vllm_reads("top_k", doc.top_k)
     if doc.ignore_eos is not None:
         fields["ignore_eos"] = doc.ignore_eos
     if not (
@@ -193,7 +199,7 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         include_usage=options is not None and options.include_usage and doc.stream,
         user=doc.user or "",
         max_tokens_default=max_tokens is None,
-        unset_sampling=_left_out(doc.temperature, doc.top_p, doc.top_k),
+        unset_sampling=left_out(doc.temperature, doc.top_p, doc.top_k),
     )
 
 
@@ -250,7 +256,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
             value is None
             or value is False
             or (type(value) in (dict, list, str) and not value)
-            or (name == "best_of" and _is_int(value, 1))
+            or (name == "best_of" and is_int(value, 1))
         ):
             raise BadRequest(f"{name}: not supported by this server", param=name)
     echo = doc.get("echo")
@@ -271,7 +277,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     if logprobs is not None and tools is not None and tools.parses:
         raise BadRequest("logprobs: not served with tools read for calls (tool_choice other "
                          'than "none")', param="logprobs")  # fmt: skip
-    _refuse_unserved_sampling(doc, chat)
+    refuse_unserved(doc, chat)
     stop = doc.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -279,15 +285,15 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
     ):
         raise BadRequest("stop: a string or a list of non-empty strings", param="stop")
-    fields: dict[str, Any] = {"max_tokens": _max_tokens(max_tokens, default_max)}
-    for name in _FLOATS:
+    fields: dict[str, Any] = {"max_tokens": max_tokens_taken(max_tokens, default_max)}
+    for name in FLOATS:
         value = doc.get(name)
         if value is not None:
             fields[name] = value
     for name in ("seed", "top_k"):
         value = _int(doc, name)
         if value is not None:
-            fields[name] = _as_vllm_reads(name, value)
+            fields[name] = as_vllm_reads(name, value)
     min_tokens = _int(doc, "min_tokens")
     if min_tokens is not None:
         fields["min_tokens"] = min_tokens
@@ -297,7 +303,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         fields["stop"] = stop
     if doc.get("ignore_eos") is not None:
         fields["ignore_eos"] = doc.get("ignore_eos")
-    if (bias := _logit_bias(doc.get("logit_bias"))) is not None:
+    if (bias := read_logit_bias(doc.get("logit_bias"))) is not None:
         fields["logit_bias"] = bias
     if (stop_ids := doc.get("stop_token_ids")) not in (None, []):
         if not isinstance(stop_ids, list):
@@ -310,7 +316,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         if echo:
             fields["prompt_logprobs"] = logprobs
     structured_from = ""
-    if (structured := _structured(doc)) is not None:
+    if (structured := structured_form(doc)) is not None:
         structured_from, fields["structured"] = structured
     try:
         held = structured_for(tools) if tools is not None else None
@@ -372,7 +378,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         include_usage=include_usage and stream,
         user=user,
         max_tokens_default=max_tokens is None,
-        unset_sampling=_left_out(doc.get("temperature"), doc.get("top_p"), doc.get("top_k")),
+        unset_sampling=left_out(doc.get("temperature"), doc.get("top_p"), doc.get("top_k")),
         prompts=prompts,
         n=n,
         echo=bool(echo),
@@ -381,204 +387,6 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         several=n > 1 or bool(prompts) or len(token_prompts) > 1,
         tools=tools,
     )
-
-
-# The float sampling fields, taken as the task's params bound them.
-_FLOATS = (
-    "temperature",
-    "top_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-)
-
-
-# vLLM's older structured-output fields, to StructuredOutput's.
-_GUIDED = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-_OFF = ("disable_any_whitespace", "disable_additional_properties")  # false: nothing asked
-
-
-def _structured(doc: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """What the output is held to, from OpenAI's ``response_format`` or vLLM's
-    ``structured_outputs`` / ``guided_*`` (one of them at most): (the request's field, a
-    StructuredOutput's fields), which the task's params check; None: free text."""
-    asked: list[tuple[str, dict[str, Any]]] = []
-    response_format = doc.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind == "json_object":
-            asked.append(("response_format", {"json_object": True}))
-        elif kind == "json_schema":
-            spec = response_format.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise BadRequest("response_format: json_schema.schema must be a JSON Schema "
-                                 "object", param="response_format")  # fmt: skip
-            asked.append(("response_format", {"json": _json_encode(schema).decode()}))
-        else:
-            raise BadRequest(
-                'response_format: {"type": "text"}, {"type": "json_object"} or {"type": '
-                '"json_schema", "json_schema": {"name": ..., "schema": {...}}}',
-                param="response_format",
-            )
-    for name, key in _GUIDED.items():
-        value = doc.get(name)
-        if value is not None:
-            asked.append((name, {key: _schema_text(value) if key == "json" else value}))
-    form = doc.get("structured_outputs")
-    if form is not None:
-        # null, and false for vLLM's two options, ask nothing (clients send every key)
-        fields = (
-            {k: v for k, v in form.items() if v is not None and (k not in _OFF or v is not False)}
-            if isinstance(form, dict)
-            else None
-        )
-        if fields is None or set(fields) - set(_STRUCTURED_KEYS):
-            raise BadRequest(
-                f"structured_outputs: an object of one of {', '.join(_STRUCTURED_KEYS)} "
-                "(structural_tag and the whitespace options are not served here)",
-                param="structured_outputs",
-            )
-        if "json" in fields:
-            fields["json"] = _schema_text(fields["json"])
-        asked.append(("structured_outputs", fields))
-    if len(asked) > 1:
-        raise BadRequest(
-            f"{asked[0][0]} and {asked[1][0]}: one structured output at a time",
-            param=asked[1][0],
-        )
-    return asked[0] if asked else None
-
-
-def _schema_text(value: object) -> object:
-    """A JSON Schema given as an object or as its JSON text: the text (else as given, for
-    the params' check to refuse)."""
-    if isinstance(value, dict):
-        try:
-            return _json_encode(value).decode()
-        except RecursionError:
-            return None  # (refused by the params' check: a schema is JSON text)
-    return value
-
-
-# vLLM's request fields that would change the answer and that a task does not carry, with
-# the values that ask nothing beside null (vLLM's defaults, which clients send).  True is
-# not 1 here: a value must be of its default's type.
-_VLLM_UNSERVED: dict[str, tuple[object, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
-    "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (),
-    "truncation_side": (),
-    "allowed_token_ids": ([],),
-    "bad_words": ([],),
-    "prompt_logprobs": (),
-    "logprob_token_ids": ([],),
-    "prompt_embeds": (),
-    "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
-    "thinking_token_budget": (),
-    "repetition_detection": (),
-}
-# The same for chats' template (the door renders it as `vllm serve` does by default) and
-# for tokenization: completions' text is tokenized with the model's special tokens (a BOS),
-# a chat's rendered text without (its template writes them).
-_VLLM_UNSERVED_CHAT: dict[str, tuple[object, ...]] = {
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
-    "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "add_special_tokens": (False,),
-}
-_VLLM_UNSERVED_COMPLETIONS: dict[str, tuple[object, ...]] = {"add_special_tokens": (True,)}
-
-
-def _asks_nothing(value: object, defaults: tuple[object, ...]) -> bool:
-    return value is None or any(type(value) is type(d) and value == d for d in defaults)
-
-
-def _refuse_unserved_sampling(doc: dict[str, Any], chat: bool) -> None:
-    """Fields vLLM serves and a task cannot carry: the values that ask nothing are taken
-    (clients send them), any other is refused rather than ignored (the answer would not be
-    what was asked)."""
-    for table in (_VLLM_UNSERVED, _VLLM_UNSERVED_CHAT if chat else _VLLM_UNSERVED_COMPLETIONS):
-        for name, defaults in table.items():
-            if name in doc and not _asks_nothing(doc[name], defaults):
-                shown = " or ".join(json.dumps(d) for d in (None, *defaults))
-                raise BadRequest(f"{name}: not served by this server (only {shown}, which "
-                                 "ask nothing)", param=name)  # fmt: skip
-    # (A chat's tool_choice: decode_tools.)  With no tools, "auto" asks nothing.
-    for name in ("function_call",) if chat else ("tool_choice", "function_call"):
-        if doc.get(name) not in (None, "none", "auto"):
-            where = "send tools and tool_choice" if chat else "tools are served on chats"
-            raise BadRequest(f"{name}: not served by this server ({where})", param=name)
-    if doc.get("functions") not in (None, []):
-        raise BadRequest("functions: not served by this server (send tools: its successor)",
-                         param="functions")  # fmt: skip
-    if doc.get("guided_whitespace_pattern") is not None:
-        raise BadRequest("guided_whitespace_pattern: not served by this server",
-                         param="guided_whitespace_pattern")  # fmt: skip
-
-
-def _logit_bias(value: object) -> dict[int, object] | None:
-    """OpenAI's ``logit_bias``, its keys (token ids, as JSON writes them: decimal text) read
-    as integers; the biases are checked by the task's params (-100..100).  Absent, null,
-    false or empty asks nothing (LangChain sends ``{}`` on every call)."""
-    if value is None or value is False or (type(value) in (dict, list, str) and not value):
-        return None
-    if not isinstance(value, dict):
-        raise BadRequest("logit_bias: an object of token ids (as strings) to biases from -100 "
-                         "to 100", param="logit_bias")  # fmt: skip
-    bias: dict[int, object] = {}
-    for key, amount in value.items():
-        # ASCII digits only (int() would also take " 7", "+7", "7_0" and other scripts'),
-        # without leading zeros (so that "5" and "05" are not one id given twice).
-        if not (key.isascii() and key.isdigit()) or len(key) > 20 or key[0] == "0" != key:
-            raise BadRequest(f"logit_bias: {key[:40]!r} is not a token id (a decimal "
-                             "integer without leading zeros, as a string)",
-                             param="logit_bias")  # fmt: skip
-        bias[int(key)] = amount
-    return bias
-
-
-def _left_out(temperature: object, top_p: object, top_k: object) -> int:
-    """Task.model_defaults for the sampling fields a request left out (or sent null)."""
-    return (
-        (MODEL_DEFAULT_TEMPERATURE if temperature is None else 0)
-        | (MODEL_DEFAULT_TOP_P if top_p is None else 0)
-        | (MODEL_DEFAULT_TOP_K if top_k is None else 0)
-    )
-
-
-def _max_tokens(asked: int | None, default: int) -> int:
-    """What a task carries: the default when not asked; more than a task may carry is cut
-    to that (as vLLM cuts it to the context: the answer ends with finish_reason "length")."""
-    if asked is None:
-        return default
-    return min(asked, MAX_TOKENS_MAX) if asked > 0 else asked  # (0, negative: refused)
-
-
-def _as_vllm_reads(name: str, value: int) -> int | None:
-    """vLLM's readings a task cannot carry as they are: top_k 0 is off (-1), seed -1 none."""
-    if name == "top_k" and value == 0:
-        return -1
-    if name == "seed" and value == -1:
-        return None
-    return value
-
-
-def _is_int(value: object, n: int) -> bool:
-    """``value`` is the JSON integer ``n`` (not true, not n.0)."""
-    return type(value) is int and value == n
 
 
 def header_text(value: str) -> str:
