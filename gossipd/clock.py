@@ -7,8 +7,10 @@ the two kinds of time stay apart:
 
 - ``monotonic()``: intervals and deadlines (ack timeouts, queueing, idle sockets).  Never
   jumps.
-- ``wall()``: the SWIM core's time, because probe targets follow a schedule shared by all
-  members (round = floor(now / probe_interval)), and timestamps other processes compare.
+- ``wall()``: timestamps other processes compare (journal deadlines, drain orders, the
+  seeds' times in etcd, logs).  The SWIM core's time is the wall clock at start advanced by
+  the monotonic clock (GossipService.now): its probe schedule is shared by all members
+  (round = floor(now / probe_interval)), and a step of the host's clock must not move it.
 
 Waiting itself is the event loop's business (``loop.call_later``, ``asyncio.sleep``).
 """

@@ -40,7 +40,9 @@ class FakeLeadership:
 
 def build() -> tuple[BuiltinDuties, FakeLeadership, FakeAdmin, list[int], MemberTable]:
     table = MemberTable(me="me", addr=ADDR, now=0.0)
-    gossip = SimpleNamespace(core=SimpleNamespace(table=table), live_members=list, load=lambda: 0)
+    gossip = SimpleNamespace(
+        core=SimpleNamespace(table=table), live_members=list, load=lambda: 0, now=lambda: 10.0
+    )
     config = SimpleNamespace(
         membership=SimpleNamespace(dead_reap_after_s=1.0), gossip=SimpleNamespace(seeds=[])
     )

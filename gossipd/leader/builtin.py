@@ -36,13 +36,14 @@ class BuiltinDuties:
         stop: Callable[[int], None],
         wall: Callable[[], float] = time.time,
     ) -> None:
-        """``wall``: the clock (wall time, the SWIM core's) every duty reads."""
+        """``wall``: the wall clock, for what other hosts compare (the seeds' times in etcd,
+        drain orders); the SWIM core's own time is ``gossip.now()``."""
         self._config = config
         self._wall = wall
         self._leadership = leadership
         self._gossip = gossip
         self.seeds = SeedRegistry(gossip, node=node, status=admin.status, wall=wall)
-        self.reaping = Reaping(gossip, dead_after_s=config.membership.dead_reap_after_s, wall=wall)
+        self.reaping = Reaping(gossip, dead_after_s=config.membership.dead_reap_after_s)
         self.rollout = Rollout(
             node=node, gossip=gossip, admin=admin, stop=stop, started_wall_s=wall(), wall=wall
         )
@@ -61,7 +62,6 @@ class BuiltinDuties:
             client.get,
             self._leadership.prefix,
             self._gossip,
-            self._wall,
             configured=list(self._config.gossip.seeds),
         )
 

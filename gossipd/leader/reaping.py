@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -30,11 +29,8 @@ REPEAT_EVERY_S = 2.0
 
 
 class Reaping:
-    def __init__(
-        self, gossip: GossipService, *, dead_after_s: float, wall: Callable[[], float]
-    ) -> None:
-        self._gossip = gossip
-        self._wall = wall  # the SWIM core's time (wall clock), as member.state_since
+    def __init__(self, gossip: GossipService, *, dead_after_s: float) -> None:
+        self._gossip = gossip  # (its now(): the SWIM core's time, as member.state_since)
         self.dead_after_s = dead_after_s
         self.forgotten_here = 0  # members dropped from our table by forget directives
         self.refused = 0  # forget directives whose body did not decode
@@ -55,7 +51,7 @@ class Reaping:
             if core is not None:
                 table = core.table
                 down = [table.members[n] for n in (*table.dead, *table.left)]
-                names = reaper.tick(down, self._wall())
+                names = reaper.tick(down, self._gossip.now())
                 if names:
                     named = [n for n, _ in names]
                     log.info("forget", extra={"members": named, "token": ctx.token})
@@ -73,7 +69,7 @@ class Reaping:
         core = self._gossip.core
         if core is None:
             return
-        now = self._wall()
+        now = self._gossip.now()
         gone = [node for node, inc in forget.members if core.table.forget(node, inc, now)]
         if gone:
             self.forgotten_here += len(gone)

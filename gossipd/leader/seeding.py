@@ -118,7 +118,6 @@ async def join_through_etcd(
     get: Callable[[bytes], Awaitable[Any]],
     prefix: str,
     gossip: GossipService,
-    wall: Callable[[], float],
     *,
     configured: list[str] | None = None,
 ) -> None:
@@ -147,5 +146,5 @@ async def join_through_etcd(
                 if seeds != last:
                     log.info("joining through seeds from etcd", extra={"seeds": seeds})
                     last = seeds
-                gossip.set_seeds(configured + seeds, wall())  # a push-pull with each, now
+                gossip.set_seeds(configured + seeds)  # a push-pull with each, now
         await asyncio.sleep(JOIN_RETRY_S)

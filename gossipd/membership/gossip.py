@@ -8,9 +8,13 @@ peer (its socket monitor) makes the core probe that member at once; the core als
 port checks (a dropped connection, a late ack), which run here as one TCP connect each
 (portcheck.py): a refused connect is evidence of a crash (core/refusal.py).
 
-Time: the core gets wall-clock seconds (self._clock.wall()), because probe targets follow a schedule
-shared by all members (round = floor(now / probe_interval)); the loop's monotonic clock is
-only used for waiting.  Member events are logged as JSON lines ("member" with event, member,
+Time: the core gets ``now()``: the wall clock's reading at start, advanced by the monotonic
+clock.  Wall-clock seconds, because probe targets follow a schedule shared by all members
+(round = floor(now / probe_interval)); advanced by the monotonic clock, because a step of the
+host's clock must not stop failure detection (NTP setting it back ten minutes would leave
+every timer ten minutes away) nor fire every timer at once (set forward).  The hosts' clocks
+agree at start within NTP's error, and the monotonic clock runs at NTP's corrected rate, so
+members keep to one schedule; a step after start only shifts that member's rounds.  Member events are logged as JSON lines ("member" with event, member,
 incarnation, by, at) so that tests and the cluster harness can measure from the logs.
 """
 
@@ -75,6 +79,8 @@ class GossipService:
         ``load``: our in-flight task count; ``prefixes``: a summary of the prefixes we hold."""
         g = config.gossip
         self._clock = clock
+        # now()'s origin: the wall clock at start, then the monotonic clock's progress.
+        self._wall_at_start = clock.wall() - clock.monotonic()
         self.config = config
         self.node = node
         self.swim_config = g.swim_config(cluster=config.node.cluster)
@@ -120,6 +126,11 @@ class GossipService:
         # Take the load records a gossip message carried (membership/loadgossip.py).
         self.load_listeners: list[Callable[[list[LoadRecord]], None]] = []
 
+    def now(self) -> float:
+        """The SWIM core's time (module docstring): wall-clock seconds without the host
+        clock's steps since start.  Member.state_since and every core deadline are in it."""
+        return self._wall_at_start + self._clock.monotonic()
+
     def bind(self) -> str:
         bound = self.transport.bind(self.config.gossip.bind, self._on_frame)
         self.advertise = self.config.gossip.advertise or bound
@@ -128,7 +139,7 @@ class GossipService:
             node=self.node,
             addr=self.advertise,
             rng=self._rng,
-            now=self._clock.wall(),
+            now=self.now(),
             seeds=[addr for _, addr in self._seeds],
             on_loads=self._on_loads,
         )
@@ -172,7 +183,7 @@ class GossipService:
         """A datagram (in the transport's fd callback): into the core now; what it answers
         leaves when run_forever wakes (once for a burst of datagrams)."""
         if self.core is not None:
-            self.core.receive(self._clock.wall(), frame)
+            self.core.receive(self.now(), frame)
             self._wake.set()
 
     async def run_forever(self) -> None:
@@ -181,9 +192,9 @@ class GossipService:
         self._publish_meta(force=True)
         self._flush()
         while True:
-            wait_s = max(0.0, core.next_deadline() - self._clock.wall())
+            wait_s = max(0.0, core.next_deadline() - self.now())
             await woken_within(wait_s, self._wake)
-            now = self._clock.wall()
+            now = self.now()
             if now >= core.next_deadline():
                 core.tick(now)
             self._flush()
@@ -220,7 +231,7 @@ class GossipService:
         go out at once: draining and unhealthy must not wait)."""
         assert self.core is not None
         gpu = self.last_gpu_state = self._gpu_state()
-        now = self._clock.wall()
+        now = self.now()
         last = self._last_published
         if not force and last == gpu:
             return
@@ -243,7 +254,7 @@ class GossipService:
     def announce(self) -> None:
         """Re-announce ourselves with a new incarnation (SIGUSR1; used to measure spreading)."""
         assert self.core is not None
-        self.core.announce(self._clock.wall())
+        self.core.announce(self.now())
         log.info(
             "announced",
             extra={"incarnation": self.core.table.incarnation, "at": self._clock.wall()},
@@ -253,7 +264,7 @@ class GossipService:
     async def leave(self, linger_s: float | None = None) -> None:
         """Tell the cluster we leave (not a failure), and give it a few gossip rounds."""
         assert self.core is not None
-        self.core.leave(self._clock.wall())
+        self.core.leave(self.now())
         self._flush()
         await asyncio.sleep(
             linger_s if linger_s is not None else 3 * self.swim_config.gossip_interval_s
@@ -262,14 +273,14 @@ class GossipService:
     def publish_term(self, term: Term) -> None:
         """We lead: gossip our term (urgent), news or not."""
         assert self.core is not None
-        self.core.publish_term(self._clock.wall(), term)
+        self.core.publish_term(self.now(), term)
         self._flush()
         self._wake.set()  # the gossip round it starts is due now
 
     def publish_directive(self, directive: Directive) -> bool:
         """We lead: apply and gossip a directive (False: our own fence refused it)."""
         assert self.core is not None
-        admitted = self.core.publish_directive(self._clock.wall(), directive)
+        admitted = self.core.publish_directive(self.now(), directive)
         self._flush()
         self._wake.set()
         return admitted
@@ -322,7 +333,7 @@ class GossipService:
         node = next((m.node for m in self.core.table.members.values() if m.addr == addr), None)
         if node is not None:
             self.disconnect_hints += 1
-            self.core.connection_lost(self._clock.wall(), node)
+            self.core.connection_lost(self.now(), node)
             self._wake.set()
 
     async def _check_port(self, check: PortCheck) -> None:
@@ -331,7 +342,7 @@ class GossipService:
         refused = await connection_refused(check.addr, PORT_CHECK_TIMEOUT_S)
         if self.core is None:
             return
-        verdict = self.core.port_checked(self._clock.wall(), check, refused=refused)
+        verdict = self.core.port_checked(self.now(), check, refused=refused)
         if refused:
             log.info(
                 "member port refused",
@@ -350,12 +361,12 @@ class GossipService:
             task.cancel()
         self.transport.close()
 
-    def set_seeds(self, seeds: list[str], now: float) -> None:
+    def set_seeds(self, seeds: list[str]) -> None:
         """Seeds learnt after start-up ("NODE@ADDR" or "ADDR", from etcd): while we know no
         live member, we push-pull with them at once (core/antientropy.py)."""
         assert self.core is not None
         self._seeds = [split_seed(seed) for seed in seeds]
-        self.core.antientropy.set_seeds([addr for _, addr in self._seeds], now)
+        self.core.antientropy.set_seeds([addr for _, addr in self._seeds], self.now())
         self._wake.set()
 
     # -- queries -----------------------------------------------------------------------------
