@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gossipd.core.messages import LOGPROB_ENTRIES_MAX, SamplingParams, TokenLogprob
+from gossipd.core.messages import TokenLogprob
+from gossipd.core.params import LOGPROB_ENTRIES_MAX, SamplingParams
 
 
 class EngineError(Exception):

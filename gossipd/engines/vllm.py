@@ -28,14 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gossipd.core.messages import (
-    LOGPROB_TOKEN_CHARS_MAX,
+from gossipd.core.messages import LOGPROB_TOKEN_CHARS_MAX, TokenLogprob
+from gossipd.core.params import (
     MODEL_DEFAULT_MAX_TOKENS,
     MODEL_DEFAULT_TEMPERATURE,
     MODEL_DEFAULT_TOP_K,
     MODEL_DEFAULT_TOP_P,
     SamplingParams,
-    TokenLogprob,
 )
 from gossipd.engines.base import (
     EngineDead,
@@ -108,7 +107,7 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
 
 
 # What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
-# carries: each value is taken as Task's params take it (messages.SamplingParams' bounds).
+# carries: each value is taken as Task's params take it (params.SamplingParams' bounds).
 _FROM_CONFIG = ("temperature", "top_p", "top_k", "max_tokens")
 
 
