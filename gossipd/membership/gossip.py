@@ -14,8 +14,11 @@ clock.  Wall-clock seconds, because probe targets follow a schedule shared by al
 host's clock must not stop failure detection (NTP setting it back ten minutes would leave
 every timer ten minutes away) nor fire every timer at once (set forward).  The hosts' clocks
 agree at start within NTP's error, and the monotonic clock runs at NTP's corrected rate, so
-members keep to one schedule; a step after start only shifts that member's rounds.  Member events are logged as JSON lines ("member" with event, member,
-incarnation, by, at) so that tests and the cluster harness can measure from the logs.
+members keep to one schedule; a step after start only shifts that member's rounds.
+
+Member events are logged as JSON lines ("member" with event, member, incarnation, by, at) so
+that tests and the cluster harness can measure from the logs; every ``at`` here is
+membership's time, ``now()`` (the wall clock where the host's clock was not stepped).
 """
 
 from __future__ import annotations
@@ -257,7 +260,7 @@ class GossipService:
         self.core.announce(self.now())
         log.info(
             "announced",
-            extra={"incarnation": self.core.table.incarnation, "at": self._clock.wall()},
+            extra={"incarnation": self.core.table.incarnation, "at": self.now()},
         )
         self._wake.set()
 
@@ -351,7 +354,7 @@ class GossipService:
                     "addr": check.addr,
                     "incarnation": check.incarnation,
                     "verdict": verdict,
-                    "at": self._clock.wall(),
+                    "at": self.now(),
                 },
             )
         self._wake.set()

@@ -56,8 +56,8 @@ SERVICE_TEMPLATE = """\
 # WATCHDOG=1 stops (a wedged event loop) or that exits non-zero (its engine died).
 [Unit]
 Description=gossipd agent daemon for GPU %i
-# time-sync.target: membership's probe schedule and timers run on the wall clock, and a
-# clock stepped back by the first sync would stall them for the step (MEMBERSHIP.md).
+# time-sync.target: membership's probe schedule starts from the wall clock (then follows
+# the monotonic clock), so that members that start on a synced clock agree (MEMBERSHIP.md).
 After=network-online.target time-sync.target
 Wants=network-online.target
 PartOf=gossipd.target
