@@ -29,8 +29,7 @@ from typing import Any
 sys.path.insert(0, os.getcwd())
 
 from gossipd.config import load_config
-from gossipd.core.messages import PROTOCOL_VERSION, Task
-from gossipd.core.params import SamplingParams
+from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task
 from gossipd.daemon import Daemon
 from gossipd.tools.client import Client
 from gossipd.tools.launcher import free_tcp_port

@@ -211,7 +211,7 @@ def test_logprob_bytes_are_close_to_what_decoded_log_probabilities_take() -> Non
 
 def test_a_task_asking_logprobs_counts_the_entries_it_may_gather() -> None:
     from gossipd.core.budgets import LOGPROB_BYTES, LOGPROB_TOP_BYTES
-    from gossipd.core.params import SamplingParams
+    from gossipd.core.messages import SamplingParams
 
     plain = task("a", "x" * 100)
     asking = msgspec.structs.replace(plain, params=SamplingParams(max_tokens=100, logprobs=5))
@@ -394,8 +394,7 @@ def test_large_buffers_are_set_to_go_back_to_the_system_on_glibc() -> None:
 
 def test_a_structured_forms_text_counts_in_a_tasks_bytes_as_its_prompt_does() -> None:
     from gossipd.core.budgets import task_bytes
-    from gossipd.core.messages import Task
-    from gossipd.core.params import SamplingParams, StructuredOutput
+    from gossipd.core.messages import SamplingParams, StructuredOutput, Task
 
     plain = Task(v=1, id="t", prompt="p", reply_to="tcp://1.2.3.4:5")
     schema = '{"description": "' + "d" * 60_000 + '"}'

@@ -9,7 +9,7 @@ import asyncio
 import hypothesis.strategies as st
 from hypothesis import given
 
-from gossipd.core.params import SamplingParams
+from gossipd.core.messages import SamplingParams
 from gossipd.engines.base import GenerateRequest
 from gossipd.engines.echo import EchoEngine, echo_tokens
 

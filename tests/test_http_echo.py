@@ -22,12 +22,13 @@ from gossipd.core.messages import (
     Chunk,
     ErrorCode,
     Result,
+    SamplingParams,
     Task,
     TokenLogprob,
     encode,
     error_result,
+    release_asked,
 )
-from gossipd.core.params import SamplingParams, release_asked
 from gossipd.core.releases import PROMPT_LOGPROBS_FROM_VERSION
 from gossipd.engines.base import GenerateRequest
 from gossipd.engines.echo import EchoEngine

@@ -15,8 +15,7 @@ import openai
 import pytest
 from hypothesis import example, given
 
-from gossipd.core.messages import TokenUsage
-from gossipd.core.params import StructuredOutput
+from gossipd.core.messages import StructuredOutput, TokenUsage
 from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate
 from gossipd.http.openai_answers import StreamWriter, whole_answer
 from gossipd.http.openai_api import BadRequest, decode_call

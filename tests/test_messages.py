@@ -17,6 +17,8 @@ from gossipd.core.messages import (
     ErrorCode,
     ErrorInfo,
     Result,
+    SamplingParams,
+    StructuredOutput,
     Task,
     Tasks,
     decode_replies,
@@ -28,7 +30,6 @@ from gossipd.core.messages import (
     pack_replies,
     pack_tasks,
 )
-from gossipd.core.params import SamplingParams, StructuredOutput
 from gossipd.core.peer_messages import (
     Forward,
     ForwardReply,
@@ -752,7 +753,7 @@ def test_a_forwarded_task_with_a_large_structured_form_is_measured_not_assumed_s
 
 
 def test_release_asked_names_each_field_and_the_release_that_reads_it() -> None:
-    from gossipd.core.params import release_asked
+    from gossipd.core.messages import release_asked
 
     assert release_asked(SamplingParams()) is None
     assert release_asked(SamplingParams(presence_penalty=0, repetition_penalty=1)) is None

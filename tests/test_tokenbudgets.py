@@ -235,8 +235,7 @@ def test_a_structured_outputs_form_is_charged_as_prompt() -> None:
     its CPU, bench/README): its characters count as the prompt's, so a producer's budget
     bounds how much compiling it may ask."""
     from gossipd.config import BudgetsConfig
-    from gossipd.core.messages import Task
-    from gossipd.core.params import SamplingParams, StructuredOutput
+    from gossipd.core.messages import SamplingParams, StructuredOutput, Task
     from gossipd.ingress.budgets import BudgetGate
 
     config = BudgetsConfig(enabled=True, tokens_per_s_per_capacity=1000, default_share=1.0)

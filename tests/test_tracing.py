@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from gossipd.config import load_config
-from gossipd.core.messages import PROTOCOL_VERSION, Task
-from gossipd.core.params import SamplingParams
+from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task
 from gossipd.core.ring import Ring
 from gossipd.daemon import Daemon
 from gossipd.tools.client import Client

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.core.params import SamplingParams
+from gossipd.core.messages import SamplingParams
 from gossipd.core.ring import Ring
 from gossipd.tools.client import Client
 from simulations.cluster import Cluster

@@ -72,8 +72,7 @@ from typing import Protocol
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import AckTimes, Breaker, BreakerState
 from gossipd.core.forwarded import Forwarded, ForwardedLedger
-from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
-from gossipd.core.params import release_asked
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task, release_asked
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 from gossipd.core.ring import LoadCounts
 

@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gossipd.core.messages import TokenLogprob
-from gossipd.core.params import LOGPROB_ENTRIES_MAX, SamplingParams
+from gossipd.core.messages import LOGPROB_ENTRIES_MAX, SamplingParams, TokenLogprob
 
 
 class EngineError(Exception):

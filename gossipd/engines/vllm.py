@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gossipd.core.messages import LOGPROB_TOKEN_CHARS_MAX, TokenLogprob
-from gossipd.core.params import (
+from gossipd.core.messages import (
+    LOGPROB_TOKEN_CHARS_MAX,
     MODEL_DEFAULT_MAX_TOKENS,
     MODEL_DEFAULT_TEMPERATURE,
     MODEL_DEFAULT_TOP_K,
     MODEL_DEFAULT_TOP_P,
     SamplingParams,
+    TokenLogprob,
 )
 from gossipd.engines.base import (
     EngineDead,
@@ -107,7 +108,7 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
 
 
 # What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
-# carries: each value is taken as Task's params take it (params.SamplingParams' bounds).
+# carries: each value is taken as Task's params take it (messages.SamplingParams' bounds).
 _FROM_CONFIG = ("temperature", "top_p", "top_k", "max_tokens")
 
 
@@ -238,7 +239,7 @@ class VllmEngine:
                 max_tokens = min(max_tokens, int(defaults["max_tokens"]))
         try:
             structured = None
-            if (form := p.structured) is not None:  # (exactly one is set: params.py)
+            if (form := p.structured) is not None:  # (exactly one is set: messages.py)
                 structured = StructuredOutputsParams(
                     json=form.json or None,
                     json_object=form.json_object or None,

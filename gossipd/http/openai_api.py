@@ -13,8 +13,12 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import TASK_KEY_CHARS_MAX
-from gossipd.core.params import PROMPT_TOKEN_IDS_MAX, TOKEN_ID_MAX, SamplingParams
+from gossipd.core.messages import (
+    PROMPT_TOKEN_IDS_MAX,
+    TASK_KEY_CHARS_MAX,
+    TOKEN_ID_MAX,
+    SamplingParams,
+)
 from gossipd.http.badrequest import BadRequest
 from gossipd.http.logprobs import decode_logprobs
 from gossipd.http.sampling_fields import (

@@ -12,12 +12,16 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.params import MODEL_DEFAULT_TEMPERATURE, MODEL_DEFAULT_TOP_K, MODEL_DEFAULT_TOP_P
+from gossipd.core.messages import (
+    MODEL_DEFAULT_TEMPERATURE,
+    MODEL_DEFAULT_TOP_K,
+    MODEL_DEFAULT_TOP_P,
+)
 from gossipd.http.badrequest import BadRequest
 
 _json_encode = msgspec.json.Encoder().encode
 
-MAX_TOKENS_MAX = 32768  # what a task's params carry (params.SamplingParams)
+MAX_TOKENS_MAX = 32768  # what a task's params carry (messages.SamplingParams)
 
 
 # The float sampling fields, taken as the task's params bound them.

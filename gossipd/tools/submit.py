@@ -20,8 +20,7 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import ErrorCode, Result, TaskId, error_result
-from gossipd.core.params import SamplingParams
+from gossipd.core.messages import ErrorCode, Result, SamplingParams, TaskId, error_result
 from gossipd.tools.client import DEFAULT_REPLY_BIND, Client, ProducerKeys, TaskHandle
 from gossipd.tools.progress import Progress, percentile
 

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gossipd.core.messages import Result
-from gossipd.core.params import SamplingParams
+from gossipd.core.messages import Result, SamplingParams
 from gossipd.tools.admin import AdminError, cluster_status, format_status
 from gossipd.tools.client import Client, TaskHandle
 from gossipd.tools.cpushares import cpu_share_overrides

@@ -12,8 +12,14 @@ from typing import Any
 import msgpack
 import zmq
 
-from gossipd.core.messages import PROTOCOL_VERSION, MsgType, Task, encode, pack_tasks
-from gossipd.core.params import SamplingParams
+from gossipd.core.messages import (
+    PROTOCOL_VERSION,
+    MsgType,
+    SamplingParams,
+    Task,
+    encode,
+    pack_tasks,
+)
 from gossipd.tools.packing import PACK_BYTES_MAX, PACK_ITEMS_MAX
 from gossipd.tools.progress import percentile
 
