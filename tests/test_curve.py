@@ -115,14 +115,22 @@ class CurveProducer:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.setsockopt(zmq.LINGER, 0)
+        # A handshake the daemon refuses ends the connection for good (libzmq does not
+        # reconnect after a protocol error), and a PUSH left with no connection waits in send
+        # for ever: a stranger's send is bounded, and so is everyone's (gossip_socket).
+        self.push.setsockopt(zmq.SNDTIMEO, 1000)
         self.push.curve_publickey, self.push.curve_secretkey = pair
         self.push.curve_serverkey = server_key
         self.push.connect(endpoint)
+        self.unsent = 0  # tasks the socket did not take (no connection): not delivered either
 
     def send_task(self, task_id: str, prompt: str = "hello world", **fields: Any) -> None:
         task = {"v": 1, "t": 1, "id": task_id, "prompt": prompt, "reply_to": self.reply_to}
         task.update(fields)
-        self.push.send(msgpack.packb(task))
+        try:
+            self.push.send(msgpack.packb(task))
+        except zmq.Again:
+            self.unsent += 1
 
     def results(self, n: int, timeout_s: float) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -170,14 +178,15 @@ def test_an_authorised_producer_gets_results_and_an_unknown_key_gets_nothing(
     plain = zmq.Context()
     plain_push = plain.socket(zmq.PUSH)
     plain_push.setsockopt(zmq.LINGER, 0)
+    plain_push.setsockopt(zmq.SNDTIMEO, 1000)  # (as CurveProducer's)
     plain_push.connect(daemon.endpoint)
     try:
         stranger.send_task("x-1", prompt="from a stranger")
-        plain_push.send(
-            msgpack.packb(
-                {"v": 1, "t": 1, "id": "n-1", "prompt": "no curve", "reply_to": good.reply_to}
-            )
-        )
+        _send_all(
+            plain_push,
+            [msgpack.packb({"v": 1, "t": 1, "id": "n-1", "prompt": "no curve",
+                            "reply_to": good.reply_to})],
+        )  # fmt: skip
         good.send_task("p-1", prompt="red green", params={"max_tokens": 2})
         results = good.results(1, timeout_s=10)
         assert [r["id"] for r in results] == ["p-1"] and results[0]["ok"]
@@ -382,9 +391,9 @@ def gossip_socket(
 ) -> zmq.Socket:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
-    # A PUSH whose every handshake is refused may hold no pipe to queue into when it sends
-    # (between a refusal and the reconnect): a send then waits, for ever without a timeout
-    # (a CI run hung here once).  Not sent is not delivered either: _send_all goes on.
+    # A PUSH whose handshake is refused holds no connection once it is (libzmq does not
+    # reconnect after a protocol error): a send after that waits for ever without a timeout
+    # (two CI runs hung so).  Not sent is not delivered either: _send_all goes on.
     sock.setsockopt(zmq.SNDTIMEO, 1000)
     if pair is not None:
         sock.curve_publickey, sock.curve_secretkey = pair
