@@ -25,6 +25,7 @@ from gossipd.http.sampling_fields import (
     FLOATS,
     MAX_TOKENS_MAX,
     as_vllm_reads,
+    asks_nothing,
     is_int,
     left_out,
     max_tokens_taken,
@@ -251,13 +252,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         if name == "tools" and chat:
             continue  # (decode_tools took them)
         value = doc.get(name)
-        # Absent, null, false or empty asks nothing; best_of also 1.
-        if not (
-            value is None
-            or value is False
-            or (type(value) in (dict, list, str) and not value)
-            or (name == "best_of" and is_int(value, 1))
-        ):
+        if not (asks_nothing(value) or (name == "best_of" and is_int(value, 1))):
             raise BadRequest(f"{name}: not supported by this server", param=name)
     echo = doc.get("echo")
     if echo is not None and not isinstance(echo, bool):

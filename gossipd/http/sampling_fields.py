@@ -170,11 +170,17 @@ def refuse_unserved(doc: dict[str, Any], chat: bool) -> None:
                          param="guided_whitespace_pattern")  # fmt: skip
 
 
+def asks_nothing(value: object) -> bool:
+    """Absent (None), null, false or empty (``{}``, ``[]``, ``""``): what clients send for a
+    field they do not use, which a field the door does not serve takes."""
+    return value is None or value is False or (type(value) in (dict, list, str) and not value)
+
+
 def read_logit_bias(value: object) -> dict[int, object] | None:
     """OpenAI's ``logit_bias``, its keys (token ids, as JSON writes them: decimal text) read
     as integers; the biases are checked by the task's params (-100..100).  Absent, null,
     false or empty asks nothing (LangChain sends ``{}`` on every call)."""
-    if value is None or value is False or (type(value) in (dict, list, str) and not value):
+    if asks_nothing(value):
         return None
     if not isinstance(value, dict):
         raise BadRequest("logit_bias: an object of token ids (as strings) to biases from -100 "

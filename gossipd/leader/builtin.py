@@ -39,7 +39,6 @@ class BuiltinDuties:
         """``wall``: the wall clock, for what other hosts compare (the seeds' times in etcd,
         drain orders); the SWIM core's own time is ``gossip.now()``."""
         self._config = config
-        self._wall = wall
         self._leadership = leadership
         self._gossip = gossip
         self.seeds = SeedRegistry(gossip, node=node, status=admin.status, wall=wall)
