@@ -354,6 +354,12 @@ def test_models_lists_every_members_model_and_requests_go_where_it_is_served(
     want = {"echo": 1024, "echo-b": 2048}
     with running(c):
         entry = c.daemons[0]
+        # Retrieve first, before any list asked for cards: it waits for the card it asks
+        # for, as the list does (a member just joined: its length, not null).
+        alive = "gossipd_members{state=alive}"
+        wait_until(lambda: scrape(entry.metrics_port).get(alive) == 1, 30, "b alive at a")
+        with urllib.request.urlopen(f"{entry.http_url}/v1/models/echo-b", timeout=10) as got:
+            assert json.loads(got.read())["max_model_len"] == 2048
         for d in c.daemons:
 
             def cards(d: Any = d) -> dict[str, Any] | None:

@@ -498,6 +498,7 @@ def test_logit_bias_and_stop_token_ids_steer_the_models_tokens(
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(**{**asked, "extra_body": {field: value}})
         assert "out-of-vocab" in str(refused.value)
+        assert refused.value.param == field  # (vLLM names it; the door's 400 says which)
     again = client.completions.create(**asked)
     assert again.choices[0].text == plain.choices[0].text
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")

@@ -268,7 +268,7 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA,
             )
         except (VLLMClientError, ValueError, TypeError) as exc:
-            raise InvalidRequest(f"sampling parameters refused by vLLM: {exc}") from None
+            raise _refused(exc, "sampling parameters refused by vLLM: ") from None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
         from vllm.exceptions import VLLMClientError
@@ -322,7 +322,7 @@ class VllmEngine:
             if too_long is not None:
                 prompt_len, max_len = int(too_long[1]), int(too_long[2])
                 raise context_exceeded(max_len, prompt_len, str(exc)) from None
-            raise InvalidRequest(str(exc)) from None
+            raise _refused(exc) from None
         except Exception as exc:
             if not self.healthy():
                 raise EngineDead(f"the vLLM engine died: {type(exc).__name__}") from None
@@ -367,6 +367,15 @@ class VllmEngine:
             prefix_cache_queries_total=f.prefix_queries,
             prefix_cache_hits_total=f.prefix_hits,
         )
+
+
+def _refused(exc: Exception, lead: str = "") -> InvalidRequest:
+    """vLLM's refusal of a request as ours, led by the field it names (its
+    VLLMValidationError's ``parameter``, e.g. "stop_token_ids: ..."): the door's 400 names
+    that field (``openai_answers.error_of``)."""
+    field = getattr(exc, "parameter", None)
+    named = f"{field}: " if isinstance(field, str) and field else ""
+    return InvalidRequest(f"{named}{lead}{exc}")
 
 
 def _token_logprobs(token_ids: Any, steps: Any, top_n: int) -> list[TokenLogprob]:

@@ -247,15 +247,10 @@ class HttpDoor:
                 return
             self._take(request, exchange, path == "/v1/chat/completions", identity, request_id)
         elif path == "/v1/models" and method in _READ_METHODS:
-            self._models_now()  # asks members for the cards it lacks (a walk a second at most)
-            if self._links.models_pending():
-                waiting = asyncio.get_running_loop().create_task(self._models_soon(exchange, echo))
-                self._background.add(waiting)
-                waiting.add_done_callback(self._background.discard)
-            else:
-                self._json(exchange, 200, self._models(), echo)
+            self._with_cards(lambda: self._json(exchange, 200, self._models(), echo))
         elif path.startswith("/v1/models/") and method in _READ_METHODS:
-            self._one_model(exchange, unquote(path[len("/v1/models/") :]), echo)
+            name = unquote(path[len("/v1/models/") :])
+            self._with_cards(lambda: self._one_model(exchange, name, echo))
         elif path == "/metrics" and self._links.metrics and method in _READ_METHODS:
             exchange.respond(
                 200, self._links.metrics(), content_type=b"text/plain; version=0.0.4",
@@ -536,14 +531,24 @@ class HttpDoor:
 
     # -- small answers -------------------------------------------------------------------
 
-    async def _models_soon(self, exchange: Exchange, echo: list[tuple[str, str]] | None) -> None:
-        """GET /v1/models once the members' cards asked for have come, or after
-        MODELS_WAIT_S with what is known (null for the rest)."""
+    def _with_cards(self, answer: Callable[[], None]) -> None:
+        """Answer GET /v1/models or /v1/models/{model} now, or, while members' cards asked
+        for are on their way, once they have come or after MODELS_WAIT_S with what is known
+        (null for the rest): both read the same cards."""
+        self._models_now()  # asks members for the cards it lacks (a walk a second at most)
+        if not self._links.models_pending():
+            answer()
+            return
+        waiting = asyncio.get_running_loop().create_task(self._models_soon(answer))
+        self._background.add(waiting)
+        waiting.add_done_callback(self._background.discard)
+
+    async def _models_soon(self, answer: Callable[[], None]) -> None:
         until = self._clock.monotonic() + MODELS_WAIT_S
         while self._links.models_pending() and self._clock.monotonic() < until:
             await asyncio.sleep(_MODELS_POLL_S)
         self._models_now(fresh=True)
-        self._json(exchange, 200, self._models(), echo)
+        answer()
 
     def _models_now(self, *, fresh: bool = False) -> dict[str, int | None]:
         """The cluster's models, read again at most every MODELS_TTL_S (a member table walk

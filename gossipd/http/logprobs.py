@@ -29,7 +29,7 @@ def decode_logprobs(doc: dict[str, Any], chat: bool) -> int | None:
                 raise BadRequest("top_logprobs: needs logprobs true", param="top_logprobs")
             return None
         return top or 0
-    if top is not None and top != 0:
+    if top is not None and not (type(top) is int and top == 0):  # (false and 0.0 are not 0)
         raise BadRequest("top_logprobs: chats only; completions ask logprobs N",
                          param="top_logprobs")  # fmt: skip
     if asked is None or asked is False:

@@ -35,6 +35,17 @@ STATUS_OF: dict[str, tuple[int, str]] = {
 }
 
 
+# The request's fields an owner's engine may name leading its refusal (engines/vllm.py:
+# vLLM's own names for them, which are OpenAI's): the 400's ``param``.
+ENGINE_NAMED_FIELDS = frozenset(
+    {
+        "logit_bias", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "stop",
+        "seed", "temperature", "top_p", "top_k", "min_p", "n", "presence_penalty",
+        "frequency_penalty", "repetition_penalty",
+    }
+)  # fmt: skip
+
+
 def error_body(
     message: str, err_type: str, *, param: str | None = None, code: str | None = None
 ) -> bytes:
@@ -53,8 +64,12 @@ def error_of(error: ErrorInfo, *, chat: bool = False) -> tuple[int, bytes, list[
             ("retry-after-ms", str(error.retry_after_ms)),
         ]
     code, param = error.code, None
-    if code == ErrorCode.BAD_REQUEST and error.message.startswith(CONTEXT_EXCEEDED_PREFIX):
-        code, param = "context_length_exceeded", "messages" if chat else "prompt"  # OpenAI's
+    if code == ErrorCode.BAD_REQUEST:
+        if error.message.startswith(CONTEXT_EXCEEDED_PREFIX):
+            code, param = "context_length_exceeded", "messages" if chat else "prompt"  # OpenAI's
+        else:  # an engine's refusal led by the request's field ("stop_token_ids: ...")
+            field, colon, _ = error.message.partition(": ")
+            param = field if colon and field in ENGINE_NAMED_FIELDS else None
     return status, error_body(error.message, err_type, param=param, code=code), headers
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from gossipd.core.messages import (
+    LOGPROB_ENTRIES_MAX,
     PROMPT_TOKEN_IDS_MAX,
     TASK_KEY_CHARS_MAX,
     TOKEN_ID_MAX,
@@ -225,8 +226,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         except ToolError as exc:
             raise BadRequest(str(exc), param=exc.param) from None
         max_tokens = _int(doc, "max_completion_tokens")
+        named_max_tokens = _int(doc, "max_tokens")  # (read, so checked, also when it loses)
         if max_tokens is None:
-            max_tokens = _int(doc, "max_tokens")
+            max_tokens = named_max_tokens
         # (A placeholder the door replaces: not below what min_tokens asks.)
         default_max = min(
             max(CHAT_MAX_TOKENS_DEFAULT, _int(doc, "min_tokens") or 0), MAX_TOKENS_MAX
@@ -248,12 +250,13 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         n = 1
     if not 1 <= n <= N_MAX:
         raise BadRequest(f"n: from 1 to {N_MAX} choices", param="n")
-    for name in ("best_of", "suffix", "tools"):
-        if name == "tools" and chat:
-            continue  # (decode_tools took them)
+    for name in ("best_of", "suffix"):
         value = doc.get(name)
         if not (asks_nothing(value) or (name == "best_of" and is_int(value, 1))):
             raise BadRequest(f"{name}: not supported by this server", param=name)
+    if not chat and doc.get("tools") not in (None, []):  # (a chat's: decode_tools took them)
+        raise BadRequest("tools: served on chats only (POST /v1/chat/completions)",
+                         param="tools")  # fmt: skip
     echo = doc.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise BadRequest("echo: true or false", param="echo")
@@ -263,6 +266,17 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
     if echo_only:
         max_tokens = 1  # (generated and not shown: vLLM's way to score a prompt alone)
     logprobs = decode_logprobs(doc, chat)
+    if chat and max_tokens is None and logprobs is not None:
+        # The placeholder within what the log probabilities may take (the door cuts the
+        # chat's default to it): a min_tokens above that is the field to name.
+        most = LOGPROB_ENTRIES_MAX // (logprobs + 1)
+        if (_int(doc, "min_tokens") or 0) > most:
+            raise BadRequest(
+                f"min_tokens ({_int(doc, 'min_tokens')}) is more than this chat's max_tokens "
+                f"({most} at most: what its log probabilities may take): send max_tokens",
+                param="min_tokens",
+            )
+        default_max = min(default_max, most)
     if echo and token_prompts and logprobs is None:
         raise BadRequest(
             "echo: with a prompt of token ids, only with logprobs (the prompt's text is then "
@@ -360,7 +374,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
                 "stream_options.include_usage: true or false", param="stream_options.include_usage"
             )
         include_usage = asked is True  # null: as absent
-    user = doc.get("user") or ""
+    user = doc.get("user")
+    if user is None:  # (null: as absent)
+        user = ""
     if not isinstance(user, str):
         raise BadRequest("user: a string", param="user")
     return Call(
@@ -476,8 +492,12 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                         f"messages[{i}].content: only text parts are served here",
                         param="messages",
                     )
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise BadRequest(f"messages[{i}].content: a text part's text is a string",
+                                     param="messages")  # fmt: skip
+                texts.append(text)
+            content = "\n".join(texts)  # (as vLLM joins them for a template of strings)
         if content is None:
             content = ""
         if not isinstance(content, str):

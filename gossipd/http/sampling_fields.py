@@ -75,7 +75,8 @@ def structured_form(doc: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
             asked.append((name, {key: _schema_text(value) if key == "json" else value}))
     form = doc.get("structured_outputs")
     if form is not None:
-        # null, and false for vLLM's two options, ask nothing (clients send every key)
+        # null, and false for vLLM's two options, ask nothing (clients send every key); an
+        # object that names no form is refused, as vllm serve refuses it
         fields = (
             {k: v for k, v in form.items() if v is not None and (k not in _OFF or v is not False)}
             if isinstance(form, dict)
@@ -180,7 +181,7 @@ def read_logit_bias(value: object) -> dict[int, object] | None:
     """OpenAI's ``logit_bias``, its keys (token ids, as JSON writes them: decimal text) read
     as integers; the biases are checked by the task's params (-100..100).  Absent, null,
     false or empty asks nothing (LangChain sends ``{}`` on every call)."""
-    if asks_nothing(value):
+    if value is None or value is False or value == {}:
         return None
     if not isinstance(value, dict):
         raise BadRequest("logit_bias: an object of token ids (as strings) to biases from -100 "
