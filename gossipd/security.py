@@ -36,6 +36,7 @@ import zmq.auth
 from zmq.utils import z85
 
 from gossipd.errors import StartupError
+from gossipd.keyfiles import read_key_file
 from gossipd.ops.logs import RateLimiter
 from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 from gossipd.zmtp import PeerCurve
@@ -60,7 +61,7 @@ def load_key_pair(path: str | Path) -> KeyPair:
     """A ``NAME.key_secret`` file (``gossipd keygen``, zmq.auth's format); StartupError
     saying what to do when it cannot be read."""
     try:
-        public, secret = zmq.auth.load_certificate(str(path))
+        public, secret = read_key_file(path)
     except (OSError, ValueError) as exc:
         raise StartupError(
             f"cannot read the key pair {str(path)!r}: {exc} "
@@ -127,13 +128,17 @@ class KeyDir:
         by_name: dict[str, bytes] = {}
         for name, _, _ in signature:
             try:
-                public, _ = zmq.auth.load_certificate(str(self.path / name))
-            except (OSError, ValueError) as exc:
+                public, _ = read_key_file(self.path / name)
+            except (OSError, ValueError) as exc:  # (KeyFileError is a ValueError)
                 self.bad_files += 1
                 log.warning("cannot read a key file", extra={"file": name, "error": str(exc)})
                 continue
             if len(public) != Z85_KEY_CHARS:
                 self.bad_files += 1
+                log.warning(
+                    "cannot read a key file",
+                    extra={"file": name, "error": f"a key of {len(public)} characters, not 40"},
+                )
                 continue
             stem = name[: -len(PUBLIC_SUFFIX)]
             by_name[stem] = public

@@ -609,6 +609,31 @@ def test_a_key_directory_follows_added_changed_and_removed_files(tmp_path: Path)
     assert keys.reload() and keys.user_id(public) is None
 
 
+def test_a_bad_key_file_is_skipped_and_logged_and_a_files_first_public_key_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/PROTOCOL.md "Key files": one bad file in a keys directory is skipped and logged,
+    the others still count (a "public-key" line without "=" raised IndexError out of
+    pyzmq's reader, which ended the daemon); the first public-key line gives the key."""
+    keys_dir = tmp_path / "d"
+    keys_dir.mkdir()
+    for name in ("a", "b", "c"):
+        write_key_pair(name, tmp_path / "s")
+    a, b, c = (zmq.auth.load_certificate(str(tmp_path / "s" / f"{n}.key"))[0] for n in "abc")
+    (keys_dir / "a.key").write_bytes((tmp_path / "s" / "a.key").read_bytes())  # pyzmq's form
+    (keys_dir / "two.key").write_text(f'public-key = "{b.decode()}"\npublic-key = "{c.decode()}"\n')
+    (keys_dir / "noeq.key").write_text("public-key\n")
+    (keys_dir / "colon.key").write_text(f"public-key: {a.decode()}\n")
+    (keys_dir / "short.key").write_text('public-key = "abc"\n')
+    (keys_dir / "none.key").write_text("# a comment, no key\n")
+    with caplog.at_level("WARNING", logger="gossipd.security"):
+        keys = KeyDir(keys_dir, user_is_key=False)
+    assert keys.users == {"a", "two"} and keys.by_name["two"] == b and keys.bad_files == 4
+    warned = [r for r in caplog.records if r.getMessage() == "cannot read a key file"]
+    assert sorted(r.file for r in warned) == ["colon.key", "noeq.key", "none.key", "short.key"]  # type: ignore[attr-defined]
+    assert any("not 40" in r.error for r in warned)  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     ("endpoint", "loopback"),
     [

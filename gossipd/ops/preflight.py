@@ -23,10 +23,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import zmq.auth
-
 from gossipd.config import Config, split_seed
 from gossipd.errors import StartupError
+from gossipd.keyfiles import read_key_file
 from gossipd.security import (
     PUBLIC_SUFFIX,
     KeyPair,
@@ -153,7 +152,7 @@ def _check_security(config: Config, node: str) -> KeyPair | None:
     own = Path(sc.peer_keys_dir) / f"{node}{PUBLIC_SUFFIX}"
     if own.exists():
         try:
-            listed = zmq.auth.load_certificate(str(own))[0]
+            listed = read_key_file(own)[0]
         except (OSError, ValueError):
             listed = None  # an unreadable key file is the key directory's to report
         if listed is not None and listed != pair.public:

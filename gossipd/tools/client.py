@@ -56,6 +56,7 @@ from gossipd.core.messages import (
     error_result,
 )
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
+from gossipd.keyfiles import read_key_file
 from gossipd.tools.packing import PACK_BYTES_MAX, PackedTask, TaskPacker
 from gossipd.zmqloop import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
 
@@ -192,14 +193,12 @@ class ProducerKeys:
     @classmethod
     def from_files(cls, secret_key_file: str, server_key_files: Sequence[str]) -> ProducerKeys:
         """From ``NAME.key_secret`` (``gossipd keygen``) and the daemons' ``NODE.key`` files."""
-        import zmq.auth
-
-        public, secret = zmq.auth.load_certificate(secret_key_file)
+        public, secret = read_key_file(secret_key_file)
         if not secret:
             raise LocalProtocolError(
                 f"{secret_key_file!r} holds no secret key: give the NAME.key_secret file"
             )
-        servers = [zmq.auth.load_certificate(path)[0] for path in server_key_files]
+        servers = [read_key_file(path)[0] for path in server_key_files]
         return cls(public=public, secret=secret, server_keys=servers)
 
     def server_key(self, index: int) -> bytes:

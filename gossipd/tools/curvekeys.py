@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import zmq.auth
-
+from gossipd.keyfiles import read_key_file
 from gossipd.security import write_key_pair
 
 
@@ -30,7 +29,7 @@ class CurveLayout:
 
     def pair(self, name: str) -> tuple[bytes, bytes]:
         """(public, secret), z85."""
-        public, secret = zmq.auth.load_certificate(str(self.secrets / f"{name}.key_secret"))
+        public, secret = read_key_file(self.secrets / f"{name}.key_secret")
         assert secret is not None
         return public, secret
 

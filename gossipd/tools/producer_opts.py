@@ -21,9 +21,8 @@ import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import zmq.auth
-
 from gossipd.errors import StartupError
+from gossipd.keyfiles import read_key_file
 from gossipd.security import is_loopback, is_wildcard_host
 from gossipd.tools.client import DEFAULT_REPLY_BIND, ProducerKeys
 
@@ -190,7 +189,7 @@ def member_key_finder(args: argparse.Namespace) -> Callable[[str], bytes | None]
             path = Path(folder) / f"{node}.key"
             if path.is_file():
                 try:
-                    return zmq.auth.load_certificate(str(path))[0]
+                    return read_key_file(path)[0]
                 except (OSError, ValueError):
                     return None
         return None

@@ -1,0 +1,47 @@
+"""CURVE key files as docs/PROTOCOL.md ("Key files") defines them, read by our own reader.
+
+pyzmq's ``zmq.auth.load_certificate`` writes and reads the same lines, but it takes the last
+``public-key`` line of a file where the document says the first, and a ``public-key`` line
+without ``=`` raises IndexError, which the key directories' reload (in the daemon's task
+group) did not expect: one bad file dropped into ``producer_keys_dir`` ended the daemon.
+Here every fault of a file is a KeyFileError saying what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_QUOTES_AND_SPACE = b" \t'\""
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be read, or holds no key where one is needed."""
+
+
+def read_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
+    """The (public, secret) z85 keys of a key file: each line stripped of surrounding
+    whitespace, ``#`` lines skipped, the first line starting with ``public-key`` (and
+    ``secret-key``) giving its key: what follows its first ``=``, with spaces, tabs and
+    quotes stripped from both ends.  OSError when the file cannot be opened; KeyFileError
+    when it has no public key or a key line without ``=``."""
+    with open(path, "rb") as f:
+        data = f.read(1 << 16)  # (a key file is a few hundred bytes)
+    public: bytes | None = None
+    secret: bytes | None = None
+    for number, raw in enumerate(data.splitlines(), 1):
+        line = raw.strip()
+        if line.startswith(b"#"):
+            continue
+        for name in (b"public-key", b"secret-key"):
+            if not line.startswith(name):
+                continue
+            _, equals, value = line.partition(b"=")
+            if not equals:
+                raise KeyFileError(f"line {number}: {name.decode()} without '=' and its key")
+            if name == b"public-key" and public is None:
+                public = value.strip(_QUOTES_AND_SPACE)
+            elif name == b"secret-key" and secret is None:
+                secret = value.strip(_QUOTES_AND_SPACE)
+    if public is None:
+        raise KeyFileError("no public-key line")
+    return public, secret
