@@ -7,7 +7,8 @@ from __future__ import annotations
 import msgpack
 import msgspec
 import pytest
-from hypothesis import given
+import zmq
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.core.messages import (
@@ -82,10 +83,40 @@ def plain_task(**fields: object) -> dict[str, object]:
         ("ipc:///" + "a" * 107, False),  # ZeroMQ: "File name too long"
         ("ipc:///" + "\u00e9" * 53, True),  # 107 bytes in UTF-8
         ("ipc:///" + "\u00e9" * 54, False),  # 54 characters, 109 bytes
+        ("tcp://127.0.0.1:\uff15\uff15\uff15\uff17", False),  # \\d's digits: connect refuses
+        ("tcp://127.0.0.1:\u0665\u0665", False),
+        ("tcp://[::::::::]:5", False),  # not an address (connect takes it)
+        ("tcp://[1.2.3.4]:5", False),
+        ("tcp://[fe80::1]:5", True),
+        ("tcp://[::ffff:1.2.3.4]:5", True),
     ],
 )
 def test_endpoint_problem_table(endpoint: str, ok: bool) -> None:
     assert (endpoint_problem(endpoint) is None) is ok
+
+
+_ZMQ = zmq.Context.instance()
+_DIGITS = st.text(st.sampled_from("0123456789\uff15\u0665\u0967"), min_size=1, max_size=6)
+_HOSTS = st.sampled_from(["127.0.0.1", "localhost", "a-b.c", "[::1]", "[::]", "[1::2:3]"]) | (
+    st.text(st.sampled_from("0123456789abcdefABCDEF:."), min_size=2, max_size=12).map(
+        lambda h: f"[{h}]"
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_HOSTS, _DIGITS)
+def test_an_endpoint_the_check_takes_zeromqs_connect_takes(host: str, port: str) -> None:
+    """A reply address the task's check takes must be one ZeroMQ connects to: a refusal at
+    the first answer's send would lose every reply of a task already run."""
+    endpoint = f"tcp://{host}:{port}"
+    if endpoint_problem(endpoint) is not None:
+        return
+    sock = _ZMQ.socket(zmq.PUSH)
+    try:
+        sock.connect(endpoint)
+    finally:
+        sock.close(0)
 
 
 def test_task_round_trips_through_plain_msgpack() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import ipaddress
 import re
 from typing import Annotated, Any
 
@@ -121,8 +122,8 @@ class ErrorCode(enum.StrEnum):
 # send must not be where that is found out); no whitespace in a path (a route is the
 # address, a space, and the producer key: sockets.py splits at the first space).
 _ENDPOINT_RE = re.compile(
-    r"^(?:tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):(\d{1,5})"
-    r"|ipc://[^\x00*\s]{1,107})\Z"
+    r"^(?:tcp://(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[(?P<v6>[0-9A-Fa-f:.]{2,45})\])"
+    r":(?P<port>[0-9]{1,5})|ipc://[^\x00*\s]{1,107})\Z"  # ([0-9]: \d takes any script's digits)
 )
 # A Unix socket's path: 108 bytes with its NUL (sun_path); ZeroMQ's connect refuses longer
 # ("File name too long"), counted in bytes, not characters.
@@ -137,9 +138,15 @@ def endpoint_problem(endpoint: str) -> str | None:
     match = _ENDPOINT_RE.match(endpoint)
     if match is None:
         return f"{endpoint[:80]!r} is not tcp://HOST:PORT or ipc://PATH"
-    port = match.group(1)
+    port = match.group("port")
     if port is not None and not 1 <= int(port) <= 65535:
         return f"port {port} is outside 1..65535"
+    v6 = match.group("v6")
+    if v6 is not None:
+        try:
+            ipaddress.IPv6Address(v6)
+        except ValueError:
+            return f"[{v6}] is not an IPv6 address"
     if port is None and len(endpoint.encode()) - len("ipc://") > IPC_PATH_BYTES_MAX:
         return f"an ipc path is at most {IPC_PATH_BYTES_MAX} bytes in UTF-8"
     return None
