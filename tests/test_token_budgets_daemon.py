@@ -195,3 +195,41 @@ def test_a_curve_producer_is_charged_by_its_key_whatever_its_task_keys(
     assert refused["error"]["code"] == "over_budget"
     assert f"curve:{blocked_key}" in refused["error"]["message"]
     assert refused["error"]["retry_after_ms"] == 10_000  # a budget of 0: the longest hint
+
+
+def test_an_id_in_use_refusal_is_not_charged_on_a_daemon_alone(daemon_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """PROTOCOL.md: a task refused id_in_use at the entry point is not charged.  A daemon
+    without fan-out (no gossip.bind) checked the id only in admission, after the budget:
+    each refusal spent the other key's tokens.  B (10 tokens/s, a burst of 100) sends A's
+    id five times (20 tokens each), then five tasks of its own, which must still be served."""
+    from tests.test_curve import CurveProducer, Keys, curve_daemon
+
+    keys = Keys(tmp_path, peers=["s0"], producers=["pa", "pb"])
+    b_key = keys.public("pb").decode()
+    daemon = curve_daemon(
+        daemon_factory,
+        keys,
+        "s0",
+        'gossip.bind=""',
+        "budgets.enabled=true",
+        f'budgets.tokens_per_s={{"curve:{b_key}" = 10.0}}',
+        "budgets.burst_s=10.0",  # 100 tokens, refilled at 10 a second
+    )
+    a = CurveProducer(daemon.endpoint, keys.pair("pa"), keys.public("s0"))
+    b = CurveProducer(daemon.endpoint, keys.pair("pb"), keys.public("s0"))
+    task = {"prompt": "x y z", "params": {"max_tokens": 18}}  # 1 + 18 + ... about 20 tokens
+    try:
+        a.send_task("same", **task)
+        assert [r["ok"] for r in a.results(1, timeout_s=10)] == [True]
+        for _ in range(5):
+            b.send_task("same", **task)
+        refused = b.results(5, timeout_s=10)
+        for i in range(5):
+            b.send_task(f"b-own-{i}", **task)
+        own = b.results(5, timeout_s=10)
+    finally:
+        a.close()
+        b.close()
+    assert [r["error"]["code"] for r in refused] == ["id_in_use"] * 5
+    # B's burst was not spent on the refusals: its own five fit it (charged, one was served)
+    assert [r["ok"] for r in own] == [True] * 5, own

@@ -109,7 +109,7 @@ class Intake:
         key as if without CURVE); None: from the task (tokenbudgets' rule 1).  ``charged``:
         its budget was charged already (``charge_together``)."""
         router = self.links.router
-        if router is not None and self._id_held_by_other(task):  # (before the budget: a
+        if self._id_held_by_other(task):  # (before the budget, with fan-out or without: a
             self.admission.count_conflict()  # refused task takes nothing)
             self._refuse(task, Verdict.CONFLICT, answer=True)
             return
