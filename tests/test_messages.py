@@ -783,6 +783,30 @@ def test_a_forwarded_task_with_a_large_structured_form_is_measured_not_assumed_s
     check_forwarded_task(msgspec.structs.replace(big, prompt="p"), bytes_max=200_000)
 
 
+def test_a_task_the_ingress_takes_at_its_limit_an_owner_takes_when_forwarded() -> None:
+    """The forwarder re-encodes a task with every field written out: its defaults, and its
+    floats (and logit_bias's biases) as float64, 9 bytes where a producer may send an int of
+    1.  A frame at the ingress's limit that grows most must still pass the owner's check
+    (FORWARD_REENCODE_SLACK_BYTES): it was refused with 300 biases (about 2.5 KB more)."""
+    from gossipd.core.messages import (
+        FORWARD_REENCODE_SLACK_BYTES,
+        LOGIT_BIAS_MAX,
+        check_forwarded_task,
+    )
+
+    limit = 1 << 20
+    params = {name: 1 for name in ("top_p", "presence_penalty", "frequency_penalty", "min_p")}
+    params |= {"temperature": 2, "repetition_penalty": 2, "max_tokens": 1}
+    params["logit_bias"] = {i: 1 for i in range(LOGIT_BIAS_MAX)}
+    frame = msgpack.packb(plain_task(prompt="", params=params))
+    frame = msgpack.packb(plain_task(prompt="p" * (limit - len(frame) - 4), params=params))
+    assert limit - 8 <= len(frame) <= limit
+    task = decode_task(frame, bytes_max=limit)
+    grown = len(msgspec.msgpack.encode(task)) - len(frame)
+    assert 2048 < grown <= FORWARD_REENCODE_SLACK_BYTES
+    check_forwarded_task(task, bytes_max=limit)
+
+
 def test_release_asked_names_each_field_and_the_release_that_reads_it() -> None:
     from gossipd.core.messages import release_asked
 

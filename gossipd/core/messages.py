@@ -815,9 +815,11 @@ def _decode_from_producer(
 
 
 # A forwarder writes out every field of a task, also those its producer left to their
-# defaults (about 200 bytes of them), so a forwarded task may encode that much larger than
-# the frame the ingress accepted.
-FORWARD_REENCODE_SLACK_BYTES = 1024
+# defaults (about 200 bytes of them), and its floats as float64 (9 bytes, where a producer
+# may send an int of 1: 8 more for each float field and each logit_bias bias), so a
+# forwarded task may encode that much larger than the frame the ingress accepted
+# (tests/test_messages.py builds the most: about 2.7 KB).
+FORWARD_REENCODE_SLACK_BYTES = 1024 + 8 * LOGIT_BIAS_MAX
 # Every field of a Task but its prompt (and a structured output's form, or prompt token ids,
 # which are checked apart) encodes in less than this: bounded strings and lists, at most
 # about 11.3 KB with every string of 4-byte characters and a full logit_bias and
