@@ -550,7 +550,12 @@ def test_admin_requests_decode_on_the_ingress_and_answers_round_trip() -> None:
         ({"t": 30, "id": "x", "reply_to": 5}, "bad_admin", "invalid StatusQuery"),
         ({"t": 30, "id": "x", "reply_to": "smtp://host"}, "bad_admin", "reply_to"),
         ({"t": 32, "id": "x", "node": "n", "reply_to": "smtp://host"}, "bad_admin", "reply_to"),
-        ({"t": "30", "id": "x"}, "bad_request", "invalid task"),
+        ({"t": "30", "id": "x"}, "bad_request", "invalid message"),  # t is an int
+        ({"id": "x"}, "bad_request", "invalid message"),
+        ({"t": 6, "id": "x", "items": []}, "bad_request", "invalid Tasks: "),  # named by its t
+        ({"t": 4}, "bad_request", "invalid Cancel: "),
+        ({"t": 1, "id": "x", "v": "1"}, "bad_request", "invalid Task: "),  # not unsupported_version
+        ({"t": 1, "id": "x", "v": None}, "bad_request", "invalid Task: "),
     ],
 )
 def test_unknown_and_malformed_admin_messages_are_refused_by_reason(
@@ -558,7 +563,7 @@ def test_unknown_and_malformed_admin_messages_are_refused_by_reason(
 ) -> None:
     from gossipd.core.messages import decode_intake
 
-    message = {"v": 1, "reply_to": "tcp://127.0.0.1:9", **fields}
+    message = {"v": 1, "reply_to": "tcp://127.0.0.1:9", "prompt": "p", **fields}
     with pytest.raises(RemoteProtocolError) as info:
         decode_intake(msgpack.packb(message), bytes_max=LIMIT)
     assert info.value.reason == reason and info.value.code == "bad_request"

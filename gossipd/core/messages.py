@@ -784,7 +784,9 @@ def _decode_from_producer(
         kind = obj.get("t") if isinstance(obj, dict) else None
         if obj is None:
             hint, code = "not a MessagePack message", ErrorCode.BAD_REQUEST
-        elif isinstance(obj, dict) and "v" in obj and obj["v"] != PROTOCOL_VERSION:
+        elif (
+            isinstance(obj, dict) and type(obj.get("v")) is int and obj["v"] != PROTOCOL_VERSION
+        ):  # (a v of another type, "1" or nil, is a bad_request below: no version at all)
             hint = f"protocol version {obj['v']!r} is not supported; this daemon speaks {PROTOCOL_VERSION}"
             code = ErrorCode.UNSUPPORTED_VERSION
         elif decoder is _intake_decoder and type(kind) is int and kind not in INTAKE_TYPES:
@@ -794,8 +796,9 @@ def _decode_from_producer(
         elif type(kind) is int and kind in ADMIN_TYPES:
             hint = f"invalid {INTAKE_TYPES[kind]}: {exc}"
             code, reason = ErrorCode.BAD_REQUEST, "bad_admin"
-        else:
-            hint, code = f"invalid task: {exc}", ErrorCode.BAD_REQUEST
+        else:  # named by its t where that is one the ingress (or a peer) takes
+            what = INTAKE_TYPES.get(kind, "message") if type(kind) is int else "message"
+            hint, code = f"invalid {what}: {exc}", ErrorCode.BAD_REQUEST
         raise RemoteProtocolError(
             hint, code=code, peer=peer, task_id=task_id, reply_to=reply_to, reason=reason
         ) from None
