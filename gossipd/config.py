@@ -128,7 +128,8 @@ class IngressConfig(Section, frozen=True):
     # ...and at most this many bytes of them (each: its text plus about 350 bytes); the
     # oldest are forgotten first, counted.  A duplicate of a forgotten task runs again.
     results_cache_bytes_max: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024
-    # Sockets cached to producers' reply addresses; the least recently used is closed first.
+    # Sockets cached to producers' reply addresses; at the bound the least recently used one
+    # with no replies waiting is closed first (else the least recently used).
     reply_sockets_max: Positive = 1024
     # A reply socket unused this long is closed.
     reply_idle_s: Seconds = 60.0

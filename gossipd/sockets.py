@@ -209,9 +209,8 @@ class SocketPool:
         if addr in k.sockets:
             raise LocalProtocolError(f"a {kind.value} socket to {addr} is already open")
         while k.sockets_max is not None and len(k.sockets) >= k.sockets_max:
-            oldest = next(iter(k.sockets))
             k.evicted += 1
-            self._close(k, oldest, CloseReason.EVICTED, k.linger_ms)
+            self._close(k, self._to_evict(k), CloseReason.EVICTED, k.linger_ms)
         sock = self.ctx.socket(k.socket_type)
         try:
             for option, value in k.options.items():
@@ -234,6 +233,18 @@ class SocketPool:
         k.sockets[addr] = _Entry(sock, self._clock.monotonic(), server_key)
         k.opened += 1
         return sock
+
+    @staticmethod
+    def _to_evict(k: _Kind) -> str:
+        """The least recently used socket that ``keep`` does not hold (nothing queued for
+        it), else the least recently used: many new addresses (anyone's reply_to) evict
+        idle sockets before any that still has replies to deliver."""
+        keep = k.keep
+        if keep is not None:
+            for addr in k.sockets:  # (oldest first; a full scan only when all are held)
+                if not keep(addr):
+                    return addr
+        return next(iter(k.sockets))
 
     def touch(self, kind: SocketKind, addr: str) -> zmq.Socket | None:
         """A use of ``addr``'s socket: it becomes the most recently used.  The socket; None

@@ -375,7 +375,7 @@ class ReplySender:
             # "Duplicate final Results").  IMMEDIATE (sockets.py) drops what waited in
             # ZeroMQ for that connection with it.
             options={zmq.TCP_MAXRT: max(1, int(timeout_s * 1000))},
-            keep=lambda endpoint: bool(self._peers[endpoint].queue),  # still flushing
+            keep=self._holds,  # still flushing: no idle close, evicted last
         )
         self._timeout_s = timeout_s
         self._queue_max = queue_max
@@ -443,6 +443,11 @@ class ReplySender:
             return False
         deliver(frame)
         return True
+
+    def _holds(self, endpoint: str) -> bool:
+        """Replies wait for ``endpoint``: queued, or in this turn's batch."""
+        peer = self._peers.get(endpoint)
+        return peer is not None and bool(peer.queue or peer.batch)
 
     def stop(self) -> None:
         """Cancel the background tasks (queued replies stay until ``close``)."""

@@ -267,6 +267,39 @@ def test_ReplySender_drops_and_counts_replies_beyond_the_queue_byte_budget() -> 
     assert queued_bytes == 9000 and dropped == 2 and after == 0
 
 
+def test_ReplySender_at_its_socket_bound_evicts_an_idle_socket_before_one_with_replies() -> None:
+    """ingress.reply_sockets_max: a new reply address closes the least recently used socket
+    with nothing waiting; replies queued for a slow producer are not dropped because other
+    addresses came (they were, by the oldest socket's eviction)."""
+
+    async def main() -> tuple[int, int, int]:
+        ctx = zmq.Context()
+        sender = ReplySender(
+            SocketPool(ctx), sockets_max=2, idle_s=60.0, timeout_s=30.0, queue_max=1000
+        )
+        readers = [ctx.socket(zmq.PULL) for _ in range(3)]
+        ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in readers]
+        slow = f"tcp://127.0.0.1:{free_tcp_port()}"  # nobody reads: its replies wait
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            for _ in range(3):
+                sender.send(slow, b"held")
+            await asyncio.sleep(0)
+            for i, port in enumerate(ports, 1):  # new addresses that take their reply
+                sender.send(f"tcp://127.0.0.1:{port}", b"taken")
+                await wait_until_async(lambda i=i: sender.statistics().sent >= i, 5, "taken")
+            stats = sender.statistics()
+            sender.stop()
+        sender.close()
+        for r in readers:
+            r.close(0)
+        ctx.term()
+        return stats.sockets_evicted, stats.dropped_undeliverable, stats.queued
+
+    evicted, dropped, queued = asyncio.run(main())
+    assert evicted == 2 and dropped == 0 and queued >= 3
+
+
 def test_SocketReader_stops_a_batch_at_its_byte_limit() -> None:
     async def main(ctx: zmq.Context) -> list[int]:
         pull = ctx.socket(zmq.PULL)

@@ -118,6 +118,13 @@ class DaemonCollector:
         yield _one(
             G, "gossipd_reply_sockets_open", "Cached sockets to reply addresses", rep.sockets_open
         )
+        yield _by(
+            C,
+            "gossipd_reply_sockets_closed",
+            "Reply sockets closed: evicted at ingress.reply_sockets_max, or idle",
+            "reason",
+            [("evicted", rep.sockets_evicted), ("idle", rep.sockets_closed_idle)],
+        )
         yield _one(G, "gossipd_replies_queued", "Replies waiting for their address", rep.queued)
         yield _by(
             C,
