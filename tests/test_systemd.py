@@ -233,6 +233,31 @@ def test_render_gpus_0_7_gives_8_instances_with_distinct_ports_and_their_numa_no
     ]  # fmt: skip
 
 
+def test_render_gives_each_instance_its_own_http_ports_and_a_stop_timeout_past_the_grace() -> None:
+    """http.bind and http.reply_bind are shifted like the other ports (every instance took
+    gossipd.toml's, and all but one failed to bind); TimeoutStopSec is the grace plus what a
+    stop takes after it, so systemd does not SIGKILL a drain a longer grace allows."""
+    gpus = [Gpu(index=i, pci_bus_id=f"0000:0{i}:00.0", numa_node=0, cpulist="") for i in (0, 1, 2)]
+    environ = {
+        "GOSSIPD_HTTP__BIND": "10.0.0.5:8000",
+        "GOSSIPD_HTTP__REPLY_BIND": "tcp://127.0.0.1:8100",
+        "GOSSIPD_LIFECYCLE__SHUTDOWN_GRACE_S": "30.5",
+    }
+    config = load_config(environ=environ)
+    files, instances = systemd.render_files(config, gpus)
+    for instance in instances:
+        i = instance.gpu.index
+        env = systemd.read_env_file(files[f"etc/gossipd/{i}.env"])
+        ran = load_config(environ={**environ, **env})
+        assert ran.http.bind == f"10.0.0.5:{8000 + 10 * i}"
+        assert ran.http.reply_bind == f"tcp://127.0.0.1:{8100 + 10 * i}"
+    service = files["etc/systemd/system/gossipd@.service"]
+    assert _unit_value(service, "TimeoutStopSec") == str(31 + systemd.STOP_AFTER_GRACE_S)
+    assert _unit_value(systemd.render_service(), "TimeoutStopSec") == "20"  # (grace 10 s)
+    with pytest.raises(systemd.RenderError, match=r"http\.bind"):
+        systemd.plan(load_config(environ={"GOSSIPD_HTTP__BIND": "10.0.0.5:5567"}), gpus)
+
+
 def test_render_refuses_ports_that_two_instances_would_share() -> None:
     gpus = [Gpu(index=i, pci_bus_id=f"0000:0{i}:00.0", numa_node=0, cpulist="0-3") for i in (0, 1)]
     # ingress 5557 and rpc 5558 with a stride of 1: gossipd@1's ingress is gossipd@0's rpc

@@ -29,6 +29,7 @@ back: ``KEY=VALUE`` lines, a value bare or in single quotes, ``#`` comments.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import socket
@@ -76,16 +77,18 @@ EnvironmentFile=/etc/gossipd/%i.env
 User=gossipd
 Group=gossipd
 # /var/lib/gossipd/N (the journal) and /var/cache/gossipd/N (vLLM, Triton, CUDA and Hugging
-# Face caches) are the only places it writes: HOME and XDG_CACHE_HOME point there.
+# Face caches) are the only places it writes: HOME and XDG_CACHE_HOME are the cache directory
+# (what finds its cache through HOME, as Triton's ~/.triton and CUDA's ~/.nv, lands there too).
 StateDirectory=gossipd/%i
 StateDirectoryMode=0750
 CacheDirectory=gossipd/%i
 CacheDirectoryMode=0750
-Environment=HOME=%S/gossipd/%i XDG_CACHE_HOME=%C/gossipd/%i
+Environment=HOME=%C/gossipd/%i XDG_CACHE_HOME=%C/gossipd/%i
 UMask=0027
-# SIGTERM: stop intake, finish in-flight tasks within lifecycle.shutdown_grace_s (10 s), exit 0.
+# SIGTERM: stop intake, finish in-flight tasks within lifecycle.shutdown_grace_s, then leave,
+# settle forwards and flush replies (about 10 s more), exit 0.  Rendered from the grace.
 KillSignal=SIGTERM
-TimeoutStopSec=20
+TimeoutStopSec={stop_timeout_s}
 # Loading a model into vLLM takes from ~35 s (the tiny model on CPU) to minutes (a large one).
 TimeoutStartSec=900
 WatchdogSec=10
@@ -188,13 +191,28 @@ def format_indices(indices: Sequence[int]) -> str:
     return ",".join(parts) if ordered else ""
 
 
-def render_service(*, bin_path: str = DEFAULT_BIN, config_path: str = DEFAULT_CONFIG) -> str:
+# What a stop takes after lifecycle.shutdown_grace_s (daemon.py's _shut_down and
+# _close_intake): the leave, FORWARDS_SETTLE_S for forwards, the replies' flush (2 s) and the
+# sockets' linger (2 s), with room to spare; systemd's SIGKILL must not cut the drain.
+STOP_AFTER_GRACE_S = 10
+
+
+def stop_timeout_s(config: Config) -> int:
+    return math.ceil(config.lifecycle.shutdown_grace_s) + STOP_AFTER_GRACE_S
+
+
+def render_service(
+    *,
+    bin_path: str = DEFAULT_BIN,
+    config_path: str = DEFAULT_CONFIG,
+    stop_timeout: int = stop_timeout_s(Config()),
+) -> str:
     for what, path in (("--bin", bin_path), ("--config", config_path)):
         if not path.startswith("/") or any(c in path for c in " \t\n%\"'\\"):
             raise RenderError(
                 f"{what} {path!r}: a unit needs an absolute path without spaces, quotes or %"
             )
-    return SERVICE_TEMPLATE.format(bin=bin_path, config=config_path)
+    return SERVICE_TEMPLATE.format(bin=bin_path, config=config_path, stop_timeout_s=stop_timeout)
 
 
 def render_target(indices: Sequence[int]) -> str:
@@ -265,16 +283,16 @@ def _endpoints(config: Config, index: int, stride: int) -> tuple[dict[str, str],
         "fanout.rpc_advertise": config.fanout.rpc_advertise,
         "gossip.bind": config.gossip.bind,
         "gossip.advertise": config.gossip.advertise,
+        "http.reply_bind": config.http.reply_bind,
     }
     values: dict[str, str] = {}
     ports: dict[str, int] = {}
     for key, value in sources.items():
         if value:
             values[key], ports[key] = shift_endpoint(value, index, stride, key)
-    if config.metrics.bind:
-        values["metrics.bind"], ports["metrics.bind"] = shift_hostport(
-            config.metrics.bind, index, stride, "metrics.bind"
-        )
+    for key, hostport in (("metrics.bind", config.metrics.bind), ("http.bind", config.http.bind)):
+        if hostport:
+            values[key], ports[key] = shift_hostport(hostport, index, stride, key)
     return values, ports
 
 
@@ -408,7 +426,9 @@ def render_files(
         raise RenderError("no GPU to render units for")
     instances = plan(config, gpus, port_stride=port_stride, state_root=state_root)
     files = {
-        f"{UNIT_DIR}/gossipd@.service": render_service(bin_path=bin_path, config_path=config_path),
+        f"{UNIT_DIR}/gossipd@.service": render_service(
+            bin_path=bin_path, config_path=config_path, stop_timeout=stop_timeout_s(config)
+        ),
         f"{UNIT_DIR}/gossipd.target": render_target([gpu.index for gpu in gpus]),
     }
     for instance in instances:
