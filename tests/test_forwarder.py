@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +23,8 @@ from gossipd.core.forwarder import (
     RunHere,
 )
 from gossipd.core.messages import Cancel, ErrorCode, Task
-from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
+from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw, decode_peer
+from gossipd.errors import RemoteProtocolError
 
 
 class FixedPlacement:
@@ -206,6 +208,27 @@ def test_Forwarder_every_busy_refusal_answers_overloaded_with_the_largest_hint()
     assert isinstance(event, Refuse)
     assert event.code is ErrorCode.OVERLOADED and event.retry_after_ms == 300
     assert "a: overloaded" in event.message and "b: shutting_down" in event.message
+
+
+def test_Forwarder_a_members_hint_reaches_the_producer_cut_to_ours() -> None:
+    """A member's retry_after_ms is its word: the producer is told at most our
+    retry_after_max_ms (it passed 2^64 - 1 on); past what any member may say, the
+    ForwardReply is refused whole (peer_messages.RETRY_AFTER_MS_MAX)."""
+    from gossipd.core.peer_messages import RETRY_AFTER_MS_MAX
+
+    fw, _ = _forwarder(["a"], attempts_max=1, retry_after_max_ms=5000)
+    fw.route(_task(), 0.0)
+    [(_, first)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(first, "a", False, "overloaded", RETRY_AFTER_MS_MAX), 0.001)
+    [event] = fw.take_events()
+    assert isinstance(event, Refuse) and event.code is ErrorCode.OVERLOADED
+    assert event.retry_after_ms == 5000
+    frame = msgpack.packb(
+        {"v": 1, "t": 21, "req": 1, "node": "a", "accepted": False, "code": "overloaded",
+         "retry_after_ms": RETRY_AFTER_MS_MAX + 1}
+    )  # fmt: skip
+    with pytest.raises(RemoteProtocolError, match="retry_after_ms"):
+        decode_peer(frame, bytes_max=1 << 16)
 
 
 def test_Forwarder_silence_everywhere_answers_unavailable_listing_attempts() -> None:

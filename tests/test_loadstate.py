@@ -143,6 +143,20 @@ def test_the_sampler_takes_a_new_seq_only_when_a_figure_changed() -> None:
     assert with_age(second, 2.0, 1.0).age_ms == 0  # never negative
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**64), st.integers(0, 2**64), st.integers(0, 2**64))
+def test_the_sampler_cuts_its_figures_to_what_a_record_may_carry(
+    inflight: int, waiting: int, queued: int
+) -> None:
+    """A figure past the record's bounds would make peers refuse every message carrying it
+    (gossip and ForwardReplies): the sampler cuts them, so its record always decodes."""
+    record = LoadSampler("a", 1).current(0.0, inflight=inflight, waiting=waiting,
+                                         queued_tokens=queued)  # fmt: skip
+    done = TaskDone(id="t", node="a", load=record)
+    assert decode_peer(encode_peer(done), bytes_max=1 << 16) == done
+    assert record.queued_tokens == min(queued, 2**40) and record.inflight == min(inflight, 2**31)
+
+
 @settings(max_examples=200, deadline=None)
 @given(records)
 def test_load_records_travel_on_replies_and_gossip_and_older_peers_ignore_them(record) -> None:  # type: ignore[no-untyped-def]

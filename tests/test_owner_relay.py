@@ -71,6 +71,15 @@ async def _until(sock: zmq.Socket, want: Callable[[list[Any]], bool]) -> list[An
     return got
 
 
+def _drain(sock: zmq.Socket) -> list[Any]:
+    got: list[Any] = []
+    while True:
+        try:
+            got += _items(sock)
+        except zmq.Again:
+            return got
+
+
 def _kind(item: Any) -> str:
     if type(item) is Relay:
         return type(decode_relayed(item.frame)).__name__
@@ -145,6 +154,18 @@ def test_relays_go_on_the_members_own_connection_before_the_taskdone_and_nowhere
             owner.task_finished(owned, result)
             got = await _until(entry, lambda got: any(type(i) is TaskDone for i in got))
             out["entry_2"] = [_kind(i) for i in got]
+            # 2b. mallory asks again for the entry's route, now known as the entry's: refused
+            # (under CURVE a member may name any producer_key; the route followed whoever
+            # asked last), and the next reply to it still goes on the entry's connection.
+            mallory.send(forward(4, task("m2"), src="mallory"))
+            at_mallory = await _until(
+                mallory, lambda got: any(type(i) is ForwardReply for i in got)
+            )
+            replies.send(t1.route, encode(Result(id="m2", ok=True, text="for the entry")))
+            got = await _until(entry, lambda got: any(_kind(i) == "Result" for i in got))
+            out["entry_2b"] = [decode_relayed(i.frame).id for i in got if type(i) is Relay]
+            await asyncio.sleep(0.05)
+            out["mallory_2b"] = [_kind(i) for i in at_mallory + _drain(mallory)]
             # 3. the same member on a new connection, its task answered from the cache as
             # the Forward is admitted: the Result comes on the new connection.
             ingress.done["t1"] = encode(result)
@@ -176,6 +197,7 @@ def test_relays_go_on_the_members_own_connection_before_the_taskdone_and_nowhere
     assert [decode_relayed(f).id for f in out["socket_4"]] == ["t2"]
     assert [decode_relayed(f).id for f in out["socket_5"]] == ["t3"]
     counters = out["counters"]
-    assert counters.relays_refused == 1
-    assert counters.replies_relayed == 3  # the chunk, the Result, the cached Result
+    assert out["entry_2b"] == ["m2"] and "Result" not in out["mallory_2b"]
+    assert counters.relays_refused == 2
+    assert counters.replies_relayed == 4  # the chunk, the Result, m2's, the cached Result
     assert counters.relays_by_socket == 2  # the large one, the one the gone link refused

@@ -202,6 +202,30 @@ def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped
         assert dispatcher.statistics().bad_peer_messages == 3
 
 
+def test_an_item_no_owner_sends_or_of_another_version_is_refused_on_our_connections() -> None:
+    """What an owner says back is a Relay, ForwardReply, TaskDone, ConfirmReply, ModelCard,
+    Moved or ReplayKnown in version 1: a Forward, a Drain, or a TaskDone of version 2 on
+    our connection went to the forwarder unchecked (the owner side refused them); now they
+    are refused and counted (bad_peer_messages), and the forwarder never sees them."""
+    from gossipd.core.messages import Drain
+
+    seen: list[Any] = []
+    with _built_dispatcher() as dispatcher:
+        dispatcher.forwarder.on_reply = lambda msg, now: seen.append(msg)
+        task = Task(v=1, id="t9", prompt="p", reply_to="tcp://127.0.0.1:9")
+        dispatcher.on_peer_replies(
+            [
+                TaskDone(id="t1", node="n", v=2),
+                Forward(req=1, src="n", task=task, remaining_ms=100),
+                Drain(v=1, id="d", reply_to="tcp://127.0.0.1:9", node="me"),
+                TaskDone(id="t2", node="n"),
+            ]
+        )
+        assert dispatcher.replies_refused == 3
+        assert dispatcher.statistics().bad_peer_messages == 3
+    assert [m.id for m in seen] == ["t2"]
+
+
 def test_a_reply_whose_handling_raises_leaves_its_batch_mates_handled_and_is_counted() -> None:
     """One read's replies are handled one by one: a bug in one (here the forwarder raising
     for t1) is logged and counted (gossipd_handler_failures_total), and the replies read with

@@ -135,13 +135,21 @@ class ForwarderSettings:
     forwarded_max: int = 200_000
     forwarded_bytes_max: int = 1 << 30
     retry_after_ms: int = 1000  # the hint when no member gave one
+    retry_after_max_ms: int = 10_000  # the most a producer is told (a member's hint is cut)
     owner_check: bool = False  # rule 6: Forwards ask if_free
 
     @classmethod
-    def of(cls, config: object, retry_after_ms: int) -> ForwarderSettings:
-        """From a FanoutConfig (or anything with these attributes)."""
-        names = [n for n in cls.__dataclass_fields__ if n != "retry_after_ms"]
-        return cls(retry_after_ms=retry_after_ms, **{n: getattr(config, n) for n in names})
+    def of(
+        cls, config: object, retry_after_ms: int, retry_after_max_ms: int = 10_000
+    ) -> ForwarderSettings:
+        """From a FanoutConfig (or anything with these attributes) and the ingress's hints."""
+        hints = ("retry_after_ms", "retry_after_max_ms")
+        names = [n for n in cls.__dataclass_fields__ if n not in hints]
+        return cls(
+            retry_after_ms=retry_after_ms,
+            retry_after_max_ms=retry_after_max_ms,
+            **{n: getattr(config, n) for n in names},
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -763,7 +771,8 @@ class Forwarder:
         # treat the cluster as down, even if a dead member was among the attempts.
         code = ErrorCode.OVERLOADED if j.busy_hint_ms else ErrorCode.UNAVAILABLE
         message = "no member took the task; attempts: " + "; ".join(attempts)
-        hint = j.busy_hint_ms or self.settings.retry_after_ms
+        # (a member's hint, cut to ours: a member's word, not to be passed on unbounded)
+        hint = min(j.busy_hint_ms, self.settings.retry_after_max_ms) or self.settings.retry_after_ms
         self._events.append(Refuse(j.task, code, message, hint))
         j.ended = True
         j.flights = []  # see _end

@@ -78,6 +78,12 @@ class GpuState(msgspec.Struct, frozen=True, kw_only=True):
     queued_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+# A load record's counts' bounds (a figure past one makes the whole message invalid: a
+# member cuts its own to them, core/loadstate.py).
+LOAD_COUNT_MAX = 2**31
+QUEUED_TOKENS_MAX = 2**40
+
+
 class LoadRecord(msgspec.Struct, frozen=True, array_like=True):
     """A member's engine load, small and frequent, apart from its Meta (issue 17): a
     MessagePack array [node, seq, age_ms, inflight, waiting, queued_tokens, kv_pct] of about
@@ -89,9 +95,9 @@ class LoadRecord(msgspec.Struct, frozen=True, array_like=True):
     node: NodeId
     seq: Seq
     age_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
-    inflight: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
-    waiting: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
-    queued_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    inflight: Annotated[int, msgspec.Meta(ge=0, le=LOAD_COUNT_MAX)] = 0
+    waiting: Annotated[int, msgspec.Meta(ge=0, le=LOAD_COUNT_MAX)] = 0
+    queued_tokens: Annotated[int, msgspec.Meta(ge=0, le=QUEUED_TOKENS_MAX)] = 0
     kv_pct: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
 
 

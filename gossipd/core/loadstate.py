@@ -23,7 +23,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from gossipd.core.gossip_messages import LOAD_RECORDS_MAX, LoadRecord, encode_update
+from gossipd.core.gossip_messages import (
+    LOAD_COUNT_MAX,
+    LOAD_RECORDS_MAX,
+    QUEUED_TOKENS_MAX,
+    LoadRecord,
+    encode_update,
+)
 
 AGE_MS_MAX = 3_600_000  # the wire's bound on age_ms
 # The same seq again counts as news (a confirmation that the figures still hold) only this
@@ -181,7 +187,11 @@ class LoadSampler:
     ) -> LoadRecord:
         self.seq += 1
         kv_pct = min(100, max(0, round(kv_ratio * 100)))
-        return LoadRecord(self.node, self.seq, 0, inflight, waiting, queued_tokens, kv_pct)
+        # (cut to the record's bounds: one figure past them would make peers refuse every
+        # message carrying it, gossip and ForwardReplies alike)
+        return LoadRecord(self.node, self.seq, 0, min(inflight, LOAD_COUNT_MAX),
+                          min(waiting, LOAD_COUNT_MAX), min(queued_tokens, QUEUED_TOKENS_MAX),
+                          kv_pct)  # fmt: skip
 
     def current(
         self,

@@ -31,6 +31,10 @@ from gossipd.core.messages import (
 
 _encoder = msgspec.msgpack.Encoder()
 
+# A refusal's hint from a member: at most what any member's ingress.retry_after_max_ms may be
+# (config.py's bound, one hour); the entry cuts it to its own before a producer sees it.
+RETRY_AFTER_MS_MAX = 3_600_000
+
 
 # --- Fan-out (daemon to daemon, DEALER -> ROUTER) -------------------------------------------
 
@@ -73,7 +77,7 @@ class ForwardReply(
     accepted: bool
     code: Annotated[str, msgspec.Meta(max_length=64)] = ""
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-    retry_after_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+    retry_after_ms: Annotated[int, msgspec.Meta(ge=0, le=RETRY_AFTER_MS_MAX)] = 0
     load: LoadRecord | None = None  # the owner's load as it answers (optional, issue 17)
 
 

@@ -202,7 +202,9 @@ def build_fanout(
     )
     PlacementFeed(placer, gossip)
     forwarder = Forwarder(
-        Dispatcher.settings(config.fanout, config.ingress.retry_after_ms),
+        Dispatcher.settings(
+            config.fanout, config.ingress.retry_after_ms, config.ingress.retry_after_max_ms
+        ),
         node=node,
         placement=placer,
         rng=rng("fanout"),

@@ -34,7 +34,7 @@ from gossipd.core.forwarder import (
 )
 from gossipd.core.lifecycle import Owned
 from gossipd.core.membership import MemberEvent
-from gossipd.core.messages import Cancel, Drain, Task
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, Drain, Task
 from gossipd.core.peer_messages import (
     MOVED_FROM_VERSION,
     Confirm,
@@ -63,6 +63,11 @@ _LOCAL = Route.LOCAL
 # Replies in which a member speaks of its own tasks: taken only from the member at the
 # address they came from (docs/PROTOCOL.md, "A member cannot speak for another").
 _SPOKEN_FOR = frozenset((ForwardReply, TaskDone, ConfirmReply))
+# What an owner says back on our connection to it (and a TaskDone by name on our server):
+# another kind there, or another version, is refused and counted, as the owner side does.
+_OWNERS_SAY = frozenset(
+    (Relay, ForwardReply, TaskDone, ConfirmReply, ModelCard, Moved, ReplayKnown)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +153,9 @@ class Dispatcher:
         # ForwardReplies, TaskDones and ConfirmReplies naming a member other than the one at
         # the address they came from (dropped: a member cannot speak for another).
         self.replies_for_another = 0
+        # Items on our connections that no owner sends (a Forward, a Drain, ...) or in
+        # another version: refused, counted with the undecodable ones.
+        self.replies_refused = 0
         # Members' answers to our ModelQuerys (GET /v1/models: core/modelcards.py).
         self.on_model_card = on_model_card
         # Members' answers to our ReplayQuerys (a restart: core/replaycheck.py).
@@ -158,8 +166,10 @@ class Dispatcher:
         self.placer.set_draining(draining)
 
     @staticmethod
-    def settings(config: FanoutConfig, retry_after_ms: int) -> ForwarderSettings:
-        return ForwarderSettings.of(config, retry_after_ms)
+    def settings(
+        config: FanoutConfig, retry_after_ms: int, retry_after_max_ms: int = 10_000
+    ) -> ForwarderSettings:
+        return ForwarderSettings.of(config, retry_after_ms, retry_after_max_ms)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -200,6 +210,9 @@ class Dispatcher:
         for msg in msgs:
             # (a try costs nothing until it catches, in 3.11)
             try:
+                if type(msg) not in _OWNERS_SAY or msg.v != PROTOCOL_VERSION:  # type: ignore[attr-defined]
+                    self.replies_refused += 1
+                    continue
                 if type(msg) is Relay:
                     if not self._deliver_relayed(msg.to, msg.frame):
                         self.relayed_unroutable += 1
@@ -454,7 +467,8 @@ class Dispatcher:
             moved=fw.moved,
             bad_peer_messages=owner.bad_peer_messages
             + links.bad_messages
-            + self.replies_for_another,
+            + self.replies_for_another
+            + self.replies_refused,
             replies_dropped=owner.replies_dropped,
             prefix_hits=self.placer.prefix_hits,
             hedged=fw.hedged,

@@ -311,11 +311,15 @@ class OwnerEndpoint:
         door that route is), if the route is that member's own."""
         route = task.route
         relays = self._relays
-        known = relays.pop(route, None)  # re-inserted: the most recent last
-        if known is None:
-            if not self._relay_allowed(member, task.producer_key):
-                self.counters.relays_refused += 1
-                return
+        known = relays.get(route)
+        # Asked again by another member, the route is checked again: under CURVE a member
+        # may name any producer_key, and the route would follow whoever asked last.
+        if known != member and not self._relay_allowed(member, task.producer_key):
+            self.counters.relays_refused += 1
+            return
+        if known is not None:
+            del relays[route]  # re-inserted: the most recent last
+        else:
             if len(relays) >= RELAY_ROUTES_MAX:
                 oldest = next(iter(relays))  # a door gone long ago: its replies by socket
                 del relays[oldest]
