@@ -292,9 +292,32 @@ def test_a_vllm_engine_without_a_model_directory_stops_start_up_with_status_2(
     )
     assert proc.returncode == 2
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("gossipd: cannot start: the vllm engine failed to start")
+    assert last.startswith("gossipd: cannot start: engine.model")  # (before binding now)
     assert "not a model directory" in last and "make-tiny" in last
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("what", ["model", "journal"])
+def test_check_config_refuses_what_run_would_stop_on_after_binding(
+    tmp_path: Path, what: str
+) -> None:
+    """`gossipd check-config` promises exit 2 wherever `run` would stop: a vLLM engine's
+    model directory without config.json and a journal path that cannot be opened were
+    found only by `run` (after binding; under systemd, a restart loop)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    settings = (
+        ["engine.kind=vllm", f'engine.model="{tmp_path / "missing"}"']
+        if what == "model"
+        else [f"journal.path={str(blocker / 'j.log')!r}"]
+    )
+    proc = gossipd_cli("check-config", *(a for s in settings for a in ("--set", s)))
+    assert proc.returncode == 2, proc.stdout
+    assert ("not a model directory" if what == "model" else "cannot open journal.path") in (
+        proc.stderr
+    )
+    fine = gossipd_cli("check-config", "--set", f"journal.path={str(tmp_path / 'a' / 'j')!r}")
+    assert fine.returncode == 0, fine.stderr
 
 
 @pytest.mark.parametrize(

@@ -60,3 +60,38 @@ def test_the_open_files_soft_limit_is_raised_toward_the_hard_one() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout) == (4096 if hard == resource.RLIM_INFINITY else min(4096, hard))
+
+
+def test_the_low_limit_warning_is_a_json_log_line_naming_the_daemon(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The daemon's constructor warns (here: a hard open-files limit of 512); logging was set
+    up after it, so the warning came out as Python's bare last-resort text, without level,
+    node or fields (OPERATIONS.md: one JSON object per line)."""
+    import json
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossipd", "run", "--bind", "tcp://127.0.0.1:0", "--set", 'gossip.bind=""',
+         "--set", 'node.id="fd-test"'],
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512)),
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if '"serving"' in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    warned = [line for line in lines if "open-files limit may be too low" in line]
+    assert len(warned) == 1, lines
+    record = json.loads(warned[0])
+    assert record["level"] == "warning" and record["node"] == "fd-test"
+    assert record["hard"] == 512

@@ -39,8 +39,43 @@ def check(config: Config, node: str) -> KeyPair | None:
     """Raise StartupError (exit 2) naming the fix for what `run` would refuse; the key pair
     with CURVE on, None without."""
     _check_needs(config)
+    _check_files(config)
     _check_http(config)
     return _check_security(config, node)
+
+
+def _check_files(config: Config) -> None:
+    """What `run` opens after binding, checked before: the engine's model directory (a
+    daemon found it missing only once its ports were up, as systemd restarted it) and the
+    journal's file."""
+    model = config.engine.model
+    if config.engine.kind == "vllm" and not (Path(model) / "config.json").is_file():
+        raise StartupError(
+            f"engine.model = {model!r} is not a model directory (no config.json); gossipd "
+            "never downloads models: make one with `gossipd model make-tiny DIR`"
+        )
+    if config.journal.path:
+        problem = _unwritable(Path(config.journal.path))
+        if problem:
+            raise StartupError(f"cannot open journal.path = {config.journal.path!r}: {problem}")
+
+
+def _unwritable(path: Path) -> str:
+    """Why ``path`` cannot be opened for appending (its directories made as needed), or ""."""
+    if path.exists():
+        if not path.is_file():
+            return "not a regular file"
+        return "" if os.access(path, os.W_OK) else "not writable by this user"
+    ancestor = path.parent
+    while not ancestor.exists():
+        if ancestor == ancestor.parent:
+            break
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{str(ancestor)!r} is not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create it in {str(ancestor)!r} (not writable by this user)"
+    return ""
 
 
 def _check_http(config: Config) -> None:

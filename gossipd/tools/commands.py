@@ -28,6 +28,9 @@ def _run_loop(coro: object) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import socket
+
+    from gossipd.config import node_id
     from gossipd.daemon import Daemon
     from gossipd.ops.logs import setup_logging
     from gossipd.ops.memory import return_large_buffers
@@ -37,9 +40,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     daemon_holder: list[Daemon] = []
 
     async def main() -> int:
+        # Before the daemon is built: its constructor's warnings (SCHED_BATCH, the open-files
+        # limit) are log lines as OPERATIONS.md says, not Python's bare last-resort text.
+        node = node_id(config, socket.gethostname())
+        setup_logging(level=config.log.level, fmt=config.log.format, node=node)
         daemon = Daemon(config)
         daemon_holder.append(daemon)
-        setup_logging(level=config.log.level, fmt=config.log.format, node=daemon.node)
         return await daemon.run()
 
     return _run_loop(main())
