@@ -87,6 +87,12 @@ class LoopPeerServer:
     def protocol_errors(self) -> int:
         return sum(n for reason, n in self.refused.items() if reason not in ("refused", "busy"))
 
+    @property
+    def busy(self) -> int:
+        """Connections closed at accept (too many shaking hands) or for taking the frames
+        not complete yet past the read budget."""
+        return self.refused["busy"]
+
     def bind(self, addr: str) -> str:
         if self._closed:
             raise TransportClosed("bind on a closed peer server")

@@ -119,6 +119,9 @@ class PeerServer(Protocol):
     @property
     def protocol_errors(self) -> int: ...  # as PeerClient's
 
+    @property
+    def busy(self) -> int: ...  # connections closed for the server's bounds (loop channel)
+
     def bind(self, addr: str) -> str:
         """Accept connections at ``addr``; the address clients should use (the ZeroMQ
         endpoint with its port resolved; the simulator's own address for any ``addr``).
@@ -244,6 +247,7 @@ class ZmqPeerServer:
     key belongs to (gossipd/security.py's ZAP handler), the ``sender`` of ``on_request``."""
 
     protocol_errors = 0  # libzmq does not say
+    busy = 0  # (nor this)
 
     def __init__(
         self,

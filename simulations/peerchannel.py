@@ -125,6 +125,7 @@ class SimPeerServer:
         self._closed = False
         self.dropped = 0
         self.protocol_errors = 0  # the simulated network carries no bytes to get wrong
+        self.busy = 0  # (nor bounds to go past)
 
     def bind(self, addr: str) -> str:
         """Accept at ``sim://NAME/rpc`` (``addr`` is ignored: one server a node)."""

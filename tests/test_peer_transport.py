@@ -262,6 +262,7 @@ def test_a_servers_connections_hold_a_bounded_number_of_bytes_of_unfinished_fram
             held_after = budget.held
             first[1].write(b"a" * 10_000)  # the first's frame completes: delivered
             await wait_until_async(lambda: got, 5.0, "the first's frame")
+            assert server.busy == 2  # (what gossipd_fanout_peer_connections_busy_total reads)
             return got, held_after, budget.held, dict(server.refused), budget.over
         finally:
             for _, writer in conns:

@@ -92,6 +92,7 @@ class FanoutStatistics:
     withdrawn: int
     peer_links_closed: int
     peer_protocol_errors: int  # peer connections closed for breaking ZMTP (loop channel)
+    peer_connections_busy: int  # closed for the rpc server's bounds (loop channel)
     withdrawn_by_peers: int
     forwarded_bytes: int = 0  # tasks remembered for migration (budgets.task_bytes)
     forwarded_evicted_count: int = 0  # ...forgotten for room: fanout.forwarded_max
@@ -478,6 +479,7 @@ class Dispatcher:
             peer_links_closed=links.links_closed,
             peer_protocol_errors=self.owner.server_protocol_errors
             + self._links.channel_protocol_errors,
+            peer_connections_busy=self.owner.server_busy,
             withdrawn_by_peers=owner.withdrawn_by_peers,
             forwarded_bytes=self.forwarder.ledger.bytes,
             forwarded_evicted_count=self.forwarder.ledger.evicted_count,

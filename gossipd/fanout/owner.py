@@ -238,6 +238,10 @@ class OwnerEndpoint:
     def server_protocol_errors(self) -> int:
         return self._server.protocol_errors
 
+    @property
+    def server_busy(self) -> int:
+        return self._server.busy
+
     def stop(self) -> None:
         self._server.stop()
 

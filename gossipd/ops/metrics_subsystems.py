@@ -437,6 +437,12 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             "frame size (fanout.peer_transport loop; refused keys count in auth_refused)",
             stats.peer_protocol_errors,
         ),
+        (
+            "gossipd_fanout_peer_connections_busy",
+            "Peer connections the rpc server closed for its bounds: over 256 shaking hands, "
+            "or frames not complete past 16 x fanout.message_bytes_max (loop channel)",
+            stats.peer_connections_busy,
+        ),
     ):
         yield _one(C, name, doc, value)
     yield _by(
