@@ -276,6 +276,18 @@ def test_push_pull_dead_record_is_only_suspected_here() -> None:
     assert t.members["x"].state is State.SUSPECT
 
 
+@pytest.mark.parametrize("state", ["dead", "left", "suspect"])
+def test_a_push_pull_record_of_our_previous_life_is_refuted_dead_too(state: str) -> None:
+    """A restarted member hears its previous life's record in a seed's push-pull reply and
+    refutes it (MEMBERSHIP.md, "A restart"): a dead one was dropped with the rule that
+    ignores dead members we do not know, and we are never in our own table."""
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    record = MemberRecord(node="me", addr=ADDR, incarnation=5, state=state)
+    outcomes = [t.apply(update, 1.0) for update in t.merge_record(record, sender="s")]
+    assert any(o.refuted for o in outcomes) and t.incarnation > 5
+    assert "me" not in t.members
+
+
 def test_checksum_depends_on_live_set_and_incarnations_only() -> None:
     a = MemberTable(me="a", addr=ADDR, now=0.0)
     b = MemberTable(me="b", addr=ADDR, now=0.0)

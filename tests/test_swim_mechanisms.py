@@ -494,3 +494,26 @@ def test_a_gpu_state_too_large_to_ride_piggyback_is_published_with_fewer_prefixe
     small = GpuState(status="serving", prefixes=prefixes[:8])
     a.set_gpu(1.0, small)
     assert a.table.gpu == small  # one that fits is left whole
+
+
+def test_an_ack_from_a_probe_target_forgotten_meanwhile_is_taken_without_raising() -> None:
+    """The Ack's checksum, third in a run of mismatches, asked for a push-pull with the
+    target's address from the table, which had forgotten it (the leader's forget directive,
+    or a reap) while the probe was out: KeyError out of receive, and the rest of that read's
+    frames were dropped.  Now nothing is asked of a member no longer known."""
+    from gossipd.core.gossip_messages import Ack, GossipOnly, encode_gossip
+
+    a = SwimNode(SwimConfig(), node="a", addr=addr_of("a"), rng=random.Random(1), now=0.0)
+    a.bootstrap(0.0, [(n, addr_of(n)) for n in "abcde"])
+    for _ in range(2):  # two acks of earlier probes whose checksum differed from ours
+        a.antientropy.compare_checksum("c", 12345, 0.0)
+    news = GossipOnly(cluster="default", src="c", src_addr=addr_of("c"),
+                      updates=[Suspect(node="b", incarnation=0, by="c")])  # fmt: skip
+    a.receive(0.0, encode_gossip(news))
+    a.connection_lost(10.0, "b")  # a suspect whose connection dropped: probed early
+    a.tick(10.0)
+    assert a.prober.probe is not None and a.prober.probe.target == "b"
+    assert a.table.forget("b", 0, 10.0)
+    a.receive(10.01, encode_gossip(Ack(cluster="default", src="b", src_addr=addr_of("b"),
+                                       seq=a.prober.probe.seq, checksum=999)))  # fmt: skip
+    assert "b" not in a.table.members

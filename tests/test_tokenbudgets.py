@@ -255,3 +255,15 @@ def test_a_structured_outputs_form_is_charged_as_prompt() -> None:
         assert gate.check(plain, 0.0) > 0, form
         fresh = BudgetGate(config, capacity_weight=1.0, retry_after_max_ms=60_000)
         assert all(fresh.check(plain, 0.0) == 0 for _ in range(40))
+
+
+def test_a_members_capacity_weight_0_counts_as_1_in_budgets_as_in_placement() -> None:
+    """PROTOCOL.md: a capacity_weight of 0 is a member that does not say, read as 1.0; the
+    budgets summed the raw 0, so such a member took no part of the cluster's budget and
+    every entry point's share moved."""
+    from gossipd.core.gossip_messages import GpuState
+    from gossipd.ingress.budgets import serving_capacity
+
+    gpus = [GpuState(capacity_weight=0.0), GpuState(capacity_weight=2.0), None,
+            GpuState(capacity_weight=3.0, status="draining")]  # fmt: skip
+    assert serving_capacity(gpus) == [1.0, 2.0]

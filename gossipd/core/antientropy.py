@@ -373,7 +373,10 @@ class AntiEntropy:
             self._mismatch_run >= swim.config.checksum_mismatches_max
             and now - self._last_sync_at >= swim.config.checksum_sync_s
         ):
+            member = swim.table.members.get(peer)
+            if member is None:  # forgotten while its probe was out (a forget, a reap)
+                return
             self._last_sync_at = now
             self._mismatch_run = 0
             swim.stats.checksum_syncs += 1
-            self.push_pull(swim.table.members[peer].addr, reply=True, now=now)
+            self.push_pull(member.addr, reply=True, now=now)

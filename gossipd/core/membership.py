@@ -449,8 +449,8 @@ class MemberTable:
         that had reaped it too, its reap clock started over.  (A suspect one is live, not
         reaped: learned, as suspect.)"""
         out: list[MemberUpdate] = []
-        if record.state == "dead" and record.node not in self.members:
-            return out
+        if record.state == "dead" and record.node not in self.members and record.node != self.me:
+            return out  # (our own previous life's record is news to refute: rule 8)
         if record.state == "alive":
             out.append(Alive(node=record.node, incarnation=record.incarnation, addr=record.addr))
         elif record.state in ("suspect", "dead"):

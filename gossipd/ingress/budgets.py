@@ -52,7 +52,11 @@ REPUBLISH_INTERVALS = 10
 
 def serving_capacity(gpus: Iterable[GpuState | None]) -> list[float]:
     """The capacity weights that budgets are computed from: live members' that serve."""
-    return [gpu.capacity_weight for gpu in gpus if gpu is not None and gpu.status == "serving"]
+    return [
+        gpu.capacity_weight or 1.0  # (0: a member that does not say, as placement reads it)
+        for gpu in gpus
+        if gpu is not None and gpu.status == "serving"
+    ]
 
 
 @dataclass(frozen=True, slots=True)
