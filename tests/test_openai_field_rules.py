@@ -131,6 +131,11 @@ def test_an_engines_refusal_names_the_field_vllm_names() -> None:
     )
     assert str(named).startswith("stop_token_ids: token_id(s) [99]")
     assert str(_refused(_Named("bad", None), "refused by vLLM: ")) == "refused by vLLM: bad"
+    too_long = "This model's maximum context length is 512 tokens. However, your prompt ..."
+    kept = _refused(_Named(too_long, "input_tokens"))  # (vLLM names a field here too)
+    assert str(kept) == too_long  # OpenAI's words, as clients match them
+    status, body, _ = error_of(ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(kept)))
+    assert json.loads(body)["error"]["code"] == "context_length_exceeded"
     for message, param in (
         (str(named), "stop_token_ids"),
         ("logit_bias: token_id(s) [99] in logit_bias contain out-of-vocab", "logit_bias"),

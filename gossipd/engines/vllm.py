@@ -38,6 +38,7 @@ from gossipd.core.messages import (
     TokenLogprob,
 )
 from gossipd.engines.base import (
+    CONTEXT_EXCEEDED_PREFIX,
     EngineDead,
     EngineError,
     EngineStats,
@@ -373,6 +374,8 @@ def _refused(exc: Exception, lead: str = "") -> InvalidRequest:
     """vLLM's refusal of a request as ours, led by the field it names (its
     VLLMValidationError's ``parameter``, e.g. "stop_token_ids: ..."): the door's 400 names
     that field (``openai_answers.error_of``)."""
+    if str(exc).startswith(CONTEXT_EXCEEDED_PREFIX):  # (OpenAI's words, which clients
+        return InvalidRequest(str(exc))  # match: the door answers context_length_exceeded)
     field = getattr(exc, "parameter", None)
     named = f"{field}: " if isinstance(field, str) and field else ""
     return InvalidRequest(f"{named}{lead}{exc}")
