@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -258,6 +259,33 @@ def test_Forwarder_retry_that_lands_on_us_is_admitted_locally() -> None:
     fw.on_reply(_reply(fwd, "a", False, "overloaded", 10), 0.001)
     fw.tick(fw.next_deadline())
     assert fw.local_ids == {"t0"} and fw.counters.local == 1 and not fw.take_events()
+
+
+def test_Forwarder_a_resend_goes_where_its_first_copy_runs_not_where_placement_says_now() -> None:
+    """The producer's resend through the same entry while its first copy runs: placement
+    (by load, which counts that very task) may name another member now, which ran it a
+    second time beside the first, both answering and no Withdraw to the first.  Now it goes
+    to the member that runs it (which absorbs it as a duplicate), or stays here when we
+    run it; once the copy is done, or its member gone, placement decides again."""
+    fw, placement = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    [(_, first)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(first, "a", True), 0.001)
+    placement.members = ["b", "a"]  # a's load now counts this task: b is preferred
+    resend = msgspec.structs.replace(_task(), attempt=1)
+    assert fw.route(resend, 0.01) is Route.TAKEN
+    [(addr, again)] = _forwards(fw.take_outbox())
+    assert addr == "addr-a" and again.task.attempt == 1
+    fw.on_reply(_reply(again, "a", True), 0.02)
+    assert fw.ledger.get("t0").owner == "a" and not fw.take_outbox()  # type: ignore[union-attr]
+    fw.on_reply(TaskDone(id="t0", node="a"), 0.03)
+    fw.route(msgspec.structs.replace(_task(), attempt=2), 0.04)  # done: placed afresh
+    assert [a for a, _ in _forwards(fw.take_outbox())] == ["addr-b"]
+    here, placement_here = _forwarder(["me", "a"])
+    assert here.route(_task(1), 0.0) is Route.LOCAL
+    placement_here.members = ["a", "me"]
+    assert here.route(msgspec.structs.replace(_task(1), attempt=1), 0.01) is Route.LOCAL
+    assert not here.take_outbox()
 
 
 def test_Forwarder_deadline_stops_the_retries() -> None:
@@ -736,6 +764,38 @@ def test_Forwarder_saturated_then_overloaded_answers_overloaded() -> None:
     [refuse] = fw.take_events()
     assert isinstance(refuse, Refuse) and refuse.code is ErrorCode.OVERLOADED
     assert refuse.retry_after_ms == 70 and "a: saturated" in refuse.message
+
+
+def test_Forwarder_saturated_then_silence_answers_overloaded_not_unavailable() -> None:
+    """PROTOCOL.md "Fresh where placement looks": when the plain ask after saturated
+    refusals fails too, the producer gets overloaded.  An owner's saturated carries no hint
+    (0), so that was unavailable; now overloaded with the default hint."""
+    fw, _ = _forwarder(["a", "b"], owner_check=True, attempts_max=2, retry_after_ms=77)
+    fw.route(_task(), 0.0)
+    for member in ("a", "b"):
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        fw.on_reply(_reply(fwd, member, False, "saturated", 0), 0.001)
+    [(_, plain)] = _forwards(fw.take_outbox())
+    assert not plain.if_free
+    while fw.next_deadline() != float("inf"):
+        fw.tick(fw.next_deadline())  # no reply: the plain ask times out
+    [refuse] = fw.take_events()
+    assert isinstance(refuse, Refuse) and refuse.code is ErrorCode.OVERLOADED
+    assert refuse.retry_after_ms == 77 and "a: no reply" in refuse.message
+
+
+def test_Forwarder_our_own_overloaded_admission_counts_as_an_overloaded_refusal() -> None:
+    """Rule 5: the producer gets unavailable only when no member refused as overloaded; the
+    entry's own admission (a RunHere answered OVERLOADED) was counted as a plain failure."""
+    fw, _ = _forwarder(["a", "me"], local=Verdict.OVERLOADED, attempts_max=2, retry_after_ms=55)
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", False, "shutting_down", 0), 0.001)
+    fw.tick(fw.next_deadline())  # the next member is us: our admission says overloaded
+    assert fw.answered_here == ["t0"]  # type: ignore[attr-defined]
+    [refuse] = fw.take_events()
+    assert isinstance(refuse, Refuse) and refuse.code is ErrorCode.OVERLOADED
+    assert refuse.retry_after_ms == 55 and "me: overloaded" in refuse.message
 
 
 def test_Forwarder_a_saturated_copy_waits_while_its_hedge_races() -> None:

@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -360,6 +361,47 @@ def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_
     finally:
         daemon._ctx.destroy(linger=0)
     assert Journal(tmp_path / "j").replay() == []  # both ended: neither runs again
+
+
+def test_a_cancel_while_the_restart_asked_holds_for_the_producers_resent_copy(
+    tmp_path: Path,
+) -> None:
+    """PROTOCOL.md: a Cancel for a task waiting for the members' answers is kept and the
+    task answered cancelled.  When the producer resent it meanwhile, that copy was taken
+    ("held_here") and ran, answering ok: the Cancel was counted and lost."""
+    daemon = _daemon_with_journal(tmp_path / "j", [task(0)])
+    frames: list[bytes] = []
+
+    def results() -> dict[str, str]:
+        answers = [decode_reply(f) for f in frames]
+        return {r.id: (r.error.code if r.error else "ok") for r in answers if isinstance(r, Result)}
+
+    async def restart() -> None:
+        assert daemon.replay is not None
+        await daemon.engine.start()
+        worker = asyncio.create_task(daemon.ingress.runner.work_forever())
+        try:
+            await daemon.replay.run(lambda: [], None)
+            await wait_until_async(lambda: len(results()) == 1, 10, "its answer")
+        finally:
+            daemon.ingress.intake.begin_shutdown()
+            await stop_workers([worker])
+            await daemon.engine.stop()
+
+    try:
+        assert daemon.replay is not None and daemon.journal is not None
+        daemon.replies.deliver_locally("tcp://127.0.0.1:9", frames.append)
+        assert daemon.replay.read(fanout=False) == 1
+        intake = daemon.ingress.intake
+        intake.handle_cancel("t0", "")  # its producer, while the members are asked
+        resent = msgspec.structs.replace(task(0), attempt=1)
+        assert intake.admit(resent, time.monotonic(), answer=True).name == "ADMIT"
+        asyncio.run(restart())
+        assert daemon.replay.outcomes == {"held_here": 1}
+        assert results() == {"t0": ErrorCode.CANCELLED}
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
 
 
 def test_a_stop_ends_the_restarts_question_at_once(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ any sequence of inputs."""
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,6 +51,21 @@ def test_TaskBook_withdraw_by_the_last_forwarder_drops_it_quietly() -> None:
     assert book.admission.pending == 0
     verdict, _ = book.offer(_task(), 0.0, 1.0, forwarder=b"C")
     assert verdict is Verdict.ADMIT, "not remembered: it may run again"
+
+
+def test_TaskBook_a_resend_on_the_same_connection_is_one_copy_that_one_withdraw_drops() -> None:
+    """The producer's resend through the same entry, placed on the same owner, came on the
+    same connection: listed twice, the entry's one Withdraw (after a cut, migrating it)
+    left the task running to answer beside the migrated copy, and Held Results (one
+    forwarder only) never held its Result."""
+    book = _book()
+    _, owned = book.offer(_task(), 0.0, 0.0, forwarder=b"E")
+    resend = msgspec.structs.replace(_task(), attempt=1)
+    verdict, same = book.offer(resend, 0.0, 0.1, forwarder=b"E")
+    assert verdict is Verdict.DUPLICATE_PENDING and same is owned
+    assert owned.forwarders == [b"E"] and owned.notify() == [b"E"]  # type: ignore[union-attr]
+    assert book.start(owned)  # type: ignore[arg-type]
+    assert book.withdraw("t0", b"E") is Abort.ABORT
 
 
 def test_TaskBook_withdraw_of_a_running_task_aborts_it() -> None:

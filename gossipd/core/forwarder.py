@@ -41,7 +41,9 @@ Rules (one code path for each decision):
    slices of LEDGER_SWEEP_SLICE (``ForwardedLedger.expire``), so that it does not count
    against its member's load for ever.
 5. When no member takes a task, the producer gets one error: ``overloaded`` with the largest
-   retry_after_ms heard when some member refused it as overloaded, else ``unavailable``;
+   retry_after_ms heard when some member (ourselves included) refused it as overloaded or
+   saturated (cut to ``retry_after_max_ms``; the default hint when none was heard), else
+   ``unavailable``;
    the message lists every attempt.  A hand-off that fails is reported (HandedOff ok=False) and answered by the
    caller.
 6. The owner check (``owner_check``; docs/PROTOCOL.md "Fresh where placement looks"): every
@@ -318,7 +320,20 @@ class Forwarder:
 
     def route(self, task: Task, now: float) -> Route:
         """A new task from our intake."""
-        owner = self._placement.owner_for(task, now)
+        if task.id in self.local_ids:  # a resend of one we run: admission absorbs it
+            self.counters.local += 1
+            return _LOCAL
+        entry = self.ledger.get(task.id)
+        if (
+            entry is not None
+            and entry.task.producer_key == task.producer_key
+            and self._placement.addr(entry.owner) is not None
+        ):
+            # A resend of a task a live member runs for us: to that member, which absorbs
+            # it (placement by load may name another now, which would run it twice).
+            owner: str | None = entry.owner
+        else:
+            owner = self._placement.owner_for(task, now)
         if owner is None:
             self.counters.unavailable += 1
             message = f"no live member serves model {task.model!r}"
@@ -618,6 +633,8 @@ class Forwarder:
             j.attempts.append(f"{self.node}: {verdict.value}")
             self._refuse_final(j, ErrorCode.ID_IN_USE)
             return
+        if verdict is Verdict.OVERLOADED:  # (our own refusal counts as a member's: rule 5)
+            j.busy_hint_ms = max(j.busy_hint_ms, self.settings.retry_after_ms)
         self._failed(j, self.node, verdict.value, now)
 
     def _send_forward(
@@ -769,7 +786,9 @@ class Forwarder:
         attempts = j.attempts or ["none"]
         # Someone said overloaded (with a hint): the producer should come back then, not
         # treat the cluster as down, even if a dead member was among the attempts.
-        code = ErrorCode.OVERLOADED if j.busy_hint_ms else ErrorCode.UNAVAILABLE
+        # (saturated members, rule 6, are busy too: a plain ask of one that fails after
+        # them still answers overloaded, as PROTOCOL.md says)
+        code = ErrorCode.OVERLOADED if j.busy_hint_ms or j.saturated else ErrorCode.UNAVAILABLE
         message = "no member took the task; attempts: " + "; ".join(attempts)
         # (a member's hint, cut to ours: a member's word, not to be passed on unbounded)
         hint = min(j.busy_hint_ms, self.settings.retry_after_max_ms) or self.settings.retry_after_ms

@@ -105,7 +105,9 @@ class Owned:
     def add_forwarder(self, forwarder: Hashable) -> None:
         if self.forwarders is _NONE:
             self.forwarders = [forwarder]
-        else:
+        elif forwarder not in self.forwarders:
+            # (a resend on the same connection is the same forwarder's one copy: listed
+            # twice, its one Withdraw left it listed, and its Result was never held)
             self.forwarders.append(forwarder)
 
     def notify(self) -> list[Hashable]:

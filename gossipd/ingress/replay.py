@@ -223,7 +223,10 @@ class JournalReplay:
         for task in unfinished:
             if admission.knows(task.id):
                 # Sent again while we asked (by its producer, or the same id by another):
-                # that copy runs (or ran) here, under its own journal record.
+                # that copy runs (or ran) here, under its own journal record; a Cancel
+                # taken while we asked is its now (the runner checks the key).
+                if task.id in self._cancelled:
+                    intake.runner.cancel(task.id, task.producer_key)
                 out.append((task, "held_here"))
                 continue
             if task.id in known:  # its producer's answer comes from that member
