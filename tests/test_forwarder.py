@@ -9,7 +9,7 @@ import random
 import msgpack
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gossipd.core.admission import Verdict
@@ -519,6 +519,12 @@ action = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
+@example(  # CI found it: a hedge tried c, which refused as saturated, and the journey's
+    # order (computed before) asked c again with if_free
+    actions=[("route", 0), ("route", 2), ("accept", 0), ("dead", "a"), ("route", 1),
+             ("time", 0.0021), ("saturated", 5)],
+    hedge=True, local=Verdict.ADMIT, seed=0, owner_check=True,
+)  # fmt: skip
 @given(
     actions=st.lists(action, max_size=60),
     hedge=st.booleans(),

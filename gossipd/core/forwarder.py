@@ -756,6 +756,8 @@ class Forwarder:
             j.order = [
                 m for m in self._placement.order(j.task, now, exclude=j.exclude) if m not in tried
             ]
+        while j.order and j.order[0] in j.tried:  # (a hedge went there meanwhile)
+            j.order.pop(0)
         s = self.settings
         if not j.order or len(j.tried) >= s.attempts_max:
             if j.saturated and not j.plain and now < j.deadline:  # rule 6: asked plainly
@@ -866,7 +868,11 @@ class Forwarder:
             self.counters.hedges_over_budget += 1
             return
         j = flight.journey
-        order = self._placement.order(j.task, now, exclude=frozenset({flight.member, self.node}))
+        # (not a member this journey tried already: one that refused it, saturated or busy,
+        # would be asked again with if_free, which rule 6 keeps for one plain re-ask)
+        order = self._placement.order(
+            j.task, now, exclude=frozenset({flight.member, self.node, *j.tried, *j.exclude})
+        )
         if not order:
             return
         member = order[0]
