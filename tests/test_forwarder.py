@@ -261,26 +261,34 @@ def test_Forwarder_retry_that_lands_on_us_is_admitted_locally() -> None:
     assert fw.local_ids == {"t0"} and fw.counters.local == 1 and not fw.take_events()
 
 
-def test_Forwarder_a_resend_goes_where_its_first_copy_runs_not_where_placement_says_now() -> None:
-    """The producer's resend through the same entry while its first copy runs: placement
-    (by load, which counts that very task) may name another member now, which ran it a
-    second time beside the first, both answering and no Withdraw to the first.  Now it goes
-    to the member that runs it (which absorbs it as a duplicate), or stays here when we
-    run it; once the copy is done, or its member gone, placement decides again."""
-    fw, placement = _forwarder(["a", "b"])
+@pytest.mark.parametrize("owner_check", [False, True])
+def test_Forwarder_a_resend_of_a_task_on_its_way_or_run_for_us_is_absorbed(
+    owner_check: bool,
+) -> None:
+    """The producer's resend through the same entry while its first copy is on its way or
+    runs: placement (by load, which counts that very task) may name another member now,
+    which ran it a second time beside the first, both answering and no Withdraw to the
+    first.  Now nothing is sent: the first copy answers the same route.  Sent to the
+    member that runs it instead, with if_free (fanout.owner_check, on by default) it could
+    be refused saturated and go elsewhere anyway, and a timeout of that Forward would
+    withdraw the copy that runs.  A resend to another route, or once the copy is done or
+    its member gone, is placed afresh; one we run stays here."""
+    fw, placement = _forwarder(["a", "b"], owner_check=owner_check)
     fw.route(_task(), 0.0)
     [(_, first)] = _forwards(fw.take_outbox())
-    fw.on_reply(_reply(first, "a", True), 0.001)
     placement.members = ["b", "a"]  # a's load now counts this task: b is preferred
     resend = msgspec.structs.replace(_task(), attempt=1)
-    assert fw.route(resend, 0.01) is Route.TAKEN
-    [(addr, again)] = _forwards(fw.take_outbox())
-    assert addr == "addr-a" and again.task.attempt == 1
-    fw.on_reply(_reply(again, "a", True), 0.02)
-    assert fw.ledger.get("t0").owner == "a" and not fw.take_outbox()  # type: ignore[union-attr]
-    fw.on_reply(TaskDone(id="t0", node="a"), 0.03)
-    fw.route(msgspec.structs.replace(_task(), attempt=2), 0.04)  # done: placed afresh
+    assert fw.route(resend, 0.001) is Route.TAKEN and not fw.take_outbox()  # on its way
+    fw.on_reply(_reply(first, "a", True), 0.002)
+    assert fw.route(resend, 0.01) is Route.TAKEN and not fw.take_outbox()  # run by a
+    assert fw.counters.resends_absorbed == 2 and fw.ledger.get("t0").owner == "a"  # type: ignore[union-attr]
+    elsewhere = msgspec.structs.replace(resend, reply_to="tcp://127.0.0.1:10")
+    fw.route(elsewhere, 0.02)  # another route: that copy would not answer it
     assert [a for a, _ in _forwards(fw.take_outbox())] == ["addr-b"]
+    fw.on_reply(TaskDone(id="t0", node="a"), 0.03)
+    fw.route(_task(5), 0.04)
+    fw.route(msgspec.structs.replace(_task(5), attempt=1), 0.05)
+    assert len(_forwards(fw.take_outbox())) == 1  # (t5: one Forward, its resend absorbed)
     here, placement_here = _forwarder(["me", "a"])
     assert here.route(_task(1), 0.0) is Route.LOCAL
     placement_here.members = ["a", "me"]

@@ -195,6 +195,7 @@ class ForwarderCounters:
     handed_off: int = 0  # hand-offs another member accepted
     hedged: int = 0  # forwards also sent to a second member
     hedge_wins: int = 0  # ...where the second member accepted first
+    resends_absorbed: int = 0  # a producer's resend of a task on its way or run for us
     hedges_over_budget: int = 0  # slow acks not hedged: hedge_budget was spent
     withdrawn: int = 0  # Withdraws sent
     moved: int = 0  # tasks an owner handed over to another member (Moved): ledgered there
@@ -323,17 +324,19 @@ class Forwarder:
         if task.id in self.local_ids:  # a resend of one we run: admission absorbs it
             self.counters.local += 1
             return _LOCAL
-        entry = self.ledger.get(task.id)
-        if (
+        # A resend of a task on its way (a journey) or run for us by a live member, to the
+        # same route: that copy's answer is the resend's, so nothing is sent.  Placed anew
+        # it could run a second time where placement by load points now, both answering.
+        j = self._flying.get(task.id) or self._backing_off.get(task.id)
+        entry = None if j is not None else self.ledger.get(task.id)
+        if (j is not None and j.task.route == task.route) or (
             entry is not None
-            and entry.task.producer_key == task.producer_key
+            and entry.task.route == task.route
             and self._placement.addr(entry.owner) is not None
         ):
-            # A resend of a task a live member runs for us: to that member, which absorbs
-            # it (placement by load may name another now, which would run it twice).
-            owner: str | None = entry.owner
-        else:
-            owner = self._placement.owner_for(task, now)
+            self.counters.resends_absorbed += 1
+            return _TAKEN
+        owner = self._placement.owner_for(task, now)
         if owner is None:
             self.counters.unavailable += 1
             message = f"no live member serves model {task.model!r}"

@@ -88,6 +88,7 @@ class FanoutStatistics:
     prefix_hits: int
     hedged: int
     hedge_wins: int
+    resends_absorbed: int
     hedges_over_budget: int
     withdrawn: int
     peer_links_closed: int
@@ -474,6 +475,7 @@ class Dispatcher:
             prefix_hits=self.placer.prefix_hits,
             hedged=fw.hedged,
             hedge_wins=fw.hedge_wins,
+            resends_absorbed=fw.resends_absorbed,
             hedges_over_budget=fw.hedges_over_budget,
             withdrawn=fw.withdrawn,
             peer_links_closed=links.links_closed,

@@ -381,6 +381,11 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         ("gossipd_fanout_hedged", "Forwards also sent to a second member", stats.hedged),
         ("gossipd_fanout_hedge_wins", "Hedged tasks the second member won", stats.hedge_wins),
         (
+            "gossipd_fanout_resends_absorbed",
+            "A producer's resends of a task on its way or run for us (same route): not sent",
+            stats.resends_absorbed,
+        ),
+        (
             "gossipd_fanout_hedges_over_budget",
             "Slow acks not hedged because fanout.hedge_budget was spent",
             stats.hedges_over_budget,
