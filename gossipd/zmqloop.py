@@ -374,7 +374,9 @@ class ReplySender:
             # long after the forwarder had the task answered elsewhere (PROTOCOL.md
             # "Duplicate final Results").  IMMEDIATE (sockets.py) drops what waited in
             # ZeroMQ for that connection with it.
-            options={zmq.TCP_MAXRT: max(1, int(timeout_s * 1000))},
+            # IPV6: a reply_to may be tcp://[IPv6]:PORT (PROTOCOL.md); libzmq's sockets are
+            # IPv4 only by default, and such a reply would never leave.
+            options={zmq.TCP_MAXRT: max(1, int(timeout_s * 1000)), zmq.IPV6: 1},
             keep=self._holds,  # still flushing: no idle close, evicted last
         )
         self._timeout_s = timeout_s

@@ -300,6 +300,31 @@ def test_ReplySender_at_its_socket_bound_evicts_an_idle_socket_before_one_with_r
     assert evicted == 2 and dropped == 0 and queued >= 3
 
 
+def test_ReplySender_delivers_to_an_ipv6_reply_address() -> None:
+    """tcp://[::1]:PORT is a reply_to the task's check takes (PROTOCOL.md): its replies must
+    arrive (libzmq's sockets do not connect to IPv6 unless asked: they were dropped)."""
+
+    async def main() -> list[bytes]:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.IPV6, 1)
+        pull.setsockopt(zmq.RCVTIMEO, 5000)  # (a reply that never comes: zmq.Again, no hang)
+        port = pull.bind_to_random_port("tcp://[::1]")
+        sender = ReplySender(SocketPool(ctx), sockets_max=4, idle_s=60.0, timeout_s=5.0,
+                             queue_max=10)  # fmt: skip
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            sender.send(f"tcp://[::1]:{port}", b"to ipv6")
+            got = [await asyncio.to_thread(pull.recv)]
+            sender.stop()
+        sender.close()
+        pull.close(0)
+        ctx.term()
+        return got
+
+    assert asyncio.run(main()) == [b"to ipv6"]
+
+
 def test_SocketReader_stops_a_batch_at_its_byte_limit() -> None:
     async def main(ctx: zmq.Context) -> list[int]:
         pull = ctx.socket(zmq.PULL)
