@@ -728,14 +728,20 @@ class Daemon:
             for task, received_at in self.ingress.runner.take_queued():
                 if self.ingress.runner.settle_stopped(task):
                     continue  # stopped while earlier ones were offered: not run elsewhere
-                if await self.dispatcher.hand_off(task, received_at):
+                # Within the grace only: the unit's TimeoutStopSec is the grace plus what
+                # follows it (a long queue offered one by one would outlast it)
+                if self.clock.monotonic() < grace_ends and await self.dispatcher.hand_off(
+                    task, received_at
+                ):
                     handed_off += 1
                     self.ingress.runner.release(
                         task, error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off")
                     )
                 else:
                     self.ingress.runner.answer_shutting_down(task)
-        finished = await self.ingress.runner.wait_idle(grace_s)
+        finished = await self.ingress.runner.wait_idle(
+            max(0.0, grace_ends - self.clock.monotonic())  # (the hand-offs took their part)
+        )
         http_cut = 0
         if self.door is not None:  # answers from other members, within what is left
             http_cut = await self.door.settle(max(0.0, grace_ends - self.clock.monotonic()))

@@ -53,6 +53,7 @@ class AnsweringForwarder(Forwarder):
     it, as the Dispatcher answers it with our admission's verdict (fanout/forwarding.py)."""
 
     local = Verdict.ADMIT
+    local_hint = 0  # our admission's retry_after_ms with its verdict
     answered_here: list[str]
 
     def _answer_here(self, now: float) -> None:
@@ -60,7 +61,7 @@ class AnsweringForwarder(Forwarder):
             self._events = [e for e in self._events if not isinstance(e, RunHere)]
             for event in here:
                 self.answered_here.append(event.task.id)
-                self.local_verdict(event.task.id, self.local, now)
+                self.local_verdict(event.task.id, self.local, now, self.local_hint)
 
     def route(self, task: Task, now: float) -> Route:
         route = super().route(task, now)
@@ -810,6 +811,15 @@ def test_Forwarder_our_own_overloaded_admission_counts_as_an_overloaded_refusal(
     [refuse] = fw.take_events()
     assert isinstance(refuse, Refuse) and refuse.code is ErrorCode.OVERLOADED
     assert refuse.retry_after_ms == 55 and "me: overloaded" in refuse.message
+    # With our admission's own hint (its expected wait), that one, as a member's would be.
+    fw2, _ = _forwarder(["a", "me"], local=Verdict.OVERLOADED, attempts_max=2, retry_after_ms=55)
+    fw2.local_hint = 900  # type: ignore[attr-defined]
+    fw2.route(_task(), 0.0)
+    [(_, fwd2)] = _forwards(fw2.take_outbox())
+    fw2.on_reply(_reply(fwd2, "a", False, "shutting_down", 0), 0.001)
+    fw2.tick(fw2.next_deadline())
+    [refuse2] = fw2.take_events()
+    assert isinstance(refuse2, Refuse) and refuse2.retry_after_ms == 900
 
 
 def test_Forwarder_a_saturated_copy_waits_while_its_hedge_races() -> None:

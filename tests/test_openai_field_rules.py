@@ -57,6 +57,10 @@ def test_max_tokens_is_checked_also_where_max_completion_tokens_wins() -> None:
     assert refused.param == "max_tokens"
     both = _call({"messages": CHAT, "max_completion_tokens": 5, "max_tokens": 9}, chat=True)
     assert both.params.max_tokens == 5
+    for losing in (0, -5):  # (the typed first pass took -5, the full rules 0)
+        refused = _refusal({"messages": CHAT, "max_completion_tokens": 10, "max_tokens": losing},
+                           chat=True)  # fmt: skip
+        assert refused.param == "max_tokens"
 
 
 @pytest.mark.parametrize("user", [False, 0, [], {}, 5])

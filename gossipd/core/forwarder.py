@@ -618,9 +618,11 @@ class Forwarder:
             return
         self._send_forward(j, member, addr, breaker, now)
 
-    def local_verdict(self, task_id: str, verdict: Verdict, now: float) -> None:
+    def local_verdict(
+        self, task_id: str, verdict: Verdict, now: float, retry_after_ms: int = 0
+    ) -> None:
         """Our admission's verdict on the RunHere for ``task_id``: taken here, or the next
-        member (as a refusal from a peer would)."""
+        member (as a refusal from a peer would; ``retry_after_ms``: its hint, 0: none)."""
         j = self._here.pop(task_id, None)
         if j is None:
             return
@@ -637,7 +639,8 @@ class Forwarder:
             self._refuse_final(j, ErrorCode.ID_IN_USE)
             return
         if verdict is Verdict.OVERLOADED:  # (our own refusal counts as a member's: rule 5)
-            j.busy_hint_ms = max(j.busy_hint_ms, self.settings.retry_after_ms)
+            hint = retry_after_ms or self.settings.retry_after_ms
+            j.busy_hint_ms = max(j.busy_hint_ms, hint)
         self._failed(j, self.node, verdict.value, now)
 
     def _send_forward(

@@ -240,6 +240,7 @@ def build_fanout(
         deliver_relayed=replies.deliver_here,
         on_model_card=cluster_models.on_card,
         on_replay_known=replay.on_known if replay else lambda msg, its_own: None,
+        retry_after_here=lambda: intake.retry_after_ms,
     )
     # Subscriptions, and the ingress's links to fan-out (IngressLinks).
     gossip.listeners.append(dispatcher.member_event)

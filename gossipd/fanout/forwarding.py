@@ -127,6 +127,7 @@ class Dispatcher:
         deliver_relayed: Callable[[str, bytes], bool] = lambda route, frame: False,
         on_model_card: Callable[[ModelCard, bool], None] = lambda msg, its_own: None,
         on_replay_known: Callable[[ReplayKnown, bool], None] = lambda msg, its_own: None,
+        retry_after_here: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -139,6 +140,9 @@ class Dispatcher:
         # Our admission, for the forwarder's RunHere (a retry or a migration whose next
         # member is ourselves): its verdict goes back at once (Forwarder.local_verdict).
         self._admit_here = admit_here
+        # Our admission's hint for its latest refusal (Intake.retry_after_ms): an overloaded
+        # RunHere counts with it, as a member's refusal counts with its own.
+        self._retry_after_here = retry_after_here
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._hand_offs: dict[str, list[asyncio.Future[str]]] = {}
@@ -388,7 +392,9 @@ class Dispatcher:
         for event in events:
             if type(event) is RunHere:
                 verdict = self._admit_here(event.task, event.received_at)
-                self.forwarder.local_verdict(event.task.id, verdict, self._clock.monotonic())
+                self.forwarder.local_verdict(
+                    event.task.id, verdict, self._clock.monotonic(), self._retry_after_here()
+                )
                 answered = True
             elif isinstance(event, Refuse):
                 if tracer is not None:

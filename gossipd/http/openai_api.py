@@ -156,6 +156,8 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         max_tokens = doc.max_completion_tokens
         if max_tokens is None:
             max_tokens = doc.max_tokens
+        elif doc.max_tokens is not None and doc.max_tokens < 1:
+            return None  # (the one that loses is checked too: the full rules name it)
         # (A placeholder the door replaces: not below what min_tokens asks.)
         default_max = min(max(CHAT_MAX_TOKENS_DEFAULT, doc.min_tokens or 0), MAX_TOKENS_MAX)
     else:
@@ -229,6 +231,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         named_max_tokens = _int(doc, "max_tokens")  # (read, so checked, also when it loses)
         if max_tokens is None:
             max_tokens = named_max_tokens
+        elif named_max_tokens is not None and named_max_tokens < 1:
+            raise BadRequest("max_tokens: at least 1 (max_completion_tokens wins; both are "
+                             "checked)", param="max_tokens")  # fmt: skip
         # (A placeholder the door replaces: not below what min_tokens asks.)
         default_max = min(
             max(CHAT_MAX_TOKENS_DEFAULT, _int(doc, "min_tokens") or 0), MAX_TOKENS_MAX
