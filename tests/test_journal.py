@@ -319,15 +319,15 @@ def test_a_task_sent_again_while_the_restart_asked_is_left_to_that_copy_and_its_
     assert sorted(t.id for t in Journal(tmp_path / "j").replay()) == ["t0", "t1"]
 
 
-def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_running_it(
-    tmp_path: Path,
-) -> None:
-    daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
-    frames: list[bytes] = []
+def _results(frames: list[bytes]) -> dict[str, str]:
+    """The Results among ``frames``: task id -> "ok" or its error code."""
+    answers = [decode_reply(f) for f in frames]
+    return {r.id: (r.error.code if r.error else "ok") for r in answers if isinstance(r, Result)}
 
-    def results() -> dict[str, str]:
-        answers = [decode_reply(f) for f in frames]
-        return {r.id: (r.error.code if r.error else "ok") for r in answers if isinstance(r, Result)}
+
+def _restart_and_answer(daemon: Daemon, frames: list[bytes], answers: int) -> None:
+    """The restart's replay with one worker, until ``answers`` Results are in ``frames``;
+    then the workers stop as the daemon stops them."""
 
     async def restart() -> None:
         assert daemon.replay is not None
@@ -335,12 +335,20 @@ def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_
         worker = asyncio.create_task(daemon.ingress.runner.work_forever())
         try:
             await daemon.replay.run(lambda: [], None)
-            await wait_until_async(lambda: len(results()) == 2, 10, "both answers")
+            await wait_until_async(lambda: len(_results(frames)) == answers, 10, "the answers")
         finally:  # as the daemon stops its workers
             daemon.ingress.intake.begin_shutdown()
             await stop_workers([worker])
             await daemon.engine.stop()
 
+    asyncio.run(restart())
+
+
+def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_running_it(
+    tmp_path: Path,
+) -> None:
+    daemon = _daemon_with_journal(tmp_path / "j", [task(0), task(1)])
+    frames: list[bytes] = []
     try:
         assert daemon.replay is not None and daemon.journal is not None
         # The tasks' reply address, served in-process (as the HTTP door's is): what they get.
@@ -349,10 +357,10 @@ def test_a_cancel_while_the_restart_asked_answers_the_task_cancelled_instead_of_
         intake = daemon.ingress.intake
         intake.handle_cancel("t0", "another-key")  # not its producer: changes nothing
         intake.handle_cancel("t0", "")  # its producer, while the members are asked
-        asyncio.run(restart())
+        _restart_and_answer(daemon, frames, 2)
         assert daemon.replay.outcomes == {"cancelled": 1, "run": 1}
         assert intake.cancels == {"refused": 1, "here": 1}
-        assert results() == {"t0": ErrorCode.CANCELLED, "t1": "ok"}
+        assert _results(frames) == {"t0": ErrorCode.CANCELLED, "t1": "ok"}
         # Answered as a queued task's Cancel is: from the results cache to a resubmission.
         assert intake.admit(task(0), time.monotonic(), answer=True).name == "DUPLICATE_DONE"
         intake.handle_cancel("t9", "")  # after the replay: no task, as before
@@ -371,23 +379,6 @@ def test_a_cancel_while_the_restart_asked_holds_for_the_producers_resent_copy(
     ("held_here") and ran, answering ok: the Cancel was counted and lost."""
     daemon = _daemon_with_journal(tmp_path / "j", [task(0)])
     frames: list[bytes] = []
-
-    def results() -> dict[str, str]:
-        answers = [decode_reply(f) for f in frames]
-        return {r.id: (r.error.code if r.error else "ok") for r in answers if isinstance(r, Result)}
-
-    async def restart() -> None:
-        assert daemon.replay is not None
-        await daemon.engine.start()
-        worker = asyncio.create_task(daemon.ingress.runner.work_forever())
-        try:
-            await daemon.replay.run(lambda: [], None)
-            await wait_until_async(lambda: len(results()) == 1, 10, "its answer")
-        finally:
-            daemon.ingress.intake.begin_shutdown()
-            await stop_workers([worker])
-            await daemon.engine.stop()
-
     try:
         assert daemon.replay is not None and daemon.journal is not None
         daemon.replies.deliver_locally("tcp://127.0.0.1:9", frames.append)
@@ -396,9 +387,9 @@ def test_a_cancel_while_the_restart_asked_holds_for_the_producers_resent_copy(
         intake.handle_cancel("t0", "")  # its producer, while the members are asked
         resent = msgspec.structs.replace(task(0), attempt=1)
         assert intake.admit(resent, time.monotonic(), answer=True).name == "ADMIT"
-        asyncio.run(restart())
+        _restart_and_answer(daemon, frames, 1)
         assert daemon.replay.outcomes == {"held_here": 1}
-        assert results() == {"t0": ErrorCode.CANCELLED}
+        assert _results(frames) == {"t0": ErrorCode.CANCELLED}
         daemon.journal.close()
     finally:
         daemon._ctx.destroy(linger=0)
