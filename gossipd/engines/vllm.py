@@ -46,6 +46,7 @@ from gossipd.engines.base import (
     InvalidRequest,
     check_prompt_logprobs,
     context_exceeded,
+    model_dir_problem,
 )
 from gossipd.ops.logs import log_format, route_vllm_logs
 
@@ -153,11 +154,8 @@ class VllmEngine:
 
     async def start(self) -> None:
         c = self._config
-        if not (Path(c.model) / "config.json").is_file():
-            raise FileNotFoundError(
-                f"engine.model = {c.model!r} is not a model directory (no config.json); gossipd "
-                "never downloads models: make one with `gossipd model make-tiny DIR`"
-            )
+        if (problem := model_dir_problem(c.model)) is not None:
+            raise FileNotFoundError(problem)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model directory needs no hub
         if c.cpu_kvcache_space_gb:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(c.cpu_kvcache_space_gb)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gossipd.config import Config, split_seed
+from gossipd.engines.base import model_dir_problem
 from gossipd.errors import StartupError
 from gossipd.keyfiles import read_key_file
 from gossipd.security import (
@@ -48,12 +49,8 @@ def _check_files(config: Config) -> None:
     """What `run` opens after binding, checked before: the engine's model directory (a
     daemon found it missing only once its ports were up, as systemd restarted it) and the
     journal's file."""
-    model = config.engine.model
-    if config.engine.kind == "vllm" and not (Path(model) / "config.json").is_file():
-        raise StartupError(
-            f"engine.model = {model!r} is not a model directory (no config.json); gossipd "
-            "never downloads models: make one with `gossipd model make-tiny DIR`"
-        )
+    if config.engine.kind == "vllm" and (problem := model_dir_problem(config.engine.model)):
+        raise StartupError(problem)
     if config.journal.path:
         problem = _unwritable(Path(config.journal.path))
         if problem:
