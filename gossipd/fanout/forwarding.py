@@ -173,7 +173,7 @@ class Dispatcher:
 
     @staticmethod
     def settings(
-        config: FanoutConfig, retry_after_ms: int, retry_after_max_ms: int = 10_000
+        config: FanoutConfig, retry_after_ms: int, retry_after_max_ms: int
     ) -> ForwarderSettings:
         return ForwarderSettings.of(config, retry_after_ms, retry_after_max_ms)
 

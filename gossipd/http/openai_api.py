@@ -275,9 +275,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         # The placeholder within what the log probabilities may take (the door cuts the
         # chat's default to it): a min_tokens above that is the field to name.
         most = LOGPROB_ENTRIES_MAX // (logprobs + 1)
-        if (_int(doc, "min_tokens") or 0) > most:
+        if (asked_min := _int(doc, "min_tokens") or 0) > most:
             raise BadRequest(
-                f"min_tokens ({_int(doc, 'min_tokens')}) is more than this chat's max_tokens "
+                f"min_tokens ({asked_min}) is more than this chat's max_tokens "
                 f"({most} at most: what its log probabilities may take): send max_tokens",
                 param="min_tokens",
             )
