@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from gossipd.core.messages import LOGPROB_ENTRIES_MAX, SamplingParams, TokenLogprob
@@ -31,17 +30,6 @@ class InvalidRequest(Exception):
 # How an engine's refusal of a prompt longer than its context begins: OpenAI's words, which
 # clients match (LiteLLM's ContextWindowExceededError and its fallbacks); the HTTP door
 # answers it with code context_length_exceeded.
-def model_dir_problem(model: str) -> str | None:
-    """Why ``model`` (engine.model) is not a model directory vLLM can load, or None: the
-    engine's start and `check-config` (ops/preflight.py) say the same."""
-    if (Path(model) / "config.json").is_file():
-        return None
-    return (
-        f"engine.model = {model!r} is not a model directory (no config.json); gossipd never "
-        "downloads models: make one with `gossipd model make-tiny DIR`"
-    )
-
-
 CONTEXT_EXCEEDED_PREFIX = "This model's maximum context length is"
 
 

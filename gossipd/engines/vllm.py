@@ -46,9 +46,9 @@ from gossipd.engines.base import (
     InvalidRequest,
     check_prompt_logprobs,
     context_exceeded,
-    model_dir_problem,
 )
 from gossipd.ops.logs import log_format, route_vllm_logs
+from gossipd.ops.preflight import model_dir_problem
 
 if TYPE_CHECKING:
     from gossipd.config import EngineConfig

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from gossipd.config import Config, split_seed
-from gossipd.engines.base import model_dir_problem
 from gossipd.errors import StartupError
 from gossipd.keyfiles import read_key_file
 from gossipd.security import (
@@ -43,6 +42,17 @@ def check(config: Config, node: str) -> KeyPair | None:
     _check_files(config)
     _check_http(config)
     return _check_security(config, node)
+
+
+def model_dir_problem(model: str) -> str | None:
+    """Why ``model`` (engine.model) is not a model directory vLLM can load, or None: the
+    engine's start and `check-config` (ops/preflight.py) say the same."""
+    if (Path(model) / "config.json").is_file():
+        return None
+    return (
+        f"engine.model = {model!r} is not a model directory (no config.json); gossipd never "
+        "downloads models: make one with `gossipd model make-tiny DIR`"
+    )
 
 
 def _check_files(config: Config) -> None:
