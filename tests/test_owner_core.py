@@ -134,14 +134,23 @@ def test_a_taskdone_waits_for_its_route_and_carries_the_load_once_a_forwarder() 
     assert owner.task_finished(_owned("t1", "tcp://r:1", b"a"))  # the route's first: ask
     assert not owner.task_finished(_owned("t2", "tcp://r:1", b"a", b"b"))  # waits with it
     assert owner.results_left("tcp://r:2", LOAD) == ([], [])  # another route: nothing
-    assert owner.needs_load("tcp://r:1") and not owner.needs_load("tcp://r:2")
-    to_links, to_members = owner.results_left("tcp://r:1", LOAD)
-    assert [(i, d.id, d.load is not None) for i, d in to_links] == [
-        (b"a", "t1", True),  # the first for a carries the load...
-        (b"a", "t2", False),  # ...not the next in the same message
-        (b"b", "t2", True),
+    reads: list[int] = []
+
+    def load_of() -> LoadRecord:  # the shell's record: read only when a TaskDone carries it
+        reads.append(1)
+        return LOAD
+
+    to_links, to_members = owner.results_left("tcp://r:1", None, load_of)
+    assert [(i, d.id, d.load) for i, d in to_links] == [
+        (b"a", "t1", LOAD),  # the first for a carries the load...
+        (b"a", "t2", None),  # ...not the next in the same message
+        (b"b", "t2", LOAD),
     ]
+    assert reads == [1]  # read once
     assert to_members == [] and owner.results_left("tcp://r:1", LOAD) == ([], [])
+    assert owner.task_finished(_owned("t3", "tcp://r:1", b"a", b"b"))
+    assert [d.load for _, d in owner.results_left("tcp://r:1", None, load_of)[0]] == [None] * 2
+    assert reads == [1]  # both have theirs in this message already: not read
     assert not owner.wants_load(b"a")  # a's message carries it already
     owner.flushed()
     assert owner.wants_load(b"a") and not owner.wants_load(b"a")
@@ -190,9 +199,12 @@ def test_every_taskdone_leaves_once_after_its_route_left_with_one_load_a_message
             if forwarders:
                 waiting.setdefault(route, set()).update((f"t{n}", f) for f in forwarders)
         elif step == "left":
-            needs = owner.needs_load(route)
-            to_links, to_members = owner.results_left(route, LOAD)
-            assert needs == any(d.load is not None for _, d in to_links)
+            reads: list[int] = []
+            to_links, to_members = owner.results_left(
+                route, None, lambda reads=reads: reads.append(1) or LOAD
+            )
+            # The load is read once, and only where a TaskDone carries it.
+            assert len(reads) == any(d.load is not None for _, d in to_links)
             assert to_members == []
             got = [(d.id, i) for i, d in to_links]
             assert sorted(got) == sorted(waiting.pop(route, set()))  # all owed, once each

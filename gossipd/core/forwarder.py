@@ -90,6 +90,7 @@ LEDGER_SWEEP_SLICE = 2048
 _TAKEN_HERE = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
 _BUSY = (ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.SATURATED.value)
 _SATURATED = ErrorCode.SATURATED.value
+_CLOSED = BreakerState.CLOSED
 
 
 class Route(enum.Enum):
@@ -613,7 +614,7 @@ class Forwarder:
         # (after the address: a half-open breaker's allow() hands out its one trial, which
         # only a Forward sent gives back)
         breaker = self._breaker(member)
-        if not breaker.allow(now):
+        if breaker.state is not _CLOSED and not breaker.allow(now):  # (closed: allow() is True)
             self._failed(j, member, AttemptFailure.CIRCUIT_OPEN, now)
             return
         self._send_forward(j, member, addr, breaker, now)
@@ -685,10 +686,13 @@ class Forwarder:
 
     def _answered(self, flight: Flight, reply: ForwardReply, now: float) -> None:
         self._land(flight)
-        self._ack_times.observe(now - flight.sent_at)
+        if self.settings.hedge:  # (only hedging reads them)
+            self._ack_times.observe(now - flight.sent_at)
         j = flight.journey
         if reply.accepted or reply.code in _BUSY:
-            flight.breaker.success()  # it answered: healthy, maybe busy
+            breaker = flight.breaker
+            if breaker.failures or breaker.state is not _CLOSED:  # (else success() is a no-op)
+                breaker.success()  # it answered: healthy, maybe busy
         if reply.accepted:
             self._accepted(flight, now)
             return
@@ -886,7 +890,7 @@ class Forwarder:
         if addr is None:
             return
         breaker = self._breaker(member)
-        if not breaker.allow(now):
+        if breaker.state is not _CLOSED and not breaker.allow(now):  # (closed: allow() is True)
             return
         j.tried.append(member)
         self._send_forward(j, member, addr, breaker, now).hedge = True

@@ -36,7 +36,7 @@ held Result is (``core/heldresults.py``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -194,33 +194,37 @@ class Owner:
         return True
 
     def results_left(
-        self, route: str, load: LoadRecord | None
+        self,
+        route: str,
+        load: LoadRecord | None,
+        load_of: Callable[[], LoadRecord | None] | None = None,
     ) -> tuple[list[tuple[Hashable, TaskDone]], list[tuple[str, TaskDone]]]:
         """Every reply to ``route`` so far has left: the TaskDones now, to connection
         identities (``load`` on the first for each, by the load rule) and to members by
-        name (each with ``load``: it goes alone)."""
+        name (each with ``load``: it goes alone).  ``load_of``: the load is read from it,
+        once, when the first TaskDone that carries it is made (the shell's record costs a
+        read of the engine; most TaskDones carry none)."""
         to_links: list[tuple[Hashable, TaskDone]] = []
         to_members: list[tuple[str, TaskDone]] = []
+        waiting = self._done_waiting.get(route)
+        if waiting is None:
+            return to_links, to_members
         node, loaded = self.node, self._loaded
-        for task_id, identities, member in self._done_waiting.pop(route, ()):
+        for task_id, identities, member in waiting:
             for identity in identities:
                 if identity in loaded:
                     to_links.append((identity, TaskDone(id=task_id, node=node)))
                 else:
+                    if load_of is not None:  # (before any change here: it may raise)
+                        load, load_of = load_of(), None
                     loaded.add(identity)
                     to_links.append((identity, TaskDone(id=task_id, node=node, load=load)))
             if member:
+                if load_of is not None:
+                    load, load_of = load_of(), None
                 to_members.append((member, TaskDone(id=task_id, node=node, load=load)))
+        del self._done_waiting[route]
         return to_links, to_members
-
-    def needs_load(self, route: str) -> bool:
-        """Will ``results_left(route, ...)`` put our load on a TaskDone (so the shell reads
-        it only then)?"""
-        loaded = self._loaded
-        return any(
-            member or any(i not in loaded for i in identities)
-            for _, identities, member in self._done_waiting.get(route, ())
-        )
 
     def wants_load(self, identity: Hashable) -> bool:
         """Should the reply being queued for ``identity`` carry our load (the first since

@@ -19,7 +19,12 @@ from gossipd.engines.base import EngineStats, GenerateRequest, check_prompt_logp
 
 
 def echo_tokens(prompt: str, max_tokens: int) -> list[str]:
-    words = prompt.split() or ["<empty>"]
+    return _tokens(prompt.split(), max_tokens)
+
+
+def _tokens(words: list[str], max_tokens: int) -> list[str]:
+    """echo_tokens of a prompt split into ``words`` already."""
+    words = words or ["<empty>"]
     return [
         words[i % len(words)] if i == 0 else " " + words[i % len(words)] for i in range(max_tokens)
     ]
@@ -58,7 +63,8 @@ class EchoEngine:
         prompt = request.prompt
         if request.prompt_token_ids is not None:  # (its words: the ids, as decimal text)
             prompt = " ".join(map(str, request.prompt_token_ids))
-        usage.prompt_tokens = len(prompt.split())  # a word a token, as it answers
+        words = prompt.split()
+        usage.prompt_tokens = len(words)  # a word a token, as it answers
         stop_ids = request.params.stop_token_ids  # (its words are ids only in an id prompt)
         stop_words = (
             frozenset(map(str, stop_ids))
@@ -68,7 +74,7 @@ class EchoEngine:
         stop = request.params.stop
         # With stop strings, as vLLM stops: at the first, which the text leaves out; the
         # text's last characters that may begin one wait until they cannot.
-        hold = max((len(s) for s in stop), default=1) - 1
+        hold = max(map(len, stop)) - 1 if stop else 0
         text, sent = "", 0
         logprobs = request.logprobs  # (the engine is certain: each token's is 0, alone on top)
         top = request.params.logprobs or 0
@@ -80,7 +86,7 @@ class EchoEngine:
                 tops = ((text_of, 0.0),) if ranked and i else ()
                 request.prompt_logprobs.append(TokenLogprob(text_of, 0.0, tops))
         try:
-            for token in echo_tokens(prompt, request.params.max_tokens):
+            for token in _tokens(words, request.params.max_tokens):
                 if self._token_delay_s > 0:
                     await asyncio.sleep(self._token_delay_s)
                 self._tokens_total += 1

@@ -213,6 +213,9 @@ class Dispatcher:
         on_reply = self.forwarder.on_reply
         tracer = self.tracer
         on_load = self.placer.on_load
+        placer_addr = self.placer.addr
+        addr_of = ""  # the last sender found at ``addr`` in our view (the view cannot move
+        # within this call): its batch-mates skip the look
         for msg in msgs:
             # (a try costs nothing until it catches, in 3.11)
             try:
@@ -224,10 +227,16 @@ class Dispatcher:
                         self.relayed_unroutable += 1
                     continue
                 if addr and type(msg) in _SPOKEN_FOR:
-                    assert isinstance(msg, (ForwardReply, TaskDone, ConfirmReply))
-                    if not self._from(msg.node, addr):
-                        self.replies_for_another += 1
-                        continue
+                    # ``node`` must be the member at ``addr``, the connection it came on (as
+                    # its address is now, or was when we last forwarded to it: a reply may
+                    # outlive a move).
+                    node = msg.node  # type: ignore[attr-defined]
+                    if node != addr_of:
+                        if placer_addr(node) == addr:
+                            addr_of = node
+                        elif self.forwarder.last_addr(node) != addr:
+                            self.replies_for_another += 1
+                            continue
                 if type(msg) is ConfirmReply:
                     self.on_confirm_reply(msg)
                     continue
@@ -250,10 +259,11 @@ class Dispatcher:
                     continue
                 if tracer is not None and type(msg) is TaskDone:
                     tracer.forward_done(msg.id)
-                load = getattr(msg, "load", None)
+                # (a ForwardReply or a TaskDone: the kinds above went on)
+                load = msg.load  # type: ignore[attr-defined]
                 if load is not None:
                     # An owner speaks for its own load only (docs/PROTOCOL.md, "Load").
-                    if load.node == getattr(msg, "node", None):
+                    if load.node == msg.node:  # type: ignore[attr-defined]
                         on_load(load, now)
                     else:
                         self.loads_refused += 1
@@ -261,11 +271,6 @@ class Dispatcher:
             except Exception:  # one message's bug: its batch-mates and the flush go on
                 note_handler_failure("Dispatcher.on_peer_replies", log, "handling a peer's reply")
         self._flush()
-
-    def _from(self, node: str, addr: str) -> bool:
-        """``node`` is the member at ``addr``, our connection the message came on (as its
-        address is now, or was when we last forwarded to it: a reply may outlive a move)."""
-        return self.placer.addr(node) == addr or self.forwarder.last_addr(node) == addr
 
     def member_event(self, event: MemberEvent) -> None:
         if event.kind != "dead":

@@ -513,8 +513,7 @@ class OwnerEndpoint:
     def _results_left(self, reply_to: str) -> None:
         """The Results to ``reply_to`` have been handed to ZeroMQ: their TaskDones go now."""
         core = self.core
-        load = self.load_record() if core.needs_load(reply_to) else None
-        to_links, to_members = core.results_left(reply_to, load)
+        to_links, to_members = core.results_left(reply_to, None, self.load_record)
         router_out = self._router_out  # (no flush before the end of this turn)
         for identity, done in to_links:
             queue = router_out.get(identity)  # type: ignore[call-overload]

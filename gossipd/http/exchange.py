@@ -86,10 +86,14 @@ class HttpLimits:
     # handler's bug: 500), as the door counts its own answers.
     count_status: Callable[[int], None] = _count_nothing
     counters: HttpCounters = field(default_factory=HttpCounters)
+    # Each wanted name's text (what the parser keys its headers by): decoded once, not for
+    # every header line of every request.
+    wanted_names: dict[bytes, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         # The wire's own rules read these, whatever else a door wants.
         self.wanted_headers = self.wanted_headers | WANTED_HEADERS
+        self.wanted_names = {name: name.decode("latin-1") for name in self.wanted_headers}
 
 
 def _latin1(text: str) -> bytes:

@@ -62,7 +62,9 @@ class HttpConnection(asyncio.Protocol):
         self._writes = writes if writes is not None else TurnWrites()
         self._held: list[bytes] | None = None  # bytes for the turn's end (turnwrites.py)
         self._held_bytes = 0
-        self._wanted = limits.wanted_headers
+        self._wanted = limits.wanted_names
+        # The last Host this connection sent that passed its check (a client repeats it).
+        self._host_taken: str | None = None
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
@@ -193,9 +195,8 @@ class HttpConnection(asyncio.Protocol):
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > HEADER_BYTES_MAX:
             raise _Refused(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
-        name = name.lower()
-        if name in self._wanted:
-            key = name.decode("latin-1")
+        key = self._wanted.get(name.lower())
+        if key is not None:
             headers = self._headers
             if key in headers and key in _ONCE_ONLY:
                 if key == "host":  # RFC 9112 3.2: which host was meant is not known
@@ -212,8 +213,10 @@ class HttpConnection(asyncio.Protocol):
         if host is None:
             if parser.get_http_version() == "1.1":
                 raise _Refused(400, "an HTTP/1.1 request must carry a Host header (RFC 9112 3.2)")
-        elif _HOST.fullmatch(host.strip(" \t")) is None:  # (llhttp keeps trailing blanks)
-            raise _Refused(400, f"the Host header {host[:100]!r} is not a host[:port]")
+        elif host != self._host_taken:
+            if _HOST.fullmatch(host.strip(" \t")) is None:  # (llhttp keeps trailing blanks)
+                raise _Refused(400, f"the Host header {host[:100]!r} is not a host[:port]")
+            self._host_taken = host
         coding = headers.get("transfer-encoding")
         if coding is not None and coding.strip(" \t").lower() != "chunked":
             # llhttp reads any list that ends in chunked as chunked: a body in gzip would be
