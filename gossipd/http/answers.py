@@ -223,7 +223,7 @@ class Answers:
         """One reply, decoded (or, of a task run in this daemon, never encoded)."""
         waiting = self._waiting.get(message.id)  # (a Result's leaves the table at once)
         try:
-            self._on_reply(message)
+            self._on_reply(message, waiting)
         except Exception:  # one request's answer must not stop the others (or the runner)
             self.counters.answer_failures += 1
             log.exception("answering an HTTP request failed", extra={"task_id": message.id})
@@ -317,8 +317,8 @@ class Answers:
             if self._waiting.pop(task_id, None) is not None and index < choices.taken:
                 self._cancel(task_id)
 
-    def _on_reply(self, message: Chunk | Result) -> None:
-        waiting = self._waiting.get(message.id)
+    def _on_reply(self, message: Chunk | Result, waiting: Waiting | None) -> None:
+        """``waiting``: the request waiting for ``message`` (the table's entry for its id)."""
         if waiting is None:
             self.counters.replies_unknown += 1
             return

@@ -204,7 +204,9 @@ class HttpDoor:
     # -- requests ------------------------------------------------------------------------
 
     def handle(self, request: Request, exchange: Exchange) -> None:
-        path = request.path.partition("?")[0]
+        path = request.path
+        if "?" in path:
+            path = path.partition("?")[0]
         method = request.method
         request_id = request.headers.get("x-request-id", "")[:256]
         echo = [("x-request-id", request_id)] if request_id else None
@@ -245,7 +247,8 @@ class HttpDoor:
                 self._error(exchange, 405, f"{path} takes POST", "invalid_request_error",
                             headers=allow)  # fmt: skip
                 return
-            self._take(request, exchange, path == "/v1/chat/completions", identity, request_id)
+            self._take(request, exchange, path == "/v1/chat/completions", identity, request_id,
+                       echo)  # fmt: skip
         elif path == "/v1/models" and method in _READ_METHODS:
             self._with_cards(lambda: self._json(exchange, 200, self._models(), echo))
         elif path.startswith("/v1/models/") and method in _READ_METHODS:
@@ -268,9 +271,15 @@ class HttpDoor:
                         headers=echo)  # fmt: skip
 
     def _take(
-        self, request: Request, exchange: Exchange, chat: bool, identity: str, request_id: str
+        self,
+        request: Request,
+        exchange: Exchange,
+        chat: bool,
+        identity: str,
+        request_id: str,
+        echo: list[tuple[str, str]] | None,
     ) -> None:
-        echo = [("x-request-id", request_id)] if request_id else None
+        """``echo``: the x-request-id header to answer with (None: the client sent none)."""
         if self._settled:
             # A keep-alive client's request after the grace: its answer would find no door
             # (the daemon is closing it), so it is refused now and the connection closed.

@@ -119,7 +119,13 @@ class Exchange:
 
     def _head(self, status: int, fields: bytes, headers: list[tuple[str, str]] | None) -> bytes:
         line = STATUS_LINES.get(status) or b"HTTP/1.1 %d Error\r\n" % status
-        extra = _latin1("".join([f"{k}: {v}\r\n" for k, v in headers])) if headers else b""
+        if headers:
+            text = ""
+            for k, v in headers:
+                text += f"{k}: {v}\r\n"
+            extra = _latin1(text)
+        else:
+            extra = b""
         if not self.keep_alive:
             close = b"connection: close\r\n"
         else:  # an HTTP/1.0 client closes unless told the connection stays
