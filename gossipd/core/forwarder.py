@@ -71,6 +71,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import AckTimes, Breaker, BreakerState
 from gossipd.core.forwarded import Forwarded, ForwardedLedger
@@ -202,54 +204,32 @@ class ForwarderCounters:
     moved: int = 0  # tasks an owner handed over to another member (Moved): ledgered there
 
 
-class Journey:
+class Journey(msgspec.Struct, eq=False):
     """One task on its way to a member: the members tried and the Forwards sent (its
-    Flights), until one accepts or none is left.  A plain slots class: one is made per
-    forwarded task, on the hot path."""
+    Flights), until one accepts or none is left.  A Struct: one is made per forwarded
+    task, on the hot path, and msgspec builds it in C (its empty lists copied per
+    instance)."""
 
-    __slots__ = (
-        "attempts",
-        "busy_hint_ms",
-        "deadline",
-        "ended",
-        "exclude",
-        "flights",
-        "live",
-        "order",
-        "plain",
-        "quiet",
-        "received_at",
-        "saturated",
-        "task",
-        "tried",
-        "waiting",
-        "winner",
-    )
-
-    def __init__(
-        self, task: Task, received_at: float, deadline: float, quiet: bool, exclude: frozenset[str]
-    ) -> None:
-        self.task = task
-        self.received_at = received_at  # at the entry point: the deadline counts from it
-        self.deadline = deadline
-        self.quiet = quiet  # a hand-off: report the outcome as an event, never answer
-        self.exclude = exclude  # members never to try (ourselves at drain, a dead member)
-        self.order: list[str] | None = None  # members left to try, computed when needed
-        self.tried: list[str] = []  # members tried, in order
-        self.attempts: list[str] = []  # "member: outcome" of the failed ones
-        self.busy_hint_ms = 0  # the largest retry_after_ms among busy refusals
-        self.flights: list[Flight] = []  # every copy sent (live or landed)
-        self.live = 0  # copies still awaiting their answer
-        self.winner = ""  # the member that accepted
-        self.waiting = False  # a backoff timer is armed for the next attempt
-        self.ended = False
-        self.saturated = ""  # the first member that refused as saturated (rule 6)
-        self.plain = False  # ...asked again without if_free
+    task: Task
+    received_at: float  # at the entry point: the deadline counts from it
+    deadline: float
+    quiet: bool  # a hand-off: report the outcome as an event, never answer
+    exclude: frozenset[str]  # members never to try (ourselves at drain, a dead member)
+    order: list[str] | None = None  # members left to try, computed when needed
+    tried: list[str] = []  # members tried, in order
+    attempts: list[str] = []  # "member: outcome" of the failed ones
+    busy_hint_ms: int = 0  # the largest retry_after_ms among busy refusals
+    flights: list[Flight] = []  # every copy sent (live or landed)
+    live: int = 0  # copies still awaiting their answer
+    winner: str = ""  # the member that accepted
+    waiting: bool = False  # a backoff timer is armed for the next attempt
+    ended: bool = False
+    saturated: str = ""  # the first member that refused as saturated (rule 6)
+    plain: bool = False  # ...asked again without if_free
 
 
-@dataclass(slots=True, eq=False)
-class Flight:
-    """One Forward awaiting its ForwardReply."""
+class Flight(msgspec.Struct, eq=False):
+    """One Forward awaiting its ForwardReply (a Struct: one is made per forward, in C)."""
 
     req: int
     member: str

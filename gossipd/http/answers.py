@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from gossipd.clock import Clock
@@ -88,9 +89,10 @@ class Choices:
         self.left = count
 
 
-@dataclass(slots=True)
-class Waiting:
-    """A request whose task is out: where and how its answer goes."""
+class Waiting(msgspec.Struct):
+    """A request whose task is out: where and how its answer goes.  (A Struct: one is
+    made per request, and msgspec builds it in C; its empty defaults are copied per
+    instance.)"""
 
     exchange: Exchange
     call: Call
@@ -100,7 +102,7 @@ class Waiting:
     request_id: str
     writer: StreamWriter | None = None
     next_seq: int = 0
-    held: dict[int, Chunk] = field(default_factory=dict)  # early chunks by seq
+    held: dict[int, Chunk] = {}  # early chunks by seq
     streamed_chars: int = 0  # of the answer's text written as deltas so far, in order
     streamed_logprobs: int = 0  # of its tokens' log probabilities (when asked), in order
     # An answer read for tool calls ("auto"): text held back (it may begin a call), and
