@@ -125,6 +125,10 @@ class _Usual(msgspec.Struct, gc=False, forbid_unknown_fields=True):
 
 
 _usual_decode = msgspec.json.Decoder(_Usual).decode
+# SamplingParams the typed pass made, by their fields (in the order it sets them): emptied
+# when full, so distinct requests cost a conversion each, never memory.
+_PARAMS_MADE: dict[tuple[tuple[str, Any], ...], SamplingParams] = {}
+_PARAMS_MADE_MAX = 1024
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
 
 
@@ -177,6 +181,7 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         fields["top_k"] = as_vllm_reads("top_k", doc.top_k)
     if doc.ignore_eos is not None:
         fields["ignore_eos"] = doc.ignore_eos
+    plain = True  # no penalty asked
     if not (
         doc.presence_penalty is None
         and doc.frequency_penalty is None
@@ -184,14 +189,25 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
         and doc.min_p is None
         and doc.min_tokens is None
     ):  # (rare: no loop for the usual request)
+        plain = False
         for name in _PENALTIES:
             value = getattr(doc, name)
             if value is not None:
                 fields[name] = value
-    try:
-        params = msgspec.convert(fields, SamplingParams)
-    except (msgspec.ValidationError, ValueError):
-        return None  # the full rules name the parameter
+    # The usual request's params (no seed, no penalty) repeat: taken from the ones made
+    # for the same fields before (SamplingParams is frozen), not converted and checked anew.
+    # (Not a zero temperature: -0.0 is a key equal to 0.0's, and its params would be 0.0's.)
+    key = tuple(fields.items()) if plain and doc.seed is None and doc.temperature != 0.0 else None
+    params = _PARAMS_MADE.get(key) if key is not None else None
+    if params is None:
+        try:
+            params = msgspec.convert(fields, SamplingParams)
+        except (msgspec.ValidationError, ValueError):
+            return None  # the full rules name the parameter
+        if key is not None:
+            if len(_PARAMS_MADE) >= _PARAMS_MADE_MAX:
+                _PARAMS_MADE.clear()
+            _PARAMS_MADE[key] = params
     options = doc.stream_options
     return Call(
         chat=chat,
