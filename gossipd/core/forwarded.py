@@ -106,7 +106,7 @@ class ForwardedLedger:
         task_id = task.id
         if task_id in self.entries:  # accepted again (a retry, a hedge): ledgered once
             self.forget(task_id)
-        early = self._early_done.get(task_id)
+        early = self._early_done.get(task_id) if self._early_done else None
         if early is not None and owner in early:
             # Its TaskDone came first: this copy has finished already.
             rest = tuple(m for m in early if m != owner)
@@ -150,8 +150,9 @@ class ForwardedLedger:
 
     def _finish(self, task_id: str, member: str) -> None:
         finished = self._finished
+        if task_id in finished:  # (seldom: accepted() forgot it; a new key goes last anyway)
+            finished.move_to_end(task_id)
         finished[task_id] = member
-        finished.move_to_end(task_id)
         if len(finished) > FINISHED_MAX:
             finished.popitem(last=False)
 

@@ -559,8 +559,19 @@ class Forwarder:
         Sequence[Refuse | HandedOff | RunHere],
         float,
     ]:
-        """take_outbox(), take_events() and next_deadline() in one call (once per flush)."""
-        return self.take_outbox(), self.take_events(), self.next_deadline()
+        """take_outbox(), take_events() and next_deadline() in one call (once per flush;
+        the two takes written out)."""
+        outbox: Sequence[tuple[str, Forward | Withdraw | Cancel]] = self._outbox
+        if outbox:
+            self._outbox = []
+        else:
+            outbox = ()
+        events: Sequence[Refuse | HandedOff | RunHere] = self._events
+        if events:
+            self._events = []
+        else:
+            events = ()
+        return outbox, events, self.next_deadline()
 
     def last_addr(self, member: str) -> str | None:
         """The member's rpc address when we last forwarded to it (also once it is gone)."""

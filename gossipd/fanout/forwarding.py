@@ -203,7 +203,8 @@ class Dispatcher:
         """Called by the ingress for each new task: False to run it here, True if taken."""
         if self.forwarder.route(task, now) is _LOCAL:
             return False  # nothing to send: the ingress admits it (the common case, no flush)
-        self._flush()
+        if self._flush_once():  # (_flush, its first pass written out: once a task)
+            self._flush()
         return True
 
     def on_peer_replies(self, msgs: list[object], addr: str = "") -> None:
