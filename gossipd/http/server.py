@@ -42,6 +42,8 @@ log = logging.getLogger("gossipd.http.server")
 
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
 PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429 and close
+# The methods' texts, decoded once (a request's method is one of these nearly always).
+_METHODS = {m: m.decode() for m in (b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS")}
 _ONCE_ONLY = frozenset({"host", "transfer-encoding"})  # a second line: refused, or joined
 # RFC 3986's host (a name or address, or an IP literal in brackets) and an optional port.
 _HOST = re.compile(
@@ -270,7 +272,7 @@ class HttpConnection(asyncio.Protocol):
         if url[:1] != b"/" and url[:4].lower() == b"http":
             url = _origin_form(url)
         request = Request(
-            method=parser.get_method().decode("latin-1"),
+            method=_METHODS.get(method := parser.get_method()) or method.decode("latin-1"),
             path=url.decode("latin-1"),
             headers=self._headers,
             body=body if type(body) is bytes else bytes(body),
@@ -283,7 +285,9 @@ class HttpConnection(asyncio.Protocol):
             request.keep_alive = False
         self._body = b""
         self._limits.counters.requests += 1
-        self._disarm_idle()  # (queued behind unread answers: _next arms it again)
+        # Disarmed: its timer, if it fires meanwhile, does nothing (queued behind unread
+        # answers, the request's turn comes in _next, which arms it again).
+        self._idle_at = None
         if not request.keep_alive:
             self._last_seen = True  # the client's last request: what follows is ignored
         if self._current is None and not self._waiting and not self._writing_paused:
@@ -426,9 +430,6 @@ class HttpConnection(asyncio.Protocol):
         self._idle_at = at = self._loop.time() + self._limits.idle_timeout_s
         if self._idle is None:
             self._idle = self._loop.call_at(at, self._idle_out)
-
-    def _disarm_idle(self) -> None:
-        self._idle_at = None  # its timer, if it fires meanwhile, does nothing
 
     def _stop_idle(self) -> None:
         self._idle_at = None
