@@ -19,6 +19,7 @@ before and after a change, not with ``gossipd bench http``'s.
     .venv/bin/python scripts/door_path_cpu.py [--requests 20000] [--json]
         [--cprofile PATH]   # a profile of the forwarded path (pstats)
         [--cprofile-at-once K]   # ... with K requests at once (16 unless told)
+        [--cprofile-path local]   # ... of the local path instead
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             report["cpu_us_per_request"][f"{path}_{k}_at_once"] = round(best, 2)
             if not args.json:
                 print(f"{path:>9}, {k:>2} at once: {best:6.2f} us CPU a request", flush=True)
-        if args.cprofile and path == "forwarded":  # a window of its own, not timed
+        if args.cprofile and path == args.cprofile_path:  # a window of its own, not timed
             import cProfile
 
             profile = cProfile.Profile()
@@ -195,6 +196,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--cprofile", default="", help="write the forwarded path's profile")
     parser.add_argument("--cprofile-at-once", type=int, default=16, choices=AT_ONCE)
+    parser.add_argument("--cprofile-path", default="forwarded", choices=("local", "forwarded"))
     uvloop.run(_main(parser.parse_args()))
 
 
