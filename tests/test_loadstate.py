@@ -150,11 +150,14 @@ def test_the_sampler_cuts_its_figures_to_what_a_record_may_carry(
 ) -> None:
     """A figure past the record's bounds would make peers refuse every message carrying it
     (gossip and ForwardReplies): the sampler cuts them, so its record always decodes."""
-    record = LoadSampler("a", 1).current(0.0, inflight=inflight, waiting=waiting,
-                                         queued_tokens=queued)  # fmt: skip
+    sampler = LoadSampler("a", 1)
+    record = sampler.current(0.0, inflight=inflight, waiting=waiting, queued_tokens=queued)
     done = TaskDone(id="t", node="a", load=record)
     assert decode_peer(encode_peer(done), bytes_max=1 << 16) == done
     assert record.queued_tokens == min(queued, 2**40) and record.inflight == min(inflight, 2**31)
+    # The same figures again are the same record (not a new seq on every call): compared
+    # as the record carries them.
+    assert sampler.current(1.0, inflight=inflight, waiting=waiting, queued_tokens=queued) is record
 
 
 @settings(max_examples=200, deadline=None)

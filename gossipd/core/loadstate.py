@@ -205,6 +205,11 @@ class LoadSampler:
         """Our load as we answer at ``now``: a new seq only when a figure changed; the same
         record (age 0: confirmed current now) while none did."""
         kv_pct = min(100, max(0, round(kv_ratio * 100)))
+        # Compared as the record carries them (cut to its bounds: sample's rule): a figure
+        # past a bound would otherwise differ from its record's on every call.
+        inflight = min(inflight, LOAD_COUNT_MAX)
+        waiting = min(waiting, LOAD_COUNT_MAX)
+        queued_tokens = min(queued_tokens, QUEUED_TOKENS_MAX)
         last = self._last
         if last is not None and (last.inflight, last.waiting, last.queued_tokens, last.kv_pct) == (
             inflight,
