@@ -3,8 +3,11 @@ hint) while a producer within its budget is served; the refusals are counted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -164,36 +167,45 @@ def test_leader_sets_the_budgets_and_they_stay_while_etcd_is_down(etcd, tmp_path
         cluster.stop()
 
 
+@contextlib.contextmanager
+def _curve_producers(  # type: ignore[no-untyped-def]
+    daemon_factory, tmp_path, names: list[str], overrides: Callable[[Any], list[str]]
+) -> Iterator[tuple[Any, list[Any]]]:
+    """A CURVE daemon "s0" with budgets on and ``overrides(keys)``, and a producer for each
+    of ``names`` (its own key pair): (keys, producers), closed after."""
+    from tests.test_curve import CurveProducer, Keys, curve_daemon
+
+    keys = Keys(tmp_path, peers=["s0"], producers=names)
+    daemon = curve_daemon(daemon_factory, keys, "s0", "budgets.enabled=true", *overrides(keys))
+    producers = [CurveProducer(daemon.endpoint, keys.pair(n), keys.public("s0")) for n in names]
+    try:
+        yield keys, producers
+    finally:
+        for producer in producers:
+            producer.close()
+
+
 def test_a_curve_producer_is_charged_by_its_key_whatever_its_task_keys(
     daemon_factory, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     """Under CURVE the identity is the authenticated key: a producer blocked by key (budget 0)
     is refused even with a key prefix that has a budget; another key is served."""
-    from tests.test_curve import CurveProducer, Keys, curve_daemon
-
-    keys = Keys(tmp_path, peers=["s0"], producers=["blocked", "fine"])
-    blocked_key = keys.public("blocked").decode()
-    daemon = curve_daemon(
+    with _curve_producers(
         daemon_factory,
-        keys,
-        "s0",
-        "budgets.enabled=true",
-        f'budgets.tokens_per_s={{"curve:{blocked_key}" = 0.0}}',
-        'budgets.shares={"prefix:good" = 0.5}',
-    )
-    blocked = CurveProducer(daemon.endpoint, keys.pair("blocked"), keys.public("s0"))
-    fine = CurveProducer(daemon.endpoint, keys.pair("fine"), keys.public("s0"))
-    try:
+        tmp_path,
+        ["blocked", "fine"],
+        lambda keys: [
+            f'budgets.tokens_per_s={{"curve:{keys.public("blocked").decode()}" = 0.0}}',
+            'budgets.shares={"prefix:good" = 0.5}',
+        ],
+    ) as (keys, (blocked, fine)):
         blocked.send_task("b-1", key="good:1", params={"max_tokens": 2})
         fine.send_task("f-1", key="good:1", params={"max_tokens": 2})
         (refused,) = blocked.results(1, timeout_s=10)
         (served,) = fine.results(1, timeout_s=10)
-    finally:
-        blocked.close()
-        fine.close()
     assert served["ok"]
     assert refused["error"]["code"] == "over_budget"
-    assert f"curve:{blocked_key}" in refused["error"]["message"]
+    assert f"curve:{keys.public('blocked').decode()}" in refused["error"]["message"]
     assert refused["error"]["retry_after_ms"] == 10_000  # a budget of 0: the longest hint
 
 
@@ -202,23 +214,17 @@ def test_an_id_in_use_refusal_is_not_charged_on_a_daemon_alone(daemon_factory, t
     without fan-out (no gossip.bind) checked the id only in admission, after the budget:
     each refusal spent the other key's tokens.  B (10 tokens/s, a burst of 100) sends A's
     id five times (20 tokens each), then five tasks of its own, which must still be served."""
-    from tests.test_curve import CurveProducer, Keys, curve_daemon
-
-    keys = Keys(tmp_path, peers=["s0"], producers=["pa", "pb"])
-    b_key = keys.public("pb").decode()
-    daemon = curve_daemon(
-        daemon_factory,
-        keys,
-        "s0",
-        'gossip.bind=""',
-        "budgets.enabled=true",
-        f'budgets.tokens_per_s={{"curve:{b_key}" = 10.0}}',
-        "budgets.burst_s=10.0",  # 100 tokens, refilled at 10 a second
-    )
-    a = CurveProducer(daemon.endpoint, keys.pair("pa"), keys.public("s0"))
-    b = CurveProducer(daemon.endpoint, keys.pair("pb"), keys.public("s0"))
     task = {"prompt": "x y z", "params": {"max_tokens": 18}}  # 1 + 18 + ... about 20 tokens
-    try:
+    with _curve_producers(
+        daemon_factory,
+        tmp_path,
+        ["pa", "pb"],
+        lambda keys: [
+            'gossip.bind=""',
+            f'budgets.tokens_per_s={{"curve:{keys.public("pb").decode()}" = 10.0}}',
+            "budgets.burst_s=10.0",  # 100 tokens, refilled at 10 a second
+        ],
+    ) as (_keys, (a, b)):
         a.send_task("same", **task)
         assert [r["ok"] for r in a.results(1, timeout_s=10)] == [True]
         for _ in range(5):
@@ -227,9 +233,6 @@ def test_an_id_in_use_refusal_is_not_charged_on_a_daemon_alone(daemon_factory, t
         for i in range(5):
             b.send_task(f"b-own-{i}", **task)
         own = b.results(5, timeout_s=10)
-    finally:
-        a.close()
-        b.close()
     assert [r["error"]["code"] for r in refused] == ["id_in_use"] * 5
     # B's burst was not spent on the refusals: its own five fit it (charged, one was served)
     assert [r["ok"] for r in own] == [True] * 5, own
