@@ -152,6 +152,15 @@ def test_Forwarder_knows_a_resend_of_what_it_forwards_by_id_and_key() -> None:
     assert fw.forwarded_here(task) and not fw.forwarded_here(other)  # ledgered
     fw.on_reply(TaskDone(id="t0", node="a"), 0.5)
     assert not fw.forwarded_here(task) and not fw.forwarded_for_other(other)
+    # Between two attempts, waiting out a backoff: still on its way from here.
+    later = msgspec.structs.replace(task, id="t1")
+    later_other = msgspec.structs.replace(later, producer_key="K" * 40)
+    fw.route(later, 1.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", False, code="overloaded"), 1.001)
+    assert not _forwards(fw.take_outbox()), "the next attempt waits out a backoff"
+    assert fw.forwarded_here(later) and not fw.forwarded_here(later_other)
+    assert fw.forwarded_for_other(later_other) and not fw.forwarded_for_other(later)
 
 
 def test_Forwarder_refusal_moves_on_after_a_backoff() -> None:

@@ -344,8 +344,8 @@ class Forwarder:
     def forwarded_for_other(self, task: Task) -> bool:
         """Rule 7's id_in_use as far as this member knows: it is forwarding ``task``'s id,
         or answers for it until its TaskDone, for another producer key (the ingress refuses
-        the task then)."""
-        j = self._flying.get(task.id)
+        the task then).  A journey waiting out a backoff is still on its way."""
+        j = self._flying.get(task.id) or self._backing_off.get(task.id)
         if j is not None and j.task.producer_key != task.producer_key:
             return True
         entry = self.ledger.get(task.id)
@@ -353,8 +353,9 @@ class Forwarder:
 
     def forwarded_here(self, task: Task) -> bool:
         """This member is forwarding ``task``'s id for the same producer key, or answers for
-        it until its TaskDone: a resend (token budgets do not charge it again)."""
-        j = self._flying.get(task.id)
+        it until its TaskDone: a resend (token budgets do not charge it again).  A journey
+        waiting out a backoff is still on its way."""
+        j = self._flying.get(task.id) or self._backing_off.get(task.id)
         if j is not None:
             return j.task.producer_key == task.producer_key
         entry = self.ledger.get(task.id)
