@@ -200,6 +200,15 @@ def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped
         dispatcher.on_peer_replies(spoken_for_b, "tcp://b:5558")  # b's own: taken
         assert dispatcher.replies_for_another == 3
         assert dispatcher.statistics().bad_peer_messages == 3
+        # In one batch, a's own reply does not vouch for the next naming b (nor for one
+        # naming no member, which only a message built in-process can carry).
+        mixed = [
+            TaskDone(id="t4", node=""),
+            TaskDone(id="t2", node="a"),
+            TaskDone(id="t3", node="b"),
+        ]
+        dispatcher.on_peer_replies(mixed, "tcp://a:5558")
+        assert dispatcher.replies_for_another == 5
 
 
 def test_an_item_no_owner_sends_or_of_another_version_is_refused_on_our_connections() -> None:

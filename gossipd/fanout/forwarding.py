@@ -215,8 +215,9 @@ class Dispatcher:
         tracer = self.tracer
         on_load = self.placer.on_load
         placer_addr = self.placer.addr
-        addr_of = ""  # the last sender found at ``addr`` in our view (the view cannot move
-        # within this call): its batch-mates skip the look
+        # The last sender found at ``addr`` in our view (the view cannot move within this
+        # call): its batch-mates skip the look.  (None, not "": a node "" is looked up.)
+        addr_of: str | None = None
         for msg in msgs:
             # (a try costs nothing until it catches, in 3.11)
             try:

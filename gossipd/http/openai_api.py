@@ -196,6 +196,7 @@ def _usual_call(doc: _Usual, chat: bool) -> Call | None:
                 fields[name] = value
     # The usual request's params (no seed, no penalty) repeat: taken from the ones made
     # for the same fields before (SamplingParams is frozen), not converted and checked anew.
+    # Shared by the requests that ask the same: nobody may change their lists in place.
     # (Not a zero temperature: -0.0 is a key equal to 0.0's, and its params would be 0.0's.)
     key = tuple(fields.items()) if plain and doc.seed is None and doc.temperature != 0.0 else None
     params = _PARAMS_MADE.get(key) if key is not None else None
