@@ -275,8 +275,7 @@ class Admission:
         while len(self._done) > self._results_max:
             self._evict_oldest()
             self._evicted_count += 1
-        if self._done_bytes > self.results_bytes_max:  # (_fit_bytes's test: no call a task)
-            self._fit_bytes()
+        self._fit_bytes()
 
     def _fit_bytes(self) -> None:
         """Rule 4's byte bound: the oldest Results go until the cache fits it."""

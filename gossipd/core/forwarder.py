@@ -92,7 +92,6 @@ LEDGER_SWEEP_SLICE = 2048
 _TAKEN_HERE = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
 _BUSY = (ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.SATURATED.value)
 _SATURATED = ErrorCode.SATURATED.value
-_CLOSED = BreakerState.CLOSED
 
 
 class Route(enum.Enum):
@@ -560,19 +559,8 @@ class Forwarder:
         Sequence[Refuse | HandedOff | RunHere],
         float,
     ]:
-        """take_outbox(), take_events() and next_deadline() in one call (once per flush;
-        the two takes written out)."""
-        outbox: Sequence[tuple[str, Forward | Withdraw | Cancel]] = self._outbox
-        if outbox:
-            self._outbox = []
-        else:
-            outbox = ()
-        events: Sequence[Refuse | HandedOff | RunHere] = self._events
-        if events:
-            self._events = []
-        else:
-            events = ()
-        return outbox, events, self.next_deadline()
+        """take_outbox(), take_events() and next_deadline() in one call (once per flush)."""
+        return self.take_outbox(), self.take_events(), self.next_deadline()
 
     def last_addr(self, member: str) -> str | None:
         """The member's rpc address when we last forwarded to it (also once it is gone)."""
@@ -606,7 +594,7 @@ class Forwarder:
         # (after the address: a half-open breaker's allow() hands out its one trial, which
         # only a Forward sent gives back)
         breaker = self._breaker(member)
-        if breaker.state is not _CLOSED and not breaker.allow(now):  # (closed: allow() is True)
+        if not breaker.allow(now):
             self._failed(j, member, AttemptFailure.CIRCUIT_OPEN, now)
             return
         self._send_forward(j, member, addr, breaker, now)
@@ -682,9 +670,7 @@ class Forwarder:
             self._ack_times.observe(now - flight.sent_at)
         j = flight.journey
         if reply.accepted or reply.code in _BUSY:
-            breaker = flight.breaker
-            if breaker.failures or breaker.state is not _CLOSED:  # (else success() is a no-op)
-                breaker.success()  # it answered: healthy, maybe busy
+            flight.breaker.success()  # it answered: healthy, maybe busy
         if reply.accepted:
             self._accepted(flight, now)
             return
@@ -882,7 +868,7 @@ class Forwarder:
         if addr is None:
             return
         breaker = self._breaker(member)
-        if breaker.state is not _CLOSED and not breaker.allow(now):  # (closed: allow() is True)
+        if not breaker.allow(now):
             return
         j.tried.append(member)
         self._send_forward(j, member, addr, breaker, now).hedge = True

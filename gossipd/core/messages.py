@@ -485,10 +485,8 @@ class Task(
     @property
     def route(self) -> str:
         """Where its replies go: reply_to, with the producer's key when it has one
-        ("ENDPOINT KEY"; the reply sender connects to ENDPOINT and checks KEY).
-        reply_route's rule, written out: read for every reply."""
-        key = self.producer_key
-        return f"{self.reply_to} {key}" if key else self.reply_to
+        ("ENDPOINT KEY"; the reply sender connects to ENDPOINT and checks KEY)."""
+        return reply_route(self.reply_to, self.producer_key)
 
 
 class Chunk(

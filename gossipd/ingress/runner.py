@@ -103,7 +103,6 @@ class Runner:
         # Set when a running task's deadline is on the wheel: expire_forever sleeps on it
         # while none is (an idle daemon does not wake 100 times a second for nothing).
         self._deadlines_armed = asyncio.Event()
-        self._armed = False  # the event's state, read per task without a call (is_set's)
         self._workers: dict[str, asyncio.Task[None]] = {}  # running task id -> its worker
         # Workers cancelled to abort their task whose cancel has not landed yet: one that
         # lands after the task finished is theirs to drop; any other cancel (the task group's,
@@ -238,7 +237,6 @@ class Runner:
         while True:
             if not len(self._deadlines):
                 armed.clear()
-                self._armed = False
                 await armed.wait()
             await asyncio.sleep(DEADLINE_RESOLUTION_S)
             for owned in self._deadlines.expire(clock()):
@@ -256,9 +254,9 @@ class Runner:
         seq = 0
         engine_died = False
         token = self._deadlines.add(job, deadline)
-        if not self._armed:
-            self._armed = True
-            self._deadlines_armed.set()
+        armed = self._deadlines_armed
+        if not armed.is_set():
+            armed.set()
         try:
             if job.stop is not None:  # cancelled or expired while it was queued
                 raise asyncio.CancelledError

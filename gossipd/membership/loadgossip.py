@@ -58,7 +58,6 @@ class LoadGossip:
         self._peers: list[tuple[str, str]] = []
         self._peers_version: object = None
         self._wake = asyncio.Event()  # something may be worth a round: see poke
-        self._poked = False  # poke set it since the last clear (read without is_set's call)
         gossip.listeners.append(self._member_event)
         gossip.load_listeners.append(self.on_loads)  # records any gossip message carries
         self.sent_messages = 0
@@ -68,8 +67,7 @@ class LoadGossip:
     def poke(self, *_event: object) -> None:
         """Our load may have changed (a task admitted or ended: a listener of either, its
         arguments ignored): the next round reads it."""
-        if not self._poked:
-            self._poked = True
+        if not self._wake.is_set():
             self._wake.set()
 
     def _member_event(self, event: MemberEvent) -> None:
@@ -135,6 +133,5 @@ class LoadGossip:
         while True:
             await asyncio.sleep(self.interval_s)
             self._wake.clear()
-            self._poked = False
             if not self.send_once():
                 await woken_within(QUIET_RECHECK_S, self._wake)
