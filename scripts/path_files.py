@@ -2,14 +2,17 @@
 
 Two daemons in this process (real sockets, real gossip and fan-out, as tests/test_tracing.py
 builds them); a Client sends tasks to daemon ``a`` whose keys daemon ``b`` owns, so each is
-forwarded a -> b and answered back.  A profile hook on the loop's thread records every call
+forwarded a -> b and answered back.  With ``--door local`` or ``--door forwarded`` the
+tasks are HTTP requests instead (the bench's ``POST /v1/completions``, keep-alive
+connections, 8 at a time) through ``a``'s OpenAI door, keyed (``x-session-id``) so that
+``a`` or ``b`` runs them: the path of ``gossipd bench http``'s two kinds of request.  A profile hook on the loop's thread records every call
 into gossipd's own modules (``gossipd/tools``, the Client, left out) while N such tasks go
 through, three times, and over an idle window: the path is the modules called at least once
 every other task in every round, net of what the idle daemons call in as long.  A call "goes back up" when it enters a part (a class, or a module-level function)
 that is already on the stack below another part (A -> B -> A): a part calling into one that
 called it.  The stacks where that happens are counted by pattern.
 
-    .venv/bin/python scripts/path_files.py [--tasks 200] [--json]
+    .venv/bin/python scripts/path_files.py [--tasks 200] [--door local|forwarded] [--json]
 
 Works on older trees too (it needs only Daemon, load_config, Client and Task), so the same
 count can run at a base commit: ``cd BASE_TREE && python /path/to/scripts/path_files.py``.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -42,11 +46,12 @@ IDLE_S = 2.0
 ROOT = os.path.join(os.getcwd(), "gossipd") + os.sep
 
 
-def _config(name: str, ports: dict[str, dict[str, int]], peer: str) -> Any:
+def _config(name: str, ports: dict[str, dict[str, int]], peer: str, door: bool) -> Any:
     p, q = ports[name], ports[peer]
     return load_config(
         environ={},
         overrides=[
+            *([f'http.bind="127.0.0.1:{p["http"]}"'] if door else []),
             f'node.id="{name}"',
             f'ingress.bind="tcp://127.0.0.1:{p["ingress"]}"',
             f'gossip.bind="tcp://127.0.0.1:{p["gossip"]}"',
@@ -106,12 +111,71 @@ class Recorder:
             self.back_up[" -> ".join(reversed(chain[: cut + 1]))] += 1
 
 
-async def _owned_by_b_keys(a: Daemon, count: int) -> list[str]:
+def _keys_of(owner: str, count: int) -> list[str]:
     from gossipd.core.ring import Ring
 
     ring = Ring({"a": 1.0, "b": 1.0})
     keys = (f"k{i}" for i in range(100_000))
-    return [k for k in keys if ring.owner(k) == "b"][:count]
+    return [k for k in keys if ring.owner(k) == owner][:count]
+
+
+class Door:
+    """HTTP/1.1 keep-alive connections to a door, the bench's request on each in turn."""
+
+    AT_ONCE = 8
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def __aenter__(self) -> Door:
+        for _ in range(self.AT_ONCE):
+            self.streams.append(await asyncio.open_connection("127.0.0.1", self.port))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for _, writer in self.streams:
+            writer.close()
+
+    async def _one(self, i: int, keys: list[str], owner: str) -> int:
+        reader, writer = self.streams[i]
+        ran_there = 0
+        for key in keys[i :: self.AT_ONCE]:
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+                b"x-session-id: %s\r\nContent-Length: %d\r\n\r\n%s"
+                % (key.encode(), len(BODY), BODY)
+            )
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            length = int(head.split("content-length:", 1)[1].split("\r\n", 1)[0])
+            await reader.readexactly(length)
+            ran_there += (
+                head.startswith("http/1.1 200") and f"x-gossipd-member: {owner}\r\n" in head
+            )
+        return ran_there
+
+    async def send(self, keys: list[str], owner: str) -> int:
+        """How many of ``keys`` were answered 200 by ``owner``."""
+        done = await asyncio.gather(*(self._one(i, keys, owner) for i in range(self.AT_ONCE)))
+        return sum(done)
+
+
+BODY = b'{"model":"echo","prompt":"hello world","max_tokens":1}'  # the bench's
+
+
+async def _door_up(port: int) -> int:
+    """``port`` once the door there takes connections (the daemon binds it as it starts)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no HTTP door on 127.0.0.1:{port} within 30 s") from None
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        return port
 
 
 async def _send(client: Client, keys: list[str]) -> int:
@@ -132,29 +196,44 @@ async def _send(client: Client, keys: list[str]) -> int:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    ports = {n: {k: free_tcp_port() for k in ("ingress", "gossip", "rpc")} for n in "ab"}
-    a = Daemon(_config("a", ports, "b"))
-    b = Daemon(_config("b", ports, "a"))
+    door = getattr(args, "door", None)  # None: ZeroMQ tasks; "local"/"forwarded": HTTP
+    names = ("ingress", "gossip", "rpc", "http")
+    ports = {n: {k: free_tcp_port() for k in names} for n in "ab"}
+    a = Daemon(_config("a", ports, "b", door is not None))
+    b = Daemon(_config("b", ports, "a", door is not None))
     runs = [asyncio.create_task(d.run()) for d in (a, b)]
     recorder = Recorder()
+    owner = "a" if door == "local" else "b"
     try:
-        endpoint = f"tcp://127.0.0.1:{ports['a']['ingress']}"
-        async with Client([endpoint]) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            if door is None:
+                endpoint = f"tcp://127.0.0.1:{ports['a']['ingress']}"
+                client = await stack.enter_async_context(Client([endpoint]))
+
+                async def send(keys: list[str], owner: str = "b") -> int:
+                    return await _send(client, keys)
+            else:
+                http = await _door_up(ports["a"]["http"])
+                connections = await stack.enter_async_context(Door(http))
+
+                async def send(keys: list[str], owner: str = "b") -> int:
+                    return await connections.send(keys, owner)
+
             deadline = time.monotonic() + 30
-            warm = await _owned_by_b_keys(a, 5)
             # Until both daemons gossip and place on each other: b answers its keys.
-            while await _send(client, warm) < len(warm):
+            warm = _keys_of("b", 8)
+            while await send(warm) < len(warm):
                 if time.monotonic() > deadline:
                     raise SystemExit("daemon a never forwarded to b in 30 s")
                 await asyncio.sleep(0.2)
-            await _send(client, await _owned_by_b_keys(a, 50))  # warm caches
-            keys = await _owned_by_b_keys(a, args.tasks)
+            await send(_keys_of(owner, 50), owner)  # warm caches
+            keys = _keys_of(owner, args.tasks)
             sys.setprofile(recorder)
             ok, rounds, back_up_calls = args.tasks, [], Counter[str]()
             for _ in range(ROUNDS):
                 started = time.monotonic()
                 recorder.on = True
-                ok = min(ok, await _send(client, keys))
+                ok = min(ok, await send(keys, owner))
                 recorder.on = False
                 rounds.append((Counter(recorder.modules), time.monotonic() - started))
                 back_up_calls.update(recorder.back_up)
@@ -167,6 +246,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             sys.setprofile(None)
             idle = Counter(recorder.modules)
     finally:
+        sys.setprofile(None)
         for d in (a, b):
             d.request_stop()
         await asyncio.gather(*runs, return_exceptions=True)
@@ -180,6 +260,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     total = args.tasks * ROUNDS
     back_up = {p: n for p, n in back_up_calls.most_common() if n >= total // 4}
     return {
+        "door": door,
         "tasks": args.tasks,
         "ok": ok,
         "path_files": len(path),
@@ -193,6 +274,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--door", choices=("local", "forwarded"), default=None)
     parser.add_argument("--json", action="store_true")
     out = asyncio.run(main(parser.parse_args()))
     if "--json" in sys.argv:

@@ -1,7 +1,10 @@
 """The path of a forwarded task, measured (scripts/path_files.py): two real daemons in this
 process, tasks sent to one that the other owns.  No part on the path calls back into a part
 that called it (issue 25: the core's Forwarder reached the shell through the placer and a
-daemon closure), and the path runs through no more files, and makes no more calls, than ARCHITECTURE.md says."""
+daemon closure), and the path runs through no more files, and makes no more calls, than ARCHITECTURE.md says.
+
+The same for the HTTP door's two paths (``--door``): ``gossipd bench http``'s request, keyed
+to run where it entered or at the other daemon."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "path_files.py"
 PATH_FILES_MAX = 24  # docs/ARCHITECTURE.md "The path of a forwarded task" (25 before issue 25)
 # Calls into gossipd's modules a forwarded task makes, over both daemons (the sum of
@@ -19,6 +24,24 @@ PATH_FILES_MAX = 24  # docs/ARCHITECTURE.md "The path of a forwarded task" (25 b
 # once five of those trims were undone for one copy of each rule (46096ab).  A count, not a
 # time: the same from run to run, so a drift shows here before a benchmark.
 PATH_CALLS_MAX = 115
+# The HTTP door's paths, over both daemons, measured at 16c8035 (the same in six runs, to
+# 0.3): a request run where it entered, 26 files and 98.3 calls; one forwarded, 35 files
+# and 171.0-171.4 calls.  The bounds: the calls with the ZeroMQ bound's room (4%), and one
+# file more, for core/loadstate: the load record is sampled by the clock (at most once an
+# interval, when admits and finishes poke it), so on a slower run it reaches half a call a
+# request and counts as on the path (36 files under pytest here).
+DOOR_PATH_FILES_MAX = {"local": 27, "forwarded": 36}
+DOOR_PATH_CALLS_MAX = {"local": 102, "forwarded": 178}
+# The calls back up the door's paths make, each through a callback handed down on purpose:
+# a connection's held bytes written at the turn's end (http/turnwrites.py), and on the owner
+# a door's Result relayed to its member's connection (the route's relay, fanout/owner.py,
+# registered with the reply sender) after Held Results looked at it.
+DOOR_CALLBACKS = {
+    "http/server.HttpConnection -> http/turnwrites.TurnWrites -> http/server.HttpConnection",
+    "ingress/runner.Runner -> fanout/owner.OwnerEndpoint -> ingress/runner.Runner",
+    "fanout/owner.OwnerEndpoint -> ingress/runner.Runner -> zmqloop.ReplySender"
+    " -> fanout/owner.OwnerEndpoint",
+}
 
 
 def _script() -> ModuleType:
@@ -38,6 +61,18 @@ def test_a_forwarded_task_calls_nothing_back_up_and_crosses_few_files() -> None:
     # The path is the forwarded one: both sides of fan-out and the owner's runner.
     for module in ("fanout/forwarding", "fanout/owner", "core/forwarder", "ingress/runner"):
         assert module in out["path"], out["path"]
+
+
+@pytest.mark.parametrize("door", ["local", "forwarded"])
+def test_the_http_doors_paths_cross_few_files_and_make_few_calls(door: str) -> None:
+    out = asyncio.run(_script().main(argparse.Namespace(tasks=100, door=door)))
+    assert out["ok"] == 100, out  # every request answered 200 by the member its key names
+    assert set(out["calls_back_up_per_task"]) <= DOOR_CALLBACKS, out["calls_back_up_per_task"]
+    assert out["path_files"] <= DOOR_PATH_FILES_MAX[door], " ".join(out["path"])
+    calls = sum(out["calls_per_task"].values())
+    assert calls <= DOOR_PATH_CALLS_MAX[door], out["calls_per_task"]
+    assert "http/server" in out["path"] and "ingress/runner" in out["path"], out["path"]
+    assert ("fanout/peerlinks" in out["path"]) == (door == "forwarded"), out["path"]
 
 
 def test_the_recorder_sees_a_call_back_up() -> None:
