@@ -143,6 +143,21 @@ def _start_gossipd(name: str, n: int, model: Path, log_dir: Path) -> tuple[_Serv
     return _Server(name, "", [], cluster.stop), cluster
 
 
+def _wait_gossipd(server: _Server, cluster: Cluster) -> None:
+    """``server`` pointed at ``cluster`` once it serves: its first daemon's door, and the pids
+    of its own daemons, whose CPU its windows count.  (A parameter, not the start loop's
+    variable: until 2026-12-06 the pids were the last cluster started, so ``gossipd``'s CPU
+    was read from ``gossipd-2``'s idle daemons whenever both ran.)"""
+    for d in cluster.daemons:
+        d.wait_ready(600)
+    if len(cluster.daemons) > 1:
+        cluster.wait_converged(timeout_s=60)
+        cluster.wait_meta(timeout_s=60)
+    server.url = cluster.daemons[0].http_url
+    server.pids = [d.pid for d in cluster.daemons]
+    _wait_models(server.url, 60, server.name)
+
+
 def _cpu_s(pids: list[int]) -> tuple[float, float]:
     """(front processes' CPU seconds, with their children's) so far."""
     import psutil
@@ -253,15 +268,8 @@ def run(
             daemons = clusters.get(server.name)
             if daemons is None:
                 _wait_models(server.url, 600, server.name, server.exited)
-                continue
-            for d in daemons.daemons:
-                d.wait_ready(600)
-            if len(daemons.daemons) > 1:
-                daemons.wait_converged(timeout_s=60)
-                daemons.wait_meta(timeout_s=60)
-            server.url = daemons.daemons[0].http_url
-            server.pids = [d.pid for d in cluster.daemons]
-            _wait_models(server.url, 60, server.name)
+            else:
+                _wait_gossipd(server, daemons)
         windows: dict[str, list[dict[str, Any]]] = {s.name: [] for s in servers}
         with tempfile.TemporaryDirectory() as tmp:
             # A first short window each, not counted: the engines' first steps are slow.
