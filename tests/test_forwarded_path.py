@@ -33,9 +33,12 @@ PATH_CALLS_MAX = 115
 DOOR_PATH_FILES_MAX = {"local": 27, "forwarded": 36}
 DOOR_PATH_CALLS_MAX = {"local": 102, "forwarded": 178}
 # The calls back up the door's paths make, each through a callback handed down on purpose:
-# a connection's held bytes written at the turn's end (http/turnwrites.py), and on the owner
-# a door's Result relayed to its member's connection (the route's relay, fanout/owner.py,
-# registered with the reply sender) after Held Results looked at it.
+# a connection's held bytes written at the turn's end (http/turnwrites.py); and on the
+# owner, a finished task's TaskDone, which waits until the task's replies have left
+# (OwnerEndpoint.task_finished asks Runner.when_replies_sent, whose ReplySender.when_sent
+# calls OwnerEndpoint._results_left back).  A door's replies are relayed on the peer
+# connection, so they have left at once and the callback runs inside the call; a ZeroMQ
+# producer's leave later, from a socket's flush, so the ZeroMQ path shows no call back up.
 DOOR_CALLBACKS = {
     "http/server.HttpConnection -> http/turnwrites.TurnWrites -> http/server.HttpConnection",
     "ingress/runner.Runner -> fanout/owner.OwnerEndpoint -> ingress/runner.Runner",
