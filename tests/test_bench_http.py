@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.tools.bench.http import _figures, _goals, plot, round_ratios
-from gossipd.tools.bench.http_peers import ROUTERS, Window, routers_of, split_load
+from gossipd.tools.bench.http import REFERENCE, _figures, _goals, plot, ratio_c16, round_ratios
+from gossipd.tools.bench.http_peers import ROUTERS, Window, cpu_s, routers_of, split_load
 from tests.helpers import gossipd_cli
 
 
@@ -102,6 +102,10 @@ def test_routers_of(peers: str, names: list[str]) -> None:
         (2, 16, [(1, 8), (1, 8)]),
         (2, 64, [(1, 32), (1, 32)]),
         (2, 5, [(1, 3), (1, 2)]),
+        # An odd count on one wrk process: one thread (wrk gives each thread c // threads,
+        # so 2 threads would open one connection fewer than asked).
+        (1, 3, [(1, 3)]),
+        (1, 17, [(1, 17)]),
     ],
 )
 def test_split_load(entry_points: int, connections: int, split: list[tuple[int, int]]) -> None:
@@ -157,6 +161,39 @@ def test_round_ratios_pair_each_round_of_two_variants() -> None:
     assert round_ratios(mine, ref) == [0.878, 0.863, 1.303]
     assert round_ratios(mine, {"req_per_s_rounds": [0, 10_000]}) == [1.2]  # 0: no ratio
     assert round_ratios(None, ref) == [] and round_ratios(mine, None) == []
+
+
+def test_the_headline_ratio_is_the_median_of_the_rounds_ratios() -> None:
+    figures = {
+        "gossipd": {"c16": {"req_per_s": 12_900, "req_per_s_rounds": [13_000, 12_000, 12_900]}},
+        REFERENCE: {"c16": {"req_per_s": 13_900, "req_per_s_rounds": [14_800, 13_900, 9_900]}},
+    }
+    r = ratio_c16(figures)
+    # Rounds 0.878, 0.863, 1.303: their median 0.878, where the medians give 0.928 (the
+    # router's median from its second round, gossipd's from its third).
+    assert r["ratio_vs_vllm_router_c16"] == 0.878
+    assert r["ratio_vs_vllm_router_c16_rounds"] == [0.878, 0.863, 1.303]
+    assert r["ratio_of_medians_vs_vllm_router_c16"] == 0.928
+    assert ratio_c16({"gossipd": figures["gossipd"]}) == {
+        "ratio_vs_vllm_router_c16": None,
+        "ratio_vs_vllm_router_c16_rounds": [],
+        "ratio_of_medians_vs_vllm_router_c16": None,
+    }
+
+
+def test_cpu_counts_a_child_that_ended_in_the_window_and_refuses_a_gone_process() -> None:
+    before = cpu_s([os.getpid()])
+    child = subprocess.run(  # about 0.3 s of CPU, then waited for (its CPU moves to us)
+        [sys.executable, "-c", "import time\nt = time.process_time()\n"
+         "while time.process_time() - t < 0.3: pass"],
+        check=True,
+    )  # fmt: skip
+    assert child.returncode == 0
+    assert cpu_s([os.getpid()]) - before >= 0.25
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(RuntimeError, match=f"process {gone.pid} ended"):
+        cpu_s([gone.pid])
 
 
 def test_the_plot_is_written_where_asked_with_each_paths_point(tmp_path: Path) -> None:

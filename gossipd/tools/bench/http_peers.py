@@ -11,8 +11,10 @@ Router launch flags, found with ``--help`` and by running them against the stub:
   Hugging Face (its Rust code ignores HF_HUB_OFFLINE).  The stub answers those with 404, so
   nothing is fetched ("No tokenizer_path or model_path found").  vllm-router asks for
   ``/health`` only.  HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 are set anyway;
-- ``--log-level error``: their INFO lines are per worker, not per request, but warnings about
-  the missing info endpoints are noise.
+- ``--log-level error``: both log each request at INFO (sglang-router "started processing
+  request" / "finished processing request"), and gossipd at its default level logs nothing
+  per request: with theirs off, no variant writes a line a request (and the warnings about
+  the stub's missing info endpoints are noise).
 """
 
 from __future__ import annotations
@@ -242,16 +244,22 @@ def _descendants(pid: int) -> list[int]:
 
 
 def cpu_s(pids: list[int]) -> float:
-    """utime + stime of these processes and their children (every thread, /proc/PID/stat)."""
+    """utime + stime of these processes and their descendants (every thread, /proc/PID/stat),
+    and of the children each has waited for (cutime + cstime: a child that ended inside a
+    window moved its CPU there, all of it).  A process of ``pids`` that is gone raises: its
+    CPU would read as 0 and the window's difference would be wrong."""
     total = 0
     for root in pids:
         for pid in _descendants(root):
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
             except (FileNotFoundError, ProcessLookupError):
+                if pid == root:
+                    raise RuntimeError(f"process {root} ended while its CPU was measured") from None
                 continue
             fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": field 3 is fields[0]
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+            # utime, stime, cutime, cstime: fields 14-17
+            total += int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
     return total * _TICK_S
 
 
@@ -262,7 +270,7 @@ def cpu_s(pids: list[int]) -> float:
 class Window:
     """One measured window of one variant at one concurrency."""
 
-    requests: int
+    requests: int  # answered 2xx/3xx (wrk's count less its status errors)
     seconds: float
     p50_us: float
     p99_us: float
@@ -293,7 +301,9 @@ def split_load(entry_points: int, connections: int) -> list[tuple[int, int]]:
     n = min(entry_points, connections)
     conns = [connections // n + (1 if i < connections % n else 0) for i in range(n)]
     threads = max(1, min(2, connections) // n)
-    return [(threads, c) for c in conns]
+    # wrk gives each thread connections // threads: an odd count on 2 threads would open one
+    # connection fewer than asked, so that process runs on one thread.
+    return [(threads if c % threads == 0 else 1, c) for c in conns]
 
 
 class Wrk:
@@ -338,10 +348,13 @@ class Wrk:
             if p.returncode != 0 or line is None:
                 raise RuntimeError(f"wrk failed ({p.returncode}): {err.decode()[-500:]}")
             figs.append(json.loads(line[len("WRKJSON ") :]))
-        requests = sum(f["requests"] for f in figs)
+        # wrk counts a response of status 400 or more as a request too (and as a status
+        # error): a fast refusal is no request served, so it counts in neither req/s nor
+        # the CPU a request.
+        requests = sum(f["requests"] - f["status"] for f in figs)
         # Several wrk processes: their percentiles weighted by their requests (they ran side by
         # side on entry points of the same kind, so their distributions are alike).
-        weight = [f["requests"] / max(1, requests) for f in figs]
+        weight = [f["requests"] / max(1, sum(g["requests"] for g in figs)) for f in figs]
         return Window(
             requests=requests,
             seconds=max(f["duration_us"] for f in figs) / 1e6,
