@@ -43,6 +43,13 @@ def test_logprobs_asked_become_the_tasks_params() -> None:
         (True, {"top_logprobs": 2}, "top_logprobs"),
         (True, {"logprobs": 1}, "logprobs"),
         (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        # Negative: refused before any arithmetic (-1 divided by zero there: a 500; -2 named
+        # min_tokens), with and without logprobs true.
+        (True, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        (True, {"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
+        (True, {"top_logprobs": -1}, "top_logprobs"),
+        (False, {"logprobs": -1}, "logprobs"),
+        (False, {"logprobs": 21}, "logprobs"),
         (True, {"logprobs": True, "top_logprobs": 20, "max_tokens": 4096}, "top_logprobs"),
         (False, {"logprobs": 20, "max_tokens": 1561}, "logprobs"),
         (True, {"logprobs": True, "tools": [{"type": "function", "function": {"name": "f"}}]},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gossipd.core.messages import TokenLogprob
+from gossipd.core.messages import LOGPROBS_TOP_MAX, TokenLogprob
 from gossipd.http.badrequest import BadRequest
 
 
@@ -24,6 +24,8 @@ def decode_logprobs(doc: dict[str, Any], chat: bool) -> int | None:
             raise BadRequest("logprobs: true or false", param="logprobs")
         if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
             raise BadRequest("top_logprobs: an integer", param="top_logprobs")
+        if top is not None and not 0 <= top <= LOGPROBS_TOP_MAX:  # (before any arithmetic)
+            raise BadRequest(f"top_logprobs: 0 to {LOGPROBS_TOP_MAX}", param="top_logprobs")
         if not asked:
             if top:  # (0 asks nothing: clients send it)
                 raise BadRequest("top_logprobs: needs logprobs true", param="top_logprobs")
@@ -37,6 +39,8 @@ def decode_logprobs(doc: dict[str, Any], chat: bool) -> int | None:
     if not isinstance(asked, int) or isinstance(asked, bool):
         raise BadRequest("logprobs: an integer (the most likely tokens a token)",
                          param="logprobs")  # fmt: skip
+    if not 0 <= asked <= LOGPROBS_TOP_MAX:
+        raise BadRequest(f"logprobs: 0 to {LOGPROBS_TOP_MAX}", param="logprobs")
     return asked
 
 
