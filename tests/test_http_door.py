@@ -766,6 +766,31 @@ def test_api_keys_whose_directory_goes_away_are_all_refused_until_it_is_back(
         ApiKeys(str(tmp_path / "never-there"))  # at start-up: it stops the daemon
 
 
+def test_one_bad_key_file_is_skipped_and_the_other_keys_stay_valid(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NAME.key that cannot be stat()ed (a dangling symlink: a secret volume mid-update)
+    was taken as the whole directory unreadable: start-up failed, and later every key was
+    refused.  And a key file's second line made its key unusable, silently."""
+    from gossipd.http.keys import ApiKeys
+
+    alice, carol = "a" * 32, "c" * 32
+    (tmp_path / "alice.key").write_text(alice + "\n")
+    (tmp_path / "bob.key").symlink_to(tmp_path / "gone")  # dangling at start
+    keys = ApiKeys(str(tmp_path))  # no OSError
+    assert keys.name_of(f"Bearer {alice}") == "alice" and len(keys) == 1
+    (tmp_path / "dave.key").symlink_to(tmp_path / "gone-too")  # and later
+    (tmp_path / "carol.key").write_text(carol + "\n# carol's, issued 2026-12-06\n")
+    with caplog.at_level("WARNING", logger="gossipd.http.keys"):
+        assert keys.reload()
+    assert not keys.unreadable
+    assert keys.name_of(f"Bearer {alice}") == "alice"
+    assert keys.name_of(f"Bearer {carol}") == "carol"  # its first line
+    assert "more than one line" in caplog.text and "unreadable" in caplog.text
+    (tmp_path / "gone").write_text("b" * 32)  # bob's target appears: a change, read
+    assert keys.reload() and keys.name_of("Bearer " + "b" * 32) == "bob"
+
+
 def test_a_chats_min_tokens_and_a_structured_forms_size_are_400_and_413_never_500(
     daemon_factory: Any,
 ) -> None:

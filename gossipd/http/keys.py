@@ -71,7 +71,9 @@ class ApiKeys:
         keys: dict[bytes, str] = {}
         for path in files:
             try:
-                raw = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
+                text = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
+                raw, _, rest = text.partition(b"\n")
+                raw = raw.strip(_BLANKS)
                 token = raw.decode()  # UTF-8, or skipped
             except (OSError, UnicodeDecodeError) as exc:
                 log.warning(
@@ -79,6 +81,12 @@ class ApiKeys:
                     extra={"file": str(path), "error": str(exc)},
                 )
                 continue
+            if rest:  # (a second line would have made the key unusable, silently)
+                log.warning(
+                    "an API key file holds more than one line: its first line is the key, "
+                    "the rest is ignored",
+                    extra={"file": str(path)},
+                )
             if len(token) < KEY_CHARS_MIN:
                 log.warning(
                     f"skipped an API key shorter than {KEY_CHARS_MIN} characters",
@@ -94,5 +102,11 @@ class ApiKeys:
 
 
 def _stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
+    """A key file's (mtime, size): what tells a change.  One that cannot be stat()ed (a
+    dangling symlink, as a secret volume mid-update leaves; a file removed since the listing)
+    is (-1, -1), and its read below skips and logs it: one bad entry is not the directory."""
+    try:
+        st = path.stat()
+    except OSError:
+        return -1, -1
     return st.st_mtime_ns, st.st_size
