@@ -13,10 +13,14 @@ request and its response's writer are gossipd/http/exchange.py's.
 Bounds a hostile client meets (each answered, counted and the connection closed):
 - a request line and header block over HEADER_BYTES_MAX (431), a body over
   ``body_bytes_max`` (413), unparseable bytes (400);
-- more than PIPELINED_MAX requests waiting behind the one being answered (429 when no answer
-  is under way, else the connection is just closed): reading
+- more than PIPELINED_MAX requests waiting behind the one being answered: the connection is
+  closed (no status: it would read as the first waiting request's answer); reading
   pauses at half that, and while the client does not read its answers (the transport's
   write buffer is over its high-water mark) no request is read or answered;
+- trailer fields after a chunked body: counted with the head against HEADER_BYTES_MAX (431),
+  and not taken as the request's headers (RFC 9110 6.5.1);
+- after any refusal nothing more of the connection is read or answered; when requests wait
+  behind it, it is closed without a status (theirs were due first).
 - a connection idle, or a request not read whole, for ``idle_timeout_s``: closed.
 
 Requests on one connection are answered in order: a request with nothing before it is
@@ -41,7 +45,7 @@ from gossipd.http.turnwrites import TurnWrites
 log = logging.getLogger("gossipd.http.server")
 
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
-PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429 and close
+PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: closed
 # The methods' texts, decoded once (a request's method is one of these nearly always).
 _METHODS = {m: m.decode() for m in (b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS")}
 _ONCE_ONLY = frozenset({"host", "transfer-encoding"})  # a second line: refused, or joined
@@ -73,8 +77,13 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[str, str] = {}
         self._in_head = False  # between a request's first byte and its headers' end
+        self._in_body = False  # between a request's headers' end and its end (trailers too)
+        self._begun = 0  # requests begun on this connection (which head a read ends in)
+        self._read_begun = 0  # ... when the read being parsed began
+        self._read_heads = 0  # head bytes of requests begun in that read (their headers')
         self._head_bytes = 0
-        self._buffered_head = 0
+        self._tail = 0  # bytes of an open head's unfinished line (what httptools holds)
+        self._quiet_bytes = 0  # read in a body since its last body bytes (chunk trailers)
         self._read_body = 0  # body bytes in the read being parsed
         self._last_seen = False  # a request without keep-alive came: nothing after it is read
         # One piece as it came (the usual body); more pieces grow one bytearray: a chunked
@@ -136,8 +145,10 @@ class HttpConnection(asyncio.Protocol):
         if self._broken or self._last_seen:
             return  # (still read: a client that goes away is seen)
         view: bytes | memoryview = data
+        head_open = self._in_head  # (a head this read may continue)
+        self._read_body = 0  # body bytes of this read (on_body)
+        self._read_begun, self._read_heads = self._begun, 0
         while True:
-            self._read_body = 0  # body bytes of this read (on_body)
             try:
                 self._parser.feed_data(view)
                 break
@@ -168,13 +179,33 @@ class HttpConnection(asyncio.Protocol):
                     self._fail(400, f"malformed HTTP request: {exc}")
                 return
         if self._in_head:
-            # httptools holds a header until it ends: count what it holds, so one endless
-            # header is refused at the bound, not when it ends.  Not the bodies this read
-            # also carried (of requests before this head): a large body followed by the
-            # start of the next request is no 431.
-            self._buffered_head += len(view) - self._read_body
-            if self._buffered_head > HEADER_BYTES_MAX:
+            # httptools holds a line of the head until it ends: count what it holds, so that
+            # one endless header is refused at the bound, not when it ends.  That line is the
+            # read's last (after its last newline), and it follows every body byte and every
+            # head the read ended (a large body without newlines, then the next head's first
+            # bytes, is no 431; nor is a read of many small pipelined requests).  A head open
+            # since an earlier read whose line this read does not end grows by all of it.
+            newline = data.rfind(b"\n")
+            if head_open and self._read_begun == self._begun:
+                self._tail = self._tail + len(data) if newline < 0 else len(data) - newline - 1
+            else:
+                self._tail = min(
+                    len(data) - newline - 1, len(data) - self._read_body - self._read_heads
+                )
+            if self._tail > HEADER_BYTES_MAX:  # (its ended lines: on_url, on_header)
                 self._fail(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
+        elif self._in_body:
+            # Reads of a body that bring no body bytes: a chunked body's trailer section (or
+            # its chunk lines), which httptools holds until a field ends.  Counted, as a
+            # head is, so that an endless trailer field is refused at the bound.
+            if self._read_body:
+                self._quiet_bytes = 0
+            else:
+                self._quiet_bytes += len(data)
+                if self._quiet_bytes > HEADER_BYTES_MAX:
+                    self._fail(
+                        431, f"the request's trailer fields are over {HEADER_BYTES_MAX} bytes"
+                    )
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -182,8 +213,10 @@ class HttpConnection(asyncio.Protocol):
         self._url = b""
         self._headers = {}
         self._in_head = True
+        self._in_body = False
+        self._begun += 1
         self._head_bytes = 0  # the request line and headers parsed so far
-        self._buffered_head = 0  # bytes read while the head had not ended
+        self._tail = 0
         self._body = b""
         self._body_bytes = 0
         self._arm_idle()  # the whole request must arrive within idle_timeout_s
@@ -197,6 +230,11 @@ class HttpConnection(asyncio.Protocol):
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > HEADER_BYTES_MAX:
             raise _Refused(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
+        if not self._in_head:
+            # A trailer field (after a chunked body): counted above with the head, and not
+            # merged into the request's headers (RFC 9110 6.5.1): a key, a request id or a
+            # Transfer-Encoding sent there is not the request's.
+            return
         key = self._wanted.get(name.lower())
         if key is not None:
             headers = self._headers
@@ -208,7 +246,11 @@ class HttpConnection(asyncio.Protocol):
             headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        if self._begun > self._read_begun:  # (a head begun in this read: all its bytes here)
+            self._read_heads += self._head_bytes
         self._in_head = False
+        self._in_body = True
+        self._quiet_bytes = 0
         headers = self._headers
         parser = self._parser
         host = headers.get("host")
@@ -264,6 +306,7 @@ class HttpConnection(asyncio.Protocol):
             self._body = bytearray(held) + body
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         if self._last_seen or self._upgrade_refused:
             return  # pipelined after a request that closes the connection
         parser = self._parser
@@ -360,13 +403,13 @@ class HttpConnection(asyncio.Protocol):
     def _schedule_next(self) -> None:
         """Take the next waiting request on the next loop turn (never by recursion: an answer
         given synchronously would otherwise take the next inside the handler)."""
-        if self._current is None and self._waiting and not self._next_soon:
+        if self._current is None and self._waiting and not self._next_soon and not self._broken:
             self._next_soon = True
             self._loop.call_soon(self._next)
 
     def _next(self) -> None:
         self._next_soon = False
-        if self._current is not None or not self._waiting or self.transport is None:
+        if self._current is not None or not self._waiting or self.transport is None or self._broken:
             return
         if self._writing_paused:
             # resume_writing takes it; meanwhile its client has idle_timeout_s to read
@@ -455,10 +498,13 @@ class HttpConnection(asyncio.Protocol):
     def _fail(self, status: int, message: str) -> None:
         self._broken = True
         self._limits.counters.bad_requests += 1
+        waiting, self._waiting = self._waiting, deque()  # none is answered after this
         if self.transport is None:
             return
-        if self._current is not None and not self._current.done:
-            # A response is under way on this connection: it cannot be interleaved.
+        if (self._current is not None and not self._current.done) or waiting:
+            # A response is under way on this connection (it cannot be interleaved), or
+            # requests wait whose answers are due before this one's (the client would read
+            # the error as the first one's answer): closed without a status.
             self.close()
             return
         body = self._limits.error_body(message, status)

@@ -1,0 +1,337 @@
+"""The HTTP wire's bounds and refusals, from a review of gossipd/http/server.py against
+docs/PROTOCOL.md "HTTP" (2026-12-06): a false 431 on a read of many small pipelined
+requests, trailer fields neither bounded nor kept apart from the headers, and requests
+answered after the wire had refused and closed.  Most drive HttpConnection (the real class)
+with a fake asyncio transport, so that the parsing and the order of events are exact; one
+runs on a real socket, one through a real daemon's door."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from gossipd.http.exchange import Exchange, HttpLimits, Request
+from gossipd.http.server import HttpConnection, serve
+from gossipd.http.turnwrites import TurnWrites
+from gossipd.tools.launcher import DaemonProcess
+
+
+class FakeTransport(asyncio.Transport):
+    """What HttpConnection uses of a transport; records what is written.  Like asyncio's
+    socket transport, it calls the protocol's pause_writing when more than 64 KiB wait, and
+    write() after close() still writes (the socket stays open until the buffer drains)."""
+
+    HIGH = 64 * 1024
+
+    def __init__(self, protocol: HttpConnection) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.out = bytearray()
+        self.buffered = 0  # bytes "not yet taken by the client"
+        self.closing = False
+        self.aborted = False
+        self.paused = False
+
+    def write(self, data: Any) -> None:
+        if self.aborted:
+            return
+        self.out += data
+        self.buffered += len(data)
+        if self.buffered > self.HIGH and not self.paused:
+            self.paused = True
+            self.protocol.pause_writing()
+
+    def drain(self) -> None:
+        """The client reads everything: the buffer empties, the protocol resumes."""
+        self.buffered = 0
+        if self.paused:
+            self.paused = False
+            self.protocol.resume_writing()
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def close(self) -> None:
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.closing = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class Handler:
+    """/big: 1 MiB answer (fills the client's buffer); anything else: a small answer."""
+
+    def __init__(self) -> None:
+        self.seen: list[Request] = []
+
+    def __call__(self, request: Request, exchange: Exchange) -> None:
+        self.seen.append(request)
+        if request.path == "/big":
+            exchange.respond(200, b"x" * (1 << 20), content_type=b"text/plain")
+        else:
+            exchange.respond(200, request.path.encode(), content_type=b"text/plain")
+
+
+def _connection(**kw: Any) -> tuple[HttpConnection, FakeTransport, Handler]:
+    handler = Handler()
+    limits = HttpLimits(**{"body_bytes_max": 1 << 20, "connections_max": 64, **kw})
+    conn = HttpConnection(handler, limits, TurnWrites())
+    transport = FakeTransport(conn)
+    conn.connection_made(transport)
+    return conn, transport, handler
+
+
+async def _turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+# 1. A false 431: the head bytes of requests already complete in the same read are counted
+#    against the partial request that ends the read.
+def test_many_small_pipelined_requests_in_one_read_are_not_a_431() -> None:
+    async def case() -> None:
+        conn, transport, _ = _connection()
+        pad = b"x-pad: " + b"a" * 1000 + b"\r\n"
+        one = b"GET /h HTTP/1.1\r\nhost: x\r\n" + pad + b"\r\n"  # ~1 KiB head, no body
+        data = one * 100 + one[:500]  # 100 whole requests and half of the 101st: one read
+        conn.data_received(data)
+        await _turns()
+        conn.data_received(one[500:])
+        await _turns()
+        out = bytes(transport.out)
+        assert b" 431 " not in out, out[-400:]
+        assert out.count(b"HTTP/1.1 200 OK") == 101
+
+    asyncio.run(case())
+
+
+def test_many_small_pipelined_requests_on_a_real_socket_are_all_answered() -> None:
+    async def case() -> None:
+        handler = Handler()
+        limits = HttpLimits(body_bytes_max=1 << 20, connections_max=64)
+        server = await serve("127.0.0.1", 0, handler, limits)
+        port = server.sockets[0].getsockname()[1]
+        one = b"GET /h HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * 1000 + b"\r\n\r\n"
+        count = 400  # ~400 KiB in one write: a 256 KiB read ends inside a head
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(one * count)
+        got = b""
+        async with asyncio.timeout(10):
+            while got.count(b"HTTP/1.1 ") < count:
+                try:
+                    piece = await reader.read(1 << 16)
+                except ConnectionResetError:  # closed by the server with our bytes unread
+                    break
+                if not piece:
+                    break
+                got += piece
+        writer.close()
+        server.close()
+        answered = got.count(b"HTTP/1.1 200 OK")
+        assert b" 431 " not in got and answered == count, (answered, got[-200:])
+
+    asyncio.run(case())
+
+
+# 2. Trailers: a chunked body's trailer section is neither bounded (431) nor kept apart
+#    from the request's headers.
+def _chunked_head(extra: bytes = b"") -> bytes:
+    return (
+        b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n" + extra + b"\r\n"
+        b"2\r\n{}\r\n0\r\n"
+    )
+
+
+def test_an_endless_trailer_is_refused_at_the_header_bound() -> None:
+    async def case() -> None:
+        conn, transport, _ = _connection()
+        conn.data_received(_chunked_head() + b"x-t: ")
+        piece = b"a" * 65536
+        tracemalloc.start()
+        try:
+            for _ in range(64):  # 4 MiB of one trailer field, never ended
+                if transport.closing:
+                    break
+                conn.data_received(piece)
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        await _turns()
+        assert transport.closing and b" 431 " in bytes(transport.out), (
+            f"no 431 and the connection open after 4 MiB of trailer; {held} bytes held"
+        )
+
+    asyncio.run(case())
+
+
+def test_trailer_fields_are_not_taken_as_the_requests_headers() -> None:
+    async def case() -> None:
+        conn, transport, handler = _connection()
+        conn.data_received(
+            _chunked_head()
+            + b"authorization: Bearer sk-from-the-trailer-0123456789\r\n"
+            + b"x-request-id: from-trailer\r\n\r\n"
+        )
+        await _turns()
+        assert handler.seen, bytes(transport.out)
+        headers = handler.seen[0].headers
+        # RFC 9110 6.5.1: trailer fields are not merged into the header section
+        assert "authorization" not in headers and "x-request-id" not in headers, headers
+
+    asyncio.run(case())
+
+
+# 3. After the wire refuses a request and closes (400/413/429/431/501 "connection
+#    closed"), a pipelined request still waiting is dispatched when the client reads,
+#    and its answer is written after the error that said "connection: close".
+def test_nothing_is_answered_after_the_wire_refused_and_closed() -> None:
+    """A malformed request behind a waiting one (the client not reading /big's answer):
+    the connection closes without the 400 (it would read as /h's answer) and /h is never
+    answered, not even once the client reads.  With nothing waiting, the 400 is sent."""
+
+    async def case() -> None:
+        conn, transport, handler = _connection()
+        conn.data_received(
+            b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n"  # fills the client's buffer: paused
+            b"GET /h HTTP/1.1\r\nhost: x\r\n\r\n"  # waits behind it
+            b"NOT HTTP\r\n\r\n"  # malformed: the connection's last
+        )
+        await _turns()
+        assert transport.closing
+        assert bytes(transport.out).count(b"HTTP/1.1 ") == 1  # /big's answer alone
+        transport.drain()  # the client reads its answers; asyncio calls resume_writing
+        await _turns()
+        assert bytes(transport.out).count(b"HTTP/1.1 ") == 1
+        assert [r.path for r in handler.seen] == ["/big"], [r.path for r in handler.seen]
+
+        conn, transport, handler = _connection()
+        conn.data_received(b"GET /h HTTP/1.1\r\nhost: x\r\n\r\nNOT HTTP\r\n\r\n")
+        await _turns()
+        out = bytes(transport.out)
+        assert transport.closing and out.count(b"HTTP/1.1 ") == 2, out
+        assert b"HTTP/1.1 400 " in out[out.index(b"/h") :], out
+
+    asyncio.run(case())
+
+
+def test_too_many_pipelined_requests_close_the_connection_and_nothing_is_answered_after() -> None:
+    """17 waiting behind an answer the client does not read: closed, without a 429 (it
+    would read as the first waiting request's answer), and none of them answered after."""
+
+    async def case() -> None:
+        conn, transport, handler = _connection()
+        one = b"GET /h HTTP/1.1\r\nhost: x\r\n\r\n"
+        conn.data_received(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n" + one * 17)
+        await _turns()
+        assert transport.closing
+        out = bytes(transport.out)
+        assert out.count(b"HTTP/1.1 ") == 1 and out.startswith(b"HTTP/1.1 200 "), out[-300:]
+        transport.drain()
+        await _turns(40)
+        assert bytes(transport.out).count(b"HTTP/1.1 ") == 1
+        assert len(handler.seen) == 1, [r.path for r in handler.seen]
+
+    asyncio.run(case())
+
+
+def test_a_key_sent_only_in_a_trailer_is_not_taken(tmp_path: Path) -> None:
+    """Through a real daemon's door with http.keys_dir: a chunked request whose only
+    Authorization is a trailer field is a 401 (it was served 200)."""
+    key = "sk-test-0123456789abcdef"
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "alice.key").write_text(key + "\n")
+    d = DaemonProcess(
+        overrides=['http.bind="127.0.0.1:0"', f'http.keys_dir="{keys}"'],
+        log_dir=tmp_path,
+        name="d",
+    )
+    d.start()
+    try:
+        port = int(d.http_url.rsplit(":", 1)[1])
+        body = json.dumps({"model": "echo", "prompt": "hi", "max_tokens": 1}).encode()
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+        )
+        chunks = b"%x\r\n%s\r\n0\r\n" % (len(body), body)
+        for trailer, status in (
+            (b"", b"401"),
+            (b"authorization: Bearer %s\r\n" % key.encode(), b"401"),
+        ):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(head + chunks + trailer + b"\r\n")
+                got = b""
+                while piece := sock.recv(65536):
+                    got += piece
+            assert got.startswith(b"HTTP/1.1 " + status + b" "), got[:300]
+        # The same key in the header serves: the 401 above is the trailer's, not the key's.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                head.replace(
+                    b"connection: close",
+                    b"authorization: Bearer %s\r\nconnection: close" % key.encode(),
+                )
+                + chunks
+                + b"\r\n"
+            )
+            got = b""
+            while piece := sock.recv(65536):
+                got += piece
+        assert got.startswith(b"HTTP/1.1 200 "), got[:300]
+    finally:
+        d.stop(timeout_s=15)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=16),
+    bodies=st.lists(st.just(0) | st.integers(0, 90_000), min_size=16, max_size=16),
+    cuts=st.lists(st.integers(1, 400_000), max_size=12),
+)
+# Two whole heads of 30 KB and a read that ends inside the third: a 431 before the fix.
+@example(sizes=[30_000, 30_000, 30_000], bodies=[0] * 16, cuts=[90_100])
+def test_any_read_boundaries_give_every_pipelined_request_its_answer(
+    sizes: list[int], bodies: list[int], cuts: list[int]
+) -> None:
+    """Requests with headers of any size up to about 40 KiB and bodies without newlines up
+    to 90 KiB, pipelined and cut into reads anywhere: each is answered 200, in order, never
+    a 431 (the bound counts a head's own held bytes, wherever the reads fall)."""
+    wire = b"".join(
+        b"POST /r%d HTTP/1.1\r\nhost: x\r\nx-pad: %s\r\ncontent-length: %d\r\n\r\n%s"
+        % (i, b"p" * size, bodies[i], b"b" * bodies[i])
+        for i, size in enumerate(sizes)
+    )
+    edges = sorted({0, len(wire), *(c % len(wire) for c in cuts)})
+
+    async def case() -> None:
+        conn, transport, handler = _connection(body_bytes_max=1 << 20)
+        for start, end in itertools.pairwise(edges):
+            conn.data_received(wire[start:end])
+            transport.drain()  # the client reads: no request waits on a paused writer
+            await _turns(2)
+        await _turns()
+        out = bytes(transport.out)
+        assert b" 431 " not in out and b" 400 " not in out, out[-300:]
+        assert [r.path for r in handler.seen] == [f"/r{i}" for i in range(len(sizes))]
+        assert out.count(b"HTTP/1.1 200 OK") == len(sizes)
+
+    asyncio.run(case())
