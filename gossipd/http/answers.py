@@ -339,9 +339,11 @@ class Answers:
             if message.ok:
                 self._end_choice(writer, waiting, message, writer.end(usage_of(message.usage)))
             else:
-                # (Not a read for calls: their text may hold a call's markup; nor an echo
-                # not written yet: they would not begin with the prompt.)
-                if not writer.reads_calls and not waiting.echo_due:
+                # After a gap that never filled, the chunks held past it, as a Result ok
+                # would; behind a gap still open they are not written (the text would have a
+                # hole).  (Not a read for calls: their text may hold a call's markup; nor an
+                # echo not written yet: they would not begin with the prompt.)
+                if waiting.gap and not writer.reads_calls and not waiting.echo_due:
                     self._write_held(writer, waiting)
                 assert message.error is not None
                 exchange.write(writer.error(message.error))
@@ -586,7 +588,7 @@ class Answers:
                 waiting.writer = choices.writer
         error = ErrorInfo(code=code, message=message)
         if waiting.writer is not None:
-            waiting.exchange.write(StreamWriter.error(error))
+            waiting.exchange.write(waiting.writer.error(error))
             waiting.exchange.end_stream()
             self.counters.count(200)
         else:

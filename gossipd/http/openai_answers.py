@@ -296,12 +296,9 @@ class StreamWriter:
             return self._event(b"[]", _json_encode(usage)) + b"data: [DONE]\n\n"
         return b"data: [DONE]\n\n"
 
-    @staticmethod
-    def error(error: ErrorInfo) -> bytes:
-        """An error after the stream began: a last event with an ``error`` object."""
-        _, err_type = STATUS_OF.get(error.code, (500, "server_error"))
-        return (
-            b"data: "
-            + error_body(error.message, err_type, code=error.code)
-            + b"\n\ndata: [DONE]\n\n"
-        )
+    def error(self, error: ErrorInfo) -> bytes:
+        """An error after the stream began: a last event with an ``error`` object, the same
+        object (``type``, ``param``, ``code``) as the answer before any token would carry
+        (a prompt too long: ``context_length_exceeded``, naming ``prompt`` or ``messages``)."""
+        _, body, _ = error_of(error, chat=self._chat)
+        return b"data: " + body + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,102 @@
+"""A stream's end by an error (docs/PROTOCOL.md "An error after the stream began is one
+last event"; "Chunks are written in seq order: one that arrives early is held until the gap
+fills"), from a review of the door's answers (2026-12-06): the event carried the task's raw
+code with no param, where the same error before any token says context_length_exceeded and
+names the prompt; and it wrote the chunks held behind a gap still open (text with a hole)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gossipd.clock import ManualClock
+from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result
+from gossipd.http.answers import Answers, Waiting
+from gossipd.http.openai_answers import error_of
+from gossipd.http.openai_api import decode_call
+
+
+class RecordingExchange:
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.answers: list[tuple[int, bytes, Any]] = []
+        self.ended = 0
+        self.on_close: Any = None
+        self.done = False
+        self.streaming = False
+
+    def start_stream(self, **_: object) -> None:
+        self.streaming = True
+
+    def write(self, data: bytes) -> int:
+        self.events.append(data)
+        return 0
+
+    def end_stream(self) -> None:
+        self.ended += 1
+
+    def respond(self, status: int, body: bytes, headers: Any = None, **_: object) -> None:
+        self.answers.append((status, body, headers))
+        self.ended += 1
+
+    def abort(self) -> None:
+        self.ended += 1
+
+
+TOO_LONG = ErrorInfo(
+    code=ErrorCode.BAD_REQUEST,
+    message="This model's maximum context length is 512 tokens. However, your prompt is 900 "
+    "tokens long",
+)
+
+
+def _events(exchange: RecordingExchange) -> list[Any]:
+    out: list[Any] = []
+    for raw in b"".join(exchange.events).split(b"\n\n"):
+        if raw == b"data: [DONE]":
+            out.append("[DONE]")
+        elif raw.startswith(b"data: "):
+            out.append(json.loads(raw[6:]))
+    return out
+
+
+def test_a_prompt_too_long_after_the_stream_began_says_so_as_the_400_does() -> None:
+    answers = Answers(node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
+                      request_timeout_s=60, clock=ManualClock())  # fmt: skip
+    call = decode_call(
+        json.dumps({"model": "m", "prompt": ["short", "long " * 900], "stream": True}).encode(),
+        chat=False,
+    )
+    exchange = RecordingExchange()
+    first = Waiting(exchange=exchange, call=call, response_id="cmpl-x", created=1,  # type: ignore[arg-type]
+                    deadline=100.0, request_id="")  # fmt: skip
+    choices = answers.wait_choices(["t0", "t1"], first)
+    choices.taken = 2
+    answers.deliver_message(Chunk(id="t0", seq=0, delta="short", node="m"))
+    answers.deliver_message(Result(id="t1", ok=False, error=TOO_LONG, node="m"))
+    events = _events(exchange)
+    assert events[-1] == "[DONE]"
+    streamed = events[-2]["error"]
+    _, body, _ = error_of(TOO_LONG)
+    whole = json.loads(body)["error"]
+    assert whole["code"] == "context_length_exceeded" and whole["param"] == "prompt"
+    assert (streamed["code"], streamed["param"]) == (whole["code"], whole["param"]), streamed
+
+
+def test_an_error_does_not_write_a_chunk_held_behind_a_gap_still_open() -> None:
+    answers = Answers(node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
+                      request_timeout_s=60, clock=ManualClock())  # fmt: skip
+    call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
+    exchange = RecordingExchange()
+    answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
+                               deadline=1e9, request_id=""))  # fmt: skip
+    answers.deliver_message(Chunk(id="t1", seq=0, delta="<0>"))
+    answers.deliver_message(Chunk(id="t1", seq=2, delta="<2>"))  # <1> still on its way
+    error = ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="late")
+    answers.deliver_message(Result(id="t1", ok=False, error=error))
+    texts = []
+    for raw in b"".join(exchange.events).split(b"\n\n"):
+        if raw.startswith(b"data: {") and b'"choices"' in raw:
+            texts += [c["text"] for c in json.loads(raw[6:])["choices"]]
+    assert exchange.ended == 1
+    assert texts == ["<0>"], f"text after a hole: {texts}"
