@@ -936,6 +936,40 @@ def test_Forwarder_a_task_past_its_deadline_is_withdrawn_not_migrated_off_a_dead
         assert fw.counters.expired_not_migrated == 1 and fw.counters.migrated == 0
 
 
+def test_Forwarder_a_task_its_producer_cancelled_is_not_run_again_off_a_dead_member() -> None:
+    """A producer's Cancel (an HTTP client that left) for a task whose owner has died and is
+    not yet declared dead: the Cancel went to a dead address (or, the owner out of our view,
+    nowhere), and the death then migrated the task uncancelled, to run for nobody (found by a
+    review, on three daemons).  Now the death ends it here, answered cancelled: withdrawn
+    from the dead member, no Forward to another."""
+    for owner_in_view in (True, False):
+        fw, placement = _forwarder(["a", "b"])
+        fw.route(_task(), 0.0)
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        fw.on_reply(_reply(fwd, "a", True), 0.001)
+        if not owner_in_view:
+            placement.members.remove("a")
+        assert fw.cancel("t0", "") == "forwarded"
+        cancels = [m for _, m in fw.take_outbox() if isinstance(m, Cancel)]
+        assert len(cancels) == (1 if owner_in_view else 0)
+        if owner_in_view:
+            placement.members.remove("a")
+        assert fw.member_dead("a", 1.0) == 0
+        assert fw.take_outbox() == [("addr-a", Withdraw(id="t0", node="me"))]
+        [event] = fw.take_events()
+        assert isinstance(event, Refuse) and event.code is ErrorCode.CANCELLED
+        assert fw.ledger.get("t0") is None and not any(fw.loads.values())
+        assert fw.counters.cancelled_not_migrated == 1 and fw.counters.migrated == 0
+    # Another key's Cancel marks nothing: the task migrates as before.
+    fw, placement = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", True), 0.001)
+    assert fw.cancel("t0", "someone-else") == "refused"
+    placement.members.remove("a")
+    assert fw.member_dead("a", 1.0) == 1 and fw.counters.cancelled_not_migrated == 0
+
+
 def test_Forwarder_forgets_a_ledgered_task_whose_TaskDone_never_comes_after_its_window() -> None:
     """Rule 4: a TaskDone lost (a partition; an owner that restarted and left the task to a
     member that held it) no longer keeps the task ledgered, and counted against its member's

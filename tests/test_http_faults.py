@@ -66,6 +66,39 @@ def test_an_owner_killed_mid_task_does_not_lose_the_clients_answer(trio: Cluster
     assert migrated >= 1, "the entry moved the task off the dead owner"
 
 
+def test_a_client_gone_while_its_owner_is_dying_leaves_nothing_running(trio: Cluster) -> None:
+    """The client gives up on a stream stalled by its owner's death before membership
+    declares the owner dead: the door's Cancel goes to a dead address, and the death then
+    migrated the task, whose copy ran its 40 s of tokens for nobody (found by a review).
+    The forwarder now remembers the Cancel: the death ends the task, answered cancelled."""
+    entry, owner, other = trio.daemons
+    client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
+    session = _session_owned_by([d.name for d in trio.daemons], owner.name)
+    stream = client.completions.create(
+        model="echo",
+        prompt="one two three",
+        max_tokens=800,  # 40 s at 0.05 s a token
+        stream=True,
+        extra_headers={"x-session-id": session},
+    )
+    next(iter(stream))
+    owner.kill()  # SIGKILL: the stream stalls
+    stream.close()  # ...and the client gives up on it
+    wait_until(
+        lambda: scrape(entry.metrics_port)["gossipd_http_cancels_total{why=disconnect}"] == 1,
+        10,
+        "the door to see the client gone",
+    )
+    wait_until(
+        lambda: scrape(entry.metrics_port)["gossipd_fanout_cancelled_not_migrated_total"] == 1,
+        20,
+        "the entry to declare the owner dead and end the cancelled task",
+    )
+    assert scrape(entry.metrics_port).get("gossipd_fanout_migrated_total", 0) == 0
+    for d in (entry, other):
+        assert scrape(d.metrics_port)["gossipd_tasks_running"] == 0, d.name
+
+
 def test_a_client_that_does_not_read_its_stream_is_cut_at_the_byte_bound(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     d = daemon_factory(HTTP, METRICS, "http.stream_buffer_bytes_max=65536")
     port = int(d.http_url.rsplit(":", 1)[1])

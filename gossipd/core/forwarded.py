@@ -64,6 +64,9 @@ class Forwarded:
     task: Task
     received_at: float  # time.monotonic() at the entry point: the task's deadline counts from it
     size_bytes: int  # budgets.task_bytes(task), worked out once when it is ledgered
+    # Its producer cancelled it (the Cancel went to the owner, or could not: the owner out of
+    # our view): if the owner dies, the task ends here answered cancelled, not run again.
+    cancelled: bool = False
 
     def window_ends(self) -> float:
         """When its deadline and the producer's window after it (timeout_ms again) have

@@ -194,6 +194,8 @@ class ForwarderCounters:
     # ...not dispatched again: past their deadline (its owner answered, or its producer has
     # given up on it; its TaskDone may have been lost to a partition)
     expired_not_migrated: int = 0
+    # ...not dispatched again: its producer had cancelled it (answered cancelled here)
+    cancelled_not_migrated: int = 0
     handed_off: int = 0  # hand-offs another member accepted
     hedged: int = 0  # forwards also sent to a second member
     hedge_wins: int = 0  # ...where the second member accepted first
@@ -406,6 +408,11 @@ class Forwarder:
         # the task instead of running it beside the migrated one.
         self._withdraw(node, entry.task.id)
         task = entry.task
+        if entry.cancelled:  # its producer cancelled it: ended here, not run again
+            self.counters.cancelled_not_migrated += 1
+            why = f"cancelled by the producer; its owner {node} died before it said so"
+            self._events.append(Refuse(task, ErrorCode.CANCELLED, why, 0))
+            return 0
         timeout_s = task.timeout_ms / 1000.0
         deadline = entry.received_at + timeout_s
         if deadline <= now:  # rule 4: past its deadline
@@ -428,11 +435,14 @@ class Forwarder:
         entry = self.ledger.get(task_id)
         if entry is None:
             return self._cancel_in_flight(task_id, producer_key)
-        addr = self._placement.addr(entry.owner)
-        if addr is None:
-            return None
         if entry.task.producer_key != producer_key:
             return "refused"
+        # Remembered with the task: should its owner die before the Cancel lands (sent to a
+        # dead address, or to none), a migration would run the task again for nobody.
+        entry.cancelled = True
+        addr = self._placement.addr(entry.owner)
+        if addr is None:
+            return "forwarded"  # (its owner's death, when we see it, ends it)
         self._outbox.append(
             (addr, Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key))
         )

@@ -82,6 +82,7 @@ class FanoutStatistics:
     unavailable: int
     migrated: int
     expired_not_migrated: int
+    cancelled_not_migrated: int
     handed_off: int
     bad_peer_messages: int
     replies_dropped: int
@@ -478,6 +479,7 @@ class Dispatcher:
             unavailable=fw.unavailable,
             migrated=fw.migrated,
             expired_not_migrated=fw.expired_not_migrated,
+            cancelled_not_migrated=fw.cancelled_not_migrated,
             handed_off=fw.handed_off,
             moved=fw.moved,
             bad_peer_messages=owner.bad_peer_messages

@@ -370,6 +370,12 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             "Tasks held by a dead member past their deadline: forgotten, not re-dispatched",
             stats.expired_not_migrated,
         ),
+        (
+            "gossipd_fanout_cancelled_not_migrated",
+            "Tasks held by a dead member that their producer had cancelled: answered "
+            "cancelled, not re-dispatched",
+            stats.cancelled_not_migrated,
+        ),
         ("gossipd_fanout_handed_off", "Queued tasks handed to others at drain", stats.handed_off),
         (
             "gossipd_fanout_moved",
