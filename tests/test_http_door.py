@@ -771,7 +771,8 @@ def test_one_bad_key_file_is_skipped_and_the_other_keys_stay_valid(
 ) -> None:
     """A NAME.key that cannot be stat()ed (a dangling symlink: a secret volume mid-update)
     was taken as the whole directory unreadable: start-up failed, and later every key was
-    refused.  And a key file's second line made its key unusable, silently."""
+    refused.  And a key file of two lines made its key unusable, silently: now it is
+    skipped and said (taking its first line would make a comment above the key the key)."""
     from gossipd.http.keys import ApiKeys
 
     alice, carol = "a" * 32, "c" * 32
@@ -780,12 +781,16 @@ def test_one_bad_key_file_is_skipped_and_the_other_keys_stay_valid(
     keys = ApiKeys(str(tmp_path))  # no OSError
     assert keys.name_of(f"Bearer {alice}") == "alice" and len(keys) == 1
     (tmp_path / "dave.key").symlink_to(tmp_path / "gone-too")  # and later
-    (tmp_path / "carol.key").write_text(carol + "\n# carol's, issued 2026-12-06\n")
+    (tmp_path / "carol.key").write_text(carol + "\n")
+    # A comment above the key would have become the key: a file of two lines is skipped.
+    (tmp_path / "erin.key").write_text("# erin's, issued 2026-12-06\n" + "e" * 32 + "\n")
     with caplog.at_level("WARNING", logger="gossipd.http.keys"):
         assert keys.reload()
     assert not keys.unreadable
     assert keys.name_of(f"Bearer {alice}") == "alice"
-    assert keys.name_of(f"Bearer {carol}") == "carol"  # its first line
+    assert keys.name_of(f"Bearer {carol}") == "carol"
+    assert keys.name_of("Bearer # erin's, issued 2026-12-06") is None
+    assert keys.name_of("Bearer " + "e" * 32) is None and len(keys) == 2
     assert "more than one line" in caplog.text and "unreadable" in caplog.text
     (tmp_path / "gone").write_text("b" * 32)  # bob's target appears: a change, read
     assert keys.reload() and keys.name_of("Bearer " + "b" * 32) == "bob"

@@ -11,7 +11,7 @@ from typing import Any
 
 from gossipd.clock import ManualClock
 from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result
-from gossipd.http.answers import Answers, Waiting
+from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
 from gossipd.http.openai_answers import error_of
 from gossipd.http.openai_api import decode_call
 
@@ -100,3 +100,29 @@ def test_an_error_does_not_write_a_chunk_held_behind_a_gap_still_open() -> None:
             texts += [c["text"] for c in json.loads(raw[6:])["choices"]]
     assert exchange.ended == 1
     assert texts == ["<0>"], f"text after a hole: {texts}"
+
+
+def test_after_a_gap_given_up_an_error_still_writes_nothing_held_behind_a_new_one() -> None:
+    """Past 256 held the stream goes on after a gap (the skipped chunks' text is missing);
+    a chunk held later waits behind a new gap, still open at the error: not written."""
+    answers = Answers(node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
+                      request_timeout_s=60, clock=ManualClock())  # fmt: skip
+    call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
+    exchange = RecordingExchange()
+    answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
+                               deadline=1e9, request_id=""))  # fmt: skip
+    answers.deliver_message(Chunk(id="t1", seq=0, delta="<0>"))
+    for seq in range(2, 2 + HELD_CHUNKS_MAX):  # <1> never comes: given up at the bound
+        answers.deliver_message(Chunk(id="t1", seq=seq, delta=f"<{seq}>"))
+    after = 2 + HELD_CHUNKS_MAX
+    answers.deliver_message(Chunk(id="t1", seq=after + 1, delta="<late>"))  # behind <after>
+    error = ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="late")
+    answers.deliver_message(Result(id="t1", ok=False, error=error))
+    texts = [
+        c["text"]
+        for raw in b"".join(exchange.events).split(b"\n\n")
+        if raw.startswith(b"data: {") and b'"choices"' in raw
+        for c in json.loads(raw[6:])["choices"]
+    ]
+    assert texts == ["<0>", *(f"<{s}>" for s in range(2, after))], texts[-3:]
+    assert exchange.ended == 1

@@ -104,8 +104,9 @@ class ForwardedLedger:
     def owned_by(self, member: str) -> list[Forwarded]:
         return [f for f in self.entries.values() if f.owner == member]
 
-    def accepted(self, task: Task, owner: str, received_at: float) -> None:
-        """``owner`` accepted ``task``: we answer for it until its TaskDone."""
+    def accepted(self, task: Task, owner: str, received_at: float, cancelled: bool = False) -> None:
+        """``owner`` accepted ``task``: we answer for it until its TaskDone.  ``cancelled``:
+        its producer's Cancel came before (Forwarded.cancelled)."""
         task_id = task.id
         if task_id in self.entries:  # accepted again (a retry, a hedge): ledgered once
             self.forget(task_id)
@@ -121,7 +122,7 @@ class ForwardedLedger:
             return
         self._finished.pop(task_id, None)  # this copy is not finished (a resubmission)
         size = task_bytes(task)
-        self.entries[task_id] = Forwarded(owner, task, received_at, size)
+        self.entries[task_id] = Forwarded(owner, task, received_at, size, cancelled)
         self.bytes += size
         outstanding = self.outstanding  # its total kept here: no Python call a task
         dict.__setitem__(outstanding, owner, outstanding.get(owner, 0) + 1)

@@ -227,6 +227,7 @@ class Journey(msgspec.Struct, eq=False):
     ended: bool = False
     saturated: str = ""  # the first member that refused as saturated (rule 6)
     plain: bool = False  # ...asked again without if_free
+    cancelled: bool = False  # its producer's Cancel followed its copies in the air
 
 
 class Flight(msgspec.Struct, eq=False):
@@ -410,8 +411,9 @@ class Forwarder:
         task = entry.task
         if entry.cancelled:  # its producer cancelled it: ended here, not run again
             self.counters.cancelled_not_migrated += 1
-            why = f"cancelled by the producer; its owner {node} died before it said so"
-            self._events.append(Refuse(task, ErrorCode.CANCELLED, why, 0))
+            if now < entry.window_ends():  # (past it nothing is answered: rule 4)
+                why = f"cancelled by the producer; its owner {node} died before it said so"
+                self._events.append(Refuse(task, ErrorCode.CANCELLED, why, 0))
             return 0
         timeout_s = task.timeout_ms / 1000.0
         deadline = entry.received_at + timeout_s
@@ -438,15 +440,18 @@ class Forwarder:
         if entry.task.producer_key != producer_key:
             return "refused"
         # Remembered with the task: should its owner die before the Cancel lands (sent to a
-        # dead address, or to none), a migration would run the task again for nobody.
+        # dead address), a migration would run the task again for nobody.
         entry.cancelled = True
-        addr = self._placement.addr(entry.owner)
-        if addr is None:
-            return "forwarded"  # (its owner's death, when we see it, ends it)
-        self._outbox.append(
-            (addr, Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key))
-        )
+        self._send_cancel(entry.owner, task_id, producer_key)
         return "forwarded"
+
+    def _send_cancel(self, member: str, task_id: str, producer_key: str) -> None:
+        """A Cancel to ``member``: at its address, or at its last known one when it has left
+        our view (alive, it still runs the task; dead, its death ends the task here)."""
+        addr = self._placement.addr(member) or self._last_addr.get(member)
+        if addr is not None:
+            cancel = Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key)
+            self._outbox.append((addr, cancel))
 
     def moved(self, task_id: str, owner: str, to: str) -> bool:
         """``owner`` handed ``task_id``, which we forwarded to it, over to ``to`` (a Moved):
@@ -457,7 +462,9 @@ class Forwarder:
             return False
         self.ledger.forget(task_id)
         if to != self.node:  # (handed back to us: it runs here, nothing to answer for)
-            self.ledger.accepted(entry.task, to, entry.received_at)
+            self.ledger.accepted(entry.task, to, entry.received_at, entry.cancelled)
+            if entry.cancelled:  # (its Cancel reached the owner that handed it over, or not)
+                self._send_cancel(to, task_id, entry.task.producer_key)
         self.counters.moved += 1
         return True
 
@@ -477,6 +484,7 @@ class Forwarder:
             return "refused"
         cancel = Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key)
         live = [f for f in j.flights if f.live]
+        j.cancelled = True  # (an accept ledgers it so: a death then ends it, see cancel)
         for flight in live:
             addr = self._last_addr.get(flight.member)
             if addr is not None:
@@ -720,7 +728,7 @@ class Forwarder:
                 self._withdraw(other.member, j.task.id)
         if not j.quiet:
             self.counters.forwarded += 1
-        self.ledger.accepted(j.task, flight.member, j.received_at)
+        self.ledger.accepted(j.task, flight.member, j.received_at, j.cancelled)
         if self._sweep_at == _INF:
             self._sweep_at = now + LEDGER_SWEEP_S
         self._end(j, ok=True)

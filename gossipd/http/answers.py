@@ -339,12 +339,9 @@ class Answers:
             if message.ok:
                 self._end_choice(writer, waiting, message, writer.end(usage_of(message.usage)))
             else:
-                # After a gap that never filled, the chunks held past it, as a Result ok
-                # would; behind a gap still open they are not written (the text would have a
-                # hole).  (Not a read for calls: their text may hold a call's markup; nor an
-                # echo not written yet: they would not begin with the prompt.)
-                if waiting.gap and not writer.reads_calls and not waiting.echo_due:
-                    self._write_held(writer, waiting)
+                # The chunks still held wait behind a gap that is open (in-order ones were
+                # written as they came, also after a gap given up): not written, the text
+                # would have a hole.
                 assert message.error is not None
                 exchange.write(writer.error(message.error))
             exchange.end_stream()

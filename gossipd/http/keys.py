@@ -81,12 +81,14 @@ class ApiKeys:
                     extra={"file": str(path), "error": str(exc)},
                 )
                 continue
-            if rest:  # (a second line would have made the key unusable, silently)
+            if rest:
+                # Not its first line: a comment above the key would become the key.  Refused
+                # and said (before, the whole text was the key: unusable, silently).
                 log.warning(
-                    "an API key file holds more than one line: its first line is the key, "
-                    "the rest is ignored",
+                    "skipped an API key file of more than one line: it must hold the key alone",
                     extra={"file": str(path)},
                 )
+                continue
             if len(token) < KEY_CHARS_MIN:
                 log.warning(
                     f"skipped an API key shorter than {KEY_CHARS_MIN} characters",
