@@ -71,9 +71,7 @@ class ApiKeys:
         keys: dict[bytes, str] = {}
         for path in files:
             try:
-                text = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
-                raw, _, rest = text.partition(b"\n")
-                raw = raw.strip(_BLANKS)
+                raw = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
                 token = raw.decode()  # UTF-8, or skipped
             except (OSError, UnicodeDecodeError) as exc:
                 log.warning(
@@ -81,9 +79,9 @@ class ApiKeys:
                     extra={"file": str(path), "error": str(exc)},
                 )
                 continue
-            if rest:
-                # Not its first line: a comment above the key would become the key.  Refused
-                # and said (before, the whole text was the key: unusable, silently).
+            if b"\n" in raw:
+                # Not taken as its first line (a comment above the key would become the
+                # key), nor whole (unusable, silently, as before): refused and said.
                 log.warning(
                     "skipped an API key file of more than one line: it must hold the key alone",
                     extra={"file": str(path)},

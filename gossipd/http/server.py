@@ -78,8 +78,7 @@ class HttpConnection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._in_head = False  # between a request's first byte and its headers' end
         self._in_body = False  # between a request's headers' end and its end (trailers too)
-        self._begun = 0  # requests begun on this connection (which head a read ends in)
-        self._read_begun = 0  # ... when the read being parsed began
+        self._began_in_read = False  # a request began in the read being parsed
         self._read_heads = 0  # head bytes of requests begun in that read (their headers')
         self._head_bytes = 0
         self._tail = 0  # bytes of an open head's unfinished line (what httptools holds)
@@ -145,9 +144,8 @@ class HttpConnection(asyncio.Protocol):
         if self._broken or self._last_seen:
             return  # (still read: a client that goes away is seen)
         view: bytes | memoryview = data
-        head_open = self._in_head  # (a head this read may continue)
         self._read_body = 0  # body bytes of this read (on_body)
-        self._read_begun, self._read_heads = self._begun, 0
+        self._began_in_read, self._read_heads = False, 0
         while True:
             try:
                 self._parser.feed_data(view)
@@ -186,7 +184,7 @@ class HttpConnection(asyncio.Protocol):
             # bytes, is no 431; nor is a read of many small pipelined requests).  A head open
             # since an earlier read whose line this read does not end grows by all of it.
             newline = data.rfind(b"\n")
-            if head_open and self._read_begun == self._begun:
+            if not self._began_in_read:  # (open before this read, then: it continues)
                 self._tail = self._tail + len(data) if newline < 0 else len(data) - newline - 1
             else:
                 self._tail = min(
@@ -214,7 +212,7 @@ class HttpConnection(asyncio.Protocol):
         self._headers = {}
         self._in_head = True
         self._in_body = False
-        self._begun += 1
+        self._began_in_read = True
         self._head_bytes = 0  # the request line and headers parsed so far
         self._tail = 0
         self._body = b""
@@ -246,7 +244,7 @@ class HttpConnection(asyncio.Protocol):
             headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        if self._begun > self._read_begun:  # (a head begun in this read: all its bytes here)
+        if self._began_in_read:  # (this head began in this read: all its bytes are here)
             self._read_heads += self._head_bytes
         self._in_head = False
         self._in_body = True

@@ -354,7 +354,8 @@ class Wrk:
         requests = sum(f["requests"] - f["status"] for f in figs)
         # Several wrk processes: their percentiles weighted by their requests (they ran side by
         # side on entry points of the same kind, so their distributions are alike).
-        weight = [f["requests"] / max(1, sum(g["requests"] for g in figs)) for f in figs]
+        answered = max(1, sum(f["requests"] for f in figs))  # (status errors included)
+        weight = [f["requests"] / answered for f in figs]
         return Window(
             requests=requests,
             seconds=max(f["duration_us"] for f in figs) / 1e6,
