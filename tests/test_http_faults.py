@@ -12,6 +12,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -41,19 +42,25 @@ def trio(tmp_path: Path):  # type: ignore[no-untyped-def]
         yield c
 
 
-def test_an_owner_killed_mid_task_does_not_lose_the_clients_answer(trio: Cluster) -> None:
-    entry, owner, _other = trio.daemons
+def _stream_owned_by(trio: Cluster, owner: Any, max_tokens: int) -> Any:
+    """A completion streamed through the first daemon's door, keyed to ``owner``."""
     client = openai.OpenAI(
-        base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0, timeout=60
+        base_url=f"{trio.daemons[0].http_url}/v1", api_key="none", max_retries=0, timeout=60
     )
-    session = _session_owned_by([d.name for d in trio.daemons], owner.name)
-    stream = client.completions.create(
+    return client.completions.create(
         model="echo",
         prompt="one two three",
-        max_tokens=60,  # 3 s at 0.05 s a token
+        max_tokens=max_tokens,
         stream=True,
-        extra_headers={"x-session-id": session},
+        extra_headers={
+            "x-session-id": _session_owned_by([d.name for d in trio.daemons], owner.name)
+        },
     )
+
+
+def test_an_owner_killed_mid_task_does_not_lose_the_clients_answer(trio: Cluster) -> None:
+    entry, owner, _other = trio.daemons
+    stream = _stream_owned_by(trio, owner, 60)  # 3 s at 0.05 s a token
     chunks = iter(stream)
     first = next(chunks)
     owner.kill()  # SIGKILL: no goodbye, its engine and its answer are gone
@@ -72,15 +79,7 @@ def test_a_client_gone_while_its_owner_is_dying_leaves_nothing_running(trio: Clu
     migrated the task, whose copy ran its 40 s of tokens for nobody (found by a review).
     The forwarder now remembers the Cancel: the death ends the task, answered cancelled."""
     entry, owner, other = trio.daemons
-    client = openai.OpenAI(base_url=f"{entry.http_url}/v1", api_key="none", max_retries=0)
-    session = _session_owned_by([d.name for d in trio.daemons], owner.name)
-    stream = client.completions.create(
-        model="echo",
-        prompt="one two three",
-        max_tokens=800,  # 40 s at 0.05 s a token
-        stream=True,
-        extra_headers={"x-session-id": session},
-    )
+    stream = _stream_owned_by(trio, owner, 800)  # 40 s at 0.05 s a token
     next(iter(stream))
     owner.kill()  # SIGKILL: the stream stalls
     stream.close()  # ...and the client gives up on it

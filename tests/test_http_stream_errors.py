@@ -14,34 +14,7 @@ from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result
 from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
 from gossipd.http.openai_answers import error_of
 from gossipd.http.openai_api import decode_call
-
-
-class RecordingExchange:
-    def __init__(self) -> None:
-        self.events: list[bytes] = []
-        self.answers: list[tuple[int, bytes, Any]] = []
-        self.ended = 0
-        self.on_close: Any = None
-        self.done = False
-        self.streaming = False
-
-    def start_stream(self, **_: object) -> None:
-        self.streaming = True
-
-    def write(self, data: bytes) -> int:
-        self.events.append(data)
-        return 0
-
-    def end_stream(self) -> None:
-        self.ended += 1
-
-    def respond(self, status: int, body: bytes, headers: Any = None, **_: object) -> None:
-        self.answers.append((status, body, headers))
-        self.ended += 1
-
-    def abort(self) -> None:
-        self.ended += 1
-
+from tests.test_http_choices import RecordingExchange
 
 TOO_LONG = ErrorInfo(
     code=ErrorCode.BAD_REQUEST,
@@ -83,21 +56,34 @@ def test_a_prompt_too_long_after_the_stream_began_says_so_as_the_400_does() -> N
     assert (streamed["code"], streamed["param"]) == (whole["code"], whole["param"]), streamed
 
 
-def test_an_error_does_not_write_a_chunk_held_behind_a_gap_still_open() -> None:
+def _one_stream() -> tuple[Answers, RecordingExchange]:
+    """Answers with one streamed request waiting, for task t1."""
     answers = Answers(node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
                       request_timeout_s=60, clock=ManualClock())  # fmt: skip
     call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
     exchange = RecordingExchange()
     answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
                                deadline=1e9, request_id=""))  # fmt: skip
+    return answers, exchange
+
+
+def _texts(exchange: RecordingExchange) -> list[str]:
+    """The text of each choice's delta the stream wrote, in order."""
+    return [
+        choice["text"]
+        for event in _events(exchange)
+        if isinstance(event, dict) and "choices" in event
+        for choice in event["choices"]
+    ]
+
+
+def test_an_error_does_not_write_a_chunk_held_behind_a_gap_still_open() -> None:
+    answers, exchange = _one_stream()
     answers.deliver_message(Chunk(id="t1", seq=0, delta="<0>"))
     answers.deliver_message(Chunk(id="t1", seq=2, delta="<2>"))  # <1> still on its way
     error = ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="late")
     answers.deliver_message(Result(id="t1", ok=False, error=error))
-    texts = []
-    for raw in b"".join(exchange.events).split(b"\n\n"):
-        if raw.startswith(b"data: {") and b'"choices"' in raw:
-            texts += [c["text"] for c in json.loads(raw[6:])["choices"]]
+    texts = _texts(exchange)
     assert exchange.ended == 1
     assert texts == ["<0>"], f"text after a hole: {texts}"
 
@@ -105,12 +91,7 @@ def test_an_error_does_not_write_a_chunk_held_behind_a_gap_still_open() -> None:
 def test_after_a_gap_given_up_an_error_still_writes_nothing_held_behind_a_new_one() -> None:
     """Past 256 held the stream goes on after a gap (the skipped chunks' text is missing);
     a chunk held later waits behind a new gap, still open at the error: not written."""
-    answers = Answers(node="n0", cancel=lambda _: None, stream_buffer_bytes_max=1 << 30,
-                      request_timeout_s=60, clock=ManualClock())  # fmt: skip
-    call = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
-    exchange = RecordingExchange()
-    answers.wait("t1", Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
-                               deadline=1e9, request_id=""))  # fmt: skip
+    answers, exchange = _one_stream()
     answers.deliver_message(Chunk(id="t1", seq=0, delta="<0>"))
     for seq in range(2, 2 + HELD_CHUNKS_MAX):  # <1> never comes: given up at the bound
         answers.deliver_message(Chunk(id="t1", seq=seq, delta=f"<{seq}>"))
@@ -118,11 +99,6 @@ def test_after_a_gap_given_up_an_error_still_writes_nothing_held_behind_a_new_on
     answers.deliver_message(Chunk(id="t1", seq=after + 1, delta="<late>"))  # behind <after>
     error = ErrorInfo(code=ErrorCode.DEADLINE_EXCEEDED, message="late")
     answers.deliver_message(Result(id="t1", ok=False, error=error))
-    texts = [
-        c["text"]
-        for raw in b"".join(exchange.events).split(b"\n\n")
-        if raw.startswith(b"data: {") and b'"choices"' in raw
-        for c in json.loads(raw[6:])["choices"]
-    ]
+    texts = _texts(exchange)
     assert texts == ["<0>", *(f"<{s}>" for s in range(2, after))], texts[-3:]
     assert exchange.ended == 1
