@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import socket
 import tracemalloc
 from pathlib import Path
@@ -200,12 +201,21 @@ def test_trailer_fields_are_not_taken_as_the_requests_headers() -> None:
 
 
 # 3. After the wire refuses a request and closes (400/413/429/431/501 "connection
-#    closed"), a pipelined request still waiting is dispatched when the client reads,
-#    and its answer is written after the error that said "connection: close".
-def test_nothing_is_answered_after_the_wire_refused_and_closed() -> None:
+#    closed"), a pipelined request still waiting was dispatched when the client read, and
+#    its answer written after the error that said "connection: close".  Then (064f178)
+#    the connection closed at once without a status, dropping the valid requests before
+#    the refused one.  Now the requests before it are answered, in order, and the refusal
+#    comes in its own place, last.
+def _statuses(out: bytes) -> list[int]:
+    """The statuses of the responses in ``out``, in order (bodies here hold no "HTTP/1.1 ")."""
+    return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", out)]
+
+
+def test_a_refusal_waits_for_the_answers_due_before_it_and_is_the_last() -> None:
     """A malformed request behind a waiting one (the client not reading /big's answer):
-    the connection closes without the 400 (it would read as /h's answer) and /h is never
-    answered, not even once the client reads.  With nothing waiting, the 400 is sent."""
+    nothing is sent out of turn; once the client reads, /h is answered, then the 400, and
+    the connection closes.  Nothing sent after the malformed request is read.  With
+    nothing waiting, the 400 is sent at once."""
 
     async def case() -> None:
         conn, transport, handler = _connection()
@@ -215,39 +225,74 @@ def test_nothing_is_answered_after_the_wire_refused_and_closed() -> None:
             b"NOT HTTP\r\n\r\n"  # malformed: the connection's last
         )
         await _turns()
-        assert transport.closing
-        assert bytes(transport.out).count(b"HTTP/1.1 ") == 1  # /big's answer alone
+        assert not transport.closing  # /h's answer is due first
+        assert _statuses(bytes(transport.out)) == [200]  # /big's answer alone
+        conn.data_received(b"GET /after HTTP/1.1\r\nhost: x\r\n\r\n")  # not read
         transport.drain()  # the client reads its answers; asyncio calls resume_writing
         await _turns()
-        assert bytes(transport.out).count(b"HTTP/1.1 ") == 1
-        assert [r.path for r in handler.seen] == ["/big"], [r.path for r in handler.seen]
+        out = bytes(transport.out)
+        assert transport.closing
+        assert _statuses(out) == [200, 200, 400], out[-400:]
+        assert out.index(b"\r\n\r\n/h") < out.index(b"HTTP/1.1 400 "), out[-400:]
+        assert b"connection: close" in out[out.index(b"HTTP/1.1 400 ") :]
+        assert [r.path for r in handler.seen] == ["/big", "/h"], [r.path for r in handler.seen]
 
         conn, transport, handler = _connection()
         conn.data_received(b"GET /h HTTP/1.1\r\nhost: x\r\n\r\nNOT HTTP\r\n\r\n")
         await _turns()
         out = bytes(transport.out)
-        assert transport.closing and out.count(b"HTTP/1.1 ") == 2, out
-        assert b"HTTP/1.1 400 " in out[out.index(b"/h") :], out
+        assert transport.closing and _statuses(out) == [200, 400], out
 
     asyncio.run(case())
 
 
-def test_too_many_pipelined_requests_close_the_connection_and_nothing_is_answered_after() -> None:
-    """17 waiting behind an answer the client does not read: closed, without a 429 (it
-    would read as the first waiting request's answer), and none of them answered after."""
+def test_too_many_pipelined_requests_are_answered_then_a_429_closes_the_connection() -> None:
+    """17 waiting behind an answer the client does not read: the 16 the bound holds are
+    answered once the client reads, then a 429 for the 17th, which closes the connection."""
 
     async def case() -> None:
         conn, transport, handler = _connection()
         one = b"GET /h HTTP/1.1\r\nhost: x\r\n\r\n"
         conn.data_received(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n" + one * 17)
         await _turns()
-        assert transport.closing
-        out = bytes(transport.out)
-        assert out.count(b"HTTP/1.1 ") == 1 and out.startswith(b"HTTP/1.1 200 "), out[-300:]
+        assert not transport.closing
+        assert _statuses(bytes(transport.out)) == [200]
         transport.drain()
-        await _turns(40)
-        assert bytes(transport.out).count(b"HTTP/1.1 ") == 1
-        assert len(handler.seen) == 1, [r.path for r in handler.seen]
+        await _turns(60)
+        out = bytes(transport.out)
+        assert transport.closing
+        assert _statuses(out) == [200] * 17 + [429], _statuses(out)
+        assert b"pipelined requests unanswered" in out[out.index(b"HTTP/1.1 429 ") :]
+        assert len(handler.seen) == 17, [r.path for r in handler.seen]
+
+    asyncio.run(case())
+
+
+def test_a_refusal_behind_an_answer_under_way_follows_it() -> None:
+    """A 413 (a body over the bound) parsed while the request before it is still being
+    answered (its handler answers later): that answer first, then the 413."""
+
+    async def case() -> None:
+        handler_exchanges: list[Exchange] = []
+
+        def later(request: Request, exchange: Exchange) -> None:
+            handler_exchanges.append(exchange)  # answered below, after the refusal came
+
+        limits = HttpLimits(body_bytes_max=100, connections_max=64)
+        conn = HttpConnection(later, limits, TurnWrites())
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        conn.data_received(
+            b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n"
+            b"POST /big HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n" + b"x" * 1000
+        )
+        await _turns()
+        assert not transport.closing and bytes(transport.out) == b""
+        handler_exchanges[0].respond(200, b"slow", content_type=b"text/plain")
+        await _turns()
+        out = bytes(transport.out)
+        assert transport.closing and _statuses(out) == [200, 413], out
+        assert len(handler_exchanges) == 1
 
     asyncio.run(case())
 

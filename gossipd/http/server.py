@@ -13,14 +13,13 @@ request and its response's writer are gossipd/http/exchange.py's.
 Bounds a hostile client meets (each answered, counted and the connection closed):
 - a request line and header block over HEADER_BYTES_MAX (431), a body over
   ``body_bytes_max`` (413), unparseable bytes (400);
-- more than PIPELINED_MAX requests waiting behind the one being answered: the connection is
-  closed (no status: it would read as the first waiting request's answer); reading
+- more than PIPELINED_MAX requests waiting behind the one being answered (429); reading
   pauses at half that, and while the client does not read its answers (the transport's
   write buffer is over its high-water mark) no request is read or answered;
 - trailer fields after a chunked body: counted with the head against HEADER_BYTES_MAX (431),
   and not taken as the request's headers (RFC 9110 6.5.1);
-- after any refusal nothing more of the connection is read or answered; when requests wait
-  behind it, it is closed without a status (theirs were due first).
+- a refusal is the connection's last answer: nothing after the refused request is read,
+  the requests before it are answered first, in order, then the refusal, then the close.
 - a connection idle, or a request not read whole, for ``idle_timeout_s``: closed.
 
 Requests on one connection are answered in order: a request with nothing before it is
@@ -45,7 +44,7 @@ from gossipd.http.turnwrites import TurnWrites
 log = logging.getLogger("gossipd.http.server")
 
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
-PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: closed
+PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429, closed
 # The methods' texts, decoded once (a request's method is one of these nearly always).
 _METHODS = {m: m.decode() for m in (b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS")}
 _ONCE_ONLY = frozenset({"host", "transfer-encoding"})  # a second line: refused, or joined
@@ -95,7 +94,9 @@ class HttpConnection(asyncio.Protocol):
         self._reading_paused = False
         self._writing_paused = False  # the client does not read: take nothing more
         self._next_soon = False  # the next pipelined request is scheduled
-        self._broken = False  # answered an error and closing: ignore the rest
+        self._broken = False  # the wire refused a request: nothing after it is read
+        # That refusal, when answers were due before it: sent once they are out.
+        self._refusal: bytes | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._idle_at: float | None = None  # when the connection is idle too long
         self._linger: asyncio.TimerHandle | None = None  # closing: aborted if still open then
@@ -401,13 +402,13 @@ class HttpConnection(asyncio.Protocol):
     def _schedule_next(self) -> None:
         """Take the next waiting request on the next loop turn (never by recursion: an answer
         given synchronously would otherwise take the next inside the handler)."""
-        if self._current is None and self._waiting and not self._next_soon and not self._broken:
+        if self._current is None and self._waiting and not self._next_soon:
             self._next_soon = True
             self._loop.call_soon(self._next)
 
     def _next(self) -> None:
         self._next_soon = False
-        if self._current is not None or not self._waiting or self.transport is None or self._broken:
+        if self._current is not None or not self._waiting or self.transport is None:
             return
         if self._writing_paused:
             # resume_writing takes it; meanwhile its client has idle_timeout_s to read
@@ -445,6 +446,10 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._waiting:
             self._schedule_next()
+        elif self._refusal is not None:
+            self.send(self._refusal)  # its turn: every request before it is answered
+            self._refusal = None
+            self.close()
         else:
             self._arm_idle()
 
@@ -496,21 +501,21 @@ class HttpConnection(asyncio.Protocol):
     def _fail(self, status: int, message: str) -> None:
         self._broken = True
         self._limits.counters.bad_requests += 1
-        waiting, self._waiting = self._waiting, deque()  # none is answered after this
         if self.transport is None:
             return
-        if (self._current is not None and not self._current.done) or waiting:
-            # A response is under way on this connection (it cannot be interleaved), or
-            # requests wait whose answers are due before this one's (the client would read
-            # the error as the first one's answer): closed without a status.
-            self.close()
-            return
         body = self._limits.error_body(message, status)
-        self.send(
+        refusal = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"
             % (status, REASONS.get(status, "Error").encode(), len(body), body)
         )
+        if (self._current is not None and not self._current.done) or self._waiting:
+            # Answers are due before it (one under way, requests waiting): HTTP/1.1 answers
+            # in the order asked, so the refusal waits its turn (``ended``) and the requests
+            # before it are served.  Nothing after it is read.
+            self._refusal = refusal
+            return
+        self.send(refusal)
         self.close()
 
 
