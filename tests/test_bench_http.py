@@ -4,7 +4,9 @@ and its pure parts (how the load is split, the figures and goals, a missing rout
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -13,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from gossipd.tools.bench.http import REFERENCE, _figures, _goals, plot, ratio_c16, round_ratios
-from gossipd.tools.bench.http_peers import ROUTERS, Window, cpu_s, routers_of, split_load
+from gossipd.tools.bench.http_peers import (
+    ROUTERS,
+    Window,
+    cpu_s,
+    pooled_percentile,
+    routers_of,
+    split_load,
+)
 from tests.helpers import gossipd_cli
 
 
@@ -179,6 +188,41 @@ def test_the_headline_ratio_is_the_median_of_the_rounds_ratios() -> None:
         "ratio_vs_vllm_router_c16_rounds": [],
         "ratio_of_medians_vs_vllm_router_c16": None,
     }
+
+
+def _wrk_figures(samples: list[int]) -> dict[str, object]:
+    """What the bench's Lua prints of these latencies: wrk's percentile (nearest rank) at
+    every 0.1%, and the count."""
+    ordered = sorted(samples)
+
+    def at(q: float) -> int:
+        return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+    return {
+        "requests": len(ordered),
+        "p50_us": at(50),
+        "p99_us": at(99),
+        "per_mille_us": [at(k / 10) for k in range(1, 1000)],
+    }
+
+
+def test_percentiles_of_two_wrk_processes_are_pooled_not_averaged() -> None:
+    rng = random.Random(7)
+    fast = [rng.randint(100, 200) for _ in range(1_000)]  # one entry point's answers
+    slow = [rng.randint(300, 400) for _ in range(3_000)]  # the other's, three times as many
+    figs = [_wrk_figures(fast), _wrk_figures(slow)]
+    both = sorted(fast + slow)
+    true_p50, true_p99 = both[len(both) // 2 - 1], both[math.ceil(0.99 * len(both)) - 1]
+    p50, p99 = pooled_percentile(figs, 500), pooled_percentile(figs, 990)
+    assert abs(p50 - true_p50) <= 2 and abs(p99 - true_p99) <= 2, (p50, true_p50, p99, true_p99)
+    # the weighted mean of the two medians (0.25 x ~150 + 0.75 x ~350 = ~300) is no request's
+    weighted = sum(f["requests"] * f["p50_us"] for f in figs) / len(both)  # type: ignore[operator]
+    assert abs(weighted - true_p50) > 20
+    # one process alone: wrk's own figures
+    for f in figs:
+        assert pooled_percentile([f], 500) == f["p50_us"]
+        assert pooled_percentile([f], 990) == f["p99_us"]
+    assert pooled_percentile([{"requests": 0, "per_mille_us": [0] * 999}], 500) == 0.0
 
 
 def test_cpu_counts_a_child_that_ended_in_the_window_and_refuses_a_gone_process() -> None:
