@@ -23,6 +23,7 @@ opened are refused from then on (the readers check ``User-Id`` against the curre
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import os
@@ -42,6 +43,8 @@ from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 from gossipd.zmtp import PeerCurve
 
 log = logging.getLogger("gossipd.security")
+
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)  # a key directory's read failed for lack of fds
 
 DOMAIN_PEERS = "gossipd-peers"
 DOMAIN_PRODUCERS = "gossipd-producers"
@@ -95,7 +98,7 @@ class KeyDir:
     def __init__(self, path: str | Path, *, user_is_key: bool) -> None:
         self.path = Path(path)
         self._user_is_key = user_is_key  # producers: User-Id is the z85 key itself
-        self._signature: tuple[tuple[str, int, int], ...] | None = None
+        self._signature: tuple[tuple[str, int, int, int, int], ...] | None = None
         self.by_key: dict[bytes, str] = {}  # z85 public key -> user id
         self.users: frozenset[str] = frozenset()
         self.by_name: dict[str, bytes] = {}  # file stem -> z85 public key
@@ -103,10 +106,15 @@ class KeyDir:
         self.bad_files = 0
         self.reload()
 
-    def _scan(self) -> tuple[tuple[str, int, int], ...]:
+    def _scan(self) -> tuple[tuple[str, int, int, int, int], ...]:
+        """Each key file's (name, mtime, ctime, inode, size): a public key is always 40
+        characters, so a key replaced with its mtime kept (``cp -p``, ``rsync -t``) changes
+        no size and no mtime; its ctime (which no one can set) and inode do."""
         try:
             entries = sorted(os.scandir(self.path), key=lambda e: e.name)
-        except OSError:
+        except OSError as exc:
+            if exc.errno in _OUT_OF_FILES:
+                raise
             return ()
         out = []
         for entry in entries:
@@ -115,21 +123,35 @@ class KeyDir:
                     st = entry.stat()
                 except OSError:
                     continue
-                out.append((entry.name, st.st_mtime_ns, st.st_size))
+                out.append((entry.name, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size))
         return tuple(out)
 
     def reload(self, *, force: bool = False) -> bool:
-        """Re-read the directory if its files changed (or ``force``); True if it did."""
+        """Re-read the directory if its files changed (or ``force``); True if it did.  Out
+        of file descriptors (a flood of connections) says nothing of the keys: they stay as
+        they were, and the next look reads again."""
+        try:
+            return self._reload(force)
+        except OSError as exc:  # (only EMFILE / ENFILE come out of _reload)
+            log.warning(
+                "cannot read a key directory now (out of file descriptors): its keys stay",
+                extra={"dir": str(self.path), "error": exc.strerror},
+            )
+            self._signature = None
+            return False
+
+    def _reload(self, force: bool) -> bool:
         signature = self._scan()
         if signature == self._signature and not force:
             return False
-        self._signature = signature
         by_key: dict[bytes, str] = {}
         by_name: dict[str, bytes] = {}
-        for name, _, _ in signature:
+        for name, *_ in signature:
             try:
                 public, _ = read_key_file(self.path / name)
             except (OSError, ValueError) as exc:  # (KeyFileError is a ValueError)
+                if isinstance(exc, OSError) and exc.errno in _OUT_OF_FILES:
+                    raise
                 self.bad_files += 1
                 log.warning("cannot read a key file", extra={"file": name, "error": str(exc)})
                 continue
@@ -143,6 +165,7 @@ class KeyDir:
             stem = name[: -len(PUBLIC_SUFFIX)]
             by_name[stem] = public
             by_key[public] = public.decode() if self._user_is_key else stem
+        self._signature = signature
         self.by_key, self.by_name = by_key, by_name
         self.users = frozenset(by_key.values())
         self.reloads += 1

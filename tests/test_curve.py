@@ -609,6 +609,53 @@ def test_a_key_directory_follows_added_changed_and_removed_files(tmp_path: Path)
     assert keys.reload() and keys.user_id(public) is None
 
 
+def test_a_key_replaced_with_its_mtime_kept_is_read_again_and_no_fds_keeps_the_keys(
+    tmp_path: Path,
+) -> None:
+    """Every public key file is the same size, so a key replaced with its mtime kept (cp
+    -p, rsync -t) changed none of what the reload compared: the old key stayed admitted
+    until a SIGHUP.  And out of file descriptors (a flood of connections) the scan read the
+    directory as empty and every peer or producer was refused: now the keys stay.  Real
+    EMFILE: this process's descriptor limit lowered to what it has open, then restored."""
+    import os
+    import resource
+
+    for name in ("old", "new"):
+        write_key_pair(name, tmp_path / "s")
+    old, new = (
+        zmq.auth.load_certificate(str(tmp_path / "s" / f"{n}.key"))[0] for n in ("old", "new")
+    )
+    (tmp_path / "d").mkdir()
+    path = tmp_path / "d" / "a.key"
+    path.write_bytes((tmp_path / "s" / "old.key").read_bytes())
+    keys = KeyDir(tmp_path / "d", user_is_key=False)
+    assert keys.user_id(old) == "a"
+    st = path.stat()
+    staged = tmp_path / "d" / ".a.key.new"
+    staged.write_bytes((tmp_path / "s" / "new.key").read_bytes().replace(b"new", b"old"))
+    os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    staged.replace(path)
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    assert keys.reload()  # the periodic look
+    assert keys.user_id(new) == "a" and keys.user_id(old) is None
+
+    (tmp_path / "d" / "b.key").write_bytes((tmp_path / "s" / "old.key").read_bytes())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with pytest.raises(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        assert not keys.reload() and not keys.reload(force=True)
+        assert keys.user_id(new) == "a"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert keys.reload() and keys.user_id(new) == "a" and keys.user_id(old) == "b"
+
+
 def test_a_bad_key_file_is_skipped_and_logged_and_a_files_first_public_key_counts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

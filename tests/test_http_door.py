@@ -796,6 +796,64 @@ def test_one_bad_key_file_is_skipped_and_the_other_keys_stay_valid(
     assert keys.reload() and keys.name_of("Bearer " + "b" * 32) == "bob"
 
 
+def test_a_key_rewritten_with_its_size_and_mtime_kept_is_read_again(tmp_path: Path) -> None:
+    """A rotation that keeps the file's length and mtime (cp -p, rsync -t, tar x) changed
+    neither of the two figures the reload compared: the old key stayed valid and the new
+    one was refused until a SIGHUP.  The ctime and inode tell it."""
+    import os
+
+    from gossipd.http.keys import ApiKeys
+
+    path = tmp_path / "carol.key"
+    old, new = "o" * 32, "n" * 32
+    path.write_text(old + "\n")
+    keys = ApiKeys(str(tmp_path))
+    assert keys.name_of(f"Bearer {old}") == "carol"
+    st = path.stat()
+    staged = tmp_path / "carol.key.new"
+    staged.write_text(new + "\n")
+    os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p leaves it
+    staged.replace(path)
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_size == st.st_size
+    assert keys.reload()  # the periodic look, not a forced one
+    assert keys.name_of(f"Bearer {new}") == "carol" and keys.name_of(f"Bearer {old}") is None
+    # In place too (the same inode, the same size and mtime): its ctime moved.
+    with path.open("r+") as f:
+        f.write(old)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert keys.reload() and keys.name_of(f"Bearer {old}") == "carol"
+
+
+def test_out_of_file_descriptors_keeps_the_keys_as_they_were(tmp_path: Path) -> None:
+    """A flood of connections that takes every file descriptor made the reload read the
+    directory as unreadable and drop every key (each request then 401).  Out of descriptors
+    says nothing of the keys: they stay, and the next look reads again.  Real EMFILE: this
+    process's descriptor limit lowered to what it has open, then restored."""
+    import os
+    import resource
+
+    from gossipd.http.keys import ApiKeys
+
+    alice = "a" * 32
+    (tmp_path / "alice.key").write_text(alice + "\n")
+    keys = ApiKeys(str(tmp_path))
+    (tmp_path / "bob.key").write_text("b" * 32 + "\n")  # a change for the reload to see
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with pytest.raises(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        assert not keys.reload() and not keys.reload(force=True)
+        assert keys.name_of(f"Bearer {alice}") == "alice" and not keys.unreadable
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert keys.reload() and keys.name_of("Bearer " + "b" * 32) == "bob"
+
+
 def test_a_chats_min_tokens_and_a_structured_forms_size_are_400_and_413_never_500(
     daemon_factory: Any,
 ) -> None:

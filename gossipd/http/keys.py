@@ -10,6 +10,7 @@ on SIGHUP), so a removed key is refused from the next request on, without a rest
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 from pathlib import Path
@@ -25,7 +26,7 @@ class ApiKeys:
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
         self._by_digest: dict[bytes, str] = {}
-        self._seen: tuple[tuple[str, int, int], ...] = ()
+        self._seen: tuple[tuple[str, int, int, int, int], ...] = ()
         self.reloads = 0
         self.unreadable = False  # the directory could not be read at the latest look
         self.reload(force=True, initial=True)
@@ -56,6 +57,8 @@ class ApiKeys:
         except OSError as exc:
             if initial:
                 raise OSError(f"http.keys_dir {str(self.directory)!r}: {exc.strerror}") from None
+            if exc.errno in _OUT_OF_FILES:
+                return self._kept(exc)
             if not self.unreadable:
                 log.error(
                     "cannot read http.keys_dir: no API key is accepted until it can be read",
@@ -74,6 +77,8 @@ class ApiKeys:
                 raw = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
                 token = raw.decode()  # UTF-8, or skipped
             except (OSError, UnicodeDecodeError) as exc:
+                if isinstance(exc, OSError) and exc.errno in _OUT_OF_FILES and not initial:
+                    return self._kept(exc)
                 log.warning(
                     "skipped an unreadable API key file",
                     extra={"file": str(path), "error": str(exc)},
@@ -100,13 +105,29 @@ class ApiKeys:
         log.info("API keys loaded", extra={"keys": len(keys), "dir": str(self.directory)})
         return True
 
+    def _kept(self, exc: OSError) -> bool:
+        """The process is out of file descriptors (a flood of connections): that says
+        nothing of the keys, so they stay as they were, and the next look reads again."""
+        log.warning(
+            "cannot read http.keys_dir now (out of file descriptors): the keys stay as they were",
+            extra={"dir": str(self.directory), "error": exc.strerror},
+        )
+        self._seen = ()  # (read again at the next look, changed or not)
+        return False
 
-def _stamp(path: Path) -> tuple[int, int]:
-    """A key file's (mtime, size): what tells a change.  One that cannot be stat()ed (a
-    dangling symlink, as a secret volume mid-update leaves; a file removed since the listing)
-    is (-1, -1), and its read below skips and logs it: one bad entry is not the directory."""
+
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int]:
+    """A key file's (mtime, ctime, inode, size): what tells a change.  The ctime and the
+    inode too, because a key rewritten with the same length and its mtime kept (``cp -p``,
+    ``rsync -t``, ``tar x``) changes neither mtime nor size, and no one can set a ctime.  One
+    that cannot be stat()ed (a dangling symlink, as a secret volume mid-update leaves; a file
+    removed since the listing) is (-1, -1, -1, -1), and its read below skips and logs it: one
+    bad entry is not the directory."""
     try:
         st = path.stat()
     except OSError:
-        return -1, -1
-    return st.st_mtime_ns, st.st_size
+        return -1, -1, -1, -1
+    return st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size
