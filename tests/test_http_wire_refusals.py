@@ -380,3 +380,37 @@ def test_any_read_boundaries_give_every_pipelined_request_its_answer(
         assert out.count(b"HTTP/1.1 200 OK") == len(sizes)
 
     asyncio.run(case())
+
+
+def test_a_request_not_read_whole_behind_an_answer_under_way_is_closed_at_the_idle_timeout() -> (
+    None
+):
+    """A request begun behind a long answer (a stream) and never read whole waited out that
+    whole answer, its partial body held, then got a fresh idle period: PROTOCOL.md says a
+    request not read whole within http.idle_timeout_s is closed."""
+
+    async def case() -> None:
+        exchanges: list[Exchange] = []
+        limits = HttpLimits(body_bytes_max=1 << 20, connections_max=64, idle_timeout_s=0.2)
+        conn = HttpConnection(lambda r, e: exchanges.append(e), limits, TurnWrites())
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        conn.data_received(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")  # under way
+        conn.data_received(b"POST /v1/x HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\nab")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 3
+        while not transport.closing and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert transport.closing, "the partial request outlived http.idle_timeout_s"
+        assert loop.time() < deadline and limits.counters.idle_closed == 1
+        assert len(exchanges) == 1
+
+        # An answer under way with nothing begun behind it is not idle: kept open.
+        conn = HttpConnection(lambda r, e: exchanges.append(e), limits, TurnWrites())
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        conn.data_received(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.sleep(0.6)
+        assert not transport.closing and limits.counters.idle_closed == 1
+
+    asyncio.run(case())

@@ -491,7 +491,11 @@ class HttpConnection(asyncio.Protocol):
         if self._loop.time() < at:
             self._idle = self._loop.call_at(at, self._idle_out)
             return
-        if self.transport is not None and self._current is None:
+        # Idle, or a request begun and not read whole in time: also behind an answer under
+        # way (a long stream), which it would otherwise wait out with its partial body held.
+        if self.transport is not None and (
+            self._current is None or self._in_head or self._in_body
+        ):
             self._limits.counters.idle_closed += 1
             if self.unsent_bytes():
                 self.abort()  # silent and not reading what it was sent: no wait for it
@@ -500,6 +504,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _fail(self, status: int, message: str) -> None:
         self._broken = True
+        self._in_head = self._in_body = False  # the refused request is done with: its refusal
         self._limits.counters.bad_requests += 1
         if self.transport is None:
             return
