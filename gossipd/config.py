@@ -504,6 +504,10 @@ class HttpConfig(Section, frozen=True):
     body_bytes_max: Annotated[int, msgspec.Meta(ge=1024, le=256 * 1024 * 1024)] = 1024 * 1024
     # A request's deadline, from when it arrives (504 past it).
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 60.0
+    # Request bodies read and not yet taken by the door, all connections together (bodies
+    # behind an answer under way, partly read ones); a body that would pass it gets 503 and
+    # its connection is closed.  At least body_bytes_max: a lone request always fits.
+    read_bytes_max: Annotated[int, msgspec.Meta(ge=1024)] = 256 * 1024 * 1024
     # Bytes of a stream waiting for a slow client; past it the request is cancelled.
     stream_buffer_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
     # Open connections at once; more are closed at once, counted.
@@ -528,6 +532,11 @@ class HttpConfig(Section, frozen=True):
             _check_bind("reply_bind", self.reply_bind)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file: tls_cert_file and tls_key_file go together")
+        if self.read_bytes_max < self.body_bytes_max:
+            raise ValueError(
+                f"read_bytes_max: {self.read_bytes_max} is under body_bytes_max "
+                f"({self.body_bytes_max}): a lone request of the largest body must fit"
+            )
 
 
 class LogConfig(Section, frozen=True):

@@ -142,7 +142,11 @@ def test_api_keys_are_asked_and_a_removed_key_is_refused_without_a_restart(
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="not-a-key-at-all", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="echo", prompt="x")
-    assert scrape(d.metrics_port)["gossipd_http_unauthorized_total"] >= 4
+    metrics = scrape(d.metrics_port)
+    assert metrics["gossipd_http_unauthorized_total"] >= 4
+    # A request without a valid key holds no body here: read and dropped, answered 401.
+    assert metrics["gossipd_http_bodies_dropped_total"] >= 3
+    assert metrics["gossipd_http_read_bytes"] == 0
 
 
 def test_a_non_loopback_door_without_keys_or_tls_stops_start_up() -> None:

@@ -414,3 +414,103 @@ def test_a_request_not_read_whole_behind_an_answer_under_way_is_closed_at_the_id
         assert not transport.closing and limits.counters.idle_closed == 1
 
     asyncio.run(case())
+
+
+# From a security review (2026-12-06): request bodies were bounded by a count alone
+# (16 waiting per connection, 4096 connections: ~32 GiB of 1 MiB bodies), and a client
+# without a key had its body read and held before the 401.
+
+
+class _ReadingTransport(FakeTransport):
+    """A FakeTransport that says whether reading is paused."""
+
+    def __init__(self, protocol: HttpConnection) -> None:
+        super().__init__(protocol)
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+def _post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        path,
+        len(body),
+        extra,
+        body,
+    )
+
+
+def test_bodies_held_at_the_wire_are_bounded_in_bytes_over_every_connection() -> None:
+    async def case() -> None:
+        exchanges: list[Exchange] = []
+        limits = HttpLimits(body_bytes_max=4096, connections_max=64, read_bytes_max=10_000)
+
+        def connect() -> tuple[HttpConnection, _ReadingTransport]:
+            conn = HttpConnection(lambda r, e: exchanges.append(e), limits, TurnWrites())
+            transport = _ReadingTransport(conn)
+            conn.connection_made(transport)
+            return conn, transport
+
+        a, ta = connect()
+        # behind an answer under way: the first body is taken by the door, the next wait
+        a.data_received(_post(b"/1", b"a" * 100) + _post(b"/2", b"b" * 3000))
+        assert limits.counters.read_bytes == 3000 and ta.reading
+        a.data_received(_post(b"/3", b"c" * 1500))  # one body's bound waiting: paused
+        assert limits.counters.read_bytes == 4500 and not ta.reading
+        b, _ = connect()
+        b.data_received(_post(b"/4", b"d" * 4000)[:-1000])  # partly read: held too
+        assert limits.counters.read_bytes == 7500
+        _, tc = connect()
+        tc.protocol.data_received(_post(b"/5", b"e" * 4000))  # would pass read_bytes_max: 503
+        await _turns()
+        out = bytes(tc.out)
+        assert _statuses(out) == [503] and tc.closing, out
+        assert b"http.read_bytes_max" in out and limits.counters.read_bytes == 7500
+        b.connection_lost(None)  # a client gone: its partial body released
+        assert limits.counters.read_bytes == 4500
+        exchanges[0].respond(200, b"1", content_type=b"text/plain")  # /2 is taken, then /3
+        await _turns()
+        assert limits.counters.read_bytes == 1500 and ta.reading
+        exchanges[1].respond(200, b"2", content_type=b"text/plain")
+        await _turns()
+        assert limits.counters.read_bytes == 0
+        assert len(exchanges) == 3  # /1, /2, /3: /4 never whole, /5 refused
+
+    asyncio.run(case())
+
+
+def test_a_request_whose_key_is_refused_has_its_body_read_and_dropped() -> None:
+    async def case() -> None:
+        seen: list[Request] = []
+
+        def handler(request: Request, exchange: Exchange) -> None:
+            seen.append(request)
+            exchange.respond(401 if not request.body else 200, b"", content_type=b"text/plain")
+
+        limits = HttpLimits(
+            body_bytes_max=1 << 20,
+            connections_max=64,
+            keeps_body=lambda headers: headers.get("authorization") == "Bearer good",
+        )
+        conn = HttpConnection(handler, limits, TurnWrites())
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        big = b"x" * 500_000
+        conn.data_received(_post(b"/v1/completions", big, b"expect: 100-continue\r\n")[:300_000])
+        await _turns()
+        assert b"100 Continue" not in bytes(transport.out)  # no key: not asked for its body
+        assert limits.counters.read_bytes == 0  # read and dropped as it comes
+        conn.data_received(_post(b"/v1/completions", big, b"expect: 100-continue\r\n")[300_000:])
+        conn.data_received(
+            _post(b"/v1/completions", b"{}", b"authorization: Bearer good\r\n")
+        )  # the connection is in step: the next request is read whole
+        await _turns()
+        assert [len(r.body) for r in seen] == [0, 2]
+        assert _statuses(bytes(transport.out)) == [401, 200]
+        assert limits.counters.bodies_dropped == 1 and not transport.closing
+
+    asyncio.run(case())

@@ -181,6 +181,10 @@ class HttpDoor:
             wanted_headers=WANTED_HEADERS | {self._session_header.encode()},
             error_body=_wire_error,
             count_status=self.answers.counters.count,
+            read_bytes_max=config.read_bytes_max,
+            # With keys, a request whose key is refused has its body read and dropped (it
+            # gets 401 below whatever it holds): clients without a key hold no memory here.
+            keeps_body=None if keys is None else self._key_taken,
         )
         self._ids = RandomIds()
         self._models_cache: dict[str, int | None] = {}
@@ -202,6 +206,10 @@ class HttpDoor:
         return reply_route(self.answers.reply_to, self._producer_key)
 
     # -- requests ------------------------------------------------------------------------
+
+    def _key_taken(self, headers: dict[str, str]) -> bool:
+        keys = self.keys
+        return keys is None or keys.name_of(headers.get("authorization", "")) is not None
 
     def handle(self, request: Request, exchange: Exchange) -> None:
         path = request.path

@@ -74,6 +74,8 @@ class HttpCounters:
     handler_errors: int = 0  # the handler raised (a bug): answered 500, logged
     idle_closed: int = 0  # idle, or a request not read whole, for idle_timeout_s
     open_now: int = 0
+    read_bytes: int = 0  # request bodies read and not yet taken by the door, now
+    bodies_dropped: int = 0  # bodies of requests whose key is refused: read, not kept
 
 
 @dataclass(slots=True)
@@ -89,6 +91,12 @@ class HttpLimits:
     # handler's bug: 500), as the door counts its own answers.
     count_status: Callable[[int], None] = _count_nothing
     counters: HttpCounters = field(default_factory=HttpCounters)
+    # Bodies read and not yet taken by the door, every connection together (read_bytes).
+    read_bytes_max: int = 256 * 1024 * 1024
+    # Whether a request's body is worth keeping, from its headers: False when its key would
+    # be refused (the door answers 401 anyway), so that clients without a key hold no
+    # memory here.  None: every body is kept.
+    keeps_body: Callable[[dict[str, str]], bool] | None = None
     # Each wanted name's text (what the parser keys its headers by): decoded once, not for
     # every header line of every request.
     wanted_names: dict[bytes, str] = field(default_factory=dict, init=False)

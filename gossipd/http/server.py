@@ -88,6 +88,8 @@ class HttpConnection(asyncio.Protocol):
         # body of 2-byte chunks kept as a list took 28 times its bytes.
         self._body: bytes | bytearray = b""
         self._body_bytes = 0
+        self._keep_body = True  # False: its key is refused, its body read and dropped
+        self._waiting_bytes = 0  # bodies of the requests waiting (in counters.read_bytes)
         self._upgrade_refused = False  # an Upgrade with a body, or a CONNECT: refused, alone
         self._waiting: deque[Request] = deque()
         self._current: Exchange | None = None
@@ -123,7 +125,10 @@ class HttpConnection(asyncio.Protocol):
             return
         self.transport = None
         self._held = None
-        self._limits.counters.open_now -= 1
+        counters = self._limits.counters
+        counters.open_now -= 1
+        counters.read_bytes -= len(self._body) + self._waiting_bytes
+        self._body, self._waiting_bytes = b"", 0
         self._waiting.clear()
         current, self._current = self._current, None
         if current is not None and not current.done and current.on_close is not None:
@@ -218,6 +223,7 @@ class HttpConnection(asyncio.Protocol):
         self._tail = 0
         self._body = b""
         self._body_bytes = 0
+        self._keep_body = True
         self._arm_idle()  # the whole request must arrive within idle_timeout_s
 
     def on_url(self, url: bytes) -> None:
@@ -276,6 +282,11 @@ class HttpConnection(asyncio.Protocol):
         ):
             self._upgrade_refused = True  # (data_received answers it, alone)
             return
+        keeps_body = self._limits.keeps_body
+        if keeps_body is not None and not keeps_body(headers):
+            self._keep_body = False  # (answered 401 by the door: no 100 Continue either)
+            self._limits.counters.bodies_dropped += 1
+            return
         if (
             headers.get("expect", "").lower() == "100-continue"
             and self.transport is not None
@@ -288,13 +299,25 @@ class HttpConnection(asyncio.Protocol):
             self.send(b"HTTP/1.1 100 Continue\r\n\r\n")  # curl waits 1 s without
 
     def on_body(self, body: bytes) -> None:
-        self._read_body += len(body)
-        self._body_bytes += len(body)
-        if self._body_bytes > self._limits.body_bytes_max:
+        n = len(body)
+        self._read_body += n
+        self._body_bytes += n
+        limits = self._limits
+        if self._body_bytes > limits.body_bytes_max:
             raise _Refused(
                 413,
-                f"the request body is over {self._limits.body_bytes_max} bytes "
-                "(http.body_bytes_max)",
+                f"the request body is over {limits.body_bytes_max} bytes (http.body_bytes_max)",
+            )
+        if not self._keep_body:
+            return  # read, so that the connection stays in step, and dropped
+        counters = limits.counters
+        counters.read_bytes += n
+        if counters.read_bytes > limits.read_bytes_max:
+            counters.read_bytes -= n  # (not held: _fail releases what _body holds)
+            raise _Refused(
+                503,
+                f"the door holds {limits.read_bytes_max} bytes of request bodies not yet "
+                "taken (http.read_bytes_max): retry shortly",
             )
         held = self._body
         if not held:
@@ -307,7 +330,10 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._in_body = False
         if self._last_seen or self._upgrade_refused:
-            return  # pipelined after a request that closes the connection
+            # pipelined after a request that closes the connection: not taken
+            self._limits.counters.read_bytes -= len(self._body)
+            self._body = b""
+            return
         parser = self._parser
         body = self._body
         url = self._url
@@ -332,14 +358,20 @@ class HttpConnection(asyncio.Protocol):
         self._idle_at = None
         if not request.keep_alive:
             self._last_seen = True  # the client's last request: what follows is ignored
+        limits = self._limits
         if self._current is None and not self._waiting and not self._writing_paused:
             # Nothing before it (the usual case): answered now, inside this read.
+            limits.counters.read_bytes -= len(request.body)  # taken by the door
             self._dispatch(request)
             return
         if len(self._waiting) >= PIPELINED_MAX:
+            limits.counters.read_bytes -= len(request.body)
             raise _Refused(429, f"more than {PIPELINED_MAX} pipelined requests unanswered")
         self._waiting.append(request)
-        if len(self._waiting) >= PIPELINED_MAX // 2:
+        self._waiting_bytes += len(request.body)
+        # Reading pauses at half the count, or at one body's bound of bodies waiting: one
+        # connection does not fill http.read_bytes_max by pipelining.
+        if len(self._waiting) >= PIPELINED_MAX // 2 or self._waiting_bytes >= limits.body_bytes_max:
             self._pause_reading()
         self._schedule_next()
 
@@ -414,7 +446,10 @@ class HttpConnection(asyncio.Protocol):
             # resume_writing takes it; meanwhile its client has idle_timeout_s to read
             self._arm_idle()
             return
-        self._dispatch(self._waiting.popleft())
+        request = self._waiting.popleft()
+        self._waiting_bytes -= len(request.body)
+        self._limits.counters.read_bytes -= len(request.body)  # taken by the door
+        self._dispatch(request)
         self._maybe_resume_reading()
 
     def _dispatch(self, request: Request) -> None:
@@ -464,6 +499,7 @@ class HttpConnection(asyncio.Protocol):
             and self.transport is not None
             and not self._writing_paused
             and len(self._waiting) < PIPELINED_MAX // 2
+            and self._waiting_bytes < self._limits.body_bytes_max
         ):
             self._reading_paused = False
             self.transport.resume_reading()
@@ -493,9 +529,7 @@ class HttpConnection(asyncio.Protocol):
             return
         # Idle, or a request begun and not read whole in time: also behind an answer under
         # way (a long stream), which it would otherwise wait out with its partial body held.
-        if self.transport is not None and (
-            self._current is None or self._in_head or self._in_body
-        ):
+        if self.transport is not None and (self._current is None or self._in_head or self._in_body):
             self._limits.counters.idle_closed += 1
             if self.unsent_bytes():
                 self.abort()  # silent and not reading what it was sent: no wait for it
@@ -505,6 +539,8 @@ class HttpConnection(asyncio.Protocol):
     def _fail(self, status: int, message: str) -> None:
         self._broken = True
         self._in_head = self._in_body = False  # the refused request is done with: its refusal
+        self._limits.counters.read_bytes -= len(self._body)  # (its partial body, if held)
+        self._body = b""
         self._limits.counters.bad_requests += 1
         if self.transport is None:
             return

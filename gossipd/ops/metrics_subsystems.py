@@ -536,6 +536,19 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         c.bad_requests,
     )
     yield _one(
+        G,
+        "gossipd_http_read_bytes",
+        "Request bodies read and not yet taken by the door, all connections (bounded by "
+        "http.read_bytes_max: past it 503)",
+        c.read_bytes,
+    )
+    yield _one(
+        C,
+        "gossipd_http_bodies_dropped",
+        "Requests whose API key is refused: their bodies read and not kept (each answered 401)",
+        c.bodies_dropped,
+    )
+    yield _one(
         C,
         "gossipd_http_handler_errors",
         "HTTP requests whose handler raised (a bug: answered 500 server_error, logged with "
