@@ -5,6 +5,7 @@ a client that does not read its stream (cancelled at the byte bound), CURVE on e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -181,6 +182,8 @@ def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: 
         f'http.tls_key_file="{key}"',
         'log.level="info"',
         "http.idle_timeout_s=1",
+        "http.connections_max=3",
+        METRICS,
     )
     url = d.http_url.replace("http://", "https://")
     client = openai.OpenAI(
@@ -205,6 +208,25 @@ def test_the_door_serves_tls_when_given_a_certificate(daemon_factory, tmp_path: 
     assert silent.recv(100) == b""
     silent.close()
     assert 0.5 < time.monotonic() - started < 5
+    # Connections in their handshake count against http.connections_max (a stalled
+    # ClientHello holds ~0.4 MiB): with 3 stalled, a 4th is closed at once, and once they
+    # time out a client is served again.
+    port = int(url.rsplit(":", 1)[1])
+    stalled = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+    for sock in stalled:
+        sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello's start
+    wait_until(lambda: scrape(d.metrics_port)["gossipd_http_connections_open"] == 3, 5, "3 counted")
+    fourth = socket.create_connection(("127.0.0.1", port), timeout=10)
+    assert fourth.recv(100) == b"", "a 4th connection is closed at once"
+    fourth.close()
+    for sock in stalled:  # closed at http.idle_timeout_s (reset: its bytes were unread)
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(100) == b""
+        sock.close()
+    assert client.completions.create(model="echo", prompt="again", max_tokens=1).choices[0].text
+    metrics = scrape(d.metrics_port)
+    assert metrics["gossipd_http_connections_refused_total"] >= 1
+    assert metrics["gossipd_http_tls_handshakes_failed_total"] >= 5  # plain, silent, 3 stalled
 
 
 def test_a_stopping_entry_answers_what_it_holds_and_cancels_the_rest(tmp_path: Path) -> None:

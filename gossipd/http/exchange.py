@@ -74,6 +74,7 @@ class HttpCounters:
     handler_errors: int = 0  # the handler raised (a bug): answered 500, logged
     idle_closed: int = 0  # idle, or a request not read whole, for idle_timeout_s
     open_now: int = 0
+    tls_failed: int = 0  # TLS handshakes that failed, timed out or were left
     read_bytes: int = 0  # request bodies read and not yet taken by the door, now
     bodies_dropped: int = 0  # bodies of requests whose key is refused: read, not kept
 

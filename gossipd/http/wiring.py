@@ -78,5 +78,5 @@ async def open_door(
     if config.http.tls_cert_file:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(config.http.tls_cert_file, config.http.tls_key_file)
-    door.server = await serve(host.strip("[]"), int(port), door.handle, door.limits, ssl=context)
+    door.server = await serve(host.strip("[]"), int(port), door.handle, door.limits, tls=context)
     return door.server.sockets[0].getsockname()[1]

@@ -526,7 +526,19 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         "HTTP connections closed idle, or with a request not read whole, after http.idle_timeout_s",
         c.idle_closed,
     )
-    yield _one(G, "gossipd_http_connections_open", "HTTP connections open now", c.open_now)
+    yield _one(
+        G,
+        "gossipd_http_connections_open",
+        "HTTP connections open now (with TLS, from accept: handshakes included)",
+        c.open_now,
+    )
+    yield _one(
+        C,
+        "gossipd_http_tls_handshakes_failed",
+        "HTTP connections closed in their TLS handshake: refused, reset, or not done within "
+        "http.idle_timeout_s",
+        c.tls_failed,
+    )
     yield _one(C, "gossipd_http_requests", "HTTP requests parsed", c.requests)
     yield _one(
         C,
