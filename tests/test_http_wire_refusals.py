@@ -514,3 +514,33 @@ def test_a_request_whose_key_is_refused_has_its_body_read_and_dropped() -> None:
         assert limits.counters.bodies_dropped == 1 and not transport.closing
 
     asyncio.run(case())
+
+
+def test_a_head_padded_with_blanks_is_refused_at_the_bound_as_it_arrives() -> None:
+    """Blanks around values and line ends reach no callback: a 3.9 MiB head of padded
+    lines (a few bytes of names and values) was answered 200.  The bytes of reads that
+    fall wholly inside a head count whole: refused 431 before 64 KiB and two reads."""
+
+    async def case() -> None:
+        conn, transport, handler = _connection()
+        line = b"a:" + b" " * 4000 + b"b   \r\n"
+        head = b"GET /h HTTP/1.1\r\nhost: x\r\n" + line * 1000 + b"\r\n"  # ~4 MB
+        fed = 0
+        for at in range(0, len(head), 16384):
+            conn.data_received(head[at : at + 16384])
+            fed = at + 16384
+            if transport.closing:
+                break
+        await _turns()
+        out = bytes(transport.out)
+        assert _statuses(out) == [431], out[:200]
+        assert fed <= 64 * 1024 + 2 * 16384 and not handler.seen
+        # An ordinary head of the same lines, under the bound, in as many reads: served.
+        conn, transport, handler = _connection()
+        small = b"GET /h HTTP/1.1\r\nhost: x\r\n" + (b"a:" + b" " * 40 + b"b\r\n") * 1000 + b"\r\n"
+        for at in range(0, len(small), 1000):
+            conn.data_received(small[at : at + 1000])
+        await _turns()
+        assert _statuses(bytes(transport.out)) == [200] and len(handler.seen) == 1
+
+    asyncio.run(case())

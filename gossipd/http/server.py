@@ -93,6 +93,7 @@ class HttpConnection(asyncio.Protocol):
         self._read_heads = 0  # head bytes of requests begun in that read (their headers')
         self._head_bytes = 0
         self._tail = 0  # bytes of an open head's unfinished line (what httptools holds)
+        self._head_raw = 0
         self._quiet_bytes = 0  # read in a body since its last body bytes (chunk trailers)
         self._read_body = 0  # body bytes in the read being parsed
         self._last_seen = False  # a request without keep-alive came: nothing after it is read
@@ -199,6 +200,12 @@ class HttpConnection(asyncio.Protocol):
             newline = data.rfind(b"\n")
             if not self._began_in_read:  # (open before this read, then: it continues)
                 self._tail = self._tail + len(data) if newline < 0 else len(data) - newline - 1
+                # Every byte of this read is the head's: counted whole, so that blanks
+                # around values and line ends (which no callback reports) count too.
+                self._head_raw += len(data)
+                if self._head_raw > HEADER_BYTES_MAX:
+                    self._fail(431, f"the request's header block is over {HEADER_BYTES_MAX} bytes")
+                    return
             else:
                 self._tail = min(
                     len(data) - newline - 1, len(data) - self._read_body - self._read_heads
@@ -227,6 +234,7 @@ class HttpConnection(asyncio.Protocol):
         self._in_body = False
         self._began_in_read = True
         self._head_bytes = 0  # the request line and headers parsed so far
+        self._head_raw = 0  # the head's bytes in reads that fell wholly inside it
         self._tail = 0
         self._body = b""
         self._body_bytes = 0
