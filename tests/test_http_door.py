@@ -149,6 +149,39 @@ def test_api_keys_are_asked_and_a_removed_key_is_refused_without_a_restart(
     assert metrics["gossipd_http_read_bytes"] == 0
 
 
+def test_a_request_whose_body_was_dropped_for_its_key_is_401_even_if_the_key_comes_meanwhile(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """The body is dropped on the key's verdict at the head; a key provisioned (and
+    reloaded) before the body ends must not have the request served with no body (a 400
+    about the body): it is the 401 PROTOCOL.md promises, and the same request sent again
+    is served."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "alice.key").write_text(KEY + "\n")
+    d = daemon_factory(HTTP, f'http.keys_dir="{keys}"', "security.reload_interval_s=0.1")
+    new = "sk-bob-fedcba9876543210"
+    doc = {"model": "echo", "prompt": "hello", "max_tokens": 2}
+    body = json.dumps(doc).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n" % (new.encode(), len(body))
+    )
+    bob = {"authorization": f"Bearer {new}"}
+    with socket.create_connection(("127.0.0.1", _port(d.http_url)), timeout=10) as sock:
+        sock.sendall(head)
+        (keys / "bob.key").write_text(new + "\n")
+        wait_until(
+            lambda: _post(f"{d.http_url}/v1/completions", doc, bob)[0] == 200,
+            10,
+            "bob's key to be loaded",
+        )
+        sock.sendall(body)
+        status_line = sock.makefile("rb").readline()
+    assert status_line.startswith(b"HTTP/1.1 401 "), status_line
+    assert _post(f"{d.http_url}/v1/completions", doc, bob)[0] == 200
+
+
 def test_a_non_loopback_door_without_keys_or_tls_stops_start_up() -> None:
     done = gossipd_cli("check-config", "--set", 'http.bind="0.0.0.0:8000"')
     assert done.returncode == 2, done.stderr
@@ -856,6 +889,22 @@ def test_out_of_file_descriptors_keeps_the_keys_as_they_were(tmp_path: Path) -> 
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert keys.reload() and keys.name_of("Bearer " + "b" * 32) == "bob"
+    # A directory emptied after a look out of descriptors is read (its () was the marker
+    # of a look to make again: an empty directory's too, so its keys stayed valid).
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    held = []
+    try:
+        with pytest.raises(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        assert not keys.reload()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    for path in tmp_path.glob("*.key"):
+        path.unlink()
+    assert keys.reload() and keys.name_of(f"Bearer {alice}") is None and len(keys) == 0
 
 
 def test_a_chats_min_tokens_and_a_structured_forms_size_are_400_and_413_never_500(

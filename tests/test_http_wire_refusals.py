@@ -12,6 +12,7 @@ import itertools
 import json
 import re
 import socket
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -544,3 +545,129 @@ def test_a_head_padded_with_blanks_is_refused_at_the_bound_as_it_arrives() -> No
         assert _statuses(bytes(transport.out)) == [200] and len(handler.seen) == 1
 
     asyncio.run(case())
+
+
+def test_a_request_the_wire_stopped_reading_is_not_closed_as_idle() -> None:
+    """Behind an answer longer than http.idle_timeout_s, a request the client sent whole
+    but the wire left unread (reading paused: 8 requests waiting, or a body's bound of
+    bodies) is no slow client: the connection was closed and every answer lost.  Real
+    socket; the client sends the last request's first bytes, then the rest at once."""
+
+    def get(path: bytes) -> bytes:
+        return b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % path
+
+    def handler(request: Request, exchange: Exchange) -> None:
+        if request.path == "/slow":  # longer than idle_timeout_s
+            asyncio.get_running_loop().call_later(1.5, exchange.respond, 200, b"slow")
+        else:
+            exchange.respond(200, b"ok")
+
+    def client(port: int, first: bytes, expected: int) -> int:
+        last = get(b"/last")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(first + last[:10])
+            time.sleep(0.1)
+            sock.sendall(last[10:])
+            got = b""
+            while got.count(b"HTTP/1.1 200") < expected:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        return got.count(b"HTTP/1.1 200")
+
+    async def case() -> None:
+        limits = HttpLimits(body_bytes_max=65536, connections_max=8, idle_timeout_s=0.5)
+        server = await serve("127.0.0.1", 0, handler, limits)
+        port = server.sockets[0].getsockname()[1]
+        by_count = get(b"/slow") + get(b"/a") * 8
+        by_bytes = get(b"/slow") + b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 65536\r\n\r\n"
+        by_bytes += b"y" * 65536
+        assert await asyncio.to_thread(client, port, by_count, 10) == 10
+        assert await asyncio.to_thread(client, port, by_bytes, 3) == 3
+        assert limits.counters.idle_closed == 0
+        server.close()
+
+    asyncio.run(case())
+
+
+def test_nothing_is_answered_after_the_clients_last_request() -> None:
+    """Bytes after a request with Connection: close are not read as requests: malformed,
+    they got a 400 written after the last answer, which had said the connection closes."""
+
+    async def case() -> None:
+        conn, transport, handler = _connection()
+        conn.data_received(
+            b"GET /a HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\nNOT HTTP\r\n\r\n"
+        )
+        await _turns()
+        assert _statuses(bytes(transport.out)) == [200] and transport.closing
+        assert [r.path for r in handler.seen] == ["/a"]
+
+    asyncio.run(case())
+
+
+_DUP_FAILS = r"""
+import asyncio, os, resource, socket, ssl, sys
+from gossipd.http.exchange import HttpLimits
+from gossipd.http.server import serve
+
+async def main(cert, key):
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    limits = HttpLimits(body_bytes_max=1 << 20, connections_max=4, idle_timeout_s=1.0)
+    handler = lambda request, exchange: exchange.respond(200, b"ok")
+    server = await serve("127.0.0.1", 0, handler, limits, tls=tls)
+    port = server.sockets[0].getsockname()[1]
+    before = len(os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for _ in range(3):
+        client = socket.socket()
+        client.setblocking(False)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        os.close(held.pop())  # one left: the accept takes it, the dup finds none
+        try:
+            client.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        await asyncio.sleep(0.3)
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        await asyncio.sleep(0.3)
+        client.close()
+    await asyncio.sleep(0.3)
+    print(limits.counters.open_now, limits.counters.tls_failed,
+          len(os.listdir("/proc/self/fd")) - before)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_a_tls_connection_that_cannot_be_handed_over_gives_its_place_back(tmp_path: Path) -> None:
+    """Out of descriptors, the accepted socket could not be duplicated for the TLS: the
+    error left connection_made with the connection counted and its socket open, a place
+    of http.connections_max and a descriptor lost for good each time.  In a child process
+    (its descriptor limit is lowered to what it holds)."""
+    import subprocess
+    import sys
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _DUP_FAILS, str(cert), str(key)],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    open_now, failed, fds_kept = map(int, done.stdout.split())
+    assert open_now == 0 and failed == 3 and fds_kept == 0, done.stdout

@@ -238,7 +238,7 @@ class HttpDoor:
                 return
             identity = ""
         elif self.keys is not None:
-            name = self.keys.name_of(authorization)
+            name = None if request.key_refused else self.keys.name_of(authorization)
             if name is None:
                 self._unauthorized(
                     exchange,

@@ -63,6 +63,9 @@ class Request(msgspec.Struct):
     body: bytes
     keep_alive: bool
     http10: bool = False  # an HTTP/1.0 client: no chunked answers
+    # Its key was refused when its head was read (HttpLimits.keeps_body): its body was
+    # dropped, so it is answered 401 whatever the keys are by the time it is handled.
+    key_refused: bool = False
 
 
 @dataclass(slots=True)

@@ -26,7 +26,8 @@ class ApiKeys:
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
         self._by_digest: dict[bytes, str] = {}
-        self._seen: tuple[tuple[str, int, int, int, int], ...] = ()
+        # What the latest read saw; None: read at the next look, whatever it sees.
+        self._seen: tuple[tuple[str, int, int, int, int], ...] | None = None
         self.reloads = 0
         self.unreadable = False  # the directory could not be read at the latest look
         self.reload(force=True, initial=True)
@@ -112,7 +113,7 @@ class ApiKeys:
             "cannot read http.keys_dir now (out of file descriptors): the keys stay as they were",
             extra={"dir": str(self.directory), "error": exc.strerror},
         )
-        self._seen = ()  # (read again at the next look, changed or not)
+        self._seen = None  # (read again at the next look: () is an empty directory's)
         return False
 
 

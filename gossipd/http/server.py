@@ -361,6 +361,7 @@ class HttpConnection(asyncio.Protocol):
             body=body if type(body) is bytes else bytes(body),
             keep_alive=parser.should_keep_alive(),
             http10=parser.get_http_version() == "1.0",
+            key_refused=not self._keep_body,
         )
         if request.http10 and "transfer-encoding" in self._headers:
             # An HTTP/1.0 message with Transfer-Encoding is faulty framing: its connection
@@ -518,6 +519,8 @@ class HttpConnection(asyncio.Protocol):
         ):
             self._reading_paused = False
             self.transport.resume_reading()
+            if self._in_head or self._in_body:
+                self._arm_idle()  # a request begun: its rest has idle_timeout_s from now
 
     # The idle deadline moves with every request (twice: at its start and after its answer)
     # but its timer does not: the one timer, when it fires, re-arms for the deadline as it
@@ -544,7 +547,11 @@ class HttpConnection(asyncio.Protocol):
             return
         # Idle, or a request begun and not read whole in time: also behind an answer under
         # way (a long stream), which it would otherwise wait out with its partial body held.
-        if self.transport is not None and (self._current is None or self._in_head or self._in_body):
+        # Not while reading is paused by us (requests or bodies waiting): the rest of that
+        # request may be here, unread; its time starts again when reading resumes.
+        if self.transport is not None and (
+            self._current is None or ((self._in_head or self._in_body) and not self._reading_paused)
+        ):
             self._limits.counters.idle_closed += 1
             if self.unsent_bytes():
                 self.abort()  # silent and not reading what it was sent: no wait for it
@@ -557,8 +564,8 @@ class HttpConnection(asyncio.Protocol):
         self._limits.counters.read_bytes -= len(self._body)  # (its partial body, if held)
         self._body = b""
         self._limits.counters.bad_requests += 1
-        if self.transport is None:
-            return
+        if self.transport is None or self._last_seen:
+            return  # (after the client's last request nothing is answered: bytes it sent after)
         body = self._limits.error_body(message, status)
         refusal = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
@@ -607,8 +614,15 @@ class _TlsAccept(asyncio.Protocol):
         if not _admit(self._limits, transport):
             return
         transport.pause_reading()  # (every byte is the TLS's)
-        raw = transport.get_extra_info("socket")
-        sock = socket.socket(fileno=os.dup(raw.fileno()))  # this transport's ends below
+        try:
+            raw = transport.get_extra_info("socket")
+            sock = socket.socket(fileno=os.dup(raw.fileno()))  # this transport's ends below
+        except OSError as exc:  # out of descriptors (a flood): closed, its place given back
+            log.debug("a TLS connection could not be handed over", extra={"error": str(exc)})
+            transport.abort()
+            self._limits.counters.open_now -= 1
+            self._limits.counters.tls_failed += 1
+            return
         transport.abort()
         task = asyncio.get_running_loop().create_task(self._shake_hands(sock))
         _HANDSHAKES.add(task)
