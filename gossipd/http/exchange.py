@@ -1,9 +1,10 @@
 """What one HTTP request is, and how its response goes out: the request as the door reads it,
-the wire's bounds and counters, and the Exchange a handler answers through (one response,
+the wire's bounds and counters (a new connection counted against them: ``admit``), and the Exchange a handler answers through (one response,
 or a chunked stream).  The connection that parses and writes is gossipd/http/server.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -205,3 +206,15 @@ class Exchange:
         """Give up on the client (a stream it does not read): close the connection."""
         self.done = True
         self._conn.abort()
+
+
+def admit(limits: HttpLimits, transport: asyncio.BaseTransport) -> bool:
+    """Count a new connection; False (and closed at once, counted) past connections_max."""
+    counters = limits.counters
+    counters.connections += 1
+    if counters.open_now >= limits.connections_max:
+        counters.connections_refused += 1
+        transport.abort()  # type: ignore[attr-defined]
+        return False
+    counters.open_now += 1
+    return True

@@ -20,7 +20,9 @@ Bounds a hostile client meets (each answered, counted and the connection closed)
   and not taken as the request's headers (RFC 9110 6.5.1);
 - a refusal is the connection's last answer: nothing after the refused request is read,
   the requests before it are answered first, in order, then the refusal, then the close.
-- a connection idle, or a request not read whole, for ``idle_timeout_s``: closed.
+- a connection idle, or a request not read whole, for ``idle_timeout_s``: closed;
+- request bodies read and not yet taken, over all connections: ``read_bytes_max`` (503);
+- with TLS, a connection counts against ``connections_max`` from accept (tlsaccept.py).
 
 Requests on one connection are answered in order: a request with nothing before it is
 handled as it is read; a pipelined one waits until the one before it has ended its response
@@ -32,22 +34,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import cast
 
 import httptools
 
-from gossipd.http.exchange import REASONS, Exchange, HttpLimits, Request
+from gossipd.http.exchange import REASONS, Exchange, HttpLimits, Request, admit
+from gossipd.http.tlsaccept import TlsAccept
 from gossipd.http.turnwrites import TurnWrites
 
 log = logging.getLogger("gossipd.http.server")
 
-_HANDSHAKES: set[asyncio.Task[None]] = set()  # TLS handshakes under way (kept from the GC)
 
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
 PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429, closed
@@ -74,7 +73,7 @@ class HttpConnection(asyncio.Protocol):
     ) -> None:
         self._handler = handler
         self._limits = limits
-        self._counted = counted  # TLS: counted at accept, before its handshake (_TlsAccept)
+        self._counted = counted  # TLS: counted at accept, before its handshake (tlsaccept.py)
         # the server's (one for all its connections); a connection alone gets its own
         self._writes = writes if writes is not None else TurnWrites()
         self._held: list[bytes] | None = None  # bytes for the turn's end (turnwrites.py)
@@ -119,7 +118,7 @@ class HttpConnection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._counted and not _admit(self._limits, transport):
+        if not self._counted and not admit(self._limits, transport):
             return
         self.transport = transport  # type: ignore[assignment]
         self._arm_idle()
@@ -582,64 +581,6 @@ class HttpConnection(asyncio.Protocol):
         self.close()
 
 
-def _admit(limits: HttpLimits, transport: asyncio.BaseTransport) -> bool:
-    """Count a new connection; False (and closed at once, counted) past connections_max."""
-    counters = limits.counters
-    counters.connections += 1
-    if counters.open_now >= limits.connections_max:
-        counters.connections_refused += 1
-        transport.abort()  # type: ignore[attr-defined]
-        return False
-    counters.open_now += 1
-    return True
-
-
-class _TlsAccept(asyncio.Protocol):
-    """A TLS door's accepted connection before its handshake: counted here, against
-    connections_max, from its first byte (a client that stops inside its ClientHello holds
-    ~0.4 MiB of buffers), then handed, as the same socket, to the loop's TLS with a fresh
-    HttpConnection (counted already), which sees the connection once the handshake is done;
-    one not done within idle_timeout_s is closed (``tls_failed``).  Not ``start_tls`` on
-    this transport: uvloop 0.23's server-side ``start_tls`` never finishes a handshake."""
-
-    def __init__(
-        self, conn: Callable[[], HttpConnection], limits: HttpLimits, tls: ssl.SSLContext
-    ) -> None:
-        self._conn = conn
-        self._limits = limits
-        self._tls = tls
-
-    def connection_made(self, base: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, base)
-        if not _admit(self._limits, transport):
-            return
-        transport.pause_reading()  # (every byte is the TLS's)
-        try:
-            raw = transport.get_extra_info("socket")
-            sock = socket.socket(fileno=os.dup(raw.fileno()))  # this transport's ends below
-        except OSError as exc:  # out of descriptors (a flood): closed, its place given back
-            log.debug("a TLS connection could not be handed over", extra={"error": str(exc)})
-            transport.abort()
-            self._limits.counters.open_now -= 1
-            self._limits.counters.tls_failed += 1
-            return
-        transport.abort()
-        task = asyncio.get_running_loop().create_task(self._shake_hands(sock))
-        _HANDSHAKES.add(task)
-        task.add_done_callback(_HANDSHAKES.discard)
-
-    async def _shake_hands(self, sock: socket.socket) -> None:
-        try:
-            await asyncio.get_running_loop().connect_accepted_socket(
-                self._conn, sock, ssl=self._tls, ssl_handshake_timeout=self._limits.idle_timeout_s
-            )
-        except Exception as exc:  # refused, reset, too slow: closed
-            log.debug("a TLS handshake failed", extra={"error": repr(exc)[:200]})
-            sock.close()
-            self._limits.counters.open_now -= 1
-            self._limits.counters.tls_failed += 1
-
-
 def _origin_form(url: bytes) -> bytes:
     """The path and query of an absolute-form target (``http://host/v1/models``), which a
     server must accept (RFC 9112 3.2.2); the target as it came when it is not one."""
@@ -675,8 +616,8 @@ async def serve(
     factory: Callable[[], asyncio.Protocol]
     if tls is None:
         factory = lambda: HttpConnection(handler, limits, writes)  # noqa: E731
-    else:  # counted from accept, its handshake included (_TlsAccept)
-        factory = lambda: _TlsAccept(  # noqa: E731
+    else:  # counted from accept, its handshake included (tlsaccept.py)
+        factory = lambda: TlsAccept(  # noqa: E731
             lambda: HttpConnection(handler, limits, writes, counted=True), limits, tls
         )
     return await loop.create_server(
