@@ -510,6 +510,9 @@ class HttpConfig(Section, frozen=True):
     read_bytes_max: Annotated[int, msgspec.Meta(ge=1024)] = 256 * 1024 * 1024
     # Bytes of a stream waiting for a slow client; past it the request is cancelled.
     stream_buffer_bytes_max: Annotated[int, msgspec.Meta(ge=4096)] = 4 * 1024 * 1024
+    # Bytes of every stream waiting for slow clients together: each stream open may hold
+    # its share (this / the streams open) when that is under stream_buffer_bytes_max.
+    streams_unsent_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 256 * 1024 * 1024
     # Open connections at once; more are closed at once, counted.
     connections_max: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
     # A connection idle this long, or a request not read whole within it, is closed

@@ -307,3 +307,41 @@ def test_the_reply_socket_drops_a_frame_over_its_bound_and_keeps_reading() -> No
             ctx.destroy(linger=0)
 
     assert asyncio.run(main()) == 2
+
+
+def test_a_stream_past_its_share_of_all_streams_unsent_bytes_is_cancelled() -> None:
+    """Answers waiting for slow clients were bounded per stream only (4 MiB x 4096
+    connections: 16 GiB).  Each open stream may now hold its share of
+    http.streams_unsent_bytes_max when that is under its own bound."""
+    streamed = decode_call(b'{"model": "m", "prompt": "p", "stream": true}', chat=False)
+
+    class Unsent(RecordingExchange):
+        def __init__(self, unsent: int) -> None:
+            super().__init__()
+            self.unsent = unsent
+            self.aborted = 0
+
+        def write(self, data: bytes) -> int:
+            super().write(data)
+            return self.unsent
+
+        def abort(self) -> None:
+            self.aborted += 1
+
+    def run(unsent: int, streams_open: int) -> tuple[int, list[str]]:
+        cancelled: list[str] = []
+        answers = Answers(
+            node="n0", cancel=cancelled.append, stream_buffer_bytes_max=4 << 20,
+            request_timeout_s=60, clock=ManualClock(),
+            streams_unsent_bytes_max=1 << 20, streams_open=lambda: streams_open,
+        )  # fmt: skip
+        exchange = Unsent(unsent)
+        answers.wait("t", Waiting(exchange=exchange, call=streamed, response_id="c",  # type: ignore[arg-type]
+                                  created=1, deadline=1e9, request_id=""))  # fmt: skip
+        answers.deliver(encode(Chunk(id="t", seq=0, delta="a")))
+        return answers.counters.slow_client_cancels, cancelled
+
+    assert run(300 << 10, streams_open=4) == (1, ["t"])  # over 1 MiB / 4 = 256 KiB
+    assert run(200 << 10, streams_open=4) == (0, [])
+    assert run(900 << 10, streams_open=1) == (0, [])  # alone: the whole 1 MiB
+    assert run(5 << 20, streams_open=1) == (1, ["t"])  # its own bound still holds

@@ -671,3 +671,36 @@ def test_a_tls_connection_that_cannot_be_handed_over_gives_its_place_back(tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     open_now, failed, fds_kept = map(int, done.stdout.split())
     assert open_now == 0 and failed == 3 and fds_kept == 0, done.stdout
+
+
+def test_open_streams_are_counted_until_they_end_are_given_up_or_lose_their_client() -> None:
+    async def case() -> None:
+        exchanges: list[Exchange] = []
+
+        def handler(request: Request, exchange: Exchange) -> None:
+            exchanges.append(exchange)
+            exchange.start_stream()
+            exchange.write(b"data: x\n\n")
+
+        limits = HttpLimits(body_bytes_max=1 << 20, connections_max=64)
+        counters = limits.counters
+        conns = []
+        for _ in range(3):
+            conn = HttpConnection(handler, limits, TurnWrites())
+            conn.connection_made(FakeTransport(conn))
+            conn.data_received(b"GET /s HTTP/1.1\r\nhost: x\r\n\r\n")
+            conns.append(conn)
+        assert counters.streams_open == 3
+        exchanges[0].end_stream()
+        exchanges[0].end_stream()  # (once)
+        assert counters.streams_open == 2
+        exchanges[1].abort()
+        conns[1].connection_lost(None)
+        assert counters.streams_open == 1
+        conns[2].connection_lost(None)  # its client gone mid-stream
+        assert counters.streams_open == 0
+        conns[0].data_received(b"GET /s HTTP/1.1\r\nhost: x\r\n\r\n")  # the next on conn 0
+        await _turns()
+        assert counters.streams_open == 1
+
+    asyncio.run(case())

@@ -161,10 +161,15 @@ class Answers:
         stream_buffer_bytes_max: int,
         request_timeout_s: float,
         clock: Clock,
+        streams_unsent_bytes_max: int = 1 << 62,
+        streams_open: Callable[[], int] = lambda: 1,
     ) -> None:
         self._node = node
         self._cancel = cancel  # a task id: cancel the task wherever it runs
         self._stream_bytes_max = stream_buffer_bytes_max
+        # Every stream's unsent bytes together: each open stream gets its share of it.
+        self._streams_bytes_max = streams_unsent_bytes_max
+        self._streams_open = streams_open
         self._timeout_s = request_timeout_s
         self._clock = clock
         self._waiting: dict[str, Waiting] = {}
@@ -458,8 +463,11 @@ class Answers:
             if nxt is None:
                 break
             chunk = nxt
-        if waiting_bytes > self._stream_bytes_max:
-            # The client reads slower than the task writes: give up on it.
+        if waiting_bytes > self._stream_bytes_max or (
+            waiting_bytes > self._streams_bytes_max // max(1, self._streams_open())
+        ):
+            # The client reads slower than the task writes: give up on it (past its own
+            # bound, or past its share of what all streams may hold together).
             self.counters.slow_client_cancels += 1
             waiting.exchange.abort()
             if waiting.choices is not None:

@@ -39,7 +39,7 @@ from gossipd.core.messages import (
 )
 from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
 from gossipd.http.chat import ChatTemplate, TemplateBroken, TemplateFailed
-from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpLimits, Request
+from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpCounters, HttpLimits, Request
 from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_answers import error_body
 from gossipd.http.openai_api import (
@@ -167,14 +167,18 @@ class HttpDoor:
         self._clock = clock
         self._session_header = config.session_header.lower()
         self._timeout_ms = int(config.request_timeout_s * 1000)
+        wire_counters = HttpCounters()  # the wire's, shared: the answers read streams_open
         self.answers = Answers(
             node=node,
             cancel=lambda task_id: intake.handle_cancel(task_id, producer_key),
             stream_buffer_bytes_max=config.stream_buffer_bytes_max,
             request_timeout_s=config.request_timeout_s,
             clock=clock,
+            streams_unsent_bytes_max=config.streams_unsent_bytes_max,
+            streams_open=lambda: wire_counters.streams_open,
         )
         self.limits = HttpLimits(
+            counters=wire_counters,
             body_bytes_max=config.body_bytes_max,
             connections_max=config.connections_max,
             idle_timeout_s=config.idle_timeout_s,

@@ -80,6 +80,7 @@ class HttpCounters:
     open_now: int = 0
     tls_failed: int = 0  # TLS handshakes that failed, timed out or were left
     read_bytes: int = 0  # request bodies read and not yet taken by the door, now
+    streams_open: int = 0  # chunked answers begun and not yet ended, now
     bodies_dropped: int = 0  # bodies of requests whose key is refused: read, not kept
 
 
@@ -122,7 +123,16 @@ class Exchange:
     ``end_stream``.  ``on_close`` (set by the handler) is called if the client goes away
     before the response has ended."""
 
-    __slots__ = ("_conn", "done", "head_only", "http10", "keep_alive", "on_close", "streaming")
+    __slots__ = (
+        "_conn",
+        "_open_stream",
+        "done",
+        "head_only",
+        "http10",
+        "keep_alive",
+        "on_close",
+        "streaming",
+    )
 
     def __init__(self, conn: HttpConnection, request: Request) -> None:
         self._conn = conn
@@ -131,6 +141,7 @@ class Exchange:
         self.head_only = request.method == "HEAD"
         self.done = False
         self.streaming = False
+        self._open_stream = False  # counted in streams_open
         self.on_close: Callable[[], None] | None = None
 
     def _head(self, status: int, fields: bytes, headers: list[tuple[str, str]] | None) -> bytes:
@@ -183,6 +194,9 @@ class Exchange:
             fields += b"transfer-encoding: chunked\r\n"
         head = self._head(status, fields, headers)
         self.streaming = True
+        if not self._open_stream and not self.done:
+            self._open_stream = True
+            self._conn.counters.streams_open += 1
         self._conn.send(head)
 
     def write(self, data: bytes) -> int:
@@ -198,6 +212,7 @@ class Exchange:
         if self.done:
             return
         self.done = True
+        self.stream_closed()
         if not self.http10:
             self._conn.send(b"0\r\n\r\n")
         self._conn.ended(self)
@@ -205,7 +220,14 @@ class Exchange:
     def abort(self) -> None:
         """Give up on the client (a stream it does not read): close the connection."""
         self.done = True
+        self.stream_closed()
         self._conn.abort()
+
+    def stream_closed(self) -> None:
+        """Its stream is no longer open (ended, given up, or its connection lost): once."""
+        if self._open_stream:
+            self._open_stream = False
+            self._conn.counters.streams_open -= 1
 
 
 def admit(limits: HttpLimits, transport: asyncio.BaseTransport) -> bool:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import httptools
 
-from gossipd.http.exchange import REASONS, Exchange, HttpLimits, Request, admit
+from gossipd.http.exchange import REASONS, Exchange, HttpCounters, HttpLimits, Request, admit
 from gossipd.http.tlsaccept import TlsAccept
 from gossipd.http.turnwrites import TurnWrites
 
@@ -138,8 +138,10 @@ class HttpConnection(asyncio.Protocol):
         self._body, self._waiting_bytes = b"", 0
         self._waiting.clear()
         current, self._current = self._current, None
-        if current is not None and not current.done and current.on_close is not None:
-            current.on_close()
+        if current is not None:
+            current.stream_closed()
+            if not current.done and current.on_close is not None:
+                current.on_close()
 
     def pause_writing(self) -> None:
         # The client does not read its answers: read and answer nothing more until it does.
@@ -391,6 +393,10 @@ class HttpConnection(asyncio.Protocol):
         self._schedule_next()
 
     # -- writing -----------------------------------------------------------------------------
+
+    @property
+    def counters(self) -> HttpCounters:
+        return self._limits.counters
 
     def send(self, data: bytes) -> None:
         """Bytes for the client: now, or at the loop turn's end (turnwrites.py)."""

@@ -555,6 +555,13 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         c.read_bytes,
     )
     yield _one(
+        G,
+        "gossipd_http_streams_open",
+        "Streamed HTTP answers begun and not yet ended: each may hold its share of "
+        "http.streams_unsent_bytes_max for a slow client",
+        c.streams_open,
+    )
+    yield _one(
         C,
         "gossipd_http_bodies_dropped",
         "Requests whose API key is refused: their bodies read and not kept (each answered 401)",
