@@ -9,7 +9,13 @@ Here every fault of a file is a KeyFileError saying what is wrong with it.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
+
+# A key directory's read that failed for lack of file descriptors (a flood of connections):
+# it says nothing of the keys, so the directories (security.KeyDir, http/keys.ApiKeys) keep
+# theirs and read again at their next look.
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 _QUOTES_AND_SPACE = b" \t'\""
 

@@ -23,7 +23,6 @@ opened are refused from then on (the readers check ``User-Id`` against the curre
 from __future__ import annotations
 
 import asyncio
-import errno
 import ipaddress
 import logging
 import os
@@ -37,14 +36,12 @@ import zmq.auth
 from zmq.utils import z85
 
 from gossipd.errors import StartupError
-from gossipd.keyfiles import read_key_file
+from gossipd.keyfiles import OUT_OF_FILES, read_key_file
 from gossipd.ops.logs import RateLimiter
 from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 from gossipd.zmtp import PeerCurve
 
 log = logging.getLogger("gossipd.security")
-
-_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)  # a key directory's read failed for lack of fds
 
 DOMAIN_PEERS = "gossipd-peers"
 DOMAIN_PRODUCERS = "gossipd-producers"
@@ -113,7 +110,7 @@ class KeyDir:
         try:
             entries = sorted(os.scandir(self.path), key=lambda e: e.name)
         except OSError as exc:
-            if exc.errno in _OUT_OF_FILES:
+            if exc.errno in OUT_OF_FILES:
                 raise
             return ()
         out = []
@@ -150,7 +147,7 @@ class KeyDir:
             try:
                 public, _ = read_key_file(self.path / name)
             except (OSError, ValueError) as exc:  # (KeyFileError is a ValueError)
-                if isinstance(exc, OSError) and exc.errno in _OUT_OF_FILES:
+                if isinstance(exc, OSError) and exc.errno in OUT_OF_FILES:
                     raise
                 self.bad_files += 1
                 log.warning("cannot read a key file", extra={"file": name, "error": str(exc)})

@@ -1,6 +1,7 @@
 """What one HTTP request is, and how its response goes out: the request as the door reads it,
-the wire's bounds and counters (a new connection counted against them: ``admit``), and the Exchange a handler answers through (one response,
-or a chunked stream).  The connection that parses and writes is gossipd/http/server.py."""
+the wire's bounds and counters (a new connection counted against them: ``admit``), and the
+Exchange a handler answers through (one response, or a chunked stream).  The connection that
+parses and writes is gossipd/http/server.py."""
 
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ on SIGHUP), so a removed key is refused from the next request on, without a rest
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 from pathlib import Path
+
+from gossipd.keyfiles import OUT_OF_FILES
 
 log = logging.getLogger("gossipd.http.keys")
 
@@ -58,7 +59,7 @@ class ApiKeys:
         except OSError as exc:
             if initial:
                 raise OSError(f"http.keys_dir {str(self.directory)!r}: {exc.strerror}") from None
-            if exc.errno in _OUT_OF_FILES:
+            if exc.errno in OUT_OF_FILES:
                 return self._kept(exc)
             if not self.unreadable:
                 log.error(
@@ -78,7 +79,7 @@ class ApiKeys:
                 raw = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
                 token = raw.decode()  # UTF-8, or skipped
             except (OSError, UnicodeDecodeError) as exc:
-                if isinstance(exc, OSError) and exc.errno in _OUT_OF_FILES and not initial:
+                if isinstance(exc, OSError) and exc.errno in OUT_OF_FILES and not initial:
                     return self._kept(exc)
                 log.warning(
                     "skipped an unreadable API key file",
@@ -115,9 +116,6 @@ class ApiKeys:
         )
         self._seen = None  # (read again at the next look: () is an empty directory's)
         return False
-
-
-_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int]:

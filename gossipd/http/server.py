@@ -47,7 +47,6 @@ from gossipd.http.turnwrites import TurnWrites
 
 log = logging.getLogger("gossipd.http.server")
 
-
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
 PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429, closed
 # The methods' texts, decoded once (a request's method is one of these nearly always).

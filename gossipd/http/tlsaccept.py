@@ -53,8 +53,7 @@ class TlsAccept(asyncio.Protocol):
         except OSError as exc:  # out of descriptors (a flood): closed, its place given back
             log.debug("a TLS connection could not be handed over", extra={"error": str(exc)})
             transport.abort()
-            self._limits.counters.open_now -= 1
-            self._limits.counters.tls_failed += 1
+            self._failed()
             return
         transport.abort()
         task = asyncio.get_running_loop().create_task(self._shake_hands(sock))
@@ -69,5 +68,9 @@ class TlsAccept(asyncio.Protocol):
         except Exception as exc:  # refused, reset, too slow: closed
             log.debug("a TLS handshake failed", extra={"error": repr(exc)[:200]})
             sock.close()
-            self._limits.counters.open_now -= 1
-            self._limits.counters.tls_failed += 1
+            self._failed()
+
+    def _failed(self) -> None:
+        """Its place under connections_max given back (no HttpConnection will), counted."""
+        self._limits.counters.open_now -= 1
+        self._limits.counters.tls_failed += 1
