@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -156,3 +158,23 @@ def key_owned_by(cluster: Cluster, member: str, prefix: str = "s-") -> str:
     of equal weights: a session that runs there, wherever its request enters."""
     ring = Ring({d.name: 1.0 for d in cluster.daemons})
     return next(k for k in (f"{prefix}{i}" for i in range(1000)) if ring.owner(k) == member)
+
+
+@contextlib.contextmanager
+def out_of_file_descriptors() -> Iterator[None]:
+    """This process out of file descriptors for the block (real EMFILE): its limit lowered
+    to what it holds plus a few, those few taken; all given back after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass  # none left
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

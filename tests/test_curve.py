@@ -45,7 +45,7 @@ from gossipd.ops.scrape import scrape
 from gossipd.security import KeyDir, is_loopback, write_key_pair
 from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
-from tests.helpers import gossipd_cli, wait_until
+from tests.helpers import gossipd_cli, out_of_file_descriptors, wait_until
 
 REFUSED_PRODUCERS = "gossipd_auth_refused_total{domain=gossipd-producers,reason=unknown_key}"
 REFUSED_PEERS = "gossipd_auth_refused_total{domain=gossipd-peers,reason=unknown_key}"
@@ -618,7 +618,6 @@ def test_a_key_replaced_with_its_mtime_kept_is_read_again_and_no_fds_keeps_the_k
     directory as empty and every peer or producer was refused: now the keys stay.  Real
     EMFILE: this process's descriptor limit lowered to what it has open, then restored."""
     import os
-    import resource
 
     for name in ("old", "new"):
         write_key_pair(name, tmp_path / "s")
@@ -640,19 +639,11 @@ def test_a_key_replaced_with_its_mtime_kept_is_read_again_and_no_fds_keeps_the_k
     assert keys.user_id(new) == "a" and keys.user_id(old) is None
 
     (tmp_path / "d" / "b.key").write_bytes((tmp_path / "s" / "old.key").read_bytes())
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    held: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        with pytest.raises(OSError):
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
+    with out_of_file_descriptors():
+        with pytest.raises(OSError):  # (none left indeed)
+            os.open("/dev/null", os.O_RDONLY)
         assert not keys.reload() and not keys.reload(force=True)
         assert keys.user_id(new) == "a"
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert keys.reload() and keys.user_id(new) == "a" and keys.user_id(old) == "b"
 
 

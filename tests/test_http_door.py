@@ -17,7 +17,14 @@ import openai
 import pytest
 
 from simulations.cluster import Cluster
-from tests.helpers import gossipd_cli, key_owned_by, running, scrape, wait_until
+from tests.helpers import (
+    gossipd_cli,
+    key_owned_by,
+    out_of_file_descriptors,
+    running,
+    scrape,
+    wait_until,
+)
 
 HTTP = 'http.bind="127.0.0.1:0"'
 METRICS = 'metrics.bind="127.0.0.1:0"'
@@ -867,7 +874,6 @@ def test_out_of_file_descriptors_keeps_the_keys_as_they_were(tmp_path: Path) -> 
     says nothing of the keys: they stay, and the next look reads again.  Real EMFILE: this
     process's descriptor limit lowered to what it has open, then restored."""
     import os
-    import resource
 
     from gossipd.http.keys import ApiKeys
 
@@ -875,33 +881,18 @@ def test_out_of_file_descriptors_keeps_the_keys_as_they_were(tmp_path: Path) -> 
     (tmp_path / "alice.key").write_text(alice + "\n")
     keys = ApiKeys(str(tmp_path))
     (tmp_path / "bob.key").write_text("b" * 32 + "\n")  # a change for the reload to see
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    held: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        with pytest.raises(OSError):
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
+    with out_of_file_descriptors():
+        with pytest.raises(OSError):  # (none left indeed)
+            os.open("/dev/null", os.O_RDONLY)
         assert not keys.reload() and not keys.reload(force=True)
         assert keys.name_of(f"Bearer {alice}") == "alice" and not keys.unreadable
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert keys.reload() and keys.name_of("Bearer " + "b" * 32) == "bob"
     # A directory emptied after a look out of descriptors is read (its () was the marker
     # of a look to make again: an empty directory's too, so its keys stayed valid).
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-    held = []
-    try:
-        with pytest.raises(OSError):
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
+    with out_of_file_descriptors():
+        with pytest.raises(OSError):  # (none left indeed)
+            os.open("/dev/null", os.O_RDONLY)
         assert not keys.reload()
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     for path in tmp_path.glob("*.key"):
         path.unlink()
     assert keys.reload() and keys.name_of(f"Bearer {alice}") is None and len(keys) == 0

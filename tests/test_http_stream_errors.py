@@ -7,30 +7,19 @@ names the prompt; and it wrote the chunks held behind a gap still open (text wit
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from gossipd.clock import ManualClock
 from gossipd.core.messages import Chunk, ErrorCode, ErrorInfo, Result
 from gossipd.http.answers import HELD_CHUNKS_MAX, Answers, Waiting
 from gossipd.http.openai_answers import error_of
 from gossipd.http.openai_api import decode_call
-from tests.test_http_choices import RecordingExchange
+from tests.test_http_choices import RecordingExchange, _events
 
 TOO_LONG = ErrorInfo(
     code=ErrorCode.BAD_REQUEST,
     message="This model's maximum context length is 512 tokens. However, your prompt is 900 "
     "tokens long",
 )
-
-
-def _events(exchange: RecordingExchange) -> list[Any]:
-    out: list[Any] = []
-    for raw in b"".join(exchange.events).split(b"\n\n"):
-        if raw == b"data: [DONE]":
-            out.append("[DONE]")
-        elif raw.startswith(b"data: "):
-            out.append(json.loads(raw[6:]))
-    return out
 
 
 def test_a_prompt_too_long_after_the_stream_began_says_so_as_the_400_does() -> None:
