@@ -2,7 +2,8 @@
 
 The hot path only bumps plain integers; this collector turns them into metric families when
 Prometheus scrapes, so counting costs nothing measurable per task.  The optional subsystems'
-families are in metrics_subsystems.py; the HTTP endpoint is metrics_server.py.
+families are in metrics_subsystems.py and metrics_fanout.py; the HTTP endpoint is
+metrics_server.py.
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from gossipd.core.replaycheck import OUTCOMES
 from gossipd.ops.logs import HANDLER_FAILURES
 from gossipd.ops.metric_families import C, G, _by, _one
+from gossipd.ops.metrics_fanout import _dispatch_metrics, _held_metrics, _load_gossip_metrics
 from gossipd.ops.metrics_subsystems import (
     _budget_metrics,
-    _dispatch_metrics,
     _duty_metrics,
     _gossip_metrics,
-    _held_metrics,
     _http_metrics,
     _leadership_metrics,
-    _load_gossip_metrics,
     _security_metrics,
 )
 
