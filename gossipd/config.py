@@ -513,6 +513,10 @@ class HttpConfig(Section, frozen=True):
     # Bytes of every stream waiting for slow clients together: each stream open may hold
     # its share (this / the streams open) when that is under stream_buffer_bytes_max.
     streams_unsent_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 256 * 1024 * 1024
+    # Bytes of whole (not streamed) answers waiting for clients that do not read them, all
+    # connections together; the answer that would pass it is given up and its connection
+    # closed, unless it alone waits.
+    answers_unsent_bytes_max: Annotated[int, msgspec.Meta(ge=65536)] = 256 * 1024 * 1024
     # Open connections at once; more are closed at once, counted.
     connections_max: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 4096
     # A connection idle this long, or a request not read whole within it, is closed

@@ -186,6 +186,7 @@ class HttpDoor:
             error_body=_wire_error,
             count_status=self.answers.counters.count,
             read_bytes_max=config.read_bytes_max,
+            answers_unsent_bytes_max=config.answers_unsent_bytes_max,
             # With keys, a request whose key is refused has its body read and dropped (it
             # gets 401 below whatever it holds): clients without a key hold no memory here.
             keeps_body=None if keys is None else self._key_taken,

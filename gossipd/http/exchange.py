@@ -83,6 +83,8 @@ class HttpCounters:
     read_bytes: int = 0  # request bodies read and not yet taken by the door, now
     streams_open: int = 0  # chunked answers begun and not yet ended, now
     bodies_dropped: int = 0  # bodies of requests whose key is refused: read, not kept
+    answers_unsent: int = 0  # bytes of whole answers their clients do not take, now
+    answers_dropped: int = 0  # whole answers given up past answers_unsent_bytes_max
 
 
 @dataclass(slots=True)
@@ -100,6 +102,10 @@ class HttpLimits:
     counters: HttpCounters = field(default_factory=HttpCounters)
     # Bodies read and not yet taken by the door, every connection together (read_bytes).
     read_bytes_max: int = 256 * 1024 * 1024
+    # Whole answers waiting for clients that do not take them (their connection's writing
+    # paused), every connection together (answers_unsent): past it the answer that went
+    # over is given up and its connection closed, unless it is the only one waiting.
+    answers_unsent_bytes_max: int = 256 * 1024 * 1024
     # Whether a request's body is worth keeping, from its headers: False when its key would
     # be refused (the door answers 401 anyway), so that clients without a key hold no
     # memory here.  None: every body is kept.
@@ -176,7 +182,7 @@ class Exchange:
             headers,
         )
         self.done = True
-        self._conn.send(head if self.head_only else head + body)
+        self._conn.send_whole(head if self.head_only else head + body)
         self._conn.ended(self)
 
     def start_stream(

@@ -106,6 +106,10 @@ class HttpConnection(asyncio.Protocol):
         self._current: Exchange | None = None
         self._reading_paused = False
         self._writing_paused = False  # the client does not read: take nothing more
+        # A whole answer was written and its client has not been seen to take it: while its
+        # writing is paused, what the transport holds counts in counters.answers_unsent.
+        self._whole_unsent = False
+        self._unsent_counted = 0  # this connection's part of counters.answers_unsent
         self._next_soon = False  # the next pipelined request is scheduled
         self._broken = False  # the wire refused a request: nothing after it is read
         # That refusal, when answers were due before it: sent once they are out.
@@ -127,6 +131,7 @@ class HttpConnection(asyncio.Protocol):
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
+        self._release_unsent()
         if self.transport is None:
             return
         self.transport = None
@@ -149,6 +154,7 @@ class HttpConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writing_paused = False
+        self._release_unsent()  # taken, bar what is under the transport's low-water mark
         if self._idle_at is not None:
             self._arm_idle()  # it reads: its idle deadline starts again
         self._maybe_resume_reading()
@@ -402,9 +408,16 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None:
             self._writes.write(self, data)
 
+    def send_whole(self, data: bytes) -> None:
+        """A whole answer (Exchange.respond): sent as ``send``, then bounded while unread."""
+        self._whole_unsent = True
+        self.send(data)
+
     def write_now(self, data: bytes) -> None:
         if self.transport is not None:
             self.transport.write(data)
+            if self._whole_unsent:
+                self._count_unsent()
 
     def hold(self, data: bytes) -> bool:
         """Keep ``data`` for the turn's end; True when it is the first held."""
@@ -420,6 +433,8 @@ class HttpConnection(asyncio.Protocol):
         self._held_bytes = 0
         if held and self.transport is not None:
             self.transport.write(held[0] if len(held) == 1 else b"".join(held))
+            if self._whole_unsent:
+                self._count_unsent()
 
     def unsent_bytes(self) -> int:
         """Bytes not yet taken by the client: held here or in the transport's buffer."""
@@ -441,10 +456,37 @@ class HttpConnection(asyncio.Protocol):
         """Close at once, what is held or buffered dropped."""
         self._held = None
         self._held_bytes = 0
+        self._release_unsent()
         if self.transport is not None:
             self.transport.abort()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _count_unsent(self) -> None:
+        """After a write with a whole answer in it: while the client does not take it (the
+        transport paused our writing), the bytes the transport holds count in answers_unsent;
+        past answers_unsent_bytes_max, over every connection, this answer is given up and
+        the connection closed, unless it alone waits (a lone answer always goes).  A client
+        that reads is not counted: it takes the answer as fast as the kernel hands it over."""
+        transport = self.transport
+        if transport is None or not self._writing_paused:
+            self._release_unsent()  # taken, bar what is under the high-water mark
+            return
+        counters = self._limits.counters
+        now = transport.get_write_buffer_size()
+        counters.answers_unsent += now - self._unsent_counted
+        self._unsent_counted = now
+        if (
+            counters.answers_unsent > self._limits.answers_unsent_bytes_max
+            and counters.answers_unsent > now
+        ):
+            counters.answers_dropped += 1
+            self.abort()
+
+    def _release_unsent(self) -> None:
+        self._limits.counters.answers_unsent -= self._unsent_counted
+        self._unsent_counted = 0
+        self._whole_unsent = False
 
     def _count_head(self, n: int) -> None:
         self._head_bytes += n

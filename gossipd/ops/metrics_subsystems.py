@@ -311,6 +311,20 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         c.streams_open,
     )
     yield _one(
+        G,
+        "gossipd_http_answers_unsent_bytes",
+        "Whole (not streamed) HTTP answers their clients do not read, bytes held, all "
+        "connections (bounded by http.answers_unsent_bytes_max)",
+        c.answers_unsent,
+    )
+    yield _one(
+        C,
+        "gossipd_http_answers_dropped",
+        "Whole HTTP answers given up, their connections closed: they would have taken the "
+        "answers clients do not read past http.answers_unsent_bytes_max",
+        c.answers_dropped,
+    )
+    yield _one(
         C,
         "gossipd_http_bodies_dropped",
         "Requests whose API key is refused: their bodies read and not kept (each answered 401)",
