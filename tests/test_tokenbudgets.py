@@ -100,10 +100,33 @@ def test_local_shares_add_up_to_the_budget(weights: list[float]) -> None:
         (-1e9, 1.0, 10_000, 10_000),
         (-5.0, 0.0, 7_000, 7_000),
         (-1.5, 1000.0, 10_000, 2),
+        # ingress.retry_after_max_ms = 0: still at least 1 (0 reads as "admitted")
+        (-5.0, 0.0, 0, 1),
+        (-5.0, 1000.0, 0, 1),
+        # a tiny rate: the wait overflows an integer before the cut (it raised OverflowError)
+        (-100.0, 1e-306, 10_000, 10_000),
     ],
 )
 def test_retry_after_ms(level: float, rate: float, cap: int, hint: int) -> None:
     assert retry_after_ms(level, rate, cap) == hint
+
+
+@given(
+    level=st.floats(max_value=-1e-9, allow_nan=False, allow_infinity=False),
+    rate=st.floats(min_value=0.0, allow_nan=False),
+    cap=st.integers(min_value=0, max_value=3_600_000),
+)
+def test_a_refusals_hint_is_always_between_1_and_the_cap(
+    level: float, rate: float, cap: int
+) -> None:
+    assert 1 <= retry_after_ms(level, rate, cap) <= max(1, cap)
+
+
+def test_a_producer_of_0_tokens_per_s_is_refused_whatever_the_longest_hint() -> None:
+    buckets = TokenBuckets(producers_max=10, retry_after_max_ms=0)
+    buckets.set_rates({"prefix:blocked": 0.0}, 10.0, 1.0)
+    assert [buckets.charge("prefix:blocked", 600, 0.0) for _ in range(3)] == [1, 1, 1]
+    assert buckets.statistics().admitted == 0
 
 
 def test_decode_budgets_round_trip_and_refusal() -> None:

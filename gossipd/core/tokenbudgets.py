@@ -133,10 +133,16 @@ def local_share(budgets: Budgets, capacity_weight: float) -> float:
 
 
 def retry_after_ms(level: float, rate: float, retry_after_max_ms: int) -> int:
-    """Rule 5: how long until a bucket at ``level`` (< 0) is back at 0."""
+    """Rule 5: how long until a bucket at ``level`` (< 0) is back at 0, at least 1 (0 would
+    read as "admitted": TokenBuckets.charge), at most ``retry_after_max_ms`` (cut before
+    rounding: a tiny rate's wait is no integer)."""
+    longest = max(1, retry_after_max_ms)
     if rate <= 0.0:
-        return retry_after_max_ms
-    return max(1, min(retry_after_max_ms, math.ceil(-level / rate * 1000.0)))
+        return longest
+    wait_ms = -level / rate * 1000.0
+    if not wait_ms < longest:  # (infinite too)
+        return longest
+    return max(1, math.ceil(wait_ms))
 
 
 @dataclass(frozen=True, slots=True)
