@@ -184,7 +184,10 @@ class Admin:
                 assert self._tg is not None, "start() first"
                 self._tg.create_task(self._hand_off(queued), name="drain-hand-off")
             log.info("drained by request", extra={"queued": len(queued)})
-            return True, f"draining: new tasks go to other members; {len(queued)} queued handed off"
+            return True, (
+                f"draining: new tasks go to other members; {len(queued)} queued offered to them"
+                " (those no member takes run here)"
+            )
         if not self._engine_dead():
             self.gossip.set_status("serving")
         log.info("undrained by request")

@@ -155,7 +155,7 @@ def test_drain_hands_the_queued_tasks_to_another_member(tmp_path) -> None:  # ty
 
         results, message = asyncio.run(main())
         assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-        handed = int(message.split(";")[1].split()[0])  # "...; N queued handed off"
+        handed = int(message.split(";")[1].split()[0])  # "...; N queued offered to them ..."
         assert handed >= 5, message
         by_node = Counter(r.node for r in results)
         assert by_node["d00"] >= handed, by_node
@@ -163,6 +163,57 @@ def test_drain_hands_the_queued_tasks_to_another_member(tmp_path) -> None:  # ty
         assert logged and logged[0]["queued"] == handed
     finally:
         c.stop()
+
+
+def test_a_cancel_taken_while_the_drain_hands_its_task_off_reaches_the_new_member(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """d00 runs A (4 s) and queues B; d01 joins and is paused (SIGSTOP) so that the accept
+    of B's hand-off comes late; d00 is drained and B cancelled meanwhile.  d00 took the
+    Cancel ("here") and released B once d01 accepted it: d01 ran B to the end and answered
+    ok.  Now the Cancel follows B to d01, which answers cancelled."""
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=[
+            "engine.token_delay_s=0.2",
+            "ingress.concurrency_max=1",
+            "fanout.ack_timeout_s=3.0",
+            'metrics.bind="127.0.0.1:0"',
+        ],
+    )
+    d0, d1 = c.daemons
+    producer = None
+    try:
+        d0.start()
+        producer = RawProducer(d0.endpoint)
+        producer.send_task("A", prompt="a", params={"max_tokens": 20})  # runs ~4 s on d00
+        producer.send_task("B", prompt="b", params={"max_tokens": 5})  # queued behind A
+        d1.start()
+        c.wait_meta(30)
+        d1.pause()
+        drain = {"v": 1, "t": 32, "id": "drain-1", "reply_to": producer.reply_to}
+        producer.push.send(msgpack.packb({**drain, "node": "d00", "drain": True}))
+        # Its reply leaves as the hand-off begins (B's Forward sent, d01 paused)
+        got = producer.replies(until=lambda r: any(x["t"] == 33 for x in r), timeout_s=10)
+        [reply] = [x for x in got if x["t"] == 33]
+        assert reply["ok"], reply
+        producer.push.send(msgpack.packb({"v": 1, "t": 4, "id": "B"}))  # the producer cancels B
+        wait_until(lambda: _cancels_here(d0.metrics_port) >= 1, 10, "d00 took the Cancel")
+        d1.resume()
+        got = producer.replies(until=lambda r: sum(x["t"] == 3 for x in r) >= 2, timeout_s=20)
+        results = {x["id"]: x for x in got if x["t"] == 3}
+        assert results["A"]["ok"]
+        b = results["B"]
+        assert not b["ok"] and b["error"]["code"] == "cancelled" and b["node"] == "d01", b
+    finally:
+        if producer is not None:
+            producer.close()
+        c.stop()
+
+
+def _cancels_here(metrics_port: int) -> float:
+    return scrape(metrics_port).get("gossipd_cancels_total{outcome=here}", 0.0)
 
 
 def test_malformed_and_unknown_admin_messages_are_refused_and_counted(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -332,6 +332,21 @@ def test_Forwarder_member_death_migrates_and_withdraws() -> None:
     assert fw.ledger.get("t0").owner == "b" and fw.loads == {"a": 0, "b": 1}  # type: ignore[union-attr]
 
 
+def test_a_stop_taken_while_a_task_was_handed_off_follows_it_to_its_new_member() -> None:
+    """A drain hands a queued task to a; meanwhile its producer cancels it here, or its
+    forwarder withdraws it: the Cancel (remembered in the ledger: a's death ends the task)
+    or a Withdraw goes to a, which would otherwise run it for nobody."""
+    fw, _ = _forwarder(["me", "a"])
+    fw.hand_off(_task(), 0.0, 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "a", True), 0.01)
+    fw.stop_handed_off(_task(), "a", withdrawn=False)
+    assert fw.take_outbox() == [("addr-a", Cancel(v=1, id="t0", producer_key=""))]
+    assert fw.ledger.get("t0").cancelled  # type: ignore[union-attr]
+    fw.stop_handed_off(_task(1), "a", withdrawn=True)
+    assert fw.take_outbox() == [("addr-a", Withdraw(id="t1", node="me"))]
+
+
 def test_Forwarder_hand_off_reports_its_outcome_and_never_picks_us() -> None:
     fw, _ = _forwarder(["me", "a"], attempts_max=3)
     fw.hand_off(_task(), 0.0, 0.0)

@@ -468,6 +468,22 @@ class Forwarder:
         self.counters.moved += 1
         return True
 
+    def stop_handed_off(self, task: Task, to: str, *, withdrawn: bool) -> None:
+        """``task``, which we handed to ``to`` (at drain, or our engine dead), was stopped
+        here while it was offered: withdrawn by its forwarders (a copy elsewhere answers) or
+        cancelled by its producer.  The stop follows it to ``to``, which would otherwise run
+        it for nobody, or answer it ok after our Cancel's "here"."""
+        if withdrawn:
+            addr = self._placement.addr(to) or self._last_addr.get(to)
+            if addr is not None:
+                self._outbox.append((addr, Withdraw(id=task.id, node=self.node)))
+                self.counters.withdrawn += 1
+            return
+        entry = self.ledger.get(task.id)
+        if entry is not None and entry.owner == to:
+            entry.cancelled = True  # (ours to answer for: its owner's death ends it, see cancel)
+        self._send_cancel(to, task.id, task.producer_key)
+
     def _cancel_in_flight(self, task_id: str, producer_key: str) -> str | None:
         """A Cancel for a task no member has accepted yet (its Forward awaits the accept, or
         a retry waits out its backoff): each copy in the air is followed by the Cancel, on

@@ -32,7 +32,7 @@ from gossipd.core.forwarder import (
     Route,
     RunHere,
 )
-from gossipd.core.lifecycle import Owned
+from gossipd.core.lifecycle import Owned, Stop
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, Drain, Task
 from gossipd.core.peer_messages import (
@@ -311,6 +311,13 @@ class Dispatcher:
         to = await future
         if to:
             self._tell_moved(task, to)
+            # A Cancel or a Withdraw taken while it was offered (the caller releases it next,
+            # and no worker of ours runs it to look at its stop): passed on to ``to``.
+            owned = self.owner.intake_entry(task.id)
+            stop = owned.stop if owned is not None else None
+            if stop is Stop.CANCELLED or stop is Stop.WITHDRAWN:
+                self.forwarder.stop_handed_off(task, to, withdrawn=stop is Stop.WITHDRAWN)
+                self._flush()
         return bool(to)
 
     def _tell_moved(self, task: Task, to: str) -> None:
