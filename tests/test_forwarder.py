@@ -332,6 +332,21 @@ def test_Forwarder_member_death_migrates_and_withdraws() -> None:
     assert fw.ledger.get("t0").owner == "b" and fw.loads == {"a": 0, "b": 1}  # type: ignore[union-attr]
 
 
+def test_only_a_resend_the_router_absorbs_counts_as_forwarded_here() -> None:
+    """Token budgets do not charge a resend of a task forwarded from here (forwarded_here):
+    only one to the same route, which route() absorbs.  One to another route is placed
+    anew and runs again: it is charged (before, any resend of the id was free)."""
+    fw, _ = _forwarder(["a", "me"])
+    task = _task()
+    assert fw.route(task, 0.0) is Route.TAKEN
+    again = msgspec.structs.replace(task, attempt=1)
+    elsewhere = msgspec.structs.replace(task, reply_to="tcp://127.0.0.1:10")
+    other_key = msgspec.structs.replace(task, producer_key="B" * 40)
+    assert fw.forwarded_here(again) and fw.route(again, 0.1) is Route.TAKEN
+    assert not fw.forwarded_here(elsewhere) and not fw.forwarded_here(other_key)
+    assert fw.counters.resends_absorbed == 1
+
+
 def test_a_stop_taken_while_a_task_was_handed_off_follows_it_to_its_new_member() -> None:
     """A drain hands a queued task to a; meanwhile its producer cancels it here, or its
     forwarder withdraws it: the Cancel (remembered in the ledger: a's death ends the task)

@@ -13,7 +13,7 @@ import pytest
 
 from gossipd.tools.launcher import free_tcp_port
 from simulations.cluster import Cluster
-from tests.helpers import RawProducer, scrape, wait_until
+from tests.helpers import RawProducer, key_owned_by, running, scrape, wait_until
 
 BUDGETS = [
     "budgets.enabled=true",
@@ -87,6 +87,37 @@ def test_a_resend_of_a_task_is_charged_once(daemon_factory) -> None:  # type: ig
         producer.close()
     assert len(resent) == 20 and all(r["ok"] and r["text"] == first["text"] for r in resent)
     assert fresh["ok"], fresh  # the budget was not spent on the resends
+
+
+def test_a_resend_with_other_fields_is_answered_where_its_id_is_held(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A review's exploit: a producer in debt resent one cached id with new keys, prompts
+    and max_tokens 4000; taken as a resend it was not charged, and its new key placed it
+    on the other member, which ran it: a free run of 4000 tokens a send.  Now a resend of
+    an id its entry point holds is answered there (the cached Result), wherever its key
+    points."""
+    cluster = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=[*BUDGETS, "budgets.interval_s=0.5"],
+    )
+    with running(cluster):
+        d0 = cluster.daemons[0]
+        here, there = key_owned_by(cluster, "d00", "bad:"), key_owned_by(cluster, "d01", "bad:")
+        producer = RawProducer(d0.endpoint)
+        try:
+            producer.send_task("x", prompt="x", key=here, params={"max_tokens": 60})
+            [first] = producer.results(1)  # 61 tokens against a burst of 50: in debt
+            assert first["ok"] and first["node"] == "d00", first
+            for attempt in range(1, 6):
+                producer.send_task("x", prompt=f"free work {attempt}", key=there,
+                                   params={"max_tokens": 4000}, attempt=attempt)  # fmt: skip
+            resent = producer.results(5)
+            producer.send_task("fresh", prompt="x", key=here, params={"max_tokens": 10})
+            [fresh] = producer.results(1)
+        finally:
+            producer.close()
+    assert all(r["ok"] and r["node"] == "d00" and r["text"] == first["text"] for r in resent)
+    assert not fresh["ok"] and fresh["error"]["code"] == "over_budget", fresh
 
 
 def test_budgets_off_by_default_and_said_at_start_up(daemon_factory) -> None:

@@ -310,13 +310,7 @@ class Forwarder:
         # A resend of a task on its way (a journey) or run for us by a live member, to the
         # same route: that copy's answer is the resend's, so nothing is sent.  Placed anew
         # it could run a second time where placement by load points now, both answering.
-        j = self._flying.get(task.id) or self._backing_off.get(task.id)
-        entry = None if j is not None else self.ledger.get(task.id)
-        if (j is not None and j.task.route == task.route) or (
-            entry is not None
-            and entry.task.route == task.route
-            and self._placement.addr(entry.owner) is not None
-        ):
+        if self._absorbs(task):
             self.counters.resends_absorbed += 1
             return _TAKEN
         owner = self._placement.owner_for(task, now)
@@ -354,14 +348,27 @@ class Forwarder:
         return entry is not None and entry.task.producer_key != task.producer_key
 
     def forwarded_here(self, task: Task) -> bool:
-        """This member is forwarding ``task``'s id for the same producer key, or answers for
-        it until its TaskDone: a resend (token budgets do not charge it again).  A journey
-        waiting out a backoff is still on its way."""
+        """``task`` is a resend that ``route`` absorbs (token budgets do not charge it
+        again): this member is forwarding its id for the same producer key and route, or a
+        live member runs it for us until its TaskDone.  A resend to another route is placed
+        anew, and runs again: charged."""
+        j = self._flying.get(task.id) or self._backing_off.get(task.id)
+        held = j.task if j is not None else getattr(self.ledger.get(task.id), "task", None)
+        return held is not None and held.producer_key == task.producer_key and self._absorbs(task)
+
+    def _absorbs(self, task: Task) -> bool:
+        """A copy of ``task`` is on its way (a journey: in the air, or waiting out a
+        backoff), or run for us by a live member, to the same route: its answer is the
+        resend's."""
         j = self._flying.get(task.id) or self._backing_off.get(task.id)
         if j is not None:
-            return j.task.producer_key == task.producer_key
+            return j.task.route == task.route
         entry = self.ledger.get(task.id)
-        return entry is not None and entry.task.producer_key == task.producer_key
+        return (
+            entry is not None
+            and entry.task.route == task.route
+            and self._placement.addr(entry.owner) is not None
+        )
 
     def hand_off(self, task: Task, received_at: float, now: float) -> None:
         """Give an admitted task to another member; a HandedOff event tells the outcome."""

@@ -113,11 +113,17 @@ class Intake:
             self.admission.count_conflict()  # refused task takes nothing)
             self._refuse(task, Verdict.CONFLICT, answer=True)
             return
+        if self.admission.holds(task.id, task.producer_key):
+            # A resend of a task pending or answered here: admission answers it (its copy's
+            # Result, cached or to come), wherever its key would place it now.  Placed, it
+            # would run again elsewhere, uncharged (it was charged when it first came).
+            self._admit_here(task, now)
+            return
         gate = self.budget_gate
         if (
             gate is not None
             and not charged
-            and not self._resent(task)
+            and not self._forwarded_here(task)
             and (retry_after_ms := gate.check(task, now, identity))
         ):
             self.refused[ErrorCode.OVER_BUDGET.value] += 1
@@ -133,6 +139,9 @@ class Intake:
                        f"serves {self.model!r})")  # fmt: skip
             self.send_error(task, ErrorCode.UNAVAILABLE, message, self._config.retry_after_ms)
             return
+        self._admit_here(task, now)
+
+    def _admit_here(self, task: Task, now: float) -> None:
         verdict = self.admit(task, now, answer=True, now=now)
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
@@ -155,11 +164,10 @@ class Intake:
         self.send_error(tasks[0], ErrorCode.OVER_BUDGET, message, retry_after_ms)
         return False
 
-    def _resent(self, task: Task) -> bool:
-        """A resend of a task this entry point holds (pending or answered and cached here,
-        or forwarded from here and not reported done): charged once, when it first came."""
-        if self.admission.holds(task.id, task.producer_key):
-            return True
+    def _forwarded_here(self, task: Task) -> bool:
+        """A resend of a task forwarded from here to the same route (on its way, or run by
+        a live member and not reported done), which the router absorbs: charged once, when
+        it first came."""
         forwarded_here = self.links.forwarded_here
         return forwarded_here is not None and forwarded_here(task)
 
