@@ -182,8 +182,10 @@ class Exchange:
             headers,
         )
         self.done = True
-        self._conn.send_whole(head if self.head_only else head + body)
-        self._conn.ended(self)
+        conn = self._conn
+        conn.whole_unsent = True  # bounded while its client does not read it
+        conn.send(head if self.head_only else head + body)
+        conn.ended(self)
 
     def start_stream(
         self,

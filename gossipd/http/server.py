@@ -106,9 +106,10 @@ class HttpConnection(asyncio.Protocol):
         self._current: Exchange | None = None
         self._reading_paused = False
         self._writing_paused = False  # the client does not read: take nothing more
-        # A whole answer was written and its client has not been seen to take it: while its
-        # writing is paused, what the transport holds counts in counters.answers_unsent.
-        self._whole_unsent = False
+        # A whole answer was sent (Exchange.respond sets it) and its client has not been
+        # seen to take it: while its writing is paused, what the transport holds counts in
+        # counters.answers_unsent.
+        self.whole_unsent = False
         self._unsent_counted = 0  # this connection's part of counters.answers_unsent
         self._next_soon = False  # the next pipelined request is scheduled
         self._broken = False  # the wire refused a request: nothing after it is read
@@ -408,16 +409,14 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None:
             self._writes.write(self, data)
 
-    def send_whole(self, data: bytes) -> None:
-        """A whole answer (Exchange.respond): sent as ``send``, then bounded while unread."""
-        self._whole_unsent = True
-        self.send(data)
-
     def write_now(self, data: bytes) -> None:
         if self.transport is not None:
             self.transport.write(data)
-            if self._whole_unsent:
-                self._count_unsent()
+            if self.whole_unsent:
+                if self._writing_paused:  # (not paused: taken, bar the high-water mark)
+                    self._count_unsent()
+                else:
+                    self.whole_unsent = False
 
     def hold(self, data: bytes) -> bool:
         """Keep ``data`` for the turn's end; True when it is the first held."""
@@ -433,8 +432,11 @@ class HttpConnection(asyncio.Protocol):
         self._held_bytes = 0
         if held and self.transport is not None:
             self.transport.write(held[0] if len(held) == 1 else b"".join(held))
-            if self._whole_unsent:
-                self._count_unsent()
+            if self.whole_unsent:
+                if self._writing_paused:
+                    self._count_unsent()
+                else:
+                    self.whole_unsent = False
 
     def unsent_bytes(self) -> int:
         """Bytes not yet taken by the client: held here or in the transport's buffer."""
@@ -467,10 +469,10 @@ class HttpConnection(asyncio.Protocol):
         transport paused our writing), the bytes the transport holds count in answers_unsent;
         past answers_unsent_bytes_max, over every connection, this answer is given up and
         the connection closed, unless it alone waits (a lone answer always goes).  A client
-        that reads is not counted: it takes the answer as fast as the kernel hands it over."""
+        that reads is not counted: it takes the answer as fast as the kernel hands it over
+        (a connection counts only from a pause, and resume_writing gives its count back)."""
         transport = self.transport
-        if transport is None or not self._writing_paused:
-            self._release_unsent()  # taken, bar what is under the high-water mark
+        if transport is None:
             return
         counters = self._limits.counters
         now = transport.get_write_buffer_size()
@@ -486,7 +488,7 @@ class HttpConnection(asyncio.Protocol):
     def _release_unsent(self) -> None:
         self._limits.counters.answers_unsent -= self._unsent_counted
         self._unsent_counted = 0
-        self._whole_unsent = False
+        self.whole_unsent = False
 
     def _count_head(self, n: int) -> None:
         self._head_bytes += n

@@ -113,35 +113,30 @@ class Intake:
             self.admission.count_conflict()  # refused task takes nothing)
             self._refuse(task, Verdict.CONFLICT, answer=True)
             return
-        if self.admission.holds(task.id, task.producer_key):
-            # A resend of a task pending or answered here: admission answers it (its copy's
-            # Result, cached or to come), wherever its key would place it now.  Placed, it
-            # would run again elsewhere, uncharged (it was charged when it first came).
-            self._admit_here(task, now)
-            return
-        gate = self.budget_gate
-        if (
-            gate is not None
-            and not charged
-            and not self._forwarded_here(task)
-            and (retry_after_ms := gate.check(task, now, identity))
-        ):
-            self.refused[ErrorCode.OVER_BUDGET.value] += 1
-            message = gate.refusal(task, identity)
-            self.send_error(task, ErrorCode.OVER_BUDGET, message, retry_after_ms)
-            return
-        if router is not None and router(task, now):
-            return  # another member owns it: the dispatcher forwards it
-        if router is None and task.model and self.model and task.model != self.model:
-            # A daemon alone (no fan-out, whose placement checks it): as a cluster would say.
-            self.refused[ErrorCode.UNAVAILABLE.value] += 1
-            message = (f"no live member serves model {task.model!r} (this daemon, alone, "
-                       f"serves {self.model!r})")  # fmt: skip
-            self.send_error(task, ErrorCode.UNAVAILABLE, message, self._config.retry_after_ms)
-            return
-        self._admit_here(task, now)
-
-    def _admit_here(self, task: Task, now: float) -> None:
+        # A resend of a task pending or answered here goes straight to admission, which
+        # answers it (its copy's Result, cached or to come), wherever its key would place
+        # it now: placed, it would run again elsewhere, uncharged (charged when it came).
+        if not self.admission.holds(task.id, task.producer_key):
+            gate = self.budget_gate
+            if (
+                gate is not None
+                and not charged
+                and not self._forwarded_here(task)
+                and (retry_after_ms := gate.check(task, now, identity))
+            ):
+                self.refused[ErrorCode.OVER_BUDGET.value] += 1
+                message = gate.refusal(task, identity)
+                self.send_error(task, ErrorCode.OVER_BUDGET, message, retry_after_ms)
+                return
+            if router is not None and router(task, now):
+                return  # another member owns it: the dispatcher forwards it
+            if router is None and task.model and self.model and task.model != self.model:
+                # A daemon alone (no fan-out, whose placement checks it): as a cluster would.
+                self.refused[ErrorCode.UNAVAILABLE.value] += 1
+                message = (f"no live member serves model {task.model!r} (this daemon, alone, "
+                           f"serves {self.model!r})")  # fmt: skip
+                self.send_error(task, ErrorCode.UNAVAILABLE, message, self._config.retry_after_ms)
+                return
         verdict = self.admit(task, now, answer=True, now=now)
         if verdict is not _ADMIT and verdict is not _DUPLICATE_PENDING:
             for listener in self.on_refused:  # routed here, but nothing of it runs here
