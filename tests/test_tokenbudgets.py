@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gossipd.config import BudgetsConfig
+from gossipd.core.gossip_messages import GpuState
 from gossipd.core.tokenbudgets import (
     DEFAULT_IDENTITY,
     OVERFLOW_IDENTITY,
@@ -21,6 +23,7 @@ from gossipd.core.tokenbudgets import (
     retry_after_ms,
     task_cost_tokens,
 )
+from gossipd.ingress.budgets import BudgetGate, entries_capacity, serving_capacity
 
 KEY = "rq>Bb0WlSw4^KqR9@5[x!}hzo-G0b(yGC}KmX2(#"
 
@@ -290,3 +293,33 @@ def test_a_members_capacity_weight_0_counts_as_1_in_budgets_as_in_placement() ->
     gpus = [GpuState(capacity_weight=0.0), GpuState(capacity_weight=2.0), None,
             GpuState(capacity_weight=3.0, status="draining")]  # fmt: skip
     assert serving_capacity(gpus) == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("leader", [False, True])
+def test_a_drained_entry_points_part_keeps_the_parts_adding_up_to_the_budget(
+    leader: bool,
+) -> None:
+    """Two equal members, d1 drained: both still take producers' tasks (d1 routes them to
+    d0), so both enforce a part of every budget.  W counted the serving members only, so
+    each enforced 1/1 and together 2x the budget (a review's figures: 500 + 500 tok/s for
+    a budget of 500).  Now W counts every live entry point, while the budget is still the
+    serving capacity's: each enforces half."""
+    config = BudgetsConfig(enabled=True, tokens_per_s_per_capacity=1000.0, default_share=0.5)
+    serving = GpuState(capacity_weight=1.0, status="serving")
+    drained = GpuState(capacity_weight=1.0, status="draining")
+    views = {"d0": [serving, drained], "d1": [drained, serving]}  # (itself first)
+    gates = {}
+    for name, view in views.items():
+        gate = BudgetGate(config, capacity_weight=1.0, retry_after_max_ms=10_000)
+        gate.entries = lambda view=view: entries_capacity(view)  # type: ignore[misc]
+        gates[name] = gate
+    table = gates["d0"].compute(serving_capacity(views["d0"]))
+    for name, gate in gates.items():
+        gate.apply(
+            table if leader else gate.compute(serving_capacity(views[name])),
+            source="leader" if leader else "local",
+        )
+    budget = table.default_tokens_per_s  # 500: one serving member's capacity, half of it
+    assert budget == 500.0
+    enforced = [gate.buckets.rate("default") for gate in gates.values()]
+    assert enforced == [250.0, 250.0] and sum(enforced) == budget

@@ -13,7 +13,9 @@ Rules:
    other gets ``default_share`` of it.  Shares need not sum to 1: a budget is a ceiling, not a
    reservation.
 3. Shares of a budget (``local_share``): the entry point with capacity weight w enforces
-   w / W of every budget, W the capacity total the budgets were computed from; the entry
+   w / W of every budget, W the capacity of every live member as it sees them, serving or
+   not (a drained or unhealthy member still takes producers' tasks and routes them on; the
+   budgets' own capacity total, of the serving members, when it knows none); the entry
    points' shares add up to the budget (sum of w = W), so a producer that spreads its tasks
    over the entry points in proportion to their capacity (equally, for equal GPUs) gets its
    whole budget, and one that sends everything to one entry point gets that entry point's
@@ -125,11 +127,13 @@ def compute_budgets(
     )
 
 
-def local_share(budgets: Budgets, capacity_weight: float) -> float:
-    """Rule 3: the part of every budget this entry point enforces (0..1)."""
-    if budgets.capacity_total <= 0.0:
+def local_share(budgets: Budgets, capacity_weight: float, entries_capacity: float = 0.0) -> float:
+    """Rule 3: the part of every budget this entry point enforces (0..1), of
+    ``entries_capacity`` (every live entry point's capacity weight; 0: the budgets')."""
+    total = entries_capacity if entries_capacity > 0.0 else budgets.capacity_total
+    if total <= 0.0:
         return 1.0  # nobody's capacity known: a lone entry point enforces the whole budget
-    return min(1.0, capacity_weight / budgets.capacity_total)
+    return min(1.0, capacity_weight / total)
 
 
 def retry_after_ms(level: float, rate: float, retry_after_max_ms: int) -> int:

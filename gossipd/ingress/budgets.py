@@ -59,6 +59,14 @@ def serving_capacity(gpus: Iterable[GpuState | None]) -> list[float]:
     ]
 
 
+def entries_capacity(gpus: Iterable[GpuState | None]) -> float:
+    """Rule 3's W: the capacity weights of every live member, serving or not (a drained or
+    unhealthy member is still an entry point: it takes producers' tasks and routes them on,
+    so it enforces its part too); one whose GpuState has not come yet counts 1, as
+    placement reads it."""
+    return sum((gpu.capacity_weight or 1.0) if gpu is not None else 1.0 for gpu in gpus)
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetStatistics:
     source: str  # "local" or "leader"
@@ -83,6 +91,9 @@ class BudgetGate:
         self.share = 1.0
         self.directives_applied = 0
         self.directives_invalid = 0
+        # Every live entry point's capacity, as this daemon sees the members (rule 3's W;
+        # start_budgets sets it when there is membership): None, the budgets' own total.
+        self.entries: Callable[[], float] | None = None
         # Until the first budgets are applied, this daemon alone: its own capacity.
         self.apply(self.compute([capacity_weight]), source="local")
 
@@ -101,7 +112,8 @@ class BudgetGate:
 
     def apply(self, budgets: Budgets, *, source: str) -> None:
         """Enforce ``budgets`` from now on, scaled to this entry point's share."""
-        share = local_share(budgets, self._capacity_weight)
+        entries = self.entries() if self.entries is not None else 0.0
+        share = local_share(budgets, self._capacity_weight, entries)
         changed = budgets != self.budgets or source != self.source
         self.budgets, self.source, self.share = budgets, source, share
         self.buckets.set_rates(
@@ -195,10 +207,13 @@ async def recompute_forever(
     local: Callable[[], bool],
 ) -> None:
     """Without a leader's budgets (``local()`` true): recompute them here from this daemon's
-    view of the members every ``interval_s``."""
+    view of the members every ``interval_s``; with them, this entry point's share of them
+    again (the live members change)."""
     while True:
         if local():
             gate.apply(gate.compute(serving_capacity(members())), source="local")
+        elif gate.budgets is not None:
+            gate.apply(gate.budgets, source=gate.source)
         await asyncio.sleep(interval_s)
 
 
@@ -267,11 +282,14 @@ def start_budgets(
         return []  # alone: the budgets of our own capacity, set at construction
 
     def members() -> list[GpuState | None]:
-        # Ourselves always (our own Meta may not be back from gossip yet), then the others.
+        # Ourselves always (our own Meta may not be back from gossip yet: our status as we
+        # gossip it, a drained daemon's capacity is no budget's), then the others.
         return [
-            GpuState(capacity_weight=capacity_weight),
+            GpuState(capacity_weight=capacity_weight, status=gossip.status),  # type: ignore[arg-type]
             *(m.gpu for m in gossip.live_members() if m.node != node),
         ]
+
+    gate.entries = lambda: entries_capacity(members())
 
     if leadership is not None:
         leadership.directives.subscribe(DIRECTIVE_KIND, gate.on_directive)
