@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 import pytest
@@ -20,6 +20,7 @@ from gossipd.core.admission import Verdict
 from gossipd.core.lifecycle import Abort
 from gossipd.core.messages import Result, Task
 from gossipd.daemon import Daemon
+from gossipd.engines.base import EngineDead
 from gossipd.ingress.runner import Runner
 
 
@@ -255,3 +256,56 @@ def test_an_abort_that_lands_after_its_task_finished_is_dropped_and_the_worker_g
 
     asyncio.run(two_tasks())
     assert done == ["first", "second"] and runner.results["ok"] == 2
+
+
+class _DeadEngine:
+    """An engine that dies under the first request it is given."""
+
+    async def generate(self, request: object) -> AsyncIterator[object]:
+        raise EngineDead("the engine's process died")
+        yield  # (an async generator, as engines are)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_cancel_while_a_dead_engines_task_is_offered_elsewhere_keeps_its_worker(
+    runner: Runner, taken: bool
+) -> None:
+    """The engine dies under a task; its worker offers the task to another member (the
+    rescue) and a Cancel lands meanwhile.  It cancelled the worker inside that await: the
+    worker ended (one fewer for good), and the task was never answered nor freed (pending
+    stayed 1).  Now the worker is left alone; taken elsewhere, the task leaves here (the
+    hand-off passes the Cancel on); taken by nobody, it is answered cancelled here."""
+    offered = asyncio.Event()
+    decided: asyncio.Future[bool]
+
+    async def rescue(task: Task, received_at: float) -> bool:
+        offered.set()
+        return await decided
+
+    async def case() -> None:
+        nonlocal decided
+        decided = asyncio.get_running_loop().create_future()
+        runner._engine = _DeadEngine()  # type: ignore[assignment]
+        runner._links.rescue = rescue
+        worker = asyncio.create_task(runner.work_forever())
+        task = Task(v=1, id="t9", prompt="p", reply_to="tcp://127.0.0.1:9", timeout_ms=10_000)
+        now = time.monotonic()
+        _, owned = runner.book.offer(task, now, now)
+        runner.enqueue(owned)  # type: ignore[arg-type]
+        await asyncio.wait_for(offered.wait(), 5)
+        assert runner.cancel("t9") == "here"
+        await asyncio.sleep(0.01)
+        assert not worker.done()  # the Cancel did not end the worker
+        decided.set_result(taken)
+        for _ in range(100):
+            if runner.admission.pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.admission.pending == 0 and not worker.done()
+        if taken:
+            assert runner.results["handed_off_engine_dead"] == 1
+        else:
+            assert runner.results["cancelled"] == 1
+        worker.cancel()
+
+    asyncio.run(case())

@@ -108,6 +108,9 @@ class Runner:
         # lands after the task finished is theirs to drop; any other cancel (the task group's,
         # a shutdown's) ends the worker.
         self._aborting: set[asyncio.Task[None]] = set()
+        # Tasks whose worker is offering them to another member (their engine died): not
+        # aborted (the hand-off looks at their stop reason: fanout/forwarding.py hand_off).
+        self._rescuing: set[str] = set()
         self.results: Counter[str] = Counter()
         # Tasks run again: withdrawn while running, then wanted again (lifecycle rule 3b).
         self.restarts = 0
@@ -167,10 +170,10 @@ class Runner:
         return abort is not Abort.NOTHING
 
     def _abort(self, task_id: str) -> None:
-        """Cancel the worker running ``task_id`` (none: it is being handed off, and the
-        hand-off's end looks at its stop reason)."""
+        """Cancel the worker running ``task_id`` (none, or one handing it to another member
+        after its engine died: the hand-off's end looks at its stop reason)."""
         worker = self._workers.get(task_id)
-        if worker is not None:
+        if worker is not None and task_id not in self._rescuing:
             self._aborting.add(worker)
             worker.cancel()
 
@@ -371,10 +374,21 @@ class Runner:
         # Not the task's fault: another member runs it (its producer sees one result, from
         # there).  Chunks already streamed from here may be sent again from seq 0.
         rescue = self._links.rescue
-        if engine_died and rescue is not None and await rescue(task, job.received_at):
-            self.results["handed_off_engine_dead"] += 1
-            self.release(task, result)
-            return
+        if engine_died and rescue is not None:
+            # A Cancel or Withdraw meanwhile does not cancel this worker (an abort landing
+            # in the hand-off's await ended the worker, its task never answered nor freed):
+            # the hand-off passes it on to the member that took the task.
+            self._rescuing.add(task.id)
+            try:
+                rescued = await rescue(task, job.received_at)
+            finally:
+                self._rescuing.discard(task.id)
+            if rescued:
+                self.results["handed_off_engine_dead"] += 1
+                self.release(task, result)
+                return
+            if job.stop is Stop.CANCELLED or job.stop is Stop.EXPIRED:
+                result = self._stopped_result(task, job.stop, len(parts))
         if job.stop is _WITHDRAWN:  # withdrawn as it finished: the copy elsewhere answers
             self._withdrawn(task.id)
             return
