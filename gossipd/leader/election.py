@@ -289,22 +289,33 @@ class EtcdElection:
 
     # -- resign ------------------------------------------------------------------------------
 
-    async def resign(self) -> None:
-        """Step down now and revoke the lease: our key goes at once, and the next candidate
-        takes over without waiting for the TTL.  No more campaigning until ``rejoin()``."""
-        lease_id = self.core.lease_id
-        self._apply(self.core.resign())
+    def resign_nowait(self) -> int:
+        """Step down now and campaign no more until ``rejoin()``; the lease to revoke (0:
+        none of ours).  Synchronous, so that a ``rejoin()`` right after it (an undrain in the
+        same loop turn) undoes it: a resign left pending would run after the rejoin."""
+        core = self.core
+        lease_id = core.lease_id if core.phase in (Phase.NO_KEY, Phase.CANDIDATE) else 0
+        self._apply(core.resign())
         self.resigned = True
         self._changed.set()
-        if lease_id:
-            try:
-                await asyncio.wait_for(
-                    self.client.revoke_lease(lease_id), self.config.request_timeout_s
-                )
-            except ETCD_ERRORS as exc:
-                log.warning(
-                    "could not revoke the election lease (it expires within the TTL): %s", exc
-                )
+        return lease_id
+
+    async def revoke(self, lease_id: int) -> None:
+        """Revoke a lease ``resign_nowait()`` gave up: its key goes at once, and the next
+        candidate takes over without waiting for the TTL (a failure is logged: it expires
+        within the TTL)."""
+        if not lease_id:
+            return
+        try:
+            await asyncio.wait_for(
+                self.client.revoke_lease(lease_id), self.config.request_timeout_s
+            )
+        except ETCD_ERRORS as exc:
+            log.warning("could not revoke the election lease (it expires within the TTL): %s", exc)
+
+    async def resign(self) -> None:
+        """Step down now and revoke the lease (``resign_nowait``, then ``revoke``)."""
+        await self.revoke(self.resign_nowait())
 
     def rejoin(self) -> None:
         """Campaign again after a resign (e.g. a drain was undone)."""

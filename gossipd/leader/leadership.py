@@ -6,8 +6,8 @@ member side of directives, composed (``build_leadership``; the daemon calls it o
 - Stepped down (lease expired, lost, resigned): cancel the duties.
 - A Term that raised ours (from gossip): logged as ``term_observed``; admitted directives go
   to their subscribers (``Directives``).
-- Drained (gossipd drain) or shutting down: resign (revoke the lease: the next candidate
-  leads within milliseconds); undrained: campaign again.
+- Drained (gossipd drain) or shutting down: resign (step down at once, then revoke the
+  lease: the next candidate leads within milliseconds); undrained: campaign again.
 """
 
 from __future__ import annotations
@@ -158,11 +158,20 @@ class Leadership:
     # -- drain, shutdown --------------------------------------------------------------------
 
     def on_drain(self, drained: bool) -> None:
-        """gossipd drain: resign (a drained daemon does not lead); undrain: campaign again."""
+        """gossipd drain: resign (a drained daemon does not lead); undrain: campaign again.
+
+        The step-down is done here, at once; only the lease's revoke waits (a task).  A drain
+        and an undrain handled in one loop turn (the ingress reads every waiting frame in one
+        callback) then leave a candidate: a resign scheduled for later ran after the undrain's
+        rejoin, and the daemon never campaigned again."""
         if drained:
-            task = asyncio.get_running_loop().create_task(self.resign(), name="resign")
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
+            self.duties.stop()
+            lease_id = self.election.resign_nowait()
+            if lease_id:
+                loop = asyncio.get_running_loop()
+                task = loop.create_task(self.election.revoke(lease_id), name="revoke")
+                self._tasks.append(task)
+                task.add_done_callback(self._tasks.remove)
         else:
             self.election.rejoin()
 
