@@ -84,6 +84,7 @@ async def resolve(endpoints: list[str]) -> list[tuple[int, str, int]]:
 class EtcdClient(aetcd.Client):
     def __init__(self, config: EtcdConfig) -> None:
         super().__init__(timeout=config.request_timeout_s, options=GRPC_OPTIONS)
+        self.request_timeout_s = config.request_timeout_s  # for calls made on kvstub directly
         self._endpoints = list(config.endpoints)
         self._credentials = _credentials(config)
         self._connecting = asyncio.Lock()

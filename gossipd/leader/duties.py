@@ -9,14 +9,18 @@ returns is done for this term; one that raises is logged and started again after
 ``LeaderContext`` is what a duty may use: the token, the aetcd client, ``prefix``
 (``/gossipd/<cluster>``), fenced writes (an etcd transaction that succeeds only while our
 campaign key still exists with create_revision == token: a deposed leader's write fails),
-``publish`` (a Directive gossiped with our token) and ``members()`` (the live membership view).
+the same fence with keys that must still be as the duty read them (``fenced_put_if``,
+``fenced_check``: a write, or an action, decided on a read that an operator's change has
+since made stale is refused), ``publish`` (a Directive gossiped with our token) and
+``members()`` (the live membership view).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +37,14 @@ RESTART_MAX_S = 30.0
 Duty = Callable[["LeaderContext"], Awaitable[None]]
 
 
+class Fenced(enum.Enum):
+    """The outcome of a fenced transaction."""
+
+    OK = "ok"  # done (or, for a check, all still holds)
+    DEPOSED = "refused"  # our campaign key is gone or not ours: we no longer lead
+    CHANGED = "changed"  # we lead, but a key is no longer as read: read again
+
+
 @dataclass(slots=True)
 class LeaderContext:
     token: int
@@ -43,7 +55,9 @@ class LeaderContext:
     request_timeout_s: float
     _publish: Callable[[str, object], bool]
     _members: Callable[[], list[Any]]
-    fenced_writes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "refused": 0})
+    fenced_writes: dict[str, int] = field(
+        default_factory=lambda: {"ok": 0, "refused": 0, "changed": 0}
+    )
 
     def _fence(self) -> Any:
         return rpc.Compare(
@@ -53,26 +67,58 @@ class LeaderContext:
             create_revision=self.token,
         )
 
-    async def _txn(self, op: Any) -> bool:
+    async def _txn(self, ops: list[Any], unchanged: Mapping[bytes, int]) -> Fenced:
+        """``ops`` in one transaction, only while our fence holds and every key of
+        ``unchanged`` still has that mod_revision (0: still absent)."""
         await self.client.connect()
+        compare = [self._fence()]
+        compare += [
+            rpc.Compare(
+                result=rpc.Compare.CompareResult.EQUAL,
+                target=rpc.Compare.CompareTarget.MOD,
+                key=key,
+                mod_revision=revision,
+            )
+            for key, revision in unchanged.items()
+        ]
+        # Refused: our key as etcd has it now says which compare failed.
+        failure = [rpc.RequestOp(request_range=rpc.RangeRequest(key=self.leader_key))]
         reply = await self.client.kvstub.Txn(
-            rpc.TxnRequest(compare=[self._fence()], success=[op], failure=[]),
+            rpc.TxnRequest(compare=compare, success=ops, failure=failure if unchanged else []),
             timeout=self.request_timeout_s,
         )
-        self.fenced_writes["ok" if reply.succeeded else "refused"] += 1
-        return bool(reply.succeeded)
+        if reply.succeeded:
+            outcome = Fenced.OK
+        elif not unchanged:
+            outcome = Fenced.DEPOSED
+        else:
+            kvs = reply.responses[0].response_range.kvs
+            held = bool(kvs) and kvs[0].create_revision == self.token
+            outcome = Fenced.CHANGED if held else Fenced.DEPOSED
+        self.fenced_writes[outcome.value] += 1
+        return outcome
 
     async def fenced_put(self, key: str | bytes, value: str | bytes) -> bool:
         """Put ``key`` only while we still lead with this token (False: we do not)."""
-        return await self._txn(
-            rpc.RequestOp(request_put=rpc.PutRequest(key=_bytes(key), value=_bytes(value)))
-        )
+        return await self._txn([_put(key, value)], {}) is Fenced.OK
 
     async def fenced_delete(self, key: str | bytes) -> bool:
         """Delete ``key`` only while we still lead with this token (False: we do not)."""
-        return await self._txn(
-            rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=_bytes(key)))
-        )
+        op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=_bytes(key)))
+        return await self._txn([op], {}) is Fenced.OK
+
+    async def fenced_put_if(
+        self, key: str | bytes, value: str | bytes, unchanged: Mapping[bytes, int]
+    ) -> Fenced:
+        """Put ``key`` only while we still lead with this token and every key of
+        ``unchanged`` still has the mod_revision given (0: absent), as the duty read it: a
+        compare-and-swap in one transaction."""
+        return await self._txn([_put(key, value)], unchanged)
+
+    async def fenced_check(self, unchanged: Mapping[bytes, int]) -> Fenced:
+        """``fenced_put_if`` without the put: do we still lead, and is every key of
+        ``unchanged`` still as read (now, at a revision later than the read)?"""
+        return await self._txn([], unchanged)
 
     def publish(self, kind: str, body_obj: object) -> bool:
         """Gossip a Directive of ``kind`` with our token; ``body_obj`` is msgpack-encoded
@@ -88,6 +134,10 @@ class LeaderContext:
 
 def _bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else value
+
+
+def _put(key: str | bytes, value: str | bytes) -> Any:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=_bytes(key), value=_bytes(value)))
 
 
 class LeaderDuties:

@@ -1,10 +1,15 @@
 """Rolling drain, the leader's side and every member's (core/rollout.py has the rules).
 
 The duty (while we lead): every ``ROLLOUT_TICK_S`` read the plan and its progress from etcd
-(``<prefix>/drain/plan``, ``<prefix>/drain/progress``, JSON), ask ``rollout.advance`` what
-the membership view means for them, store the new progress with a fenced put (a deposed
-leader's write fails, and it stops), and gossip the order as a fenced ``drain`` directive:
-at once when it changes, again every ``REPUBLISH_S`` while it stands.
+(``<prefix>/drain/plan``, ``<prefix>/drain/progress``, JSON; one transaction, so both at one
+revision), ask ``rollout.advance`` what the membership view means for them, store the new
+progress with a fenced put (a deposed leader's write fails, and it stops), and gossip the
+order as a fenced ``drain`` directive: at once when it changes, again every ``REPUBLISH_S``
+while it stands.  The put, or before an order with no new progress a check, is one
+transaction that also requires both keys still as read (their mod_revisions): a plan
+cancelled (``gossipd cluster drain --cancel``) or replaced since the read gets no progress
+and no order; the duty reads again.  (Read in two gets and written on the leader's fence
+only, a cancel landing between them made the leader start the dropped plan over.)
 
 The member side: a ``drain`` directive naming this daemon, issued after it started, is
 obeyed: "drain" through the operator's drain path (gossipd/admin.py ``set_drained``), "leave" by
@@ -17,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from aetcd import rpc
 
 from gossipd.core import rollout
 from gossipd.core.rollout import Order, Plan, Progress, Seen
+from gossipd.leader.duties import Fenced
 
 if TYPE_CHECKING:
     from gossipd.admin import Admin
@@ -96,7 +104,8 @@ class Rollout:
         last: tuple[str, str, str] | None = None
         published_at = 0.0
         while True:
-            plan, progress = await read_plan(ctx.client, ctx.prefix)
+            stored = await read_stored(ctx.client, ctx.prefix)
+            plan, progress = stored.plan, stored.progress
             active = plan is not None and not (
                 progress is not None and progress.plan == plan.id and progress.status != "running"
             )
@@ -104,23 +113,38 @@ class Rollout:
                 assert plan is not None
                 now_s = self._wall()
                 new, order = rollout.advance(plan, progress, self.live(), self.node, now_s)
+                due = order is not None and (
+                    (order.plan, order.node, order.action) != last
+                    or now_s - published_at >= REPUBLISH_S
+                )
+                # The plan and progress must still be as read when we act on them.
+                unchanged = {
+                    plan_key(ctx.prefix): stored.plan_revision,
+                    progress_key(ctx.prefix): stored.progress_revision,
+                }
+                outcome = Fenced.OK
                 if new != progress:
-                    if not await ctx.fenced_put(progress_key(ctx.prefix), msgspec.json.encode(new)):
-                        log.warning("drain progress not stored: no longer the leader")
-                        return
-                    if progress is None or (new.index, new.phase, new.status) != (
-                        progress.index,
-                        progress.phase,
-                        progress.status,
-                    ):
-                        log.info(
-                            "drain step", extra={"plan": plan.id, "state": rollout.describe(new)}
-                        )
-                if order is not None:
-                    key = (order.plan, order.node, order.action)
-                    if key != last or now_s - published_at >= REPUBLISH_S:
-                        ctx.publish(DRAIN, msgspec.to_builtins(order))
-                        last, published_at = key, now_s
+                    encoded = msgspec.json.encode(new)
+                    outcome = await ctx.fenced_put_if(progress_key(ctx.prefix), encoded, unchanged)
+                elif due:
+                    outcome = await ctx.fenced_check(unchanged)
+                if outcome is Fenced.DEPOSED:
+                    log.warning("drain: no longer the leader (a fenced write or check refused)")
+                    return
+                if outcome is Fenced.CHANGED:
+                    log.info("drain plan changed since read (cancelled or replaced): read again",
+                             extra={"plan": plan.id})  # fmt: skip
+                    await asyncio.sleep(ROLLOUT_TICK_S)
+                    continue
+                if new != progress and (
+                    progress is None
+                    or (new.index, new.phase, new.status)
+                    != (progress.index, progress.phase, progress.status)
+                ):
+                    log.info("drain step", extra={"plan": plan.id, "state": rollout.describe(new)})
+                if order is not None and due:
+                    ctx.publish(DRAIN, msgspec.to_builtins(order))
+                    last, published_at = (order.plan, order.node, order.action), now_s
             await asyncio.sleep(ROLLOUT_TICK_S if active else IDLE_TICK_S)
 
     # -- every member ---------------------------------------------------------------------------
@@ -158,21 +182,51 @@ class Rollout:
         self.orders[key] = self.orders.get(key, 0) + 1
 
 
-async def read_plan(client: Any, prefix: str) -> tuple[Plan | None, Progress | None]:
-    """The stored plan and progress (None where absent or unreadable: logged)."""
-    got = await client.get(plan_key(prefix))
-    if got is None:
-        return None, None
-    try:
-        plan = rollout.plan_decoder.decode(got.value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        log.warning("drain plan in etcd unreadable; ignored", extra={"error": str(exc)})
-        return None, None
-    got = await client.get(progress_key(prefix))
-    progress = None
-    if got is not None:
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """The plan and its progress as read at one revision, with their keys' mod_revisions
+    (0: absent) for the duty's compare-and-swap."""
+
+    plan: Plan | None
+    progress: Progress | None
+    plan_revision: int
+    progress_revision: int
+
+
+async def read_stored(client: Any, prefix: str) -> Stored:
+    """The stored plan and progress, read in one transaction (both at one revision: a cancel
+    cannot fall between them); None where absent or unreadable (logged)."""
+    await client.connect()
+    reply = await client.kvstub.Txn(
+        rpc.TxnRequest(
+            compare=[],
+            success=[
+                rpc.RequestOp(request_range=rpc.RangeRequest(key=plan_key(prefix))),
+                rpc.RequestOp(request_range=rpc.RangeRequest(key=progress_key(prefix))),
+            ],
+            failure=[],
+        ),
+        timeout=client.request_timeout_s,
+    )
+    plan_kvs = reply.responses[0].response_range.kvs
+    progress_kvs = reply.responses[1].response_range.kvs
+    plan_revision = plan_kvs[0].mod_revision if plan_kvs else 0
+    progress_revision = progress_kvs[0].mod_revision if progress_kvs else 0
+    plan = progress = None
+    if plan_kvs:
         try:
-            progress = rollout.progress_decoder.decode(got.value)
+            plan = rollout.plan_decoder.decode(plan_kvs[0].value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("drain plan in etcd unreadable; ignored", extra={"error": str(exc)})
+    if plan is not None and progress_kvs:
+        try:
+            progress = rollout.progress_decoder.decode(progress_kvs[0].value)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("drain progress unreadable; starting over", extra={"error": str(exc)})
-    return plan, progress
+    return Stored(plan, progress, plan_revision, progress_revision)
+
+
+async def read_plan(client: Any, prefix: str) -> tuple[Plan | None, Progress | None]:
+    """The stored plan and progress (None where absent or unreadable: logged)."""
+    stored = await read_stored(client, prefix)
+    return stored.plan, stored.progress
