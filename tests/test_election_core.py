@@ -213,3 +213,24 @@ def test_resign_steps_down_and_stays_out_until_restarted() -> None:
     assert core.keepalive_interval_s() == TTL_S / 3
     core.key_created(6)  # only after a grant: ignored
     assert core.revision == 5
+
+
+def test_key_deleted_ends_a_candidates_session_and_is_ignored_otherwise() -> None:
+    core = ElectionCore(ttl_s=TTL_S)
+    assert core.key_deleted() is None, "no session: nothing to end"
+    core.granted(0.0, 1, TTL_S)
+    core.key_created(3)
+    assert core.candidates(0.0, [3]) == Elected(3)
+    assert core.key_deleted() == SteppedDown(3, "key_gone")
+    assert core.phase is Phase.NO_SESSION and core.revision == 0 and not core.leading
+    assert core.key_deleted() is None
+    core.granted(1.0, 2, TTL_S)
+    core.key_created(5)
+    assert core.candidates(1.0, [4, 5]) == Watch(4)
+    assert core.key_deleted() is None, "not leading: the session ends, nothing to step down"
+    assert core.phase is Phase.NO_SESSION
+    core.granted(2.0, 3, TTL_S)
+    core.key_created(6)
+    core.resign()
+    assert core.key_deleted() is None and core.phase is Phase.RESIGNED
+    assert core.step_downs == {"key_gone": 1}

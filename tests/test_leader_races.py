@@ -1,7 +1,7 @@
 """Races in the leader's election and duties, against a real etcd (the reviewer's findings of
 the leader code): a drain and an undrain handled in one loop turn; the operator's
 ``gossipd cluster drain --cancel`` landing while the rollout duty is between its read and its
-write.  Where a race needs an interleaving, the test forces
+write; the leader's key deleted by hand.  Where a race needs an interleaving, the test forces
 it (a wrapped read), and etcd is real."""
 
 from __future__ import annotations
@@ -214,5 +214,62 @@ def test_a_cancelled_plan_gets_no_progress_and_no_order_after_the_cancel(
         await client.close()
         assert after == [], f"orders published after the cancel: {after}"
         assert stored is None, f"progress stored after the cancel: {stored.value!r}"
+
+    asyncio.run(main())
+
+
+# -- the leader's key deleted by hand -----------------------------------------------------------
+
+
+def test_the_leaders_key_deleted_by_hand_steps_it_down_before_the_next_leads(
+    etcd: EtcdCluster,
+) -> None:
+    """``etcdctl del`` of the leader's campaign key (its lease alive: say, while cleaning the
+    stray keys the daemon warns of): the next candidate, which watches that key, leads at
+    once; the old leader must have stepped down by then, not a TTL later (PROTOCOL.md,
+    Leadership 2), and it campaigns again with a new key."""
+
+    async def main() -> None:
+        config = _config(etcd.endpoints, ttl_s=2.0)
+        a = build_leadership(config, node="a", gossip=_Gossip("a"))
+        b = build_leadership(config, node="b", gossip=_Gossip("b"))
+        assert a is not None and b is not None
+        story: list[tuple[str, str]] = []
+        deposed, elected = a.election._on_deposed, b.election._on_elected
+
+        def a_deposed(reason: str) -> None:
+            story.append(("a", f"deposed {reason}"))
+            deposed(reason)
+
+        def b_elected(token: int) -> None:
+            story.append(("b", "elected"))
+            elected(token)
+
+        a.election._on_deposed, b.election._on_elected = a_deposed, b_elected
+        tasks = await _run([a])
+        try:
+            await wait_until_async(lambda: a.is_leader, 10, "a to lead")
+            tasks += await _run([b])
+            await wait_until_async(
+                lambda: b.election.core.phase is Phase.CANDIDATE, 5, "b a candidate"
+            )
+            await asyncio.sleep(0.2)  # b watches a's key; a is in its TTL-long wait
+            old_key, old_token = a.election.key, a.token
+            await a.election.client.delete(old_key)  # by hand: a's lease still lives
+            await wait_until_async(lambda: ("b", "elected") in story, 2.0, "b to lead")
+            assert story[0] == ("a", "deposed key_gone"), story
+            assert not a.is_leader and b.token > old_token
+            await wait_until_async(
+                lambda: a.election.core.phase is Phase.CANDIDATE and a.election.key != old_key,
+                5,
+                "a a candidate again, with a new key",
+            )
+            assert not a.is_leader and b.is_leader
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for x in (a, b):
+                await x.close()
 
     asyncio.run(main())

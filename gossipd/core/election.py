@@ -16,8 +16,10 @@ Rules (docs/PROTOCOL.md, "Leadership"):
 3. A leader steps down by itself as soon as its lease is no longer believed valid (no
    keepalive answered for a TTL), even while etcd is unreachable: etcd expires the lease no
    earlier, and only then can a successor see our key go and take over.
-4. An answer saying the lease is gone (TTL 0), or a candidate list without our key, ends the
-   session: step down, and campaign again with a new lease and key (a new, higher token).
+4. An answer saying the lease is gone (TTL 0), a candidate list without our key, or our key
+   seen deleted (the leader watches it: deleted by hand, its lease alive, the successor leads
+   at once) ends the session: step down, and campaign again with a new lease and key (a new,
+   higher token).
 5. A session whose lease etcd confirms again after an outage (TTL > 0) carries on: the same
    key, the same token, leading again if still lowest.
 6. Resign: step down first, then revoke the lease (the shell), so that our key goes at once
@@ -132,6 +134,13 @@ class ElectionCore:
         self.leader_token = self.revision
         self.elections += 1
         return Elected(self.revision)
+
+    def key_deleted(self) -> Decision:
+        """A watch saw our campaign key deleted (rule 4): the next candidate, watching it
+        too, reads the candidates and leads; step down now, before it can."""
+        if self.phase is not Phase.CANDIDATE:
+            return None
+        return self._end_session("key_gone")
 
     def tick(self, now: float) -> Decision:
         """Rule 3; call at ``next_deadline()``."""

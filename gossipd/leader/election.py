@@ -193,8 +193,10 @@ class EtcdElection:
         return candidates, reply.header.revision
 
     async def _look(self) -> None:
-        """Read the candidates and act: lead, or wait on our predecessor; a leader looks
-        again every TTL (its key must still be there) or when the session changes."""
+        """Read the candidates and act: lead, or wait on our predecessor; a leader watches
+        its own key and looks again every TTL or when the session changes.  Its key deleted
+        (by hand: its lease lives), it steps down as soon as the watch says so; the successor,
+        which watches that key too, must read the candidates before it leads."""
         candidates, revision = await self._candidates()
         decision = self.core.candidates(self._clock.monotonic(), [r for r, _ in candidates])
         self._apply(decision)
@@ -202,12 +204,19 @@ class EtcdElection:
             key = next(k for r, k in candidates if r == decision.revision)
             await self._wait_gone(key, revision + 1)
         elif self.core.phase is Phase.CANDIDATE:
-            wait_s = self.config.ttl_s if self.core.leading else self.core.keepalive_interval_s()
-            await self._woken_within(wait_s)
+            if self.core.leading:
+                await self._wait_gone(
+                    self.key, revision + 1, on_gone=lambda: self._apply(self.core.key_deleted())
+                )
+            else:
+                await self._woken_within(self.core.keepalive_interval_s())
 
-    async def _wait_gone(self, key: bytes, start_revision: int) -> None:
+    async def _wait_gone(
+        self, key: bytes, start_revision: int, on_gone: Callable[[], None] | None = None
+    ) -> None:
         """Until ``key`` is deleted, the session changes, or a TTL passes (then we look again:
-        a watch does not survive a lost connection)."""
+        a watch does not survive a lost connection).  ``on_gone``: called as soon as the
+        deletion is seen (before the watch's cancel, a round trip to etcd)."""
         watch = await self.client.watch(key, start_revision=start_revision)
 
         async def deleted() -> None:
@@ -221,6 +230,9 @@ class EtcdElection:
             await asyncio.wait(
                 {waiter, woken}, timeout=self.config.ttl_s, return_when="FIRST_COMPLETED"
             )
+            gone = waiter.done() and not waiter.cancelled() and waiter.exception() is None
+            if gone and on_gone is not None:
+                on_gone()
         finally:
             woken.cancel()
             waiter.cancel()
