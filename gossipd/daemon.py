@@ -42,7 +42,7 @@ from gossipd.http.clustermodels import ClusterModels
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.wiring import build_door, open_door
 from gossipd.ingress.budgets import BudgetGate, start_budgets
-from gossipd.ingress.journal import Journal
+from gossipd.ingress.journal import Journal, JournalInUse
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.replay import JournalReplay, expects_members
 from gossipd.ingress.runner import stop_workers
@@ -222,6 +222,8 @@ class Daemon:
                     fsync_interval_s=config.journal.fsync_interval_s,
                     compact_bytes=config.journal.compact_bytes,
                 )
+            except JournalInUse as exc:
+                raise StartupError(str(exc)) from None
             except OSError as exc:
                 raise StartupError(
                     f"cannot open journal.path = {config.journal.path!r}: {exc.strerror}"

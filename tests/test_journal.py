@@ -8,13 +8,15 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.config import Config, load_config
-from gossipd.core.messages import ErrorCode, Result, Task, decode_reply
+from gossipd.core.messages import ErrorCode, Result, Task, decode_reply, encode
 from gossipd.daemon import Daemon
 from gossipd.ingress.journal import Journal
+from gossipd.ingress.journal_format import ACCEPT, DONE, Reader, record
 from gossipd.ingress.runner import stop_workers
 from tests.helpers import wait_until_async
 
@@ -53,8 +55,6 @@ def test_damage_mid_file_is_skipped_and_counted_and_the_records_after_it_are_rea
     """A stray byte between records was taken for a torn tail: the file was cut there, the
     records after it lost for good (t2) and a finished task run again (t1).  Now the bytes
     that are no record are skipped, counted and left in the file."""
-    import msgspec
-
     j = Journal(tmp_path / "j")
     j.accept(task(1))
     j.close()
@@ -62,32 +62,31 @@ def test_damage_mid_file_is_skipped_and_counted_and_the_records_after_it_are_rea
         fh.write(b"\x00")  # damage
     j = Journal(tmp_path / "j")  # (appended to as it is: records follow the damage)
     j.accept(task(2))
-    j._write(msgspec.msgpack.encode([2, "t1"]))  # t1's DONE (this object never held t1)
     j.close()
+    with (tmp_path / "j").open("ab") as fh:
+        fh.write(record(DONE, "t1"))  # t1's DONE (that object never held t1)
     size = (tmp_path / "j").stat().st_size
     again = Journal(tmp_path / "j")
     assert [t.id for t in again.replay()] == ["t2"]
     assert again.damaged_bytes == 1 and (tmp_path / "j").stat().st_size == size
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "0.3.5"])
 def test_an_accepted_task_that_does_not_decode_is_counted_and_the_rest_replayed(
-    tmp_path: Path,
+    tmp_path: Path, checked: bool
 ) -> None:
     """Deep nesting in a task's body raised RecursionError out of replay (the daemon exited
     at every start, and systemd started it into the same file); a body that is no Task was
-    skipped without a word."""
-    import msgspec
-
+    skipped without a word.  In a journal of 0.3.5 (no checks) too: a record begins where
+    each ends, so they are whole, their tasks unreadable."""
     deep = b"\x81\xa1x" + b"\x91" * 200_000 + b"\xc0"  # {"x": [[[...]]]}
-    j = Journal(tmp_path / "j")
-    j.accept(task(1))
-    j._write(msgspec.msgpack.encode([1, deep]))
-    j._write(msgspec.msgpack.encode([1, b"\x01"]))  # no Task
-    j.accept(task(2))
-    j.close()
+    bodies = [encode(task(1)), deep, b"\x01", encode(task(2))]  # (b"\x01": no Task)
+    with (tmp_path / "j").open("wb") as fh:
+        for body in bodies:
+            fh.write(record(ACCEPT, body) if checked else msgspec.msgpack.encode([1, body]))
     again = Journal(tmp_path / "j")
     assert [t.id for t in again.replay()] == ["t1", "t2"]
-    assert again.unreadable_tasks == 2
+    assert again.unreadable_tasks == 2 and again.damaged_bytes == 0
 
 
 def test_a_full_disk_is_counted_and_the_journal_goes_on_without_raising() -> None:
@@ -115,17 +114,13 @@ def test_a_record_of_an_unknown_kind_is_skipped_not_taken_for_a_torn_tail(
     tmp_path: Path,
 ) -> None:
     """A later version may add record kinds: this one must read past them, not cut there."""
-    import msgspec
-
-    from gossipd.core.messages import encode
-
     j = Journal(tmp_path / "j")
     j.accept(task(1))
     j.close()
     with (tmp_path / "j").open("ab") as fh:
-        fh.write(msgspec.msgpack.encode([9, b"from a later version"]))
-        fh.write(msgspec.msgpack.encode([9, "t1"]))
-        fh.write(msgspec.msgpack.encode([1, encode(task(2))]))  # a known record after them
+        fh.write(record(9, b"from a later version"))
+        fh.write(record(9, "t1"))
+        fh.write(record(ACCEPT, encode(task(2))))  # a known record after them
     j2 = Journal(tmp_path / "j")
     assert [t.id for t in j2.replay()] == ["t1", "t2"]
     j2.accept(task(3))
@@ -173,9 +168,8 @@ def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
             j.accept(task(i))
         await wait_until_async(lambda: j.syncs >= 1, 5, "the first fsync")
         syncs = j.syncs  # 1: that fsync covered all 100
-        reader = Journal(tmp_path / "j")  # ...all on disk before this journal is closed
-        durable = len(reader.replay())
-        reader.close()
+        # ...all on disk before this journal is closed
+        durable = sum(r.kind == ACCEPT for r in Reader((tmp_path / "j").read_bytes()))
         runner.cancel()
         j.close()
         return syncs, durable
@@ -233,6 +227,7 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
         assert [t.id for t in again.replay()] == list(model)
         assert again.forwarded == forwarded
         assert again.deadlines == deadlines
+        again.close()
         # Any cut of the file replays to a prefix-consistent state without raising.
         path.write_bytes(data[: max(0, len(data) - cut)])
         Journal(path).replay()
@@ -492,13 +487,13 @@ def test_a_restart_expects_members_only_from_a_seed_that_is_not_itself() -> None
 
 def test_the_journals_damage_is_in_the_metrics(tmp_path: Path) -> None:
     """The damage replay skipped, as Prometheus sees it (gossipd_journal_errors_total)."""
-    import msgspec
-
     path = tmp_path / "j"
     daemon = _daemon_with_journal(path, [task(1)])
     daemon._ctx.destroy(linger=0)
+    assert daemon.journal is not None
+    daemon.journal.close()
     with path.open("ab") as fh:
-        fh.write(b"\x00\x00" + msgspec.msgpack.encode([1, b"\x01"]))  # damage, a bad task
+        fh.write(b"\x00\x00" + record(ACCEPT, b"\x01"))  # damage, a bad task
     after = Journal(path)
     after.accept(task(2))  # (a record after them: the damage is mid-file)
     after.close()

@@ -1,25 +1,34 @@
 """The local journal of accepted tasks: the only durable state a daemon keeps.
 
-Append-only records, one MessagePack array each: [1, task bytes] when a task is accepted,
-[4, MessagePack [task id, deadline]] right after it (from 0.3.0: its deadline in
-milliseconds since the epoch, by this host's clock, so that a restart keeps it instead of
-giving the task its whole timeout again), [3, MessagePack [task id, forwarder]] after them
-when a peer forwarded it (after a restart that forwarder's Withdraw is honoured, since it may
-have migrated the task while we were down, and it gets the TaskDone), [2, task id] when its
-final result was sent.  Writes are buffered and
-made durable in batches (flush + fsync every ``fsync_interval_s``, off the event loop), so a
-crash loses at most that window of acceptances; the producer's resubmission covers that
-window.  When the file passes ``compact_bytes`` it is rewritten with only the unfinished
-tasks (write, fsync, rename).
-On start-up ``replay`` returns the tasks accepted but never finished, to run again.
-A torn last record (crash mid-write) is ignored; a record of a kind this version does not
-know (written by a later one) is skipped.
+Append-only records (journal_format.py: each a MessagePack array [kind, body, check], the check
+a CRC-32 of the record; files written before 0.3.6 hold [kind, body] records, read as well):
+ACCEPT with the task's bytes when a task is accepted, DEADLINE with MessagePack [task id,
+deadline] right after it (from 0.3.0: its deadline in milliseconds since the epoch, by this
+host's clock, so that a restart keeps it instead of giving the task its whole timeout again),
+FORWARDED with MessagePack [task id, forwarder] after them when a peer forwarded it (after a
+restart that forwarder's Withdraw is honoured, since it may have migrated the task while we
+were down, and it gets the TaskDone), DONE with the task id when its final result was sent.
+Writes are buffered (8 KiB) and made durable in batches (written, then fsync every
+``fsync_interval_s``, off the event loop), so a crash loses at most that window of
+acceptances; the producer's resubmission covers that window.  A write the file system
+refuses (a full disk) leaves nothing of its records: the file is cut back to where the
+write began and those records dropped (their tasks run, not durable).  When the file passes
+``compact_bytes`` it is rewritten with only the unfinished tasks (write, fsync, rename; from
+the rename on the new file is the journal, even if the directory's fsync then fails).
+On start-up ``replay`` returns the tasks accepted but never finished, to run again: a record
+that fails its check is skipped, and the records after it read; a torn last record (a crash
+mid-write) is cut off; a record of a kind this version does not know (written by a later one)
+is skipped.  One journal has one daemon: the file is locked (flock) while a Journal holds it,
+and a second Journal on it raises JournalInUse.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
+import io
 import logging
 import mmap
 import os
@@ -30,23 +39,27 @@ from pathlib import Path
 import msgspec
 
 from gossipd.core.messages import Task, encode
+from gossipd.ingress import journal_format
+from gossipd.ingress.journal_format import ACCEPT, DEADLINE, DONE, FORWARDED, Reader
 
 log = logging.getLogger("gossipd.ingress.journal")
 
-ACCEPT, DONE, FORWARDED, DEADLINE = 1, 2, 3, 4
 SYNC_RETRY_S = 1.0  # after a sync the file system refused
-_encoder = msgspec.msgpack.Encoder()
+BUFFER_BYTES = 8192  # records are written out once this many are buffered (or at a sync)
+_LOCK_TRIES = 10  # opening a file that a compaction replaced between the open and the lock
 _task_decoder = msgspec.msgpack.Decoder(Task)
-_forwarded_decoder = msgspec.msgpack.Decoder(tuple[str, str])
-_deadline_decoder = msgspec.msgpack.Decoder(tuple[str, int])
 
 
-def _forwarded_record(task_id: str, src: str) -> bytes:
-    return _encoder.encode([FORWARDED, _encoder.encode([task_id, src])])
+class JournalInUse(Exception):
+    """Another Journal (another daemon) holds this file: two would replay the same tasks,
+    and one's compaction would unlink the file the other writes to."""
 
-
-def _deadline_record(task_id: str, deadline_ms: int) -> bytes:
-    return _encoder.encode([DEADLINE, _encoder.encode([task_id, deadline_ms])])
+    def __init__(self, path: Path) -> None:
+        super().__init__(
+            f"journal.path = {str(path)!r} is in use by another process (another gossipd "
+            "given the same journal.path?): give each daemon its own journal"
+        )
+        self.path = path
 
 
 class Journal:
@@ -61,8 +74,11 @@ class Journal:
         self.forwarded: dict[str, str] = {}  # unfinished ids a peer forwarded -> that peer
         # Unfinished ids -> their deadline (ms since the epoch); absent: written before 0.3.0.
         self.deadlines: dict[str, int] = {}
-        self._file = self.path.open("ab")
-        self._size = self.path.stat().st_size
+        # Read (replay) and appended to; locked: JournalInUse where another holds it.
+        self._file = _open_locked(self.path)
+        self._pending = bytearray()  # records not yet written to the file
+        self._file_size = os.fstat(self._file.fileno()).st_size  # what the file holds
+        self._size = self._file_size  # and with what is pending
         self._dirty = False
         self._written = asyncio.Event()  # set with _dirty: sync_forever sleeps on it
         self.appended = 0
@@ -75,132 +91,131 @@ class Journal:
         self.write_errors = 0
         self._compact_again_at = 0  # appended count before compaction is tried again
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def replay(self) -> list[Task]:
         """Tasks accepted and not finished, oldest first (also kept as open here)."""
         self._open.clear()
         self.forwarded.clear()
         self.deadlines.clear()
-        # Records about an accepted task: its kind -> how to read it, where it is kept.
-        about: dict[int, tuple[msgspec.msgpack.Decoder, dict]] = {
-            FORWARDED: (_forwarded_decoder, self.forwarded),
-            DEADLINE: (_deadline_decoder, self.deadlines),
-        }
+        self.flush()
+        # Records about an accepted task: its kind -> where it is kept.
+        about: dict[int, dict] = {FORWARDED: self.forwarded, DEADLINE: self.deadlines}
         # Mapped, not read: the file's pages are the page cache's (clean, reclaimable), so
         # a large journal costs the daemon's memory only its unfinished tasks (read whole,
         # a 100 MiB file of finished tasks took 100 MiB more).
-        with _mapped(self.path) as data:
-            torn_at = self._read_records(data, about)
-        if torn_at is not None:
+        with _mapped(self._file.fileno()) as data:
+            reader = Reader(data)
+            for kind, body, value in reader:
+                if kind == ACCEPT:
+                    if isinstance(value, Task) and isinstance(body, bytes):
+                        self._open[value.id] = body
+                    else:
+                        self.unreadable_tasks += 1  # (its task is lost: said below)
+                elif kind == DONE and isinstance(value, str):
+                    self._open.pop(value, None)
+                    self.forwarded.pop(value, None)
+                    self.deadlines.pop(value, None)
+                elif kind in about and isinstance(value, tuple) and value[0] in self._open:
+                    about[kind][value[0]] = value[1]  # [task id, value]
+        self._report(reader)
+        if reader.torn_at is not None:
             # A torn tail (a crash mid-write: nothing readable after it): cut it, so that
             # records appended from now on stay readable.
-            self._file.close()
-            with self.path.open("r+b") as fh:
-                fh.truncate(torn_at)
-            self._file = self.path.open("ab")
-            self._size = torn_at
+            os.ftruncate(self._file.fileno(), reader.torn_at)
+            self._size = self._file_size = reader.torn_at
         return [_task_decoder.decode(b) for b in self._open.values()]
 
-    def _read_records(
-        self, data: bytes | mmap.mmap, about: dict[int, tuple[msgspec.msgpack.Decoder, dict]]
-    ) -> int | None:
-        """Read ``data``'s records into the open set; where a torn tail begins, if any."""
-        decoder = msgspec.msgpack.Decoder()
-        # Records are concatenated MessagePack values; decode them one by one.
-        offset = 0
-        records = 0
-        torn = False
-        damaged: list[tuple[int, int]] = []  # (offset, bytes) of damage skipped mid-file
-        while offset < len(data):
-            try:
-                value, offset = _decode_one(decoder, data, offset)
-            except ValueError:
-                resume = _next_record(decoder, data, offset + 1)
-                if resume is not None:
-                    # Damage with records after it (a stray byte, a flipped length): those
-                    # bytes are skipped, counted, and left in the file; what follows is read.
-                    damaged.append((offset, resume - offset))
-                    offset = resume
-                    continue
-                torn = True
-                break
-            records += 1
-            if isinstance(value, list) and len(value) == 2:
-                kind, body = value
-                if kind == ACCEPT and isinstance(body, bytes):
-                    try:
-                        task = _task_decoder.decode(body)
-                    except (msgspec.DecodeError, RecursionError):
-                        self.unreadable_tasks += 1  # (its task is lost: said below)
-                        continue
-                    self._open[task.id] = body
-                elif kind == DONE and isinstance(body, str):
-                    self._open.pop(body, None)
-                    self.forwarded.pop(body, None)
-                    self.deadlines.pop(body, None)
-                elif kind in about and isinstance(body, bytes):  # [task id, value]
-                    read, values = about[kind]
-                    try:
-                        task_id, value = read.decode(body)
-                    except (msgspec.DecodeError, RecursionError):
-                        continue
-                    if task_id in self._open:
-                        values[task_id] = value
-        if torn:
+    def _report(self, reader: Reader) -> None:
+        if reader.torn_at is not None:
             log.warning(
-                "journal ends in a torn record; ignored",
-                extra={"path": str(self.path), "records": records},
-            )
-        if damaged or self.unreadable_tasks:
-            self.damaged_bytes = sum(n for _, n in damaged)
+                "journal ends in a torn record; cut off",
+                extra={"path": str(self.path), "records": reader.records,
+                       "at": reader.torn_at},
+            )  # fmt: skip
+        if reader.damaged or self.unreadable_tasks:
+            self.damaged_bytes = sum(n for _, n in reader.damaged)
             log.error(
                 "journal damaged: bytes that are no record were skipped, and accepted tasks "
                 "that do not decode were not replayed (the file is kept as it is)",
                 extra={
                     "path": str(self.path),
-                    "damaged_at": [at for at, _ in damaged[:10]],
+                    "damaged_at": [at for at, _ in reader.damaged[:10]],
                     "damaged_bytes": self.damaged_bytes,
                     "unreadable_tasks": self.unreadable_tasks,
                 },
             )
-        return offset if torn else None
 
     def accept(self, task: Task, deadline_ms: int | None = None) -> None:
         """``deadline_ms``: when the task's deadline passes, in ms since the epoch."""
         body = encode(task)
         self._open[task.id] = body
-        record = _encoder.encode([ACCEPT, body])
+        journal_format.append(self._pending, ACCEPT, body)
         if deadline_ms is not None:
             self.deadlines[task.id] = deadline_ms
-            record += _deadline_record(task.id, deadline_ms)
-        self._write(record)
+            journal_format.append(
+                self._pending, DEADLINE, journal_format.pair(task.id, deadline_ms)
+            )
+        self._appended()
 
     def mark_forwarded(self, task_id: str, src: str) -> None:
         """The accepted ``task_id`` came from member ``src``'s Forward."""
         if task_id in self._open and task_id not in self.forwarded:
             self.forwarded[task_id] = src
-            self._write(_forwarded_record(task_id, src))
+            journal_format.append(self._pending, FORWARDED, journal_format.pair(task_id, src))
+            self._appended()
 
     def done(self, task_id: str) -> None:
         if self._open.pop(task_id, None) is not None:
             self.forwarded.pop(task_id, None)
             self.deadlines.pop(task_id, None)
-            self._write(_encoder.encode([DONE, task_id]))
+            journal_format.append(self._pending, DONE, task_id)
+            self._appended()
 
     @property
     def unfinished(self) -> int:
         return len(self._open)
 
-    def _write(self, record: bytes) -> None:
-        try:
-            self._file.write(record)
-        except OSError as exc:  # (a full disk: the task runs, not durable)
-            self._failed("write", exc)
-            return
-        self._size += len(record)
+    def _appended(self) -> None:
+        """Records were appended to the buffer: written out once it is full."""
+        self._size = self._file_size + len(self._pending)
+        self.appended += 1
+        if len(self._pending) >= BUFFER_BYTES:
+            self.flush()
         if not self._dirty:
             self._dirty = True
             self._written.set()
-        self.appended += 1
+
+    def flush(self) -> None:
+        """Write the buffered records to the file (not yet durable: sync_forever makes them
+        so); a write the file system refuses is counted and leaves nothing of them."""
+        try:
+            self._write_out()
+        except OSError as exc:  # (a full disk: those tasks run, not durable)
+            self._failed("write", exc)
+
+    def _write_out(self) -> None:
+        """Write the buffer; where the file system refuses part of it (ENOSPC, EIO), cut the
+        file back to where it began and drop the buffer, then raise: a part of a record
+        left mid-file would be read as damage, and all of it would come after that."""
+        if not self._pending:
+            return
+        fd = self._file.fileno()
+        written = 0
+        try:
+            with memoryview(self._pending) as view:
+                while written < len(view):
+                    written += os.write(fd, view[written:])
+        except OSError:
+            self._pending.clear()
+            if written:
+                with contextlib.suppress(OSError):  # (else the reader skips it: damage)
+                    os.ftruncate(fd, self._file_size)
+            self._size = self._file_size
+            raise
+        self._pending.clear()
+        self._file_size += written
 
     async def sync_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -212,7 +227,7 @@ class Journal:
             if self._dirty:
                 self._dirty = False
                 try:
-                    self._file.flush()
+                    self._write_out()
                     await loop.run_in_executor(None, os.fsync, self._file.fileno())
                     self.syncs += 1
                 except OSError as exc:
@@ -227,56 +242,125 @@ class Journal:
                 self.compact()
 
     def compact(self) -> None:
-        """Rewrite the file with only the unfinished tasks (the file system refusing: the
-        old file is kept, and compaction waits for as many records again)."""
+        """Rewrite the file with only the unfinished tasks (the file system refusing before
+        the rename: the old file is kept, and compaction waits for as many records again).
+        From the rename on, the new file is the journal: a directory fsync that fails then
+        is counted and logged, the rename perhaps not durable yet."""
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         try:
-            self._rewrite(tmp)
+            new = self._rewrite(tmp)
         except OSError as exc:
             self._failed("compact", exc)
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             self._compact_again_at = 2 * self.appended
             return
-        self._size = self.path.stat().st_size
+        old, self._file = self._file, new
+        self._pending.clear()  # (superseded: the new file holds every unfinished task)
+        self._size = self._file_size = os.fstat(new.fileno()).st_size
         self.appended = len(self._open)
         self._compact_again_at = 0
         self.compactions += 1
-
-    def _rewrite(self, tmp: Path) -> None:
-        with tmp.open("wb") as out:
-            for task_id, body in self._open.items():
-                out.write(_encoder.encode([ACCEPT, body]))
-                if task_id in self.deadlines:
-                    out.write(_deadline_record(task_id, self.deadlines[task_id]))
-                if task_id in self.forwarded:
-                    out.write(_forwarded_record(task_id, self.forwarded[task_id]))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
-        _fsync_directory(self.path.parent)  # the rename itself durable, not only the data
-        old, self._file = self._file, self.path.open("ab")
-        with contextlib.suppress(OSError):  # (its buffer is superseded by the new file)
+        with contextlib.suppress(OSError):
             old.close()
+        try:
+            _fsync_directory(self.path.parent)  # the rename itself durable, not only the data
+        except OSError as exc:
+            self._failed("rename", exc)
+
+    def _rewrite(self, tmp: Path) -> io.FileIO:
+        """``tmp`` written with the unfinished tasks, made durable, locked and renamed over the
+        journal: the new journal's file, open (raises, leaving the journal as it was, where
+        any of that fails)."""
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o666)
+        new = open(fd, "a+b", buffering=0)  # noqa: SIM115  (kept: the journal's file)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked before it is the journal
+            out = bytearray()
+            for task_id, body in self._open.items():
+                journal_format.append(out, ACCEPT, body)
+                if task_id in self.deadlines:
+                    deadline = journal_format.pair(task_id, self.deadlines[task_id])
+                    journal_format.append(out, DEADLINE, deadline)
+                if task_id in self.forwarded:
+                    forwarder = journal_format.pair(task_id, self.forwarded[task_id])
+                    journal_format.append(out, FORWARDED, forwarder)
+                if len(out) >= 2**20:
+                    _write_all(fd, out)
+            _write_all(fd, out)
+            os.fsync(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            new.close()
+            raise
+        return new
 
     def _failed(self, what: str, exc: OSError) -> None:
         self.write_errors += 1
-        if self.write_errors == 1 or self.write_errors % 1000 == 0:  # (not a line a task)
+        extra = {"path": str(self.path), "what": what, "error": str(exc),
+                 "errors": self.write_errors}  # fmt: skip
+        if what == "compact":  # (rare: tried again after as many records again)
+            directory = str(self.path.parent)
+            log.error(
+                f"the journal cannot be compacted in {directory}: it grows past "
+                "journal.compact_bytes until a compaction succeeds (a compaction writes "
+                f"{self.path.name}.tmp in that directory and renames it over the journal: "
+                "the directory must be writable by this user, with free space)",
+                extra={**extra, "directory": directory},
+            )
+        elif what == "rename":
+            log.error(
+                "the journal was compacted but its directory could not be synced: the new "
+                "file is the journal now, and a power loss before the next sync of the "
+                "directory may bring back the old one (its finished tasks run again)",
+                extra=extra,
+            )
+        elif self.write_errors == 1 or self.write_errors % 1000 == 0:  # (not a line a task)
             log.error(
                 "the journal cannot be written: tasks accepted now are not durable (free "
                 "space on its file system)",
-                extra={"path": str(self.path), "what": what, "error": str(exc),
-                       "errors": self.write_errors},
-            )  # fmt: skip
+                extra=extra,
+            )
 
     def close(self) -> None:
         try:
-            self._file.flush()
+            self._write_out()
             os.fsync(self._file.fileno())
         except OSError as exc:  # what was not written is lost; the rest of the stop goes on
             self._failed("close", exc)
         finally:
             with contextlib.suppress(OSError):
                 self._file.close()
+
+
+def _open_locked(path: Path) -> io.FileIO:
+    """``path`` opened to read and append, locked for this Journal (JournalInUse where
+    another holds it)."""
+    for _ in range(_LOCK_TRIES):
+        file = open(path, "a+b", buffering=0)  # noqa: SIM115  (kept: the journal's file)
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            file.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise JournalInUse(path) from None
+            raise
+        # The holder's compaction may have renamed a new file over the path between our
+        # open and our lock: the lock is then on its old file, which no journal uses.
+        with contextlib.suppress(FileNotFoundError):
+            here, now = os.fstat(file.fileno()), os.stat(path)
+            if (here.st_dev, here.st_ino) == (now.st_dev, now.st_ino):
+                return file
+        file.close()
+    raise JournalInUse(path)
+
+
+def _write_all(fd: int, buffer: bytearray) -> None:
+    with memoryview(buffer) as view:
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+    buffer.clear()
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -288,70 +372,11 @@ def _fsync_directory(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def _mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
+def _mapped(fd: int) -> Iterator[bytes | mmap.mmap]:
     """The file's bytes, mapped read-only (b"" for an empty file, which cannot be mapped)."""
-    with path.open("rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            yield b""
-            return
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            mapped.madvise(mmap.MADV_SEQUENTIAL)  # read once, front to back
-            yield mapped
-
-
-def _decode_one(
-    decoder: msgspec.msgpack.Decoder, data: bytes | mmap.mmap, offset: int
-) -> tuple[object, int]:
-    """Decode the MessagePack value starting at ``offset``; ValueError if it is incomplete."""
-    # Our records are 2-element arrays: fixarray header 0x92, a positive fixint, then either
-    # bin (0xc4/0xc5/0xc6) or str (0xa0-0xbf, 0xd9/0xda/0xdb).
-    end = _record_end(data, offset)
-    try:
-        return decoder.decode(data[offset:end]), end
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _next_record(
-    decoder: msgspec.msgpack.Decoder, data: bytes | mmap.mmap, start: int
-) -> int | None:
-    """Where the first whole record at or after ``start`` begins; None if there is none."""
-    at = data.find(b"\x92", start)
-    while at != -1:
-        try:
-            _decode_one(decoder, data, at)
-            return at
-        except ValueError:
-            at = data.find(b"\x92", at + 1)
-    return None
-
-
-def _record_end(data: bytes | mmap.mmap, offset: int) -> int:
-    def need(n: int) -> None:
-        if offset + n > len(data):
-            raise ValueError("truncated")
-
-    need(3)
-    # Any record kind, known or not (0..127): a kind added by a later version is skipped by
-    # replay, not taken for a torn tail that would cut the file there.
-    if data[offset] != 0x92 or data[offset + 1] > 0x7F:
-        raise ValueError("not a journal record")
-    pos = offset + 2
-    tag = data[pos]
-    if 0xA0 <= tag <= 0xBF:
-        length, head = tag & 0x1F, 1
-    elif tag in (0xC4, 0xD9):
-        need(4)
-        length, head = data[pos + 1], 2
-    elif tag in (0xC5, 0xDA):
-        need(5)
-        length, head = int.from_bytes(data[pos + 1 : pos + 3], "big"), 3
-    elif tag in (0xC6, 0xDB):
-        need(7)
-        length, head = int.from_bytes(data[pos + 1 : pos + 5], "big"), 5
-    else:
-        raise ValueError("unexpected record body")
-    end = pos + head + length
-    if end > len(data):
-        raise ValueError("truncated")
-    return end
+    if os.fstat(fd).st_size == 0:
+        yield b""
+        return
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+        mapped.madvise(mmap.MADV_SEQUENTIAL)  # read once, front to back
+        yield mapped
