@@ -10,8 +10,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,8 @@ import gossipd.ingress.journal as journal_module
 from gossipd.core.messages import Task, encode
 from gossipd.ingress.journal import Journal, JournalInUse
 from tests.helpers import gossipd_cli
+
+NOBODY = 65534
 
 
 def task(i: int, prompt: str = "p") -> Task:
@@ -440,3 +444,69 @@ def test_a_daemon_whose_journal_another_holds_stops_at_start_up_with_status_2(
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("gossipd: cannot start:") and str(path) in last
     assert "another" in last and "Traceback" not in proc.stderr
+
+
+# -- preflight -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another user can reach (pytest's own are its user's only)."""
+    d = Path(tempfile.mkdtemp(prefix="gossipd-preflight-", dir="/tmp"))
+    try:
+        d.chmod(0o755)
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+def check_config_as_another_user(journal: Path) -> subprocess.CompletedProcess[str]:
+    """`gossipd check-config` with ``journal`` as journal.path, as a user without root's
+    privileges (nobody, when this runs as root)."""
+    args = ["check-config", "--set", f"journal.path={str(journal)!r}"]
+    if os.geteuid() != 0:
+        return gossipd_cli(*args)
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    return subprocess.run(
+        [*drop, sys.executable, "-m", "gossipd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parent.parent,
+    )
+
+
+def _own(path: Path, mode: int) -> None:
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY, NOBODY)
+    path.chmod(mode)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("directory_read_only", "cannot compact it"),
+        ("file_write_only", "not readable"),
+        ("fine", ""),
+    ],
+)
+def test_preflight_refuses_a_journal_it_could_not_replay_or_compact(
+    shared_dir: Path, case: str, expected: str
+) -> None:
+    """A read-only directory passed (every compaction then failed: the file grew without
+    bound), and so did a write-only file (replay raised PermissionError after binding: exit
+    1, and systemd restarted it into the same error)."""
+    state = shared_dir / "state"
+    state.mkdir()
+    journal = state / "journal"
+    journal.touch()
+    _own(journal, 0o200 if case == "file_write_only" else 0o600)
+    if case != "directory_read_only":
+        _own(state, 0o700)
+    proc = check_config_as_another_user(journal)
+    if not expected:
+        assert proc.returncode == 0, proc.stderr
+        return
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot open journal.path" in proc.stderr and expected in proc.stderr
+    assert str(journal) in proc.stderr

@@ -62,17 +62,32 @@ def _check_files(config: Config) -> None:
     if config.engine.kind == "vllm" and (problem := model_dir_problem(config.engine.model)):
         raise StartupError(problem)
     if config.journal.path:
-        problem = _unwritable(Path(config.journal.path))
+        problem = _journal_problem(Path(config.journal.path))
         if problem:
             raise StartupError(f"cannot open journal.path = {config.journal.path!r}: {problem}")
 
 
-def _unwritable(path: Path) -> str:
-    """Why ``path`` cannot be opened for appending (its directories made as needed), or ""."""
+def _journal_problem(path: Path) -> str:
+    """Why the journal at ``path`` could not be used, or "": it is read at start-up (replay),
+    appended to, and compacted beside itself (``NAME.tmp`` written in its directory and
+    renamed over it); its directories are made as needed."""
     if path.exists():
         if not path.is_file():
             return "not a regular file"
-        return "" if os.access(path, os.W_OK) else "not writable by this user"
+        for mode, what in ((os.R_OK, "readable"), (os.W_OK, "writable")):
+            if not os.access(path, mode):
+                return (
+                    f"not {what} by this user (a restart reads it, and tasks are appended to "
+                    "it): give this user read and write access (chown, chmod u+rw)"
+                )
+        directory = path.parent
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return (
+                f"cannot compact it: its directory {str(directory)!r} is not writable by this "
+                f"user (a compaction writes {path.name}.tmp there and renames it over the "
+                "journal): make the directory writable (chown) or put journal.path in one that is"
+            )
+        return ""
     ancestor = path.parent
     while not ancestor.exists():
         if ancestor == ancestor.parent:
