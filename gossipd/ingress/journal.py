@@ -273,7 +273,11 @@ class Journal:
         journal: the new journal's file, open (raises, leaving the journal as it was, where
         any of that fails)."""
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o666)
-        new = open(fd, "a+b", buffering=0)  # noqa: SIM115  (kept: the journal's file)
+        try:
+            new = open(fd, "a+b", buffering=0)  # noqa: SIM115  (kept: the journal's file)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked before it is the journal
             out = bytearray()
