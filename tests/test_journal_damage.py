@@ -7,10 +7,13 @@ ENOSPC (what a full disk does)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -68,12 +71,18 @@ class SmallDisk:
         self._monkeypatch = monkeypatch
         self._room: list[int] | None = None  # (injected: bytes left before ENOSPC)
 
-    def fill(self) -> None:
+    def fill(self, room: int | None = None) -> None:
+        """Leave ~16 KiB free, or ``room`` bytes (0: none) of what is free now."""
         if self.mounted:
-            with (self.dir / "filler").open("wb") as fh:
-                fh.write(b"\0" * (256 * 1024 - 16 * 1024))
+            if room is None:
+                size = 256 * 1024 - 16 * 1024
+            else:
+                stat = os.statvfs(self.dir)
+                size = stat.f_bavail * stat.f_frsize - room
+            with (self.dir / "filler").open("wb") as fh, contextlib.suppress(OSError):
+                fh.write(b"\0" * size)
             return
-        self._room = [16 * 1024]
+        self._room = [16 * 1024 if room is None else room]
         real_write = os.write
 
         def write(fd: int, data: bytes | memoryview) -> int:
@@ -122,7 +131,7 @@ def test_a_write_a_full_disk_refuses_leaves_nothing_of_its_record_in_the_file(
     for i in range(50):  # a0..a49: accepted before the fault, finished after it
         j.accept(Task(v=1, id=f"a{i}", prompt="y", reply_to="tcp://127.0.0.1:9"))
     j.flush()
-    j.accept(task(1, "x" * 64 * 1024))  # refused part-way: not durable, as promised
+    j.accept(task(1, "x" * 64 * 1024))  # refused part-way: not durable until the rewrite
     assert j.write_errors == 1
     small_disk.free()
     for i in range(50):
@@ -131,10 +140,14 @@ def test_a_write_a_full_disk_refuses_leaves_nothing_of_its_record_in_the_file(
         j.accept(task(i, "x" * 20))
         if i % 2 == 0:
             j.done(f"t{i}")
-    j.close()
-    ids, again = replayed(path)
-    assert ids == ["t0"] + [f"t{i}" for i in range(3, 602, 2)]
+    j.flush()
+    crashed = small_disk.dir.parent / "crashed"  # the file as a SIGKILL here leaves it
+    shutil.copyfile(path, crashed)
+    ids, again = replayed(crashed)
+    assert ids == ["t0"] + [f"t{i}" for i in range(3, 602, 2)]  # t1: not durable
     assert again.damaged_bytes == 0 and again.unreadable_tasks == 0
+    j.close()  # the stop rewrites the file from what is unfinished: t1 is durable then
+    assert replayed(path)[0] == ["t0", "t1"] + [f"t{i}" for i in range(3, 602, 2)]
 
 
 def test_a_sync_a_full_disk_refuses_keeps_no_part_of_the_batch(small_disk: SmallDisk) -> None:
@@ -155,6 +168,65 @@ def test_a_sync_a_full_disk_refuses_keeps_no_part_of_the_batch(small_disk: Small
     ids, again = replayed(path)
     assert ids[0] == "t0" and ids[-1] == "t900"
     assert again.damaged_bytes == 0 and again.unreadable_tasks == 0
+
+
+def test_done_records_a_full_disk_refused_are_not_lost_once_it_has_room(
+    small_disk: SmallDisk,
+) -> None:
+    """Tasks accepted and synced finish while the disk is full: their DONE records are
+    refused and dropped.  Nothing wrote them again, so after a clean stop, the disk free
+    again, the next start ran every one of them a second time (a review: 1,000 of 1,000).
+    Now a refused write has the file rewritten from what is unfinished at the next sync
+    that succeeds, or at the stop."""
+    path = small_disk.dir / "journal"
+    j = Journal(path)
+    for i in range(1000):
+        j.accept(task(i))
+    j.flush()
+    os.fsync(j.fileno())
+    small_disk.fill(room=0)  # another process's file takes the rest
+    for i in range(1000):
+        j.done(f"t{i}")
+    j.flush()
+    assert j.write_errors >= 1  # the DONEs refused: not on the disk
+    small_disk.free()
+    j.accept(task(1001))
+    j.close()
+    assert replayed(path)[0] == ["t1001"]
+
+
+def test_the_rewrite_after_a_refused_write_waits_for_a_sync_that_succeeds(
+    small_disk: SmallDisk,
+) -> None:
+    """The same, with the daemon running on: its sync loop rewrites the file as soon as a
+    write succeeds again, not only at the stop."""
+
+    async def run() -> None:
+        path = small_disk.dir / "journal"
+        j = Journal(path, fsync_interval_s=0.001)
+        syncing = asyncio.create_task(j.sync_forever())
+        for i in range(1000):
+            j.accept(task(i))
+        j.flush()
+        small_disk.fill(room=0)
+        for i in range(1000):
+            j.done(f"t{i}")
+        j.flush()
+        assert j.write_errors >= 1 and j.compactions == 0
+        small_disk.free()
+        j.accept(task(1002))
+        for _ in range(500):
+            if j.compactions:
+                break
+            await asyncio.sleep(0.002)
+        assert j.compactions == 1
+        syncing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await syncing
+        j._file.close()  # (no close(): as a SIGKILL leaves it)
+        assert replayed(path)[0] == ["t1002"]
+
+    asyncio.run(run())
 
 
 # -- damage the reader meets -----------------------------------------------------------------
@@ -420,6 +492,42 @@ def test_a_second_journal_on_one_path_is_refused_also_after_a_compaction(tmp_pat
     a.accept(task(60))
     a.close()
     assert replayed(path)[0] == ["t60"]  # (free once closed)
+
+
+def test_a_forked_child_that_outlives_its_daemon_does_not_hold_the_journal(
+    tmp_path: Path,
+) -> None:
+    """vLLM forks its engine core, and a fork shares the journal's locked file: a daemon
+    SIGKILLed while its engine core lived on left the lock held, and the daemon restarted
+    stopped with JournalInUse (status 2).  A forked child now lets go of its copy."""
+    path = tmp_path / "journal"
+    code = (
+        "import os, sys, time\n"
+        "from gossipd.ingress.journal import Journal\n"
+        f"j = Journal({str(path)!r})\n"
+        "j.replay()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print(child, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path.cwd()
+    )
+    child = 0
+    try:
+        assert daemon.stdout is not None
+        child = int(daemon.stdout.readline())
+        daemon.kill()  # SIGKILL: its child, the engine core, lives on
+        daemon.wait(10)
+        Journal(path).close()  # the restarted daemon takes its journal
+    finally:
+        daemon.kill()
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_a_daemon_whose_journal_another_holds_stops_at_start_up_with_status_2(

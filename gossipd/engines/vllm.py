@@ -11,9 +11,11 @@ Mapping to the daemon's engine interface:
 - engine death (the core process gone) raises ``EngineDead`` from running requests and turns
   ``healthy()`` False; the daemon then stops taking tasks and exits non-zero.
 
-vLLM is imported only in ``start()``: a daemon with the echo engine never loads it.  vLLM starts
-its engine core with the spawn method, so the program's entry point must be import-safe (the
-``gossipd`` console script is).
+vLLM is imported only in ``start()``: a daemon with the echo engine never loads it.  vLLM 0.32
+forks its engine core (spawn only once CUDA is initialised in this process, which the daemon
+never does), so the core inherits what the daemon holds open: the journal lets go of its
+file in a forked child (ingress/journal.py); the entry point must be import-safe anyway for
+spawn (the ``gossipd`` console script is).
 """
 
 from __future__ import annotations

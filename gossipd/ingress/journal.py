@@ -32,8 +32,9 @@ import io
 import logging
 import mmap
 import os
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -90,6 +91,13 @@ class Journal:
         # serves on, those tasks not durable, and says so (logged, counted).
         self.write_errors = 0
         self._compact_again_at = 0  # appended count before compaction is tried again
+        # A write was refused (its records dropped, DONEs among them): the file is rewritten
+        # from what is unfinished at the next sync that succeeds, else finished tasks would
+        # run again at the next start.
+        self._rewrite_due = False
+        # A child forked from here (vLLM forks its engine core) shares the locked file: it
+        # lets go of it, else, outliving a daemon that was killed, it would hold the lock.
+        os.register_at_fork(after_in_child=_let_go_in_child(weakref.ref(self)))
 
     def fileno(self) -> int:
         return self._file.fileno()
@@ -209,6 +217,7 @@ class Journal:
                     written += os.write(fd, view[written:])
         except OSError:
             self._pending.clear()
+            self._rewrite_due = True
             if written:
                 with contextlib.suppress(OSError):  # (else the reader skips it: damage)
                     os.ftruncate(fd, self._file_size)
@@ -234,6 +243,10 @@ class Journal:
                     self._failed("sync", exc)
                     self._dirty = True  # tried again after a pause
                     await asyncio.sleep(SYNC_RETRY_S)
+                    continue
+                if self._rewrite_due:  # the file system takes writes again
+                    self.compact()
+                    continue
             if (
                 self._size > self._compact_bytes
                 and len(self._open) * 4 < self.appended
@@ -257,6 +270,7 @@ class Journal:
             return
         old, self._file = self._file, new
         self._pending.clear()  # (superseded: the new file holds every unfinished task)
+        self._rewrite_due = False
         self._size = self._file_size = os.fstat(new.fileno()).st_size
         self.appended = len(self._open)
         self._compact_again_at = 0
@@ -330,11 +344,31 @@ class Journal:
         try:
             self._write_out()
             os.fsync(self._file.fileno())
+            if self._rewrite_due:  # (a write was refused since the last rewrite)
+                self.compact()
         except OSError as exc:  # what was not written is lost; the rest of the stop goes on
             self._failed("close", exc)
         finally:
             with contextlib.suppress(OSError):
                 self._file.close()
+
+
+def _let_go_in_child(ref: weakref.ref[Journal]) -> Callable[[], None]:
+    """What a forked child runs: its copy of the journal's descriptor pointed at /dev/null.
+    flock belongs to the open file, which the copy shares; an engine core that outlives a
+    daemon SIGKILLed would otherwise hold the lock, and the restarted daemon stop with
+    JournalInUse."""
+
+    def let_go() -> None:
+        journal = ref()
+        if journal is None or journal._file.closed:
+            return
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, journal._file.fileno())
+            os.close(null)
+
+    return let_go
 
 
 def _open_locked(path: Path) -> io.FileIO:

@@ -24,7 +24,10 @@ Rules:
    damage, skipped and counted.
 5. A torn tail: where no record follows a failure, the file ends in a record that a crash cut
    short; the journal cuts the file there (``Reader.torn_at``).  Text in a task that reads as
-   a record cannot hold the cut back (it would need its check to match by chance: 1 in 2^32).
+   a record by chance cannot hold the cut back (its check would have to match: 1 in 2^32).
+   A CRC is no signature, though: a producer can build a record whose check matches into its
+   own task (its token ids), and where damage or a torn tail falls in that task's record,
+   the search may read it (docs/OPERATIONS.md, "Durability").
 
 Theory: the check makes each record self-delimiting: its length is trusted only once its
 check agrees, so damage is confined to the record it hits, and the search that follows it
