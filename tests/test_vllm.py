@@ -266,3 +266,60 @@ def test_a_request_vllm_ends_with_an_error_is_an_engine_error_not_an_empty_answe
 
     with pytest.raises(EngineError, match="finish_reason error"):
         asyncio.run(run())
+
+
+def test_prompt_logprobs_past_what_a_result_carries_are_refused_before_vllm_scores_them() -> None:
+    """A prompt of 2,000 tokens with prompt_logprobs 20 (42,000 entries, over 32,768) was
+    refused only after vLLM had scored it and built every entry on the daemon's loop (a
+    review: 3 s of the engine, 0.8 s of the loop).  Now it is refused before the request
+    reaches vLLM: by its ids, or by the tokenizer where a byte a token cannot settle it.
+    (vLLM's AsyncLLM is stood in for: what counts is that it is never asked.)"""
+    import asyncio
+
+    from gossipd.config import EngineConfig
+    from gossipd.engines.base import GenerateRequest, InvalidRequest
+    from gossipd.engines.vllm import VllmEngine
+
+    class Tokenizer:
+        encoded: list[str] = []
+
+        def encode(self, text: str) -> list[int]:
+            self.encoded.append(text)
+            return [1] + [2] * len(text.split())  # a BOS, a token a word
+
+    class Asked:
+        errored = False
+        tokenizer = Tokenizer()
+        prompts: list[object] = []
+
+        async def generate(self, prompt: object, params: object, request_id: str):  # type: ignore[no-untyped-def]
+            self.prompts.append(prompt)
+            return
+            yield
+
+    engine = VllmEngine(EngineConfig(kind="vllm", model="/nowhere"))
+    llm = engine._llm = Asked()  # type: ignore[assignment]
+
+    def ask(prompt: str, ids: list[int] | None = None) -> None:
+        request = GenerateRequest(
+            request_id="r",
+            prompt=prompt,
+            prompt_token_ids=ids,
+            params=SamplingParams(max_tokens=1, prompt_logprobs=20),
+            prompt_logprobs=[],
+        )
+
+        async def run() -> None:
+            async for _ in engine.generate(request):
+                pass
+
+        asyncio.run(run())
+
+    with pytest.raises(InvalidRequest, match="prompt_logprobs"):
+        ask("", ids=[7] * 2000)
+    with pytest.raises(InvalidRequest, match="the prompt's 2001 tokens"):
+        ask("word " * 2000)  # 10,000 bytes: the tokenizer counts it
+    assert llm.prompts == [] and len(llm.tokenizer.encoded) == 1
+    ask("word " * 300)  # 1,501 bytes x 21 fits: no tokenizer, and vLLM is asked
+    ask("word " * 1200)  # 6,000 bytes might not fit: counted, 1,201 tokens x 21 does
+    assert len(llm.prompts) == 2 and len(llm.tokenizer.encoded) == 2

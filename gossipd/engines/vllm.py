@@ -41,6 +41,7 @@ from gossipd.core.messages import (
 )
 from gossipd.engines.base import (
     CONTEXT_EXCEEDED_PREFIX,
+    LOGPROB_ENTRIES_MAX,
     EngineDead,
     EngineError,
     EngineStats,
@@ -271,6 +272,22 @@ class VllmEngine:
         except (VLLMClientError, ValueError, TypeError) as exc:
             raise _refused(exc, "sampling parameters refused by vLLM: ") from None
 
+    def _check_prompt_logprobs(self, request: GenerateRequest, top: int) -> None:
+        """Refuse a prompt whose scores a Result cannot carry before vLLM scores it: it
+        scores the whole prompt, then builds every entry in this loop (a review: 2,000
+        tokens with 20 top ones, 3 s of the engine and 0.8 s of the loop, then refused).
+        The prompt's tokens: its ids; or at most a token a byte and a BOS, counted by the
+        tokenizer (here: vLLM's renderer uses it on this loop too) only where that bound does
+        not settle it."""
+        if request.prompt_token_ids is not None:
+            count = len(request.prompt_token_ids)
+        else:
+            count = len(request.prompt.encode()) + 1
+            tokenizer = self._llm.tokenizer if self._llm is not None else None
+            if count * (top + 1) > LOGPROB_ENTRIES_MAX and tokenizer is not None:
+                count = len(tokenizer.encode(request.prompt))
+        check_prompt_logprobs(count, top)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -278,6 +295,8 @@ class VllmEngine:
         if self._llm is None or not self.healthy():
             raise EngineDead("the vLLM engine is not running")
         params = self.sampling_params(request)
+        if params.prompt_logprobs is not None:
+            self._check_prompt_logprobs(request, params.prompt_logprobs)
         try:
             usage = request.usage
             prompt: Any = request.prompt
