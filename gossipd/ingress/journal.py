@@ -365,7 +365,7 @@ def _let_go_in_child(ref: weakref.ref[Journal]) -> Callable[[], None]:
             return
         with contextlib.suppress(OSError):
             null = os.open(os.devnull, os.O_RDWR)
-            os.dup2(null, journal._file.fileno())
+            os.dup2(null, journal._file.fileno(), inheritable=False)  # (as it was: CLOEXEC)
             os.close(null)
 
     return let_go
