@@ -310,7 +310,7 @@ class Forwarder:
         # A resend of a task on its way (a journey) or run for us by a live member, to the
         # same route: that copy's answer is the resend's, so nothing is sent.  Placed anew
         # it could run a second time where placement by load points now, both answering.
-        if self._absorbs(task):
+        if self._absorbing(task) is not None:
             self.counters.resends_absorbed += 1
             return _TAKEN
         owner = self._placement.owner_for(task, now)
@@ -352,23 +352,24 @@ class Forwarder:
         again): this member is forwarding its id for the same producer key and route, or a
         live member runs it for us until its TaskDone.  A resend to another route is placed
         anew, and runs again: charged."""
-        j = self._flying.get(task.id) or self._backing_off.get(task.id)
-        held = j.task if j is not None else getattr(self.ledger.get(task.id), "task", None)
-        return held is not None and held.producer_key == task.producer_key and self._absorbs(task)
+        copy = self._absorbing(task)
+        return copy is not None and copy.producer_key == task.producer_key
 
-    def _absorbs(self, task: Task) -> bool:
-        """A copy of ``task`` is on its way (a journey: in the air, or waiting out a
-        backoff), or run for us by a live member, to the same route: its answer is the
-        resend's."""
+    def _absorbing(self, task: Task) -> Task | None:
+        """The copy of ``task`` on its way (a journey: in the air, or waiting out a backoff),
+        or run for us by a live member, to the same route, whose answer is the resend's;
+        None: there is none."""
         j = self._flying.get(task.id) or self._backing_off.get(task.id)
         if j is not None:
-            return j.task.route == task.route
+            return j.task if j.task.route == task.route else None
         entry = self.ledger.get(task.id)
-        return (
+        if (
             entry is not None
             and entry.task.route == task.route
             and self._placement.addr(entry.owner) is not None
-        )
+        ):
+            return entry.task
+        return None
 
     def hand_off(self, task: Task, received_at: float, now: float) -> None:
         """Give an admitted task to another member; a HandedOff event tells the outcome."""
@@ -481,10 +482,7 @@ class Forwarder:
         cancelled by its producer.  The stop follows it to ``to``, which would otherwise run
         it for nobody, or answer it ok after our Cancel's "here"."""
         if withdrawn:
-            addr = self._placement.addr(to) or self._last_addr.get(to)
-            if addr is not None:
-                self._outbox.append((addr, Withdraw(id=task.id, node=self.node)))
-                self.counters.withdrawn += 1
+            self._withdraw(to, task.id)  # (its Forward recorded ``to``'s address)
             return
         entry = self.ledger.get(task.id)
         if entry is not None and entry.owner == to:
