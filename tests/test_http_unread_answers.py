@@ -18,6 +18,7 @@ from gossipd.http.server import HttpConnection
 from gossipd.http.turnwrites import TurnWrites
 from simulations.cluster import Cluster
 from tests.helpers import running, scrape, wait_until
+from tests.test_http_door import _read_response
 from tests.test_http_wire_refusals import FakeTransport
 
 MIB = 1 << 20
@@ -123,7 +124,7 @@ def test_clients_that_do_not_read_big_answers_hold_at_most_the_bound() -> None:
             dropped = "gossipd_http_answers_dropped_total"
             wait_until(lambda: metric(dropped) == 2, 60, "two answers given up")
             assert metric("gossipd_http_answers_unsent_bytes") > 65536
-            kept = _read_answer(socks[0])
+            kept = _read_response(socks[0].makefile("rb"))  # (cut short: no JSON)
             assert len(json.loads(kept)["choices"]) == 8
             wait_until(lambda: metric("gossipd_http_answers_unsent_bytes") == 0, 10, "nothing held")
             for sock in socks[1:]:  # closed by the daemon, their answers cut short
@@ -133,17 +134,3 @@ def test_clients_that_do_not_read_big_answers_hold_at_most_the_bound() -> None:
         finally:
             for sock in socks:
                 sock.close()
-
-
-def _read_answer(sock: socket.socket) -> bytes:
-    """One response with a content-length (status 200 asserted): its body."""
-    stream = sock.makefile("rb")
-    assert stream.readline().startswith(b"HTTP/1.1 200 ")
-    length = 0
-    while (line := stream.readline()) != b"\r\n":
-        name, _, value = line.partition(b":")
-        if name.lower() == b"content-length":
-            length = int(value)
-    body = stream.read(length)
-    assert len(body) == length
-    return body  # type: ignore[no-any-return]

@@ -66,6 +66,15 @@ async def _run(leaderships: list[Leadership]) -> list[asyncio.Task[None]]:
     return [asyncio.create_task(x.run_forever()) for x in leaderships]
 
 
+async def _stop(tasks: list[asyncio.Task[None]], *leaderships: Leadership) -> None:
+    """``_run``'s tasks ended and ``leaderships`` closed (a test's ``finally``)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for x in leaderships:
+        await x.close()
+
+
 def test_duties_run_on_the_leader_only_and_fenced_writes_fail_after_it_resigns(etcd) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
         config = _config(etcd.endpoints)
@@ -117,11 +126,7 @@ def test_duties_run_on_the_leader_only_and_fenced_writes_fail_after_it_resigns(e
             assert second.fence.statistics().refused["stale_token"] == 1
             assert second.statistics()["directives_refused"]["stale_token"] == 1
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for x in (a, b):
-                await x.close()
+            await _stop(tasks, a, b)
 
     asyncio.run(main())
 
@@ -143,10 +148,7 @@ def test_several_endpoints_survive_the_loss_of_the_etcd_member_in_use(tmp_path) 
             await asyncio.sleep(7.0)  # past a TTL: keepalives went through another member
             assert a.is_leader and a.token == token, steps
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await a.close()
+            await _stop(tasks, a)
 
     try:
         asyncio.run(main())
@@ -175,11 +177,7 @@ def test_tls_with_a_client_certificate(tmp_path) -> None:  # type: ignore[no-unt
             await asyncio.sleep(0.5)
             assert not plain.is_leader and plain.election.errors > 0, "no TLS: refused"
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await a.close()
-            await plain.close()
+            await _stop(tasks, a, plain)
 
     try:
         asyncio.run(main())

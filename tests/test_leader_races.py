@@ -24,7 +24,7 @@ from gossipd.leader.rollout import Rollout, plan_key, progress_key
 from gossipd.tools.cluster import run_drain
 from tests.etcd_cluster import EtcdCluster
 from tests.helpers import wait_until_async
-from tests.test_leader_duties import _config, _Gossip, _run
+from tests.test_leader_duties import _config, _Gossip, _run, _stop
 
 # -- a drain and an undrain in one loop turn -------------------------------------------------
 
@@ -58,10 +58,7 @@ def test_a_drain_then_an_undrain_in_one_loop_turn_leave_a_candidate(etcd: EtcdCl
             left = await lead.election.client.get_prefix(lead.election.election_prefix)
             assert len(left) == 0, "no campaign key of ours left"
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await lead.close()
+            await _stop(tasks, lead)
 
     asyncio.run(main())
 
@@ -266,10 +263,6 @@ def test_the_leaders_key_deleted_by_hand_steps_it_down_before_the_next_leads(
             )
             assert not a.is_leader and b.is_leader
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for x in (a, b):
-                await x.close()
+            await _stop(tasks, a, b)
 
     asyncio.run(main())
