@@ -434,6 +434,14 @@ class EngineConfig(Section, frozen=True):
     seed: Annotated[int, msgspec.Meta(ge=0)] = 0
     # How often the daemon checks that the engine is alive.
     health_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 0.5
+    # A task running in this many engines as they died is not handed to another member: it
+    # is answered engine_error, in case it is what kills them (a query of death).  1: a
+    # dead engine's running tasks are never handed on.  (Tasks queued behind it still are.)
+    deaths_per_task_max: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
+    # An engine holding unfinished requests that makes no step for this long is hung (its
+    # process stopped, deadlocked, or a GPU that stopped answering): its process is killed,
+    # and the daemon goes on as when it dies (tasks handed off, exit 3).  0: never.
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 60.0
 
     def __post_init__(self) -> None:
         if self.kind == "vllm" and not self.model:

@@ -34,6 +34,7 @@ from gossipd.core.forwarder import Refuse
 from gossipd.core.messages import Drain, ErrorCode, Task, error_result
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine
+from gossipd.engines.stall import StallWatch
 from gossipd.errors import StartupError
 from gossipd.fanout.assembly import Fanout, build_fanout
 from gossipd.fanout.forwarding import Dispatcher
@@ -159,6 +160,7 @@ class Daemon:
             refused_lines_per_s=config.log.refused_lines_per_s,
             clock=clock,
             model=getattr(self.engine, "model", "") or self.engine.name,
+            engine_deaths_max=config.engine.deaths_per_task_max,
             curve=IngressCurve(
                 serve=lambda sock: security.serve(sock, DOMAIN_PRODUCERS),
                 producer_allowed=security.producer_allowed,
@@ -670,8 +672,19 @@ class Daemon:
         """Engine death: stop taking tasks, say so in gossip, hand off what we hold, exit
         non-zero (the drain path, with the status "unhealthy" instead of "draining")."""
         interval_s = self.config.engine.health_interval_s
+        stall = StallWatch(self.config.engine.stall_timeout_s)
         while self.engine.healthy():
             await asyncio.sleep(interval_s)
+            if stall.timeout_s:
+                stats = self.engine.stats()
+                now = self.clock.monotonic()
+                if stall.stalled(now, stats.unfinished_requests, stats.steps_total):
+                    reason = (
+                        f"no step in {stall.waited_s(now):.1f} s with unfinished requests: "
+                        f"{stats.unfinished_requests} (engine.stall_timeout_s)"
+                    )
+                    log.error("the engine is hung: abandoning it", extra={"why": reason})
+                    self.engine.abandon(reason)
         self.engine_dead = True
         log.error(
             "the engine died; handing off tasks and exiting", extra={"engine": self.engine.name}

@@ -68,8 +68,10 @@ class AnsweringForwarder(Forwarder):
         self._answer_here(now)
         return route
 
-    def hand_off(self, task: Task, received_at: float, now: float) -> None:
-        super().hand_off(task, received_at, now)
+    def hand_off(
+        self, task: Task, received_at: float, now: float, engine_deaths: int = 0
+    ) -> None:
+        super().hand_off(task, received_at, now, engine_deaths)
         self._answer_here(now)
 
     def on_reply(self, msg: object, now: float) -> None:

@@ -3,7 +3,8 @@ answering for it until that member reports it done.
 
 Inputs (each with the time ``now``, seconds on one monotonic clock):
     route(task, now)         a task from our intake: run it here (LOCAL) or forward it (TAKEN)
-    hand_off(task, t0, now)  give an admitted task to another member (drain, dead engine)
+    hand_off(task, t0, now, engine_deaths)  give an admitted task to another member (drain,
+                             dead engine)
     on_reply(msg, now)       a ForwardReply or TaskDone from a peer
     member_dead(node, now)   membership declared a member dead: migrate what it held for us
     cancel(task_id)          a producer's Cancel for a task we forwarded
@@ -228,6 +229,7 @@ class Journey(msgspec.Struct, eq=False):
     saturated: str = ""  # the first member that refused as saturated (rule 6)
     plain: bool = False  # ...asked again without if_free
     cancelled: bool = False  # its producer's Cancel followed its copies in the air
+    engine_deaths: int = 0  # a hand-off's: engines that died running it (Forward's field)
 
 
 class Flight(msgspec.Struct, eq=False):
@@ -371,10 +373,12 @@ class Forwarder:
             return entry.task
         return None
 
-    def hand_off(self, task: Task, received_at: float, now: float) -> None:
-        """Give an admitted task to another member; a HandedOff event tells the outcome."""
+    def hand_off(self, task: Task, received_at: float, now: float, engine_deaths: int = 0) -> None:
+        """Give an admitted task to another member; a HandedOff event tells the outcome.
+        ``engine_deaths``: engines that died running it, ours included (Forward's field)."""
         me = frozenset({self.node})
         journey = Journey(task, received_at, received_at + task.timeout_ms / 1000.0, True, me)
+        journey.engine_deaths = engine_deaths
         journey.order = self._placement.order(task, now, exclude=me)
         self._next(journey, now)
 
@@ -679,6 +683,7 @@ class Forwarder:
             if_free=self.settings.owner_check and not j.plain,
             boot=self.boot,
             relay=bool(self.relay_routes) and j.task.route in self.relay_routes,
+            engine_deaths=j.engine_deaths,
         )
         self._outbox.append((addr, forward))
         flight = Flight(req, member, j, breaker, now)

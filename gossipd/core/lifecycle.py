@@ -84,6 +84,7 @@ class Owned:
     plain slots class, not a dataclass: one is made per task on the hot path."""
 
     __slots__ = (
+        "engine_deaths",
         "forwarders",
         "from_producer",
         "phase",
@@ -101,6 +102,8 @@ class Owned:
         self.replayed_src = ""  # for ANY: the member that forwarded it before our restart
         self.phase = _QUEUED
         self.stop: Stop | None = None
+        # Engines that died while running it, here and before (Forward.engine_deaths).
+        self.engine_deaths = 0
 
     def add_forwarder(self, forwarder: Hashable) -> None:
         if self.forwarders is _NONE:

@@ -61,6 +61,10 @@ class Forward(
     # Send the task's replies back on this connection as Relay messages, not to its
     # reply_to: the forwarder holds the client itself (its HTTP door).  Optional.
     relay: bool = False
+    # Engines that died while running the task (a hand-off by a member whose engine died
+    # counts its own): the owner hands it on after its engine dies only while that stays
+    # under its engine.deaths_per_task_max.  Optional.
+    engine_deaths: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
 
 
 class ForwardReply(

@@ -94,6 +94,8 @@ class EngineStats:
     unfinished_requests: int = 0  # requests the engine holds (running, waiting, aborting)
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # ...and found there
+    # Steps the engine has made (any count that grows while it works): engines/stall.py.
+    steps_total: int = 0
 
 
 class Engine(Protocol):
@@ -115,3 +117,8 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def abandon(self, reason: str) -> None:
+        """The engine is hung (engines/stall.py): end it, its process killed where it has
+        one.  ``healthy`` is False from now on; its running requests end with EngineDead
+        once it is gone."""

@@ -50,6 +50,7 @@ class EchoEngine:
         self.model = model  # the name it serves (engine.served_model_name, else "echo")
         self._running = 0
         self._tokens_total = 0
+        self._abandoned = False
 
     async def start(self) -> None:
         return None
@@ -120,11 +121,15 @@ class EchoEngine:
             self._running -= 1
 
     def healthy(self) -> bool:
-        return True
+        return not self._abandoned
 
     def stats(self) -> EngineStats:
         return EngineStats(
             running_requests=self._running,
             generated_tokens_total=self._tokens_total,
             unfinished_requests=self._running,
+            steps_total=self._tokens_total,
         )
+
+    def abandon(self, reason: str) -> None:
+        self._abandoned = True  # (in the daemon's process: it never hangs without it)

@@ -20,9 +20,11 @@ spawn (the ``gossipd`` console script is).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -73,6 +75,7 @@ class _SchedulerFigures:
         "prefix_hits",
         "prefix_queries",
         "running",
+        "steps",
         "updated_at",
         "waiting",
     )
@@ -84,6 +87,7 @@ class _SchedulerFigures:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache, in total
         self.prefix_hits = 0  # ...and found there
         self.updated_at = 0.0
+        self.steps = 0  # the engine core's outputs read (one a step while it works)
 
 
 def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
@@ -94,9 +98,10 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
             self._figures = figures
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            f = self._figures
+            f.steps += 1
             if scheduler_stats is None:
                 return
-            f = self._figures
             f.running = scheduler_stats.num_running_reqs
             f.waiting = scheduler_stats.num_waiting_reqs
             f.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
@@ -386,7 +391,33 @@ class VllmEngine:
             unfinished_requests=self.unfinished_requests(),
             prefix_cache_queries_total=f.prefix_queries,
             prefix_cache_hits_total=f.prefix_hits,
+            steps_total=f.steps,
         )
+
+    def abandon(self, reason: str) -> None:
+        """Hung: from now on not healthy, and its engine core processes are killed (SIGKILL
+        ends a stopped process too), so that vLLM's own monitor sees them die and ends every
+        request in them with EngineDeadError: the runner then hands those tasks on."""
+        self._dead = True
+        for pid in self._core_pids():
+            log.error("killing the hung vLLM engine core", extra={"pid": pid, "why": reason})
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _core_pids(self) -> list[int]:
+        """The engine core processes: vLLM's own list where this version has it, else our
+        children that vLLM named (``VLLM::EngineCore``)."""
+        manager = getattr(getattr(self._llm, "engine_core", None), "resources", None)
+        processes = getattr(getattr(manager, "engine_manager", None), "processes", None)
+        if processes:
+            return [p.pid for p in processes if p.pid]
+        found = []
+        for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+            for pid in children.read_text().split():
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM"):
+                        found.append(int(pid))
+        return found
 
 
 def _refused(exc: Exception, lead: str = "") -> InvalidRequest:

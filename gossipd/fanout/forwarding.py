@@ -306,7 +306,9 @@ class Dispatcher:
         died.  True when one accepted it."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._hand_offs.setdefault(task.id, []).append(future)
-        self.forwarder.hand_off(task, received_at, self._clock.monotonic())
+        owned = self.owner.intake_entry(task.id)  # (its count goes with it: the runner's)
+        deaths = owned.engine_deaths if owned is not None else 0
+        self.forwarder.hand_off(task, received_at, self._clock.monotonic(), deaths)
         self._flush()
         to = await future
         if to:

@@ -298,6 +298,8 @@ class OwnerEndpoint:
         verdict = self._ingress.intake.admit(
             decision.task, decision.received_at, answer=False, now=now, forwarder=identity
         )
+        if msg.engine_deaths:  # (a dead engine's hand-off: rare)
+            self._note_engine_deaths(msg)
         # Our load on the first reply queued for this forwarder only: one record a message,
         # not one per task in a batch.
         load = self.load_record() if decision.with_load else None
@@ -309,6 +311,13 @@ class OwnerEndpoint:
                 # admit() has just sent the cached Result (or, rule 5, had it sent before)
                 self._when_replies_sent(msg.task.route)
         self._to_forwarder(identity, answer.reply, urgent=not answer.accepted)
+
+    def _note_engine_deaths(self, msg: Forward) -> None:
+        """The engines that died running a task handed to us: ours, if it dies too, counts
+        on from there (the runner's engine.deaths_per_task_max)."""
+        owned = self.intake_entry(msg.task.id)
+        if owned is not None:
+            owned.engine_deaths = max(owned.engine_deaths, msg.engine_deaths)
 
     def _relay_to(self, member: str, task: Task) -> None:
         """From now on, replies to ``task``'s route go back to ``member`` (the member whose

@@ -73,6 +73,12 @@ def _bounded(entries: list[TokenLogprob]) -> list[TokenLogprob]:
     return entries
 
 
+def _nth(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ... 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 class Runner:
     """Runs what admission took: workers, the engine, deadlines, the answers."""
 
@@ -87,8 +93,11 @@ class Runner:
         links: IngressLinks,
         retry_after_ms: int,
         clock: Clock = SYSTEM_CLOCK,
+        engine_deaths_max: int = 2,
     ) -> None:
         self._engine = engine
+        # A task running in this many dying engines is not handed on (engine.deaths_per_task_max).
+        self._engine_deaths_max = engine_deaths_max
         self._replies = replies
         self._node = node
         self._clock = clock
@@ -114,6 +123,8 @@ class Runner:
         self.results: Counter[str] = Counter()
         # Tasks run again: withdrawn while running, then wanted again (lifecycle rule 3b).
         self.restarts = 0
+        # Dead engines' tasks answered here, not handed on (engine.deaths_per_task_max).
+        self.not_handed_on = 0
         self.latency = LatencyHistogram()
         # Listeners, called synchronously in order (journal, fan-out bookkeeping, tracing):
         # a task answered from here (the Result has just been handed to the reply sender;
@@ -375,6 +386,12 @@ class Runner:
         # there).  Chunks already streamed from here may be sent again from seq 0.
         rescue = self._links.rescue
         if engine_died and rescue is not None:
+            job.engine_deaths += 1  # (the hand-off tells the taker: Forward.engine_deaths)
+            if job.engine_deaths >= self._engine_deaths_max:
+                rescue = None
+                self.not_handed_on += 1
+                result = self._not_handed_on(task, job.engine_deaths)
+        if engine_died and rescue is not None:
             # A Cancel or Withdraw meanwhile does not cancel this worker (an abort landing
             # in the hand-off's await ended the worker, its task never answered nor freed):
             # the hand-off passes it on to the member that took the task.
@@ -393,6 +410,24 @@ class Runner:
             self._withdrawn(task.id)
             return
         self._finish(task, result)
+
+    def _not_handed_on(self, task: Task, deaths: int) -> Result:
+        """The answer of a task whose engine died under it once too often: it may be what
+        kills them, so no other member's engine is risked on it."""
+        log.error(
+            "an engine died under this task again: answered engine_error, not handed to "
+            "another member (engine.deaths_per_task_max)",
+            extra={"task_id": task.id, "engine_deaths": deaths},
+        )
+        return error_result(
+            task.id,
+            ErrorCode.ENGINE_ERROR,
+            f"the engine died while running this task, the {_nth(deaths)} engine to die under "
+            f"it (engine.deaths_per_task_max {self._engine_deaths_max}): it is not handed to "
+            "another member, in case it is what kills them. Sent again with this id it gets "
+            "this answer; a new id runs it again",
+            node=self._node,
+        )
 
     def _stopped_result(self, task: Task, why: Stop, chunks: int) -> Result:
         """The answer of a task stopped by its deadline or its producer's Cancel."""

@@ -78,6 +78,7 @@ class IngressStatistics:
     cancels: dict[str, int]  # by outcome: here, forwarded, refused, unknown
     service_s: float  # smoothed service time of finished tasks; 0 before the first
     expected_wait_s: float  # the expected queueing wait of a task arriving now
+    not_handed_on: int  # engine.deaths_per_task_max reached: answered, not handed on
     latency: LatencyHistogram = field(repr=False)
 
 
@@ -93,6 +94,7 @@ class Ingress:
         refused_lines_per_s: float,
         clock: Clock = SYSTEM_CLOCK,
         model: str = "",
+        engine_deaths_max: int = 2,
         curve: IngressCurve | None = None,
         budget_gate: BudgetGate | None = None,
         links: IngressLinks | None = None,
@@ -116,6 +118,7 @@ class Ingress:
             links=links,
             retry_after_ms=config.retry_after_ms,
             clock=clock,
+            engine_deaths_max=engine_deaths_max,
         )
         # One intake for every door: budgets, ids, routing, admission (ingress/intake.py).
         self.intake = Intake(
@@ -352,5 +355,6 @@ class Ingress:
             cancels=dict(intake.cancels),
             service_s=runner.queue_wait.service_s or 0.0,
             expected_wait_s=runner.queue_wait.expected_wait_s(intake.admission.pending),
+            not_handed_on=runner.not_handed_on,
             latency=runner.latency,
         )

@@ -71,6 +71,13 @@ class DaemonCollector:
             "outcome",
             sorted(ing.results.items()),
         )
+        yield _one(
+            C,
+            "gossipd_tasks_not_handed_on",
+            "Tasks answered engine_error when their engine died, not handed to another member: "
+            "engines died under them engine.deaths_per_task_max times (a query of death?)",
+            ing.not_handed_on,
+        )
         yield _one(C, "gossipd_task_duplicates", "Task ids seen again (absorbed)", adm.duplicates)
         yield _one(
             C,
