@@ -68,9 +68,7 @@ class AnsweringForwarder(Forwarder):
         self._answer_here(now)
         return route
 
-    def hand_off(
-        self, task: Task, received_at: float, now: float, engine_deaths: int = 0
-    ) -> None:
+    def hand_off(self, task: Task, received_at: float, now: float, engine_deaths: int = 0) -> None:
         super().hand_off(task, received_at, now, engine_deaths)
         self._answer_here(now)
 
