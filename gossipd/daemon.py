@@ -675,7 +675,7 @@ class Daemon:
         stall = StallWatch(self.config.engine.stall_timeout_s)
         while self.engine.healthy():
             await asyncio.sleep(interval_s)
-            if stall.timeout_s:
+            if stall.timeout_s and self.engine.healthy():  # (dead meanwhile: nothing to kill)
                 stats = self.engine.stats()
                 now = self.clock.monotonic()
                 if stall.stalled(now, stats.unfinished_requests, stats.steps_total):

@@ -67,6 +67,9 @@ class Forwarded:
     # Its producer cancelled it (the Cancel went to the owner, or could not: the owner out of
     # our view): if the owner dies, the task ends here answered cancelled, not run again.
     cancelled: bool = False
+    # Engines that died running it before it came to ``owner`` (Forward.engine_deaths): a
+    # migration or a Moved keeps the count.
+    engine_deaths: int = 0
 
     def window_ends(self) -> float:
         """When its deadline and the producer's window after it (timeout_ms again) have
@@ -104,9 +107,17 @@ class ForwardedLedger:
     def owned_by(self, member: str) -> list[Forwarded]:
         return [f for f in self.entries.values() if f.owner == member]
 
-    def accepted(self, task: Task, owner: str, received_at: float, cancelled: bool = False) -> None:
+    def accepted(
+        self,
+        task: Task,
+        owner: str,
+        received_at: float,
+        cancelled: bool = False,
+        engine_deaths: int = 0,
+    ) -> None:
         """``owner`` accepted ``task``: we answer for it until its TaskDone.  ``cancelled``:
-        its producer's Cancel came before (Forwarded.cancelled)."""
+        its producer's Cancel came before (Forwarded.cancelled); ``engine_deaths``: engines
+        that died running it (Forwarded.engine_deaths)."""
         task_id = task.id
         if task_id in self.entries:  # accepted again (a retry, a hedge): ledgered once
             self.forget(task_id)
@@ -122,7 +133,7 @@ class ForwardedLedger:
             return
         self._finished.pop(task_id, None)  # this copy is not finished (a resubmission)
         size = task_bytes(task)
-        self.entries[task_id] = Forwarded(owner, task, received_at, size, cancelled)
+        self.entries[task_id] = Forwarded(owner, task, received_at, size, cancelled, engine_deaths)
         self.bytes += size
         outstanding = self.outstanding  # its total kept here: no Python call a task
         dict.__setitem__(outstanding, owner, outstanding.get(owner, 0) + 1)

@@ -438,6 +438,7 @@ class Forwarder:
         self.counters.migrated += 1
         gone = frozenset({node})
         journey = Journey(task, entry.received_at, deadline, False, gone)
+        journey.engine_deaths = entry.engine_deaths  # (its taker counts on from there)
         journey.order = self._placement.order(task, now, exclude=gone)
         self._next(journey, now)
         return 1
@@ -465,16 +466,18 @@ class Forwarder:
             cancel = Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key)
             self._outbox.append((addr, cancel))
 
-    def moved(self, task_id: str, owner: str, to: str) -> bool:
+    def moved(self, task_id: str, owner: str, to: str, engine_deaths: int = 0) -> bool:
         """``owner`` handed ``task_id``, which we forwarded to it, over to ``to`` (a Moved):
         we answer for it there now, so that ``to``'s death migrates it (``owner``, drained
-        and gone, would not).  False: not ours at ``owner`` (ignored)."""
+        and gone, would not), with ``engine_deaths`` (Moved's).  False: not ours at
+        ``owner`` (ignored)."""
         entry = self.ledger.get(task_id)
         if entry is None or entry.owner != owner:
             return False
         self.ledger.forget(task_id)
         if to != self.node:  # (handed back to us: it runs here, nothing to answer for)
-            self.ledger.accepted(entry.task, to, entry.received_at, entry.cancelled)
+            deaths = max(entry.engine_deaths, engine_deaths)
+            self.ledger.accepted(entry.task, to, entry.received_at, entry.cancelled, deaths)
             if entry.cancelled:  # (its Cancel reached the owner that handed it over, or not)
                 self._send_cancel(to, task_id, entry.task.producer_key)
         self.counters.moved += 1
@@ -754,7 +757,7 @@ class Forwarder:
                 self._withdraw(other.member, j.task.id)
         if not j.quiet:
             self.counters.forwarded += 1
-        self.ledger.accepted(j.task, flight.member, j.received_at, j.cancelled)
+        self.ledger.accepted(j.task, flight.member, j.received_at, j.cancelled, j.engine_deaths)
         if self._sweep_at == _INF:
             self._sweep_at = now + LEDGER_SWEEP_S
         self._end(j, ok=True)

@@ -125,6 +125,8 @@ class Moved(
     id: TaskId
     node: NodeId  # the owner that handed it over
     to: NodeId  # the member that took it
+    # Engines that died running it (Forward.engine_deaths): a migration off ``to`` keeps it.
+    engine_deaths: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
 
 
 # Task ids in one Confirm / ConfirmReply list (an owner asks in pieces of this size).

@@ -25,6 +25,11 @@ class EngineDead(EngineError):
     this way was not the task's fault, so the daemon hands it to another member."""
 
 
+class EngineNotRunning(EngineDead):
+    """The engine was dead already when the request came to it: the request never ran in
+    it, so that engine's death is not counted against the task (engine.deaths_per_task_max)."""
+
+
 class InvalidRequest(Exception):
     """The engine refuses the request's parameters (answered with bad_request)."""
 

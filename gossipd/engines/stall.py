@@ -14,17 +14,22 @@ from __future__ import annotations
 class StallWatch:
     """``stalled`` once requests have waited ``timeout_s`` without a step (0: never).  An
     idle engine makes no steps and is never stalled: the time counts from the last look
-    that saw it step or hold nothing."""
+    that saw it step or hold nothing.  A look that comes ``timeout_s`` / 2 or more after
+    the one before starts the count again: the daemon's own loop was held up (a long
+    pause, a frozen cgroup), and the engine's steps meanwhile may not have been read yet."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._steps = -1
         self._since = 0.0
+        self._looked = float("-inf")
 
     def stalled(self, now: float, unfinished: int, steps: int) -> bool:
         if self.timeout_s <= 0:
             return False
-        if unfinished == 0 or steps != self._steps:
+        late = now - self._looked >= self.timeout_s / 2
+        self._looked = now
+        if unfinished == 0 or steps != self._steps or late:
             self._steps = steps
             self._since = now
             return False

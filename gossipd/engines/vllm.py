@@ -46,6 +46,7 @@ from gossipd.engines.base import (
     LOGPROB_ENTRIES_MAX,
     EngineDead,
     EngineError,
+    EngineNotRunning,
     EngineStats,
     GenerateRequest,
     InvalidRequest,
@@ -298,7 +299,7 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self._llm is None or not self.healthy():
-            raise EngineDead("the vLLM engine is not running")
+            raise EngineNotRunning("the vLLM engine is not running")
         params = self.sampling_params(request)
         if params.prompt_logprobs is not None:
             self._check_prompt_logprobs(request, params.prompt_logprobs)
@@ -399,25 +400,50 @@ class VllmEngine:
         ends a stopped process too), so that vLLM's own monitor sees them die and ends every
         request in them with EngineDeadError: the runner then hands those tasks on."""
         self._dead = True
-        for pid in self._core_pids():
-            log.error("killing the hung vLLM engine core", extra={"pid": pid, "why": reason})
+        cores = self._core_pids()
+        if not cores:
+            log.warning("the hung vLLM engine has no core process to kill (in-process?)",
+                        extra={"why": reason})  # fmt: skip
+        # Its workers too (tensor parallelism: the GPU work is theirs, and one stuck in the
+        # driver outlives its core, holding the GPU's memory): found before the cores die.
+        doomed = [pid for core in cores for pid in _descendants(core)] + cores
+        log.error("killing the hung vLLM engine core", extra={"pids": doomed, "why": reason})
+        for pid in doomed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
     def _core_pids(self) -> list[int]:
-        """The engine core processes: vLLM's own list where this version has it, else our
-        children that vLLM named (``VLLM::EngineCore``)."""
+        """The engine core processes still running: vLLM's own list where this version has
+        it, else our children that vLLM named (``VLLM::EngineCore``)."""
         manager = getattr(getattr(self._llm, "engine_core", None), "resources", None)
         processes = getattr(getattr(manager, "engine_manager", None), "processes", None)
         if processes:
-            return [p.pid for p in processes if p.pid]
-        found = []
-        for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-            for pid in children.read_text().split():
-                with contextlib.suppress(OSError):
-                    if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM"):
-                        found.append(int(pid))
-        return found
+            return [p.pid for p in processes if p.pid and p.is_alive()]
+        return [pid for pid in _children(os.getpid()) if _comm(pid).startswith("VLLM")]
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for listed in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            out.extend(int(child) for child in listed.read_text().split())
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: /proc), children before their parents' parents."""
+    out: list[int] = []
+    for child in _children(pid):
+        out.extend(_descendants(child))
+        out.append(child)
+    return out
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text()
+    except OSError:
+        return ""
 
 
 def _refused(exc: Exception, lead: str = "") -> InvalidRequest:

@@ -255,7 +255,7 @@ class Dispatcher:
                     if addr:
                         self.replies_for_another += 1
                     else:
-                        self.forwarder.moved(msg.id, msg.node, msg.to)
+                        self.forwarder.moved(msg.id, msg.node, msg.to, msg.engine_deaths)
                     continue
                 if type(msg) is ReplayKnown:  # (ModelCard's rule)
                     self.on_replay_known(msg, bool(addr) and self.placer.addr(msg.node) == addr)
@@ -337,7 +337,8 @@ class Dispatcher:
             if addr is not None and release_at_least(
                 self.placer.release(member), MOVED_FROM_VERSION
             ):
-                self._links.send_alone(addr, Moved(id=task.id, node=self.node, to=to))
+                moved = Moved(id=task.id, node=self.node, to=to, engine_deaths=owned.engine_deaths)
+                self._links.send_alone(addr, moved)
             else:
                 told = False
         if told:

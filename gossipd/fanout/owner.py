@@ -97,6 +97,7 @@ log = logging.getLogger("gossipd.fanout.owner")
 # Enum members read per task as globals (Python 3.11: ~80 ns through the class, see
 # core/admission.py).
 _ADMIT = Verdict.ADMIT
+_DUPLICATE_PENDING = Verdict.DUPLICATE_PENDING
 
 
 def zmq_peer_server(
@@ -298,8 +299,8 @@ class OwnerEndpoint:
         verdict = self._ingress.intake.admit(
             decision.task, decision.received_at, answer=False, now=now, forwarder=identity
         )
-        if msg.engine_deaths:  # (a dead engine's hand-off: rare)
-            self._note_engine_deaths(msg)
+        if msg.engine_deaths and (verdict is _ADMIT or verdict is _DUPLICATE_PENDING):
+            self._note_engine_deaths(msg)  # (a dead engine's hand-off: rare)
         # Our load on the first reply queued for this forwarder only: one record a message,
         # not one per task in a batch.
         load = self.load_record() if decision.with_load else None
@@ -316,7 +317,7 @@ class OwnerEndpoint:
         """The engines that died running a task handed to us: ours, if it dies too, counts
         on from there (the runner's engine.deaths_per_task_max)."""
         owned = self.intake_entry(msg.task.id)
-        if owned is not None:
+        if owned is not None and owned.task.producer_key == msg.task.producer_key:
             owned.engine_deaths = max(owned.engine_deaths, msg.engine_deaths)
 
     def _relay_to(self, member: str, task: Task) -> None:

@@ -44,6 +44,7 @@ from gossipd.engines.base import (
     Engine,
     EngineDead,
     EngineError,
+    EngineNotRunning,
     GenerateRequest,
     InvalidRequest,
 )
@@ -266,7 +267,7 @@ class Runner:
         parts: list[str] = []
         first_token_at = 0.0
         seq = 0
-        engine_died = False
+        engine_died = died_under_it = False
         token = self._deadlines.add(job, deadline)
         armed = self._deadlines_armed
         if not armed.is_set():
@@ -343,6 +344,8 @@ class Runner:
             result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
         except EngineDead as exc:
             engine_died = True
+            # (one that was dead before the task came to it did not die under it)
+            died_under_it = type(exc) is not EngineNotRunning
             result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
         except EngineError as exc:
             result = error_result(task.id, ErrorCode.ENGINE_ERROR, str(exc), node=self._node)
@@ -385,12 +388,15 @@ class Runner:
         # Not the task's fault: another member runs it (its producer sees one result, from
         # there).  Chunks already streamed from here may be sent again from seq 0.
         rescue = self._links.rescue
-        if engine_died and rescue is not None:
+        if engine_died and rescue is not None and died_under_it:
             job.engine_deaths += 1  # (the hand-off tells the taker: Forward.engine_deaths)
             if job.engine_deaths >= self._engine_deaths_max:
-                rescue = None
-                self.not_handed_on += 1
-                result = self._not_handed_on(task, job.engine_deaths)
+                rescue = None  # answered here: no other member's engine is risked on it
+                if job.stop is Stop.CANCELLED or job.stop is Stop.EXPIRED:
+                    result = self._stopped_result(task, job.stop, len(parts))
+                else:
+                    self.not_handed_on += 1
+                    result = self._not_handed_on(task, job.engine_deaths)
         if engine_died and rescue is not None:
             # A Cancel or Withdraw meanwhile does not cancel this worker (an abort landing
             # in the hand-off's await ended the worker, its task never answered nor freed):
@@ -424,8 +430,7 @@ class Runner:
             ErrorCode.ENGINE_ERROR,
             f"the engine died while running this task, the {_nth(deaths)} engine to die under "
             f"it (engine.deaths_per_task_max {self._engine_deaths_max}): it is not handed to "
-            "another member, in case it is what kills them. Sent again with this id it gets "
-            "this answer; a new id runs it again",
+            "another member, in case it is what kills them; sent again, it runs again",
             node=self._node,
         )
 
