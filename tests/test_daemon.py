@@ -223,6 +223,7 @@ def test_duplicate_ids_run_once_and_late_duplicates_get_the_cached_result(
     metrics = scrape(daemon.metrics_port)
     assert metrics["gossipd_task_duplicates_total"] == 5
     assert metrics["gossipd_engine_generated_tokens_total"] == 10, "the engine ran it once"
+    assert metrics["gossipd_engine_steps_total"] == 10  # (the echo engine's: a token a step)
 
 
 def test_a_producer_sending_an_answered_id_again_gets_the_cached_result_at_any_attempt(

@@ -162,6 +162,8 @@ def test_engine_load_reaches_gossip_and_metrics(cluster: Cluster) -> None:
     # vLLM's stat logger fed the scheduler figures: the prefix cache saw the prompts above.
     for d in cluster.daemons:
         assert metric(d, "gossipd_engine_prefix_cache_queries_tokens_total") > 0
+        # ...and its steps, which the stall watch (engine.stall_timeout_s) looks at.
+        assert metric(d, "gossipd_engine_steps_total") > 0
     # ...and peers see each other's engine state in gossip (published GPU state).
     seen = [
         e

@@ -182,6 +182,13 @@ class DaemonCollector:
         )
         yield _one(
             C,
+            "gossipd_engine_steps",
+            "Steps the engine made (vLLM: its core's output batches; echo: tokens). Flat while "
+            "gossipd_engine_unfinished_requests is above 0: hung (engine.stall_timeout_s)",
+            eng.steps_total,
+        )
+        yield _one(
+            C,
             "gossipd_engine_prefix_cache_queries_tokens",
             "Prompt tokens looked up in the engine's prefix cache",
             eng.prefix_cache_queries_total,
