@@ -259,6 +259,7 @@ class Daemon:
         self.holder: ResultHolder | None = None  # Results held for forwarders not alive
         # Fan-out's peer channel closes its connections whose member's key changed.
         self._close_rekeyed_peers: Callable[..., int] = lambda unknown_only=False: 0
+        self._addresses_seen: object = None  # the member table's version at the last look
         self.leadership: Any = None  # gossipd.leader.Leadership; None without etcd
         self.leader_duties: Any = None  # gossipd.leader.builtin.BuiltinDuties; idem
         self.exit_status = 0  # what run() returns after a clean stop (see request_stop)
@@ -660,9 +661,14 @@ class Daemon:
 
     def _keys_looked_at(self, peers_changed: bool) -> None:
         """Outgoing gossip and rpc sockets whose member's key changed (or was unknown when
-        they opened) reconnect with the right server key."""
-        self.sockets.close_rekeyed(SocketKind.GOSSIP, unknown_only=not peers_changed)
-        self._close_rekeyed_peers(unknown_only=not peers_changed)
+        they opened), or whose address another member now claims too (core/addresses.py),
+        reconnect with the right server key, or not at all."""
+        addresses = self.gossip.addresses_version() if self.gossip is not None else None
+        moved = addresses != self._addresses_seen
+        self._addresses_seen = addresses
+        every = peers_changed or moved
+        self.sockets.close_rekeyed(SocketKind.GOSSIP, unknown_only=not every)
+        self._close_rekeyed_peers(unknown_only=not every)
 
     def rng(self, purpose: str) -> random.Random:
         """The RNG of one part, derived from node.seed (so a run can be replayed)."""

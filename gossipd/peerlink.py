@@ -18,6 +18,7 @@ log = logging.getLogger("gossipd.looppeer")
 
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection still shaking hands after this is closed
 WRITE_BYTES_MAX = 64 * 1024 * 1024  # a connection's unsent bytes before sends are refused
+PONG_UNSENT_MAX = 64 * 1024  # a PING is not answered while more than this waits unsent
 
 
 def parse_endpoint(addr: str) -> tuple[str, int]:
@@ -115,11 +116,17 @@ class PeerLink(asyncio.Protocol):
                 self._on_ready(self)
         elif zmtp.has_data_to_send:  # a PONG to a PING
             assert self.transport is not None
-            self.transport.write(zmtp.data_to_send())
+            pong = zmtp.data_to_send()
+            # Not to a peer that reads nothing: PINGs sent one a segment would have our
+            # unsent bytes grow without bound (replies have their own bound: looppeer.py).
+            if self.transport.get_write_buffer_size() <= PONG_UNSENT_MAX:
+                self.transport.write(pong)
         if messages:
             self._on_messages(self, messages)
         budget = self._budget
-        if budget is not None and not self.closed:
+        # (a connection still shaking hands holds at most 4 KiB, and 256 such at once: not
+        # counted, so that strangers cannot spend the members' budget)
+        if budget is not None and not self.closed and zmtp.ready:
             held = zmtp.buffered
             budget.held += held - self._held
             self._held = held

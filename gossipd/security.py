@@ -8,7 +8,9 @@ Who is who (docs/PROTOCOL.md, "Security"):
   (``DOMAIN_PEERS``), ``security.producer_keys_dir`` for ingress (``DOMAIN_PRODUCERS``).
 - The ZAP handler names the client in each of its messages' ``User-Id`` property: for a peer,
   the node id its key file is named after (``NODE.key``), which the message's ``src`` must
-  equal; for a producer, its public key in z85 (40 characters).
+  equal, a space and the key it proved (so that a connection opened with a key since
+  replaced is refused, as one whose key was removed); for a producer, its public key in z85
+  (40 characters).
 - Replies go to a producer only over a connection whose server proves it holds the key the
   task came with: the daemon's reply PUSH is a CURVE client whose server key is the
   submitting producer's public key (the Task's ``producer_key``, set from ``User-Id``).
@@ -26,6 +28,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,9 +91,15 @@ def write_key_pair(name: str, out_dir: str | Path) -> tuple[Path, Path]:
     return Path(made_public), Path(made_secret)
 
 
+def node_of(user_id: str) -> str:
+    """The node of a peer's user id ("NODE KEY": KeyDir's for peers)."""
+    return user_id.partition(" ")[0]
+
+
 class KeyDir:
     """Authorised public keys: the ``*.key`` files of one directory, each named after whom
-    it admits.  ``user_id(key)``: the name to give a client with this key (None: refused)."""
+    it admits.  ``user_id(key)``: the name to give a client with this key (None: refused):
+    the key itself (producers), or "NODE KEY" (peers: ``node_of`` reads the node)."""
 
     def __init__(self, path: str | Path, *, user_is_key: bool) -> None:
         self.path = Path(path)
@@ -159,9 +168,18 @@ class KeyDir:
                     extra={"file": name, "error": f"a key of {len(public)} characters, not 40"},
                 )
                 continue
+            try:
+                z85.decode(public)  # (40 characters that are no key would fail at use)
+            except (KeyError, ValueError, struct.error):
+                self.bad_files += 1
+                log.warning(
+                    "cannot read a key file",
+                    extra={"file": name, "error": "40 characters that are no Z85 key"},
+                )
+                continue
             stem = name[: -len(PUBLIC_SUFFIX)]
             by_name[stem] = public
-            by_key[public] = public.decode() if self._user_is_key else stem
+            by_key[public] = public.decode() if self._user_is_key else f"{stem} {public.decode()}"
         self._signature = signature
         self.by_key, self.by_name = by_key, by_name
         self.users = frozenset(by_key.values())
@@ -331,7 +349,7 @@ class Security:
 
         def server_key(addr: str) -> bytes | None:
             key = self.peer_server_key(addr)
-            return None if key is None else z85.decode(key)
+            return None if key is None else z85.decode(key)  # (KeyDir read only Z85 keys)
 
         return PeerCurve(
             z85.decode(self.key_pair.public),
@@ -361,16 +379,19 @@ class Security:
     def is_peers_key(self, node: str, public_z85: str) -> bool:
         """Is ``public_z85`` the key of member ``node`` (in security.peer_keys_dir)?"""
         assert self.peers is not None
-        return bool(public_z85) and self.peers.by_key.get(public_z85.encode()) == node
+        user = self.peers.by_key.get(public_z85.encode()) if public_z85 else None
+        return user is not None and node_of(user) == node
 
     def peer_allowed(self, user_id: str, src: str, channel: str) -> bool:
-        """A message claiming to come from ``src``, on a connection authenticated as
-        ``user_id``: still authorised, and speaking for itself?"""
+        """A message claiming to come from ``src`` (a node, or ``user_id`` where the message
+        names none), on a connection authenticated as ``user_id`` ("NODE KEY"): its key
+        still the node's, and speaking for itself?"""
         assert self.peers is not None
-        if user_id not in self.peers.users:
+        if user_id not in self.peers.users:  # (the key removed, or the node's replaced)
             self.counters.revoked_messages["peers"] += 1
             return False
-        if src == user_id:
+        node = node_of(user_id)
+        if src in (node, user_id):
             return True
         self.counters.src_mismatch[channel] += 1
         if self._src_log.allow():
@@ -379,7 +400,7 @@ class Security:
                 extra={
                     "channel": channel,
                     "src": src[:128],
-                    "key_node": user_id,
+                    "key_node": node,
                     "suppressed_since_last": self._src_log.suppressed,
                 },
             )

@@ -42,7 +42,7 @@ from gossipd.core.peer_messages import (
     encode_peer,
 )
 from gossipd.ops.scrape import scrape
-from gossipd.security import KeyDir, is_loopback, write_key_pair
+from gossipd.security import KeyDir, is_loopback, node_of, write_key_pair
 from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from tests.helpers import gossipd_cli, out_of_file_descriptors, wait_until
@@ -595,6 +595,11 @@ def test_keygen_writes_a_pair_that_zmq_auth_reads_and_will_not_overwrite(tmp_pat
     assert again.returncode == 2 and "exists" in again.stderr
 
 
+def _node(user_id: str | None) -> str | None:
+    """The node of a peer's user id ("NODE KEY"), None for None."""
+    return None if user_id is None else node_of(user_id)
+
+
 def test_a_key_directory_follows_added_changed_and_removed_files(tmp_path: Path) -> None:
     write_key_pair("a", tmp_path / "s")
     (tmp_path / "d").mkdir()
@@ -602,9 +607,9 @@ def test_a_key_directory_follows_added_changed_and_removed_files(tmp_path: Path)
     assert keys.users == frozenset() and not keys.reload()
     (tmp_path / "d" / "a.key").write_bytes((tmp_path / "s" / "a.key").read_bytes())
     (tmp_path / "d" / "notes.txt").write_text("ignored")
-    assert keys.reload() and keys.users == {"a"}
     public = zmq.auth.load_certificate(str(tmp_path / "s" / "a.key"))[0]
-    assert keys.user_id(public) == "a" and keys.by_name["a"] == public
+    assert keys.reload() and keys.users == {f"a {public.decode()}"}  # a peer: "NODE KEY"
+    assert keys.user_id(public) == f"a {public.decode()}" and keys.by_name["a"] == public
     (tmp_path / "d" / "a.key").unlink()
     assert keys.reload() and keys.user_id(public) is None
 
@@ -628,7 +633,7 @@ def test_a_key_replaced_with_its_mtime_kept_is_read_again_and_no_fds_keeps_the_k
     path = tmp_path / "d" / "a.key"
     path.write_bytes((tmp_path / "s" / "old.key").read_bytes())
     keys = KeyDir(tmp_path / "d", user_is_key=False)
-    assert keys.user_id(old) == "a"
+    assert _node(keys.user_id(old)) == "a"
     st = path.stat()
     staged = tmp_path / "d" / ".a.key.new"
     staged.write_bytes((tmp_path / "s" / "new.key").read_bytes().replace(b"new", b"old"))
@@ -636,15 +641,15 @@ def test_a_key_replaced_with_its_mtime_kept_is_read_again_and_no_fds_keeps_the_k
     staged.replace(path)
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
     assert keys.reload()  # the periodic look
-    assert keys.user_id(new) == "a" and keys.user_id(old) is None
+    assert _node(keys.user_id(new)) == "a" and keys.user_id(old) is None
 
     (tmp_path / "d" / "b.key").write_bytes((tmp_path / "s" / "old.key").read_bytes())
     with out_of_file_descriptors():
         with pytest.raises(OSError):  # (none left indeed)
             os.open("/dev/null", os.O_RDONLY)
         assert not keys.reload() and not keys.reload(force=True)
-        assert keys.user_id(new) == "a"
-    assert keys.reload() and keys.user_id(new) == "a" and keys.user_id(old) == "b"
+        assert _node(keys.user_id(new)) == "a"
+    assert keys.reload() and _node(keys.user_id(new)) == "a" and _node(keys.user_id(old)) == "b"
 
 
 def test_a_bad_key_file_is_skipped_and_logged_and_a_files_first_public_key_counts(
@@ -664,12 +669,20 @@ def test_a_bad_key_file_is_skipped_and_logged_and_a_files_first_public_key_count
     (keys_dir / "colon.key").write_text(f"public-key: {a.decode()}\n")
     (keys_dir / "short.key").write_text('public-key = "abc"\n')
     (keys_dir / "none.key").write_text("# a comment, no key\n")
+    # 40 characters, but no Z85 key: its decoding raised KeyError in the loop channel's
+    # client, out of the daemon's keys task, and the daemon exited.
+    (keys_dir / "tilde.key").write_text(f'public-key = "{"~" * 40}"\n')
+    (keys_dir / "big.key").write_text(f'public-key = "{"%" * 40}"\n')
     with caplog.at_level("WARNING", logger="gossipd.security"):
         keys = KeyDir(keys_dir, user_is_key=False)
-    assert keys.users == {"a", "two"} and keys.by_name["two"] == b and keys.bad_files == 4
+    assert {_node(u) for u in keys.users} == {"a", "two"} and keys.by_name["two"] == b
+    assert keys.bad_files == 6
     warned = [r for r in caplog.records if r.getMessage() == "cannot read a key file"]
-    assert sorted(r.file for r in warned) == ["colon.key", "noeq.key", "none.key", "short.key"]  # type: ignore[attr-defined]
+    assert sorted(r.file for r in warned) == [  # type: ignore[attr-defined]
+        "big.key", "colon.key", "noeq.key", "none.key", "short.key", "tilde.key"
+    ]  # fmt: skip
     assert any("not 40" in r.error for r in warned)  # type: ignore[attr-defined]
+    assert any("no Z85 key" in r.error for r in warned)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from nacl.bindings import crypto_box_keypair
 from gossipd.errors import TransportClosed
 from gossipd.looppeer import LoopPeerClient, LoopPeerServer
 from gossipd.peerchannel import PeerClient, PeerServer, ZmqPeerClient, ZmqPeerServer
-from gossipd.security import DOMAIN_PEERS, Security, load_key_pair, write_key_pair
+from gossipd.security import DOMAIN_PEERS, Security, load_key_pair, node_of, write_key_pair
 from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import free_tcp_port
 from gossipd.zmtp import PeerCurve
@@ -573,7 +573,7 @@ def test_ZmqPeerServer_under_CURVE_gives_the_senders_key_node_and_refuses_unknow
             security.close()
 
     got, replies = run_with_context(main)
-    assert [(frame, sender) for _, frame, sender in got] == [(b"from cli", "cli")]
+    assert [(frame, node_of(sender)) for _, frame, sender in got] == [(b"from cli", "cli")]
     assert replies == [b"to cli"]
 
 

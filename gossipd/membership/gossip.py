@@ -33,6 +33,7 @@ import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, split_seed
+from gossipd.core.addresses import AMBIGUOUS, AddressIndex
 from gossipd.core.gossip_messages import Directive, GpuState, LoadRecord, Term
 from gossipd.core.membership import LIVE_STATES, Member, MemberEvent, State
 from gossipd.core.refusal import PortCheck
@@ -93,6 +94,7 @@ class GossipService:
         self._rng = rng  # the member's protocol RNG (derived from node.seed)
         # Seeds may name their node ("NODE@ADDR"): the key to expect at that address.
         self._seeds = [split_seed(seed) for seed in config.gossip.seeds]
+        self._addresses = AddressIndex()  # node_at's: who claims which address
         self._security = security if security is not None and security.curve else None
         self.transport = ZmqTransport(
             sockets,
@@ -173,12 +175,23 @@ class GossipService:
         return member is not None and member.state is State.ALIVE
 
     def node_at(self, addr: str) -> str | None:
-        """The member serving ``addr`` (its gossip or rpc address), or the seed named there."""
+        """The member serving ``addr`` (its gossip or rpc address; None where two claim it:
+        core/addresses.py), or the seed named there."""
         if self.core is not None:
-            for m in self.core.table.members.values():
-                if m.addr == addr or (m.gpu is not None and m.gpu.rpc == addr):
-                    return m.node
+            table = self.core.table
+            node = self._addresses.lookup(table.members, table.version, addr)
+            if node is not None:
+                return node if node != AMBIGUOUS else None
         return next((node for node, seed in self._seeds if seed == addr and node), None)
+
+    def addresses_version(self) -> object:
+        """Moves when the member at an address may have changed (node_at's answers)."""
+        return None if self.core is None else self.core.table.version
+
+    @property
+    def addresses_ambiguous(self) -> int:
+        """Addresses two members claim (no connection proves a key there)."""
+        return self._addresses.ambiguous
 
     # -- the loop ----------------------------------------------------------------------------
 

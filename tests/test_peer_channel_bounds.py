@@ -1,0 +1,206 @@
+"""The loop peer channel (looppeer.py, peerlink.py) under a member's key rotation, a peer that
+PINGs and never reads, and strangers that never finish their handshake.  Real sockets on
+loopback, real CURVE (a security review's reproductions, made tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from zmq.utils import z85
+
+import gossipd.peerlink as peerlink
+from gossipd.looppeer import LoopPeerClient, LoopPeerServer
+from gossipd.security import Security, load_key_pair, node_of, write_key_pair
+from gossipd.zmtp import PeerCurve, command, encode_metadata, frame_header, greeting
+
+
+def test_a_connection_made_with_a_members_replaced_key_is_refused_from_then_on(
+    tmp_path: Path,
+) -> None:
+    """A member's key replaced (rotated after a compromise), or removed and issued anew:
+    messages on a connection the old key had opened were still taken as that member's (the
+    check was by node name); a new connection with the old key was refused already."""
+    pairs = {}
+    for name in ("srv", "old", "new"):
+        public, secret = write_key_pair(name, tmp_path / "own")
+        pairs[name] = (load_key_pair(secret), public)
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (tmp_path / "producers").mkdir()
+    (peers / "srv.key").write_bytes(pairs["srv"][1].read_bytes())
+    (peers / "cli.key").write_bytes(pairs["old"][1].read_bytes())
+    ctx = zmq.Context()
+    security = Security(
+        curve=True,
+        ctx=ctx,
+        key_pair=pairs["srv"][0],
+        peer_keys_dir=str(peers),
+        producer_keys_dir=str(tmp_path / "producers"),
+    )
+    verdicts: list[tuple[bytes, str, bool]] = []
+
+    async def main() -> None:
+        security.start()
+        server = LoopPeerServer(message_bytes_max=1 << 20, curve=security.loop_peer_curve())
+        addr = server.bind("tcp://127.0.0.1:0")
+
+        def on_request(identity: bytes, frame: bytes, sender: str) -> None:
+            # the owner's check of each item (fanout/owner.py _on_peer_frame)
+            verdicts.append((frame, node_of(sender), security.peer_allowed(sender, "cli", "rpc")))
+
+        server.start(on_request, lambda: None)
+        old = pairs["old"][0]
+        client = LoopPeerClient(
+            message_bytes_max=1 << 20,
+            curve=PeerCurve(
+                z85.decode(old.public),
+                z85.decode(old.secret),
+                server_key=lambda a: z85.decode(pairs["srv"][0].public),
+            ),
+        )
+        client.start(lambda a, f: None)
+
+        async def sent(frame: bytes) -> None:
+            n = len(verdicts) + 1
+            client.send(addr, frame)
+            for _ in range(250):
+                if len(verdicts) >= n:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{frame!r} never arrived")
+
+        try:
+            await sent(b"before")
+            (peers / "cli.key").write_bytes(pairs["new"][1].read_bytes())  # rotated
+            assert security.reload(force=True)
+            await sent(b"rotated")
+            (peers / "cli.key").unlink()  # revoked...
+            security.reload(force=True)
+            await sent(b"revoked")
+            (peers / "cli.key").write_bytes(pairs["new"][1].read_bytes())  # ...and issued anew
+            security.reload(force=True)
+            await sent(b"issued anew")
+        finally:
+            client.close()
+            server.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        security.close()
+        ctx.term()
+    assert verdicts == [
+        (b"before", "cli", True),
+        (b"rotated", "cli", False),
+        (b"revoked", "cli", False),
+        (b"issued anew", "cli", False),
+    ]
+    assert security.counters.revoked_messages["peers"] == 3
+
+
+def test_a_peer_that_pings_and_never_reads_gets_no_pong_past_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PINGs one a segment from a peer that reads nothing: each PONG went to the transport
+    whatever it held unsent, past the connection's bound on unsent bytes (replies are
+    refused there), and the server's memory grew without end.  Now a PING finds no PONG
+    while more than PONG_UNSENT_MAX waits.  The server's kernel buffer is made small so
+    that user space fills within the test."""
+    made = peerlink.PeerLink.connection_made
+
+    def small_buffer(self: peerlink.PeerLink, transport: Any) -> None:
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made(self, transport)
+
+    monkeypatch.setattr(peerlink.PeerLink, "connection_made", small_buffer)
+    pings = 40_000
+    ping = command(b"PING", b"\x00\x00" + b"c" * 16)
+
+    async def main() -> int:
+        server = LoopPeerServer(message_bytes_max=1 << 20, curve=None)
+        port = int(server.bind("tcp://127.0.0.1:0").rsplit(":", 1)[1])
+        server.start(lambda i, f, s: None, lambda: None)
+        done = threading.Event()
+        attacker = socket.socket()
+        attacker.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never reads
+
+        def attack() -> None:
+            attacker.connect(("127.0.0.1", port))
+            ready = command(b"READY", encode_metadata({b"Socket-Type": b"DEALER"}))
+            attacker.sendall(greeting(b"NULL", False) + ready)
+            for i in range(pings):
+                attacker.sendall(ping)
+                if i % 4 == 0:
+                    time.sleep(0)
+            done.set()
+
+        thread = threading.Thread(target=attack)
+        thread.start()
+        try:
+            while not done.is_set():
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            [link] = server._links.values()
+            return link.unsent()
+        finally:
+            thread.join()
+            attacker.close()
+            server.close()
+
+    unsent = asyncio.run(main())
+    pong_bytes = len(ping)  # (a PONG is as long as its PING here: context echoed)
+    assert pings * pong_bytes > 10 * peerlink.PONG_UNSENT_MAX  # (what it would have held)
+    assert unsent <= peerlink.PONG_UNSENT_MAX + pong_bytes
+
+
+def test_strangers_shaking_hands_do_not_spend_the_members_read_budget() -> None:
+    """At the smallest fanout.message_bytes_max (4096: a 64 KiB budget for frames not
+    complete yet), 16 connections that sent a greeting and most of a 4 KiB frame, and no
+    key, filled the budget shared with the members: a member's frame that came in two
+    reads then closed its connection as busy."""
+
+    async def main() -> tuple[list[int], dict[str, int], int]:
+        server = LoopPeerServer(message_bytes_max=4096, curve=None)
+        port = int(server.bind("tcp://127.0.0.1:0").rsplit(":", 1)[1])
+        got: list[int] = []
+        server.start(lambda i, f, s: got.append(len(f)), lambda: None)
+        loop = asyncio.get_running_loop()
+        member = socket.socket()
+        member.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_connect(member, ("127.0.0.1", port))
+        ready = command(b"READY", encode_metadata({b"Socket-Type": b"DEALER"}))
+        await loop.sock_sendall(member, greeting(b"NULL", False) + ready)
+        strangers = []
+        try:
+            for _ in range(16):
+                s = socket.socket()
+                strangers.append(s)
+                await loop.sock_connect(s, ("127.0.0.1", port))
+                partial = bytes((0x06,)) + (4096).to_bytes(8, "big") + b"x" * 4000
+                await loop.sock_sendall(s, greeting(b"NULL", False) + partial)
+            await asyncio.sleep(0.3)
+            held = server.read_budget.held
+            frame = frame_header(0, 3000) + b"y" * 3000
+            await loop.sock_sendall(member, frame[:1500])
+            await asyncio.sleep(0.1)
+            await loop.sock_sendall(member, frame[1500:])
+            for _ in range(100):
+                if got:
+                    break
+                await asyncio.sleep(0.02)
+            return got, dict(server.refused), held
+        finally:
+            for s in [*strangers, member]:
+                s.close()
+            server.close()
+
+    got, refused, held = asyncio.run(main())
+    assert got == [3000] and not refused.get("busy")
+    assert held < 4096  # the strangers' 64,000 bytes not counted
