@@ -5,6 +5,7 @@ loopback, real CURVE (a security review's reproductions, made tests)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import threading
 import time
@@ -16,8 +17,14 @@ import zmq
 from zmq.utils import z85
 
 import gossipd.peerlink as peerlink
+from gossipd.config import load_config
+from gossipd.core.gossip_messages import GpuState
+from gossipd.core.membership import Member, State
+from gossipd.engines.echo import EchoEngine
 from gossipd.looppeer import LoopPeerClient, LoopPeerServer
+from gossipd.membership.gossip import GossipService
 from gossipd.security import Security, load_key_pair, node_of, write_key_pair
+from gossipd.sockets import SocketPool
 from gossipd.zmtp import PeerCurve, command, encode_metadata, frame_header, greeting
 
 
@@ -204,3 +211,48 @@ def test_strangers_shaking_hands_do_not_spend_the_members_read_budget() -> None:
     got, refused, held = asyncio.run(main())
     assert got == [3000] and not refused.get("busy")
     assert held < 4096  # the strangers' 64,000 bytes not counted
+
+
+def test_the_gossip_service_gives_an_address_two_live_members_claim_to_nobody() -> None:
+    """Member m gossips Meta(b, rpc = m's own rpc address).  node_at, which names the key a
+    connection to an address must prove, gave the first claimant in the table: b's
+    Forwards then went to m keyed with m's key (the table's order decided which).  Now the
+    address is nobody's while both claim it, and b's again once its own Meta wins."""
+    config = load_config(environ={}, overrides=["gossip.bind=tcp://127.0.0.1:0"])
+    ctx = zmq.Context()
+    service = GossipService(
+        config,
+        node="x",
+        sockets=SocketPool(ctx),
+        engine=EchoEngine(),
+        ingress_endpoint="tcp://127.0.0.1:1",
+        rng=random.Random(0),
+    )
+
+    async def case() -> None:  # (the transport reads on the running loop)
+        service.bind()
+        assert service.core is not None
+        table = service.core.table
+        for node, rpc in (("m", "tcp://10.0.0.1:7950"), ("b", "tcp://10.0.0.1:7950")):
+            table.members[node] = Member(
+                node=node,
+                addr=f"tcp://10.0.0.{1 if node == 'm' else 2}:7946",
+                incarnation=1,
+                state=State.ALIVE,
+                state_since=0.0,
+                gpu=GpuState(rpc=rpc),
+            )
+        table.live_version += 1
+        assert service.node_at("tcp://10.0.0.1:7950") is None
+        assert service.addresses_ambiguous == 1
+        assert service.node_at("tcp://10.0.0.2:7946") == "b"
+        table.members["b"].gpu = GpuState(rpc="tcp://10.0.0.2:7950")
+        table.live_version += 1
+        assert service.node_at("tcp://10.0.0.1:7950") == "m"
+        assert service.node_at("tcp://10.0.0.2:7950") == "b"
+
+    try:
+        asyncio.run(case())
+    finally:
+        service.transport.close()
+        ctx.destroy(linger=0)
