@@ -264,3 +264,45 @@ def test_several_endpoints_one_not_resolving_still_elect_and_IPv6_literals_are_t
             await resolve(["a.invalid:1", "b.invalid:2"])
 
     asyncio.run(main())
+
+
+def test_a_stop_that_lands_while_a_watch_is_being_cancelled_ends_the_election(
+    etcd: EtcdCluster,
+) -> None:
+    """The leader watches its own key for a TTL, then cancels the watch (a round trip to
+    etcd) and looks again.  A stop (its task cancelled) that landed during that round trip
+    was swallowed with the watch's own errors: the campaign went on, the task group waited
+    for it, and the daemon's stop hung for ever (CI: this file's slow-etcd test, 300 s).
+    The watch's cancel is made slow here so that the stop lands in it every time."""
+    elected: list[int] = []
+    election = _election(etcd.endpoints, elected)
+    real_watch = election.client.watch
+    cancelling = asyncio.Event()
+
+    async def slow_watch(*args: object, **kwargs: object) -> object:
+        watch = await real_watch(*args, **kwargs)  # type: ignore[arg-type]
+        real_cancel = watch.cancel
+
+        async def cancel() -> object:
+            cancelling.set()
+            await asyncio.sleep(0.5)
+            return await real_cancel()
+
+        watch.cancel = cancel  # type: ignore[method-assign]
+        return watch
+
+    election.client.watch = slow_watch  # type: ignore[method-assign]
+
+    async def main() -> bool:
+        task = asyncio.ensure_future(election.run_forever())
+        await _until(lambda: len(elected) == 1, 20.0, "elected")
+        await asyncio.wait_for(cancelling.wait(), 10.0)  # a TTL watched: now it cancels
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5.0)
+        if not done:  # (the old code: still campaigning; stop it for the teardown)
+            election.resign_nowait()
+            return False
+        await election.close()
+        return True
+
+    assert asyncio.run(main()), "the election's task did not end within 5 s of its cancel"

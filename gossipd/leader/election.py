@@ -238,8 +238,15 @@ class EtcdElection:
             waiter.cancel()
             try:
                 await asyncio.wait_for(watch.cancel(), self.config.request_timeout_s)
-            except (*ETCD_ERRORS, asyncio.CancelledError):
+            except ETCD_ERRORS:
                 pass
+            except asyncio.CancelledError:
+                # Ours (the daemon stops: its task group cancelled us) goes on up; swallowed,
+                # the campaign went on and the stop waited for it for ever.  Only a cancel
+                # from inside the watch's own teardown is dropped.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
         if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
             raise waiter.exception()  # type: ignore[misc]
 
