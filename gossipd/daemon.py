@@ -474,6 +474,7 @@ class Daemon:
                     serve_curve=(lambda sock: self.security.serve(sock, DOMAIN_PEERS))
                     if self.security.curve
                     else None,
+                    sender_allowed=self.security.peer_key_allowed if self.security.curve else None,
                 )
             except (OSError, zmq.ZMQError, ssl.SSLError) as exc:
                 raise StartupError(

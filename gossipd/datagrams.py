@@ -82,7 +82,7 @@ class ZmqTransport:
         (ZeroMQ drops the connection that sent one).  CURVE (gossipd/security.py):
         ``serve_curve(sock)`` makes the bound PULL a CURVE server before it binds, and then
         a frame reaches ``on_frame`` only if ``accept(sender, frame)``, ``sender`` being the
-        frame's User-Id (the node its sender's key belongs to)."""
+        frame's User-Id ("NODE KEY": the node its sender's key belongs to, and that key)."""
         self._pool = pool
         self._kind = kind
         self._message_bytes_max = message_bytes_max

@@ -53,8 +53,8 @@ READ_FRAMES_MAX = 16
 
 class LoopPeerServer:
     """``PeerServer`` on the loop: a listening socket; each connection gets an identity (5
-    bytes, as libzmq's ROUTER makes them), and ``sender`` is the node its CURVE key
-    belongs to ("" without CURVE)."""
+    bytes, as libzmq's ROUTER makes them), and ``sender`` is "NODE KEY", its CURVE key and
+    the node it belongs to ("" without CURVE)."""
 
     def __init__(
         self,

@@ -28,8 +28,8 @@ log = logging.getLogger("gossipd.peerchannel")
 
 # A client's frames back from one peer: (the peer's address, one read's frames, in order).
 OnReplies = Callable[[str, list[bytes]], None]
-# A server's frame: (the sending connection's identity, the frame, the node its sender
-# authenticated as: CURVE's User-Id, "" where the channel does not authenticate).
+# A server's frame: (the sending connection's identity, the frame, who its sender
+# authenticated as: CURVE's User-Id, "NODE KEY"; "" where the channel does not authenticate).
 OnRequest = Callable[[bytes, bytes, str], None]
 
 _PEER = SocketKind.PEER  # read per send: a global (see core/admission.py on enums)
@@ -243,8 +243,9 @@ class ZmqPeerServer:
     ROUTER_MANDATORY: a reply to an identity with no connection (or a full one) fails at
     once (EHOSTUNREACH, EAGAIN) instead of vanishing, so that ``send`` can report it.  Under
     CurveZMQ (``serve_curve(sock)`` makes the ROUTER a CURVE server before it binds), each
-    message is read as zmq.Frame (copy=False) for its User-Id property: the node its sender's
-    key belongs to (gossipd/security.py's ZAP handler), the ``sender`` of ``on_request``."""
+    message is read as zmq.Frame (copy=False) for its User-Id property: "NODE KEY", the node
+    its sender's key belongs to and the key (gossipd/security.py's ZAP handler), the
+    ``sender`` of ``on_request``."""
 
     protocol_errors = 0  # libzmq does not say
     busy = 0  # (nor this)

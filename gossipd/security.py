@@ -92,8 +92,9 @@ def write_key_pair(name: str, out_dir: str | Path) -> tuple[Path, Path]:
 
 
 def node_of(user_id: str) -> str:
-    """The node of a peer's user id ("NODE KEY": KeyDir's for peers)."""
-    return user_id.partition(" ")[0]
+    """The node of a peer's user id ("NODE KEY": KeyDir's for peers).  Split at the last
+    space: a Z85 key has none, a node id may."""
+    return user_id.rpartition(" ")[0]
 
 
 class KeyDir:
@@ -382,16 +383,25 @@ class Security:
         user = self.peers.by_key.get(public_z85.encode()) if public_z85 else None
         return user is not None and node_of(user) == node
 
+    def peer_key_allowed(self, user_id: str) -> bool:
+        """A message from a member on a connection authenticated as ``user_id`` ("NODE
+        KEY") that names no source (a reply to the HTTP door): is that key still the
+        node's?"""
+        assert self.peers is not None
+        if user_id in self.peers.users:
+            return True
+        self.counters.revoked_messages["peers"] += 1
+        return False
+
     def peer_allowed(self, user_id: str, src: str, channel: str) -> bool:
-        """A message claiming to come from ``src`` (a node, or ``user_id`` where the message
-        names none), on a connection authenticated as ``user_id`` ("NODE KEY"): its key
-        still the node's, and speaking for itself?"""
+        """A message claiming to come from node ``src``, on a connection authenticated as
+        ``user_id`` ("NODE KEY"): its key still the node's, and speaking for itself?"""
         assert self.peers is not None
         if user_id not in self.peers.users:  # (the key removed, or the node's replaced)
             self.counters.revoked_messages["peers"] += 1
             return False
         node = node_of(user_id)
-        if src in (node, user_id):
+        if src == node:
             return True
         self.counters.src_mismatch[channel] += 1
         if self._src_log.allow():

@@ -19,7 +19,7 @@ What is implemented (RFC 23/ZMTP 3.0, 25/ZMTP-CURVE, 26/CurveZMQ, checked agains
 - NULL: READY both ways, with Socket-Type and Identity metadata;
 - CURVE: HELLO, WELCOME (with a cookie), INITIATE (with the vouch), READY; MESSAGE boxes
   whose short nonces must rise strictly (a replay or a reordering ends the connection); the
-  server asks ``authorize(client's long-term key)`` for the node it belongs to, and a
+  server asks ``authorize(client's long-term key)`` for the user it is, and a
   refused client gets ERROR "400" and is closed; the client checks that the server holds
   the key it was given (WELCOME opens only with it);
 - PING is answered with PONG; other commands after the handshake are ignored.
@@ -75,8 +75,8 @@ class CurveKeys:
 class PeerCurve:
     """CURVE for the loop channel: this daemon's key pair (32 raw bytes each); a client's
     ``server_key(addr)`` (the member at ``addr``'s key, None when unknown: no connection is
-    made); a server's ``authorize(client key, client address)`` (the node the key belongs
-    to, None: refused, and counted by the caller)."""
+    made); a server's ``authorize(client key, client address)`` (the user the key is:
+    "NODE KEY" for a member, None: refused, and counted by the caller)."""
 
     public: bytes
     secret: bytes

@@ -17,13 +17,16 @@ import zmq
 from zmq.utils import z85
 
 import gossipd.peerlink as peerlink
+from gossipd.clock import SYSTEM_CLOCK
 from gossipd.config import load_config
 from gossipd.core.gossip_messages import GpuState
 from gossipd.core.membership import Member, State
+from gossipd.core.messages import Result, encode
 from gossipd.engines.echo import EchoEngine
+from gossipd.http.answers import Answers
 from gossipd.looppeer import LoopPeerClient, LoopPeerServer
 from gossipd.membership.gossip import GossipService
-from gossipd.security import Security, load_key_pair, node_of, write_key_pair
+from gossipd.security import DOMAIN_PEERS, Security, load_key_pair, node_of, write_key_pair
 from gossipd.sockets import SocketPool
 from gossipd.zmtp import PeerCurve, command, encode_metadata, frame_header, greeting
 
@@ -242,12 +245,12 @@ def test_the_gossip_service_gives_an_address_two_live_members_claim_to_nobody() 
                 state_since=0.0,
                 gpu=GpuState(rpc=rpc),
             )
-        table.live_version += 1
+        table.addr_changes += 1
         assert service.node_at("tcp://10.0.0.1:7950") is None
         assert service.addresses_ambiguous == 1
         assert service.node_at("tcp://10.0.0.2:7946") == "b"
         table.members["b"].gpu = GpuState(rpc="tcp://10.0.0.2:7950")
-        table.live_version += 1
+        table.addr_changes += 1
         assert service.node_at("tcp://10.0.0.1:7950") == "m"
         assert service.node_at("tcp://10.0.0.2:7950") == "b"
 
@@ -256,3 +259,114 @@ def test_the_gossip_service_gives_an_address_two_live_members_claim_to_nobody() 
     finally:
         service.transport.close()
         ctx.destroy(linger=0)
+
+
+def test_a_peers_user_id_names_its_node_whatever_the_node_id_holds(tmp_path: Path) -> None:
+    """A peer's User-Id is "NODE KEY".  Read at its first space, the node of "a b KEY" was
+    "a": member "a b" could speak as "a", have "a"'s door replies relayed to it, and its
+    own messages were all refused.  And a message naming the whole User-Id as its source is
+    no node's."""
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (tmp_path / "producers").mkdir()
+    keys = {}
+    for name in ("srv", "a", "a b"):
+        public, secret = write_key_pair(name, tmp_path / "own")
+        keys[name] = load_key_pair(secret)
+        (peers / f"{name}.key").write_bytes(public.read_bytes())
+    ctx = zmq.Context()
+    security = Security(
+        curve=True,
+        ctx=ctx,
+        key_pair=keys["srv"],
+        peer_keys_dir=str(peers),
+        producer_keys_dir=str(tmp_path / "producers"),
+    )
+    try:
+        assert security.peers is not None
+        spaced = security.peers.user_id(keys["a b"].public)
+        assert spaced is not None and node_of(spaced) == "a b"
+        assert security.peer_allowed(spaced, "a b", "rpc")
+        assert not security.peer_allowed(spaced, "a", "rpc")
+        assert not security.peer_allowed(spaced, spaced, "rpc")
+        assert security.is_peers_key("a b", keys["a b"].public.decode())
+        assert not security.is_peers_key("a", keys["a b"].public.decode())
+    finally:
+        security.close()
+        ctx.term()
+
+
+def test_the_http_doors_reply_socket_refuses_a_member_whose_key_was_replaced(
+    tmp_path: Path,
+) -> None:
+    """The door's reply PULL (CURVE, the members' domain) read every frame that came: a
+    member key removed or replaced went on delivering Results on a connection it had open,
+    though PROTOCOL.md says such messages are refused.  It reads each frame's User-Id now.
+    Results for no waiting request are counted as unknown: that is how a frame read shows."""
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (tmp_path / "producers").mkdir()
+    keys = {}
+    for name in ("door", "owner", "owner-new"):
+        public, secret = write_key_pair(name, tmp_path / "own")
+        keys[name] = (load_key_pair(secret), public)
+    (peers / "door.key").write_bytes(keys["door"][1].read_bytes())
+    (peers / "owner.key").write_bytes(keys["owner"][1].read_bytes())
+    ctx = zmq.Context()
+    security = Security(
+        curve=True,
+        ctx=ctx,
+        key_pair=keys["door"][0],
+        peer_keys_dir=str(peers),
+        producer_keys_dir=str(tmp_path / "producers"),
+    )
+    answers = Answers(
+        node="door",
+        cancel=lambda task_id: None,
+        stream_buffer_bytes_max=1 << 20,
+        request_timeout_s=10.0,
+        clock=SYSTEM_CLOCK,
+    )
+
+    async def main() -> tuple[int, int]:
+        security.start()
+        reply_to = answers.bind(
+            ctx,
+            "tcp://127.0.0.1:*",
+            lambda sock: security.serve(sock, DOMAIN_PEERS),
+            security.peer_key_allowed,
+        )
+        answers.start_receiving()
+        owner = ctx.socket(zmq.PUSH)
+        owner.setsockopt(zmq.LINGER, 0)
+        owner.curve_publickey = keys["owner"][0].public
+        owner.curve_secretkey = keys["owner"][0].secret
+        owner.curve_serverkey = keys["door"][0].public
+        owner.connect(reply_to)
+        try:
+            owner.send(encode(Result(id="gone-1", ok=True, text="a")))
+            for _ in range(250):
+                if answers.counters.replies_unknown:
+                    break
+                await asyncio.sleep(0.02)
+            before = answers.counters.replies_unknown
+            (peers / "owner.key").write_bytes(keys["owner-new"][1].read_bytes())  # replaced
+            assert security.reload(force=True)
+            owner.send(encode(Result(id="gone-2", ok=True, text="b")))
+            for _ in range(50):
+                if security.counters.revoked_messages["peers"]:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
+            return before, answers.counters.replies_unknown
+        finally:
+            owner.close()
+            answers.close()
+
+    try:
+        before, after = asyncio.run(main())
+    finally:
+        security.close()
+        ctx.term()
+    assert before == 1 and after == 1  # read while the key stood, refused once replaced
+    assert security.counters.revoked_messages["peers"] == 1

@@ -159,6 +159,7 @@ class MemberTable:
         self._base: SharedBase | None = None  # set by bootstrap_shared
         self.live_version = 0  # bumped on every change of state or incarnation
         self.set_version = 0  # bumped only when the live set itself changes
+        self.addr_changes = 0  # bumped when a member's address or rpc address changes
         self._xor = 0  # XOR of _contribution() over live members other than us
         self._live_n = 0
         self._meta_changes = 0
@@ -258,6 +259,14 @@ class MemberTable:
         return self._base
 
     @property
+    def addresses_version(self) -> tuple[int, int, int]:
+        """Changes whenever the member an address belongs to may have (core/addresses.py):
+        a join or a liveness flip (set_version), a member gone (the count), an address or
+        an rpc address changed.  Not with every Meta: those come by the thousand a second
+        at 10,000 members, and the index would be rebuilt for each."""
+        return (self.set_version, self.addr_changes, len(self.members))
+
+    @property
     def version(self) -> tuple[int, int, int]:
         """Changes whenever anything a push-pull carries changes."""
         return (self.live_version, self._meta_changes, len(self.members))
@@ -330,10 +339,14 @@ class MemberTable:
         was = member.state
         moved = member.addr != update.addr
         member.addr = update.addr
+        if moved:
+            self.addr_changes += 1
         if (was in (State.DEAD, State.LEFT) or moved) and (
             member.meta_incarnation < update.incarnation
         ):
             # Rule 8a: a new life; its metadata comes again at this incarnation.
+            if member.gpu is not None:
+                self.addr_changes += 1  # (its rpc address goes with it)
             member.set_gpu(None)
             member.meta_incarnation, member.meta_version = update.incarnation, 0
             self._meta_changes += 1
@@ -402,6 +415,9 @@ class MemberTable:
         if (update.incarnation, update.version) <= (member.meta_incarnation, member.meta_version):
             return Outcome()
         member.meta_incarnation, member.meta_version = update.incarnation, update.version
+        old, new = member.gpu, update.gpu
+        if (old.rpc if old is not None else "") != (new.rpc if new is not None else ""):
+            self.addr_changes += 1
         member.set_gpu(update.gpu)
         self._meta_changes += 1
         return Outcome(

@@ -62,6 +62,7 @@ from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.ingress.service import Ingress
 from gossipd.ops.logs import RateLimiter, note_handler_failure
 from gossipd.peerchannel import PeerServer, ZmqPeerServer
+from gossipd.security import node_of
 from gossipd.zmtp import CURVE_OVERHEAD
 
 # What an owner sends back on a forwarder's connection.
@@ -136,12 +137,13 @@ def peer_items(frame: bytes, bytes_max: int) -> Sequence[object]:
 
 
 def _source(item: object, sender: str) -> str:
-    """The node a fan-out message says it comes from (a Cancel names none: its sender)."""
+    """The node a fan-out message says it comes from (a Cancel names none: its sender's,
+    ``sender`` being the connection's user id, "NODE KEY")."""
     if type(item) is Forward:
         return item.src
     if type(item) in (Withdraw, TaskDone, Confirm, ModelQuery, ReplayQuery, Moved):
         return item.node  # type: ignore[attr-defined]  # each of the six has one
-    return sender
+    return node_of(sender)
 
 
 class OwnerEndpoint:
@@ -200,7 +202,7 @@ class OwnerEndpoint:
         self._replay_finished = replay_finished
         self._invalid_log = RateLimiter(per_s=1.0, burst=5)
         self._stale_log = RateLimiter(per_s=1.0, burst=5)
-        # Under CURVE (gossipd/security.py): peer_allowed(key's node, claimed source, "rpc")
+        # Under CURVE (gossipd/security.py): peer_allowed(key's user id, claimed source, "rpc")
         # says whether a message may be taken (its key still authorised, speaking for itself).
         self.peer_allowed = peer_allowed
         # Our load as we answer (issue 17): the first ForwardReply or TaskDone queued for a
@@ -255,9 +257,9 @@ class OwnerEndpoint:
 
     def _on_peer_frame(self, identity: bytes, frame: bytes, sender: str) -> None:
         """One frame from a forwarder's connection.  With CURVE (``peer_allowed``),
-        ``sender`` is the node its key belongs to (ZAP); every item must name that node as
-        its source (Forward.src, Withdraw.node, TaskDone.node), and a Cancel must come from
-        a member whose key is still authorised."""
+        ``sender`` is "NODE KEY" (ZAP: its key and the node it belongs to); every item must
+        name that node as its source (Forward.src, Withdraw.node, TaskDone.node), and a
+        Cancel must come from a member whose key is still authorised."""
         try:
             items = peer_items(frame, self.config.message_bytes_max)
         except RemoteProtocolError as exc:

@@ -24,6 +24,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 import zmq
@@ -176,6 +177,7 @@ class Answers:
         self.counters = AnswerCounters()
         self.reply_to = ""
         self._sock: zmq.Socket | None = None
+        self._sender_allowed: Callable[[str], bool] | None = None
         self._reader: SocketReader | None = None
 
     def __len__(self) -> int:
@@ -191,9 +193,16 @@ class Answers:
     # -- the reply address ---------------------------------------------------------------
 
     def bind(
-        self, ctx: zmq.Context, endpoint: str, serve_curve: Callable[[zmq.Socket], None] | None
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        serve_curve: Callable[[zmq.Socket], None] | None,
+        sender_allowed: Callable[[str], bool] | None = None,
     ) -> str:
-        """Bind the reply PULL socket at ``endpoint``; owners' answers arrive there."""
+        """Bind the reply PULL socket at ``endpoint``; owners' answers arrive there.  With
+        CURVE, ``sender_allowed`` says whether a frame's User-Id (the member that sent it) is
+        still authorised: a key removed or replaced since its connection opened is not."""
+        self._sender_allowed = sender_allowed
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -209,11 +218,22 @@ class Answers:
 
     def start_receiving(self) -> None:
         assert self._sock is not None, "bind() first"
-        self._reader = SocketReader(self._sock, self._sock.recv, 256, self._on_frames)
+        if self._sender_allowed is None:
+            self._reader = SocketReader(self._sock, self._sock.recv, 256, self._on_frames)
+        else:  # (read as zmq.Frame, for its User-Id)
+            recv = partial(self._sock.recv, copy=False)
+            self._reader = SocketReader(self._sock, recv, 256, self._on_checked_frames)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         for frame in frames:
             self.deliver(frame)
+
+    def _on_checked_frames(self, frames: list[zmq.Frame]) -> None:
+        allowed = self._sender_allowed
+        assert allowed is not None
+        for frame in frames:
+            if allowed(frame.get(b"User-Id")):  # (refusals counted by security: revoked)
+                self.deliver(frame.bytes)
 
     def deliver(self, frame: bytes) -> None:
         """One reply frame for one of our tasks: a Chunk, a Result or a Replies pack."""

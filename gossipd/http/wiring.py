@@ -67,9 +67,11 @@ async def open_door(
     ctx: zmq.Context,
     replies: ReplySender,
     serve_curve: Callable[[zmq.Socket], None] | None,
+    sender_allowed: Callable[[str], bool] | None = None,
 ) -> int:
-    """Bind the reply socket and the HTTP listener; returns the HTTP port."""
-    door.answers.bind(ctx, reply_endpoint(config), serve_curve)
+    """Bind the reply socket and the HTTP listener; returns the HTTP port.  With CURVE,
+    ``sender_allowed``: is a reply's sender (its frame's User-Id) still an authorised member?"""
+    door.answers.bind(ctx, reply_endpoint(config), serve_curve, sender_allowed)
     # Tasks run here: no socket, and the runner's replies not even encoded.
     replies.deliver_locally(door.route, door.answers.deliver, door.answers.deliver_message)
     door.answers.start_receiving()

@@ -237,8 +237,9 @@ class EtcdElection:
             woken.cancel()
             waiter.cancel()
             try:
-                await asyncio.wait_for(watch.cancel(), self.config.request_timeout_s)
-            except ETCD_ERRORS:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    await watch.cancel()
+            except ETCD_ERRORS:  # (TimeoutError among them)
                 pass
             except asyncio.CancelledError:
                 # Ours (the daemon stops: its task group cancelled us) goes on up; swallowed,
@@ -258,9 +259,8 @@ class EtcdElection:
             if core.phase in (Phase.NO_KEY, Phase.CANDIDATE):
                 lease_id = core.lease_id
                 try:
-                    reply = await asyncio.wait_for(
-                        self.client.refresh_lease(lease_id), self.config.request_timeout_s
-                    )
+                    async with asyncio.timeout(self.config.request_timeout_s):
+                        reply = await self.client.refresh_lease(lease_id)
                 except ETCD_ERRORS as exc:
                     self.errors += 1
                     self._keepalive_error_log.failed(exc)
@@ -326,9 +326,8 @@ class EtcdElection:
         if not lease_id:
             return
         try:
-            await asyncio.wait_for(
-                self.client.revoke_lease(lease_id), self.config.request_timeout_s
-            )
+            async with asyncio.timeout(self.config.request_timeout_s):
+                await self.client.revoke_lease(lease_id)
         except ETCD_ERRORS as exc:
             log.warning("could not revoke the election lease (it expires within the TTL): %s", exc)
 

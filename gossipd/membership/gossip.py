@@ -42,7 +42,7 @@ from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
 from gossipd.membership.gpu import GpuProbe
 from gossipd.membership.portcheck import connection_refused
-from gossipd.security import DOMAIN_PEERS, Security
+from gossipd.security import DOMAIN_PEERS, Security, node_of
 from gossipd.sockets import SocketPool
 
 log = logging.getLogger("gossipd.membership.gossip")
@@ -155,13 +155,14 @@ class GossipService:
             listener(records)
 
     def _accept(self, sender: str, frame: bytes) -> bool:
-        """CURVE: a datagram from the member whose key is ``sender``'s must say it is from
-        ``sender`` (its ``src``); undecodable ones go on to the core, which counts them."""
+        """CURVE: a datagram from the member whose key is ``sender``'s ("NODE KEY") must say
+        it is from that node (its ``src``); undecodable ones go on to the core, which counts
+        them."""
         assert self._security is not None
         try:
             src = _src_decoder.decode(frame).src
         except (msgspec.DecodeError, RecursionError):
-            src = sender
+            src = node_of(sender)
         return self._security.peer_allowed(sender, src, "gossip")
 
     def member(self, name: str) -> Member | None:
@@ -179,14 +180,14 @@ class GossipService:
         core/addresses.py), or the seed named there."""
         if self.core is not None:
             table = self.core.table
-            node = self._addresses.lookup(table.members, table.version, addr)
+            node = self._addresses.lookup(table.members, table.addresses_version, addr)
             if node is not None:
                 return node if node != AMBIGUOUS else None
         return next((node for node, seed in self._seeds if seed == addr and node), None)
 
     def addresses_version(self) -> object:
         """Moves when the member at an address may have changed (node_at's answers)."""
-        return None if self.core is None else self.core.table.version
+        return None if self.core is None else self.core.table.addresses_version
 
     @property
     def addresses_ambiguous(self) -> int:

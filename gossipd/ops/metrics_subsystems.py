@@ -178,6 +178,14 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
     yield _by(
         G, "gossipd_members", "Members known, by state (not counting us)", "state", counts.items()
     )
+    yield _one(
+        G,
+        "gossipd_member_addresses_claimed_twice",
+        "Addresses two members claim at once (at the last look): nobody's, no connection is "
+        "made there; a member's forged news (PROTOCOL.md, threat model) or two daemons "
+        "given one address",
+        gossip.addresses_ambiguous,
+    )
     stats = core.stats
     yield _by(
         C,
