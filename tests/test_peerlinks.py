@@ -211,6 +211,33 @@ def test_replies_naming_a_member_other_than_the_one_at_their_address_are_dropped
         assert dispatcher.replies_for_another == 5
 
 
+def test_a_members_last_address_is_not_used_once_another_member_claims_it() -> None:
+    """Member a gave b's name its own rpc address (a forged Meta), we forwarded to b there,
+    then a had b declared dead (a forged Dead).  b's last address was used as it was: our
+    TaskDones and Confirms for b went to a, and a's replies naming b were taken as b's.
+    Now a member's last address counts only while no other member claims it."""
+    from gossipd.core.gossip_messages import Alive, GpuState, Meta
+    from gossipd.core.membership import MemberTable
+
+    with _built_dispatcher() as dispatcher:
+        table = MemberTable(me=dispatcher.node, addr="tcp://10.0.0.9:1", now=0.0)
+        table.apply(Alive(node="a", incarnation=0, addr="tcp://a:7946"), 0.0)
+        table.apply(Meta(node="a", version=1, gpu=GpuState(rpc="tcp://a:5558")), 0.0)
+        dispatcher.placer.rebuild(table.members.values())  # (b: dead, not placed)
+        dispatcher.forwarder._last_addr["b"] = "tcp://a:5558"  # where we last sent b's
+        sent: list[tuple[str, object]] = []
+        dispatcher._links.send = lambda addr, msg: sent.append((addr, msg))
+        for claimant in ("a", None, "b"):  # a claims it; nobody does; b itself
+            dispatcher._node_at = lambda addr, who=claimant: who
+            before = dispatcher.replies_for_another
+            dispatcher.on_peer_replies([TaskDone(id="t1", node="b")], "tcp://a:5558")
+            taken = dispatcher.replies_for_another == before
+            dispatcher.send_to_member("b", TaskDone(id="t2", node=dispatcher.node))
+            assert taken == (claimant != "a"), claimant
+            assert [addr for addr, _ in sent] == ([] if claimant == "a" else ["tcp://a:5558"])
+            sent.clear()
+
+
 def test_an_item_no_owner_sends_or_of_another_version_is_refused_on_our_connections() -> None:
     """What an owner says back is a Relay, ForwardReply, TaskDone, ConfirmReply, ModelCard,
     Moved or ReplayKnown in version 1: a Forward, a Drain, or a TaskDone of version 2 on

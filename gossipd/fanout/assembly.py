@@ -241,6 +241,7 @@ def build_fanout(
         on_model_card=cluster_models.on_card,
         on_replay_known=replay.on_known if replay else lambda msg, its_own: None,
         retry_after_here=lambda: intake.retry_after_ms,
+        node_at=gossip.node_at,
     )
     # Subscriptions, and the ingress's links to fan-out (IngressLinks).
     gossip.listeners.append(dispatcher.member_event)

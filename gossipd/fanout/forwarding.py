@@ -129,8 +129,12 @@ class Dispatcher:
         on_model_card: Callable[[ModelCard, bool], None] = lambda msg, its_own: None,
         on_replay_known: Callable[[ReplayKnown, bool], None] = lambda msg, its_own: None,
         retry_after_here: Callable[[], int] = lambda: 0,
+        node_at: Callable[[str], str | None] = lambda addr: None,
     ) -> None:
         self.config = config
+        # The member that claims an address now (gossip's, core/addresses.py): a member's
+        # last address is used only while no other member claims it.
+        self._node_at = node_at
         self._clock = clock
         self.node = node
         self.forwarder = forwarder
@@ -237,7 +241,7 @@ class Dispatcher:
                     if node != addr_of:
                         if placer_addr(node) == addr:
                             addr_of = node
-                        elif self.forwarder.last_addr(node) != addr:
+                        elif self._last_addr(node) != addr:
                             self.replies_for_another += 1
                             continue
                 if type(msg) is ConfirmReply:
@@ -387,9 +391,19 @@ class Dispatcher:
         """The owner's TaskDone for a task re-run from its journal, or its Confirm about
         Results it holds, to the forwarder by name; a restart's Cancel for a task a member
         said it holds (ingress/replay.py), to that member."""
-        addr = self.placer.addr(member) or self.forwarder.last_addr(member)
+        addr = self.placer.addr(member) or self._last_addr(member)
         if addr is not None:
             self._links.send(addr, msg)
+
+    def _last_addr(self, member: str) -> str | None:
+        """Where ``member`` was when we last forwarded to it, unless another member claims
+        that address now: a forger that gave a member its own address, then had it declared
+        dead, was sent what was meant for that member there, and its answers were taken as
+        that member's (PROTOCOL.md, threat model)."""
+        addr = self.forwarder.last_addr(member)
+        if addr is not None and self._node_at(addr) not in (None, member):
+            return None
+        return addr
 
     # -- outputs ---------------------------------------------------------------------------
 
