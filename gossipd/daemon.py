@@ -721,6 +721,7 @@ class Daemon:
             self._live,
             dispatcher.ask_replays if dispatcher is not None else None,
             pass_cancel=dispatcher.send_to_member if dispatcher is not None else None,
+            can_ask=dispatcher.can_ask if dispatcher is not None else None,
         )
         self._replay_task = tg.create_task(replay, name="journal-replay")
         return [self._replay_task]

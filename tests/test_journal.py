@@ -460,6 +460,51 @@ def test_a_cancel_while_the_restart_asked_goes_on_to_the_member_that_holds_the_t
     assert [t.id for t in Journal(tmp_path / "j").replay()] == ["t1"]  # t0: m1 answers it
 
 
+def test_a_member_placement_cannot_reach_yet_is_asked_once_it_can_not_taken_for_one_that_holds_nothing(
+    tmp_path: Path,
+) -> None:
+    """A restarted daemon learns a member from gossip a moment before placement knows its
+    rpc address.  Asked in between, the send failed, the member counted as holding nothing,
+    and the task it had answered for the producer ran again here (CI: a second answer, in
+    tests/test_fanout.py's restart test).  Now it is asked once placement can reach it."""
+    from gossipd import __version__
+    from gossipd.core.gossip_messages import GpuState
+    from gossipd.core.peer_messages import ReplayKnown
+    from gossipd.membership.gossip import MemberView
+
+    daemon = _daemon_with_journal(
+        tmp_path / "j",
+        [task(0)],
+        'gossip.seeds=["tcp://127.0.0.1:9"]',  # members expected
+    )
+    member = MemberView(
+        "m1", "alive", 1, "tcp://127.0.0.1:1", GpuState(software_version=__version__)
+    )
+    looks = 0
+
+    def can_ask(to: str) -> bool:  # placement learns m1's address at the third look
+        nonlocal looks
+        looks += 1
+        return looks >= 3
+
+    try:
+        replay = daemon.replay
+        assert replay is not None and daemon.journal is not None
+        assert replay.read(fanout=True) == 1
+
+        def ask(to: str, tasks: list[tuple[str, str]]) -> bool:
+            assert looks >= 3, "asked before placement could reach it"
+            known = ReplayKnown(node=to, known=[i for i, _ in tasks])  # m1 answered t0
+            asyncio.get_running_loop().call_soon(replay.on_known, known, True)
+            return True
+
+        asyncio.run(replay.run(lambda: [member], ask, can_ask=can_ask))
+        assert replay.outcomes == {"known_elsewhere": 1}  # not run again here
+        daemon.journal.close()
+    finally:
+        daemon._ctx.destroy(linger=0)
+
+
 def test_a_restart_expects_members_only_from_a_seed_that_is_not_itself() -> None:
     """A lone daemon bound to every interface that lists itself as a seed by the address it
     advertises does not wait for members at a restart (it compared the seed with the bind

@@ -378,6 +378,12 @@ class Dispatcher:
         when it is no live member we know."""
         return self._ask(member, ReplayQuery(node=self.node, tasks=tasks))
 
+    def can_ask(self, member: str) -> bool:
+        """Do we know where to send ``member`` a question?  (Placement learns a member's rpc
+        address a moment after gossip shows it: a member asked in between was taken for one
+        that holds nothing, and a restart re-ran a task that member had answered.)"""
+        return self.placer.addr(member) is not None
+
     def _ask(self, member: str, question: ModelQuery | ReplayQuery) -> bool:
         """A question alone in its message (a member before 0.3.0 would refuse a batch
         that held one), to a live member by name."""
