@@ -396,9 +396,7 @@ class Security:
     def peer_allowed(self, user_id: str, src: str, channel: str) -> bool:
         """A message claiming to come from node ``src``, on a connection authenticated as
         ``user_id`` ("NODE KEY"): its key still the node's, and speaking for itself?"""
-        assert self.peers is not None
-        if user_id not in self.peers.users:  # (the key removed, or the node's replaced)
-            self.counters.revoked_messages["peers"] += 1
+        if not self.peer_key_allowed(user_id):  # (the key removed, or the node's replaced)
             return False
         node = node_of(user_id)
         if src == node:

@@ -5,7 +5,6 @@ loopback, real CURVE (a security review's reproductions, made tests)."""
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 import threading
 import time
@@ -18,17 +17,40 @@ from zmq.utils import z85
 
 import gossipd.peerlink as peerlink
 from gossipd.clock import SYSTEM_CLOCK
-from gossipd.config import load_config
 from gossipd.core.gossip_messages import GpuState
 from gossipd.core.membership import Member, State
 from gossipd.core.messages import Result, encode
-from gossipd.engines.echo import EchoEngine
 from gossipd.http.answers import Answers
 from gossipd.looppeer import LoopPeerClient, LoopPeerServer
-from gossipd.membership.gossip import GossipService
 from gossipd.security import DOMAIN_PEERS, Security, load_key_pair, node_of, write_key_pair
-from gossipd.sockets import SocketPool
 from gossipd.zmtp import PeerCurve, command, encode_metadata, frame_header, greeting
+from tests.test_clock_steps import _service
+
+
+def _curve_security(
+    tmp_path: Path, names: tuple[str, ...], installed: dict[str, str]
+) -> tuple[zmq.Context, Security, dict[str, tuple[Any, Path]]]:
+    """Key pairs for ``names`` (each: its KeyPair and public key file); ``installed``: the
+    peer key files (NODE -> the name whose public key it holds), the first name's pair
+    serving.  A Security over them, in a new context (close both after)."""
+    keys = {}
+    for name in names:
+        public, secret = write_key_pair(name, tmp_path / "own")
+        keys[name] = (load_key_pair(secret), public)
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (tmp_path / "producers").mkdir()
+    for node, name in installed.items():
+        (peers / f"{node}.key").write_bytes(keys[name][1].read_bytes())
+    ctx = zmq.Context()
+    security = Security(
+        curve=True,
+        ctx=ctx,
+        key_pair=keys[names[0]][0],
+        peer_keys_dir=str(peers),
+        producer_keys_dir=str(tmp_path / "producers"),
+    )
+    return ctx, security, keys
 
 
 def test_a_connection_made_with_a_members_replaced_key_is_refused_from_then_on(
@@ -37,23 +59,10 @@ def test_a_connection_made_with_a_members_replaced_key_is_refused_from_then_on(
     """A member's key replaced (rotated after a compromise), or removed and issued anew:
     messages on a connection the old key had opened were still taken as that member's (the
     check was by node name); a new connection with the old key was refused already."""
-    pairs = {}
-    for name in ("srv", "old", "new"):
-        public, secret = write_key_pair(name, tmp_path / "own")
-        pairs[name] = (load_key_pair(secret), public)
-    peers = tmp_path / "peers"
-    peers.mkdir()
-    (tmp_path / "producers").mkdir()
-    (peers / "srv.key").write_bytes(pairs["srv"][1].read_bytes())
-    (peers / "cli.key").write_bytes(pairs["old"][1].read_bytes())
-    ctx = zmq.Context()
-    security = Security(
-        curve=True,
-        ctx=ctx,
-        key_pair=pairs["srv"][0],
-        peer_keys_dir=str(peers),
-        producer_keys_dir=str(tmp_path / "producers"),
+    ctx, security, pairs = _curve_security(
+        tmp_path, ("srv", "old", "new"), {"srv": "srv", "cli": "old"}
     )
+    peers = tmp_path / "peers"
     verdicts: list[tuple[bytes, str, bool]] = []
 
     async def main() -> None:
@@ -221,16 +230,8 @@ def test_the_gossip_service_gives_an_address_two_live_members_claim_to_nobody() 
     connection to an address must prove, gave the first claimant in the table: b's
     Forwards then went to m keyed with m's key (the table's order decided which).  Now the
     address is nobody's while both claim it, and b's again once its own Meta wins."""
-    config = load_config(environ={}, overrides=["gossip.bind=tcp://127.0.0.1:0"])
     ctx = zmq.Context()
-    service = GossipService(
-        config,
-        node="x",
-        sockets=SocketPool(ctx),
-        engine=EchoEngine(),
-        ingress_endpoint="tcp://127.0.0.1:1",
-        rng=random.Random(0),
-    )
+    service = _service(ctx, "x", [], SYSTEM_CLOCK)
 
     async def case() -> None:  # (the transport reads on the running loop)
         service.bind()
@@ -266,22 +267,9 @@ def test_a_peers_user_id_names_its_node_whatever_the_node_id_holds(tmp_path: Pat
     "a": member "a b" could speak as "a", have "a"'s door replies relayed to it, and its
     own messages were all refused.  And a message naming the whole User-Id as its source is
     no node's."""
-    peers = tmp_path / "peers"
-    peers.mkdir()
-    (tmp_path / "producers").mkdir()
-    keys = {}
-    for name in ("srv", "a", "a b"):
-        public, secret = write_key_pair(name, tmp_path / "own")
-        keys[name] = load_key_pair(secret)
-        (peers / f"{name}.key").write_bytes(public.read_bytes())
-    ctx = zmq.Context()
-    security = Security(
-        curve=True,
-        ctx=ctx,
-        key_pair=keys["srv"],
-        peer_keys_dir=str(peers),
-        producer_keys_dir=str(tmp_path / "producers"),
-    )
+    names = ("srv", "a", "a b")
+    ctx, security, pairs = _curve_security(tmp_path, names, {n: n for n in names})
+    keys = {name: pair for name, (pair, _) in pairs.items()}
     try:
         assert security.peers is not None
         spaced = security.peers.user_id(keys["a b"].public)
@@ -303,23 +291,10 @@ def test_the_http_doors_reply_socket_refuses_a_member_whose_key_was_replaced(
     member key removed or replaced went on delivering Results on a connection it had open,
     though PROTOCOL.md says such messages are refused.  It reads each frame's User-Id now.
     Results for no waiting request are counted as unknown: that is how a frame read shows."""
-    peers = tmp_path / "peers"
-    peers.mkdir()
-    (tmp_path / "producers").mkdir()
-    keys = {}
-    for name in ("door", "owner", "owner-new"):
-        public, secret = write_key_pair(name, tmp_path / "own")
-        keys[name] = (load_key_pair(secret), public)
-    (peers / "door.key").write_bytes(keys["door"][1].read_bytes())
-    (peers / "owner.key").write_bytes(keys["owner"][1].read_bytes())
-    ctx = zmq.Context()
-    security = Security(
-        curve=True,
-        ctx=ctx,
-        key_pair=keys["door"][0],
-        peer_keys_dir=str(peers),
-        producer_keys_dir=str(tmp_path / "producers"),
+    ctx, security, keys = _curve_security(
+        tmp_path, ("door", "owner", "owner-new"), {"door": "door", "owner": "owner"}
     )
+    peers = tmp_path / "peers"
     answers = Answers(
         node="door",
         cancel=lambda task_id: None,
