@@ -242,6 +242,9 @@ class Daemon:
             self.ingress.intake.on_admitted.append(self._journal_accept)
             self.links.cancel_waiting = self.replay.cancel
             journal = self.journal
+            self.ingress.runner.on_started.append(
+                lambda owned: journal.started(owned.task.id, owned.engine_deaths)
+            )
             self.ingress.runner.on_finished.append(
                 lambda owned, result: journal.done(owned.task.id)
             )

@@ -263,6 +263,50 @@ def test_a_restart_keeps_each_journaled_tasks_deadline(make_cluster) -> None:  #
     assert replayed and replayed[0]["tasks"] == 2 and replayed[0]["past_deadline"] == 1
 
 
+def test_a_task_its_daemon_died_under_twice_is_answered_not_run_a_third_time(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """A task that kills its daemon (not only its engine) would be run again from the
+    journal at every restart, killing it each time.  The journal counts the daemon's death
+    under a running task (RUNNING records), and at engine.deaths_per_task_max (2) the
+    restart answers it engine_error instead of running it a third time; the task that only
+    waited behind it (queued, never given to the engine) has no death counted, and runs."""
+    cluster = make_cluster(
+        1, "engine.token_delay_s=0.05", "ingress.concurrency_max=1", 'metrics.bind="127.0.0.1:0"'
+    )
+    daemon = cluster.daemons[0]
+    producer = RawProducer(daemon.endpoint)
+    restarts = []
+    try:
+        producer.send_task("killer", params={"max_tokens": 200}, timeout_ms=120_000)  # 10 s
+        producer.send_task("waiter", params={"max_tokens": 2}, timeout_ms=120_000)
+        for _ in range(2):
+            port = daemon.metrics_port
+            wait_until(
+                lambda port=port: scrape(port).get("gossipd_tasks_running", 0) == 1,  # type: ignore[misc]
+                20,
+                "the killer on the engine",
+            )
+            time.sleep(0.05)  # deliberate: past the journal's 10 ms fsync batch (a first run)
+            daemon.kill()
+            daemon.wait(5)
+            daemon = cluster.restart(0)
+            restarts.append(daemon)
+        results = {r["id"]: r for r in producer.results(2, timeout_s=20)}
+    finally:
+        producer.close()
+    killer = results["killer"]
+    assert not killer["ok"] and killer["error"]["code"] == "engine_error", killer
+    assert "the 2nd engine or daemon to die under it" in killer["error"]["message"]
+    assert results["waiter"]["ok"], results["waiter"]
+    for restarted in restarts:
+        replayed = [
+            e
+            for e in restarted.events()
+            if e.get("msg") == "re-running unfinished tasks from the journal"
+        ]
+        assert replayed and replayed[-1]["tasks"] == 2 and replayed[-1]["died_under_it"] == 1
+    assert scrape(daemon.metrics_port).get("gossipd_tasks_not_handed_on_total") == 1
+
+
 def test_a_restarted_daemon_leaves_a_task_its_producer_sent_elsewhere_to_that_member(
     make_cluster,  # type: ignore[no-untyped-def]
 ) -> None:

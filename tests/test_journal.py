@@ -16,7 +16,7 @@ from gossipd.config import Config, load_config
 from gossipd.core.messages import ErrorCode, Result, Task, decode_reply, encode
 from gossipd.daemon import Daemon
 from gossipd.ingress.journal import Journal
-from gossipd.ingress.journal_format import ACCEPT, DONE, Reader, record
+from gossipd.ingress.journal_format import ACCEPT, DONE, RUNNING, Reader, record
 from gossipd.ingress.runner import stop_workers
 from tests.helpers import wait_until_async
 
@@ -160,6 +160,60 @@ def test_deadlines_survive_replay_and_compaction_and_leave_with_done(tmp_path: P
     assert [t.id for t in third.replay()] == ["t1", "t2"] and third.deadlines == {"t1": 1_000}
 
 
+def test_a_task_running_when_the_daemon_went_down_replays_with_one_more_death(
+    tmp_path: Path,
+) -> None:
+    """RUNNING records: a task an engine was given, unfinished at the restart, had its
+    daemon die under it (``died_under``: the last start's count + 1); one only queued has no
+    count; one finished has none; compaction keeps the count."""
+    j = Journal(tmp_path / "j")
+    for i in range(4):
+        j.accept(task(i))
+    j.started("t0", 0)
+    j.started("t1", 1)  # handed here by a member whose engine died under it
+    j.started("t3", 0)
+    j.done("t3")
+    j.started("t9", 0)  # (not accepted here: nothing to record)
+    j.close()
+    again = Journal(tmp_path / "j")
+    assert [t.id for t in again.replay()] == ["t0", "t1", "t2"]
+    assert again.died_under == {"t0": 1, "t1": 2}  # t2 only waited
+    again.compact()
+    again.close()
+    third = Journal(tmp_path / "j")
+    third.replay()
+    assert third.died_under == {"t0": 1, "t1": 2}
+
+
+def test_a_replayed_tasks_running_record_is_written_at_once_a_first_runs_at_the_sync(
+    tmp_path: Path,
+) -> None:
+    """A task that kills its daemon within the sync's 10 ms must still leave its RUNNING
+    record behind once it has been replayed (else it is replayed without a count for ever);
+    a first run's waits for the batch like every other record."""
+    path = tmp_path / "j"
+    j = Journal(path)
+    j.accept(task(1))
+    j.accept(task(2))
+    j.flush()
+    j.close()
+    again = Journal(path)
+    again.replay()
+    size = path.stat().st_size
+    again.accept(task(3))
+    again.started("t3", 0)  # a first run: buffered
+    assert path.stat().st_size == size
+    again.started("t1", 0)  # replayed: written out (with what was buffered before it)
+    written = path.stat().st_size
+    assert written > size
+    runs = [r.value for r in Reader(path.read_bytes()) if r.kind == RUNNING]
+    assert runs == [("t3", 0), ("t1", 0)]
+    again.done("t1")
+    again.accept(task(4))
+    again.started("t4", 1)  # a count already: written out too
+    assert path.stat().st_size > written
+
+
 def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
     async def main() -> tuple[int, int]:
         j = Journal(tmp_path / "j", fsync_interval_s=0.01)
@@ -183,7 +237,8 @@ def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["accept", "accept_by", "forwarded", "done"]), st.integers(0, 20)
+            st.sampled_from(["accept", "accept_by", "forwarded", "started", "done"]),
+            st.integers(0, 20),
         ),
         max_size=60,
     ),
@@ -193,8 +248,9 @@ def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
 def test_replay_matches_a_model_whatever_the_history_and_cut(
     ops: list[tuple[str, int]], cut: int, compact: bool
 ) -> None:
-    """Unfinished tasks in acceptance order, which of them a peer forwarded, and their
-    deadlines, whatever the history, after a compaction too; any cut of the file replays without raising."""
+    """Unfinished tasks in acceptance order, which of them a peer forwarded, their
+    deadlines, and the deaths under those an engine was given, whatever the history, after a
+    compaction too; any cut of the file replays without raising."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -203,7 +259,8 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
         model: dict[str, None] = {}
         forwarded: dict[str, str] = {}
         deadlines: dict[str, int] = {}
-        for kind, i in ops:
+        runs: dict[str, int] = {}
+        for n, (kind, i) in enumerate(ops):
             if kind in ("accept", "accept_by"):
                 deadline = 1000 + i if kind == "accept_by" else None
                 j.accept(task(i), deadline)
@@ -214,11 +271,16 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
                 j.mark_forwarded(f"t{i}", f"d{i % 3}")
                 if f"t{i}" in model:  # only an unfinished task is marked, once
                     forwarded.setdefault(f"t{i}", f"d{i % 3}")
+            elif kind == "started":
+                j.started(f"t{i}", n % 3)
+                if f"t{i}" in model:  # the last start's count
+                    runs[f"t{i}"] = n % 3
             else:
                 j.done(f"t{i}")
                 model.pop(f"t{i}", None)
                 forwarded.pop(f"t{i}", None)
                 deadlines.pop(f"t{i}", None)
+                runs.pop(f"t{i}", None)
         if compact:
             j.compact()
         j.close()
@@ -227,6 +289,8 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
         assert [t.id for t in again.replay()] == list(model)
         assert again.forwarded == forwarded
         assert again.deadlines == deadlines
+        assert again.runs == runs
+        assert again.died_under == {task_id: deaths + 1 for task_id, deaths in runs.items()}
         again.close()
         # Any cut of the file replays to a prefix-consistent state without raising.
         path.write_bytes(data[: max(0, len(data) - cut)])

@@ -7,7 +7,14 @@ deadline] right after it (from 0.3.0: its deadline in milliseconds since the epo
 host's clock, so that a restart keeps it instead of giving the task its whole timeout again),
 FORWARDED with MessagePack [task id, forwarder] after them when a peer forwarded it (after a
 restart that forwarder's Withdraw is honoured, since it may have migrated the task while we
-were down, and it gets the TaskDone), DONE with the task id when its final result was sent.
+were down, and it gets the TaskDone), RUNNING with MessagePack [task id, deaths] each time a
+worker gives it to the engine (from 0.3.6; ``deaths``: the engines and daemons that had died
+under it before, Owned.engine_deaths), DONE with the task id when its final result was sent.
+A task still unfinished at a restart whose last RUNNING says ``deaths`` had one more die under
+it: this daemon (``died_under``: deaths + 1), so that a task that kills its daemon is not run
+again for ever (engine.deaths_per_task_max).  A RUNNING record of a task already replayed
+once, or already counting a death, is written out at once, not at the next sync: a task that
+kills the daemon within the sync's 10 ms must still leave it behind.
 Writes are buffered (8 KiB) and made durable in batches (written, then fsync every
 ``fsync_interval_s``, off the event loop), so a crash loses at most that window of
 acceptances; the producer's resubmission covers that window.  A write the file system
@@ -41,7 +48,7 @@ import msgspec
 
 from gossipd.core.messages import Task, encode
 from gossipd.ingress import journal_format
-from gossipd.ingress.journal_format import ACCEPT, DEADLINE, DONE, FORWARDED, Reader
+from gossipd.ingress.journal_format import ACCEPT, DEADLINE, DONE, FORWARDED, RUNNING, Reader
 
 log = logging.getLogger("gossipd.ingress.journal")
 
@@ -75,6 +82,12 @@ class Journal:
         self.forwarded: dict[str, str] = {}  # unfinished ids a peer forwarded -> that peer
         # Unfinished ids -> their deadline (ms since the epoch); absent: written before 0.3.0.
         self.deadlines: dict[str, int] = {}
+        # Unfinished ids an engine was given -> the deaths their last RUNNING record counted.
+        self.runs: dict[str, int] = {}
+        # At replay: unfinished ids that were running when the daemon went down -> the
+        # engines and daemons that have died under them, this one's included.
+        self.died_under: dict[str, int] = {}
+        self._replayed: set[str] = set()  # unfinished ids read at replay
         # Read (replay) and appended to; locked: JournalInUse where another holds it.
         self._file = _open_locked(self.path)
         self._pending = bytearray()  # records not yet written to the file
@@ -107,9 +120,14 @@ class Journal:
         self._open.clear()
         self.forwarded.clear()
         self.deadlines.clear()
+        self.runs.clear()
         self.flush()
         # Records about an accepted task: its kind -> where it is kept.
-        about: dict[int, dict] = {FORWARDED: self.forwarded, DEADLINE: self.deadlines}
+        about: dict[int, dict] = {
+            FORWARDED: self.forwarded,
+            DEADLINE: self.deadlines,
+            RUNNING: self.runs,
+        }
         # Mapped, not read: the file's pages are the page cache's (clean, reclaimable), so
         # a large journal costs the daemon's memory only its unfinished tasks (read whole,
         # a 100 MiB file of finished tasks took 100 MiB more).
@@ -125,6 +143,7 @@ class Journal:
                     self._open.pop(value, None)
                     self.forwarded.pop(value, None)
                     self.deadlines.pop(value, None)
+                    self.runs.pop(value, None)
                 elif kind in about and isinstance(value, tuple) and value[0] in self._open:
                     about[kind][value[0]] = value[1]  # [task id, value]
         self._report(reader)
@@ -133,6 +152,8 @@ class Journal:
             # records appended from now on stay readable.
             os.ftruncate(self._file.fileno(), reader.torn_at)
             self._size = self._file_size = reader.torn_at
+        self.died_under = {task_id: deaths + 1 for task_id, deaths in self.runs.items()}
+        self._replayed = set(self._open)
         return [_task_decoder.decode(b) for b in self._open.values()]
 
     def _report(self, reader: Reader) -> None:
@@ -174,10 +195,25 @@ class Journal:
             journal_format.append(self._pending, FORWARDED, journal_format.pair(task_id, src))
             self._appended()
 
+    def started(self, task_id: str, deaths: int) -> None:
+        """A worker gives the accepted ``task_id`` to the engine; ``deaths``: engines and
+        daemons that died under it before (Owned.engine_deaths)."""
+        if task_id not in self._open:
+            return
+        self.runs[task_id] = deaths
+        journal_format.append(self._pending, RUNNING, journal_format.pair(task_id, deaths))
+        self._appended()
+        if deaths or task_id in self._replayed:
+            # (rare: a task that may be what kills its daemon leaves this record behind
+            # even if it does so at once; written, the page cache keeps it past our death)
+            self.flush()
+
     def done(self, task_id: str) -> None:
         if self._open.pop(task_id, None) is not None:
             self.forwarded.pop(task_id, None)
             self.deadlines.pop(task_id, None)
+            self.runs.pop(task_id, None)
+            self._replayed.discard(task_id)
             journal_format.append(self._pending, DONE, task_id)
             self._appended()
 
@@ -303,6 +339,10 @@ class Journal:
                 if task_id in self.forwarded:
                     forwarder = journal_format.pair(task_id, self.forwarded[task_id])
                     journal_format.append(out, FORWARDED, forwarder)
+                if task_id in self.runs:
+                    journal_format.append(
+                        out, RUNNING, journal_format.pair(task_id, self.runs[task_id])
+                    )
                 if len(out) >= 2**20:
                     _write_all(fd, out)
             _write_all(fd, out)

@@ -3,7 +3,8 @@ records out; journal.py owns the file).
 
 Rules:
 1. A record is one MessagePack array ``[kind, body, check]``: ``kind`` a positive fixint
-   (ACCEPT, DONE, FORWARDED, DEADLINE; a later version may add kinds, which this one skips),
+   (ACCEPT, DONE, FORWARDED, DEADLINE, RUNNING; a later version may add kinds, which this one
+   skips),
    ``body`` a bin (the task's MessagePack, or MessagePack ``[task id, value]``) or a str (a
    task id), ``check`` a uint32 (0xce and 4 bytes, big-endian): the CRC-32 (zlib) of the
    record's bytes before it.
@@ -46,7 +47,7 @@ import msgspec
 
 from gossipd.core.messages import Task
 
-ACCEPT, DONE, FORWARDED, DEADLINE = 1, 2, 3, 4
+ACCEPT, DONE, FORWARDED, DEADLINE, RUNNING = 1, 2, 3, 4, 5
 CHECKED, UNCHECKED = 0x93, 0x92  # the array headers: [kind, body, check], [kind, body]
 _UINT32 = 0xCE
 _CHECK = struct.Struct(">BI")  # 0xce, the CRC-32
@@ -55,13 +56,14 @@ _STR_TAGS = (0xD9, 0xDA, 0xDB)
 _encoder = msgspec.msgpack.Encoder()
 _task_decoder = msgspec.msgpack.Decoder(Task)
 _forwarded_decoder = msgspec.msgpack.Decoder(tuple[str, str])
-_deadline_decoder = msgspec.msgpack.Decoder(tuple[str, int])
+_deadline_decoder = msgspec.msgpack.Decoder(tuple[str, int])  # (and RUNNING's)
 # A known kind -> (whether its body is a str, how to read it).
 _READ: dict[int, tuple[bool, Callable[[bytes], object] | None]] = {
     ACCEPT: (False, _task_decoder.decode),
     DONE: (True, None),
     FORWARDED: (False, _forwarded_decoder.decode),
     DEADLINE: (False, _deadline_decoder.decode),
+    RUNNING: (False, _deadline_decoder.decode),
 }
 
 
@@ -81,7 +83,7 @@ def record(kind: int, body: bytes | str) -> bytes:
 
 
 def pair(task_id: str, value: str | int) -> bytes:
-    """A FORWARDED or DEADLINE record's body."""
+    """A FORWARDED, DEADLINE or RUNNING record's body."""
     return _encoder.encode((task_id, value))
 
 

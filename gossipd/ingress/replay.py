@@ -95,6 +95,9 @@ class JournalReplay:
         # withdrawn (a forwarded one its forwarder withdrew while we asked), cancelled (its
         # producer cancelled it while we asked: answered cancelled).
         self.outcomes: Counter[str] = Counter()
+        # Tasks admitted again that were running when the daemon went down (each carries
+        # its count of deaths under it to its worker: engine.deaths_per_task_max).
+        self.died_under_it = 0
 
     def read(self, *, fanout: bool) -> int:
         """Read the journal's unfinished tasks (before the first new task can be
@@ -254,6 +257,12 @@ class JournalReplay:
                 journal.done(task.id)
                 out.append((task, "refused"))
                 continue
+            died = journal.died_under.get(task.id)
+            if died:  # running when the daemon went down: its worker counts on from here
+                owned = intake.book.get(task.id)
+                if owned is not None:
+                    owned.engine_deaths = max(owned.engine_deaths, died)
+                    self.died_under_it += 1
             if task.id in self._cancelled:
                 # Cancelled while we asked: admitted and cancelled as a queued task is, so
                 # its answer is the results cache's too (a late resubmission gets it).
@@ -269,4 +278,5 @@ class JournalReplay:
         if tasks:
             extra: dict[str, object] = {"tasks": len(tasks), "forwarded_only": forwarded}
             extra.update((k, self.outcomes[k]) for k in OUTCOMES)
+            extra["died_under_it"] = self.died_under_it
             log.info("re-running unfinished tasks from the journal", extra=extra)

@@ -74,6 +74,10 @@ def _bounded(entries: list[TokenLogprob]) -> list[TokenLogprob]:
     return entries
 
 
+class _DiedUnderItTooOften(Exception):
+    """A task at engine.deaths_per_task_max before it starts: answered, not run."""
+
+
 def _nth(n: int) -> str:
     """1st, 2nd, 3rd, 4th, ... 11th, 12th, 13th, 21st."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
@@ -127,8 +131,10 @@ class Runner:
         # Dead engines' tasks answered here, not handed on (engine.deaths_per_task_max).
         self.not_handed_on = 0
         self.latency = LatencyHistogram()
-        # Listeners, called synchronously in order (journal, fan-out bookkeeping, tracing):
-        # a task answered from here (the Result has just been handed to the reply sender;
+        # Listeners, called synchronously in order: a task a worker gives to the engine
+        # (the journal's RUNNING record)...
+        self.on_started: list[Callable[[Owned], None]] = []
+        # ...(journal, fan-out bookkeeping, tracing) a task answered from here (the Result has just been handed to the reply sender;
         # the entry says who else to tell: Owned.notify, the forwarders' TaskDones)...
         self.on_finished: list[Callable[[Owned, Result], None]] = []
         # ...and an admitted task that leaves without a result from here (handed off,
@@ -277,6 +283,11 @@ class Runner:
                 raise asyncio.CancelledError
             if started >= deadline:
                 raise TimeoutError
+            if job.engine_deaths >= self._engine_deaths_max:
+                # Replayed from the journal: this daemon died under it too (Journal.runs).
+                raise _DiedUnderItTooOften
+            for listener in self.on_started:
+                listener(job)
             params = task.params
             logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
             prompt_logprobs: list[TokenLogprob] | None = (
@@ -340,6 +351,9 @@ class Runner:
             self.queue_wait.observe(end - started)
         except TimeoutError:
             result = self._deadline_result(task, len(parts))
+        except _DiedUnderItTooOften:
+            self.not_handed_on += 1
+            result = self._not_run_again(task, job.engine_deaths)
         except InvalidRequest as exc:
             result = error_result(task.id, ErrorCode.BAD_REQUEST, str(exc), node=self._node)
         except EngineDead as exc:
@@ -431,6 +445,24 @@ class Runner:
             f"the engine died while running this task, the {_nth(deaths)} engine to die under "
             f"it (engine.deaths_per_task_max {self._engine_deaths_max}): it is not handed to "
             "another member, in case it is what kills them; sent again, it runs again",
+            node=self._node,
+        )
+
+    def _not_run_again(self, task: Task, deaths: int) -> Result:
+        """The answer of a task read from the journal whose count of deaths under it (its
+        engines', and this daemon's that went down with it running) is at the bound."""
+        log.error(
+            "this task was running when its daemon went down, and engines or daemons have "
+            "died under it engine.deaths_per_task_max times: answered engine_error, not run "
+            "again",
+            extra={"task_id": task.id, "engine_deaths": deaths},
+        )
+        return error_result(
+            task.id,
+            ErrorCode.ENGINE_ERROR,
+            f"this daemon went down while running this task, the {_nth(deaths)} engine or "
+            f"daemon to die under it (engine.deaths_per_task_max {self._engine_deaths_max}): "
+            "it is not run again, in case it is what kills them",
             node=self._node,
         )
 

@@ -74,8 +74,8 @@ class DaemonCollector:
         yield _one(
             C,
             "gossipd_tasks_not_handed_on",
-            "Tasks answered engine_error when their engine died, not handed to another member: "
-            "engines died under them engine.deaths_per_task_max times (a query of death?)",
+            "Tasks answered engine_error, not handed to another member nor run again: engines "
+            "or daemons died under them engine.deaths_per_task_max times (a query of death?)",
             ing.not_handed_on,
         )
         yield _one(C, "gossipd_task_duplicates", "Task ids seen again (absorbed)", adm.duplicates)
