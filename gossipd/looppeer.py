@@ -20,6 +20,7 @@ MAXMSGSIZE does.  A client reconnects after ``reconnect_s``, doubling to
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import time
@@ -43,6 +44,9 @@ log = logging.getLogger("gossipd.looppeer")
 # Connections a server lets shake hands at once; more are closed at accept (counted "busy")
 # and their clients retry: an unauthenticated flood costs the loop this many handshakes.
 HANDSHAKES_MAX = 256
+# Of them, from one host (one IPv4 address, one IPv6 /64): a single stranger's flood leaves
+# the rest to the members' new connections (a host runs a daemon per GPU, each needing one).
+HANDSHAKES_PER_HOST_MAX = 32
 
 
 # A server's connections hold at most this many frames' bound of unfinished frames together
@@ -73,7 +77,10 @@ class LoopPeerServer:
         self._sock: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
         self._links: dict[bytes, PeerLink] = {}
-        self._shaking: set[PeerLink] = set()  # accepted, handshake not done
+        # Accepted, handshake not done -> its host (None until its address is known), and
+        # how many each host has shaking hands.
+        self._shaking: dict[PeerLink, str | None] = {}
+        self._shaking_hosts: Counter[str] = Counter()
         self._last_id = 0
         self.handler_errors = 0  # on_request calls that raised (logged; the rest go on)
         self._on_request: OnRequest | None = None
@@ -152,9 +159,10 @@ class LoopPeerServer:
             self._on_ready,
             self._on_lost,
             self.read_budget,
+            self._made,
         )
         link.identity = self._new_identity()
-        self._shaking.add(link)
+        self._shaking[link] = None
         if self._closed:
             link.close()  # its connection_made aborts the connection
         elif len(self._shaking) > HANDSHAKES_MAX:
@@ -171,12 +179,30 @@ class LoopPeerServer:
             if identity not in self._links:
                 return identity
 
+    def _made(self, link: PeerLink) -> bool:
+        """A connection's address is known: False when its host has too many shaking hands."""
+        host = _host_of(link.peer)
+        if self._shaking_hosts[host] >= HANDSHAKES_PER_HOST_MAX:
+            return False
+        self._shaking_hosts[host] += 1
+        self._shaking[link] = host
+        return True
+
+    def _handshake_over(self, link: PeerLink) -> None:
+        host = self._shaking.pop(link, None)
+        if host is not None:
+            left = self._shaking_hosts[host] - 1
+            if left:
+                self._shaking_hosts[host] = left
+            else:
+                del self._shaking_hosts[host]  # (bounded by the hosts shaking hands now)
+
     def _on_ready(self, link: PeerLink) -> None:
-        self._shaking.discard(link)
+        self._handshake_over(link)
         self._links[link.identity] = link
 
     def _on_lost(self, link: PeerLink, reason: str) -> None:
-        self._shaking.discard(link)
+        self._handshake_over(link)
         if self._links.get(link.identity) is link:
             del self._links[link.identity]
         if reason not in ("lost", "closed"):
@@ -451,3 +477,18 @@ class LoopPeerClient:
 
     def __len__(self) -> int:
         return len(self._conns)
+
+
+def _host_of(peer: str) -> str:
+    """A connection's "ADDRESS:PORT" -> the host it counts against: its IPv4 address, or its
+    IPv6 address's /64 (one host commonly holds a whole /64)."""
+    address = peer.rpartition(":")[0]
+    if ":" not in address:
+        return address
+    try:
+        ip = ipaddress.IPv6Address(address.split("%")[0])
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:  # (an IPv4 client of a dual-stack socket)
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))

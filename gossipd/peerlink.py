@@ -59,8 +59,12 @@ class PeerLink(asyncio.Protocol):
         on_ready: Callable[[PeerLink], None],
         on_lost: Callable[[PeerLink, str], None],
         budget: ReadBudget | None = None,
+        on_made: Callable[[PeerLink], bool] | None = None,
     ) -> None:
+        """``on_made``: asked once the peer's address is known (``peer``); False refuses
+        the connection ("busy")."""
         self.zmtp = zmtp
+        self._on_made = on_made
         self._budget = budget
         self._held = 0  # of the budget: this connection's bytes of unfinished frames
         self.transport: asyncio.Transport | None = None
@@ -83,6 +87,9 @@ class PeerLink(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if self._on_made is not None and not self._on_made(self):
+            self.fail("busy", "too many connections from this host shaking hands at once")
+            return
         transport.write(self.zmtp.data_to_send())
         self._timer = asyncio.get_running_loop().call_later(
             HANDSHAKE_TIMEOUT_S, self._handshake_late

@@ -225,6 +225,70 @@ def test_strangers_shaking_hands_do_not_spend_the_members_read_budget() -> None:
     assert held < 4096  # the strangers' 64,000 bytes not counted
 
 
+def test_one_host_shaking_hands_by_the_hundred_leaves_room_for_the_members() -> None:
+    """256 connections that never finish their handshake (no key needed: a greeting costs
+    nothing) took every handshake slot a server has, for their 5 s each and again after: no
+    member could open a connection to it.  Now one host gets 32 at once; a member from
+    another address shakes hands and is heard, and the host gets its slots back as its
+    connections end."""
+    from gossipd.looppeer import HANDSHAKES_MAX, HANDSHAKES_PER_HOST_MAX
+
+    async def main() -> tuple[list[bytes], int, list[bool]]:
+        server = LoopPeerServer(message_bytes_max=4096, curve=None)
+        port = int(server.bind("tcp://127.0.0.1:0").rsplit(":", 1)[1])
+        got: list[bytes] = []
+        server.start(lambda i, f, s: got.append(f), lambda: None)
+        loop = asyncio.get_running_loop()
+        strangers: list[socket.socket] = []
+
+        async def member(source: str, text: bytes) -> socket.socket:
+            sock = socket.socket()
+            sock.bind((source, 0))
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            ready = command(b"READY", encode_metadata({b"Socket-Type": b"DEALER"}))
+            await loop.sock_sendall(sock, greeting(b"NULL", False) + ready)
+            await loop.sock_sendall(sock, frame_header(0, len(text)) + text)
+            return sock
+
+        async def heard(text: bytes) -> bool:
+            for _ in range(150):
+                if text in got:
+                    return True
+                await asyncio.sleep(0.02)
+            return False
+
+        try:
+            for _ in range(HANDSHAKES_MAX):
+                s = socket.socket()
+                strangers.append(s)
+                s.bind(("127.0.0.1", 0))
+                await loop.sock_connect(s, ("127.0.0.1", port))
+            for _ in range(100):
+                if server.busy >= HANDSHAKES_MAX - HANDSHAKES_PER_HOST_MAX:
+                    break
+                await asyncio.sleep(0.02)
+            busy = server.busy
+            other = await member("127.0.0.2", b"from another host")
+            ok = [await heard(b"from another host")]
+            for s in strangers:  # their slots come back
+                s.close()
+            strangers.clear()
+            await asyncio.sleep(0.2)
+            same = await member("127.0.0.1", b"from the strangers' host")
+            ok.append(await heard(b"from the strangers' host"))
+            other.close()
+            same.close()
+            return got, busy, ok
+        finally:
+            for s in strangers:
+                s.close()
+            server.close()
+
+    got, busy, ok = asyncio.run(main())
+    assert busy == HANDSHAKES_MAX - HANDSHAKES_PER_HOST_MAX  # the rest refused at once
+    assert ok == [True, True], got
+
+
 def test_the_gossip_service_gives_an_address_two_live_members_claim_to_nobody() -> None:
     """Member m gossips Meta(b, rpc = m's own rpc address).  node_at, which names the key a
     connection to an address must prove, gave the first claimant in the table: b's
