@@ -33,7 +33,8 @@ from typing import Any
 sys.path.insert(0, os.getcwd())
 
 from gossipd.config import load_config
-from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task
+from gossipd.core.messages import PROTOCOL_VERSION, Task
+from gossipd.core.sampling import SamplingParams
 from gossipd.daemon import Daemon
 from gossipd.tools.client import Client
 from gossipd.tools.launcher import free_tcp_port

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from gossipd import __version__
-from gossipd.core.messages import SamplingParams
+from gossipd.core.sampling import SamplingParams
 from gossipd.tools.client import DEFAULT_REPLY_BIND, Client, ProducerKeys
 from gossipd.tools.launcher import free_tcp_port
 from simulations.cluster import Cluster

@@ -186,7 +186,8 @@ def test_logprob_bytes_are_close_to_what_decoded_log_probabilities_take() -> Non
     """result_bytes' share for log probabilities is within 2x of what a Result's decoded
     from a frame (as an entry holds it) takes: per token, and per top entry."""
     from gossipd.core.budgets import LOGPROB_BYTES, LOGPROB_TOP_BYTES
-    from gossipd.core.messages import TokenLogprob, decode_reply, encode
+    from gossipd.core.messages import decode_reply, encode
+    from gossipd.core.sampling import TokenLogprob
 
     def frame(top: int) -> bytes:
         logprobs = [
@@ -211,7 +212,7 @@ def test_logprob_bytes_are_close_to_what_decoded_log_probabilities_take() -> Non
 
 def test_a_task_asking_logprobs_counts_the_entries_it_may_gather() -> None:
     from gossipd.core.budgets import LOGPROB_BYTES, LOGPROB_TOP_BYTES
-    from gossipd.core.messages import SamplingParams
+    from gossipd.core.sampling import SamplingParams
 
     plain = task("a", "x" * 100)
     asking = msgspec.structs.replace(plain, params=SamplingParams(max_tokens=100, logprobs=5))
@@ -452,7 +453,8 @@ def test_large_buffers_are_set_to_go_back_to_the_system_on_glibc() -> None:
 
 def test_a_structured_forms_text_counts_in_a_tasks_bytes_as_its_prompt_does() -> None:
     from gossipd.core.budgets import task_bytes
-    from gossipd.core.messages import SamplingParams, StructuredOutput, Task
+    from gossipd.core.messages import Task
+    from gossipd.core.sampling import SamplingParams, StructuredOutput
 
     plain = Task(v=1, id="t", prompt="p", reply_to="tcp://1.2.3.4:5")
     schema = '{"description": "' + "d" * 60_000 + '"}'

@@ -9,7 +9,8 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from gossipd.core.messages import Result, SamplingParams, Task, encode
+from gossipd.core.messages import Result, Task, encode
+from gossipd.core.sampling import SamplingParams
 from gossipd.tools.client import Client, ClientStatistics
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from tests.helpers import gossipd_cli, run_with_context, scrape

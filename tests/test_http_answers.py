@@ -223,10 +223,10 @@ def test_what_a_request_leaves_out_is_left_to_its_models_own_defaults() -> None:
     defaults, wherever the task runs (Task.model_defaults, applied by the owner's engine);
     what it names stands.  A chat without max_tokens is also bounded by the model's."""
     from gossipd.config import HttpConfig
-    from gossipd.core.messages import MODEL_DEFAULT_MAX_TOKENS as MAX
-    from gossipd.core.messages import MODEL_DEFAULT_TEMPERATURE as TEMP
-    from gossipd.core.messages import MODEL_DEFAULT_TOP_K as TOP_K
-    from gossipd.core.messages import MODEL_DEFAULT_TOP_P as TOP_P
+    from gossipd.core.sampling import MODEL_DEFAULT_MAX_TOKENS as MAX
+    from gossipd.core.sampling import MODEL_DEFAULT_TEMPERATURE as TEMP
+    from gossipd.core.sampling import MODEL_DEFAULT_TOP_K as TOP_K
+    from gossipd.core.sampling import MODEL_DEFAULT_TOP_P as TOP_P
     from gossipd.http.chat import ChatTemplate
     from gossipd.http.door import DoorLinks, HttpDoor
     from gossipd.http.exchange import Request

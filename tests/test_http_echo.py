@@ -22,14 +22,12 @@ from gossipd.core.messages import (
     Chunk,
     ErrorCode,
     Result,
-    SamplingParams,
     Task,
-    TokenLogprob,
     encode,
     error_result,
-    release_asked,
 )
 from gossipd.core.releases import PROMPT_LOGPROBS_FROM_VERSION
+from gossipd.core.sampling import SamplingParams, TokenLogprob, release_asked
 from gossipd.engines.base import GenerateRequest
 from gossipd.engines.echo import EchoEngine
 from gossipd.http.answers import HELD_CHUNKS_MAX

@@ -13,7 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from gossipd.core.messages import TokenLogprob, TokenUsage
+from gossipd.core.messages import TokenUsage
+from gossipd.core.sampling import TokenLogprob
 from gossipd.http.logprobs import chat_logprobs, completion_logprobs
 from gossipd.http.openai_answers import StreamWriter
 from gossipd.http.openai_api import BadRequest, decode_call

@@ -16,16 +16,8 @@ import openai
 import pytest
 
 from gossipd.core.budgets import LOGIT_BIAS_ENTRY_BYTES, TOKEN_ID_BYTES, task_bytes
-from gossipd.core.messages import (
-    LOGIT_BIAS_MAX,
-    PROTOCOL_VERSION,
-    STOP_TOKEN_IDS_MAX,
-    SamplingParams,
-    Task,
-    decode_task,
-    encode,
-    release_asked,
-)
+from gossipd.core.messages import PROTOCOL_VERSION, Task, decode_task, encode
+from gossipd.core.sampling import LOGIT_BIAS_MAX, STOP_TOKEN_IDS_MAX, SamplingParams, release_asked
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
 from tests.helpers import key_owned_by

@@ -15,7 +15,8 @@ import openai
 import pytest
 from hypothesis import example, given
 
-from gossipd.core.messages import StructuredOutput, TokenUsage
+from gossipd.core.messages import TokenUsage
+from gossipd.core.sampling import StructuredOutput
 from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate
 from gossipd.http.openai_answers import StreamWriter, whole_answer
 from gossipd.http.openai_api import BadRequest, decode_call

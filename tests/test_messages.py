@@ -18,8 +18,6 @@ from gossipd.core.messages import (
     ErrorCode,
     ErrorInfo,
     Result,
-    SamplingParams,
-    StructuredOutput,
     Task,
     Tasks,
     decode_replies,
@@ -44,6 +42,7 @@ from gossipd.core.peer_messages import (
     decode_peer,
     encode_peer,
 )
+from gossipd.core.sampling import SamplingParams, StructuredOutput
 from gossipd.errors import ProtocolError, RemoteProtocolError
 
 LIMIT = 64 * 1024
@@ -793,11 +792,8 @@ def test_a_task_the_ingress_takes_at_its_limit_an_owner_takes_when_forwarded() -
     floats (and logit_bias's biases) as float64, 9 bytes where a producer may send an int of
     1.  A frame at the ingress's limit that grows most must still pass the owner's check
     (FORWARD_REENCODE_SLACK_BYTES): it was refused with 300 biases (about 2.5 KB more)."""
-    from gossipd.core.messages import (
-        FORWARD_REENCODE_SLACK_BYTES,
-        LOGIT_BIAS_MAX,
-        check_forwarded_task,
-    )
+    from gossipd.core.messages import FORWARD_REENCODE_SLACK_BYTES, check_forwarded_task
+    from gossipd.core.sampling import LOGIT_BIAS_MAX
 
     limit = 1 << 20
     params = {name: 1 for name in ("top_p", "presence_penalty", "frequency_penalty", "min_p")}
@@ -813,7 +809,7 @@ def test_a_task_the_ingress_takes_at_its_limit_an_owner_takes_when_forwarded() -
 
 
 def test_release_asked_names_each_field_and_the_release_that_reads_it() -> None:
-    from gossipd.core.messages import release_asked
+    from gossipd.core.sampling import release_asked
 
     assert release_asked(SamplingParams()) is None
     assert release_asked(SamplingParams(presence_penalty=0, repetition_penalty=1)) is None
@@ -841,7 +837,8 @@ def test_logprobs_are_bounded_by_what_a_result_may_carry() -> None:
     assert b"logprobs" not in msgspec.msgpack.encode(SamplingParams(max_tokens=3))
     # Nor does a Chunk or Result of a task that asked none; one that did carries them,
     # bounded: entries (the top ones counted) at most LOGPROB_ENTRIES_MAX.
-    from gossipd.core.messages import TokenLogprob, logprobs_of
+    from gossipd.core.messages import logprobs_of
+    from gossipd.core.sampling import TokenLogprob
 
     plain = Chunk(id="t", seq=0, delta="x")
     assert b"logprobs" not in encode(plain) and logprobs_of(decode_reply(encode(plain))) is None

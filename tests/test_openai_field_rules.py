@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from gossipd.core.messages import LOGPROB_ENTRIES_MAX, ErrorCode, ErrorInfo
+from gossipd.core.messages import ErrorCode, ErrorInfo
+from gossipd.core.sampling import LOGPROB_ENTRIES_MAX
 from gossipd.engines.vllm import _refused
 from gossipd.http.openai_answers import error_of
 from gossipd.http.openai_api import BadRequest, decode_call

@@ -444,8 +444,8 @@ def test_a_task_asking_later_params_goes_to_a_member_of_a_release_that_reads_the
     travels in), so such a task is placed, and tried again, only on members that
     read it (ourselves included); any other task is placed as if every member were
     upgraded."""
-    from gossipd.core.messages import SamplingParams, release_asked
     from gossipd.core.releases import release_of
+    from gossipd.core.sampling import SamplingParams, release_asked
 
     h = Harness()
     for name, release in releases.items():
@@ -489,7 +489,7 @@ def test_a_task_asking_later_params_that_no_reader_serves_is_refused_not_sent_to
     """Drained ourselves, and every other member before 0.3.2: an older member would refuse
     the task and the whole frame it went in (other tasks' Cancels with it), so there is no
     owner: the forwarder refuses it unavailable, saying why."""
-    from gossipd.core.messages import SamplingParams
+    from gossipd.core.sampling import SamplingParams
 
     h = Harness()
     for name in NAMES[:3]:
@@ -508,7 +508,7 @@ def test_a_task_every_older_member_reads_keeps_its_prefix_placement_mid_upgrade(
     """Every other member at 0.3.2 (older than logprobs, not than penalties): a keyless task
     asking a penalty is placed as in an upgraded cluster, by its prompt's prefix, not spread
     by the full placement that leaving members out needs."""
-    from gossipd.core.messages import SamplingParams
+    from gossipd.core.sampling import SamplingParams
 
     def placer_at(release: str) -> Placer:
         h = Harness()

@@ -261,7 +261,8 @@ def test_a_structured_outputs_form_is_charged_as_prompt() -> None:
     its CPU, bench/README): its characters count as the prompt's, so a producer's budget
     bounds how much compiling it may ask."""
     from gossipd.config import BudgetsConfig
-    from gossipd.core.messages import SamplingParams, StructuredOutput, Task
+    from gossipd.core.messages import Task
+    from gossipd.core.sampling import SamplingParams, StructuredOutput
     from gossipd.ingress.budgets import BudgetGate
 
     config = BudgetsConfig(enabled=True, tokens_per_s_per_capacity=1000, default_share=1.0)

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from gossipd.config import load_config
-from gossipd.core.messages import PROTOCOL_VERSION, SamplingParams, Task
+from gossipd.core.messages import PROTOCOL_VERSION, Task
 from gossipd.core.ring import Ring
+from gossipd.core.sampling import SamplingParams
 from gossipd.daemon import Daemon
 from gossipd.tools.client import Client
 from gossipd.tools.launcher import free_tcp_port

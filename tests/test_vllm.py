@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.core.messages import SamplingParams
+from gossipd.core.sampling import SamplingParams
 from gossipd.tools.client import Client
 from gossipd.tools.cpushares import cpu_threads_binds
 from simulations.cluster import Cluster
@@ -195,7 +195,7 @@ def test_a_tasks_model_defaults_come_from_the_models_generation_config() -> None
     the config's max_new_tokens.  What a task cannot leave to it (repetition_penalty, min_p)
     is named; asked in the task's params, penalties, min_p and min_tokens reach vLLM."""
     from gossipd.config import EngineConfig
-    from gossipd.core.messages import (
+    from gossipd.core.sampling import (
         MODEL_DEFAULT_MAX_TOKENS,
         MODEL_DEFAULT_TEMPERATURE,
         MODEL_DEFAULT_TOP_K,

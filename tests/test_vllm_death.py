@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.core.messages import ErrorCode, SamplingParams
+from gossipd.core.messages import ErrorCode
 from gossipd.core.ring import Ring
+from gossipd.core.sampling import SamplingParams
 from gossipd.tools.client import Client
 from simulations.cluster import Cluster
 from tests.helpers import engine_overrides, own_cores, scrape, wait_until

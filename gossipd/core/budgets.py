@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from gossipd.core.messages import LOGPROB_ENTRIES_MAX, Result, Task
+from gossipd.core.messages import Result, Task
+from gossipd.core.sampling import LOGPROB_ENTRIES_MAX
 
 # The Task struct, its params, id, reply_to and the entries that point at it (admission, the
 # task book, the run queue): tracemalloc measured 610 bytes for a small task in a TaskBook.

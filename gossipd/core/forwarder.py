@@ -77,9 +77,10 @@ import msgspec
 from gossipd.core.admission import Verdict
 from gossipd.core.breaker import AckTimes, Breaker, BreakerState
 from gossipd.core.forwarded import Forwarded, ForwardedLedger
-from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task, release_asked
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw
 from gossipd.core.ring import LoadCounts
+from gossipd.core.sampling import release_asked
 
 _INF = float("inf")
 HEDGE_BURST = 10.0  # hedges allowed back to back before hedge_budget limits them

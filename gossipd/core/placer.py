@@ -38,10 +38,11 @@ from gossipd.core import ring as rings
 from gossipd.core.gossip_messages import CAPACITY_WEIGHT_MIN, LoadRecord
 from gossipd.core.loadstate import LoadView
 from gossipd.core.membership import LIVE_STATES, Member, MemberEvent
-from gossipd.core.messages import Task, prefix_text, release_asked
+from gossipd.core.messages import Task, prefix_text
 from gossipd.core.prefix import PrefixIndex, PrefixRecord, prefix_hashes, prefix_key
 from gossipd.core.releases import NEWEST_PARAMS_VERSION, release_of
 from gossipd.core.ring import Candidate, LoadCounts, Ring, bound, key_hash
+from gossipd.core.sampling import release_asked
 
 
 class PlacerConfig(Protocol):
@@ -212,7 +213,7 @@ class Placer:
         self._by_model: dict[str, set[str]] = {}  # model -> serving members naming it
         # Serving members of a release before NEWEST_PARAMS_VERSION (a rolling upgrade), and
         # their release ((0, 0, 0): unreadable): a task asking params a member's release does
-        # not read is not placed on it (messages.release_asked).  The lowest of them: a task
+        # not read is not placed on it (sampling.release_asked).  The lowest of them: a task
         # every one of them reads is placed as any (the ring, prefixes).
         self._older: dict[str, tuple[int, int, int]] = {}
         self._older_floor = NEWEST_PARAMS_VERSION

@@ -5,7 +5,7 @@ whole message it travels in, so it is sent only to members of a release that kno
 from __future__ import annotations
 
 # The release from which members read Task params' presence_penalty, frequency_penalty,
-# repetition_penalty, min_p, min_tokens and structured (messages.release_asked): a task
+# repetition_penalty, min_p, min_tokens and structured (sampling.release_asked): a task
 # that asks one is placed only on such members, and refused unavailable where none serves its
 # model (core/placer.py).
 PENALTIES_FROM_VERSION = (0, 3, 2)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import msgspec
 
-from gossipd.core.messages import LOGPROB_ENTRIES_MAX, SamplingParams, TokenLogprob
+from gossipd.core.sampling import LOGPROB_ENTRIES_MAX, SamplingParams, TokenLogprob
 
 
 class EngineError(Exception):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gossipd.core.messages import LOGPROB_TOKEN_CHARS_MAX, TokenLogprob
+from gossipd.core.sampling import LOGPROB_TOKEN_CHARS_MAX, TokenLogprob
 from gossipd.engines.base import EngineStats, GenerateRequest, check_prompt_logprobs
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gossipd.core.messages import (
+from gossipd.core.sampling import (
     LOGPROB_TOKEN_CHARS_MAX,
     MODEL_DEFAULT_MAX_TOKENS,
     MODEL_DEFAULT_TEMPERATURE,
@@ -119,7 +119,7 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
 
 
 # What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
-# carries: each value is taken as Task's params take it (messages.SamplingParams' bounds).
+# carries: each value is taken as Task's params take it (sampling.SamplingParams' bounds).
 _FROM_CONFIG = ("temperature", "top_p", "top_k", "max_tokens")
 
 

@@ -36,12 +36,12 @@ from gossipd.core.messages import (
     ErrorCode,
     ErrorInfo,
     Result,
-    TokenLogprob,
     TokenUsage,
     decode_replies,
     logprobs_of,
     prompt_logprobs_of,
 )
+from gossipd.core.sampling import TokenLogprob
 from gossipd.errors import RemoteProtocolError
 from gossipd.http.exchange import Exchange
 from gossipd.http.openai_answers import (

@@ -29,14 +29,8 @@ import msgspec
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import HttpConfig
-from gossipd.core.messages import (
-    LOGPROB_ENTRIES_MAX,
-    MODEL_DEFAULT_MAX_TOKENS,
-    PROTOCOL_VERSION,
-    SamplingParams,
-    Task,
-    reply_route,
-)
+from gossipd.core.messages import PROTOCOL_VERSION, Task, reply_route
+from gossipd.core.sampling import LOGPROB_ENTRIES_MAX, MODEL_DEFAULT_MAX_TOKENS, SamplingParams
 from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
 from gossipd.http.chat import ChatTemplate, TemplateBroken, TemplateFailed
 from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpCounters, HttpLimits, Request

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gossipd.core.messages import LOGPROBS_TOP_MAX, TokenLogprob
+from gossipd.core.sampling import LOGPROBS_TOP_MAX, TokenLogprob
 from gossipd.http.badrequest import BadRequest
 
 

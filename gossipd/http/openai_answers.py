@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import ErrorCode, ErrorInfo, TokenLogprob, TokenUsage
+from gossipd.core.messages import ErrorCode, ErrorInfo, TokenUsage
+from gossipd.core.sampling import TokenLogprob
 from gossipd.engines.base import CONTEXT_EXCEEDED_PREFIX
 from gossipd.http.logprobs import chat_logprobs, completion_logprobs
 from gossipd.http.openai_api import Call

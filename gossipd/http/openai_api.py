@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import (
+from gossipd.core.messages import TASK_KEY_CHARS_MAX
+from gossipd.core.sampling import (
     LOGPROB_ENTRIES_MAX,
     PROMPT_TOKEN_IDS_MAX,
-    TASK_KEY_CHARS_MAX,
     TOKEN_ID_MAX,
     SamplingParams,
 )

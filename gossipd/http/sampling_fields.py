@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import (
+from gossipd.core.sampling import (
     MODEL_DEFAULT_TEMPERATURE,
     MODEL_DEFAULT_TOP_K,
     MODEL_DEFAULT_TOP_P,
@@ -21,7 +21,7 @@ from gossipd.http.badrequest import BadRequest
 
 _json_encode = msgspec.json.Encoder().encode
 
-MAX_TOKENS_MAX = 32768  # what a task's params carry (messages.SamplingParams)
+MAX_TOKENS_MAX = 32768  # what a task's params carry (sampling.SamplingParams)
 
 
 # The float sampling fields, taken as the task's params bound them.

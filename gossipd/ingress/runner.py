@@ -28,18 +28,17 @@ from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.core.admission import Admission
 from gossipd.core.lifecycle import Abort, Owned, Phase, Stop, TaskBook
 from gossipd.core.messages import (
-    LOGPROB_ENTRIES_MAX,
     Chunk,
     ErrorCode,
     Result,
     Task,
     Timings,
-    TokenLogprob,
     TokenUsage,
     encode,
     error_result,
 )
 from gossipd.core.queueing import DeadlineWheel, QueueWait
+from gossipd.core.sampling import LOGPROB_ENTRIES_MAX, TokenLogprob
 from gossipd.engines.base import (
     Engine,
     EngineDead,
@@ -62,7 +61,7 @@ _WITHDRAWN = Stop.WITHDRAWN
 
 def _bounded(entries: list[TokenLogprob]) -> list[TokenLogprob]:
     """``entries`` (a prompt's log probabilities) when a Chunk or Result may carry them
-    (messages.LOGPROB_ENTRIES_MAX, the top ones counted); else InvalidRequest.  (Engines
+    (sampling.LOGPROB_ENTRIES_MAX, the top ones counted); else InvalidRequest.  (Engines
     refuse such a prompt before they score it: engines.base.check_prompt_logprobs.)"""
     total = len(entries) + sum(len(entry.top) for entry in entries)
     if total > LOGPROB_ENTRIES_MAX:

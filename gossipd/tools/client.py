@@ -49,12 +49,12 @@ from gossipd.core.messages import (
     Chunk,
     ErrorCode,
     Result,
-    SamplingParams,
     Task,
     decode_replies,
     encode,
     error_result,
 )
+from gossipd.core.sampling import SamplingParams
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
 from gossipd.keyfiles import read_key_file
 from gossipd.tools.packing import PACK_BYTES_MAX, PackedTask, TaskPacker

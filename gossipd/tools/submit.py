@@ -20,7 +20,8 @@ from typing import Any
 
 import msgspec
 
-from gossipd.core.messages import ErrorCode, Result, SamplingParams, TaskId, error_result
+from gossipd.core.messages import ErrorCode, Result, TaskId, error_result
+from gossipd.core.sampling import SamplingParams
 from gossipd.tools.client import DEFAULT_REPLY_BIND, Client, ProducerKeys, TaskHandle
 from gossipd.tools.progress import Progress, percentile
 

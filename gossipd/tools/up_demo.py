@@ -14,7 +14,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gossipd.core.messages import Result, SamplingParams
+from gossipd.core.messages import Result
+from gossipd.core.sampling import SamplingParams
 from gossipd.tools.admin import format_status
 from gossipd.tools.client import Client, TaskHandle
 from gossipd.tools.progress import percentile

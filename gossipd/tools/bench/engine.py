@@ -66,7 +66,7 @@ async def _daemon_round(
     """Per request: time to first token and total time at the caller, and the time to first
     token the daemon itself measured (from receipt; Result.timings), so that the difference
     is the two process hops between caller and daemon."""
-    from gossipd.core.messages import SamplingParams
+    from gossipd.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     sem = asyncio.Semaphore(concurrency)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossipd.core.messages import SamplingParams
+from gossipd.core.sampling import SamplingParams
 from gossipd.ops.scrape import scrape
 from gossipd.tools.bench.plotting import percent_figure, save_percent_figure
 from gossipd.tools.client import Client
