@@ -122,11 +122,8 @@ def test_dead_and_hung_engines_hand_tasks_off_until_a_task_saw_two_die(
 
 def _engine_core_pids(daemon_pid: int) -> list[int]:
     """The vLLM engine core processes started by a daemon (its children named VLLM::...)."""
-    out = []
-    for child in Path(f"/proc/{daemon_pid}/task").glob("*/children"):
-        for pid in child.read_text().split():
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            if comm.startswith("VLLM"):
-                out.append(int(pid))
+    from gossipd.engines.vllm import engine_cores_below
+
+    out = engine_cores_below(daemon_pid)
     assert out, "no engine core process found"
     return out

@@ -419,7 +419,12 @@ class VllmEngine:
         processes = getattr(getattr(manager, "engine_manager", None), "processes", None)
         if processes:
             return [p.pid for p in processes if p.pid and p.is_alive()]
-        return [pid for pid in _children(os.getpid()) if _comm(pid).startswith("VLLM")]
+        return engine_cores_below(os.getpid())
+
+
+def engine_cores_below(pid: int) -> list[int]:
+    """The processes started by ``pid`` that vLLM named (``VLLM::EngineCore``; Linux: /proc)."""
+    return [child for child in _children(pid) if _comm(child).startswith("VLLM")]
 
 
 def _children(pid: int) -> list[int]:
