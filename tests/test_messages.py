@@ -650,6 +650,85 @@ def test_an_empty_Tasks_frame_is_refused() -> None:
         decode_intake(msgpack.packb({"v": 1, "t": 6, "items": []}), bytes_max=LIMIT)
 
 
+def test_a_Tasks_frame_of_more_than_TASKS_ITEMS_MAX_items_is_refused_whole_at_its_id() -> None:
+    """Each item is decoded and answered on its own: a frame of a million 1-byte items held
+    the loop for 3.6 s (a review's reproduction).  Past the bound the frame is refused
+    whole, at its pack id, and none of its items is read."""
+    from gossipd.core.messages import TASKS_ITEMS_MAX, decode_intake
+
+    item = msgpack.packb(plain_task())
+    at_most = {"v": 1, "t": 6, "id": "pack-1", "reply_to": "tcp://h:1",
+               "items": [item] * TASKS_ITEMS_MAX}  # fmt: skip
+    assert len(decode_intake(msgpack.packb(at_most), bytes_max=1 << 24).items) == TASKS_ITEMS_MAX
+    over = {**at_most, "items": [b"\xc0"] * (TASKS_ITEMS_MAX + 1)}
+    with pytest.raises(RemoteProtocolError) as refused:
+        decode_intake(msgpack.packb(over), bytes_max=1 << 24)
+    assert refused.value.code == "bad_request"
+    assert (refused.value.task_id, refused.value.reply_to) == ("pack-1", "tcp://h:1")
+
+
+def test_a_refused_frames_answer_reads_its_id_without_building_the_rest() -> None:
+    """A refused frame's id and reply_to were read by decoding all of it: a 1 MiB frame of
+    empty maps beside them became a million dicts (a 4 MiB one: 300 MB and 1.2 s, a
+    review's reproduction).  Now nothing but those keys (and v, t) is decoded."""
+    import tracemalloc
+
+    frame = msgpack.packb(
+        {"v": 1, "t": 1, "id": "junk-1", "reply_to": "tcp://h:1", "junk": [{}] * 1_000_000}
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(RemoteProtocolError) as refused:  # (no prompt: invalid)
+            decode_task(frame, bytes_max=1 << 22)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (refused.value.task_id, refused.value.reply_to) == ("junk-1", "tcp://h:1")
+    assert peak < len(frame) // 4, peak  # (decoded whole: about 60 times the frame)
+
+
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=40)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+_HEAD_VALUES = _ANY | st.sampled_from([1, 2, 6, "x", "tcp://127.0.0.1:5", "tcp://h:1\n", "é" * 50])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["v", "t", "id", "reply_to", "prompt", "x"]), _HEAD_VALUES, max_size=6
+    )
+    | _ANY,
+    st.integers(8, 4096),
+)
+def test_a_refusals_id_and_reply_to_are_those_a_whole_decode_reads(obj: object, limit: int) -> None:
+    """The refusal's reading of a message (messages._peek, which decodes only v, t, id and
+    reply_to) against the whole decode it replaces, as a model: the same id, reply_to, and
+    the same v and t where they are ints."""
+    from gossipd.core.messages import _over, _peek, endpoint_problem
+
+    data = msgpack.packb(obj, use_bin_type=True)
+    head, task_id, reply_to = _peek(data, limit)
+    whole = msgspec.msgpack.decode(data)
+    if not isinstance(whole, dict):
+        assert (task_id, reply_to) == ("", "") and head is not None
+        return
+    want_id = whole.get("id")
+    if not isinstance(want_id, str) or _over(want_id, limit):
+        want_id = ""
+    want_to = whole.get("reply_to")
+    if not (isinstance(want_to, str) and len(want_to) <= 256 and endpoint_problem(want_to) is None):
+        want_to = ""
+    assert (task_id, reply_to) == (want_id, want_to)
+    assert head is not None
+    for key in ("v", "t"):
+        if type(whole.get(key)) is int:
+            assert head[key] == whole[key]
+
+
 def test_a_replay_query_of_more_than_a_thousand_tasks_or_with_a_bad_key_is_refused() -> None:
     from gossipd.core.peer_messages import CONFIRM_IDS_MAX
 

@@ -34,11 +34,28 @@ TOKEN_ID_BYTES = 32
 LOGIT_BIAS_ENTRY_BYTES = 56
 
 _sizeof = sys.getsizeof
+# A str's size beside its characters (an empty ASCII one's): TASK_OVERHEAD_BYTES holds the
+# objects of a task's short strings; their characters count on top (up to 6 KB of them).
+_STR_HEAD_BYTES = sys.getsizeof("")
+_STRINGS_HEADS_BYTES = 5 * _STR_HEAD_BYTES
+
+
+def _strings_bytes(task: Task) -> int:
+    """The characters of a task's strings beside its prompt (its id, key, reply_to, model
+    and traceparent), at their width in memory."""
+    return (
+        _sizeof(task.id)
+        + _sizeof(task.key)
+        + _sizeof(task.reply_to)
+        + _sizeof(task.model)
+        + _sizeof(task.traceparent)
+        - _STRINGS_HEADS_BYTES
+    )
 
 
 def task_bytes(task: Task) -> int:
-    """Memory a task holds: its prompt (in memory: 1, 2 or 4 bytes a character), a
-    structured output's form where it has one (rare: a schema or grammar may be as large),
+    """Memory a task holds: its prompt and its other strings (in memory: 1, 2 or 4 bytes
+    a character), its stop strings, a structured output's form where it has one (rare: a schema or grammar may be as large),
     the log probabilities it may gather where it asks them (its max_tokens' worth, and
     with prompt_logprobs its prompt's, a token at most a byte of it and a BOS: the member running it
     keeps them until its Result), and the rest."""
@@ -52,9 +69,12 @@ def task_bytes(task: Task) -> int:
         and not ids
         and params.logit_bias is None
         and params.stop_token_ids is None
+        and not params.stop
     ):
-        return TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
-    held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt)
+        return TASK_OVERHEAD_BYTES + _sizeof(task.prompt) + _strings_bytes(task)
+    held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt) + _strings_bytes(task)
+    if stop := params.stop:  # (at most 8 of 64 characters)
+        held += _sizeof(stop) + sum(map(_sizeof, stop))
     if ids:  # (a list's slots, and an int object each: the small ones are shared, few ids)
         held += _sizeof(ids) + TOKEN_ID_BYTES * len(ids)
     if (bias := params.logit_bias) is not None:  # (a dict's table, an int and a float each)

@@ -419,6 +419,9 @@ class Drain(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(Ms
             raise ValueError("node: name the member to drain")
 
 
+TASKS_ITEMS_MAX = 1024  # the items of one Tasks frame
+
+
 class Tasks(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(MsgType.TASKS)):
     """Several producer messages in one frame (docs/PROTOCOL.md, "Tasks"): each item is read
     and answered as if it had come as a frame of its own.  Under CURVE each frame is
@@ -427,7 +430,9 @@ class Tasks(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag=int(Ms
     ``reply_to`` there are for daemons that do not know ``t`` = 6 (they answer bad_request)."""
 
     v: int
-    items: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1)]
+    # Bounded: each item is decoded, counted and answered on its own, so a frame of a
+    # million 1-byte items held the loop for seconds (gossipd's Client packs at most 32).
+    items: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1, max_length=TASKS_ITEMS_MAX)]
 
 
 ReplyMessage = Chunk | Result
@@ -447,6 +452,11 @@ _task_decoder = msgspec.msgpack.Decoder(Task)
 _intake_decoder = msgspec.msgpack.Decoder(IntakeMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 _any_decoder = msgspec.msgpack.Decoder()
+_NIL = msgspec.Raw(b"\xc0")
+_STR_HEADS = frozenset((*range(0xA0, 0xC0), 0xD9, 0xDA, 0xDB))  # fixstr, str8, str16, str32
+# fixmap, fixarray, array16/32, map16/32 (the rest of a 9-byte scalar's heads are scalars or
+# bin/ext, which decode as what they hold: bounded by those 9 bytes)
+_CONTAINER_HEADS = frozenset((*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF))
 
 
 def encode(message: Task | Cancel | Chunk | Result) -> bytes:
@@ -496,18 +506,54 @@ def _over(text: str, bytes_max: int) -> bool:
     return 4 * len(text) > bytes_max and len(text.encode()) > bytes_max
 
 
-def _peek(data: bytes, bytes_max: int) -> tuple[Any, str, str]:
-    """Best effort: the raw object, its id as given when it is a string that fits the frame
-    limit (so the producer can tell which message was refused, even for an invalid id),
-    and its reply_to when it is usable."""
+class _Head(msgspec.Struct, gc=False):
+    """A refused message's keys that its answer needs, undecoded; every other key is
+    skipped unread (no object built for it)."""
+
+    v: msgspec.Raw = _NIL
+    t: msgspec.Raw = _NIL
+    id: msgspec.Raw = _NIL
+    reply_to: msgspec.Raw = _NIL
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+_raw_decoder = msgspec.msgpack.Decoder(msgspec.Raw)
+
+
+def _small(raw: msgspec.Raw, *, text_bytes_max: int = 0) -> object:
+    """``raw`` decoded where it is a scalar (a str: of at most ``text_bytes_max`` bytes);
+    None where it is anything else, which is not decoded at all (a refused frame's 4 MiB of
+    empty maps would be millions of dicts)."""
+    if not raw:
+        return None
+    head = memoryview(raw)[0]
+    if head in _STR_HEADS:
+        small = len(raw) <= text_bytes_max + 5
+    else:
+        small = len(raw) <= 9 and head not in _CONTAINER_HEADS
     try:
-        obj = _any_decoder.decode(data)
+        return _any_decoder.decode(raw) if small else None
+    except msgspec.DecodeError:  # (a str that is not UTF-8)
+        return None
+
+
+def _peek(data: bytes, bytes_max: int) -> tuple[dict[str, object] | None, str, str]:
+    """Best effort: the message's ``v`` and ``t`` (None: not one MessagePack object), its
+    id as given when it is a string that fits the frame limit (so the producer can tell
+    which message was refused, even for an invalid id), and its reply_to when it is usable.
+    Nothing in the message but those is decoded: its answer costs what the frame holds
+    in bytes, not what its values would take as Python objects."""
+    try:
+        _raw_decoder.decode(data)  # (one well-formed object: walked, nothing built)
     except (msgspec.DecodeError, RecursionError):
         return None, "", ""
-    if not isinstance(obj, dict):
-        return obj, "", ""
-    task_id = obj.get("id")
-    reply_to = obj.get("reply_to")
+    try:
+        head = _head_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError):  # not a map of str keys
+        return {}, "", ""
+    obj = {"v": _small(head.v), "t": _small(head.t)}
+    task_id = _small(head.id, text_bytes_max=bytes_max)
+    reply_to = _small(head.reply_to, text_bytes_max=4 * ENDPOINT_CHARS_MAX)
     if not isinstance(task_id, str) or _over(task_id, bytes_max):
         task_id = ""
     if not (
