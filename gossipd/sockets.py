@@ -33,6 +33,7 @@ import zmq
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.replynames import with_address
 
 
 class SocketKind(enum.Enum):
@@ -200,9 +201,11 @@ class SocketPool:
 
     # -- per socket ------------------------------------------------------------------------
 
-    def open(self, kind: SocketKind, addr: str) -> zmq.Socket:
+    def open(self, kind: SocketKind, addr: str, *, address: str | None = None) -> zmq.Socket:
         """A new socket of ``kind`` connected to ``addr`` (which has none open), evicting the
-        kind's least recently used one first when the kind is at its ``sockets_max``."""
+        kind's least recently used one first when the kind is at its ``sockets_max``;
+        ``address``: the IP its host name resolved to, connected in its place (libzmq would
+        look the name up in its I/O thread, blocking every socket: replynames.py)."""
         if self._closed:
             raise TransportClosed("the socket pool is closed")
         k = self._kinds[kind]
@@ -226,6 +229,8 @@ class SocketPool:
                 sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
                 # No known key: a throwaway one, whose secret nobody holds (never connects).
                 sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or zmq.curve_keypair()[0])
+            if address is not None:
+                endpoint = with_address(endpoint, address)
             sock.connect(endpoint)
         except zmq.ZMQError:
             sock.close(linger=0)  # not kept, not leaked: the caller is told

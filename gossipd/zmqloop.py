@@ -24,6 +24,7 @@ import zmq
 
 from gossipd.core.messages import Chunk, Result, encode, replies_frame, replies_groups
 from gossipd.ops.logs import HANDLER_FAILURES, RateLimiter, handler_name
+from gossipd.replynames import FAILED, ReplyNames, name_in
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
 log = logging.getLogger("gossipd.zmqloop")
@@ -98,6 +99,9 @@ def _resolver(fut: asyncio.Future[None]):
 
     return wake
 
+
+# Lookups of a sender not started (tests): kept referenced until they end.
+_orphans: set[asyncio.Future[None]] = set()
 
 # A handler that fails for every message must not flood the log.
 _failure_log = RateLimiter(per_s=1.0, burst=5)
@@ -293,6 +297,16 @@ class _Peer:
             callback()
 
 
+class _Awaiting:
+    """Replies to an address whose host name is being looked up (replynames.py)."""
+
+    __slots__ = ("frames", "waiters")
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[bytes, bool]] = []  # (frame, pack), in order
+        self.waiters: list[Callable[[], None]] = []  # when_sent's
+
+
 class TurnBatching:
     """Whether a message leaves at once or waits for the end of the loop turn.
 
@@ -360,8 +374,15 @@ class ReplySender:
         timeout_s: float,
         queue_max: int,
         queue_bytes_max: int = 1 << 62,
+        names: ReplyNames | None = None,
     ) -> None:
+        """``names``: where a reply address's host name is looked up (its own threads: see
+        replynames.py)."""
         self._pool = pool
+        self._names = names if names is not None else ReplyNames(timeout_s=timeout_s)
+        # Replies to addresses whose host name is being looked up (counted in the queues'
+        # bytes, at most queue_max each): sent in order once it is, dropped if it is not.
+        self._awaiting: dict[str, _Awaiting] = {}
         pool.register(
             SocketKind.REPLY,
             on_close=self._on_socket_closed,
@@ -457,8 +478,8 @@ class ReplySender:
             if peer.flusher is not None:
                 peer.flusher.cancel()
 
-    def _open(self, endpoint: str) -> _Peer:
-        peer = _Peer(endpoint, self._pool.open(SocketKind.REPLY, endpoint))
+    def _open(self, endpoint: str, address: str | None = None) -> _Peer:
+        peer = _Peer(endpoint, self._pool.open(SocketKind.REPLY, endpoint, address=address))
         self._peers[endpoint] = peer
         return peer
 
@@ -491,8 +512,18 @@ class ReplySender:
     def _send_by_socket(self, endpoint: str, frame: bytes, pack: bool) -> None:
         peer = self._peers.get(endpoint)
         if peer is None:
+            address = None
+            named = name_in(endpoint)
+            if named is not None:  # (a host name: never given to libzmq, replynames.py)
+                address = self._names.address(named[0])
+                if address is None or endpoint in self._awaiting:
+                    self._await_name(endpoint, named, frame, pack)
+                    return
+                if address == FAILED:
+                    self._dropped_undeliverable += 1
+                    return
             try:
-                peer = self._open(endpoint)
+                peer = self._open(endpoint, address)
             except zmq.ZMQError as exc:
                 # ZeroMQ refused the address (messages.endpoint_problem lets through only
                 # what it takes; a refusal here is a gap in that check): the reply is
@@ -522,6 +553,46 @@ class ReplySender:
         else:
             batch.append([frame])
 
+    def _await_name(self, endpoint: str, named: tuple[str, int], frame: bytes, pack: bool) -> None:
+        """``frame`` waits for ``endpoint``'s host name to be looked up (bounded as a queue)."""
+        awaiting = self._awaiting.get(endpoint)
+        if awaiting is not None and len(awaiting.frames) >= self._queue_max:
+            self._dropped_queue_full += 1
+            return
+        if self._queued_bytes + len(frame) > self._queue_bytes_max:
+            self._dropped_queue_bytes += 1
+            return
+        if awaiting is None:
+            awaiting = self._awaiting[endpoint] = _Awaiting()
+            lookup = self._look_up(endpoint, named)
+            if self._tg is not None:
+                self._tg.create_task(lookup, name="reply-name")
+            else:  # (not started: a test's sender)
+                _orphans.add(task := asyncio.ensure_future(lookup))
+                task.add_done_callback(_orphans.discard)
+        self._queued_bytes += len(frame)
+        awaiting.frames.append((frame, pack))
+
+    async def _look_up(self, endpoint: str, named: tuple[str, int]) -> None:
+        """Look ``endpoint``'s host name up, then send what waited for it (or drop it)."""
+        address = FAILED  # (a stop that cancels the lookup drops what waited)
+        try:
+            address = await self._names.look_up(*named)
+        finally:
+            awaiting = self._awaiting.pop(endpoint, None)
+            if awaiting is not None:  # (else closed meanwhile: dropped there)
+                self._after_lookup(endpoint, awaiting, address)
+
+    def _after_lookup(self, endpoint: str, awaiting: _Awaiting, address: str) -> None:
+        self._queued_bytes -= sum(len(frame) for frame, _ in awaiting.frames)
+        if address == FAILED or self._closed:
+            self._dropped_undeliverable += len(awaiting.frames)
+        else:
+            for frame, pack in awaiting.frames:  # (the name is known now: a socket opens)
+                self._send_by_socket(endpoint, frame, pack)
+        for callback in awaiting.waiters:
+            self.when_sent(endpoint, callback)
+
     def when_sent(self, endpoint: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` once nothing sent to ``endpoint`` so far is held here any more:
         at once if nothing is, else right after the end of the turn sends the address's batch,
@@ -529,6 +600,10 @@ class ReplySender:
         For a message that must not leave before a reply (the owner's TaskDone after the
         task's Result: a forwarder that forgot a task whose Result never left could not
         migrate it)."""
+        awaiting = self._awaiting.get(endpoint)
+        if awaiting is not None:
+            awaiting.waiters.append(callback)
+            return
         peer = self._peers.get(endpoint)
         if peer is None or not (peer.batch or peer.queue):
             callback()
@@ -643,7 +718,9 @@ class ReplySender:
         self._send_batches()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while any(p.queue for p in self._peers.values()) and loop.time() < deadline:
+        while (self._awaiting or any(p.queue for p in self._peers.values())) and (
+            loop.time() < deadline
+        ):
             await asyncio.sleep(0.01)
 
     def close(self, linger_ms: int = 2000) -> None:
@@ -651,13 +728,20 @@ class ReplySender:
         if not self._closed:
             self._send_batches()
         self._closed = True
+        for awaiting in self._awaiting.values():  # (their lookups find nothing to send)
+            self._dropped_undeliverable += len(awaiting.frames)
+            self._queued_bytes -= sum(len(frame) for frame, _ in awaiting.frames)
+            for callback in awaiting.waiters:
+                callback()
+        self._awaiting.clear()
         self._pool.close_kind(SocketKind.REPLY, linger_ms=linger_ms)
 
     def statistics(self) -> ReplyStatistics:
         return ReplyStatistics(
             sockets_open=len(self._peers),
             sent=self._sent,
-            queued=sum(p.held() for p in self._peers.values()),
+            queued=sum(p.held() for p in self._peers.values())
+            + sum(len(a.frames) for a in self._awaiting.values()),
             dropped_undeliverable=self._dropped_undeliverable,
             dropped_queue_full=self._dropped_queue_full,
             sockets_closed_idle=self._closed_idle,

@@ -1,0 +1,138 @@
+"""Host names in reply addresses (gossipd/replynames.py): looked up off ZeroMQ's I/O thread,
+so that a producer whose reply_to names a host that the resolver stalls on cannot freeze the
+daemon's sockets (a review's reproduction: every answer, and gossip, held about 20 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from gossipd.replynames import FAILED, ReplyNames, name_in, with_address
+from gossipd.sockets import SocketPool
+from gossipd.zmqloop import ReplySender
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_which_reply_addresses_name_a_host() -> None:
+    assert name_in("tcp://producer-7.example:5555") == ("producer-7.example", 5555)
+    assert name_in("tcp://localhost:5 KEY") == ("localhost", 5)
+    assert name_in("tcp://999.1.1.1:5") == ("999.1.1.1", 5)  # (no IPv4 address: a name)
+    for address in ("tcp://10.0.0.1:5", "tcp://[::1]:5", "ipc:///tmp/x", "tcp://10.0.0.1:5 K"):
+        assert name_in(address) is None
+    assert with_address("tcp://h:7", "10.1.2.3") == "tcp://10.1.2.3:7"
+    assert with_address("tcp://h:7", "fe80::1") == "tcp://[fe80::1]:7"
+
+
+def _sender(names: ReplyNames) -> tuple[zmq.Context, ReplySender]:
+    ctx = zmq.Context()
+    return ctx, ReplySender(
+        SocketPool(ctx), sockets_max=8, idle_s=60, timeout_s=0.5, queue_max=100, names=names
+    )
+
+
+def test_a_reply_to_a_host_name_goes_to_its_address_and_one_that_stalls_holds_nothing_else() -> (
+    None
+):
+    """localhost resolves (/etc/hosts): its replies arrive, in order.  A name whose lookup
+    stalls (a getaddrinfo that blocks: what a resolver that never answers does) holds its
+    own replies only; a reply to an address leaves at once meanwhile; the stalled ones are
+    dropped and counted at the timeout, and when_sent's callback runs then."""
+    release = threading.Event()
+
+    def getaddrinfo(host: str, port: int, *args: Any) -> list[Any]:
+        if host == "stalled.example":
+            release.wait(10)
+            raise OSError("no answer")
+        return socket.getaddrinfo(host, port, *args)
+
+    names = ReplyNames(timeout_s=0.5, getaddrinfo=getaddrinfo)
+    ctx, sender = _sender(names)
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    told: list[str] = []
+
+    async def main() -> tuple[list[bytes], float]:
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            return await exchange()
+
+    async def exchange() -> tuple[list[bytes], float]:
+        sender.send(f"tcp://stalled.example:{port}", b"lost")
+        sender.when_sent(f"tcp://stalled.example:{port}", lambda: told.append("stalled"))
+        for i in range(3):
+            sender.send(f"tcp://localhost:{port}", b"by-name-%d" % i)
+        started = time.monotonic()
+        sender.send(f"tcp://127.0.0.1:{port}", b"by-address")
+        got: list[bytes] = []
+        while len(got) < 4 and time.monotonic() - started < 5:
+            try:
+                got.append(pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                await asyncio.sleep(0.01)
+        took = time.monotonic() - started
+        while not told and time.monotonic() - started < 5:
+            await asyncio.sleep(0.01)
+        return got, took
+
+    try:
+        got, took = asyncio.run(main())
+        stats = sender.statistics()
+    finally:
+        release.set()
+        sender.close(linger_ms=0)
+        pull.close(0)
+        ctx.term()
+    assert sorted(got) == [b"by-address", b"by-name-0", b"by-name-1", b"by-name-2"]
+    assert [g for g in got if g.startswith(b"by-name")] == [
+        b"by-name-0",
+        b"by-name-1",
+        b"by-name-2",
+    ]
+    assert took < 2.0
+    assert told == ["stalled"]
+    assert stats.dropped_undeliverable == 1 and stats.queued == 0 and stats.queued_bytes == 0
+    assert names.address("stalled.example") == FAILED and names.failed == 1
+
+
+def test_a_daemon_answers_on_while_a_reply_to_names_a_host_its_resolver_stalls_on(
+    tmp_path: Path,
+) -> None:
+    """The daemon itself, in a network and mount namespace whose resolver never answers
+    (tests/stalled_resolver.py): a task with reply_to tcp://stalled.example:5555, then one
+    to an address, whose answer must not wait for the name (it took about 20 s)."""
+    problem = None
+    if os.geteuid() != 0:
+        problem = "namespaces need root"
+    elif shutil.which("unshare") is None or shutil.which("ip") is None:
+        problem = "unshare or ip is not installed"
+    if problem is not None:
+        if os.environ.get("GOSSIPD_REQUIRE_NETNS") == "1":
+            pytest.fail(f"GOSSIPD_REQUIRE_NETNS=1 and {problem}")
+        pytest.skip(problem)
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\noptions timeout:5 attempts:2\n")
+    script = (
+        f"ip link set lo up && mount --bind {resolv} /etc/resolv.conf && "
+        f"exec {sys.executable} {ROOT / 'tests' / 'stalled_resolver.py'} {tmp_path / 'logs'}"
+    )
+    done = subprocess.run(
+        ["unshare", "--net", "--mount", "sh", "-c", script],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["answered"] == ["to-an-address"], out
+    assert out["answered_after_s"] < 2.0, out
