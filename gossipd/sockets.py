@@ -42,6 +42,8 @@ class SocketKind(enum.Enum):
     PEER = "peer"  # DEALER to a member's fan-out ROUTER (Forward, Cancel, Withdraw, TaskDone)
 
 
+REPLY_PIPE_MESSAGES_MAX = 64  # a reply connection's messages in ZeroMQ, beyond our queues
+
 # Socket type and options per kind; a user adds the ones that come from its configuration.
 KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
     # Sends never block: a full queue (64) drops the datagram, as UDP would; SWIM is built for
@@ -63,9 +65,17 @@ KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
     ),
     # IMMEDIATE: queue only on a live connection, so that replies to an address that never
     # answers wait in the reply sender's bounded queue (and time out) instead of in ZeroMQ.
+    # SNDHWM: what waits for a producer slow to read waits there too, counted in bytes
+    # (ingress.reply_queue_bytes_max); ZeroMQ's pipe counts messages only, and at 10,000 a
+    # reader that did not read held 270 MB of replies outside the bound (a review's run).
     SocketKind.REPLY: (
         zmq.PUSH,
-        ((zmq.IMMEDIATE, 1), (zmq.SNDHWM, 10_000), (zmq.RECONNECT_IVL, 100), (zmq.LINGER, 0)),
+        (
+            (zmq.IMMEDIATE, 1),
+            (zmq.SNDHWM, REPLY_PIPE_MESSAGES_MAX),
+            (zmq.RECONNECT_IVL, 100),
+            (zmq.LINGER, 0),
+        ),
     ),
     # + MAXMSGSIZE and RECONNECT_IVL_MAX from FanoutConfig (peerlinks.py).
     SocketKind.PEER: (zmq.DEALER, ((zmq.LINGER, 0), (zmq.SNDHWM, 10_000))),

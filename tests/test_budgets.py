@@ -292,6 +292,49 @@ def test_ReplySender_drops_and_counts_replies_beyond_the_queue_byte_budget() -> 
     assert queued_bytes == 9000 and dropped == 2 and after == 0
 
 
+def test_replies_to_a_connected_reader_that_does_not_read_wait_within_the_byte_budget() -> None:
+    """Once a reply connection was up, every reply went into ZeroMQ's pipe (10,000
+    messages, counted in messages), beyond the byte budget: a reader that did not read
+    held the daemon's memory (270 MB in a review's run, against 1 MiB of budget).  Now
+    only REPLY_PIPE_MESSAGES_MAX of them go there; the rest wait in the counted queue,
+    and what does not fit it is dropped and counted."""
+    frame_bytes, sent_count = 100_000, 300
+
+    async def main() -> tuple[int, int, int]:
+        ctx = zmq.Context()
+        reader = ctx.socket(zmq.PULL)
+        reader.setsockopt(zmq.RCVHWM, 1)
+        reader.setsockopt(zmq.RCVBUF, 4096)
+        port = reader.bind_to_random_port("tcp://127.0.0.1")
+        sender = ReplySender(
+            SocketPool(ctx), sockets_max=4, idle_s=60.0, timeout_s=30.0, queue_max=10_000,
+            queue_bytes_max=1 << 20,
+        )  # fmt: skip
+        address = f"tcp://127.0.0.1:{port}"
+        try:
+            async with asyncio.TaskGroup() as tg:
+                sender.start(tg)
+                sender.send(address, b"first")
+                await wait_until_async(lambda: reader.poll(10) != 0, 5, "the connection up")
+                for _ in range(sent_count):
+                    sender.send(address, b"x" * frame_bytes)
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(0.3)
+                stats = sender.statistics()
+                sender.stop()
+        finally:
+            sender.close(linger_ms=0)
+            reader.close(0)
+            ctx.term()
+        return stats.sent, stats.queued_bytes, stats.dropped_queue_bytes
+
+    sent, queued_bytes, dropped = asyncio.run(main())
+    # In ZeroMQ's pipe and the kernel's buffers (a few MB on loopback), not all 300.
+    assert sent < sent_count // 2, sent
+    assert queued_bytes <= 1 << 20 and dropped > 0
+    assert sent + queued_bytes // frame_bytes + dropped == sent_count + 1
+
+
 def test_ReplySender_at_its_socket_bound_evicts_an_idle_socket_before_one_with_replies() -> None:
     """ingress.reply_sockets_max: a new reply address closes the least recently used socket
     with nothing waiting; replies queued for a slow producer are not dropped because other

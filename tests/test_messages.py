@@ -667,6 +667,18 @@ def test_a_Tasks_frame_of_more_than_TASKS_ITEMS_MAX_items_is_refused_whole_at_it
     assert (refused.value.task_id, refused.value.reply_to) == ("pack-1", "tcp://h:1")
 
 
+def test_a_refusal_echoes_a_long_invalid_id_cut_to_ECHOED_ID_CHARS_MAX() -> None:
+    """An invalid id is echoed so that the producer can tell which message was refused, but
+    not whole: a 900 KB id made each refusal a 900 KB reply (a review's run)."""
+    from gossipd.core.messages import ECHOED_ID_CHARS_MAX
+
+    for sent, echoed in (("i" * 129, "i" * 129), ("\N{SNOWMAN}" * 5000, "\N{SNOWMAN}" * 1024)):
+        frame = msgpack.packb({"v": 1, "t": 1, "id": sent, "prompt": "p", "reply_to": "tcp://h:1"})
+        with pytest.raises(RemoteProtocolError) as refused:
+            decode_task(frame, bytes_max=1 << 20)
+        assert refused.value.task_id == echoed and len(echoed) <= ECHOED_ID_CHARS_MAX
+
+
 def test_a_refused_frames_answer_reads_its_id_without_building_the_rest() -> None:
     """A refused frame's id and reply_to were read by decoding all of it: a 1 MiB frame of
     empty maps beside them became a million dicts (a 4 MiB one: 300 MB and 1.2 s, a

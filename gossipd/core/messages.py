@@ -44,6 +44,9 @@ PROTOCOL_VERSION = 1
 # max_length), never UTF-8 bytes nor UTF-16 units: an id of 128 emoji (512 bytes) is valid.
 # Only frame and memory limits count bytes (docs/PROTOCOL.md, "Types, units and limits").
 TASK_ID_CHARS_MAX = 128
+# A refusal echoes an invalid id as given, cut to this: a reply a producer's frame can make
+# large would otherwise be as large as that frame, and wait as long in the reply queues.
+ECHOED_ID_CHARS_MAX = 1024
 TASK_KEY_CHARS_MAX = 256
 ENDPOINT_CHARS_MAX = 256
 
@@ -556,6 +559,8 @@ def _peek(data: bytes, bytes_max: int) -> tuple[dict[str, object] | None, str, s
     reply_to = _small(head.reply_to, text_bytes_max=4 * ENDPOINT_CHARS_MAX)
     if not isinstance(task_id, str) or _over(task_id, bytes_max):
         task_id = ""
+    elif len(task_id) > ECHOED_ID_CHARS_MAX:  # (a refusal's answer as small as any)
+        task_id = task_id[:ECHOED_ID_CHARS_MAX]
     if not (
         isinstance(reply_to, str)
         and len(reply_to) <= ENDPOINT_CHARS_MAX
