@@ -301,6 +301,15 @@ def test_node_ids_and_quoted_values_survive_the_env_file() -> None:
     assert again.journal.path == "/srv/state dir/2/journal"
 
 
+def test_a_stop_signals_the_daemon_alone_and_kills_what_is_left_at_the_timeout() -> None:
+    """KillMode=mixed: with the default (control-group) systemd's SIGTERM also reached vLLM's
+    engine core, which aborted its requests at once (a review's reproduction: a streaming
+    task answered engine_error 1.7 s after the SIGTERM to the group, ok after 1.1 s with the
+    SIGTERM to the daemon alone); the grace for running tasks was never had."""
+    unit = systemd.render_service()
+    assert "\nKillMode=mixed\n" in unit and "\nKillSignal=SIGTERM\n" in unit
+
+
 def test_the_repository_units_are_what_render_writes() -> None:
     """systemd/ holds the template and the target of an 8-GPU node as render writes them."""
     assert (REPO / "systemd/gossipd@.service").read_text() == systemd.render_service()

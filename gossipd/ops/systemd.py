@@ -88,6 +88,10 @@ UMask=0027
 # SIGTERM: stop intake, finish in-flight tasks within lifecycle.shutdown_grace_s, then leave,
 # settle forwards and flush replies (about 10 s more), exit 0.  Rendered from the grace.
 KillSignal=SIGTERM
+# mixed: that SIGTERM to the daemon alone, SIGKILL to every process left at the timeout.
+# With the default (control-group) vLLM's engine core got the SIGTERM too and aborted the
+# running requests at once: tasks answered engine_error instead of finishing in the grace.
+KillMode=mixed
 TimeoutStopSec={stop_timeout_s}
 # Loading a model into vLLM takes from ~35 s (the tiny model on CPU) to minutes (a large one).
 TimeoutStartSec=900
