@@ -38,6 +38,23 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 def _check_bind(field: str, value: str) -> None:
     if not _BIND_RE.match(value):
         raise ValueError(f"{field}: expected tcp://HOST:PORT or ipc://PATH, found {value!r}")
+    if value.startswith("tcp://"):
+        _check_port(field, value)
+
+
+def _check_hostport(field: str, value: str, *, zero: bool = True) -> None:
+    """HOST:PORT (a listening address, where port 0 picks one; else ``zero`` False)."""
+    if not _HOSTPORT_RE.match(value):
+        raise ValueError(f"{field}: expected HOST:PORT, found {value!r}")
+    _check_port(field, value, zero=zero)
+
+
+def _check_port(field: str, value: str, *, zero: bool = True) -> None:
+    """The port after the last colon is a TCP port (ZeroMQ took 99999 as 99999 mod 65536,
+    and Python's bind raised OverflowError)."""
+    port = value.rpartition(":")[2]
+    if port != "*" and not (0 if zero else 1) <= int(port) <= 65535:
+        raise ValueError(f"{field}: port {port} is outside {0 if zero else 1}..65535 ({value!r})")
 
 
 def _check_advertised(field: str, value: str, *, bind: bool = False) -> None:
@@ -484,8 +501,8 @@ class MetricsConfig(Section, frozen=True):
     bearer_token_file: str = ""
 
     def __post_init__(self) -> None:
-        if self.bind and not _HOSTPORT_RE.match(self.bind):
-            raise ValueError(f"bind: expected HOST:PORT or empty, found {self.bind!r}")
+        if self.bind:
+            _check_hostport("bind", self.bind)
 
 
 class HttpConfig(Section, frozen=True):
@@ -541,8 +558,8 @@ class HttpConfig(Section, frozen=True):
     choices_max: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
 
     def __post_init__(self) -> None:
-        if self.bind and not _HOSTPORT_RE.match(self.bind):
-            raise ValueError(f"bind: expected HOST:PORT or empty, found {self.bind!r}")
+        if self.bind:
+            _check_hostport("bind", self.bind)
         if self.reply_bind:
             _check_bind("reply_bind", self.reply_bind)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -682,8 +699,7 @@ class EtcdConfig(Section, frozen=True):
 
     def __post_init__(self) -> None:
         for endpoint in self.endpoints:
-            if not _HOSTPORT_RE.match(endpoint):
-                raise ValueError(f"endpoints: expected HOST:PORT, found {endpoint!r}")
+            _check_hostport("endpoints", endpoint, zero=False)
         if bool(self.cert_file) != bool(self.key_file):
             raise ValueError("cert_file and key_file: set both (a client certificate) or neither")
         if self.cert_file and not self.ca_file:

@@ -325,8 +325,8 @@ def test_check_config_refuses_what_run_would_stop_on_after_binding(
     [
         ('gossip.advertise="ipc:///tmp/my dir/g.sock"', "gossip.advertise: members could not"),
         ('gossip.advertise="tcp://10.0.0.1:0"', "port 0 is outside 1..65535"),
-        ('gossip.bind="tcp://10.0.0.1:70000"', "gossip.bind: members could not"),
-        ('gossip.seeds=["tcp://10.0.0.2:99999"]', "gossip.seeds: members could not"),
+        ('gossip.bind="tcp://10.0.0.1:70000"', "gossip.bind: port 70000 is outside"),
+        ('gossip.seeds=["tcp://10.0.0.2:99999"]', "gossip.seeds: port 99999 is outside"),
         ('fanout.rpc_advertise="ipc:///tmp/a\tb"', "fanout.rpc_advertise: members could not"),
         ('fanout.rpc_bind="tcp://10.0.0.1:5558\n"', "expected tcp://HOST:PORT"),  # (\Z, not $)
     ],
@@ -348,3 +348,23 @@ def test_an_address_members_would_refuse_in_gossip_stops_start_up(
 def test_binds_to_port_0_or_every_address_still_start(override: str) -> None:
     extra = ['gossip.advertise="tcp://10.0.0.1:7946"'] if "*" in override else []
     load_config(environ={}, overrides=[override, *extra])
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("ingress.bind=tcp://127.0.0.1:99999", "ingress.bind: port 99999"),
+        ("gossip.bind=tcp://127.0.0.1:65536", "gossip.bind: port 65536"),
+        ('metrics.bind="127.0.0.1:99999"', "metrics.bind: port 99999"),
+        ('http.bind="127.0.0.1:70000"', "http.bind: port 70000"),
+        ('etcd.endpoints=["127.0.0.1:99999"]', "etcd.endpoints: port 99999"),
+        ('etcd.endpoints=["127.0.0.1:0"]', "etcd.endpoints: port 0"),
+    ],
+)
+def test_a_port_outside_the_tcp_range_is_refused_naming_its_key(override: str, named: str) -> None:
+    """Five digits were taken: ZeroMQ bound 99999 as 34463 (99999 mod 65536) and said it
+    served there; Python's bind raised OverflowError out of run (a review's reproduction)."""
+    from gossipd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, overrides=[override])
