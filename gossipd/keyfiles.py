@@ -10,7 +10,10 @@ Here every fault of a file is a KeyFileError saying what is wrong with it.
 from __future__ import annotations
 
 import errno
+import struct
 from pathlib import Path
+
+from zmq.utils import z85
 
 # A key directory's read that failed for lack of file descriptors (a flood of connections):
 # it says nothing of the keys, so the directories (security.KeyDir, http/keys.ApiKeys) keep
@@ -18,6 +21,7 @@ from pathlib import Path
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 _QUOTES_AND_SPACE = b" \t'\""
+Z85_KEY_CHARS = 40  # a CURVE key (32 bytes) in Z85
 
 
 class KeyFileError(ValueError):
@@ -29,9 +33,18 @@ def read_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
     whitespace, ``#`` lines skipped, the first line starting with ``public-key`` (and
     ``secret-key``) giving its key: what follows its first ``=``, with spaces, tabs and
     quotes stripped from both ends.  OSError when the file cannot be opened; KeyFileError
-    when it has no public key or a key line without ``=``."""
+    when it has no public key, a key line without ``=``, or a key that is not 40 characters
+    of Z85 (a bad key given to ZeroMQ failed far from the file: a command's socket refused
+    "Invalid argument", and a hung `gossipd status` closing it)."""
     with open(path, "rb") as f:
         data = f.read(1 << 16)  # (a key file is a few hundred bytes)
+    try:
+        return _keys_in(data)
+    except KeyFileError as exc:
+        raise KeyFileError(f"{str(path)!r}: {exc}") from None
+
+
+def _keys_in(data: bytes) -> tuple[bytes, bytes | None]:
     public: bytes | None = None
     secret: bytes | None = None
     for number, raw in enumerate(data.splitlines(), 1):
@@ -50,4 +63,16 @@ def read_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
                 secret = value.strip(_QUOTES_AND_SPACE)
     if public is None:
         raise KeyFileError("no public-key line")
+    _check_key("public-key", public)
+    if secret is not None:
+        _check_key("secret-key", secret)
     return public, secret
+
+
+def _check_key(name: str, key: bytes) -> None:
+    if len(key) != Z85_KEY_CHARS:
+        raise KeyFileError(f"{name}: a key of {len(key)} characters, not {Z85_KEY_CHARS} (Z85)")
+    try:
+        z85.decode(key)
+    except (KeyError, ValueError, struct.error):
+        raise KeyFileError(f"{name}: 40 characters that are no Z85 key") from None

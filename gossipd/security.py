@@ -25,10 +25,10 @@ opened are refused from then on (the readers check ``User-Id`` against the curre
 from __future__ import annotations
 
 import asyncio
+import datetime
 import ipaddress
 import logging
 import os
-import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +51,6 @@ DOMAIN_PRODUCERS = "gossipd-producers"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
-Z85_KEY_CHARS = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +64,19 @@ def load_key_pair(path: str | Path) -> KeyPair:
     saying what to do when it cannot be read."""
     try:
         public, secret = read_key_file(path)
-    except (OSError, ValueError) as exc:
+    except PermissionError as exc:  # (made, but not for this user: keygen would replace it)
         raise StartupError(
-            f"cannot read the key pair {str(path)!r}: {exc} "
+            f"cannot read the key pair {str(path)!r}: {exc.strerror}: it is not readable by "
+            f"this user (uid {os.geteuid()}); give the daemon's group read access: "
+            f"`chgrp gossipd {path} && chmod 0640 {path}`, its directory searchable by it"
+        ) from None
+    except FileNotFoundError:
+        raise StartupError(
+            f"cannot read the key pair {str(path)!r}: no such file "
             "(make one with `gossipd keygen NAME --out DIR`)"
         ) from None
+    except (OSError, ValueError) as exc:  # (each names the file)
+        raise StartupError(f"cannot read the key pair: {exc}") from None
     if not secret:
         raise StartupError(
             f"{str(path)!r} holds no secret key: give the NAME.key_secret file, not NAME.key"
@@ -78,17 +85,45 @@ def load_key_pair(path: str | Path) -> KeyPair:
 
 
 def write_key_pair(name: str, out_dir: str | Path) -> tuple[Path, Path]:
-    """``NAME.key`` (public, to distribute) and ``NAME.key_secret`` (mode 0600) in
-    ``out_dir``; refuses to overwrite."""
+    """``NAME.key`` (public, to distribute) and ``NAME.key_secret`` (mode 0600 from its
+    creation: it never exists readable by others, and a link in its place is refused) in
+    ``out_dir`` (made 0700 when missing), in zmq.auth's format; refuses to overwrite."""
+    if not name or "/" in name or name.startswith(".") or "\0" in name:
+        raise ValueError(f"{name!r}: a key's name is a file name (no '/', not starting with '.')")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     public, secret = out / f"{name}{PUBLIC_SUFFIX}", out / f"{name}{SECRET_SUFFIX}"
     for path in (public, secret):
-        if path.exists():
+        if path.exists() or path.is_symlink():
             raise FileExistsError(f"{path} exists; remove it first to replace the key")
-    made_public, made_secret = zmq.auth.create_certificates(str(out), name)
-    os.chmod(made_secret, 0o600)
-    return Path(made_public), Path(made_secret)
+    public_key, secret_key = (key.decode() for key in zmq.curve_keypair())
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    _write_new(
+        secret,
+        f"#   ****  Generated on {now} by gossipd keygen  ****\n"
+        "#   ZeroMQ CURVE **Secret** Certificate\n"
+        "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n\n"
+        f'metadata\ncurve\n    public-key = "{public_key}"\n    secret-key = "{secret_key}"\n',
+        0o600,
+    )
+    _write_new(
+        public,
+        f"#   ****  Generated on {now} by gossipd keygen  ****\n"
+        "#   ZeroMQ CURVE Public Certificate\n"
+        "#   Exchange securely, or use a secure mechanism to verify the contents\n"
+        "#   of this file after exchange. Store public certificates in your home\n"
+        "#   directory, in the .curve subdirectory.\n\n"
+        f'metadata\ncurve\n    public-key = "{public_key}"\n',
+        0o644,
+    )
+    return public, secret
+
+
+def _write_new(path: Path, text: str, mode: int) -> None:
+    """``text`` in a file made now with ``mode`` (the umask may only narrow it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def node_of(user_id: str) -> str:
@@ -111,6 +146,7 @@ class KeyDir:
         self.by_name: dict[str, bytes] = {}  # file stem -> z85 public key
         self.reloads = 0
         self.bad_files = 0
+        self._unreadable: int | None = None  # the errno of a directory that cannot be read
         self.reload()
 
     def _scan(self) -> tuple[tuple[str, int, int, int, int], ...]:
@@ -122,7 +158,17 @@ class KeyDir:
         except OSError as exc:
             if exc.errno in OUT_OF_FILES:
                 raise
+            if self._unreadable != exc.errno:  # (said once, not at every look)
+                self._unreadable = exc.errno
+                log.error(
+                    "a key directory cannot be read: no key in it is taken (every client or "
+                    "peer it would admit is refused) until it can",
+                    extra={"path": str(self.path), "error": exc.strerror, "uid": os.geteuid()},
+                )
             return ()
+        if self._unreadable is not None:
+            self._unreadable = None
+            log.info("the key directory can be read again", extra={"path": str(self.path)})
         out = []
         for entry in entries:
             if entry.name.endswith(PUBLIC_SUFFIX) and not entry.name.startswith("."):
@@ -161,22 +207,6 @@ class KeyDir:
                     raise
                 self.bad_files += 1
                 log.warning("cannot read a key file", extra={"file": name, "error": str(exc)})
-                continue
-            if len(public) != Z85_KEY_CHARS:
-                self.bad_files += 1
-                log.warning(
-                    "cannot read a key file",
-                    extra={"file": name, "error": f"a key of {len(public)} characters, not 40"},
-                )
-                continue
-            try:
-                z85.decode(public)  # (40 characters that are no key would fail at use)
-            except (KeyError, ValueError, struct.error):
-                self.bad_files += 1
-                log.warning(
-                    "cannot read a key file",
-                    extra={"file": name, "error": "40 characters that are no Z85 key"},
-                )
                 continue
             stem = name[: -len(PUBLIC_SUFFIX)]
             by_name[stem] = public

@@ -206,8 +206,14 @@ def _check_security(config: Config, node: str) -> KeyPair | None:
                 f"security.{what} = {path!r} is not a directory "
                 "(put the authorised NAME.key files there)"
             )
+        if not os.access(path, os.R_OK | os.X_OK):  # (read as empty, it refused everyone)
+            raise StartupError(
+                f"security.{what} = {path!r} cannot be listed by this user (uid "
+                f"{os.geteuid()}): give the daemon's group read access: `chgrp gossipd {path} "
+                f"&& chmod 0750 {path}` (its NAME.key files 0640 or 0644)"
+            )
     own = Path(sc.peer_keys_dir) / f"{node}{PUBLIC_SUFFIX}"
-    if own.exists():
+    if os.access(own, os.F_OK):
         try:
             listed = read_key_file(own)[0]
         except (OSError, ValueError):

@@ -86,6 +86,7 @@ class _Asker:
         """False when no connection to ``endpoint`` came up within ``timeout_s``.  With CURVE,
         ``server_key`` is the daemon's (None: the first --server-key)."""
         push = self._ctx.socket(zmq.PUSH)
+        self._pushes.append(push)  # (closed by close() whatever fails below: else term hangs)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.IMMEDIATE, 1)  # send only once connected: fail fast otherwise
         push.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
@@ -94,7 +95,6 @@ class _Asker:
             push.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret)
             push.setsockopt(zmq.CURVE_SERVERKEY, server_key or self.curve.server_key(0))
         push.connect(endpoint)
-        self._pushes.append(push)
         try:
             push.send(frame)
         except zmq.Again:

@@ -56,7 +56,7 @@ from gossipd.core.messages import (
 )
 from gossipd.core.sampling import SamplingParams
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
-from gossipd.keyfiles import read_key_file
+from gossipd.keyfiles import KeyFileError, read_key_file
 from gossipd.tools.packing import PACK_BYTES_MAX, PackedTask, TaskPacker
 from gossipd.zmqloop import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
 
@@ -195,8 +195,9 @@ class ProducerKeys:
         """From ``NAME.key_secret`` (``gossipd keygen``) and the daemons' ``NODE.key`` files."""
         public, secret = read_key_file(secret_key_file)
         if not secret:
-            raise LocalProtocolError(
-                f"{secret_key_file!r} holds no secret key: give the NAME.key_secret file"
+            raise KeyFileError(
+                f"{secret_key_file!r} holds no secret key: give the NAME.key_secret file, "
+                "not NAME.key"
             )
         servers = [read_key_file(path)[0] for path in server_key_files]
         return cls(public=public, secret=secret, server_keys=servers)

@@ -103,7 +103,11 @@ def cmd_keygen(args: argparse.Namespace) -> int:
         print(f"gossipd keygen: {why}; remove them first to replace keys", file=sys.stderr)
         return 2
     for name in names:
-        public, secret = write_key_pair(name, args.out)
+        try:
+            public, secret = write_key_pair(name, args.out)
+        except (OSError, ValueError) as exc:
+            print(f"gossipd keygen: {exc}", file=sys.stderr)
+            return 2
         print(f"public key (distribute): {public}\nsecret key (keep, mode 0600): {secret}")
     return 0
 

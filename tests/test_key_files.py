@@ -1,0 +1,143 @@
+"""An operator's key files going wrong (a review of the operator's tools: each of these hung,
+gave a traceback or named the wrong thing before): a malformed key, the public file given
+as the secret one, keygen's names and files, and files or directories the daemon's user
+cannot read.  Real commands, real files; as root, the daemon's user is `nobody` (setpriv)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gossipd.keyfiles import KeyFileError, read_key_file
+from gossipd.security import write_key_pair
+from tests.helpers import gossipd_cli
+
+
+def test_a_key_that_is_not_40_characters_of_z85_is_refused_naming_its_file(tmp_path: Path) -> None:
+    good = write_key_pair("a", tmp_path)[1]
+    public, secret = read_key_file(good)
+    assert len(public) == 40 and secret is not None and len(secret) == 40
+    for name, text, said in (
+        ("short.key", 'public-key = "abc"\n', "public-key: a key of 3 characters"),
+        ("tilde.key", f'public-key = "{"~" * 40}"\n', "public-key: 40 characters that are no"),
+        ("s.key_secret", f'public-key = "{public.decode()}"\nsecret-key = "x"\n', "secret-key"),
+    ):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(KeyFileError, match=said) as refused:
+            read_key_file(tmp_path / name)
+        assert name in str(refused.value)
+
+
+def test_status_with_a_malformed_server_key_says_so_and_exits_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    """The key reached ZeroMQ's setsockopt, which refused it after the socket was made and
+    before it was kept for closing: the context's term then waited for it for ever."""
+    secret = write_key_pair("ops", tmp_path)[1]
+    (tmp_path / "bad.key").write_text('public-key = "abc"\n')
+    out = gossipd_cli(
+        "status", "-e", "tcp://127.0.0.1:9", "--secret-key", str(secret),
+        "--server-key", str(tmp_path / "bad.key"), "--timeout", "1", timeout_s=30,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "bad.key" in out.stderr and "a key of 3 characters" in out.stderr
+    public = secret.with_name("ops.key")
+    given_public = gossipd_cli(
+        "submit", "-e", "tcp://127.0.0.1:9", "--secret-key", str(public), "--server-key",
+        str(public), "hello", timeout_s=30,
+    )  # fmt: skip
+    assert given_public.returncode == 2 and "Traceback" not in given_public.stderr
+    assert "holds no secret key" in given_public.stderr
+
+
+def test_keygen_makes_the_secret_0600_from_the_start_and_refuses_names_links_and_files(
+    tmp_path: Path,
+) -> None:
+    """The secret was written under the umask and chmodded after (readable by others in
+    between, and left so by an interrupted run); a link in its place was followed; a name
+    with '/' wrote outside --out; a file as --out gave a traceback."""
+    out = tmp_path / "keys"
+    made = subprocess.run(
+        [sys.executable, "-c", "import os, sys; os.umask(0); from gossipd.tools.cli import "
+         "main; sys.exit(main(['keygen', 'k', '--out', sys.argv[1]]))", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert stat.S_IMODE((out / "k.key_secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "k.key").stat().st_mode) == 0o644
+    (out / "l.key_secret").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "afile").write_text("")
+    for args, said in (
+        (["l", "--out", str(out)], "exists"),
+        (["a/b", "--out", str(out)], "a key's name is a file name"),
+        (["../up", "--out", str(out)], "a key's name is a file name"),
+        (["x", "--out", str(tmp_path / "afile")], "File exists"),
+    ):
+        refused = gossipd_cli("keygen", *args)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "up.key").exists()
+
+
+def _as_the_daemons_user(*args: str) -> subprocess.CompletedProcess[str]:
+    """`gossipd ARGS` as a user that is not root: `nobody` when we are root."""
+    command = [sys.executable, "-m", "gossipd", *args]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        assert setpriv is not None, "setpriv (util-linux) is missing"
+        command = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", *command]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory that another user can reach (pytest's tmp_path is under a 0700 one)."""
+    path = Path(tempfile.mkdtemp(prefix="gossipd-keys-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_check_config_says_which_key_file_or_directory_the_daemons_user_cannot_read(
+    open_dir: Path,
+) -> None:
+    """A key directory that cannot be listed was read as empty (every peer refused, no word
+    said) or raised PermissionError out of run; an unreadable secret key file was blamed on
+    a missing key pair, whose advice (keygen) replaces a key the peers hold."""
+    tmp_path = open_dir
+    keys = tmp_path / "keys"
+    secret = write_key_pair("n1", keys)[1]
+    keys.chmod(0o755)
+    for name in ("peers", "producers"):
+        (tmp_path / name).mkdir(mode=0o755)
+    settings = [
+        "check-config", "--set", "security.curve=true",
+        "--set", f'security.peer_keys_dir="{tmp_path / "peers"}"',
+        "--set", f'security.producer_keys_dir="{tmp_path / "producers"}"',
+        "--set", f'security.secret_key_file="{secret}"',
+    ]  # fmt: skip
+    unreadable = _as_the_daemons_user(*settings)  # the secret: 0600, not its user's
+    assert unreadable.returncode == 2, unreadable.stderr
+    assert "not readable by this user" in unreadable.stderr and "chmod 0640" in unreadable.stderr
+    assert "keygen" not in unreadable.stderr
+    secret.chmod(0o644)
+    assert _as_the_daemons_user(*settings).returncode == 0
+    (tmp_path / "peers").chmod(0o711)  # searchable, not listable
+    unlisted = _as_the_daemons_user(*settings)
+    assert unlisted.returncode == 2 and "Traceback" not in unlisted.stderr
+    assert "security.peer_keys_dir" in unlisted.stderr and "cannot be listed" in unlisted.stderr
+    (tmp_path / "peers").chmod(0o700)  # neither
+    closed = _as_the_daemons_user(*settings)
+    assert closed.returncode == 2 and "cannot be listed" in closed.stderr
