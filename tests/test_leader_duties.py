@@ -86,9 +86,9 @@ def test_duties_run_on_the_leader_only_and_fenced_writes_fail_after_it_resigns(e
         got: list[tuple[str, object]] = []
 
         async def duty(ctx: LeaderContext) -> None:
-            contexts[ctx.node] = ctx
             assert await ctx.fenced_put(f"{ctx.prefix}/owner", ctx.node)
             assert ctx.publish("hello", {"from": ctx.node, "token": ctx.token})
+            contexts[ctx.node] = ctx  # (its write and directive are out: the test reads both)
             while True:
                 writes.append((ctx.node, ctx.token))
                 await asyncio.sleep(0.05)
@@ -104,6 +104,7 @@ def test_duties_run_on_the_leader_only_and_fenced_writes_fail_after_it_resigns(e
             second = b if first is a else a
             await wait_until_async(lambda: first.node in contexts, 5, "the duty to start")
             assert first.duties.running == ["writer"] and second.duties.running == []
+            await wait_until_async(lambda: got, 5, "the leader's directive")
             assert got == [(first.node, {"from": first.node, "token": first.token})]
             old = contexts[first.node]
             await first.resign()
