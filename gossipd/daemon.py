@@ -245,6 +245,7 @@ class Daemon:
             self.ingress.runner.on_started.append(
                 lambda owned: journal.started(owned.task.id, owned.engine_deaths)
             )
+            self.ingress.runner.on_held.append(lambda owned: journal.off_engine(owned.task.id))
             self.ingress.runner.on_finished.append(
                 lambda owned, result: journal.done(owned.task.id)
             )

@@ -88,7 +88,10 @@ class PeerLink(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         if self._on_made is not None and not self._on_made(self):
-            self.fail("busy", "too many connections from this host shaking hands at once")
+            # Too many from its host shaking hands: closed quietly and counted "busy", as a
+            # refusal at accept is (one host's flood must not flood the log).
+            transport.abort()
+            self._lost("busy")
             return
         transport.write(self.zmtp.data_to_send())
         self._timer = asyncio.get_running_loop().call_later(

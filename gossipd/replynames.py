@@ -23,7 +23,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from gossipd.ops.logs import RateLimiter
+
 log = logging.getLogger("gossipd.replynames")
+_failure_log = RateLimiter(1.0)  # (names a producer makes up fail as fast as it sends them)
 
 LOOKUPS_MAX = 16  # lookups in threads at once; a reply to one more name is dropped (counted)
 NAMES_MAX = 4096  # answers kept
@@ -91,32 +94,48 @@ class ReplyNames:
             return known
         looking = self._looking.get(name)
         if looking is None:
-            if self._threads >= LOOKUPS_MAX:
-                self.refused += 1
+            lookup = self._start(name, port)  # (counted now: a turn's lookups stay bounded)
+            if lookup is None:
                 return FAILED
-            looking = self._looking[name] = asyncio.ensure_future(self._resolve(name, port))
+            looking = self._looking[name] = asyncio.ensure_future(self._answer(name, lookup))
             looking.add_done_callback(lambda _: self._looking.pop(name, None))
         return await asyncio.shield(looking)
 
-    async def _resolve(self, name: str, port: int) -> str:
+    def _start(self, name: str, port: int) -> asyncio.Future[Any] | None:
+        """A lookup of ``name`` in a thread of its own; None where none may start (LOOKUPS_MAX
+        under way, or no thread to be had)."""
+        with self._lock:
+            if self._threads >= LOOKUPS_MAX:
+                self.refused += 1
+                return None
+            self._threads += 1
         loop = asyncio.get_running_loop()
         lookup: asyncio.Future[Any] = loop.create_future()
-        with self._lock:
-            self._threads += 1
-        threading.Thread(
-            target=self._getaddrinfo, args=(loop, lookup, name, port), name="reply-name",
-            daemon=True,
-        ).start()  # fmt: skip
+        try:
+            threading.Thread(
+                target=self._getaddrinfo, args=(loop, lookup, name, port), name="reply-name",
+                daemon=True,
+            ).start()  # fmt: skip
+        except RuntimeError:  # (a pids limit: this reply waits for no lookup)
+            with self._lock:
+                self._threads -= 1
+            self.refused += 1
+            return None
+        return lookup
+
+    async def _answer(self, name: str, lookup: asyncio.Future[Any]) -> str:
         try:
             async with asyncio.timeout(self._timeout_s):
                 found = await lookup
             address = str(found[0][4][0])
         except (OSError, TimeoutError, IndexError) as exc:
             self.failed += 1
-            log.warning(
-                "a reply address's host name did not resolve: replies to it are dropped",
-                extra={"host": name[:100], "error": str(exc) or type(exc).__name__},
-            )
+            if _failure_log.allow():
+                log.warning(
+                    "a reply address's host name did not resolve: replies to it are dropped",
+                    extra={"host": name[:100], "error": str(exc) or type(exc).__name__,
+                           "failed": self.failed},
+                )  # fmt: skip
             self._keep(name, FAILED, FAILED_TTL_S)
             return FAILED
         self._keep(name, address, TTL_S)
@@ -129,8 +148,10 @@ class ReplyNames:
         try:
             try:
                 answer: Any = self._getaddrinfo_call(name, port, 0, socket.SOCK_STREAM)
-            except OSError as exc:
-                answer = exc
+            except Exception as exc:  # (a label too long for IDNA raises UnicodeError)
+                answer = (
+                    exc if isinstance(exc, OSError) else OSError(f"{type(exc).__name__}: {exc}")
+                )
             loop.call_soon_threadsafe(_settle, lookup, answer)
         except RuntimeError:  # the loop closed meanwhile
             pass

@@ -88,8 +88,9 @@ def write_key_pair(name: str, out_dir: str | Path) -> tuple[Path, Path]:
     """``NAME.key`` (public, to distribute) and ``NAME.key_secret`` (mode 0600 from its
     creation: it never exists readable by others, and a link in its place is refused) in
     ``out_dir`` (made 0700 when missing), in zmq.auth's format; refuses to overwrite."""
-    if not name or "/" in name or name.startswith(".") or "\0" in name:
-        raise ValueError(f"{name!r}: a key's name is a file name (no '/', not starting with '.')")
+    problem = key_name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
     out = Path(out_dir)
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     public, secret = out / f"{name}{PUBLIC_SUFFIX}", out / f"{name}{SECRET_SUFFIX}"
@@ -106,6 +107,22 @@ def write_key_pair(name: str, out_dir: str | Path) -> tuple[Path, Path]:
         f'metadata\ncurve\n    public-key = "{public_key}"\n    secret-key = "{secret_key}"\n',
         0o600,
     )
+    try:
+        _write_public(public, public_key, now)
+    except BaseException:
+        secret.unlink(missing_ok=True)  # (a lone secret would block keygen's next try)
+        raise
+    return public, secret
+
+
+def key_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a key pair's files, or None."""
+    if not name or "/" in name or name.startswith(".") or "\0" in name:
+        return f"{name!r}: a key's name is a file name (no '/', not starting with '.')"
+    return None
+
+
+def _write_public(public: Path, public_key: str, now: str) -> None:
     _write_new(
         public,
         f"#   ****  Generated on {now} by gossipd keygen  ****\n"
@@ -116,14 +133,17 @@ def write_key_pair(name: str, out_dir: str | Path) -> tuple[Path, Path]:
         f'metadata\ncurve\n    public-key = "{public_key}"\n',
         0o644,
     )
-    return public, secret
 
 
 def _write_new(path: Path, text: str, mode: int) -> None:
     """``text`` in a file made now with ``mode`` (the umask may only narrow it)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    with open(fd, "w", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except BaseException:
+        path.unlink(missing_ok=True)  # (not half a key: a full disk)
+        raise
 
 
 def node_of(user_id: str) -> str:

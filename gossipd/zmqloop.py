@@ -100,9 +100,6 @@ def _resolver(fut: asyncio.Future[None]):
     return wake
 
 
-# Lookups of a sender not started (tests): kept referenced until they end.
-_orphans: set[asyncio.Future[None]] = set()
-
 # A handler that fails for every message must not flood the log.
 _failure_log = RateLimiter(per_s=1.0, burst=5)
 
@@ -383,6 +380,7 @@ class ReplySender:
         # Replies to addresses whose host name is being looked up (counted in the queues'
         # bytes, at most queue_max each): sent in order once it is, dropped if it is not.
         self._awaiting: dict[str, _Awaiting] = {}
+        self._lookups: set[asyncio.Future[None]] = set()  # their tasks
         pool.register(
             SocketKind.REPLY,
             on_close=self._on_socket_closed,
@@ -473,10 +471,14 @@ class ReplySender:
         return peer is not None and bool(peer.queue or peer.batch)
 
     def stop(self) -> None:
-        """Cancel the background tasks (queued replies stay until ``close``)."""
+        """Cancel the background tasks (queued replies stay until ``close``; those waiting
+        for a host name's lookup are dropped and counted: a stalled resolver must not hold
+        up the daemon's stop)."""
         for peer in self._peers.values():
             if peer.flusher is not None:
                 peer.flusher.cancel()
+        for lookup in self._lookups:
+            lookup.cancel()
 
     def _open(self, endpoint: str, address: str | None = None) -> _Peer:
         peer = _Peer(endpoint, self._pool.open(SocketKind.REPLY, endpoint, address=address))
@@ -566,10 +568,11 @@ class ReplySender:
             awaiting = self._awaiting[endpoint] = _Awaiting()
             lookup = self._look_up(endpoint, named)
             if self._tg is not None:
-                self._tg.create_task(lookup, name="reply-name")
+                task = self._tg.create_task(lookup, name="reply-name")
             else:  # (not started: a test's sender)
-                _orphans.add(task := asyncio.ensure_future(lookup))
-                task.add_done_callback(_orphans.discard)
+                task = asyncio.ensure_future(lookup)
+            self._lookups.add(task)  # (kept, and cancelled by stop)
+            task.add_done_callback(self._lookups.discard)
         self._queued_bytes += len(frame)
         awaiting.frames.append((frame, pack))
 

@@ -295,7 +295,7 @@ def test_a_task_its_daemon_died_under_twice_is_answered_not_run_a_third_time(mak
         producer.close()
     killer = results["killer"]
     assert not killer["ok"] and killer["error"]["code"] == "engine_error", killer
-    assert "the 2nd engine or daemon to die under it" in killer["error"]["message"]
+    assert "2 engines or daemons went down while running this task" in killer["error"]["message"]
     assert results["waiter"]["ok"], results["waiter"]
     for restarted in restarts:
         replayed = [

@@ -185,6 +185,30 @@ def test_a_task_running_when_the_daemon_went_down_replays_with_one_more_death(
     assert third.died_under == {"t0": 1, "t1": 2}
 
 
+def test_a_resent_copy_keeps_the_count_and_a_held_result_counts_no_death(tmp_path: Path) -> None:
+    """A producer's resend of a replayed task, admitted fresh (0 deaths) while the restart
+    asked, wrote RUNNING 0 over the count: a task that kills its daemon then looped for
+    ever.  And a task whose Result was held for its forwarder's word (off the engine, no
+    DONE yet) counted a death at the next restart, and could be answered engine_error."""
+    path = tmp_path / "j"
+    j = Journal(path)
+    j.accept(task(1))
+    j.accept(task(2))
+    j.started("t1", 0)
+    j.started("t2", 0)
+    j.off_engine("t2")  # its Result held
+    j.close()
+    again = Journal(path)
+    again.replay()
+    assert again.died_under == {"t1": 1}
+    again.accept(task(1))  # the resend, admitted while the restart asked
+    again.started("t1", 0)
+    again.close()
+    third = Journal(path)
+    assert [t.id for t in third.replay()] == ["t1", "t2"]
+    assert third.died_under == {"t1": 2}
+
+
 def test_a_replayed_tasks_running_record_is_written_at_once_a_first_runs_at_the_sync(
     tmp_path: Path,
 ) -> None:
@@ -237,7 +261,7 @@ def test_sync_forever_makes_records_durable_in_batches(tmp_path: Path) -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["accept", "accept_by", "forwarded", "started", "done"]),
+            st.sampled_from(["accept", "accept_by", "forwarded", "started", "held", "done"]),
             st.integers(0, 20),
         ),
         max_size=60,
@@ -275,6 +299,9 @@ def test_replay_matches_a_model_whatever_the_history_and_cut(
                 j.started(f"t{i}", n % 3)
                 if f"t{i}" in model:  # the last start's count
                     runs[f"t{i}"] = n % 3
+            elif kind == "held":  # off the engine, its Result held
+                j.off_engine(f"t{i}")
+                runs.pop(f"t{i}", None)
             else:
                 j.done(f"t{i}")
                 model.pop(f"t{i}", None)

@@ -86,6 +86,9 @@ def test_keygen_makes_the_secret_0600_from_the_start_and_refuses_names_links_and
         assert refused.returncode == 2 and said in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "up.key").exists()
+    # A bad name among good ones: nothing written (the good ones were, before it).
+    mixed = gossipd_cli("keygen", "m1", "m2", "bad/name", "--out", str(out))
+    assert mixed.returncode == 2 and not (out / "m1.key").exists()
 
 
 def _as_the_daemons_user(*args: str) -> subprocess.CompletedProcess[str]:

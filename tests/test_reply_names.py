@@ -136,3 +136,76 @@ def test_a_daemon_answers_on_while_a_reply_to_names_a_host_its_resolver_stalls_o
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["answered"] == ["to-an-address"], out
     assert out["answered_after_s"] < 2.0, out
+
+
+def test_lookups_stay_bounded_within_one_turn_and_a_resolver_error_fails_at_once() -> None:
+    """The bound was checked before a lookup's thread was counted, one turn later: a turn's
+    1,024 refusals to 1,024 made-up names started 1,024 threads.  And a name that IDNA
+    cannot encode (a label of 64 characters) raised UnicodeError in its thread: a
+    traceback, and its replies waited out the timeout."""
+    from gossipd.replynames import LOOKUPS_MAX
+
+    release = threading.Event()
+    started: list[str] = []
+
+    def getaddrinfo(host: str, port: int, *args: Any) -> list[Any]:
+        started.append(host)
+        if host.startswith("bad"):
+            raise UnicodeError("label too long")
+        release.wait(10)
+        raise OSError("no answer")
+
+    names = ReplyNames(timeout_s=2.0, getaddrinfo=getaddrinfo)
+
+    async def main() -> tuple[list[str], float]:
+        began = time.monotonic()
+        bad = await names.look_up("bad" + "x" * 64, 1)
+        quick = time.monotonic() - began
+        burst = await asyncio.gather(*(names.look_up(f"h{i}.example", 1) for i in range(100)))
+        return [bad, *burst], quick
+
+    try:
+        answers, quick = asyncio.run(main())
+    finally:
+        release.set()
+    assert answers[0] == FAILED and quick < 1.0
+    assert all(a == FAILED for a in answers)
+    assert len(started) <= LOOKUPS_MAX + 1  # the bad one, then at most 16 at once
+    assert names.refused >= 100 - LOOKUPS_MAX
+
+
+def test_a_stop_drops_the_replies_waiting_for_a_stalled_lookup_at_once() -> None:
+    """ReplySender.stop cancels the lookups: the daemon's task group waited for each stalled
+    one (up to ingress.reply_timeout_s), out of the seconds a stop has."""
+    release = threading.Event()
+
+    def getaddrinfo(host: str, port: int, *args: Any) -> list[Any]:
+        release.wait(10)
+        raise OSError("no answer")
+
+    ctx = zmq.Context()
+    sender = ReplySender(
+        SocketPool(ctx), sockets_max=8, idle_s=60, timeout_s=30.0, queue_max=100,
+        names=ReplyNames(timeout_s=30.0, getaddrinfo=getaddrinfo),
+    )  # fmt: skip
+    told: list[bool] = []
+
+    async def main() -> float:
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            sender.send("tcp://stalled.example:5", b"r")
+            sender.when_sent("tcp://stalled.example:5", lambda: told.append(True))
+            await asyncio.sleep(0.05)
+            began = time.monotonic()
+            sender.stop()
+        return time.monotonic() - began
+
+    try:
+        took = asyncio.run(main())
+        stats = sender.statistics()
+    finally:
+        release.set()
+        sender.close(linger_ms=0)
+        ctx.term()
+    assert took < 1.0 and told == [True]
+    assert stats.dropped_undeliverable == 1 and stats.queued == 0 and stats.queued_bytes == 0

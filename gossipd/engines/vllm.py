@@ -247,7 +247,7 @@ class VllmEngine:
                 max_tokens = min(max_tokens, int(defaults["max_tokens"]))
         try:
             structured = None
-            if (form := p.structured) is not None:  # (exactly one is set: messages.py)
+            if (form := p.structured) is not None:  # (exactly one is set: sampling.py)
                 structured = StructuredOutputsParams(
                     json=form.json or None,
                     json_object=form.json_object or None,

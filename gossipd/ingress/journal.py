@@ -9,7 +9,8 @@ FORWARDED with MessagePack [task id, forwarder] after them when a peer forwarded
 restart that forwarder's Withdraw is honoured, since it may have migrated the task while we
 were down, and it gets the TaskDone), RUNNING with MessagePack [task id, deaths] each time a
 worker gives it to the engine (from 0.3.6; ``deaths``: the engines and daemons that had died
-under it before, Owned.engine_deaths), DONE with the task id when its final result was sent.
+under it before, Owned.engine_deaths; -1: it left the engine, its Result held for its
+forwarder's word), DONE with the task id when its final result was sent.
 A task still unfinished at a restart whose last RUNNING says ``deaths`` had one more die under
 it: this daemon (``died_under``: deaths + 1), so that a task that kills its daemon is not run
 again for ever (engine.deaths_per_task_max).  A RUNNING record of a task already replayed
@@ -152,6 +153,8 @@ class Journal:
             # records appended from now on stay readable.
             os.ftruncate(self._file.fileno(), reader.torn_at)
             self._size = self._file_size = reader.torn_at
+        for task_id in [t for t, deaths in self.runs.items() if deaths < 0]:
+            del self.runs[task_id]  # (off the engine: RUNNING -1)
         self.died_under = {task_id: deaths + 1 for task_id, deaths in self.runs.items()}
         self._replayed = set(self._open)
         return [_task_decoder.decode(b) for b in self._open.values()]
@@ -200,6 +203,8 @@ class Journal:
         daemons that died under it before (Owned.engine_deaths)."""
         if task_id not in self._open:
             return
+        # (a copy sent again while the restart asked starts from 0: the count stays)
+        deaths = max(deaths, self.died_under.get(task_id, 0))
         self.runs[task_id] = deaths
         journal_format.append(self._pending, RUNNING, journal_format.pair(task_id, deaths))
         self._appended()
@@ -208,11 +213,19 @@ class Journal:
             # even if it does so at once; written, the page cache keeps it past our death)
             self.flush()
 
+    def off_engine(self, task_id: str) -> None:
+        """``task_id`` left the engine without finishing here yet (its Result held for its
+        forwarder's word): a restart must not count a death under it (RUNNING -1)."""
+        if self.runs.pop(task_id, None) is not None:
+            journal_format.append(self._pending, RUNNING, journal_format.pair(task_id, -1))
+            self._appended()
+
     def done(self, task_id: str) -> None:
         if self._open.pop(task_id, None) is not None:
             self.forwarded.pop(task_id, None)
             self.deadlines.pop(task_id, None)
             self.runs.pop(task_id, None)
+            self.died_under.pop(task_id, None)
             self._replayed.discard(task_id)
             journal_format.append(self._pending, DONE, task_id)
             self._appended()

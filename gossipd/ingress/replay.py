@@ -231,9 +231,11 @@ class JournalReplay:
             if admission.knows(task.id):
                 # Sent again while we asked (by its producer, or the same id by another):
                 # that copy runs (or ran) here, under its own journal record; a Cancel
-                # taken while we asked is its now (the runner checks the key).
+                # taken while we asked is its now (the runner checks the key), and so is
+                # the count of deaths under it (else a resend would reset it).
                 if task.id in self._cancelled:
                     intake.runner.cancel(task.id, task.producer_key)
+                self._count_deaths(task)
                 out.append((task, "held_here"))
                 continue
             if task.id in known:  # its producer's answer comes from that member
@@ -257,12 +259,7 @@ class JournalReplay:
                 journal.done(task.id)
                 out.append((task, "refused"))
                 continue
-            died = journal.died_under.get(task.id)
-            if died:  # running when the daemon went down: its worker counts on from here
-                owned = intake.book.get(task.id)
-                if owned is not None:
-                    owned.engine_deaths = max(owned.engine_deaths, died)
-                    self.died_under_it += 1
+            self._count_deaths(task)
             if task.id in self._cancelled:
                 # Cancelled while we asked: admitted and cancelled as a queued task is, so
                 # its answer is the results cache's too (a late resubmission gets it).
@@ -271,6 +268,20 @@ class JournalReplay:
                 continue
             out.append((task, "past_deadline" if past else "run"))  # (deadline_exceeded)
         return out
+
+    def _count_deaths(self, task: Task) -> None:
+        """A task that was on the engine when the daemon went down: its worker counts on
+        from the deaths under it (Journal.died_under)."""
+        died = self.journal.died_under.get(task.id)
+        if died:
+            owned = self._intake.book.get(task.id)
+            if (
+                owned is not None
+                and owned.task.producer_key == task.producer_key  # (not another's id)
+                and owned.engine_deaths < died
+            ):
+                owned.engine_deaths = died
+                self.died_under_it += 1
 
     def _log(self, tasks: list[Task], *, forwarded: bool) -> None:
         """What became of the journal's tasks so far (``forwarded``: the forwarded ones

@@ -133,6 +133,9 @@ class Runner:
         # Listeners, called synchronously in order: a task a worker gives to the engine
         # (the journal's RUNNING record)...
         self.on_started: list[Callable[[Owned], None]] = []
+        # ...a task whose Result is held (off the engine, not finished: the journal's
+        # RUNNING -1)...
+        self.on_held: list[Callable[[Owned], None]] = []
         # ...(journal, fan-out bookkeeping, tracing) a task answered from here (the Result has just been handed to the reply sender;
         # the entry says who else to tell: Owned.notify, the forwarders' TaskDones)...
         self.on_finished: list[Callable[[Owned, Result], None]] = []
@@ -283,7 +286,8 @@ class Runner:
             if started >= deadline:
                 raise TimeoutError
             if job.engine_deaths >= self._engine_deaths_max:
-                # Replayed from the journal: this daemon died under it too (Journal.runs).
+                # Replayed from the journal (this daemon died under it too: Journal.runs),
+                # or handed here at this member's bound.
                 raise _DiedUnderItTooOften
             for listener in self.on_started:
                 listener(job)
@@ -448,20 +452,20 @@ class Runner:
         )
 
     def _not_run_again(self, task: Task, deaths: int) -> Result:
-        """The answer of a task read from the journal whose count of deaths under it (its
-        engines', and this daemon's that went down with it running) is at the bound."""
+        """The answer of a task whose count of engines and daemons that died under it is at
+        the bound before it starts: one read from the journal (this daemon went down with it
+        on the engine), or handed here already at this member's bound."""
         log.error(
-            "this task was running when its daemon went down, and engines or daemons have "
-            "died under it engine.deaths_per_task_max times: answered engine_error, not run "
-            "again",
+            "engines or daemons died under this task engine.deaths_per_task_max times: "
+            "answered engine_error, not run again",
             extra={"task_id": task.id, "engine_deaths": deaths},
         )
         return error_result(
             task.id,
             ErrorCode.ENGINE_ERROR,
-            f"this daemon went down while running this task, the {_nth(deaths)} engine or "
-            f"daemon to die under it (engine.deaths_per_task_max {self._engine_deaths_max}): "
-            "it is not run again, in case it is what kills them",
+            f"{deaths} engines or daemons went down while running this task "
+            f"(engine.deaths_per_task_max {self._engine_deaths_max}): it is not run again, in "
+            "case it is what kills them",
             node=self._node,
         )
 
@@ -491,6 +495,8 @@ class Runner:
         if hold is not None and remember and owned.forwarders and not owned.from_producer:
             data = encode(result)
             if hold(owned, result, len(data)):
+                for held in self.on_held:
+                    held(owned)
                 return  # held: end_held sends it (or not) and tells the listeners
             self._replies.send(task.route, data, task.batch_replies)
         else:

@@ -89,9 +89,12 @@ def _reply_bind(args: argparse.Namespace, endpoints: list[str] = []) -> str:  # 
 def cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gossipd.security import write_key_pair
+    from gossipd.security import key_name_problem, write_key_pair
 
     names = args.name
+    for problem in filter(None, map(key_name_problem, names)):  # (before any is written)
+        print(f"gossipd keygen: {problem}", file=sys.stderr)
+        return 2
     clash = [
         str(path)
         for name in names
