@@ -29,9 +29,13 @@ from simulations.hosts_units import Unit
 _MEMBERS_RE = re.compile(r'^gossipd_members\{state="(\w+)"\}\s+([0-9.e+]+)', re.M)
 
 
-def read_members(addr: str, port: int, timeout_s: float = 1.0) -> dict[str, int]:
-    """``gossipd_members`` by state from a daemon's /metrics (run inside its host)."""
-    with urllib.request.urlopen(f"http://{addr}:{port}/metrics", timeout=timeout_s) as answer:
+def read_members(addr: str, port: int, timeout_s: float = 1.0, token: str = "") -> dict[str, int]:
+    """``gossipd_members`` by state from a daemon's /metrics (run inside its host), with the
+    bearer token where ``metrics.bearer_token_file`` asks one (OPERATIONS.md's node)."""
+    request = urllib.request.Request(f"http://{addr}:{port}/metrics")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
         text = answer.read().decode()
     return {state: int(float(value)) for state, value in _MEMBERS_RE.findall(text)}
 
@@ -45,6 +49,14 @@ def rss_kib(pid: int) -> tuple[int, int]:
         return 0, 0
     found = dict(re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M))
     return int(found.get("VmRSS", 0)), int(found.get("VmHWM", 0))
+
+
+def _metrics_token(hd: HostDeploy) -> str:
+    """The host's metrics token (OPERATIONS.md step 5 makes one), "" where it has none."""
+    try:
+        return (hd.root / "etc/gossipd/metrics.token").read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return ""
 
 
 @dataclass
@@ -91,7 +103,8 @@ class Watcher:
                 with self._lock:
                     self.rss_max_kib[unit.name] = max(self.rss_max_kib.get(unit.name, 0), hwm)
                 try:
-                    counts = read_members(hd.host.addr, metrics_port(int(unit.instance)))
+                    port = metrics_port(int(unit.instance))
+                    counts = read_members(hd.host.addr, port, token=_metrics_token(hd))
                 except (OSError, ValueError, http.client.HTTPException):
                     # Starting, or stopped (a daemon that stops mid-answer cuts it short:
                     # IncompleteRead, which once ended this thread in a rolling drain).

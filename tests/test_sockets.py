@@ -47,7 +47,7 @@ EXPECTED_OPTIONS = [
         SocketKind.REPLY,
         {},
         zmq.PUSH,
-        {zmq.IMMEDIATE: 1, zmq.SNDHWM: 10_000, zmq.RECONNECT_IVL: 100, zmq.LINGER: 0},
+        {zmq.IMMEDIATE: 1, zmq.SNDHWM: 256, zmq.RECONNECT_IVL: 100, zmq.LINGER: 0},
     ),
     (
         SocketKind.PEER,
