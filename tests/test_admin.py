@@ -260,7 +260,9 @@ def test_version() -> None:
     assert done.returncode == 0 and done.stdout.strip() == f"gossipd {__version__}"
 
 
-def test_a_flood_of_status_queries_in_tasks_frames_is_answered_up_to_the_burst(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_flood_of_status_queries_in_tasks_frames_is_answered_up_to_the_burst(
+    daemon_factory,
+) -> None:  # type: ignore[no-untyped-def]
     """Admin requests bypass admission: one 1 MiB Tasks frame of StatusQueries asked for
     some 26,900 reports (about 1 GB built in one loop turn; a frame holds at most 1,024
     items now).  Past the burst each is answered overloaded with retry_after_ms, counted;
