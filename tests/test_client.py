@@ -231,3 +231,79 @@ def test_client_keeps_the_first_final_result_and_counts_later_ones() -> None:
     assert result.text == "first" and result.node == "d01"
     assert stats.duplicate_results == 1 and stats.unknown_replies == 1
     assert stats.completed == 1 and stats.outstanding == 0
+
+
+def test_a_cancel_while_a_refusal_is_waited_out_ends_the_task_at_once() -> None:
+    """Refused with a retry hint, the task is held by no daemon: a Cancel then found nothing
+    to cancel, and the handle waited for its whole deadline (a review's reading).  It ends
+    at once now, ``cancelled``, and is not sent again."""
+    from gossipd.core.messages import ErrorCode, error_result
+
+    async def main(ctx: zmq.Context) -> tuple[Result, float, int]:
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        push = ctx.socket(zmq.PUSH)
+        try:
+            async with Client([endpoint], ctx=ctx, resubmit_after_s=30) as client:
+                handle = await client.submit("x", timeout_s=20)
+                task = msgpack.unpackb(await asyncio.to_thread(pull.recv))
+                push.connect(task["reply_to"])
+                refusal = error_result(
+                    task["id"], ErrorCode.OVERLOADED, "busy", retry_after_ms=5000
+                )
+                push.send(encode(refusal))
+                for _ in range(200):
+                    if client.statistics().retried:
+                        break
+                    await asyncio.sleep(0.01)
+                began = asyncio.get_running_loop().time()
+                assert await client.cancel(task["id"])
+                result = await asyncio.wait_for(handle.result(), 5)
+                took = asyncio.get_running_loop().time() - began
+                await asyncio.sleep(0.1)
+                frames = 0
+                while pull.poll(0):  # the Cancel; no copy of the task
+                    frames += msgpack.unpackb(pull.recv())["t"] == 1
+                return result, took, frames
+        finally:
+            push.close(linger=0)
+            pull.close(linger=0)
+
+    result, took, tasks_sent_again = run_with_context(main)
+    assert result.error is not None and result.error.code == "cancelled"
+    assert took < 1.0 and tasks_sent_again == 0
+
+
+def test_closing_the_client_ends_every_outstanding_handle_and_a_same_id_race_is_refused() -> None:
+    """close() cancelled the handles' timers and left their results pending for ever; and two
+    submits of one id that both waited for a slot both got in, the second overwriting the
+    first, whose deadline then removed the second (its Result counted a duplicate)."""
+    from gossipd.errors import LocalProtocolError
+
+    async def main(ctx: zmq.Context) -> tuple[list[Result], str]:
+        pull = ctx.socket(zmq.PULL)
+        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+        push = ctx.socket(zmq.PUSH)
+        refused = ""
+        async with Client([endpoint], ctx=ctx, resubmit_after_s=30, outstanding_max=1) as client:
+            held = await client.submit("x", task_id="holds-the-slot", timeout_s=60)
+            first = asyncio.create_task(client.submit("x", task_id="twice", timeout_s=60))
+            await asyncio.sleep(0.05)  # (it waits for the one slot)
+            try:
+                await client.submit("x", task_id="twice", timeout_s=60)
+            except LocalProtocolError as exc:
+                refused = str(exc)
+            task = msgpack.unpackb(await asyncio.to_thread(pull.recv))  # the stand-in daemon
+            push.connect(task["reply_to"])
+            push.send(encode(Result(id=task["id"], ok=True, text="done")))  # a slot frees
+            handle = await first
+        # (the client is closed: every handle still outstanding has its result)
+        results = [await asyncio.wait_for(h.result(), 2) for h in (held, handle)]
+        pull.close(linger=0)
+        push.close(linger=0)
+        return results, refused
+
+    results, refused = run_with_context(main)
+    assert results[0].ok and results[1].error is not None
+    assert results[1].error.code == "cancelled" and "closed" in results[1].error.message
+    assert "already outstanding" in refused

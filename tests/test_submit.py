@@ -201,3 +201,93 @@ def test_a_daemon_started_without_a_log_dir_writes_nothing_into_tmp_under_pytest
 
     seen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert Path(seen.stdout.strip()) == root
+
+
+def test_a_connection_without_a_handshake_is_named_as_such_not_as_nothing_listening() -> None:
+    """A daemon under CURVE met without keys (or with keys it does not know) accepts the
+    connection and completes no handshake: the Client took the connection for a daemon, and
+    every task waited out its deadline.  Now wait_connected waits for the handshake and says
+    what is missing.  Stand-ins: a CURVE server met without keys, a plain one met with them."""
+    import zmq
+
+    from gossipd.tools.client import ProducerKeys
+
+    public, secret = zmq.curve_keypair()
+    server_public, server_secret = zmq.curve_keypair()
+    ctx = zmq.Context()
+    curve_server = ctx.socket(zmq.PULL)
+    curve_server.setsockopt(zmq.CURVE_SERVER, 1)
+    curve_server.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
+    plain_server = ctx.socket(zmq.PULL)
+    at_curve = f"tcp://127.0.0.1:{curve_server.bind_to_random_port('tcp://127.0.0.1')}"
+    at_plain = f"tcp://127.0.0.1:{plain_server.bind_to_random_port('tcp://127.0.0.1')}"
+
+    async def attempt(endpoint: str, keys: ProducerKeys | None) -> str:
+        try:
+            async with Client([endpoint], ctx=ctx, connect_timeout_s=1.0, curve=keys):
+                return "connected"
+        except NotConnected as exc:
+            return str(exc)
+
+    keys = ProducerKeys(public=public, secret=secret, server_keys=[server_public])
+    try:
+        without_keys = asyncio.run(attempt(at_curve, None))
+        with_keys = asyncio.run(attempt(at_plain, keys))
+    finally:
+        ctx.destroy(linger=0)
+    assert "accepts connections but no handshake completed" in without_keys, without_keys
+    assert "--secret-key" in without_keys
+    assert "no CURVE handshake completed" in with_keys and "--server-key" in with_keys
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--window", "0", "--file", "F"], "--window: must be at least 1"),
+        (["--resubmit-after", "0", "--file", "F"], "--resubmit-after: must be above 0"),
+        (["-e", "10.0.0.5:5557", "hello"], "is not tcp://HOST:PORT"),
+        (["--file", "F", "--out", "/nonexistent-dir/out.jsonl"], "cannot write --out"),
+    ],
+)
+def test_submit_refuses_bad_options_with_a_message(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    """--window 0 waited for ever; --resubmit-after 0 resent every task at every loop turn;
+    an endpoint ZeroMQ refuses was reported as the reply address's fault; an --out that
+    cannot be written gave a traceback."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"prompt": "x"}) + "\n")
+    args = [str(path) if a == "F" else a for a in args]
+    proc = gossipd_cli("submit", *args, timeout_s=30)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_file_line_with_a_bad_deadline_or_an_id_taken_is_refused_not_sent(
+    daemon_factory, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """README: a line that is no valid task is not sent.  A timeout_ms of 0 or past the
+    Task's 3,600,000 was sent (ending deadline_exceeded, or refused by the daemon), and a
+    second line with an id taken raised out of submit (or got the first line's Result)."""
+    daemon = daemon_factory()
+    path = tmp_path / "tasks.jsonl"
+    lines = [
+        {"prompt": "a", "id": "one"},
+        {"prompt": "b", "id": "one"},
+        {"prompt": "c", "timeout_ms": 0},
+        {"prompt": "d", "timeout_ms": 3_600_001},
+        {"prompt": "e", "id": "two"},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    proc = gossipd_cli(
+        "submit", "-e", daemon.endpoint, "--file", str(path), "--out", str(out), "--no-progress",
+        "--json", timeout_s=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    results = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert results[1]["ok"] and results[5]["ok"]
+    for line in (2, 3, 4):
+        assert results[line]["error"]["code"] == "bad_request", results[line]
+    assert "line 1's too" in results[2]["error"]["message"]

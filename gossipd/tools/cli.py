@@ -59,6 +59,28 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _at_least_1(text: str) -> int:
+    """--window: a count of 1 or more (0 let no task go, and no deadline ever fired)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, found {value}")
+    return value
+
+
+def _seconds_above_0(text: str) -> float:
+    """--resubmit-after: seconds above 0 (0 resent every task at every loop turn)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, found {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, found {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gossipd import __version__
 
@@ -221,10 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0, help="task deadline in seconds")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--key", default="", help="placement key (sessions keep one key)")
-    p.add_argument("--window", type=int, default=1000, help="tasks outstanding at once (--file)")
+    p.add_argument(
+        "--window", type=_at_least_1, default=1000, help="tasks outstanding at once (--file)"
+    )
     p.add_argument(
         "--resubmit-after",
-        type=float,
+        type=_seconds_above_0,
         default=5.0,
         help="resend an unanswered task after S seconds",
     )

@@ -83,10 +83,33 @@ class NotConnected(ConnectionError):
     """No daemon accepted a connection at any of the endpoints within the wait: nothing
     listens there (or it is unreachable)."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        timeout_s: float,
+        *,
+        handshake: bool = False,
+        curve: bool = False,
+    ) -> None:
+        """``handshake``: a connection was made, but no handshake completed on it (``curve``:
+        this producer gave keys)."""
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
         where = ", ".join(endpoints)
+        if handshake and curve:
+            super().__init__(
+                f"{where} accepts connections but no CURVE handshake completed within "
+                f"{timeout_s:g} s: is --server-key that daemon's NODE.key, and this "
+                "producer's NAME.key in its security.producer_keys_dir?"
+            )
+            return
+        if handshake:
+            super().__init__(
+                f"{where} accepts connections but no handshake completed within "
+                f"{timeout_s:g} s: if the daemon runs with security.curve, give --secret-key "
+                "FILE and --server-key FILE (or GOSSIPD_SECRET_KEY / GOSSIPD_SERVER_KEY)"
+            )
+            return
         super().__init__(
             f"no daemon at {where}: no connection within {timeout_s:g} s (nothing listens "
             "there, or it is unreachable); start one with `gossipd run` or give the right "
@@ -105,6 +128,7 @@ class TaskHandle:
         "_result",
         "_timer",
         "attempts",
+        "backing_off",
         "cancelled",
         "deadline",
         "submitted_at",
@@ -115,6 +139,9 @@ class TaskHandle:
         self.task = task
         self.attempts = 1
         self.cancelled = False  # cancel() was called: never sent again
+        # Refused with a retry hint and waiting it out: no daemon holds it now (a Cancel
+        # then ends it here).
+        self.backing_off = False
         self.submitted_at = loop.time()
         self.deadline = self.submitted_at + task.timeout_ms / 1000.0  # loop time
         self._result: asyncio.Future[Result] = loop.create_future()
@@ -254,6 +281,7 @@ class Client:
         self._prefix = id_prefix if id_prefix is not None else secrets.token_hex(6)
         self._counter = 0
         self._outstanding: dict[str, TaskHandle] = {}
+        self._awaiting_slot: set[str] = set()  # ids submitted, waiting for a slot
         self._finished: OrderedDict[str, None] = OrderedDict()  # at most FINISHED_IDS_MAX
         self._push: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
@@ -307,7 +335,9 @@ class Client:
         self._push.setsockopt(zmq.IMMEDIATE, 1)
         self._push.setsockopt(zmq.LINGER, 1000)
         if self._connect_timeout_s is not None:  # before connect(): see every connection
-            self._monitor = self._push.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._monitor = self._push.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            )
         if curve is not None:
             self._push.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
             self._push.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
@@ -321,14 +351,18 @@ class Client:
         )
 
     async def wait_connected(self, timeout_s: float) -> None:
-        """Return once a connection to some endpoint is made (a ZeroMQ socket monitor's
-        CONNECTED event on our PUSH); raise ``NotConnected`` if none is made within
-        ``timeout_s``.  Needs ``connect_timeout_s`` set (the monitor starts before connect)."""
+        """Return once a connection to some endpoint is ready (a ZeroMQ socket monitor's
+        HANDSHAKE_SUCCEEDED event on our PUSH: a connection whose handshake fails, CURVE keys
+        missing or not the daemon's, carries nothing); raise
+        ``NotConnected`` if none is made within ``timeout_s``, saying which of the two it
+        was.  Needs ``connect_timeout_s`` set (the monitor starts before connect)."""
         monitor = self._monitor
         if monitor is None:
             raise LocalProtocolError("wait_connected() needs a Client made with connect_timeout_s")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        ready = zmq.EVENT_HANDSHAKE_SUCCEEDED  # (libzmq 4.3 says it for NULL too)
+        connected = False
         try:
             while True:
                 try:
@@ -336,9 +370,13 @@ class Client:
                 except zmq.Again:
                     left_s = deadline - loop.time()
                     if left_s <= 0 or not await wait_events(monitor, POLLIN, left_s):
-                        raise NotConnected(self._endpoints, timeout_s) from None
+                        raise NotConnected(
+                            self._endpoints, timeout_s, handshake=connected,
+                            curve=self._curve is not None,
+                        ) from None  # fmt: skip
                     continue
-                if event["event"] == zmq.EVENT_CONNECTED:
+                connected = connected or event["event"] == zmq.EVENT_CONNECTED
+                if event["event"] == ready:
                     return
         finally:
             self._stop_monitor()
@@ -360,9 +398,9 @@ class Client:
         if self._receiver is not None:
             self._receiver.close()  # before the socket closes
             self._receiver = None
-        for handle in list(self._outstanding.values()):
-            if handle._timer is not None:
-                handle._timer.cancel()
+        for handle in list(self._outstanding.values()):  # (awaited results must not hang)
+            why = "the Client was closed before the task's result came"
+            self._complete(handle, error_result(handle.id, ErrorCode.CANCELLED, why, node="client"))
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(linger=0)
@@ -409,7 +447,7 @@ class Client:
     async def submit_task(self, task: Task) -> TaskHandle:
         if self._push is None:
             raise LocalProtocolError("open the Client (async with) before submitting")
-        if task.id in self._outstanding:
+        if task.id in self._outstanding or task.id in self._awaiting_slot:
             raise LocalProtocolError(f"task id {task.id!r} is already outstanding")
         if not 1 <= len(task.id) <= TASK_ID_CHARS_MAX:  # the daemon would refuse it unanswerably
             raise LocalProtocolError(
@@ -421,7 +459,13 @@ class Client:
                 f"task id {task.id!r}: ids starting with {self._packer.pack_id_prefix!r} are "
                 'this Client\'s Tasks frame ids (docs/PROTOCOL.md, "Tasks"); choose another'
             )
-        await self._slots.acquire()
+        # (its id taken while it waits for a slot: a second submit of it is refused, not
+        # let in to overwrite this one)
+        self._awaiting_slot.add(task.id)
+        try:
+            await self._slots.acquire()
+        finally:
+            self._awaiting_slot.discard(task.id)
         loop = asyncio.get_running_loop()
         handle = TaskHandle(task, loop)
         self._outstanding[task.id] = handle
@@ -445,10 +489,7 @@ class Client:
         if handle._timer is not None:
             handle._timer.cancel()
         handle.cancelled = True
-        deadline = _local_deadline(handle)
-        handle._timer = asyncio.get_running_loop().call_at(
-            deadline, self._on_timer, handle, deadline
-        )
+        backing_off = handle.backing_off
         assert self._packer is not None
         self._packer.flush()  # the task, if packed in this turn, goes before its Cancel
         # PUSH spreads messages round robin over the connected daemons; one copy per endpoint
@@ -457,6 +498,15 @@ class Client:
         for _ in self._endpoints:
             self._send_frame(cancel)
         self._stats["cancelled"] += 1
+        if backing_off:  # refused, waiting to go again: no daemon took it (a copy sent before
+            # the refusal and still running elsewhere has the Cancels above)
+            why = "cancelled before any daemon took it (it waited out a refusal's retry hint)"
+            self._complete(handle, error_result(task_id, ErrorCode.CANCELLED, why, node="client"))
+        else:
+            deadline = _local_deadline(handle)
+            handle._timer = asyncio.get_running_loop().call_at(
+                deadline, self._on_timer, handle, deadline
+            )
         return True
 
     def _arm(
@@ -496,6 +546,7 @@ class Client:
         alone: bool = False,
     ) -> None:
         handle.attempts += 1
+        handle.backing_off = False
         # Tasks are immutable: copy with the new attempt number, and what is left of the
         # deadline (timeout_ms counts from a daemon's receipt, and the daemon decides by it
         # whether the task can still wait in its queue).
@@ -586,6 +637,7 @@ class Client:
             self._stats["retried"] += 1
             if handle._timer is not None:
                 handle._timer.cancel()
+            handle.backing_off = True
             handle._timer = loop.call_later(max(retry_s, 0.001), self._resend, handle, loop, None)
             return
         self._complete(handle, reply)

@@ -118,10 +118,15 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     import zmq
 
+    from gossipd.core.messages import endpoint_problem
     from gossipd.tools import submit
     from gossipd.tools.client import NotConnected
 
     endpoints = args.endpoint or [DEFAULT_ENDPOINT]
+    for endpoint in endpoints:  # (ZeroMQ's refusal was reported as the reply address's)
+        if (problem := endpoint_problem(endpoint)) is not None:
+            print(f"gossipd submit: --endpoint {endpoint!r}: {problem}", file=sys.stderr)
+            return 2
     connect_timeout_s = args.connect_timeout or None
     curve = _producer_keys(args, endpoints)
     reply_bind = _reply_bind(args, endpoints)
@@ -172,7 +177,11 @@ def _submit_file(
         why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8 text ({exc.reason})"
         print(f"gossipd submit: cannot read {args.file}: {why}", file=sys.stderr)
         return 2
-    out = submit.ResultWriter(args.out) if args.out else None
+    try:
+        out = submit.ResultWriter(args.out) if args.out else None
+    except OSError as exc:
+        print(f"gossipd submit: cannot write --out {args.out}: {exc.strerror}", file=sys.stderr)
+        return 2
 
     async def many() -> int:
         report = await submit.submit_many(

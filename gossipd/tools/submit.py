@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -59,21 +59,31 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     key: str = ""
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
-    timeout_ms: int = 30_000
+    timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 30_000  # (the Task's)
     model: str = ""
 
 
 def read_numbered_task_lines(path: Path) -> list[tuple[int, _Line | str]]:
-    """(line number, the task or an error string "FILE:N: why") for each non-blank line."""
+    """(line number, the task or an error string "FILE:N: why") for each non-blank line; a
+    line whose id an earlier line has is an error (it would get that task's result)."""
     out: list[tuple[int, _Line | str]] = []
+    seen: dict[str, int] = {}
     with path.open() as fh:
         for number, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue
             try:
-                out.append((number, msgspec.json.decode(raw, type=_Line)))
+                line = msgspec.json.decode(raw, type=_Line)
             except msgspec.DecodeError as exc:
                 out.append((number, f"{path}:{number}: {exc}"))
+                continue
+            if line.id is not None and line.id in seen:
+                why = f"id {line.id!r} is line {seen[line.id]}'s too: each task its own id"
+                out.append((number, f"{path}:{number}: {why}"))
+                continue
+            if line.id is not None:
+                seen[line.id] = number
+            out.append((number, line))
     return out
 
 
