@@ -82,7 +82,11 @@ def test_a_client_gone_while_its_owner_is_dying_leaves_nothing_running(trio: Clu
     entry, owner, other = trio.daemons
     stream = _stream_owned_by(trio, owner, 800)  # 40 s at 0.05 s a token
     next(iter(stream))
-    owner.kill()  # SIGKILL: the stream stalls
+    # SIGSTOP, then SIGKILL below: the stream stalls, and the owner is dead to the entry only
+    # once membership says so (seconds).  A SIGKILL's refused port told the members within
+    # milliseconds, at times before the door saw the client gone: the task was then migrated
+    # first, and its Cancel went to the new owner (CI at 2d35d66).
+    owner.pause()
     stream.close()  # ...and the client gives up on it
     wait_until(
         lambda: scrape(entry.metrics_port)["gossipd_http_cancels_total{why=disconnect}"] == 1,
@@ -94,6 +98,7 @@ def test_a_client_gone_while_its_owner_is_dying_leaves_nothing_running(trio: Clu
         20,
         "the entry to declare the owner dead and end the cancelled task",
     )
+    owner.kill()  # (stopped: a SIGTERM would wait for it)
     assert scrape(entry.metrics_port).get("gossipd_fanout_migrated_total", 0) == 0
     for d in (entry, other):
         assert scrape(d.metrics_port)["gossipd_tasks_running"] == 0, d.name
