@@ -40,19 +40,6 @@ _STR_HEAD_BYTES = sys.getsizeof("")
 _STRINGS_HEADS_BYTES = 5 * _STR_HEAD_BYTES
 
 
-def _strings_bytes(task: Task) -> int:
-    """The characters of a task's strings beside its prompt (its id, key, reply_to, model
-    and traceparent), at their width in memory."""
-    return (
-        _sizeof(task.id)
-        + _sizeof(task.key)
-        + _sizeof(task.reply_to)
-        + _sizeof(task.model)
-        + _sizeof(task.traceparent)
-        - _STRINGS_HEADS_BYTES
-    )
-
-
 def task_bytes(task: Task) -> int:
     """Memory a task holds: its prompt and its other strings (in memory: 1, 2 or 4 bytes
     a character), its stop strings, a structured output's form where it has one (rare: a schema or grammar may be as large),
@@ -62,6 +49,18 @@ def task_bytes(task: Task) -> int:
     params = task.params
     form = params.structured
     ids = params.prompt_token_ids
+    # The characters of its strings beside the prompt (id, key, reply_to, model,
+    # traceparent) at their width in memory: inline, no call (the request path's count).
+    held = (
+        TASK_OVERHEAD_BYTES
+        + _sizeof(task.prompt)
+        + _sizeof(task.id)
+        + _sizeof(task.key)
+        + _sizeof(task.reply_to)
+        + _sizeof(task.model)
+        + _sizeof(task.traceparent)
+        - _STRINGS_HEADS_BYTES
+    )
     if (
         form is None
         and params.logprobs is None
@@ -71,8 +70,7 @@ def task_bytes(task: Task) -> int:
         and params.stop_token_ids is None
         and not params.stop
     ):
-        return TASK_OVERHEAD_BYTES + _sizeof(task.prompt) + _strings_bytes(task)
-    held = TASK_OVERHEAD_BYTES + _sizeof(task.prompt) + _strings_bytes(task)
+        return held
     if stop := params.stop:  # (at most 8 of 64 characters)
         held += _sizeof(stop) + sum(map(_sizeof, stop))
     if ids:  # (a list's slots, and an int object each: the small ones are shared, few ids)
