@@ -307,3 +307,39 @@ def test_closing_the_client_ends_every_outstanding_handle_and_a_same_id_race_is_
     assert results[0].ok and results[1].error is not None
     assert results[1].error.code == "cancelled" and "closed" in results[1].error.message
     assert "already outstanding" in refused
+
+
+def test_frames_waiting_for_a_daemon_are_bounded_in_bytes_and_their_tasks_still_run(
+    tmp_path: Path,
+) -> None:
+    """With no daemon up, every resubmission queued one more copy of its task in the Client,
+    without bound (a copy per task every resubmit_after_s for as long as the outage lasted).
+    Now the oldest task frames are dropped over unsent_bytes_max and their tasks go again at
+    their timers: once a daemon starts, every task runs."""
+    daemon = DaemonProcess(log_dir=tmp_path)
+    bound = 16 * 1024
+    prompt = "p" * 400
+
+    async def main() -> tuple[list[Result], list[int], ClientStatistics]:
+        seen: list[int] = []
+        async with Client(
+            [daemon.endpoint], resubmit_after_s=0.1, unsent_bytes_max=bound
+        ) as client:
+            handles = [
+                await client.submit(f"{prompt} {i}", max_tokens=2, timeout_s=30) for i in range(100)
+            ]
+            for _ in range(15):  # ten resubmissions of each task while nobody takes them
+                await asyncio.sleep(0.1)
+                seen.append(client.statistics().unsent_bytes)
+            await asyncio.to_thread(daemon.start)
+            results = [await h.result() for h in handles]
+            return results, seen, client.statistics()
+
+    try:
+        results, seen, stats = asyncio.run(main())
+    finally:
+        daemon.stop()
+    assert [r.text for r in results] == [f"{prompt} {i}" for i in range(100)]
+    frame_max = 1024  # one task alone (a resubmission is never packed)
+    assert max(seen) <= bound + frame_max and min(seen) > bound // 2
+    assert stats.unsent_frames_dropped > 0 and stats.unsent_bytes == 0

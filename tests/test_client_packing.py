@@ -60,7 +60,7 @@ def test_a_lone_task_leaves_as_a_plain_task_frame() -> None:
             await asyncio.sleep(0)
             await _submit_in_one_turn(client, 3)
             await asyncio.sleep(0)
-            return list(client._unsent), client.statistics()
+            return [frame for frame, _ in client._unsent], client.statistics()
 
     frames, stats = run_with_context(main)
     maps = [msgpack.unpackb(f) for f in frames]
@@ -83,7 +83,7 @@ def test_packs_are_bounded_in_bytes_and_a_larger_task_goes_alone() -> None:
                 client.submit("small", task_id="s"),
             )
             await asyncio.sleep(0)
-            return list(client._unsent)
+            return [frame for frame, _ in client._unsent]
 
     frames = run_with_context(main)
     maps = [msgpack.unpackb(f) for f in frames]
@@ -227,7 +227,7 @@ def test_without_packing_every_task_is_a_frame() -> None:
         async with Client(["tcp://127.0.0.1:1"], ctx=ctx, pack_tasks=False) as client:
             await _submit_in_one_turn(client, 5)
             await asyncio.sleep(0)
-            return list(client._unsent)
+            return [frame for frame, _ in client._unsent]
 
     assert [msgpack.unpackb(f)["t"] for f in run_with_context(main)] == [1] * 5
 
