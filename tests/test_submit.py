@@ -291,3 +291,46 @@ def test_a_file_line_with_a_bad_deadline_or_an_id_taken_is_refused_not_sent(
     for line in (2, 3, 4):
         assert results[line]["error"]["code"] == "bad_request", results[line]
     assert "line 1's too" in results[2]["error"]["message"]
+
+
+def test_submit_sends_a_files_tasks_as_it_reads_them_from_a_pipe(
+    daemon_factory, tmp_path: Path
+) -> None:
+    """`gossipd submit --file` read the whole file before it sent a task: a file larger than
+    memory could not be sent, and from a pipe no task left before the writer closed it.  Now
+    the first line's Result is written while the pipe is still open."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import wait_until
+
+    daemon = daemon_factory()
+    fifo, out = tmp_path / "tasks.fifo", tmp_path / "out.jsonl"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossipd", "submit", "-e", daemon.endpoint, "--file", str(fifo),
+         "--out", str(out), "--json", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with fifo.open("w") as writer:  # (opens once the command opens its end)
+            writer.write(json.dumps({"id": "first", "prompt": "a b"}) + "\n")
+            writer.flush()
+            wait_until(
+                lambda: out.exists() and '"first"' in out.read_text(),
+                30,
+                "the first line's Result while the pipe is open",
+            )
+            writer.write("\n" + json.dumps({"id": "second", "prompt": "c"}) + "\nnot json\n")
+            writer.write(json.dumps({"id": "first", "prompt": "again"}))  # no newline at the end
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr[-2000:]
+    report = json.loads(stdout)
+    assert report["total"] == 4 and report["ok"] == 2, report
+    assert report["failed"] == {"bad_request": 2}
+    assert f"{fifo}:4" in stderr and f"{fifo}:5" in stderr and "line 1's too" in stderr
+    rows = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows[1]["ok"] and rows[3]["ok"] and sorted(rows) == [1, 3, 4, 5]

@@ -172,22 +172,23 @@ def _submit_file(
     from gossipd.tools import submit
 
     try:
-        numbered = submit.read_numbered_task_lines(args.file)
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else f"not UTF-8 text ({exc.reason})"
-        print(f"gossipd submit: cannot read {args.file}: {why}", file=sys.stderr)
+        total = submit.count_task_lines(args.file)
+        tasks_file = args.file.open("rb")  # (a pipe: waits for its writer, then streams)
+    except OSError as exc:
+        print(f"gossipd submit: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
     try:
         out = submit.ResultWriter(args.out) if args.out else None
     except OSError as exc:
+        tasks_file.close()
         print(f"gossipd submit: cannot write --out {args.out}: {exc.strerror}", file=sys.stderr)
         return 2
 
     async def many() -> int:
         report = await submit.submit_many(
             endpoints,
-            [line for _, line in numbered],
-            numbers=[n for n, _ in numbered],
+            submit.read_task_lines(tasks_file, args.file),
+            total=total,
             resubmit_after_s=args.resubmit_after,
             window=args.window,
             show_progress=not args.no_progress,
@@ -203,6 +204,7 @@ def _submit_file(
     try:
         return _run_loop(many())
     finally:
+        tasks_file.close()
         if out is not None:
             out.close()
 

@@ -11,7 +11,7 @@ import sys
 
 from gossipd.tools.client import Client
 from gossipd.tools.launcher import DaemonProcess
-from gossipd.tools.submit import _Line, print_report, submit_many
+from gossipd.tools.submit import _Line, numbered, print_report, submit_many
 
 
 def run_demo(*, tasks: int) -> int:
@@ -36,7 +36,12 @@ def run_demo(*, tasks: int) -> int:
             )
         lines = [_Line(prompt=f"task {i} of the demo") for i in range(tasks)]
         report = await submit_many(
-            [daemon.endpoint], list(lines), resubmit_after_s=5.0, window=500, show_progress=True
+            [daemon.endpoint],
+            numbered(lines),
+            total=len(lines),
+            resubmit_after_s=5.0,
+            window=500,
+            show_progress=True,
         )
         print_report(report, as_json=False)
         return result.ok and report.ok == report.total

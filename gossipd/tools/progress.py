@@ -26,8 +26,14 @@ def duration(seconds: float) -> str:
 
 class Progress:
     def __init__(
-        self, total: int, label: str, *, stream: TextIO | None = None, enabled: bool = True
+        self,
+        total: int | None,
+        label: str,
+        *,
+        stream: TextIO | None = None,
+        enabled: bool = True,
     ) -> None:
+        """``total`` None: not known ahead (a pipe read as it comes): counts, no bar."""
         self.total = total
         self.label = label
         self._stream = stream or sys.stderr
@@ -47,16 +53,19 @@ class Progress:
         self._last = now
         self._shown = (done, extra)
         elapsed = max(now - self._started, 1e-9)
-        width = 30
-        filled = int(width * done / self.total) if self.total else width
-        bar = "#" * filled + "-" * (width - filled)
         rate = done / elapsed
-        eta = (
-            f" ETA {duration((self.total - done) / rate)}"
-            if 0 < done < self.total and elapsed > 1.0
-            else ""
-        )
-        line = f"{self.label} [{bar}] {done}/{self.total} {rate:8.0f}/s{eta} {extra}"
+        if self.total is None:
+            line = f"{self.label} {done} {rate:8.0f}/s {extra}"
+        else:
+            width = 30
+            filled = int(width * done / self.total) if self.total else width
+            bar = "#" * filled + "-" * (width - filled)
+            eta = (
+                f" ETA {duration((self.total - done) / rate)}"
+                if 0 < done < self.total and elapsed > 1.0
+                else ""
+            )
+            line = f"{self.label} [{bar}] {done}/{self.total} {rate:8.0f}/s{eta} {extra}"
         if self._tty:
             self._stream.write("\r" + line)
         else:

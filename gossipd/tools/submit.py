@@ -11,9 +11,11 @@ daemon accepts a connection within ``--connect-timeout`` (the message names the 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sys
 from collections import Counter
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -63,28 +65,76 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     model: str = ""
 
 
-def read_numbered_task_lines(path: Path) -> list[tuple[int, _Line | str]]:
-    """(line number, the task or an error string "FILE:N: why") for each non-blank line; a
-    line whose id an earlier line has is an error (it would get that task's result)."""
-    out: list[tuple[int, _Line | str]] = []
+NumberedLine = tuple[int, _Line | str]
+
+
+# Read from the file at a time (in a thread: a pipe's reader waits there, not in the loop
+# that takes the Results).
+READ_BLOCK_BYTES = 64 * 1024
+# A line longer than this is refused unread (no daemon takes a message over 256 MiB,
+# ingress.message_bytes_max's ceiling), rather than held whole.
+LINE_BYTES_MAX = 256 * 1024 * 1024
+
+
+async def read_task_lines(fh: io.BufferedReader, path: Path) -> AsyncIterator[NumberedLine]:
+    """(line number, the task or an error string "FILE:N: why") for each non-blank line, read
+    as the tasks are sent: a file larger than memory, or a pipe, streams through.  A line
+    that is not UTF-8 JSON of a task is that line's error, and so is one whose id an earlier
+    line has (it would get that task's result).  Only the ids are kept, to see repeats."""
     seen: dict[str, int] = {}
-    with path.open() as fh:
-        for number, raw in enumerate(fh, 1):
-            if not raw.strip():
+    number = 0
+    rest = bytearray()
+    too_long = False  # skipping the rest of a line over LINE_BYTES_MAX
+    while True:
+        block = await asyncio.to_thread(fh.read1, READ_BLOCK_BYTES)
+        lines = block.split(b"\n") if block else [b"", b""]  # (at the end: what is left)
+        for i, piece in enumerate(lines):
+            last = i == len(lines) - 1
+            if not too_long:
+                rest += piece
+            if last and block:  # a line that goes on in the next block
+                if len(rest) > LINE_BYTES_MAX:
+                    rest.clear()
+                    too_long = True
                 continue
-            try:
-                line = msgspec.json.decode(raw, type=_Line)
-            except msgspec.DecodeError as exc:
-                out.append((number, f"{path}:{number}: {exc}"))
-                continue
-            if line.id is not None and line.id in seen:
-                why = f"id {line.id!r} is line {seen[line.id]}'s too: each task its own id"
-                out.append((number, f"{path}:{number}: {why}"))
-                continue
-            if line.id is not None:
-                seen[line.id] = number
-            out.append((number, line))
-    return out
+            number += 1
+            if too_long:
+                too_long = False
+                yield number, f"{path}:{number}: a line over {LINE_BYTES_MAX} bytes"
+            elif rest.strip():
+                yield number, _task_line(bytes(rest), path, number, seen)
+            rest.clear()
+        if not block:
+            return
+
+
+def _task_line(raw: bytes, path: Path, number: int, seen: dict[str, int]) -> _Line | str:
+    try:
+        line = msgspec.json.decode(raw, type=_Line)
+    except msgspec.DecodeError as exc:
+        return f"{path}:{number}: {exc}"
+    if line.id is not None and line.id in seen:
+        return (
+            f"{path}:{number}: id {line.id!r} is line {seen[line.id]}'s too: each task its own id"
+        )
+    if line.id is not None:
+        seen[line.id] = number
+    return line
+
+
+async def numbered(lines: list[_Line]) -> AsyncIterator[NumberedLine]:
+    """Tasks made in the program, numbered from 1, as submit_many takes them."""
+    for number, line in enumerate(lines, 1):
+        yield number, line
+
+
+def count_task_lines(path: Path) -> int | None:
+    """The non-blank lines of a regular file, for the progress bar; None for a pipe or a
+    device (read once, as it comes)."""
+    if not path.is_file():
+        return None
+    with path.open("rb") as fh:
+        return sum(1 for raw in fh if raw.strip())
 
 
 class ResultWriter:
@@ -94,7 +144,7 @@ class ResultWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fh = path.open("w")
+        self._fh = path.open("w", buffering=1)  # a line as each Result ends: tail -f shows it
         self.written = 0
 
     def write(self, result: Result, line: int) -> None:
@@ -109,26 +159,26 @@ class ResultWriter:
 
 async def submit_many(
     endpoints: list[str],
-    lines: list[_Line | str],
+    numbered: AsyncIterable[NumberedLine],
     *,
+    total: int | None,
     resubmit_after_s: float,
     window: int,
     show_progress: bool,
     on_result: Any = None,
     connect_timeout_s: float | None = None,
-    numbers: list[int] | None = None,
     out: ResultWriter | None = None,
     curve: ProducerKeys | None = None,
     pack_tasks: bool = True,
     reply_bind: str = DEFAULT_REPLY_BIND,
 ) -> SubmitReport:
-    """Send every task line, wait for every Result.  ``numbers``: each line's number in the
-    input (for ``out``; default 1, 2, ...).  ``connect_timeout_s``: fail with
-    ``NotConnected`` when no daemon accepts a connection within that long.  ``pack_tasks``:
-    the Client's (several tasks in one Tasks frame)."""
-    numbers = numbers if numbers is not None else list(range(1, len(lines) + 1))
-    report = SubmitReport(total=len(lines))
-    progress = Progress(len(lines), "submit", enabled=show_progress)
+    """Send every task line as it is read (at most ``window`` outstanding), wait for every
+    Result.  ``numbered``: (line number in the input, for ``out``; the task, or why the line
+    is none); ``total``: how many there are, for progress (None: not known ahead).
+    ``connect_timeout_s``: fail with ``NotConnected`` when no daemon accepts a connection
+    within that long.  ``pack_tasks``: the Client's (several tasks in one Tasks frame)."""
+    report = SubmitReport()
+    progress = Progress(total, "submit", enabled=show_progress)
     loop = asyncio.get_running_loop()
     started = loop.time()
     done = 0
@@ -155,7 +205,7 @@ async def submit_many(
         pack_tasks=pack_tasks,
         reply_bind=reply_bind,
     ) as client:
-        waiters: list[asyncio.Task[None]] = []
+        waiters: set[asyncio.Task[None]] = set()  # the outstanding tasks' (at most window)
 
         async def wait(handle: TaskHandle, number: int) -> None:
             result = await handle.result()
@@ -163,7 +213,8 @@ async def submit_many(
             if out is not None:
                 out.write(result, number)
 
-        for number, line in zip(numbers, lines, strict=True):
+        async for number, line in numbered:
+            report.total += 1
             if isinstance(line, str):
                 report.failed["bad_request"] += 1
                 done += 1
@@ -184,7 +235,9 @@ async def submit_many(
                 stream=line.stream,
                 model=line.model,
             )
-            waiters.append(loop.create_task(wait(handle, number)))
+            waiter = loop.create_task(wait(handle, number))
+            waiters.add(waiter)
+            waiter.add_done_callback(waiters.discard)
         await asyncio.gather(*waiters)
         stats = client.statistics()
         report.resubmitted, report.retried = stats.resubmitted, stats.retried
