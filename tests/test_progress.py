@@ -76,3 +76,14 @@ def test_progress_prints_its_last_line_once(tty: bool) -> None:
     progress.update(2, "ok=2", force=True)
     progress.close(3, "ok=3")
     assert out.getvalue().count("3/3") == 1
+
+
+def test_progress_of_an_unknown_total_counts_without_a_bar_or_an_eta() -> None:
+    """`gossipd submit --file` from a pipe: how many lines come is not known ahead."""
+    out = io.StringIO()
+    progress = Progress(None, "submit", stream=out)
+    progress._started -= 10.0
+    progress.update(25, "ok=25", force=True)
+    line = out.getvalue()
+    assert line.split()[:2] == ["submit", "25"] and "ok=25" in line
+    assert "[" not in line and "ETA" not in line and "/None" not in line
