@@ -8,6 +8,7 @@ to the same contract.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Protocol
@@ -15,6 +16,7 @@ from typing import Protocol
 import zmq
 
 from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.hostnames import HostNames
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.zmqloop import NOBLOCK, SocketReader
 
@@ -76,8 +78,12 @@ class ZmqTransport:
         options: Mapping[int, int] | None = None,
         serve_curve: Callable[[zmq.Socket], None] | None = None,
         accept: Callable[[str, bytes], bool] | None = None,
+        names: HostNames | None = None,
     ) -> None:
-        """``sockets_max`` / ``idle_s``: the pool's bounds for ``kind``; ``options``: socket
+        """``names``: where an address's host name is looked up before its socket connects
+        (hostnames.py; libzmq would look it up in the I/O thread every socket shares, and a
+        stalled resolver froze the daemon); a send to a name not known yet is dropped.
+        ``sockets_max`` / ``idle_s``: the pool's bounds for ``kind``; ``options``: socket
         options over the kind's; ``message_bytes_max``: larger frames are refused on receipt
         (ZeroMQ drops the connection that sent one).  CURVE (gossipd/security.py):
         ``serve_curve(sock)`` makes the bound PULL a CURVE server before it binds, and then
@@ -90,6 +96,8 @@ class ZmqTransport:
         self._on_disconnect = on_disconnect
         self._serve_curve = serve_curve
         self._accept = accept
+        self._names = names
+        self._lookups: set[asyncio.Task[str]] = set()
         self._on_frame: OnFrame | None = None
         self._sock: zmq.Socket | None = None
         self._reader: SocketReader | None = None
@@ -98,6 +106,7 @@ class ZmqTransport:
         self._closed = False
         self.sent = 0
         self.dropped = 0  # sends refused by a full queue or a refused address (False)
+        self.unresolved = 0  # of those, to a host name being looked up or that failed
         pool.register(
             kind,
             on_close=self._on_socket_closed,
@@ -151,8 +160,15 @@ class ZmqTransport:
             raise TransportClosed("send on a closed transport")
         sock = self._pool.touch(self._kind, addr)
         if sock is None:
+            address = None
+            if self._names is not None:
+                ready, address = self._names.address_for(addr, self._lookups)
+                if not ready:
+                    self.dropped += 1
+                    self.unresolved += 1
+                    return False
             try:
-                sock = self._open(addr)
+                sock = self._open(addr, address)
             except zmq.ZMQError:  # an address ZeroMQ refuses (gossip checks them: a backstop)
                 self.dropped += 1
                 return False
@@ -164,8 +180,8 @@ class ZmqTransport:
         self.sent += 1
         return True
 
-    def _open(self, addr: str) -> zmq.Socket:
-        sock = self._pool.open(self._kind, addr)
+    def _open(self, addr: str, address: str | None) -> zmq.Socket:
+        sock = self._pool.open(self._kind, addr, address=address)
         if self._on_disconnect is not None:
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             reader = SocketReader(
@@ -196,6 +212,8 @@ class ZmqTransport:
         if self._closed:
             return
         self._closed = True
+        for lookup in self._lookups:
+            lookup.cancel()
         if self._reader is not None:
             self._reader.close()
         if self._sock is not None:

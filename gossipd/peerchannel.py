@@ -11,6 +11,7 @@ callers'.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 from collections.abc import Callable, Mapping
@@ -20,6 +21,7 @@ from typing import Protocol
 import zmq
 
 from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.hostnames import HostNames
 from gossipd.ops.logs import handler_name, note_handler_failure
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.zmqloop import NOBLOCK, SocketReader, kick
@@ -172,8 +174,14 @@ class ZmqPeerClient:
         *,
         options: Mapping[int, int] | None = None,
         recv_batch_max: int = 256,
+        names: HostNames | None = None,
     ) -> None:
+        """``names``: where a member address's host name is looked up before its DEALER
+        connects (hostnames.py: never in libzmq's I/O thread); a send to a name not known
+        yet is refused (False), as a full queue's is."""
         self._pool = pool
+        self._names = names
+        self._lookups: set[asyncio.Task[str]] = set()
         self._recv_batch_max = recv_batch_max
         self._on_replies: OnReplies | None = None
         self._readers: dict[str, SocketReader] = {}
@@ -187,7 +195,13 @@ class ZmqPeerClient:
     def send(self, addr: str, frame: bytes) -> bool:
         sock = self._pool.touch(_PEER, addr)
         if sock is None:
-            sock = self._open(addr)  # raises once closed: no check on the hot path
+            address = None
+            if self._names is not None:
+                ready, address = self._names.address_for(addr, self._lookups)
+                if not ready:
+                    self.dropped += 1
+                    return False
+            sock = self._open(addr, address)  # raises once closed: no check on the hot path
         try:
             sock.send(frame, NOBLOCK)
         except zmq.Again:
@@ -198,12 +212,12 @@ class ZmqPeerClient:
         kick(sock)
         return True
 
-    def _open(self, addr: str) -> zmq.Socket:
+    def _open(self, addr: str, address: str | None) -> zmq.Socket:
         if self._closed:
             raise TransportClosed("send on a closed peer client")
         if self._on_replies is None:
             raise LocalProtocolError("start() the peer client before sending")
-        sock = self._pool.open(_PEER, addr)
+        sock = self._pool.open(_PEER, addr, address=address)
         self._readers[addr] = SocketReader(
             sock, sock.recv, self._recv_batch_max, partial(self._on_replies, addr)
         )
@@ -223,6 +237,8 @@ class ZmqPeerClient:
             reader.close()
 
     def stop(self) -> None:
+        for lookup in self._lookups:
+            lookup.cancel()
         for reader in self._readers.values():
             reader.close()
 

@@ -33,7 +33,7 @@ import zmq
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.errors import LocalProtocolError, TransportClosed
-from gossipd.replynames import with_address
+from gossipd.hostnames import with_address
 
 
 class SocketKind(enum.Enum):
@@ -217,7 +217,7 @@ class SocketPool:
         """A new socket of ``kind`` connected to ``addr`` (which has none open), evicting the
         kind's least recently used one first when the kind is at its ``sockets_max``;
         ``address``: the IP its host name resolved to, connected in its place (libzmq would
-        look the name up in its I/O thread, blocking every socket: replynames.py)."""
+        look the name up in its I/O thread, blocking every socket: hostnames.py)."""
         if self._closed:
             raise TransportClosed("the socket pool is closed")
         k = self._kinds[kind]

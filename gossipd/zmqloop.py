@@ -23,8 +23,8 @@ from typing import Any, cast
 import zmq
 
 from gossipd.core.messages import Chunk, Result, encode, replies_frame, replies_groups
+from gossipd.hostnames import FAILED, HostNames, name_in
 from gossipd.ops.logs import HANDLER_FAILURES, RateLimiter, handler_name
-from gossipd.replynames import FAILED, ReplyNames, name_in
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 
 log = logging.getLogger("gossipd.zmqloop")
@@ -295,7 +295,7 @@ class _Peer:
 
 
 class _Awaiting:
-    """Replies to an address whose host name is being looked up (replynames.py)."""
+    """Replies to an address whose host name is being looked up (hostnames.py)."""
 
     __slots__ = ("frames", "waiters")
 
@@ -371,12 +371,13 @@ class ReplySender:
         timeout_s: float,
         queue_max: int,
         queue_bytes_max: int = 1 << 62,
-        names: ReplyNames | None = None,
+        names: HostNames | None = None,
     ) -> None:
         """``names``: where a reply address's host name is looked up (its own threads: see
-        replynames.py)."""
+        hostnames.py)."""
         self._pool = pool
-        self._names = names if names is not None else ReplyNames(timeout_s=timeout_s)
+        # (gossip and the peer channel look names up in it too: fanout/assembly.py)
+        self.names = names if names is not None else HostNames(timeout_s=timeout_s)
         # Replies to addresses whose host name is being looked up (counted in the queues'
         # bytes, at most queue_max each): sent in order once it is, dropped if it is not.
         self._awaiting: dict[str, _Awaiting] = {}
@@ -516,8 +517,8 @@ class ReplySender:
         if peer is None:
             address = None
             named = name_in(endpoint)
-            if named is not None:  # (a host name: never given to libzmq, replynames.py)
-                address = self._names.address(named[0])
+            if named is not None:  # (a host name: never given to libzmq, hostnames.py)
+                address = self.names.address(named[0])
                 if address is None or endpoint in self._awaiting:
                     self._await_name(endpoint, named, frame, pack)
                     return
@@ -580,7 +581,7 @@ class ReplySender:
         """Look ``endpoint``'s host name up, then send what waited for it (or drop it)."""
         address = FAILED  # (a stop that cancels the lookup drops what waited)
         try:
-            address = await self._names.look_up(*named)
+            address = await self.names.look_up(*named)
         finally:
             awaiting = self._awaiting.pop(endpoint, None)
             if awaiting is not None:  # (else closed meanwhile: dropped there)

@@ -151,7 +151,7 @@ def build_fanout(
         )
         peer_server = LoopPeerServer(message_bytes_max=config.fanout.message_bytes_max, curve=curve)
     else:
-        peer_client = zmq_peer_client(config.fanout, sockets)
+        peer_client = zmq_peer_client(config.fanout, sockets, replies.names)
         peer_server = zmq_peer_server(
             config.fanout,
             ctx,
@@ -199,6 +199,7 @@ def build_fanout(
         model=intake.model,
         load=lambda: intake.admission.pending,
         prefixes=placer.prefix_summary,
+        names=replies.names,  # (one resolver bound and cache for replies, gossip, peers)
     )
     PlacementFeed(placer, gossip)
     forwarder = Forwarder(

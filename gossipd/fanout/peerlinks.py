@@ -31,6 +31,7 @@ from gossipd.core.peer_messages import (
 )
 from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
+from gossipd.hostnames import HostNames
 from gossipd.peerchannel import PeerClient, ZmqPeerClient
 from gossipd.sockets import SocketPool
 from gossipd.zmqloop import TurnBatching
@@ -40,10 +41,14 @@ Outgoing = (
 )
 
 
-def zmq_peer_client(config: FanoutConfig, sockets: SocketPool) -> ZmqPeerClient:
-    """The daemon's channel to its peers: DEALERs from ``sockets`` with fan-out's limits."""
+def zmq_peer_client(
+    config: FanoutConfig, sockets: SocketPool, names: HostNames | None = None
+) -> ZmqPeerClient:
+    """The daemon's channel to its peers: DEALERs from ``sockets`` with fan-out's limits;
+    ``names``: where members' host names are looked up (hostnames.py)."""
     return ZmqPeerClient(
         sockets,
+        names=names,
         options={
             zmq.MAXMSGSIZE: config.message_bytes_max,
             zmq.RECONNECT_IVL_MAX: int(config.peer_reconnect_max_s * 1000),

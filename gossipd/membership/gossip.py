@@ -40,6 +40,7 @@ from gossipd.core.refusal import PortCheck
 from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
+from gossipd.hostnames import HostNames
 from gossipd.membership.gpu import GpuProbe
 from gossipd.membership.portcheck import connection_refused
 from gossipd.security import DOMAIN_PEERS, Security, node_of
@@ -78,9 +79,11 @@ class GossipService:
         model: str = "",
         load: Callable[[], int] = lambda: 0,
         prefixes: Callable[[], list[int]] = list,
+        names: HostNames | None = None,
     ) -> None:
         """``rpc_endpoint``: where peers forward tasks; ``model``: the model we serve;
-        ``load``: our in-flight task count; ``prefixes``: a summary of the prefixes we hold."""
+        ``load``: our in-flight task count; ``prefixes``: a summary of the prefixes we hold;
+        ``names``: where members' host names are looked up (hostnames.py)."""
         g = config.gossip
         self._clock = clock
         # now()'s origin: the wall clock at start, then the monotonic clock's progress.
@@ -106,6 +109,7 @@ class GossipService:
             if self._security is None
             else (lambda sock: security.serve(sock, DOMAIN_PEERS)),  # type: ignore[union-attr]
             accept=None if self._security is None else self._accept,
+            names=names,
         )
         self.core: SwimNode | None = None
         self.advertise = ""

@@ -239,8 +239,15 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         ),
         (
             "gossipd_gossip_sends_dropped",
-            "Sends dropped at a full peer queue",
+            "Sends dropped at a full peer queue, or to a member's host name being looked up "
+            "or that did not resolve (those also in gossipd_gossip_sends_unresolved)",
             gossip.dropped_sends,
+        ),
+        (
+            "gossipd_gossip_sends_unresolved",
+            "Sends dropped because the member's address names a host not looked up yet or "
+            "that did not resolve lately (looked up off ZeroMQ's I/O thread: hostnames.py)",
+            gossip.transport.unresolved,
         ),
         (
             "gossipd_gossip_prefixes_cut",

@@ -1,4 +1,4 @@
-"""Host names in reply addresses (gossipd/replynames.py): looked up off ZeroMQ's I/O thread,
+"""Host names in reply addresses (gossipd/hostnames.py): looked up off ZeroMQ's I/O thread,
 so that a producer whose reply_to names a host that the resolver stalls on cannot freeze the
 daemon's sockets (a review's reproduction: every answer, and gossip, held about 20 s)."""
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
-from gossipd.replynames import FAILED, ReplyNames, name_in, with_address
+from gossipd.hostnames import FAILED, HostNames, name_in, with_address
 from gossipd.sockets import SocketPool
 from gossipd.zmqloop import ReplySender
 
@@ -36,7 +36,7 @@ def test_which_reply_addresses_name_a_host() -> None:
     assert with_address("tcp://h:7", "fe80::1") == "tcp://[fe80::1]:7"
 
 
-def _sender(names: ReplyNames) -> tuple[zmq.Context, ReplySender]:
+def _sender(names: HostNames) -> tuple[zmq.Context, ReplySender]:
     ctx = zmq.Context()
     return ctx, ReplySender(
         SocketPool(ctx), sockets_max=8, idle_s=60, timeout_s=0.5, queue_max=100, names=names
@@ -58,7 +58,7 @@ def test_a_reply_to_a_host_name_goes_to_its_address_and_one_that_stalls_holds_no
             raise OSError("no answer")
         return socket.getaddrinfo(host, port, *args)
 
-    names = ReplyNames(timeout_s=0.5, getaddrinfo=getaddrinfo)
+    names = HostNames(timeout_s=0.5, getaddrinfo=getaddrinfo)
     ctx, sender = _sender(names)
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
@@ -107,12 +107,15 @@ def test_a_reply_to_a_host_name_goes_to_its_address_and_one_that_stalls_holds_no
     assert names.address("stalled.example") == FAILED and names.failed == 1
 
 
-def test_a_daemon_answers_on_while_a_reply_to_names_a_host_its_resolver_stalls_on(
-    tmp_path: Path,
+@pytest.mark.parametrize("mode", ["reply", "seed"])
+def test_a_daemon_answers_on_while_a_name_it_sends_to_stalls_its_resolver(
+    tmp_path: Path, mode: str
 ) -> None:
     """The daemon itself, in a network and mount namespace whose resolver never answers
-    (tests/stalled_resolver.py): a task with reply_to tcp://stalled.example:5555, then one
-    to an address, whose answer must not wait for the name (it took about 20 s)."""
+    (tests/stalled_resolver.py): a task with reply_to tcp://stalled.example:5555 ("reply";
+    or "seed": the daemon's gossip seed is that name), then one to an address, whose answer
+    must not wait for the name (about 20 s for a reply_to; 9-10 s for every task while a
+    seed was named so, as gossip reconnected to it)."""
     problem = None
     if os.geteuid() != 0:
         problem = "namespaces need root"
@@ -126,7 +129,7 @@ def test_a_daemon_answers_on_while_a_reply_to_names_a_host_its_resolver_stalls_o
     resolv.write_text("nameserver 127.0.0.1\noptions timeout:5 attempts:2\n")
     script = (
         f"ip link set lo up && mount --bind {resolv} /etc/resolv.conf && "
-        f"exec {sys.executable} {ROOT / 'tests' / 'stalled_resolver.py'} {tmp_path / 'logs'}"
+        f"exec {sys.executable} {ROOT / 'tests' / 'stalled_resolver.py'} {tmp_path / 'logs'} {mode}"
     )
     done = subprocess.run(
         ["unshare", "--net", "--mount", "sh", "-c", script],
@@ -143,7 +146,7 @@ def test_lookups_stay_bounded_within_one_turn_and_a_resolver_error_fails_at_once
     1,024 refusals to 1,024 made-up names started 1,024 threads.  And a name that IDNA
     cannot encode (a label of 64 characters) raised UnicodeError in its thread: a
     traceback, and its replies waited out the timeout."""
-    from gossipd.replynames import LOOKUPS_MAX
+    from gossipd.hostnames import LOOKUPS_MAX
 
     release = threading.Event()
     started: list[str] = []
@@ -155,7 +158,7 @@ def test_lookups_stay_bounded_within_one_turn_and_a_resolver_error_fails_at_once
         release.wait(10)
         raise OSError("no answer")
 
-    names = ReplyNames(timeout_s=2.0, getaddrinfo=getaddrinfo)
+    names = HostNames(timeout_s=2.0, getaddrinfo=getaddrinfo)
 
     async def main() -> tuple[list[str], float]:
         began = time.monotonic()
@@ -186,7 +189,7 @@ def test_a_stop_drops_the_replies_waiting_for_a_stalled_lookup_at_once() -> None
     ctx = zmq.Context()
     sender = ReplySender(
         SocketPool(ctx), sockets_max=8, idle_s=60, timeout_s=30.0, queue_max=100,
-        names=ReplyNames(timeout_s=30.0, getaddrinfo=getaddrinfo),
+        names=HostNames(timeout_s=30.0, getaddrinfo=getaddrinfo),
     )  # fmt: skip
     told: list[bool] = []
 
@@ -209,3 +212,54 @@ def test_a_stop_drops_the_replies_waiting_for_a_stalled_lookup_at_once() -> None
         ctx.term()
     assert took < 1.0 and told == [True]
     assert stats.dropped_undeliverable == 1 and stats.queued == 0 and stats.queued_bytes == 0
+
+
+def test_gossip_datagrams_to_a_member_named_by_host_go_to_its_address_off_the_io_thread() -> None:
+    """ZmqTransport (gossip's datagrams) connected a member's tcp://NAME:PORT as it was, so
+    libzmq looked the name up in the I/O thread every socket shares.  Now the first send to
+    a name starts its lookup here and is dropped (counted); once the name resolves, sends go
+    to its address.  A name whose lookup stalls drops only its own datagrams: a send to an
+    address meanwhile leaves at once."""
+    from gossipd.datagrams import ZmqTransport
+
+    release = threading.Event()
+
+    def getaddrinfo(host: str, port: int, *args: Any) -> list[Any]:
+        if host == "stalled.example":
+            release.wait(10)
+            raise OSError("no answer")
+        return socket.getaddrinfo(host, port, *args)
+
+    ctx = zmq.Context()
+    names = HostNames(timeout_s=0.5, getaddrinfo=getaddrinfo)
+    transport = ZmqTransport(SocketPool(ctx), names=names)
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+
+    async def main() -> tuple[list[bool], list[bytes]]:
+        accepted = [
+            transport.send(f"tcp://stalled.example:{port}", b"lost"),
+            transport.send(f"tcp://localhost:{port}", b"before-the-lookup"),
+            transport.send(f"tcp://127.0.0.1:{port}", b"to-an-address"),
+        ]
+        got = [await asyncio.to_thread(pull.recv)]
+        while names.address("localhost") is None:
+            await asyncio.sleep(0.01)
+        accepted.append(transport.send(f"tcp://localhost:{port}", b"by-name"))
+        got.append(await asyncio.to_thread(pull.recv))
+        while names.address("stalled.example") is None:  # (given up at the timeout)
+            await asyncio.sleep(0.05)
+        accepted.append(transport.send(f"tcp://stalled.example:{port}", b"failed"))
+        return accepted, got
+
+    try:
+        accepted, got = asyncio.run(main())
+    finally:
+        release.set()
+        transport.close()
+        pull.close(0)
+        ctx.term()
+    assert accepted == [False, False, True, True, False]
+    assert got == [b"to-an-address", b"by-name"]
+    assert transport.unresolved == 3 and transport.dropped == 3
+    assert names.address("stalled.example") == FAILED and names.failed == 1

@@ -1,14 +1,18 @@
-"""Host names in reply addresses, looked up off the loop and off ZeroMQ's I/O thread.
+"""Host names in ZeroMQ addresses, looked up off the loop and off ZeroMQ's I/O thread.
 
-A producer's ``reply_to`` may name its host (``tcp://producer-7:5555``).  Connected as it is,
-libzmq looks the name up with a blocking call in its I/O thread, the thread every socket of
-the daemon's context shares (tasks in, gossip, replies): a name whose resolver does not
-answer froze all of them for about 20 s, again at each reconnect (a review's reproduction).
-So the reply sender connects to addresses only: a name is looked up here first, in threads
-of its own (daemon threads: one stuck in the resolver does not hold up the daemon's exit), at
-most ``LOOKUPS_MAX`` at once, even those given up on after ``timeout_s`` and still stuck,
-and the answer is kept for ``TTL_S`` (a failure for ``FAILED_TTL_S``).  A stalled resolver
-then costs the replies to the names it holds up, nothing else.
+A producer's ``reply_to`` may name its host (``tcp://producer-7:5555``), and so may a member's
+advertised address or a seed (``tcp://gpu-node-3:7946``).  Connected as it is, libzmq looks
+the name up with a blocking call in its I/O thread, the thread every socket of the daemon's
+context shares (tasks in, gossip, replies): a name whose resolver does not answer froze all
+of them for about 20 s, again at each reconnect (a review's reproduction for reply_to; for a
+seed named by host, every task's answer took 9-10 s while the resolver stalled).  So the
+reply sender and gossip (and the ZeroMQ peer channel) connect to addresses only: a name is
+looked up here first, in threads of its own (daemon threads: one stuck in the resolver does
+not hold up the daemon's exit), at most ``LOOKUPS_MAX`` at once, even those given up on
+after ``timeout_s`` and still stuck, and the answer is kept for ``TTL_S`` (a failure for
+``FAILED_TTL_S``).  A stalled resolver then costs what is sent to the names it holds up,
+nothing else.  A socket connected to a name's address keeps it until the pool closes the
+socket (idle, evicted): a member whose address changes is reached again after that.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 from gossipd.ops.logs import RateLimiter
 
-log = logging.getLogger("gossipd.replynames")
+log = logging.getLogger("gossipd.hostnames")
 _failure_log = RateLimiter(1.0)  # (names a producer makes up fail as fast as it sends them)
 
 LOOKUPS_MAX = 16  # lookups in threads at once; a reply to one more name is dropped (counted)
@@ -54,9 +58,9 @@ def with_address(endpoint: str, address: str) -> str:
     return f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
 
 
-class ReplyNames:
-    """Looked-up reply host names: ``address`` answers from what is known, ``look_up`` asks
-    the resolver once for each name, however many replies wait for it."""
+class HostNames:
+    """Looked-up host names: ``address`` answers from what is known, ``look_up`` asks the
+    resolver once for each name, however many sends wait for it."""
 
     def __init__(
         self,
@@ -101,6 +105,29 @@ class ReplyNames:
             looking.add_done_callback(lambda _: self._looking.pop(name, None))
         return await asyncio.shield(looking)
 
+    def address_for(
+        self, endpoint: str, lookups: set[asyncio.Task[str]]
+    ) -> tuple[bool, str | None]:
+        """For a sender that must not wait (a datagram, a forward): ``(ready, address)``.
+        Not ready: ``endpoint`` names a host not known yet, whose lookup starts now (its task
+        added to ``lookups``, the caller's to cancel when it closes), or one that failed
+        lately; what is sent now is dropped.  Ready: connect to ``address`` in the name's
+        place (None: the endpoint is an address already)."""
+        named = name_in(endpoint)
+        if named is None:
+            return True, None
+        address = self.address(named[0])
+        if address is None:
+            if named[0] not in self._looking:
+                try:
+                    task = asyncio.get_running_loop().create_task(self.look_up(*named))
+                except RuntimeError:  # (no loop: nothing can wait for it)
+                    return False, None
+                lookups.add(task)
+                task.add_done_callback(lookups.discard)
+            return False, None
+        return address != FAILED, address if address != FAILED else None
+
     def _start(self, name: str, port: int) -> asyncio.Future[Any] | None:
         """A lookup of ``name`` in a thread of its own; None where none may start (LOOKUPS_MAX
         under way, or no thread to be had)."""
@@ -113,7 +140,7 @@ class ReplyNames:
         lookup: asyncio.Future[Any] = loop.create_future()
         try:
             threading.Thread(
-                target=self._getaddrinfo, args=(loop, lookup, name, port), name="reply-name",
+                target=self._getaddrinfo, args=(loop, lookup, name, port), name="host-name",
                 daemon=True,
             ).start()  # fmt: skip
         except RuntimeError:  # (a pids limit: this reply waits for no lookup)
@@ -132,7 +159,8 @@ class ReplyNames:
             self.failed += 1
             if _failure_log.allow():
                 log.warning(
-                    "a reply address's host name did not resolve: replies to it are dropped",
+                    "a host name did not resolve: what is sent to it is dropped (replies, "
+                    "gossip, forwards) until it does",
                     extra={"host": name[:100], "error": str(exc) or type(exc).__name__,
                            "failed": self.failed},
                 )  # fmt: skip
