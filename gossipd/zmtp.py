@@ -482,13 +482,14 @@ class ZmtpConnection:
             self._out += command(b"ERROR", b"\x03400")
             raise ZmtpError("refused", "the client's key is not authorised")
         self.peer_user = user
+        # The client's Socket-Type before our READY: a refused one gets none (as libzmq).
+        self._on_peer_metadata(plain[128:])
         self._precom = crypto_box_beforenm(self._cn_peer, self._cn_secret)
         ready_short = self._next_nonce()
         box = crypto_box_afternm(
             self._metadata(), _nonce(b"CurveZMQREADY---", ready_short), self._precom
         )
         self._out += command(b"READY", ready_short.to_bytes(8, "big") + box)
-        self._on_peer_metadata(plain[128:])
 
     def _on_curve_ready(self, body: bytes) -> None:
         if body[:6] != b"\x05READY" or len(body) < 30:

@@ -248,3 +248,24 @@ def test_before_the_handshake_ends_a_frame_over_4_KiB_ends_the_connection(curve:
     with pytest.raises(ZmtpError) as large:
         server.receive(bytes((0x06,)) + (5000).to_bytes(8, "big") + b"\x05HELLO")
     assert large.value.reason == "too_large" and not server.ready
+
+
+def test_a_curve_client_of_the_wrong_socket_type_gets_no_READY() -> None:
+    """The server sent its READY before it read the client's Socket-Type in INITIATE, and
+    then closed: the client had a READY and took itself for connected (libzmq checks the
+    metadata first, and sends no READY to a socket type it refuses)."""
+    client = ZmtpConnection(
+        as_server=False,
+        socket_type=b"PUB",
+        peer_types=(b"ROUTER",),
+        frame_bytes_max=LIMIT,
+        curve=CurveKeys(CLIENT[0], CLIENT[1], SERVER[0]),
+    )
+    _, server = pair(True)
+    with pytest.raises(ZmtpError) as refused:
+        shake(client, server)
+    assert refused.value.reason == "socket_type" and not server.ready
+    left = server.data_to_send()
+    assert b"READY" not in left
+    client.receive(left)
+    assert not client.ready
