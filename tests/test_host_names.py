@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,19 @@ def test_which_reply_addresses_name_a_host() -> None:
     assert with_address("tcp://h:7", "fe80::1") == "tcp://[fe80::1]:7"
 
 
+def _stalling_on(name: str, release: threading.Event) -> Callable[..., list[Any]]:
+    """A resolver that stalls on ``name`` (until ``release``, then fails) and answers the
+    others as the system's does: what a resolver that never answers does to that name."""
+
+    def getaddrinfo(host: str, port: int, *args: Any) -> list[Any]:
+        if host == name:
+            release.wait(10)
+            raise OSError("no answer")
+        return socket.getaddrinfo(host, port, *args)
+
+    return getaddrinfo
+
+
 def _sender(names: HostNames) -> tuple[zmq.Context, ReplySender]:
     ctx = zmq.Context()
     return ctx, ReplySender(
@@ -51,12 +65,7 @@ def test_a_reply_to_a_host_name_goes_to_its_address_and_one_that_stalls_holds_no
     own replies only; a reply to an address leaves at once meanwhile; the stalled ones are
     dropped and counted at the timeout, and when_sent's callback runs then."""
     release = threading.Event()
-
-    def getaddrinfo(host: str, port: int, *args: Any) -> list[Any]:
-        if host == "stalled.example":
-            release.wait(10)
-            raise OSError("no answer")
-        return socket.getaddrinfo(host, port, *args)
+    getaddrinfo = _stalling_on("stalled.example", release)
 
     names = HostNames(timeout_s=0.5, getaddrinfo=getaddrinfo)
     ctx, sender = _sender(names)
@@ -223,12 +232,7 @@ def test_gossip_datagrams_to_a_member_named_by_host_go_to_its_address_off_the_io
     from gossipd.datagrams import ZmqTransport
 
     release = threading.Event()
-
-    def getaddrinfo(host: str, port: int, *args: Any) -> list[Any]:
-        if host == "stalled.example":
-            release.wait(10)
-            raise OSError("no answer")
-        return socket.getaddrinfo(host, port, *args)
+    getaddrinfo = _stalling_on("stalled.example", release)
 
     ctx = zmq.Context()
     names = HostNames(timeout_s=0.5, getaddrinfo=getaddrinfo)
