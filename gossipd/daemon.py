@@ -43,7 +43,7 @@ from gossipd.http.clustermodels import ClusterModels
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.wiring import build_door, open_door
 from gossipd.ingress.budgets import BudgetGate, start_budgets
-from gossipd.ingress.journal import Journal, JournalInUse
+from gossipd.ingress.journal import Journal, JournalInUse, NotAJournal
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.replay import JournalReplay, expects_members
 from gossipd.ingress.runner import stop_workers
@@ -486,6 +486,7 @@ class Daemon:
                     f"socket): {exc}"
                 ) from None
             http_bound = f"{self.config.http.bind.rpartition(':')[0]}:{port}"
+        replaying = self._read_journal()
         try:
             async with asyncio.TaskGroup() as tg:
                 self.sockets.start()
@@ -521,7 +522,7 @@ class Daemon:
                     )
                 if self.journal is not None:
                     background.append(tg.create_task(self.journal.sync_forever(), name="journal"))
-                    background += self._replay_journal(tg)
+                    background += self._replay_journal(tg) if replaying else []
                 if self.security.curve:
                     background.append(
                         tg.create_task(
@@ -713,14 +714,30 @@ class Daemon:
             left_s += owned.received_at - self.clock.monotonic()
         self.journal.accept(task, int((self.clock.wall() + left_s) * 1000))
 
+    def _read_journal(self) -> bool:
+        """Read the journal's unfinished tasks now, before the first new one can be
+        journaled and before the parts start (a journal that cannot be read stops start-up
+        with exit 2 and why, not a part's failure); whether any is to run again."""
+        if self.replay is None:
+            return False
+        path = self.config.journal.path
+        try:
+            return bool(self.replay.read(fanout=self.dispatcher is not None))
+        except NotAJournal as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise StartupError(
+                f"cannot read journal.path = {path!r}: {exc.strerror or exc} (its file system "
+                "or its attributes: a journal must be readable, writable and truncatable by "
+                "this user; move it away to start without its unfinished tasks)"
+            ) from None
+
     def _replay_journal(self, tg: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
-        """Read the journal's unfinished tasks now (before a new one is journaled): the
-        forwarded ones run again at once, the producers' own once members say which they
-        hold (in a task of their own)."""
+        """Run the journal's unfinished tasks (read by _read_journal) again: the forwarded
+        ones at once, the producers' own once members say which they hold (in a task of
+        their own)."""
         assert self.replay is not None
         dispatcher = self.dispatcher
-        if not self.replay.read(fanout=dispatcher is not None):
-            return []
         replay = self.replay.run(
             self._live,
             dispatcher.ask_replays if dispatcher is not None else None,

@@ -30,7 +30,7 @@ import gossipd.ingress.journal as journal_module
 from gossipd.config import load_config
 from gossipd.core.messages import Task, encode
 from gossipd.errors import StartupError
-from gossipd.ingress.journal import Journal, JournalInUse
+from gossipd.ingress.journal import Journal, JournalInUse, NotAJournal
 from gossipd.ops import preflight
 from tests.helpers import gossipd_cli
 
@@ -390,6 +390,11 @@ def test_one_damaged_byte_loses_the_record_it_hits_and_no_other(
         raw[at] ^= data.draw(st.integers(1, 255), label="xor")
         path.write_bytes(bytes(raw))
         hit = next(k for k, (start, end, _) in enumerate(spans) if start <= at < end)
+        if len(spans) == 1 and at == 0 and raw[0] not in (0x92, 0x93):  # no record, nor its head
+            with pytest.raises(NotAJournal):  # (it may be another file: not cut, kept)
+                replayed(path)
+            assert path.read_bytes() == raw
+            return
         ids, again = replayed(path)
         assert ids == model_of([op for k, (_, _, op) in enumerate(spans) if k != hit])
         if hit == len(spans) - 1:  # the last record: a torn tail, cut

@@ -40,6 +40,7 @@ import io
 import logging
 import mmap
 import os
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -69,6 +70,27 @@ class JournalInUse(Exception):
             "given the same journal.path?): give each daemon its own journal"
         )
         self.path = path
+
+
+class NotAJournal(Exception):
+    """journal.path names a file that holds something else: replay would cut it to nothing
+    (a tail with no record in it reads as torn), so start-up stops instead."""
+
+    def __init__(self, path: Path, size: int, first: int) -> None:
+        super().__init__(
+            f"journal.path = {str(path)!r} holds {size} bytes and not one journal record "
+            f"(its first byte is {first:#04x}; a journal's records start with 0x92 or 0x93): "
+            "point journal.path at a file of its own, or move this one away if it is a "
+            "journal no longer wanted"
+        )
+        self.path = path
+
+
+# Journal files of every version begin with a record's array header (journal_format.py).
+_RECORD_HEADS = (journal_format.CHECKED, journal_format.UNCHECKED)
+# A compaction that failed is not tried again for this long (as many records again, too,
+# when it was due to the file's size): each try writes every unfinished task.
+COMPACT_RETRY_S = 10.0
 
 
 class Journal:
@@ -105,6 +127,7 @@ class Journal:
         # serves on, those tasks not durable, and says so (logged, counted).
         self.write_errors = 0
         self._compact_again_at = 0  # appended count before compaction is tried again
+        self._compact_again_after = 0.0  # ...and the monotonic time (COMPACT_RETRY_S)
         # A write was refused (its records dropped, DONEs among them): the file is rewritten
         # from what is unfinished at the next sync that succeeds, else finished tasks would
         # run again at the next start.
@@ -117,7 +140,9 @@ class Journal:
         return self._file.fileno()
 
     def replay(self) -> list[Task]:
-        """Tasks accepted and not finished, oldest first (also kept as open here)."""
+        """Tasks accepted and not finished, oldest first (also kept as open here).  Raises
+        NotAJournal for a file that holds no record and does not begin as one, and OSError
+        where the file cannot be read or its torn tail cut."""
         self._open.clear()
         self.forwarded.clear()
         self.deadlines.clear()
@@ -133,6 +158,7 @@ class Journal:
         # a large journal costs the daemon's memory only its unfinished tasks (read whole,
         # a 100 MiB file of finished tasks took 100 MiB more).
         with _mapped(self._file.fileno()) as data:
+            data_first = data[0] if len(data) else -1
             reader = Reader(data)
             for kind, body, value in reader:
                 if kind == ACCEPT:
@@ -147,6 +173,10 @@ class Journal:
                     self.runs.pop(value, None)
                 elif kind in about and isinstance(value, tuple) and value[0] in self._open:
                     about[kind][value[0]] = value[1]  # [task id, value]
+        if reader.records == 0 and reader.torn_at == 0 and data_first not in _RECORD_HEADS:
+            # Not one record, and not the start of one torn short either (each begins with
+            # an array header): another file, which the cut below would empty.
+            raise NotAJournal(self.path, os.fstat(self._file.fileno()).st_size, data_first)
         self._report(reader)
         if reader.torn_at is not None:
             # A torn tail (a crash mid-write: nothing readable after it): cut it, so that
@@ -290,16 +320,21 @@ class Journal:
                     self.syncs += 1
                 except OSError as exc:
                     self._failed("sync", exc)
+                    # A failed fsync leaves the pages it did not write marked clean (Linux):
+                    # a later fsync succeeds without them.  Only a rewrite from what is in
+                    # memory makes those records durable.
+                    self._rewrite_due = True
                     self._dirty = True  # tried again after a pause
                     await asyncio.sleep(SYNC_RETRY_S)
                     continue
-                if self._rewrite_due:  # the file system takes writes again
-                    self.compact()
+                if self._rewrite_due and time.monotonic() >= self._compact_again_after:
+                    self.compact()  # the file system takes writes again
                     continue
             if (
                 self._size > self._compact_bytes
                 and len(self._open) * 4 < self.appended
                 and self.appended >= self._compact_again_at
+                and time.monotonic() >= self._compact_again_after
             ):
                 self.compact()
 
@@ -316,6 +351,7 @@ class Journal:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             self._compact_again_at = 2 * self.appended
+            self._compact_again_after = time.monotonic() + COMPACT_RETRY_S
             return
         old, self._file = self._file, new
         self._pending.clear()  # (superseded: the new file holds every unfinished task)
@@ -323,6 +359,7 @@ class Journal:
         self._size = self._file_size = os.fstat(new.fileno()).st_size
         self.appended = len(self._open)
         self._compact_again_at = 0
+        self._compact_again_after = 0.0
         self.compactions += 1
         with contextlib.suppress(OSError):
             old.close()
@@ -335,7 +372,11 @@ class Journal:
         """``tmp`` written with the unfinished tasks, made durable, locked and renamed over the
         journal: the new journal's file, open (raises, leaving the journal as it was, where
         any of that fails)."""
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o666)
+        # A .tmp left behind (a compaction killed midway, perhaps by another user: not
+        # writable by us) is replaced, never reopened.
+        tmp.unlink(missing_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(tmp, flags, 0o666)
         try:
             new = open(fd, "a+b", buffering=0)  # noqa: SIM115  (kept: the journal's file)
         except BaseException:
@@ -370,7 +411,7 @@ class Journal:
         self.write_errors += 1
         extra = {"path": str(self.path), "what": what, "error": str(exc),
                  "errors": self.write_errors}  # fmt: skip
-        if what == "compact":  # (rare: tried again after as many records again)
+        if what == "compact":  # (tried again after COMPACT_RETRY_S at the soonest)
             directory = str(self.path.parent)
             log.error(
                 f"the journal cannot be compacted in {directory}: it grows past "

@@ -254,6 +254,9 @@ class JournalReplay:
             deadline_ms = journal.deadlines.get(task.id)
             if deadline_ms is not None:  # as if received timeout_ms before that deadline
                 received_at = now + deadline_ms / 1000.0 - wall - task.timeout_ms / 1000.0
+                # Never after now: a wall clock set back across the restart (an RTC behind,
+                # a VM restored) would give the task more than its whole timeout again.
+                received_at = min(received_at, now)
                 past = deadline_ms / 1000.0 <= wall
             if intake.admit(task, received_at, answer=True, enqueue=enqueue) is not _ADMIT:
                 journal.done(task.id)
