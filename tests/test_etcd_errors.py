@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from gossipd.config import EtcdConfig
+from gossipd.leader.client import EtcdClient
 from gossipd.leader.election import EtcdElection
 from gossipd.leader.errorlog import EtcdErrorLog, error_kind
 from tests.etcd_cluster import EtcdCluster
@@ -218,16 +219,14 @@ def test_Backoff_doubles_to_its_cap_with_jitter_and_starts_over_after_a_success(
     assert 0.05 <= backoff.next_s() <= 0.1
 
 
-def test_several_endpoints_one_not_resolving_still_elect_and_IPv6_literals_are_taken(
+def test_several_endpoints_one_not_resolving_still_elect_and_one_channel_is_built_at_a_time(
     etcd: EtcdCluster,
 ) -> None:
-    """Several endpoints were resolved when the daemon was built, IPv4 only: one name that
-    did not resolve (a DNS hiccup at boot) stopped the daemon (StartupError), and two IPv6
-    literals always did.  Now they are resolved when the client connects, a name that does
-    not resolve is left out while another does, and IPv6 gets an ipv6: target."""
-    import socket as sockets
-
-    from gossipd.leader.client import grpc_target, resolve
+    """An endpoint that does not resolve (a DNS hiccup at boot) is left behind for the next
+    after FAILOVER_AFTER failed calls, in whichever order this client took them; two
+    connects at once build one channel, to the endpoint in use alone (gRPC resolves it:
+    IPv6 literals and names alike)."""
+    from gossipd.leader import client as etcd_client
 
     elected: list[int] = []
     election = _election(["etcd-gone.invalid:2379", *etcd.endpoints], elected)
@@ -236,15 +235,6 @@ def test_several_endpoints_one_not_resolving_still_elect_and_IPv6_literals_are_t
         task = asyncio.ensure_future(election.run_forever())
         await _until(lambda: len(elected) == 1, 15.0, "elected through the endpoint that resolves")
         await _stop(task, election)
-        six = await resolve(["[::1]:2379", "[::1]:2380"])
-        assert grpc_target(six) == "ipv6:[::1]:2379,[::1]:2380"
-        assert [f for f, _, _ in six] == [sockets.AF_INET6] * 2
-        # A name with both families takes its IPv4 address (as the daemon did before).
-        both = await resolve(["localhost:2379", "127.0.0.1:2380"])
-        assert grpc_target(both) == "ipv4:127.0.0.1:2379,127.0.0.1:2380"
-        # Two connects at once build one channel.
-        from gossipd.leader import client as etcd_client
-
         made: list[str] = []
         real = etcd_client.rpc.insecure_channel
 
@@ -254,16 +244,51 @@ def test_several_endpoints_one_not_resolving_still_elect_and_IPv6_literals_are_t
 
         etcd_client.rpc.insecure_channel = counted  # type: ignore[assignment]
         try:
-            two = etcd_client.EtcdClient(EtcdConfig(endpoints=["localhost:1", "localhost:2"]))
+            two = etcd_client.EtcdClient(
+                EtcdConfig(endpoints=["[::1]:1", "localhost:2"]), shuffle=False
+            )
             await asyncio.gather(two.connect(), two.connect())
             await two.close()
         finally:
             etcd_client.rpc.insecure_channel = real  # type: ignore[assignment]
-        assert made == ["ipv4:127.0.0.1:1,127.0.0.1:2"]
-        with pytest.raises(OSError, match="none resolves"):
-            await resolve(["a.invalid:1", "b.invalid:2"])
+        assert made == ["[::1]:1"]
 
     asyncio.run(main())
+
+
+def test_an_etcd_member_without_a_leader_is_left_for_the_next(etcd: EtcdCluster) -> None:
+    """An etcd member cut off from its quorum still serves gRPC and answers every request
+    UNAVAILABLE ("etcdserver: no leader"): gRPC's pick_first moves on only when a connection
+    fails, so every daemon (all given the same list) stayed on it and none could lead.  A
+    gRPC server that answers so stands in for it here, first in the list."""
+    import grpc
+
+    class NoLeader(grpc.GenericRpcHandler):
+        def service(self, details: object) -> object:
+            async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "etcdserver: no leader")
+
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    elected: list[int] = []
+
+    async def main() -> EtcdElection:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([NoLeader()])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        election = _election([f"127.0.0.1:{port}", *etcd.endpoints], elected)
+        election.client = EtcdClient(election.config, shuffle=False)  # (no leader first)
+        task = asyncio.ensure_future(election.run_forever())
+        try:
+            await _until(lambda: len(elected) == 1, 15.0, "elected through the next endpoint")
+        finally:
+            await _stop(task, election)
+            await server.stop(0)
+        return election
+
+    election = asyncio.run(main())
+    assert election.client.failovers >= 1 and election.client.endpoint == etcd.endpoints[0]
 
 
 def test_a_stop_that_lands_while_a_watch_is_being_cancelled_ends_the_election(

@@ -1,24 +1,33 @@
-"""The etcd client for leadership: aetcd over one gRPC channel to every configured endpoint,
-with a reconnect backoff tuned for a fast return after an etcd restart, and optional TLS with
-a client certificate.
+"""The etcd client for leadership: aetcd over a gRPC channel to one configured endpoint at a
+time, moving to the next when the one in use stops answering, with a reconnect backoff tuned
+for a fast return after an etcd restart, and optional TLS with a client certificate.
 
 aetcd's Client opens an insecure channel to one host:port; ``EtcdClient`` overrides only the
-channel: several endpoints become one gRPC target ("ipv4:A:P,B:P", pick_first: the next one
-is tried when the current one fails; their names resolved when it connects, IPv4 or IPv6), and ``ca_file``/``cert_file``/``key_file`` make it a
-secure channel.  gRPC's default reconnect backoff (1 s growing to 120 s) adds seconds after
-an etcd restart (measured 2.4 to 4.8 s); 100 to 500 ms brings it to 0.02 to 0.2 s.
+channel: one endpoint's (gRPC resolves its name itself, again on reconnects, and TLS checks
+the member's certificate against that name), secure with ``ca_file``/``cert_file``/
+``key_file``.  Each daemon takes the endpoints in an order of its own (shuffled: the
+members' load spreads), and ``failed`` moves it to the next after ``FAILOVER_AFTER`` calls in
+a row that found etcd unavailable or too slow: an etcd member that lost its quorum answers
+"no leader" or times out while still accepting connections.  (One gRPC target of all the
+endpoints, "ipv4:A:P,B:P", moved on only when a connection failed, and under TLS no
+certificate can match such a target: with two endpoints and TLS, no daemon ever connected.)
+gRPC's default reconnect backoff (1 s growing to 120 s) adds seconds after an etcd restart
+(measured 2.4 to 4.8 s); 100 to 500 ms brings it to 0.02 to 0.2 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import socket
+import random
 from pathlib import Path
 from typing import Any
 
 import aetcd
+import grpc
 from aetcd import rpc
+from aetcd.exceptions import ConnectionFailedError, ConnectionTimeoutError
 
 from gossipd.config import EtcdConfig
 from gossipd.errors import StartupError
@@ -35,75 +44,52 @@ GRPC_OPTIONS: dict[str, Any] = {
 }
 
 
-def _split(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)
+# Calls in a row that found the endpoint in use unavailable or too slow before the next is
+# tried: one is a blip (a leader change inside etcd), two is a member that does not serve.
+FAILOVER_AFTER = 2
 
 
-def grpc_target(resolved: list[tuple[int, str, int]]) -> str:
-    """One gRPC target for the endpoints' addresses, (family, ip, port) each: "ipv4:A:P,..."
-    (pick_first: the next one is tried when the current one fails), or "ipv6:[A]:P,..." when
-    none is IPv4 (one target holds one family: the IPv6 ones beside IPv4 ones are left out,
-    logged)."""
-    v4 = [f"{ip}:{port}" for family, ip, port in resolved if family == socket.AF_INET]
-    if v4:
-        v6 = [f"[{ip}]:{port}" for family, ip, port in resolved if family != socket.AF_INET]
-        if v6:
-            log.warning("etcd endpoints of IPv6 beside IPv4 ones are left out (one gRPC "
-                        "target holds one family)", extra={"endpoints": v6})  # fmt: skip
-        return "ipv4:" + ",".join(v4)
-    return "ipv6:" + ",".join(f"[{ip}]:{port}" for _, ip, port in resolved)
-
-
-async def resolve(endpoints: list[str]) -> list[tuple[int, str, int]]:
-    """The endpoints' addresses, (family, ip, port), looked up without blocking the loop; a
-    name's IPv4 address when it has one (as before: an etcd listening on 0.0.0.0 only).
-    A name that does not resolve is left out (logged) while another does; an error when none
-    does (a ConnectionError, retried: a DNS hiccup at boot must not stop the daemon)."""
-    loop = asyncio.get_running_loop()
-    out: list[tuple[int, str, int]] = []
-    failed: list[str] = []
-    for endpoint in endpoints:
-        host, port = _split(endpoint)
-        try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            failed.append(f"{endpoint} ({exc})")
-            continue
-        best = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
-        out.append((int(best[0]), str(best[4][0]), port))
-    if not out:
-        # (a ConnectionError: the duties log it as etcd's trouble, not as a bug of ours)
-        raise ConnectionError(f"etcd.endpoints: none resolves: {'; '.join(failed)}")
-    if failed:
-        log.warning("etcd endpoints that do not resolve are left out until the next connect",
-                    extra={"endpoints": failed})  # fmt: skip
-    return out
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the etcd member in use is unreachable, without a leader, or too
+    slow (another member may serve), rather than refusing the request itself."""
+    if isinstance(exc, (ConnectionFailedError, ConnectionTimeoutError, TimeoutError, OSError)):
+        return True
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return False
 
 
 class EtcdClient(aetcd.Client):
-    def __init__(self, config: EtcdConfig) -> None:
+    def __init__(self, config: EtcdConfig, *, shuffle: bool = True) -> None:
+        """``shuffle``: take the endpoints in an order of this client's own (False: as
+        configured)."""
         super().__init__(timeout=config.request_timeout_s, options=GRPC_OPTIONS)
         self.request_timeout_s = config.request_timeout_s  # for calls made on kvstub directly
         self._endpoints = list(config.endpoints)
+        if shuffle:
+            random.shuffle(self._endpoints)
+        self._index = 0  # the endpoint in use
+        self._failures = 0  # calls in a row that found it unavailable
+        self.failovers = 0
         self._credentials = _credentials(config)
         self._connecting = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint in use (or next connected to)."""
+        return self._endpoints[self._index]
 
     async def connect(self) -> None:
-        # One connect at a time: resolving awaits, and two callers at boot (the seeds' read,
-        # the election's grant) would each build a channel, the first never closed.
+        # One connect at a time: two callers at boot (the seeds' read, the election's
+        # grant) would each build a channel, the first never closed.
         async with self._connecting:
             await self._connect()
 
     async def _connect(self) -> None:
         if self._connected.is_set():
             return
-        # One endpoint: gRPC resolves the name itself (and again on reconnects).  Several:
-        # resolved here, now (a name's later changes need a restart: OPERATIONS.md).
-        if len(self._endpoints) == 1:
-            target = self._endpoints[0]
-        else:
-            target = grpc_target(await resolve(self._endpoints))
+        target = self.endpoint
         options = list(self._options.items())
         if self._credentials is None:
             self.channel = rpc.insecure_channel(target, options=options)
@@ -117,6 +103,50 @@ class EtcdClient(aetcd.Client):
             rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
         )
         self._connected.set()
+
+    def answered(self) -> None:
+        """A call was answered: the endpoint in use serves."""
+        self._failures = 0
+
+    def failed(self, exc: BaseException) -> bool:
+        """A call failed with ``exc``: after FAILOVER_AFTER in a row that found etcd
+        unavailable or too slow, the next call goes to the next endpoint (True)."""
+        if len(self._endpoints) < 2 or not unavailable(exc):
+            return False
+        self._failures += 1
+        if self._failures < FAILOVER_AFTER:
+            return False
+        self.next_endpoint()
+        return True
+
+    def next_endpoint(self) -> None:
+        """Move to the next endpoint: the channel in use is closed in the background (its
+        calls in flight fail and are retried), and the next call connects there."""
+        was = self.endpoint
+        self._failures = 0
+        self._index = (self._index + 1) % len(self._endpoints)
+        self.failovers += 1
+        log.warning(
+            "etcd endpoint %s does not answer: moving to %s", was, self.endpoint,
+            extra={"failovers": self.failovers},
+        )  # fmt: skip
+        if self._connected.is_set():
+            channel, watcher = self.channel, self._watcher
+            self._init_channel_attrs()
+            self._connected.clear()
+            task = asyncio.get_running_loop().create_task(_retire(channel, watcher))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+
+async def _retire(channel: Any, watcher: Any) -> None:
+    """Close a channel left for another endpoint, and its watcher (their failures are the
+    old endpoint's: not ours to raise)."""
+    with contextlib.suppress(Exception):
+        if watcher is not None:
+            await watcher.shutdown()
+    with contextlib.suppress(Exception):
+        await channel.close()
 
 
 def _credentials(config: EtcdConfig) -> Any:

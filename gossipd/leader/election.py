@@ -264,9 +264,11 @@ class EtcdElection:
                 except ETCD_ERRORS as exc:
                     self.errors += 1
                     self._keepalive_error_log.failed(exc)
+                    self.client.failed(exc)
                     failed = True
                 else:
                     self._keepalive_error_log.cleared()
+                    self.client.answered()
                     self._keepalive_retry.reset()
                     if reply is not None and lease_id == core.lease_id:
                         was_valid = core.lease_valid(self._clock.monotonic())
@@ -374,9 +376,11 @@ class EtcdElection:
     def _error(self, exc: BaseException) -> None:
         self.errors += 1
         self._error_log.failed(exc)
+        self.client.failed(exc)  # (the next endpoint, after a few in a row)
 
     def _error_cleared(self) -> None:
         """etcd answered a call: an outage (if any) is over (only an answer clears it: a
         campaign step that made no call, e.g. a wait woken up, says nothing about etcd)."""
         self._retry.reset()
         self._error_log.cleared()
+        self.client.answered()

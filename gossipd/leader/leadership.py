@@ -191,6 +191,7 @@ class Leadership:
             "elections": self.election.core.elections,
             "step_downs": dict(self.election.core.step_downs),
             "etcd_errors": self.election.errors,
+            "etcd_failovers": self.election.client.failovers,
             "directives_refused": dict(fence.refused),
             "directives_admitted": fence.directives_admitted,
             "publish_refused": self.publish_refused,

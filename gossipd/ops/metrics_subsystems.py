@@ -53,6 +53,13 @@ def _leadership_metrics(st: Any) -> Iterator[Metric]:
         "etcd calls of the election that failed (etcd down, slow or refusing)",
         st["etcd_errors"],
     )
+    yield _one(
+        C,
+        "gossipd_etcd_failovers",
+        "Moves to the next etcd endpoint after the one in use stopped answering (unreachable, "
+        "without a leader, or slower than etcd.request_timeout_s)",
+        st["etcd_failovers"],
+    )
 
 
 def _duty_metrics(st: Any) -> Iterator[Metric]:

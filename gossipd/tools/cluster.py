@@ -62,22 +62,27 @@ def etcd_settings(base: EtcdConfig, endpoints: Sequence[str]) -> EtcdConfig:
 async def connect(settings: EtcdConfig) -> Any:
     """The daemons' etcd client (several endpoints, TLS) on these settings, checked with one
     request."""
-    from gossipd.leader.client import EtcdClient
+    from gossipd.leader.client import EtcdClient, unavailable
 
     try:
         client = EtcdClient(settings)
     except StartupError as exc:
         raise ClusterError(str(exc)) from None
-    try:
-        await client.connect()
-        await client.get(b"/gossipd/")  # any request: is etcd there?
-    except Exception as exc:  # unreachable, refused, TLS: say which, and stop
-        await client.close()
-        why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else type(exc).__name__
-        raise ClusterError(
-            f"etcd at {', '.join(settings.endpoints)} did not answer ({why[:300]})"
-        ) from None
-    return client
+    for tried in range(1, len(settings.endpoints) + 1):  # each endpoint once, at most
+        try:
+            await client.connect()
+            await client.get(b"/gossipd/")  # any request: is etcd there?
+            return client
+        except Exception as exc:  # unreachable, refused, TLS: say which, and stop
+            if tried < len(settings.endpoints) and unavailable(exc):
+                client.next_endpoint()
+                continue
+            await client.close()
+            why = f"{type(exc).__name__}: {exc}" if isinstance(exc, OSError) else type(exc).__name__
+            raise ClusterError(
+                f"etcd at {', '.join(settings.endpoints)} did not answer ({why[:300]})"
+            ) from None
+    raise AssertionError("unreachable")  # (the last endpoint's failure raised above)
 
 
 async def run_drain(
