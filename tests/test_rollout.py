@@ -214,3 +214,63 @@ def test_a_stored_progress_with_a_field_of_a_later_version_is_read() -> None:
     )
     progress = rollout.progress_decoder.decode(stored)
     assert progress.index == 2 and progress.node == "c"
+
+
+def test_the_leaders_drain_order_is_sent_again_on_time_after_the_wall_clock_steps_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The order is sent again every REPUBLISH_S (a member may have missed the one gossip
+    carried); timed by the wall clock, a step back of X s held the re-sends off for X s,
+    and a member that missed the order waited out the plan's step_timeout_s."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from gossipd.leader import rollout as duty
+    from gossipd.leader.duties import Fenced
+
+    monkeypatch.setattr(duty, "ROLLOUT_TICK_S", 0.02)
+    monkeypatch.setattr(duty, "REPUBLISH_S", 0.2)
+    plan = Plan(id="p1", mode="drain", nodes=["b"], step_timeout_s=3600.0)
+    stored: dict[str, Progress | None] = {"progress": None}
+
+    async def read_stored(client: object, prefix: str) -> duty.Stored:
+        return duty.Stored(plan, stored["progress"], 1, 1)
+
+    monkeypatch.setattr(duty, "read_stored", read_stored)
+    published: list[float] = []
+
+    async def put(key: str, value: bytes, unchanged: object) -> Fenced:
+        stored["progress"] = msgspec.json.decode(value, type=Progress)
+        return Fenced.OK
+
+    async def check(unchanged: object) -> Fenced:
+        return Fenced.OK
+
+    ctx = SimpleNamespace(
+        client=None, prefix="/gossipd/t/", fenced_put_if=put, fenced_check=check,
+        publish=lambda kind, body: published.append(time.monotonic()),
+    )  # fmt: skip
+    member_b = SimpleNamespace(node="b", incarnation=1, gpu=None)
+    gossip = SimpleNamespace(
+        core=SimpleNamespace(table=SimpleNamespace(incarnation=1)),
+        live_members=lambda: [member_b], load=lambda: 0,
+    )  # fmt: skip
+    walls = iter([1_000_000.0])  # the first reading; every later one an hour earlier
+
+    def wall() -> float:
+        return next(walls, 1_000_000.0 - 3600.0)
+
+    runner = duty.Rollout(
+        node="a", gossip=gossip, admin=SimpleNamespace(status=lambda: "serving"),  # type: ignore[arg-type]
+        stop=lambda status: None, started_wall_s=0.0, wall=wall,
+    )  # fmt: skip
+
+    async def main() -> None:
+        task = asyncio.ensure_future(runner.duty(ctx))
+        await asyncio.sleep(1.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert len(published) >= 4, published  # the first, then about every 0.2 s

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,7 +103,9 @@ class Rollout:
 
     async def duty(self, ctx: Any) -> None:
         last: tuple[str, str, str] | None = None
-        published_at = 0.0
+        # When the order was last sent, by the monotonic clock: a wall clock stepped back
+        # held the re-sends off for as long (the plan's own times stay wall-clock: rule 5).
+        published_at = -REPUBLISH_S
         while True:
             stored = await read_stored(ctx.client, ctx.prefix)
             plan, progress = stored.plan, stored.progress
@@ -115,7 +118,7 @@ class Rollout:
                 new, order = rollout.advance(plan, progress, self.live(), self.node, now_s)
                 due = order is not None and (
                     (order.plan, order.node, order.action) != last
-                    or now_s - published_at >= REPUBLISH_S
+                    or time.monotonic() - published_at >= REPUBLISH_S
                 )
                 # The plan and progress must still be as read when we act on them.
                 unchanged = {
@@ -144,7 +147,7 @@ class Rollout:
                     log.info("drain step", extra={"plan": plan.id, "state": rollout.describe(new)})
                 if order is not None and due:
                     ctx.publish(DRAIN, msgspec.to_builtins(order))
-                    last, published_at = (order.plan, order.node, order.action), now_s
+                    last, published_at = (order.plan, order.node, order.action), time.monotonic()
             await asyncio.sleep(ROLLOUT_TICK_S if active else IDLE_TICK_S)
 
     # -- every member ---------------------------------------------------------------------------
