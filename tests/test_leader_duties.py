@@ -273,3 +273,43 @@ def test_a_failing_duty_restarts_later_and_later_and_only_a_bug_logs_a_traceback
     assert len(etcd_lines) == len(bug_lines) == 3
     assert all(r.exc_info is None for r in etcd_lines)
     assert all(r.exc_info is not None for r in bug_lines)
+
+
+def test_a_leader_whose_election_fails_revokes_its_lease_and_an_undrain_at_stop_stays_out(
+    etcd,  # type: ignore[no-untyped-def]
+) -> None:
+    """A failure of the election's own code (a bug: the election starts again after 1 s)
+    left its lease, and so its campaign key, to expire at the TTL: the next leader waited a
+    whole TTL (8 s here).  Now the key goes at once.  And an undrain that came while the
+    daemon stopped (resigned) had it campaign again."""
+
+    async def main() -> None:
+        config = _config(etcd.endpoints, ttl_s=8.0)
+        a = build_leadership(config, node="a", gossip=_Gossip("a"))
+        b = build_leadership(config, node="b", gossip=_Gossip("b"))
+        assert a is not None and b is not None
+        tasks = await _run([a])
+        try:
+            await wait_until_async(lambda: a.is_leader, 10, "a to lead")
+            tasks += await _run([b])
+            await asyncio.sleep(0.5)  # (b's key is there, behind a's)
+            assert not b.is_leader
+
+            crashed: list[float] = []
+
+            async def bug(*args: object, **kwargs: object) -> object:
+                crashed.append(time.monotonic())
+                raise RuntimeError("a bug in the keepalive")
+
+            a.election.client.refresh_lease = bug  # type: ignore[method-assign]
+            await wait_until_async(lambda: b.is_leader, 8, "b to lead")
+            # (a's last keepalive was at most TTL/3 before the crash: its key would stay 5 s)
+            assert time.monotonic() - crashed[0] < 3.0
+            await b.resign()
+            b.on_drain(False)  # an undrain while b stops
+            await asyncio.sleep(0.3)
+            assert b.election.resigned and not b.is_leader
+        finally:
+            await _stop(tasks, a, b)
+
+    asyncio.run(main())

@@ -85,6 +85,9 @@ class EtcdElection:
         self.stray_keys = 0  # keys without a lease under the election prefix (ignored)
         self._strays_said: set[bytes] = set()
         self.resigned = False
+        # The lease run_forever held when it ended (0: none): after a crash of ours its key
+        # would hold off the next leader, and our own new key, for up to a TTL.
+        self.abandoned_lease = 0
 
     @property
     def key(self) -> bytes:
@@ -110,6 +113,7 @@ class EtcdElection:
                 tg.create_task(self._keepalive_forever(), name="election-keepalive")
                 tg.create_task(self._timer_forever(), name="election-timer")
         finally:
+            self.abandoned_lease = self._held_lease()  # (revoked by Leadership on a crash)
             self._apply(self.core.resign("stopped"))
 
     async def _campaign_forever(self) -> None:
@@ -315,11 +319,16 @@ class EtcdElection:
         none of ours).  Synchronous, so that a ``rejoin()`` right after it (an undrain in the
         same loop turn) undoes it: a resign left pending would run after the rejoin."""
         core = self.core
-        lease_id = core.lease_id if core.phase in (Phase.NO_KEY, Phase.CANDIDATE) else 0
+        lease_id = self._held_lease()
         self._apply(core.resign())
         self.resigned = True
         self._changed.set()
         return lease_id
+
+    def _held_lease(self) -> int:
+        """Our lease while it may hold our campaign key (0: none)."""
+        core = self.core
+        return core.lease_id if core.phase in (Phase.NO_KEY, Phase.CANDIDATE) else 0
 
     async def revoke(self, lease_id: int) -> None:
         """Revoke a lease ``resign_nowait()`` gave up: its key goes at once, and the next

@@ -59,6 +59,7 @@ class Leadership:
         self.prefix = self.election.prefix
         self._seq = 0  # our directives' seq: only ever grows in this process
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False  # resign() or close() began: an undrain campaigns no more
         self.publish_refused = 0
         gossip.leadership_listeners.append(self._on_gossip)
 
@@ -88,6 +89,9 @@ class Leadership:
             except Exception:
                 log.exception("leader election failed; starting it again in %s s", RESTART_S)
             self.duties.stop()
+            # Its key goes now, not at its TTL: the next leader (or our next key) waits not.
+            lease_id, self.election.abandoned_lease = self.election.abandoned_lease, 0
+            await self.election.revoke(lease_id)
             await asyncio.sleep(RESTART_S)
             if not self.election.resigned:
                 self.election.core.restart()
@@ -164,6 +168,8 @@ class Leadership:
         and an undrain handled in one loop turn (the ingress reads every waiting frame in one
         callback) then leave a candidate: a resign scheduled for later ran after the undrain's
         rejoin, and the daemon never campaigned again."""
+        if not drained and self._stopping:
+            return  # an undrain while the daemon stops (resigned): it campaigns no more
         if drained:
             self.duties.stop()
             lease_id = self.election.resign_nowait()
@@ -176,11 +182,18 @@ class Leadership:
             self.election.rejoin()
 
     async def resign(self) -> None:
+        """The daemon stops: step down, revoke the lease, and campaign no more."""
+        self._stopping = True
         self.duties.stop()
         await self.election.resign()
 
     async def close(self) -> None:
+        """Also where the daemon's parts failed and it skipped ``resign``: the lease is
+        revoked if still held (its key went only at its TTL: a failover of seconds)."""
+        self._stopping = True
         self.duties.stop()
+        if not self.election.resigned:
+            await self.election.resign()
         await self.election.close()
 
     def statistics(self) -> dict[str, Any]:
