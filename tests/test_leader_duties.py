@@ -313,3 +313,38 @@ def test_a_leader_whose_election_fails_revokes_its_lease_and_an_undrain_at_stop_
             await _stop(tasks, a, b)
 
     asyncio.run(main())
+
+
+def test_a_follower_reads_the_candidates_when_its_predecessor_goes_not_every_ttl(
+    etcd,  # type: ignore[no-untyped-def]
+) -> None:
+    """Each follower read the whole candidate list every TTL (a watch timeout): 1,000
+    daemons at TTL 2 s made 500 reads a second of 1,000 keys each.  It now reads when the
+    key it watches goes, or after about ten TTLs; and it still takes over at once."""
+
+    async def main() -> None:
+        config = _config(etcd.endpoints, ttl_s=2.0)
+        a = build_leadership(config, node="a", gossip=_Gossip("a"))
+        b = build_leadership(config, node="b", gossip=_Gossip("b"))
+        assert a is not None and b is not None
+        tasks = await _run([a])
+        try:
+            await wait_until_async(lambda: a.is_leader, 10, "a to lead")
+            reads: list[float] = []
+            real = b.election._candidates
+
+            async def counted() -> Any:
+                reads.append(time.monotonic())
+                return await real()
+
+            b.election._candidates = counted  # type: ignore[method-assign]
+            tasks += await _run([b])
+            await wait_until_async(lambda: reads, 5, "b's first look")
+            await asyncio.sleep(5.0)  # two and a half TTLs
+            assert len(reads) == 1, reads
+            await a.resign()
+            await wait_until_async(lambda: b.is_leader, 1.0, "b to lead at once")
+        finally:
+            await _stop(tasks, a, b)
+
+    asyncio.run(main())

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 from collections.abc import Callable
 
 import grpc
@@ -42,6 +43,9 @@ from gossipd.leader.errorlog import EtcdErrorLog
 log = logging.getLogger("gossipd.leader.election")
 
 # What an etcd call raises when etcd is down, slow or refuses: retried, never fatal.
+# A follower's safety-net look at the candidates, in TTLs (its predecessor's deletion wakes it
+# at once; a failed watch stream raises and it looks again then).
+FOLLOWER_LOOK_TTLS = 10.0
 ETCD_ERRORS = (ClientError, grpc.aio.AioRpcError, TimeoutError, OSError, ValueError)
 # ...those that are surely etcd's, not a bug of ours (a duty logs them without a traceback).
 ETCD_FAILURES = (ClientError, grpc.aio.AioRpcError, TimeoutError, ConnectionError)
@@ -206,7 +210,11 @@ class EtcdElection:
         self._apply(decision)
         if isinstance(decision, Watch):
             key = next(k for r, k in candidates if r == decision.revision)
-            await self._wait_gone(key, revision + 1)
+            # A follower looks again only when its predecessor's key goes (or the watch
+            # fails: raised), else after FOLLOWER_LOOK_TTLS TTLs, jittered: every TTL, 1,000
+            # followers at TTL 2 s read the whole candidate list 500 times a second.
+            look_s = self.config.ttl_s * FOLLOWER_LOOK_TTLS * random.uniform(0.75, 1.25)
+            await self._wait_gone(key, revision + 1, timeout_s=look_s)
         elif self.core.phase is Phase.CANDIDATE:
             if self.core.leading:
                 await self._wait_gone(
@@ -216,11 +224,17 @@ class EtcdElection:
                 await self._woken_within(self.core.keepalive_interval_s())
 
     async def _wait_gone(
-        self, key: bytes, start_revision: int, on_gone: Callable[[], None] | None = None
+        self,
+        key: bytes,
+        start_revision: int,
+        on_gone: Callable[[], None] | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> None:
-        """Until ``key`` is deleted, the session changes, or a TTL passes (then we look again:
-        a watch does not survive a lost connection).  ``on_gone``: called as soon as the
-        deletion is seen (before the watch's cancel, a round trip to etcd)."""
+        """Until ``key`` is deleted, the session changes, or ``timeout_s`` passes (default a
+        TTL; then we look again, whatever the watch missed; a watch whose stream fails
+        raises).  ``on_gone``: called as soon as the deletion is seen (before the watch's
+        cancel, a round trip to etcd)."""
         watch = await self.client.watch(key, start_revision=start_revision)
 
         async def deleted() -> None:
@@ -232,7 +246,9 @@ class EtcdElection:
         woken = asyncio.ensure_future(self._changed.wait())
         try:
             await asyncio.wait(
-                {waiter, woken}, timeout=self.config.ttl_s, return_when="FIRST_COMPLETED"
+                {waiter, woken},
+                timeout=self.config.ttl_s if timeout_s is None else timeout_s,
+                return_when="FIRST_COMPLETED",
             )
             gone = waiter.done() and not waiter.cancelled() and waiter.exception() is None
             if gone and on_gone is not None:
