@@ -85,3 +85,15 @@ def test_notifier_without_systemd_does_nothing(value: str) -> None:
     n = Notifier({"NOTIFY_SOCKET": value} if value == "" else {"WATCHDOG_USEC": value})
     n.ready()
     assert not n.enabled and n.sent == 0 and n.watchdog_interval_s is None
+
+
+def test_a_fatal_signal_leaves_the_daemons_python_stacks_in_its_log(daemon_factory) -> None:
+    """SIGBUS (an I/O error under the journal, which replay reads mapped) or SIGSEGV ended
+    the daemon with no line in its log: systemd restarted it into the same crash, and
+    nothing said where.  faulthandler now writes every thread's stack to stderr first."""
+    daemon = daemon_factory()
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGBUS)
+    assert daemon.proc.wait(timeout=20) == -signal.SIGBUS
+    text = daemon.log_path.read_text(errors="replace")
+    assert "Fatal Python error: Bus error" in text and "Current thread" in text

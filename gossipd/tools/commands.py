@@ -28,6 +28,7 @@ def _run_loop(coro: object) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import faulthandler
     import socket
 
     from gossipd.config import node_id
@@ -37,6 +38,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = _config_from(args)
     return_large_buffers()  # freed prompts and frames go back to the OS (ops/memory.py)
+    # A fatal signal (SIGBUS from an I/O error under the mapped journal, SIGSEGV in an
+    # extension) prints every thread's Python stack to stderr (the journal of systemd), not
+    # nothing: the process ends as it would, systemd restarts it.
+    faulthandler.enable()
     daemon_holder: list[Daemon] = []
 
     async def main() -> int:
