@@ -381,7 +381,8 @@ class JournalConfig(Section, frozen=True):
     path: str = ""
     # Batched durability: accepted tasks reach the disk within this long.
     fsync_interval_s: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.01
-    # Rewrite the file with only unfinished tasks once it grows past this.
+    # Rewrite the file with only unfinished tasks (off the event loop) once it grows past
+    # this and more than half of it is finished tasks' records.
     compact_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 * 1024 * 1024
     # A restart with unfinished tasks asks live members which of them they hold before it
     # runs them again (docs/PROTOCOL.md, "A restart asks before it runs again"): how long

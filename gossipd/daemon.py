@@ -43,7 +43,8 @@ from gossipd.http.clustermodels import ClusterModels
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.wiring import build_door, open_door
 from gossipd.ingress.budgets import BudgetGate, start_budgets
-from gossipd.ingress.journal import Journal, JournalInUse, NotAJournal
+from gossipd.ingress.journal import Journal, NotAJournal
+from gossipd.ingress.journal_files import JournalInUse
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.replay import JournalReplay, expects_members
 from gossipd.ingress.runner import stop_workers

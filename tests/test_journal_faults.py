@@ -112,11 +112,11 @@ def test_a_compaction_that_keeps_failing_is_tried_again_after_a_pause_not_at_eve
     whole rewrite again and logged an error each time (50 a second on a nearly full disk)."""
     tries: list[float] = []
 
-    def rewrite(self: Journal, tmp: Path) -> Any:
+    def write_tmp(self: Journal, tmp: Path, snapshot: object) -> Any:
         tries.append(time.monotonic())
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Journal, "_rewrite", rewrite)
+    monkeypatch.setattr(Journal, "_write_tmp", write_tmp)
 
     async def run() -> None:
         j = Journal(tmp_path / "j", fsync_interval_s=0.001)

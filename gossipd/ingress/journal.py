@@ -21,8 +21,10 @@ Writes are buffered (8 KiB) and made durable in batches (written, then fsync eve
 acceptances; the producer's resubmission covers that window.  A write the file system
 refuses (a full disk) leaves nothing of its records: the file is cut back to where the
 write began and those records dropped (their tasks run, not durable).  When the file passes
-``compact_bytes`` it is rewritten with only the unfinished tasks (write, fsync, rename; from
-the rename on the new file is the journal, even if the directory's fsync then fails).
+``compact_bytes`` and more than half of it is garbage (finished tasks' records), it is
+rewritten with only the unfinished tasks, off the event loop (journal_files.py: write, copy
+what was appended meanwhile, fsync, rename; from the rename on the new file is the journal,
+even if the directory's fsync then fails).
 On start-up ``replay`` returns the tasks accepted but never finished, to run again: a record
 that fails its check is skipped, and the records after it read; a torn last record (a crash
 mid-write) is cut off; a record of a kind this version does not know (written by a later one)
@@ -33,43 +35,35 @@ and a second Journal on it raises JournalInUse.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import errno
-import fcntl
 import io
 import logging
-import mmap
 import os
+import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 
 from gossipd.core.messages import Task, encode
-from gossipd.ingress import journal_format
+from gossipd.ingress import journal_files, journal_format
+from gossipd.ingress.journal_files import Aborted, Snapshot, mapped, open_locked
 from gossipd.ingress.journal_format import ACCEPT, DEADLINE, DONE, FORWARDED, RUNNING, Reader
 
 log = logging.getLogger("gossipd.ingress.journal")
 
 SYNC_RETRY_S = 1.0  # after a sync the file system refused
 BUFFER_BYTES = 8192  # records are written out once this many are buffered (or at a sync)
-_LOCK_TRIES = 10  # opening a file that a compaction replaced between the open and the lock
 _task_decoder = msgspec.msgpack.Decoder(Task)
-
-
-class JournalInUse(Exception):
-    """Another Journal (another daemon) holds this file: two would replay the same tasks,
-    and one's compaction would unlink the file the other writes to."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(
-            f"journal.path = {str(path)!r} is in use by another process (another gossipd "
-            "given the same journal.path?): give each daemon its own journal"
-        )
-        self.path = path
+# What a task's records weigh beside its bytes (headers, checks, its small records), for the
+# count of live bytes that decides a compaction.
+_RECORDS_OVERHEAD = 64
+_T = TypeVar("_T")
 
 
 class NotAJournal(Exception):
@@ -112,7 +106,7 @@ class Journal:
         self.died_under: dict[str, int] = {}
         self._replayed: set[str] = set()  # unfinished ids read at replay
         # Read (replay) and appended to; locked: JournalInUse where another holds it.
-        self._file = _open_locked(self.path)
+        self._file = open_locked(self.path)
         self._pending = bytearray()  # records not yet written to the file
         self._file_size = os.fstat(self._file.fileno()).st_size  # what the file holds
         self._size = self._file_size  # and with what is pending
@@ -132,6 +126,18 @@ class Journal:
         # from what is unfinished at the next sync that succeeds, else finished tasks would
         # run again at the next start.
         self._rewrite_due = False
+        # The bytes the unfinished tasks' records take (about): the rest of the file is
+        # garbage, and a compaction is due when it is more than half (and compact_bytes).
+        self._live_bytes = 0
+        # A compaction under way (sync_forever's): its writing in a thread of its own
+        # (_rewriter), the records appended meanwhile held in the buffer while it copies
+        # them and renames (_holding); _abort asks it to stop (close); _placed is its file
+        # once renamed over the journal, until the loop takes it.
+        self._compacting: asyncio.Task[None] | None = None
+        self._rewriter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._holding = False
+        self._abort = threading.Event()
+        self._placed: io.FileIO | None = None
         # A child forked from here (vLLM forks its engine core) shares the locked file: it
         # lets go of it, else, outliving a daemon that was killed, it would hold the lock.
         os.register_at_fork(after_in_child=_let_go_in_child(weakref.ref(self)))
@@ -157,7 +163,7 @@ class Journal:
         # Mapped, not read: the file's pages are the page cache's (clean, reclaimable), so
         # a large journal costs the daemon's memory only its unfinished tasks (read whole,
         # a 100 MiB file of finished tasks took 100 MiB more).
-        with _mapped(self._file.fileno()) as data:
+        with mapped(self._file.fileno()) as data:
             data_first = data[0] if len(data) else -1
             reader = Reader(data)
             for kind, body, value in reader:
@@ -187,6 +193,7 @@ class Journal:
             del self.runs[task_id]  # (off the engine: RUNNING -1)
         self.died_under = {task_id: deaths + 1 for task_id, deaths in self.runs.items()}
         self._replayed = set(self._open)
+        self._live_bytes = sum(len(b) + _RECORDS_OVERHEAD for b in self._open.values())
         return [_task_decoder.decode(b) for b in self._open.values()]
 
     def _report(self, reader: Reader) -> None:
@@ -212,6 +219,8 @@ class Journal:
     def accept(self, task: Task, deadline_ms: int | None = None) -> None:
         """``deadline_ms``: when the task's deadline passes, in ms since the epoch."""
         body = encode(task)
+        if task.id not in self._open:
+            self._live_bytes += len(body) + _RECORDS_OVERHEAD
         self._open[task.id] = body
         journal_format.append(self._pending, ACCEPT, body)
         if deadline_ms is not None:
@@ -251,7 +260,9 @@ class Journal:
             self._appended()
 
     def done(self, task_id: str) -> None:
-        if self._open.pop(task_id, None) is not None:
+        body = self._open.pop(task_id, None)
+        if body is not None:
+            self._live_bytes -= len(body) + _RECORDS_OVERHEAD
             self.forwarded.pop(task_id, None)
             self.deadlines.pop(task_id, None)
             self.runs.pop(task_id, None)
@@ -286,7 +297,7 @@ class Journal:
         """Write the buffer; where the file system refuses part of it (ENOSPC, EIO), cut the
         file back to where it began and drop the buffer, then raise: a part of a record
         left mid-file would be read as damage, and all of it would come after that."""
-        if not self._pending:
+        if not self._pending or self._holding:
             return
         fd = self._file.fileno()
         written = 0
@@ -327,44 +338,139 @@ class Journal:
                     self._dirty = True  # tried again after a pause
                     await asyncio.sleep(SYNC_RETRY_S)
                     continue
-                if self._rewrite_due and time.monotonic() >= self._compact_again_after:
-                    self.compact()  # the file system takes writes again
+                if self._rewrite_due and self._may_compact():
+                    self._start_compaction()  # the file system takes writes again
                     continue
             if (
                 self._size > self._compact_bytes
-                and len(self._open) * 4 < self.appended
+                and self._size - self._live_bytes > self._live_bytes  # over half garbage
                 and self.appended >= self._compact_again_at
-                and time.monotonic() >= self._compact_again_after
+                and self._may_compact()
             ):
-                self.compact()
+                self._start_compaction()
 
-    def compact(self) -> None:
-        """Rewrite the file with only the unfinished tasks (the file system refusing before
-        the rename: the old file is kept, and compaction waits for as many records again).
-        From the rename on, the new file is the journal: a directory fsync that fails then
-        is counted and logged, the rename perhaps not durable yet."""
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+    def _may_compact(self) -> bool:
+        return self._compacting is None and time.monotonic() >= self._compact_again_after
+
+    def _start_compaction(self) -> None:
+        self._compacting = asyncio.get_running_loop().create_task(
+            self._compact_off_loop(), name="journal-compaction"
+        )
+
+    async def _compact_off_loop(self) -> None:
+        """compact(), its writing, syncing and renaming in a thread, the loop serving on.
+        The snapshot of the unfinished tasks is written to NAME.tmp while new records go to
+        the journal (and are synced) as usual; then, the records held in the buffer, those
+        appended since the snapshot are copied after it, and the new file is synced and
+        renamed over the journal; the held records follow into it."""
+        tmp = self._tmp_path()
+        rewrite_was_due, self._rewrite_due = self._rewrite_due, False
+        new: io.FileIO | None = None
         try:
-            new = self._rewrite(tmp)
+            self._write_out()
+            mark, snapshot = self._file_size, self._snapshot()
+            new = await self._in_thread(self._write_tmp, tmp, snapshot)
+            self._holding = True  # (the old file holds still while its tail is copied)
+            end = self._file_size
+            await self._in_thread(self._finish_tmp, new, mark, end, tmp)
         except OSError as exc:
-            self._failed("compact", exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+            self._holding = False
+            journal_files.drop(new, tmp)
+            if not isinstance(exc, Aborted):
+                self._failed("compact", exc)
+            self._rewrite_due = self._rewrite_due or rewrite_was_due
             self._compact_again_at = 2 * self.appended
             self._compact_again_after = time.monotonic() + COMPACT_RETRY_S
+            self.flush()  # (what waited while the tail was copied)
             return
+        finally:
+            self._compacting = None
+        old = self._take_placed()
+        self.flush()  # the records held meanwhile: into the new file
+        self._note_written()  # (synced by sync_forever)
+        try:
+            # (closed there too: the old file's last close frees its blocks, tens of ms
+            # for a large one)
+            await self._in_thread(journal_files.let_go, old, self.path.parent)
+        except OSError as exc:
+            self._failed("rename", exc)
+
+    def _snapshot(self) -> list[Snapshot]:
+        deadlines, forwarded, runs = self.deadlines, self.forwarded, self.runs
+        return [
+            (i, body, deadlines.get(i), forwarded.get(i), runs.get(i))
+            for i, body in self._open.items()
+        ]
+
+    def _write_tmp(self, tmp: Path, snapshot: list[Snapshot]) -> io.FileIO:
+        """(In the rewriter's thread.)  ``tmp`` made with the snapshot's records."""
+        new = journal_files.open_tmp(tmp)
+        try:
+            journal_files.write_snapshot(new, snapshot, self._abort)
+        except BaseException:
+            new.close()
+            raise
+        return new
+
+    def _finish_tmp(self, new: io.FileIO, mark: int, end: int, tmp: Path) -> None:
+        """(In the rewriter's thread, the journal's writes held.)  The records appended since
+        the snapshot copied after it, then ``new`` synced and renamed over the journal."""
+        journal_files.copy_tail(self._file.fileno(), mark, end, new)
+        if self._abort.is_set():
+            raise Aborted("the journal closes: its compaction is dropped")
+        journal_files.put_in_place(new, tmp, self.path)
+        self._placed = new  # (the journal from here: the loop, or close, takes it)
+
+    def _take_placed(self) -> io.FileIO:
+        """The compaction's file, renamed over the journal, becomes the journal's file; the
+        old one, to close."""
+        new, self._placed = self._placed, None
+        assert new is not None
         old, self._file = self._file, new
-        self._pending.clear()  # (superseded: the new file holds every unfinished task)
-        self._rewrite_due = False
-        self._size = self._file_size = os.fstat(new.fileno()).st_size
+        self._holding = False
+        self._file_size = os.fstat(new.fileno()).st_size
+        self._size = self._file_size + len(self._pending)
         self.appended = len(self._open)
         self._compact_again_at = 0
         self._compact_again_after = 0.0
         self.compactions += 1
-        with contextlib.suppress(OSError):
-            old.close()
+        return old
+
+    async def _in_thread(self, call: Callable[..., _T], *args: Any) -> _T:
+        if self._rewriter is None:
+            self._rewriter = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="journal-rewrite"
+            )
+        return await asyncio.wrap_future(self._rewriter.submit(call, *args))
+
+    def _note_written(self) -> None:
+        if not self._dirty:
+            self._dirty = True
+            self._written.set()
+
+    def _tmp_path(self) -> Path:
+        return self.path.with_suffix(self.path.suffix + ".tmp")
+
+    def compact(self) -> None:
+        """Rewrite the file with only the unfinished tasks, here and now (a stop, a test;
+        sync_forever compacts off the loop): the file system refusing before the rename,
+        the old file is kept, and compaction waits for as many records again and
+        COMPACT_RETRY_S.  From the rename on, the new file is the journal: a directory fsync
+        that fails then is counted and logged, the rename perhaps not durable yet."""
+        tmp = self._tmp_path()
         try:
-            _fsync_directory(self.path.parent)  # the rename itself durable, not only the data
+            new = self._rewrite(tmp)
+        except OSError as exc:
+            self._failed("compact", exc)
+            journal_files.drop(None, tmp)
+            self._compact_again_at = 2 * self.appended
+            self._compact_again_after = time.monotonic() + COMPACT_RETRY_S
+            return
+        self._pending.clear()  # (superseded: the new file holds every unfinished task)
+        self._rewrite_due = False
+        self._placed = new
+        try:
+            journal_files.let_go(self._take_placed(), self.path.parent)
         except OSError as exc:
             self._failed("rename", exc)
 
@@ -372,36 +478,9 @@ class Journal:
         """``tmp`` written with the unfinished tasks, made durable, locked and renamed over the
         journal: the new journal's file, open (raises, leaving the journal as it was, where
         any of that fails)."""
-        # A .tmp left behind (a compaction killed midway, perhaps by another user: not
-        # writable by us) is replaced, never reopened.
-        tmp.unlink(missing_ok=True)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(tmp, flags, 0o666)
+        new = self._write_tmp(tmp, self._snapshot())
         try:
-            new = open(fd, "a+b", buffering=0)  # noqa: SIM115  (kept: the journal's file)
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked before it is the journal
-            out = bytearray()
-            for task_id, body in self._open.items():
-                journal_format.append(out, ACCEPT, body)
-                if task_id in self.deadlines:
-                    deadline = journal_format.pair(task_id, self.deadlines[task_id])
-                    journal_format.append(out, DEADLINE, deadline)
-                if task_id in self.forwarded:
-                    forwarder = journal_format.pair(task_id, self.forwarded[task_id])
-                    journal_format.append(out, FORWARDED, forwarder)
-                if task_id in self.runs:
-                    journal_format.append(
-                        out, RUNNING, journal_format.pair(task_id, self.runs[task_id])
-                    )
-                if len(out) >= 2**20:
-                    _write_all(fd, out)
-            _write_all(fd, out)
-            os.fsync(fd)
-            os.replace(tmp, self.path)
+            journal_files.put_in_place(new, tmp, self.path)
         except BaseException:
             new.close()
             raise
@@ -435,6 +514,7 @@ class Journal:
             )
 
     def close(self) -> None:
+        self._stop_compaction()
         try:
             self._write_out()
             os.fsync(self._file.fileno())
@@ -445,6 +525,24 @@ class Journal:
         finally:
             with contextlib.suppress(OSError):
                 self._file.close()
+
+    def _stop_compaction(self) -> None:
+        """A compaction under way is asked to stop and waited for (its thread writes at
+        most a chunk more); where it had renamed its file over the journal already, that
+        file is the journal's from here."""
+        compacting, self._compacting = self._compacting, None
+        if compacting is not None:
+            compacting.cancel()
+        if self._rewriter is not None:
+            self._abort.set()
+            self._rewriter.shutdown(wait=True)
+            self._rewriter = None
+        if self._placed is not None:
+            with contextlib.suppress(OSError):
+                journal_files.let_go(self._take_placed(), self.path.parent)
+        elif compacting is not None:
+            journal_files.drop(None, self._tmp_path())  # (its unfinished file)
+        self._holding = False
 
 
 def _let_go_in_child(ref: weakref.ref[Journal]) -> Callable[[], None]:
@@ -463,52 +561,3 @@ def _let_go_in_child(ref: weakref.ref[Journal]) -> Callable[[], None]:
             os.close(null)
 
     return let_go
-
-
-def _open_locked(path: Path) -> io.FileIO:
-    """``path`` opened to read and append, locked for this Journal (JournalInUse where
-    another holds it)."""
-    for _ in range(_LOCK_TRIES):
-        file = open(path, "a+b", buffering=0)  # noqa: SIM115  (kept: the journal's file)
-        try:
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            file.close()
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise JournalInUse(path) from None
-            raise
-        # The holder's compaction may have renamed a new file over the path between our
-        # open and our lock: the lock is then on its old file, which no journal uses.
-        with contextlib.suppress(FileNotFoundError):
-            here, now = os.fstat(file.fileno()), os.stat(path)
-            if (here.st_dev, here.st_ino) == (now.st_dev, now.st_ino):
-                return file
-        file.close()
-    raise JournalInUse(path)
-
-
-def _write_all(fd: int, buffer: bytearray) -> None:
-    with memoryview(buffer) as view:
-        written = 0
-        while written < len(view):
-            written += os.write(fd, view[written:])
-    buffer.clear()
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _mapped(fd: int) -> Iterator[bytes | mmap.mmap]:
-    """The file's bytes, mapped read-only (b"" for an empty file, which cannot be mapped)."""
-    if os.fstat(fd).st_size == 0:
-        yield b""
-        return
-    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
-        mapped.madvise(mmap.MADV_SEQUENTIAL)  # read once, front to back
-        yield mapped
