@@ -41,7 +41,6 @@ import io
 import logging
 import os
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.core.messages import Task, encode
 from gossipd.ingress import journal_files, journal_format
 from gossipd.ingress.journal_files import Aborted, Snapshot, mapped, open_locked
@@ -89,9 +89,16 @@ COMPACT_RETRY_S = 10.0
 
 class Journal:
     def __init__(
-        self, path: str | Path, *, fsync_interval_s: float = 0.01, compact_bytes: int = 64 * 2**20
+        self,
+        path: str | Path,
+        *,
+        fsync_interval_s: float = 0.01,
+        compact_bytes: int = 64 * 2**20,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        """``clock``: when a failed compaction may be tried again (gossipd/clock.py)."""
         self.path = Path(path)
+        self._clock = clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync_interval_s = fsync_interval_s
         self._compact_bytes = compact_bytes
@@ -350,7 +357,7 @@ class Journal:
                 self._start_compaction()
 
     def _may_compact(self) -> bool:
-        return self._compacting is None and time.monotonic() >= self._compact_again_after
+        return self._compacting is None and self._clock.monotonic() >= self._compact_again_after
 
     def _start_compaction(self) -> None:
         self._compacting = asyncio.get_running_loop().create_task(
@@ -380,7 +387,7 @@ class Journal:
                 self._failed("compact", exc)
             self._rewrite_due = self._rewrite_due or rewrite_was_due
             self._compact_again_at = 2 * self.appended
-            self._compact_again_after = time.monotonic() + COMPACT_RETRY_S
+            self._compact_again_after = self._clock.monotonic() + COMPACT_RETRY_S
             self.flush()  # (what waited while the tail was copied)
             return
         finally:
@@ -464,7 +471,7 @@ class Journal:
             self._failed("compact", exc)
             journal_files.drop(None, tmp)
             self._compact_again_at = 2 * self.appended
-            self._compact_again_after = time.monotonic() + COMPACT_RETRY_S
+            self._compact_again_after = self._clock.monotonic() + COMPACT_RETRY_S
             return
         self._pending.clear()  # (superseded: the new file holds every unfinished task)
         self._rewrite_due = False

@@ -35,17 +35,20 @@ class BuiltinDuties:
         admin: Admin,
         stop: Callable[[int], None],
         wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``wall``: the wall clock, for what other hosts compare (the seeds' times in etcd,
-        drain orders); the SWIM core's own time is ``gossip.now()``."""
+        drain orders); ``monotonic``: for its own intervals (the drain order's re-sends);
+        the SWIM core's own time is ``gossip.now()``."""
         self._config = config
         self._leadership = leadership
         self._gossip = gossip
         self.seeds = SeedRegistry(gossip, node=node, status=admin.status, wall=wall)
         self.reaping = Reaping(gossip, dead_after_s=config.membership.dead_reap_after_s)
         self.rollout = Rollout(
-            node=node, gossip=gossip, admin=admin, stop=stop, started_wall_s=wall(), wall=wall
-        )
+            node=node, gossip=gossip, admin=admin, stop=stop, started_wall_s=wall(), wall=wall,
+            monotonic=monotonic,
+        )  # fmt: skip
         leadership.duties.register("seeds", self.seeds.duty)
         leadership.duties.register("reaping", self.reaping.duty)
         leadership.duties.register("rollout", self.rollout.duty)

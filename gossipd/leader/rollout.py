@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aetcd import rpc
 
+from gossipd.clock import SYSTEM_CLOCK
 from gossipd.core import rollout
 from gossipd.core.rollout import Order, Plan, Progress, Seen
 from gossipd.leader.duties import Fenced
@@ -68,6 +68,7 @@ class Rollout:
         stop: Callable[[int], None],
         started_wall_s: float,
         wall: Callable[[], float],
+        monotonic: Callable[[], float] = SYSTEM_CLOCK.monotonic,
     ) -> None:
         self.node = node
         self._gossip = gossip
@@ -75,6 +76,7 @@ class Rollout:
         self._stop = stop  # graceful shutdown with this exit status
         self._started_wall_s = started_wall_s
         self._wall = wall
+        self._monotonic = monotonic  # (the re-sends' timing: a wall clock may step)
         self.orders: dict[str, int] = {}  # "action:outcome" on this member
         self._leaving = False
 
@@ -118,7 +120,7 @@ class Rollout:
                 new, order = rollout.advance(plan, progress, self.live(), self.node, now_s)
                 due = order is not None and (
                     (order.plan, order.node, order.action) != last
-                    or time.monotonic() - published_at >= REPUBLISH_S
+                    or self._monotonic() - published_at >= REPUBLISH_S
                 )
                 # The plan and progress must still be as read when we act on them.
                 unchanged = {
@@ -147,7 +149,7 @@ class Rollout:
                     log.info("drain step", extra={"plan": plan.id, "state": rollout.describe(new)})
                 if order is not None and due:
                     ctx.publish(DRAIN, msgspec.to_builtins(order))
-                    last, published_at = (order.plan, order.node, order.action), time.monotonic()
+                    last, published_at = (order.plan, order.node, order.action), self._monotonic()
             await asyncio.sleep(ROLLOUT_TICK_S if active else IDLE_TICK_S)
 
     # -- every member ---------------------------------------------------------------------------
