@@ -88,6 +88,10 @@ class Admin:
         self._tokens = float(ADMIN_REQUESTS_BURST)
         self._tokens_at = float("-inf")
         self._tg: asyncio.TaskGroup | None = None
+        # A drain's hand-off of the queued tasks (one offer at a time), and whether the
+        # daemon's stop asked it to end (its tasks then back in the queue, for the stop).
+        self._hand_off_task: asyncio.Task[None] | None = None
+        self._hand_off_stopping = False
 
     def _allowance(self, now: float) -> bool:
         """One admin request's token, if the bucket has one."""
@@ -182,7 +186,9 @@ class Admin:
             queued = self._ingress.runner.take_queued()
             if queued:
                 assert self._tg is not None, "start() first"
-                self._tg.create_task(self._hand_off(queued), name="drain-hand-off")
+                self._hand_off_task = self._tg.create_task(
+                    self._hand_off(queued), name="drain-hand-off"
+                )
             log.info("drained by request", extra={"queued": len(queued)})
             return True, (
                 f"draining: new tasks go to other members; {len(queued)} queued offered to them"
@@ -195,17 +201,46 @@ class Admin:
 
     async def _hand_off(self, queued: list[tuple[Task, float]]) -> None:
         assert self.dispatcher is not None
-        for task, received_at in queued:
+        for i, (task, received_at) in enumerate(queued):
+            if self._hand_off_stopping:  # the daemon stops: its stop offers the rest
+                self._requeue(queued[i:])
+                return
             # Stopped while earlier ones were offered: answered (or dropped) here, not run
             # elsewhere.
             if self._ingress.runner.settle_stopped(task):
                 continue
-            if await self.dispatcher.hand_off(task, received_at):
+            try:
+                took = await self.dispatcher.hand_off(task, received_at)
+            except asyncio.CancelledError:
+                # (this one's offer included: if a member takes it after all, its answer
+                # is a second one: docs/PROTOCOL.md, "Duplicate final Results")
+                self._requeue(queued[i:])
+                raise
+            if took:
                 self._ingress.runner.release(
                     task, error_result(task.id, ErrorCode.SHUTTING_DOWN, "handed off")
                 )
             else:  # no member took it: it runs here after all
                 self._ingress.runner.requeue(task)
+
+    def _requeue(self, rest: list[tuple[Task, float]]) -> None:
+        for task, _ in rest:
+            self._ingress.runner.requeue(task)
+
+    async def stop_hand_off(self, timeout_s: float) -> None:
+        """The daemon stops: a drain's hand-off still under way ends after the offer in hand
+        (cancelled after ``timeout_s``), its tasks back in the run queue, where the stop takes
+        them (offered within its grace, else answered shutting_down).  Left running, it
+        held them past the grace unanswered, and the stop waited for it for ever (its
+        offer's answer never came once the dispatcher stopped)."""
+        task = self._hand_off_task
+        if task is None or task.done():
+            return
+        self._hand_off_stopping = True
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     # -- status -------------------------------------------------------------------------------
 

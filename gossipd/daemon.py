@@ -79,6 +79,8 @@ INTAKE_SETTLE_S = 0.02
 FORWARDS_SETTLE_S = 2.0
 # At shutdown, the longest wait for a restart's question to the members to settle its tasks.
 REPLAY_SETTLE_S = 1.0
+# A drain's hand-off under way at a stop: the offer in hand (a few ms) gets this long to end.
+HAND_OFF_STOP_S = 1.0
 
 
 def build_engine(config: Config) -> Engine:
@@ -224,6 +226,7 @@ class Daemon:
                     config.journal.path,
                     fsync_interval_s=config.journal.fsync_interval_s,
                     compact_bytes=config.journal.compact_bytes,
+                    clock=clock,
                 )
             except JournalInUse as exc:
                 raise StartupError(str(exc)) from None
@@ -459,6 +462,7 @@ class Daemon:
                 admin=admin,
                 stop=self.request_stop,
                 wall=self.clock.wall,
+                monotonic=self.clock.monotonic,
             )
         if self.tracer is not None:
             self.tracer.attach(self.ingress)
@@ -768,6 +772,8 @@ class Daemon:
         if self.door is not None:
             self.door.stop_listening()  # no new HTTP client; those waiting are answered
         handed_off = 0
+        if self.admin is not None:  # a drain's hand-off: its tasks back in the queue
+            await self.admin.stop_hand_off(HAND_OFF_STOP_S)
         if self.dispatcher is not None:
             self.dispatcher.set_draining(True)
             for task, received_at in self.ingress.runner.take_queued():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections import Counter
 from typing import Any
@@ -368,3 +369,59 @@ def test_one_member_address_no_socket_connects_to_does_not_sink_the_whole_status
     got = ask_status([bad, daemon.endpoint], 5.0)
     assert isinstance(got[daemon.endpoint], StatusReport)
     assert isinstance(got[bad], str) and "is not tcp://HOST:PORT" in got[bad]
+
+
+def test_a_stop_during_a_drains_hand_off_answers_every_task_and_ends_in_its_grace(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """`gossipd drain` hands the queue to one background task that offers it one task at a
+    time.  A SIGTERM while it did found no queue to offer or refuse: the tasks it still held
+    went past the grace unanswered, and the stop then waited for it for ever (its offer's
+    answer never came once the dispatcher stopped).  Now the hand-off ends at the stop, its
+    tasks back in the queue, offered within the grace or answered shutting_down."""
+    from gossipd.tools.admin import drain
+
+    c = Cluster(
+        2,
+        log_dir=str(tmp_path),
+        extra_overrides=[
+            "ingress.concurrency_max=1",
+            "engine.token_delay_s=0.05",
+            "lifecycle.shutdown_grace_s=0.5",
+        ],
+    )
+    producer: RawProducer | None = None
+    try:
+        c.start()
+        c.wait_converged(timeout_s=20)
+        c.wait_meta(timeout_s=20)
+        d01 = c.daemons[1]
+        producer = RawProducer(d01.endpoint)
+        ids = [f"q{i}" for i in range(1500)]
+        for i, task_id in enumerate(ids):
+            producer.send_task(task_id, f"q {i}", key=f"k{i}", params={"max_tokens": 4})
+        wait_until(
+            lambda: rows(status_json(d01.endpoint))["d01"]["load"]["queued"] >= 300,
+            20,
+            "a deep queue at d01",
+        )
+        d00 = c.daemons[0]
+        d00.signal(signal.SIGSTOP)  # its answers to the offers wait: the hand-off is slow
+        try:
+            drain(d01.endpoint, "d01")
+            d01.signal(signal.SIGTERM)  # while the hand-off offers the queue one by one
+            assert d01.wait(20) == 0
+        finally:
+            d00.signal(signal.SIGCONT)
+        got = producer.replies(
+            until=lambda r: {x["id"] for x in r if x["t"] == 3} >= set(ids), timeout_s=60
+        )
+        answered = {x["id"] for x in got if x["t"] == 3}
+        assert answered == set(ids), len(set(ids) - answered)
+        codes = Counter(x["error"]["code"] for x in got if x["t"] == 3 and not x["ok"])
+        # (d00, one task at a time, runs out the deadline of many it was handed)
+        assert set(codes) <= {"shutting_down", "deadline_exceeded"}, codes
+    finally:
+        if producer is not None:
+            producer.close()
+        c.stop()

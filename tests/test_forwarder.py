@@ -1083,3 +1083,34 @@ def test_Forwarder_takes_a_forwards_answer_only_from_the_member_it_went_to() -> 
     assert fw.pending() == 1 and not fw.take_events()
     fw.on_reply(_reply(fwd, "a", True), 0.003)
     assert fw.ledger.get("t0") is not None and fw.pending() == 0
+
+
+def test_Forwarder_a_hand_off_or_a_move_to_a_member_declared_dead_meanwhile_is_not_lost() -> None:
+    """Accepts leave after ack_delay_s: a member declared dead in that window still accepts.
+    A hand-off (drain) it accepted was reported handed off, released here, and run nowhere;
+    now it is a failed attempt, its copy withdrawn, and the next member is tried.  A Moved
+    naming a member already dead here re-ledgered the task under it, and no death event was
+    left to migrate it; now it is migrated at once."""
+    fw, placement = _forwarder(["me", "a", "b"], attempts_max=3)
+    fw.hand_off(_task(), 0.0, 0.0)
+    [(_, to_a)] = _forwards(fw.take_outbox())
+    placement.members.remove("a")  # declared dead before its accept came
+    fw.member_dead("a", 0.005)
+    fw.on_reply(_reply(to_a, "a", True), 0.01)
+    out = fw.take_outbox()
+    assert ("addr-a", Withdraw(id="t0", node="me")) in out  # (at its last address)
+    [(addr, to_b)] = _forwards(out)
+    assert addr == "addr-b" and not fw.take_events()
+    fw.on_reply(_reply(to_b, "b", True), 0.02)
+    assert fw.take_events() == [HandedOff(_task(), True, "b")]
+
+    fw, placement = _forwarder(["b", "c", "d"])
+    fw.route(_task(1), 0.0)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "b", True), 0.01)
+    placement.members.remove("c")  # c died here before b's Moved(to=c) came
+    fw.member_dead("c", 0.5)
+    assert fw.moved("t1", "b", "c", now=1.0)
+    [(addr, again)] = _forwards(fw.take_outbox())
+    assert addr in ("addr-b", "addr-d") and again.task.id == "t1"
+    assert fw.counters.migrated == 1 and fw.ledger.get("t1") is None  # (in flight again)

@@ -216,3 +216,21 @@ def test_every_taskdone_leaves_once_after_its_route_left_with_one_load_a_message
             owner.flushed()
             loaded.clear()
     assert len(sent) == len(set(sent))
+
+
+def test_a_member_declared_dead_comes_back_with_a_lower_boot_and_its_old_process_stays_stale() -> (
+    None
+):
+    """A host whose clock stepped back across a restart (an RTC behind at boot, a restored
+    VM) had every Forward of its new process refused as stale for as long as this owner
+    lived: boots were never forgotten.  A member's death starts its boot afresh; the dead
+    process's own late Forwards stay stale."""
+    owner = Owner(node="o")
+    assert isinstance(owner.forward(b"i", _forward(1, boot=500), 0.0), Admit)
+    assert isinstance(owner.forward(b"i", _forward(2, boot=100), 0.0), Refused)  # (alive)
+    owner.member_dead("a")
+    assert isinstance(owner.forward(b"i", _forward(3, boot=100), 0.0), Admit)  # the next one
+    late = owner.forward(b"i", _forward(4, boot=500), 0.0)  # the dead one's, still in flight
+    assert isinstance(late, Refused) and late.why == "stale"
+    assert isinstance(owner.forward(b"i", _forward(5, boot=100), 0.0), Admit)
+    assert owner.latest_boot("a") == 100

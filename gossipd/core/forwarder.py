@@ -467,11 +467,14 @@ class Forwarder:
             cancel = Cancel(v=PROTOCOL_VERSION, id=task_id, producer_key=producer_key)
             self._outbox.append((addr, cancel))
 
-    def moved(self, task_id: str, owner: str, to: str, engine_deaths: int = 0) -> bool:
+    def moved(
+        self, task_id: str, owner: str, to: str, engine_deaths: int = 0, now: float = 0.0
+    ) -> bool:
         """``owner`` handed ``task_id``, which we forwarded to it, over to ``to`` (a Moved):
         we answer for it there now, so that ``to``'s death migrates it (``owner``, drained
-        and gone, would not), with ``engine_deaths`` (Moved's).  False: not ours at
-        ``owner`` (ignored)."""
+        and gone, would not), with ``engine_deaths`` (Moved's).  ``to`` already out of our
+        view (declared dead as the hand-off was accepted): migrated at once, as no later
+        death event would.  False: not ours at ``owner`` (ignored)."""
         entry = self.ledger.get(task_id)
         if entry is None or entry.owner != owner:
             return False
@@ -479,7 +482,11 @@ class Forwarder:
         if to != self.node:  # (handed back to us: it runs here, nothing to answer for)
             deaths = max(entry.engine_deaths, engine_deaths)
             self.ledger.accepted(entry.task, to, entry.received_at, entry.cancelled, deaths)
-            if entry.cancelled:  # (its Cancel reached the owner that handed it over, or not)
+            if self._placement.addr(to) is None:
+                moved_to = self.ledger.get(task_id)
+                if moved_to is not None:
+                    self._migrate(moved_to, to, now)
+            elif entry.cancelled:  # (its Cancel reached the owner that handed it over, or not)
                 self._send_cancel(to, task_id, entry.task.producer_key)
         self.counters.moved += 1
         return True
@@ -741,6 +748,13 @@ class Forwarder:
         j = flight.journey
         if j.winner:  # a copy that lost accepted after all: take it back
             self._withdraw(flight.member, j.task.id)
+            return
+        if j.quiet and self._placement.addr(flight.member) is None:
+            # A hand-off accepted by a member declared dead meanwhile (accepts leave after
+            # ack_delay_s): handed to it, the task would be released here and run nowhere.
+            # A failed attempt instead (and its copy withdrawn, should it live after all).
+            self._withdraw(flight.member, j.task.id)
+            self._failed(j, flight.member, AttemptFailure.NO_REPLY, now)
             return
         j.winner = flight.member
         if flight.hedge:

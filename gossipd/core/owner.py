@@ -111,8 +111,11 @@ class Owner:
         self.counters = OwnerCounters()
         # Each forwarder's connection identity -> its node (Forward.src).
         self.member_of: dict[Hashable, str] = {}
-        # The latest Forward.boot heard from each member (a stale Forward's is older).
+        # The latest Forward.boot heard from each member (a stale Forward's is older), and,
+        # for a member declared dead since, the boot of that dead process: its Forwards
+        # still in flight are stale, the next process's are not, whatever its clock says.
         self._boots: dict[str, int] = {}
+        self._dead_boots: dict[str, int] = {}
         # TaskDones waiting for their Results to leave, by the Results' route:
         # (task id, forwarder identities, member by name).
         self._done_waiting: dict[str, list[tuple[str, Sequence[Hashable], str]]] = {}
@@ -255,6 +258,17 @@ class Owner:
     def latest_boot(self, member: str) -> int:
         return self._boots.get(member, 0)
 
+    def member_dead(self, member: str) -> None:
+        """``member`` was declared dead (or left): the process we heard from is gone, so
+        the next one's first Forward sets its latest boot even if lower (a host whose clock
+        stepped back across the restart: an RTC behind at boot, a restored VM; each of its
+        Forwards was refused ``unavailable`` for as long as this daemon lived)."""
+        boot = self._boots.pop(member, 0)
+        if boot:
+            self._dead_boots[member] = boot
+            if len(self._dead_boots) > MEMBER_OF_MAX:
+                del self._dead_boots[next(iter(self._dead_boots))]
+
     def _refusal(self, msg: Forward, code: str, message: str) -> ForwardReply:
         return ForwardReply(req=msg.req, node=self.node, accepted=False, code=code, message=message)
 
@@ -285,6 +299,8 @@ class Owner:
         to the next member."""
         boots = self._boots
         latest = boots.get(msg.src, 0)
+        if self._dead_boots and msg.boot and msg.boot == self._dead_boots.get(msg.src):
+            return True  # (the dead process's: its connection's late data)
         if msg.boot >= latest:
             if msg.boot > latest:
                 boots[msg.src] = msg.boot

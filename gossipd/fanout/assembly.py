@@ -246,6 +246,7 @@ def build_fanout(
     )
     # Subscriptions, and the ingress's links to fan-out (IngressLinks).
     gossip.listeners.append(dispatcher.member_event)
+    gossip.listeners.append(owner.member_event)  # (a dead member's next boot starts afresh)
     links.router = dispatcher.route
     links.cancel_elsewhere = dispatcher.cancel_forwarded
     links.forwarded_for_other = forwarder.forwarded_for_other

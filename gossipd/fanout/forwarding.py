@@ -259,7 +259,9 @@ class Dispatcher:
                     if addr:
                         self.replies_for_another += 1
                     else:
-                        self.forwarder.moved(msg.id, msg.node, msg.to, msg.engine_deaths)
+                        self.forwarder.moved(
+                            msg.id, msg.node, msg.to, msg.engine_deaths, self._clock.monotonic()
+                        )
                     continue
                 if type(msg) is ReplayKnown:  # (ModelCard's rule)
                     self.on_replay_known(msg, bool(addr) and self.placer.addr(msg.node) == addr)

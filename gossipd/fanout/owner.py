@@ -32,6 +32,7 @@ from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
 from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.lifecycle import Owned
+from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -509,6 +510,11 @@ class OwnerEndpoint:
         for relay in relays:
             assert isinstance(relay, Relay)
             self._replies.send_direct(relay.to, relay.frame)  # type: ignore[union-attr]
+
+    def member_event(self, event: MemberEvent) -> None:
+        """A member declared dead or gone: its next process's boot starts afresh (Owner)."""
+        if event.kind in ("dead", "left"):
+            self.core.member_dead(event.node)
 
     def task_finished(self, owned: Owned, result: Result) -> None:
         """A task's final Result has just been handed to the reply sender (an ingress
