@@ -126,7 +126,9 @@ class HostNames:
                 lookups.add(task)
                 task.add_done_callback(lookups.discard)
             return False, None
-        return address != FAILED, address if address != FAILED else None
+        if address == FAILED:
+            return False, None
+        return True, address
 
     def _start(self, name: str, port: int) -> asyncio.Future[Any] | None:
         """A lookup of ``name`` in a thread of its own; None where none may start (LOOKUPS_MAX

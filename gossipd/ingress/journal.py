@@ -288,9 +288,7 @@ class Journal:
         self.appended += 1
         if len(self._pending) >= BUFFER_BYTES:
             self.flush()
-        if not self._dirty:
-            self._dirty = True
-            self._written.set()
+        self._note_written()
 
     def flush(self) -> None:
         """Write the buffered records to the file (not yet durable: sync_forever makes them
@@ -382,12 +380,8 @@ class Journal:
             await self._in_thread(self._finish_tmp, new, mark, end, tmp)
         except OSError as exc:
             self._holding = False
-            journal_files.drop(new, tmp)
-            if not isinstance(exc, Aborted):
-                self._failed("compact", exc)
+            self._compaction_failed(exc, new, tmp)
             self._rewrite_due = self._rewrite_due or rewrite_was_due
-            self._compact_again_at = 2 * self.appended
-            self._compact_again_after = self._clock.monotonic() + COMPACT_RETRY_S
             self.flush()  # (what waited while the tail was copied)
             return
         finally:
@@ -401,6 +395,16 @@ class Journal:
             await self._in_thread(journal_files.let_go, old, self.path.parent)
         except OSError as exc:
             self._failed("rename", exc)
+
+    def _compaction_failed(self, exc: OSError, new: io.FileIO | None, tmp: Path) -> None:
+        """The journal stays as it was: the .tmp goes, the failure is said (unless the
+        journal closes), and compaction waits for as many records again and
+        COMPACT_RETRY_S."""
+        journal_files.drop(new, tmp)
+        if not isinstance(exc, Aborted):
+            self._failed("compact", exc)
+        self._compact_again_at = 2 * self.appended
+        self._compact_again_after = self._clock.monotonic() + COMPACT_RETRY_S
 
     def _snapshot(self) -> list[Snapshot]:
         deadlines, forwarded, runs = self.deadlines, self.forwarded, self.runs
@@ -468,10 +472,7 @@ class Journal:
         try:
             new = self._rewrite(tmp)
         except OSError as exc:
-            self._failed("compact", exc)
-            journal_files.drop(None, tmp)
-            self._compact_again_at = 2 * self.appended
-            self._compact_again_after = self._clock.monotonic() + COMPACT_RETRY_S
+            self._compaction_failed(exc, None, tmp)
             return
         self._pending.clear()  # (superseded: the new file holds every unfinished task)
         self._rewrite_due = False
