@@ -83,29 +83,35 @@ async def read_task_lines(fh: io.BufferedReader, path: Path) -> AsyncIterator[Nu
     line has (it would get that task's result).  Only the ids are kept, to see repeats."""
     seen: dict[str, int] = {}
     number = 0
-    rest = bytearray()
-    too_long = False  # skipping the rest of a line over LINE_BYTES_MAX
-    while True:
-        block = await asyncio.to_thread(fh.read1, READ_BLOCK_BYTES)
-        lines = block.split(b"\n") if block else [b"", b""]  # (at the end: what is left)
-        for i, piece in enumerate(lines):
-            last = i == len(lines) - 1
+    rest = bytearray()  # the line under way (cleared once over LINE_BYTES_MAX: skipped)
+    too_long = False
+
+    def ended() -> NumberedLine | None:
+        """The line in ``rest`` is whole: what it holds (None: a blank line)."""
+        nonlocal number, too_long
+        number += 1
+        raw, was_too_long = bytes(rest), too_long
+        rest.clear()
+        too_long = False
+        if was_too_long:
+            return number, f"{path}:{number}: a line over {LINE_BYTES_MAX} bytes"
+        return (number, _task_line(raw, path, number, seen)) if raw.strip() else None
+
+    while block := await asyncio.to_thread(fh.read1, READ_BLOCK_BYTES):
+        *whole, tail = block.split(b"\n")
+        for piece in whole:
             if not too_long:
                 rest += piece
-            if last and block:  # a line that goes on in the next block
-                if len(rest) > LINE_BYTES_MAX:
-                    rest.clear()
-                    too_long = True
-                continue
-            number += 1
-            if too_long:
-                too_long = False
-                yield number, f"{path}:{number}: a line over {LINE_BYTES_MAX} bytes"
-            elif rest.strip():
-                yield number, _task_line(bytes(rest), path, number, seen)
-            rest.clear()
-        if not block:
-            return
+            if (line := ended()) is not None:
+                yield line
+        if not too_long:
+            rest += tail
+            if len(rest) > LINE_BYTES_MAX:  # (goes on in the next block: not held whole)
+                rest.clear()
+                too_long = True
+    # (the last line, without a newline)
+    if (rest or too_long) and (line := ended()) is not None:
+        yield line
 
 
 def _task_line(raw: bytes, path: Path, number: int, seen: dict[str, int]) -> _Line | str:
