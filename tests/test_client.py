@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -196,16 +198,26 @@ def test_client_retries_overloaded_after_the_hint_with_what_is_left_of_the_deadl
     assert 4000 < second["timeout_ms"] <= 5000 - 300, "the retry carries what is left"
 
 
+@contextlib.contextmanager
+def _stand_in_daemon(ctx: zmq.Context) -> Iterator[tuple[str, zmq.Socket, zmq.Socket]]:
+    """A stand-in daemon's sockets: its endpoint, the PULL it reads tasks from, and a PUSH
+    to connect to their reply_to (both closed at the end)."""
+    pull = ctx.socket(zmq.PULL)
+    push = ctx.socket(zmq.PUSH)
+    try:
+        yield f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}", pull, push
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+
+
 def test_client_keeps_the_first_final_result_and_counts_later_ones() -> None:
     """A second final Result for one id (an owner killed between its Result and its
     TaskDone, a resubmission answered from the cache, a hedged copy) is dropped and counted;
     the task resolves with the first.  A stand-in daemon answers one task twice."""
 
     async def main(ctx: zmq.Context) -> tuple[Result, ClientStatistics]:
-        pull = ctx.socket(zmq.PULL)
-        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
-        push = ctx.socket(zmq.PUSH)
-        try:
+        with _stand_in_daemon(ctx) as (endpoint, pull, push):
             async with Client([endpoint], ctx=ctx, resubmit_after_s=30) as client:
                 handle = await client.submit("x", timeout_s=10)
                 task = msgpack.unpackb(await asyncio.to_thread(pull.recv))
@@ -223,9 +235,6 @@ def test_client_keeps_the_first_final_result_and_counts_later_ones() -> None:
                         break
                     await asyncio.sleep(0.01)
                 return result, client.statistics()
-        finally:
-            push.close(linger=0)
-            pull.close(linger=0)
 
     result, stats = run_with_context(main)
     assert result.text == "first" and result.node == "d01"
@@ -240,10 +249,7 @@ def test_a_cancel_while_a_refusal_is_waited_out_ends_the_task_at_once() -> None:
     from gossipd.core.messages import ErrorCode, error_result
 
     async def main(ctx: zmq.Context) -> tuple[Result, float, int]:
-        pull = ctx.socket(zmq.PULL)
-        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
-        push = ctx.socket(zmq.PUSH)
-        try:
+        with _stand_in_daemon(ctx) as (endpoint, pull, push):
             async with Client([endpoint], ctx=ctx, resubmit_after_s=30) as client:
                 handle = await client.submit("x", timeout_s=20)
                 task = msgpack.unpackb(await asyncio.to_thread(pull.recv))
@@ -265,9 +271,6 @@ def test_a_cancel_while_a_refusal_is_waited_out_ends_the_task_at_once() -> None:
                 while pull.poll(0):  # the Cancel; no copy of the task
                     frames += msgpack.unpackb(pull.recv())["t"] == 1
                 return result, took, frames
-        finally:
-            push.close(linger=0)
-            pull.close(linger=0)
 
     result, took, tasks_sent_again = run_with_context(main)
     assert result.error is not None and result.error.code == "cancelled"
@@ -281,26 +284,24 @@ def test_closing_the_client_ends_every_outstanding_handle_and_a_same_id_race_is_
     from gossipd.errors import LocalProtocolError
 
     async def main(ctx: zmq.Context) -> tuple[list[Result], str]:
-        pull = ctx.socket(zmq.PULL)
-        endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
-        push = ctx.socket(zmq.PUSH)
-        refused = ""
-        async with Client([endpoint], ctx=ctx, resubmit_after_s=30, outstanding_max=1) as client:
-            held = await client.submit("x", task_id="holds-the-slot", timeout_s=60)
-            first = asyncio.create_task(client.submit("x", task_id="twice", timeout_s=60))
-            await asyncio.sleep(0.05)  # (it waits for the one slot)
-            try:
-                await client.submit("x", task_id="twice", timeout_s=60)
-            except LocalProtocolError as exc:
-                refused = str(exc)
-            task = msgpack.unpackb(await asyncio.to_thread(pull.recv))  # the stand-in daemon
-            push.connect(task["reply_to"])
-            push.send(encode(Result(id=task["id"], ok=True, text="done")))  # a slot frees
-            handle = await first
-        # (the client is closed: every handle still outstanding has its result)
-        results = [await asyncio.wait_for(h.result(), 2) for h in (held, handle)]
-        pull.close(linger=0)
-        push.close(linger=0)
+        with _stand_in_daemon(ctx) as (endpoint, pull, push):
+            refused = ""
+            async with Client(
+                [endpoint], ctx=ctx, resubmit_after_s=30, outstanding_max=1
+            ) as client:
+                held = await client.submit("x", task_id="holds-the-slot", timeout_s=60)
+                first = asyncio.create_task(client.submit("x", task_id="twice", timeout_s=60))
+                await asyncio.sleep(0.05)  # (it waits for the one slot)
+                try:
+                    await client.submit("x", task_id="twice", timeout_s=60)
+                except LocalProtocolError as exc:
+                    refused = str(exc)
+                task = msgpack.unpackb(await asyncio.to_thread(pull.recv))  # the stand-in daemon
+                push.connect(task["reply_to"])
+                push.send(encode(Result(id=task["id"], ok=True, text="done")))  # a slot frees
+                handle = await first
+            # (the client is closed: every handle still outstanding has its result)
+            results = [await asyncio.wait_for(h.result(), 2) for h in (held, handle)]
         return results, refused
 
     results, refused = run_with_context(main)

@@ -70,16 +70,13 @@ def test_a_compaction_of_a_large_journal_leaves_the_loop_serving(tmp_path: Path)
     assert gap < on_loop_s / 2, (gap, on_loop_s)
 
 
-def test_records_appended_while_a_compaction_writes_reach_the_new_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Accepts and DONEs made while the snapshot is written (slowed here) are in the
-    journal's old file, then copied after the snapshot; those made while the copy and the
-    rename run wait in the buffer and follow: replay gives exactly what is unfinished."""
+def _compacting_slowly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_s: float) -> Journal:
+    """A journal due for compaction (40 of 100 tasks unfinished), whose snapshot takes
+    ``write_s`` more to write."""
     real = Journal._write_tmp
 
     def slow_write_tmp(self: Journal, tmp: Path, snapshot: Any) -> Any:
-        time.sleep(0.3)
+        time.sleep(write_s)
         return real(self, tmp, snapshot)
 
     monkeypatch.setattr(Journal, "_write_tmp", slow_write_tmp)
@@ -88,6 +85,16 @@ def test_records_appended_while_a_compaction_writes_reach_the_new_file(
         j.accept(task(i, 200))
     for i in range(60):
         j.done(f"t{i}")
+    return j
+
+
+def test_records_appended_while_a_compaction_writes_reach_the_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accepts and DONEs made while the snapshot is written (slowed here) are in the
+    journal's old file, then copied after the snapshot; those made while the copy and the
+    rename run wait in the buffer and follow: replay gives exactly what is unfinished."""
+    j = _compacting_slowly(tmp_path, monkeypatch, 0.3)
 
     async def run() -> None:
         sync = asyncio.create_task(j.sync_forever())
@@ -116,18 +123,7 @@ def test_a_close_during_a_compaction_leaves_a_journal_that_replays_whole(
 ) -> None:
     """The daemon stops while its journal compacts: the compaction is dropped (its .tmp
     removed) or, renamed already, taken; either way what was appended is there."""
-    real = Journal._write_tmp
-
-    def slow_write_tmp(self: Journal, tmp: Path, snapshot: Any) -> Any:
-        time.sleep(0.2)
-        return real(self, tmp, snapshot)
-
-    monkeypatch.setattr(Journal, "_write_tmp", slow_write_tmp)
-    j = Journal(tmp_path / "j", fsync_interval_s=0.001, compact_bytes=4096)
-    for i in range(100):
-        j.accept(task(i, 200))
-    for i in range(60):
-        j.done(f"t{i}")
+    j = _compacting_slowly(tmp_path, monkeypatch, 0.2)
 
     async def run() -> None:
         sync = asyncio.create_task(j.sync_forever())

@@ -275,6 +275,15 @@ def test_a_failing_duty_restarts_later_and_later_and_only_a_bug_logs_a_traceback
     assert all(r.exc_info is not None for r in bug_lines)
 
 
+def _two(endpoints: list[str], ttl_s: float) -> tuple[Leadership, Leadership]:
+    """Leaderships "a" and "b" on one etcd (neither running yet)."""
+    config = _config(endpoints, ttl_s=ttl_s)
+    a = build_leadership(config, node="a", gossip=_Gossip("a"))
+    b = build_leadership(config, node="b", gossip=_Gossip("b"))
+    assert a is not None and b is not None
+    return a, b
+
+
 def test_a_leader_whose_election_fails_revokes_its_lease_and_an_undrain_at_stop_stays_out(
     etcd,  # type: ignore[no-untyped-def]
 ) -> None:
@@ -284,10 +293,7 @@ def test_a_leader_whose_election_fails_revokes_its_lease_and_an_undrain_at_stop_
     daemon stopped (resigned) had it campaign again."""
 
     async def main() -> None:
-        config = _config(etcd.endpoints, ttl_s=8.0)
-        a = build_leadership(config, node="a", gossip=_Gossip("a"))
-        b = build_leadership(config, node="b", gossip=_Gossip("b"))
-        assert a is not None and b is not None
+        a, b = _two(etcd.endpoints, ttl_s=8.0)
         tasks = await _run([a])
         try:
             await wait_until_async(lambda: a.is_leader, 10, "a to lead")
@@ -323,10 +329,7 @@ def test_a_follower_reads_the_candidates_when_its_predecessor_goes_not_every_ttl
     key it watches goes, or after about ten TTLs; and it still takes over at once."""
 
     async def main() -> None:
-        config = _config(etcd.endpoints, ttl_s=2.0)
-        a = build_leadership(config, node="a", gossip=_Gossip("a"))
-        b = build_leadership(config, node="b", gossip=_Gossip("b"))
-        assert a is not None and b is not None
+        a, b = _two(etcd.endpoints, ttl_s=2.0)
         tasks = await _run([a])
         try:
             await wait_until_async(lambda: a.is_leader, 10, "a to lead")
