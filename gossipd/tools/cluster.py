@@ -68,13 +68,15 @@ async def connect(settings: EtcdConfig) -> Any:
         client = EtcdClient(settings)
     except StartupError as exc:
         raise ClusterError(str(exc)) from None
-    for tried in range(1, len(settings.endpoints) + 1):  # each endpoint once, at most
+    left = len(settings.endpoints)  # each endpoint tried once, at most
+    while True:
         try:
             await client.connect()
             await client.get(b"/gossipd/")  # any request: is etcd there?
             return client
         except Exception as exc:  # unreachable, refused, TLS: say which, and stop
-            if tried < len(settings.endpoints) and unavailable(exc):
+            left -= 1
+            if left > 0 and unavailable(exc):
                 client.next_endpoint()
                 continue
             await client.close()
@@ -82,7 +84,6 @@ async def connect(settings: EtcdConfig) -> Any:
             raise ClusterError(
                 f"etcd at {', '.join(settings.endpoints)} did not answer ({why[:300]})"
             ) from None
-    raise AssertionError("unreachable")  # (the last endpoint's failure raised above)
 
 
 async def run_drain(
