@@ -584,6 +584,19 @@ def test_binding_a_public_address_without_curve_is_refused_at_start_up() -> None
     assert "without CURVE" in out.stderr and "security.insecure" in out.stderr
 
 
+def test_the_http_doors_reply_bind_on_a_public_address_without_curve_is_refused() -> None:
+    # The door's reply PULL takes answers from owners: exposed without CURVE, anyone who
+    # reaches it could feed the door's clients answers.
+    port = free_tcp_port()
+    args = ("--set", f"http.bind=127.0.0.1:{port}", "--set", 'gossip.bind=""')
+    public = gossipd_cli("check-config", *args, "--set", "http.reply_bind=tcp://10.0.0.5:*")
+    assert public.returncode == 2, public.stderr
+    assert "http.reply_bind = 'tcp://10.0.0.5:*'" in public.stderr
+    assert "without CURVE" in public.stderr
+    loopback = gossipd_cli("check-config", *args, "--set", "http.reply_bind=tcp://127.0.0.1:*")
+    assert loopback.returncode == 0, loopback.stderr
+
+
 def test_keygen_writes_a_pair_that_zmq_auth_reads_and_will_not_overwrite(tmp_path: Path) -> None:
     out = gossipd_cli("keygen", "p1", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr

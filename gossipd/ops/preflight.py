@@ -233,6 +233,8 @@ def _check_exposure(config: Config) -> None:
     binds = [("ingress.bind", config.ingress.bind)]
     if config.gossip.bind:
         binds += [("gossip.bind", config.gossip.bind), ("fanout.rpc_bind", config.fanout.rpc_bind)]
+    if config.http.bind and config.http.reply_bind:  # (unset: ingress.bind's host, above)
+        binds.append(("http.reply_bind", config.http.reply_bind))
     exposed = [f"{key} = {value!r}" for key, value in binds if not is_loopback(value)]
     if exposed and not config.security.insecure:
         raise StartupError(
