@@ -424,7 +424,7 @@ class Security:
         assert self.producers is not None
         if user_id in self.producers.users:
             return True
-        self.counters.revoked_messages["producers"] += 1
+        self.counters.revoked_messages[DOMAIN_PRODUCERS] += 1
         return False
 
     def is_peers_key(self, node: str, public_z85: str) -> bool:
@@ -440,7 +440,7 @@ class Security:
         assert self.peers is not None
         if user_id in self.peers.users:
             return True
-        self.counters.revoked_messages["peers"] += 1
+        self.counters.revoked_messages[DOMAIN_PEERS] += 1
         return False
 
     def peer_allowed(self, user_id: str, src: str, channel: str) -> bool:

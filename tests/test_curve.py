@@ -311,7 +311,7 @@ def test_a_revoked_producer_key_is_refused_within_2s_and_no_accepted_task_is_los
     old = CurveProducer(daemon.endpoint, keys.pair("old"), keys.public("s0"))
     keys.make("new", keys.producers)  # 1: authorise the new key, wait for it to be loaded
     wait_until(
-        lambda: metric(daemon, "gossipd_auth_keys{domain=producers}") == 2, 5, "new key loaded"
+        lambda: metric(daemon, "gossipd_auth_keys{domain=gossipd-producers}") == 2, 5, "new key loaded"
     )
     new = CurveProducer(daemon.endpoint, keys.pair("new"), keys.public("s0"))
     try:
@@ -348,6 +348,8 @@ def test_a_revoked_producer_key_is_refused_within_2s_and_no_accepted_task_is_los
         assert sum(1 for k in range(n) if sent_at[f"o-{k}"] > removed_at + 2.0) > 50
         refused = metric(daemon, "gossipd_messages_refused_total{reason=unauthorised}")
         assert refused >= sum(1 for i in sent_at if i.startswith("o-") and i not in got)
+        # (labelled by ZAP domain, as gossipd_auth_refused_total and _admitted_total are)
+        assert metric(daemon, "gossipd_auth_revoked_messages_total{domain=gossipd-producers}") > 0
         # No task the daemon took was lost: every final Result it sent arrived.
         results_sent = sum(
             v

@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from gossipd.ops.metric_families import C, G, _by, _one
+from gossipd.security import DOMAIN_PEERS, DOMAIN_PRODUCERS
 
 
 def _leadership_metrics(st: Any) -> Iterator[Metric]:
@@ -132,7 +133,10 @@ def _security_metrics(security: Any) -> Iterator[Metric]:
         "gossipd_auth_keys",
         "Authorised public keys loaded, by directory",
         "domain",
-        [("peers", len(security.peers.by_key)), ("producers", len(security.producers.by_key))],
+        [
+            (DOMAIN_PEERS, len(security.peers.by_key)),
+            (DOMAIN_PRODUCERS, len(security.producers.by_key)),
+        ],
     )
 
 
