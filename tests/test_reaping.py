@@ -3,13 +3,17 @@ gossipd/core/membership.py); the seed choice."""
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.core.gossip_messages import Alive, Dead, Left, MemberRecord, Suspect
+from gossipd.config import FanoutConfig
+from gossipd.core.gossip_messages import Alive, Dead, GpuState, Left, MemberRecord, Meta, Suspect
 from gossipd.core.membership import MemberTable, State
+from gossipd.core.placer import Placer
 from gossipd.core.reaping import (
     FORGET_DECODE_MAX,
     FORGET_MAX,
@@ -19,6 +23,9 @@ from gossipd.core.reaping import (
     SeedCandidate,
     choose_seeds,
 )
+from gossipd.core.ring import LoadCounts
+from gossipd.core.swim import SwimNode
+from gossipd.core.swim_config import SwimConfig
 
 ADDR = "tcp://10.0.0.1:7946"
 
@@ -242,3 +249,33 @@ def test_Reaper_names_10000_due_at_once_quickly_and_its_directive_fits_the_body_
     longest = [("x" * 127 + str(i % 10), INCARNATION_MAX) for i in range(FORGET_MAX)]
     body = msgspec.msgpack.encode(ForgetBody(members=longest))
     assert len(body) <= DIRECTIVE_BODY_BYTES_MAX, len(body)
+
+
+def test_a_member_forgotten_while_suspect_is_reported_dead_and_leaves_placement() -> None:
+    """A stale push-pull brought a dead member back as suspect, and the leader's repeated
+    forget dropped it from the table: without an event the placer, which follows events
+    only, kept it a candidate (a forwarding target, and a ring unlike its peers')."""
+    node = SwimNode(SwimConfig(), node="me", addr=ADDR, rng=random.Random(1), now=0.0)
+    node.bootstrap(0.0, [("me", ADDR), ("x", "tcp://10.0.0.2:7946")])
+    gpu = GpuState(rpc="tcp://10.0.0.2:5558", status="serving", model="tiny")
+    node.apply(Meta(node="x", version=1, gpu=gpu, incarnation=0), 0.5)
+    placer = Placer(FanoutConfig(), node="me", loads=LoadCounts(), local_ids=set())
+    placer.rebuild(node.table.members.values())
+    node.apply(Suspect(node="x", incarnation=0, by="b"), 1.0)
+
+    def deliver() -> list[str]:
+        events = node.take_events()
+        for event in events:  # as membership/gossip.py's flush passes them on
+            placer.member_event(event, node.table.members.get(event.node))
+        return [f"{e.kind} {e.node}" for e in events]
+
+    deliver()
+    assert "x" in placer.candidates()  # a suspect stays a candidate
+    assert node.forget("x", 0, 2.0)
+    assert deliver() == ["dead x"]
+    assert "x" not in node.table.members and "x" not in placer.candidates()
+    # A member already dead was reported then: forgetting it says nothing more.
+    node.apply(Alive(node="y", incarnation=0, addr=ADDR), 3.0)
+    node.apply(Dead(node="y", incarnation=0, by="b"), 3.5)
+    assert deliver() == ["joined y", "dead y"]
+    assert node.forget("y", 0, 4.0) and deliver() == []

@@ -66,7 +66,7 @@ from gossipd.core.gossip_messages import (
     encode_gossip,
     encode_update,
 )
-from gossipd.core.membership import MemberEvent, MemberTable, Outcome
+from gossipd.core.membership import MemberEvent, MemberTable, Outcome, State
 from gossipd.core.probing import Prober
 from gossipd.core.refusal import PortCheck, RefusalDetector
 from gossipd.core.sharedtable import SharedBase
@@ -334,6 +334,19 @@ class SwimNode:
             self._leadership.append(update)
         self.dissemination.push(update, urgent=True)
         return Outcome(changed=True, rebroadcast=True)
+
+    def forget(self, node: str, incarnation: int, now: float) -> bool:
+        """The leader's forget directive (MemberTable.forget, rule 9), applied here.  A member
+        forgotten while suspect (a stale push-pull had brought it back) is reported dead
+        first: our listeners heard it joined or suspect, and drop it only on a death."""
+        member = self.table.members.get(node)
+        suspect = member is not None and member.state is State.SUSPECT
+        if not self.table.forget(node, incarnation, now):
+            return False
+        if suspect:
+            assert member is not None
+            self._events.append(MemberEvent("dead", node, member.incarnation, now))
+        return True
 
     @property
     def joined(self) -> bool:

@@ -70,7 +70,7 @@ class Reaping:
         if core is None:
             return
         now = self._gossip.now()
-        gone = [node for node, inc in forget.members if core.table.forget(node, inc, now)]
+        gone = [node for node, inc in forget.members if core.forget(node, inc, now)]
         if gone:
             self.forgotten_here += len(gone)
             log.info("forgotten", extra={"members": gone})
