@@ -311,7 +311,9 @@ def test_a_revoked_producer_key_is_refused_within_2s_and_no_accepted_task_is_los
     old = CurveProducer(daemon.endpoint, keys.pair("old"), keys.public("s0"))
     keys.make("new", keys.producers)  # 1: authorise the new key, wait for it to be loaded
     wait_until(
-        lambda: metric(daemon, "gossipd_auth_keys{domain=gossipd-producers}") == 2, 5, "new key loaded"
+        lambda: metric(daemon, "gossipd_auth_keys{domain=gossipd-producers}") == 2,
+        5,
+        "new key loaded",
     )
     new = CurveProducer(daemon.endpoint, keys.pair("new"), keys.public("s0"))
     try:

@@ -22,6 +22,8 @@ from gossipd.core.gossip_messages import (
 )
 from gossipd.core.membership import TRANSITIONS, MemberTable, State
 from gossipd.core.messages import UpdateKind
+from gossipd.core.swim import SwimNode
+from gossipd.core.swim_config import SwimConfig
 
 ADDR = "tcp://10.0.0.1:7946"
 
@@ -110,6 +112,33 @@ def test_a_leaving_member_does_not_refute() -> None:
     t = MemberTable(me="me", addr=ADDR, now=0.0)
     t.leaving = True
     assert not t.apply(Dead(node="me", incarnation=0, by="y"), 1.0).refuted
+
+
+def test_a_meta_of_version_0_is_never_taken_even_at_a_higher_incarnation() -> None:
+    t = MemberTable(me="me", addr=ADDR, now=0.0)
+    t.apply(Alive(node="x", incarnation=1, addr=ADDR), 0.0)
+    assert not t.apply(Meta(node="x", version=0, gpu=DRAINING, incarnation=1), 1.0).changed
+    assert t.members["x"].gpu is None
+    assert t.apply(Meta(node="x", version=1, gpu=DRAINING, incarnation=1), 1.0).changed
+
+
+def test_a_leaving_member_hearing_a_higher_alive_of_its_own_leaves_again_above_it() -> None:
+    """Refuted, the Alive undid the leave at every peer (our exit then read as a death);
+    ignored, peers holding the higher Alive ignore our Left.  So: a Left above it."""
+    node = SwimNode(SwimConfig(), node="me", addr=ADDR, rng=random.Random(1), now=0.0)
+    node.bootstrap(0.0, [("me", ADDR), ("x", "tcp://10.0.0.9:1")])
+    node.leave(1.0)
+    outcome = node.apply(Alive(node="me", incarnation=5, addr=ADDR), 2.0)
+    assert not outcome.refuted and node.table.incarnation == 6
+    mine = [u for u in node.dissemination.piggyback() if getattr(u, "node", "") == "me"]
+    assert Left(node="me", incarnation=6) in mine
+    assert not any(isinstance(u, Alive) for u in mine)
+    assert node.stats.refutations == 0
+    # A peer holding the higher Alive takes the new Left.
+    peer = MemberTable(me="x", addr="tcp://10.0.0.9:1", now=0.0)
+    peer.apply(Alive(node="me", incarnation=5, addr=ADDR), 2.0)
+    assert peer.apply(Left(node="me", incarnation=6), 2.1).changed
+    assert peer.members["me"].state is State.LEFT
 
 
 def test_suspicion_confirmations_count_distinct_members_and_go_to_the_accuser() -> None:

@@ -140,6 +140,7 @@ class Outcome:
     stale_about_me: bool = False  # someone still believes an older suspicion/death of ours
     confirm_probe: str | None = None  # a new suspicion heard from another member
     confirm_to: str | None = None  # we confirmed a suspicion: tell its accuser directly
+    leave_again: bool = False  # leaving, we heard an Alive of ours above our Left
     event: MemberEvent | None = None
 
 
@@ -296,6 +297,13 @@ class MemberTable:
         elif isinstance(update, Alive):
             if heard <= self.incarnation:
                 return Outcome()
+            if self.leaving:
+                # An Alive of ours above our Left (a previous life's, or forged) would undo
+                # the leave at every peer, and our exit would then read as a death: we leave
+                # again above it (SwimNode gossips the new Left), and refute nothing.
+                self.incarnation = min(heard + 1, INCARNATION_MAX)
+                self.live_version += 1
+                return Outcome(changed=True, leave_again=True)
         elif self.leaving:
             return Outcome()
         elif heard < self.incarnation:
@@ -412,8 +420,11 @@ class MemberTable:
 
     def _meta(self, member: Member | None, update: Meta, now: float) -> Outcome:
         assert member is not None
-        if (update.incarnation, update.version) <= (member.meta_incarnation, member.meta_version):
-            return Outcome()
+        if update.version < 1 or (update.incarnation, update.version) <= (
+            member.meta_incarnation,
+            member.meta_version,
+        ):
+            return Outcome()  # (a member counts versions from 1: 0 is no state it published)
         member.meta_incarnation, member.meta_version = update.incarnation, update.version
         old, new = member.gpu, update.gpu
         if (old.rpc if old is not None else "") != (new.rpc if new is not None else ""):

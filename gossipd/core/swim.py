@@ -363,6 +363,11 @@ class SwimNode:
         outcome = self.table.apply(update, now)
         if outcome.event is not None:
             self._events.append(outcome.event)
+        if outcome.leave_again:
+            self.dissemination.push(
+                Left(node=self.node, incarnation=self.table.incarnation), urgent=True
+            )
+            return outcome
         contain = self.config.contain_suspicions
         if outcome.refuted or outcome.stale_about_me:
             # A refutation of a (contained) suspicion is quiet: those who know of the
