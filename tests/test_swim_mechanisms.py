@@ -17,6 +17,7 @@ from gossipd.core.gossip_messages import (
     GossipMessage,
     GossipOnly,
     GpuState,
+    Left,
     Meta,
     Nack,
     Ping,
@@ -517,3 +518,21 @@ def test_an_ack_from_a_probe_target_forgotten_meanwhile_is_taken_without_raising
     a.receive(10.01, encode_gossip(Ack(cluster="default", src="b", src_addr=addr_of("b"),
                                        seq=a.prober.probe.seq, checksum=999)))  # fmt: skip
     assert "b" not in a.table.members
+
+
+def test_a_member_held_left_that_pings_hears_it_in_the_ack_and_refutes() -> None:
+    """A restarted member (incarnation 0) that we hold left at 3 learns it from our Ack, as
+    one held dead does (rule 11), and refutes above it at once."""
+    a = SwimNode(SwimConfig(), node="a", addr=addr_of("a"), rng=random.Random(1), now=0.0)
+    a.bootstrap(0.0, [(n, addr_of(n)) for n in "abc"])
+    a.apply(Alive(node="b", incarnation=3, addr=addr_of("b")), 0.0)
+    a.apply(Left(node="b", incarnation=3), 1.0)
+    a.dissemination.forget()  # long since gossiped: no longer piggybacked
+    b = SwimNode(SwimConfig(), node="b", addr=addr_of("b"), rng=random.Random(2), now=2.0)
+    b.bootstrap(2.0, [(n, addr_of(n)) for n in "abc"])
+    a.take_outbox()
+    a.receive(2.0, encode_gossip(Ping(**b.header([]), seq=7, target="a")))
+    [(to, ack)] = a.take_outbox()
+    assert to == addr_of("b")
+    b.receive(2.01, ack)
+    assert b.table.incarnation == 4 and b.stats.refutations == 1

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gossipd.core.dissemination import MEMBER
-from gossipd.core.gossip_messages import Ack, Dead, Nack, Ping, PingReq, Suspect
+from gossipd.core.gossip_messages import Ack, Dead, Left, Nack, Ping, PingReq, Suspect
 from gossipd.core.membership import LIVE_STATES, State
 from gossipd.core.suspicion import Suspicion
 
@@ -462,6 +462,10 @@ class Prober:
             # Rule 11: a member we hold dead pings us (a partition healed): it learns it
             # from our ack, and refutes.
             updates.insert(0, Dead(node=msg.src, incarnation=pinger.incarnation, by=swim.node))
+        elif pinger is not None and pinger.state is State.LEFT:
+            # ... or left (restarted since, at a lower incarnation, and the seeds reaped it):
+            # refuted at once, not after a checksum-led push-pull seconds later.
+            updates.insert(0, Left(node=msg.src, incarnation=pinger.incarnation))
         swim.send(
             msg.src_addr, Ack(**swim.header(updates), seq=msg.seq, checksum=swim.table.checksum())
         )
