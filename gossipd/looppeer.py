@@ -28,7 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
-from gossipd.ops.logs import handler_name, note_handler_failure
+from gossipd.ops.logs import RateLimiter, handler_name, note_handler_failure
 from gossipd.peerchannel import OnReplies, OnRequest
 from gossipd.peerlink import (
     WRITE_BYTES_MAX,
@@ -67,8 +67,10 @@ class LoopPeerServer:
         curve: PeerCurve | None = None,
         write_bytes_max: int = WRITE_BYTES_MAX,
         read_bytes_max: int = 0,
+        refused_lines_per_s: float = 5.0,
     ) -> None:
         self._message_bytes_max = message_bytes_max
+        self._fail_log = RateLimiter(refused_lines_per_s)  # (log.refused_lines_per_s)
         self._curve = curve
         self._keys = None if curve is None else CurveKeys(curve.public, curve.secret)
         self._write_bytes_max = write_bytes_max
@@ -160,6 +162,7 @@ class LoopPeerServer:
             self._on_lost,
             self.read_budget,
             self._made,
+            self._fail_log,
         )
         link.identity = self._new_identity()
         self._shaking[link] = None
@@ -299,8 +302,10 @@ class LoopPeerClient:
         queue_bytes_max: int = WRITE_BYTES_MAX,
         write_bytes_max: int = WRITE_BYTES_MAX,
         clock: Callable[[], float] = time.monotonic,
+        refused_lines_per_s: float = 5.0,
     ) -> None:
         self._message_bytes_max = message_bytes_max
+        self._fail_log = RateLimiter(refused_lines_per_s, clock=clock)
         self._curve = curve
         self._reconnect_s = reconnect_s
         self._reconnect_max_s = reconnect_max_s
@@ -378,6 +383,7 @@ class LoopPeerClient:
             lambda link, messages: self._deliver(conn, messages),
             lambda link: self._on_ready(conn, link),
             lambda link, reason: self._on_lost(conn, link, reason),
+            fail_log=self._fail_log,
         )
         conn.connecting = link
         host, port = parse_endpoint(conn.addr)

@@ -12,6 +12,7 @@ import socket
 from collections.abc import Callable
 from typing import cast
 
+from gossipd.ops.logs import RateLimiter
 from gossipd.zmtp import ZmtpConnection, ZmtpError
 
 log = logging.getLogger("gossipd.looppeer")
@@ -60,10 +61,13 @@ class PeerLink(asyncio.Protocol):
         on_lost: Callable[[PeerLink, str], None],
         budget: ReadBudget | None = None,
         on_made: Callable[[PeerLink], bool] | None = None,
+        fail_log: RateLimiter | None = None,
     ) -> None:
         """``on_made``: asked once the peer's address is known (``peer``); False refuses
-        the connection ("busy")."""
+        the connection ("busy").  ``fail_log``: the bound on "closed a peer connection"
+        lines, shared by the owner's connections (anyone who can connect can fail one)."""
         self.zmtp = zmtp
+        self._fail_log = fail_log
         self._on_made = on_made
         self._budget = budget
         self._held = 0  # of the budget: this connection's bytes of unfinished frames
@@ -158,10 +162,16 @@ class PeerLink(asyncio.Protocol):
             out = self.zmtp.data_to_send()  # an ERROR for a refused client
             if out:
                 self.transport.write(out)
-            log.warning(
-                "closed a peer connection", extra={"peer": self.peer, "reason": reason,
-                                                   "detail": message}
-            )  # fmt: skip
+            limit = self._fail_log
+            if limit is None or limit.allow():
+                suppressed = 0 if limit is None else limit.suppressed
+                log.warning(
+                    "closed a peer connection", extra={"peer": self.peer, "reason": reason,
+                                                       "detail": message,
+                                                       "suppressed_since_last": suppressed}
+                )  # fmt: skip
+                if limit is not None:
+                    limit.suppressed = 0
             self.transport.close()
         self._lost(reason)
 

@@ -121,7 +121,7 @@ def test_a_connection_made_with_a_members_replaced_key_is_refused_from_then_on(
         (b"revoked", "cli", False),
         (b"issued anew", "cli", False),
     ]
-    assert security.counters.revoked_messages["peers"] == 3
+    assert security.counters.revoked_messages[DOMAIN_PEERS] == 3
 
 
 def test_a_peer_that_pings_and_never_reads_gets_no_pong_past_the_bound(
@@ -223,6 +223,40 @@ def test_strangers_shaking_hands_do_not_spend_the_members_read_budget() -> None:
     got, refused, held = asyncio.run(main())
     assert got == [3000] and not refused.get("busy")
     assert held < 4096  # the strangers' 64,000 bytes not counted
+
+
+def test_connections_that_break_the_protocol_by_the_hundred_log_a_bounded_number_of_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each connection that broke the protocol logged a warning of its own: a stranger (no
+    key needed) looping connect, junk, close wrote thousands of lines a second, and
+    journald's rate limit then dropped the daemon's real ones.  Now the lines are bounded by
+    log.refused_lines_per_s (the counters count all)."""
+
+    async def main() -> dict[str, int]:
+        server = LoopPeerServer(message_bytes_max=4096, curve=None, refused_lines_per_s=2.0)
+        port = int(server.bind("tcp://127.0.0.1:0").rsplit(":", 1)[1])
+        server.start(lambda i, f, s: None, lambda: None)
+        loop = asyncio.get_running_loop()
+        try:
+            for _ in range(100):
+                s = socket.socket()
+                await loop.sock_connect(s, ("127.0.0.1", port))
+                await loop.sock_sendall(s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 40)
+                s.close()
+            for _ in range(200):
+                if sum(server.refused.values()) >= 100:
+                    break
+                await asyncio.sleep(0.02)
+            return dict(server.refused)
+        finally:
+            server.close()
+
+    with caplog.at_level("WARNING", logger="gossipd.looppeer"):
+        refused = asyncio.run(main())
+    assert sum(refused.values()) == 100, refused
+    lines = [r for r in caplog.records if r.getMessage() == "closed a peer connection"]
+    assert 1 <= len(lines) <= 10 + 2  # the burst, and what 2 a second adds while it runs
 
 
 def test_one_host_shaking_hands_by_the_hundred_leaves_room_for_the_members() -> None:
@@ -393,7 +427,7 @@ def test_the_http_doors_reply_socket_refuses_a_member_whose_key_was_replaced(
             assert security.reload(force=True)
             owner.send(encode(Result(id="gone-2", ok=True, text="b")))
             for _ in range(50):
-                if security.counters.revoked_messages["peers"]:
+                if security.counters.revoked_messages[DOMAIN_PEERS]:
                     break
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.1)
@@ -408,4 +442,4 @@ def test_the_http_doors_reply_socket_refuses_a_member_whose_key_was_replaced(
         security.close()
         ctx.term()
     assert before == 1 and after == 1  # read while the key stood, refused once replaced
-    assert security.counters.revoked_messages["peers"] == 1
+    assert security.counters.revoked_messages[DOMAIN_PEERS] == 1

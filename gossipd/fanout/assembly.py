@@ -148,8 +148,13 @@ def build_fanout(
             curve=curve,
             reconnect_max_s=config.fanout.peer_reconnect_max_s,
             clock=clock.monotonic,
+            refused_lines_per_s=config.log.refused_lines_per_s,
         )
-        peer_server = LoopPeerServer(message_bytes_max=config.fanout.message_bytes_max, curve=curve)
+        peer_server = LoopPeerServer(
+            message_bytes_max=config.fanout.message_bytes_max,
+            curve=curve,
+            refused_lines_per_s=config.log.refused_lines_per_s,
+        )
     else:
         peer_client = zmq_peer_client(config.fanout, sockets, replies.names)
         peer_server = zmq_peer_server(
