@@ -600,6 +600,8 @@ def test_the_wire_answers_in_openais_shape_with_the_type_of_its_status() -> None
     )
     assert limits.counters.handler_errors == 1 and limits.counters.bad_requests == 1
     assert json.loads(_wire_error("too many", 429))["error"]["type"] == "rate_limit_error"
+    # (read_bytes_max's 503 is the server's state, not the request's fault: PROTOCOL.md)
+    assert json.loads(_wire_error("busy", 503))["error"]["type"] == "server_error"
 
 
 def test_a_large_body_then_the_start_of_the_next_request_is_no_431() -> None:

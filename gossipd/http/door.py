@@ -105,7 +105,7 @@ def _model_card(name: str, max_model_len: int | None, created: int) -> dict[str,
 
 
 # The OpenAI error type of what the wire itself answers (docs/PROTOCOL.md's table).
-_WIRE_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error"}
+_WIRE_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 def _wire_error(message: str, status: int) -> bytes:
