@@ -41,6 +41,9 @@ class RecordingTransport:
         self.aborted = self.closed = True
         self.log.append(("abort", self.name, b""))
 
+    def can_write_eof(self) -> bool:
+        return False  # (as TLS's: a refusal closes; its linger is test_http_wire_refusals's)
+
     def pause_reading(self) -> None:
         pass
 

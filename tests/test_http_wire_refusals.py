@@ -41,6 +41,7 @@ class FakeTransport(asyncio.Transport):
         self.closing = False
         self.aborted = False
         self.paused = False
+        self.eof = False
 
     def write(self, data: Any) -> None:
         if self.aborted:
@@ -69,6 +70,15 @@ class FakeTransport(asyncio.Transport):
 
     def abort(self) -> None:
         self.aborted = True
+        self.closing = True
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        """Our side ends (a FIN after what is written): the connection is on its way out,
+        closed when the client's side ends or the linger runs out."""
+        self.eof = True
         self.closing = True
 
     def pause_reading(self) -> None:
@@ -702,5 +712,61 @@ def test_open_streams_are_counted_until_they_end_are_given_up_or_lose_their_clie
         conns[0].data_received(b"GET /s HTTP/1.1\r\nhost: x\r\n\r\n")  # the next on conn 0
         await _turns()
         assert counters.streams_open == 1
+
+    asyncio.run(case())
+
+
+def test_a_refusal_in_the_middle_of_an_upload_reaches_the_client_whole() -> None:
+    """The 413 came after body_bytes_max, while the client still sent, and the connection
+    closed at once with its bytes unread: the kernel answered with a reset, and a client
+    that writes its whole body before it reads (httpx, the openai package) saw
+    ECONNRESET, not the 413.  Now the rest is read and dropped until the client closes.
+    And a Content-Length over the bound is refused at the head, before any 100 Continue."""
+    limit = 1 << 20
+
+    def upload(port: int, head: bytes, body_bytes: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head)
+            sent = 0
+            piece = b"x" * 65536
+            while sent < body_bytes:
+                sock.sendall(piece)
+                sent += len(piece)
+            sock.shutdown(socket.SHUT_WR)
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        return got
+
+    def ask_first(port: int, head: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head)
+            got = b""
+            while chunk := sock.recv(65536):  # (refused at the head: closed after it)
+                got += chunk
+        return got
+
+    async def case() -> None:
+        handler = Handler()
+        limits = HttpLimits(body_bytes_max=limit, connections_max=8)
+        server = await serve("127.0.0.1", 0, handler, limits)
+        port = server.sockets[0].getsockname()[1]
+        size = 5 * limit
+        # Chunked: no length to refuse at the head; refused at the bound, mid-upload.
+        chunked = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n" % size
+        )
+        for _ in range(3):
+            got = await asyncio.to_thread(upload, port, chunked, size)
+            assert got.startswith(b"HTTP/1.1 413 "), got[:200]
+            assert b"http.body_bytes_max" in got
+        sized = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n" % size
+        got = await asyncio.to_thread(upload, port, sized + b"\r\n", size)
+        assert got.startswith(b"HTTP/1.1 413 "), got[:200]
+        got = await asyncio.to_thread(ask_first, port, sized + b"expect: 100-continue\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 413 ") and b" 100 " not in got, got[:200]
+        assert not handler.seen and limits.counters.read_bytes == 0
+        server.close()
 
     asyncio.run(case())

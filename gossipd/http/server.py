@@ -49,6 +49,11 @@ log = logging.getLogger("gossipd.http.server")
 
 HEADER_BYTES_MAX = 64 * 1024  # a request line and header block
 PIPELINED_MAX = 16  # requests waiting behind the one being answered; more: 429, closed
+# After a refusal, what the client still sends (the rest of an upload) is read and dropped
+# for this long, and this much, at most, before the connection closes: closed at once with
+# bytes unread, the kernel answers with a reset, which can overtake the refusal.
+REFUSED_LINGER_S = 5.0
+REFUSED_LINGER_BYTES_MAX = 64 << 20
 # The methods' texts, decoded once (a request's method is one of these nearly always).
 _METHODS = {m: m.decode() for m in (b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS")}
 _ONCE_ONLY = frozenset({"host", "transfer-encoding"})  # a second line: refused, or joined
@@ -118,6 +123,7 @@ class HttpConnection(asyncio.Protocol):
         self._idle: asyncio.TimerHandle | None = None
         self._idle_at: float | None = None  # when the connection is idle too long
         self._linger: asyncio.TimerHandle | None = None  # closing: aborted if still open then
+        self._dropping = -1  # after a refusal: bytes read and dropped since (-1: none)
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -163,6 +169,10 @@ class HttpConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._broken or self._last_seen:
+            if self._dropping >= 0:
+                self._dropping += len(data)
+                if self._dropping > REFUSED_LINGER_BYTES_MAX:
+                    self.abort()
             return  # (still read: a client that goes away is seen)
         view: bytes | memoryview = data
         self._read_body = 0  # body bytes of this read (on_body)
@@ -309,9 +319,15 @@ class HttpConnection(asyncio.Protocol):
             self._keep_body = False  # (answered 401 by the door: no 100 Continue either)
             self._limits.counters.bodies_dropped += 1
             return
+        if headers.get("expect", "").lower() != "100-continue":
+            return
+        # A client that asks first is not told to send a body over the bound (a body sent
+        # unasked is refused at the bound, the rest of it read and dropped: _close_refused).
+        length = headers.get("content-length", "").strip(" \t")
+        if length.isdigit() and int(length) > self._limits.body_bytes_max:
+            raise _Refused(413, _too_large(self._limits.body_bytes_max))
         if (
-            headers.get("expect", "").lower() == "100-continue"
-            and self.transport is not None
+            self.transport is not None
             # Not inside another response under way (it would break that one's framing), nor
             # to HTTP/1.0 (RFC 9110 15.2): the client then sends its body after a wait.
             and self._current is None
@@ -326,10 +342,7 @@ class HttpConnection(asyncio.Protocol):
         self._body_bytes += n
         limits = self._limits
         if self._body_bytes > limits.body_bytes_max:
-            raise _Refused(
-                413,
-                f"the request body is over {limits.body_bytes_max} bytes (http.body_bytes_max)",
-            )
+            raise _Refused(413, _too_large(limits.body_bytes_max))
         if not self._keep_body:
             return  # read, so that the connection stays in step, and dropped
         counters = limits.counters
@@ -548,7 +561,7 @@ class HttpConnection(asyncio.Protocol):
         elif self._refusal is not None:
             self.send(self._refusal)  # its turn: every request before it is answered
             self._refusal = None
-            self.close()
+            self._close_refused()
         else:
             self._arm_idle()
 
@@ -627,7 +640,32 @@ class HttpConnection(asyncio.Protocol):
             self._refusal = refusal
             return
         self.send(refusal)
-        self.close()
+        self._close_refused()
+
+    def _close_refused(self) -> None:
+        """After a refusal: our side ends once it is written (a FIN), and what the client
+        still sends is read and dropped (REFUSED_LINGER_S, REFUSED_LINGER_BYTES_MAX), until
+        it closes too.  Closed at once, with the rest of an upload unread, the kernel
+        answered it with a reset, which clients saw instead of the 413 (httpx writes the
+        whole body before it reads)."""
+        transport = self.transport
+        if transport is None or not transport.can_write_eof():  # (TLS: closed as before)
+            self.close()
+            return
+        self.write_held()
+        transport.write_eof()
+        self._dropping = 0
+        self._stop_idle()
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        if self._linger is None:
+            linger_s = min(REFUSED_LINGER_S, self._limits.idle_timeout_s)
+            self._linger = self._loop.call_later(linger_s, self.abort)
+
+
+def _too_large(bytes_max: int) -> str:
+    return f"the request body is over {bytes_max} bytes (http.body_bytes_max)"
 
 
 def _origin_form(url: bytes) -> bytes:
