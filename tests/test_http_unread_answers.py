@@ -88,6 +88,36 @@ def test_a_lone_answer_larger_than_the_bound_goes_and_a_lost_client_gives_its_by
     asyncio.run(case())
 
 
+def test_a_client_that_reads_a_large_answer_slowly_gets_it_whole() -> None:
+    """A client reading slower than the answer (a 52 MB answer over 10 Mbit/s takes 42 s)
+    leaves the transport's buffer above its low-water mark for http.idle_timeout_s: the
+    connection was aborted as idle, or at the end of its close's linger, and the answer cut.
+    Now it stays while the client takes bytes; one that takes none is dropped as before."""
+
+    async def case() -> None:
+        limits = HttpLimits(body_bytes_max=MIB, connections_max=64, idle_timeout_s=0.3)
+        slow, ts = _client(limits)  # keep-alive: its idle deadline
+        _get(slow, b"/big")
+        closing, tc = _client(limits)  # Connection: close: its linger
+        closing.data_received(b"GET /big HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        silent, tq = _client(limits)
+        _get(silent, b"/big")
+        assert ts.paused and tc.paused and tq.paused and tc.closing
+        for _ in range(12):  # 1.2 s, 4 idle timeouts: 64 KiB taken every 0.1 s
+            await asyncio.sleep(0.1)
+            ts.buffered -= 65536
+            tc.buffered -= 65536
+        assert tq.aborted  # took nothing: dropped
+        assert not ts.aborted and not tc.aborted
+        ts.drain()
+        tc.drain()
+        assert ts.out.count(b"x" * 1024) == tc.out.count(b"x" * 1024) == 1024
+        _get(slow, b"/small")  # still served
+        assert ts.out.endswith(b"/small")
+
+    asyncio.run(case())
+
+
 def test_clients_that_do_not_read_big_answers_hold_at_most_the_bound() -> None:
     """A real daemon, echo engine: three connections ask an `echo` of a 700 KB prompt with
     `n` 8 (a 5.6 MB answer, more than the kernel's socket buffers take) and read nothing.

@@ -124,6 +124,9 @@ class HttpConnection(asyncio.Protocol):
         self._idle_at: float | None = None  # when the connection is idle too long
         self._linger: asyncio.TimerHandle | None = None  # closing: aborted if still open then
         self._dropping = -1  # after a refusal: bytes read and dropped since (-1: none)
+        # Unsent bytes when the transport last paused our writing, or at the last idle or
+        # linger look: a client that took some since is slow, not gone.
+        self._unsent_seen = 0
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -157,6 +160,7 @@ class HttpConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         # The client does not read its answers: read and answer nothing more until it does.
         self._writing_paused = True
+        self._unsent_seen = self.unsent_bytes()
         self._pause_reading()
 
     def resume_writing(self) -> None:
@@ -465,7 +469,23 @@ class HttpConnection(asyncio.Protocol):
             self.write_held()
             self.transport.close()
             if self._linger is None:
-                self._linger = self._loop.call_later(self._limits.idle_timeout_s, self.abort)
+                self._linger = self._loop.call_later(self._limits.idle_timeout_s, self._linger_out)
+
+    def _linger_out(self) -> None:
+        """A closing connection's time is up: dropped, unless its client took some of what
+        is left since the last look (a slow reader of a large answer gets it whole)."""
+        self._linger = None
+        if self.transport is not None and self._reading_since_seen():
+            self._linger = self._loop.call_later(self._limits.idle_timeout_s, self._linger_out)
+            return
+        self.abort()
+
+    def _reading_since_seen(self) -> bool:
+        """The client took some of the unsent bytes since the last look (remembered)."""
+        unsent = self.unsent_bytes()
+        took = 0 < unsent < self._unsent_seen
+        self._unsent_seen = unsent
+        return took
 
     def abort(self) -> None:
         """Close at once, what is held or buffered dropped."""
@@ -613,6 +633,9 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is not None and (
             self._current is None or ((self._in_head or self._in_body) and not self._reading_paused)
         ):
+            if self._current is None and self._reading_since_seen():
+                self._arm_idle()  # it reads, slowly, what it was sent: not idle
+                return
             self._limits.counters.idle_closed += 1
             if self.unsent_bytes():
                 self.abort()  # silent and not reading what it was sent: no wait for it
