@@ -345,3 +345,30 @@ def test_a_stream_past_its_share_of_all_streams_unsent_bytes_is_cancelled() -> N
     assert run(200 << 10, streams_open=4) == (0, [])
     assert run(900 << 10, streams_open=1) == (0, [])  # alone: the whole 1 MiB
     assert run(5 << 20, streams_open=1) == (1, ["t"])  # its own bound still holds
+
+
+def test_a_failure_answering_one_late_request_leaves_the_sweep_and_the_others() -> None:
+    """The sweep runs in the daemon's task group: an exception out of one request's 504
+    (a bug in the cancel it makes) ended the group, and the daemon exited 1."""
+    clock = ManualClock()
+    cancelled: list[str] = []
+
+    def cancel(task_id: str) -> None:
+        if task_id == "bad":
+            raise RuntimeError("a bug")
+        cancelled.append(task_id)
+
+    answers = Answers(
+        node="n0", cancel=cancel, stream_buffer_bytes_max=1 << 20, request_timeout_s=1,
+        clock=clock,
+    )  # fmt: skip
+    call = decode_call(b'{"model": "m", "prompt": "p"}', chat=False)
+    exchanges = {}
+    for task_id in ("bad", "good"):
+        exchanges[task_id] = exchange = RecordingExchange()
+        exchange.abort = lambda e=exchange: setattr(e, "done", True)  # type: ignore[attr-defined]
+        answers.wait(task_id, Waiting(exchange=exchange, call=call, response_id="c", created=1,  # type: ignore[arg-type]
+                                      deadline=5.0, request_id=""))  # fmt: skip
+    assert answers.sweep(10.0) == 1
+    assert cancelled == ["good"] and exchanges["good"].ended == 1
+    assert answers.counters.answer_failures == 1 and len(answers) == 0

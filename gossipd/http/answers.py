@@ -588,7 +588,7 @@ class Answers:
         why = f"no answer within http.request_timeout_s ({self._timeout_s:g} s)"
         answered = 0
         for task_id in late:
-            answered += self._give_up(task_id, ErrorCode.DEADLINE_EXCEEDED, why)
+            answered += self._give_up_guarded(task_id, ErrorCode.DEADLINE_EXCEEDED, why)
         self.counters.deadline_answers += answered
         return answered
 
@@ -596,8 +596,22 @@ class Answers:
         """Answer every waiting request ``shutting_down`` (503) and cancel its task: the
         daemon stops and its answers could no longer reach the clients."""
         return sum(
-            self._give_up(task_id, ErrorCode.SHUTTING_DOWN, why) for task_id in list(self._waiting)
+            self._give_up_guarded(task_id, ErrorCode.SHUTTING_DOWN, why)
+            for task_id in list(self._waiting)
         )
+
+    def _give_up_guarded(self, task_id: str, code: ErrorCode, message: str) -> bool:
+        """``_give_up``, its failure (a bug) counted and logged and that one connection
+        aborted: the sweep runs in the daemon's task group, which one exception ends."""
+        waiting = self._waiting.get(task_id)
+        try:
+            return self._give_up(task_id, code, message)
+        except Exception:
+            self.counters.answer_failures += 1
+            log.exception("giving up on an HTTP request failed", extra={"task_id": task_id})
+            if waiting is not None and not waiting.exchange.done:
+                waiting.exchange.abort()
+            return False
 
     def _give_up(self, task_id: str, code: ErrorCode, message: str) -> bool:
         """Answer ``task_id``'s request with an error and cancel it; False where it was
