@@ -27,6 +27,7 @@ from gossipd.core.gossip_messages import (
     GpuState,
     Left,
     Meta,
+    PushPull,
     encode_gossip,
 )
 from gossipd.core.messages import Task
@@ -505,6 +506,32 @@ def _first_of(dealer: zmq.Socket, kind: type[T]) -> list[T]:  # type: ignore[typ
                 if isinstance(i, kind)
             ]
     return found
+
+
+def test_push_pull_answers_to_an_address_no_member_holds_are_not_queued(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    """A member asks for push-pulls, each answered at a src_addr it makes up where nobody
+    listens: each answer (the whole table, up to a 1 MiB page) waited in a socket of its
+    own that could never connect (no key to expect there), 64 of them per address, for
+    4,096 addresses.  Under CURVE a send to an address no member holds is dropped now."""
+    keys = Keys(tmp_path, peers=["s0", "m2"], producers=[])
+    s0 = curve_daemon(daemon_factory, keys, "s0")
+    ctx = zmq.Context()
+    try:
+        push = gossip_socket(ctx, s0.gossip_endpoint, keys.pair("m2"), keys.public("s0"))
+        for port in range(40001, 40051):
+            ask = PushPull(cluster="default", src="m2", src_addr=f"tcp://127.0.0.1:{port}",
+                           reply=True, members=[])  # fmt: skip
+            push.send(encode_gossip(ask))
+        wait_until(
+            lambda: metric(s0, "gossipd_gossip_sends_unkeyed_total") >= 50,
+            10,
+            "answers to unheld addresses dropped",
+        )
+        assert metric(s0, "gossipd_gossip_push_pulls_total") >= 50  # each was answered
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_a_member_cannot_speak_for_another(daemon_factory: Any, tmp_path: Path) -> None:

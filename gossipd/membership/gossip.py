@@ -115,6 +115,7 @@ class GossipService:
         self.advertise = ""
         self.status = "serving"
         self.dropped_sends = 0
+        self.sends_unkeyed = 0  # (in dropped_sends too) to an address no member's key is for
         self.disconnect_hints = 0
         self.port_checks = 0
         self._checks: set[asyncio.Task[None]] = set()
@@ -340,6 +341,15 @@ class GossipService:
                 listener(event)
 
     def _send(self, addr: str, data: bytes) -> None:
+        security = self._security
+        if security is not None and security.peer_server_key(addr) is None:
+            # Under CURVE a connection there could not prove a key, so nothing would arrive;
+            # a socket made for it would hold what is sent until it idles out, 64 messages
+            # of up to a push-pull page each, for each of 4,096 addresses (a member can name
+            # any address as a PushPull's src_addr, to be answered there).
+            self.dropped_sends += 1
+            self.sends_unkeyed += 1
+            return
         if not self.transport.send(addr, data):
             self.dropped_sends += 1
 

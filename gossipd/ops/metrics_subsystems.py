@@ -261,6 +261,12 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
             gossip.transport.unresolved,
         ),
         (
+            "gossipd_gossip_sends_unkeyed",
+            "Sends dropped under CURVE because no member we know (nor a named seed) has that "
+            "address, so no key to expect there (also in gossipd_gossip_sends_dropped)",
+            gossip.sends_unkeyed,
+        ),
+        (
             "gossipd_gossip_prefixes_cut",
             "Prefix hashes left out of our published GPU state so that it fits one message's "
             "piggyback (gossip.swim.piggyback_bytes_max): lower fanout.prefix_summary_max",
