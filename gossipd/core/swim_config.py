@@ -90,8 +90,9 @@ class SwimConfig:
     # random dead member (a partition of any length heals without an operator).
     heal_interval_s: Period = 5.0
     heal_fanout: Fanout = 3
-    # Acks carry the live-set checksum; this many mismatches in a row from one peer trigger a
-    # push-pull with it, at most once per checksum_sync_s.
+    # Acks carry the live-set checksum; this many mismatches in a row (in the acks of our
+    # probes, whoever sent them) trigger a push-pull with the last one's sender, at most once
+    # per checksum_sync_s.
     checksum_mismatches_max: Annotated[int, Meta(ge=1, le=1000)] = 3
     checksum_sync_s: Delay = 5.0
     # Local health awareness: timeouts and the probe interval are multiplied by (score + 1),
