@@ -443,3 +443,29 @@ def test_the_http_doors_reply_socket_refuses_a_member_whose_key_was_replaced(
         ctx.term()
     assert before == 1 and after == 1  # read while the key stood, refused once replaced
     assert security.counters.revoked_messages[DOMAIN_PEERS] == 1
+
+
+def test_a_disconnect_hint_goes_to_the_live_member_at_the_address_not_a_dead_old_name() -> None:
+    """A daemon renamed and restarted on the same port: the old name, dead, stays in the
+    table (24 h), listed first.  The hint of a dropped connection to that address went to
+    the dead name, and the live member got no early probe."""
+    ctx = zmq.Context()
+    service = _service(ctx, "x", [], SYSTEM_CLOCK)
+
+    async def case() -> None:
+        service.bind()
+        assert service.core is not None
+        members = service.core.table.members
+        for node, state in (("old-name", State.DEAD), ("new-name", State.ALIVE)):
+            members[node] = Member(node=node, addr="tcp://10.0.0.1:7946", incarnation=1,
+                                   state=state, state_since=0.0)  # fmt: skip
+        probed: list[str] = []
+        service.core.connection_lost = lambda now, node: probed.append(node)  # type: ignore[method-assign]
+        service._on_disconnect("tcp://10.0.0.1:7946")
+        assert probed == ["new-name"] and service.disconnect_hints == 1
+
+    try:
+        asyncio.run(case())
+    finally:
+        service.transport.close()
+        ctx.destroy(linger=0)

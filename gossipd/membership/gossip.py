@@ -361,7 +361,11 @@ class GossipService:
         refused connect decides."""
         if self.core is None:
             return
-        node = next((m.node for m in self.core.table.members.values() if m.addr == addr), None)
+        # The member there now: a live one before a dead one kept under an old name (a
+        # daemon renamed and restarted on the same port), which would take the hint.
+        there = [m for m in self.core.table.members.values() if m.addr == addr]
+        live = [m for m in there if m.state in LIVE_STATES]
+        node = (live or there)[0].node if there else None
         if node is not None:
             self.disconnect_hints += 1
             self.core.connection_lost(self.now(), node)
