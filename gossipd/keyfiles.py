@@ -10,6 +10,8 @@ Here every fault of a file is a KeyFileError saying what is wrong with it.
 from __future__ import annotations
 
 import errno
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -36,12 +38,32 @@ def read_key_file(path: str | Path) -> tuple[bytes, bytes | None]:
     when it has no public key, a key line without ``=``, or a key that is not 40 characters
     of Z85 (a bad key given to ZeroMQ failed far from the file: a command's socket refused
     "Invalid argument", and a hung `gossipd status` closing it)."""
-    with open(path, "rb") as f:
-        data = f.read(1 << 16)  # (a key file is a few hundred bytes)
+    data = read_small(path, 1 << 16)  # (a key file is a few hundred bytes)
     try:
         return _keys_in(data)
     except KeyFileError as exc:
         raise KeyFileError(f"{str(path)!r}: {exc}") from None
+
+
+def read_small(path: str | Path, bytes_max: int) -> bytes:
+    """At most ``bytes_max`` bytes of the regular file at ``path`` (a link to one is fine:
+    a Kubernetes secret's).  KeyFileError for what a key file must not be: a FIFO or a
+    device (opened non-blocking and refused, where a plain open or read blocked the event
+    loop, and with it every handshake), or a file any user may write (any user could put
+    a key of its own there).  OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise KeyFileError(f"{str(path)!r} is not a regular file")
+        if mode & stat.S_IWOTH:
+            raise KeyFileError(
+                f"{str(path)!r} is writable by every user, who could put a key of their own "
+                f"there: `chmod o-w {path}`"
+            )
+        return os.read(fd, bytes_max)
+    finally:
+        os.close(fd)
 
 
 def _keys_in(data: bytes) -> tuple[bytes, bytes | None]:

@@ -29,6 +29,7 @@ import datetime
 import ipaddress
 import logging
 import os
+import stat
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +81,18 @@ def load_key_pair(path: str | Path) -> KeyPair:
     if not secret:
         raise StartupError(
             f"{str(path)!r} holds no secret key: give the NAME.key_secret file, not NAME.key"
+        )
+    if os.stat(path).st_mode & stat.S_IROTH:
+        raise StartupError(
+            f"the secret key {str(path)!r} is readable by every user, any of whom could speak "
+            f"as this daemon: `chmod 0600 {path}` (or 0640 with the daemon's group: "
+            f"`chgrp gossipd {path} && chmod 0640 {path}`)"
+        )
+    if zmq.curve_public(secret) != public:
+        raise StartupError(
+            f"{str(path)!r}: its public-key line is not the public key of its secret key "
+            "(edited by hand?): every handshake would fail.  Make a new pair with `gossipd "
+            "keygen NAME --out DIR` and give peers its NAME.key"
         )
     return KeyPair(public, secret)
 

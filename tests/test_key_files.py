@@ -5,6 +5,7 @@ cannot read.  Real commands, real files; as root, the daemon's user is `nobody` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -163,11 +164,83 @@ def test_check_config_says_which_key_file_or_directory_the_daemons_user_cannot_r
     unreadable = _check_as_the_daemons_user(settings)  # the secret: 0600, not its user's
     assert "not readable by this user" in unreadable and "chmod 0640" in unreadable, unreadable
     assert "keygen" not in unreadable
-    secret.chmod(0o644)
+    secret.chmod(0o644)  # readable by it, and by every user: refused
+    everyone = _check_as_the_daemons_user(settings)
+    assert "readable by every user" in everyone and "chmod 0600" in everyone, everyone
+    if os.geteuid() == 0:  # (the daemon's user is `nobody`: give the key to its group)
+        os.chown(secret, -1, pwd.getpwnam("nobody").pw_gid)
+    secret.chmod(0o640)
     assert _check_as_the_daemons_user(settings) == ""
+    (tmp_path / "peers").chmod(0o757)  # writable by every user: anyone adds a key
+    open_to_all = _check_as_the_daemons_user(settings)
+    assert "security.peer_keys_dir" in open_to_all and "writable by every user" in open_to_all
+    (tmp_path / "peers").chmod(0o755)
     (tmp_path / "peers").chmod(0o711)  # searchable, not listable
     unlisted = _check_as_the_daemons_user(settings)
     assert "security.peer_keys_dir" in unlisted and "cannot be listed" in unlisted, unlisted
     (tmp_path / "peers").chmod(0o700)  # neither
     closed = _check_as_the_daemons_user(settings)
     assert "cannot be listed" in closed and not closed.startswith("raised"), closed
+
+
+def test_a_key_directory_skips_fifos_and_files_every_user_may_write(tmp_path: Path) -> None:
+    """A FIFO named NAME.key blocked the reload (on the event loop: every handshake with
+    it) for as long as nobody wrote to it; a key file any user may write let any user put
+    a key of their own there.  Both are skipped, said and counted; the others load."""
+    import threading
+
+    from gossipd.http.keys import ApiKeys
+    from gossipd.security import KeyDir
+
+    peers = tmp_path / "peers"
+    write_key_pair("good", tmp_path / "made")
+    peers.mkdir()
+    shutil.copy(tmp_path / "made" / "good.key", peers / "good.key")
+    shutil.copy(tmp_path / "made" / "good.key", peers / "open.key")
+    (peers / "open.key").chmod(0o666)
+    os.mkfifo(peers / "pipe.key")
+    dirs: list[KeyDir] = []  # (it reads its directory as it is made)
+    loaded = threading.Thread(target=lambda: dirs.append(KeyDir(peers, user_is_key=False)))
+    loaded.daemon = True
+    loaded.start()
+    loaded.join(10)
+    _release_readers(peers / "pipe.key")
+    assert dirs, "reading the key directory blocked on the FIFO"
+    keydir = dirs[0]
+    assert sorted(keydir.by_name) == ["good"] and keydir.bad_files == 2
+    with pytest.raises(KeyFileError, match="writable by every user"):
+        read_key_file(peers / "open.key")
+
+    api = tmp_path / "api"
+    api.mkdir()
+    (api / "alice.key").write_text("sk-alice-0123456789abcdef\n")
+    (api / ".bob.key").write_text("sk-bob-0123456789abcdef0\n")  # hidden: switched off
+    os.mkfifo(api / "pipe.key")
+    keys: list[ApiKeys] = []
+    made = threading.Thread(target=lambda: keys.append(ApiKeys(str(api))), daemon=True)
+    made.start()
+    made.join(10)
+    _release_readers(api / "pipe.key")
+    assert keys, "reading the API keys blocked on the FIFO"
+    assert keys[0].name_of("Bearer sk-alice-0123456789abcdef") == "alice"
+    assert keys[0].name_of("Bearer sk-bob-0123456789abcdef0") is None
+    assert len(keys[0]) == 1
+
+
+def _release_readers(fifo: Path) -> None:
+    """Open the FIFO for writing and close it: a reader blocked in its open (before the
+    fix) goes on, and the test process can end."""
+    with contextlib.suppress(OSError):  # (ENXIO: no reader waits)
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_key_pair_whose_public_line_is_not_its_secrets_key_is_refused(tmp_path: Path) -> None:
+    from gossipd.security import load_key_pair
+
+    _, secret = write_key_pair("a", tmp_path)
+    other, _ = write_key_pair("b", tmp_path)
+    lines = secret.read_text().splitlines()
+    other_public = next(x for x in other.read_text().splitlines() if "public-key" in x)
+    secret.write_text("\n".join(other_public if "public-key" in x else x for x in lines))
+    with pytest.raises(StartupError, match="not the public key of its secret key"):
+        load_key_pair(secret)

@@ -4,6 +4,7 @@ alone: no gossipd code touches these bytes (the daemon is started as a separate 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import msgpack
 import zmq
@@ -91,6 +92,9 @@ def test_plain_msgpack_producer_with_curve(daemon_factory, tmp_path) -> None:
     producer_public_file, producer_secret_file = zmq.auth.create_certificates(
         str(tmp_path / "secrets"), "producer"
     )
+    # zmq.auth writes secrets under the umask (0644 here); the daemon refuses a secret
+    # every user can read (PROTOCOL.md, "Key files"), as ssh does.
+    Path(daemon_secret_file).chmod(0o600)
     shutil.copy(producer_public_file, tmp_path / "producers" / "producer.key")
     shutil.copy(daemon_public_file, tmp_path / "peers" / "s0.key")
     daemon = daemon_factory(

@@ -14,7 +14,7 @@ import hashlib
 import logging
 from pathlib import Path
 
-from gossipd.keyfiles import OUT_OF_FILES
+from gossipd.keyfiles import OUT_OF_FILES, KeyFileError, read_small
 
 log = logging.getLogger("gossipd.http.keys")
 
@@ -54,7 +54,13 @@ class ApiKeys:
         taken away) leaves no key valid until it can be read again: revoking by removing the
         directory works, and nothing raises in the SIGHUP handler."""
         try:
-            files = sorted(p for p in self.directory.iterdir() if p.suffix == ".key")
+            # (NAME.key, not hidden: a key is switched off by hiding it, as in the CURVE
+            # key directories)
+            files = sorted(
+                p
+                for p in self.directory.iterdir()
+                if p.suffix == ".key" and not p.name.startswith(".")
+            )
             seen = tuple((p.name, *_stamp(p)) for p in files)
         except OSError as exc:
             if initial:
@@ -76,9 +82,9 @@ class ApiKeys:
         keys: dict[bytes, str] = {}
         for path in files:
             try:
-                raw = path.read_bytes()[:KEY_FILE_BYTES_MAX].strip(_BLANKS)
+                raw = read_small(path, KEY_FILE_BYTES_MAX).strip(_BLANKS)
                 token = raw.decode()  # UTF-8, or skipped
-            except (OSError, UnicodeDecodeError) as exc:
+            except (OSError, KeyFileError, UnicodeDecodeError) as exc:
                 if isinstance(exc, OSError) and exc.errno in OUT_OF_FILES and not initial:
                     return self._kept(exc)
                 log.warning(

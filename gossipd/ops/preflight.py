@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,8 @@ def _check_http(config: Config) -> None:
         raise StartupError(
             f"http.keys_dir = {http.keys_dir!r} is not a directory (put NAME.key files there)"
         )
+    if http.keys_dir:
+        _check_not_world_writable("http.keys_dir", http.keys_dir)
     for name in ("tls_cert_file", "tls_key_file"):
         path = getattr(http, name)
         if path and not os.access(path, os.R_OK):
@@ -206,6 +209,7 @@ def _check_security(config: Config, node: str) -> KeyPair | None:
                 f"security.{what} = {path!r} is not a directory "
                 "(put the authorised NAME.key files there)"
             )
+        _check_not_world_writable(f"security.{what}", path)
         if not os.access(path, os.R_OK | os.X_OK):  # (read as empty, it refused everyone)
             raise StartupError(
                 f"security.{what} = {path!r} cannot be listed by this user (uid "
@@ -227,6 +231,16 @@ def _check_security(config: Config, node: str) -> KeyPair | None:
                 "and `gossipd keygen NODE...` (docs/OPERATIONS.md, Security)"
             )
     return pair
+
+
+def _check_not_world_writable(setting: str, path: str) -> None:
+    """A key directory any user may write lets any user authorise a key of their own."""
+    if os.stat(path).st_mode & stat.S_IWOTH:
+        raise StartupError(
+            f"{setting} = {path!r} is writable by every user, any of whom could add a key of "
+            f"their own and be admitted: `chmod o-w {path}` (0750, owned by root or the "
+            "daemon's user)"
+        )
 
 
 def _check_exposure(config: Config) -> None:
