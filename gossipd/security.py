@@ -244,6 +244,23 @@ class KeyDir:
             stem = name[: -len(PUBLIC_SUFFIX)]
             by_name[stem] = public
             by_key[public] = public.decode() if self._user_is_key else f"{stem} {public.decode()}"
+        if not self._user_is_key and len(by_key) < len(by_name):
+            # One key under two members' names (a botched rotation): whoever holds it would
+            # be whichever name sorts last.  Neither name gets it; the files stay named.
+            named: dict[bytes, list[str]] = {}
+            for stem, public in by_name.items():
+                named.setdefault(public, []).append(stem)
+            for public, stems in named.items():
+                if len(stems) > 1:
+                    self.bad_files += len(stems)
+                    log.warning(
+                        "one public key in several members' key files: refused for all of "
+                        "them until one is removed or replaced",
+                        extra={"files": [f"{s}{PUBLIC_SUFFIX}" for s in stems]},
+                    )
+                    del by_key[public]
+                    for stem in stems:
+                        del by_name[stem]
         self._signature = signature
         self.by_key, self.by_name = by_key, by_name
         self.users = frozenset(by_key.values())

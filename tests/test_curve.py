@@ -658,6 +658,24 @@ def test_a_key_directory_follows_added_changed_and_removed_files(tmp_path: Path)
     assert keys.reload() and keys.user_id(public) is None
 
 
+def test_one_public_key_under_two_members_names_is_refused_for_both(tmp_path: Path) -> None:
+    """After a botched rotation a.key and b.key held the same key: its holder was "b" (the
+    name sorting last), a's messages were refused as speaking for another, and a's address
+    expected a's key under b's name.  Now neither name has it until one file is fixed."""
+    for name in ("a", "c"):
+        write_key_pair(name, tmp_path / "s")
+    d = tmp_path / "d"
+    d.mkdir()
+    for name, source in (("a", "a"), ("b", "a"), ("c", "c")):
+        (d / f"{name}.key").write_bytes((tmp_path / "s" / f"{source}.key").read_bytes())
+    keys = KeyDir(d, user_is_key=False)
+    public_a = zmq.auth.load_certificate(str(tmp_path / "s" / "a.key"))[0]
+    assert keys.user_id(public_a) is None and sorted(keys.by_name) == ["c"]
+    assert keys.bad_files == 2
+    (d / "b.key").unlink()  # fixed: a's again
+    assert keys.reload() and _node(keys.user_id(public_a)) == "a"
+
+
 def test_a_key_replaced_with_its_mtime_kept_is_read_again_and_no_fds_keeps_the_keys(
     tmp_path: Path,
 ) -> None:
