@@ -1114,3 +1114,29 @@ def test_Forwarder_a_hand_off_or_a_move_to_a_member_declared_dead_meanwhile_is_n
     [(addr, again)] = _forwards(fw.take_outbox())
     assert addr in ("addr-b", "addr-d") and again.task.id == "t1"
     assert fw.counters.migrated == 1 and fw.ledger.get("t1") is None  # (in flight again)
+
+
+def test_Forwarder_forgets_members_gone_from_the_view_that_hold_nothing_of_ours() -> None:
+    """Every name forwarded to kept its address, breaker and load count for good: a
+    cluster whose names churn (a new name a restart) grew them without bound.  A member out
+    of the view and holding nothing of ours is forgotten at the ledger's next look; one
+    still holding a task keeps its address (its Withdraw or Cancel goes there)."""
+    fw, placement = _forwarder(["m0", "b"])
+    for i in range(10):
+        placement.members = [f"m{i}", "b"]
+        fw.route(_task(i, timeout_ms=60_000), float(i))
+        [(_, fwd)] = _forwards(fw.take_outbox())
+        fw.on_reply(_reply(fwd, f"m{i}", True), i + 0.1)
+        if i < 9:  # m9 still runs its task
+            fw.on_reply(TaskDone(id=f"t{i}", node=f"m{i}"), i + 0.2)
+    placement.members = ["b"]  # every m gone from the view (m9 not yet declared dead)
+    fw.tick(30.0)
+    assert [m for m in (f"m{i}" for i in range(10)) if fw.last_addr(m)] == ["m9"]
+    assert set(fw.loads) == {"m9"} and fw.loads.total == 1
+    fw.on_reply(TaskDone(id="t9", node="m9"), 31.0)
+    fw.route(_task(10, timeout_ms=60_000), 31.0)  # (a task keeps the ledger's looks going)
+    [(_, fwd)] = _forwards(fw.take_outbox())
+    fw.on_reply(_reply(fwd, "b", True), 31.1)
+    fw.tick(60.0)
+    assert fw.last_addr("m9") is None and fw.last_addr("b") == "addr-b"
+    assert set(fw.loads) == {"b"}

@@ -318,3 +318,22 @@ def test_the_forwarder_view_comes_from_its_table_entry() -> None:
     assert forwarder_view(entry(State.ALIVE)) == "alive"
     assert forwarder_view(entry(State.SUSPECT)) == "down"
     assert forwarder_view(entry(State.DEAD)) == "down"
+
+
+def test_members_down_longer_ago_than_any_task_can_look_back_are_forgotten() -> None:
+    """Rule 0 remembers when each member was last suspect or dead: one entry for every name
+    ever seen down, for good.  Past twice the longest timeout no offer looks that far back,
+    so those are dropped as the map grows; a recent one still holds a Result."""
+    from gossipd.core.heldresults import LOOK_BACK_S
+
+    held = HeldResults(bytes_max=1 << 20)
+    for i in range(1000):
+        held.member_event("dead", f"old-{i}", float(i))
+    now = LOOK_BACK_S + 2000.0
+    for i in range(1000):
+        held.member_event("suspect", f"new-{i}", now + i / 1000)
+    assert len(held._last_down) < 1100  # (the old 1,000 gone)
+    assert all(name.startswith("new-") for name in held._last_down)
+    # A Result from a member down a moment ago is still held (rule 0 sees it).
+    assert held.offer("t", "new-5", 10, received_at=now + 1, deadline=now + 31, now=now + 2,
+                      view="alive")  # fmt: skip

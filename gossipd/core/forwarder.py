@@ -959,6 +959,18 @@ class Forwarder:
             self._sweep_at = now  # the next slice at the next tick
         else:
             self._sweep_at = now + LEDGER_SWEEP_S if self.ledger.entries else _INF
+            self._forget_gone()
+
+    def _forget_gone(self) -> None:
+        """Members out of our view that hold nothing of ours (no forward awaiting its
+        answer, no task: ``loads`` 0) lose their address, breaker and load count here: a
+        cluster whose names churn kept one of each for every name it ever forwarded to."""
+        loads = self.loads
+        for member in [m for m in self._last_addr if self._placement.addr(m) is None]:
+            if not loads.get(member, 0):
+                del self._last_addr[member]
+                self._breakers.pop(member, None)
+                loads.pop(member, None)
 
     def _timer(self, at: float, kind: int, obj: Flight | Journey) -> None:
         self._seq += 1

@@ -44,7 +44,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gossipd.core.membership import Member, State
+from gossipd.core.messages import TIMEOUT_MS_MAX
 from gossipd.core.peer_messages import CONFIRM_IDS_MAX
+
+# Rule 0 looks back at most a task's whole time before its receipt: a member down longer
+# ago than twice the longest timeout says nothing, and is forgotten (churning names).
+LOOK_BACK_S = 2 * TIMEOUT_MS_MAX / 1000.0
 
 
 class Decision(enum.Enum):
@@ -100,6 +105,7 @@ class HeldResults:
         # we last refuted a suspicion or death of ours (any forwarder may have migrated our
         # tasks then: we were cut off from them, or stalled).
         self._last_down: dict[str, float] = {}
+        self._last_down_pruned_at = 64  # its size when it is next pruned (LOOK_BACK_S)
         self._refuted_at = -math.inf
 
     def __len__(self) -> int:
@@ -146,6 +152,11 @@ class HeldResults:
         """A membership event (core/membership.py's MemberEvent.kind) about ``member``."""
         if kind in ("suspect", "dead"):
             self._last_down[member] = now
+            if len(self._last_down) >= self._last_down_pruned_at:
+                horizon = now - LOOK_BACK_S
+                kept = {m: at for m, at in self._last_down.items() if at >= horizon}
+                self._last_down = kept
+                self._last_down_pruned_at = max(64, 2 * len(kept))
         elif kind == "refuted":
             self._refuted_at = now
         elif kind == "left":

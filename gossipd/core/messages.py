@@ -199,6 +199,9 @@ def reply_route(reply_to: str, producer_key: str) -> str:
     return f"{reply_to} {producer_key}" if producer_key else reply_to
 
 
+TIMEOUT_MS_MAX = 3_600_000  # a task's longest timeout_ms (an hour)
+
+
 class Task(
     msgspec.Struct,
     frozen=True,
@@ -218,7 +221,7 @@ class Task(
     reply_to: Endpoint
     # The task's deadline, relative: milliseconds from when a daemon first receives it.
     # Relative, not absolute, so producers and daemons need no synchronised clocks.
-    timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 30_000
+    timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=TIMEOUT_MS_MAX)] = 30_000
     stream: bool = False
     model: Annotated[str, msgspec.Meta(max_length=256)] = ""
     # W3C trace context, passed through untouched so traces join up across hops.
