@@ -970,7 +970,7 @@ class Forwarder:
             if not loads.get(member, 0):
                 del self._last_addr[member]
                 self._breakers.pop(member, None)
-                loads.pop(member, None)
+                loads.pop(member, 0)
 
     def _timer(self, at: float, kind: int, obj: Flight | Journey) -> None:
         self._seq += 1
