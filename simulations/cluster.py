@@ -99,11 +99,15 @@ class Cluster:
         return DaemonProcess(name=f"d{i:02d}", log_dir=self.log_dir, port=port, overrides=overrides)
 
     def start(self, timeout_s: float = 60.0) -> None:
-        for d in self.daemons:  # launch all, then wait: start-up overlaps
-            d.launch()
-        deadline = time.monotonic() + timeout_s
-        for d in self.daemons:
-            d.wait_ready(max(0.1, deadline - time.monotonic()))
+        try:
+            for d in self.daemons:  # launch all, then wait: start-up overlaps
+                d.launch()
+            deadline = time.monotonic() + timeout_s
+            for d in self.daemons:
+                d.wait_ready(max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()  # (those launched would run on: a caller's try begins after start)
+            raise
 
     def restart(self, i: int, *, kill: bool = False, new_ports: bool = False) -> DaemonProcess:
         """Stop daemon ``i`` (SIGTERM and wait; SIGKILL with ``kill``) and start it again under
@@ -380,18 +384,21 @@ def _stalls(
 
     threads = [threading.Thread(target=staller, args=(i,), daemon=True) for i in stalled]
     stall_started = time.time()
-    for t in threads:
-        t.start()
-    next_say = time.monotonic() + 60
-    end = time.monotonic() + run.stall_period_s
-    while time.monotonic() < end:
-        time.sleep(min(1.0, max(0.0, end - time.monotonic())))
-        if time.monotonic() >= next_say:
-            next_say += 60
-            say(f"stalls: {round(time.time() - stall_started)} s of {run.stall_period_s:.0f}")
-    stop_stalls.set()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        next_say = time.monotonic() + 60
+        end = time.monotonic() + run.stall_period_s
+        while time.monotonic() < end:
+            time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+            if time.monotonic() >= next_say:
+                next_say += 60
+                say(f"stalls: {round(time.time() - stall_started)} s of {run.stall_period_s:.0f}")
+    finally:  # (an interrupt: no staller SIGSTOPs a daemon while the cluster stops)
+        stop_stalls.set()
+        for t in threads:
+            if t.is_alive() or t.ident is not None:
+                t.join()
     time.sleep(2.0)  # the last stall's suspicions end (refuted) or not
     stalled_names = {cluster.daemons[i].name for i in stalled}
     false_dead = suspicions = refusals = 0

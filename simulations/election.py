@@ -481,6 +481,9 @@ class ElectionHarness:
             return self.report()
         finally:
             await asyncio.to_thread(self._stop)
+            for proxies in self.proxies:  # (their listening sockets and pumps)
+                for proxy in proxies:
+                    await proxy.close()
 
     def _stop(self) -> None:
         cluster = getattr(self, "cluster", None)
