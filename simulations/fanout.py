@@ -87,7 +87,11 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
     world.check_stuck()
     world.check_two_runs()
     lost_taskdones = world.check_ledgers()
-    lost = [t for t, s in world.tasks.items() if s.final is None]
+    # Unanswered: lost, unless the last the producer heard was a refusal to retry (every
+    # member busy): the cluster never held it, and the producer still does (it would retry,
+    # or gave up at its timeout).  Not a loss of an accepted task; counted apart.
+    refused = [t for t, s in world.tasks.items() if s.final is None and s.refused_last]
+    lost = [t for t, s in world.tasks.items() if s.final is None and not s.refused_last]
     latencies = sorted(world.latencies)
     return {
         "nodes": run.nodes,
@@ -105,6 +109,7 @@ def run_fanout(run: FanoutRun) -> dict[str, object]:
         "ledger_expired_at_end": lost_taskdones,
         "lost": len(lost),
         "lost_ids": lost[:10],
+        "refused_to_the_end": len(refused),
         "duplicate_results_accepted": world.duplicates_accepted,
         "duplicate_results_dropped": world.duplicates_dropped,
         "two_runs_withdrawn": len(world.two_runs),
@@ -140,7 +145,8 @@ def all_answered(world: World) -> bool:
 def _pct(ordered: list[float], q: float) -> float:
     if not ordered:
         return 0.0
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 6)
+    # Nearest rank (progress.percentile's): the p99 of 100 values is the 99th, not the max.
+    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 6)
 
 
 def trace_for(run: FanoutRun, task_id: str) -> list[str]:

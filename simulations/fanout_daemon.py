@@ -93,6 +93,9 @@ class SimDaemon:
             rng=random.Random(world.rng.getrandbits(64)),
             loads=loads,
             local_ids=local_ids,
+            # Forward.boot, as the daemon's wall clock in ms at start (fanout/assembly.py):
+            # a restarted process's is higher, so an owner refuses its dead one's Forwards.
+            boot=int(world.now * 1000) + 1,
         )
         queue = None
         if run.queue_wait_admission:

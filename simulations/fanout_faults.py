@@ -61,6 +61,10 @@ class Faults:
             self.fault_spans.append(("crash", (self.now, math.inf)))
             self.faults_log.append((self.now, f"crash {len(victims)} members"))
             return
+        if kind == "crash" and not self.up[index] and sum(self.up) > 2:
+            # Its target is down already (an earlier crash not restarted yet): another up
+            # member instead, so that a run's N crashes are N members killed.
+            index = self.rng.choice([i for i in range(run.nodes) if self.up[i]])
         if kind == "crash" and self.up[index] and sum(self.up) > 2:
             self.crash(index)
             self.push(self.now + run.restart_after_s, FAULT, -1, ("restart", index))
@@ -77,13 +81,20 @@ class Faults:
         elif kind == "partition" and run.nodes >= 4:
             cut = self.rng.sample(range(run.nodes), max(1, run.nodes // 8))
             for i in cut:
+                self.cuts[i] += 1
                 self.group[i] = 1
+            # Its heal names it: an earlier partition's heal ends that one's cut only (the
+            # first heal used to end every cut, an overlapping one early).
+            self.partitions.append(cut)
             self.active_faults["partition"] += 1
             span = self.rng.uniform(1.0, 6.0)
-            self.push(self.now + span, FAULT, -1, ("heal", 0))
+            self.push(self.now + span, FAULT, -1, ("heal", len(self.partitions) - 1))
             self.fault_spans.append(("partition", (self.now, self.now + span)))
         elif kind == "heal":
-            self.group = [0] * run.nodes
+            for i in self.partitions[index]:
+                self.cuts[i] -= 1
+                if not self.cuts[i]:
+                    self.group[i] = 0
             self.active_faults["partition"] -= 1
         elif kind == "loss":
             self.loss = run.loss

@@ -31,6 +31,7 @@ class TaskState:
     chunks_next: int = 0
     last_sent: float = 0.0
     cancelled_by_producer: bool = False
+    refused_last: bool = False  # its latest answer was a refusal to retry (busy, unavailable)
 
 
 class Producers:
@@ -113,6 +114,7 @@ class Producers:
         if (self.now - state.first_sent) * 1000 >= self.run.timeout_ms:
             return  # the producer gives up: counted as lost at the end
         state.task = _with_attempt(state.task, state.task.attempt + 1)
+        state.refused_last = False
         self.send_task(state.task)
 
     def producer_receives(self, msg: Chunk | Result) -> None:
@@ -136,6 +138,7 @@ class Producers:
             return
         if not msg.ok and msg.error is not None and msg.error.code in RETRYABLE:
             self.errors[msg.error.code] = self.errors.get(msg.error.code, 0) + 1
+            state.refused_last = True
             delay = max(0.05, msg.error.retry_after_ms / 1000.0)
             self.push(self.now + delay, RESUBMIT, -1, (msg.id, None))
             return

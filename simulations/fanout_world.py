@@ -76,6 +76,10 @@ class World(Producers, Faults, Network, Checks):
         self.up: list[bool] = [True] * run.nodes
         self.paused_until: list[float] = [0.0] * run.nodes
         self.group: list[int] = [0] * run.nodes
+        # Partitions by their number (the members each cut off) and, per member, how many
+        # cut it off now: it is back in group 0 when the last of them heals.
+        self.partitions: list[list[int]] = []
+        self.cuts: list[int] = [0] * run.nodes
         self.crashed_at: dict[tuple[int, int], float] = {}
         self.loss = 0.0
         self.link_last: dict[tuple[int, int], float] = {}
@@ -193,6 +197,8 @@ class World(Producers, Faults, Network, Checks):
         for event in events:
             d.placement.member_event(event, d.swim.table.members.get(event.node))
             d.held.member_event(event.kind, event.node, self.now)
+            if event.kind in ("dead", "left"):  # (as fanout/owner.py's member_event)
+                d.owner.member_dead(event.node)
             if len(d.held) or event.kind == "left":
                 d.flush_held()
             if event.kind == "dead":

@@ -26,12 +26,13 @@ def cut_and_heal(
     other_side_first} (the slowest member of the side to hold one of them dead: it sees the
     cut) and to ``heal``."""
     n = hosts * per_host
-    sim = Simulation(n, seed=seed, config=SwimConfig.lan(), network=NetworkModel(loss=loss))
+    sim = Simulation(n, seed=seed, config=SwimConfig.lan(), network=NetworkModel(loss=0.0))
     t0 = 5.0 + seed % 997 / 997  # the cut falls anywhere in a probe round
     sim.run_until(t0)
     cut = list(range(host * per_host, (host + 1) * per_host))
     rest = [i for i in range(n) if i not in cut]
     sim.partition([rest, cut])
+    sim.net.loss = loss  # during the cut only (it was set from the start, warm-up included)
     names = [m.name for m in sim.members]
     seen: dict[int, float] = {}
     first: dict[int, float] = {}  # when the member first held one beyond the cut dead

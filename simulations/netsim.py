@@ -9,8 +9,10 @@ RNG, so one seed gives one trace and another seed another.  Nothing here reads a
 The network model: per-message latency drawn from a lognormal (median ``latency_s``, shape
 ``latency_sigma``), independent loss with probability ``loss``, partitions (groups that cannot
 reach each other), crashed nodes (their messages vanish), paused nodes (SIGSTOP: everything
-for them waits until they resume; timers first, as in an event loop), and CPU-starved nodes
-(every event for them runs ``starve_s`` late on average).
+for them waits until they resume; there their due timers run before the messages that
+waited, where asyncio's loop reads its sockets first), and CPU-starved nodes (each message
+delivered to them ``starve_s`` late on average, drawn per message, so they may be
+reordered; their timers are not delayed).
 
 Messages travel as objects (``wire=False``, the default): a member's core encodes each message
 it sends only to count its bytes, and the receiver gets the sender's (frozen) message object

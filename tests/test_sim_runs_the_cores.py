@@ -38,6 +38,8 @@ def test_a_simulated_daemon_drives_the_classes_the_daemon_composes() -> None:
         assert type(sim.owner) is type(dispatcher.owner.core)
         assert type(sim.admission) is type(daemon.ingress.intake.admission)
         assert type(sim.book) is type(daemon.ingress.intake.book)
+        # Forward.boot is set, as the daemon's is: an owner's stale rule runs (0 skips it).
+        assert sim.forwarder.boot > 0 and dispatcher.forwarder.boot > 0
     finally:
         dispatcher.close()
         daemon._ctx.destroy(linger=0)
