@@ -41,7 +41,11 @@ class FakeLeadership:
 def build() -> tuple[BuiltinDuties, FakeLeadership, FakeAdmin, list[int], MemberTable]:
     table = MemberTable(me="me", addr=ADDR, now=0.0)
     gossip = SimpleNamespace(
-        core=SimpleNamespace(table=table), live_members=list, load=lambda: 0, now=lambda: 10.0
+        # (SwimNode.forget's event for a suspect is tests/test_reaping.py's: here the table's)
+        core=SimpleNamespace(table=table, forget=table.forget),
+        live_members=list,
+        load=lambda: 0,
+        now=lambda: 10.0,
     )
     config = SimpleNamespace(
         membership=SimpleNamespace(dead_reap_after_s=1.0), gossip=SimpleNamespace(seeds=[])
