@@ -164,14 +164,12 @@ class PeerLink(asyncio.Protocol):
                 self.transport.write(out)
             limit = self._fail_log
             if limit is None or limit.allow():
-                suppressed = 0 if limit is None else limit.suppressed
+                suppressed = 0 if limit is None else limit.take_suppressed()
                 log.warning(
                     "closed a peer connection", extra={"peer": self.peer, "reason": reason,
                                                        "detail": message,
                                                        "suppressed_since_last": suppressed}
                 )  # fmt: skip
-                if limit is not None:
-                    limit.suppressed = 0
             self.transport.close()
         self._lost(reason)
 

@@ -336,10 +336,9 @@ class ZapHandler:
                     "reason": reason,
                     "address": address,
                     "key": z85.encode(key).decode() if len(key) == 32 else "",
-                    "suppressed_since_last": self._log.suppressed,
+                    "suppressed_since_last": self._log.take_suppressed(),
                 },
             )
-            self._log.suppressed = 0
         return None
 
     def close(self) -> None:
@@ -489,10 +488,9 @@ class Security:
                     "channel": channel,
                     "src": src[:128],
                     "key_node": node,
-                    "suppressed_since_last": self._src_log.suppressed,
+                    "suppressed_since_last": self._src_log.take_suppressed(),
                 },
             )
-            self._src_log.suppressed = 0
         return False
 
     # -- reloading -----------------------------------------------------------------------

@@ -194,9 +194,8 @@ class SocketReader:
             if _failure_log.allow():
                 log.exception(
                     "a socket reader's handler failed; reading on",
-                    extra={"suppressed_since_last": _failure_log.suppressed},
+                    extra={"suppressed_since_last": _failure_log.take_suppressed()},
                 )
-                _failure_log.suppressed = 0
         if more:
             # Queued after what the handler woke (workers), so that they run first: results
             # flow while input floods in.

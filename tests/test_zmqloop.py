@@ -206,6 +206,8 @@ def test_RateLimiter_allows_burst_then_rate() -> None:
     assert limiter.suppressed == 2
     now[0] = 0.5
     assert limiter.allow() is True and limiter.allow() is False
+    # What a line allowed next says: the 3 denials so far; counting then starts again.
+    assert limiter.take_suppressed() == 3 and limiter.suppressed == 0
 
 
 def _messages(pull: zmq.Socket, n: int) -> list[bytes]:

@@ -382,8 +382,7 @@ class OwnerEndpoint:
                     extra.update(
                         task=msg.task.id, boot=msg.boot, latest_boot=self.core.latest_boot(msg.src)
                     )
-                extra["suppressed_since_last"] = limiter.suppressed
-                limiter.suppressed = 0
+                extra["suppressed_since_last"] = limiter.take_suppressed()
                 log.warning(
                     "refused a forwarded task"
                     if refused.why == "invalid"

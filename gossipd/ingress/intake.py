@@ -254,10 +254,9 @@ class Intake:
                 extra={
                     "task_id": task_id[:128],
                     "key": producer_key,
-                    "suppressed_since_last": self._refused_log.suppressed,
+                    "suppressed_since_last": self._refused_log.take_suppressed(),
                 },
             )
-            self._refused_log.suppressed = 0
 
     def send_error(
         self, task: Task, code: ErrorCode, message: str, retry_after_ms: int = 0

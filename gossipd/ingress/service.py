@@ -338,10 +338,9 @@ class Ingress:
                     "hint": exc.hint[:300],
                     "bytes": size,
                     "answered": answered,
-                    "suppressed_since_last": self._refused_log.suppressed,
+                    "suppressed_since_last": self._refused_log.take_suppressed(),
                 },
             )
-            self._refused_log.suppressed = 0
 
     def statistics(self) -> IngressStatistics:
         runner, intake = self.runner, self.intake

@@ -183,5 +183,11 @@ class RateLimiter:
         self.suppressed += 1
         return False
 
+    def take_suppressed(self) -> int:
+        """The denials since the last allowed line, which is being written now (its
+        ``suppressed_since_last``); counting starts again."""
+        suppressed, self.suppressed = self.suppressed, 0
+        return suppressed
+
 
 _HANDLER_LOG = RateLimiter(per_s=1.0, burst=5)  # note_handler_failure's log lines

@@ -43,9 +43,8 @@ class MetricsGuard:
         if self._log.allow():
             log.warning(
                 "refused a metrics request without the bearer token",
-                extra={"suppressed_since_last": self._log.suppressed},
+                extra={"suppressed_since_last": self._log.take_suppressed()},
             )
-            self._log.suppressed = 0
         return False
 
     def collect(self) -> Iterator[Metric]:
