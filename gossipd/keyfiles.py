@@ -24,6 +24,12 @@ OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 _QUOTES_AND_SPACE = b" \t'\""
 Z85_KEY_CHARS = 40  # a CURVE key (32 bytes) in Z85
+KEY_SUFFIX = ".key"  # a key directory's files: NAME.key (a public key, or an API key)
+
+
+def is_key_file_name(name: str) -> bool:
+    """A key directory's ``NAME.key``, not hidden: a key is switched off by hiding it."""
+    return name.endswith(KEY_SUFFIX) and not name.startswith(".")
 
 
 class KeyFileError(ValueError):

@@ -40,7 +40,7 @@ import zmq.auth
 from zmq.utils import z85
 
 from gossipd.errors import StartupError
-from gossipd.keyfiles import OUT_OF_FILES, read_key_file
+from gossipd.keyfiles import KEY_SUFFIX, OUT_OF_FILES, is_key_file_name, read_key_file
 from gossipd.ops.logs import RateLimiter
 from gossipd.zmqloop import NOBLOCK, SocketReader, kick
 from gossipd.zmtp import PeerCurve
@@ -50,7 +50,7 @@ log = logging.getLogger("gossipd.security")
 DOMAIN_PEERS = "gossipd-peers"
 DOMAIN_PRODUCERS = "gossipd-producers"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-PUBLIC_SUFFIX = ".key"
+PUBLIC_SUFFIX = KEY_SUFFIX
 SECRET_SUFFIX = ".key_secret"
 
 
@@ -204,7 +204,7 @@ class KeyDir:
             log.info("the key directory can be read again", extra={"path": str(self.path)})
         out = []
         for entry in entries:
-            if entry.name.endswith(PUBLIC_SUFFIX) and not entry.name.startswith("."):
+            if is_key_file_name(entry.name):
                 try:
                     st = entry.stat()
                 except OSError:

@@ -14,7 +14,7 @@ import hashlib
 import logging
 from pathlib import Path
 
-from gossipd.keyfiles import OUT_OF_FILES, KeyFileError, read_small
+from gossipd.keyfiles import OUT_OF_FILES, KeyFileError, is_key_file_name, read_small
 
 log = logging.getLogger("gossipd.http.keys")
 
@@ -54,13 +54,7 @@ class ApiKeys:
         taken away) leaves no key valid until it can be read again: revoking by removing the
         directory works, and nothing raises in the SIGHUP handler."""
         try:
-            # (NAME.key, not hidden: a key is switched off by hiding it, as in the CURVE
-            # key directories)
-            files = sorted(
-                p
-                for p in self.directory.iterdir()
-                if p.suffix == ".key" and not p.name.startswith(".")
-            )
+            files = sorted(p for p in self.directory.iterdir() if is_key_file_name(p.name))
             seen = tuple((p.name, *_stamp(p)) for p in files)
         except OSError as exc:
             if initial:
