@@ -215,6 +215,13 @@ class GossipConfig(Section, frozen=True):
     # The address peers use to reach us; empty: the bind address (then it must not be a
     # wildcard).
     advertise: str = ""
+    # What reads the membership socket: "loop" (ZMTP 3.0 PULL spoken by the event loop,
+    # gossipd/looppeer.py: it holds only frames not complete yet, within 16 x
+    # swim.message_bytes_max over all connections, and hands each frame over as it reads it)
+    # or "zmq" (libzmq's PULL: its queue holds up to 10,000 frames per connection, whatever
+    # their size, while the loop is busy).  The same wire: members of either kind gossip
+    # with each other.
+    receiver: Literal["loop", "zmq"] = "loop"
     # Gossip endpoints of some members to join through (any live one will do).  With
     # security.curve, name each seed's node: "NODE@tcp://HOST:PORT" (its key is NODE.key).
     seeds: list[str] = msgspec.field(default_factory=list)

@@ -859,10 +859,13 @@ def _build_security(
 
 
 def _bind(key: str, endpoint: str, bind: Callable[[], str]) -> str:
+    """``bind()`` a socket: libzmq's (ZMQError) or one the loop listens on (OSError)."""
     try:
         return bind()
     except zmq.ZMQError as exc:
         raise StartupError(f"cannot bind {key} = {endpoint!r}: {exc.strerror}") from None
+    except OSError as exc:
+        raise StartupError(f"cannot bind {key} = {endpoint!r}: {exc.strerror or exc}") from None
 
 
 # Snapshot entries that are not plain statistics (the metrics read them as they are).

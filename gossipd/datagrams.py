@@ -17,6 +17,7 @@ import zmq
 
 from gossipd.errors import LocalProtocolError, TransportClosed
 from gossipd.hostnames import HostNames
+from gossipd.looppeer import LoopPeerServer
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.zmqloop import NOBLOCK, SocketReader
 
@@ -61,6 +62,14 @@ class ZmqTransport:
     PUSH per destination from the socket pool (``kind``, by default gossip's: SNDHWM 64, so a
     send to a slow or absent peer drops at once instead of queueing without bound).
 
+    ``receiver`` (gossip's default, ``gossip.receiver = "loop"``): the bound side is a
+    ``LoopPeerServer`` speaking PULL on the event loop instead of libzmq's PULL.  The wire is
+    the same (libzmq's PUSH sockets send to it), but libzmq's PULL queues up to RCVHWM frames
+    per connection whatever their size (10,000 x ``message_bytes_max``, while the loop is
+    busy), where the loop server holds only the frames not complete yet, within its read
+    budget in bytes (16 x ``message_bytes_max`` over all connections), and hands each
+    complete frame over as it reads it; a sender's TCP waits meanwhile.
+
     ZeroMQ only: with ``on_disconnect``, a socket monitor on each outgoing socket calls
     ``on_disconnect(addr)`` when the connection to ``addr`` drops (a killed peer's TCP reset):
     a hint that the peer may be gone, nothing more."""
@@ -79,6 +88,7 @@ class ZmqTransport:
         serve_curve: Callable[[zmq.Socket], None] | None = None,
         accept: Callable[[str, bytes], bool] | None = None,
         names: HostNames | None = None,
+        receiver: LoopPeerServer | None = None,
     ) -> None:
         """``names``: where an address's host name is looked up before its socket connects
         (hostnames.py; libzmq would look it up in the I/O thread every socket shares, and a
@@ -88,8 +98,13 @@ class ZmqTransport:
         (ZeroMQ drops the connection that sent one).  CURVE (gossipd/security.py):
         ``serve_curve(sock)`` makes the bound PULL a CURVE server before it binds, and then
         a frame reaches ``on_frame`` only if ``accept(sender, frame)``, ``sender`` being the
-        frame's User-Id ("NODE KEY": the node its sender's key belongs to, and that key)."""
+        frame's User-Id ("NODE KEY": the node its sender's key belongs to, and that key).
+        ``receiver``: above; it brings its own bound and CURVE (``serve_curve`` is for the
+        libzmq PULL only), and ``accept`` applies to its frames as to the PULL's."""
         self._pool = pool
+        self._receiver = receiver
+        self._bound = False
+        self.malformed = 0  # messages of several frames to the loop receiver (not datagrams)
         self._kind = kind
         self._message_bytes_max = message_bytes_max
         self._recv_batch_max = recv_batch_max
@@ -118,8 +133,13 @@ class ZmqTransport:
     def bind(self, addr: str, on_frame: OnFrame) -> str:
         if self._closed:
             raise TransportClosed("bind on a closed transport")
-        if self._sock is not None:
+        if self._bound:
             raise LocalProtocolError("this transport is already bound")
+        if self._receiver is not None:
+            bound = self._receiver.bind(addr)
+            self._bound, self._on_frame = True, on_frame
+            self._receiver.start(self._on_received, self._on_malformed)
+            return bound
         sock = self._pool.ctx.socket(zmq.PULL)
         if self._message_bytes_max is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, self._message_bytes_max)
@@ -132,7 +152,7 @@ class ZmqTransport:
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
-        self._sock, self._on_frame = sock, on_frame
+        self._sock, self._on_frame, self._bound = sock, on_frame, True
         if self._serve_curve is not None:
             self._reader = SocketReader(
                 sock, partial(sock.recv, copy=False), self._recv_batch_max, self._on_curve_frames
@@ -154,6 +174,22 @@ class ZmqTransport:
             data = frame.bytes
             if accept is None or accept(frame.get(b"User-Id"), data):
                 on_frame(data)
+
+    def _on_received(self, identity: bytes, frame: bytes, sender: str) -> None:
+        """The loop receiver's frame; ``sender`` is "NODE KEY" under CURVE, "" without."""
+        on_frame, accept = self._on_frame, self._accept
+        assert on_frame is not None
+        if accept is None or accept(sender, frame):
+            on_frame(frame)
+
+    def _on_malformed(self) -> None:
+        self.malformed += 1
+
+    @property
+    def receive_refused(self) -> dict[str, int]:
+        """Connections the loop receiver ended, by reason ("busy": its bounds; "refused": a
+        key ZAP refused, counted there too; the rest: ZMTP broken); empty without one."""
+        return {} if self._receiver is None else dict(self._receiver.refused)
 
     def send(self, addr: str, frame: bytes) -> bool:
         if self._closed:
@@ -218,4 +254,6 @@ class ZmqTransport:
             self._reader.close()
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self._receiver is not None:
+            self._receiver.close()
         self._pool.close_kind(self._kind)

@@ -58,7 +58,11 @@ READ_FRAMES_MAX = 16
 class LoopPeerServer:
     """``PeerServer`` on the loop: a listening socket; each connection gets an identity (5
     bytes, as libzmq's ROUTER makes them), and ``sender`` is "NODE KEY", its CURVE key and
-    the node it belongs to ("" without CURVE)."""
+    the node it belongs to ("" without CURVE).
+
+    A ROUTER to DEALER clients by default; ``socket_type=b"PULL"``, ``peer_types=(b"PUSH",)``
+    makes it the receiving end of PUSH sockets (gossip's datagrams: gossipd/datagrams.py),
+    which never sends."""
 
     def __init__(
         self,
@@ -68,7 +72,10 @@ class LoopPeerServer:
         write_bytes_max: int = WRITE_BYTES_MAX,
         read_bytes_max: int = 0,
         refused_lines_per_s: float = 5.0,
+        socket_type: bytes = b"ROUTER",
+        peer_types: tuple[bytes, ...] = (b"DEALER", b"ROUTER"),
     ) -> None:
+        self._socket_type, self._peer_types = socket_type, peer_types
         self._message_bytes_max = message_bytes_max
         self._fail_log = RateLimiter(refused_lines_per_s)  # (log.refused_lines_per_s)
         self._curve = curve
@@ -151,8 +158,8 @@ class LoopPeerServer:
         link = PeerLink(
             ZmtpConnection(
                 as_server=True,
-                socket_type=b"ROUTER",
-                peer_types=(b"DEALER", b"ROUTER"),
+                socket_type=self._socket_type,
+                peer_types=self._peer_types,
                 frame_bytes_max=self._message_bytes_max,
                 curve=self._keys,
                 authorize=authorize if curve is not None else None,

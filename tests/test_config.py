@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,31 @@ def test_an_address_in_use_stops_start_up_with_one_line_and_status_2(daemon_fact
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("gossipd: cannot start: cannot bind ingress.bind")
+    assert "Address already in use" in lines[-1] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "receiver"),
+    [("gossip.bind", "loop"), ("gossip.bind", "zmq"), ("fanout.rpc_bind", "loop")],
+)
+def test_a_membership_or_rpc_address_in_use_stops_start_up_with_one_line_and_status_2(
+    key: str, receiver: str
+) -> None:
+    """The loop listens on those (gossip.receiver, fanout.peer_transport "loop"): its
+    OSError is a start-up error as libzmq's ZMQError is, not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        addr = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        settings = {"gossip.bind": "tcp://127.0.0.1:0", "fanout.rpc_bind": "tcp://127.0.0.1:0"}
+        settings[key] = addr
+        args = ["run", "--bind", "tcp://127.0.0.1:0", "--set", f"gossip.receiver={receiver}"]
+        for name, value in settings.items():
+            args += ["--set", f"{name}={value}"]
+        proc = gossipd_cli(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"gossipd: cannot start: cannot bind {key}"), lines[-1]
     assert "Address already in use" in lines[-1] and "Traceback" not in proc.stderr
 
 

@@ -10,6 +10,7 @@ goes on serving and stops cleanly.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import zmq
@@ -99,3 +100,66 @@ def test_gossip_naming_unconnectable_addresses_is_refused_and_the_daemon_serves_
         ctx.term()
         producer.close()
     assert daemon.stop(timeout_s=15) == 0  # SIGTERM ends it: no SIGKILL needed
+
+
+def test_what_the_membership_socket_cannot_take_is_closed_counted_and_the_daemon_serves_on(
+    daemon_factory: Any,
+) -> None:
+    """gossip.receiver "loop" (the default): a connection that does not speak ZMTP, one whose
+    socket type is not PUSH, and one that sends a frame over swim.message_bytes_max are each
+    closed and counted by reason; a message of two frames is refused as gossip.  The daemon
+    answers tasks throughout."""
+    metrics_port = free_tcp_port()
+    daemon = daemon_factory(
+        f"metrics.bind=127.0.0.1:{metrics_port}",
+        "gossip.swim={message_bytes_max = 65536}",
+        name="victim",
+    )
+    host, port = daemon.gossip_endpoint.removeprefix("tcp://").rsplit(":", 1)
+    ctx = zmq.Context()
+    socks = []
+    producer = RawProducer(daemon.endpoint)
+    try:
+        with socket.create_connection((host, int(port))) as junk:
+            junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
+            junk.settimeout(5)
+            assert junk.recv(4096).startswith(b"\xff")  # our greeting, then the close
+        for kind in (zmq.DEALER, zmq.PUSH, zmq.PUSH):
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(daemon.gossip_endpoint)
+            socks.append(sock)
+        socks[0].send(b"not a pusher")
+        socks[1].send_multipart([b"two", b"frames"])
+        socks[2].send(b"x" * 70_000)
+
+        def closed() -> dict[str, float] | None:
+            metrics = scrape(metrics_port)
+            reasons = {
+                k.split("reason=")[1].rstrip("}"): v
+                for k, v in metrics.items()
+                if k.startswith("gossipd_gossip_connections_closed_total{")
+            }
+            want = ("greeting", "socket_type", "too_large")
+            refused = metrics.get("gossipd_gossip_refused_total", 0)
+            return reasons if all(reasons.get(r) for r in want) and refused >= 1 else None
+
+        reasons = wait_until(closed, 10, "the three connections closed and the two frames refused")
+        assert reasons == {
+            "greeting": 1,
+            "socket_type": 1,
+            "too_large": 1,
+        }
+        assert scrape(metrics_port)["gossipd_gossip_refused_total"] == 1
+        for i in range(20):
+            producer.send_task(f"after-{i}", key=f"k{i}")
+        results = producer.results(20, timeout_s=10)
+        assert sorted(r["id"] for r in results if r["ok"]) == sorted(
+            f"after-{i}" for i in range(20)
+        )
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+        producer.close()
+    assert daemon.stop(timeout_s=15) == 0

@@ -12,6 +12,7 @@ in order when nothing is lost.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -21,6 +22,7 @@ import zmq
 
 from gossipd.datagrams import Transport, ZmqTransport
 from gossipd.errors import TransportClosed
+from gossipd.looppeer import LoopPeerServer
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
 from simulations.netsim import NetworkModel, SimNetwork
@@ -45,16 +47,20 @@ class Net(Protocol):
 
 class ZmqNet:
     """Each transport is a node of its own: its own socket pool on one context.  The send
-    queue holds a burst (SNDHWM over gossip's 64): that is "no loss configured" here."""
+    queue holds a burst (SNDHWM over gossip's 64): that is "no loss configured" here.
+    ``loop``: the bound side is the loop's PULL (gossip.receiver "loop"), else libzmq's."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, *, loop: bool = False) -> None:
         self.ctx = ctx
+        self.loop = loop
         self.pools: list[SocketPool] = []
         self.transports: list[ZmqTransport] = []
 
     def new_transport(self, name: str) -> Transport:
         pool = SocketPool(self.ctx)
-        transport = ZmqTransport(pool, options={zmq.SNDHWM: 2 * BURST})
+        transport = ZmqTransport(
+            pool, options={zmq.SNDHWM: 2 * BURST}, receiver=loop_receiver() if self.loop else None
+        )
         self.pools.append(pool)
         self.transports.append(transport)
         return transport
@@ -102,11 +108,17 @@ class SimNet:
 Body = Callable[[Net], Coroutine[Any, Any, None]]
 
 
+def loop_receiver(message_bytes_max: int = 1 << 20) -> LoopPeerServer:
+    return LoopPeerServer(
+        message_bytes_max=message_bytes_max, socket_type=b"PULL", peer_types=(b"PUSH",)
+    )
+
+
 def _run(kind: str, body: Body) -> None:
-    if kind == "zmq":
+    if kind in ("zmq", "zmq-loop"):
 
         async def main(ctx: zmq.Context) -> None:
-            net = ZmqNet(ctx)
+            net = ZmqNet(ctx, loop=kind == "zmq-loop")
             try:
                 await body(net)
             finally:
@@ -118,7 +130,7 @@ def _run(kind: str, body: Body) -> None:
         asyncio.run(body(sim))
 
 
-KINDS = ["zmq", "sim"]
+KINDS = ["zmq", "zmq-loop", "sim"]
 
 
 async def _quiesce(net: Net, sender: Transport, *targets: tuple[str, list[bytes]]) -> None:
@@ -349,3 +361,59 @@ def test_ZmqTransport_send_to_an_address_ZeroMQ_refuses_is_a_dropped_send() -> N
             pool.close_all()
 
     assert run_with_context(main) == ([False, False], 2, 0)
+
+
+def _flood_while_stalled(receiver: LoopPeerServer | None) -> tuple[int, int]:
+    """A sender on a context and thread of its own pushes 64 KiB frames (SNDHWM 10) to a
+    transport whose loop is stalled, until sends stop going out; -> (frames it got out, frames
+    the transport handed over once the loop ran again)."""
+    size, most = 64 * 1024, 2000
+
+    async def main(ctx: zmq.Context) -> tuple[int, int]:
+        got: list[bytes] = []
+        transport = ZmqTransport(SocketPool(ctx), receiver=receiver)
+        addr = transport.bind("tcp://127.0.0.1:0", got.append)
+        sent = [0]
+        sender_ctx = zmq.Context()
+        push = sender_ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 10)
+        push.setsockopt(zmq.LINGER, 0)
+
+        def send_until_held_back() -> None:
+            frame, idle_since = b"x" * size, time.monotonic()
+            while sent[0] < most and time.monotonic() - idle_since < 1.0:
+                try:
+                    push.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    time.sleep(0.01)
+                    continue
+                sent[0] += 1
+                idle_since = time.monotonic()
+
+        try:
+            push.connect(addr)
+            push.send(b"first")
+            await wait_until_async(lambda: got == [b"first"], 5, "the connection")
+            got.clear()
+            sender = threading.Thread(target=send_until_held_back)
+            sender.start()
+            sender.join(30)  # the loop stalls here: nothing of ours reads meanwhile
+            await wait_until_async(lambda: len(got) == sent[0], 10, "every frame sent")
+            return sent[0], len(got)
+        finally:
+            push.close()
+            sender_ctx.term()
+            transport.close()
+
+    return run_with_context(main)
+
+
+def test_the_loop_receiver_holds_a_sender_back_while_its_loop_stalls_instead_of_queueing() -> None:
+    """libzmq's PULL reads on in its I/O thread while the loop is busy, up to RCVHWM (10,000)
+    frames a connection whatever their size: 625 MiB of these.  The loop's PULL reads only
+    when the loop runs, so a stalled daemon holds what the kernel's socket buffers hold, and
+    the sender's own queue fills instead (SNDHWM: its sends are refused).  Nothing is lost:
+    every frame that went out arrives once the loop runs again."""
+    sent, got = _flood_while_stalled(loop_receiver())
+    assert sent == got
+    assert sent * 64 * 1024 <= 32 * 1024 * 1024, f"{sent} frames of 64 KiB went out"

@@ -1,7 +1,7 @@
 """The membership shell: runs one SwimNode on the asyncio loop over ZeroMQ.
 
 Datagrams go through a ``Transport`` (datagrams.py): a ZmqTransport, which binds a PULL
-socket and sends to each peer through a PUSH socket from the daemon's socket pool, connected
+socket (by default spoken by the loop itself, ``gossip.receiver``) and sends to each peer through a PUSH socket from the daemon's socket pool, connected
 to the peer's gossip address.  Sends never block: when a peer's queue is full the message is
 dropped and counted, as UDP would drop it; SWIM is built for loss.  A dropped connection to a
 peer (its socket monitor) makes the core probe that member at once; the core also asks for
@@ -41,6 +41,7 @@ from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
 from gossipd.hostnames import HostNames
+from gossipd.looppeer import LoopPeerServer
 from gossipd.membership.gpu import GpuProbe
 from gossipd.membership.portcheck import connection_refused
 from gossipd.security import DOMAIN_PEERS, Security, node_of
@@ -99,6 +100,15 @@ class GossipService:
         self._seeds = [split_seed(seed) for seed in config.gossip.seeds]
         self._addresses = AddressIndex()  # node_at's: who claims which address
         self._security = security if security is not None and security.curve else None
+        receiver = None
+        if g.receiver == "loop":  # (the PULL on the loop: bounded in bytes, datagrams.py)
+            receiver = LoopPeerServer(
+                message_bytes_max=self.swim_config.message_bytes_max,
+                curve=None if self._security is None else self._security.loop_peer_curve(),
+                refused_lines_per_s=config.log.refused_lines_per_s,
+                socket_type=b"PULL",
+                peer_types=(b"PUSH",),
+            )
         self.transport = ZmqTransport(
             sockets,
             sockets_max=PEER_SOCKETS_MAX,
@@ -110,6 +120,7 @@ class GossipService:
             else (lambda sock: security.serve(sock, DOMAIN_PEERS)),  # type: ignore[union-attr]
             accept=None if self._security is None else self._accept,
             names=names,
+            receiver=receiver,
         )
         self.core: SwimNode | None = None
         self.advertise = ""

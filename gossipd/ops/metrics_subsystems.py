@@ -217,8 +217,9 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         ("gossipd_gossip_bytes_received", "Membership bytes received", stats.received_bytes),
         (
             "gossipd_gossip_refused",
-            "Membership messages refused: undecodable, or naming an address no socket connects to",
-            stats.refused,
+            "Membership messages refused: undecodable (or of several ZeroMQ frames), or naming "
+            "an address no socket connects to",
+            stats.refused + gossip.transport.malformed,
         ),
         (
             "gossipd_gossip_members_refused_full",
@@ -281,6 +282,16 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         " declared dead), stale (refused, but it changed life), over_budget (refused, ignored)",
         "verdict",
         sorted(core.refusals.verdicts.items()),
+    )
+    yield _by(
+        C,
+        "gossipd_gossip_connections_closed",
+        "Connections to our membership socket it closed (gossip.receiver loop), by reason: "
+        "busy (over 256 shaking hands, or frames not complete past 16 x "
+        "swim.message_bytes_max), refused (a key ZAP refused: also in auth_refused), the rest "
+        "ZMTP broken (greeting, handshake, box, nonce, frame size)",
+        "reason",
+        sorted(gossip.transport.receive_refused.items()),
     )
     yield _one(
         G, "gossipd_gossip_awareness", "Local health score (0 = healthy)", core.awareness.score
