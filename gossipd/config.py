@@ -220,7 +220,8 @@ class GossipConfig(Section, frozen=True):
     # swim.message_bytes_max over all connections, and hands each frame over as it reads it)
     # or "zmq" (libzmq's PULL: its queue holds up to 10,000 frames per connection, whatever
     # their size, while the loop is busy).  The same wire: members of either kind gossip
-    # with each other.
+    # with each other.  An ipc:// bind is always libzmq's, as is a tcp:// bind that names a
+    # network interface (eth0) rather than an address or host name: set "zmq" for that.
     receiver: Literal["loop", "zmq"] = "loop"
     # Gossip endpoints of some members to join through (any live one will do).  With
     # security.curve, name each seed's node: "NODE@tcp://HOST:PORT" (its key is NODE.key).

@@ -17,7 +17,7 @@ from gossipd.engines.echo import EchoEngine
 from gossipd.errors import ConfigError
 from gossipd.membership.gossip import GossipService
 from gossipd.sockets import SocketPool
-from tests.helpers import gossipd_cli
+from tests.helpers import gossipd_cli, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,6 +282,28 @@ def test_a_membership_or_rpc_address_in_use_stops_start_up_with_one_line_and_sta
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith(f"gossipd: cannot start: cannot bind {key}"), lines[-1]
     assert "Address already in use" in lines[-1] and "Traceback" not in proc.stderr
+
+
+def test_a_membership_socket_at_an_ipc_path_serves(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """gossip.receiver "loop" speaks tcp:// only: an ipc:// bind keeps libzmq's PULL (it
+    stopped start-up with a traceback), and a member gossips with it."""
+    endpoint = f"ipc://{tmp_path}/gossip.sock"
+    first = daemon_factory(f'gossip.bind="{endpoint}"', 'node.id="a"', name="a")
+    bound = next(e["gossip"] for e in first.events() if e.get("msg") == "serving")
+    assert bound == endpoint
+    second = daemon_factory(f'gossip.seeds=["{bound}"]', 'node.id="b"', name="b")
+    wait_until(
+        lambda: (
+            any(
+                e.get("msg") == "member" and e.get("event") == "joined" and e.get("member") == "b"
+                for e in first.events()
+            )
+            or None
+        ),
+        10,
+        "the second member joined in the first's view",
+    )
+    assert second.proc.poll() is None
 
 
 def test_an_unusable_journal_path_stops_start_up_with_status_2(tmp_path: Path) -> None:

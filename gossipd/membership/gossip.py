@@ -101,7 +101,8 @@ class GossipService:
         self._addresses = AddressIndex()  # node_at's: who claims which address
         self._security = security if security is not None and security.curve else None
         receiver = None
-        if g.receiver == "loop":  # (the PULL on the loop: bounded in bytes, datagrams.py)
+        # The PULL on the loop (bounded in bytes: datagrams.py) serves tcp:// only.
+        if g.receiver == "loop" and g.bind.startswith("tcp://"):
             receiver = LoopPeerServer(
                 message_bytes_max=self.swim_config.message_bytes_max,
                 curve=None if self._security is None else self._security.loop_peer_curve(),
