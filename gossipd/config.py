@@ -106,6 +106,13 @@ class NodeConfig(Section, frozen=True):
 class IngressConfig(Section, frozen=True):
     # PULL socket that upstream producers PUSH tasks to.
     bind: str = "tcp://127.0.0.1:5557"
+    # What reads the socket: "loop" (ZMTP 3.0 PULL spoken by the event loop,
+    # gossipd/looppull.py: each frame handed over as it is read; it holds only frames not
+    # complete yet, within 16 x 4 x message_bytes_max over all connections, and at most 256
+    # connections shaking hands) or "zmq" (libzmq's PULL: its queue takes up to 100,000
+    # messages a connection, whatever their size, while the loop is busy).  The same wire.
+    # An ipc:// bind is always libzmq's, as is a tcp:// bind naming a network interface.
+    receiver: Literal["loop", "zmq"] = "loop"
     # Largest task accepted; larger ones are refused with bad_request.  ZeroMQ itself drops
     # the connection of a peer that sends more than 4x this (ZMQ_MAXMSGSIZE), to bound memory.
     message_bytes_max: Annotated[int, msgspec.Meta(ge=1024, le=256 * 1024 * 1024)] = 1024 * 1024

@@ -51,6 +51,7 @@ from gossipd.ingress.runner import stop_workers
 from gossipd.ingress.service import Ingress, IngressCurve
 from gossipd.iothreads import batch_io_threads
 from gossipd.leader import build_leadership
+from gossipd.looppull import LoopPullServer
 from gossipd.membership.gossip import PEER_SOCKETS_MAX, GossipService, MemberView
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
@@ -172,6 +173,13 @@ class Daemon:
             else None,
             budget_gate=self.budget_gate,
             links=self.links,
+            receiver=LoopPullServer(
+                message_bytes_max=4 * ic.message_bytes_max,  # (as ZMQ_MAXMSGSIZE was)
+                curve=security.loop_peer_curve(DOMAIN_PRODUCERS),
+                refused_lines_per_s=config.log.refused_lines_per_s,
+            )
+            if ic.receiver == "loop" and ic.bind.startswith("tcp://")
+            else None,
         )
         if security.curve:
             assert security.key_pair is not None

@@ -17,7 +17,7 @@ import zmq
 
 from gossipd.errors import LocalProtocolError, TransportClosed
 from gossipd.hostnames import HostNames
-from gossipd.looppeer import LoopPeerServer
+from gossipd.looppull import LoopPullServer
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
 from gossipd.zmqloop import NOBLOCK, SocketReader
 
@@ -63,7 +63,7 @@ class ZmqTransport:
     send to a slow or absent peer drops at once instead of queueing without bound).
 
     ``receiver`` (gossip's default, ``gossip.receiver = "loop"``): the bound side is a
-    ``LoopPeerServer`` speaking PULL on the event loop instead of libzmq's PULL.  The wire is
+    ``LoopPullServer`` (looppull.py), PULL on the event loop, instead of libzmq's PULL.  The wire is
     the same (libzmq's PUSH sockets send to it), but libzmq's PULL queues up to RCVHWM frames
     per connection whatever their size (10,000 x ``message_bytes_max``, while the loop is
     busy), where the loop server holds only the frames not complete yet, within its read
@@ -88,7 +88,7 @@ class ZmqTransport:
         serve_curve: Callable[[zmq.Socket], None] | None = None,
         accept: Callable[[str, bytes], bool] | None = None,
         names: HostNames | None = None,
-        receiver: LoopPeerServer | None = None,
+        receiver: LoopPullServer | None = None,
     ) -> None:
         """``names``: where an address's host name is looked up before its socket connects
         (hostnames.py; libzmq would look it up in the I/O thread every socket shares, and a
@@ -138,7 +138,7 @@ class ZmqTransport:
         if self._receiver is not None:
             bound = self._receiver.bind(addr)
             self._bound, self._on_frame = True, on_frame
-            self._receiver.start(self._on_received, self._on_malformed)
+            self._receiver.receive(self._on_received, self._on_malformed)
             return bound
         sock = self._pool.ctx.socket(zmq.PULL)
         if self._message_bytes_max is not None:
@@ -175,12 +175,13 @@ class ZmqTransport:
             if accept is None or accept(frame.get(b"User-Id"), data):
                 on_frame(data)
 
-    def _on_received(self, identity: bytes, frame: bytes, sender: str) -> None:
-        """The loop receiver's frame; ``sender`` is "NODE KEY" under CURVE, "" without."""
+    def _on_received(self, frames: list[bytes], sender: str) -> None:
+        """The loop receiver's frames; ``sender`` is "NODE KEY" under CURVE, "" without."""
         on_frame, accept = self._on_frame, self._accept
         assert on_frame is not None
-        if accept is None or accept(sender, frame):
-            on_frame(frame)
+        for frame in frames:
+            if accept is None or accept(sender, frame):
+                on_frame(frame)
 
     def _on_malformed(self) -> None:
         self.malformed += 1

@@ -153,6 +153,23 @@ class PeerLink(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(data)
 
+    def pause(self) -> None:
+        """Read nothing more until ``resume``: the peer's bytes wait in the kernel's buffers
+        and then in its own (TCP's flow control)."""
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def shut_write(self) -> None:
+        """Send our FIN and read on: the peer (libzmq) takes the end of the stream for a
+        dropped connection and sends nothing more, and what it sent before still arrives."""
+        transport = self.transport
+        if transport is not None and not self.closed and transport.can_write_eof():
+            transport.write_eof()
+
     def unsent(self) -> int:
         return 0 if self.transport is None else self.transport.get_write_buffer_size()
 

@@ -418,10 +418,11 @@ class Security:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.key_pair.secret)
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
 
-    def loop_peer_curve(self) -> PeerCurve | None:
-        """CURVE for the loop peer channel (looppeer.py), as ``serve``/the socket pool set it
-        up for ZeroMQ: this daemon's keys, the member at an address's key, and ZAP's
-        decision (counted with ZAP's) on a client's key; None without CURVE."""
+    def loop_peer_curve(self, domain: str = DOMAIN_PEERS) -> PeerCurve | None:
+        """CURVE for the loop's sockets (looppeer.py, looppull.py), as ``serve``/the socket
+        pool set it up for ZeroMQ: this daemon's keys, the member at an address's key, and
+        ZAP's decision in ``domain`` (counted with ZAP's) on a client's key; None without
+        CURVE."""
         if not self.curve:
             return None
         assert self.key_pair is not None and self.zap is not None
@@ -435,7 +436,7 @@ class Security:
             z85.decode(self.key_pair.public),
             z85.decode(self.key_pair.secret),
             server_key=server_key,
-            authorize=lambda key, address: zap.decide(DOMAIN_PEERS, b"CURVE", key, address),
+            authorize=lambda key, address: zap.decide(domain, b"CURVE", key, address),
         )
 
     def peer_server_key(self, addr: str) -> bytes | None:

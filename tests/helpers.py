@@ -178,3 +178,36 @@ def out_of_file_descriptors() -> Iterator[None]:
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def break_a_pulls_rules(ctx: zmq.Context, endpoint: str, too_large: int) -> list[zmq.Socket]:
+    """What a PULL the loop speaks (gossipd/looppull.py) must close or refuse, sent to
+    ``endpoint``: a connection that does not speak ZMTP (checked: our greeting comes back),
+    a DEALER (not a PUSH), a message of two frames, and a frame of ``too_large`` bytes (each
+    of the last two on a PUSH of its own).  -> the sockets, for the caller to close; in the
+    order DEALER, the two-frame PUSH, the large one's PUSH."""
+    import socket
+
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as junk:
+        junk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
+        junk.settimeout(5)
+        assert junk.recv(4096).startswith(b"\xff")  # our greeting, then the close
+    socks = []
+    for kind in (zmq.DEALER, zmq.PUSH, zmq.PUSH):
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        socks.append(sock)
+    socks[0].send(b"not a pusher")
+    socks[1].send_multipart([b"two", b"frames"])
+    socks[2].send(b"x" * too_large)
+    return socks
+
+
+def closed_by_reason(metrics: dict[str, float], name: str) -> dict[str, float]:
+    """``name{reason=R}`` -> {R: value}, of a scrape."""
+    prefix = name + "{"
+    return {
+        k.split("reason=")[1].rstrip("}"): v for k, v in metrics.items() if k.startswith(prefix)
+    }

@@ -443,7 +443,9 @@ def test_a_daemon_fed_large_prompts_and_results_stays_within_its_byte_budgets(
         f"ingress.results_cache_bytes_max={budget}",
         f"ingress.reply_queue_bytes_max={budget}",
         "ingress.queue_wait_admission=false",
-        # The burst read at once (not 8 MiB a turn), so that the pending budget refuses.
+        # The burst read at once (not 8 MiB a turn), so that the pending budget refuses:
+        # libzmq's PULL (the loop's reads 256 KiB a turn, and then all of it runs).
+        'ingress.receiver="zmq"',
         f"ingress.recv_batch_bytes_max={256 * 1024 * 1024}",
     )
     producer = RawProducer(daemon.endpoint)

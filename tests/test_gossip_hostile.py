@@ -10,7 +10,6 @@ goes on serving and stops cleanly.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import zmq
@@ -28,7 +27,7 @@ from gossipd.core.gossip_messages import (
 )
 from gossipd.ops.scrape import scrape
 from gossipd.tools.launcher import free_tcp_port
-from tests.helpers import RawProducer, wait_until
+from tests.helpers import RawProducer, break_a_pulls_rules, closed_by_reason, wait_until
 
 BAD_ADDRS = ["tcp://127.0.0.1:5\n", "garbage-addr", "tcp://127.0.0.1:99999", "ipc:///tmp/a b"]
 GOOD = "tcp://127.0.0.1:1"
@@ -115,36 +114,20 @@ def test_what_the_membership_socket_cannot_take_is_closed_counted_and_the_daemon
         "gossip.swim={message_bytes_max = 65536}",
         name="victim",
     )
-    host, port = daemon.gossip_endpoint.removeprefix("tcp://").rsplit(":", 1)
     ctx = zmq.Context()
     socks = []
     producer = RawProducer(daemon.endpoint)
     try:
-        with socket.create_connection((host, int(port))) as junk:
-            junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
-            junk.settimeout(5)
-            assert junk.recv(4096).startswith(b"\xff")  # our greeting, then the close
-        for kind in (zmq.DEALER, zmq.PUSH, zmq.PUSH):
-            sock = ctx.socket(kind)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(daemon.gossip_endpoint)
-            socks.append(sock)
-        socks[0].send(b"not a pusher")
-        socks[1].send_multipart([b"two", b"frames"])
-        socks[2].send(b"x" * 70_000)
+        socks = break_a_pulls_rules(ctx, daemon.gossip_endpoint, 70_000)
 
         def closed() -> dict[str, float] | None:
             metrics = scrape(metrics_port)
-            reasons = {
-                k.split("reason=")[1].rstrip("}"): v
-                for k, v in metrics.items()
-                if k.startswith("gossipd_gossip_connections_closed_total{")
-            }
+            reasons = closed_by_reason(metrics, "gossipd_gossip_connections_closed_total")
             want = ("greeting", "socket_type", "too_large")
             refused = metrics.get("gossipd_gossip_refused_total", 0)
             return reasons if all(reasons.get(r) for r in want) and refused >= 1 else None
 
-        reasons = wait_until(closed, 10, "the three connections closed and the two frames refused")
+        reasons = wait_until(closed, 10, "three connections closed, the two-frame message refused")
         assert reasons == {
             "greeting": 1,
             "socket_type": 1,

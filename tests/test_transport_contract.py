@@ -22,7 +22,7 @@ import zmq
 
 from gossipd.datagrams import Transport, ZmqTransport
 from gossipd.errors import TransportClosed
-from gossipd.looppeer import LoopPeerServer
+from gossipd.looppull import LoopPullServer
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
 from simulations.netsim import NetworkModel, SimNetwork
@@ -108,10 +108,8 @@ class SimNet:
 Body = Callable[[Net], Coroutine[Any, Any, None]]
 
 
-def loop_receiver(message_bytes_max: int = 1 << 20) -> LoopPeerServer:
-    return LoopPeerServer(
-        message_bytes_max=message_bytes_max, socket_type=b"PULL", peer_types=(b"PUSH",)
-    )
+def loop_receiver(message_bytes_max: int = 1 << 20) -> LoopPullServer:
+    return LoopPullServer(message_bytes_max=message_bytes_max)
 
 
 def _run(kind: str, body: Body) -> None:
@@ -363,7 +361,7 @@ def test_ZmqTransport_send_to_an_address_ZeroMQ_refuses_is_a_dropped_send() -> N
     assert run_with_context(main) == ([False, False], 2, 0)
 
 
-def _flood_while_stalled(receiver: LoopPeerServer | None) -> tuple[int, int]:
+def _flood_while_stalled(receiver: LoopPullServer | None) -> tuple[int, int]:
     """A sender on a context and thread of its own pushes 64 KiB frames (SNDHWM 10) to a
     transport whose loop is stalled, until sends stop going out; -> (frames it got out, frames
     the transport handed over once the loop ran again)."""

@@ -1,8 +1,11 @@
 """The ZeroMQ door: producers' messages from the PULL socket to the intake.
 
-    PULL socket -> SocketReader (fd callback) -> decode_intake -> Intake.take (budgets,
-    routing, admission: ingress/intake.py) -> Runner (workers, engine, answers:
-    ingress/runner.py)
+    PULL socket -> decode_intake -> Intake.take (budgets, routing, admission:
+    ingress/intake.py) -> Runner (workers, engine, answers: ingress/runner.py)
+
+The PULL is ``ingress.receiver``'s: the loop's own (looppull.py: each frame handed over as it
+is read, what is held bounded in bytes) or libzmq's, read by a SocketReader in its fd
+callback.
 
 This module is the socket and its wire format: binding, CURVE (the producer's key from each
 frame's User-Id), batched reads, Tasks frames, Cancels and admin requests.  Bad input never
@@ -45,6 +48,7 @@ from gossipd.ingress.budgets import BudgetGate
 from gossipd.ingress.intake import Intake, admission_for
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.runner import Runner
+from gossipd.looppull import LoopPullServer
 from gossipd.ops.histogram import LatencyHistogram
 from gossipd.ops.logs import RateLimiter, note_handler_failure
 from gossipd.zmqloop import NOBLOCK, ReplySender, SocketReader
@@ -80,6 +84,8 @@ class IngressStatistics:
     expected_wait_s: float  # the expected queueing wait of a task arriving now
     not_handed_on: int  # engine.deaths_per_task_max reached: answered, not handed on
     latency: LatencyHistogram = field(repr=False)
+    # Producers' connections the loop's PULL closed, by reason (ingress.receiver "loop")
+    connections_closed: dict[str, int] = field(default_factory=dict)
 
 
 class Ingress:
@@ -98,8 +104,12 @@ class Ingress:
         curve: IngressCurve | None = None,
         budget_gate: BudgetGate | None = None,
         links: IngressLinks | None = None,
+        receiver: LoopPullServer | None = None,
     ) -> None:
+        """``receiver``: the loop's PULL to bind (ingress.receiver "loop"; it brings its own
+        CURVE, and ``curve.serve`` is for libzmq's PULL); None: libzmq's."""
         self._config = config
+        self._receiver = receiver
         self._clock = clock
         self._ctx = ctx
         self._replies = replies
@@ -147,6 +157,9 @@ class Ingress:
     # -- socket side ---------------------------------------------------------------------
 
     def bind(self) -> str:
+        if self._receiver is not None:
+            self.bound_endpoint = self._receiver.bind(self._config.bind)
+            return self.bound_endpoint
         sock = self._ctx.socket(zmq.PULL)
         # Hard ceiling against memory exhaustion: ZeroMQ drops a peer that sends more.
         # Up to it we read the message and refuse it with a clear error (message_bytes_max).
@@ -162,7 +175,11 @@ class Ingress:
 
     def start_receiving(self) -> None:
         """Read tasks in the socket's fd callback (``SocketReader``), a batch of at most
-        ``recv_batch_max`` at a time, so that results flow while input floods in."""
+        ``recv_batch_max`` at a time, so that results flow while input floods in; or the
+        loop's PULL, a read of each connection a turn."""
+        if self._receiver is not None:
+            self._receiver.receive(self._on_loop_frames, self._on_loop_malformed)
+            return
         assert self._sock is not None, "bind() first"
         sock = self._sock
         batch_bytes_max = self._config.recv_batch_bytes_max
@@ -184,7 +201,10 @@ class Ingress:
         )
 
     def stop_receiving(self) -> None:
-        """Take no more tasks from the socket (what is queued there stays for drain_socket)."""
+        """Take no more tasks from the socket (what is queued there stays for drain_socket;
+        the loop's PULL queues nothing: what arrives stays unread)."""
+        if self._receiver is not None:
+            self._receiver.pause_reading()
         if self._reader is not None:
             self._reader.close()
             self._reader = None
@@ -193,7 +213,11 @@ class Ingress:
         """Stop being offered tasks: unbind the ingress endpoint, which drops the producers'
         connections (a producer that sends only on completed connections, ZMQ_IMMEDIATE like
         the Client, then sends us nothing more).  What had arrived stays readable: the reader
-        goes on with it, and ``drain_socket`` reads the rest."""
+        goes on with it, and ``drain_socket`` reads the rest.  The loop's PULL sends each
+        producer its FIN (libzmq takes it for a drop) and reads on what they sent before."""
+        if self._receiver is not None:
+            self._receiver.stop_accepting()
+            return
         if self._sock is None or not self.bound_endpoint:
             return
         try:
@@ -211,6 +235,31 @@ class Ingress:
                 self.handle_frame(frame, now)
             except Exception:  # one frame's bug: the frames read with it go on
                 note_handler_failure("Ingress.handle_frame", log, "handling a task frame")
+
+    def _on_loop_frames(self, frames: list[bytes], sender: str) -> None:
+        """The loop's PULL: the frames of one read of one producer's connection; ``sender``
+        is its key under CURVE (what ZAP said it is), "" without."""
+        allowed = self.producer_allowed
+        if allowed is not None and not allowed(sender):  # (revoked since it connected)
+            self._refused["unauthorised"] += len(frames)
+            return
+        now = self._clock.monotonic()
+        handle = self.handle_frame
+        for frame in frames:
+            try:  # (free until it catches)
+                handle(frame, now, sender)
+            except Exception:  # one frame's bug: the frames read with it go on
+                note_handler_failure("Ingress.handle_frame", log, "handling a task frame")
+
+    def _on_loop_malformed(self) -> None:
+        """A message of several frames: no task is (and libzmq's PULL would have read each
+        frame as a message); nothing in it can be answered."""
+        self._refused["multipart"] += 1
+
+    @property
+    def connections_closed(self) -> dict[str, int]:
+        """Producers' connections the loop's PULL closed, by reason; empty under libzmq's."""
+        return {} if self._receiver is None else dict(self._receiver.refused)
 
     def _on_curve_frames(self, frames: list[zmq.Frame]) -> None:
         """With CURVE: each frame's User-Id is its producer's key (the ZAP handler set it); a
@@ -253,6 +302,8 @@ class Ingress:
 
     def close(self) -> None:
         self.stop_receiving()
+        if self._receiver is not None:
+            self._receiver.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -356,4 +407,5 @@ class Ingress:
             expected_wait_s=runner.queue_wait.expected_wait_s(intake.admission.pending),
             not_handed_on=runner.not_handed_on,
             latency=runner.latency,
+            connections_closed=self.connections_closed,
         )

@@ -41,7 +41,7 @@ from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
 from gossipd.hostnames import HostNames
-from gossipd.looppeer import LoopPeerServer
+from gossipd.looppull import LoopPullServer
 from gossipd.membership.gpu import GpuProbe
 from gossipd.membership.portcheck import connection_refused
 from gossipd.security import DOMAIN_PEERS, Security, node_of
@@ -103,12 +103,10 @@ class GossipService:
         receiver = None
         # The PULL on the loop (bounded in bytes: datagrams.py) serves tcp:// only.
         if g.receiver == "loop" and g.bind.startswith("tcp://"):
-            receiver = LoopPeerServer(
+            receiver = LoopPullServer(
                 message_bytes_max=self.swim_config.message_bytes_max,
                 curve=None if self._security is None else self._security.loop_peer_curve(),
                 refused_lines_per_s=config.log.refused_lines_per_s,
-                socket_type=b"PULL",
-                peer_types=(b"PUSH",),
             )
         self.transport = ZmqTransport(
             sockets,

@@ -58,6 +58,16 @@ class DaemonCollector:
             "reason",
             sorted(ing.refused.items()),
         )
+        yield _by(
+            C,
+            "gossipd_ingress_connections_closed",
+            "Producers' connections the ingress closed (ingress.receiver loop), by reason: busy "
+            "(over 256 shaking hands, 32 from one host, or frames not complete past 16 x 4 x "
+            "ingress.message_bytes_max), refused (a key ZAP refused: also in auth_refused), "
+            "the rest ZMTP broken (greeting, socket_type, handshake, too_large, ...)",
+            "reason",
+            sorted(ing.connections_closed.items()),
+        )
         yield _one(
             C,
             "gossipd_messages_unanswerable",

@@ -1,0 +1,110 @@
+"""A ZeroMQ PULL socket spoken by the event loop: ``LoopPullServer``, the receiving end of
+PUSH sockets (libzmq's, or any ZMTP 3.0 implementation's), NULL or CURVE.  It serves the
+membership socket (gossip.receiver, through gossipd/datagrams.py) and the ingress
+(ingress.receiver, gossipd/ingress/service.py).
+
+Why not libzmq's PULL: its I/O thread reads on while the loop is busy and queues up to
+RCVHWM messages a connection whatever their size, so what a busy daemon holds was bounded in
+messages, not bytes.  Here each complete frame is handed over as it is read, and what is
+held is only frames not complete yet, within the server's read budget in bytes over all
+connections (looppeer.py); a daemon that does not read leaves the bytes in TCP's buffers, and
+senders wait.
+
+A turn reads each connection once, at most 256 KiB (the loop's read size): a burst of large
+tasks is taken a few at a time, with the work they make running in between, as
+``SocketReader``'s batches do for libzmq's sockets (``ingress.recv_batch_max`` and
+``recv_batch_bytes_max`` bound those batches; here the read size does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from gossipd.looppeer import LoopPeerServer
+from gossipd.ops.logs import handler_name, note_handler_failure
+from gossipd.peerlink import PeerLink
+from gossipd.zmtp import PeerCurve
+
+log = logging.getLogger("gossipd.looppull")
+
+# The frames one read of a connection completed, and who sent them ("NODE KEY" of a member,
+# a producer's key, as ZAP said; "" without CURVE).
+OnFrames = Callable[[list[bytes], str], None]
+
+
+class LoopPullServer(LoopPeerServer):
+    """``LoopPeerServer`` as a PULL: ``receive(on_frames, on_malformed)`` hands over the
+    frames of each read together (one call, not one a frame: the ingress's tasks are small
+    and many), and nothing is ever sent back."""
+
+    def __init__(
+        self,
+        *,
+        message_bytes_max: int,
+        curve: PeerCurve | None = None,
+        read_bytes_max: int = 0,
+        refused_lines_per_s: float = 5.0,
+    ) -> None:
+        super().__init__(
+            message_bytes_max=message_bytes_max,
+            curve=curve,
+            read_bytes_max=read_bytes_max,
+            refused_lines_per_s=refused_lines_per_s,
+            socket_type=b"PULL",
+            peer_types=(b"PUSH",),
+        )
+        self._held = False  # pause_reading(): nothing more is read until close
+        self._accepting = True  # until stop_accepting
+        self._on_frames: OnFrames | None = None
+
+    def receive(self, on_frames: OnFrames, on_malformed: Callable[[], None]) -> None:
+        """Accept from the next loop turn on; ``on_malformed()`` once a message of several
+        frames (no datagram or task is)."""
+        self._on_frames = on_frames
+        self.start(lambda identity, frame, sender: None, on_malformed)
+
+    def _on_messages(self, link: PeerLink, messages: list[list[bytes]]) -> None:
+        on_frames = self._on_frames
+        if self._stopped or on_frames is None:
+            return
+        frames = [parts[0] for parts in messages if len(parts) == 1]
+        if len(frames) != len(messages):
+            assert self._on_malformed is not None
+            for _ in range(len(messages) - len(frames)):
+                self._on_malformed()
+        if not frames:
+            return
+        try:
+            on_frames(frames, link.zmtp.peer_user)
+        except Exception:  # a bug of the handler's: the connection and the next reads go on
+            self.handler_errors += 1
+            note_handler_failure(handler_name(on_frames), log, "handling frames read")
+
+    def _new_link(self) -> PeerLink:
+        link = super()._new_link()
+        if not self._accepting:
+            link.close()  # (accepted as the listening socket closed)
+        return link
+
+    def _on_ready(self, link: PeerLink) -> None:
+        super()._on_ready(link)
+        if self._held:
+            link.pause()
+
+    def stop_accepting(self) -> None:
+        """Take no new connection and ask the open ones to end (our FIN: libzmq's PUSH drops
+        the connection and sends its messages elsewhere, or holds them), reading on what they
+        sent before: a daemon stopping unbinds its ingress so."""
+        self._accepting = False
+        if self._server is not None:
+            self._server.close()  # (the listening socket; the connections stay)
+        for link in list(self._links.values()):
+            link.shut_write()
+
+    def pause_reading(self) -> None:
+        """Read nothing more (what arrives waits in TCP's buffers, unread and unanswered),
+        until ``close``."""
+        self._held = True
+        for link in list(self._links.values()):
+            link.pause()
