@@ -111,7 +111,8 @@ class IngressConfig(Section, frozen=True):
     # complete yet, within 16 x 4 x message_bytes_max over all connections, and at most 256
     # connections shaking hands) or "zmq" (libzmq's PULL: its queue takes up to 100,000
     # messages a connection, whatever their size, while the loop is busy).  The same wire.
-    # An ipc:// bind is always libzmq's, as is a tcp:// bind naming a network interface.
+    # "loop" binds tcp:// with an IP address or * and a port number; any other bind
+    # (ipc://, a network interface's or host's name, port *) is libzmq's.
     receiver: Literal["loop", "zmq"] = "loop"
     # Largest task accepted; larger ones are refused with bad_request.  ZeroMQ itself drops
     # the connection of a peer that sends more than 4x this (ZMQ_MAXMSGSIZE), to bound memory.
@@ -223,12 +224,12 @@ class GossipConfig(Section, frozen=True):
     # wildcard).
     advertise: str = ""
     # What reads the membership socket: "loop" (ZMTP 3.0 PULL spoken by the event loop,
-    # gossipd/looppeer.py: it holds only frames not complete yet, within 16 x
+    # gossipd/looppull.py: it holds only frames not complete yet, within 16 x
     # swim.message_bytes_max over all connections, and hands each frame over as it reads it)
     # or "zmq" (libzmq's PULL: its queue holds up to 10,000 frames per connection, whatever
     # their size, while the loop is busy).  The same wire: members of either kind gossip
-    # with each other.  An ipc:// bind is always libzmq's, as is a tcp:// bind that names a
-    # network interface (eth0) rather than an address or host name: set "zmq" for that.
+    # with each other.  "loop" binds tcp:// with an IP address or * and a port number; any
+    # other bind (ipc://, a network interface's or host's name, port *) is libzmq's.
     receiver: Literal["loop", "zmq"] = "loop"
     # Gossip endpoints of some members to join through (any live one will do).  With
     # security.curve, name each seed's node: "NODE@tcp://HOST:PORT" (its key is NODE.key).

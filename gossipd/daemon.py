@@ -51,7 +51,7 @@ from gossipd.ingress.runner import stop_workers
 from gossipd.ingress.service import Ingress, IngressCurve
 from gossipd.iothreads import batch_io_threads
 from gossipd.leader import build_leadership
-from gossipd.looppull import LoopPullServer
+from gossipd.looppull import LoopPullServer, loop_binds
 from gossipd.membership.gossip import PEER_SOCKETS_MAX, GossipService, MemberView
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
@@ -77,6 +77,9 @@ EXIT_PART_FAILED = 1  # a background task raised: its bug ended the daemon
 # At shutdown, after the ingress endpoint is unbound: how long the reader goes on taking what
 # ZeroMQ's I/O thread had already read, and the longest wait for forwards' answers.
 INTAKE_SETTLE_S = 0.02
+# ingress.receiver "loop": the longest wait for producers to end their connections after
+# our FIN, all they sent before read and answered (forwarded or shutting_down) meanwhile.
+INTAKE_CLOSE_S = 1.0
 FORWARDS_SETTLE_S = 2.0
 # At shutdown, the longest wait for a restart's question to the members to settle its tasks.
 REPLAY_SETTLE_S = 1.0
@@ -178,7 +181,7 @@ class Daemon:
                 curve=security.loop_peer_curve(DOMAIN_PRODUCERS),
                 refused_lines_per_s=config.log.refused_lines_per_s,
             )
-            if ic.receiver == "loop" and ic.bind.startswith("tcp://")
+            if ic.receiver == "loop" and loop_binds(ic.bind)
             else None,
         )
         if security.curve:
@@ -822,11 +825,13 @@ class Daemon:
     async def _close_intake(self, drain: dict[str, int]) -> None:
         """Close the ingress as late as possible, after the leave: producers stay connected
         and answered (forwarded or shutting_down) until then.  Unbinding drops their
-        connections; what had arrived is read once more; forwards get their answers (or
-        FORWARDS_SETTLE_S passes); replies are flushed.  Only a task on the wire as the
+        connections; what had arrived is read once more (ingress.receiver "loop": read on
+        until the producers end their connections after our FIN, at most INTAKE_CLOSE_S);
+        forwards get their answers (or FORWARDS_SETTLE_S passes); replies are flushed.  Only a task on the wire as the
         connection drops can go unanswered (the producer's resubmission covers it)."""
         self.ingress.close_intake()
         await asyncio.sleep(INTAKE_SETTLE_S)  # the reader takes what ZeroMQ had read
+        producers_ended = await self.ingress.intake_closed(INTAKE_CLOSE_S)
         self.ingress.stop_receiving()
         in_buffer = self.ingress.drain_socket(self.clock.monotonic())
         settled = True
@@ -840,6 +845,7 @@ class Daemon:
                 "received_while_stopping": self.ingress.statistics().received
                 - self._received_at_stop,
                 "read_after_close": in_buffer,
+                "producers_ended": producers_ended,
                 "forwards_settled": settled,
             },
         )

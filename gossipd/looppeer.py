@@ -82,7 +82,9 @@ class LoopPeerServer:
         self._keys = None if curve is None else CurveKeys(curve.public, curve.secret)
         self._write_bytes_max = write_bytes_max
         # Partial frames held by all connections together: a few frames' worth.
-        self.read_budget = ReadBudget(read_bytes_max or READ_FRAMES_MAX * message_bytes_max)
+        self.read_budget = ReadBudget(
+            read_bytes_max or READ_FRAMES_MAX * message_bytes_max, lambda: self._links.values()
+        )
         self._sock: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
         self._links: dict[bytes, PeerLink] = {}
@@ -260,7 +262,7 @@ class LoopPeerServer:
             self._server.close()
         elif self._sock is not None:
             self._sock.close()
-        for link in list(self._links.values()):
+        for link in [*self._links.values(), *self._shaking]:
             link.close()
         self._links.clear()
 

@@ -18,6 +18,8 @@ tasks is taken a few at a time, with the work they make running in between, as
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 from collections.abc import Callable
 
@@ -31,6 +33,25 @@ log = logging.getLogger("gossipd.looppull")
 # The frames one read of a connection completed, and who sent them ("NODE KEY" of a member,
 # a producer's key, as ZAP said; "" without CURVE).
 OnFrames = Callable[[list[bytes], str], None]
+
+
+def loop_binds(addr: str) -> bool:
+    """Does the loop's PULL bind ``addr``: ``tcp://`` with an IP address or ``*`` and a port
+    number.  What else libzmq binds stays libzmq's: ``ipc://``, a network interface's name
+    (``tcp://eth0:5557``), a host name, port ``*``."""
+    if not addr.startswith("tcp://"):
+        return False
+    host, _, port = addr[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or not host:
+        return False
+    if host == "*":
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class LoopPullServer(LoopPeerServer):
@@ -57,6 +78,7 @@ class LoopPullServer(LoopPeerServer):
         self._held = False  # pause_reading(): nothing more is read until close
         self._accepting = True  # until stop_accepting
         self._on_frames: OnFrames | None = None
+        self._ended: asyncio.Event | None = None  # set once stopped and no connection is left
 
     def receive(self, on_frames: OnFrames, on_malformed: Callable[[], None]) -> None:
         """Accept from the next loop turn on; ``on_malformed()`` once a message of several
@@ -89,18 +111,43 @@ class LoopPullServer(LoopPeerServer):
 
     def _on_ready(self, link: PeerLink) -> None:
         super()._on_ready(link)
+        if not self._accepting:  # shook hands as we stopped accepting: it ends as the rest
+            link.shut_write()
         if self._held:
             link.pause()
 
+    def _on_lost(self, link: PeerLink, reason: str) -> None:
+        super()._on_lost(link, reason)
+        if self._ended is not None and not self._links and not self._shaking:
+            self._ended.set()
+
     def stop_accepting(self) -> None:
-        """Take no new connection and ask the open ones to end (our FIN: libzmq's PUSH drops
-        the connection and sends its messages elsewhere, or holds them), reading on what they
-        sent before: a daemon stopping unbinds its ingress so."""
+        """Take no new connection and ask the open ones to end (our FIN: libzmq's PUSH takes
+        it for a dropped connection, then sends its messages elsewhere or holds them),
+        reading on what they sent before (``ended`` waits for them); connections still
+        shaking hands have sent nothing yet and are closed.  A stopping daemon unbinds its
+        ingress so."""
         self._accepting = False
+        self._ended = asyncio.Event()
         if self._server is not None:
             self._server.close()  # (the listening socket; the connections stay)
+        for link in list(self._shaking):
+            link.close()
         for link in list(self._links.values()):
             link.shut_write()
+        if not self._links:
+            self._ended.set()
+
+    async def ended(self, timeout_s: float) -> bool:
+        """After ``stop_accepting``: wait until every connection has ended (its sender closed
+        it after our FIN, once what it had sent was read and handed over), at most
+        ``timeout_s``.  -> whether they all did."""
+        assert self._ended is not None, "stop_accepting() first"
+        try:
+            await asyncio.wait_for(self._ended.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def pause_reading(self) -> None:
         """Read nothing more (what arrives waits in TCP's buffers, unread and unanswered),

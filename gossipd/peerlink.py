@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 from gossipd.ops.logs import RateLimiter
@@ -40,14 +40,28 @@ def format_endpoint(host: str, port: int) -> str:
 class ReadBudget:
     """The bytes of frames not complete yet that all of a server's connections hold
     together: each may hold up to a frame's bound, and without this, connections times
-    that bound (4 MiB) was memory anyone who could connect could take."""
+    that bound (4 MiB) was memory anyone who could connect could take.  Past it, the
+    connection that holds the most of it is closed (of ``links()``; the one whose read went
+    over on a tie, or without ``links``): a client that parks frames one byte short of
+    their end loses its own connections, not the others'."""
 
-    __slots__ = ("bytes_max", "held", "over")
+    __slots__ = ("bytes_max", "held", "links", "over")
 
-    def __init__(self, bytes_max: int) -> None:
+    def __init__(
+        self, bytes_max: int, links: Callable[[], Iterable[PeerLink]] | None = None
+    ) -> None:
         self.bytes_max = bytes_max
+        self.links = links
         self.held = 0
         self.over = 0  # connections closed for going over it
+
+    def holder_to_close(self, reader: PeerLink) -> PeerLink:
+        """The connection that holds the most (``reader``, whose read went over, on a tie)."""
+        links = self.links
+        if links is None:
+            return reader
+        most = max(links(), key=lambda link: link.held_bytes, default=reader)
+        return reader if reader.held_bytes >= most.held_bytes else most
 
 
 class PeerLink(asyncio.Protocol):
@@ -78,6 +92,7 @@ class PeerLink(asyncio.Protocol):
         self._on_ready = on_ready
         self._on_lost = on_lost
         self._timer: asyncio.TimerHandle | None = None
+        self._eof_sent = False  # shut_write(): nothing more may be written
         self.closed = False
 
     def connection_made(self, base: asyncio.BaseTransport) -> None:
@@ -132,8 +147,9 @@ class PeerLink(asyncio.Protocol):
             assert self.transport is not None
             pong = zmtp.data_to_send()
             # Not to a peer that reads nothing: PINGs sent one a segment would have our
-            # unsent bytes grow without bound (replies have their own bound: looppeer.py).
-            if self.transport.get_write_buffer_size() <= PONG_UNSENT_MAX:
+            # unsent bytes grow without bound (replies have their own bound: looppeer.py);
+            # nor after our FIN (shut_write), where a write raises.
+            if not self._eof_sent and self.transport.get_write_buffer_size() <= PONG_UNSENT_MAX:
                 self.transport.write(pong)
         if messages:
             self._on_messages(self, messages)
@@ -146,8 +162,14 @@ class PeerLink(asyncio.Protocol):
             self._held = held
             if budget.held > budget.bytes_max:
                 budget.over += 1
-                self.fail("busy", f"peer connections hold over {budget.bytes_max} bytes of "
-                          "frames not complete yet")  # fmt: skip
+                holder = budget.holder_to_close(self)
+                holder.fail("busy", f"peer connections hold over {budget.bytes_max} bytes of "
+                            f"frames not complete yet; this one {holder.held_bytes}")  # fmt: skip
+
+    @property
+    def held_bytes(self) -> int:
+        """Of the read budget: this connection's bytes of frames not complete yet."""
+        return self._held
 
     def write(self, data: bytes) -> None:
         assert self.transport is not None
@@ -167,8 +189,10 @@ class PeerLink(asyncio.Protocol):
         """Send our FIN and read on: the peer (libzmq) takes the end of the stream for a
         dropped connection and sends nothing more, and what it sent before still arrives."""
         transport = self.transport
-        if transport is not None and not self.closed and transport.can_write_eof():
-            transport.write_eof()
+        if transport is None or self.closed or self._eof_sent or not transport.can_write_eof():
+            return
+        self._eof_sent = True
+        transport.write_eof()
 
     def unsent(self) -> int:
         return 0 if self.transport is None else self.transport.get_write_buffer_size()
@@ -177,7 +201,7 @@ class PeerLink(asyncio.Protocol):
         """The peer broke the protocol (or was refused): say what it is owed, then close."""
         if self.transport is not None and not self.closed:
             out = self.zmtp.data_to_send()  # an ERROR for a refused client
-            if out:
+            if out and not self._eof_sent:
                 self.transport.write(out)
             limit = self._fail_log
             if limit is None or limit.allow():

@@ -448,13 +448,13 @@ class Security:
 
     # -- per message ---------------------------------------------------------------------
 
-    def producer_allowed(self, user_id: str) -> bool:
-        """A message from producer ``user_id`` (its z85 key) on an open connection: is its
-        key still authorised?"""
+    def producer_allowed(self, user_id: str, messages: int = 1) -> bool:
+        """``messages`` from producer ``user_id`` (its z85 key) on an open connection: is
+        its key still authorised?  (If not, each is counted revoked.)"""
         assert self.producers is not None
         if user_id in self.producers.users:
             return True
-        self.counters.revoked_messages[DOMAIN_PRODUCERS] += 1
+        self.counters.revoked_messages[DOMAIN_PRODUCERS] += messages
         return False
 
     def is_peers_key(self, node: str, public_z85: str) -> bool:

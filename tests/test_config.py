@@ -17,7 +17,7 @@ from gossipd.engines.echo import EchoEngine
 from gossipd.errors import ConfigError
 from gossipd.membership.gossip import GossipService
 from gossipd.sockets import SocketPool
-from tests.helpers import gossipd_cli, wait_until
+from tests.helpers import RawProducer, gossipd_cli, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -304,6 +304,20 @@ def test_a_membership_socket_at_an_ipc_path_serves(daemon_factory, tmp_path: Pat
         "the second member joined in the first's view",
     )
     assert second.proc.poll() is None
+
+
+def test_an_ingress_at_any_free_port_is_libzmqs_and_serves(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Port * (libzmq's "any free port") is not one the loop binds: such an ingress.bind is
+    read by libzmq, as before (it stopped start-up with a traceback), and answers tasks."""
+    daemon = daemon_factory('ingress.bind="tcp://127.0.0.1:*"', 'gossip.bind=""')
+    endpoint = next(e["endpoint"] for e in daemon.events() if e.get("msg") == "serving")
+    assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":*")
+    producer = RawProducer(endpoint)
+    try:
+        producer.send_task("t1")
+        assert [r["ok"] for r in producer.results(1, timeout_s=10)] == [True]
+    finally:
+        producer.close()
 
 
 def test_an_unusable_journal_path_stops_start_up_with_status_2(tmp_path: Path) -> None:

@@ -5,10 +5,13 @@ server that reads nothing more."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
+import pytest
 import zmq
 
-from gossipd.looppull import LoopPullServer
+from gossipd.looppull import LoopPullServer, loop_binds
 from tests.helpers import run_with_context, wait_until_async
 
 FRAME = 64 * 1024
@@ -114,3 +117,97 @@ def test_a_server_that_pauses_reading_hands_over_nothing_more() -> None:
             server.close()
 
     assert run_with_context(main) == [b"before"]
+
+
+def test_what_a_stalled_server_had_not_read_is_read_before_its_connections_end() -> None:
+    """A stop under load: the loop stalls while a sender fills the TCP buffers, then the
+    server, which reads slowly (10 ms of work a read), stops accepting.  It reads on until the sender, told by our FIN, closes: every
+    frame that left the sender's queue is handed over (at most its SNDHWM of 10 and what
+    its encoder held wait in libzmq for a reconnect), not only what one turn read."""
+
+    async def main(ctx: zmq.Context) -> tuple[bool, int, int]:
+        got: list[bytes] = []
+        server = LoopPullServer(message_bytes_max=1 << 20)
+        addr = server.bind("tcp://127.0.0.1:0")
+
+        def handle(frames: list[bytes], sender: str) -> None:
+            got.extend(frames)
+            time.sleep(0.01)  # the work a read's tasks make: a busy daemon reads slowly
+
+        server.receive(handle, lambda: None)
+        sender_ctx = zmq.Context()
+        push = _push(sender_ctx, addr)
+        push.setsockopt(zmq.SNDHWM, 10)
+        sent = [0]
+
+        def send_until_held_back() -> None:
+            idle_since = time.monotonic()
+            while time.monotonic() - idle_since < 1.0:
+                try:
+                    push.send(b"x" * FRAME, zmq.NOBLOCK)
+                except zmq.Again:
+                    time.sleep(0.01)
+                    continue
+                sent[0] += 1
+                idle_since = time.monotonic()
+
+        try:
+            push.send(b"x" * FRAME)
+            await wait_until_async(lambda: len(got) == 1, 5, "the connection")
+            got.clear()
+            sender = threading.Thread(target=send_until_held_back)
+            sender.start()
+            sender.join(30)  # the loop stalls here: the TCP buffers fill
+            server.stop_accepting()
+            ended = await server.ended(5.0)
+            return ended, sent[0], len(got)
+        finally:
+            push.close()
+            sender_ctx.term()
+            server.close()
+
+    ended, sent, got = run_with_context(main)
+    assert ended and sent > 20, (ended, sent)
+    assert sent - 12 <= got <= sent, (sent, got)
+
+
+@pytest.mark.parametrize(
+    ("addr", "loop"),
+    [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://*:5557", True),
+        ("tcp://[::1]:5557", True),
+        ("tcp://0.0.0.0:0", True),
+        ("tcp://127.0.0.1:*", False),  # libzmq's "any free port"
+        ("tcp://eth0:5557", False),  # a network interface's name
+        ("tcp://localhost:5557", False),
+        ("ipc:///tmp/gossipd.sock", False),
+    ],
+)
+def test_the_loop_binds_an_ip_address_and_a_port_number_and_leaves_the_rest_to_libzmq(
+    addr: str, loop: bool
+) -> None:
+    assert loop_binds(addr) is loop
+
+
+def test_a_connection_still_shaking_hands_when_the_server_stops_accepting_is_closed() -> None:
+    """It has sent no frame yet, so nothing is lost, and it gets no chance to send one that
+    would then wait unread (libzmq's unbind dropped it the same)."""
+    from gossipd.zmtp import greeting
+
+    async def main() -> tuple[bytes, bool]:
+        server = LoopPullServer(message_bytes_max=1 << 20)
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.receive(lambda frames, sender: None, lambda: None)
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(addr.rsplit(":", 1)[1]))
+        try:
+            writer.write(greeting(b"NULL", as_server=False))  # and no READY: still shaking
+            ours = await asyncio.wait_for(reader.readexactly(64), 5.0)
+            server.stop_accepting()
+            await asyncio.wait_for(reader.read(), 5.0)  # (our READY, then the end)
+            return ours[:1], await server.ended(1.0)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(main()) == (b"\xff", True)

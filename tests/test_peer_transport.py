@@ -275,6 +275,37 @@ def test_a_servers_connections_hold_a_bounded_number_of_bytes_of_unfinished_fram
     assert refused == {"busy": 2} and over == 2
 
 
+def test_past_the_read_budget_the_connection_holding_the_most_is_closed_not_the_reader() -> None:
+    """A client that parks most of a frame (one that never completes) must not get the
+    other connections closed: when a read takes the total past the budget, the one holding
+    the most goes, and the reader's frame completes."""
+    from gossipd.zmtp import frame_header
+
+    async def main() -> tuple[list[int], dict[str, int], bytes]:
+        got: list[bytes] = []
+        server = LoopPeerServer(message_bytes_max=1 << 20, read_bytes_max=100_000)
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.start(lambda i, f, s: got.append(f), lambda: None)
+        port = int(addr.rsplit(":", 1)[1])
+        parker, member = [await _null_handshake(port) for _ in range(2)]
+        budget = server.read_budget
+        try:
+            parker[1].write(frame_header(0, 200_000) + b"p" * 90_000)
+            await wait_until_async(lambda: budget.held > 90_000, 5.0, "the parked bytes")
+            member[1].write(frame_header(0, 30_000) + b"m" * 20_000)  # total past 100,000
+            parked_end = await asyncio.wait_for(parker[0].read(), 5.0)  # closed
+            member[1].write(b"m" * 10_000)
+            await wait_until_async(lambda: got, 5.0, "the member's frame")
+            return [len(f) for f in got], dict(server.refused), parked_end
+        finally:
+            for _, writer in (parker, member):
+                writer.close()
+            server.close()
+
+    got, refused, parked_end = asyncio.run(main())
+    assert got == [30_000] and refused == {"busy": 1} and parked_end == b""
+
+
 def test_a_peer_handler_that_raises_is_counted_by_name_and_exported_and_the_rest_go_on() -> None:
     """A bug in the handler of one frame (either side) is logged and counted in
     ``gossipd_handler_failures_total{handler}``; the connection and the frames after it go on."""

@@ -68,7 +68,7 @@ class IngressCurve:
     ``producer_allowed`` says whether a producer key is still authorised."""
 
     serve: Callable[[zmq.Socket], None]
-    producer_allowed: Callable[[str], bool]
+    producer_allowed: Callable[[str, int], bool]  # (key, messages): each counted if revoked
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,11 +236,20 @@ class Ingress:
             except Exception:  # one frame's bug: the frames read with it go on
                 note_handler_failure("Ingress.handle_frame", log, "handling a task frame")
 
+    async def intake_closed(self, timeout_s: float) -> bool:
+        """After ``close_intake``: the loop's PULL reads on until every producer has ended
+        its connection after our FIN (all it sent before read and handled), at most
+        ``timeout_s``; -> whether they all did.  libzmq's: True at once (its unbind dropped
+        them, and ``drain_socket`` reads what it had read)."""
+        if self._receiver is None:
+            return True
+        return await self._receiver.ended(timeout_s)
+
     def _on_loop_frames(self, frames: list[bytes], sender: str) -> None:
         """The loop's PULL: the frames of one read of one producer's connection; ``sender``
         is its key under CURVE (what ZAP said it is), "" without."""
         allowed = self.producer_allowed
-        if allowed is not None and not allowed(sender):  # (revoked since it connected)
+        if allowed is not None and not allowed(sender, len(frames)):  # (revoked since)
             self._refused["unauthorised"] += len(frames)
             return
         now = self._clock.monotonic()
@@ -271,7 +280,7 @@ class Ingress:
         for frame in frames:
             producer_key = frame.get(USER_ID)
             if producer_key not in admitted:
-                if allowed is not None and not allowed(producer_key):
+                if allowed is not None and not allowed(producer_key, 1):
                     self._refused["unauthorised"] += 1
                     continue
                 admitted.add(producer_key)

@@ -41,7 +41,7 @@ from gossipd.core.swim import SwimNode
 from gossipd.datagrams import ZmqTransport
 from gossipd.engines.base import Engine
 from gossipd.hostnames import HostNames
-from gossipd.looppull import LoopPullServer
+from gossipd.looppull import LoopPullServer, loop_binds
 from gossipd.membership.gpu import GpuProbe
 from gossipd.membership.portcheck import connection_refused
 from gossipd.security import DOMAIN_PEERS, Security, node_of
@@ -101,8 +101,9 @@ class GossipService:
         self._addresses = AddressIndex()  # node_at's: who claims which address
         self._security = security if security is not None and security.curve else None
         receiver = None
-        # The PULL on the loop (bounded in bytes: datagrams.py) serves tcp:// only.
-        if g.receiver == "loop" and g.bind.startswith("tcp://"):
+        # The PULL on the loop (bounded in bytes: datagrams.py); an address it does not
+        # bind (an ipc:// path, an interface's name) stays libzmq's.
+        if g.receiver == "loop" and loop_binds(g.bind):
             receiver = LoopPullServer(
                 message_bytes_max=self.swim_config.message_bytes_max,
                 curve=None if self._security is None else self._security.loop_peer_curve(),

@@ -287,7 +287,7 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         C,
         "gossipd_gossip_connections_closed",
         "Connections to our membership socket it closed (gossip.receiver loop), by reason: "
-        "busy (over 256 shaking hands, or frames not complete past 16 x "
+        "busy (over 256 shaking hands, 32 from one host, or frames not complete past 16 x "
         "swim.message_bytes_max), refused (a key ZAP refused: also in auth_refused), the rest "
         "ZMTP broken (greeting, handshake, box, nonce, frame size)",
         "reason",

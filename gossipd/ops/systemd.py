@@ -196,7 +196,8 @@ def format_indices(indices: Sequence[int]) -> str:
 
 
 # What a stop takes after lifecycle.shutdown_grace_s (daemon.py's _shut_down and
-# _close_intake): the leave, FORWARDS_SETTLE_S for forwards, the replies' flush (2 s) and the
+# _close_intake): the leave, INTAKE_CLOSE_S (1 s) for producers to end their connections,
+# FORWARDS_SETTLE_S for forwards, the replies' flush (2 s) and the
 # sockets' linger (2 s), with room to spare; systemd's SIGKILL must not cut the drain.
 STOP_AFTER_GRACE_S = 10
 
