@@ -111,8 +111,8 @@ class IngressConfig(Section, frozen=True):
     # complete yet, within 16 x 4 x message_bytes_max over all connections, and at most 256
     # connections shaking hands) or "zmq" (libzmq's PULL: its queue takes up to 100,000
     # messages a connection, whatever their size, while the loop is busy).  The same wire.
-    # "loop" binds tcp:// with an IP address or * and a port number; any other bind
-    # (ipc://, a network interface's or host's name, port *) is libzmq's.
+    # "loop" binds tcp:// with an IP address or * and a port (or *); any other bind
+    # (ipc://, a network interface's or host's name) is libzmq's.
     receiver: Literal["loop", "zmq"] = "loop"
     # Largest task accepted; larger ones are refused with bad_request.  ZeroMQ itself drops
     # the connection of a peer that sends more than 4x this (ZMQ_MAXMSGSIZE), to bound memory.
@@ -228,8 +228,8 @@ class GossipConfig(Section, frozen=True):
     # swim.message_bytes_max over all connections, and hands each frame over as it reads it)
     # or "zmq" (libzmq's PULL: its queue holds up to 10,000 frames per connection, whatever
     # their size, while the loop is busy).  The same wire: members of either kind gossip
-    # with each other.  "loop" binds tcp:// with an IP address or * and a port number; any
-    # other bind (ipc://, a network interface's or host's name, port *) is libzmq's.
+    # with each other.  "loop" binds tcp:// with an IP address or * and a port (or *); any
+    # other bind (ipc://, a network interface's or host's name) is libzmq's.
     receiver: Literal["loop", "zmq"] = "loop"
     # Gossip endpoints of some members to join through (any live one will do).  With
     # security.curve, name each seed's node: "NODE@tcp://HOST:PORT" (its key is NODE.key).
@@ -532,6 +532,9 @@ class HttpConfig(Section, frozen=True):
     # ZeroMQ PULL socket that owners send this door's answers to (as to a producer's
     # reply_to).  Empty: ingress.bind's host, any free port.
     reply_bind: str = ""
+    # What reads it: "loop" (the event loop's own PULL, what it holds bounded in bytes, as
+    # ingress.receiver) or "zmq" (libzmq's: up to 100,000 replies a connection queued).
+    reply_receiver: Literal["loop", "zmq"] = "loop"
     # API keys: one file per key, NAME.key holding the key (one line); a request needs
     # "Authorization: Bearer KEY".  Reloaded every security.reload_interval_s and on SIGHUP.
     # Empty: no key asked (loopback only, or security.insecure).

@@ -495,6 +495,7 @@ class Daemon:
                     if self.security.curve
                     else None,
                     sender_allowed=self.security.peer_key_allowed if self.security.curve else None,
+                    loop_curve=self.security.loop_peer_curve(DOMAIN_PEERS),
                 )
             except (OSError, zmq.ZMQError, ssl.SSLError) as exc:
                 raise StartupError(

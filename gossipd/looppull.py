@@ -1,7 +1,8 @@
 """A ZeroMQ PULL socket spoken by the event loop: ``LoopPullServer``, the receiving end of
 PUSH sockets (libzmq's, or any ZMTP 3.0 implementation's), NULL or CURVE.  It serves the
-membership socket (gossip.receiver, through gossipd/datagrams.py) and the ingress
-(ingress.receiver, gossipd/ingress/service.py).
+membership socket (gossip.receiver, through gossipd/datagrams.py), the ingress
+(ingress.receiver, gossipd/ingress/service.py) and the HTTP door's reply socket
+(http.reply_receiver, gossipd/http/answers.py).
 
 Why not libzmq's PULL: its I/O thread reads on while the loop is busy and queues up to
 RCVHWM messages a connection whatever their size, so what a busy daemon holds was bounded in
@@ -37,13 +38,13 @@ OnFrames = Callable[[list[bytes], str], None]
 
 def loop_binds(addr: str) -> bool:
     """Does the loop's PULL bind ``addr``: ``tcp://`` with an IP address or ``*`` and a port
-    number.  What else libzmq binds stays libzmq's: ``ipc://``, a network interface's name
-    (``tcp://eth0:5557``), a host name, port ``*``."""
+    number or ``*`` (any free port).  What else libzmq binds stays libzmq's: ``ipc://``, a
+    network interface's name (``tcp://eth0:5557``), a host name."""
     if not addr.startswith("tcp://"):
         return False
     host, _, port = addr[len("tcp://") :].rpartition(":")
     host = host.strip("[]")
-    if not port.isdigit() or not host:
+    if not (port.isdigit() or port == "*") or not host:
         return False
     if host == "*":
         return True
@@ -79,6 +80,11 @@ class LoopPullServer(LoopPeerServer):
         self._accepting = True  # until stop_accepting
         self._on_frames: OnFrames | None = None
         self._ended: asyncio.Event | None = None  # set once stopped and no connection is left
+
+    def bind(self, addr: str) -> str:
+        """As ``LoopPeerServer.bind``; port ``*`` (libzmq's any free port) is the kernel's
+        pick, as port 0; -> the address bound, with its port."""
+        return super().bind(addr[:-1] + "0" if addr.endswith(":*") else addr)
 
     def receive(self, on_frames: OnFrames, on_malformed: Callable[[], None]) -> None:
         """Accept from the next loop turn on; ``on_malformed()`` once a message of several

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from gossipd import iothreads
-from tests.helpers import wait_until
+from tests.helpers import RawProducer, wait_until
 
 
 def _io_threads(pid: int) -> dict[int, int]:
@@ -100,5 +100,13 @@ def test_a_daemons_io_thread_runs_under_the_policy_its_setting_says(
 ) -> None:
     d = daemon_factory(*overrides)
     assert d.proc is not None
-    threads = _io_threads(d.proc.pid)
-    assert threads and set(threads.values()) == {policy}
+    # libzmq starts its I/O threads with the context's first socket: the daemon's PULLs are
+    # the loop's (ingress.receiver, gossip.receiver), so its first answer's PUSH starts them.
+    producer = RawProducer(d.endpoint)
+    try:
+        producer.send_task("t1")
+        assert [r["ok"] for r in producer.results(1, timeout_s=10)] == [True]
+    finally:
+        producer.close()
+    threads = wait_until(lambda: _io_threads(d.proc.pid), 10, "the daemon's I/O threads")
+    assert set(threads.values()) == {policy}

@@ -85,6 +85,9 @@ def test_a_lone_daemon_answers_shutting_down_until_its_ingress_closes(daemon_fac
     # Only a task on the wire as the connection dropped may go unanswered.
     assert all(sent[t] > drained["ts"] - 0.1 for t in unanswered), unanswered
     assert set(answers.values()) <= {"ok", "shutting_down"}
+    # ingress.receiver "loop": the producer closed after the daemon's FIN, all it had sent
+    # read and answered first.
+    assert drained["producers_ended"] is True
 
 
 def test_stopping_workers_cancels_again_a_worker_that_swallowed_its_cancel(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -55,6 +55,7 @@ from gossipd.http.openai_answers import (
 )
 from gossipd.http.openai_api import Call
 from gossipd.http.tools import content_part
+from gossipd.looppull import LoopPullServer
 from gossipd.zmqloop import SocketReader
 
 log = logging.getLogger("gossipd.http.answers")
@@ -179,6 +180,7 @@ class Answers:
         self._sock: zmq.Socket | None = None
         self._sender_allowed: Callable[[str], bool] | None = None
         self._reader: SocketReader | None = None
+        self._receiver: LoopPullServer | None = None
 
     def __len__(self) -> int:
         """Tasks waiting for their answer (a request of several choices: one a choice)."""
@@ -198,11 +200,18 @@ class Answers:
         endpoint: str,
         serve_curve: Callable[[zmq.Socket], None] | None,
         sender_allowed: Callable[[str], bool] | None = None,
+        receiver: LoopPullServer | None = None,
     ) -> str:
         """Bind the reply PULL socket at ``endpoint``; owners' answers arrive there.  With
         CURVE, ``sender_allowed`` says whether a frame's User-Id (the member that sent it) is
-        still authorised: a key removed or replaced since its connection opened is not."""
+        still authorised: a key removed or replaced since its connection opened is not.
+        ``receiver``: the loop's PULL (http.reply_receiver "loop": what it holds bounded in
+        bytes; it brings its own CURVE), else libzmq's."""
         self._sender_allowed = sender_allowed
+        if receiver is not None:
+            self._receiver = receiver
+            self.reply_to = receiver.bind(endpoint)
+            return self.reply_to
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -217,6 +226,9 @@ class Answers:
         return self.reply_to
 
     def start_receiving(self) -> None:
+        if self._receiver is not None:
+            self._receiver.receive(self._on_loop_frames, self._on_loop_malformed)
+            return
         assert self._sock is not None, "bind() first"
         if self._sender_allowed is None:
             self._reader = SocketReader(self._sock, self._sock.recv, 256, self._on_frames)
@@ -227,6 +239,22 @@ class Answers:
     def _on_frames(self, frames: list[bytes]) -> None:
         for frame in frames:
             self.deliver(frame)
+
+    def _on_loop_frames(self, frames: list[bytes], sender: str) -> None:
+        """The loop's PULL: the frames of one read of one owner's connection."""
+        allowed = self._sender_allowed
+        if allowed is not None and not allowed(sender):  # (counted by security: revoked)
+            return
+        for frame in frames:
+            self.deliver(frame)
+
+    def _on_loop_malformed(self) -> None:
+        self.counters.replies_invalid += 1  # a message of several frames: no reply is
+
+    @property
+    def connections_closed(self) -> dict[str, int]:
+        """Owners' connections the loop's PULL closed, by reason; empty under libzmq's."""
+        return {} if self._receiver is None else dict(self._receiver.refused)
 
     def _on_checked_frames(self, frames: list[zmq.Frame]) -> None:
         allowed = self._sender_allowed
@@ -645,6 +673,8 @@ class Answers:
                 self.sweep(self._clock.monotonic())
 
     def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
         if self._reader is not None:
             self._reader.close()
             self._reader = None

@@ -10,12 +10,15 @@ import zmq
 
 from gossipd.clock import Clock
 from gossipd.config import Config
+from gossipd.core.messages import REPLY_FRAME_BYTES_MAX
 from gossipd.http.chat import chat_template_for
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.keys import ApiKeys
 from gossipd.http.server import serve
 from gossipd.ingress.intake import Intake
+from gossipd.looppull import LoopPullServer, loop_binds
 from gossipd.zmqloop import ReplySender
+from gossipd.zmtp import PeerCurve
 
 PROMPT_ROOM_BYTES = 16 * 1024  # a task's fields beside its prompt: messages.TASK_FIXED_BYTES_MAX
 
@@ -68,10 +71,22 @@ async def open_door(
     replies: ReplySender,
     serve_curve: Callable[[zmq.Socket], None] | None,
     sender_allowed: Callable[[str], bool] | None = None,
+    loop_curve: PeerCurve | None = None,
 ) -> int:
     """Bind the reply socket and the HTTP listener; returns the HTTP port.  With CURVE,
-    ``sender_allowed``: is a reply's sender (its frame's User-Id) still an authorised member?"""
-    door.answers.bind(ctx, reply_endpoint(config), serve_curve, sender_allowed)
+    ``sender_allowed``: is a reply's sender (its frame's User-Id) still an authorised member?
+    The reply socket is the loop's PULL (``loop_curve``: its CURVE) under
+    http.reply_receiver "loop" where it binds the address, else libzmq's (``serve_curve``)."""
+    endpoint = reply_endpoint(config)
+    receiver = None
+    if config.http.reply_receiver == "loop" and loop_binds(endpoint):
+        receiver = LoopPullServer(
+            message_bytes_max=REPLY_FRAME_BYTES_MAX,  # (as ZMQ_MAXMSGSIZE was)
+            read_bytes_max=2 * REPLY_FRAME_BYTES_MAX,  # (128 MiB, not 16 such frames)
+            curve=loop_curve,
+            refused_lines_per_s=config.log.refused_lines_per_s,
+        )
+    door.answers.bind(ctx, endpoint, serve_curve, sender_allowed, receiver)
     # Tasks run here: no socket, and the runner's replies not even encoded.
     replies.deliver_locally(door.route, door.answers.deliver, door.answers.deliver_message)
     door.answers.start_receiving()

@@ -420,6 +420,15 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         "Undecodable frames on the door's reply socket",
         a.replies_invalid,
     )
+    yield _by(
+        C,
+        "gossipd_http_reply_connections_closed",
+        "Owners' connections the door's reply socket closed (http.reply_receiver loop), by "
+        "reason: busy (its bounds, as the ingress's), refused (a key ZAP refused: also in "
+        "auth_refused), the rest ZMTP broken (greeting, socket_type, too_large, ...)",
+        "reason",
+        sorted(door.answers.connections_closed.items()),
+    )
     yield _one(
         C,
         "gossipd_http_answer_failures",
