@@ -103,13 +103,15 @@ class LoopPeerServer:
 
     @property
     def protocol_errors(self) -> int:
-        return sum(n for reason, n in self.refused.items() if reason not in ("refused", "busy"))
+        bounds = ("refused", "busy", "stalled")
+        return sum(n for reason, n in self.refused.items() if reason not in bounds)
 
     @property
     def busy(self) -> int:
-        """Connections closed at accept (too many shaking hands) or for taking the frames
-        not complete yet past the read budget."""
-        return self.refused["busy"]
+        """Connections closed at accept (too many shaking hands), for taking the frames not
+        complete yet past the read budget, or for holding part of one with no byte more
+        for 30 s ("stalled")."""
+        return self.refused["busy"] + self.refused["stalled"]
 
     def bind(self, addr: str) -> str:
         if self._closed:

@@ -20,6 +20,9 @@ log = logging.getLogger("gossipd.looppeer")
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection still shaking hands after this is closed
 WRITE_BYTES_MAX = 64 * 1024 * 1024  # a connection's unsent bytes before sends are refused
 PONG_UNSENT_MAX = 64 * 1024  # a PING is not answered while more than this waits unsent
+# A server's connection holding part of a frame and sending no byte more for this long is
+# closed ("stalled"): its bytes would hold the read budget for ever (a slowloris).
+PARTIAL_FRAME_IDLE_S = 30.0
 
 
 def parse_endpoint(addr: str) -> tuple[str, int]:
@@ -93,6 +96,7 @@ class PeerLink(asyncio.Protocol):
         self._on_lost = on_lost
         self._timer: asyncio.TimerHandle | None = None
         self._eof_sent = False  # shut_write(): nothing more may be written
+        self._stall: asyncio.TimerHandle | None = None  # a server's partial frame's clock
         self.closed = False
 
     def connection_made(self, base: asyncio.BaseTransport) -> None:
@@ -160,11 +164,23 @@ class PeerLink(asyncio.Protocol):
             held = zmtp.buffered
             budget.held += held - self._held
             self._held = held
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+            if held:  # (bytes came: the frame's clock starts again)
+                self._stall = asyncio.get_running_loop().call_later(
+                    PARTIAL_FRAME_IDLE_S, self._stalled
+                )
             if budget.held > budget.bytes_max:
                 budget.over += 1
                 holder = budget.holder_to_close(self)
                 holder.fail("busy", f"peer connections hold over {budget.bytes_max} bytes of "
                             f"frames not complete yet; this one {holder.held_bytes}")  # fmt: skip
+
+    def _stalled(self) -> None:
+        self._stall = None
+        self.fail("stalled", f"{self._held} bytes of a frame and no byte more for "
+                  f"{PARTIAL_FRAME_IDLE_S:g} s")  # fmt: skip
 
     @property
     def held_bytes(self) -> int:
@@ -228,6 +244,8 @@ class PeerLink(asyncio.Protocol):
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._stall is not None:
+            self._stall.cancel()
         if self._budget is not None:
             self._budget.held -= self._held
             self._held = 0

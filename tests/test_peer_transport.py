@@ -18,6 +18,7 @@ import json
 import socket
 import urllib.request
 
+import pytest
 from nacl.bindings import crypto_box_keypair
 
 from gossipd import looppeer
@@ -304,6 +305,50 @@ def test_past_the_read_budget_the_connection_holding_the_most_is_closed_not_the_
 
     got, refused, parked_end = asyncio.run(main())
     assert got == [30_000] and refused == {"busy": 1} and parked_end == b""
+
+
+def test_a_connection_that_holds_part_of_a_frame_and_sends_nothing_more_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slowloris: part of a frame, then silence, would hold its bytes of the read budget
+    for ever.  Past PARTIAL_FRAME_IDLE_S without a byte it is closed ("stalled", counted
+    with the server's bounds); one that trickles its frame in slowly is not."""
+    from gossipd import peerlink
+    from gossipd.zmtp import frame_header
+
+    monkeypatch.setattr(peerlink, "PARTIAL_FRAME_IDLE_S", 0.3)
+
+    async def main() -> tuple[bytes, list[int], dict[str, int], int, int]:
+        got: list[bytes] = []
+        server = LoopPeerServer(message_bytes_max=1 << 20)
+        addr = server.bind("tcp://127.0.0.1:0")
+        server.start(lambda i, f, s: got.append(f), lambda: None)
+        port = int(addr.rsplit(":", 1)[1])
+        silent, slow = [await _null_handshake(port) for _ in range(2)]
+        try:
+            silent[1].write(frame_header(0, 1000) + b"s" * 500)
+            slow[1].write(frame_header(0, 1000))
+            for _ in range(10):  # 1 s in all, a byte each 0.1 s: never 0.3 s without one
+                await asyncio.sleep(0.1)
+                slow[1].write(b"t" * 50)
+            silent_end = await asyncio.wait_for(silent[0].read(), 5.0)
+            slow[1].write(b"t" * 500)
+            await wait_until_async(lambda: got, 5.0, "the slow frame")
+            return (
+                silent_end,
+                [len(f) for f in got],
+                dict(server.refused),
+                server.busy,
+                (server.read_budget.held),
+            )
+        finally:
+            for _, writer in (silent, slow):
+                writer.close()
+            server.close()
+
+    silent_end, got, refused, busy, held = asyncio.run(main())
+    assert silent_end == b"" and got == [1000]
+    assert refused == {"stalled": 1} and busy == 1 and held == 0
 
 
 def test_a_peer_handler_that_raises_is_counted_by_name_and_exported_and_the_rest_go_on() -> None:

@@ -63,7 +63,7 @@ class DaemonCollector:
             "gossipd_ingress_connections_closed",
             "Producers' connections the ingress closed (ingress.receiver loop), by reason: busy "
             "(over 256 shaking hands, 32 from one host, or frames not complete past 16 x 4 x "
-            "ingress.message_bytes_max), refused (a key ZAP refused: also in auth_refused), "
+            "ingress.message_bytes_max), stalled (part of a frame, no byte for 30 s), refused (a key ZAP refused: also in auth_refused), "
             "the rest ZMTP broken (greeting, socket_type, handshake, too_large, ...)",
             "reason",
             sorted(ing.connections_closed.items()),

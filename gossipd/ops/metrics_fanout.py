@@ -205,7 +205,8 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
         (
             "gossipd_fanout_peer_connections_busy",
             "Peer connections the rpc server closed for its bounds: over 256 shaking hands, "
-            "or frames not complete past 16 x fanout.message_bytes_max (loop channel)",
+            "frames not complete past 16 x fanout.message_bytes_max, or part of a frame and "
+            "no byte more for 30 s (loop channel)",
             stats.peer_connections_busy,
         ),
     ):

@@ -288,7 +288,7 @@ def _gossip_metrics(gossip: Any) -> Iterator[Metric]:
         "gossipd_gossip_connections_closed",
         "Connections to our membership socket it closed (gossip.receiver loop), by reason: "
         "busy (over 256 shaking hands, 32 from one host, or frames not complete past 16 x "
-        "swim.message_bytes_max), refused (a key ZAP refused: also in auth_refused), the rest "
+        "swim.message_bytes_max), stalled (part of a frame, no byte for 30 s), refused (a key ZAP refused: also in auth_refused), the rest "
         "ZMTP broken (greeting, handshake, box, nonce, frame size)",
         "reason",
         sorted(gossip.transport.receive_refused.items()),
@@ -424,7 +424,7 @@ def _http_metrics(door: Any, cards: Any = None) -> Iterator[Metric]:
         C,
         "gossipd_http_reply_connections_closed",
         "Owners' connections the door's reply socket closed (http.reply_receiver loop), by "
-        "reason: busy (its bounds, as the ingress's), refused (a key ZAP refused: also in "
+        "reason: busy and stalled (its bounds, as the ingress's), refused (a key ZAP refused: also in "
         "auth_refused), the rest ZMTP broken (greeting, socket_type, too_large, ...)",
         "reason",
         sorted(door.answers.connections_closed.items()),
