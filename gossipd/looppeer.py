@@ -222,19 +222,26 @@ class LoopPeerServer:
         if reason not in ("lost", "closed"):
             self.refused[reason] += 1
 
+    def _single_frames(self, messages: list[list[bytes]]) -> list[bytes]:
+        """The frames of the messages of one frame; each other message (of several frames:
+        none of ours is) is told to ``on_malformed``."""
+        frames = [parts[0] for parts in messages if len(parts) == 1]
+        if len(frames) != len(messages):
+            assert self._on_malformed is not None
+            for _ in range(len(messages) - len(frames)):
+                self._on_malformed()
+        return frames
+
     def _on_messages(self, link: PeerLink, messages: list[list[bytes]]) -> None:
         if self._stopped:
             return
         on_request = self._on_request
-        assert on_request is not None and self._on_malformed is not None
+        assert on_request is not None
         identity = link.identity
         user = link.zmtp.peer_user
-        for parts in messages:
-            if len(parts) != 1:
-                self._on_malformed()
-                continue
+        for frame in self._single_frames(messages):
             try:
-                on_request(identity, parts[0], user)
+                on_request(identity, frame, user)
             except Exception:  # one frame's failure leaves the connection and the rest
                 self.handler_errors += 1
                 note_handler_failure(handler_name(on_request), log, "handling a peer's frame")

@@ -96,11 +96,7 @@ class LoopPullServer(LoopPeerServer):
         on_frames = self._on_frames
         if self._stopped or on_frames is None:
             return
-        frames = [parts[0] for parts in messages if len(parts) == 1]
-        if len(frames) != len(messages):
-            assert self._on_malformed is not None
-            for _ in range(len(messages) - len(frames)):
-                self._on_malformed()
+        frames = self._single_frames(messages)
         if not frames:
             return
         try:

@@ -211,3 +211,28 @@ def closed_by_reason(metrics: dict[str, float], name: str) -> dict[str, float]:
     return {
         k.split("reason=")[1].rstrip("}"): v for k, v in metrics.items() if k.startswith(prefix)
     }
+
+
+def keyed_tasks_answered_ok(producer: RawProducer, n: int) -> bool:
+    """Send ``n`` tasks with keys of their own (``after-I``, key ``kI``): is each answered ok
+    within 10 s?"""
+    for i in range(n):
+        producer.send_task(f"after-{i}", key=f"k{i}")
+    results = producer.results(n, timeout_s=10)
+    return sorted(r["id"] for r in results if r["ok"]) == sorted(f"after-{i}" for i in range(n))
+
+
+def push_until_held_back(push: zmq.Socket, frame: bytes, most: int = 0) -> int:
+    """Send ``frame`` on ``push`` without blocking until sends stop going out for 1 s (its
+    SNDHWM full and the TCP buffers behind it), or ``most`` went (0: no bound); -> how many
+    went.  Blocking: run it in a thread of its own, with a context of its own."""
+    sent, idle_since = 0, time.monotonic()
+    while (not most or sent < most) and time.monotonic() - idle_since < 1.0:
+        try:
+            push.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            time.sleep(0.01)
+            continue
+        sent += 1
+        idle_since = time.monotonic()
+    return sent

@@ -27,7 +27,13 @@ from gossipd.core.gossip_messages import (
 )
 from gossipd.ops.scrape import scrape
 from gossipd.tools.launcher import free_tcp_port
-from tests.helpers import RawProducer, break_a_pulls_rules, closed_by_reason, wait_until
+from tests.helpers import (
+    RawProducer,
+    break_a_pulls_rules,
+    closed_by_reason,
+    keyed_tasks_answered_ok,
+    wait_until,
+)
 
 BAD_ADDRS = ["tcp://127.0.0.1:5\n", "garbage-addr", "tcp://127.0.0.1:99999", "ipc:///tmp/a b"]
 GOOD = "tcp://127.0.0.1:1"
@@ -86,12 +92,7 @@ def test_gossip_naming_unconnectable_addresses_is_refused_and_the_daemon_serves_
             metrics["gossipd_members{state=alive}"] == 0
         )  # none of them joined (self not counted)
         # Tasks after it are answered, through the probes and acks that follow.
-        for i in range(20):
-            producer.send_task(f"after-{i}", key=f"k{i}")
-        results = producer.results(20, timeout_s=10)
-        assert sorted(r["id"] for r in results if r["ok"]) == sorted(
-            f"after-{i}" for i in range(20)
-        )
+        assert keyed_tasks_answered_ok(producer, 20)
         assert daemon.proc.poll() is None
         assert not [e for e in daemon.events() if e.get("level") == "error"]
     finally:
@@ -134,12 +135,7 @@ def test_what_the_membership_socket_cannot_take_is_closed_counted_and_the_daemon
             "too_large": 1,
         }
         assert scrape(metrics_port)["gossipd_gossip_refused_total"] == 1
-        for i in range(20):
-            producer.send_task(f"after-{i}", key=f"k{i}")
-        results = producer.results(20, timeout_s=10)
-        assert sorted(r["id"] for r in results if r["ok"]) == sorted(
-            f"after-{i}" for i in range(20)
-        )
+        assert keyed_tasks_answered_ok(producer, 20)
     finally:
         for sock in socks:
             sock.close(linger=0)

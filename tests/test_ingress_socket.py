@@ -15,7 +15,13 @@ import zmq
 
 from gossipd.ops.scrape import scrape
 from gossipd.tools.launcher import free_tcp_port
-from tests.helpers import RawProducer, break_a_pulls_rules, closed_by_reason, wait_until
+from tests.helpers import (
+    RawProducer,
+    break_a_pulls_rules,
+    closed_by_reason,
+    keyed_tasks_answered_ok,
+    wait_until,
+)
 
 
 def _counted(port: int, closed: str, refused: str) -> Callable[[], dict[str, float] | None]:
@@ -50,12 +56,7 @@ def test_what_the_ingress_cannot_take_is_closed_counted_and_the_daemon_serves_on
             _counted(metrics_port, closed, refused), 10, "three closes, the two-frame message"
         )
         assert reasons == {"greeting": 1, "socket_type": 1, "too_large": 1}
-        for i in range(20):
-            producer.send_task(f"after-{i}", key=f"k{i}")
-        results = producer.results(20, timeout_s=10)
-        assert sorted(r["id"] for r in results if r["ok"]) == sorted(
-            f"after-{i}" for i in range(20)
-        )
+        assert keyed_tasks_answered_ok(producer, 20)
         # The PUSH whose frame was too large reconnects (libzmq does), and its next task runs.
         replies = ctx.socket(zmq.PULL)
         replies.setsockopt(zmq.LINGER, 0)

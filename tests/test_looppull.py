@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from gossipd.looppull import LoopPullServer, loop_binds
-from tests.helpers import run_with_context, wait_until_async
+from tests.helpers import push_until_held_back, run_with_context, wait_until_async
 
 FRAME = 64 * 1024
 
@@ -138,18 +138,10 @@ def test_what_a_stalled_server_had_not_read_is_read_before_its_connections_end()
         sender_ctx = zmq.Context()
         push = _push(sender_ctx, addr)
         push.setsockopt(zmq.SNDHWM, 10)
-        sent = [0]
+        sent: list[int] = []
 
         def send_until_held_back() -> None:
-            idle_since = time.monotonic()
-            while time.monotonic() - idle_since < 1.0:
-                try:
-                    push.send(b"x" * FRAME, zmq.NOBLOCK)
-                except zmq.Again:
-                    time.sleep(0.01)
-                    continue
-                sent[0] += 1
-                idle_since = time.monotonic()
+            sent.append(push_until_held_back(push, b"x" * FRAME))
 
         try:
             push.send(b"x" * FRAME)

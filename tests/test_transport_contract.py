@@ -27,7 +27,7 @@ from gossipd.looppull import LoopPullServer
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
 from simulations.netsim import NetworkModel, SimNetwork
-from tests.helpers import run_with_context, wait_until_async
+from tests.helpers import push_until_held_back, run_with_context, wait_until_async
 
 BURST = 1000
 
@@ -372,22 +372,14 @@ def _flood_while_stalled(receiver: LoopPullServer | None) -> tuple[int, int]:
         got: list[bytes] = []
         transport = ZmqTransport(SocketPool(ctx), receiver=receiver)
         addr = transport.bind("tcp://127.0.0.1:0", got.append)
-        sent = [0]
+        sent: list[int] = []
         sender_ctx = zmq.Context()
         push = sender_ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 10)
         push.setsockopt(zmq.LINGER, 0)
 
         def send_until_held_back() -> None:
-            frame, idle_since = b"x" * size, time.monotonic()
-            while sent[0] < most and time.monotonic() - idle_since < 1.0:
-                try:
-                    push.send(frame, zmq.NOBLOCK)
-                except zmq.Again:
-                    time.sleep(0.01)
-                    continue
-                sent[0] += 1
-                idle_since = time.monotonic()
+            sent.append(push_until_held_back(push, b"x" * size, most))
 
         try:
             push.connect(addr)

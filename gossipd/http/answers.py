@@ -245,8 +245,7 @@ class Answers:
         allowed = self._sender_allowed
         if allowed is not None and not allowed(sender):  # (counted by security: revoked)
             return
-        for frame in frames:
-            self.deliver(frame)
+        self._on_frames(frames)
 
     def _on_loop_malformed(self) -> None:
         self.counters.replies_invalid += 1  # a message of several frames: no reply is

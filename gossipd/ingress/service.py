@@ -228,11 +228,12 @@ class Ingress:
                 extra={"endpoint": self.bound_endpoint, "error": exc.strerror},
             )
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes], producer_key: str = "") -> None:
         now = self._clock.monotonic()
+        handle = self.handle_frame
         for frame in frames:
             try:  # (free until it catches)
-                self.handle_frame(frame, now)
+                handle(frame, now, producer_key)
             except Exception:  # one frame's bug: the frames read with it go on
                 note_handler_failure("Ingress.handle_frame", log, "handling a task frame")
 
@@ -252,13 +253,7 @@ class Ingress:
         if allowed is not None and not allowed(sender, len(frames)):  # (revoked since)
             self._refused["unauthorised"] += len(frames)
             return
-        now = self._clock.monotonic()
-        handle = self.handle_frame
-        for frame in frames:
-            try:  # (free until it catches)
-                handle(frame, now, sender)
-            except Exception:  # one frame's bug: the frames read with it go on
-                note_handler_failure("Ingress.handle_frame", log, "handling a task frame")
+        self._on_frames(frames, sender)
 
     def _on_loop_malformed(self) -> None:
         """A message of several frames: no task is (and libzmq's PULL would have read each
