@@ -55,7 +55,13 @@ from gossipd.looppull import LoopPullServer, loop_binds
 from gossipd.membership.gossip import PEER_SOCKETS_MAX, GossipService, MemberView
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
-from gossipd.ops.fdlimits import FDS_PER_SOCKET, raise_open_files, size_context, sockets_wanted
+from gossipd.ops.fdlimits import (
+    FDS_PER_SOCKET,
+    LISTEN_BACKLOG,
+    raise_open_files,
+    size_context,
+    sockets_wanted,
+)
 from gossipd.ops.metrics import DaemonCollector
 from gossipd.ops.metrics_server import serve_metrics
 from gossipd.ops.notify import Notifier
@@ -114,6 +120,8 @@ class Daemon:
         self.clock = clock  # every part reads the time from it (gossipd/clock.py)
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
+        # Every socket it makes: those bound listen with it (libzmq's default is 100).
+        self._ctx.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         # Sized for the socket pool's bounds before any socket is made (ops/fdlimits.py).
         sockets = sockets_wanted(
             gossip_sockets_max=PEER_SOCKETS_MAX, reply_sockets_max=config.ingress.reply_sockets_max

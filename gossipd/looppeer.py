@@ -28,6 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.ops.fdlimits import LISTEN_BACKLOG
 from gossipd.ops.logs import RateLimiter, handler_name, note_handler_failure
 from gossipd.peerchannel import OnReplies, OnRequest
 from gossipd.peerlink import (
@@ -124,7 +125,7 @@ class LoopPeerServer:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-            sock.listen(1024)
+            sock.listen(LISTEN_BACKLOG)
             sock.setblocking(False)
         except OSError:
             sock.close()
@@ -138,7 +139,9 @@ class LoopPeerServer:
             raise LocalProtocolError("bind() the peer server first")
         self._on_request, self._on_malformed = on_request, on_malformed
         loop = asyncio.get_running_loop()
-        task = loop.create_task(loop.create_server(self._new_link, sock=self._sock))
+        # (create_server listens on the socket again, with its own backlog: 100 unless told)
+        served = loop.create_server(self._new_link, sock=self._sock, backlog=LISTEN_BACKLOG)
+        task = loop.create_task(served)
         task.add_done_callback(self._served)
 
     def _served(self, task: asyncio.Task[asyncio.AbstractServer]) -> None:

@@ -31,7 +31,13 @@ from gossipd.core.admin_messages import AdminReply, StatusReport, decode_admin_a
 from gossipd.core.gossip_messages import MemberRecord
 from gossipd.core.messages import PROTOCOL_VERSION, Drain, Result, StatusQuery, endpoint_problem
 from gossipd.errors import RemoteProtocolError
-from gossipd.ops.fdlimits import FIXED_SOCKETS, MEMBERS_MAX, raise_open_files, size_context
+from gossipd.ops.fdlimits import (
+    FIXED_SOCKETS,
+    LISTEN_BACKLOG,
+    MEMBERS_MAX,
+    raise_open_files,
+    size_context,
+)
 from gossipd.security import is_wildcard_host
 from gossipd.tools.client import DEFAULT_REPLY_BIND, REPLY_BYTES_MAX, ProducerKeys
 
@@ -65,6 +71,7 @@ class _Asker:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, REPLY_BYTES_MAX)  # a daemon's answer, bounded
+        self._pull.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)  # every member asked answers at once
         self._pushes: list[zmq.Socket] = []
         if curve is not None:  # daemons answer only a server holding our key
             self._pull.setsockopt(zmq.CURVE_SERVER, 1)

@@ -55,6 +55,7 @@ from gossipd.core.messages import (
 )
 from gossipd.core.sampling import SamplingParams
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
+from gossipd.ops.fdlimits import LISTEN_BACKLOG
 from gossipd.tools.client_parts import ClientStatistics, NotConnected, ProducerKeys, TaskHandle
 from gossipd.tools.packing import PACK_BYTES_MAX, PackedTask, TaskPacker
 from gossipd.zmqloop import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
@@ -187,6 +188,9 @@ class Client:
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, REPLY_BYTES_MAX)
         self._pull.setsockopt(zmq.LINGER, 0)
+        # Every daemon that answers connects: a large cluster's at once past libzmq's 100
+        # would have their SYNs dropped, and retried 1 s later (docs/PROTOCOL.md, Sockets).
+        self._pull.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         curve = self._curve
         if curve is not None:
             self._pull.setsockopt(zmq.CURVE_SERVER, 1)
