@@ -5,11 +5,14 @@ req/s, CPU microseconds a request of both daemons and of wrk (the clients), p50 
 
 - ``--base-tree DIR``: the daemons' code from DIR (a checkout of another commit: ``git
   worktree add /tmp/base HEAD~1``) against this tree's;
+- ``--pinned``: this tree's daemons as the kernel schedules them against the same daemons
+  each pinned to a core of its own once started (``taskset -a -p -c I PID``: daemon I on
+  core I, all its threads; wrk stays free), as an operator's CPUAffinity= would;
 - otherwise one setting's two values in this tree, ``--setting KEY=OLD,NEW`` (default
   ``node.zmq_io_batch=false,true``; ``fanout.peer_transport=zmq,loop`` compares the peer
   channels), passed as the daemons' GOSSIPD_* environment variable.
 
-    .venv/bin/python scripts/door_paired.py [--base-tree DIR | --setting KEY=OLD,NEW]
+    .venv/bin/python scripts/door_paired.py [--base-tree DIR | --pinned | --setting KEY=OLD,NEW]
         [--rounds 3] [--seconds 4] [--concurrency 1,16,64] [--json]
 """
 
@@ -20,6 +23,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ from gossipd.tools.bench.http import _gossipd
 from gossipd.tools.bench.http_peers import Wrk, new_workdir
 
 SETTING = "node.zmq_io_batch=false,true"  # the default --setting
+PINNED = "pinned"  # --pinned's sides, in place of a setting
 HERE = Path(__file__).resolve().parents[1]
 
 
@@ -48,6 +53,8 @@ def _env_name(key: str) -> str:
 def _side(new: bool, base_tree: Path | None, setting: str) -> None:
     """The environment the daemons start with: which setting, or which tree's code (they
     run ``python -m gossipd`` from this process's working directory, set to / in main)."""
+    if setting == PINNED:
+        return  # (the same daemons both sides; one_side pins the new side's)
     if base_tree is None:
         key, _, values = setting.partition("=")
         old, new_value = values.split(",")
@@ -63,6 +70,13 @@ def one_side(
     workdir = new_workdir()
     cluster, urls, pids = _gossipd(workdir)
     try:
+        if new and setting == PINNED:
+            if len(pids) > (os.cpu_count() or 1):
+                raise SystemExit(f"--pinned: {len(pids)} daemons, fewer cores")
+            for core, pid in enumerate(pids):
+                # -a: every thread of it (the loop's, libzmq's I/O threads)
+                subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)],
+                               check=True, capture_output=True)  # fmt: skip
         wrk = Wrk(workdir)
         wrk.run(urls, 16, 2, pids)  # warm
         out = {}
@@ -80,7 +94,8 @@ def one_side(
         return out
     finally:
         cluster.stop()
-        os.environ.pop(_env_name(setting.partition("=")[0]), None)
+        if setting != PINNED:
+            os.environ.pop(_env_name(setting.partition("=")[0]), None)
         os.environ.pop("PYTHONPATH", None)
 
 
@@ -88,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-tree", type=Path, default=None)
     parser.add_argument("--setting", default=SETTING, help="KEY=OLD,NEW")
+    parser.add_argument("--pinned", action="store_true", help="free against pinned daemons")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=4)
     parser.add_argument("--concurrency", default="1,16,64")
@@ -98,7 +114,12 @@ def main() -> None:
     if base_tree is not None and not (base_tree / "gossipd" / "__main__.py").exists():
         raise SystemExit(f"--base-tree {base_tree}: no gossipd package there")
     os.chdir("/")  # `python -m gossipd` takes the package from PYTHONPATH, not from here
-    if base_tree is not None:
+    if args.pinned:
+        if base_tree is not None:
+            raise SystemExit("--pinned compares this tree with itself: no --base-tree")
+        args.setting = PINNED
+        names = ("free", "pinned")
+    elif base_tree is not None:
         names = ("base", "head")
     else:
         key, _, values = args.setting.partition("=")
@@ -134,7 +155,7 @@ def main() -> None:
     report = {
         "sides": list(names),
         "base_tree": str(base_tree) if base_tree else None,
-        "setting": None if base_tree else args.setting,
+        "setting": None if base_tree or args.pinned else args.setting,
         "rounds": rounds,
         "medians": medians,
         "load": os.getloadavg(),
