@@ -531,3 +531,39 @@ def test_an_address_zeromq_refuses_drops_the_reply_counted_and_the_sender_goes_o
 
     dropped, sockets_open, got = asyncio.run(main())
     assert dropped == 1 and got == [b"kept"] and sockets_open == 1
+
+
+def _tcp_active_opens() -> int:
+    """Connections this network namespace has tried to open (each SYN sent: /proc/net/snmp)."""
+    with open("/proc/net/snmp") as f:
+        tcp = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(tcp[1][tcp[0].index("ActiveOpens")])
+
+
+def test_ReplySender_tries_an_address_whose_producer_has_gone_less_and_less_often() -> None:
+    """Each `gossipd submit` or client run binds a reply port of its own and goes: its
+    socket stays (ingress.reply_idle_s) and libzmq connects again and again.  Every 100 ms,
+    1,000 of them cost an idle daemon a fifth of a core; backing off to 2 s, a few tries in
+    3 s (100, 200, 400, 800 ms ... apart)."""
+    producers, window_s = 20, 3.0
+
+    async def main(ctx: zmq.Context) -> int:
+        sender = _sender(ctx, sockets_max=producers)
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            for _ in range(producers):
+                pull = ctx.socket(zmq.PULL)
+                endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+                sender.send(endpoint, b"result")
+                assert await asyncio.wait_for(recv_batch(pull, 1), 5) == [b"result"]
+                pull.close(linger=0)  # the producer is gone; its port refuses
+            before = _tcp_active_opens()
+            await asyncio.sleep(window_s)  # (the window is what is measured)
+            tries = _tcp_active_opens() - before
+            sender.stop()
+        sender.close()
+        return tries
+
+    tries = run_with_context(main)
+    # Every 100 ms (plus up to 100 ms of libzmq's jitter) is 15-30 a producer in 3 s.
+    assert tries < producers * 10, tries
