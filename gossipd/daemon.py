@@ -57,7 +57,6 @@ from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
 from gossipd.ops.fdlimits import (
     FDS_PER_SOCKET,
-    LISTEN_BACKLOG,
     raise_open_files,
     size_context,
     sockets_wanted,
@@ -65,6 +64,7 @@ from gossipd.ops.fdlimits import (
 from gossipd.ops.metrics import DaemonCollector
 from gossipd.ops.metrics_server import serve_metrics
 from gossipd.ops.notify import Notifier
+from gossipd.ops.tcpdefaults import set_context_defaults
 from gossipd.ops.tracing import build_tracer
 from gossipd.security import (
     DOMAIN_PEERS,
@@ -120,8 +120,8 @@ class Daemon:
         self.clock = clock  # every part reads the time from it (gossipd/clock.py)
         self.node = node_id(config, socket.gethostname())
         self._ctx = zmq.Context()
-        # Every socket it makes: those bound listen with it (libzmq's default is 100).
-        self._ctx.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
+        # Every socket it makes: the listen backlog, keepalive (ops/tcpdefaults.py).
+        set_context_defaults(self._ctx)
         # Sized for the socket pool's bounds before any socket is made (ops/fdlimits.py).
         sockets = sockets_wanted(
             gossip_sockets_max=PEER_SOCKETS_MAX, reply_sockets_max=config.ingress.reply_sockets_max

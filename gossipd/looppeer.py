@@ -28,8 +28,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
-from gossipd.ops.fdlimits import LISTEN_BACKLOG
 from gossipd.ops.logs import RateLimiter, handler_name, note_handler_failure
+from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 from gossipd.peerchannel import OnReplies, OnRequest
 from gossipd.peerlink import (
     WRITE_BYTES_MAX,

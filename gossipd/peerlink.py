@@ -12,6 +12,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import cast
 
+from gossipd.ops import tcpdefaults
 from gossipd.ops.logs import RateLimiter
 from gossipd.zmtp import ZmtpConnection, ZmtpError
 
@@ -108,6 +109,7 @@ class PeerLink(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tcpdefaults.keep_alive(sock)  # a peer gone without a FIN is not held for ever
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         if self._on_made is not None and not self._on_made(self):

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from gossipd.looppull import LoopPullServer
-from gossipd.ops.fdlimits import LISTEN_BACKLOG
+from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 from gossipd.tools.launcher import DaemonProcess
 
 BURST = 300  # past the default 100, within LISTEN_BACKLOG

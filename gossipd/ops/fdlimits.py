@@ -24,13 +24,6 @@ MEMBERS_MAX = 10_000  # the largest cluster placement is measured at (bench/READ
 FIXED_SOCKETS = 256  # binds, their readers, admin, the door's reply socket, tools: ample
 FDS_PER_SOCKET = 2  # a mailbox and, mostly, one connection
 
-# Connections the kernel queues for a listening socket until the process takes them.  Past
-# it a SYN is dropped and its client waits for TCP's first retransmission, 1 s later:
-# asyncio's and libzmq's default (100) started half of 200 producers of one host connecting
-# at once 1 s late (scripts/connect_storm.py).  The loop's servers listen with it, and the
-# daemon's ZeroMQ context sets it on every socket (ZMQ_BACKLOG), as the tools' reply sockets do.
-LISTEN_BACKLOG = 1024
-
 
 def sockets_wanted(*, gossip_sockets_max: int, reply_sockets_max: int) -> int:
     """Gossip's sockets and their monitors, the reply sockets, a peer DEALER a member."""

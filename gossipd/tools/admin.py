@@ -33,11 +33,11 @@ from gossipd.core.messages import PROTOCOL_VERSION, Drain, Result, StatusQuery, 
 from gossipd.errors import RemoteProtocolError
 from gossipd.ops.fdlimits import (
     FIXED_SOCKETS,
-    LISTEN_BACKLOG,
     MEMBERS_MAX,
     raise_open_files,
     size_context,
 )
+from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 from gossipd.security import is_wildcard_host
 from gossipd.tools.client import DEFAULT_REPLY_BIND, REPLY_BYTES_MAX, ProducerKeys
 

@@ -55,7 +55,7 @@ from gossipd.core.messages import (
 )
 from gossipd.core.sampling import SamplingParams
 from gossipd.errors import LocalProtocolError, RemoteProtocolError
-from gossipd.ops.fdlimits import LISTEN_BACKLOG
+from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 from gossipd.tools.client_parts import ClientStatistics, NotConnected, ProducerKeys, TaskHandle
 from gossipd.tools.packing import PACK_BYTES_MAX, PackedTask, TaskPacker
 from gossipd.zmqloop import NOBLOCK, POLLIN, POLLOUT, SocketReader, wait_events
