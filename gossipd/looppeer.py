@@ -28,6 +28,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from gossipd.errors import LocalProtocolError, TransportClosed
+from gossipd.ops import tcpdefaults
 from gossipd.ops.logs import RateLimiter, handler_name, note_handler_failure
 from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 from gossipd.peerchannel import OnReplies, OnRequest
@@ -409,7 +410,10 @@ class LoopPeerClient:
         conn.connecting = link
         host, port = parse_endpoint(conn.addr)
         loop = asyncio.get_running_loop()
-        task = loop.create_task(loop.create_connection(lambda: link, host, port))
+        # (not answered in time: given up, and tried again after the usual delay)
+        connecting = loop.create_connection(lambda: link, host, port)
+        timeout_s = tcpdefaults.CONNECT_TIMEOUT_S
+        task = loop.create_task(asyncio.wait_for(connecting, timeout_s))
         task.add_done_callback(lambda t: self._connected(conn, link, t))
         conn.connect_task = task
 

@@ -107,9 +107,6 @@ class PeerLink(asyncio.Protocol):
             return
         self.transport = transport
         sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tcpdefaults.keep_alive(sock)  # a peer gone without a FIN is not held for ever
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         if self._on_made is not None and not self._on_made(self):
@@ -118,6 +115,9 @@ class PeerLink(asyncio.Protocol):
             transport.abort()
             self._lost("busy")
             return
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tcpdefaults.keep_alive(sock)  # a peer gone, or cut off, is not held for ever
         transport.write(self.zmtp.data_to_send())
         self._timer = asyncio.get_running_loop().call_later(
             HANDSHAKE_TIMEOUT_S, self._handshake_late

@@ -70,19 +70,13 @@ KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
     # reader that did not read held 270 MB of replies outside the bound (a review's run).
     # 256, not fewer: `bench ingress` (500 tasks outstanding) lost 7-9% of its tasks/s at
     # 64 (a turn's replies past it wait for the flusher), and gained 2-6% at 256.
-    # RECONNECT_IVL_MAX: a producer that is gone (each `gossipd submit` or client run binds
-    # a reply port of its own) is tried again 100 ms, 200 ms, ... then every 2 s, not every
-    # 100 ms until its socket idles out (ingress.reply_idle_s): 1,000 producers gone cost
-    # the idle daemon a fifth of a core in refused connects (bench/README, "Producers that
-    # come and go").  One back within 1 s is reached again within about 1.6 s, inside
-    # ingress.reply_timeout_s.
+    # + TCP_MAXRT, RECONNECT_IVL_MAX and IPV6 from the reply sender (zmqloop.ReplySender).
     SocketKind.REPLY: (
         zmq.PUSH,
         (
             (zmq.IMMEDIATE, 1),
             (zmq.SNDHWM, REPLY_PIPE_MESSAGES_MAX),
             (zmq.RECONNECT_IVL, 100),
-            (zmq.RECONNECT_IVL_MAX, 2000),
             (zmq.LINGER, 0),
         ),
     ),

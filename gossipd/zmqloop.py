@@ -335,6 +335,12 @@ class TurnBatching:
         self._on_turn_end()
 
 
+def reconnect_max_ms(timeout_s: float) -> int:
+    """The longest wait between a reply socket's reconnects: half the time replies wait for
+    it (ingress.reply_timeout_s), between 100 ms (libzmq's first wait) and 2 s."""
+    return int(min(2000.0, max(100.0, timeout_s * 500)))
+
+
 class ReplySender:
     """Sends results and chunks to producers' reply addresses by PUSH, never blocking.
 
@@ -395,7 +401,18 @@ class ReplySender:
             # ZeroMQ for that connection with it.
             # IPV6: a reply_to may be tcp://[IPv6]:PORT (PROTOCOL.md); libzmq's sockets are
             # IPv4 only by default, and such a reply would never leave.
-            options={zmq.TCP_MAXRT: max(1, int(timeout_s * 1000)), zmq.IPV6: 1},
+            # RECONNECT_IVL_MAX: a producer that is gone (each `gossipd submit` or client
+            # run binds a reply port of its own) is tried again 100, 300, 700 ms ... after
+            # the drop, then every reconnect_max_ms (half of timeout_s, 2 s at most)
+            # until its socket idles out, not every 100 ms: 1,000 producers gone cost the
+            # idle daemon a fifth of a core in refused connects (bench/README, "Producers
+            # that come and go").  One that comes back at the same address is reached
+            # within that bound of its return, its replies waiting up to timeout_s.
+            options={
+                zmq.TCP_MAXRT: max(1, int(timeout_s * 1000)),
+                zmq.IPV6: 1,
+                zmq.RECONNECT_IVL_MAX: reconnect_max_ms(timeout_s),
+            },
             keep=self._holds,  # still flushing: no idle close, evicted last
         )
         self._timeout_s = timeout_s

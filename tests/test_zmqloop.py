@@ -10,7 +10,7 @@ import zmq
 import gossipd.zmqloop as zmqloop
 from gossipd.core.messages import Chunk, Result, decode_replies, encode
 from gossipd.ops.logs import RateLimiter
-from gossipd.sockets import SocketPool
+from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import free_tcp_port
 from gossipd.zmqloop import ReplySender, SocketReader, kick, recv_batch, wait_events
 from tests.helpers import run_with_context, wait_until_async
@@ -533,22 +533,19 @@ def test_an_address_zeromq_refuses_drops_the_reply_counted_and_the_sender_goes_o
     assert dropped == 1 and got == [b"kept"] and sockets_open == 1
 
 
-def _tcp_active_opens() -> int:
-    """Connections this network namespace has tried to open (each SYN sent: /proc/net/snmp)."""
-    with open("/proc/net/snmp") as f:
-        tcp = [line.split() for line in f if line.startswith("Tcp:")]
-    return int(tcp[1][tcp[0].index("ActiveOpens")])
-
-
 def test_ReplySender_tries_an_address_whose_producer_has_gone_less_and_less_often() -> None:
     """Each `gossipd submit` or client run binds a reply port of its own and goes: its
     socket stays (ingress.reply_idle_s) and libzmq connects again and again.  Every 100 ms,
-    1,000 of them cost an idle daemon a fifth of a core; backing off to 2 s, a few tries in
-    3 s (100, 200, 400, 800 ms ... apart)."""
-    producers, window_s = 20, 3.0
+    1,000 of them cost an idle daemon a fifth of a core; backing off (to 2 s at the default
+    reply_timeout_s of 5 s), a few tries in 3 s.  Counted by libzmq itself: each
+    socket's monitor, EVENT_CONNECT_RETRIED."""
+    producers, window_s = 10, 3.0
 
-    async def main(ctx: zmq.Context) -> int:
-        sender = _sender(ctx, sockets_max=producers)
+    async def main(ctx: zmq.Context) -> list[int]:
+        pool = SocketPool(ctx)
+        sender = ReplySender(pool, sockets_max=producers, idle_s=60.0, timeout_s=5.0,
+                             queue_max=100)  # fmt: skip
+        monitors = []
         async with asyncio.TaskGroup() as tg:
             sender.start(tg)
             for _ in range(producers):
@@ -556,14 +553,50 @@ def test_ReplySender_tries_an_address_whose_producer_has_gone_less_and_less_ofte
                 endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
                 sender.send(endpoint, b"result")
                 assert await asyncio.wait_for(recv_batch(pull, 1), 5) == [b"result"]
+                sock = pool.get(SocketKind.REPLY, endpoint)
+                assert sock is not None
+                monitors.append(sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED))
                 pull.close(linger=0)  # the producer is gone; its port refuses
-            before = _tcp_active_opens()
             await asyncio.sleep(window_s)  # (the window is what is measured)
-            tries = _tcp_active_opens() - before
+            retries = []
+            for monitor in monitors:
+                n = 0
+                while monitor.poll(0):
+                    monitor.recv_multipart()
+                    n += 1
+                retries.append(n)
             sender.stop()
         sender.close()
-        return tries
+        return retries
 
-    tries = run_with_context(main)
-    # Every 100 ms (plus up to 100 ms of libzmq's jitter) is 15-30 a producer in 3 s.
-    assert tries < producers * 10, tries
+    retries = run_with_context(main)
+    # Every 100 ms is about 30 each in 3 s; backing off, 100 ms, 200, 400, 800, 1600, ...
+    assert all(1 <= n <= 8 for n in retries), retries
+
+
+def test_ReplySender_reaches_a_producer_back_at_the_same_address() -> None:
+    """The back-off does not give up: a producer that restarts on its fixed reply port
+    2 s after it went gets the replies sent meanwhile (they wait up to timeout_s)."""
+
+    async def main(ctx: zmq.Context) -> list[bytes]:
+        sender = _sender(ctx, timeout_s=5.0)
+        async with asyncio.TaskGroup() as tg:
+            sender.start(tg)
+            pull = ctx.socket(zmq.PULL)
+            port = pull.bind_to_random_port("tcp://127.0.0.1")
+            endpoint = f"tcp://127.0.0.1:{port}"
+            sender.send(endpoint, b"first")
+            assert await asyncio.wait_for(recv_batch(pull, 1), 5) == [b"first"]
+            pull.close(linger=0)  # gone...
+            await asyncio.sleep(0.5)
+            sender.send(endpoint, b"while it was gone")
+            await asyncio.sleep(1.5)
+            back = ctx.socket(zmq.PULL)  # ... and back, at the same address
+            back.bind(endpoint)
+            got = await asyncio.wait_for(recv_batch(back, 1), 5)
+            back.close(linger=0)
+            sender.stop()
+        sender.close()
+        return got
+
+    assert run_with_context(main) == [b"while it was gone"]

@@ -44,6 +44,7 @@ import httptools
 from gossipd.http.exchange import REASONS, Exchange, HttpCounters, HttpLimits, Request, admit
 from gossipd.http.tlsaccept import TlsAccept
 from gossipd.http.turnwrites import TurnWrites
+from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 
 log = logging.getLogger("gossipd.http.server")
 
@@ -735,5 +736,5 @@ async def serve(
         host,
         port,
         reuse_address=True,
-        backlog=1024,
+        backlog=LISTEN_BACKLOG,
     )

@@ -18,6 +18,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from gossipd.ops.logs import RateLimiter
 from gossipd.ops.metric_families import C, _one
 from gossipd.ops.metrics import DaemonCollector
+from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 from gossipd.security import is_loopback_host as is_loopback  # one rule for both
 
 # The logger keeps the name it had before the split out of metrics.py (JSON logs name it).
@@ -96,6 +97,7 @@ def serve_metrics(
 
     class Server(ThreadingWSGIServer):
         address_family = family
+        request_queue_size = LISTEN_BACKLOG  # (socketserver's default is 5)
 
     server = make_server(host, int(port), app, Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
