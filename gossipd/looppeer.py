@@ -410,10 +410,7 @@ class LoopPeerClient:
         conn.connecting = link
         host, port = parse_endpoint(conn.addr)
         loop = asyncio.get_running_loop()
-        # (not answered in time: given up, and tried again after the usual delay)
-        connecting = loop.create_connection(lambda: link, host, port)
-        timeout_s = tcpdefaults.CONNECT_TIMEOUT_S
-        task = loop.create_task(asyncio.wait_for(connecting, timeout_s))
+        task = loop.create_task(_dial(link, host, port))
         task.add_done_callback(lambda t: self._connected(conn, link, t))
         conn.connect_task = task
 
@@ -508,6 +505,29 @@ class LoopPeerClient:
 
     def __len__(self) -> int:
         return len(self._conns)
+
+
+async def _dial(link: PeerLink, host: str, port: int) -> None:
+    """Connect ``link`` to ``host``: a connect not answered within CONNECT_TIMEOUT_S is given
+    up (its caller tries again after its delay), not left to the SYN retransmissions.  A
+    host name is looked up first, for as long as its resolver takes (off the loop): bounding
+    the lookup too would never connect through a resolver slower than the bound."""
+    loop = asyncio.get_running_loop()
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+        addresses = [host]
+    except ValueError:  # a name: each of its addresses in turn, as create_connection would
+        found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = [str(info[4][0]) for info in found]
+    failure: BaseException | None = None
+    for address in addresses:
+        try:
+            connecting = loop.create_connection(lambda: link, address, port)
+            await asyncio.wait_for(connecting, tcpdefaults.CONNECT_TIMEOUT_S)
+            return
+        except (OSError, TimeoutError) as exc:
+            failure = exc
+    raise failure if failure is not None else OSError(f"{host!r} has no address")
 
 
 def _host_of(peer: str) -> str:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import socket
 import urllib.request
+from typing import Any
 
 import pytest
 from nacl.bindings import crypto_box_keypair
@@ -24,6 +25,7 @@ from nacl.bindings import crypto_box_keypair
 from gossipd import looppeer
 from gossipd.core.ring import Ring
 from gossipd.looppeer import LoopPeerClient, LoopPeerServer
+from gossipd.ops import tcpdefaults
 from gossipd.ops.scrape import scrape
 from gossipd.tools.bench.http_peers import wait_serving
 from gossipd.tools.launcher import free_tcp_port
@@ -412,3 +414,40 @@ def test_a_peer_handler_that_raises_is_counted_by_name_and_exported_and_the_rest
     samples = {s.labels["handler"]: s.value for s in handler_failures_metric().samples
                if s.name.endswith("_total")}  # fmt: skip
     assert samples["Owner.on_request"] >= 1 and samples["Forwarder.on_replies"] >= 1
+
+
+def test_LoopPeerClient_bounds_the_connect_and_not_the_lookup_of_a_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connect not answered within tcpdefaults.CONNECT_TIMEOUT_S is given up (after a
+    cut, SYN retransmissions 1, 2, 4 ... s apart kept a healed member unreachable), but a
+    member named by host is looked up for as long as its resolver takes: a lookup slower
+    than the bound, bounded with it, would never connect.  The slow resolver is a stand-in
+    (the loop's getaddrinfo, delayed): no DNS server runs here."""
+    monkeypatch.setattr(tcpdefaults, "CONNECT_TIMEOUT_S", 0.2)
+
+    async def main() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        resolve = loop.getaddrinfo
+
+        async def slow(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.5)
+            return await resolve(*args, **kwargs)
+
+        loop.getaddrinfo = slow  # type: ignore[method-assign]
+        server = LoopPeerServer(message_bytes_max=1 << 16)
+        port = int(server.bind("tcp://127.0.0.1:0").rsplit(":", 1)[1])
+        server.start(lambda identity, frame, sender: server.send(identity, frame), lambda: None)
+        got: list[bytes] = []
+        client = LoopPeerClient(message_bytes_max=1 << 16)
+        client.start(lambda addr, frames: got.extend(frames))
+        try:
+            # localhost may name ::1 first, where nothing listens: the next address is tried
+            client.send(f"tcp://localhost:{port}", b"by name")
+            await wait_until_async(lambda: got, 10.0, "the echo through a slow lookup")
+            return got
+        finally:
+            client.close()
+            server.close()
+
+    assert asyncio.run(main()) == [b"by name"]
