@@ -509,25 +509,28 @@ class LoopPeerClient:
 
 async def _dial(link: PeerLink, host: str, port: int) -> None:
     """Connect ``link`` to ``host``: a connect not answered within CONNECT_TIMEOUT_S is given
-    up (its caller tries again after its delay), not left to the SYN retransmissions.  A
-    host name is looked up first, for as long as its resolver takes (off the loop): bounding
-    the lookup too would never connect through a resolver slower than the bound."""
+    up (its caller tries again after its delay), not left to SYN retransmissions 1, 2, 4 ...
+    s apart.  A host name is looked up first, for as long as its resolver takes (off the
+    loop; bounded with the connect, a resolver slower than the bound would never connect),
+    and each of its addresses tried in turn, as create_connection would."""
     loop = asyncio.get_running_loop()
-    try:
-        ipaddress.ip_address(host.split("%")[0])
-        addresses = [host]
-    except ValueError:  # a name: each of its addresses in turn, as create_connection would
-        found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        addresses = [str(info[4][0]) for info in found]
+    found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     failure: BaseException | None = None
-    for address in addresses:
+    for family, kind, proto, _, address in found:
+        sock = socket.socket(family, kind, proto)
         try:
-            connecting = loop.create_connection(lambda: link, address, port)
-            await asyncio.wait_for(connecting, tcpdefaults.CONNECT_TIMEOUT_S)
-            return
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, address), tcpdefaults.CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
+            sock.close()
             failure = exc
-    raise failure if failure is not None else OSError(f"{host!r} has no address")
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        await loop.create_connection(lambda: link, sock=sock)  # (its address whole: a scope)
+        return
+    raise failure if failure is not None else OSError(f"{host!r}: no address")
 
 
 def _host_of(peer: str) -> str:

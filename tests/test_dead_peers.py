@@ -8,9 +8,9 @@ unacknowledged data for 1 s closes; a connect waits 1 s):
   from a member's gossip PUSH), so without keepalive nothing ever told it that such a
   connection was dead, and each stayed open for good;
 - a member's rpc link cut while a frame was in flight: TCP retransmitted into it with its
-  backoff for about 15 minutes, so after a cut of a minute the link came back about 40 s
-  after the network did.  Now it is given up during the cut and made anew once the
-  network is back."""
+  backoff, so after a cut of a minute the next try came 48 s after the network was back;
+- a member whose loop stopped for seconds: its connection must hold;
+- a connect to an unreachable member: retried every second or so, not on SYN backoff."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gossipd.ops import tcpdefaults
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,10 +66,30 @@ def test_a_connection_whose_producer_vanished_is_closed_by_either_pull() -> None
         assert closed_after_s[side] < 15, closed_after_s
 
 
-def test_a_cut_rpc_link_is_given_up_and_made_anew_once_the_network_is_back() -> None:
+def test_a_cut_rpc_link_holds_and_is_retried_within_a_second_of_the_heal() -> None:
+    """TCP's backoff (doubling to 120 s) retried a 9 s cut's data 12.6 s in, 3.6 s after
+    the heal (48 s after a 60 s cut); capped at 1 s, within a second.  The connection holds
+    and what was written into the cut arrives: nothing is given up."""
+    if not tcpdefaults.retransmit_cap_available():
+        pytest.skip("this kernel has no TCP_RTO_MAX_MS (Linux 6.15): TCP's own backoff")
     outcome = _in_own_namespace("cut")
-    for side in ("loop", "zmq"):  # fanout.peer_transport's two channels
-        assert outcome[side]["given_up_in_cut"], outcome
-        # a connect is tried at least every 1 s + 1 s (the timeout, the reconnect delay)
-        back_s = outcome[side]["back_after_heal_s"]
-        assert back_s is not None and back_s < 4, outcome
+    assert outcome["same_connection"], outcome
+    assert outcome["arrived"] == ["before", "during", "after"], outcome
+    assert outcome["back_after_heal_s"] is not None and outcome["back_after_heal_s"] < 2.5
+
+
+def test_a_member_whose_loop_stops_is_not_cut_off_and_gets_what_was_written() -> None:
+    """A stopped member (SIGSTOP, swapping) still has its kernel answer, with a closed
+    window once its buffers are full.  TCP_USER_TIMEOUT, tried for cut links, closed such a
+    connection (Linux 5.11 and later) and lost the 8 MiB written to it: 0 of 64 frames."""
+    outcome = _in_own_namespace("stall")
+    assert outcome == {"arrived": 64, "same_connection": True}, outcome
+
+
+def test_a_connect_to_an_unreachable_member_is_tried_again_every_second_or_so() -> None:
+    """Its SYNs dropped for 20 s: on the kernel's own retries (1, 2, 4, 8, 16 s apart) the
+    frame arrived 15.7 s after the port was reachable again; bounded to 1 s a try, the
+    client's next try is at most about 2 s away."""
+    outcome = _in_own_namespace("dial")
+    assert outcome["arrived_after_heal_s"] is not None, outcome
+    assert outcome["arrived_after_heal_s"] < 4, outcome

@@ -1,23 +1,24 @@
 """Run by tests/test_dead_peers.py inside a network namespace of its own (``unshare --net``),
-with gossipd/ops/tcpdefaults.py's bounds shortened (keepalive after 1 s idle, 2 probes 1 s
-apart; unacknowledged data for 1 s closes; a connect waits 1 s).  Prints one JSON line.
+with gossipd/ops/tcpdefaults.py's keepalive shortened (1 s idle, 2 probes 1 s apart; the
+retransmission cap of 1 s and the connect bound of 1 s as they are).  nftables drops
+packets.  Prints one JSON line.
 
-- ``vanish``: a producer connected to a daemon's PULL vanishes without a FIN (nftables drops
-  every packet from the daemon's port to it, as if its host were gone), and each PULL (the
-  event loop's, libzmq's) must close that connection: for each, the seconds until the
-  daemon's end left the kernel's established connections, or null if still there after 20 s.
-- ``cut``: a member's rpc link (the loop's client and server; libzmq's DEALER and ROUTER) is
-  cut both ways for 4 s while a frame is sent, then healed: for each, whether the client's
-  connection had been given up by the end of the cut, and the seconds from the heal until a
-  frame sent then came back (null: not within 20 s)."""
+- ``vanish``: a producer connected to a daemon's PULL vanishes without a FIN (every packet
+  from the daemon's port to it dropped, as if its host were gone), and each PULL (the event
+  loop's, libzmq's) must close that connection: for each, the seconds until the daemon's end
+  left the kernel's established connections, or null if still there after 20 s.
+- ``cut``: a member's rpc link (the loop's client and server) cut both ways for CUT_S while
+  a frame is sent, then healed and one more sent (``loop_cut``).
+- ``stall``: a member whose loop stops while 8 MiB are written to it (``loop_stall``).
+- ``dial``: a member's rpc port unreachable while a connect is tried (``loop_dial``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +32,12 @@ from gossipd.looppull import LoopPullServer
 from gossipd.ops import tcpdefaults
 
 WAIT_S = 20.0
-CUT_S = 4.0
+CUT_S = 9.0  # (TCP's backoff would retry 12.6 s in: 3.6 s after the heal; SYNs 15 s in)
+STALL_S = 7.0
+DIAL_CUT_S = 20.0  # (SYNs 15 and 31 s in: 11 s after the heal without the connect bound)
 tcpdefaults.KEEPALIVE_IDLE_S = 1
 tcpdefaults.KEEPALIVE_INTERVAL_S = 1
 tcpdefaults.KEEPALIVE_PROBES = 2
-tcpdefaults.UNACKED_CLOSE_S = 1.0
 
 
 def established_from(port: int, end: int = 1) -> int:
@@ -132,27 +134,13 @@ async def zmq_side(producer_ctx: zmq.Context) -> float | None:
         ctx.destroy(linger=0)
 
 
-async def cut_and_heal(port: int, send: Callable[[bytes], None], got: list[bytes]) -> dict:
-    """The link to ``port`` (up: b"before" came back) cut both ways for CUT_S, a frame sent
-    meanwhile; then healed, and a frame sent."""
-    vanish_behind(port, both_ways=True)
-    try:
-        send(b"during")  # written into the cut link: what it does to that link is the point
-        await asyncio.sleep(CUT_S)
-        given_up = established_from(port, end=2) == 0  # (the client's end: remote port)
-    finally:
-        unvanish()
-    healed = time.monotonic()
-    send(b"after")
-    while b"after" not in got and time.monotonic() - healed < WAIT_S:
-        await asyncio.sleep(0.05)
-    back_s = round(time.monotonic() - healed, 1) if b"after" in got else None
-    return {"given_up_in_cut": given_up, "back_after_heal_s": back_s}
-
-
 async def loop_cut() -> dict:
+    """A member's rpc link (the loop's client and server, up: b"before" came back) cut both
+    ways for CUT_S while a frame is sent, then healed and a frame sent: whether the link
+    held, the seconds from the heal until that frame came back, and what arrived."""
     server = LoopPeerServer(message_bytes_max=1 << 16)
     addr = server.bind("tcp://127.0.0.1:0")
+    port = int(addr.rsplit(":", 1)[1])
     server.start(lambda identity, frame, sender: server.send(identity, frame), lambda: None)
     got: list[bytes] = []
     client = LoopPeerClient(message_bytes_max=1 << 16)
@@ -160,38 +148,110 @@ async def loop_cut() -> dict:
     try:
         client.send(addr, b"before")
         await until(lambda: b"before" in got)
-        return await cut_and_heal(int(addr.rsplit(":", 1)[1]), lambda f: client.send(addr, f), got)
+        client_port = client_end(port)
+        vanish_behind(port, both_ways=True)
+        try:
+            client.send(addr, b"during")  # into the cut: TCP retransmits it, backing off
+            await asyncio.sleep(CUT_S)
+        finally:
+            unvanish()
+        healed = time.monotonic()
+        client.send(addr, b"after")
+        while b"after" not in got and time.monotonic() - healed < WAIT_S:
+            await asyncio.sleep(0.05)
+        back_s = round(time.monotonic() - healed, 1) if b"after" in got else None
+        return {
+            "same_connection": client_end(port) == client_port,
+            "back_after_heal_s": back_s,
+            "arrived": [frame.decode() for frame in got],
+        }
     finally:
         client.close()
         server.close()
 
 
-async def zmq_cut() -> dict:
-    ctx = zmq.Context()
-    tcpdefaults.set_context_defaults(ctx)
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    router.bind("tcp://127.0.0.1:0")
-    addr = router.getsockopt_string(zmq.LAST_ENDPOINT)
-    dealer.connect(addr)
-    got: list[bytes] = []
+def client_end(port: int) -> int | None:
+    """The local port of the one established connection to ``port`` (None: none)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    ends = [int(row[1].split(":")[1], 16) for row in rows
+            if int(row[2].split(":")[1], 16) == port and row[3] == "01"]  # fmt: skip
+    return ends[0] if len(ends) == 1 else None
 
-    async def serve() -> None:
-        while True:
-            with contextlib.suppress(zmq.Again):
-                router.send_multipart(router.recv_multipart(zmq.NOBLOCK))
-            try:
-                got.append(dealer.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                await asyncio.sleep(0.01)
 
-    server = asyncio.ensure_future(serve())
+async def loop_stall() -> dict:
+    """A member whose whole loop stops for STALL_S (as a stopped or swapping process): the
+    rpc client writes 8 MiB to it meanwhile, past every buffer (its window closes).  What it
+    wrote must arrive once it runs again, on the same connection."""
+    ready, box = threading.Event(), {}
+
+    def member() -> None:
+        async def main() -> None:
+            server = LoopPeerServer(message_bytes_max=1 << 20)
+            box["addr"] = server.bind("tcp://127.0.0.1:0")
+            got: list[int] = []
+            box["got"] = got
+            server.start(lambda identity, frame, sender: got.append(len(frame)), lambda: None)
+            ready.set()
+            while not box.get("stop"):
+                await asyncio.sleep(0.02)
+                if "stall_s" in box:
+                    time.sleep(box.pop("stall_s"))  # the loop stopped: nothing read
+            server.close()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=member, daemon=True)
+    thread.start()
+    ready.wait(10)
+    addr = box["addr"]
+    client = LoopPeerClient(message_bytes_max=1 << 20)
+    client.start(lambda addr, frames: None)
     try:
-        dealer.send(b"before")
-        await until(lambda: b"before" in got)
-        return await cut_and_heal(int(addr.rsplit(":", 1)[1]), dealer.send, got)
+        client.send(addr, b"x")
+        await until(lambda: len(box["got"]) == 1)
+        client_port = client_end(int(addr.rsplit(":", 1)[1]))
+        box["stall_s"] = STALL_S
+        await asyncio.sleep(0.1)
+        for _ in range(64):
+            client.send(addr, b"y" * (128 * 1024))
+        await asyncio.sleep(STALL_S)
+        deadline = time.monotonic() + WAIT_S
+        while len(box["got"]) < 65 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {
+            "arrived": len(box["got"]) - 1,
+            "same_connection": client_end(int(addr.rsplit(":", 1)[1])) == client_port,
+        }
     finally:
-        server.cancel()
-        ctx.destroy(linger=0)
+        box["stop"] = True
+        client.close()
+        thread.join(10)
+
+
+async def loop_dial() -> dict:
+    """A member's rpc port unreachable (its SYNs dropped) for DIAL_CUT_S while a frame waits
+    to go, then reachable: the seconds from then until the frame arrived."""
+    server = LoopPeerServer(message_bytes_max=1 << 16)
+    addr = server.bind("tcp://127.0.0.1:0")
+    got: list[bytes] = []
+    server.start(lambda identity, frame, sender: got.append(frame), lambda: None)
+    client = LoopPeerClient(message_bytes_max=1 << 16)
+    client.start(lambda addr, frames: None)
+    vanish_behind(int(addr.rsplit(":", 1)[1]), both_ways=True)
+    try:
+        client.send(addr, b"waiting")
+        await asyncio.sleep(DIAL_CUT_S)
+    finally:
+        unvanish()
+    healed = time.monotonic()
+    try:
+        while not got and time.monotonic() - healed < WAIT_S:
+            await asyncio.sleep(0.05)
+        return {"arrived_after_heal_s": round(time.monotonic() - healed, 1) if got else None}
+    finally:
+        client.close()
+        server.close()
 
 
 async def until(predicate: Callable[[], bool]) -> None:
@@ -203,7 +263,11 @@ async def until(predicate: Callable[[], bool]) -> None:
 
 async def main(mode: str) -> None:
     if mode == "cut":
-        out = {"loop": await loop_cut(), "zmq": await zmq_cut()}
+        out = await loop_cut()
+    elif mode == "stall":
+        out = await loop_stall()
+    elif mode == "dial":
+        out = await loop_dial()
     else:
         producer_ctx = zmq.Context()  # the producer's own: no keepalive of its own
         try:

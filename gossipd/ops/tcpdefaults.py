@@ -8,18 +8,19 @@ loop's servers and links, or libzmq's sockets through their context's defaults).
 - **Keepalive**: a connection whose peer vanished without a FIN (a host powered off, a link
   cut for good) on which this side only reads (a producer's PUSH to the ingress, a member's
   to gossip) would stay open for ever, its descriptor and state with it.  After
-  ``KEEPALIVE_IDLE_S`` of silence the kernel probes, ``KEEPALIVE_INTERVAL_S`` apart; a peer
-  that does not answer has its connection closed at the next probe's time (the bound on
-  unacknowledged data below ends it there; without that bound, after ``KEEPALIVE_PROBES``
-  probes): about 70 s.  A live peer's kernel answers the probes; nothing reaches the
+  ``KEEPALIVE_IDLE_S`` of silence the kernel probes, ``KEEPALIVE_INTERVAL_S`` apart, and
+  closes the connection when ``KEEPALIVE_PROBES`` go unanswered: about 2 minutes.  A live
+  peer's kernel answers the probes, a stopped or busy peer's too; nothing reaches the
   program.
-- **Unacknowledged data** (TCP_USER_TIMEOUT, libzmq's ZMQ_TCP_MAXRT): a connection whose
-  written data no ACK has answered for ``UNACKED_CLOSE_S`` is closed (a cut link), instead
-  of TCP retransmitting with its backoff for about 15 minutes.  After a cut of a minute the
-  next retransmission came about 40 s after the link healed, so a member was unreachable
-  that long after it was back (48 s, scripts: bench/README "Cut links"); closed, the link
-  is made anew as soon as a connect succeeds.  A peer that is slow to read is not cut: its
-  kernel answers the zero-window probes.
+- **Retransmission's backoff, the event loop's connections** (TCP_RTO_MAX_MS, Linux 6.15
+  and later; elsewhere TCP's own 120 s): at most ``RETRANSMIT_MAX_S`` between two
+  retransmissions of data nobody acknowledged.  After a cut of a minute, TCP's backoff
+  (doubling to 120 s) sent its next try 48 s after the link healed, so a member was
+  unreachable that long after it was back (bench/README, "Cut links").  Nothing is given
+  up for it: a peer that is stopped or slow to read still answers, and what was written
+  arrives, late, as before.  (TCP_USER_TIMEOUT would close a cut link sooner, but since
+  Linux 5.11 it also closes one whose peer has not read for that long, losing what was
+  written to a paused member: tried, and taken out.)
 - **Connecting** (ZMQ_CONNECT_TIMEOUT, and the loop client's own): an attempt with no answer
   within ``CONNECT_TIMEOUT_S`` is given up and tried again, instead of waiting on SYN
   retransmissions (1, 2, 4 ... 64 s apart) after the peer is back.
@@ -27,6 +28,7 @@ loop's servers and links, or libzmq's sockets through their context's defaults).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import zmq
@@ -35,28 +37,40 @@ LISTEN_BACKLOG = 1024
 KEEPALIVE_IDLE_S = 60
 KEEPALIVE_INTERVAL_S = 10
 KEEPALIVE_PROBES = 6
-UNACKED_CLOSE_S = 5.0
+RETRANSMIT_MAX_S = 1.0  # (the kernel takes 1 s to 120 s)
 CONNECT_TIMEOUT_S = 1.0
+TCP_RTO_MAX_MS = getattr(socket, "TCP_RTO_MAX_MS", 44)  # (linux/tcp.h; Python 3.11 lacks it)
 
 
 def keep_alive(sock: socket.socket) -> None:
-    """Keepalive and the bound on unacknowledged data on ``sock`` (a connection the event
-    loop speaks on), as this module's constants say when it is called."""
+    """Keepalive and the retransmission cap on ``sock`` (a connection the event loop speaks
+    on), as this module's constants say when it is called."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(UNACKED_CLOSE_S * 1000))
+    with contextlib.suppress(OSError):  # a kernel before 6.15: TCP's own backoff
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, int(RETRANSMIT_MAX_S * 1000))
+
+
+def retransmit_cap_available() -> bool:
+    """Whether this kernel takes TCP_RTO_MAX_MS (Linux 6.15 and later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, int(RETRANSMIT_MAX_S * 1000))
+        except OSError:
+            return False
+    return True
 
 
 def set_context_defaults(ctx: zmq.Context) -> None:
-    """All of the above on every socket ``ctx`` makes from now on (pyzmq applies a
-    context's options to each new socket; a kind's own options, set after, win: gossip's
-    TCP_MAXRT of 2 s, a reply socket's ingress.reply_timeout_s)."""
+    """The backlog, keepalive and the connect bound on every socket ``ctx`` makes from now
+    on (pyzmq applies a context's options to each new socket; a kind's own options, set
+    after, win).  libzmq has no retransmission cap: `fanout.peer_transport = "zmq"` keeps
+    TCP's backoff."""
     ctx.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
     ctx.setsockopt(zmq.TCP_KEEPALIVE, 1)
     ctx.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
     ctx.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
     ctx.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
-    ctx.setsockopt(zmq.TCP_MAXRT, int(UNACKED_CLOSE_S * 1000))
     ctx.setsockopt(zmq.CONNECT_TIMEOUT, int(CONNECT_TIMEOUT_S * 1000))
