@@ -16,9 +16,13 @@ loop's servers and links, or libzmq's sockets through their context's defaults).
   and later; elsewhere TCP's own 120 s): at most ``RETRANSMIT_MAX_S`` between two
   retransmissions of data nobody acknowledged.  After a cut of a minute, TCP's backoff
   (doubling to 120 s) sent its next try 48 s after the link healed, so a member was
-  unreachable that long after it was back (bench/README, "Cut links").  Nothing is given
-  up for it: a peer that is stopped or slow to read still answers, and what was written
-  arrives, late, as before.  (TCP_USER_TIMEOUT would close a cut link sooner, but since
+  unreachable that long after it was back (bench/README, "Cut links").  A side effect:
+  TCP gives up after its 15 retransmissions, reckoned with the capped interval, so a cut
+  of more than about 14 s now closes the connection (before, about 15 minutes), and what
+  was in flight is lost as on any drop (the forwarder's ack timeouts, held Results and
+  Confirms, and migration cover it: docs/PROTOCOL.md, "Fan-out").  A peer that is stopped
+  or slow to read is never cut: its kernel answers TCP's zero-window probes, and what was
+  written arrives, late.  (TCP_USER_TIMEOUT would close a cut link sooner, but since
   Linux 5.11 it also closes one whose peer has not read for that long, losing what was
   written to a paused member: tried, and taken out.)
 - **Connecting** (ZMQ_CONNECT_TIMEOUT, and the loop client's own): an attempt with no answer
