@@ -55,12 +55,7 @@ from gossipd.looppull import LoopPullServer, loop_binds
 from gossipd.membership.gossip import PEER_SOCKETS_MAX, GossipService, MemberView
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.ops import preflight
-from gossipd.ops.fdlimits import (
-    FDS_PER_SOCKET,
-    raise_open_files,
-    size_context,
-    sockets_wanted,
-)
+from gossipd.ops.fdlimits import FDS_PER_SOCKET, raise_open_files, size_context, sockets_wanted
 from gossipd.ops.metrics import DaemonCollector
 from gossipd.ops.metrics_server import serve_metrics
 from gossipd.ops.notify import Notifier

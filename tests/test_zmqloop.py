@@ -16,10 +16,10 @@ from gossipd.zmqloop import ReplySender, SocketReader, kick, recv_batch, wait_ev
 from tests.helpers import run_with_context, wait_until_async
 
 
-def _sender(ctx: zmq.Context, **overrides: float) -> ReplySender:
+def _sender(ctx: zmq.Context, pool: SocketPool | None = None, **overrides: float) -> ReplySender:
     opts = {"sockets_max": 2, "idle_s": 60.0, "timeout_s": 0.3, "queue_max": 100}
     opts.update(overrides)
-    return ReplySender(SocketPool(ctx), **opts)  # type: ignore[arg-type]
+    return ReplySender(pool or SocketPool(ctx), **opts)  # type: ignore[arg-type]
 
 
 def test_ReplySender_delivers_in_order_and_bounds_cached_sockets() -> None:
@@ -543,8 +543,7 @@ def test_ReplySender_tries_an_address_whose_producer_has_gone_less_and_less_ofte
 
     async def main(ctx: zmq.Context) -> list[int]:
         pool = SocketPool(ctx)
-        sender = ReplySender(pool, sockets_max=producers, idle_s=60.0, timeout_s=5.0,
-                             queue_max=100)  # fmt: skip
+        sender = _sender(ctx, pool, sockets_max=producers, timeout_s=5.0)
         monitors = []
         async with asyncio.TaskGroup() as tg:
             sender.start(tg)

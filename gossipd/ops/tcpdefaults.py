@@ -32,7 +32,6 @@ loop's servers and links, or libzmq's sockets through their context's defaults).
 
 from __future__ import annotations
 
-import contextlib
 import socket
 
 import zmq
@@ -53,18 +52,23 @@ def keep_alive(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-    with contextlib.suppress(OSError):  # a kernel before 6.15: TCP's own backoff
+    _cap_retransmits(sock)
+
+
+def _cap_retransmits(sock: socket.socket) -> bool:
+    """TCP_RTO_MAX_MS on ``sock``; False where the kernel (before 6.15) refuses it: TCP's
+    own backoff then."""
+    try:
         sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, int(RETRANSMIT_MAX_S * 1000))
+    except OSError:
+        return False
+    return True
 
 
 def retransmit_cap_available() -> bool:
     """Whether this kernel takes TCP_RTO_MAX_MS (Linux 6.15 and later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, int(RETRANSMIT_MAX_S * 1000))
-        except OSError:
-            return False
-    return True
+        return _cap_retransmits(sock)
 
 
 def set_context_defaults(ctx: zmq.Context) -> None:

@@ -31,12 +31,7 @@ from gossipd.core.admin_messages import AdminReply, StatusReport, decode_admin_a
 from gossipd.core.gossip_messages import MemberRecord
 from gossipd.core.messages import PROTOCOL_VERSION, Drain, Result, StatusQuery, endpoint_problem
 from gossipd.errors import RemoteProtocolError
-from gossipd.ops.fdlimits import (
-    FIXED_SOCKETS,
-    MEMBERS_MAX,
-    raise_open_files,
-    size_context,
-)
+from gossipd.ops.fdlimits import FIXED_SOCKETS, MEMBERS_MAX, raise_open_files, size_context
 from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
 from gossipd.security import is_wildcard_host
 from gossipd.tools.client import DEFAULT_REPLY_BIND, REPLY_BYTES_MAX, ProducerKeys
