@@ -19,7 +19,7 @@ from tests.helpers import run_with_context, wait_until_async
 def _sender(ctx: zmq.Context, pool: SocketPool | None = None, **overrides: float) -> ReplySender:
     opts = {"sockets_max": 2, "idle_s": 60.0, "timeout_s": 0.3, "queue_max": 100}
     opts.update(overrides)
-    return ReplySender(pool or SocketPool(ctx), **opts)  # type: ignore[arg-type]
+    return ReplySender(pool if pool is not None else SocketPool(ctx), **opts)  # type: ignore[arg-type]
 
 
 def test_ReplySender_delivers_in_order_and_bounds_cached_sockets() -> None:
