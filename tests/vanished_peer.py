@@ -1,14 +1,13 @@
-"""Run by tests/test_dead_peers.py inside a network namespace of its own (``unshare --net``),
-with gossipd/ops/tcpdefaults.py's keepalive shortened (1 s idle, 2 probes 1 s apart; the
-retransmission cap of 1 s and the connect bound of 1 s as they are).  nftables drops
-packets.  Prints one JSON line.
+"""Run by tests/test_dead_peers.py (and scripts/cut_link.py) inside a network namespace of
+its own (``unshare --net``), gossipd/ops/tcpdefaults.py's bounds as they are but where
+said; nftables drops packets.  Prints one JSON line.
 
-- ``vanish``: a producer connected to a daemon's PULL vanishes without a FIN (every packet
+- ``vanish`` (keepalive shortened: 1 s idle, 2 probes 1 s apart): a producer connected to a daemon's PULL vanishes without a FIN (every packet
   from the daemon's port to it dropped, as if its host were gone), and each PULL (the event
   loop's, libzmq's) must close that connection: for each, the seconds until the daemon's end
   left the kernel's established connections, or null if still there after 20 s.
-- ``cut``: a member's rpc link (the loop's client and server) cut both ways for CUT_S while
-  a frame is sent, then healed and one more sent (``loop_cut``).
+- ``cut [SECONDS]``: a member's rpc link (the loop's client and server) cut both ways for
+  CUT_S (or SECONDS) while a frame is sent, then healed and one more sent (``loop_cut``).
 - ``stall``: a member whose loop stops while 8 MiB are written to it (``loop_stall``).
 - ``dial``: a member's rpc port unreachable while a connect is tried (``loop_dial``)."""
 
@@ -35,17 +34,19 @@ WAIT_S = 20.0
 CUT_S = 9.0  # (TCP's backoff would retry 12.6 s in: 3.6 s after the heal; SYNs 15 s in)
 STALL_S = 7.0
 DIAL_CUT_S = 20.0  # (SYNs 15 and 31 s in: 11 s after the heal without the connect bound)
-tcpdefaults.KEEPALIVE_IDLE_S = 1
-tcpdefaults.KEEPALIVE_INTERVAL_S = 1
-tcpdefaults.KEEPALIVE_PROBES = 2
 
 
-def established_from(port: int, end: int = 1) -> int:
-    """Connections in state ESTABLISHED whose local port (end 1; 2: remote port) is
-    ``port`` (/proc/net/tcp)."""
+def established() -> list[tuple[int, int]]:
+    """(local port, remote port) of each connection in state ESTABLISHED (/proc/net/tcp)."""
     with open("/proc/net/tcp") as f:
         rows = [line.split() for line in f.readlines()[1:]]
-    return sum(1 for row in rows if int(row[end].split(":")[1], 16) == port and row[3] == "01")
+    return [(int(row[1].split(":")[1], 16), int(row[2].split(":")[1], 16))
+            for row in rows if row[3] == "01"]  # fmt: skip
+
+
+def established_from(port: int) -> int:
+    """Connections established whose local port is ``port``."""
+    return sum(1 for local, _ in established() if local == port)
 
 
 def vanish_behind(port: int, both_ways: bool = False) -> None:
@@ -134,9 +135,9 @@ async def zmq_side(producer_ctx: zmq.Context) -> float | None:
         ctx.destroy(linger=0)
 
 
-async def loop_cut() -> dict:
+async def loop_cut(cut_s: float = CUT_S) -> dict:
     """A member's rpc link (the loop's client and server, up: b"before" came back) cut both
-    ways for CUT_S while a frame is sent, then healed and a frame sent: whether the link
+    ways for ``cut_s`` while a frame is sent, then healed and a frame sent: whether the link
     held, the seconds from the heal until that frame came back, and what arrived."""
     server = LoopPeerServer(message_bytes_max=1 << 16)
     addr = server.bind("tcp://127.0.0.1:0")
@@ -152,7 +153,7 @@ async def loop_cut() -> dict:
         vanish_behind(port, both_ways=True)
         try:
             client.send(addr, b"during")  # into the cut: TCP retransmits it, backing off
-            await asyncio.sleep(CUT_S)
+            await asyncio.sleep(cut_s)
         finally:
             unvanish()
         healed = time.monotonic()
@@ -172,10 +173,7 @@ async def loop_cut() -> dict:
 
 def client_end(port: int) -> int | None:
     """The local port of the one established connection to ``port`` (None: none)."""
-    with open("/proc/net/tcp") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    ends = [int(row[1].split(":")[1], 16) for row in rows
-            if int(row[2].split(":")[1], 16) == port and row[3] == "01"]  # fmt: skip
+    ends = [local for local, remote in established() if remote == port]
     return ends[0] if len(ends) == 1 else None
 
 
@@ -261,14 +259,17 @@ async def until(predicate: Callable[[], bool]) -> None:
         await asyncio.sleep(0.01)
 
 
-async def main(mode: str) -> None:
+async def main(mode: str, cut_s: float = CUT_S) -> None:
     if mode == "cut":
-        out = await loop_cut()
+        out = await loop_cut(cut_s)
     elif mode == "stall":
         out = await loop_stall()
     elif mode == "dial":
         out = await loop_dial()
-    else:
+    else:  # keepalive shortened: 1 s idle, 2 probes 1 s apart
+        tcpdefaults.KEEPALIVE_IDLE_S = 1
+        tcpdefaults.KEEPALIVE_INTERVAL_S = 1
+        tcpdefaults.KEEPALIVE_PROBES = 2
         producer_ctx = zmq.Context()  # the producer's own: no keepalive of its own
         try:
             out = {"loop": await loop_side(producer_ctx), "zmq": await zmq_side(producer_ctx)}
@@ -277,5 +278,5 @@ async def main(mode: str) -> None:
     print(json.dumps(out))
 
 
-if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+if __name__ == "__main__":  # MODE [CUT_S]: scripts/cut_link.py runs "cut" for as long
+    asyncio.run(main(sys.argv[1], *(float(arg) for arg in sys.argv[2:3])))
