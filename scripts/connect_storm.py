@@ -22,18 +22,16 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gossipd.tools.bench.loadgen import ProducerCurve, drive_many
-from gossipd.tools.curvekeys import CurveLayout
+from gossipd.tools.bench.loadgen import ProducerCurve, drive_many, one_daemon_keys
 from gossipd.tools.launcher import DaemonProcess
+from scripts.ingress_receiver_paired import SIDES, start_receiver_daemons
 
-SIDES = ("loop", "zmq")
 _BUSY = re.compile(r'^gossipd_ingress_connections_closed_total\{reason="busy"\} (\S+)$', re.M)
 
 
@@ -80,25 +78,8 @@ def main() -> None:
     ap.add_argument("--curve", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    keys = curve = None
-    if args.curve:
-        keys = CurveLayout(
-            tempfile.mkdtemp(prefix="gossipd-storm-keys-"), nodes=["bench"], producers=["p"]
-        )
-        public, secret = keys.pair("p")
-        curve = ProducerCurve(public, secret, [keys.public("bench")])
-    daemons = {
-        side: DaemonProcess(
-            name=side,
-            overrides=[
-                'gossip.bind=""',
-                f'ingress.receiver="{side}"',
-                'metrics.bind="127.0.0.1:0"',
-                *(keys.overrides("bench") if keys is not None else []),
-            ],
-        ).start()
-        for side in SIDES
-    }
+    keys, curve = one_daemon_keys("gossipd-storm-keys-") if args.curve else (None, None)
+    daemons = start_receiver_daemons(keys, ['metrics.bind="127.0.0.1:0"'])
     rows: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
     try:
         for r in range(args.rounds):

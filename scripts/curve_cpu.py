@@ -22,14 +22,12 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gossipd.tools.bench.loadgen import LoadResult, ProducerCurve, drive_many
-from gossipd.tools.curvekeys import CurveLayout
+from gossipd.tools.bench.loadgen import LoadResult, ProducerCurve, drive_many, one_daemon_keys
 from gossipd.tools.launcher import DaemonProcess
 from simulations.cluster import Cluster
 
@@ -84,11 +82,7 @@ def main() -> int:
     stop: list[Callable[[], object]] = []
     try:
         if args.bench == "ingress":
-            keys = CurveLayout(
-                tempfile.mkdtemp(prefix="gossipd-cpu-keys-"), nodes=["bench"], producers=["p"]
-            )
-            public, secret = keys.pair("p")
-            producer = ProducerCurve(public, secret, [keys.public("bench")])
+            keys, producer = one_daemon_keys("gossipd-cpu-keys-")
             plain = DaemonProcess(name="plain", overrides=['gossip.bind=""']).start()
             stop.append(plain.stop)
             secure = DaemonProcess(

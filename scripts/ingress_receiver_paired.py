@@ -14,18 +14,37 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gossipd.tools.bench.loadgen import ProducerCurve, drive
+from gossipd.tools.bench.loadgen import drive, one_daemon_keys
 from gossipd.tools.bench.membership import cpu_ns
 from gossipd.tools.curvekeys import CurveLayout
 from gossipd.tools.launcher import DaemonProcess
 
 SIDES = ("loop", "zmq")
+
+
+def start_receiver_daemons(
+    keys: CurveLayout | None, extra: Sequence[str] = ()
+) -> dict[str, DaemonProcess]:
+    """One daemon (echo engine, no membership) per ``ingress.receiver``, with ``keys``'
+    CURVE ("bench") when given, and ``extra`` overrides."""
+    return {
+        side: DaemonProcess(
+            name=side,
+            overrides=[
+                'gossip.bind=""',
+                f'ingress.receiver="{side}"',
+                *extra,
+                *(keys.overrides("bench") if keys is not None else []),
+            ],
+        ).start()
+        for side in SIDES
+    }
 
 
 def main() -> None:
@@ -36,26 +55,8 @@ def main() -> None:
     ap.add_argument("--curve", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    keys = cv = None
-    if args.curve:
-        keys = CurveLayout(
-            tempfile.mkdtemp(prefix="gossipd-receiver-keys-"),
-            nodes=["bench"],
-            producers=["producer"],
-        )
-        public, secret = keys.pair("producer")
-        cv = ProducerCurve(public, secret, [keys.public("bench")])
-    daemons = {
-        side: DaemonProcess(
-            name=side,
-            overrides=[
-                'gossip.bind=""',
-                f'ingress.receiver="{side}"',
-                *(keys.overrides("bench") if keys is not None else []),
-            ],
-        ).start()
-        for side in SIDES
-    }
+    keys, cv = one_daemon_keys("gossipd-receiver-keys-") if args.curve else (None, None)
+    daemons = start_receiver_daemons(keys)
     rows: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     try:
         for side, d in daemons.items():

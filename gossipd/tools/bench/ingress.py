@@ -22,7 +22,7 @@ from gossipd.tools.bench.curvecompare import (
     round_note,
     round_order,
 )
-from gossipd.tools.bench.loadgen import LoadResult, ProducerCurve, drive
+from gossipd.tools.bench.loadgen import LoadResult, drive, one_daemon_keys
 from gossipd.tools.launcher import DaemonProcess, free_tcp_port
 from gossipd.tools.progress import Steps
 
@@ -120,16 +120,8 @@ def main_curve(*, tasks: int, window: int, repeats: int, as_json: bool, producer
     pair, for each kind of producer (``curvecompare``); per producer,
     ``ratio_curve_vs_plain`` is the ratio of median throughputs and ``ratio_paired_median``
     the median of the rounds' own ratios."""
-    import tempfile
-
-    from gossipd.tools.curvekeys import CurveLayout
-
     kinds = producers_of(producer)
-    keys = CurveLayout(
-        tempfile.mkdtemp(prefix="gossipd-bench-keys-"), nodes=["bench"], producers=["producer"]
-    )
-    public, secret = keys.pair("producer")
-    producer_keys = ProducerCurve(public, secret, [keys.public("bench")])
+    keys, producer_keys = one_daemon_keys("gossipd-bench-keys-")
     steps = Steps(repeats + 1, "bench ingress --curve")  # on stderr: stdout is the report
     steps.start("starting a daemon without CURVE and one with it; warming both")
     plain = DaemonProcess(name="plain", overrides=['gossip.bind=""']).start()

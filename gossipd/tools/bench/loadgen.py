@@ -5,6 +5,7 @@ generator's own cost is the same on both sides of every ratio."""
 from __future__ import annotations
 
 import itertools
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ import zmq
 
 from gossipd.core.messages import PROTOCOL_VERSION, MsgType, Task, encode, pack_tasks
 from gossipd.core.sampling import SamplingParams
+from gossipd.tools.curvekeys import CurveLayout
 from gossipd.tools.packing import PACK_BYTES_MAX, PACK_ITEMS_MAX
 from gossipd.tools.progress import percentile
 
@@ -89,6 +91,14 @@ class ProducerCurve:
     public: bytes
     secret: bytes
     server_keys: list[bytes]
+
+
+def one_daemon_keys(prefix: str) -> tuple[CurveLayout, ProducerCurve]:
+    """CURVE keys in a fresh directory for one daemon, "bench" (``layout.overrides("bench")``
+    starts it with them), and one producer, as ``drive`` takes them."""
+    layout = CurveLayout(tempfile.mkdtemp(prefix=prefix), nodes=["bench"], producers=["producer"])
+    public, secret = layout.pair("producer")
+    return layout, ProducerCurve(public, secret, [layout.public("bench")])
 
 
 def drive(
