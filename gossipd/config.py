@@ -101,6 +101,19 @@ class NodeConfig(Section, frozen=True):
     # busy, a message may wait for the scheduler's next slice (milliseconds); false: the
     # default policy, a woken I/O thread preempts.
     zmq_io_batch: bool = True
+    # Busy-polling (gossipd/busypoll.py): after a read on a client's or a peer's connection
+    # (HTTP door, ingress, peer channel; not membership's) the event loop keeps turning for
+    # this many microseconds without sleeping, yielding its core on each turn, so that the
+    # next request finds it awake instead of paying a wake-up.  Measured (bench/README,
+    # "Busy-polling after a read"): the HTTP door's bench at 1 connection about 1.7x the
+    # requests a second and half the p50.  Its cost: CPU while it polls (an idle daemon
+    # never does; a lightly loaded one polls up to this long after each read).  0: never.
+    busy_poll_us: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 300
+    # No polling while some task waited for a CPU more than this share of the last 0.1 s
+    # (/proc/pressure/cpu): the CPUs have no time to spare, and a polling loop would take a
+    # core a waiting thread needs.  1.0: poll whatever the load.  Without PSI (a kernel
+    # without it, or psi=0) it polls whatever the load.
+    busy_poll_cpu_pressure_max: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.15
 
 
 class IngressConfig(Section, frozen=True):

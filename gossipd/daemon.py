@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gossipd import __version__
 from gossipd.admin import Admin
+from gossipd.busypoll import BusyPoll, CpuPressure
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
 from gossipd.core.forwarder import Refuse
@@ -123,6 +124,13 @@ class Daemon:
         )
         size_context(self._ctx, sockets)
         raise_open_files(sockets * FDS_PER_SOCKET, at_least=sockets)
+        # The loop polls a moment after each read of a request's connection (busypoll.py).
+        self.busy_poll = BusyPoll(
+            config.node.busy_poll_us / 1e6,
+            clock=clock.monotonic,
+            pressure=CpuPressure() if config.node.busy_poll_us else None,
+            pressure_max=config.node.busy_poll_cpu_pressure_max,
+        )
         if config.node.zmq_io_batch and not batch_io_threads(self._ctx):
             log.warning(
                 "node.zmq_io_batch: SCHED_BATCH is not granted here (a seccomp filter, a "
@@ -183,6 +191,7 @@ class Daemon:
                 message_bytes_max=4 * ic.message_bytes_max,  # (as ZMQ_MAXMSGSIZE was)
                 curve=security.loop_peer_curve(DOMAIN_PRODUCERS),
                 refused_lines_per_s=config.log.refused_lines_per_s,
+                on_read=self.busy_poll.poke,
             )
             if ic.receiver == "loop" and loop_binds(ic.bind)
             else None,
@@ -359,6 +368,7 @@ class Daemon:
             "http": self.door,
             "model_cards": self.cluster_models.cards,
             "journal_replay": self.replay,
+            "busy_poll": self.busy_poll.statistics(),
         }
 
     # -- what the HTTP door reads ------------------------------------------------------
@@ -499,6 +509,7 @@ class Daemon:
                     else None,
                     sender_allowed=self.security.peer_key_allowed if self.security.curve else None,
                     loop_curve=self.security.loop_peer_curve(DOMAIN_PEERS),
+                    on_read=self.busy_poll.poke,
                 )
             except (OSError, zmq.ZMQError, ssl.SSLError) as exc:
                 raise StartupError(
@@ -631,6 +642,7 @@ class Daemon:
                 self.tracer.close()
             self.notifier.close()
             self.security.close()
+            self.busy_poll.close()
             self._ctx.term()
         stats = _plain(self.snapshot())
         if self.dispatcher is not None:
@@ -664,6 +676,7 @@ class Daemon:
             bind=_bind,
             refuse_forward=self._refuse_forward,
             on_drain=self._relayed_drain,
+            on_read=self.busy_poll.poke,
         )
 
     def _relayed_drain(self, msg: Drain) -> None:

@@ -76,7 +76,9 @@ class LoopPeerServer:
         refused_lines_per_s: float = 5.0,
         socket_type: bytes = b"ROUTER",
         peer_types: tuple[bytes, ...] = (b"DEALER", b"ROUTER"),
+        on_read: Callable[[], None] | None = None,
     ) -> None:
+        self._on_read = on_read  # told of every read (busy-polling: gossipd/busypoll.py)
         self._socket_type, self._peer_types = socket_type, peer_types
         self._message_bytes_max = message_bytes_max
         self._fail_log = RateLimiter(refused_lines_per_s)  # (log.refused_lines_per_s)
@@ -178,6 +180,7 @@ class LoopPeerServer:
             self.read_budget,
             self._made,
             self._fail_log,
+            self._on_read,
         )
         link.identity = self._new_identity()
         self._shaking[link] = None
@@ -325,8 +328,10 @@ class LoopPeerClient:
         write_bytes_max: int = WRITE_BYTES_MAX,
         clock: Callable[[], float] = time.monotonic,
         refused_lines_per_s: float = 5.0,
+        on_read: Callable[[], None] | None = None,
     ) -> None:
         self._message_bytes_max = message_bytes_max
+        self._on_read = on_read  # told of every read (busy-polling: gossipd/busypoll.py)
         self._fail_log = RateLimiter(refused_lines_per_s, clock=clock)
         self._curve = curve
         self._reconnect_s = reconnect_s
@@ -406,6 +411,7 @@ class LoopPeerClient:
             lambda link: self._on_ready(conn, link),
             lambda link, reason: self._on_lost(conn, link, reason),
             fail_log=self._fail_log,
+            on_read=self._on_read,
         )
         conn.connecting = link
         host, port = parse_endpoint(conn.addr)

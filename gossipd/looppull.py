@@ -67,6 +67,7 @@ class LoopPullServer(LoopPeerServer):
         curve: PeerCurve | None = None,
         read_bytes_max: int = 0,
         refused_lines_per_s: float = 5.0,
+        on_read: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(
             message_bytes_max=message_bytes_max,
@@ -75,6 +76,7 @@ class LoopPullServer(LoopPeerServer):
             refused_lines_per_s=refused_lines_per_s,
             socket_type=b"PULL",
             peer_types=(b"PUSH",),
+            on_read=on_read,
         )
         self._held = False  # pause_reading(): nothing more is read until close
         self._accepting = True  # until stop_accepting

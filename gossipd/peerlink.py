@@ -68,6 +68,10 @@ class ReadBudget:
         return reader if reader.held_bytes >= most.held_bytes else most
 
 
+def _nothing() -> None:
+    pass
+
+
 class PeerLink(asyncio.Protocol):
     """One TCP connection and its ZMTP state; the owner's callbacks see its messages."""
 
@@ -80,10 +84,13 @@ class PeerLink(asyncio.Protocol):
         budget: ReadBudget | None = None,
         on_made: Callable[[PeerLink], bool] | None = None,
         fail_log: RateLimiter | None = None,
+        on_read: Callable[[], None] | None = None,
     ) -> None:
         """``on_made``: asked once the peer's address is known (``peer``); False refuses
         the connection ("busy").  ``fail_log``: the bound on "closed a peer connection"
-        lines, shared by the owner's connections (anyone who can connect can fail one)."""
+        lines, shared by the owner's connections (anyone who can connect can fail one).
+        ``on_read``: told of every read (busy-polling: gossipd/busypoll.py)."""
+        self._on_read = on_read or _nothing
         self.zmtp = zmtp
         self._fail_log = fail_log
         self._on_made = on_made
@@ -128,6 +135,7 @@ class PeerLink(asyncio.Protocol):
             self.fail("handshake_timeout", "no handshake within 5 s")
 
     def data_received(self, data: bytes) -> None:
+        self._on_read()
         if self.closed:
             return
         zmtp = self.zmtp

@@ -85,10 +85,12 @@ def build_fanout(
     bind: Callable[[str, str, Callable[[], str]], str],
     refuse_forward: Callable[[Refuse], None],
     on_drain: Callable[[Drain], object],
+    on_read: Callable[[], None] | None = None,
 ) -> Fanout:
     """``bind(key, endpoint, bind)``: binds the owner endpoint (a failure stops start-up);
     ``refuse_forward``: no member took a task from our intake; ``on_drain``: a Drain a
-    member relayed to us (admin's, built after this)."""
+    member relayed to us (admin's, built after this); ``on_read``: told of every read of
+    the loop's peer channel (busy-polling: gossipd/busypoll.py)."""
     # The cycles of calls left, closed before any message is read, by these names bound
     # below (tests/test_composition.py holds the list): the owner endpoint hands what peers
     # send us as a forwarder (TaskDones of tasks re-run from a journal, Confirms) to the
@@ -149,11 +151,13 @@ def build_fanout(
             reconnect_max_s=config.fanout.peer_reconnect_max_s,
             clock=clock.monotonic,
             refused_lines_per_s=config.log.refused_lines_per_s,
+            on_read=on_read,
         )
         peer_server = LoopPeerServer(
             message_bytes_max=config.fanout.message_bytes_max,
             curve=curve,
             refused_lines_per_s=config.log.refused_lines_per_s,
+            on_read=on_read,
         )
     else:
         peer_client = zmq_peer_client(config.fanout, sockets, replies.names)

@@ -75,8 +75,10 @@ class HttpConnection(asyncio.Protocol):
         writes: TurnWrites | None = None,
         *,
         counted: bool = False,
+        on_read: Callable[[], None] | None = None,
     ) -> None:
         self._handler = handler
+        self._on_read = on_read or _nothing  # every read (busy-polling: gossipd/busypoll.py)
         self._limits = limits
         self._counted = counted  # TLS: counted at accept, before its handshake (tlsaccept.py)
         # the server's (one for all its connections); a connection alone gets its own
@@ -173,6 +175,7 @@ class HttpConnection(asyncio.Protocol):
         self._schedule_next()
 
     def data_received(self, data: bytes) -> None:
+        self._on_read()
         if self._broken or self._last_seen:
             if self._dropping >= 0:
                 self._dropping += len(data)
@@ -688,6 +691,10 @@ class HttpConnection(asyncio.Protocol):
             self._linger = self._loop.call_later(linger_s, self.abort)
 
 
+def _nothing() -> None:
+    pass
+
+
 def _too_large(bytes_max: int) -> str:
     return f"the request body is over {bytes_max} bytes (http.body_bytes_max)"
 
@@ -720,16 +727,20 @@ async def serve(
     limits: HttpLimits,
     *,
     tls: ssl.SSLContext | None = None,
+    on_read: Callable[[], None] | None = None,
 ) -> asyncio.Server:
-    """Listen on ``host:port`` (port 0: any free one) on the running loop."""
+    """Listen on ``host:port`` (port 0: any free one) on the running loop; ``on_read``:
+    told of every read of every connection (busy-polling: gossipd/busypoll.py)."""
     loop = asyncio.get_running_loop()
     writes = TurnWrites()  # one for all connections: a turn's answers leave together
     factory: Callable[[], asyncio.Protocol]
     if tls is None:
-        factory = lambda: HttpConnection(handler, limits, writes)  # noqa: E731
+        factory = lambda: HttpConnection(handler, limits, writes, on_read=on_read)  # noqa: E731
     else:  # counted from accept, its handshake included (tlsaccept.py)
         factory = lambda: TlsAccept(  # noqa: E731
-            lambda: HttpConnection(handler, limits, writes, counted=True), limits, tls
+            lambda: HttpConnection(handler, limits, writes, counted=True, on_read=on_read),
+            limits,
+            tls,
         )
     return await loop.create_server(
         factory,

@@ -72,11 +72,14 @@ async def open_door(
     serve_curve: Callable[[zmq.Socket], None] | None,
     sender_allowed: Callable[[str], bool] | None = None,
     loop_curve: PeerCurve | None = None,
+    on_read: Callable[[], None] | None = None,
 ) -> int:
     """Bind the reply socket and the HTTP listener; returns the HTTP port.  With CURVE,
     ``sender_allowed``: is a reply's sender (its frame's User-Id) still an authorised member?
     The reply socket is the loop's PULL (``loop_curve``: its CURVE) under
-    http.reply_receiver "loop" where it binds the address, else libzmq's (``serve_curve``)."""
+    http.reply_receiver "loop" where it binds the address, else libzmq's (``serve_curve``).
+    ``on_read``: told of every read of the listener's and the loop reply socket's
+    connections (busy-polling: gossipd/busypoll.py)."""
     endpoint = reply_endpoint(config)
     receiver = None
     if config.http.reply_receiver == "loop" and loop_binds(endpoint):
@@ -85,6 +88,7 @@ async def open_door(
             read_bytes_max=2 * REPLY_FRAME_BYTES_MAX,  # (128 MiB, not 16 such frames)
             curve=loop_curve,
             refused_lines_per_s=config.log.refused_lines_per_s,
+            on_read=on_read,
         )
     door.answers.bind(ctx, endpoint, serve_curve, sender_allowed, receiver)
     # Tasks run here: no socket, and the runner's replies not even encoded.
@@ -95,5 +99,7 @@ async def open_door(
     if config.http.tls_cert_file:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(config.http.tls_cert_file, config.http.tls_key_file)
-    door.server = await serve(host.strip("[]"), int(port), door.handle, door.limits, tls=context)
+    door.server = await serve(
+        host.strip("[]"), int(port), door.handle, door.limits, tls=context, on_read=on_read
+    )
     return door.server.sockets[0].getsockname()[1]
