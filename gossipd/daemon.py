@@ -124,12 +124,16 @@ class Daemon:
         )
         size_context(self._ctx, sockets)
         raise_open_files(sockets * FDS_PER_SOCKET, at_least=sockets)
-        # The loop polls a moment after each read of a request's connection (busypoll.py).
+        # The loop polls a moment after each read of a request's connection (busypoll.py):
+        # on the process's own clock, as the pressure file is (not a test's ``clock``).
+        node = config.node
         self.busy_poll = BusyPoll(
-            config.node.busy_poll_us / 1e6,
-            clock=clock.monotonic,
-            pressure=CpuPressure() if config.node.busy_poll_us else None,
-            pressure_max=config.node.busy_poll_cpu_pressure_max,
+            node.busy_poll_us / 1e6,
+            clock=SYSTEM_CLOCK.monotonic,
+            pressure=CpuPressure()
+            if node.busy_poll_us and node.busy_poll_cpu_pressure_max < 1
+            else None,
+            pressure_max=node.busy_poll_cpu_pressure_max,
         )
         if config.node.zmq_io_batch and not batch_io_threads(self._ctx):
             log.warning(

@@ -12,6 +12,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import cast
 
+from gossipd.busypoll import ignore_read
 from gossipd.ops import tcpdefaults
 from gossipd.ops.logs import RateLimiter
 from gossipd.zmtp import ZmtpConnection, ZmtpError
@@ -68,10 +69,6 @@ class ReadBudget:
         return reader if reader.held_bytes >= most.held_bytes else most
 
 
-def _nothing() -> None:
-    pass
-
-
 class PeerLink(asyncio.Protocol):
     """One TCP connection and its ZMTP state; the owner's callbacks see its messages."""
 
@@ -90,7 +87,7 @@ class PeerLink(asyncio.Protocol):
         the connection ("busy").  ``fail_log``: the bound on "closed a peer connection"
         lines, shared by the owner's connections (anyone who can connect can fail one).
         ``on_read``: told of every read (busy-polling: gossipd/busypoll.py)."""
-        self._on_read = on_read or _nothing
+        self._on_read = on_read or ignore_read
         self.zmtp = zmtp
         self._fail_log = fail_log
         self._on_made = on_made

@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import httptools
 
+from gossipd.busypoll import ignore_read
 from gossipd.http.exchange import REASONS, Exchange, HttpCounters, HttpLimits, Request, admit
 from gossipd.http.tlsaccept import TlsAccept
 from gossipd.http.turnwrites import TurnWrites
@@ -78,7 +79,7 @@ class HttpConnection(asyncio.Protocol):
         on_read: Callable[[], None] | None = None,
     ) -> None:
         self._handler = handler
-        self._on_read = on_read or _nothing  # every read (busy-polling: gossipd/busypoll.py)
+        self._on_read = on_read or ignore_read  # every read (busy-polling: gossipd/busypoll.py)
         self._limits = limits
         self._counted = counted  # TLS: counted at accept, before its handshake (tlsaccept.py)
         # the server's (one for all its connections); a connection alone gets its own
@@ -689,10 +690,6 @@ class HttpConnection(asyncio.Protocol):
         if self._linger is None:
             linger_s = min(REFUSED_LINGER_S, self._limits.idle_timeout_s)
             self._linger = self._loop.call_later(linger_s, self.abort)
-
-
-def _nothing() -> None:
-    pass
 
 
 def _too_large(bytes_max: int) -> str:

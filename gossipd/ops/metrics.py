@@ -284,27 +284,29 @@ class DaemonCollector:
         security = s.get("security")
         if security is not None and security.curve:
             yield from _security_metrics(security)
-        poll = s.get("busy_poll")  # busypoll.py's BusyPoll.statistics()
+        poll = s.get("busy_poll")  # busypoll.py's BusyPollStatistics
         if poll is not None:
             yield _one(
                 C,
                 "gossipd_busy_polls",
-                "Times the event loop polled after a read instead of sleeping (node.busy_poll_us)",
-                poll["polls"],
+                "Times the event loop began to poll after a read instead of sleeping "
+                "(node.busy_poll_us)",
+                poll.polls,
             )
             yield _one(
                 C,
                 "gossipd_busy_poll_seconds",
-                "Time the event loop spent polling after reads (ended polls): CPU it spent "
-                "waiting awake for the next read",
-                poll["polled_s"],
+                "Time the event loop was kept from sleeping by polls (ended ones): the reads "
+                "and requests it handled meanwhile included, and its CPU while it waited",
+                poll.polled_s,
             )
             yield _one(
                 C,
                 "gossipd_busy_polls_declined",
-                "Polls not begun, or cut short, because tasks waited for a CPU more than "
-                "node.busy_poll_cpu_pressure_max of the last 0.1 s",
-                poll["declined"],
+                "Pressure readings (at most one a 0.1 s) that cut a poll short or held polls "
+                "back: tasks had waited for a CPU more than node.busy_poll_cpu_pressure_max "
+                "of the time since the last reading",
+                poll.declined,
             )
         yield handler_failures_metric()
         hist = ing.latency
