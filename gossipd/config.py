@@ -106,8 +106,9 @@ class NodeConfig(Section, frozen=True):
     # this many microseconds without sleeping, yielding its core on each turn, so that the
     # next request finds it awake instead of paying a wake-up.  Measured (bench/README,
     # "Busy-polling after a read"): the HTTP door's bench at 1 connection twice the
-    # requests a second at half the p50, the same CPU a request.  Its cost: CPU while it polls (an idle daemon
-    # never does; a lightly loaded one polls up to this long after each read).  0: never.
+    # requests a second at half the p50, the same CPU a request.  Its cost: CPU while it
+    # polls (an idle daemon never does; a lightly loaded one polls up to this long after
+    # each read).  0: never.
     busy_poll_us: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 300
     # No polling while some task waited for a CPU more than this share of the last 0.1 s
     # (/proc/pressure/cpu): the CPUs have no time to spare, and a polling loop would take a

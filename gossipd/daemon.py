@@ -125,15 +125,15 @@ class Daemon:
         size_context(self._ctx, sockets)
         raise_open_files(sockets * FDS_PER_SOCKET, at_least=sockets)
         # The loop polls a moment after each read of a request's connection (busypoll.py):
-        # on the process's own clock, as the pressure file is (not a test's ``clock``).
-        node = config.node
+        # on the process's own clock, as the pressure file is (not a test's ``clock``).  The
+        # file is opened at the first poll's reading (none with busy_poll_us 0); a share is
+        # at most 1, so a bound of 1 reads none.
+        bound = config.node.busy_poll_cpu_pressure_max
         self.busy_poll = BusyPoll(
-            node.busy_poll_us / 1e6,
+            config.node.busy_poll_us / 1e6,
             clock=SYSTEM_CLOCK.monotonic,
-            pressure=CpuPressure()
-            if node.busy_poll_us and node.busy_poll_cpu_pressure_max < 1
-            else None,
-            pressure_max=node.busy_poll_cpu_pressure_max,
+            pressure=CpuPressure() if bound < 1 else None,
+            pressure_max=bound,
         )
         if config.node.zmq_io_batch and not batch_io_threads(self._ctx):
             log.warning(
