@@ -31,13 +31,25 @@ def _forwarding(daemon: Any) -> Iterator[tuple[RawProducer, zmq.Socket]]:
         producer.close()
 
 
-def _replies(dealer: zmq.Socket, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` ForwardReplies (TaskDones pass by)."""
+def _replies(dealer: zmq.Socket, n: int, ids: dict[str, int]) -> list[dict[str, Any]]:
+    """The answers to the first ``n`` Forwards, ``ids`` their task ids' reqs: ForwardReplies,
+    and for an accept not sent (its task ended while the owner held it: docs/PROTOCOL.md,
+    "The owner holds accepting ForwardReplies") the TaskDone that stands for it, as
+    ``{"req", "accepted": True, "by": "TaskDone"}``."""
     out: list[dict[str, Any]] = []
+    answered: set[int] = set()
     while len(out) < n:
-        assert dealer.poll(5000), f"no ForwardReply within 5 s ({len(out)} of {n})"
+        assert dealer.poll(5000), f"no answer within 5 s ({len(out)} of {n})"
         msg = msgpack.unpackb(dealer.recv())
-        out.extend(m for m in (msg["items"] if msg["t"] == 23 else [msg]) if m["t"] == 21)
+        for m in msg["items"] if msg["t"] == 23 else [msg]:
+            if m["t"] == 21:
+                reply = m
+            elif m["t"] == 22 and ids.get(m["id"]) not in answered:
+                reply = {"req": ids[m["id"]], "accepted": True, "by": "TaskDone"}
+            else:
+                continue
+            answered.add(reply["req"])
+            out.append(reply)
     return out
 
 
@@ -57,7 +69,7 @@ def test_a_forward_the_ingress_would_refuse_is_refused_with_its_code_and_counted
         forward(1, "v2", v=2)
         forward(2, "huge", prompt="x" * 8000)
         forward(3, "fine")
-        replies = {r["req"]: r for r in _replies(dealer, 3)}
+        replies = {r["req"]: r for r in _replies(dealer, 3, {"v2": 1, "huge": 2, "fine": 3})}
         assert replies[1]["accepted"] is False and replies[1]["code"] == "unsupported_version"
         assert replies[2]["accepted"] is False and replies[2]["code"] == "bad_request"
         assert "4096" in replies[2]["message"]
@@ -99,7 +111,8 @@ def test_a_forward_from_an_earlier_process_of_its_sender_is_refused_and_not_run(
         forward(2, "old", 1_000)  # the dead one's, late
         forward(3, "unsaid", None)  # a daemon that does not say (old version): taken
         forward(4, "other", 500, src="f2")  # another member's own processes
-        replies = {r["req"]: r for r in _replies(dealer, 4)}
+        ids = {"new": 1, "old": 2, "unsaid": 3, "other": 4}
+        replies = {r["req"]: r for r in _replies(dealer, 4, ids)}
         assert replies[1]["accepted"] is True
         assert replies[2]["accepted"] is False and replies[2]["code"] == "unavailable"
         assert "earlier process" in replies[2]["message"]
@@ -114,8 +127,8 @@ def test_a_migrated_earlier_send_of_an_id_answered_at_a_later_send_is_accepted_n
     daemon_factory,  # type: ignore[no-untyped-def]
 ) -> None:
     """Admission's rule 5 on the owner's side: a forwarder migrates the producer's earlier
-    send to an owner that has answered a later one.  The forwarder gets its accept and
-    TaskDone (it can forget the task); the producer gets no second Result.  A send that
+    send to an owner that has answered a later one.  The forwarder gets its TaskDone, which
+    stands for the accept (it can forget the task); the producer gets no second Result.  A send that
     entered the cluster after the answer (its Forward's remaining_ms is its whole timeout)
     gets the cached Result."""
     port = free_tcp_port()
@@ -125,16 +138,18 @@ def test_a_migrated_earlier_send_of_an_id_answered_at_a_later_send_is_accepted_n
 
         def migrate(req: int, attempt: int, remaining_ms: int) -> dict[int, dict[str, Any]]:
             """A Forward of send ``attempt`` (30 s timeout, ``remaining_ms`` of it left):
-            its accept and TaskDone, by type."""
+            its TaskDone, which stands for its accept (the owner held the accept for
+            fanout.ack_delay_s and the task, done already, ended meanwhile), by type."""
             body = {**task, "attempt": attempt, "timeout_ms": 30_000}
             frame = {"v": 1, "t": 20, "req": req, "src": "d-other", "task": body}
             dealer.send(msgpack.packb({**frame, "remaining_ms": remaining_ms, "attempt": 1}))
             kinds: dict[int, dict[str, Any]] = {}
-            while 21 not in kinds or 22 not in kinds:
-                assert dealer.poll(5000), f"no accept and TaskDone within 5 s: {kinds}"
+            while 22 not in kinds:
+                assert dealer.poll(5000), f"no TaskDone within 5 s: {kinds}"
                 msg = msgpack.unpackb(dealer.recv())
                 kinds.update((m["t"], m) for m in (msg["items"] if msg["t"] == 23 else [msg]))
-            assert kinds[21]["accepted"] is True and kinds[21]["req"] == req
+            if 21 in kinds:  # (sent only if the loop stalled past the hold: not the rule)
+                assert kinds[21]["accepted"] is True and kinds[21]["req"] == req
             assert kinds[22]["id"] == "mig"
             return kinds
 
@@ -151,3 +166,51 @@ def test_a_migrated_earlier_send_of_an_id_answered_at_a_later_send_is_accepted_n
         assert producer.results(1) == [first]
         metrics = scrape(port)
         assert metrics["gossipd_task_duplicates_answered_later_total"] == 2
+
+
+def _answers_to(dealer: zmq.Socket, task_id: str) -> list[dict[str, Any]]:
+    """Every ForwardReply and TaskDone that comes back until ``task_id``'s TaskDone, in order."""
+    seen: list[dict[str, Any]] = []
+    while not any(m["t"] == 22 and m["id"] == task_id for m in seen):
+        assert dealer.poll(5000), f"no TaskDone for {task_id} within 5 s: {seen}"
+        msg = msgpack.unpackb(dealer.recv())
+        seen += [m for m in (msg["items"] if msg["t"] == 23 else [msg]) if m["t"] in (21, 22)]
+    return seen
+
+
+def test_a_task_that_ends_while_its_accept_is_held_is_answered_by_its_TaskDone_alone(
+    daemon_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """The owner holds an accept up to fanout.ack_delay_s (0.5 s here, so that a loaded
+    machine's stall cannot send it first): a task that ends meanwhile has only its TaskDone
+    sent, carrying the load the accept would have carried, and counted.  A task that runs
+    longer than the hold has its accept sent (with the load), then its TaskDone."""
+    port = free_tcp_port()
+    daemon = daemon_factory(
+        f"metrics.bind=127.0.0.1:{port}", "fanout.ack_timeout_s=5", "fanout.ack_delay_s=0.5"
+    )
+    slow = daemon_factory(
+        f"metrics.bind=127.0.0.1:{free_tcp_port()}",
+        "fanout.ack_timeout_s=5",
+        "fanout.ack_delay_s=0.05",
+        "engine.token_delay_s=0.5",
+        name="slow",
+    )
+    for owner, task_id, held in ((daemon, "quick", False), (slow, "slow", True)):
+        with _forwarding(owner) as (producer, dealer):
+            body = {"v": 1, "t": 1, "id": task_id, "prompt": "a b", "reply_to": producer.reply_to}
+            body["params"] = {"max_tokens": 1}  # (the slow engine: one 0.5 s token)
+            frame = {"v": 1, "t": 20, "req": 7, "src": "d-other", "task": body}
+            dealer.send(msgpack.packb({**frame, "remaining_ms": 5000, "attempt": 1}))
+            seen = _answers_to(dealer, task_id)
+            (result,) = producer.results(1)
+            assert result["ok"] and result["id"] == task_id
+        if held:
+            accept, done = seen
+            assert accept["t"] == 21 and accept["req"] == 7 and accept["accepted"] is True
+            assert accept["load"] is not None
+        else:
+            (done,) = seen  # no accept: the TaskDone stands for it
+            assert done["load"] is not None, "the load the accept would have carried"
+        assert done["t"] == 22 and done["id"] == task_id
+    assert scrape(port)["gossipd_fanout_accepts_in_done_total"] == 1

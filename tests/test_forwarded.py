@@ -1,5 +1,6 @@
-"""The forwarder's ledger of accepted forwards: acks and TaskDones in any order, duplicates,
-withdrawn copies and the size bound leave it consistent with the load counts."""
+"""The forwarder's ledger of accepted forwards: acks and TaskDones in any order (as the
+forwarder hands them to it), duplicates, withdrawn copies and the size bound leave it
+consistent with the load counts."""
 
 from __future__ import annotations
 
@@ -22,14 +23,24 @@ def _task(n: int) -> Task:
 
 
 def _replay(events: list[tuple[str, int, str]]) -> tuple[ForwardedLedger, LoadCounts]:
-    """A fresh ledger after ``events``: ("accept" or "done", task number, member)."""
+    """A fresh ledger after ``events``: ("accept" or "done", task number, member), handed to
+    it as the forwarder does (core/forwarder.py): a TaskDone that comes before the accept of
+    its Forward stands for that accept (``finished``), and the accept that follows finds its
+    Forward ended (not handed on)."""
     outstanding = LoadCounts()
     ledger = ForwardedLedger(outstanding, entries_max=100)
+    accepted: set[tuple[int, str]] = set()
+    done_first: set[tuple[int, str]] = set()
     for kind, n, member in events:
         if kind == "accept":
-            ledger.accepted(_task(n), member, 0.0)
-        else:
+            if (n, member) not in done_first:
+                ledger.accepted(_task(n), member, 0.0)
+            accepted.add((n, member))
+        elif (n, member) in accepted or (n, member) in done_first:
             ledger.done(f"t{n}", member)
+        else:
+            ledger.finished(f"t{n}", member)
+            done_first.add((n, member))
     return ledger, outstanding
 
 
@@ -55,7 +66,7 @@ def test_accept_and_TaskDone_in_either_order_leave_nothing_behind(
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["accept", "done", "forget"]),
+            st.sampled_from(["accept", "done", "finished", "forget"]),
             st.integers(0, 5),
             st.sampled_from(MEMBERS),
         ),
@@ -68,27 +79,26 @@ def test_ledger_keeps_counts_and_rules_under_any_sequence(
 ) -> None:
     outstanding = LoadCounts()
     ledger = ForwardedLedger(outstanding, entries_max=entries_max)
-    # TaskDones seen from a member while the id was not ledgered under it
-    early: set[tuple[str, str]] = set()
     for kind, n, member in ops:
         task_id = f"t{n}"
         before = ledger.get(task_id)
         if kind == "accept":
             ledger.accepted(_task(n), member, 0.0)
             after = ledger.get(task_id)
-            if (task_id, member) in early:
-                assert after is None, "finished before its accept: not ledgered"
-                early.discard((task_id, member))
-            else:
-                assert after is not None and after.owner == member
+            assert after is not None and after.owner == member
+            assert ledger.finished_by(member, [task_id]) == [], "running again"
         elif kind == "done":
             ledger.done(task_id, member)
             after = ledger.get(task_id)
             if before is not None and before.owner == member:
                 assert after is None
+                assert ledger.finished_by(member, [task_id]) == [task_id]
             else:
                 assert after is before, "another copy's TaskDone leaves the entry"
-                early.add((task_id, member))
+        elif kind == "finished":
+            ledger.finished(task_id, member)
+            assert ledger.get(task_id) is None, "accepted and done in one: not ledgered"
+            assert ledger.finished_by(member, [task_id]) == [task_id]
         else:
             assert ledger.forget(task_id) is before
             assert ledger.get(task_id) is None
@@ -120,27 +130,34 @@ def test_several_copies_of_an_id_accepted_and_done_in_any_order_leave_nothing_be
 
 def test_a_copy_done_while_another_is_ledgered_is_not_ledgered_by_its_late_accept() -> None:
     """The simulator's case: a accepted the first copy; b ran the second, and b's TaskDone
-    came before b's accept."""
-    ledger = ForwardedLedger(LoadCounts(), entries_max=100)
-    ledger.accepted(_task(0), "a", 0.0)
-    ledger.done("t0", "b")
-    entry = ledger.get("t0")
-    assert entry is not None and entry.owner == "a"
-    ledger.accepted(_task(0), "b", 0.0)
+    came before b's accept: it stood for that accept, which then found its Forward ended."""
+    ledger, _ = _replay([("accept", 0, "a"), ("done", 0, "b"), ("accept", 0, "b")])
     assert ledger.get("t0") is None and len(ledger) == 0
+    assert ledger.finished_by("b", ["t0"]) == ["t0"]
 
 
-def test_a_TaskDone_whose_accept_is_not_due_is_not_remembered() -> None:
-    """A hedge's loser (withdrawn) reports done: nothing of it is kept, so a later copy of the
-    id that the same member accepts (a resubmission through us) is ledgered and can migrate."""
+def test_a_TaskDone_of_a_copy_not_ledgered_is_not_remembered() -> None:
+    """A hedge's loser (withdrawn: its Forward ended) reports done: nothing of it is kept,
+    so a later copy of the id that the same member accepts (a resubmission through us) is
+    ledgered and can migrate."""
     ledger = ForwardedLedger(LoadCounts(), entries_max=100)
     ledger.accepted(_task(0), "a", 0.0)
-    ledger.done("t0", "b", accept_due=False)  # the loser
+    ledger.done("t0", "b")  # the loser
     ledger.done("t0", "a")
     assert len(ledger) == 0
     ledger.accepted(_task(0), "b", 1.0)  # a later copy, run by b
     entry = ledger.get("t0")
     assert entry is not None and entry.owner == "b"
+
+
+def test_a_TaskDone_that_stands_for_its_accept_forgets_an_earlier_copys_entry() -> None:
+    """As an accept would: the copy ledgered under a was superseded by the one b ran."""
+    outstanding = LoadCounts()
+    ledger = ForwardedLedger(outstanding, entries_max=100)
+    ledger.accepted(_task(0), "a", 0.0)
+    ledger.finished("t0", "b")
+    assert len(ledger) == 0 and outstanding.total == 0 and outstanding["a"] == 0
+    assert ledger.finished_by("b", ["t0"]) == ["t0"] and ledger.finished_by("a", ["t0"]) == []
 
 
 @given(owners=OWNERS, data=st.data())
@@ -160,7 +177,9 @@ def test_a_task_is_finished_by_the_member_whose_TaskDone_ended_it_whatever_the_o
 
 
 def test_only_the_ledgered_copys_TaskDone_finishes_a_task_and_a_new_copy_is_unfinished() -> None:
-    ledger, _ = _replay([("accept", 1, "a"), ("done", 1, "b")])  # b's copy was withdrawn
+    ledger = ForwardedLedger(LoadCounts(), entries_max=100)
+    ledger.accepted(_task(1), "a", 0.0)
+    ledger.done("t1", "b")  # b's copy was withdrawn (its Forward ended)
     assert ledger.finished_by("b", ["t1"]) == [] and ledger.finished_by("a", ["t1"]) == []
     ledger.done("t1", "a")
     assert ledger.finished_by("a", ["t1"]) == ["t1"]

@@ -694,6 +694,30 @@ def test_Forwarder_TaskDone_before_a_lost_accept_counts_as_the_accept() -> None:
     assert fw.ledger.get("t0") is None and fw.outstanding() == {}
 
 
+def test_Forwarder_a_TaskDone_standing_for_its_accept_ends_the_forward_as_finished() -> None:
+    """The owner does not send an accept still held when its task ends: the TaskDone alone
+    ends the forward, nothing is ledgered, and the member is remembered as having finished
+    it (a restarted member's ReplayQuery).  A hand-off whose member was declared dead before
+    such a TaskDone came ran there all the same: handed off, not tried again elsewhere (an
+    accept alone, in that window, is a failed attempt: the test above)."""
+    fw, _ = _forwarder(["a", "b"])
+    fw.route(_task(), 0.0)
+    fw.take_outbox()
+    fw.on_reply(TaskDone(id="t0", node="a"), 0.002)
+    assert fw.pending() == 0 and len(fw.ledger) == 0 and fw.outstanding() == {}
+    assert fw.ledger.finished_by("a", ["t0"]) == ["t0"] and fw.counters.forwarded == 1
+    assert fw.next_deadline() == float("inf"), "no timer left behind"
+
+    fw, placement = _forwarder(["me", "a", "b"], attempts_max=3)
+    fw.hand_off(_task(1), 0.0, 0.0)
+    fw.take_outbox()
+    placement.members.remove("a")  # declared dead before its TaskDone came
+    fw.member_dead("a", 0.003)
+    fw.on_reply(TaskDone(id="t1", node="a"), 0.004)
+    assert not _forwards(fw.take_outbox()), "not run a second time"
+    assert fw.take_events() == [HandedOff(_task(1), True, "a")]
+
+
 def test_Forwarder_one_overloaded_among_silent_members_answers_overloaded() -> None:
     """A dead member's silence beside a busy one's refusal: the producer should come back
     after the hint (overloaded), not give up on the cluster (unavailable)."""

@@ -6,21 +6,22 @@ the task is dispatched again (migration).  Per member, ``outstanding`` counts th
 holds for us; the placer reads that dict for bounded loads (the dispatcher also counts the
 forwards still awaiting their ack there).
 
-Rules, whatever order acks and TaskDones arrive in:
+Rules (the forwarder ends a Forward at its first answer, so an accept never follows a
+TaskDone that answered the same Forward):
 - a task is in the ledger at most once, under the member that last accepted it;
 - ``outstanding[m]`` rises by one for each task ledgered under ``m`` and falls by one when it
   leaves, so it equals the number of ledger entries under ``m`` plus what the dispatcher adds;
-- a TaskDone that comes before the accept (the owner's ack was delayed, its TaskDone was not)
-  is remembered with the member that sent it, and that member's accept that follows adds
-  nothing (and forgets the entry of another member's copy of the id: the task is done);
+- a TaskDone that comes while its Forward to that member still awaits the accept stands
+  for the accept (an owner does not send an accept still held when its task ends, and an
+  accept may be lost): nothing is ledgered, and the task is remembered as finished by that
+  member (``finished``; another member's copy's entry is forgotten, as an accept's would be);
 - a TaskDone from a member other than the one ledgered (a withdrawn hedged copy finished
   before the withdrawal landed, or a second copy of the id that a producer's resubmission
-  brought here, which that member accepts next) leaves the entry alone, and is remembered
-  too when that member's accept is still due: before, that accept replaced the entry and
-  stayed ledgered for ever (found by the simulator with producers resubmitting while tasks
-  ran).  One whose accept is not due (``accept_due=False``: no Forward to that member
-  awaits its answer) is not remembered: nothing would take it back, and it would keep
-  a later copy that member accepts out of the ledger;
+  brought here) leaves the entry alone and is not remembered: a later copy that member
+  accepts is ledgered.  (Before TaskDones stood for accepts, one that came before its own
+  Forward's accept was remembered for that accept; without that, the accept replaced the
+  entry and stayed ledgered for ever: found by the simulator with producers resubmitting
+  while tasks ran.)
 - at most ``entries_max`` tasks and ``bytes_max`` bytes of them (``budgets.task_bytes``: the
   prompt and a fixed part): the oldest goes first (it can no longer migrate), counted by the
   bound that forced it (``evicted_count`` / ``evicted_bytes``);
@@ -34,8 +35,8 @@ Rules, whatever order acks and TaskDones arrive in:
   the task for us (``confirm``), hears "migrated" even after the new owner's TaskDone and
   after the task moved on again; a task neither ledgered nor remembered is
   "unknown" (the owner then answers: a duplicate beats a loss);
-- a task whose TaskDone came from the member it was ledgered under (or that member's accept
-  after its early TaskDone) is remembered as finished by that member (the last
+- a task whose TaskDone came from the member it was ledgered under (or stood for that
+  member's accept) is remembered as finished by that member (the last
   ``FINISHED_MAX`` tasks), so that the member, restarted from a journal whose DONE record
   the crash lost, hears that it answered the task (``finished_by``) and does not run it
   again.
@@ -50,7 +51,6 @@ from gossipd.core.budgets import task_bytes
 from gossipd.core.messages import Task
 from gossipd.core.ring import LoadCounts
 
-EARLY_DONE_MAX = 10_000  # ids whose TaskDones are remembered from before their accept
 MOVED_MAX = 100_000  # migrations remembered for confirm() (~150 bytes each)
 # TaskDones remembered for finished_by(): 3.9 MiB when full of 128-character ids (the most a
 # task id may have), 2.2 MiB with 20-character ones; a restart is answered for the tasks its
@@ -90,8 +90,6 @@ class ForwardedLedger:
         self.expired = 0  # forgotten past their deadline and the window after it (expire)
         # Read-only to others: its size is the forwarder's in-flight count's part (per task).
         self.entries: OrderedDict[str, Forwarded] = OrderedDict()
-        # task id -> the members whose TaskDone came before their accept
-        self._early_done: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         # task id -> every member it moved off (a task can move more than once, and each of
         # those members may ask)
         self._moved: OrderedDict[str, tuple[str, ...]] = OrderedDict()
@@ -121,16 +119,6 @@ class ForwardedLedger:
         task_id = task.id
         if task_id in self.entries:  # accepted again (a retry, a hedge): ledgered once
             self.forget(task_id)
-        early = self._early_done.get(task_id) if self._early_done else None
-        if early is not None and owner in early:
-            # Its TaskDone came first: this copy has finished already.
-            rest = tuple(m for m in early if m != owner)
-            if rest:
-                self._early_done[task_id] = rest
-            else:
-                del self._early_done[task_id]
-            self._finish(task_id, owner)
-            return
         self._finished.pop(task_id, None)  # this copy is not finished (a resubmission)
         size = task_bytes(task)
         self.entries[task_id] = Forwarded(owner, task, received_at, size, cancelled, engine_deaths)
@@ -145,23 +133,21 @@ class ForwardedLedger:
             self.forget(next(iter(self.entries)))
             self.evicted_bytes += 1
 
-    def done(self, task_id: str, node: str, *, accept_due: bool = True) -> None:
-        """``node`` reports ``task_id`` finished; ``accept_due``: its accept of the id may
-        still come (the forwarder awaits it)."""
+    def done(self, task_id: str, node: str) -> None:
+        """``node`` reports ``task_id`` finished: its entry goes if ledgered under ``node``
+        (another member's TaskDone, of a copy withdrawn or resubmitted, leaves it alone)."""
         entry = self.entries.get(task_id)
         if entry is not None and entry.owner == node:
             self.forget(task_id)
             self._finish(task_id, entry.owner)  # (the ledger's string: one for all)
-            return
-        if not accept_due:
-            return
-        # Done before its accept reached us (or a copy other than the ledgered one: a
-        # withdrawn one, or one whose accept is still to come): remember it for accepted().
-        before = self._early_done.get(task_id, ())
-        if node not in before:
-            self._early_done[task_id] = (*before, node)
-        if len(self._early_done) > EARLY_DONE_MAX:
-            self._early_done.popitem(last=False)
+
+    def finished(self, task_id: str, owner: str) -> None:
+        """``owner`` accepted ``task_id`` and finished it in one report (its TaskDone came
+        while its Forward awaited the accept, and stands for it): nothing to answer for; any
+        earlier copy's entry goes, as an accept's would."""
+        if task_id in self.entries:
+            self.forget(task_id)
+        self._finish(task_id, owner)
 
     def _finish(self, task_id: str, member: str) -> None:
         finished = self._finished

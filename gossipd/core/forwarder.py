@@ -94,6 +94,8 @@ LEDGER_SWEEP_SLICE = 2048
 _TAKEN_HERE = (Verdict.ADMIT, Verdict.DUPLICATE_PENDING, Verdict.DUPLICATE_DONE)
 _BUSY = (ErrorCode.OVERLOADED.value, ErrorCode.SHUTTING_DOWN.value, ErrorCode.SATURATED.value)
 _SATURATED = ErrorCode.SATURATED.value
+# A TaskDone that stands for its Forward's accept (on_reply): accepted, and done already.
+_ACCEPTED_DONE = ForwardReply(req=0, node="", accepted=True)
 
 
 class Route(enum.Enum):
@@ -389,21 +391,18 @@ class Forwarder:
             if flight is not None and flight.member == msg.node:  # (its own forward's only)
                 self._answered(flight, msg, now)
         elif isinstance(msg, TaskDone):
-            # A TaskDone while the forward still awaits its accept: the accept was lost or is
-            # late, but the member ran the task.  Take it as accepted (the ledger remembers
-            # the TaskDone, so nothing stays ledgered), instead of timing out and running the
-            # task a second time elsewhere.
+            # A TaskDone while the forward still awaits its accept: the owner's accept was
+            # still held when the task ended, so it stands for it (fanout/owner.py), or the
+            # accept was lost.  Either way the member ran the task: taken as accepted and
+            # done in one (nothing ledgered; the flight lands, so an accept that comes after
+            # all finds none), instead of timing out and running the task again elsewhere.
             j = self._flying.get(msg.id)
-            due = None
             if j is not None:
                 for flight in j.flights:
                     if flight.live and flight.member == msg.node:
-                        due = flight
-                        break
-            self.ledger.done(msg.id, msg.node, accept_due=due is not None)
-            if due is not None:
-                accept = ForwardReply(req=due.req, node=msg.node, accepted=True)
-                self._answered(due, accept, now)
+                        self._answered(flight, _ACCEPTED_DONE, now)
+                        return
+            self.ledger.done(msg.id, msg.node)
 
     def member_dead(self, node: str, now: float) -> int:
         """Migrate the tasks ``node`` held for us; how many were dispatched again.  (A
@@ -727,7 +726,7 @@ class Forwarder:
         if reply.accepted or reply.code in _BUSY:
             flight.breaker.success()  # it answered: healthy, maybe busy
         if reply.accepted:
-            self._accepted(flight, now)
+            self._accepted(flight, now, done=reply is _ACCEPTED_DONE)
             return
         if reply.code == _SATURATED:  # rule 6: the next member at once
             j.saturated = j.saturated or flight.member
@@ -744,15 +743,17 @@ class Forwarder:
             return
         self._failed(j, flight.member, reply.code, now)
 
-    def _accepted(self, flight: Flight, now: float) -> None:
+    def _accepted(self, flight: Flight, now: float, *, done: bool = False) -> None:
+        """``done``: the member's TaskDone stood for its accept (the task ended there)."""
         j = flight.journey
         if j.winner:  # a copy that lost accepted after all: take it back
             self._withdraw(flight.member, j.task.id)
             return
-        if j.quiet and self._placement.addr(flight.member) is None:
+        if j.quiet and not done and self._placement.addr(flight.member) is None:
             # A hand-off accepted by a member declared dead meanwhile (accepts leave after
             # ack_delay_s): handed to it, the task would be released here and run nowhere.
             # A failed attempt instead (and its copy withdrawn, should it live after all).
+            # (Not when its TaskDone stood for the accept: it ran there.)
             self._withdraw(flight.member, j.task.id)
             self._failed(j, flight.member, AttemptFailure.NO_REPLY, now)
             return
@@ -772,6 +773,10 @@ class Forwarder:
                 self._withdraw(other.member, j.task.id)
         if not j.quiet:
             self.counters.forwarded += 1
+        if done:  # nothing to answer for any more: remembered as that member's
+            self.ledger.finished(j.task.id, flight.member)
+            self._end(j, ok=True)
+            return
         self.ledger.accepted(j.task, flight.member, j.received_at, j.cancelled, j.engine_deaths)
         if self._sweep_at == _INF:
             self._sweep_at = now + LEDGER_SWEEP_S

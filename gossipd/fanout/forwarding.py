@@ -106,6 +106,7 @@ class FanoutStatistics:
     replies_relayed: int = 0  # replies we sent back on a forwarder's connection (Relay)
     relays_by_socket: int = 0  # ...that could not go on it: sent to the route's socket
     relays_refused: int = 0  # Forward.relay for a route not its sender's own (CURVE)
+    accepts_in_done: int = 0  # accepts not sent: their task's TaskDone stood for them
     relayed_unroutable: int = 0  # Relays to us for a route not served here (dropped)
     moved: int = 0  # tasks we forwarded that their owner handed over to another (Moved)
 
@@ -540,5 +541,6 @@ class Dispatcher:
             replies_relayed=owner.replies_relayed,
             relays_by_socket=owner.relays_by_socket,
             relays_refused=owner.relays_refused,
+            accepts_in_done=owner.accepts_in_done,
             relayed_unroutable=self.relayed_unroutable,
         )

@@ -13,7 +13,8 @@ callback, without the ``fanout.ack_delay_s`` wait of accepts (an owner killed be
 leaves a forwarder that migrates the task and has it answered twice; one that sent the
 TaskDone first, a task whose Result may never have left).  A Result held while its forwarder
 may have migrated the task (fanout/holding.py) holds its TaskDone with it.  Accepts may wait
-up to ``fanout.ack_delay_s`` to share a message.
+up to ``fanout.ack_delay_s`` to share a message; one still held when its task's TaskDone is
+queued is not sent: the TaskDone stands for it (``_hold_accept``).
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ class OwnerEndpoint:
         self.core = Owner(node=node, task_bytes_max=task_bytes_max)
         self.counters = self.core.counters
         self._router_out: dict[bytes, list[_ToForwarder]] = {}
+        # Accepts held for fanout.ack_delay_s, by forwarder and task id (_hold_accept).
+        self._accepts_out: dict[bytes, dict[str, ForwardReply]] = {}
         self._router_flush_soon = False  # a flush is queued for the next loop turns
         self._router_flush_timer: asyncio.TimerHandle | None = None  # ...or for ack_delay_s
         self._on_accepted = on_accepted  # (task, forwarder): the journal marks it
@@ -308,13 +311,17 @@ class OwnerEndpoint:
         # not one per task in a batch.
         load = self.load_record() if decision.with_load else None
         answer = self.core.admitted(msg, verdict, self._ingress.intake.retry_after_ms, load)
-        if answer.accepted:
-            if verdict is _ADMIT and self._on_accepted is not None:
-                self._on_accepted(msg.task, msg.src)
-            if answer.done_now and self.core.done_after(msg.task, (identity,), ""):
-                # admit() has just sent the cached Result (or, rule 5, had it sent before)
-                self._when_replies_sent(msg.task.route)
-        self._to_forwarder(identity, answer.reply, urgent=not answer.accepted)
+        if not answer.accepted:
+            self._to_forwarder(identity, answer.reply)
+            return
+        if verdict is _ADMIT and self._on_accepted is not None:
+            self._on_accepted(msg.task, msg.src)
+        # Held before its TaskDone can be queued (below, or at once by the engine): the
+        # TaskDone then stands for it.
+        self._hold_accept(identity, msg.task.id, answer.reply)
+        if answer.done_now and self.core.done_after(msg.task, (identity,), ""):
+            # admit() has just sent the cached Result (or, rule 5, had it sent before)
+            self._when_replies_sent(msg.task.route)
 
     def _note_engine_deaths(self, msg: Forward) -> None:
         """The engines that died running a task handed to us: ours, if it dies too, counts
@@ -389,7 +396,7 @@ class OwnerEndpoint:
                     else "refused a Forward from an earlier process of its sender",
                     extra=extra,
                 )
-        self._to_forwarder(identity, reply, urgent=True)
+        self._to_forwarder(identity, reply)
 
     def _on_other(self, identity: bytes, msg: object) -> None:
         """A peer's Cancel, Withdraw, TaskDone, relayed Drain, Confirm (answered from our
@@ -408,13 +415,13 @@ class OwnerEndpoint:
         elif isinstance(msg, Drain):
             self._on_drain(msg)
         elif isinstance(msg, Confirm) and self._on_confirm is not None:
-            self._to_forwarder(identity, self._on_confirm(msg), urgent=True)
+            self._to_forwarder(identity, self._on_confirm(msg))
         elif isinstance(msg, ModelQuery) and self._model_card is not None:
-            self._to_forwarder(identity, self._model_card(), urgent=True)
+            self._to_forwarder(identity, self._model_card())
         elif isinstance(msg, ReplayQuery):
             book = self._ingress.intake.book
             answer = replay_known(msg, self.node, book.held, self._replay_finished)
-            self._to_forwarder(identity, answer, urgent=True)
+            self._to_forwarder(identity, answer)
         else:
             self.counters.bad_peer_messages += 1
 
@@ -443,30 +450,46 @@ class OwnerEndpoint:
         if member is not None and self.on_withdraw_held is not None:  # its Result may be held
             self.on_withdraw_held(task_id, member)
 
-    def _to_forwarder(self, identity: bytes, msg: _ToForwarder, *, urgent: bool = False) -> None:
-        """Queue for one forwarder; everything queued until the flush goes as one message.
-
-        Accepts wait up to ``fanout.ack_delay_s`` (like TCP's delayed ACK): the forwarder
-        needs them only for its ack timeout, so it is woken once for many instead of once per
-        task, and a task that ends at once has its Result sent to the producer before its
-        ack, and its ack and TaskDone leave together.  A refusal is urgent: the forwarder
-        tries the next member on it.  A TaskDone is queued by ``_results_left``, which
-        schedules the flush itself, with no ``ack_delay_s`` wait."""
+    def _to_forwarder(self, identity: bytes, msg: _ToForwarder) -> None:
+        """Queue for one forwarder at once (a refusal: the forwarder tries the next member
+        on it; an answer to its question); everything queued until the flush goes as one
+        message.  A TaskDone is queued by ``_results_left``, which schedules the flush
+        itself."""
         queue = self._router_out.get(identity)
         if queue is None:
-            queue = self._router_out[identity] = []
-        queue.append(msg)
-        if type(msg) is TaskDone:
-            return
-        loop = asyncio.get_running_loop()
+            self._router_out[identity] = [msg]
+        else:
+            queue.append(msg)
+        self._flush_soon()
+
+    def _hold_accept(self, identity: bytes, task_id: str, accept: ForwardReply) -> None:
+        """Hold an accept up to ``fanout.ack_delay_s`` (like TCP's delayed ACK): the
+        forwarder needs it only for its ack timeout, so it is woken once for many instead of
+        once per task.  A task that ends meanwhile has its Result sent to the producer before
+        the flush, and its TaskDone stands for the accept, which is not sent: the forwarder
+        takes a TaskDone for a Forward still awaiting its answer as that answer (one message
+        and one ledger entry fewer a quick task, on both sides)."""
+        held = self._accepts_out.get(identity)
+        if held is None:
+            self._accepts_out[identity] = {task_id: accept}
+        else:
+            earlier = held.pop(task_id, None)
+            if earlier is not None:  # (another Forward of the id on this connection: both go)
+                self._router_out.setdefault(identity, []).append(earlier)
+            held[task_id] = accept
         delay = self.config.ack_delay_s
-        if urgent or delay <= 0:
-            if not self._router_flush_soon:
-                self._router_flush_soon = True
-                # One turn later than the producers' replies, which are queued already.
-                loop.call_soon(self._flush_router_next_turn)
+        if delay <= 0:
+            self._flush_soon()
         elif self._router_flush_timer is None and not self._router_flush_soon:
-            self._router_flush_timer = loop.call_later(delay, self._flush_router)
+            self._router_flush_timer = asyncio.get_running_loop().call_later(
+                delay, self._flush_router
+            )
+
+    def _flush_soon(self) -> None:
+        if not self._router_flush_soon:
+            self._router_flush_soon = True
+            # One turn later than the producers' replies, which are queued already.
+            asyncio.get_running_loop().call_soon(self._flush_router_next_turn)
 
     def _flush_router_next_turn(self) -> None:
         asyncio.get_running_loop().call_soon(self._flush_router)
@@ -477,9 +500,13 @@ class OwnerEndpoint:
             self._router_flush_timer.cancel()
             self._router_flush_timer = None
         out, self._router_out = self._router_out, {}
+        accepts, self._accepts_out = self._accepts_out, {}
         self.core.flushed()
-        if not self._bound or not out:
+        if not self._bound or not (out or accepts):
             return
+        for identity, held in accepts.items():
+            if held:  # (before the rest: an accept was queued before its task's replies)
+                out[identity] = [*held.values(), *out.get(identity, ())]
         send = self._server.send
         for identity, items in out.items():
             start = 0
@@ -532,7 +559,14 @@ class OwnerEndpoint:
         core = self.core
         to_links, to_members = core.results_left(reply_to, None, self.load_record)
         router_out = self._router_out  # (no flush before the end of this turn)
+        accepts_out = self._accepts_out
         for identity, done in to_links:
+            held = accepts_out.get(identity)  # type: ignore[call-overload]
+            accept = None if held is None else held.pop(done.id, None)
+            if accept is not None:  # not sent: the TaskDone stands for it (_hold_accept)
+                self.counters.accepts_in_done += 1
+                if accept.load is not None and done.load is None:  # the load it carried
+                    done = msgspec.structs.replace(done, load=accept.load)
             queue = router_out.get(identity)  # type: ignore[call-overload]
             if queue is None:
                 router_out[identity] = [done]  # type: ignore[index]

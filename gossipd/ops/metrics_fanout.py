@@ -161,6 +161,12 @@ def _dispatch_metrics(dispatcher: Any) -> Iterator[Metric]:
             stats.replies_relayed,
         ),
         (
+            "gossipd_fanout_accepts_in_done",
+            "Accepts not sent: their task ended within fanout.ack_delay_s, and its TaskDone, "
+            "which left in their stead, stands for them",
+            stats.accepts_in_done,
+        ),
+        (
             "gossipd_fanout_relays_by_socket",
             "Replies to relay that went to their route's socket: too large for a peer message, "
             "or the forwarder's connection refused them",
