@@ -71,8 +71,8 @@ if OUT:
         _mark(intake.Intake, "admit", "admission")
         _mark(runner.Runner, "_finish", "engine done")
         _mark(zmqloop.ReplySender, "_send_by_socket", "Result to the producer's socket")
-        _mark(peerchannel.ZmqPeerServer, "send", "owner: accept + TaskDone to the forwarder")
-        _mark(looppeer.LoopPeerServer, "send", "owner: accept + TaskDone to the forwarder")
+        _mark(peerchannel.ZmqPeerServer, "send", "owner: TaskDone (and any accept) to the forwarder")
+        _mark(looppeer.LoopPeerServer, "send", "owner: TaskDone (and any accept) to the forwarder")
         if os.environ.get("HOP_DELAY_OWNER_REPLIES"):
             import asyncio
             flush = owner.OwnerEndpoint._flush_router

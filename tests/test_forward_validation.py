@@ -203,6 +203,8 @@ def test_a_task_that_ends_while_its_accept_is_held_is_answered_by_its_TaskDone_a
             frame = {"v": 1, "t": 20, "req": 7, "src": "d-other", "task": body}
             dealer.send(msgpack.packb({**frame, "remaining_ms": 5000, "attempt": 1}))
             seen = _answers_to(dealer, task_id)
+            if not held:  # nor after it: the hold (0.5 s) passes without an accept
+                assert not dealer.poll(800), "an accept after the TaskDone that stood for it"
             (result,) = producer.results(1)
             assert result["ok"] and result["id"] == task_id
         if held:

@@ -699,7 +699,9 @@ def test_Forwarder_a_TaskDone_standing_for_its_accept_ends_the_forward_as_finish
     ends the forward, nothing is ledgered, and the member is remembered as having finished
     it (a restarted member's ReplayQuery).  A hand-off whose member was declared dead before
     such a TaskDone came ran there all the same: handed off, not tried again elsewhere (an
-    accept alone, in that window, is a failed attempt: the test above)."""
+    accept alone, in that window, is a failed attempt: the test below).  (A task another
+    member forwarded to us still runs again: its forwarder hears Moved to the dead member
+    and migrates it, as before, when a third member ran it again.)"""
     fw, _ = _forwarder(["a", "b"])
     fw.route(_task(), 0.0)
     fw.take_outbox()
