@@ -717,7 +717,7 @@ def test_Forwarder_a_TaskDone_standing_for_its_accept_ends_the_forward_as_finish
     fw.member_dead("a", 0.003)
     fw.on_reply(TaskDone(id="t1", node="a"), 0.004)
     assert not _forwards(fw.take_outbox()), "not run a second time"
-    assert fw.take_events() == [HandedOff(_task(1), True, "a")]
+    assert fw.take_events() == [HandedOff(_task(1), True, "a", done=True)]
 
 
 def test_Forwarder_one_overloaded_among_silent_members_answers_overloaded() -> None:

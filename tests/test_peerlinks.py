@@ -351,6 +351,44 @@ def test_a_moved_is_taken_only_from_the_owner_server_and_the_handing_owner_forge
         assert dispatcher.forwarder.ledger.get("t1").owner == "c"  # type: ignore[union-attr]
 
 
+def test_a_hand_off_that_ended_at_its_taker_is_told_to_its_forwarders_as_done() -> None:
+    """A task forwarded to us by f, handed off (a drain) to c, which ran it at once: c's
+    TaskDone stood for its accept.  f hears our TaskDone by name (it forgets the task), not
+    a Moved: told the task runs at c, f would answer for it there until its window passed
+    (c's TaskDone came to us) and run it again if c died meanwhile."""
+    from gossipd.core.gossip_messages import Alive, GpuState, Meta
+    from gossipd.core.membership import MemberTable
+
+    async def scenario(dispatcher: Any) -> tuple[bool, list[Any], list[Any]]:
+        table = MemberTable(me=dispatcher.node, addr="tcp://10.0.0.9:1", now=0.0)
+        rpc = f"tcp://127.0.0.1:{free_tcp_port()}"
+        table.apply(Alive(node="c", incarnation=0, addr="tcp://c:7946"), 0.0)
+        gpu = GpuState(rpc=rpc, software_version="0.3.5")
+        table.apply(Meta(node="c", version=1, gpu=gpu, incarnation=0), 0.0)
+        dispatcher.placer.rebuild(table.members.values())
+        task = Task(v=1, id="t0", prompt="p", reply_to="tcp://127.0.0.1:1")
+        dispatcher.owner._on_forward(
+            b"conn-f", Forward(req=1, src="f", task=task, remaining_ms=9000)
+        )
+        sent: list[tuple[str, object]] = []
+        told: list[tuple[str, object]] = []
+        dispatcher._links.send = lambda addr, msg: sent.append((addr, msg))
+        dispatcher._links.send_alone = lambda addr, msg: told.append((addr, msg))
+        dispatcher.send_to_member = lambda member, msg: told.append((member, msg))
+        handing = asyncio.create_task(dispatcher.hand_off(task, dispatcher._clock.monotonic()))
+        await asyncio.sleep(0)
+        [(addr, _)] = [(a, m) for a, m in sent if isinstance(m, Forward)]
+        assert addr == rpc
+        dispatcher.on_peer_replies([TaskDone(id="t0", node="c")], addr)
+        return await handing, told, list(dispatcher.forwarder.ledger.entries)
+
+    with _built_dispatcher() as dispatcher:
+        handed, told, ledgered = asyncio.run(scenario(dispatcher))
+    assert handed
+    assert told == [("f", TaskDone(id="t0", node=dispatcher.node))], "no Moved"
+    assert ledgered == []
+
+
 def test_an_item_whose_handling_raises_leaves_the_rest_of_its_batch_handled() -> None:
     """The owner's server reads a PeerBatch item by item: one item's bug is counted
     (gossipd_handler_failures_total) and the items after it are still handled."""

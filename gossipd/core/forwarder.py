@@ -177,6 +177,8 @@ class HandedOff:
     task: Task
     ok: bool
     to: str = ""
+    # ``to``'s TaskDone stood for its accept: the task ended there, its Result gone.
+    done: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -775,7 +777,7 @@ class Forwarder:
             self.counters.forwarded += 1
         if done:  # nothing to answer for any more: remembered as that member's
             self.ledger.finished(j.task.id, flight.member)
-            self._end(j, ok=True)
+            self._end(j, ok=True, done=True)
             return
         self.ledger.accepted(j.task, flight.member, j.received_at, j.cancelled, j.engine_deaths)
         if self._sweep_at == _INF:
@@ -867,7 +869,7 @@ class Forwarder:
         self._events.append(Refuse(j.task, code, message, 0))
         self._end(j, ok=False)
 
-    def _end(self, j: Journey, *, ok: bool) -> None:
+    def _end(self, j: Journey, *, ok: bool, done: bool = False) -> None:
         j.ended = True
         # Break the Journey <-> Flight cycle: freed by reference counting at once instead of
         # piling up for the cyclic garbage collector (whose passes cost p99 latency).
@@ -875,7 +877,7 @@ class Forwarder:
         if j.quiet:
             if ok:
                 self.counters.handed_off += 1
-            self._events.append(HandedOff(j.task, ok, j.winner if ok else ""))
+            self._events.append(HandedOff(j.task, ok, j.winner if ok else "", done))
 
     def _land(self, flight: Flight) -> None:
         """A flight's wait is over (answered, timed out or withdrawn)."""

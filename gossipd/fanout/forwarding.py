@@ -151,7 +151,7 @@ class Dispatcher:
         self._retry_after_here = retry_after_here
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        self._hand_offs: dict[str, list[asyncio.Future[str]]] = {}
+        self._hand_offs: dict[str, list[asyncio.Future[HandedOff]]] = {}
         self._idle_links: asyncio.Task[None] | None = None
         # When tracing is on (gossipd/ops/tracing.py); None costs nothing.
         self.tracer = tracer
@@ -311,23 +311,40 @@ class Dispatcher:
     async def hand_off(self, task: Task, received_at: float) -> bool:
         """Give an admitted task to another member (never us): at drain, or when our engine
         died.  True when one accepted it."""
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[HandedOff] = asyncio.get_running_loop().create_future()
         self._hand_offs.setdefault(task.id, []).append(future)
         owned = self.owner.intake_entry(task.id)  # (its count goes with it: the runner's)
         deaths = owned.engine_deaths if owned is not None else 0
         self.forwarder.hand_off(task, received_at, self._clock.monotonic(), deaths)
         self._flush()
-        to = await future
-        if to:
-            self._tell_moved(task, to)
-            # A Cancel or a Withdraw taken while it was offered (the caller releases it next,
-            # and no worker of ours runs it to look at its stop): passed on to ``to``.
-            owned = self.owner.intake_entry(task.id)
-            stop = owned.stop if owned is not None else None
-            if stop is Stop.CANCELLED or stop is Stop.WITHDRAWN:
-                self.forwarder.stop_handed_off(task, to, withdrawn=stop is Stop.WITHDRAWN)
-                self._flush()
-        return bool(to)
+        outcome = await future
+        if not outcome.ok:
+            return False
+        to = outcome.to
+        if outcome.done:  # it ended at ``to`` already: its forwarders forget it
+            self._tell_done(task)
+            return True
+        self._tell_moved(task, to)
+        # A Cancel or a Withdraw taken while it was offered (the caller releases it next,
+        # and no worker of ours runs it to look at its stop): passed on to ``to``.
+        owned = self.owner.intake_entry(task.id)
+        stop = owned.stop if owned is not None else None
+        if stop is Stop.CANCELLED or stop is Stop.WITHDRAWN:
+            self.forwarder.stop_handed_off(task, to, withdrawn=stop is Stop.WITHDRAWN)
+            self._flush()
+        return True
+
+    def _tell_done(self, task: Task) -> None:
+        """A task handed off whose taker's TaskDone stood for its accept: it ended there,
+        its Result gone to the producer, so the members that forwarded it to us hear our
+        TaskDone (by name, as for a task re-run from the journal), not a Moved: told that
+        it runs at the taker, they would answer for it there until its window passed (the
+        taker's TaskDone came to us), and run it again if the taker died meanwhile."""
+        owned = self.owner.intake_entry(task.id)
+        if owned is None:
+            return
+        for member in set(self.owner.core.forwarders_of(owned)) - {self.node, ""}:
+            self.send_to_member(member, TaskDone(id=task.id, node=self.node))
 
     def _tell_moved(self, task: Task, to: str) -> None:
         """The members that forwarded ``task`` to us (still admitted here: the caller
@@ -466,7 +483,7 @@ class Dispatcher:
         if not waiters:
             del self._hand_offs[event.task.id]
         if not future.done():
-            future.set_result(event.to if event.ok else "")
+            future.set_result(event)
 
     # -- upkeep ----------------------------------------------------------------------------
 
