@@ -382,6 +382,10 @@ class SimDaemon:
             if answer.done_now and self.owner.done_after(msg.task, (src,), ""):
                 for dst, done in self.owner.results_left(msg.task.route, None)[0]:
                     self.world.send_peer(self, str(dst), done)  # its cached Result went
+                # Its accept is not sent: the TaskDone stands for it, as the daemon's owner
+                # does with an accept still held when the task's TaskDone leaves
+                # (fanout/owner.py; the simulated owner holds none otherwise).
+                return
             self.world.send_peer(self, src, answer.reply)
         elif isinstance(msg, Withdraw):
             member = self.owner.withdrawn(src, self.withdraw(src, msg.id))
