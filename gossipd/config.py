@@ -304,7 +304,8 @@ class FanoutConfig(Section, frozen=True):
     # The owner holds accepts this long so that several travel in one message (one wake-up
     # of the forwarder instead of one per task); refusals go at once, and so do TaskDones,
     # right after their Results (a TaskDone held back widens the window in which a killed
-    # owner's task migrates and is answered twice).  0: at the end of the loop turn.  Must
+    # owner's task migrates and is answered twice); an accept whose task ends within the
+    # hold is not sent: its TaskDone stands for it.  0: at the end of the loop turn.  Must
     # be well under ack_timeout_s.
     ack_delay_s: Seconds = 0.005
     # Hedging (off by default): when a forwarded task's owner has not answered within the
