@@ -68,7 +68,7 @@ class OwnerCounters:
     replies_relayed: int = 0  # replies sent back on a forwarder's connection (Forward.relay)
     relays_by_socket: int = 0  # ...that could not go on it, sent to the route's socket
     relays_refused: int = 0  # Forward.relay for a route not its sender's own (CURVE)
-    accepts_in_done: int = 0  # accepts not sent: their TaskDone left with them and stood for them
+    accepts_in_done: int = 0  # accepts not sent: their task's TaskDone stood for them
 
 
 @dataclass(frozen=True, slots=True)
