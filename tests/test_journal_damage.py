@@ -517,10 +517,12 @@ def test_a_forked_child_that_outlives_its_daemon_does_not_hold_the_journal(
         "j.replay()\n"
         "child = os.fork()\n"
         "if child == 0:\n"
-        "    print('forked', flush=True)\n"  # (after the at-fork hooks: it has let go)
+        # (after the at-fork hooks: it has let go; one write each, so that the two lines
+        # cannot interleave on the shared pipe, as print's two writes can unbuffered)
+        "    os.write(1, b'forked\\n')\n"
         "    time.sleep(60)\n"
         "    os._exit(0)\n"
-        "print(child, flush=True)\n"
+        "os.write(1, b'%d\\n' % child)\n"
         "time.sleep(60)\n"
     )
     daemon = subprocess.Popen(
