@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -90,3 +91,40 @@ def echo_pair(tmp_path: Path) -> Iterator[Cluster]:
     with running(Cluster(2, log_dir=str(tmp_path),
                          extra_overrides=['http.bind="127.0.0.1:0"'])) as cluster:  # fmt: skip
         yield cluster
+
+
+# Test files that must not run while another of their group runs, when pytest-xdist spreads
+# the suite over workers (README's test command: `-n 2 --dist loadfile`, each file on one
+# worker): a worker takes its group's lock for the whole module (its module-scoped fixtures
+# included) and waits for it while the other worker holds it.
+_SERIAL_GROUPS = {
+    # one fixed /24 and namespace prefix: a second bed would refuse to start (BedUnavailable)
+    "test_hosts.py": "netbed",
+    "test_hosts_acceptance.py": "netbed",
+    # real vLLM engines and the benchmarks (`vllm serve` among them): two at once would
+    # share the two cores, run past their waits and measure each other
+    "test_vllm.py": "heavy",
+    "test_vllm_death.py": "heavy",
+    "test_vllm_logs.py": "heavy",
+    "test_openai_client.py": "heavy",
+    "test_bench.py": "heavy",
+    "test_bench_http.py": "heavy",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_module_of_a_group_at_a_time(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    group = _SERIAL_GROUPS.get(request.path.name)
+    if group is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    # The workers' base temps share a parent: this run's, not another run's.
+    lock = tmp_path_factory.getbasetemp().parent / f"{group}.lock"
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (released with the descriptor)
+        yield
+    finally:
+        os.close(fd)
