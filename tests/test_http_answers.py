@@ -266,6 +266,8 @@ def test_what_a_request_leaves_out_is_left_to_its_models_own_defaults() -> None:
         assert exchange.ended == 0, body  # taken, not refused
         assert taken[-1].model_defaults == bits, body
     assert taken[-2].params.max_tokens == 512  # (the door's default, within the context)
+    # A chat's template wrote the special tokens it wants: its engine is to add none.
+    assert [t.params.add_special_tokens for t in taken] == [True] * 4 + [False] * 2
 
 
 def test_the_reply_socket_drops_a_frame_over_its_bound_and_keeps_reading() -> None:

@@ -915,6 +915,13 @@ def test_release_asked_names_each_field_and_the_release_that_reads_it() -> None:
         assert release_asked(SamplingParams(**asked)) == (0, 3, 2), asked
     for asked in ({"logprobs": 0}, {"logprobs": 5, "min_p": 0.1}):
         assert release_asked(SamplingParams(**asked)) == (0, 3, 3), asked
+    # A chat's: tokenized without special tokens (the default, true, is not written).
+    for asked in ({"add_special_tokens": False}, {"add_special_tokens": False, "logprobs": 1}):
+        assert release_asked(SamplingParams(**asked)) == (0, 3, 6), asked
+    assert release_asked(SamplingParams(add_special_tokens=True)) is None
+    assert b"add_special_tokens" not in msgspec.msgpack.encode(SamplingParams())
+    chat = SamplingParams(add_special_tokens=False)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(chat), type=SamplingParams) == chat
 
 
 def test_logprobs_are_bounded_by_what_a_result_may_carry() -> None:

@@ -452,14 +452,16 @@ def test_json_nested_deeper_than_the_decoder_goes_is_a_bad_request() -> None:
     assert exc.value.status == 400 and "nested" in exc.value.message
 
 
-def test_a_bos_the_template_writes_is_not_doubled_by_the_engine() -> None:
+def test_a_chat_prompt_is_the_rendered_template_whole_its_bos_included() -> None:
+    """The engine adds no special tokens to a chat's prompt (its params say so: the door's
+    chat tests), so the BOS the template writes stays in it."""
     from gossipd.http.chat import ChatTemplate, TemplateFailed
 
     template = ChatTemplate(
         "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}",
         bos_token="<s>",
     )
-    assert template.render([{"role": "user", "content": "hi"}]) == "[user] hi"
+    assert template.render([{"role": "user", "content": "hi"}]) == "<s>[user] hi"
     broken = ChatTemplate("{{ raise_me() }}")
     with pytest.raises(TemplateFailed):
         broken.render([{"role": "user", "content": "hi"}])

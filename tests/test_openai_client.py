@@ -502,3 +502,39 @@ def test_logit_bias_and_stop_token_ids_steer_the_models_tokens(
     again = client.completions.create(**asked)
     assert again.choices[0].text == plain.choices[0].text
     wait_until(lambda: _unfinished(cluster) == [0, 0], 10, "the engines idle")
+
+
+def test_a_chat_is_tokenized_without_special_tokens_as_vllm_serve_tokenizes_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A chat's rendered template is its whole prompt: the owner's engine adds no BOS of its
+    own (vLLM's chat endpoint tokenizes it with add_special_tokens false), also under a
+    tokenizer that adds one to a completion's text, as Llama's do, where the template writes
+    none (the plain one).  So the chat's prompt is one token shorter than the same text sent
+    as a completion.  (The door used to take a leading BOS off what the template wrote and
+    let the engine add one: one BOS too many here.)"""
+    from transformers import AutoTokenizer
+
+    from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate
+    from gossipd.tools.tinymodel import make_tiny
+
+    root = tmp_path_factory.mktemp("bos-model")
+    model_dir = make_tiny(root / "tiny", seed=0, adds_bos=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    messages: Any = [{"role": "user", "content": "hello there"}]
+    rendered = ChatTemplate(PLAIN_TEMPLATE).render(messages)
+    bare = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert tokenizer(rendered)["input_ids"] == [tokenizer.bos_token_id, *bare]  # (it adds one)
+    one = Cluster(1, log_dir=str(root),
+                  extra_overrides=[*engine_overrides(model_dir), 'http.bind="127.0.0.1:0"'])  # fmt: skip
+    with running(one, start_timeout_s=240):
+        client = openai.OpenAI(base_url=f"{one.daemons[0].http_url}/v1", api_key="-",
+                               max_retries=0)  # fmt: skip
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=1, temperature=0
+        )
+        text = client.completions.create(model=model, prompt=rendered, max_tokens=1, temperature=0)
+    assert chat.usage is not None and text.usage is not None
+    assert chat.usage.prompt_tokens == len(bare)
+    assert text.usage.prompt_tokens == len(bare) + 1

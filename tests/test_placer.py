@@ -429,10 +429,10 @@ def test_load_records_of_names_placement_does_not_know_are_not_kept() -> None:
 @given(
     st.dictionaries(
         st.sampled_from(NAMES),
-        st.sampled_from(["", "0.3.1", "0.3.2", "0.3.3", "0.3.4", "0.3.5", "0.4.0"]),
+        st.sampled_from(["", "0.3.1", "0.3.2", "0.3.3", "0.3.4", "0.3.5", "0.3.6", "0.4.0"]),
         min_size=1,
     ),  # each member's release
-    st.sampled_from(["", "0.3.2", "0.3.3", "0.3.4", "0.3.5"]),  # what the task's params need
+    st.sampled_from(["", "0.3.2", "0.3.3", "0.3.4", "0.3.5", "0.3.6"]),  # what the params need
     st.booleans(),  # keyed, or placed by its prompt's prefix
 )
 def test_a_task_asking_later_params_goes_to_a_member_of_a_release_that_reads_them(
@@ -440,7 +440,8 @@ def test_a_task_asking_later_params_goes_to_a_member_of_a_release_that_reads_the
 ) -> None:
     """A rolling upgrade: a member before 0.3.2 refuses a task asking a penalty, min_p,
     min_tokens or structured output, one before 0.3.3 a task asking logprobs, before 0.3.4
-    prompt_logprobs, before 0.3.5 logit_bias or stop_token_ids (and the whole frame it
+    prompt_logprobs, before 0.3.5 logit_bias or stop_token_ids, before 0.3.6 a chat's
+    add_special_tokens (and the whole frame it
     travels in), so such a task is placed, and tried again, only on members that
     read it (ourselves included); any other task is placed as if every member were
     upgraded."""
@@ -456,7 +457,7 @@ def test_a_task_asking_later_params_goes_to_a_member_of_a_release_that_reads_the
     upgraded = Harness()
     for name in releases:
         upgraded.apply(Alive(node=name, incarnation=0, addr=f"tcp://{name}:1"))
-        gpu = GpuState(rpc=f"tcp://{name}:5558", software_version="0.3.5")
+        gpu = GpuState(rpc=f"tcp://{name}:5558", software_version="0.3.6")
         upgraded.apply(Meta(node=name, version=1, gpu=gpu, incarnation=0))
     reference = upgraded.placer()
     later = bool(needs)
@@ -467,6 +468,7 @@ def test_a_task_asking_later_params_goes_to_a_member_of_a_release_that_reads_the
         "0.3.4": SamplingParams(prompt_logprobs=1),
         "0.3.5": SamplingParams(logit_bias={7: -100.0}) if keyed else
         SamplingParams(stop_token_ids=[2]),
+        "0.3.6": SamplingParams(add_special_tokens=False),
     }[needs]  # fmt: skip
     assert release_asked(params) == release_of(needs)
     readers = {n for n, r in releases.items() if later and r >= needs} | {ME}

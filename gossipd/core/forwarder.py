@@ -328,7 +328,8 @@ class Forwarder:
                 release = ".".join(map(str, needed))
                 message += (
                     f" and reads this task's params (members before release {release} refuse "
-                    "what it asks: logit_bias and stop_token_ids from 0.3.5; prompt_logprobs "
+                    "what it asks: add_special_tokens false, as chats ask, from 0.3.6; "
+                    "logit_bias and stop_token_ids from 0.3.5; prompt_logprobs "
                     "and token-id prompts from 0.3.4; logprobs from 0.3.3; a penalty, min_p, "
                     "min_tokens or structured output from 0.3.2)"
                 )

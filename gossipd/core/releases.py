@@ -18,9 +18,15 @@ PROMPT_LOGPROBS_FROM_VERSION = (0, 3, 4)
 TOKEN_IDS_FROM_VERSION = (0, 3, 4)
 # The release from which members read Task params' logit_bias and stop_token_ids.
 TOKEN_BIAS_FROM_VERSION = (0, 3, 5)
+# The release from which members read Task params' add_special_tokens (the HTTP door's
+# chats set it false).
+SPECIAL_TOKENS_FROM_VERSION = (0, 3, 6)
 # The newest of these: members before it are the "older" ones a placer keeps apart.
 NEWEST_PARAMS_VERSION = max(
-    PROMPT_LOGPROBS_FROM_VERSION, TOKEN_IDS_FROM_VERSION, TOKEN_BIAS_FROM_VERSION
+    PROMPT_LOGPROBS_FROM_VERSION,
+    TOKEN_IDS_FROM_VERSION,
+    TOKEN_BIAS_FROM_VERSION,
+    SPECIAL_TOKENS_FROM_VERSION,
 )
 
 

@@ -15,6 +15,7 @@ from gossipd.core.releases import (
     LOGPROBS_FROM_VERSION,
     PENALTIES_FROM_VERSION,
     PROMPT_LOGPROBS_FROM_VERSION,
+    SPECIAL_TOKENS_FROM_VERSION,
     TOKEN_BIAS_FROM_VERSION,
     TOKEN_IDS_FROM_VERSION,
 )
@@ -189,6 +190,11 @@ class SamplingParams(
     stop_token_ids: (
         Annotated[list[_TokenId], msgspec.Meta(min_length=1, max_length=STOP_TOKEN_IDS_MAX)] | None
     ) = None
+    # The engine tokenizes the prompt's text with the model's special tokens (a BOS) unless
+    # false: a prompt rendered through a chat template, which writes them itself (vLLM's chat
+    # endpoint tokenizes without them).  A prompt of token ids is taken as it is either way.
+    # Release 0.3.6.
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
@@ -230,6 +236,8 @@ def release_asked(params: SamplingParams) -> tuple[int, int, int] | None:
     """The release a member needs to read ``params`` where it asks a field added after
     0.3.1 (members before it refuse the field: core/releases.py); None: any member reads it.
     Identity tests: the neutral values are the default objects (SamplingParams.__post_init__)."""
+    if not params.add_special_tokens:
+        return SPECIAL_TOKENS_FROM_VERSION
     if params.logit_bias is not None or params.stop_token_ids is not None:
         return TOKEN_BIAS_FROM_VERSION
     if params.prompt_token_ids is not None:

@@ -121,6 +121,9 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
 # What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
 # carries: each value is taken as Task's params take it (sampling.SamplingParams' bounds).
 _FROM_CONFIG = ("temperature", "top_p", "top_k", "max_tokens")
+# How a prompt whose params ask no special tokens is tokenized (vLLM's chat endpoint's way):
+# vLLM adds them to a text prompt otherwise.
+_NO_SPECIAL_TOKENS: dict[str, Any] = {"add_special_tokens": False}
 
 
 def sampling_defaults(diff: dict[str, Any]) -> tuple[dict[str, float | int], list[str]]:
@@ -306,9 +309,14 @@ class VllmEngine:
         try:
             usage = request.usage
             prompt: Any = request.prompt
+            tokenizing: dict[str, Any] | None = None
             if request.prompt_token_ids is not None:  # (vLLM's TokensPrompt: a TypedDict)
                 prompt = {"prompt_token_ids": request.prompt_token_ids}
-            async for output in self._llm.generate(prompt, params, request.request_id):
+            elif not request.params.add_special_tokens:  # a chat's: its template wrote them
+                tokenizing = _NO_SPECIAL_TOKENS
+            async for output in self._llm.generate(
+                prompt, params, request.request_id, tokenization_kwargs=tokenizing
+            ):
                 completion = output.outputs[0] if output.outputs else None
                 if completion is None:
                     continue

@@ -6,10 +6,11 @@ Where the template comes from: ``chat_template.jinja`` in the model directory, e
 ``gossipd model make-tiny`` writes one).  The echo engine, and a model without a template,
 use ``PLAIN_TEMPLATE``.
 
-The engine tokenizes the prompt with its special tokens (the BOS a model starts with), as
-vLLM does for a completion; a template that writes ``bos_token`` itself would give two, so a
-rendered prompt that starts with it loses that one (vLLM's chat endpoint renders, then
-tokenizes without special tokens: the same tokens).
+The rendered prompt is the whole text the model reads: the template writes the special
+tokens it wants (``bos_token`` or none), and the door's chat task asks the engine to add none
+(``params.add_special_tokens`` false), as vLLM's chat endpoint renders, then tokenizes without
+them.  Removing a leading ``bos_token`` and letting the engine add one instead gave the same
+tokens only where the template and the tokenizer agree on it.
 """
 
 from __future__ import annotations
@@ -104,7 +105,6 @@ class ChatTemplate:
             )
             log.error("chat template", extra={"problem": self.broken})
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
-        self._bos = bos_token
         # What a template raises on messages it cannot render (jinja2 is imported only
         # when a door is built: the daemon without one never loads it).
         self._failures = (TemplateError, TypeError, ValueError, RecursionError)
@@ -126,9 +126,7 @@ class ChatTemplate:
             )
         except self._failures as exc:
             raise TemplateFailed(f"{type(exc).__name__}: {exc}") from None
-        if self._bos and prompt.startswith(self._bos):
-            prompt = prompt[len(self._bos) :]  # the engine adds it
-        return prompt
+        return prompt  # (tokenized without special tokens: the module's docstring)
 
 
 def _raise_exception(message: str) -> None:

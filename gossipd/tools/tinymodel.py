@@ -33,10 +33,12 @@ TOKENIZER_VOCAB_SIZE = 512
 CHAT_TEMPLATE = PLAIN_TEMPLATE
 
 
-def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:
-    """Write the tokenizer and model into ``directory`` (created if needed); return its path."""
+def make_tiny(directory: str | Path, *, seed: int = 0, adds_bos: bool = False) -> Path:
+    """Write the tokenizer and model into ``directory`` (created if needed); return its path.
+    ``adds_bos``: the tokenizer adds ``<s>`` before a text tokenized with its special tokens,
+    as Llama's do (the default one adds none; its chat template writes none either)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out = Path(directory)
@@ -52,6 +54,11 @@ def make_tiny(directory: str | Path, *, seed: int = 0) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    if adds_bos:
+        bos = ("<s>", tok.token_to_id("<s>"))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[bos]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
