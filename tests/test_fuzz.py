@@ -127,6 +127,7 @@ params_map = fields(
             st.integers(-2, 2**31 + 1) | st.text(max_size=3), ratio | nat, max_size=4
         ),
         "stop_token_ids": st.none() | st.lists(st.integers(-2, 2**31 + 1), max_size=5),
+        "add_special_tokens": st.booleans() | st.none(),
     }
 )
 task_spec = {

@@ -227,7 +227,7 @@ def test_what_a_request_leaves_out_is_left_to_its_models_own_defaults() -> None:
     from gossipd.core.sampling import MODEL_DEFAULT_TEMPERATURE as TEMP
     from gossipd.core.sampling import MODEL_DEFAULT_TOP_K as TOP_K
     from gossipd.core.sampling import MODEL_DEFAULT_TOP_P as TOP_P
-    from gossipd.http.chat import ChatTemplate
+    from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate
     from gossipd.http.door import DoorLinks, HttpDoor
     from gossipd.http.exchange import Request
 
@@ -268,6 +268,12 @@ def test_what_a_request_leaves_out_is_left_to_its_models_own_defaults() -> None:
     assert taken[-2].params.max_tokens == 512  # (the door's default, within the context)
     # A chat's template wrote the special tokens it wants: its engine is to add none.
     assert [t.params.add_special_tokens for t in taken] == [True] * 4 + [False] * 2
+    # Not where the plain template stands in for a model's own (it writes none).
+    door._chat = ChatTemplate(PLAIN_TEMPLATE, own=False)
+    request = Request(method="POST", path="/v1/chat/completions", headers={}, keep_alive=True,
+                      body=(chat + '"max_tokens": 9}').encode())  # fmt: skip
+    door.handle(request, RecordingExchange())  # type: ignore[arg-type]
+    assert taken[-1].params.add_special_tokens and len(taken) == 7
 
 
 def test_the_reply_socket_drops_a_frame_over_its_bound_and_keeps_reading() -> None:

@@ -5,6 +5,7 @@ naming the field, never another exception; the stream framing is OpenAI's to the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -465,6 +466,24 @@ def test_a_chat_prompt_is_the_rendered_template_whole_its_bos_included() -> None
     broken = ChatTemplate("{{ raise_me() }}")
     with pytest.raises(TemplateFailed):
         broken.render([{"role": "user", "content": "hi"}])
+
+
+def test_only_a_models_own_template_is_taken_to_write_its_special_tokens(tmp_path: Path) -> None:
+    """The plain template stands in for a model without one (and for an engine without a
+    model directory) and writes no BOS: its chats are tokenized with the tokenizer's own."""
+    from gossipd.http.chat import PLAIN_TEMPLATE, ChatTemplate, chat_template_for
+
+    hi = [{"role": "user", "content": "hi"}]
+    assert not chat_template_for("").own
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    plain = chat_template_for(str(tmp_path))
+    assert not plain.own and plain.render(hi) == ChatTemplate(PLAIN_TEMPLATE).render(hi)
+    config = {"bos_token": {"content": "<s>"}, "chat_template": "{{ bos_token }}x"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    own = chat_template_for(str(tmp_path))
+    assert own.own and own.render(hi) == "<s>x"
+    (tmp_path / "chat_template.jinja").write_text("[{{ messages[0]['content'] }}]")
+    assert chat_template_for(str(tmp_path)).render(hi) == "[hi]"
 
 
 def test_a_session_header_is_the_same_key_as_the_same_text_sent_as_user() -> None:

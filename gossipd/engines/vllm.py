@@ -121,9 +121,6 @@ def _stat_logger_factory(figures: _SchedulerFigures) -> Any:
 # What a model's generation config may set (vLLM's get_diff_sampling_param) that a task
 # carries: each value is taken as Task's params take it (sampling.SamplingParams' bounds).
 _FROM_CONFIG = ("temperature", "top_p", "top_k", "max_tokens")
-# How a prompt whose params ask no special tokens is tokenized (vLLM's chat endpoint's way):
-# vLLM adds them to a text prompt otherwise.
-_NO_SPECIAL_TOKENS: dict[str, Any] = {"add_special_tokens": False}
 
 
 def sampling_defaults(diff: dict[str, Any]) -> tuple[dict[str, float | int], list[str]]:
@@ -294,7 +291,8 @@ class VllmEngine:
             count = len(request.prompt.encode()) + 1
             tokenizer = self._llm.tokenizer if self._llm is not None else None
             if count * (top + 1) > LOGPROB_ENTRIES_MAX and tokenizer is not None:
-                count = len(tokenizer.encode(request.prompt))
+                bare = {} if request.params.add_special_tokens else {"add_special_tokens": False}
+                count = len(tokenizer.encode(request.prompt, **bare))
         check_prompt_logprobs(count, top)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[str]:
@@ -309,14 +307,14 @@ class VllmEngine:
         try:
             usage = request.usage
             prompt: Any = request.prompt
-            tokenizing: dict[str, Any] | None = None
+            how: dict[str, Any] = {}  # (only what differs: the call as before otherwise)
             if request.prompt_token_ids is not None:  # (vLLM's TokensPrompt: a TypedDict)
                 prompt = {"prompt_token_ids": request.prompt_token_ids}
             elif not request.params.add_special_tokens:  # a chat's: its template wrote them
-                tokenizing = _NO_SPECIAL_TOKENS
-            async for output in self._llm.generate(
-                prompt, params, request.request_id, tokenization_kwargs=tokenizing
-            ):
+                # (vLLM adds them to a text prompt otherwise; a dict of each call's own,
+                # since vLLM's tokenize parameters take their keys out of what they get)
+                how["tokenization_kwargs"] = {"add_special_tokens": False}
+            async for output in self._llm.generate(prompt, params, request.request_id, **how):
                 completion = output.outputs[0] if output.outputs else None
                 if completion is None:
                     continue

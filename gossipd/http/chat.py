@@ -6,11 +6,13 @@ Where the template comes from: ``chat_template.jinja`` in the model directory, e
 ``gossipd model make-tiny`` writes one).  The echo engine, and a model without a template,
 use ``PLAIN_TEMPLATE``.
 
-The rendered prompt is the whole text the model reads: the template writes the special
-tokens it wants (``bos_token`` or none), and the door's chat task asks the engine to add none
-(``params.add_special_tokens`` false), as vLLM's chat endpoint renders, then tokenizes without
-them.  Removing a leading ``bos_token`` and letting the engine add one instead gave the same
-tokens only where the template and the tokenizer agree on it.
+The rendered prompt is the whole text the model reads: the model's own template writes the
+special tokens it wants (``bos_token`` or none), and the door's chat task asks the engine to
+add none (``params.add_special_tokens`` false), as vLLM's chat endpoint renders, then
+tokenizes without them.  Removing a leading ``bos_token`` and letting the engine add one
+instead gave the same tokens only where the template and the tokenizer agree on it.
+``PLAIN_TEMPLATE`` writes none: a chat rendered through it is tokenized as a completion's
+text is, with the tokenizer's own (``ChatTemplate.own``).
 """
 
 from __future__ import annotations
@@ -62,12 +64,12 @@ def chat_template_for(model_dir: str) -> ChatTemplate:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-    if not isinstance(template, str) or not template:
-        template = PLAIN_TEMPLATE
+    own = isinstance(template, str) and bool(template)
     return ChatTemplate(
-        template,
+        template if isinstance(template, str) and own else PLAIN_TEMPLATE,
         bos_token=_token(config.get("bos_token")),
         eos_token=_token(config.get("eos_token")),
+        own=own,
     )
 
 
@@ -79,7 +81,14 @@ def _token(value: object) -> str:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(
+        self, source: str, *, bos_token: str = "", eos_token: str = "", own: bool = True
+    ) -> None:
+        # The model's own template, which writes the special tokens the model wants: its
+        # chats' engine adds none.  PLAIN_TEMPLATE (no template in the model, or an engine
+        # without a model directory) writes none: its chats are tokenized as a completion's
+        # text is, with the tokenizer's BOS (`vllm serve` refuses a chat to such a model).
+        self.own = own
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

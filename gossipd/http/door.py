@@ -327,8 +327,9 @@ class HttpDoor:
             if call.several:
                 self._check_choices(call, room)
             params = call.params
-            if chat:  # the template wrote the special tokens (http/chat.py)
-                params = msgspec.structs.replace(params, add_special_tokens=False)
+            if chat:
+                if self._chat.own:  # the model's template wrote its special tokens (chat.py)
+                    params = msgspec.structs.replace(params, add_special_tokens=False)
                 if call.max_tokens_default:
                     params = self._chat_max_tokens(params, models[call.model], call.choices)
             if params.logprobs is not None and call.choices > 1:
