@@ -268,12 +268,23 @@ def test_what_a_request_leaves_out_is_left_to_its_models_own_defaults() -> None:
     assert taken[-2].params.max_tokens == 512  # (the door's default, within the context)
     # A chat's template wrote the special tokens it wants: its engine is to add none.
     assert [t.params.add_special_tokens for t in taken] == [True] * 4 + [False] * 2
+    # What a request asks stands (vLLM's add_special_tokens), on either path.
+    for path, body, wanted in (
+        ("/v1/completions", '{"model": "other", "prompt": "p", "add_special_tokens": false}',
+         False),
+        ("/v1/chat/completions", chat + '"add_special_tokens": true}', True),
+        ("/v1/chat/completions", chat + '"add_special_tokens": null}', False),
+    ):  # fmt: skip
+        request = Request(method="POST", path=path, headers={}, keep_alive=True,
+                          body=body.encode())  # fmt: skip
+        door.handle(request, RecordingExchange())  # type: ignore[arg-type]
+        assert taken[-1].params.add_special_tokens is wanted, body
     # Not where the plain template stands in for a model's own (it writes none).
     door._chat = ChatTemplate(PLAIN_TEMPLATE, own=False)
     request = Request(method="POST", path="/v1/chat/completions", headers={}, keep_alive=True,
                       body=(chat + '"max_tokens": 9}').encode())  # fmt: skip
     door.handle(request, RecordingExchange())  # type: ignore[arg-type]
-    assert taken[-1].params.add_special_tokens and len(taken) == 7
+    assert taken[-1].params.add_special_tokens and len(taken) == 10
 
 
 def test_the_reply_socket_drops_a_frame_over_its_bound_and_keeps_reading() -> None:

@@ -308,7 +308,8 @@ def test_fields_that_ask_nothing_are_taken(
      ("skip_special_tokens", False), ("skip_special_tokens", 1), ("use_beam_search", True),
      ("length_penalty", 0.5), ("length_penalty", True), ("allowed_token_ids", [1]),
      ("bad_words", ["x"]), ("prompt_logprobs", 1), ("truncate_prompt_tokens", 5),
-     ("return_tokens_as_token_ids", True), ("add_special_tokens", False),
+     ("return_tokens_as_token_ids", True), ("add_special_tokens", 0),
+     ("add_special_tokens", "false"),
      ("spaces_between_special_tokens", False), ("thinking_token_budget", 5)],
 )  # fmt: skip
 def test_fields_that_ask_what_is_not_served_are_a_bad_request_naming_them(
@@ -468,6 +469,20 @@ def test_a_chat_prompt_is_the_rendered_template_whole_its_bos_included() -> None
         broken.render([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_add_special_tokens_is_read_as_asked_and_none_when_not(chat: bool) -> None:
+    """vLLM's add_special_tokens, on completions and chats: what the request says (the
+    door applies it, or its default where it says nothing: tests/test_http_answers.py)."""
+    asked: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "p"}
+    )
+    for value in (True, False, None):
+        body = {"model": "m", **asked, "add_special_tokens": value}
+        assert decode_call(json.dumps(body).encode(), chat=chat).special_tokens is value
+    plain = decode_call(json.dumps({"model": "m", **asked}).encode(), chat=chat)
+    assert plain.special_tokens is None
+
+
 def test_only_a_models_own_template_is_taken_to_write_its_special_tokens(tmp_path: Path) -> None:
     """The plain template stands in for a model without one (and for an engine without a
     model directory) and writes no BOS: its chats are tokenized with the tokenizer's own."""
@@ -598,7 +613,6 @@ def test_templates_render_as_hugging_face_renders_them() -> None:
         ("continue_final_message", False, True),
         ("chat_template", None, "{{ messages }}"),
         ("chat_template_kwargs", {}, {"enable_thinking": False}),
-        ("add_special_tokens", False, True),  # (a chat's template writes its special tokens)
     ],
 )
 def test_a_chats_template_fields_are_taken_at_what_the_door_does_else_refused(

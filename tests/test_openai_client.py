@@ -535,6 +535,15 @@ def test_a_chat_is_tokenized_without_special_tokens_as_vllm_serve_tokenizes_it(
             model=model, messages=messages, max_tokens=1, temperature=0
         )
         text = client.completions.create(model=model, prompt=rendered, max_tokens=1, temperature=0)
+        # vLLM's add_special_tokens, asked of either: the BOS as the request says.
+        bare_text = client.completions.create(
+            model=model, prompt=rendered, max_tokens=1, extra_body={"add_special_tokens": False}
+        )
+        with_bos = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=1, extra_body={"add_special_tokens": True}
+        )
     assert chat.usage is not None and text.usage is not None
     assert chat.usage.prompt_tokens == len(bare)
     assert text.usage.prompt_tokens == len(bare) + 1
+    assert bare_text.usage is not None and bare_text.usage.prompt_tokens == len(bare)
+    assert with_bos.usage is not None and with_bos.usage.prompt_tokens == len(bare) + 1

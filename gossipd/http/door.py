@@ -327,11 +327,13 @@ class HttpDoor:
             if call.several:
                 self._check_choices(call, room)
             params = call.params
-            if chat:
-                if self._chat.own:  # the model's template wrote its special tokens (chat.py)
-                    params = msgspec.structs.replace(params, add_special_tokens=False)
-                if call.max_tokens_default:
-                    params = self._chat_max_tokens(params, models[call.model], call.choices)
+            special = call.special_tokens
+            if special is None:  # (a chat through the model's own template: it wrote them)
+                special = not (chat and self._chat.own)
+            if not special:
+                params = msgspec.structs.replace(params, add_special_tokens=False)
+            if chat and call.max_tokens_default:
+                params = self._chat_max_tokens(params, models[call.model], call.choices)
             if params.logprobs is not None and call.choices > 1:
                 self._check_logprobs(params, call)
         except BadRequest as exc:

@@ -83,6 +83,9 @@ class Call(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     token_prompts: tuple[list[int], ...] = ()
     # A request of several choices (several prompts, or n > 1): one task each.
     several: bool = False
+    # vLLM's add_special_tokens as asked; None: not asked (the door's default: true on
+    # completions, false on a chat through the model's own template).
+    special_tokens: bool | None = None
 
     @property
     def choices(self) -> int:
@@ -401,6 +404,9 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         user = ""
     if not isinstance(user, str):
         raise BadRequest("user: a string", param="user")
+    special_tokens = doc.get("add_special_tokens")
+    if special_tokens is not None and not isinstance(special_tokens, bool):
+        raise BadRequest("add_special_tokens: true or false", param="add_special_tokens")
     return Call(
         chat=chat,
         model=model,
@@ -419,6 +425,7 @@ def _decode_call(body: bytes, *, chat: bool) -> Call:
         token_prompts=token_prompts,
         several=n > 1 or bool(prompts) or len(token_prompts) > 1,
         tools=tools,
+        special_tokens=special_tokens,
     )
 
 

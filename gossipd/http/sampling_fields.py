@@ -131,17 +131,15 @@ _VLLM_UNSERVED: dict[str, tuple[object, ...]] = {
     "thinking_token_budget": (),
     "repetition_detection": (),
 }
-# The same for chats' template (the door renders it as `vllm serve` does by default) and
-# for tokenization: completions' text is tokenized with the model's special tokens (a BOS),
-# a chat's rendered text without (its template writes them).
+# The same for chats' template (the door renders it as `vllm serve` does by default).
+# (add_special_tokens is served: openai_api.py reads it, the task carries it.)
 _VLLM_UNSERVED_CHAT: dict[str, tuple[object, ...]] = {
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "chat_template": (),
     "chat_template_kwargs": ({},),
-    "add_special_tokens": (False,),
 }
-_VLLM_UNSERVED_COMPLETIONS: dict[str, tuple[object, ...]] = {"add_special_tokens": (True,)}
+_VLLM_UNSERVED_COMPLETIONS: dict[str, tuple[object, ...]] = {}
 
 
 def _asks_nothing(value: object, defaults: tuple[object, ...]) -> bool:
