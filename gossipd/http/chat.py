@@ -64,12 +64,12 @@ def chat_template_for(model_dir: str) -> ChatTemplate:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-    own = isinstance(template, str) and bool(template)
+    source = template if isinstance(template, str) else ""
     return ChatTemplate(
-        template if isinstance(template, str) and own else PLAIN_TEMPLATE,
+        source or PLAIN_TEMPLATE,
         bos_token=_token(config.get("bos_token")),
         eos_token=_token(config.get("eos_token")),
-        own=own,
+        own=bool(source),
     )
 
 
@@ -135,7 +135,7 @@ class ChatTemplate:
             )
         except self._failures as exc:
             raise TemplateFailed(f"{type(exc).__name__}: {exc}") from None
-        return prompt  # (tokenized without special tokens: the module's docstring)
+        return prompt
 
 
 def _raise_exception(message: str) -> None:

@@ -139,7 +139,6 @@ _VLLM_UNSERVED_CHAT: dict[str, tuple[object, ...]] = {
     "chat_template": (),
     "chat_template_kwargs": ({},),
 }
-_VLLM_UNSERVED_COMPLETIONS: dict[str, tuple[object, ...]] = {}
 
 
 def _asks_nothing(value: object, defaults: tuple[object, ...]) -> bool:
@@ -150,7 +149,7 @@ def refuse_unserved(doc: dict[str, Any], chat: bool) -> None:
     """Fields vLLM serves and a task cannot carry: the values that ask nothing are taken
     (clients send them), any other is refused rather than ignored (the answer would not be
     what was asked)."""
-    for table in (_VLLM_UNSERVED, _VLLM_UNSERVED_CHAT if chat else _VLLM_UNSERVED_COMPLETIONS):
+    for table in (_VLLM_UNSERVED, _VLLM_UNSERVED_CHAT) if chat else (_VLLM_UNSERVED,):
         for name, defaults in table.items():
             if name in doc and not _asks_nothing(doc[name], defaults):
                 shown = " or ".join(json.dumps(d) for d in (None, *defaults))
