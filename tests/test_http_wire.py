@@ -7,10 +7,13 @@ for ever, a chunked body taking 28 times its bytes)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 from gossipd.http.exchange import Exchange, HttpLimits, Request
@@ -369,3 +372,32 @@ async def test_an_http10_request_with_transfer_encoding_closes_its_connection() 
     assert got.count(b"HTTP/1.1 ") == 1 and got.endswith(b"/c 2"), got
     assert b"connection: keep-alive" not in got
     assert [r.path for r in handler.seen] == ["/c"]
+
+
+def _dates(answers: bytes) -> list[float]:
+    """The Date field of each answer in ``answers``, as seconds since the epoch."""
+    out = []
+    for head in re.findall(rb"HTTP/1\.1 \d{3} [^\r]*\r\n(.*?)\r\n\r\n", answers, re.DOTALL):
+        lines = head.split(b"\r\n")
+        dates = [v for k, _, v in (ln.partition(b": ") for ln in lines) if k.lower() == b"date"]
+        assert len(dates) == 1, head  # one, on every answer
+        out.append(parsedate_to_datetime(dates[0].decode()).timestamp())
+    return out
+
+
+@_on_a_loop
+async def test_every_answer_carries_the_date_as_rfc_9110_asks_of_an_origin_server() -> None:
+    before = time.time()
+    async with _server(_limits()) as (port, _handler):
+        whole = await _exchange(
+            port,
+            b"GET /a HTTP/1.1\r\nhost: x\r\n\r\nGET /stream HTTP/1.1\r\nhost: x\r\n\r\n",
+            until=lambda got: b"data: one" in got,
+        )
+        refused = await _exchange(port, b"GET /a HTTP/1.1\r\n\r\n", until=lambda got: False)
+    after = time.time()
+    assert refused.startswith(b"HTTP/1.1 400 "), refused  # (the wire's own refusal: no Host)
+    dates = _dates(whole) + _dates(refused)
+    assert len(dates) == 3
+    # IMF-fixdate has whole seconds
+    assert all(int(before) <= d <= after for d in dates), (before, dates, after)

@@ -6,8 +6,10 @@ parses and writes is gossipd/http/server.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from email.utils import formatdate
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -46,6 +48,22 @@ WANTED_HEADERS = frozenset(
         b"host",
     }
 )
+
+
+# The Date field of the answers (RFC 9110 6.6.1: an origin server with a clock sends one on
+# its 2xx-4xx answers; on a 5xx it may, and does here): formed once a second, not per answer.
+_date_second = -1
+_date_line = b""
+
+
+def date_field() -> bytes:
+    """``date: <IMF-fixdate>\\r\\n`` for this second (wall clock)."""
+    global _date_second, _date_line
+    now = int(time.time())
+    if now != _date_second:
+        _date_line = b"date: %s\r\n" % formatdate(now, usegmt=True).encode()
+        _date_second = now
+    return _date_line
 
 
 def _plain_error(message: str, status: int) -> bytes:
@@ -164,7 +182,7 @@ class Exchange:
             close = b"connection: close\r\n"
         else:  # an HTTP/1.0 client closes unless told the connection stays
             close = b"connection: keep-alive\r\n" if self.http10 else b""
-        return b"%s%s%s%s\r\n" % (line, fields, extra, close)
+        return b"%s%s%s%s%s\r\n" % (line, date_field(), fields, extra, close)
 
     def respond(
         self,

@@ -42,7 +42,15 @@ from collections.abc import Callable
 import httptools
 
 from gossipd.busypoll import ignore_read
-from gossipd.http.exchange import REASONS, Exchange, HttpCounters, HttpLimits, Request, admit
+from gossipd.http.exchange import (
+    REASONS,
+    Exchange,
+    HttpCounters,
+    HttpLimits,
+    Request,
+    admit,
+    date_field,
+)
 from gossipd.http.tlsaccept import TlsAccept
 from gossipd.http.turnwrites import TurnWrites
 from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
@@ -657,9 +665,9 @@ class HttpConnection(asyncio.Protocol):
             return  # (after the client's last request nothing is answered: bytes it sent after)
         body = self._limits.error_body(message, status)
         refusal = (
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"
-            % (status, REASONS.get(status, "Error").encode(), len(body), body)
+            % (status, REASONS.get(status, "Error").encode(), date_field(), len(body), body)
         )
         if (self._current is not None and not self._current.done) or self._waiting:
             # Answers are due before it (one under way, requests waiting): HTTP/1.1 answers
