@@ -110,7 +110,7 @@ class Daemon:
         environ: Mapping[str, str] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        # "{node_id}" in security.secret_key_file: this daemon's own key pair (config.py).
+        # "{node_id}" in security.secret_key_file: this daemon's own key pair (gossipd/config/load.py).
         config = resolve_node_id(config, socket.gethostname())
         self.config = config
         self.clock = clock  # every part reads the time from it (gossipd/clock.py)

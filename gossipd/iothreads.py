@@ -1,5 +1,5 @@
 """ZeroMQ's I/O threads (and its reaper) under SCHED_BATCH (``node.zmq_io_batch``;
-config.py says why).
+gossipd/config/node.py says why).
 
 libzmq sets the policy as each I/O thread starts and aborts the whole process when the
 kernel refuses it (a seccomp filter, a platform without the policy), so a throwaway thread

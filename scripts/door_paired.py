@@ -45,7 +45,7 @@ def _children_cpu_s() -> float:
 
 
 def _env_name(key: str) -> str:
-    """``fanout.peer_transport`` -> GOSSIPD_FANOUT__PEER_TRANSPORT (gossipd/config.py's
+    """``fanout.peer_transport`` -> GOSSIPD_FANOUT__PEER_TRANSPORT (gossipd/config/load.py's
     rule; an environment variable beats the config's default)."""
     return "GOSSIPD_" + key.upper().replace(".", "__")
 

@@ -32,7 +32,8 @@ from gossipd.core.messages import (
 _encoder = msgspec.msgpack.Encoder()
 
 # A refusal's hint from a member: at most what any member's ingress.retry_after_max_ms may be
-# (config.py's bound, one hour); the entry cuts it to its own before a producer sees it.
+# (gossipd/config/data_path.py's bound, one hour); the entry cuts it to its own before a
+# producer sees it.
 RETRY_AFTER_MS_MAX = 3_600_000
 
 

@@ -8,7 +8,7 @@ What it writes under the output directory, laid out as under / (so one copy inst
 - ``etc/systemd/system/gossipd@N.service.d/numa.conf``: instance N's CPUs and memory bound to
   its GPU's NUMA node (``CPUAffinity=`` the GPU's ``local_cpulist``, ``NUMAPolicy=bind``);
 - ``etc/gossipd/N.env``: instance N's own settings as GOSSIPD_* variables, which override
-  the shared ``gossipd.toml`` (gossipd/config.py: file, then environment, then ``--set``).
+  the shared ``gossipd.toml`` (gossipd/config/load.py: file, then environment, then ``--set``).
 
 Per-instance settings (the rule docs/OPERATIONS.md states): instance N takes every port of
 gossipd.toml (ingress.bind, fanout.rpc_bind and rpc_advertise, gossip.bind and advertise,
@@ -20,7 +20,7 @@ ends in ``-gpuN``), and the node's other instances added to ``gossip.seeds``, ea
 its node id (``NODE@tcp://HOST:PORT``, as CURVE requires).  Rendering refuses a port that two
 instances (or two sockets of one) would share, or one past 65535, and with CURVE on and more
 than one GPU a ``security.secret_key_file`` without ``{node_id}`` (every instance is its own
-member with its own key pair; the daemon puts its node id there, gossipd/config.py).
+member with its own key pair; the daemon puts its node id there, gossipd/config/load.py).
 
 The env file is the subset of systemd's EnvironmentFile syntax that ``read_env_file`` reads
 back: ``KEY=VALUE`` lines, a value bare or in single quotes, ``#`` comments.
@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gossipd.config import NODE_ID_PLACEHOLDER, Config, _parse_scalar
+from gossipd.config import NODE_ID_PLACEHOLDER, Config, parse_scalar
 from gossipd.ops.topology import Gpu
 
 DEFAULT_BIN = "/opt/gossipd/bin/gossipd"
@@ -311,7 +311,7 @@ def env_literal(value: str | int | Sequence[str]) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, str):
-        if re.fullmatch(r"[A-Za-z0-9_./:@*+,=\[\]-]+", value) and _parse_scalar(value) == value:
+        if re.fullmatch(r"[A-Za-z0-9_./:@*+,=\[\]-]+", value) and parse_scalar(value) == value:
             return value
         text = json.dumps(value)  # a JSON string of printable text is a TOML basic string
     else:
