@@ -31,7 +31,7 @@ from gossipd.admin import Admin
 from gossipd.busypoll import BusyPoll, CpuPressure
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import Config, node_id, resolve_node_id
-from gossipd.core.forwarder import Refuse
+from gossipd.core.journeys import Refuse
 from gossipd.core.messages import Drain, ErrorCode, Task, error_result
 from gossipd.engines.base import Engine
 from gossipd.engines.echo import EchoEngine

@@ -12,9 +12,9 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from gossipd.core.admission import Admission, Verdict, refused
-from gossipd.core.forwarder import Route
 from gossipd.core.gossip_messages import GpuState
 from gossipd.core.heldresults import Decision, HeldResults, forwarder_view
+from gossipd.core.journeys import Route
 from gossipd.core.lifecycle import ANY, Abort, Owned, Phase, Stop
 from gossipd.core.membership import State
 from gossipd.core.messages import (

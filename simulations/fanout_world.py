@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from gossipd.config import FanoutConfig, IngressConfig
-from gossipd.core.forwarder import ForwarderSettings, Refuse, RunHere
 from gossipd.core.gossip_messages import Meta
+from gossipd.core.journeys import ForwarderSettings, Refuse, RunHere
 from gossipd.core.messages import Result, Task, error_result
 from gossipd.core.peer_messages import Forward, Withdraw
 from gossipd.core.swim_config import SwimConfig

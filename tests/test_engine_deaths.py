@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gossipd.config import load_config
-from gossipd.core.forwarder import HandedOff
+from gossipd.core.journeys import HandedOff
 from gossipd.core.messages import ErrorCode, Result, Task
 from gossipd.core.peer_messages import Forward
 from gossipd.daemon import Daemon

@@ -13,16 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gossipd.core.admission import Verdict
-from gossipd.core.forwarder import (
-    LEDGER_SWEEP_S,
-    LEDGER_SWEEP_SLICE,
-    Forwarder,
-    ForwarderSettings,
-    HandedOff,
-    Refuse,
-    Route,
-    RunHere,
-)
+from gossipd.core.forwarder import LEDGER_SWEEP_S, LEDGER_SWEEP_SLICE, Forwarder
+from gossipd.core.journeys import ForwarderSettings, HandedOff, Refuse, Route, RunHere
 from gossipd.core.messages import Cancel, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone, Withdraw, decode_peer
 from gossipd.errors import RemoteProtocolError

@@ -19,9 +19,10 @@ import zmq
 from gossipd import __version__
 from gossipd.clock import Clock
 from gossipd.config import Config
-from gossipd.core.forwarder import Forwarder, Refuse
+from gossipd.core.forwarder import Forwarder
 from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.heldresults import HeldResults
+from gossipd.core.journeys import Refuse
 from gossipd.core.loadstate import LoadSampler
 from gossipd.core.messages import Drain
 from gossipd.core.peer_messages import TaskDone

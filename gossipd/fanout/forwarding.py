@@ -24,14 +24,8 @@ from typing import Any
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import FanoutConfig
 from gossipd.core.admission import Verdict
-from gossipd.core.forwarder import (
-    Forwarder,
-    ForwarderSettings,
-    HandedOff,
-    Refuse,
-    Route,
-    RunHere,
-)
+from gossipd.core.forwarder import Forwarder
+from gossipd.core.journeys import ForwarderSettings, HandedOff, Refuse, Route, RunHere
 from gossipd.core.lifecycle import Owned, Stop
 from gossipd.core.membership import MemberEvent
 from gossipd.core.messages import PROTOCOL_VERSION, Cancel, Drain, Task
