@@ -16,7 +16,8 @@ from contextlib import asynccontextmanager
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from gossipd.http.exchange import Exchange, HttpLimits, Request
+from gossipd.clock import ManualClock
+from gossipd.http.exchange import DateField, Exchange, HttpLimits, Request
 from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_api import BadRequest, decode_call
 from gossipd.http.server import serve
@@ -401,3 +402,21 @@ async def test_every_answer_carries_the_date_as_rfc_9110_asks_of_an_origin_serve
     assert len(dates) == 3
     # IMF-fixdate has whole seconds
     assert all(int(before) <= d <= after for d in dates), (before, dates, after)
+
+
+@_on_a_loop
+async def test_the_date_is_read_on_the_clock_the_wire_is_given() -> None:
+    clock = ManualClock(wall=784111777.0)  # RFC 9110 5.6.7's example
+    async with _server(_limits(date=DateField(clock.wall))) as (port, _handler):
+        first = await _exchange(port, b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n", until=_ends)
+        clock.advance(0.5)  # the same second: the same field
+        same = await _exchange(port, b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n", until=_ends)
+        clock.advance(86400.0)
+        refused = await _exchange(port, b"GET /a HTTP/1.1\r\n\r\n", until=lambda got: False)
+    assert b"\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\n" in first, first
+    assert b"\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\n" in same, same
+    assert b"\r\ndate: Mon, 07 Nov 1994 08:49:37 GMT\r\n" in refused, refused
+
+
+def _ends(got: bytes) -> bool:
+    return got.endswith(b"/a 0")

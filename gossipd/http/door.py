@@ -33,7 +33,14 @@ from gossipd.core.messages import PROTOCOL_VERSION, Task, reply_route
 from gossipd.core.sampling import LOGPROB_ENTRIES_MAX, MODEL_DEFAULT_MAX_TOKENS, SamplingParams
 from gossipd.http.answers import MEMBER_HEADER, Answers, Waiting
 from gossipd.http.chat import ChatTemplate, TemplateBroken, TemplateFailed
-from gossipd.http.exchange import WANTED_HEADERS, Exchange, HttpCounters, HttpLimits, Request
+from gossipd.http.exchange import (
+    WANTED_HEADERS,
+    DateField,
+    Exchange,
+    HttpCounters,
+    HttpLimits,
+    Request,
+)
 from gossipd.http.keys import ApiKeys
 from gossipd.http.openai_answers import error_body
 from gossipd.http.openai_api import (
@@ -184,6 +191,7 @@ class HttpDoor:
             # With keys, a request whose key is refused has its body read and dropped (it
             # gets 401 below whatever it holds): clients without a key hold no memory here.
             keeps_body=None if keys is None else self._key_taken,
+            date=DateField(clock.wall),
         )
         self._ids = RandomIds()
         self._models_cache: dict[str, int | None] = {}

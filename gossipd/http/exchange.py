@@ -6,13 +6,14 @@ parses and writes is gossipd/http/server.py."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import TYPE_CHECKING
 
 import msgspec
+
+from gossipd.clock import SYSTEM_CLOCK
 
 if TYPE_CHECKING:
     from gossipd.http.server import HttpConnection
@@ -50,20 +51,25 @@ WANTED_HEADERS = frozenset(
 )
 
 
-# The Date field of the answers (RFC 9110 6.6.1: an origin server with a clock sends one on
-# its 2xx-4xx answers; on a 5xx it may, and does here): formed once a second, not per answer.
-_date_second = -1
-_date_line = b""
+class DateField:
+    """The Date field of the answers (RFC 9110 6.6.1: an origin server with a clock sends one
+    on its 2xx-4xx answers; on a 5xx it may, and does here), read on ``wall`` (the
+    daemon's clock) and formed once a second, not per answer."""
 
+    __slots__ = ("_line", "_second", "_wall")
 
-def date_field() -> bytes:
-    """``date: <IMF-fixdate>\\r\\n`` for this second (wall clock)."""
-    global _date_second, _date_line
-    now = int(time.time())
-    if now != _date_second:
-        _date_line = b"date: %s\r\n" % formatdate(now, usegmt=True).encode()
-        _date_second = now
-    return _date_line
+    def __init__(self, wall: Callable[[], float]) -> None:
+        self._wall = wall
+        self._second = -1
+        self._line = b""
+
+    def line(self) -> bytes:
+        """``date: <IMF-fixdate>\\r\\n`` for this second."""
+        now = int(self._wall())
+        if now != self._second:
+            self._line = b"date: %s\r\n" % formatdate(now, usegmt=True).encode()
+            self._second = now
+        return self._line
 
 
 def _plain_error(message: str, status: int) -> bytes:
@@ -128,6 +134,8 @@ class HttpLimits:
     # be refused (the door answers 401 anyway), so that clients without a key hold no
     # memory here.  None: every body is kept.
     keeps_body: Callable[[dict[str, str]], bool] | None = None
+    # The answers' Date field, on the daemon's clock (the door passes its own).
+    date: DateField = field(default_factory=lambda: DateField(SYSTEM_CLOCK.wall))
     # Each wanted name's text (what the parser keys its headers by): decoded once, not for
     # every header line of every request.
     wanted_names: dict[bytes, str] = field(default_factory=dict, init=False)
@@ -182,7 +190,7 @@ class Exchange:
             close = b"connection: close\r\n"
         else:  # an HTTP/1.0 client closes unless told the connection stays
             close = b"connection: keep-alive\r\n" if self.http10 else b""
-        return b"%s%s%s%s%s\r\n" % (line, date_field(), fields, extra, close)
+        return b"%s%s%s%s%s\r\n" % (line, self._conn.date(), fields, extra, close)
 
     def respond(
         self,

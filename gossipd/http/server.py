@@ -49,7 +49,6 @@ from gossipd.http.exchange import (
     HttpLimits,
     Request,
     admit,
-    date_field,
 )
 from gossipd.http.tlsaccept import TlsAccept
 from gossipd.http.turnwrites import TurnWrites
@@ -89,6 +88,7 @@ class HttpConnection(asyncio.Protocol):
         self._handler = handler
         self._on_read = on_read or ignore_read  # every read (busy-polling: gossipd/busypoll.py)
         self._limits = limits
+        self.date = limits.date.line  # the answers' Date field
         self._counted = counted  # TLS: counted at accept, before its handshake (tlsaccept.py)
         # the server's (one for all its connections); a connection alone gets its own
         self._writes = writes if writes is not None else TurnWrites()
@@ -667,7 +667,7 @@ class HttpConnection(asyncio.Protocol):
         refusal = (
             b"HTTP/1.1 %d %s\r\n%scontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"
-            % (status, REASONS.get(status, "Error").encode(), date_field(), len(body), body)
+            % (status, REASONS.get(status, "Error").encode(), self.date(), len(body), body)
         )
         if (self._current is not None and not self._current.done) or self._waiting:
             # Answers are due before it (one under way, requests waiting): HTTP/1.1 answers
