@@ -22,7 +22,8 @@ from typing import Any, cast
 
 import zmq
 
-from gossipd.core.messages import Chunk, Result, encode, replies_frame, replies_groups
+from gossipd.core.frames import replies_frame, replies_groups
+from gossipd.core.messages import Chunk, Result, encode
 from gossipd.hostnames import FAILED, HostNames, name_in
 from gossipd.ops.logs import HANDLER_FAILURES, RateLimiter, handler_name
 from gossipd.sockets import CloseReason, SocketKind, SocketPool

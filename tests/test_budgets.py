@@ -24,7 +24,8 @@ from gossipd.core.budgets import (
 )
 from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.lifecycle import TaskBook
-from gossipd.core.messages import Result, Task, decode_task
+from gossipd.core.messages import Result, Task
+from gossipd.core.producer_decode import decode_task
 from gossipd.core.ring import LoadCounts
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
@@ -210,7 +211,8 @@ def test_logprob_bytes_are_close_to_what_decoded_log_probabilities_take() -> Non
     """result_bytes' share for log probabilities is within 2x of what a Result's decoded
     from a frame (as an entry holds it) takes: per token, and per top entry."""
     from gossipd.core.budgets import LOGPROB_BYTES, LOGPROB_TOP_BYTES
-    from gossipd.core.messages import decode_reply, encode
+    from gossipd.core.frames import decode_reply
+    from gossipd.core.messages import encode
     from gossipd.core.sampling import TokenLogprob
 
     def frame(top: int) -> bytes:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import zmq
 
 import gossipd.zmqloop as zmqloop
-from gossipd.core.messages import Chunk, Result, decode_replies, encode
+from gossipd.core.frames import decode_replies
+from gossipd.core.messages import Chunk, Result, encode
 from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import free_tcp_port

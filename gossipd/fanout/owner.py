@@ -34,13 +34,7 @@ from gossipd.core.admission import Verdict
 from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.lifecycle import Owned
 from gossipd.core.membership import MemberEvent
-from gossipd.core.messages import (
-    PROTOCOL_VERSION,
-    Cancel,
-    Drain,
-    Result,
-    Task,
-)
+from gossipd.core.messages import PROTOCOL_VERSION, Cancel, Drain, Result, Task
 from gossipd.core.owner import Admit, Owner, Refused
 from gossipd.core.peer_messages import (
     Confirm,

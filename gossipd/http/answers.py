@@ -30,14 +30,13 @@ import msgspec
 import zmq
 
 from gossipd.clock import Clock
+from gossipd.core.frames import REPLY_FRAME_BYTES_MAX, decode_replies
 from gossipd.core.messages import (
-    REPLY_FRAME_BYTES_MAX,
     Chunk,
     ErrorCode,
     ErrorInfo,
     Result,
     TokenUsage,
-    decode_replies,
     logprobs_of,
     prompt_logprobs_of,
 )

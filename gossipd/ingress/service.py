@@ -35,11 +35,11 @@ from gossipd.core.messages import (
     StatusQuery,
     Task,
     Tasks,
-    decode_intake,
     encode,
     error_result,
     reply_route,
 )
+from gossipd.core.producer_decode import decode_intake
 from gossipd.engines.base import (
     Engine,
 )

@@ -40,16 +40,15 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from gossipd.core.frames import REPLY_FRAME_BYTES_MAX, decode_replies
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
-    REPLY_FRAME_BYTES_MAX,
     TASK_ID_CHARS_MAX,
     Cancel,
     Chunk,
     ErrorCode,
     Result,
     Task,
-    decode_replies,
     encode,
     error_result,
 )

@@ -13,7 +13,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from gossipd.core.messages import PROTOCOL_VERSION, MsgType, Task, encode, pack_tasks
+from gossipd.core.frames import pack_tasks
+from gossipd.core.messages import PROTOCOL_VERSION, MsgType, Task, encode
 from gossipd.core.sampling import SamplingParams
 from gossipd.tools.curvekeys import CurveLayout
 from gossipd.tools.packing import PACK_BYTES_MAX, PACK_ITEMS_MAX
