@@ -40,7 +40,7 @@ from gossipd.core.messages import (
 )
 from gossipd.engines.base import Engine
 from gossipd.ingress.service import Ingress
-from gossipd.zmqloop import ReplySender
+from gossipd.replysender import ReplySender
 
 if TYPE_CHECKING:
     from gossipd.fanout.forwarding import Dispatcher

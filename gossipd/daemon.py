@@ -62,13 +62,13 @@ from gossipd.ops.metrics_server import serve_metrics
 from gossipd.ops.notify import Notifier
 from gossipd.ops.tcpdefaults import set_context_defaults
 from gossipd.ops.tracing import build_tracer
+from gossipd.replysender import ReplySender
 from gossipd.security import (
     DOMAIN_PEERS,
     DOMAIN_PRODUCERS,
     Security,
 )
 from gossipd.sockets import SocketKind, SocketPool, split_reply_route
-from gossipd.zmqloop import ReplySender
 
 log = logging.getLogger("gossipd.daemon")
 

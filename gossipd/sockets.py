@@ -70,7 +70,7 @@ KIND_OPTIONS: dict[SocketKind, tuple[int, tuple[tuple[int, int], ...]]] = {
     # reader that did not read held 270 MB of replies outside the bound (a review's run).
     # 256, not fewer: `bench ingress` (500 tasks outstanding) lost 7-9% of its tasks/s at
     # 64 (a turn's replies past it wait for the flusher), and gained 2-6% at 256.
-    # + TCP_MAXRT, RECONNECT_IVL_MAX and IPV6 from the reply sender (zmqloop.ReplySender).
+    # + TCP_MAXRT, RECONNECT_IVL_MAX and IPV6 from the reply sender (replysender.ReplySender).
     SocketKind.REPLY: (
         zmq.PUSH,
         (

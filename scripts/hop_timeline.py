@@ -55,7 +55,7 @@ if OUT:
         setattr(cls, meth, wrapped)
 
     def _install():
-        from gossipd import looppeer, peerchannel, zmqloop
+        from gossipd import looppeer, peerchannel, replysender, zmqloop
         from gossipd.fanout import owner, forwarding
         from gossipd.ingress import intake, runner
         orig_read = zmqloop.SocketReader._read
@@ -70,7 +70,7 @@ if OUT:
         _mark(owner.OwnerEndpoint, "_on_forward", "owner: Forward decoded")
         _mark(intake.Intake, "admit", "admission")
         _mark(runner.Runner, "_finish", "engine done")
-        _mark(zmqloop.ReplySender, "_send_by_socket", "Result to the producer's socket")
+        _mark(replysender.ReplySender, "_send_by_socket", "Result to the producer's socket")
         _mark(peerchannel.ZmqPeerServer, "send", "owner: TaskDone (and any accept) to the forwarder")
         _mark(looppeer.LoopPeerServer, "send", "owner: TaskDone (and any accept) to the forwarder")
         if os.environ.get("HOP_DELAY_OWNER_REPLIES"):

@@ -27,9 +27,10 @@ from gossipd.core.lifecycle import TaskBook
 from gossipd.core.messages import Result, Task
 from gossipd.core.producer_decode import decode_task
 from gossipd.core.ring import LoadCounts
+from gossipd.replysender import ReplySender
 from gossipd.sockets import SocketPool
 from gossipd.tools.launcher import free_tcp_port
-from gossipd.zmqloop import ReplySender, SocketReader
+from gossipd.zmqloop import SocketReader
 from tests.helpers import RawProducer, run_with_context, scrape, wait_until_async
 
 IDS = st.sampled_from([f"t{i}" for i in range(10)])

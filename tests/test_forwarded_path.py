@@ -61,7 +61,7 @@ DOOR_PATH_CALLS_MAX = {"local": 105, "forwarded": 178}
 DOOR_CALLBACKS = {
     "http/server.HttpConnection -> http/turnwrites.TurnWrites -> http/server.HttpConnection",
     "ingress/runner.Runner -> fanout/owner.OwnerEndpoint -> ingress/runner.Runner",
-    "fanout/owner.OwnerEndpoint -> ingress/runner.Runner -> zmqloop.ReplySender"
+    "fanout/owner.OwnerEndpoint -> ingress/runner.Runner -> replysender.ReplySender"
     " -> fanout/owner.OwnerEndpoint",
 }
 

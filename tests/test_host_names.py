@@ -21,8 +21,8 @@ import pytest
 import zmq
 
 from gossipd.hostnames import FAILED, HostNames, name_in, with_address
+from gossipd.replysender import ReplySender
 from gossipd.sockets import SocketPool
-from gossipd.zmqloop import ReplySender
 
 ROOT = Path(__file__).resolve().parents[1]
 

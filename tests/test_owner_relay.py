@@ -26,8 +26,9 @@ from gossipd.core.peer_messages import (
     encode_peer,
 )
 from gossipd.fanout.owner import OwnerEndpoint, zmq_peer_server
+from gossipd.replysender import ReplySender
 from gossipd.sockets import SocketPool
-from gossipd.zmqloop import ReplySender, recv_batch
+from gossipd.zmqloop import recv_batch
 
 KEYS = {"entry": "E" * 40, "mallory": "M" * 40}  # each member's (stand-in) public key
 

@@ -25,7 +25,7 @@ def _pool_with(
     return pool
 
 
-# What each place set on its sockets before the pool (gossip.py, zmqloop.ReplySender,
+# What each place set on its sockets before the pool (gossip.py, replysender.ReplySender,
 # peerlinks.PeerLinks), written out by hand.
 EXPECTED_OPTIONS = [
     (

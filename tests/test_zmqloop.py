@@ -11,9 +11,10 @@ import gossipd.zmqloop as zmqloop
 from gossipd.core.frames import decode_replies
 from gossipd.core.messages import Chunk, Result, encode
 from gossipd.ops.logs import RateLimiter
+from gossipd.replysender import ReplySender
 from gossipd.sockets import SocketKind, SocketPool
 from gossipd.tools.launcher import free_tcp_port
-from gossipd.zmqloop import ReplySender, SocketReader, kick, recv_batch, wait_events
+from gossipd.zmqloop import SocketReader, kick, recv_batch, wait_events
 from tests.helpers import run_with_context, wait_until_async
 
 

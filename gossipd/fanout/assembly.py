@@ -43,9 +43,9 @@ from gossipd.looppeer import LoopPeerClient, LoopPeerServer
 from gossipd.membership.gossip import GossipService
 from gossipd.membership.loadgossip import LoadGossip
 from gossipd.peerchannel import PeerClient, PeerServer
+from gossipd.replysender import ReplySender
 from gossipd.security import DOMAIN_PEERS, Security
 from gossipd.sockets import SocketPool
-from gossipd.zmqloop import ReplySender
 
 # Our engine's own figures (the owner check, our load records) at most this old.
 OWN_SAMPLE_EVERY_S = 0.005

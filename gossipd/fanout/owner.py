@@ -82,7 +82,7 @@ ROUTER_MESSAGE_BYTES_MAX = 64 * 1024
 
 
 class ReplyRoutes(Protocol):
-    """The reply sender as the owner relays through it (gossipd/zmqloop.ReplySender)."""
+    """The reply sender as the owner relays through it (gossipd/replysender.ReplySender)."""
 
     def relay(self, endpoint: str, deliver: Callable[[bytes], None] | None) -> None: ...
 

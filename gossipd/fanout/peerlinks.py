@@ -33,8 +33,8 @@ from gossipd.errors import RemoteProtocolError, TransportClosed
 from gossipd.fanout.owner import PEER_READ_MAX, peer_frames, peer_items
 from gossipd.hostnames import HostNames
 from gossipd.peerchannel import PeerClient, ZmqPeerClient
+from gossipd.replysender import TurnBatching
 from gossipd.sockets import SocketPool
-from gossipd.zmqloop import TurnBatching
 
 Outgoing = (
     Forward | Cancel | Withdraw | TaskDone | Drain | Confirm | ModelQuery | ReplayQuery | Moved

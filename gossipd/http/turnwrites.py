@@ -6,7 +6,7 @@ next requests together, so the loop's turns carry more requests (5-9% more reque
 second at 16 and 64 connections here, p99 7-17% lower, the daemons' CPU a request the same:
 bench/README, "Answers at the turn's end").  When the previous turn made one write at most
 (light load), a turn's first write leaves at once, as ZeroMQ replies do
-(``zmqloop.TurnBatching``): a lone answer does not wait for the rest of its turn.  Writes are
+(``replysender.TurnBatching``): a lone answer does not wait for the rest of its turn.  Writes are
 counted, not answers: a stream's head, each piece and its end are one each, so a lone
 stream's pieces often wait for their turn's end (the loop's next pass: microseconds).
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from gossipd.zmqloop import TurnBatching
+from gossipd.replysender import TurnBatching
 
 log = logging.getLogger("gossipd.http")
 

@@ -17,7 +17,7 @@ from gossipd.http.keys import ApiKeys
 from gossipd.http.server import serve
 from gossipd.ingress.intake import Intake
 from gossipd.looppull import LoopPullServer, loop_binds
-from gossipd.zmqloop import ReplySender
+from gossipd.replysender import ReplySender
 from gossipd.zmtp import PeerCurve
 
 PROMPT_ROOM_BYTES = (

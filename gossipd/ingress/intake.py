@@ -28,7 +28,7 @@ from gossipd.ingress.budgets import BudgetGate
 from gossipd.ingress.links import IngressLinks
 from gossipd.ingress.runner import Runner
 from gossipd.ops.logs import RateLimiter
-from gossipd.zmqloop import ReplySender
+from gossipd.replysender import ReplySender
 
 log = logging.getLogger("gossipd.ingress.intake")
 

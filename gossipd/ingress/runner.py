@@ -49,7 +49,7 @@ from gossipd.engines.base import (
 )
 from gossipd.ingress.links import IngressLinks
 from gossipd.ops.histogram import LatencyHistogram
-from gossipd.zmqloop import ReplySender
+from gossipd.replysender import ReplySender
 
 log = logging.getLogger("gossipd.ingress.runner")
 

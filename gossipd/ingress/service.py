@@ -51,7 +51,8 @@ from gossipd.ingress.runner import Runner
 from gossipd.looppull import LoopPullServer
 from gossipd.ops.histogram import LatencyHistogram
 from gossipd.ops.logs import RateLimiter, note_handler_failure
-from gossipd.zmqloop import NOBLOCK, ReplySender, SocketReader
+from gossipd.replysender import ReplySender
+from gossipd.zmqloop import NOBLOCK, SocketReader
 
 log = logging.getLogger("gossipd.ingress.service")
 
