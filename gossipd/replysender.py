@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from gossipd.core.frames import replies_frame, replies_groups
+from gossipd.core.codec import replies_frame, replies_groups
 from gossipd.core.messages import Chunk, Result, encode
 from gossipd.hostnames import FAILED, HostNames, name_in
 from gossipd.ops.logs import RateLimiter
@@ -143,7 +143,7 @@ class ReplySender:
     task's Chunks before its Result), whichever of them are packed.
 
     Replies sent with ``pack=True`` (tasks whose producer set ``batch_replies``) that leave
-    together go as Replies frames instead, several in one frame (``frames.pack_replies``):
+    together go as Replies frames instead, several in one frame (``codec.pack_replies``):
     under CURVE libzmq encrypts each frame on its own, about 1 us of CPU per frame at each
     end here, so a turn's 32 Results cost one encryption instead of 32.
     """

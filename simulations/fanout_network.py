@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gossipd.core.frames import decode_reply
+from gossipd.core.codec import decode_intake, decode_reply
 from gossipd.core.messages import Cancel, Chunk, Result, Task, encode
 from gossipd.core.peer_messages import PeerBatch, PeerMessage, TaskDone, decode_peer, encode_peer
-from gossipd.core.producer_decode import decode_intake
 from gossipd.errors import RemoteProtocolError
 from simulations.fanout_run import PEER_MSG, TO_PRODUCER
 

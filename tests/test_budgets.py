@@ -22,10 +22,10 @@ from gossipd.core.budgets import (
     result_bytes,
     task_bytes,
 )
+from gossipd.core.codec import decode_task
 from gossipd.core.forwarded import ForwardedLedger
 from gossipd.core.lifecycle import TaskBook
 from gossipd.core.messages import Result, Task
-from gossipd.core.producer_decode import decode_task
 from gossipd.core.ring import LoadCounts
 from gossipd.replysender import ReplySender
 from gossipd.sockets import SocketPool
@@ -212,7 +212,7 @@ def test_logprob_bytes_are_close_to_what_decoded_log_probabilities_take() -> Non
     """result_bytes' share for log probabilities is within 2x of what a Result's decoded
     from a frame (as an entry holds it) takes: per token, and per top entry."""
     from gossipd.core.budgets import LOGPROB_BYTES, LOGPROB_TOP_BYTES
-    from gossipd.core.frames import decode_reply
+    from gossipd.core.codec import decode_reply
     from gossipd.core.messages import encode
     from gossipd.core.sampling import TokenLogprob
 

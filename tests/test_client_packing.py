@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from gossipd.core.codec import decode_intake
 from gossipd.core.messages import ErrorCode, Result, encode, error_result
-from gossipd.core.producer_decode import decode_intake
 from gossipd.errors import LocalProtocolError
 from gossipd.ops.scrape import scrape
 from gossipd.tools.client import Client, ClientStatistics, ProducerKeys

@@ -64,7 +64,7 @@ def test_of_stop_strings_completed_at_once_the_one_that_ends_first_wins() -> Non
 def test_a_tokens_text_in_its_log_probability_is_cut_to_what_the_wire_takes() -> None:
     """A word longer than LOGPROB_TOKEN_CHARS_MAX (a token to the echo engine): its entry's
     text is cut, so the Result carrying it decodes wherever it goes."""
-    from gossipd.core.frames import decode_reply
+    from gossipd.core.codec import decode_reply
     from gossipd.core.messages import Result, encode
     from gossipd.core.sampling import LOGPROB_TOKEN_CHARS_MAX
 

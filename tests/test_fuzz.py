@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from gossipd.core.frames import decode_reply
+from gossipd.core.codec import check_forwarded_task, decode_intake, decode_reply, decode_task
 from gossipd.core.gossip_messages import (
     Ack,
     Alive,
@@ -51,7 +51,6 @@ from gossipd.core.messages import (
     endpoint_problem,
 )
 from gossipd.core.peer_messages import Forward, PeerBatch, decode_peer, encode_peer
-from gossipd.core.producer_decode import check_forwarded_task, decode_intake, decode_task
 from gossipd.core.swim import SwimNode
 from gossipd.core.swim_config import SwimConfig
 from gossipd.errors import RemoteProtocolError

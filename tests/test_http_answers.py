@@ -295,7 +295,7 @@ def test_the_reply_socket_drops_a_frame_over_its_bound_and_keeps_reading() -> No
 
     import zmq
 
-    from gossipd.core.frames import REPLY_FRAME_BYTES_MAX
+    from gossipd.core.codec import REPLY_FRAME_BYTES_MAX
 
     async def main() -> int:
         ctx = zmq.Context()

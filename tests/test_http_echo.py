@@ -265,7 +265,7 @@ def test_an_empty_prompt_scores_nothing_and_nulls_no_generated_token(echo_pair: 
 
 
 def test_prompt_scores_ride_on_the_first_chunk_only() -> None:
-    from gossipd.core.frames import decode_reply
+    from gossipd.core.codec import decode_reply
     from gossipd.errors import RemoteProtocolError
 
     first = Chunk(id="t", seq=0, delta="x", prompt_logprobs=PROMPT_ENTRIES)

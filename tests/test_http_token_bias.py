@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from gossipd.core.budgets import LOGIT_BIAS_ENTRY_BYTES, TOKEN_ID_BYTES, task_bytes
+from gossipd.core.codec import decode_task
 from gossipd.core.messages import PROTOCOL_VERSION, Task, encode
-from gossipd.core.producer_decode import decode_task
 from gossipd.core.sampling import LOGIT_BIAS_MAX, STOP_TOKEN_IDS_MAX, SamplingParams, release_asked
 from gossipd.http.openai_api import BadRequest, decode_call
 from simulations.cluster import Cluster
@@ -114,7 +114,7 @@ def test_a_tasks_fields_beside_its_prompt_fit_the_bounds_that_assume_them() -> N
     """Every bounded field at its most (4-byte characters, a full logit_bias and
     stop_token_ids) encodes within TASK_FIXED_BYTES_MAX, which the owner's check of a
     forwarded task's size assumes, and within the room the HTTP door leaves beside a prompt."""
-    from gossipd.core.producer_decode import TASK_FIXED_BYTES_MAX
+    from gossipd.core.codec import TASK_FIXED_BYTES_MAX
     from gossipd.http.wiring import PROMPT_ROOM_BYTES
 
     wide = "\U0001f600"  # (4 bytes in UTF-8)

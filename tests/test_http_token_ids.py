@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from gossipd.core.budgets import task_bytes
+from gossipd.core.codec import decode_task
 from gossipd.core.messages import PROTOCOL_VERSION, Task, encode, prefix_text
-from gossipd.core.producer_decode import decode_task
 from gossipd.core.sampling import SamplingParams, release_asked
 from gossipd.engines.base import GenerateRequest
 from gossipd.engines.echo import EchoEngine

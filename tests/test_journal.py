@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.config import Config, load_config
-from gossipd.core.frames import decode_reply
+from gossipd.core.codec import decode_reply
 from gossipd.core.messages import ErrorCode, Result, Task, encode
 from gossipd.daemon import Daemon
 from gossipd.ingress.journal import Journal

@@ -11,7 +11,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.core.frames import decode_replies, decode_reply, pack_replies, pack_tasks
+from gossipd.core.codec import decode_replies, decode_reply, decode_task, pack_replies, pack_tasks
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -38,7 +38,6 @@ from gossipd.core.peer_messages import (
     decode_peer,
     encode_peer,
 )
-from gossipd.core.producer_decode import decode_task
 from gossipd.core.sampling import SamplingParams, StructuredOutput
 from gossipd.errors import ProtocolError, RemoteProtocolError
 
@@ -484,7 +483,7 @@ def test_an_oversized_message_is_refused_with_the_oversized_reason() -> None:
     the hint's text."""
     import pytest
 
-    from gossipd.core.producer_decode import decode_intake
+    from gossipd.core.codec import decode_intake
     from gossipd.errors import RemoteProtocolError
 
     with pytest.raises(RemoteProtocolError) as info:
@@ -506,9 +505,9 @@ def test_admin_requests_decode_on_the_ingress_and_answers_round_trip() -> None:
         decode_admin_answer,
         encode_admin,
     )
+    from gossipd.core.codec import decode_intake
     from gossipd.core.gossip_messages import MemberRecord
     from gossipd.core.messages import Drain, StatusQuery
-    from gossipd.core.producer_decode import decode_intake
 
     rt = "tcp://127.0.0.1:9999"
     query = StatusQuery(v=PROTOCOL_VERSION, id="q1", reply_to=rt)
@@ -558,7 +557,7 @@ def test_admin_requests_decode_on_the_ingress_and_answers_round_trip() -> None:
 def test_unknown_and_malformed_admin_messages_are_refused_by_reason(
     fields: dict[str, object], reason: str, words: str
 ) -> None:
-    from gossipd.core.producer_decode import decode_intake
+    from gossipd.core.codec import decode_intake
 
     message = {"v": 1, "reply_to": "tcp://127.0.0.1:9", "prompt": "p", **fields}
     with pytest.raises(RemoteProtocolError) as info:
@@ -608,7 +607,7 @@ def test_decode_replies_refuses_what_is_not_replies() -> None:
 
 @given(st.lists(tasks, min_size=1, max_size=20))
 def test_pack_tasks_is_a_Tasks_frame_whose_items_decode_as_sent(items: list[Task]) -> None:
-    from gossipd.core.producer_decode import decode_intake
+    from gossipd.core.codec import decode_intake
 
     frames = [encode(task) for task in items]
     batch = decode_intake(pack_tasks(frames), bytes_max=LIMIT * 64)
@@ -628,7 +627,7 @@ def test_a_Tasks_frame_with_a_pack_id_decodes_and_an_older_decoder_reads_its_id(
 ) -> None:
     """Its id and reply_to are ignored by a daemon that takes Tasks frames; one that knows
     only Task reads them for its bad_request answer (docs/PROTOCOL.md, "Tasks")."""
-    from gossipd.core.producer_decode import decode_intake, decode_task
+    from gossipd.core.codec import decode_intake, decode_task
 
     frames = [encode(task) for task in items]
     packed = pack_tasks(frames, pack_id=pack_id, reply_to=reply_to)
@@ -642,7 +641,7 @@ def test_a_Tasks_frame_with_a_pack_id_decodes_and_an_older_decoder_reads_its_id(
 
 
 def test_an_empty_Tasks_frame_is_refused() -> None:
-    from gossipd.core.producer_decode import decode_intake
+    from gossipd.core.codec import decode_intake
 
     with pytest.raises(RemoteProtocolError):
         decode_intake(msgpack.packb({"v": 1, "t": 6, "items": []}), bytes_max=LIMIT)
@@ -652,8 +651,8 @@ def test_a_Tasks_frame_of_more_than_TASKS_ITEMS_MAX_items_is_refused_whole_at_it
     """Each item is decoded and answered on its own: a frame of a million 1-byte items held
     the loop for 3.6 s (a review's reproduction).  Past the bound the frame is refused
     whole, at its pack id, and none of its items is read."""
+    from gossipd.core.codec import decode_intake
     from gossipd.core.messages import TASKS_ITEMS_MAX
-    from gossipd.core.producer_decode import decode_intake
 
     item = msgpack.packb(plain_task())
     at_most = {"v": 1, "t": 6, "id": "pack-1", "reply_to": "tcp://h:1",
@@ -716,11 +715,11 @@ _HEAD_VALUES = _ANY | st.sampled_from([1, 2, 6, "x", "tcp://127.0.0.1:5", "tcp:/
     st.integers(8, 4096),
 )
 def test_a_refusals_id_and_reply_to_are_those_a_whole_decode_reads(obj: object, limit: int) -> None:
-    """The refusal's reading of a message (producer_decode._peek, which decodes only v, t, id and
+    """The refusal's reading of a message (codec._peek, which decodes only v, t, id and
     reply_to) against the whole decode it replaces, as a model: the same id, reply_to, and
     the same v and t where they are ints."""
+    from gossipd.core.codec import _over, _peek
     from gossipd.core.messages import endpoint_problem
-    from gossipd.core.producer_decode import _over, _peek
 
     data = msgpack.packb(obj, use_bin_type=True)
     head, task_id, reply_to = _peek(data, limit)
@@ -760,8 +759,8 @@ def test_a_tasks_frame_of_another_version_is_answered_at_its_reply_to() -> None:
     """PROTOCOL.md "Bad input": a refusal goes to the reply_to it can read; a Tasks frame's
     own id and reply_to are there for that (the version check came after the decode, which
     had no such fields to give)."""
+    from gossipd.core.codec import decode_intake
     from gossipd.core.messages import MsgType
-    from gossipd.core.producer_decode import decode_intake
 
     frame = {"t": int(MsgType.TASKS), "v": 2, "id": "batch-1", "reply_to": "tcp://h:1",
              "items": [msgpack.packb(plain_task())]}  # fmt: skip
@@ -867,7 +866,7 @@ def test_a_json_schema_nests_at_most_64_deep_and_deeper_is_refused_not_raised() 
 
 
 def test_a_forwarded_task_with_a_large_structured_form_is_measured_not_assumed_small() -> None:
-    from gossipd.core.producer_decode import check_forwarded_task
+    from gossipd.core.codec import check_forwarded_task
 
     form = StructuredOutput(json='{"d": "' + "é" * 65000 + '"}')  # ~130 KB in UTF-8
     task = decode_task(msgpack.packb(plain_task()), bytes_max=LIMIT)
@@ -884,7 +883,7 @@ def test_a_task_the_ingress_takes_at_its_limit_an_owner_takes_when_forwarded() -
     floats (and logit_bias's biases) as float64, 9 bytes where a producer may send an int of
     1.  A frame at the ingress's limit that grows most must still pass the owner's check
     (FORWARD_REENCODE_SLACK_BYTES): it was refused with 300 biases (about 2.5 KB more)."""
-    from gossipd.core.producer_decode import FORWARD_REENCODE_SLACK_BYTES, check_forwarded_task
+    from gossipd.core.codec import FORWARD_REENCODE_SLACK_BYTES, check_forwarded_task
     from gossipd.core.sampling import LOGIT_BIAS_MAX
 
     limit = 1 << 20

@@ -88,7 +88,7 @@ def _kind(item: Any) -> str:
 
 
 def decode_relayed(frame: bytes) -> Any:
-    from gossipd.core.frames import decode_replies
+    from gossipd.core.codec import decode_replies
 
     (reply,) = decode_replies(frame)
     return reply

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossipd.core.frames import decode_reply
+from gossipd.core.codec import decode_intake, decode_reply, decode_task
 from gossipd.core.messages import ErrorCode, encode, error_result
-from gossipd.core.producer_decode import decode_intake, decode_task
 from gossipd.errors import RemoteProtocolError
 
 LIMIT = 64 * 1024

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import zmq
 
 import gossipd.zmqloop as zmqloop
-from gossipd.core.frames import decode_replies
+from gossipd.core.codec import decode_replies
 from gossipd.core.messages import Chunk, Result, encode
 from gossipd.ops.logs import RateLimiter
 from gossipd.replysender import ReplySender

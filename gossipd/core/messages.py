@@ -10,7 +10,7 @@ sampling parameters, with the log probabilities its answers carry, in ``sampling
 
 Rules:
 1. Decoding validates everything: types, lengths, ranges and cross-field rules.  A message that
-   passes ``decode_task`` (producer_decode.py) is a well-formed ``Task``; anything else raises
+   passes ``decode_task`` (codec.py) is a well-formed ``Task``; anything else raises
    ``RemoteProtocolError`` with the error code to answer with.  No input makes the decoder
    raise anything else.
 2. Structs are frozen and keyword-only, and ``__post_init__`` checks what types cannot, so an
@@ -18,7 +18,8 @@ Rules:
 3. A refused message is answered when it is possible: if its ``reply_to`` (and ``id``) can be
    read from the broken bytes, the caller gets them in the exception.
 
-Several messages in one frame (Tasks, Replies) are packed and unpacked in frames.py.
+The codec (decoding and checking a producer's frames, several messages in one frame) is
+codec.py.
 """
 
 from __future__ import annotations

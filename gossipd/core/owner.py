@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gossipd.core.admission import Verdict
+from gossipd.core.codec import check_forwarded_task
 from gossipd.core.gossip_messages import LoadRecord
 from gossipd.core.lifecycle import ANY, Owned
 from gossipd.core.messages import PROTOCOL_VERSION, ErrorCode, Task
 from gossipd.core.peer_messages import Forward, ForwardReply, TaskDone
-from gossipd.core.producer_decode import check_forwarded_task
 from gossipd.errors import RemoteProtocolError
 
 # Connection identities (and senders' boots) remembered: bounded, the oldest forgotten first.

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from gossipd.clock import Clock
-from gossipd.core.frames import REPLY_FRAME_BYTES_MAX, decode_replies
+from gossipd.core.codec import REPLY_FRAME_BYTES_MAX, decode_replies
 from gossipd.core.messages import (
     Chunk,
     ErrorCode,

@@ -10,7 +10,7 @@ import zmq
 
 from gossipd.clock import Clock
 from gossipd.config import Config
-from gossipd.core.frames import REPLY_FRAME_BYTES_MAX
+from gossipd.core.codec import REPLY_FRAME_BYTES_MAX
 from gossipd.http.chat import chat_template_for
 from gossipd.http.door import DoorLinks, HttpDoor
 from gossipd.http.keys import ApiKeys
@@ -20,9 +20,7 @@ from gossipd.looppull import LoopPullServer, loop_binds
 from gossipd.replysender import ReplySender
 from gossipd.zmtp import PeerCurve
 
-PROMPT_ROOM_BYTES = (
-    16 * 1024
-)  # a task's fields beside its prompt: producer_decode.TASK_FIXED_BYTES_MAX
+PROMPT_ROOM_BYTES = 16 * 1024  # a task's fields beside its prompt: codec.TASK_FIXED_BYTES_MAX
 
 
 def build_door(

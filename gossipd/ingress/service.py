@@ -28,6 +28,7 @@ import zmq
 
 from gossipd.clock import SYSTEM_CLOCK, Clock
 from gossipd.config import IngressConfig
+from gossipd.core.codec import decode_intake
 from gossipd.core.messages import (
     Cancel,
     Drain,
@@ -39,7 +40,6 @@ from gossipd.core.messages import (
     error_result,
     reply_route,
 )
-from gossipd.core.producer_decode import decode_intake
 from gossipd.engines.base import (
     Engine,
 )

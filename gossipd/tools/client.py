@@ -40,7 +40,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from gossipd.core.frames import REPLY_FRAME_BYTES_MAX, decode_replies
+from gossipd.core.codec import REPLY_FRAME_BYTES_MAX, decode_replies
 from gossipd.core.messages import (
     PROTOCOL_VERSION,
     TASK_ID_CHARS_MAX,

@@ -21,7 +21,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
-from gossipd.core.frames import pack_tasks
+from gossipd.core.codec import pack_tasks
 from gossipd.core.messages import ErrorCode, Result
 
 log = logging.getLogger("gossipd.tools.packing")

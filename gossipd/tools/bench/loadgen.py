@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from gossipd.core.frames import pack_tasks
+from gossipd.core.codec import pack_tasks
 from gossipd.core.messages import PROTOCOL_VERSION, MsgType, Task, encode
 from gossipd.core.sampling import SamplingParams
 from gossipd.tools.curvekeys import CurveLayout
