@@ -420,3 +420,13 @@ async def test_the_date_is_read_on_the_clock_the_wire_is_given() -> None:
 
 def _ends(got: bytes) -> bool:
     return got.endswith(b"/a 0")
+
+
+def test_the_date_field_is_formed_once_a_second() -> None:
+    clock = ManualClock(wall=784111777.0)
+    date = DateField(clock.wall)
+    first = date.line()
+    clock.advance(0.999)
+    assert date.line() is first  # the same second: the bytes formed then, not formed again
+    clock.advance(0.001)
+    assert date.line() == b"date: Sun, 06 Nov 1994 08:49:38 GMT\r\n"

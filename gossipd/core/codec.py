@@ -236,9 +236,6 @@ def check_forwarded_task(task: Task, *, bytes_max: int) -> None:
             )
 
 
-_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
-
-
 # A Tasks frame's head: {"v": 1, "t": 6, "items": [...]}, the items as encoded alone.
 _TASKS_HEAD = b"\x83\xa1v" + bytes((PROTOCOL_VERSION,)) + b"\xa1t" + bytes((MsgType.TASKS,))
 _TASKS_HEAD += b"\xa5items"

@@ -1,7 +1,7 @@
 """How a task asks to be sampled (``SamplingParams``, vLLM's names and meanings), the forms
 its output may be held to (``StructuredOutput``), the log probabilities its answers carry
 (``TokenLogprob``), and their bounds: the parts of a Task that its engine reads.  The Task
-and the other messages are in messages.py, which decodes these with them (the same rules:
+and the other messages are in messages.py, and codec.py decodes these with them (the same rules:
 decoding validates everything; a struct that passes is well formed).
 """
 

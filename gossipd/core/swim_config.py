@@ -19,7 +19,7 @@ from typing import Annotated, Any, get_args, get_origin, get_type_hints
 from msgspec import Meta
 
 # Each field's type carries its bounds (msgspec.Meta).  The daemon's configuration
-# (gossipd/config.py, key gossip.swim) validates overrides against these same types, and
+# (gossipd/config/node.py, key gossip.swim) validates overrides against these same types, and
 # __post_init__ checks the same bounds for a SwimConfig built in code (the simulator).
 Period = Annotated[float, Meta(gt=0.0, le=3600.0)]  # a period or a timeout: > 0, <= 1 hour
 Delay = Annotated[float, Meta(ge=0.0, le=3600.0)]  # a tolerance or a minimum gap: >= 0
