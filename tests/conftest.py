@@ -95,8 +95,9 @@ def echo_pair(tmp_path: Path) -> Iterator[Cluster]:
 
 # Test files that must not run while another of their group runs, when pytest-xdist spreads
 # the suite over workers (README's test command: `-n 2 --dist loadfile`, each file on one
-# worker): a worker takes its group's lock for the whole module (its module-scoped fixtures
-# included) and waits for it while the other worker holds it.
+# worker): under loadfile a group's files are one unit of work (_GroupsWhole, below), and
+# in any case a worker takes its group's lock for the whole module (its module-scoped
+# fixtures included) and waits for it while the other worker holds it.
 _SERIAL_GROUPS = {
     # one fixed /24 and namespace prefix: a second bed would refuse to start (BedUnavailable)
     "test_hosts.py": "netbed",
@@ -110,6 +111,29 @@ _SERIAL_GROUPS = {
     "test_bench.py": "heavy",
     "test_bench_http.py": "heavy",
 }
+
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # (without pytest-xdist the suite runs in one process: nothing to place)
+    LoadFileScheduling = None
+
+if LoadFileScheduling is not None:
+
+    class _GroupsWhole(LoadFileScheduling):  # type: ignore[misc]
+        """``--dist loadfile`` with each serial group one unit of work: its files go to one
+        worker, one after another, so that the other worker never sits waiting for the
+        group's lock (it takes the rest of the suite meanwhile).  The lock below stays: it
+        is what holds where this scheduler is not used."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            group = _SERIAL_GROUPS.get(nodeid.split("::", 1)[0].rpartition("/")[2])
+            return f"serial group {group}" if group else super()._split_scope(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+        if config.getvalue("dist") != "loadfile":
+            return None  # (xdist's own scheduler for every other mode)
+        return _GroupsWhole(config, log)
 
 
 @pytest.fixture(scope="module", autouse=True)
