@@ -16,15 +16,12 @@ import zmq
 from gossipd.core.codec import replies_frame, replies_groups
 from gossipd.core.messages import Chunk, Result, encode
 from gossipd.hostnames import FAILED, HostNames, name_in
-from gossipd.ops.logs import RateLimiter
 from gossipd.sockets import CloseReason, SocketKind, SocketPool
-from gossipd.zmqloop import NOBLOCK, POLLOUT, wait_events
+from gossipd.zmqloop import FAILURE_LOG, NOBLOCK, POLLOUT, wait_events
 
 log = logging.getLogger("gossipd.replysender")
 
 _REPLY = SocketKind.REPLY  # read per reply: a global (see core/admission.py on enums)
-# Reply addresses that could not be connected to: at most this many lines.
-_failure_log = RateLimiter(per_s=1.0, burst=5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +326,7 @@ class ReplySender:
                 # what it takes; a refusal here is a gap in that check): the reply is
                 # dropped and counted, and the daemon goes on.
                 self._dropped_undeliverable += 1
-                if _failure_log.allow():
+                if FAILURE_LOG.allow():
                     log.warning("a reply address could not be connected to: reply dropped",
                                 extra={"endpoint": endpoint[:200], "error": str(exc)})  # fmt: skip
                 return

@@ -97,8 +97,9 @@ def _resolver(fut: asyncio.Future[None]):
     return wake
 
 
-# A handler that fails for every message must not flood the log.
-_failure_log = RateLimiter(per_s=1.0, burst=5)
+# A handler that fails for every message, or reply addresses that cannot be connected to
+# (replysender.py), must not flood the log: one budget for both lines.
+FAILURE_LOG = RateLimiter(per_s=1.0, burst=5)
 
 
 class SocketReader:
@@ -188,10 +189,10 @@ class SocketReader:
         except Exception:
             self.handler_failures += 1
             HANDLER_FAILURES[self._handler] += 1
-            if _failure_log.allow():
+            if FAILURE_LOG.allow():
                 log.exception(
                     "a socket reader's handler failed; reading on",
-                    extra={"suppressed_since_last": _failure_log.take_suppressed()},
+                    extra={"suppressed_since_last": FAILURE_LOG.take_suppressed()},
                 )
         if more:
             # Queued after what the handler woke (workers), so that they run first: results

@@ -44,7 +44,6 @@ from gossipd.core.messages import (
 from gossipd.core.sampling import LOGIT_BIAS_MAX
 from gossipd.errors import RemoteProtocolError
 
-_encoder = msgspec.msgpack.Encoder()  # (a Tasks frame's head with its own id: a dict)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 _task_decoder = msgspec.msgpack.Decoder(Task)
 _intake_decoder = msgspec.msgpack.Decoder(IntakeMessage)
@@ -250,7 +249,7 @@ def pack_tasks(frames: list[bytes], *, pack_id: str = "", reply_to: str = "") ->
     if not pack_id:
         return b"".join((_TASKS_HEAD, _array_head(len(frames)), *frames))
     fields = {"v": PROTOCOL_VERSION, "t": int(MsgType.TASKS), "id": pack_id}
-    head = _encoder.encode({**fields, "reply_to": reply_to, "items": []})
+    head = msgspec.msgpack.encode({**fields, "reply_to": reply_to, "items": []})
     # The map's last value, the empty array (0x90), is replaced by the items.
     return b"".join((head[:-1], _array_head(len(frames)), *frames))
 

@@ -42,14 +42,7 @@ from collections.abc import Callable
 import httptools
 
 from gossipd.busypoll import ignore_read
-from gossipd.http.exchange import (
-    REASONS,
-    Exchange,
-    HttpCounters,
-    HttpLimits,
-    Request,
-    admit,
-)
+from gossipd.http.exchange import REASONS, Exchange, HttpCounters, HttpLimits, Request, admit
 from gossipd.http.tlsaccept import TlsAccept
 from gossipd.http.turnwrites import TurnWrites
 from gossipd.ops.tcpdefaults import LISTEN_BACKLOG
